@@ -1,0 +1,49 @@
+"""The ``minitrain`` command line: a thin click layer over tested library functions.
+
+Each command lives in its own module under ``minitrain.cli`` and is imported only when invoked,
+so ``minitrain estimate ...`` answers without loading torch. To add a command, add one line to
+``COMMANDS`` (name -> "module:attribute").
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from minitrain.cli.errors import run_cli
+
+# name -> "module:attribute" of a click command; loaded lazily.
+COMMANDS: dict[str, str] = {
+    "run": "minitrain.cli.run:run",
+    "backends": "minitrain.cli.run:backends",
+    "bench": "minitrain.cli.bench:bench",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def __init__(self, *args, lazy_commands: dict[str, str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = lazy_commands
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy_commands:
+            module_name, attribute = self.lazy_commands[name].split(":")
+            return getattr(importlib.import_module(module_name), attribute)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings={"show_default": True})
+@click.version_option(package_name="minitrain")
+def cli() -> None:
+    """minitrain: functional training on PyTorch with resource accounting built in."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: runs the CLI, turning user mistakes into exit code 2."""
+    run_cli(cli, argv)

@@ -1,0 +1,15 @@
+"""``minitrain bench ...``: benchmarks that print ratios against a named peer."""
+
+from __future__ import annotations
+
+import click
+
+from minitrain.cli import LazyGroup
+
+# name -> "module:attribute" of a click command; loaded lazily.
+BENCHMARKS: dict[str, str] = {}
+
+
+@click.group(cls=LazyGroup, lazy_commands=BENCHMARKS)
+def bench() -> None:
+    """Benchmarks: time ratios against a named peer, measured side by side in one run."""

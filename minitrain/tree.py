@@ -1,0 +1,216 @@
+"""Pytree utilities: tiny pure functions over nested dicts, lists, tuples and NamedTuples.
+
+Built on ``torch.utils._pytree``. Leaves are visited in a stable order: dict keys in insertion
+order (as ``nn.Module.state_dict`` does), then list and tuple items by index, NamedTuple fields
+in declaration order. :func:`named_leaves` names each leaf by its path, joined with dots, so a
+Cruncher's params read ``layers.0.weight``, ``layers.1.weight``, ``final.weight``.
+
+>>> import torch
+>>> import minitrain as mt
+>>> params = {"layers": [{"weight": torch.ones(2, 2)}], "final": {"weight": torch.ones(2)}}
+>>> [name for name, _ in mt.tree.named_leaves(params)]
+['layers.0.weight', 'final.weight']
+>>> mt.tree.size(params), mt.tree.nbytes(params)
+(6, 24)
+"""
+
+from __future__ import annotations
+
+import builtins
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as _pytree
+
+__all__ = [
+    "PyTree",
+    "Params",
+    "Grads",
+    "OptState",
+    "map",
+    "map_with_name",
+    "leaves",
+    "named_leaves",
+    "structure",
+    "unflatten",
+    "zeros_like",
+    "size",
+    "nbytes",
+    "global_norm",
+    "assert_same_structure",
+]
+
+PyTree = Any
+"""A nested dict / list / tuple / NamedTuple whose leaves are tensors (or plain numbers)."""
+Params = PyTree
+"""Model parameters: a pytree of tensors."""
+Grads = PyTree
+"""Gradients: a pytree with the structure of the params."""
+OptState = PyTree
+"""Optimizer state: a pytree of tensors and plain numbers."""
+
+
+def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa: A001
+    """Apply ``fn`` leaf-wise over ``tree`` and any trees of the same structure.
+
+    >>> import torch
+    >>> map(lambda a, b: a + b, {"w": torch.tensor(1.)}, {"w": torch.tensor(2.)})
+    {'w': tensor(3.)}
+    """
+    if rest:
+        for index, other in enumerate(rest, start=1):
+            assert_same_structure(tree, other, names=("tree", f"rest[{index - 1}]"))
+    return _pytree.tree_map(fn, tree, *rest)
+
+
+def map_with_name(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """Like :func:`map`, but ``fn(name, leaf, *others)`` also receives the leaf's dotted name.
+
+    >>> import torch
+    >>> map_with_name(lambda name, x: name, {"a": [torch.ones(1)]})
+    {'a': ['a.0']}
+    """
+    return _pytree.tree_map_with_path(
+        lambda path, *xs: fn(_path_name(path), *xs), tree, *rest
+    )
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in the documented order.
+
+    >>> import torch
+    >>> leaves({"b": torch.zeros(1), "a": [torch.ones(1), torch.ones(2)]})
+    [tensor([0.]), tensor([1.]), tensor([1., 1.])]
+    """
+    return _pytree.tree_leaves(tree)
+
+
+def named_leaves(tree: PyTree) -> list[tuple[str, Any]]:
+    """``[(dotted_name, leaf), ...]`` in the order of :func:`leaves`, like ``state_dict()``.
+
+    >>> import torch
+    >>> [n for n, _ in named_leaves({"layers": [{"weight": torch.ones(1)}]})]
+    ['layers.0.weight']
+    """
+    flat, _ = _pytree.tree_flatten_with_path(tree)
+    return [(_path_name(path), leaf) for path, leaf in flat]
+
+
+def structure(tree: PyTree) -> _pytree.TreeSpec:
+    """The tree's structure (a ``TreeSpec``), for :func:`unflatten`."""
+    return _pytree.tree_structure(tree)
+
+
+def unflatten(spec: _pytree.TreeSpec, leaves: list[Any]) -> PyTree:
+    """Rebuild a tree from its structure and leaves (inverse of :func:`leaves`).
+
+    >>> import torch
+    >>> t = {"a": torch.ones(1), "b": (torch.zeros(1),)}
+    >>> unflatten(structure(t), leaves(t))
+    {'a': tensor([1.]), 'b': (tensor([0.]),)}
+    """
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def zeros_like(tree: PyTree) -> PyTree:
+    """A tree of zeros with the shapes, dtypes and devices of ``tree``'s leaves."""
+    return _pytree.tree_map(torch.zeros_like, tree)
+
+
+def size(tree: PyTree) -> int:
+    """Total number of elements over all tensor leaves (``sum(t.numel())``)."""
+    return builtins.sum(leaf.numel() for leaf in leaves(tree) if isinstance(leaf, torch.Tensor))
+
+
+def nbytes(tree: PyTree) -> int:
+    """Total bytes of all tensor leaves: ``numel * element_size`` summed."""
+    return builtins.sum(
+        leaf.numel() * leaf.element_size()
+        for leaf in leaves(tree)
+        if isinstance(leaf, torch.Tensor)
+    )
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all leaves taken together, as a 0-d fp32 tensor.
+
+    >>> import torch
+    >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+    tensor(5.)
+    """
+    tensors = [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        return torch.tensor(0.0)
+    norms = torch._foreach_norm([t.float() for t in tensors], 2)
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
+
+
+def assert_same_structure(
+    a: PyTree, b: PyTree, names: tuple[str, str] = ("a", "b"), check_shapes: bool = False
+) -> None:
+    """Raise ``ValueError`` naming the first leaf where ``a`` and ``b`` differ.
+
+    >>> import torch
+    >>> assert_same_structure({"w": torch.ones(1)}, {"v": torch.ones(1)}, ("params", "grads"))
+    Traceback (most recent call last):
+    ...
+    ValueError: params and grads differ at leaf 'w': params has 'w' where grads has 'v'; ...
+    """
+    flat_a, spec_a = _pytree.tree_flatten_with_path(a)
+    flat_b, spec_b = _pytree.tree_flatten_with_path(b)
+    name_a, name_b = names
+    if spec_a != spec_b:
+        for (path_a, _), (path_b, _) in zip(flat_a, flat_b):
+            if _path_name(path_a) != _path_name(path_b) or _path_kinds(path_a) != _path_kinds(
+                path_b
+            ):
+                raise ValueError(
+                    f"{name_a} and {name_b} differ at leaf {_path_name(path_a)!r}: "
+                    f"{name_a} has {_path_name(path_a)!r} where {name_b} has "
+                    f"{_path_name(path_b)!r}; pass trees with the same structure"
+                )
+        shorter, longer = (name_a, name_b) if len(flat_a) < len(flat_b) else (name_b, name_a)
+        extra = flat_b[len(flat_a)] if len(flat_a) < len(flat_b) else flat_a[len(flat_b)]
+        if len(flat_a) == len(flat_b):
+            raise ValueError(
+                f"{name_a} and {name_b} have different container types: "
+                f"{spec_a} vs {spec_b}; pass trees with the same structure"
+            )
+        raise ValueError(
+            f"{name_a} and {name_b} differ at leaf {_path_name(extra[0])!r}: {longer} has it and "
+            f"{shorter} does not; pass trees with the same structure"
+        )
+    if check_shapes:
+        for (path, leaf_a), (_, leaf_b) in zip(flat_a, flat_b):
+            shape_a, shape_b = _shape(leaf_a), _shape(leaf_b)
+            if shape_a != shape_b:
+                raise ValueError(
+                    f"{name_a} and {name_b} differ at leaf {_path_name(path)!r}: shape "
+                    f"{shape_a} vs {shape_b}; pass trees whose leaves have the same shapes"
+                )
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else ()
+
+
+def _path_kinds(path: tuple[Any, ...]) -> tuple[type, ...]:
+    return tuple(type(entry) for entry in path)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for entry in path:
+        if isinstance(entry, _pytree.MappingKey):
+            parts.append(str(entry.key))
+        elif isinstance(entry, _pytree.SequenceKey):
+            parts.append(str(entry.idx))
+        elif isinstance(entry, _pytree.GetAttrKey):
+            parts.append(entry.name)
+        else:
+            parts.append(str(entry))
+    return ".".join(parts)
+
+

@@ -1,0 +1,52 @@
+"""Runtime shape checks: jaxtyping annotations enforced by beartype.
+
+Public functions are decorated with :func:`typechecked`. Checks are on by default and
+switched off with the environment variable ``MINITRAIN_TYPECHECK=0`` (read at import).
+Under the test suite, jaxtyping's import hook checks every function in the package.
+
+>>> import torch
+>>> from minitrain.typecheck import typechecked, Float, Tensor
+>>> @typechecked
+... def first_row(x: Float[Tensor, "rows cols"]) -> Float[Tensor, " cols"]:
+...     return x[0]
+>>> first_row(torch.ones(2, 3)).shape
+torch.Size([3])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from beartype import beartype
+from jaxtyping import Bool, Float, Int, Integer, Num, Shaped, jaxtyped
+from torch import Tensor
+
+__all__ = [
+    "ENABLED",
+    "Bool",
+    "Float",
+    "Int",
+    "Integer",
+    "Num",
+    "Shaped",
+    "Tensor",
+    "typechecked",
+]
+
+ENABLED: bool = os.environ.get("MINITRAIN_TYPECHECK", "1").strip().lower() not in {
+    "0",
+    "false",
+    "no",
+    "off",
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def typechecked(fn: F) -> F:
+    """Check ``fn``'s jaxtyping annotations with beartype on every call (when enabled)."""
+    if not ENABLED:
+        return fn
+    return jaxtyped(typechecker=beartype)(fn)
