@@ -43,7 +43,8 @@ def seed_everything(seed: int) -> None:
 def generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A fresh ``torch.Generator`` on ``device`` seeded with ``seed``.
 
-    >>> g = generator(0); torch.equal(torch.rand(2, generator=g), torch.rand(2, generator=generator(0)))
+    >>> a = torch.rand(2, generator=generator(0))
+    >>> torch.equal(a, torch.rand(2, generator=generator(0)))
     True
     """
     g = torch.Generator(device=device)

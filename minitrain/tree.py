@@ -17,7 +17,6 @@ Cruncher's params read ``layers.0.weight``, ``layers.1.weight``, ``final.weight`
 from __future__ import annotations
 
 import builtins
-
 from collections.abc import Callable
 from typing import Any
 
@@ -162,7 +161,7 @@ def assert_same_structure(
     flat_b, spec_b = _pytree.tree_flatten_with_path(b)
     name_a, name_b = names
     if spec_a != spec_b:
-        for (path_a, _), (path_b, _) in zip(flat_a, flat_b):
+        for (path_a, _), (path_b, _) in zip(flat_a, flat_b, strict=False):
             if _path_name(path_a) != _path_name(path_b) or _path_kinds(path_a) != _path_kinds(
                 path_b
             ):
@@ -183,7 +182,7 @@ def assert_same_structure(
             f"{shorter} does not; pass trees with the same structure"
         )
     if check_shapes:
-        for (path, leaf_a), (_, leaf_b) in zip(flat_a, flat_b):
+        for (path, leaf_a), (_, leaf_b) in zip(flat_a, flat_b, strict=True):
             shape_a, shape_b = _shape(leaf_a), _shape(leaf_b)
             if shape_a != shape_b:
                 raise ValueError(
