@@ -30,6 +30,7 @@ def cross_entropy(
 ) -> Float[Tensor, ""]:
     """Mean cross-entropy in nats over all positions, as ``F.cross_entropy``.
 
+    >>> import torch
     >>> cross_entropy(torch.zeros(2, 4), torch.tensor([0, 3]))  # uniform over 4: ln 4
     tensor(1.3863)
     """
