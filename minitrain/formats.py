@@ -1,0 +1,477 @@
+"""Number formats from fp32 down to NVFP4: specs by name and simulated rounding.
+
+Element formats are described by their sign, exponent and mantissa bits (IEEE 754 layout);
+:func:`quantize` rounds to the nearest representable value, ties to even, and returns the result
+in fp32, so any format can be studied on any machine. Block formats store small elements with a
+shared scale per block: MXFP8 and MXFP4 (OCP Microscaling Formats spec v1.0: 32 elements, an
+e8m0 power-of-two scale) and NVFP4 (NVIDIA: 16 fp4 elements, an e4m3 scale per block and an fp32
+scale per tensor, computed as in torchao's ``nvfp4_quantize``).
+
+>>> import torch
+>>> import minitrain as mt
+>>> mt.formats.spec("fp16").max, mt.formats.spec("fp8_e4m3").max
+(65504.0, 448.0)
+>>> x = torch.tensor([1e-8])
+>>> mt.formats.quantize(x, "fp16"), mt.formats.quantize(x, "bf16")
+(tensor([0.]), tensor([1.0012e-08]))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from minitrain.typecheck import Float, Int, Tensor, typechecked
+
+__all__ = [
+    "FormatSpec",
+    "ErrorStats",
+    "FORMATS",
+    "names",
+    "spec",
+    "quantize",
+    "decode",
+    "values",
+    "error_stats",
+]
+
+# How an element format spends its all-ones exponent field.
+IEEE = "ieee"  # exponent all ones: infinities (mantissa 0) and NaNs (IEEE 754)
+FN = "fn"  # "finite": only S.1111.111 is NaN, no infinities (FP8 Formats for Deep Learning, 2022)
+FINITE = "finite"  # every code is a finite number (OCP MX fp6/fp4)
+UNSIGNED_POW2 = "e8m0"  # unsigned power of two, 0xFF is NaN (OCP MX scale format)
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One number format: its layout, range and special encodings.
+
+    For block formats the layout fields describe the element format, and ``block_size``,
+    ``scale_format`` and ``tensor_scale`` describe the scaling around it.
+    """
+
+    name: str
+    bits: int  # bits per element code
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    max: float  # largest finite value
+    min_normal: float
+    min_subnormal: float
+    epsilon: float  # distance from 1 to the next larger value
+    inf: str | None  # encoding of infinity, None if the format has none
+    nan: str | None  # encoding of NaN, None if the format has none
+    signed: bool = True
+    block_size: int | None = None
+    scale_format: str | None = None
+    tensor_scale: bool = False
+    storage_bits: int | None = None  # bits a value occupies in memory, when not ``bits``
+    element: str | None = None  # element format of a block format
+    torch_dtype: str | None = None  # the matching torch dtype, where torch has one
+    source: str = ""
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage bits per value, block scales included (per-tensor scale not counted).
+
+        >>> spec("nvfp4").bits_per_element, spec("mxfp4").bits_per_element
+        (4.5, 4.25)
+        """
+        stored = self.storage_bits or self.bits
+        if self.block_size is None or self.scale_format is None:
+            return float(stored)
+        return stored + spec(self.scale_format).bits / self.block_size
+
+    @property
+    def is_block(self) -> bool:
+        return self.block_size is not None
+
+
+def _element_spec(
+    name: str,
+    exponent_bits: int,
+    mantissa_bits: int,
+    special: str,
+    torch_dtype: str | None,
+    source: str,
+    storage_bits: int | None = None,
+) -> FormatSpec:
+    """Derive range and encodings of a sign/exponent/mantissa format from its layout."""
+    bias = 2 ** (exponent_bits - 1) - 1  # IEEE 754 bias
+    top = 2**exponent_bits - 1  # the all-ones exponent field
+    emin = 1 - bias
+    if special == IEEE:  # the all-ones exponent is reserved for inf and NaN
+        emax, largest_fraction = top - 1 - bias, 2 - 2.0**-mantissa_bits
+        inf, nan = "exponent all ones, mantissa 0", "exponent all ones, mantissa non-zero"
+    elif special == FN:  # only exponent and mantissa all ones is NaN
+        emax, largest_fraction = top - bias, 2 - 2.0 ** (1 - mantissa_bits)
+        inf, nan = None, "exponent and mantissa all ones"
+    else:  # every code is finite
+        emax, largest_fraction = top - bias, 2 - 2.0**-mantissa_bits
+        inf, nan = None, None
+    return FormatSpec(
+        name=name,
+        bits=1 + exponent_bits + mantissa_bits,
+        exponent_bits=exponent_bits,
+        mantissa_bits=mantissa_bits,
+        bias=bias,
+        max=largest_fraction * 2.0**emax,
+        min_normal=2.0**emin,
+        min_subnormal=2.0 ** (emin - mantissa_bits),
+        epsilon=2.0**-mantissa_bits,
+        inf=inf,
+        nan=nan,
+        storage_bits=storage_bits,
+        torch_dtype=torch_dtype,
+        source=source,
+    )
+
+
+_E8M0 = FormatSpec(
+    name="e8m0",
+    bits=8,
+    exponent_bits=8,
+    mantissa_bits=0,
+    bias=127,
+    max=2.0**127,
+    min_normal=2.0**-127,
+    min_subnormal=2.0**-127,
+    epsilon=1.0,
+    inf=None,
+    nan="0xFF",
+    signed=False,
+    torch_dtype="float8_e8m0fnu",
+    source="OCP Microscaling Formats (MX) v1.0, 5.4.1",
+)
+
+
+def _block_spec(
+    name: str, element: FormatSpec, block: int, scale: str, tensor_scale: bool, source: str
+) -> FormatSpec:
+    return replace(
+        element,
+        name=name,
+        torch_dtype=None,
+        storage_bits=element.bits,
+        block_size=block,
+        scale_format=scale,
+        tensor_scale=tensor_scale,
+        element=element.name,
+        source=source,
+    )
+
+
+def _build_formats() -> dict[str, FormatSpec]:
+    ocp = "OCP Microscaling Formats (MX) v1.0"
+    elements = [
+        _element_spec("fp32", 8, 23, IEEE, "float32", "IEEE 754 binary32"),
+        _element_spec("tf32", 8, 10, IEEE, None, "NVIDIA A100 TensorFloat-32", storage_bits=32),
+        _element_spec("fp16", 5, 10, IEEE, "float16", "IEEE 754 binary16"),
+        _element_spec("bf16", 8, 7, IEEE, "bfloat16", "Google Brain bfloat16"),
+        _element_spec("fp8_e4m3", 4, 3, FN, "float8_e4m3fn", "FP8 Formats for Deep Learning"),
+        _element_spec("fp8_e5m2", 5, 2, IEEE, "float8_e5m2", "FP8 Formats for Deep Learning"),
+        _element_spec("fp6_e2m3", 2, 3, FINITE, None, ocp),
+        _element_spec("fp6_e3m2", 3, 2, FINITE, None, ocp),
+        _element_spec("fp4_e2m1", 2, 1, FINITE, "float4_e2m1fn_x2", ocp),
+        _E8M0,
+    ]
+    table = {s.name: s for s in elements}
+    blocks = [
+        _block_spec("mxfp8", table["fp8_e4m3"], 32, "e8m0", False, ocp),
+        _block_spec("mxfp4", table["fp4_e2m1"], 32, "e8m0", False, ocp),
+        _block_spec(
+            "nvfp4", table["fp4_e2m1"], 16, "fp8_e4m3", True, "NVIDIA NVFP4; torchao nvfp4_tensor"
+        ),
+    ]
+    table.update({s.name: s for s in blocks})
+    return table
+
+
+FORMATS: dict[str, FormatSpec] = _build_formats()
+
+
+def names() -> list[str]:
+    """All format names, widest first.
+
+    >>> names()[:3]
+    ['fp32', 'tf32', 'fp16']
+    """
+    return list(FORMATS)
+
+
+def spec(name: str | FormatSpec) -> FormatSpec:
+    """The :class:`FormatSpec` of a format by name.
+
+    >>> s = spec("bf16")
+    >>> (s.bits, s.exponent_bits, s.mantissa_bits, s.bias, s.epsilon)
+    (16, 8, 7, 127, 0.0078125)
+    """
+    if isinstance(name, FormatSpec):
+        return name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown number format {name!r}; choose one of: {', '.join(FORMATS)}"
+        ) from None
+
+
+def _special_kind(s: FormatSpec) -> str:
+    if s.name == "e8m0":
+        return UNSIGNED_POW2
+    if s.inf is not None:
+        return IEEE
+    return FN if s.nan is not None else FINITE
+
+
+# ---------------------------------------------------------------------------------------------
+# Element formats: round to nearest, ties to even.
+
+
+def _round_elements(
+    x: torch.Tensor, s: FormatSpec, saturate: bool, subnormals: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round float64 ``x`` to format ``s``; return (values, mask of values that overflowed).
+
+    Exact in float64: a value of at most 24 significant bits divided by a power of two is
+    exact, and ``torch.round`` rounds half to even (IEEE 754 roundTiesToEven).
+    """
+    magnitude = x.abs()
+    finite = torch.isfinite(x)
+    _, exponent = torch.frexp(torch.where(finite, magnitude, 1.0))  # m * 2**exponent, m in [.5,1)
+    emin = 1 - s.bias
+    exponent = exponent - 1  # floor(log2 |x|)
+    if subnormals:  # below the smallest normal the spacing stays 2**(emin - mantissa_bits)
+        exponent = exponent.clamp(min=emin)
+    ulp = torch.ldexp(torch.ones_like(x), exponent - s.mantissa_bits)
+    rounded = torch.round(torch.where(finite, x, 0.0) / ulp) * ulp
+    if not subnormals:  # flush results below the smallest normal to signed zero
+        rounded = torch.where(rounded.abs() < s.min_normal, rounded * 0.0, rounded)
+    overflow = (rounded.abs() > s.max) | torch.isinf(x)
+    limit = torch.full_like(x, s.max).copysign(x)
+    kind = _special_kind(s)
+    if saturate or kind == FINITE:  # FINITE formats have no other encoding for overflow
+        replacement = limit
+    elif kind == IEEE:
+        replacement = torch.full_like(x, math.inf).copysign(x)
+    else:
+        replacement = torch.full_like(x, math.nan)
+    rounded = torch.where(overflow, replacement, rounded)
+    return torch.where(torch.isnan(x), x, rounded), overflow
+
+
+def _round_e8m0(x: torch.Tensor, saturate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round float64 ``x`` to a power of two, ties (1.5 * 2**e) upwards, as torch and ml_dtypes.
+
+    e8m0 is unsigned and has no zero: non-positive and NaN inputs become NaN; values below
+    2**-127 become 2**-127.
+    """
+    positive = x > 0
+    fraction, exponent = torch.frexp(torch.where(positive & torch.isfinite(x), x, 1.0))
+    exponent = exponent - 1 + (fraction >= 0.75).to(exponent.dtype)  # fraction*2 >= 1.5
+    overflow = (exponent > 127) | torch.isinf(x)
+    exponent = exponent.clamp(min=-127, max=127)
+    rounded = torch.ldexp(torch.ones_like(x), exponent)
+    if not saturate:
+        rounded = torch.where(overflow, math.nan, rounded)
+    return torch.where(positive, rounded, math.nan), overflow & positive
+
+
+# ---------------------------------------------------------------------------------------------
+# Block formats.
+
+
+def _check_blocks(x: torch.Tensor, s: FormatSpec) -> None:
+    if x.ndim == 0 or x.shape[-1] % s.block_size:
+        raise ValueError(
+            f"{s.name} scales blocks of {s.block_size} values along the last dimension, but "
+            f"the shape is {tuple(x.shape)}; pad or reshape the last dimension to a multiple "
+            f"of {s.block_size}"
+        )
+
+
+def _blockwise_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], -1, block).abs().amax(dim=-1, keepdim=True)
+
+
+def _apply_block_scale(
+    x: torch.Tensor, scale: torch.Tensor, element: FormatSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Divide blocks by ``scale``, clamp and round elements, multiply back."""
+    blocks = x.reshape(*scale.shape[:-1], -1)
+    scaled = blocks / scale
+    overflow = scaled.abs() > element.max
+    clamped = scaled.clamp(-element.max, element.max)
+    rounded, _ = _round_elements(clamped.double(), element, saturate=True, subnormals=True)
+    values = (rounded.to(x.dtype) * scale).reshape(x.shape)
+    return values, overflow.reshape(x.shape)
+
+
+def _quantize_mx(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX v1.0, 6.3: scale = 2**(floor(log2(amax)) - emax_elem), elements clamped."""
+    element = spec(s.element)
+    emax_element = math.floor(math.log2(element.max))
+    amax = _blockwise_amax(x, s.block_size)
+    _, exponent = torch.frexp(torch.where(amax > 0, amax, 1.0))
+    shared = (exponent - 1 - emax_element).clamp(min=-127, max=127)  # e8m0 range
+    scale = torch.ldexp(torch.ones_like(amax), shared)
+    return _apply_block_scale(x, scale, element)
+
+
+def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 two-level scaling as in torchao ``nvfp4_quantize`` with a per-tensor scale.
+
+    tensor scale = amax(x) / (448 * 6); block scale = amax(block) / 6 / tensor scale, clamped
+    to [2**-6, 448] and rounded to e4m3; elements = x / (tensor scale * block scale), clamped
+    to [-6, 6] and rounded to fp4 e2m1.
+    """
+    element, scale_format = spec(s.element), spec(s.scale_format)
+    tensor_amax = x.abs().amax()
+    if tensor_amax == 0:
+        return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
+    tensor_scale = tensor_amax / (scale_format.max * element.max)
+    block_scale = _blockwise_amax(x, s.block_size) / element.max / tensor_scale
+    block_scale = block_scale.clamp(scale_format.min_normal, scale_format.max)
+    block_scale, _ = _round_elements(block_scale.double(), scale_format, True, True)
+    return _apply_block_scale(x, tensor_scale * block_scale.to(x.dtype), element)
+
+
+def _quantize_with_overflow(
+    x: torch.Tensor, fmt: str | FormatSpec, saturate: bool, subnormals: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = spec(fmt)
+    if not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if s.is_block:
+        _check_blocks(x, s)
+        x32 = x.float()
+        return _quantize_nvfp4(x32, s) if s.tensor_scale else _quantize_mx(x32, s)
+    if s.name == "e8m0":
+        values, overflow = _round_e8m0(x.double(), saturate)
+    else:
+        values, overflow = _round_elements(x.double(), s, saturate, subnormals)
+    return values.float(), overflow
+
+
+@typechecked
+def quantize(
+    x: Float[Tensor, "*shape"],
+    fmt: str | FormatSpec,
+    *,
+    saturate: bool = False,
+    subnormals: bool = True,
+) -> Float[Tensor, "*shape"]:
+    """Round ``x`` to format ``fmt`` (nearest, ties to even) and return the values in fp32.
+
+    Overflow gives inf (IEEE formats) or NaN (``fp8_e4m3``, ``e8m0``) unless ``saturate``
+    clamps to the largest finite value; formats with neither (fp6, fp4) always saturate.
+    ``subnormals=False`` flushes results below the smallest normal to zero. Block formats
+    (``mxfp8``, ``mxfp4``, ``nvfp4``) scale blocks along the last dimension and always clamp.
+
+    >>> quantize(torch.tensor([0.3, 2.5, 3.5, 100.0]), "fp4_e2m1")
+    tensor([0.5000, 2.0000, 4.0000, 6.0000])
+    >>> quantize(torch.tensor([70000.0]), "fp16"), quantize(torch.tensor([500.0]), "fp8_e4m3")
+    (tensor([inf]), tensor([nan]))
+    """
+    return _quantize_with_overflow(x, fmt, saturate, subnormals)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Codes and values.
+
+
+@typechecked
+def decode(codes: Int[Tensor, "*shape"], fmt: str | FormatSpec) -> Float[Tensor, "*shape"]:
+    """The values (fp32) of integer bit patterns ``codes`` of an element format of <= 16 bits.
+
+    >>> decode(torch.tensor([0b0111, 0b1001]), "fp4_e2m1")
+    tensor([ 6.0000, -0.5000])
+    """
+    s = spec(fmt)
+    if s.is_block or s.bits > 16:
+        raise ValueError(f"decode handles element formats of at most 16 bits, not {s.name!r}")
+    codes = codes.long()
+    if ((codes < 0) | (codes >= 2**s.bits)).any():
+        raise ValueError(f"{s.name} codes are integers in [0, {2**s.bits}); got one outside")
+    if s.name == "e8m0":
+        return torch.where(codes == 255, math.nan, torch.exp2((codes - 127).double()))
+    m_bits = s.mantissa_bits
+    sign = torch.where((codes >> (s.bits - 1)) & 1 == 1, -1.0, 1.0)
+    field = (codes >> m_bits) & (2**s.exponent_bits - 1)
+    mantissa = (codes & (2**m_bits - 1)).double() / 2**m_bits
+    normal = field > 0
+    significand = torch.where(normal, 1.0 + mantissa, mantissa)
+    exponent = torch.where(normal, field, 1) - s.bias
+    value = sign * torch.ldexp(significand, exponent)
+    top = field == 2**s.exponent_bits - 1
+    kind = _special_kind(s)
+    if kind == IEEE:
+        value = torch.where(top & (mantissa == 0), sign * math.inf, value)
+        value = torch.where(top & (mantissa != 0), math.nan, value)
+    elif kind == FN:
+        value = torch.where(top & (mantissa == 1 - 2.0**-m_bits), math.nan, value)
+    return value.float()
+
+
+def values(fmt: str | FormatSpec) -> list[tuple[int, float]]:
+    """Every code of a format of at most 8 bits and its value, in code order.
+
+    >>> [v for _, v in values("fp4_e2m1")]
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    """
+    s = spec(fmt)
+    if s.is_block or s.bits > 8:
+        raise ValueError(
+            f"{s.name} has {2**s.bits} codes; list values of an element format of 8 bits or fewer"
+        )
+    codes = torch.arange(2**s.bits)
+    return list(zip(codes.tolist(), decode(codes, s).tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Error statistics.
+
+
+class ErrorStats(NamedTuple):
+    """How well a format represents a tensor."""
+
+    rel_error: float  # ||q - x|| / ||x||
+    max_rel_error: float  # max |q - x| / |x| over non-zero x
+    underflow: float  # fraction of non-zero x that became 0
+    overflow: float  # fraction of x beyond the largest value (saturated, inf or NaN)
+    bits_per_element: float
+
+
+@typechecked
+def error_stats(
+    x: Float[Tensor, "*shape"],
+    fmt: str | FormatSpec,
+    *,
+    saturate: bool = False,
+    subnormals: bool = True,
+) -> ErrorStats:
+    """Relative error, underflow and overflow fractions of quantizing ``x`` to ``fmt``.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> stats = error_stats(torch.randn(1024, generator=g), "bf16")
+    >>> stats.rel_error < 2**-8, stats.underflow, stats.overflow
+    (True, 0.0, 0.0)
+    """
+    if x.numel() == 0:
+        raise ValueError("error_stats needs a non-empty tensor")
+    s = spec(fmt)
+    q, overflow = _quantize_with_overflow(x, s, saturate, subnormals)
+    x64, q64 = x.double(), q.double()
+    nonzero = x64 != 0
+    error = (q64 - x64).abs()
+    rel = error[nonzero] / x64[nonzero].abs()
+    return ErrorStats(
+        rel_error=float(torch.linalg.vector_norm(q64 - x64) / torch.linalg.vector_norm(x64)),
+        max_rel_error=float(rel.max()) if rel.numel() else 0.0,
+        underflow=float((nonzero & (q64 == 0)).double().mean()),
+        overflow=float(overflow.double().mean()),
+        bits_per_element=s.bits_per_element,
+    )
