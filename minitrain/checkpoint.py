@@ -1,0 +1,570 @@
+"""Checkpoints that survive crashes and never unpickle: safetensors for tensors, JSON for the rest.
+
+The chapter (3.5.8) saves ``model.state_dict()`` and ``optimizer.state_dict()`` with
+``torch.save``, a pickle: loading one runs arbitrary code, and a crash mid-write leaves a torn
+file. Here a checkpoint is a directory ``<run>/checkpoints/step-NNNNNNNN/`` holding
+
+- ``params.safetensors`` and ``opt_state.safetensors``: the tensor leaves, keyed by their
+  :func:`minitrain.tree.named_leaves` names;
+- ``state.json``: the step, the caller's ``meta`` (config, backend...), the RNG states of torch,
+  numpy and ``random`` and of the data sampler's generator, library versions, the non-tensor
+  leaves of the pytrees, the size and SHA-256 of each file, and a checksum of itself.
+
+A save writes everything into a temporary directory next to the final one, fsyncs files and
+directory, then renames it into place: a reader sees the old checkpoint or the new one, never
+half of one. :func:`latest_valid` verifies sizes and hashes and skips (and reports) anything
+truncated, corrupted or not a checkpoint. :func:`load` rebuilds the exact pytrees from the
+caller's templates, so no structure is ever deserialized from the file.
+
+>>> import tempfile, torch
+>>> run = tempfile.mkdtemp()
+>>> params = {"w": torch.arange(3.0)}
+>>> path = save(run, 7, params, {"step": 7}, meta={"config": {"lr": 0.1}})
+>>> path.name
+'step-00000007'
+>>> ckpt = load(latest_valid(run), params, {"step": 0})
+>>> ckpt.step, ckpt.params["w"], ckpt.opt_state, ckpt.meta
+(7, tensor([0., 1., 2.]), {'step': 7}, {'config': {'lr': 0.1}})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+import minitrain
+from minitrain import rng, tree
+
+__all__ = [
+    "CheckpointError",
+    "Checkpoint",
+    "save",
+    "load",
+    "verify",
+    "latest_valid",
+    "list_checkpoints",
+    "checkpoint_path",
+    "prune",
+    "restore_rng",
+]
+
+FORMAT = "minitrain-checkpoint"
+VERSION = 1
+PARAMS_FILE = "params.safetensors"
+OPT_STATE_FILE = "opt_state.safetensors"
+STATE_FILE = "state.json"
+CHECKPOINTS = "checkpoints"
+_STEP_NAME = re.compile(r"step-(\d{8})")
+_MAX_STATE_BYTES = 64 * 2**20
+_SCALAR_TYPES = (bool, int, float, str)
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged, not ours, or does not fit the templates."""
+
+
+class Checkpoint(NamedTuple):
+    """What :func:`load` returns: the restored pytrees and the recorded state."""
+
+    path: Path
+    step: int
+    params: tree.Params
+    opt_state: tree.OptState
+    meta: dict[str, Any]
+    rng_state: dict[str, Any]
+    generator_state: str | None
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """The directory of the checkpoint of ``step`` in ``run_dir``.
+
+    >>> checkpoint_path("runs/a", 120).as_posix()
+    'runs/a/checkpoints/step-00000120'
+    """
+    _check_step(step)
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Every ``checkpoints/step-NNNNNNNN`` entry of ``run_dir``, oldest step first (unverified).
+
+    >>> import tempfile
+    >>> list_checkpoints(tempfile.mkdtemp())
+    []
+    """
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [path for path in root.iterdir() if _STEP_NAME.fullmatch(path.name)]
+    return sorted(found, key=lambda path: path.name)
+
+
+def _check_step(step: int) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**8:
+        raise CheckpointError(f"step must be an integer in [0, 10**8), got {step!r}")
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save(
+    run_dir: str | os.PathLike,
+    step: int,
+    params: tree.Params,
+    opt_state: tree.OptState,
+    meta: dict[str, Any] | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Atomically write the checkpoint of ``step`` into ``run_dir/checkpoints``; return its path.
+
+    Args:
+        meta: JSON data stored as is (put the run's ``config`` and ``backend`` here).
+        generator: the data sampler's generator, whose state is saved with the global RNGs'.
+        keep: if given, afterwards delete all but the ``keep`` newest checkpoints up to ``step``
+            (checkpoints of later steps are never deleted).
+
+    >>> import tempfile, torch
+    >>> run = tempfile.mkdtemp()
+    >>> for step in (1, 2, 3):
+    ...     _ = save(run, step, {"w": torch.ones(2)}, (), keep=2)
+    >>> [path.name for path in list_checkpoints(run)]
+    ['step-00000002', 'step-00000003']
+    """
+    _check_step(step)
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise CheckpointError(f"keep must be a positive integer or None, got {keep!r}")
+    target = checkpoint_path(run_dir, step)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(target.parent)
+    params_tensors, params_scalars = _split_leaves(params, "params")
+    opt_tensors, opt_scalars = _split_leaves(opt_state, "opt_state")
+    body = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "meta": _json_data(meta if meta is not None else {}, "meta"),
+        "rng": rng.get_rng_state(),
+        "data_generator": rng.generator_state(generator) if generator is not None else None,
+        "versions": _versions(),
+        "saved_at": time.time(),
+        "scalars": {"params": params_scalars, "opt_state": opt_scalars},
+        "files": {},
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
+    try:
+        for name, tensors in ((PARAMS_FILE, params_tensors), (OPT_STATE_FILE, opt_tensors)):
+            safetensors.torch.save_file(tensors, staging / name)
+            body["files"][name] = _fsync_and_describe(staging / name)
+        _write_json(staging / STATE_FILE, {**body, "checksum": _checksum(body)})
+        _fsync_dir(staging)
+        _replace_dir(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if keep is not None:
+        prune(run_dir, keep, up_to=step)
+    return target
+
+
+def _split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensor leaves (for safetensors) and JSON scalar leaves, keyed by their dotted names."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    storages: set[tuple[str, int]] = set()
+    for name, leaf in tree.named_leaves(pytree):
+        if name in tensors or name in scalars:
+            raise CheckpointError(
+                f"{label} has two leaves named {name!r}; rename keys so dotted paths are unique"
+            )
+        if isinstance(leaf, torch.Tensor):
+            tensor = leaf.detach().cpu().contiguous()
+            storage = (str(leaf.device), tensor.untyped_storage().data_ptr())
+            if storage in storages and tensor.numel():
+                tensor = tensor.clone()  # safetensors refuses tensors that share memory
+            storages.add(storage)
+            tensors[name] = tensor
+        elif isinstance(leaf, _SCALAR_TYPES):
+            scalars[name] = leaf
+        else:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is a {type(leaf).__name__}; checkpoints hold tensors "
+                "and plain bool/int/float/str leaves only"
+            )
+    return tensors, scalars
+
+
+def _json_data(value: Any, label: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{label} must be JSON data (dicts, lists, numbers, str): {exc}"
+        ) from None
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "python": sys.version.split()[0],
+        "minitrain": minitrain.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as handle:
+        handle.write(json.dumps(data, indent=1) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_and_describe(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target`` (moving an older ``target`` aside first), then fsync."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".tmp-{os.getpid()}-old-{target.name}")
+        os.replace(target, old)
+    os.replace(staging, target)
+    _fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_staging(root: Path) -> None:
+    """Delete ``.tmp-*`` directories left by saves whose process has died."""
+    for path in root.glob(".tmp-*"):
+        match = re.match(r"\.tmp-(\d+)-", path.name)
+        if match and not _process_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints with step <= ``up_to``; return the deleted.
+
+    Each is renamed aside before it is deleted, so a crash never leaves half a checkpoint under
+    a valid name.
+
+    >>> import tempfile, torch
+    >>> run = tempfile.mkdtemp()
+    >>> for step in (1, 2, 3):
+    ...     _ = save(run, step, {}, {})
+    >>> [path.name for path in prune(run, keep=1)]
+    ['step-00000001', 'step-00000002']
+    """
+    if not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(f"keep must be a positive integer, got {keep!r}")
+    candidates = [
+        path for path in list_checkpoints(run_dir) if up_to is None or _step_of(path) <= up_to
+    ]
+    doomed = candidates[:-keep]
+    for path in doomed:
+        trash = path.with_name(f".tmp-{os.getpid()}-pruned-{path.name}")
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_NAME.fullmatch(path.name).group(1))
+
+
+# --------------------------------------------------------------------------- verify / load
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a checkpoint directory fully (sizes, hashes, checksum); return its ``state.json``.
+
+    Raises :class:`CheckpointError` with a one-line reason otherwise.
+
+    >>> import tempfile
+    >>> verify(tempfile.mkdtemp())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.checkpoint.CheckpointError: checkpoint ...: not a checkpoint: its name is not ...
+    """
+    state, _ = _read_checkpoint(Path(path), keep_bytes=False)
+    return state
+
+
+def latest_valid(
+    run_dir: str | os.PathLike, on_skip: Callable[[Path, str], None] | None = None
+) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that passes :func:`verify`, or None.
+
+    Each newer one that fails is reported through ``on_skip(path, reason)`` (default: a
+    warning on the ``minitrain.checkpoint`` logger) and never loaded.
+
+    >>> import tempfile, torch
+    >>> run = tempfile.mkdtemp()
+    >>> _ = save(run, 1, {"w": torch.ones(1)}, {})
+    >>> newer = save(run, 2, {"w": torch.ones(1)}, {})
+    >>> _ = (newer / "params.safetensors").write_bytes(b"torn")
+    >>> latest_valid(run, on_skip=lambda path, reason: print(reason)).name
+    params.safetensors is 4 bytes where 68 were written (truncated or replaced)
+    'step-00000001'
+    """
+    report = on_skip or _log_skip
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            verify(path)
+        except CheckpointError as exc:
+            report(path, str(exc).removeprefix(f"checkpoint {path}: "))
+            continue
+        return path
+    return None
+
+
+def _log_skip(path: Path, reason: str) -> None:
+    logger.warning("skipping checkpoint %s: %s", path, reason)
+
+
+def load(
+    path: str | os.PathLike, params_template: tree.Params, opt_state_template: tree.OptState
+) -> Checkpoint:
+    """Verify and load a checkpoint into pytrees shaped like the templates.
+
+    The structure (containers, NamedTuples, leaf order), devices and dtypes come from the
+    templates; the file supplies only tensor bytes and JSON scalars, so nothing is unpickled.
+    Raises :class:`CheckpointError` if the checkpoint is damaged or does not fit the templates.
+
+    >>> import tempfile, torch
+    >>> path = save(tempfile.mkdtemp(), 3, {"w": torch.ones(2)}, {"mu": torch.zeros(2)})
+    >>> load(path, {"w": torch.ones(3)}, {"mu": torch.zeros(2)})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.checkpoint.CheckpointError: checkpoint ...: params leaf 'w' has shape (2,) in the checkpoint but (3,) in the template; ...
+    """  # noqa: E501
+    path = Path(path)
+    state, blobs = _read_checkpoint(path, keep_bytes=True)
+    scalars = state["scalars"]
+    try:
+        params = _rebuild(params_template, blobs[PARAMS_FILE], scalars["params"], "params")
+        opt_state = _rebuild(
+            opt_state_template, blobs[OPT_STATE_FILE], scalars["opt_state"], "opt_state"
+        )
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    return Checkpoint(
+        path=path,
+        step=state["step"],
+        params=params,
+        opt_state=opt_state,
+        meta=state["meta"],
+        rng_state=state["rng"],
+        generator_state=state["data_generator"],
+    )
+
+
+def restore_rng(checkpoint: Checkpoint, generator: torch.Generator | None = None) -> None:
+    """Restore the global RNGs, and ``generator`` from the saved data-sampler state.
+
+    >>> import tempfile, torch
+    >>> g = torch.Generator().manual_seed(1)
+    >>> path = save(tempfile.mkdtemp(), 0, {}, {}, generator=g)
+    >>> expected = torch.rand(2, generator=g)
+    >>> restore_rng(load(path, {}, {}), g)
+    >>> torch.equal(torch.rand(2, generator=g), expected)
+    True
+    """
+    rng.set_rng_state(checkpoint.rng_state)
+    if generator is not None:
+        if checkpoint.generator_state is None:
+            raise CheckpointError(
+                f"checkpoint {checkpoint.path} holds no data generator state; it was saved "
+                "without generator=..."
+            )
+        rng.set_generator_state(generator, checkpoint.generator_state)
+
+
+def _read_checkpoint(path: Path, keep_bytes: bool) -> tuple[dict[str, Any], dict[str, bytes]]:
+    try:
+        state = _read_state(path)
+        blobs = {
+            name: _check_file(path / name, state["files"][name], keep_bytes)
+            for name in (PARAMS_FILE, OPT_STATE_FILE)
+        }
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    return state, blobs
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    match = _STEP_NAME.fullmatch(path.name)
+    if not match:
+        raise CheckpointError("not a checkpoint: its name is not step-NNNNNNNN")
+    if not path.is_dir():
+        raise CheckpointError("not a directory (a checkpoint is a step-NNNNNNNN/ directory)")
+    state_path = path / STATE_FILE
+    if not state_path.is_file():
+        raise CheckpointError(f"no {STATE_FILE} (an unfinished or foreign checkpoint)")
+    if state_path.stat().st_size > _MAX_STATE_BYTES:
+        raise CheckpointError(f"{STATE_FILE} is larger than {_MAX_STATE_BYTES} bytes")
+    raw = state_path.read_bytes()
+    _refuse_pickle(raw, STATE_FILE)
+    try:
+        state = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{STATE_FILE} is not valid JSON ({exc}); truncated or corrupted"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{STATE_FILE} is not a {FORMAT} record")
+    if state.get("version") != VERSION:
+        raise CheckpointError(
+            f"{STATE_FILE} has format version {state.get('version')!r}; this minitrain reads "
+            f"version {VERSION}"
+        )
+    body = {key: value for key, value in state.items() if key != "checksum"}
+    if state.get("checksum") != _checksum(body):
+        raise CheckpointError(f"{STATE_FILE} does not match its checksum (corrupted)")
+    if state["step"] != int(match.group(1)):
+        raise CheckpointError(f"{STATE_FILE} records step {state['step']}, not {match.group(1)}")
+    return state
+
+
+def _check_file(path: Path, record: dict[str, Any], keep_bytes: bool) -> bytes:
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        _refuse_pickle(handle.read(8), path.name)
+    if size != record["bytes"]:
+        raise CheckpointError(
+            f"{path.name} is {size} bytes where {record['bytes']} were written "
+            "(truncated or replaced)"
+        )
+    content = path.read_bytes() if keep_bytes else b""
+    digest = hashlib.sha256(content) if keep_bytes else _hash_file(path)
+    if digest.hexdigest() != record["sha256"]:
+        raise CheckpointError(f"{path.name} does not match its recorded SHA-256 (corrupted)")
+    return content
+
+
+def _hash_file(path: Path) -> Any:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest
+
+
+def _refuse_pickle(head: bytes, name: str) -> None:
+    # Pickle protocols 2-5 start with PROTO (0x80) and the protocol number; torch.save writes a
+    # zip archive (local file header "PK\x03\x04"), whose data.pkl is a pickle.
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        kind = "a pickle"
+    elif head[:4] == b"PK\x03\x04":
+        kind = "a zip archive (torch.save format)"
+    else:
+        return
+    raise CheckpointError(
+        f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
+        "never unpickles)"
+    )
+
+
+def _rebuild(
+    template: tree.PyTree, blob: bytes, scalars: dict[str, Any], label: str
+) -> tree.PyTree:
+    try:
+        tensors = safetensors.torch.load(blob)
+    except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
+    template_names = {name for name, _ in tree.named_leaves(template)}
+    for name in [*tensors, *scalars]:
+        if name not in template_names:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is in the checkpoint but not in the template; load with "
+                "the model and optimizer the checkpoint was saved from"
+            )
+    leaves = [
+        _restore_leaf(name, leaf, tensors, scalars, label)
+        for name, leaf in tree.named_leaves(template)
+    ]
+    return tree.unflatten(tree.structure(template), leaves)
+
+
+def _restore_leaf(
+    name: str, leaf: Any, tensors: dict[str, torch.Tensor], scalars: dict[str, Any], label: str
+) -> Any:
+    hint = "load with the model and optimizer the checkpoint was saved from"
+    if isinstance(leaf, torch.Tensor):
+        if name not in tensors:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is not a tensor in the checkpoint; {hint}"
+            )
+        saved = tensors[name]
+        if tuple(saved.shape) != tuple(leaf.shape):
+            raise CheckpointError(
+                f"{label} leaf {name!r} has shape {tuple(saved.shape)} in the checkpoint but "
+                f"{tuple(leaf.shape)} in the template; {hint}"
+            )
+        if saved.dtype != leaf.dtype:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is {saved.dtype} in the checkpoint but {leaf.dtype} in "
+                f"the template; {hint}"
+            )
+        return saved.to(leaf.device)
+    if name not in scalars or type(scalars[name]) is not type(leaf):
+        found = type(scalars[name]).__name__ if name in scalars else "missing"
+        raise CheckpointError(
+            f"{label} leaf {name!r} is a {type(leaf).__name__} in the template but {found} in "
+            f"the checkpoint; {hint}"
+        )
+    return scalars[name]
