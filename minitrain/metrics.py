@@ -1,0 +1,303 @@
+"""Run logs: an append-only ``metrics.jsonl``, an optional TensorBoard writer, a loss-curve PNG.
+
+``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``lr``,
+``grad_norm``, ``tokens_per_s``, ``step_time``...), flushed line by line so a killed run keeps
+everything it logged. A resumed run drops the lines past the step it resumes from, so the file
+reads as one uninterrupted run. TensorBoard (``pip install 'minitrain[tensorboard]'``) and
+matplotlib (``pip install 'minitrain[plot]'``) are optional and imported only when asked for.
+
+>>> import tempfile
+>>> run = tempfile.mkdtemp()
+>>> with MetricsWriter(run) as log:
+...     _ = log.write(1, loss=2.5, lr=0.1)
+...     _ = log.write(2, loss=2.0, lr=0.1)
+>>> [row["loss"] for row in read_metrics(run)]
+[2.5, 2.0]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "METRICS_FILE",
+    "MetricsError",
+    "MissingExtra",
+    "MetricsWriter",
+    "read_metrics",
+    "truncate_metrics",
+    "tensorboard_writer",
+    "plot",
+]
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_FILE = "loss.png"
+
+
+class MetricsError(ValueError):
+    """A metrics file or directory that cannot be read or plotted, with a one-line message."""
+
+
+class MissingExtra(ImportError):
+    """An optional dependency (an extra such as ``plot`` or ``tensorboard``) is not installed."""
+
+
+def _metrics_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path / METRICS_FILE if path.is_dir() else path
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (or of a run directory holding one).
+
+    A last line cut short by a crash is ignored; a damaged line elsewhere is an error.
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> path = Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    >>> _ = path.write_text('{"step": 1, "loss": 3.0}\\n{"step": 2, "lo')
+    >>> read_metrics(path)
+    [{'step': 1, 'loss': 3.0}]
+    """
+    path = _metrics_path(path)
+    if not path.is_file():
+        raise MetricsError(f"no metrics file at {path}; pass a run directory written with --out")
+    lines = path.read_text().split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # the unfinished last line of a killed run
+                break
+            raise MetricsError(
+                f"{path} line {number} is not JSON; fix or delete that line"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise MetricsError(f"{path} line {number} has no integer 'step'; fix or delete it")
+        records.append(record)
+    return records
+
+
+def truncate_metrics(path: str | os.PathLike, step: int) -> int:
+    """Atomically drop the records after ``step`` (and any unfinished line); return how many stay.
+
+    >>> import tempfile
+    >>> run = tempfile.mkdtemp()
+    >>> with MetricsWriter(run) as log:
+    ...     for s in range(1, 6):
+    ...         _ = log.write(s, loss=1.0 / s)
+    >>> truncate_metrics(run, 3), [row["step"] for row in read_metrics(run)]
+    (3, [1, 2, 3])
+    """
+    path = _metrics_path(path)
+    if not path.exists():
+        return 0
+    kept = [record for record in read_metrics(path) if record["step"] <= step]
+    handle = tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+    )
+    try:
+        with handle:
+            handle.writelines(_dumps(record) + "\n" for record in kept)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, path)
+    finally:
+        if os.path.exists(handle.name):
+            os.unlink(handle.name)
+    return len(kept)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly number: tensors and numpy scalars become floats, NaN/inf become null."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    return json.dumps(record, allow_nan=False, separators=(", ", ": "))
+
+
+class MetricsWriter:
+    """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once.
+
+    Args:
+        run_dir: the run directory (created if needed).
+        resume_step: the step the run resumes from; lines after it are dropped first. 0 (the
+            default) starts a new file.
+        tensorboard: also write each number as a TensorBoard scalar under
+            ``run_dir/tensorboard`` (needs the ``tensorboard`` extra).
+    """
+
+    def __init__(
+        self, run_dir: str | os.PathLike, resume_step: int = 0, tensorboard: bool = False
+    ) -> None:
+        if not isinstance(resume_step, int) or resume_step < 0:
+            raise MetricsError(f"resume_step must be a non-negative int, got {resume_step!r}")
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step == 0:
+            self.path.write_text("")
+        else:
+            truncate_metrics(self.path, resume_step)
+        self._tensorboard = None
+        if tensorboard:
+            self._tensorboard = tensorboard_writer(
+                self.path.parent / TENSORBOARD_DIR,
+                purge_step=resume_step + 1 if resume_step else None,
+            )
+        self._file = open(self.path, "a")  # closed in close()
+
+    def write(self, step: int, **values: Any) -> dict[str, Any]:
+        """Log ``values`` for ``step``; returns the record written.
+
+        >>> import tempfile, torch
+        >>> with MetricsWriter(tempfile.mkdtemp()) as log:
+        ...     log.write(3, loss=torch.tensor(0.5), lr=1e-3)
+        {'step': 3, 'loss': 0.5, 'lr': 0.001}
+        """
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise MetricsError(f"step must be an int, got {step!r}")
+        record = {"step": step, **{key: _plain(value) for key, value in values.items()}}
+        self._file.write(_dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, step)
+        return record
+
+    def close(self) -> None:
+        """Flush and close the file (and the TensorBoard writer)."""
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def tensorboard_writer(log_dir: str | os.PathLike, purge_step: int | None = None) -> Any:
+    """A ``torch.utils.tensorboard.SummaryWriter`` on ``log_dir``.
+
+    ``purge_step`` hides events at or after that step left by an earlier, interrupted run.
+    Raises :class:`MissingExtra` if the ``tensorboard`` package is not installed.
+    """
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise MissingExtra(
+            "TensorBoard logging needs the tensorboard package; pip install "
+            "'minitrain[tensorboard]' or turn TensorBoard logging off"
+        ) from None
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+
+# --------------------------------------------------------------------------- plotting
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [
+        (record["step"], record[key])
+        for record in records
+        if isinstance(record.get(key), Real) and not isinstance(record.get(key), bool)
+    ]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _ema(values: list[float], weight: float) -> list[float]:
+    """Bias-corrected exponential moving average, as TensorBoard's smoothing slider."""
+    smoothed, average = [], 0.0
+    for count, value in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * value
+        smoothed.append(average / (1 - weight**count))
+    return smoothed
+
+
+def plot(
+    run_dir: str | os.PathLike,
+    out_png: str | os.PathLike | None = None,
+    keys: tuple[str, ...] | None = None,
+) -> Path:
+    """Draw the loss curve of a run (and any ``val*``/``eval*`` series) to a PNG; return its path.
+
+    ``keys`` picks the series (default: ``loss`` and every key starting with ``val`` or
+    ``eval``). The PNG goes to ``out_png`` or ``run_dir/loss.png``. Needs matplotlib (the
+    ``plot`` extra), imported here only.
+
+    >>> import tempfile
+    >>> run = tempfile.mkdtemp()
+    >>> with MetricsWriter(run) as log:
+    ...     for s in range(1, 4):
+    ...         _ = log.write(s, loss=1.0 / s)
+    >>> plot(run).name
+    'loss.png'
+    """
+    records = read_metrics(run_dir)
+    if keys is None:
+        found = {key for record in records for key in record}
+        keys = ("loss", *sorted(k for k in found if k.startswith(("val", "eval"))))
+    series = {key: _series(records, key) for key in keys}
+    series = {key: points for key, points in series.items() if points[0]}
+    if not series:
+        raise MetricsError(
+            f"{_metrics_path(run_dir)} has no numeric values for {', '.join(keys)}; nothing to plot"
+        )
+    figure = _figure(series, title=Path(run_dir).resolve().name)
+    out = Path(out_png) if out_png is not None else Path(run_dir) / PLOT_FILE
+    if out.suffix.lower() != ".png":
+        raise MetricsError(f"the plot is written as PNG; give a path ending in .png, not {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=120)
+    return out
+
+
+def _figure(series: dict[str, tuple[list[int], list[float]]], title: str) -> Any:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MissingExtra("plotting needs matplotlib; pip install 'minitrain[plot]'") from None
+    # The object-oriented API with the Agg canvas: no pyplot, no global state, no display.
+    figure = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for key, (steps, values) in series.items():
+        if len(steps) > 20:
+            line = axes.plot(steps, values, alpha=0.3, linewidth=0.8)[0]
+            axes.plot(steps, _ema(values, 0.9), color=line.get_color(), label=f"{key} (EMA 0.9)")
+        else:
+            axes.plot(steps, values, marker="o", markersize=3, label=key)
+    axes.set_xlabel("step")
+    axes.set_ylabel("value")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
