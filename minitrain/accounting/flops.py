@@ -1,0 +1,136 @@
+"""FLOP napkin math: total training compute and the time it takes (chapter 3.1.1).
+
+Pure Python; no torch. The rule ``6·N·D`` counts a multiply and an add (2 FLOPs) per parameter
+per token in the forward pass and twice that in the backward pass (gradients with respect to
+the inputs and to the weights): Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
+section 2.1.
+
+>>> flops = training_flops(params=70e9, tokens=15e12)
+>>> flops
+6.3e+24
+>>> round(training_time(flops, hardware="h100", gpus=1024, mfu=0.5) / 86400)
+144
+"""
+
+from __future__ import annotations
+
+import math
+
+from minitrain.accounting.hardware import Hardware
+from minitrain.accounting.hardware import hardware as lookup_hardware
+
+__all__ = [
+    "Number",
+    "SECONDS_PER_DAY",
+    "cruncher_flops",
+    "effective_throughput",
+    "forward_flops",
+    "round_significant",
+    "training_flops",
+    "training_time",
+]
+
+Number = int | float
+SECONDS_PER_DAY = 86_400
+
+
+def _positive(name: str, value: Number, *, allow_zero: bool = True) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def forward_flops(params: Number, tokens: Number) -> float:
+    """``2·N·D``: one multiply-add per parameter per token, forward only.
+
+    >>> forward_flops(params=1e9, tokens=1e3)
+    2000000000000.0
+    """
+    _positive("params", params)
+    _positive("tokens", tokens)
+    return 2.0 * params * tokens
+
+
+def training_flops(params: Number, tokens: Number) -> float:
+    """``6·N·D``: forward (2·N·D) plus backward (4·N·D) over ``tokens`` tokens (Kaplan 2020).
+
+    >>> training_flops(params=175e9, tokens=300e9)  # GPT-3: 3.14e23 reported
+    3.15e+23
+    """
+    _positive("params", params)
+    _positive("tokens", tokens)
+    return 6.0 * params * tokens
+
+
+def effective_throughput(
+    hardware: str | Hardware | Number = "h100",
+    gpus: int = 1,
+    mfu: Number = 0.5,
+    dtype: str = "bf16",
+) -> float:
+    """FLOP/s actually delivered: ``peak × gpus × mfu`` (dense peak; never the sparse one).
+
+    ``hardware`` is a registry name, a :class:`Hardware`, or a per-device peak in FLOP/s.
+
+    >>> effective_throughput("h100", gpus=1024, mfu=0.5)
+    5.065728e+17
+    """
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1] (a fraction, e.g. 0.5), got {mfu}")
+    if isinstance(hardware, str):
+        hardware = lookup_hardware(hardware)
+    peak = hardware.peak(dtype) if isinstance(hardware, Hardware) else float(hardware)
+    _positive("peak FLOP/s", peak, allow_zero=False)
+    return peak * gpus * mfu
+
+
+def training_time(
+    flops: Number,
+    hardware: str | Hardware | Number = "h100",
+    gpus: int = 1,
+    mfu: Number = 0.5,
+    dtype: str = "bf16",
+) -> float:
+    """Seconds to do ``flops`` of work: ``flops / (peak × gpus × mfu)`` (chapter 3.1.1).
+
+    >>> days = training_time(6.3e24, hardware="h100", gpus=1024, mfu=0.5) / SECONDS_PER_DAY
+    >>> round(days, 1)
+    143.9
+    """
+    _positive("flops", flops)
+    return flops / effective_throughput(hardware, gpus=gpus, mfu=mfu, dtype=dtype)
+
+
+def round_significant(value: Number, digits: int = 1) -> float:
+    """``value`` rounded to ``digits`` significant figures, as napkin math rounds.
+
+    >>> round_significant(5.065728e17)
+    5e+17
+    """
+    if value == 0:
+        return 0.0
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = False) -> int:
+    """Exact matmul FLOPs of one training step of the chapter's Cruncher (3.5.6).
+
+    Forward: ``2·B·P`` (each ``x @ W`` of ``(B, m) @ (m, n)`` is ``2·B·m·n``). Backward: the
+    weight gradients cost ``2·B·P`` again, and the input gradients ``2·B·P`` minus the first
+    layer's, which autograd never computes because the data needs no gradient (unless
+    ``input_grad``). Hence ``6·B·P - 2·B·D²`` for ``num_layers >= 1``, against the ``6·B·P`` rule.
+
+    >>> cruncher_flops(batch=4, dim=8, num_layers=2), 6 * 4 * (2 * 8 * 8 + 8)
+    (2752, 3264)
+    """
+    for name, value in (("batch", batch), ("dim", dim)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_layers < 0:
+        raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+    params = dim * dim * num_layers + dim
+    first_layer = dim * dim if num_layers else dim
+    skipped = 0 if input_grad else 2 * batch * first_layer
+    return 6 * batch * params - skipped

@@ -1,0 +1,407 @@
+"""Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse kept apart), memory, bandwidth.
+
+Every published figure names its source. The ``cpu`` entry is measured on the spot (a timed
+matmul in fp32 and bf16, a timed copy for bandwidth), once per process, and kept on disk under
+the user cache directory so later processes reuse it.
+
+Fields of :class:`Hardware` (all rates per device, SI units):
+
+- ``name``: registry key (``"h100"``); ``description``: the product (``"NVIDIA H100 SXM5 80GB"``)
+- ``peak_flops``: dense peak FLOP/s by dtype name (``"fp32"``, ``"tf32"``, ``"bf16"``, ...)
+- ``sparse_flops``: 2:4 structured-sparsity peaks by dtype name (NVIDIA's headline figures,
+  exactly twice the dense ones; never use them for dense training)
+- ``memory_bytes``: device memory in bytes (decimal GB as marketed: 80 GB = 80e9)
+- ``memory_bandwidth``: device memory bandwidth in bytes/s
+- ``source``: where the figures come from; ``measured``: True for on-the-spot figures
+
+>>> h100 = hardware("h100")
+>>> h100.peak_flops["bf16"], h100.sparse_flops["bf16"]
+(989400000000000.0, 1978800000000000.0)
+>>> round(h100.intensity("bf16"))  # accelerator intensity, FLOP per byte (chapter 3.6.3)
+295
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "DTYPE_NAMES",
+    "Hardware",
+    "HardwareError",
+    "dtype_name",
+    "hardware",
+    "hardware_for_cuda_device",
+    "hardware_names",
+    "measure_cpu",
+]
+
+# Canonical dtype names and the spellings accepted for each (torch's and numpy's included).
+DTYPE_NAMES: dict[str, tuple[str, ...]] = {
+    "fp64": ("float64", "double", "torch.float64"),
+    "fp32": ("float32", "float", "torch.float32"),
+    "tf32": ("tensorfloat32",),
+    "bf16": ("bfloat16", "torch.bfloat16"),
+    "fp16": ("float16", "half", "torch.float16"),
+    "fp8": ("float8", "float8_e4m3fn", "float8_e5m2", "torch.float8_e4m3fn", "torch.float8_e5m2"),
+    "int8": ("torch.int8",),
+    "fp4": ("float4", "nvfp4", "mxfp4"),
+}
+_DTYPE_ALIASES = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
+
+
+class HardwareError(ValueError):
+    """An unknown hardware name or dtype."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """The canonical name (``"bf16"``, ``"fp32"``...) of a dtype given as text or torch dtype.
+
+    >>> dtype_name("bfloat16"), dtype_name("fp32")
+    ('bf16', 'fp32')
+    """
+    text = str(dtype).strip().lower()
+    if text in DTYPE_NAMES:
+        return text
+    if text in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[text]
+    raise HardwareError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+
+
+def _frozen(mapping: Mapping[str, float]) -> Mapping[str, float]:
+    return MappingProxyType({key: float(value) for key, value in mapping.items()})
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator's published (or measured) limits; see the module docstring for fields."""
+
+    name: str
+    description: str
+    peak_flops: Mapping[str, float]
+    sparse_flops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth: float
+    source: str
+    measured: bool = False
+    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def peak(self, dtype: Any = "bf16", *, sparse: bool = False) -> float:
+        """Peak FLOP/s in ``dtype``; dense unless ``sparse=True`` (2:4 structured sparsity).
+
+        >>> hardware("a100-80gb").peak("bf16") / 1e12
+        312.0
+        """
+        name = dtype_name(dtype)
+        table = self.sparse_flops if sparse else self.peak_flops
+        if name not in table:
+            kind = "sparse" if sparse else "dense"
+            raise HardwareError(
+                f"{self.name} has no {kind} {name} peak; it lists {', '.join(table) or 'none'}"
+            )
+        return table[name]
+
+    def intensity(self, dtype: Any = "bf16") -> float:
+        """Accelerator intensity: dense peak FLOP/s over bytes/s (chapter 3.6.3).
+
+        Operations with fewer FLOPs per byte moved are memory-bound on this device.
+
+        >>> round(hardware("a100-80gb").intensity("bf16"))
+        153
+        """
+        return self.peak(dtype) / self.memory_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable copy of every field."""
+        record = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for key in ("peak_flops", "sparse_flops", "details"):
+            record[key] = dict(record[key])
+        return record
+
+
+def _sparse_twice(dense: Mapping[str, float], dtypes: tuple[str, ...]) -> Mapping[str, float]:
+    # NVIDIA's sparse figures are exactly 2x dense for the Tensor Core dtypes (2:4 sparsity).
+    return _frozen({name: 2 * dense[name] for name in dtypes})
+
+
+_TENSOR_CORE = ("tf32", "bf16", "fp16", "fp8", "int8")
+
+_H100_SXM = _frozen(
+    {"fp64": 67e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
+     "fp8": 1978.9e12, "int8": 1978.9e12}
+)
+_H100_PCIE = _frozen(
+    {"fp64": 51e12, "fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12,
+     "fp8": 1513e12, "int8": 1513e12}
+)
+_H100_NVL = _frozen(
+    {"fp64": 60e12, "fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12,
+     "fp8": 1670.5e12, "int8": 1670.5e12}
+)
+_A100 = _frozen(
+    {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12,
+     "int8": 624e12}
+)
+_B200 = _frozen(
+    {"fp64": 40e12, "fp32": 80e12, "tf32": 1125e12, "bf16": 2250e12, "fp16": 2250e12,
+     "fp8": 4500e12, "int8": 4500e12, "fp4": 9000e12}
+)
+
+_H100_SOURCE = (
+    "NVIDIA H100 Tensor Core GPU datasheet and Hopper architecture whitepaper (2022), SXM5: "
+    "dense BF16 989.4 TFLOP/s (1979 with sparsity), 80 GB HBM3 at 3.35 TB/s"
+)
+
+_REGISTRY: dict[str, Hardware] = {
+    spec.name: spec
+    for spec in (
+        Hardware(
+            "h100", "NVIDIA H100 SXM5 80GB", _H100_SXM,
+            _sparse_twice(_H100_SXM, _TENSOR_CORE), 80 * 10**9, 3.35e12, _H100_SOURCE,
+        ),
+        Hardware(
+            "h100-pcie", "NVIDIA H100 PCIe 80GB", _H100_PCIE,
+            _sparse_twice(_H100_PCIE, _TENSOR_CORE), 80 * 10**9, 2.0e12,
+            "NVIDIA H100 Tensor Core GPU datasheet (2022), PCIe: 80 GB HBM2e at 2.0 TB/s",
+        ),
+        Hardware(
+            "h100-nvl", "NVIDIA H100 NVL 94GB", _H100_NVL,
+            _sparse_twice(_H100_NVL, _TENSOR_CORE), 94 * 10**9, 3.9e12,
+            "NVIDIA H100 Tensor Core GPU datasheet (2023), NVL: 94 GB HBM3 at 3.9 TB/s",
+        ),
+        Hardware(
+            "h200", "NVIDIA H200 SXM 141GB", _H100_SXM,
+            _sparse_twice(_H100_SXM, _TENSOR_CORE), 141 * 10**9, 4.8e12,
+            "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: H100 SXM compute, "
+            "141 GB HBM3e at 4.8 TB/s",
+        ),
+        Hardware(
+            "a100-40gb", "NVIDIA A100 SXM4 40GB", _A100,
+            _sparse_twice(_A100, ("tf32", "bf16", "fp16", "int8")), 40 * 10**9, 1.555e12,
+            "NVIDIA A100 Tensor Core GPU datasheet (2021): 40 GB HBM2 at 1,555 GB/s",
+        ),
+        Hardware(
+            "a100-80gb", "NVIDIA A100 SXM4 80GB", _A100,
+            _sparse_twice(_A100, ("tf32", "bf16", "fp16", "int8")), 80 * 10**9, 2.039e12,
+            "NVIDIA A100 Tensor Core GPU datasheet (2021): 80 GB HBM2e at 2,039 GB/s",
+        ),
+        Hardware(
+            "b200", "NVIDIA B200 (HGX, 1000 W)", _B200,
+            _sparse_twice(_B200, (*_TENSOR_CORE, "fp4")), 180 * 10**9, 8.0e12,
+            "NVIDIA HGX B200 datasheet (2024), per GPU: dense BF16 2.25 PFLOP/s "
+            "(4.5 with sparsity), 180 GB HBM3e at 8 TB/s",
+        ),
+    )
+}
+_ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200"}
+
+
+def hardware_names() -> list[str]:
+    """Registered names, ``"cpu"`` (measured) included.
+
+    >>> hardware_names()[:3]
+    ['a100-40gb', 'a100-80gb', 'b200']
+    """
+    return sorted([*_REGISTRY, "cpu"])
+
+
+def hardware(name: str = "h100") -> Hardware:
+    """The spec called ``name`` (see :func:`hardware_names`); ``"cpu"`` is measured here.
+
+    >>> hardware("h200").memory_bandwidth
+    4800000000000.0
+    >>> hardware("tpu")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.accounting.hardware.HardwareError: unknown hardware 'tpu'; choose one of a100, ...
+    """
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key == "cpu":
+        return measure_cpu()
+    if key not in _REGISTRY:
+        known = ", ".join(sorted([*_REGISTRY, *_ALIASES, "cpu"]))
+        raise HardwareError(f"unknown hardware {name!r}; choose one of {known}")
+    return _REGISTRY[key]
+
+
+def hardware_for_cuda_device(device_name: str) -> Hardware | None:
+    """The registry entry for a CUDA device name as ``torch.cuda.get_device_name`` gives it.
+
+    Returns None for devices the registry does not know (MFU is then not reported).
+
+    >>> hardware_for_cuda_device("NVIDIA H100 80GB HBM3").name
+    'h100'
+    >>> hardware_for_cuda_device("NVIDIA A100-SXM4-40GB").name
+    'a100-40gb'
+    >>> hardware_for_cuda_device("NVIDIA GeForce RTX 4090") is None
+    True
+    """
+    text = device_name.upper().replace("-", " ")
+    words = set(text.split())
+    if "H100" in words:
+        if "PCIE" in words:
+            return _REGISTRY["h100-pcie"]
+        return _REGISTRY["h100-nvl"] if "NVL" in words else _REGISTRY["h100"]
+    if "H200" in words:
+        return _REGISTRY["h200"]
+    if "B200" in words:
+        return _REGISTRY["b200"]
+    if "A100" in words:
+        return _REGISTRY["a100-40gb"] if "40GB" in words else _REGISTRY["a100-80gb"]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU, measured: best-of-N timings of torch.mm and of a large copy.
+
+_MATMUL_SIZE = {"fp32": 1024, "bf16": 512}
+_COPY_BYTES = 64 * 2**20
+_MIN_SECONDS = 0.05
+_MIN_REPEATS = 3
+
+
+def _best_seconds(fn: Any, min_seconds: float = _MIN_SECONDS) -> float:
+    """The fastest of several timed calls of ``fn`` (after one warm-up)."""
+    fn()
+    best, spent, repeats = float("inf"), 0.0, 0
+    while repeats < _MIN_REPEATS or spent < min_seconds:
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
+    return best
+
+
+def _matmul_flops_per_second(torch: Any, dtype: Any, n: int) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    # 2·n³ FLOPs for an n×n by n×n matmul (one multiply and one add per term).
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out))
+
+
+def _copy_bytes_per_second(torch: Any) -> float:
+    numel = _COPY_BYTES // 4
+    src, dst = torch.ones(numel), torch.empty(numel)
+    # A copy reads and writes every byte once: 2 × nbytes moved.
+    return 2 * _COPY_BYTES / _best_seconds(lambda: dst.copy_(src))
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_path(key: Mapping[str, Any]) -> Path | None:
+    """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``); ``MINITRAIN_CACHE_DIR=off``
+    turns the disk cache off."""
+    root = os.environ.get("MINITRAIN_CACHE_DIR")
+    if root is not None and root.strip().lower() in {"", "0", "off", "none"}:
+        return None
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "minitrain")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"hardware-cpu-{digest}.json"
+
+
+def _load_cached(path: Path | None, key: Mapping[str, Any]) -> Hardware | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("details", {}).get("key") != dict(key):
+        return None
+    return _from_record(record)
+
+
+def _from_record(record: Mapping[str, Any]) -> Hardware:
+    return Hardware(
+        name=record["name"],
+        description=record["description"],
+        peak_flops=_frozen(record["peak_flops"]),
+        sparse_flops=_frozen(record["sparse_flops"]),
+        memory_bytes=int(record["memory_bytes"]),
+        memory_bandwidth=float(record["memory_bandwidth"]),
+        source=record["source"],
+        measured=bool(record["measured"]),
+        details=MappingProxyType(dict(record["details"])),
+    )
+
+
+def _store(path: Path | None, spec: Hardware) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec.to_dict(), indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home directory only costs a re-measurement next time
+
+
+_MEASURED: dict[str, Hardware] = {}
+
+
+def measure_cpu(refresh: bool = False) -> Hardware:
+    """Measure this CPU: ``torch.mm`` FLOP/s in fp32 and bf16, copy bandwidth (bytes/s).
+
+    Cached for the process, and on disk keyed by CPU model, torch version and thread count;
+    ``refresh=True`` measures again (and rewrites both caches).
+    """
+    import torch  # the only torch import in the napkin layer, deferred to this call
+
+    key = {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    path = _cache_path(key)
+    memo = json.dumps(key, sort_keys=True)
+    if not refresh:
+        cached = _MEASURED.get(memo) or _load_cached(path, key)
+        if cached is not None:
+            _MEASURED[memo] = cached
+            return cached
+    peaks = {
+        name: _matmul_flops_per_second(torch, dtype, _MATMUL_SIZE[name])
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+    spec = Hardware(
+        name="cpu",
+        description=f"{key['cpu']} ({key['threads']} torch threads)",
+        peak_flops=_frozen(peaks),
+        sparse_flops=_frozen({}),
+        memory_bytes=_physical_memory_bytes(),
+        memory_bandwidth=_copy_bytes_per_second(torch),
+        source=(
+            f"measured {time.strftime('%Y-%m-%d %H:%M')}: best torch.mm of n={_MATMUL_SIZE} "
+            f"and a {_COPY_BYTES // 2**20} MiB copy (read + write)"
+        ),
+        measured=True,
+        details=MappingProxyType({"key": key}),
+    )
+    _store(path, spec)
+    _MEASURED[memo] = spec
+    return spec

@@ -1,0 +1,316 @@
+"""Memory napkin math: bytes per parameter, the largest trainable model, activations.
+
+Pure Python; no torch. Training holds four kinds of tensors (chapter 3.1.2 and 3.5.6): params,
+grads, optimizer state (plus fp32 master weights under mixed precision) and activations.
+
+>>> bytes_per_param("adamw", "fp32").total     # 4 params + 4 grads + 8 Adam moments
+16
+>>> round(max_params(80e9, optimizer="adamw", precision="fp32", gpus=8) / 1e9)  # 8×80 GB
+40
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from minitrain.accounting.flops import Number
+from minitrain.accounting.hardware import Hardware
+from minitrain.accounting.hardware import hardware as lookup_hardware
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "PRECISIONS",
+    "RECOMPUTE",
+    "BytesPerParam",
+    "MemoryBreakdown",
+    "Precision",
+    "bytes_per_param",
+    "cruncher_activations",
+    "cruncher_memory",
+    "cruncher_params",
+    "max_params",
+    "optimizer_states",
+    "per_device_bytes_per_param",
+    "training_memory",
+    "transformer_activation_bytes",
+]
+
+# Tensors of optimizer state per parameter tensor, as torch.optim keeps them:
+# SGD none; SGD with momentum "momentum_buffer"; Adagrad "sum"; RMSprop "square_avg"
+# (no momentum, not centered); Adam/AdamW "exp_avg" and "exp_avg_sq".
+OPTIMIZER_STATES: dict[str, int] = {
+    "sgd": 0,
+    "momentum": 1,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "adam": 2,
+    "adamw": 2,
+}
+
+
+class Precision(NamedTuple):
+    """Bytes per element of each kind of tensor under one precision recipe."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    master_weights: int
+    activations: int
+    description: str
+
+
+# fp32: everything 4 bytes (the chapter's "naive" recipe). bf16-mixed: bf16 params and grads,
+# fp32 master weights and optimizer state, bf16 activations (Micikevicius et al. 2018; the
+# ZeRO paper's 2 + 2 + 12 = 16 bytes/param for Adam, Rajbhandari et al. 2020, section 3.1).
+# amp: torch.autocast over fp32 params (minitrain's CUDA backend): fp32 params, grads and state,
+# bf16 activations. bf16: everything 2 bytes, no master copy.
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(4, 4, 4, 0, 4, "fp32 params, grads, optimizer state and activations"),
+    "bf16-mixed": Precision(
+        2, 2, 4, 4, 2, "bf16 params and grads; fp32 master weights and optimizer state"
+    ),
+    "amp": Precision(4, 4, 4, 0, 2, "autocast: fp32 params, grads and state; bf16 activations"),
+    "bf16": Precision(2, 2, 2, 0, 2, "pure bf16: everything 2 bytes, no master weights"),
+}
+_PRECISION_ALIASES = {"mixed": "bf16-mixed", "float32": "fp32", "bfloat16": "bf16"}
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def optimizer_states(optimizer: str) -> int:
+    """Optimizer-state tensors per parameter tensor (``adamw`` → 2).
+
+    >>> optimizer_states("momentum")
+    1
+    """
+    key = optimizer.strip().lower()
+    if key not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}"
+        )
+    return OPTIMIZER_STATES[key]
+
+
+def precision(name: str) -> Precision:
+    """The :class:`Precision` recipe called ``name`` (``fp32``, ``bf16-mixed``, ``amp``, ``bf16``).
+
+    >>> precision("mixed").master_weights
+    4
+    """
+    key = _PRECISION_ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[key]
+
+
+class BytesPerParam(NamedTuple):
+    """Bytes each parameter costs in training, by kind; ``total`` sums them."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    master_weights: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.master_weights
+
+
+def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32") -> BytesPerParam:
+    """Bytes per parameter for ``optimizer`` under a precision recipe (see ``PRECISIONS``).
+
+    >>> bytes_per_param("adamw", "bf16-mixed")   # ZeRO paper: 2 + 2 + (4 + 8) = 16
+    BytesPerParam(params=2, grads=2, optimizer_state=8, master_weights=4)
+    >>> bytes_per_param("sgd", "fp32").total
+    8
+    """
+    recipe = precision(precision_name)
+    return BytesPerParam(
+        params=recipe.params,
+        grads=recipe.grads,
+        optimizer_state=optimizer_states(optimizer) * recipe.optimizer_state,
+        master_weights=recipe.master_weights,
+    )
+
+
+def per_device_bytes_per_param(per_param: BytesPerParam, gpus: int, zero_stage: int) -> float:
+    """Bytes per parameter on one device when sharded over ``gpus`` (ZeRO stage 0-3).
+
+    Rajbhandari et al. 2020, "ZeRO", figure 1: stage 1 shards optimizer state (with the master
+    weights), stage 2 also the grads, stage 3 also the params. Stage 0 replicates everything.
+
+    >>> per_device_bytes_per_param(bytes_per_param("adamw", "bf16-mixed"), 64, 1)  # 4 + 12/64
+    4.1875
+    """
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    state = per_param.optimizer_state + per_param.master_weights
+    grads, params = per_param.grads, per_param.params
+    sharded = {0: 0, 1: state, 2: state + grads, 3: state + grads + params}[zero_stage]
+    return per_param.total - sharded + sharded / gpus
+
+
+def _memory_bytes(memory: str | Hardware | Number) -> float:
+    if isinstance(memory, str):
+        memory = lookup_hardware(memory)
+    value = memory.memory_bytes if isinstance(memory, Hardware) else memory
+    if value <= 0:
+        raise ValueError(f"memory must be a positive number of bytes, got {value}")
+    return float(value)
+
+
+def max_params(
+    memory: str | Hardware | Number,
+    *,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    gpus: int = 1,
+    zero_stage: int = 3,
+    reserved_bytes: Number = 0,
+) -> float:
+    """The most parameters that fit: per-device memory over per-device bytes per parameter.
+
+    ``memory`` is bytes per device (or a hardware name). The default ``zero_stage=3`` spreads
+    every byte evenly over the devices, the chapter's assumption in 3.1.2 (640 GB / 16 B);
+    ``reserved_bytes`` (e.g. activations) is set aside on each device first.
+
+    >>> max_params("h100", gpus=8, zero_stage=0) / 1e9    # replicated: one device's 80 GB / 16
+    5.0
+    """
+    free = _memory_bytes(memory) - reserved_bytes
+    if free <= 0:
+        raise ValueError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
+    per_param = per_device_bytes_per_param(bytes_per_param(optimizer, precision), gpus, zero_stage)
+    return free / per_param
+
+
+class MemoryBreakdown(NamedTuple):
+    """Bytes on one device, by kind; ``total`` sums them."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    master_weights: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return float(sum(self))
+
+
+def training_memory(
+    params: Number,
+    *,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    activation_bytes: Number = 0,
+    gpus: int = 1,
+    zero_stage: int = 0,
+) -> MemoryBreakdown:
+    """Bytes on one device to train ``params`` parameters (activations given per device).
+
+    >>> training_memory(1e9, optimizer="adamw", precision="fp32").total / 1e9
+    16.0
+    """
+    per_param = bytes_per_param(optimizer, precision)
+    shard = {
+        "optimizer_state": zero_stage >= 1,
+        "master_weights": zero_stage >= 1,
+        "grads": zero_stage >= 2,
+        "params": zero_stage >= 3,
+    }
+    per_device_bytes_per_param(per_param, gpus, zero_stage)  # validates gpus and zero_stage
+    parts = {
+        kind: float(params * getattr(per_param, kind) / (gpus if shard[kind] else 1))
+        for kind in shard
+    }
+    return MemoryBreakdown(activations=float(activation_bytes), **parts)
+
+
+def cruncher_params(dim: int, num_layers: int) -> int:
+    """``D·D·num_layers + D``: the Cruncher's parameters (chapter 3.5.6).
+
+    >>> cruncher_params(1024, 8)
+    8389632
+    """
+    return dim * dim * num_layers + dim
+
+
+def cruncher_activations(batch: int, dim: int, num_layers: int) -> int:
+    """``B·D·num_layers``: activations the Cruncher saves for the backward pass (3.5.6).
+
+    Each D×D layer's output (B×D) is the next layer's saved input; the first layer's input is
+    the batch itself, already in memory.
+
+    >>> cruncher_activations(256, 1024, 8)
+    2097152
+    """
+    return batch * dim * num_layers
+
+
+def cruncher_memory(
+    batch: int, dim: int, num_layers: int, *, optimizer: str = "adagrad", bytes_per_element: int = 4
+) -> MemoryBreakdown:
+    """The chapter's ``4·(params + activations + grads + optimizer states)`` (3.5.6).
+
+    The chapter's example optimizer is AdaGrad (one state per parameter); others follow
+    :data:`OPTIMIZER_STATES`.
+
+    >>> m = cruncher_memory(256, 1024, 8, optimizer="adagrad")
+    >>> m.total == 4 * (3 * cruncher_params(1024, 8) + cruncher_activations(256, 1024, 8))
+    True
+    """
+    params = cruncher_params(dim, num_layers)
+    return MemoryBreakdown(
+        params=float(bytes_per_element * params),
+        grads=float(bytes_per_element * params),
+        optimizer_state=float(bytes_per_element * optimizer_states(optimizer) * params),
+        master_weights=0.0,
+        activations=float(bytes_per_element * cruncher_activations(batch, dim, num_layers)),
+    )
+
+
+def transformer_activation_bytes(
+    *,
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    num_layers: int,
+    recompute: str = "none",
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    bytes_per_element: int = 2,
+) -> float:
+    """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4).
+
+    Per layer, with 16-bit activations and 1-byte dropout masks: ``s·b·h·(34 + 5·a·s/h)``
+    (eq. 1); with tensor parallelism ``t``: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), and with
+    sequence parallelism everything over ``t`` (eq. 4). Selective recomputation drops the
+    ``5·a·s/h`` attention term (eq. 6); full recomputation keeps only each layer's input,
+    ``2·s·b·h`` (section 4.1). ``bytes_per_element=4`` scales the formula for fp32 activations
+    (the 1-byte masks scale too, a slight overestimate). Embedding and logits are not included.
+
+    >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
+    ...                              num_layers=1) / 2**30   # GPT-3, one layer
+    2.671875
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
+                        ("heads", heads), ("num_layers", num_layers),
+                        ("tensor_parallel", tensor_parallel)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    t = tensor_parallel
+    sbh = seq_len * batch * hidden
+    attention = 5 * heads * seq_len / hidden if recompute == "none" else 0.0
+    if recompute == "full":
+        per_layer = 2 * sbh / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_layer = sbh * (34 + attention) / t
+    else:
+        per_layer = sbh * (10 + 24 / t + attention / t)
+    return per_layer * num_layers * bytes_per_element / 2
