@@ -1,0 +1,110 @@
+"""``minitrain run SCRIPT`` and ``minitrain backends``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from minitrain.cli.errors import RunFailed, UserError
+
+
+@click.command()
+@click.argument("script", type=click.Path(path_type=Path))
+@click.option("--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto.")
+@click.option("--steps", type=click.IntRange(min=0), default=None, help="Override the step count.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a CONFIG key of the script (repeatable), e.g. --set lr=0.1.",
+)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory.")
+@click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the train step.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def run(
+    script: Path,
+    backend: str,
+    steps: int | None,
+    seed: int,
+    overrides: tuple[str, ...],
+    out: Path | None,
+    log_every: int,
+    compile_: bool,
+    as_json: bool,
+) -> None:
+    """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
+    from minitrain.backend import BackendError, get_backend
+    from minitrain.train import ExperimentError, NonFiniteLoss, fit, load_experiment
+    from minitrain.train.experiment import parse_overrides
+
+    try:
+        experiment, config = load_experiment(script, parse_overrides(overrides), steps=steps)
+        chosen = get_backend(backend)
+    except (ExperimentError, BackendError) as exc:
+        raise UserError(str(exc)) from None
+    _check_out_dir(out)
+    try:
+        result = fit(
+            experiment,
+            chosen,
+            seed=seed,
+            out_dir=out,
+            log_every=log_every,
+            progress=not as_json,
+            compile=compile_,
+            config=config,
+        )
+    except NonFiniteLoss as exc:
+        raise RunFailed(str(exc)) from None
+    summary = result.summary
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+
+
+def _check_out_dir(out: Path | None) -> None:
+    if out is not None and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory; pass a directory path")
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['name']} on {summary['backend']}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("", justify="right")
+    rows = [
+        ("steps", f"{summary['steps']:,}"),
+        ("final loss", f"{summary['final_loss']:.6g}"),
+        ("wall time", f"{summary['seconds']:.2f} s"),
+        ("step time", f"{summary['step_seconds'] * 1e3:.3f} ms"),
+        ("params", f"{summary['params']:,}"),
+        ("FLOPs / step (6·B·P)", f"{summary['flops_per_step']:,}"),
+    ]
+    rows += [(f"eval {k}", f"{v:.6g}") for k, v in summary.get("eval", {}).items()]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def backends(as_json: bool) -> None:
+    """List the installed backends and whether each can run on this machine."""
+    from minitrain.backend import backend_statuses
+
+    statuses = backend_statuses()
+    if as_json:
+        click.echo(json.dumps([status._asdict() for status in statuses], indent=2))
+        return
+    for status in statuses:
+        mark = "yes" if status.usable else "no "
+        click.echo(f"{status.name:10s} usable: {mark}  {status.reason}  ({status.source})")

@@ -1,0 +1,24 @@
+"""Training: the experiment contract, the pure train step and the fit loop."""
+
+from minitrain.train.experiment import (
+    Experiment,
+    ExperimentError,
+    apply_overrides,
+    load_experiment,
+    parse_overrides,
+)
+from minitrain.train.loop import FitResult, NonFiniteLoss, fit
+from minitrain.train.step import StepOutput, make_train_step
+
+__all__ = [
+    "Experiment",
+    "ExperimentError",
+    "FitResult",
+    "NonFiniteLoss",
+    "StepOutput",
+    "apply_overrides",
+    "fit",
+    "load_experiment",
+    "make_train_step",
+    "parse_overrides",
+]

@@ -1,0 +1,248 @@
+"""The experiment-script contract and its loader.
+
+An experiment script is a Python file with two names:
+
+- ``CONFIG``: a dict of defaults (ints, floats, strs, bools). ``minitrain run --set key=value``
+  overrides a key, coerced to the default's type.
+- ``experiment(config) -> Experiment``: builds the run from the (overridden) config.
+
+>>> import torch, minitrain as mt
+>>> exp = Experiment(
+...     init=lambda g: {"w": torch.zeros(2)},
+...     loss=lambda p, batch: ((batch @ p["w"] - 1) ** 2).mean(),
+...     next_batch=lambda g: torch.randn(4, 2, generator=g),
+...     optimizer=mt.optim.sgd(lr=0.1),
+...     steps=10,
+... )
+>>> exp.steps
+10
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minitrain.tree import Params, PyTree
+
+__all__ = [
+    "Experiment",
+    "ExperimentError",
+    "apply_overrides",
+    "coerce_value",
+    "load_experiment",
+    "parse_overrides",
+]
+
+
+class ExperimentError(ValueError):
+    """A mistake in an experiment script or its overrides, with a one-line message."""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """Everything a run needs, as plain functions and values.
+
+    Attributes:
+        init: ``init(generator) -> params``: the initial params pytree.
+        loss: ``loss(params, batch) -> 0-d tensor`` (or ``(loss, aux)`` with ``has_aux``,
+            aux a dict of 0-d tensors to log).
+        next_batch: ``next_batch(generator) -> batch``: one batch on the CPU, drawn with the
+            given generator only (so the data order is reproducible and resumable).
+        optimizer: an ``mt.optim`` optimizer (``init``, ``update``).
+        steps: number of optimizer steps.
+        has_aux: whether ``loss`` returns ``(loss, aux)``.
+        evaluate: optional ``evaluate(params) -> {"name": float}``, e.g. held-out loss.
+        eval_every: call ``evaluate`` every this many steps (0: only at the end).
+        tokens_per_batch: examples (or tokens) per batch for the 6·B·P rule and tokens/s;
+            default: the leading dimension of the batch's first tensor.
+        flops_per_step: exact FLOPs of one training step by the model's own formula, if known.
+        max_grad_norm: clip gradients to this global norm (None: no clipping).
+        name: shown in the progress bar and the summary.
+    """
+
+    init: Callable[[torch.Generator], Params]
+    loss: Callable[[Params, PyTree], Any]
+    next_batch: Callable[[torch.Generator], PyTree]
+    optimizer: Any
+    steps: int
+    has_aux: bool = False
+    evaluate: Callable[[Params], Mapping[str, float]] | None = None
+    eval_every: int = 0
+    tokens_per_batch: int | None = None
+    flops_per_step: int | None = None
+    max_grad_norm: float | None = None
+    name: str = "experiment"
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+            raise ExperimentError(f"steps must be a non-negative int, got {self.steps!r}")
+        for name in ("init", "loss", "next_batch"):
+            if not callable(getattr(self, name)):
+                raise ExperimentError(f"Experiment.{name} must be a function")
+        if not (hasattr(self.optimizer, "init") and hasattr(self.optimizer, "update")):
+            raise ExperimentError(
+                "Experiment.optimizer must be an mt.optim optimizer (with init and update), "
+                f"got {type(self.optimizer).__name__}"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ExperimentError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
+        if self.eval_every < 0:
+            raise ExperimentError(f"eval_every must be >= 0, got {self.eval_every}")
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["lr=0.1", "dim=8"] -> {"lr": "0.1", "dim": "8"}``; later items win.
+
+    >>> parse_overrides(["lr=0.1", "name=a=b"])
+    {'lr': '0.1', 'name': 'a=b'}
+    """
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ExperimentError(f"--set expects key=value, got {item!r} (e.g. --set lr=0.1)")
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def coerce_value(key: str, text: str, default: Any) -> Any:
+    """Parse ``text`` as the type of ``default`` (int, float, bool, str or None).
+
+    >>> coerce_value("lr", "1e-3", 0.01), coerce_value("dim", "8", 16)
+    (0.001, 8)
+    >>> coerce_value("dim", "8.5", 16)
+    Traceback (most recent call last):
+    ...
+    minitrain.train.experiment.ExperimentError: --set dim=8.5: expected an int (the default is 16)
+    """
+    kind = type(default)
+    try:
+        if isinstance(default, bool):
+            lowered = text.lower()
+            if lowered not in _TRUE | _FALSE:
+                raise ValueError(text)
+            return lowered in _TRUE
+        if default is None:
+            return text
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+    except ValueError:
+        article = "an" if kind.__name__[0] in "aeiou" else "a"
+        raise ExperimentError(
+            f"--set {key}={text}: expected {article} {kind.__name__} (the default is {default!r})"
+        ) from None
+    raise ExperimentError(
+        f"config key {key!r} has a default of type {kind.__name__}, which --set cannot "
+        "override; use an int, float, bool or str default"
+    )
+
+
+def apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, str]) -> dict[str, Any]:
+    """A copy of ``config`` with each override parsed to the default's type.
+
+    >>> apply_overrides({"lr": 0.01, "steps": 10}, {"lr": "0.1"})
+    {'lr': 0.1, 'steps': 10}
+    >>> apply_overrides({"lr": 0.01}, {"lrr": "0.1"})
+    Traceback (most recent call last):
+    ...
+    minitrain.train.experiment.ExperimentError: unknown config key 'lrr'; known keys: lr
+    """
+    merged = dict(config)
+    for key, text in overrides.items():
+        if key not in config:
+            raise ExperimentError(
+                f"unknown config key {key!r}; known keys: {', '.join(sorted(config)) or '(none)'}"
+            )
+        merged[key] = coerce_value(key, text, config[key])
+    return merged
+
+
+def load_experiment(
+    path: str | Path, overrides: Mapping[str, str] | None = None, steps: int | None = None
+) -> tuple[Experiment, dict[str, Any]]:
+    """Import an experiment script and build its :class:`Experiment` from the overridden config.
+
+    ``steps`` (``--steps``) overrides CONFIG's ``steps`` key when it has one (so schedules see
+    it) and the experiment's step count in any case. Returns ``(experiment, config)``. Every mistake (no such file, no ``experiment`` function,
+    an unknown key, a script that fails) raises :class:`ExperimentError` with a one-line message.
+    """
+    module = _import_script(Path(path))
+    config = getattr(module, "CONFIG", {})
+    if not isinstance(config, Mapping):
+        raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
+    build = getattr(module, "experiment", None)
+    if not callable(build):
+        raise ExperimentError(
+            f"{path} has no experiment(config) function; define "
+            "'def experiment(config) -> minitrain.Experiment' (see examples/linreg.py)"
+        )
+    overrides = dict(overrides or {})
+    if steps is not None and "steps" in config:
+        overrides["steps"] = str(steps)
+    config = apply_overrides(config, overrides)
+    try:
+        experiment = build(dict(config))
+    except ExperimentError:
+        raise
+    except Exception as exc:  # the user's script failed: report where, in one line
+        raise ExperimentError(f"{path}: experiment(config) failed: {_where(exc, path)}") from exc
+    if not isinstance(experiment, Experiment):
+        raise ExperimentError(
+            f"{path}: experiment(config) must return a minitrain.Experiment, "
+            f"got {type(experiment).__name__}"
+        )
+    if steps is not None:
+        experiment = dataclasses.replace(experiment, steps=steps)
+    return experiment, config
+
+
+def _import_script(path: Path) -> Any:
+    if not path.exists():
+        raise ExperimentError(f"no such experiment script: {path}")
+    if path.is_dir() or path.suffix != ".py":
+        raise ExperimentError(f"{path} is not a Python file; pass a script such as examples/linreg.py")
+    module_name = f"minitrain_experiment_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ExperimentError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ExperimentError(f"{path} failed to import: {_where(exc, path)}") from exc
+    return module
+
+
+def _where(exc: BaseException, path: str | Path) -> str:
+    """``"NameError: name 'x' is not defined (line 12)"``, the line taken in ``path``."""
+    resolved = str(Path(path).resolve())
+    lines = [
+        frame.lineno
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if str(Path(frame.filename).resolve()) == resolved
+    ]
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        lines.append(exc.lineno)
+    where = f" (line {lines[-1]})" if lines else ""
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {message}{where}"

@@ -1,0 +1,70 @@
+"""The pure train step: ``(params, opt_state, batch) -> StepOutput``.
+
+Forward and backward run under the backend's autocast context; the optimizer update runs on the
+fp32 master params outside it. Nothing is mutated: the step returns new params and state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from minitrain.backend import Backend
+from minitrain.func import value_and_grad
+from minitrain.tree import OptState, Params, PyTree, global_norm
+
+__all__ = ["StepOutput", "make_train_step", "loss_with_aux"]
+
+
+class StepOutput(NamedTuple):
+    """What one training step returns."""
+
+    params: Params
+    opt_state: OptState
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    aux: dict[str, torch.Tensor]
+
+
+def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Tensor, dict]]:
+    """The experiment's loss as ``(params, batch) -> (loss, aux)`` whether or not it has aux."""
+    if experiment.has_aux:
+        return experiment.loss
+    return lambda params, batch: (experiment.loss(params, batch), {})
+
+
+def make_train_step(
+    experiment: Any, backend: Backend
+) -> Callable[[Params, OptState, PyTree], StepOutput]:
+    """Build the pure step for ``experiment`` on ``backend``.
+
+    >>> import torch, minitrain as mt
+    >>> from minitrain.train import Experiment
+    >>> exp = Experiment(init=lambda g: {"w": torch.zeros(2)},
+    ...     loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
+    ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=1)
+    >>> step = make_train_step(exp, mt.get_backend("cpu"))
+    >>> params = {"w": torch.zeros(2)}
+    >>> out = step(params, exp.optimizer.init(params), torch.ones(4, 2))
+    >>> out.loss, out.params
+    (tensor(1.), {'w': tensor([0.4000, 0.4000])})
+    """
+    loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
+    optimizer = experiment.optimizer
+    max_grad_norm = experiment.max_grad_norm
+
+    def train_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
+        with backend.autocast():
+            (loss, aux), grads = loss_and_grads(params, batch)
+        if max_grad_norm is not None:
+            from minitrain.optim import clip_by_global_norm
+
+            grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
+        else:
+            grad_norm = global_norm(grads)
+        params, opt_state = optimizer.update(grads, opt_state, params)
+        return StepOutput(params, opt_state, loss.detach(), grad_norm, aux)
+
+    return train_step
