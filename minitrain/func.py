@@ -76,9 +76,7 @@ def from_module(module: nn.Module) -> tuple[Params, Callable[..., Any]]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_module expects a torch.nn.Module, got {type(module).__name__}")
-    params = {
-        name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad
-    }
+    params = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
     frozen = {
         name: p.detach().clone() for name, p in module.named_parameters() if not p.requires_grad
     }

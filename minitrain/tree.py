@@ -71,9 +71,7 @@ def map_with_name(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     >>> map_with_name(lambda name, x: name, {"a": [torch.ones(1)]})
     {'a': ['a.0']}
     """
-    return _pytree.tree_map_with_path(
-        lambda path, *xs: fn(_path_name(path), *xs), tree, *rest
-    )
+    return _pytree.tree_map_with_path(lambda path, *xs: fn(_path_name(path), *xs), tree, *rest)
 
 
 def leaves(tree: PyTree) -> list[Any]:
@@ -211,5 +209,3 @@ def _path_name(path: tuple[Any, ...]) -> str:
         else:
             parts.append(str(entry))
     return ".".join(parts)
-
-

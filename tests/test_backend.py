@@ -39,7 +39,9 @@ def test_cpu_backend_is_fp32_without_autocast():
 def test_cpu_bf16_autocast_path_matches_fp32_loosely_and_keeps_fp32_grads():
     backend = mt.get_backend("cpu-bf16")
     assert backend.param_dtype == torch.float32 and backend.compute_dtype == torch.bfloat16
-    params = mt.models.cruncher_init(dim=32, num_layers=2, generator=torch.Generator().manual_seed(0))
+    params = mt.models.cruncher_init(
+        dim=32, num_layers=2, generator=torch.Generator().manual_seed(0)
+    )
     x, y = torch.randn(8, 32), torch.randn(8)
 
     def loss(p, batch):

@@ -72,7 +72,9 @@ def test_value_and_grad_order_and_aux():
 class MLPWithBuffer(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
         self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, x):
@@ -119,7 +121,11 @@ def test_seed_everything_covers_torch_numpy_random():
     import numpy as np
 
     def draw():
-        return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+        return (
+            torch.rand(3).tolist(),
+            np.random.rand(3).tolist(),
+            [random.random() for _ in range(3)],
+        )
 
     mt.seed_everything(7)
     first = draw()

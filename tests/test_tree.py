@@ -69,7 +69,11 @@ def test_named_leaves_match_state_dict_of_equivalent_module():
     params = mt.models.cruncher_init(dim=D, num_layers=2, generator=torch.Generator())
     expected = [(name, p.numel()) for name, p in Cruncher(D, 2).state_dict().items()]
     got = [(name, p.numel()) for name, p in mt.tree.named_leaves(params)]
-    assert got == expected == [("layers.0.weight", D * D), ("layers.1.weight", D * D), ("final.weight", D)]
+    assert (
+        got
+        == expected
+        == [("layers.0.weight", D * D), ("layers.1.weight", D * D), ("final.weight", D)]
+    )
 
 
 def test_named_leaves_of_namedtuple_use_field_names():
@@ -87,7 +91,11 @@ def test_zeros_like_keeps_structure_dtype_and_device():
 
 
 @settings(deadline=None, max_examples=40)
-@given(st.lists(st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=5), min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=5), min_size=1, max_size=4
+    )
+)
 def test_global_norm_equals_norm_of_concatenation(values):
     tree = [torch.tensor(v) for v in values]
     expected = torch.linalg.vector_norm(torch.cat(tree))
@@ -104,7 +112,8 @@ def test_structure_check_names_first_differing_leaf():
         mt.tree.assert_same_structure(a, c)
     with pytest.raises(ValueError, match="'final.weight': shape"):
         mt.tree.assert_same_structure(
-            a, {"layers": [{"weight": torch.ones(1)}], "final": {"weight": torch.ones(2)}},
+            a,
+            {"layers": [{"weight": torch.ones(1)}], "final": {"weight": torch.ones(2)}},
             check_shapes=True,
         )
     mt.tree.assert_same_structure(a, mt.tree.zeros_like(a), check_shapes=True)
@@ -112,4 +121,6 @@ def test_structure_check_names_first_differing_leaf():
 
 def test_map_over_mismatched_trees_names_the_leaf():
     with pytest.raises(ValueError, match="differ at leaf 'b'"):
-        mt.tree.map(lambda x, y: x + y, {"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1)})
+        mt.tree.map(
+            lambda x, y: x + y, {"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1)}
+        )

@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "run": "minitrain.cli.run:run",
     "backends": "minitrain.cli.run:backends",
     "bench": "minitrain.cli.bench:bench",
+    "prepare": "minitrain.cli.prepare:prepare",
+    "plot": "minitrain.cli.plot:plot",
 }
 
 

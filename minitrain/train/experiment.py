@@ -181,8 +181,9 @@ def load_experiment(
     """Import an experiment script and build its :class:`Experiment` from the overridden config.
 
     ``steps`` (``--steps``) overrides CONFIG's ``steps`` key when it has one (so schedules see
-    it) and the experiment's step count in any case. Returns ``(experiment, config)``. Every mistake (no such file, no ``experiment`` function,
-    an unknown key, a script that fails) raises :class:`ExperimentError` with a one-line message.
+    it) and the experiment's step count in any case. Returns ``(experiment, config)``.
+    Every mistake (no such file, no ``experiment`` function, an unknown key, a script that
+    fails) raises :class:`ExperimentError` with a one-line message.
     """
     module = _import_script(Path(path))
     config = getattr(module, "CONFIG", {})
@@ -218,7 +219,9 @@ def _import_script(path: Path) -> Any:
     if not path.exists():
         raise ExperimentError(f"no such experiment script: {path}")
     if path.is_dir() or path.suffix != ".py":
-        raise ExperimentError(f"{path} is not a Python file; pass a script such as examples/linreg.py")
+        raise ExperimentError(
+            f"{path} is not a Python file; pass a script such as examples/linreg.py"
+        )
     module_name = f"minitrain_experiment_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
