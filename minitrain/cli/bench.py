@@ -7,7 +7,9 @@ import click
 from minitrain.cli import LazyGroup
 
 # name -> "module:attribute" of a click command; loaded lazily.
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "data": "minitrain.bench.data:data",
+}
 
 
 @click.group(cls=LazyGroup, lazy_commands=BENCHMARKS)

@@ -1,0 +1,52 @@
+"""``minitrain prepare``: build the byte-level token memmaps from Python's own sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from minitrain.cli.errors import UserError
+
+
+@click.command()
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory for train.bin, val.bin and meta.json [default: the minitrain cache].",
+)
+@click.option(
+    "--source",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder of .py files to read [default: this Python's standard library].",
+)
+@click.option(
+    "--val-fraction",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True, max_open=True),
+    default=0.05,
+    help="Share of the files held out for evaluation (chosen by a hash of each path).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the meta record as JSON.")
+def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json: bool) -> None:
+    """Write the bytes of every .py file under SOURCE as uint16 token memmaps (vocab 256)."""
+    from minitrain import data
+
+    try:
+        meta = data.prepare(out, source, val_fraction=val_fraction)
+    except data.DataError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot write the prepared data: {exc}; pass a writable --out") from None
+    out_dir = out if out is not None else data.default_data_dir()
+    summary = {"out": str(out_dir), **{k: v for k, v in meta.items() if k != "val_files"}}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    tokens, files = meta["tokens"], meta["files"]
+    click.echo(
+        f"wrote {out_dir}: train {tokens['train']:,} bytes from {files['train']:,} files, "
+        f"val {tokens['val']:,} bytes from {files['val']:,} files ({meta['source']})"
+    )
