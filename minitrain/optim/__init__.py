@@ -1,0 +1,53 @@
+"""Pure functional optimizers that match ``torch.optim`` step for step.
+
+>>> import torch, minitrain as mt
+>>> opt = mt.optim.adamw(lr=mt.optim.cosine_schedule(1e-3, decay_steps=100, warmup_steps=10))
+>>> params = {"w": torch.zeros(3)}
+>>> state = opt.init(params)
+>>> params, state = opt.update({"w": torch.ones(3)}, state, params)
+>>> int(state.count), mt.optim.learning_rate(state)
+(1, 0.0)
+"""
+
+from minitrain.optim.adagrad import AdagradState, adagrad
+from minitrain.optim.adam import AdamState, adam, adamw
+from minitrain.optim.base import (
+    Impl,
+    Optimizer,
+    ScalarOrSchedule,
+    Schedule,
+    WeightDecayMask,
+    learning_rate,
+)
+from minitrain.optim.rmsprop import RMSpropState, rmsprop
+from minitrain.optim.schedules import (
+    constant_schedule,
+    cosine_schedule,
+    linear_warmup_schedule,
+    step_schedule,
+)
+from minitrain.optim.sgd import SGDState, sgd
+from minitrain.optim.transforms import clip_by_global_norm
+
+__all__ = [
+    "Optimizer",
+    "Schedule",
+    "ScalarOrSchedule",
+    "WeightDecayMask",
+    "Impl",
+    "sgd",
+    "SGDState",
+    "adagrad",
+    "AdagradState",
+    "rmsprop",
+    "RMSpropState",
+    "adam",
+    "adamw",
+    "AdamState",
+    "constant_schedule",
+    "linear_warmup_schedule",
+    "cosine_schedule",
+    "step_schedule",
+    "learning_rate",
+    "clip_by_global_norm",
+]

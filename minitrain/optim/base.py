@@ -1,0 +1,434 @@
+"""The optimizer interface and the machinery every optimizer shares.
+
+An optimizer is a NamedTuple ``(init, update)`` of pure functions (optax ``_src/base.py``):
+``state = opt.init(params)`` and ``params, state = opt.update(grads, state, params)``. Each
+optimizer module supplies its math twice over the same state layout:
+
+* a **fast path** over lists of leaves grouped by ``(device, dtype, decays)``, written with
+  ``torch._fused_*`` / ``torch._foreach_*`` kernels that update buffers in place. Without
+  donation it runs on fresh copies, so the inputs are never touched;
+* a **plain path**, per leaf with ordinary tensor ops and no in-place writes, which works under
+  ``torch.func.vmap``, ``torch.compile`` and autograd.
+
+``impl="auto"`` (the default) takes the plain path when any leaf or hyperparameter is a functorch
+wrapped tensor (vmap, grad), when ``torch.compile`` is tracing, or when grad mode is on and a
+leaf requires grad; otherwise the fast path. ``impl="fast"`` / ``impl="plain"`` force one.
+
+Donation: ``opt.update(grads, state, params, donate=True)`` lets the fast path write the new
+params and state into the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``). The
+caller must not read the donated inputs afterwards. The plain path ignores the flag and stays
+pure; donation is a permission, never an obligation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.tree import Grads, OptState, Params
+
+__all__ = [
+    "Optimizer",
+    "Schedule",
+    "ScalarOrSchedule",
+    "WeightDecayMask",
+    "Impl",
+    "learning_rate",
+]
+
+Schedule = Callable[[Any], Any]
+"""A learning-rate schedule: ``step -> lr``, for a Python int or a 0-d integer tensor step."""
+ScalarOrSchedule = float | Tensor | Schedule
+WeightDecayMask = Params | Callable[[str, Tensor], bool] | None
+"""Which leaves get weight decay: a pytree of bools like params, or ``fn(name, leaf) -> bool``."""
+Impl = Literal["auto", "fast", "plain"]
+
+# Fast-path batches stay under this many bytes of touched buffers, so that the several passes
+# an update makes over one batch hit the last-level cache instead of DRAM.
+CACHE_BATCH_BYTES = 16 * 2**20
+
+
+class Optimizer(NamedTuple):
+    """A pair of pure functions: ``init(params) -> state``, ``update(grads, state, params)``.
+
+    ``update`` returns ``(new_params, new_state)`` and accepts ``donate=True`` (see the module
+    docstring).
+
+    >>> import torch, minitrain as mt
+    >>> opt = mt.optim.sgd(lr=0.5)
+    >>> params = {"w": torch.tensor([1.0, 2.0])}
+    >>> state = opt.init(params)
+    >>> params, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params)
+    >>> params["w"]
+    tensor([0.5000, 1.5000])
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Params, OptState]]
+
+
+def learning_rate(state: OptState) -> float:
+    """The lr of the most recent update (before the first update: the lr it will use).
+
+    >>> import torch, minitrain as mt
+    >>> opt = mt.optim.adamw(lr=mt.optim.linear_warmup_schedule(1.0, warmup_steps=4))
+    >>> params = {"w": torch.ones(2)}
+    >>> state = opt.init(params)
+    >>> params, state = opt.update({"w": torch.ones(2)}, state, params)
+    >>> params, state = opt.update({"w": torch.ones(2)}, state, params)
+    >>> mt.optim.learning_rate(state)
+    0.25
+    """
+    if not hasattr(state, "lr"):
+        raise ValueError(
+            f"learning_rate() expects the state of an mt.optim optimizer, got {type(state)!r}"
+        )
+    return float(state.lr)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def check_hyperparameter(name: str, value: Any, low: float, high: float = math.inf,
+                         *, low_open: bool = False, high_open: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` when a concrete ``value`` is outside its range.
+
+    Values that cannot be read without tracing (vmapped or compiled tensors) are not checked.
+    """
+    number = _concrete_number(value)
+    if number is None:
+        return
+    too_low = number <= low if low_open else number < low
+    too_high = number >= high if high_open else number > high
+    if math.isnan(number) or too_low or too_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        raise ValueError(
+            f"invalid {name}={number!r}: it must lie in {left}{low}, {high}{right}; "
+            f"pass a value in that range"
+        )
+
+
+def _concrete_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or is_traced(value):
+            return None
+        return float(value.detach().reshape(()).item())
+    raise ValueError(
+        f"expected a number or a 0-d tensor for a hyperparameter, got {type(value).__name__}"
+    )
+
+
+def check_lr(lr: ScalarOrSchedule) -> None:
+    """Check a learning rate given as a number or tensor (a schedule is checked per step)."""
+    if callable(lr) and not isinstance(lr, Tensor):
+        return
+    check_hyperparameter("lr", lr, 0.0)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in ("auto", "fast", "plain"):
+        raise ValueError(f"invalid impl={impl!r}: choose 'auto', 'fast' or 'plain'")
+
+
+# --------------------------------------------------------------------------------------------
+# Path choice
+
+
+def is_traced(value: Any) -> bool:
+    """True for a tensor seen through vmap / grad transforms or by a compiler's tracer."""
+    if not isinstance(value, Tensor):
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(value):
+        return True
+    return isinstance(value, torch._subclasses.FakeTensor) or not _has_storage(value)
+
+
+def _has_storage(value: Tensor) -> bool:
+    try:
+        value.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def use_plain_path(impl: Impl, tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
+    """Whether this update must (or is asked to) take the plain tensor-ops path."""
+    if impl != "auto":
+        return impl == "plain"
+    if torch.compiler.is_compiling():
+        return True
+    if any(is_traced(value) for value in hyperparameters):
+        return True
+    if any(is_traced(t) for t in tensors):
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Leaves: flattening, masks, grouping
+
+
+def check_params(params: Params) -> list[Tensor]:
+    """The leaves of ``params``, checked to be floating-point tensors."""
+    leaves = tree.named_leaves(params)
+    if not leaves:
+        raise ValueError("params has no tensor leaves; pass a pytree of floating-point tensors")
+    for name, leaf in leaves:
+        if not isinstance(leaf, Tensor) or not (leaf.is_floating_point()):
+            kind = leaf.dtype if isinstance(leaf, Tensor) else type(leaf).__name__
+            raise ValueError(
+                f"param {name!r} is {kind}; optimizers update floating-point tensors only"
+            )
+    return [leaf for _, leaf in leaves]
+
+
+def check_grads(grads: Grads, params: Params) -> list[Tensor]:
+    """The leaves of ``grads``, checked to match ``params`` leaf by leaf (structure, shape)."""
+    tree.assert_same_structure(params, grads, names=("params", "grads"), check_shapes=True)
+    grad_leaves = tree.leaves(grads)
+    for (name, param), grad in zip(tree.named_leaves(params), grad_leaves, strict=True):
+        if not isinstance(grad, Tensor) or grad.dtype != param.dtype:
+            kind = grad.dtype if isinstance(grad, Tensor) else type(grad).__name__
+            raise ValueError(
+                f"grads differ from params at leaf {name!r}: {kind} vs {param.dtype}; "
+                f"pass grads with the params' dtypes"
+            )
+    return grad_leaves
+
+
+def decay_flags(mask: WeightDecayMask, params: Params) -> list[bool]:
+    """Per leaf: whether weight decay applies (all leaves when ``mask`` is None)."""
+    named = tree.named_leaves(params)
+    if mask is None:
+        return [True] * len(named)
+    if callable(mask):
+        return [bool(mask(name, leaf)) for name, leaf in named]
+    tree.assert_same_structure(params, mask, names=("params", "weight-decay mask"))
+    flags = tree.leaves(mask)
+    for (name, _), flag in zip(named, flags, strict=True):
+        if not isinstance(flag, bool):
+            raise ValueError(
+                f"weight-decay mask leaf {name!r} is {type(flag).__name__}; use True or False"
+            )
+    return flags
+
+
+def fast_batches(
+    tensors: Sequence[Tensor], decays: Sequence[bool], buffers_per_leaf: int
+) -> list[list[int]]:
+    """Leaf indices grouped by (device, dtype, decays), split into cache-sized batches."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for index, (t, decay) in enumerate(zip(tensors, decays, strict=True)):
+        groups.setdefault((t.device, t.dtype, decay), []).append(index)
+    batches = []
+    for indices in groups.values():
+        batch: list[int] = []
+        batch_bytes = 0
+        for index in indices:
+            nbytes = tensors[index].numel() * tensors[index].element_size() * buffers_per_leaf
+            if batch and batch_bytes + nbytes > CACHE_BATCH_BYTES:
+                batches.append(batch)
+                batch, batch_bytes = [], 0
+            batch.append(index)
+            batch_bytes += nbytes
+        batches.append(batch)
+    return batches
+
+
+def scalar(value: Any) -> Any:
+    """A concrete 0-d tensor hyperparameter as a Python float; anything else unchanged."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not is_traced(value):
+        return float(value.detach().reshape(()).item())
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The shared update driver
+
+
+class Rule(NamedTuple):
+    """What one optimizer contributes to :func:`make_optimizer`.
+
+    ``plain_step(p, g, buffers, step, lr, weight_decay) -> (p, buffers)`` updates one leaf with
+    out-of-place tensor ops; ``fast_step(ps, gs, buffers, step, lr, weight_decay, donate) ->
+    (ps, buffers)`` updates a batch of same-(device, dtype) leaves with fused / foreach kernels,
+    in place when ``donate`` and otherwise on copies. ``buffers`` maps a state field name to a
+    tensor (plain) or a list of tensors (fast); ``step`` counts this update, starting at 1.
+    """
+
+    buffers: tuple[str, ...]
+    init_buffer: Callable[[str, Tensor], Tensor]
+    plain_step: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    fast_step: Callable[..., tuple[list[Tensor], dict[str, list[Tensor]]]]
+
+
+def make_optimizer(
+    state_type: type,
+    rule: Rule,
+    lr: ScalarOrSchedule,
+    weight_decay: float | Tensor,
+    mask: WeightDecayMask,
+    impl: Impl,
+    hyperparameters: Sequence[Any] = (),
+) -> Optimizer:
+    """Build ``Optimizer(init, update)`` for a state NamedTuple and an update :class:`Rule`.
+
+    ``state_type`` has fields ``count`` (updates done, 0-d int64), ``lr`` (0-d float32) and one
+    field per name in ``rule.buffers`` (a pytree like params); any other field holds ``None``.
+    """
+    check_lr(lr)
+    check_impl(impl)
+    traced_candidates = [lr, weight_decay, *hyperparameters]
+
+    def init(params: Params) -> OptState:
+        check_params(params)
+        buffers = {
+            name: tree.map(lambda p, name=name: rule.init_buffer(name, p), params)
+            for name in rule.buffers
+        }
+        unused = {field: None for field in state_type._fields[2:] if field not in buffers}
+        count = torch.zeros((), dtype=torch.int64)
+        return state_type(count=count, lr=_lr_tensor(_lr_at(lr, 0)), **buffers, **unused)
+
+    def update(
+        grads: Grads, state: OptState, params: Params, *, donate: bool = False
+    ) -> tuple[Params, OptState]:
+        spec = tree.structure(params)
+        param_leaves = tree.leaves(params)
+        grad_leaves = _matching_grads(grads, params, param_leaves)
+        buffer_leaves = {name: tree.leaves(getattr(state, name)) for name in rule.buffers}
+        _check_state(state, state_type, buffer_leaves, len(param_leaves))
+        decays = decay_flags(mask, params)
+        tensors = [*param_leaves, *grad_leaves, state.count]
+        if use_plain_path(impl, tensors, traced_candidates):
+            new_params, new_buffers, count, step_lr = _plain_update(
+                rule, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
+                weight_decay,
+            )
+        else:
+            new_params, new_buffers, count, step_lr = _fast_update(
+                rule, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
+                weight_decay, donate,
+            )
+        new_state = state._replace(
+            count=count,
+            lr=step_lr,
+            **{name: tree.unflatten(spec, leaves) for name, leaves in new_buffers.items()},
+        )
+        return tree.unflatten(spec, new_params), new_state
+
+    return Optimizer(init, update)
+
+
+def _matching_grads(grads: Grads, params: Params, param_leaves: list[Tensor]) -> list[Tensor]:
+    grad_leaves = tree.leaves(grads)
+    if (
+        len(grad_leaves) != len(param_leaves)
+        or tree.structure(grads) != tree.structure(params)
+        or any(
+            not isinstance(g, Tensor) or g.shape != p.shape or g.dtype != p.dtype
+            for g, p in zip(grad_leaves, param_leaves, strict=True)
+        )
+    ):
+        return check_grads(grads, params)  # raises, naming the first mismatching leaf
+    return grad_leaves
+
+
+def _check_state(state: Any, state_type: type, buffers: dict[str, list], n_leaves: int) -> None:
+    if not isinstance(state, state_type):
+        raise ValueError(
+            f"expected a {state_type.__name__} from this optimizer's init, got "
+            f"{type(state).__name__}; pass the state returned by opt.init(params)"
+        )
+    for name, leaves in buffers.items():
+        if len(leaves) != n_leaves:
+            raise ValueError(
+                f"state.{name} has {len(leaves)} leaves but params has {n_leaves}; "
+                f"create the state with opt.init(params)"
+            )
+
+
+def _lr_at(lr: ScalarOrSchedule, count: Any) -> Any:
+    """The lr for the update that follows ``count`` earlier updates."""
+    if callable(lr) and not isinstance(lr, Tensor):
+        value = lr(count)
+        check_hyperparameter("lr (from the schedule)", value, 0.0)
+        return value
+    return lr
+
+
+def _lr_tensor(value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def step_number(count: Tensor) -> Any:
+    """The 1-based number of the update being made: a Python int, or a float64 tensor when
+    ``count`` is traced (bias corrections then keep torch.optim's double precision)."""
+    if is_traced(count):
+        return count.to(torch.float64) + 1
+    return int(count) + 1
+
+
+def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay):
+    step_lr = _lr_at(lr, count if is_traced(count) else int(count))
+    step = step_number(count)
+    new_params = []
+    new_buffers: dict[str, list[Tensor]] = {name: [] for name in rule.buffers}
+    for index, (p, g, decay) in enumerate(zip(params, grads, decays, strict=True)):
+        leaf_buffers = {name: leaves[index] for name, leaves in buffers.items()}
+        p, leaf_buffers = rule.plain_step(
+            p, g, leaf_buffers, step, step_lr, weight_decay if decay else 0.0
+        )
+        new_params.append(p)
+        for name, value in leaf_buffers.items():
+            new_buffers[name].append(value)
+    return new_params, new_buffers, count + 1, _lr_tensor(step_lr)
+
+
+def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, donate):
+    done = int(count)
+    step_lr = scalar(_lr_at(lr, done))
+    decay_value = scalar(weight_decay)
+    new_params = list(params)
+    new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
+    with torch.no_grad():
+        for batch in fast_batches(params, decays, 2 + len(buffers)):
+            batch_params, batch_buffers = rule.fast_step(
+                [params[i] for i in batch],
+                [grads[i] for i in batch],
+                {name: [leaves[i] for i in batch] for name, leaves in buffers.items()},
+                done + 1,
+                step_lr,
+                decay_value if decays[batch[0]] else 0.0,
+                donate,
+            )
+            for position, index in enumerate(batch):
+                new_params[index] = batch_params[position]
+                for name, leaves in batch_buffers.items():
+                    new_buffers[name][index] = leaves[position]
+        new_count = count.add_(1) if donate else torch.tensor(done + 1, dtype=torch.int64)
+    return new_params, new_buffers, new_count, _lr_tensor(step_lr)
+
+
+def owned(tensors: list[Tensor], donate: bool) -> list[Tensor]:
+    """The tensors themselves when donated, else fresh copies a kernel may write in place."""
+    return tensors if donate else [t.clone() for t in tensors]
+
+
+def step_tensors(step: int, like: list[Tensor]) -> list[Tensor]:
+    """``state_steps`` for a fused kernel: one float32 step tensor per leaf, on its device."""
+    step_tensor = torch.tensor(float(step), dtype=torch.float32, device=like[0].device)
+    return [step_tensor] * len(like)
