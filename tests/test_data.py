@@ -1,0 +1,339 @@
+"""Token data: checked memmaps, get_batch against the chapter's loop, exact prefetch, prepare."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minitrain import data, rng
+from minitrain.bench.data import chapter_get_batch, measure, nanogpt_get_batch
+from minitrain.cli import cli
+from minitrain.data import DataError, Prefetcher, get_batch, open_tokens, write_tokens
+
+
+def tokens_file(tmp_path, values, dtype="uint16"):
+    return write_tokens(tmp_path / f"tokens.{dtype}.bin", np.asarray(values), dtype)
+
+
+# --------------------------------------------------------------------------- token files
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_memmap_round_trip_matches_the_chapter_format(tmp_path, dtype):
+    values = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    path = tokens_file(tmp_path, values, dtype)
+    # The chapter's own reader: np.memmap over the tofile bytes.
+    assert np.array_equal(np.memmap(path, dtype=data.TOKEN_DTYPES[dtype]), values)
+    mapped = open_tokens(path, dtype, vocab_size=11)
+    assert isinstance(mapped, np.memmap) and mapped.dtype == data.TOKEN_DTYPES[dtype]
+    assert np.array_equal(mapped, values)
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    values=st.lists(st.integers(0, 2**16 - 1), min_size=1, max_size=200),
+    dtype=st.sampled_from(["uint16", "int32"]),
+)
+def test_memmap_round_trip_property(tmp_path_factory, values, dtype):
+    path = tokens_file(tmp_path_factory.mktemp("t"), values, dtype)
+    assert open_tokens(path, dtype, vocab_size=2**16).tolist() == values
+
+
+@pytest.mark.parametrize(
+    ("content", "dtype", "vocab_size", "message"),
+    [
+        (b"", "uint16", None, "is empty"),
+        (b"\x01\x00\x02", "uint16", None, "3 bytes, not a multiple of 2"),
+        (b"\x01\x00\x00\x00\x02\x00", "int32", None, "6 bytes, not a multiple of 4"),
+        (np.array([1, 256, 3], np.uint16).tobytes(), "uint16", 256, "id 256 at position 1"),
+        (np.array([4, -1], np.int32).tobytes(), "int32", 10, "id -1 at position 1"),
+        (b"\x01\x00", "int64", None, "token dtype must be one of"),
+        (b"\x01\x00", "uint16", 0, "vocab_size must be a positive integer"),
+    ],
+)
+def test_bad_token_files_are_refused(tmp_path, content, dtype, vocab_size, message):
+    path = tmp_path / "bad.bin"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as error:
+        open_tokens(path, dtype, vocab_size)
+    assert "\n" not in str(error.value)
+
+
+def test_missing_token_file_is_refused(tmp_path):
+    with pytest.raises(DataError, match="does not exist; run 'minitrain prepare'"):
+        open_tokens(tmp_path / "absent.bin")
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "message"),
+    [
+        ([], "uint16", "non-empty 1-D"),
+        ([[1, 2]], "uint16", "non-empty 1-D"),
+        ([70000], "uint16", "outside what uint16 holds"),
+        ([-1], "int32", "outside what int32 holds"),
+        ([0.5], "int32", "must be integers"),
+    ],
+)
+def test_write_tokens_refuses_what_the_format_cannot_hold(tmp_path, values, dtype, message):
+    with pytest.raises(DataError, match=message):
+        write_tokens(tmp_path / "t.bin", values, dtype)
+
+
+# --------------------------------------------------------------------------- get_batch
+
+
+def test_get_batch_matches_the_chapters_loop_for_the_same_draws(tmp_path):
+    values = np.random.default_rng(0).integers(0, 50000, 5000).astype(np.uint16)
+    tokens = open_tokens(tokens_file(tmp_path, values))
+    x, y = get_batch(tokens, 8, 32, torch.Generator().manual_seed(4))
+    # The chapter draws its starts from the global generator; the same seed gives the same draws.
+    torch.manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "list of ndarrays is slow"
+        expected_x = chapter_get_batch(tokens, 8, 32)
+    torch.manual_seed(4)
+    nano_x, nano_y = nanogpt_get_batch(tokens, 8, 32)
+    assert torch.equal(x, expected_x.long())
+    assert torch.equal(x, nano_x) and torch.equal(y, nano_y)
+    assert x.dtype == y.dtype == torch.int64 and x.is_contiguous() and y.is_contiguous()
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    length=st.integers(2, 300),
+    batch_size=st.integers(1, 9),
+    seq_len=st.integers(1, 299),
+    seed=st.integers(0, 2**32),
+)
+def test_get_batch_windows_are_shifted_slices(length, batch_size, seq_len, seed):
+    if seq_len >= length:
+        with pytest.raises(DataError, match=f"seq_len={seq_len} must be shorter"):
+            get_batch(np.arange(length), batch_size, seq_len, torch.Generator())
+        return
+    values = np.arange(length) * 7 % 1009  # distinct-ish ids so a wrong offset shows
+    x, y = get_batch(values, batch_size, seq_len, torch.Generator().manual_seed(seed))
+    assert x.shape == y.shape == (batch_size, seq_len)
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        start = next(s for s in range(length - seq_len) if values[s] == row_x[0])
+        assert row_x == values[start : start + seq_len].tolist()
+        assert row_y == values[start + 1 : start + 1 + seq_len].tolist()
+
+
+def test_get_batch_uses_the_last_window_and_only_the_generator():
+    values = np.arange(6)
+    x, y = get_batch(values, 3, 5, torch.Generator().manual_seed(0))  # only start 0 fits
+    assert x.tolist() == [[0, 1, 2, 3, 4]] * 3 and y.tolist() == [[1, 2, 3, 4, 5]] * 3
+    starts = set()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        starts.update(get_batch(np.arange(10), 4, 3, g)[0][:, 0].tolist())
+    assert starts == set(range(7))  # every start in [0, len - seq_len - 1]
+
+
+def test_get_batch_is_deterministic_given_the_generator():
+    values = np.arange(10_000)
+    rng.seed_everything(0)
+    a = get_batch(values, 4, 16, torch.Generator().manual_seed(3))
+    rng.seed_everything(1)  # the global generators play no part
+    b = get_batch(values, 4, 16, torch.Generator().manual_seed(3))
+    c = get_batch(values, 4, 16, torch.Generator().manual_seed(4))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "seq_len", "message"),
+    [(0, 4, "batch_size must be at least 1"), (2, 0, "seq_len must be at least 1")],
+)
+def test_get_batch_refuses_bad_sizes(batch_size, seq_len, message):
+    with pytest.raises(DataError, match=message):
+        get_batch(np.arange(100), batch_size, seq_len, torch.Generator())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_get_batch_on_cuda_matches_cpu():
+    values = np.arange(10_000)
+    x, y = get_batch(values, 4, 16, torch.Generator().manual_seed(0), device="cuda")
+    cx, cy = get_batch(values, 4, 16, torch.Generator().manual_seed(0))
+    assert x.device.type == "cuda" and torch.equal(x.cpu(), cx) and torch.equal(y.cpu(), cy)
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+def sampler(values):
+    return lambda g: get_batch(values, 4, 8, g)
+
+
+def test_prefetcher_returns_the_plain_batches_and_advances_the_generator_alike():
+    sample = sampler(np.arange(5000))
+    plain, fetched = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    with Prefetcher(sample) as prefetch:
+        for _ in range(10):
+            expected, got = sample(plain), prefetch(fetched)
+            assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+            assert torch.equal(plain.get_state(), fetched.get_state())
+        assert prefetch.hits == 9  # every call after the first was served by the worker
+
+
+def test_prefetcher_resumes_exactly_from_a_saved_generator_state():
+    sample = sampler(np.arange(5000))
+    g = torch.Generator().manual_seed(7)
+    with Prefetcher(sample) as prefetch:
+        batches = [prefetch(g) for _ in range(5)]
+        saved = rng.generator_state(g)  # what a checkpoint at step 5 holds
+        uninterrupted = [prefetch(g) for _ in range(5)]
+    resumed_g = torch.Generator()
+    rng.set_generator_state(resumed_g, saved)
+    with Prefetcher(sample) as prefetch:
+        resumed = [prefetch(resumed_g) for _ in range(5)]
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        assert torch.equal(a[0], b[0])
+    assert not torch.equal(batches[-1][0], uninterrupted[0][0])
+
+
+def test_prefetcher_discards_speculation_when_the_generator_is_moved():
+    sample = sampler(np.arange(5000))
+    g, reference = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    with Prefetcher(sample) as prefetch:
+        prefetch(g)
+        sample(reference)
+        g.manual_seed(123)  # e.g. a checkpoint restored between steps
+        reference.manual_seed(123)
+        assert torch.equal(prefetch(g)[0], sample(reference)[0])
+        assert prefetch.hits == 0
+
+
+def test_prefetcher_reraises_errors_from_the_worker():
+    calls = []
+
+    def sample(g):
+        calls.append(1)
+        if len(calls) > 1:
+            raise DataError("disk gone")
+        return torch.rand(2, generator=g)
+
+    generator = torch.Generator()
+    with Prefetcher(sample) as prefetch:
+        prefetch(generator)  # drawn in place; the worker's draw for the next call fails
+        with pytest.raises(DataError, match="disk gone"):
+            prefetch(generator)
+    assert len(calls) == 2
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+@pytest.fixture
+def sources(tmp_path):
+    root = tmp_path / "src"
+    (root / "pkg").mkdir(parents=True)
+    (root / "site-packages").mkdir()
+    for index in range(40):
+        (root / "pkg" / f"m{index:02d}.py").write_text(f"value_{index} = {index}\n")
+    (root / "a.py").write_text("print('a')")  # no trailing newline: one is added
+    (root / "site-packages" / "skipped.py").write_text("installed = True\n")
+    return root
+
+
+def test_prepare_is_deterministic_and_holds_files_out(tmp_path, sources):
+    first = data.prepare(tmp_path / "one", sources, val_fraction=0.2)
+    second = data.prepare(tmp_path / "two", sources, val_fraction=0.2)
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    assert first == second
+    assert first["files"]["train"] + first["files"]["val"] == 41
+    assert first["files"]["val"] >= 1 and "site-packages/skipped.py" not in first["val_files"]
+    prepared = data.load_prepared(tmp_path / "one")
+    train_text = bytes(prepared.train.astype(np.uint8)).decode()
+    val_text = bytes(prepared.val.astype(np.uint8)).decode()
+    assert train_text.startswith("print('a')\n")  # sorted order: a.py before pkg/
+    assert "installed" not in train_text + val_text
+    for name in first["val_files"]:
+        content = (sources / name).read_text()
+        assert content in val_text and content not in train_text
+
+
+def test_ensure_prepared_prepares_once(tmp_path, sources):
+    target = tmp_path / "cache" / "bytes"
+    first = data.ensure_prepared(target, sources)
+    stamp = (target / "train.bin").stat().st_mtime_ns
+    second = data.ensure_prepared(target, sources)
+    assert (target / "train.bin").stat().st_mtime_ns == stamp
+    assert np.array_equal(first.train, second.train) and first.meta == second.meta
+
+
+def test_damaged_prepared_data_is_reported(tmp_path, sources):
+    target = tmp_path / "bytes"
+    data.prepare(target, sources)
+    (target / "val.bin").write_bytes((target / "val.bin").read_bytes()[:-2])
+    with pytest.raises(DataError, match="meta.json records"):
+        data.load_prepared(target)
+    with pytest.raises(DataError, match="no prepared data"):
+        data.load_prepared(tmp_path)
+
+
+def test_prepare_refuses_to_overwrite_other_files(tmp_path, sources):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="not prepared data"):
+        data.prepare(tmp_path, sources)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "only.py").write_text("x = 1\n")
+    with pytest.raises(DataError, match="need at least 2"):
+        data.prepare(tmp_path / "out", lonely)
+
+
+def test_stdlib_is_the_default_source():
+    files = data.source_files(data.stdlib_dir())
+    names = [path.relative_to(data.stdlib_dir()).as_posix() for path in files]
+    assert "os.py" in names and names == sorted(names)
+    assert not [name for name in names if "site-packages" in name]
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_prepare_command(tmp_path, sources):
+    runner = CliRunner()
+    out = tmp_path / "bytes"
+    result = runner.invoke(cli, ["prepare", "--out", str(out), "--source", str(sources), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["out"] == str(out) and summary["vocab_size"] == 256
+    assert summary["tokens"]["train"] == len(data.load_prepared(out).train)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--source", "{tmp}/absent"], "does not exist"),
+        (["--out", "{tmp}/file.txt"], "is a file"),
+        (["--val-fraction", "1.5"], "Invalid value"),
+    ],
+)
+def test_prepare_command_mistakes(tmp_path, sources, args, message):
+    (tmp_path / "file.txt").write_text("x")
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    if "--source" not in args:
+        args += ["--source", str(sources)]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, ["prepare", *args])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_bench_data_runs_all_three_loaders():
+    result = measure(num_tokens=20_000, batch_size=4, seq_len=64, rounds=2, inner=2)
+    assert set(result["seconds_per_batch"]) == {"chapter", "nanogpt", "minitrain"}
+    assert all(seconds > 0 for seconds in result["seconds_per_batch"].values())
+    assert result["speedup_vs_chapter"] > 0
