@@ -21,7 +21,7 @@ also in the backward pass. Fields of :class:`OpRecord` (one per op call) are doc
 >>> with Counter() as c:
 ...     y = (a @ b).relu()
 >>> c.flops, c.matmul_flops, c.bytes_read, c.bytes_written   # mm 2·64·32·16, relu 64·16
-(66560, 65536, 16384, 8192)
+(66560, 65536, 14336, 8192)
 """
 
 from __future__ import annotations
