@@ -1,0 +1,180 @@
+"""Run logs: metrics.jsonl across resumes, TensorBoard scalars, the loss-curve PNG, its command."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from minitrain import metrics
+from minitrain.cli import cli
+from minitrain.metrics import MetricsError, MetricsWriter, MissingExtra, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def log_steps(run_dir, steps, resume_step=0, **kwargs):
+    with MetricsWriter(run_dir, resume_step=resume_step, **kwargs) as log:
+        for step in steps:
+            log.write(step, loss=10.0 / step, lr=1e-3, grad_norm=torch.tensor(0.5 * step))
+
+
+def test_records_are_plain_json_lines(tmp_path):
+    with MetricsWriter(tmp_path) as log:
+        record = log.write(1, loss=torch.tensor(2.5), tokens_per_s=np.float32(100.0), n=np.int64(3))
+        log.write(2, loss=float("nan"), step_time=float("inf"))
+    assert record == {"step": 1, "loss": 2.5, "tokens_per_s": 100.0, "n": 3}
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == read_metrics(tmp_path)
+    assert json.loads(lines[1]) == {"step": 2, "loss": None, "step_time": None}  # strict JSON
+
+
+def test_every_line_is_on_disk_before_close(tmp_path):
+    log = MetricsWriter(tmp_path)
+    log.write(1, loss=1.0)
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 1.0}]  # as a SIGKILL would leave it
+    log.close()
+
+
+def test_resume_drops_lines_past_the_resumed_step(tmp_path):
+    log_steps(tmp_path, range(1, 11))
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 11, "lo')  # a line cut short by the kill
+    log_steps(tmp_path, range(7, 13), resume_step=6)
+    steps = [record["step"] for record in read_metrics(tmp_path)]
+    assert steps == list(range(1, 13))
+    uninterrupted = tmp_path / "uninterrupted"
+    log_steps(uninterrupted, range(1, 13))
+    assert read_metrics(tmp_path) == read_metrics(uninterrupted)
+
+
+def test_a_new_run_starts_a_new_file(tmp_path):
+    log_steps(tmp_path, range(1, 6))
+    log_steps(tmp_path, range(1, 3))
+    assert [record["step"] for record in read_metrics(tmp_path)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not JSON"),
+        ('{"loss": 1.0}\n', "line 1 has no integer 'step'"),
+        ('[1, 2]\n{"step": 2}\n', "line 1 has no integer 'step'"),
+    ],
+)
+def test_damaged_metrics_are_reported(tmp_path, content, message):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(MetricsError, match=message):
+        read_metrics(tmp_path)
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(MetricsError, match="resume_step must be a non-negative int"):
+        MetricsWriter(tmp_path, resume_step=-1)
+    with pytest.raises(MetricsError, match="no metrics file"):
+        read_metrics(tmp_path / "absent")
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+def read_scalars(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def test_tensorboard_scalars_match_the_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    log_steps(tmp_path, range(1, 6), tensorboard=True)
+    scalars = read_scalars(tmp_path / "tensorboard", "loss")
+    expected = [(row["step"], row["loss"]) for row in read_metrics(tmp_path)]
+    assert [step for step, _ in scalars] == [step for step, _ in expected]
+    assert np.allclose([v for _, v in scalars], [v for _, v in expected])  # stored as float32
+
+
+def test_tensorboard_resume_purges_the_dead_steps(tmp_path):
+    pytest.importorskip("tensorboard")
+    log_steps(tmp_path, range(1, 9), tensorboard=True)
+    log_steps(tmp_path, range(4, 7), resume_step=3, tensorboard=True)
+    assert [step for step, _ in read_scalars(tmp_path / "tensorboard", "loss")] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
+
+
+def test_missing_tensorboard_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(MissingExtra, match=r"pip install 'minitrain\[tensorboard\]'"):
+        MetricsWriter(tmp_path, tensorboard=True)
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_a_png(tmp_path):
+    with MetricsWriter(tmp_path) as log:
+        for step in range(1, 60):
+            log.write(step, loss=5.0 / step, val_loss=6.0 / step if step % 10 == 0 else None)
+    png = metrics.plot(tmp_path)
+    assert png == tmp_path / "loss.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    custom = metrics.plot(tmp_path, tmp_path / "plots" / "curve.png", keys=("val_loss",))
+    assert custom.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    ("keys", "out", "message"),
+    [
+        (("accuracy",), None, "no numeric values for accuracy"),
+        (None, "curve.svg", "ending in .png"),
+    ],
+)
+def test_plot_mistakes(tmp_path, keys, out, message):
+    log_steps(tmp_path, [1, 2])
+    with pytest.raises(MetricsError, match=message):
+        metrics.plot(tmp_path, tmp_path / out if out else None, keys=keys)
+
+
+def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    log_steps(tmp_path, [1, 2])
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(MissingExtra, match=r"pip install 'minitrain\[plot\]'"):
+        metrics.plot(tmp_path)
+
+
+def test_plot_command(tmp_path):
+    log_steps(tmp_path, range(1, 30))
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["records"] == 29 and summary["last_step"] == 29
+    assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        (None, ["{tmp}/absent"], "is not a directory"),
+        (None, ["{tmp}"], "no metrics file"),
+        ("log", ["{tmp}", "--out", "{tmp}/x.jpg"], "ending in .png"),
+        ("log", ["{tmp}", "--key", "nope"], "no numeric values for nope"),
+    ],
+)
+def test_plot_command_mistakes(tmp_path, setup, args, message):
+    if setup == "log":
+        log_steps(tmp_path, [1, 2])
+    result = CliRunner().invoke(cli, ["plot", *(arg.format(tmp=tmp_path) for arg in args)])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
