@@ -9,6 +9,8 @@ from minitrain.cli import LazyGroup
 # name -> "module:attribute" of a click command; loaded lazily.
 BENCHMARKS: dict[str, str] = {
     "data": "minitrain.bench.data:data",
+    "typecheck": "minitrain.bench.typecheck:typecheck",
+    "hardware": "minitrain.bench.hardware:hardware",
 }
 
 

@@ -15,6 +15,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
+# click >= 8.2 raises this for a group called without a subcommand.
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
 
 class UserError(click.ClickException):
     """A mistake the user can fix: printed as one line ``error: ...``, exit code 2."""
@@ -35,7 +38,7 @@ def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
     """Invoke ``command``; print click usage errors and :class:`UserError` on one line."""
     try:
         command.main(args=argv, standalone_mode=False)
-    except click.exceptions.NoArgsIsHelp as exc:  # pragma: no cover - click >= 8.2
+    except _NO_ARGS_IS_HELP as exc:  # `minitrain` alone: show the help
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(EXIT_USAGE)
     except click.UsageError as exc:
