@@ -1,0 +1,395 @@
+"""Arithmetic intensity and the roofline model (chapter 3.6; JAX Scaling Book, "Rooflines").
+
+An operation doing ``flops`` FLOPs while moving ``bytes`` bytes between memory and the compute
+units has arithmetic intensity ``flops / bytes``. A device with peak ``peak`` FLOP/s and memory
+bandwidth ``bandwidth`` bytes/s has accelerator intensity (the ridge point) ``peak / bandwidth``.
+Assuming compute and transfers overlap perfectly, the op takes
+``max(flops / peak, bytes / bandwidth)`` seconds: it is memory-bound left of the ridge and
+compute-bound right of it, and attains ``min(peak, intensity * bandwidth)`` FLOP/s. Its MFU can
+be at most ``min(1, intensity / ridge)``.
+
+The math here takes plain numbers; :func:`roof` reads them from the hardware registry.
+
+>>> h100 = roof("h100", "bf16")
+>>> round(h100.ridge)
+295
+>>> relu = chapter_ops(n=1024 * 1024)[0]
+>>> relu.name, relu.intensity, place(relu, h100).bound
+('relu', 0.25, 'memory')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from minitrain.accounting.hardware import dtype_name, hardware
+
+__all__ = [
+    "Roof",
+    "Op",
+    "Placement",
+    "roof",
+    "arithmetic_intensity",
+    "accelerator_intensity",
+    "bound",
+    "attainable_flops",
+    "mfu_bound",
+    "predicted_seconds",
+    "chapter_ops",
+    "DTYPE_BYTES",
+    "place",
+    "phases",
+    "profile_records",
+    "StepProfile",
+    "plot",
+]
+
+MEMORY, COMPUTE = "memory", "compute"
+Number = int | float
+
+
+def _non_negative(**values: Number) -> None:
+    for name, value in values.items():
+        if not value >= 0:  # catches NaN too
+            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+
+
+def _positive(**values: Number) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def arithmetic_intensity(flops: Number, bytes_moved: Number) -> float:
+    """FLOPs per byte moved (chapter 3.6.3); inf for an op that moves nothing.
+
+    >>> arithmetic_intensity(flops=1024, bytes_moved=4096)
+    0.25
+    """
+    _non_negative(flops=flops, bytes_moved=bytes_moved)
+    if bytes_moved == 0:
+        return math.inf if flops else math.nan
+    return flops / bytes_moved
+
+
+def accelerator_intensity(peak_flops: Number, bandwidth: Number) -> float:
+    """The ridge point: peak FLOP/s over memory bytes/s (chapter 3.6.3).
+
+    >>> round(accelerator_intensity(989.4e12, 3.35e12))  # H100 SXM, dense bf16
+    295
+    """
+    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    return peak_flops / bandwidth
+
+
+def bound(intensity: Number, ridge: Number) -> str:
+    """``"memory"`` left of the ridge point, ``"compute"`` at or right of it.
+
+    >>> bound(0.25, 295), bound(341, 295)
+    ('memory', 'compute')
+    """
+    _positive(ridge=ridge)
+    return COMPUTE if intensity >= ridge else MEMORY
+
+
+def attainable_flops(intensity: Number, peak_flops: Number, bandwidth: Number) -> float:
+    """The roofline: min(peak, intensity x bandwidth) FLOP/s (Williams et al., 2009).
+
+    >>> attainable_flops(1.0, peak_flops=100.0, bandwidth=10.0)
+    10.0
+    """
+    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    return float(min(peak_flops, intensity * bandwidth))
+
+
+def mfu_bound(intensity: Number, ridge: Number) -> float:
+    """The best MFU an op can reach: min(1, intensity / ridge) (chapter 3.6.6).
+
+    >>> mfu_bound(5.0, 295.0) < 0.02, mfu_bound(341.0, 295.0)
+    (True, 1.0)
+    """
+    _positive(ridge=ridge)
+    return min(1.0, intensity / ridge)
+
+
+def predicted_seconds(
+    flops: Number, bytes_moved: Number, peak_flops: Number, bandwidth: Number
+) -> float:
+    """Time with compute and transfers overlapped: max(FLOPs/peak, bytes/bandwidth) (3.6.2).
+
+    >>> n = 1024 * 1024  # the chapter's ReLU on an H100: transfers dominate
+    >>> f"{predicted_seconds(n, 4 * n, 989.5e12, 3.35e12):.1e}"
+    '1.3e-06'
+    """
+    _non_negative(flops=flops, bytes_moved=bytes_moved)
+    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    return max(flops / peak_flops, bytes_moved / bandwidth)
+
+
+# Bytes per element of each dtype name of the hardware registry.
+DTYPE_BYTES: dict[str, float] = {
+    "fp64": 8,
+    "fp32": 4,
+    "tf32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "int8": 1,
+    "fp4": 0.5,
+}
+
+
+class Roof(NamedTuple):
+    """One device's roofline in one dtype."""
+
+    name: str
+    peak_flops: Number
+    bandwidth: Number
+    source: str = ""
+
+    @property
+    def ridge(self) -> float:
+        """Accelerator intensity, FLOP/byte."""
+        return accelerator_intensity(self.peak_flops, self.bandwidth)
+
+
+def roof(hardware_name: str = "h100", dtype: str = "bf16", *, sparse: bool = False) -> Roof:
+    """The roofline of a registered device (``"cpu"`` is measured here) in ``dtype``.
+
+    >>> roof("a100-80gb", "bf16").peak_flops / 1e12
+    312.0
+    """
+    spec = hardware(hardware_name)
+    name = dtype_name(dtype)
+    label = f"{spec.name} {name}" + (" sparse" if sparse else "")
+    return Roof(label, spec.peak(name, sparse=sparse), spec.memory_bandwidth, spec.source)
+
+
+class Op(NamedTuple):
+    """An operation's work: FLOPs done and bytes moved; ``count`` calls folded together."""
+
+    name: str
+    flops: Number
+    bytes: Number
+    count: int = 1
+
+    @property
+    def intensity(self) -> float:
+        return arithmetic_intensity(self.flops, self.bytes)
+
+
+class Placement(NamedTuple):
+    """An op on a roofline: where it sits and what it can attain."""
+
+    name: str
+    flops: Number
+    bytes: Number
+    count: int
+    intensity: Number
+    bound: str  # "memory", "compute" or "none" (moves and computes nothing)
+    attainable_flops: Number
+    mfu_bound: Number
+    seconds: Number  # predicted: max(flops / peak, bytes / bandwidth)
+
+
+def place(op: Op, on: Roof) -> Placement:
+    """Place ``op`` on roofline ``on``.
+
+    >>> p = place(Op("matmul", flops=2 * 1024**3, bytes=6 * 1024**2), roof("h100", "bf16"))
+    >>> p.bound, round(p.intensity), p.mfu_bound
+    ('compute', 341, 1.0)
+    """
+    intensity = op.intensity
+    seconds = predicted_seconds(op.flops, op.bytes, on.peak_flops, on.bandwidth)
+    if math.isnan(intensity):
+        return Placement(op.name, op.flops, op.bytes, op.count, intensity, "none", 0.0, 0.0, 0.0)
+    return Placement(
+        name=op.name,
+        flops=op.flops,
+        bytes=op.bytes,
+        count=op.count,
+        intensity=intensity,
+        bound=bound(intensity, on.ridge),
+        attainable_flops=attainable_flops(intensity, on.peak_flops, on.bandwidth),
+        mfu_bound=mfu_bound(intensity, on.ridge),
+        seconds=seconds,
+    )
+
+
+def chapter_ops(n: int = 1024, bytes_per_element: Number = 2) -> list[Op]:
+    """The chapter's five operations on size-``n`` operands (table 3.6.4; bf16 by default).
+
+    ReLU and GeLU read and write n values (GeLU at ~20 FLOPs per value); the dot product reads
+    two n-vectors and writes a scalar; matrix-vector reads an n x n matrix and an n-vector and
+    writes an n-vector; matrix-matrix reads two n x n matrices and writes one.
+
+    >>> [round(op.intensity, 2) for op in chapter_ops(n=1024)]
+    [0.25, 5.0, 0.5, 1.0, 341.17]
+    """
+    if n < 1 or not bytes_per_element > 0:
+        raise ValueError(f"n must be >= 1 and bytes_per_element > 0, got {n}, {bytes_per_element}")
+    b = bytes_per_element
+    return [
+        Op("relu", n, 2 * b * n),
+        Op("gelu", 20 * n, 2 * b * n),
+        Op("dot", 2 * n - 1, b * (2 * n + 1)),
+        Op("matvec", n * (2 * n - 1), b * (n * n + 2 * n)),
+        Op("matmul", n * n * (2 * n - 1), 3 * b * n * n),
+    ]
+
+
+class StepProfile(NamedTuple):
+    """Every op of one step placed on a roofline, and the sums."""
+
+    roof: Roof
+    calls: list[Placement]  # one per op call, in order, named "aten.mm (backward)"
+    groups: list[Placement]  # calls folded by name, slowest predicted first
+    flops: float
+    bytes: float
+    predicted_seconds: float  # sum over calls of max(flops / peak, bytes / bandwidth)
+    measured_seconds: float | None
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte of the whole step."""
+        return arithmetic_intensity(self.flops, self.bytes)
+
+    @property
+    def achieved_flops(self) -> float | None:
+        """FLOP/s the step reached on its measured time."""
+        if not self.measured_seconds:
+            return None
+        return self.flops / self.measured_seconds
+
+
+def phases(backward: Sequence[bool]) -> list[str]:
+    """Name each op call by its phase: "forward" before the first backward op, "backward",
+    and "update" after the last one (the optimizer step).
+
+    >>> phases([False, True, True, False])
+    ['forward', 'backward', 'backward', 'update']
+    """
+    marked = [i for i, b in enumerate(backward) if b]
+    first, last = (marked[0], marked[-1]) if marked else (len(backward), len(backward))
+    return [
+        "backward" if b else ("forward" if i < first else "update" if i > last else "forward")
+        for i, b in enumerate(backward)
+    ]
+
+
+def profile_records(
+    records: Iterable[object], on: Roof, measured_seconds: float | None = None
+) -> StepProfile:
+    """Place each op call of a step (records with ``op``, ``flops``, ``bytes_read``,
+    ``bytes_written`` and ``backward``, as :class:`minitrain.accounting.Counter` keeps them)
+    on roofline ``on``.
+
+    >>> from types import SimpleNamespace as R
+    >>> calls = [R(op="aten.mm", flops=2e6, bytes_read=8e4, bytes_written=4e3, backward=False),
+    ...          R(op="aten.mm", flops=2e6, bytes_read=8e4, bytes_written=4e3, backward=True)]
+    >>> p = profile_records(calls, Roof("toy", peak_flops=1e12, bandwidth=1e11))
+    >>> [g.name for g in p.groups], round(p.intensity, 1), p.predicted_seconds
+    (['aten.mm (forward)', 'aten.mm (backward)'], 23.8, 4e-06)
+    """
+    records = list(records)
+    labels = phases([bool(r.backward) for r in records])
+    calls = [
+        place(Op(f"{r.op} ({phase})", r.flops, r.bytes_read + r.bytes_written), on)
+        for r, phase in zip(records, labels, strict=True)
+    ]
+    totals: dict[str, list[float]] = {}
+    for c in calls:
+        total = totals.setdefault(c.name, [0.0, 0.0, 0, 0.0])
+        total[0] += c.flops
+        total[1] += c.bytes
+        total[2] += 1
+        total[3] += c.seconds
+    groups = []
+    for name, (flops, moved, count, seconds) in totals.items():
+        group = place(Op(name, flops, moved, int(count)), on)
+        groups.append(group._replace(seconds=seconds))  # max() is per call: sum the calls
+    groups.sort(key=lambda g: -g.seconds)
+    return StepProfile(
+        roof=on,
+        calls=calls,
+        groups=groups,
+        flops=sum(c.flops for c in calls),
+        bytes=sum(c.bytes for c in calls),
+        predicted_seconds=sum(c.seconds for c in calls),
+        measured_seconds=measured_seconds,
+    )
+
+
+def plot(
+    roofs: Sequence[Roof],
+    placements: Iterable[Placement],
+    path: str,
+    *,
+    title: str = "Roofline",
+    measured: Iterable[tuple[str, float, float]] = (),
+    label_top: int | None = None,
+) -> str:
+    """Draw the log-log roofline of each roof, mark ridge points and place the ops; save PNG.
+
+    Ops sit on the first roof (red: memory-bound, green: compute-bound); ``label_top`` names
+    only the ops with the longest predicted time. ``measured`` adds points ``(label,
+    intensity, achieved FLOP/s)``. Needs matplotlib (``pip install 'minitrain[plot]'``).
+    Returns ``path``.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError(
+            "plotting needs matplotlib; install it with: pip install 'minitrain[plot]'"
+        ) from None
+    if not roofs:
+        raise ValueError("plot needs at least one roof")
+    points = [p for p in placements if math.isfinite(p.intensity) and p.intensity > 0]
+    measured = list(measured)
+    xs = [p.intensity for p in points] + [x for _, x, _ in measured] + [r.ridge for r in roofs]
+    lo, hi = 10 ** math.floor(math.log10(min(xs) / 4)), 10 ** math.ceil(math.log10(max(xs) * 4))
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    for r in roofs:
+        xs_roof = [lo, r.ridge, hi]
+        line = ax.plot(xs_roof, [lo * r.bandwidth, r.peak_flops, r.peak_flops], label=r.name)[0]
+        ax.axvline(r.ridge, color=line.get_color(), linestyle=":", linewidth=1)
+        ax.annotate(
+            f"ridge {r.ridge:.3g} FLOP/B",
+            (r.ridge, r.peak_flops),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=8,
+            color=line.get_color(),
+        )
+    top = roofs[0]
+    ranked = sorted(points, key=lambda p: -p.seconds)
+    labelled = {id(p) for p in ranked[: len(ranked) if label_top is None else label_top]}
+    for p in points:
+        y = attainable_flops(p.intensity, top.peak_flops, top.bandwidth)
+        color = "tab:red" if p.bound == MEMORY else "tab:green"
+        ax.scatter([p.intensity], [y], color=color, zorder=3, s=18, alpha=0.7)
+        if id(p) not in labelled:
+            continue
+        ax.annotate(
+            p.name, (p.intensity, y), textcoords="offset points", xytext=(4, -10), fontsize=7
+        )
+    for label, x, achieved in measured:
+        ax.scatter([x], [achieved], marker="x", color="black", zorder=4)
+        ax.annotate(label, (x, achieved), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("attainable FLOP/s")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,193 @@
+"""``minitrain profile SCRIPT``: every op of a real training step on a roofline.
+
+The step is the one ``minitrain run`` trains with (``make_train_step``): forward, backward and
+the optimizer update. One step runs under :class:`minitrain.accounting.Counter`, which records
+FLOPs and bytes per aten call; each call is placed on the roofline, its time predicted as
+max(FLOPs / peak, bytes / bandwidth), and the sum set against the step time measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from minitrain.cli.errors import UserError
+from minitrain.cli.roofline import placement_record, print_table, roof_line, roof_or_user_error, si
+
+
+def time_step(step: Any, params: Any, opt_state: Any, batch: Any, backend: Any, repeats: int):
+    """Median wall time of ``repeats`` calls of the pure step on the same inputs."""
+    times = []
+    for _ in range(repeats):
+        backend.synchronize()
+        start = time.perf_counter()
+        step(params, opt_state, batch)
+        backend.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_script(
+    script: Path,
+    overrides: dict[str, str],
+    backend_name: str,
+    hardware_name: str,
+    dtype: str | None,
+    seed: int,
+    warmup: int,
+    repeats: int,
+) -> tuple[Any, dict[str, Any], Any]:
+    """Load ``script``, run its step under the counter and time it; return the profile,
+    the experiment's config and the counter."""
+    from minitrain.accounting.counter import Counter
+    from minitrain.accounting.hardware import dtype_name
+    from minitrain.accounting.roofline import profile_records
+    from minitrain.backend import BackendError, get_backend
+    from minitrain.train import ExperimentError, load_experiment, make_train_step
+    from minitrain.train.loop import run_generators, to_backend
+
+    try:
+        experiment, config = load_experiment(script, overrides)
+        backend = get_backend(backend_name)
+    except (ExperimentError, BackendError) as exc:
+        raise UserError(str(exc)) from None
+    on = roof_or_user_error(hardware_name, dtype or dtype_name(str(backend.compute_dtype)))
+    init_generator, data_generator = run_generators(seed)
+    params = to_backend(experiment.init(init_generator), backend)
+    opt_state = experiment.optimizer.init(params)
+    batch = backend.to_device(experiment.next_batch(data_generator))
+    step = make_train_step(experiment, backend)
+    for _ in range(warmup):  # first calls pay for lazy initialization
+        params, opt_state, *_ = step(params, opt_state, batch)
+    measured = time_step(step, params, opt_state, batch, backend, repeats)
+    with Counter(track_memory=False) as counter:
+        step(params, opt_state, batch)
+    return profile_records(counter.records, on, measured), config, counter
+
+
+@click.command()
+@click.argument("script", type=click.Path(path_type=Path))
+@click.option("--hardware", "hardware_name", default="cpu", help="Roof: cpu (measured) or a GPU.")
+@click.option("--dtype", default=None, help="Peak of this dtype [default: the backend's].")
+@click.option("--backend", "backend_name", default="cpu", help="Backend the step runs on.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override CONFIG.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, help="Untimed steps first.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, help="Timed steps (median).")
+@click.option("--top", type=click.IntRange(min=1), default=15, help="Rows of the op table.")
+@click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Draw the roofline.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def profile(
+    script: Path,
+    hardware_name: str,
+    dtype: str | None,
+    backend_name: str,
+    overrides: tuple[str, ...],
+    seed: int,
+    warmup: int,
+    repeats: int,
+    top: int,
+    plot_path: str | None,
+    as_json: bool,
+) -> None:
+    """Place every op of one training step of SCRIPT on a roofline (see examples/linreg.py)."""
+    from minitrain.accounting.roofline import plot
+    from minitrain.train import ExperimentError
+    from minitrain.train.experiment import parse_overrides
+
+    try:
+        parsed = parse_overrides(overrides)
+    except ExperimentError as exc:
+        raise UserError(str(exc)) from None
+    result, config, counter = profile_script(
+        script, parsed, backend_name, hardware_name, dtype, seed, warmup, repeats
+    )
+    if plot_path is not None:
+        achieved = result.achieved_flops
+        measured = [("whole step, measured", result.intensity, achieved)] if achieved else []
+        try:
+            plot(
+                [result.roof],
+                result.groups,
+                plot_path,
+                title=f"{script.name}: one training step on {result.roof.name}",
+                measured=measured,
+                label_top=8,
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(_record(script, config, result, counter, plot_path), indent=2))
+        return
+    _print(script, result, counter, top)
+    if plot_path is not None:
+        click.echo(f"wrote {plot_path}")
+
+
+def _record(script: Path, config: dict, result: Any, counter: Any, plot_path: str | None) -> dict:
+    r = result.roof
+    return {
+        "script": str(script),
+        "config": config,
+        "roof": {
+            "name": r.name,
+            "peak_flops": r.peak_flops,
+            "bandwidth": r.bandwidth,
+            "accelerator_intensity": r.ridge,
+            "source": r.source,
+        },
+        "flops": result.flops,
+        "bytes": result.bytes,
+        "intensity": result.intensity,
+        "predicted_seconds": result.predicted_seconds,
+        "measured_seconds": result.measured_seconds,
+        "achieved_flops": result.achieved_flops,
+        "unknown_ops": dict(counter.unknown),
+        "ops": [placement_record(g) for g in result.groups],
+        "calls": [placement_record(c) for c in result.calls],
+        "plot": plot_path,
+    }
+
+
+def _print(script: Path, result: Any, counter: Any, top: int) -> None:
+    click.echo(roof_line(result.roof))
+    columns = ["op (phase)", "calls", "FLOPs", "bytes", "FLOP/byte", "bound", "predicted"]
+    moving = [g for g in result.groups if g.bound != "none"]
+    rows = [
+        [
+            g.name.removeprefix("aten."),
+            str(g.count),
+            f"{g.flops:.4g}",
+            f"{g.bytes:.4g}",
+            f"{g.intensity:.3g}",
+            g.bound,
+            si(g.seconds, "s"),
+        ]
+        for g in moving[:top]
+    ]
+    title = f"{script.name}: {len(result.calls)} op calls in one step, slowest predicted first"
+    if len(moving) > top:
+        title += f" (top {top} of {len(moving)})"
+    print_table(title, columns, rows)
+    views = sum(g.count for g in result.groups if g.bound == "none")
+    if views:
+        click.echo(f"{views} view op calls moved no bytes and did no FLOPs (not shown)")
+    ratio = result.measured_seconds / result.predicted_seconds if result.predicted_seconds else 0
+    click.echo(
+        f"step: {result.flops:.4g} FLOPs, {result.bytes:.4g} bytes, "
+        f"{result.intensity:.3g} FLOP/byte; predicted {si(result.predicted_seconds, 's')} "
+        f"(sum of per-op roofline times), measured {si(result.measured_seconds, 's')} "
+        f"(median) = {ratio:.3g}x predicted"
+    )
+    if ratio > 10:
+        click.echo(
+            "the gap is per-op overhead (Python, dispatch, kernel launch) that a roofline does "
+            "not model: ops this small cannot fill the machine"
+        )
+    if counter.unknown:
+        click.echo(f"ops without a FLOP formula (counted as 0): {dict(counter.unknown)}")
