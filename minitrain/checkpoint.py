@@ -71,7 +71,7 @@ STATE_FILE = "state.json"
 CHECKPOINTS = "checkpoints"
 _STEP_NAME = re.compile(r"step-(\d{8})")
 _MAX_STATE_BYTES = 64 * 2**20
-_SCALAR_TYPES = (bool, int, float, str)
+_SCALAR_TYPES = (bool, int, float, str, type(None))
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def _split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tens
         else:
             raise CheckpointError(
                 f"{label} leaf {name!r} is a {type(leaf).__name__}; checkpoints hold tensors "
-                "and plain bool/int/float/str leaves only"
+                "and plain bool/int/float/str/None leaves only"
             )
     return tensors, scalars
 

@@ -31,6 +31,7 @@ class AdamLikeState(NamedTuple):
     step: int
     mu: dict
     nu: dict
+    max_nu: dict | None = None
 
 
 def make_params(seed: int = 0) -> dict:
@@ -109,7 +110,7 @@ def test_tensors_are_stored_by_tree_names_in_plain_safetensors(tmp_path):
     assert sorted(stored) == sorted(name for name, _ in mt.tree.named_leaves(params))
     assert torch.equal(stored["layers.0.weight"], params["layers"][0]["weight"])
     state = json.loads((path / "state.json").read_text())
-    assert state["scalars"]["opt_state"] == {"step": 3}
+    assert state["scalars"]["opt_state"] == {"step": 3, "max_nu": None}
     assert state["versions"]["torch"] == torch.__version__
     for name in ("params.safetensors", "opt_state.safetensors"):
         assert state["files"][name]["bytes"] == (path / name).stat().st_size
@@ -132,6 +133,22 @@ def test_round_trip_property(tmp_path_factory, shapes, dtype, scalar):
     loaded = checkpoint.load(path, mt.tree.zeros_like(params), {**opt_state, "count": scalar})
     assert_bit_equal(loaded.params, params)
     assert_bit_equal(loaded.opt_state, opt_state)
+
+
+def test_adamw_state_round_trip_continues_identically(tmp_path):
+    opt = mt.optim.adamw(lr=mt.optim.cosine_schedule(1e-2, decay_steps=10, warmup_steps=2))
+    params = make_params()
+    params = {"w": params["layers"][0]["weight"], "b": params["layers"][0]["bias"]}
+    grads = mt.tree.map(torch.ones_like, params)
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = opt.update(grads, state, params)
+    path = checkpoint.save(tmp_path, 3, params, state)
+    loaded = checkpoint.load(path, mt.tree.zeros_like(params), opt.init(params))
+    assert_bit_equal(loaded.opt_state, state)
+    expected, _ = opt.update(grads, state, params)
+    resumed, _ = opt.update(grads, loaded.opt_state, loaded.params)
+    assert_bit_equal(resumed, expected)
 
 
 def test_tied_and_view_leaves_are_saved(tmp_path):
