@@ -286,8 +286,9 @@ class Counter:
     Results: ``flops`` (all ops with a formula), ``matmul_flops`` (the ``FlopCounterMode``
     subset), ``bytes_read``, ``bytes_written``, ``by_op`` and ``by_module`` (name ->
     :class:`OpTotals`), ``unknown`` (op -> calls with no FLOP formula), ``records``,
-    ``peak_bytes``, ``live_bytes`` and ``backward_start_live_bytes`` (live bytes when the
-    first backward op ran: params, state, batch and the saved activations).
+    ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes`` (live bytes when the
+    first backward op ran: params, state, batch and the saved activations) and
+    ``forward_matmul_inputs`` (storage address -> bytes of each forward matmul operand).
 
     >>> import torch
     >>> with Counter() as c:
@@ -311,6 +312,7 @@ class Counter:
     unknown: dict[str, int] = field(default_factory=dict)
     records: list[OpRecord] = field(default_factory=list)
     backward_start_live_bytes: int | None = None
+    forward_matmul_inputs: dict[int, int] = field(default_factory=dict)
     _live: _LiveStorages = field(default_factory=_LiveStorages, repr=False)
     _tracker: ModuleTracker | None = field(default=None, repr=False)
     _mode: _Mode | None = field(default=None, repr=False)
@@ -404,6 +406,10 @@ class Counter:
             self.by_module[parent].add(record)
             if record.is_matmul:
                 self.matmul_by_module[parent][name] += record.flops
+        if record.is_matmul and not backward:
+            for t in inputs:
+                key = t.untyped_storage().data_ptr()
+                self.forward_matmul_inputs.setdefault(key, _unique_bytes(t))
         if self.keep_records:
             self.records.append(record)
 
