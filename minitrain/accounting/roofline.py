@@ -265,8 +265,8 @@ class StepProfile(NamedTuple):
 
 
 def phases(backward: Sequence[bool]) -> list[str]:
-    """Name each op call by its phase: "forward" before the first backward op, "backward",
-    and "update" after the last one (the optimizer step).
+    """Name each op call by its phase: "forward" before the first backward op, "backward" up
+    to the last one, "update" after it (the optimizer step).
 
     >>> phases([False, True, True, False])
     ['forward', 'backward', 'backward', 'update']
@@ -274,8 +274,8 @@ def phases(backward: Sequence[bool]) -> list[str]:
     marked = [i for i, b in enumerate(backward) if b]
     first, last = (marked[0], marked[-1]) if marked else (len(backward), len(backward))
     return [
-        "backward" if b else ("forward" if i < first else "update" if i > last else "forward")
-        for i, b in enumerate(backward)
+        "forward" if i < first else "update" if i > last else "backward"
+        for i in range(len(backward))
     ]
 
 
