@@ -114,8 +114,8 @@ def cruncher(params: dict, x: Float[Tensor, "batch dim"]) -> Float[Tensor, " bat
     tensor([0., 0., 0., 0., 0.])
     """
     for layer in params["layers"]:
-        x = linear(layer, x)
-    return linear(params["final"], x).squeeze(-1)
+        x = _matmul(x, layer["weight"])
+    return _matmul(x, params["final"]["weight"]).squeeze(-1)
 
 
 def cruncher_param_count(dim: int, num_layers: int) -> int:
