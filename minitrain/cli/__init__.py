@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "run": "minitrain.cli.run:run",
     "backends": "minitrain.cli.run:backends",
     "bench": "minitrain.cli.bench:bench",
+    "estimate": "minitrain.cli.estimate:estimate",
+    "hardware": "minitrain.cli.hardware:hardware",
     "prepare": "minitrain.cli.prepare:prepare",
     "plot": "minitrain.cli.plot:plot",
 }

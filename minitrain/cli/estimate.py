@@ -1,0 +1,233 @@
+"""``minitrain estimate ...``: napkin math from the shell (chapter 3.1), no torch needed."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import click
+
+from minitrain.cli.errors import UserError
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+class Quantity(click.ParamType):
+    """A positive number: ``70e9``, ``70B``, ``15T``, ``1.5k``."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().replace("_", "").replace(",", "")
+        match = re.fullmatch(r"([0-9.]+(?:e[+-]?\d+)?)([kmbgtp]?)", text, flags=re.IGNORECASE)
+        if match is None:
+            self.fail(f"{value!r} is not a number; write e.g. 70e9 or 70B", param, ctx)
+        number = float(match.group(1)) * _SUFFIXES.get(match.group(2).lower(), 1.0)
+        if number <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return number
+
+
+QUANTITY = Quantity()
+
+
+def _emit(result: dict[str, Any], lines: list[str], as_json: bool) -> None:
+    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(lines))
+
+
+def _si(value: float, unit: str = "") -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.4g} {prefix}{unit}".rstrip()
+    return f"{value:.4g} {unit}".rstrip()
+
+
+def _accounting_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+@click.group()
+def estimate() -> None:
+    """Napkin math: time to train, memory and max params, transformer presets."""
+
+
+@estimate.command("time")
+@click.option("--params", type=QUANTITY, required=True, help="Parameters N (70e9 or 70B).")
+@click.option("--tokens", type=QUANTITY, required=True, help="Training tokens D (15e12 or 15T).")
+@click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
+@click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5,
+              help="Model FLOPs utilization (0.3-0.6 is realistic).")
+@click.option("--dtype", default="bf16", help="Dtype of the dense peak (bf16, fp32, fp8...).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: float, dtype: str,
+          as_json: bool) -> None:
+    """Time to train N params on D tokens: 6·N·D over peak × MFU × GPUs (chapter 3.1.1)."""
+    from minitrain import accounting as acc
+
+    spec = _accounting_call(acc.hardware, hardware_name)
+    peak = _accounting_call(spec.peak, dtype)
+    flops = acc.training_flops(params, tokens)
+    throughput = acc.effective_throughput(spec, gpus=gpus, mfu=mfu, dtype=dtype)
+    seconds = flops / throughput
+    rounded = acc.round_significant(throughput, 1)
+    result = {
+        "params": params,
+        "tokens": tokens,
+        "flops": flops,
+        "hardware": spec.name,
+        "dtype": acc.dtype_name(dtype),
+        "peak_flops_per_gpu": peak,
+        "gpus": gpus,
+        "mfu": mfu,
+        "effective_flops_per_second": throughput,
+        "seconds": seconds,
+        "days": seconds / acc.SECONDS_PER_DAY,
+        "rounded_flops_per_second": rounded,
+        "days_at_rounded_throughput": flops / rounded / acc.SECONDS_PER_DAY,
+    }
+    lines = [
+        f"1. total work   6 × N × D = 6 × {params:.3g} × {tokens:.3g} = {flops:.3g} FLOPs",
+        f"2. throughput   {spec.description}: dense {result['dtype']} peak "
+        f"{_si(peak, 'FLOP/s')} × MFU {mfu:g} × {gpus} GPUs = {throughput:.3g} FLOP/s",
+        f"3. time         {flops:.3g} / {throughput:.3g} = {seconds:.3g} s "
+        f"= {result['days']:.1f} days",
+        f"   (rounding the throughput to {rounded:.0e} FLOP/s, as napkin math does: "
+        f"{result['days_at_rounded_throughput']:.1f} days)",
+    ]
+    _emit(result, lines, as_json)
+
+
+@estimate.command("memory")
+@click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
+@click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
+@click.option("--optimizer", default="adamw",
+              help="sgd, momentum, adagrad, rmsprop, adam, adamw.")
+@click.option("--precision", default="fp32", help="fp32, bf16-mixed, amp, bf16.")
+@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
+              help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
+                   "assumption).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def memory(hardware_name: str, gpus: int, optimizer: str, precision: str, zero_stage: int,
+           as_json: bool) -> None:
+    """Bytes per parameter and the largest model that fits (chapter 3.1.2)."""
+    from minitrain import accounting as acc
+
+    spec = _accounting_call(acc.hardware, hardware_name)
+    chosen = _accounting_call(acc.bytes_per_param, optimizer, precision)
+    table = {
+        name: acc.bytes_per_param(name, precision)._asdict() | {
+            "total": acc.bytes_per_param(name, precision).total
+        }
+        for name in acc.OPTIMIZER_STATES
+    }
+    by_stage = {
+        stage: acc.max_params(spec, optimizer=optimizer, precision=precision, gpus=gpus,
+                              zero_stage=stage)
+        for stage in range(4)
+    }
+    result = {
+        "hardware": spec.name,
+        "gpus": gpus,
+        "memory_bytes_per_gpu": spec.memory_bytes,
+        "total_memory_bytes": spec.memory_bytes * gpus,
+        "optimizer": optimizer,
+        "precision": precision,
+        "zero_stage": zero_stage,
+        "bytes_per_param": chosen._asdict() | {"total": chosen.total},
+        "table": table,
+        "max_params": by_stage[zero_stage],
+        "max_params_by_zero_stage": {str(stage): n for stage, n in by_stage.items()},
+    }
+    header = f"{'optimizer':<10}{'params':>8}{'grads':>8}{'state':>8}{'master':>8}{'total':>8}"
+    lines = [f"bytes per parameter, precision {precision}:", header]
+    for name, row in table.items():
+        mark = " <" if name == optimizer.lower() else ""
+        lines.append(
+            f"{name:<10}{row['params']:>8}{row['grads']:>8}{row['optimizer_state']:>8}"
+            f"{row['master_weights']:>8}{row['total']:>8}{mark}"
+        )
+    lines += [
+        "",
+        f"{gpus} × {spec.description}: {_si(spec.memory_bytes * gpus, 'B')} in all",
+        f"largest model ({optimizer}, ZeRO stage {zero_stage}): "
+        f"{_si(by_stage[zero_stage])} params (activations not included)",
+        "by ZeRO stage: " + ", ".join(f"{s}: {_si(n)}" for s, n in by_stage.items()),
+    ]
+    _emit(result, lines, as_json)
+
+
+@estimate.command("transformer")
+@click.option("--preset", "preset_name", required=True,
+              help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b, llama3-8b/70b/405b.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, help="Sequences per device.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None,
+              help="Context length (default: the preset's).")
+@click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
+@click.option("--optimizer", default="adamw", help="sgd, momentum, adagrad, rmsprop, adam, adamw.")
+@click.option("--precision", default="bf16-mixed", help="fp32, bf16-mixed, amp, bf16.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
+@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
+@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
+              help="Activation recomputation (Korthikanti et al. 2022).")
+@click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
+@click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5, help="For time.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float | None,
+                optimizer: str, precision: str, gpus: int, zero_stage: int, recompute: str,
+                hardware_name: str, mfu: float, as_json: bool) -> None:
+    """Params, FLOPs per token and per step, and memory per device of a transformer preset."""
+    from minitrain import accounting as acc
+
+    config = _accounting_call(acc.preset, preset_name)
+    spec = _accounting_call(acc.hardware, hardware_name)
+    context = seq_len or config.seq_len
+    n_params = acc.transformer_params(config)
+    per_token = acc.transformer_flops_per_token(config, seq_len=context)
+    mem = _accounting_call(
+        acc.transformer_memory, config, batch=batch, seq_len=context, optimizer=optimizer,
+        precision_name=precision, gpus=gpus, zero_stage=zero_stage, recompute=recompute,
+    )
+    result: dict[str, Any] = {
+        "preset": config.name,
+        "source": config.source,
+        "params": n_params,
+        "matmul_params": acc.transformer_matmul_params(config),
+        "seq_len": context,
+        "flops_per_token_6n": 6.0 * n_params,
+        "flops_per_token": per_token,
+        "flops_per_step": per_token * batch * context * gpus,
+        "memory_per_gpu": mem._asdict() | {"total": mem.total},
+        "fits": mem.total <= spec.memory_bytes,
+        "hardware": spec.name,
+    }
+    lines = [
+        f"{config.name}: {config.num_layers} layers, d={config.hidden}, {config.heads} heads, "
+        f"vocab {config.vocab}, context {context}  [{config.source}]",
+        f"params              {n_params:,} ({_si(n_params)})",
+        f"FLOPs per token     6·N = {6.0 * n_params:.3g}; with attention "
+        f"(6·N_matmul + 12·L·d·T) = {per_token:.3g}",
+        f"FLOPs per step      {result['flops_per_step']:.3g} "
+        f"({batch} × {context} tokens × {gpus} GPUs)",
+        f"memory per GPU      {_si(mem.total, 'B')}: params {_si(mem.params, 'B')}, grads "
+        f"{_si(mem.grads, 'B')}, optimizer {_si(mem.optimizer_state + mem.master_weights, 'B')}, "
+        f"activations {_si(mem.activations, 'B')} (recompute {recompute})",
+        f"fits on {spec.name}      {'yes' if result['fits'] else 'no'} "
+        f"({_si(spec.memory_bytes, 'B')})",
+    ]
+    if tokens is not None:
+        total = per_token * tokens
+        seconds = acc.training_time(total, hardware=spec, gpus=gpus, mfu=mfu)
+        result |= {"tokens": tokens, "training_flops": total, "seconds": seconds,
+                   "days": seconds / acc.SECONDS_PER_DAY}
+        lines.append(
+            f"training            {total:.3g} FLOPs on {tokens:.3g} tokens: "
+            f"{result['days']:.1f} days on {gpus} × {spec.name} at MFU {mfu:g}"
+        )
+    _emit(result, lines, as_json)

@@ -1,0 +1,44 @@
+"""``minitrain hardware``: the accelerator registry, and this machine's CPU measured."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from minitrain.cli.errors import UserError
+
+
+@click.command()
+@click.argument("name", required=False)
+@click.option("--measure", is_flag=True, help="Measure the CPU again instead of the cache.")
+@click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
+def hardware(name: str | None, measure: bool, as_json: bool) -> None:
+    """List accelerators (peak FLOP/s dense and sparse, memory, bandwidth, source), or NAME."""
+    from minitrain import accounting as acc
+
+    if measure:
+        acc.measure_cpu(refresh=True)
+    try:
+        names = [name] if name else acc.hardware_names()
+        specs = [acc.hardware(n) for n in names]
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if as_json:
+        records = [spec.to_dict() | {"intensity_bf16": spec.intensity("bf16")} for spec in specs]
+        click.echo(json.dumps(records if name is None else records[0], indent=2))
+        return
+    header = (f"{'name':<11}{'bf16 dense':>12}{'bf16 sparse':>13}{'fp32':>10}{'memory':>9}"
+              f"{'bandwidth':>11}{'FLOP/B':>8}")
+    click.echo(header)
+    for spec in specs:
+        sparse = spec.sparse_flops.get("bf16")
+        click.echo(
+            f"{spec.name:<11}{spec.peak('bf16') / 1e12:>10.1f} T"
+            f"{'-' if sparse is None else f'{sparse / 1e12:.1f} T':>13}"
+            f"{spec.peak('fp32') / 1e12:>8.1f} T{spec.memory_bytes / 1e9:>7.0f} G"
+            f"{spec.memory_bandwidth / 1e12:>8.2f} T/s{spec.intensity('bf16'):>8.0f}"
+        )
+    click.echo("")
+    for spec in specs:
+        click.echo(f"{spec.name}: {spec.description}. {spec.source}")
