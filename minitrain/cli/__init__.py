@@ -22,6 +22,9 @@ COMMANDS: dict[str, str] = {
     "hardware": "minitrain.cli.hardware:hardware",
     "prepare": "minitrain.cli.prepare:prepare",
     "plot": "minitrain.cli.plot:plot",
+    "formats": "minitrain.cli.formats:formats",
+    "roofline": "minitrain.cli.roofline:roofline",
+    "profile": "minitrain.cli.profile:profile",
 }
 
 

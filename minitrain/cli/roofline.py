@@ -51,8 +51,8 @@ def placement_record(p: Any) -> dict[str, Any]:
     }
 
 
-def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    """Print a right-aligned table with rich."""
+def print_table(title: str, columns: list[str], rows: list[list[str]], width: int = 120) -> None:
+    """Print a right-aligned table with rich, at least ``width`` characters wide."""
     from rich.console import Console
     from rich.table import Table
 
@@ -62,7 +62,7 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     for row in rows:
         table.add_row(*row)
     console = Console()
-    Console(width=max(console.width, 120)).print(table)
+    Console(width=max(console.width, width)).print(table)
 
 
 def roof_line(r: Any) -> str:

@@ -1,0 +1,104 @@
+"""``minitrain formats``: the number formats from fp32 down to NVFP4, side by side."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import click
+
+from minitrain.cli.errors import UserError
+from minitrain.cli.roofline import print_table
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}" if math.isfinite(value) else str(value)
+
+
+def spec_record(name: str) -> dict[str, Any]:
+    """A format's spec as a JSON-friendly dict, storage bits per element included."""
+    from minitrain.formats import spec
+
+    s = spec(name)
+    record = {k: v for k, v in s.__dict__.items()}
+    record["bits_per_element"] = s.bits_per_element
+    return record
+
+
+def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
+    """Error statistics of a format on 65536 Gaussian samples of standard deviation ``std``
+    (their magnitudes for an unsigned format)."""
+    import torch
+
+    from minitrain.formats import error_stats, spec
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 256, generator=generator) * std
+    return error_stats(x if spec(name).signed else x.abs(), name)._asdict()
+
+
+@click.command()
+@click.option("--values", "values_of", default=None, metavar="FORMAT", help="List every code.")
+@click.option("--stats", is_flag=True, help="Add error statistics on Gaussian samples.")
+@click.option("--std", type=float, default=1.0, help="Standard deviation of the samples.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed of the samples.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: bool) -> None:
+    """Number formats: bits, range, precision and encodings (fp32 ... fp4, MX and NVFP4)."""
+    from minitrain import formats as fmt
+
+    if values_of is not None:
+        try:
+            codes = fmt.values(values_of)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        _print_values(values_of, codes, as_json)
+        return
+    if not (std > 0 and math.isfinite(std)):
+        raise UserError(f"--std must be a positive number, got {std}")
+    records = [spec_record(name) for name in fmt.names()]
+    if stats:
+        for record in records:
+            record["stats"] = stats_record(record["name"], std, seed)
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    columns = ["format", "bits", "E", "M", "bias", "max", "min normal", "min subnormal", "eps"]
+    columns += ["inf", "NaN", "block", "bits/elem"]
+    if stats:
+        columns += ["rel. error", "underflow", "overflow"]
+    rows = []
+    for r in records:
+        row = [
+            r["name"],
+            str(r["bits"]),
+            str(r["exponent_bits"]),
+            str(r["mantissa_bits"]),
+            str(r["bias"]),
+            _number(r["max"]),
+            _number(r["min_normal"]),
+            _number(r["min_subnormal"]),
+            _number(r["epsilon"]),
+            "yes" if r["inf"] else "-",
+            "yes" if r["nan"] else "-",
+            f"{r['block_size']} x {r['scale_format']}" if r["block_size"] else "-",
+            f"{r['bits_per_element']:g}",
+        ]
+        if stats:
+            s = r["stats"]
+            row += [f"{s['rel_error']:.2e}", f"{s['underflow']:.2%}", f"{s['overflow']:.2%}"]
+        rows.append(row)
+    title = "number formats" + (f"; errors on N(0, {std:g}²) samples" if stats else "")
+    print_table(title, columns, rows, width=170)
+
+
+def _print_values(name: str, codes: list[tuple[int, float]], as_json: bool) -> None:
+    from minitrain.formats import spec
+
+    bits = spec(name).bits
+    if as_json:
+        click.echo(json.dumps([{"code": c, "value": v} for c, v in codes], indent=2))
+        return
+    rows = [[f"{c:0{bits}b}", f"{c}", f"{v:g}"] for c, v in codes]
+    print_table(f"{name}: all {len(codes)} codes", ["bits", "code", "value"], rows)
