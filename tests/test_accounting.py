@@ -1,0 +1,262 @@
+"""Napkin math and the hardware registry against the chapter's and published figures."""
+
+import dataclasses
+import importlib
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minitrain as mt
+from minitrain import accounting as acc
+
+DAY = 86_400
+
+
+# --- the chapter's scenarios (3.1) ---------------------------------------------------------
+
+
+def test_scenario_1_six_n_d():
+    assert acc.training_flops(params=70e9, tokens=15e12) == pytest.approx(6.3e24, rel=1e-12)
+
+
+def test_scenario_1_days_at_the_exact_peak_and_at_the_chapters_rounding():
+    flops = acc.training_flops(params=70e9, tokens=15e12)
+    days = acc.training_time(flops, hardware="h100", gpus=1024, mfu=0.5) / DAY
+    assert days == pytest.approx(6.3e24 / (989.4e12 * 0.5 * 1024) / DAY)
+    assert round(days) == 144
+    rounded = acc.round_significant(acc.effective_throughput("h100", gpus=1024, mfu=0.5))
+    assert rounded == 5e17
+    assert round(flops / rounded / DAY) == 146
+
+
+def test_scenario_2_forty_billion_params_on_eight_h100():
+    assert acc.bytes_per_param("adamw", "fp32").total == 16
+    largest = acc.max_params("h100", optimizer="adamw", precision="fp32", gpus=8)
+    assert abs(largest - 40e9) <= 1e9
+    assert largest == pytest.approx(8 * 80e9 / 16)
+
+
+def test_bytes_per_param_by_optimizer_and_precision():
+    fp32 = {name: acc.bytes_per_param(name, "fp32").total for name in acc.OPTIMIZER_STATES}
+    assert fp32 == {"sgd": 8, "momentum": 12, "adagrad": 12, "rmsprop": 12, "adam": 16,
+                    "adamw": 16}
+    # ZeRO paper section 3.1: mixed-precision Adam is 2 + 2 + 12 = 16 bytes per parameter.
+    mixed = acc.bytes_per_param("adam", "bf16-mixed")
+    assert (mixed.params, mixed.grads, mixed.optimizer_state + mixed.master_weights) == (2, 2, 12)
+    assert acc.bytes_per_param("adamw", "bf16").total == 8
+
+
+def test_zero_stages_follow_the_zero_paper_figure_1():
+    # Rajbhandari et al. 2020, figure 1: 7.5B params, 64 GPUs, K = 12: 120, 31.4, 16.6, 1.9 GB.
+    per_param = acc.bytes_per_param("adam", "bf16-mixed")
+    gb = [7.5e9 * acc.per_device_bytes_per_param(per_param, 64, s) / 1e9 for s in range(4)]
+    assert gb == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.06)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    optimizer=st.sampled_from(sorted(acc.OPTIMIZER_STATES)),
+    precision=st.sampled_from(sorted(acc.PRECISIONS)),
+    gpus=st.integers(1, 4096),
+)
+def test_zero_sharding_never_costs_more_and_stage_3_divides_everything(optimizer, precision,
+                                                                      gpus):
+    per_param = acc.bytes_per_param(optimizer, precision)
+    stages = [acc.per_device_bytes_per_param(per_param, gpus, s) for s in range(4)]
+    assert stages[0] == per_param.total
+    assert all(a >= b for a, b in zip(stages, stages[1:], strict=False))
+    assert stages[3] == pytest.approx(per_param.total / gpus)
+    breakdown = acc.training_memory(1e6, optimizer=optimizer, precision=precision, gpus=gpus,
+                                    zero_stage=3)
+    assert breakdown.total == pytest.approx(1e6 * stages[3])
+
+
+def test_cruncher_memory_is_the_chapters_formula():
+    batch, dim, layers = 256, 1024, 8
+    params = mt.tree.size(mt.models.cruncher_init(dim, layers, generator=mt.rng.generator(0)))
+    assert acc.cruncher_params(dim, layers) == params == dim * dim * layers + dim
+    assert acc.cruncher_activations(batch, dim, layers) == batch * dim * layers
+    memory = acc.cruncher_memory(batch, dim, layers, optimizer="adagrad")
+    num_gradients = num_optimizer_states = params
+    assert memory.total == 4 * (params + batch * dim * layers + num_gradients
+                                + num_optimizer_states)
+
+
+def test_cruncher_exact_flops_drop_the_first_layers_input_gradient():
+    batch, dim, layers = 256, 1024, 8
+    params = acc.cruncher_params(dim, layers)
+    assert acc.cruncher_flops(batch, dim, layers, input_grad=True) == 6 * batch * params
+    assert acc.cruncher_flops(batch, dim, layers) == 6 * batch * params - 2 * batch * dim * dim
+    assert acc.cruncher_flops(4, 16, 0) == 6 * 4 * 16 - 2 * 4 * 16  # linear regression
+
+
+# --- published figures --------------------------------------------------------------------
+
+
+def test_gpt3_training_flops_within_one_percent_of_reported():
+    # Brown et al. 2020, table D.1: GPT-3 175B, 300B tokens, 3.14e23 FLOPs.
+    params = acc.transformer_params(acc.preset("gpt3-175b"))
+    assert params == pytest.approx(175e9, rel=0.01)
+    assert acc.training_flops(params, 300e9) == pytest.approx(3.14e23, rel=0.01)
+
+
+def test_llama3_405b_training_flops_within_one_percent_of_reported():
+    # Llama 3 Herd of Models: 405B params, 15.6T tokens, 3.8e25 FLOPs.
+    params = acc.transformer_params(acc.preset("llama3-405b"))
+    assert params == pytest.approx(405e9, rel=0.01)
+    assert acc.training_flops(params, 15.6e12) == pytest.approx(3.8e25, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [  # parameter counts Hugging Face reports for these checkpoints
+        ("gpt2", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+    ],
+)
+def test_preset_params_match_published_checkpoints(name, published):
+    assert acc.transformer_params(acc.preset(name)) == published
+
+
+def test_flops_per_token_add_the_attention_term_to_six_n():
+    # PaLM appendix B: 6N + 12·L·H·Q·T.
+    config = acc.preset("gpt3-175b")
+    attention = 12 * config.num_layers * config.hidden * config.seq_len
+    per_token = acc.transformer_flops_per_token(config)
+    assert per_token == 6 * acc.transformer_matmul_params(config) + attention
+    assert per_token == pytest.approx(6 * acc.transformer_params(config) + attention, rel=0.01)
+    assert acc.transformer_flops_per_token(config, training=False) == per_token / 3
+
+
+def test_korthikanti_activation_formulas():
+    s, b, h, a, L = 2048, 4, 12288, 96, 96
+    none = acc.transformer_activation_bytes(seq_len=s, batch=b, hidden=h, heads=a, num_layers=L)
+    assert none == L * s * b * h * (34 + 5 * a * s / h)  # eq. 1
+    selective = acc.transformer_activation_bytes(seq_len=s, batch=b, hidden=h, heads=a,
+                                                 num_layers=L, recompute="selective")
+    assert selective == L * 34 * s * b * h
+    full = acc.transformer_activation_bytes(seq_len=s, batch=b, hidden=h, heads=a, num_layers=L,
+                                            recompute="full")
+    assert full == L * 2 * s * b * h
+    tp = acc.transformer_activation_bytes(seq_len=s, batch=b, hidden=h, heads=a, num_layers=L,
+                                          tensor_parallel=8)
+    assert tp == L * s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))  # eq. 2
+    sp = acc.transformer_activation_bytes(seq_len=s, batch=b, hidden=h, heads=a, num_layers=L,
+                                          tensor_parallel=8, sequence_parallel=True)
+    assert sp == pytest.approx(none / 8)  # eq. 4
+
+
+# --- hardware -----------------------------------------------------------------------------
+
+
+def test_h100_accelerator_intensity_is_about_295():
+    h100 = acc.hardware("h100")
+    assert h100.peak("bf16") == 989.4e12 and h100.memory_bandwidth == 3.35e12
+    assert h100.intensity("bf16") == pytest.approx(295, abs=1)
+
+
+def test_dense_and_sparse_peaks_are_kept_apart():
+    h100 = acc.hardware("h100")
+    assert h100.peak("bf16", sparse=True) == pytest.approx(1979e12, rel=1e-3)  # the whitepaper
+    for name in acc.hardware_names():
+        if name == "cpu":
+            continue
+        spec = acc.hardware(name)
+        assert spec.source
+        for dtype, sparse in spec.sparse_flops.items():
+            assert sparse == 2 * spec.peak_flops[dtype]
+
+
+def test_hardware_record_is_frozen_and_serializable():
+    spec = acc.hardware("a100-80gb")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "x"
+    with pytest.raises(TypeError):
+        spec.peak_flops["bf16"] = 1.0
+    assert json.loads(json.dumps(spec.to_dict()))["peak_flops"]["bf16"] == 312e12
+
+
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("Tesla T4", None),
+    ],
+)
+def test_cuda_device_names_map_to_registry_entries(device, expected):
+    spec = acc.hardware_for_cuda_device(device)
+    assert (spec.name if spec else None) == expected
+
+
+def test_cpu_is_measured_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
+    measured = acc.measure_cpu(refresh=True)
+    assert measured.measured and measured.name == "cpu"
+    assert measured.peak_flops["fp32"] > 1e8 and measured.peak_flops["bf16"] > 1e7
+    assert measured.memory_bandwidth > 1e8 and measured.memory_bytes > 0
+    assert acc.hardware("cpu") is measured  # per-process cache
+    (cached_file,) = tmp_path.glob("hardware-cpu-*.json")
+    monkeypatch.setattr(importlib.import_module("minitrain.accounting.hardware"), "_MEASURED", {})
+    from_disk = acc.hardware("cpu")
+    assert from_disk is not measured and from_disk == measured
+    assert json.loads(cached_file.read_text())["name"] == "cpu"
+
+
+# --- errors and imports -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: acc.training_time(1e20, mfu=1.5),
+        lambda: acc.training_time(1e20, gpus=0),
+        lambda: acc.training_flops(-1, 10),
+        lambda: acc.training_flops(math.inf, 10),
+        lambda: acc.bytes_per_param("lion"),
+        lambda: acc.bytes_per_param("adamw", "fp7"),
+        lambda: acc.max_params("h100", zero_stage=4),
+        lambda: acc.max_params(80e9, reserved_bytes=90e9),
+        lambda: acc.preset("gpt5"),
+        lambda: acc.hardware("tpu"),
+        lambda: acc.hardware("h100").peak("fp4"),
+        lambda: acc.transformer_activation_bytes(seq_len=1, batch=1, hidden=1, heads=1,
+                                                 num_layers=1, recompute="some"),
+    ],
+)
+def test_bad_input_is_a_value_error_saying_what_to_do(call):
+    with pytest.raises(ValueError, match="must|choose|unknown|no|leaves"):
+        call()
+
+
+def test_napkin_math_and_estimate_cli_import_without_torch():
+    code = (
+        "import sys, minitrain as mt\n"
+        "mt.accounting.training_time(mt.accounting.training_flops(70e9, 15e12), 'h100', 1024)\n"
+        "mt.accounting.max_params('h100', gpus=8)\n"
+        "mt.accounting.transformer_memory(mt.accounting.preset('gpt2'), batch=1)\n"
+        "from minitrain.cli import cli\n"
+        "cli.main(['estimate', 'time', '--params', '7e10', '--tokens', '1.5e13'],"
+        " standalone_mode=False)\n"
+        "cli.main(['estimate', 'memory'], standalone_mode=False)\n"
+        "cli.main(['hardware', 'h100'], standalone_mode=False)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
