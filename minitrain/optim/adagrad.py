@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from minitrain.optim.base import (
-    Impl,
     Optimizer,
     Rule,
     ScalarOrSchedule,
@@ -43,7 +42,7 @@ def adagrad(
     eps: float = 1e-10,
     *,
     mask: WeightDecayMask = None,
-    impl: Impl = "auto",
+    impl: str = "auto",
 ) -> Optimizer:
     """AdaGrad with ``torch.optim.Adagrad``'s arguments and defaults.
 

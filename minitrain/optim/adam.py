@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from minitrain.optim.base import (
-    Impl,
     Optimizer,
     Rule,
     ScalarOrSchedule,
@@ -31,13 +30,13 @@ __all__ = ["AdamState", "adam", "adamw"]
 
 
 class AdamState(NamedTuple):
-    """``count``, last ``lr``, ``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` or None."""
+    """``count``, last ``lr``, ``exp_avg``, ``exp_avg_sq``; ``max_exp_avg_sq`` or ``()``."""
 
     count: Tensor
     lr: Tensor
     exp_avg: Params
     exp_avg_sq: Params
-    max_exp_avg_sq: Params | None
+    max_exp_avg_sq: Params
 
 
 def adam(
@@ -48,7 +47,7 @@ def adam(
     amsgrad: bool = False,
     *,
     mask: WeightDecayMask = None,
-    impl: Impl = "auto",
+    impl: str = "auto",
 ) -> Optimizer:
     """Adam with L2 weight decay, with ``torch.optim.Adam``'s arguments and defaults.
 
@@ -71,7 +70,7 @@ def adamw(
     amsgrad: bool = False,
     *,
     mask: WeightDecayMask = None,
-    impl: Impl = "auto",
+    impl: str = "auto",
 ) -> Optimizer:
     """Adam with decoupled weight decay, with ``torch.optim.AdamW``'s arguments and defaults.
 

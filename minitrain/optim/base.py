@@ -149,6 +149,8 @@ def is_traced(value: Any) -> bool:
     """True for a tensor seen through vmap / grad transforms or by a compiler's tracer."""
     if not isinstance(value, Tensor):
         return False
+    if torch.compiler.is_compiling():
+        return True
     if torch._C._functorch.is_functorch_wrapped_tensor(value):
         return True
     return isinstance(value, torch._subclasses.FakeTensor) or not _has_storage(value)
@@ -162,7 +164,7 @@ def _has_storage(value: Tensor) -> bool:
     return True
 
 
-def use_plain_path(impl: Impl, tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
+def use_plain_path(impl: str, tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
     """Whether this update must (or is asked to) take the plain tensor-ops path."""
     if impl != "auto":
         return impl == "plain"
@@ -279,13 +281,13 @@ def make_optimizer(
     lr: ScalarOrSchedule,
     weight_decay: float | Tensor,
     mask: WeightDecayMask,
-    impl: Impl,
+    impl: str,
     hyperparameters: Sequence[Any] = (),
 ) -> Optimizer:
     """Build ``Optimizer(init, update)`` for a state NamedTuple and an update :class:`Rule`.
 
     ``state_type`` has fields ``count`` (updates done, 0-d int64), ``lr`` (0-d float32) and one
-    field per name in ``rule.buffers`` (a pytree like params); any other field holds ``None``.
+    field per name in ``rule.buffers`` (a pytree like params); any other field holds ``()``.
     """
     check_lr(lr)
     check_impl(impl)
@@ -297,7 +299,7 @@ def make_optimizer(
             name: tree.map(lambda p, name=name: rule.init_buffer(name, p), params)
             for name in rule.buffers
         }
-        unused = {field: None for field in state_type._fields[2:] if field not in buffers}
+        unused = {field: () for field in state_type._fields[2:] if field not in buffers}
         count = torch.zeros((), dtype=torch.int64)
         return state_type(count=count, lr=_lr_tensor(_lr_at(lr, 0)), **buffers, **unused)
 
@@ -307,8 +309,9 @@ def make_optimizer(
         spec = tree.structure(params)
         param_leaves = tree.leaves(params)
         grad_leaves = _matching_grads(grads, params, param_leaves)
+        _check_state_type(state, state_type)
         buffer_leaves = {name: tree.leaves(getattr(state, name)) for name in rule.buffers}
-        _check_state(state, state_type, buffer_leaves, len(param_leaves))
+        _check_state_leaves(buffer_leaves, len(param_leaves))
         decays = decay_flags(mask, params)
         tensors = [*param_leaves, *grad_leaves, state.count]
         if use_plain_path(impl, tensors, traced_candidates):
@@ -345,12 +348,15 @@ def _matching_grads(grads: Grads, params: Params, param_leaves: list[Tensor]) ->
     return grad_leaves
 
 
-def _check_state(state: Any, state_type: type, buffers: dict[str, list], n_leaves: int) -> None:
+def _check_state_type(state: Any, state_type: type) -> None:
     if not isinstance(state, state_type):
         raise ValueError(
             f"expected a {state_type.__name__} from this optimizer's init, got "
             f"{type(state).__name__}; pass the state returned by opt.init(params)"
         )
+
+
+def _check_state_leaves(buffers: dict[str, list], n_leaves: int) -> None:
     for name, leaves in buffers.items():
         if len(leaves) != n_leaves:
             raise ValueError(

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from minitrain.optim.base import (
-    Impl,
     Optimizer,
     Rule,
     ScalarOrSchedule,
@@ -32,13 +31,13 @@ __all__ = ["RMSpropState", "rmsprop"]
 
 
 class RMSpropState(NamedTuple):
-    """``count``, last ``lr``, ``square_avg``; ``momentum_buffer`` and ``grad_avg`` or None."""
+    """``count``, last ``lr``, ``square_avg``; ``momentum_buffer`` and ``grad_avg`` or ``()``."""
 
     count: Tensor
     lr: Tensor
     square_avg: Params
-    momentum_buffer: Params | None
-    grad_avg: Params | None
+    momentum_buffer: Params
+    grad_avg: Params
 
 
 def rmsprop(
@@ -50,7 +49,7 @@ def rmsprop(
     centered: bool = False,
     *,
     mask: WeightDecayMask = None,
-    impl: Impl = "auto",
+    impl: str = "auto",
 ) -> Optimizer:
     """RMSProp with ``torch.optim.RMSprop``'s arguments and defaults.
 

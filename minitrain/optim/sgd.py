@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from minitrain.optim.base import (
-    Impl,
     Optimizer,
     Rule,
     ScalarOrSchedule,
@@ -28,11 +27,11 @@ __all__ = ["SGDState", "sgd"]
 
 
 class SGDState(NamedTuple):
-    """``count`` updates done, the last ``lr``, and ``momentum_buffer`` (None without momentum)."""
+    """``count`` updates done, the last ``lr``, ``momentum_buffer`` (``()`` without momentum)."""
 
     count: Tensor
     lr: Tensor
-    momentum_buffer: Params | None
+    momentum_buffer: Params
 
 
 def sgd(
@@ -43,7 +42,7 @@ def sgd(
     weight_decay: float | Tensor = 0.0,
     *,
     mask: WeightDecayMask = None,
-    impl: Impl = "auto",
+    impl: str = "auto",
 ) -> Optimizer:
     """Stochastic gradient descent with ``torch.optim.SGD``'s arguments and defaults.
 
@@ -61,7 +60,7 @@ def sgd(
     check_hyperparameter("weight_decay", weight_decay, 0.0)
     if nesterov and (momentum == 0 or dampening != 0):
         raise ValueError(
-            "nesterov=True requires momentum > 0 and dampening = 0; "
+            "invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
             "set momentum or turn nesterov off"
         )
     has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
