@@ -1,0 +1,209 @@
+"""Counter against FlopCounterMode, and resource_report's predicted vs measured memory."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import minitrain as mt
+from minitrain import accounting as acc
+from minitrain.train import Experiment, make_train_step
+
+
+def cruncher_loss(params, batch):
+    x, y = batch
+    return ((mt.models.cruncher(params, x) - y) ** 2).mean()
+
+
+def cruncher_setup(batch=32, dim=64, layers=3, seed=0):
+    g = mt.rng.generator(seed)
+    params = mt.models.cruncher_init(dim, layers, generator=g)
+    data = (torch.randn(batch, dim, generator=g), torch.randn(batch, generator=g))
+    return params, data
+
+
+def reference_counts(fn):
+    with FlopCounterMode(display=False) as reference:
+        fn()
+    return {module: {str(op): n for op, n in ops.items()}
+            for module, ops in reference.get_flop_counts().items()}
+
+
+def test_cruncher_matmul_flops_equal_flop_counter_mode_and_the_exact_formula():
+    batch, dim, layers = 32, 64, 3
+    params, data = cruncher_setup(batch, dim, layers)
+    step = mt.value_and_grad(cruncher_loss)
+    expected = reference_counts(lambda: step(params, data))
+    with acc.Counter() as counter:
+        step(params, data)
+    assert counter.flop_counts() == expected
+    assert counter.matmul_flops == acc.cruncher_flops(batch, dim, layers)
+    assert counter.matmul_flops == 6 * batch * mt.tree.size(params) - 2 * batch * dim * dim
+    assert counter.flops > counter.matmul_flops  # elementwise ops count too
+    assert counter.unknown == {}
+
+
+def test_module_mlp_via_from_module_matches_flop_counter_mode_per_module():
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8), nn.ReLU(),
+                        nn.Linear(8, 1))
+    params, apply = mt.from_module(net)
+    x, y = torch.randn(10, 16), torch.randn(10, 1)
+    step = mt.value_and_grad(lambda p, b: ((apply(p, b[0]) - b[1]) ** 2).mean())
+    expected = reference_counts(lambda: step(params, (x, y)))
+    with acc.Counter() as counter:
+        step(params, (x, y))
+    assert counter.flop_counts() == expected
+    assert {"Global", "Sequential", "Sequential.0", "Sequential.4"} <= set(counter.by_module)
+    assert counter.by_module["Global"].flops == counter.flops
+    assert any(r.backward for r in counter.records) and any(not r.backward for r in counter)
+    # every op has a formula or sits in the ledger: never a silent zero
+    for record in counter.records:
+        assert record.has_formula or counter.unknown.get(record.op)
+
+
+def test_relu_costs_one_flop_and_four_bytes_per_bf16_element():
+    # The chapter's 3.6.2: ReLU on n bf16 elements reads 2n, writes 2n bytes, does n FLOPs.
+    n = 1024 * 1024
+    x = torch.randn(n).to(torch.bfloat16)
+    with acc.Counter() as counter:
+        torch.relu(x)
+    (record,) = counter.records
+    assert (record.flops, record.bytes_read, record.bytes_written) == (n, 2 * n, 2 * n)
+    assert record.intensity == 0.25 and record.dtype == "bf16"
+
+
+def test_views_move_nothing_and_in_place_ops_write_their_input():
+    x = torch.ones(8, 4)
+    with acc.Counter() as counter:
+        x.t().reshape(32)
+        x.add_(1)
+    view, add = counter.by_op["aten.t"], counter.by_op["aten.add_"]
+    assert (view.flops, view.bytes_read, view.bytes_written) == (0, 0, 0)
+    assert (add.flops, add.bytes_read, add.bytes_written) == (32, 128, 128)
+
+
+def test_ops_without_a_formula_go_to_the_ledger():
+    with acc.Counter() as counter:
+        torch.ones(5).cumprod(0)
+    assert counter.unknown == {"aten.cumprod": 1}
+    assert counter.by_op["aten.cumprod"].bytes_read == 20  # bytes still counted
+
+
+def test_fused_adamw_flops_per_parameter():
+    params = {"w": torch.ones(100), "b": torch.ones(10)}
+    opt = mt.optim.adamw(lr=1e-3)
+    state = opt.init(params)
+    grads = mt.tree.map(torch.ones_like, params)
+    with acc.Counter() as counter:
+        opt.update(grads, state, params)
+    assert counter.by_op["aten._fused_adamw_"].flops == 15 * 110
+    assert counter.unknown == {}
+
+
+def test_live_storages_track_allocation_and_release():
+    with acc.Counter() as counter:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a * 2
+        del b
+        c = a + 1
+    assert counter.peak_bytes == 8000
+    assert counter.live_bytes == 8000
+    del a, c
+    assert counter.live_bytes == 0
+
+
+@pytest.mark.parametrize("optimizer", [mt.optim.sgd(lr=1e-3), mt.optim.adamw(lr=1e-3)])
+def test_live_storage_peak_equals_the_profilers_allocator_timeline(optimizer):
+    from torch.profiler import ProfilerActivity, profile
+
+    params, data = cruncher_setup(batch=64, dim=256, layers=4)
+    state = optimizer.init(params)
+    grads = mt.value_and_grad(cruncher_loss)
+
+    def step():
+        _, g = grads(params, data)
+        return optimizer.update(g, state, params)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    with acc.Counter() as counter:
+        counter.track(params, state, data)
+        step()
+    assert counter.peak_bytes == peak + mt.tree.nbytes((params, state, data))
+
+
+def cruncher_experiment(optimizer, dim, layers, batch):
+    return Experiment(
+        init=lambda g: mt.models.cruncher_init(dim, layers, generator=g),
+        loss=cruncher_loss,
+        next_batch=lambda g: (torch.randn(batch, dim, generator=g),
+                              torch.randn(batch, generator=g)),
+        optimizer=optimizer,
+        steps=1,
+    )
+
+
+@pytest.mark.parametrize("name, optimizer", [("sgd", mt.optim.sgd(lr=1e-3)),
+                                             ("adamw", mt.optim.adamw(lr=1e-3))])
+def test_predicted_peak_memory_within_ten_percent_on_cpu(name, optimizer):
+    batch, dim, layers = 256, 1024, 8
+    experiment = cruncher_experiment(optimizer, dim, layers, batch)
+    g = mt.rng.generator(0)
+    params = experiment.init(g)
+    state = optimizer.init(params)
+    data = experiment.next_batch(g)
+    before = mt.tree.map(torch.clone, params)
+    rng_before = torch.get_rng_state()
+    report = acc.resource_report(
+        make_train_step(experiment, mt.get_backend("cpu")), params, state, data,
+        optimizer=name,
+        exact_flops_per_step=acc.cruncher_flops(batch, dim, layers),
+        peak_flops=1e11, step_seconds=0.5, steps_total=10, steps_done=4,
+    )
+    json.dumps(report)
+    memory, flops, speed = report["memory"], report["flops_per_step"], report["speed"]
+    assert memory["peak_ratio"] == pytest.approx(1.0, abs=0.10)
+    # activations: the chapter's B·D·L, predicted from the matmul operands and measured
+    assert memory["predicted"]["activations"] == 4 * acc.cruncher_activations(batch, dim, layers)
+    assert memory["measured"]["activations"] == pytest.approx(
+        4 * acc.cruncher_activations(batch, dim, layers), rel=0.10)
+    chapter = acc.cruncher_memory(batch, dim, layers, optimizer=name)
+    assert memory["predicted"]["backward_peak"] == chapter.total + 4 * (batch * dim + batch)
+    # FLOPs: 6·B·P, exact and counted
+    n_params = mt.tree.size(params)
+    assert report["params"] == n_params
+    assert flops["rule_6bp"] == 6 * batch * n_params
+    assert flops["counted_matmul"] == flops["exact"] == acc.cruncher_flops(batch, dim, layers)
+    assert flops["unknown_ops"] == {}
+    assert speed["mfu"] == pytest.approx(flops["exact"] / 0.5 / 1e11)
+    assert speed["seconds_to_finish"] == pytest.approx(3.0)
+    # the report's extra step is pure: no param changed, no RNG draw leaked
+    assert all(torch.equal(a, b) for a, b in zip(mt.tree.leaves(before),
+                                                 mt.tree.leaves(params), strict=True))
+    assert torch.equal(rng_before, torch.get_rng_state())
+
+
+def test_predicted_peak_with_donation_drops_the_second_copy():
+    plain = acc.predicted_peak_bytes(params=10, optimizer_state=20, batch=1, activations=5)
+    donated = acc.predicted_peak_bytes(params=10, optimizer_state=20, batch=1, activations=5,
+                                       donate=True)
+    assert plain["update"] - donated["update"] == 30
+    assert donated["peak"] == max(donated["backward"], donated["update"])
+
+
+def test_format_report_names_every_figure():
+    params, data = cruncher_setup()
+    opt = mt.optim.sgd(lr=0.1)
+    step = make_train_step(cruncher_experiment(opt, 64, 3, 32), mt.get_backend("cpu"))
+    report = acc.resource_report(step, params, opt.init(params), data, optimizer="sgd",
+                                 peak_flops=1e11, step_seconds=0.01, steps_total=5)
+    text = acc.report.format_report(report)
+    for label in ("params", "peak memory", "FLOPs per step", "MFU", "time to finish"):
+        assert label in text
