@@ -38,7 +38,7 @@ def _emit(result: dict[str, Any], lines: list[str], as_json: bool) -> None:
     click.echo(json.dumps(result, indent=2) if as_json else "\n".join(lines))
 
 
-def _si(value: float, unit: str = "") -> str:
+def _si(value: int | float, unit: str = "") -> str:
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= factor:
             return f"{value / factor:.4g} {prefix}{unit}".rstrip()
