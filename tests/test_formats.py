@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -351,3 +352,36 @@ def test_error_stats_overflow_fraction():
     stats = formats.error_stats(x, "fp16", saturate=True)
     assert stats.overflow == 0.5
     assert stats.max_rel_error == pytest.approx((1e5 - 65504) / 1e5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def test_formats_command_json_lists_every_format():
+    from click.testing import CliRunner
+
+    from minitrain.cli.formats import formats as formats_command
+
+    result = CliRunner().invoke(formats_command, ["--json", "--stats"])
+    assert result.exit_code == 0, result.output
+    records = {r["name"]: r for r in json.loads(result.stdout)}
+    assert list(records) == formats.names()
+    assert records["fp8_e4m3"]["max"] == 448.0 and records["nvfp4"]["bits_per_element"] == 4.5
+    # On N(0, 1): bf16 keeps ~3 significant digits, fp4 loses a fifth of the values to zero.
+    assert records["bf16"]["stats"]["rel_error"] < 2**-8
+    assert records["fp4_e2m1"]["stats"]["underflow"] > 0.1
+
+
+def test_formats_command_values_and_mistakes():
+    from click.testing import CliRunner
+
+    from minitrain.cli.formats import formats as formats_command
+
+    result = CliRunner().invoke(formats_command, ["--values", "fp4_e2m1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["value"] for r in json.loads(result.stdout)][:8] == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    table = CliRunner().invoke(formats_command, ["--values", "fp4_e2m1"])
+    assert "0111" in table.stdout and "-6" in table.stdout
+    wrong = CliRunner().invoke(formats_command, ["--values", "fp7"])
+    assert wrong.exit_code == 2 and wrong.output.startswith("error: unknown number format")

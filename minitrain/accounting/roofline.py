@@ -333,8 +333,9 @@ def plot(
 ) -> str:
     """Draw the log-log roofline of each roof, mark ridge points and place the ops; save PNG.
 
-    Ops sit on the first roof (red: memory-bound, green: compute-bound); ``label_top`` names
-    only the ops with the longest predicted time. ``measured`` adds points ``(label,
+    Ops sit on the first roof (red: memory-bound, green: compute-bound); ops with no FLOPs
+    (copies) have no place on a log axis and are left out; ``label_top`` names only the ops
+    with the longest predicted time. ``measured`` adds points ``(label,
     intensity, achieved FLOP/s)``. Needs matplotlib (``pip install 'minitrain[plot]'``).
     Returns ``path``.
     """
@@ -369,15 +370,18 @@ def plot(
     top = roofs[0]
     ranked = sorted(points, key=lambda p: -p.seconds)
     labelled = {id(p) for p in ranked[: len(ranked) if label_top is None else label_top]}
+    labels: dict[float, list[str]] = {}  # ops at the same spot share one label
     for p in points:
         y = attainable_flops(p.intensity, top.peak_flops, top.bandwidth)
         color = "tab:red" if p.bound == MEMORY else "tab:green"
         ax.scatter([p.intensity], [y], color=color, zorder=3, s=18, alpha=0.7)
-        if id(p) not in labelled:
-            continue
-        ax.annotate(
-            p.name, (p.intensity, y), textcoords="offset points", xytext=(4, -10), fontsize=7
-        )
+        if id(p) in labelled:
+            labels.setdefault(round(math.log10(p.intensity), 2), []).append(p.name)
+    for spot, names in labels.items():
+        x = 10**spot
+        y = attainable_flops(x, top.peak_flops, top.bandwidth)
+        text = ", ".join(name.removeprefix("aten.") for name in names)
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
     for label, x, achieved in measured:
         ax.scatter([x], [achieved], marker="x", color="black", zorder=4)
         ax.annotate(label, (x, achieved), textcoords="offset points", xytext=(4, 4), fontsize=7)

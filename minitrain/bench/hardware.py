@@ -30,7 +30,7 @@ def _seconds(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
 
 
 def _median_rates(
-    work: dict[str, tuple[float, Callable[[], Any]]], rounds: int, sync: Callable[[], None]
+    work: dict[str, tuple[float | int, Callable[[], Any]]], rounds: int, sync: Callable[[], Any]
 ) -> dict[str, float]:
     """Median of ``amount / seconds`` over interleaved rounds, after one warm-up each."""
     for _, fn in work.values():

@@ -184,10 +184,11 @@ def _print(script: Path, result: Any, counter: Any, top: int) -> None:
         f"(sum of per-op roofline times), measured {si(result.measured_seconds, 's')} "
         f"(median) = {ratio:.3g}x predicted"
     )
-    if ratio > 10:
+    per_call = result.predicted_seconds / max(len(result.calls), 1)
+    if ratio > 10 and per_call < 10e-6:
         click.echo(
-            "the gap is per-op overhead (Python, dispatch, kernel launch) that a roofline does "
-            "not model: ops this small cannot fill the machine"
+            f"ops average {si(per_call, 's')} on the roofline: per-op overhead (Python, "
+            "dispatch, kernel launch), which a roofline does not model, dominates"
         )
     if counter.unknown:
         click.echo(f"ops without a FLOP formula (counted as 0): {dict(counter.unknown)}")

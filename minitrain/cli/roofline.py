@@ -13,7 +13,7 @@ from minitrain.cli.errors import UserError
 _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
-def si(value: float, unit: str = "") -> str:
+def si(value: float | int, unit: str = "") -> str:
     """``989.4e12, "FLOP/s"`` -> ``"989.4 TFLOP/s"``.
 
     >>> si(989.4e12, "FLOP/s"), si(2.5e-6, "s"), si(12, "B")
