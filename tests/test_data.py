@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,3 +338,70 @@ def test_bench_data_runs_all_three_loaders():
     assert set(result["seconds_per_batch"]) == {"chapter", "nanogpt", "minitrain"}
     assert all(seconds > 0 for seconds in result["seconds_per_batch"].values())
     assert result["speedup_vs_chapter"] > 0
+
+
+# --------------------------------------------------------------------------- examples/bytelm.py
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "bytelm.py"
+TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16, "batch_size": 3}
+
+
+@pytest.fixture
+def bytelm(tmp_path):
+    from minitrain.train import load_experiment
+
+    root = tmp_path / "code"
+    root.mkdir()
+    for index in range(30):
+        body = "".join(f"def f_{index}_{k}(x):\n    return x * {k} + {index}\n" for k in range(4))
+        (root / f"m{index:02d}.py").write_text(body)
+    overrides = {
+        "d_model": "32",
+        "n_layers": "1",
+        "n_heads": "2",
+        "seq_len": "16",
+        "batch_size": "8",
+        "steps": "40",
+        "warmup_steps": "5",
+        "lr": "0.01",
+        "eval_batches": "2",
+        "data_dir": str(tmp_path / "bytes"),
+        "source_dir": str(root),
+    }
+    return load_experiment(EXAMPLE, overrides)
+
+
+def test_bytelm_prepares_its_data_and_learns(bytelm):
+    import minitrain as mt
+
+    experiment, config = bytelm
+    assert (Path(config["data_dir"]) / "meta.json").is_file()  # prepared on first use
+    initial = experiment.evaluate(experiment.init(torch.Generator().manual_seed(0)))
+    assert abs(initial["val_bpb"] - 8.0) < 0.5  # a uniform guess over 256 bytes is 8 bits
+    assert initial["val_bpb"] == pytest.approx(initial["val_loss"] / np.log(2))
+    result = mt.fit(experiment, mt.get_backend("cpu"), progress=False)
+    assert result.summary["eval"]["val_bpb"] < initial["val_bpb"] - 2.0
+
+
+def test_bytelm_flops_formula_matches_flop_counter():
+    import importlib.util
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import minitrain as mt
+
+    spec = importlib.util.spec_from_file_location("bytelm_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    params = module.init_params(TINY, torch.Generator().manual_seed(0))
+    x = torch.randint(0, 256, (TINY["batch_size"], TINY["seq_len"]))
+
+    def loss(p):
+        return mt.losses.cross_entropy(module.forward(p, x, TINY["n_heads"]), x)
+
+    # The math kernel runs attention as bmm, which FlopCounterMode counts (the fused CPU kernel
+    # has no formula there).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        mt.grad(loss)(params)
+    assert counter.get_total_flops() == module.flops_per_step(TINY)
