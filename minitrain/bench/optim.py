@@ -1,0 +1,203 @@
+"""``minitrain bench optim``: mt.optim updates against ``torch.optim``, side by side.
+
+Every optimizer updates 8 fp32 params of 1024×1024 (the issue's size) with fixed random grads.
+Per optimizer, one process times, round by round interleaved (so all see the same machine
+load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
+no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation
+(``params, state = opt.update(grads, state, params)``, the previous params freed each step as in
+a training loop) and with ``donate=True``. Ratios are median time over the peer's median.
+
+``--breakdown`` splits one pure AdamW update into its parts: the in-place fused kernel, the
+copies of params and state that purity costs, Python overhead (the same update on 8 scalars)
+and page faults per step (``getrusage`` minor faults).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import torch
+
+import minitrain as mt
+
+# name -> (minitrain factory, torch.optim class, kwargs shared by both, peer's fast flag)
+OPTIMIZERS: dict[str, tuple[Callable[..., Any], type, dict[str, Any], str]] = {
+    "adamw": (mt.optim.adamw, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2), "fused"),
+    "adam": (mt.optim.adam, torch.optim.Adam, dict(lr=1e-3), "fused"),
+    "sgd_momentum": (mt.optim.sgd, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), "fused"),
+    "adagrad": (mt.optim.adagrad, torch.optim.Adagrad, dict(lr=1e-2), "fused"),
+    "rmsprop": (mt.optim.rmsprop, torch.optim.RMSprop, dict(lr=1e-2), "foreach"),
+}
+
+
+def make_params(count: int, shape: tuple[int, ...], device: str, seed: int = 0) -> list:
+    """``count`` random fp32 tensors of ``shape`` (a list pytree)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(device) for _ in range(count)]
+
+
+class TorchStepper:
+    """``torch.optim.<cls>(..., **flag)``: one ``step()`` per call, grads set once."""
+
+    def __init__(self, cls: type, kwargs: dict, flag: str, params: list, grads: list):
+        self.params = [torch.nn.Parameter(p.clone()) for p in params]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.clone()
+        self.optimizer = cls(self.params, **kwargs, **{flag: True})
+
+    def __call__(self) -> None:
+        self.optimizer.step()
+
+
+class MinitrainStepper:
+    """``params, state = opt.update(grads, state, params[, donate=True])`` per call."""
+
+    def __init__(self, factory: Callable, kwargs: dict, params: list, grads: list, donate: bool):
+        self.opt = factory(**kwargs)
+        self.params = [p.clone() for p in params]
+        self.state = self.opt.init(self.params)
+        self.grads = grads
+        self.donate = donate
+
+    def __call__(self) -> None:
+        self.params, self.state = self.opt.update(
+            self.grads, self.state, self.params, donate=self.donate
+        )
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_interleaved(
+    steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str
+) -> dict[str, float]:
+    """Median seconds per call of each stepper over ``rounds`` interleaved rounds."""
+    for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
+        for _ in range(3):
+            stepper()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, stepper in steppers.items():
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(inner):
+                stepper()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) / inner)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure(
+    names: list[str], count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Seconds per update and ratios to the peer for each optimizer in ``names``."""
+    params = make_params(count, (size, size), device)
+    grads = make_params(count, (size, size), device, seed=1)
+    results = {}
+    for name in names:
+        factory, cls, kwargs, flag = OPTIMIZERS[name]
+        steppers = {
+            f"torch_{flag}": TorchStepper(cls, kwargs, flag, params, grads),
+            "minitrain_pure": MinitrainStepper(factory, kwargs, params, grads, donate=False),
+            "minitrain_donate": MinitrainStepper(factory, kwargs, params, grads, donate=True),
+        }
+        if flag != "foreach":
+            steppers["torch_foreach"] = TorchStepper(cls, kwargs, "foreach", params, grads)
+        seconds = time_interleaved(steppers, rounds, inner, device)
+        peer = seconds[f"torch_{flag}"]
+        results[name] = {
+            "peer": f"torch_{flag}",
+            "seconds": seconds,
+            "pure_over_peer": seconds["minitrain_pure"] / peer,
+            "donate_over_peer": seconds["minitrain_donate"] / peer,
+        }
+        del steppers
+    return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5) -> dict:
+    """Where one pure AdamW update's time goes on CPU (see the module docstring)."""
+    params = make_params(count, (size, size), "cpu")
+    grads = make_params(count, (size, size), "cpu", seed=1)
+    exp_avg = [torch.zeros_like(p) for p in params]
+    exp_avg_sq = [torch.zeros_like(p) for p in params]
+    steps = [torch.tensor(1.0)] * count
+    kernel_kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8,
+                         amsgrad=False, maximize=False)
+    tiny = MinitrainStepper(mt.optim.adamw, {}, make_params(count, (1,), "cpu"),
+                            make_params(count, (1,), "cpu", seed=1), donate=False)
+    pure = MinitrainStepper(mt.optim.adamw, {}, params, grads, donate=False)
+    parts = {
+        "fused_kernel_in_place": lambda: torch._fused_adamw_(
+            params, grads, exp_avg, exp_avg_sq, [], steps, **kernel_kwargs
+        ),
+        "copies_of_params_and_state": lambda: [
+            t.clone() for t in (*params, *exp_avg, *exp_avg_sq)
+        ],
+        "aten_out_of_place_fused": lambda: torch.ops.aten._fused_adamw.default(
+            params, grads, exp_avg, exp_avg_sq, [], steps, **kernel_kwargs
+        ),
+        "python_overhead_8_scalars": tiny,
+        "minitrain_pure_update": pure,
+    }
+    seconds = time_interleaved(parts, rounds, inner, "cpu")
+    faults = {}
+    for name, part in parts.items():
+        before = _faults()
+        for _ in range(inner):
+            part()
+        faults[name] = (_faults() - before) / inner
+    return {"seconds": seconds, "minor_page_faults_per_call": faults}
+
+
+@click.command()
+@click.option("--optimizer", "names", multiple=True, type=click.Choice(list(OPTIMIZERS)),
+              help="Optimizers to time (repeatable); default: all.")
+@click.option("--count", type=click.IntRange(min=1), default=8, help="Number of params.")
+@click.option("--size", type=click.IntRange(min=1), default=1024, help="Each param is size².")
+@click.option("--rounds", type=click.IntRange(min=1), default=15, help="Interleaved rounds.")
+@click.option("--inner", type=click.IntRange(min=1), default=5, help="Updates per round.")
+@click.option("--device", default="cpu", help="cpu or cuda.")
+@click.option("--breakdown", "with_breakdown", is_flag=True,
+              help="Also split a pure AdamW update into kernel, copies, overhead, faults (CPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
+          with_breakdown: bool, as_json: bool) -> None:
+    """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated."""
+    from minitrain.cli.errors import UserError
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
+    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device)
+    if with_breakdown:
+        result["breakdown"] = breakdown(count, size, rounds, inner)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"update of {result['params']} on {device} (median of {rounds} rounds x {inner})")
+    for name, entry in result["results"].items():
+        times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
+        click.echo(f"  {name:13s} {times}")
+        click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x   "
+                   f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x")
+    if with_breakdown:
+        click.echo("pure AdamW update, by part:")
+        parts = result["breakdown"]
+        for name, seconds in parts["seconds"].items():
+            faults = parts["minor_page_faults_per_call"][name]
+            click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")
