@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "data": "minitrain.bench.data:data",
     "typecheck": "minitrain.bench.typecheck:typecheck",
     "hardware": "minitrain.bench.hardware:hardware",
+    "optim": "minitrain.bench.optim:optim",
 }
 
 
