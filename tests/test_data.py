@@ -405,3 +405,39 @@ def test_bytelm_flops_formula_matches_flop_counter():
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         mt.grad(loss)(params)
     assert counter.get_total_flops() == module.flops_per_step(TINY)
+
+
+def test_bytelm_resumes_bit_identically_from_a_checkpoint(bytelm, tmp_path):
+    import minitrain as mt
+    from minitrain import checkpoint
+    from minitrain.train import load_experiment, make_train_step
+
+    def train(experiment, params, opt_state, generator, steps):
+        step = make_train_step(experiment, mt.get_backend("cpu"))
+        for _ in range(steps):
+            out = step(params, opt_state, experiment.next_batch(generator))
+            params, opt_state = out.params, out.opt_state
+        return params, opt_state
+
+    experiment, config = bytelm
+    params = experiment.init(torch.Generator().manual_seed(0))
+    opt_state = experiment.optimizer.init(params)
+    expected, _ = train(experiment, params, opt_state, torch.Generator().manual_seed(1), 10)
+
+    generator = torch.Generator().manual_seed(1)
+    halfway = train(experiment, params, opt_state, generator, 4)
+    checkpoint.save(tmp_path / "run", 4, *halfway, {"config": config}, generator=generator)
+
+    # A new process: the experiment (and its prefetcher) built afresh, state from the checkpoint.
+    fresh, _ = load_experiment(EXAMPLE, {key: str(value) for key, value in config.items()})
+    template = fresh.init(torch.Generator().manual_seed(99))
+    ckpt = checkpoint.load(
+        checkpoint.latest_valid(tmp_path / "run"), template, fresh.optimizer.init(template)
+    )
+    resumed_generator = torch.Generator()
+    checkpoint.restore_rng(ckpt, resumed_generator)
+    resumed, _ = train(fresh, ckpt.params, ckpt.opt_state, resumed_generator, 6)
+    for (name, a), (_, b) in zip(
+        mt.tree.named_leaves(expected), mt.tree.named_leaves(resumed), strict=True
+    ):
+        assert torch.equal(a, b), name
