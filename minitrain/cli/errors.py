@@ -34,6 +34,12 @@ class RunFailed(UserError):
     exit_code = EXIT_FAILED
 
 
+class RunInterrupted(UserError):
+    """Ctrl-C or SIGTERM stopped the run (after saving a checkpoint): exit code 130."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
     """Invoke ``command``; print click usage errors and :class:`UserError` on one line."""
     try:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import RunFailed, UserError
+from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
 
 
 @click.command()
@@ -25,6 +25,16 @@ from minitrain.cli.errors import RunFailed, UserError
 )
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory.")
 @click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps.")
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Checkpoint every N steps (0: only at the end and on Ctrl-C). Needs --out.",
+)
+@click.option("--keep", type=click.IntRange(min=1), default=3, help="Checkpoints to keep.")
+@click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out.")
+@click.option("--tensorboard", is_flag=True, help="Also log to --out/tensorboard (extra).")
+@click.option("--report/--no-report", default=True, help="Add the resource report.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the train step.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def run(
@@ -35,12 +45,25 @@ def run(
     overrides: tuple[str, ...],
     out: Path | None,
     log_every: int,
+    checkpoint_every: int,
+    keep: int,
+    resume: bool,
+    tensorboard: bool,
+    report: bool,
     compile_: bool,
     as_json: bool,
 ) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
     from minitrain.backend import BackendError, get_backend
-    from minitrain.train import ExperimentError, NonFiniteLoss, fit, load_experiment
+    from minitrain.checkpoint import CheckpointError
+    from minitrain.metrics import MetricsError, MissingExtra
+    from minitrain.train import (
+        ExperimentError,
+        Interrupted,
+        NonFiniteLoss,
+        fit,
+        load_experiment,
+    )
     from minitrain.train.experiment import parse_overrides
 
     try:
@@ -56,12 +79,23 @@ def run(
             seed=seed,
             out_dir=out,
             log_every=log_every,
+            checkpoint_every=checkpoint_every,
+            keep=keep,
+            resume=resume,
             progress=not as_json,
             compile=compile_,
+            tensorboard=tensorboard,
+            report=report,
             config=config,
         )
     except NonFiniteLoss as exc:
         raise RunFailed(str(exc)) from None
+    except Interrupted as exc:
+        raise RunInterrupted(str(exc)) from None
+    except KeyboardInterrupt:
+        raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
+    except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
+        raise UserError(str(exc)) from None
     summary = result.summary
     if as_json:
         click.echo(json.dumps(summary, indent=2))

@@ -7,14 +7,16 @@ from minitrain.train.experiment import (
     load_experiment,
     parse_overrides,
 )
-from minitrain.train.loop import FitResult, NonFiniteLoss, fit
+from minitrain.train.loop import FitResult, Interrupted, NonFiniteLoss, ResumeError, fit
 from minitrain.train.step import StepOutput, make_train_step
 
 __all__ = [
     "Experiment",
     "ExperimentError",
     "FitResult",
+    "Interrupted",
     "NonFiniteLoss",
+    "ResumeError",
     "StepOutput",
     "apply_overrides",
     "fit",

@@ -1,16 +1,27 @@
 """The fit loop: the impure shell around the pure train step.
 
-It is the one place in training that touches clocks, devices, files and global RNG state:
-seed, init, loop over steps (batch -> device -> step), log, and summarize.
+It is the one place in training that touches clocks, devices, files, signals and global RNG
+state: seed, init (or resume from the latest valid checkpoint), loop over steps
+(batch -> device -> step), log, checkpoint, and summarize.
+
+A run directory holds ``metrics.jsonl``, ``checkpoints/step-NNNNNNNN/`` and ``summary.json``.
+A checkpoint holds everything the next step depends on (params, optimizer state, the data
+generator and the global RNGs), so a run resumed with ``resume=True`` ends bit-identical to an
+uninterrupted one on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
+import os
+import signal
+import sys
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,14 +37,29 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from minitrain import rng
+from minitrain import checkpoint, rng
 from minitrain.backend import Backend
-from minitrain.train.experiment import Experiment
+from minitrain.metrics import MetricsWriter
+from minitrain.optim import learning_rate
+from minitrain.train.experiment import Experiment, ExperimentError
 from minitrain.train.step import make_train_step
 from minitrain.tree import OptState, Params, leaves, size
 from minitrain.tree import map as tree_map
 
-__all__ = ["FitResult", "NonFiniteLoss", "fit", "run_generators", "batch_examples", "to_backend"]
+__all__ = [
+    "FitResult",
+    "Interrupted",
+    "NonFiniteLoss",
+    "ResumeError",
+    "batch_examples",
+    "fit",
+    "resident_bytes",
+    "run_generators",
+    "to_backend",
+]
+
+# Config keys that may change between a run and its resumption.
+RESUMABLE_CHANGES = frozenset({"steps"})
 
 
 class FitResult(NamedTuple):
@@ -45,7 +71,15 @@ class FitResult(NamedTuple):
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite; the run stopped."""
+    """The loss (or the gradient norm) became NaN or infinite; the run stopped."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C (SIGINT) or SIGTERM stopped the run after a checkpoint was written."""
+
+
+class ResumeError(ExperimentError):
+    """``resume=True`` cannot continue this run (no run directory, a different config, ...)."""
 
 
 def run_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
@@ -75,11 +109,41 @@ def to_backend(params: Params, backend: Backend) -> Params:
 
 
 def batch_examples(batch: Any) -> int:
-    """Examples in a batch: the leading dimension of its first tensor (1 for a 0-d tensor)."""
+    """Examples in a batch: the leading dimension of its first tensor (1 for a 0-d tensor).
+
+    >>> batch_examples((torch.zeros(4, 16), torch.zeros(4)))
+    4
+    """
     tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0:
         return 1
     return int(tensors[0].shape[0])
+
+
+@functools.cache
+def _statm() -> int | None:
+    try:
+        return os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (RSS) from ``/proc/self/statm``; None where unavailable.
+
+    >>> resident_bytes() is None or resident_bytes() > 0
+    True
+    """
+    fd = _statm()
+    if fd is None:
+        return None
+    try:
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def fit(
@@ -89,74 +153,245 @@ def fit(
     seed: int = 0,
     out_dir: str | Path | None = None,
     log_every: int = 1,
+    checkpoint_every: int = 0,
+    keep: int = 3,
+    resume: bool = False,
     progress: bool = True,
     compile: bool = False,
+    tensorboard: bool = False,
+    report: bool = False,
     config: dict[str, Any] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Train ``experiment`` on ``backend``; return params, optimizer state and the summary.
 
-    With ``out_dir``, writes ``metrics.jsonl`` (one line per logged step) and ``summary.json``.
-    Raises :class:`NonFiniteLoss` when a logged loss is NaN or infinite.
+    Args:
+        out_dir: run directory for ``metrics.jsonl``, checkpoints and ``summary.json``.
+        log_every: log (and check the loss is finite) every this many steps.
+        checkpoint_every: also checkpoint every this many steps (0: only at the end, on
+            Ctrl-C and on SIGTERM). Needs ``out_dir``.
+        keep: how many checkpoints to keep.
+        resume: continue from the latest valid checkpoint in ``out_dir`` (if there is one).
+        report: add the resource report (predicted vs measured memory, FLOPs, MFU).
+        say: where progress messages go (default: stderr).
+
+    Raises :class:`NonFiniteLoss` (the last good checkpoint stays as it was),
+    :class:`Interrupted` after Ctrl-C (a checkpoint of the last finished step is written first)
+    and :class:`ResumeError`.
     """
-    if log_every < 1:
-        raise ValueError(f"log_every must be >= 1, got {log_every}")
+    say = say or _stderr
+    if log_every < 1 or checkpoint_every < 0 or keep < 1:
+        raise ValueError(
+            f"need log_every >= 1, checkpoint_every >= 0 and keep >= 1; got {log_every}, "
+            f"{checkpoint_every} and {keep}"
+        )
+    if (checkpoint_every or resume) and out_dir is None:
+        raise ResumeError("--checkpoint-every and --resume need a run directory: pass --out DIR")
+    run_dir = Path(out_dir) if out_dir is not None else None
+    meta = _run_meta(experiment, backend, seed, config)
+
     rng.seed_everything(seed)
     init_generator, data_generator = run_generators(seed)
     params = to_backend(experiment.init(init_generator), backend)
     opt_state = experiment.optimizer.init(params)
+    start = 0
+    if resume:
+        params, opt_state, start = _resume(run_dir, params, opt_state, data_generator, meta, say)
+    if start > experiment.steps:
+        raise ResumeError(
+            f"the checkpoint in {run_dir} is at step {start}, past --steps {experiment.steps}; "
+            "pass --steps of at least that, or a new --out"
+        )
     step_fn = make_train_step(experiment, backend)
-    if compile:
-        step_fn = torch.compile(step_fn)
-    run_dir = Path(out_dir) if out_dir is not None else None
-    metrics_file = _open_metrics(run_dir)
-    examples = None
-    history: list[float] = []
-    loss_value = float("nan")
-    start = time.perf_counter()
-    steady_start = start
-    with metrics_file as metrics, _progress(experiment, enabled=progress) as advance:
-        for step in range(1, experiment.steps + 1):
-            step_start = time.perf_counter()
+    compiled = torch.compile(step_fn) if compile else step_fn
+
+    def save(step: int) -> Path:
+        return checkpoint.save(
+            run_dir, step, params, opt_state, meta, generator=data_generator, keep=keep
+        )
+
+    examples = experiment.tokens_per_batch
+    loss_value, last_eval = float("nan"), {}
+    batch = None
+    step = start
+    timer = _StepTimer(backend)
+    with contextlib.ExitStack() as stack:
+        metrics = (
+            stack.enter_context(MetricsWriter(run_dir, start, tensorboard))
+            if run_dir is not None
+            else None
+        )
+        stop_requested = stack.enter_context(_graceful_stop())
+        advance = stack.enter_context(_progress(experiment, start, enabled=progress))
+        for step in range(start + 1, experiment.steps + 1):
+            if stop_requested():
+                step -= 1  # the last finished step
+                break
             batch = backend.to_device(experiment.next_batch(data_generator))
             if examples is None:
-                examples = experiment.tokens_per_batch or batch_examples(batch)
-            out = step_fn(params, opt_state, batch)
-            params, opt_state = out.params, out.opt_state
-            if step == 1:
-                backend.synchronize()
-                steady_start = time.perf_counter()
-            if step % log_every == 0 or step == experiment.steps:
-                backend.synchronize()
-                loss_value = float(out.loss)
-                if not math.isfinite(loss_value):
-                    raise NonFiniteLoss(
-                        f"loss became {loss_value} at step {step}; lower the learning rate "
-                        "(--set lr=...) or clip gradients"
-                    )
-                history.append(loss_value)
+                examples = batch_examples(batch)
+            out = compiled(params, opt_state, batch)
+            timer.tick(step - start)
+            is_checkpoint = _due(step, checkpoint_every) and step < experiment.steps
+            is_eval = experiment.evaluate is not None and _due(step, experiment.eval_every)
+            if _due(step, log_every) or step == experiment.steps or is_checkpoint or is_eval:
+                loss_value = _finite_loss(out, step)
                 record = {
-                    "step": step,
                     "loss": loss_value,
+                    "lr": learning_rate(out.opt_state),
                     "grad_norm": float(out.grad_norm),
-                    "step_time": time.perf_counter() - step_start,
-                    **{k: float(v) for k, v in out.aux.items()},
+                    **{key: float(value) for key, value in out.aux.items()},
+                    **timer.rates(examples),
+                    "rss_bytes": resident_bytes(),
                 }
+                if is_eval:
+                    last_eval = {k: float(v) for k, v in experiment.evaluate(out.params).items()}
+                    record.update(last_eval)
                 if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
+                    metrics.write(step, **record)
                 advance(step, loss_value)
+            params, opt_state = out.params, out.opt_state
+            if is_checkpoint:
+                save(step)
+    finished = step == experiment.steps
+    if run_dir is not None and step > start:
+        path = save(step)
+        if not finished:
+            raise Interrupted(
+                f"stopped at step {step}; checkpoint saved to {path}; continue with --resume"
+            )
+    elif not finished:
+        where = "no --out was given" if run_dir is None else "no step finished"
+        raise Interrupted(f"stopped at step {step}; {where}, so no checkpoint was saved")
+    if experiment.evaluate is not None and not last_eval:
+        last_eval = {k: float(v) for k, v in experiment.evaluate(params).items()}
+    summary = _summary(experiment, backend, seed, config, params, examples or 0, timer)
+    summary.update(final_loss=loss_value, resumed_from=start or None)
+    if last_eval:
+        summary["eval"] = last_eval
+    if report and batch is not None:
+        summary["resources"] = _resources(experiment, backend, params, opt_state, batch, summary)
+    if run_dir is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return FitResult(params, opt_state, summary)
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def _finite_loss(out: Any, step: int) -> float:
+    loss_value = float(out.loss)
+    if not (math.isfinite(loss_value) and math.isfinite(float(out.grad_norm))):
+        raise NonFiniteLoss(
+            f"loss became {loss_value} (grad norm {float(out.grad_norm)}) at step {step}; "
+            "the last checkpoint is kept; lower the learning rate (--set lr=...) or clip "
+            "gradients"
+        )
+    return loss_value
+
+
+def _run_meta(
+    experiment: Experiment, backend: Backend, seed: int, config: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "experiment": experiment.name,
+        "seed": seed,
+        "backend": backend.name,
+        "config": config or {},
+    }
+
+
+def _resume(
+    run_dir: Path,
+    params: Params,
+    opt_state: OptState,
+    data_generator: torch.Generator,
+    meta: dict[str, Any],
+    say: Callable[[str], None],
+) -> tuple[Params, OptState, int]:
+    path = checkpoint.latest_valid(
+        run_dir, on_skip=lambda p, reason: say(f"skipping checkpoint {p.name}: {reason}")
+    )
+    if path is None:
+        say(f"no valid checkpoint in {run_dir}; starting from step 0")
+        return params, opt_state, 0
+    saved = checkpoint.load(path, params, opt_state)
+    _check_same_run(saved.meta, meta, run_dir)
+    checkpoint.restore_rng(saved, data_generator)
+    say(f"resuming from {path} (step {saved.step})")
+    return saved.params, saved.opt_state, saved.step
+
+
+def _check_same_run(saved: dict[str, Any], current: dict[str, Any], run_dir: Path) -> None:
+    for key in ("experiment", "seed", "backend"):
+        if saved.get(key) != current[key]:
+            raise ResumeError(
+                f"{run_dir} was trained with {key}={saved.get(key)!r}, this run has "
+                f"{key}={current[key]!r}; use the same value to resume, or a new --out"
+            )
+    old, new = saved.get("config", {}), current["config"]
+    for key in sorted(set(old) | set(new)):
+        if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
+            raise ResumeError(
+                f"{run_dir} was trained with {key}={old.get(key)!r}, this run has "
+                f"{key}={new.get(key)!r}; pass --set {key}={old.get(key)} to resume, or a new --out"
+            )
+
+
+class _StepTimer:
+    """Steady-state step time: from the end of the first step to the end of the last."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.start = time.perf_counter()
+        self.steady_start: float | None = None
+        self.last = self.start
+        self.steady_steps = 0
+        self.step_time = 0.0
+
+    def tick(self, steps_this_run: int) -> None:
+        now = time.perf_counter()
+        self.step_time, self.last = now - self.last, now
+        if steps_this_run == 1:
+            self.backend.synchronize()
+            self.steady_start = self.last = time.perf_counter()
+        else:
+            self.steady_steps = steps_this_run - 1
+
+    def seconds(self) -> float:
+        return self.last - self.start
+
+    def step_seconds(self) -> float:
+        if self.steady_steps and self.steady_start is not None:
+            return (self.last - self.steady_start) / self.steady_steps
+        return self.seconds()
+
+    def rates(self, examples: int | None) -> dict[str, float]:
+        rates = {"step_time": self.step_time}
+        if examples:
+            rates["examples_per_s"] = examples / self.step_time if self.step_time else 0.0
+        return rates
+
+
+def _summary(
+    experiment: Experiment,
+    backend: Backend,
+    seed: int,
+    config: dict[str, Any] | None,
+    params: Params,
+    examples: int,
+    timer: _StepTimer,
+) -> dict[str, Any]:
     backend.synchronize()
-    end = time.perf_counter()
-    steady_steps = max(experiment.steps - 1, 0)
-    step_seconds = (end - steady_start) / steady_steps if steady_steps else end - start
     n_params = size(params)
-    examples = examples or 0
+    step_seconds = timer.step_seconds()
     summary: dict[str, Any] = {
         "name": experiment.name,
         "backend": backend.name,
         "seed": seed,
         "steps": experiment.steps,
-        "final_loss": loss_value,
-        "seconds": end - start,
+        "seconds": timer.seconds(),
         "step_seconds": step_seconds,
         "params": n_params,
         "examples_per_step": examples,
@@ -165,27 +400,62 @@ def fit(
         "flops_per_step_exact": experiment.flops_per_step,
         "examples_per_second": examples / step_seconds if step_seconds > 0 else None,
     }
-    if experiment.evaluate is not None:
-        summary["eval"] = {k: float(v) for k, v in experiment.evaluate(params).items()}
     if config is not None:
         summary["config"] = config
-    if run_dir is not None:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return FitResult(params, opt_state, summary)
+    return summary
 
 
-@contextmanager
-def _open_metrics(run_dir: Path | None) -> Iterator[Any]:
-    if run_dir is None:
-        yield None
+def _resources(
+    experiment: Experiment,
+    backend: Backend,
+    params: Params,
+    opt_state: OptState,
+    batch: Any,
+    summary: dict[str, Any],
+) -> dict[str, Any]:
+    from minitrain.accounting import resource_report
+
+    return resource_report(
+        make_train_step(experiment, backend),
+        params,
+        opt_state,
+        batch,
+        examples_per_step=summary["examples_per_step"] or None,
+        exact_flops_per_step=experiment.flops_per_step,
+        peak_flops=backend.peak_flops(),
+        step_seconds=summary["step_seconds"],
+        steps_total=experiment.steps,
+        steps_done=experiment.steps,
+    )
+
+
+@contextlib.contextmanager
+def _graceful_stop() -> Iterator[Callable[[], bool]]:
+    """Turn the first Ctrl-C / SIGTERM into a request to stop after the current step.
+
+    A second Ctrl-C raises ``KeyboardInterrupt`` at once. Outside the main thread (where
+    signal handlers cannot be set) this does nothing.
+    """
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested.is_set
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "metrics.jsonl", "w") as handle:
-        yield handle
+
+    def handler(signum: int, frame: Any) -> None:
+        if requested.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requested.is_set
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
-@contextmanager
-def _progress(experiment: Experiment, enabled: bool) -> Iterator[Any]:
+@contextlib.contextmanager
+def _progress(experiment: Experiment, start: int, enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield lambda step, loss: None
         return
@@ -201,9 +471,13 @@ def _progress(experiment: Experiment, enabled: bool) -> Iterator[Any]:
         refresh_per_second=4,
     )
     with progress:
-        task = progress.add_task(experiment.name, total=experiment.steps, loss="-")
+        task = progress.add_task(experiment.name, total=experiment.steps, completed=start, loss="-")
 
         def advance(step: int, loss: float) -> None:
             progress.update(task, completed=step, loss=f"{loss:.4g}")
 
         yield advance
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
