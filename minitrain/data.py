@@ -219,11 +219,12 @@ class Prefetcher(Generic[Batch]):
     """Prepare the next batch in a background thread while the current step runs.
 
     ``sample(generator) -> batch`` must be a pure function of the generator's state (as
-    :func:`get_batch` is). Each call returns ``sample(generator)`` and advances ``generator``
-    exactly as the plain call would; meanwhile a worker thread draws the following batch from a
-    private copy of the advanced state. The next call uses that work only if the caller's
-    generator still holds the state it was drawn from (otherwise, as after restoring a
-    checkpoint, it draws in place). So the only RNG state is the caller's generator: save it with
+    :func:`get_batch` is) and safe to run in a second thread. Each call returns
+    ``sample(generator)`` and advances ``generator`` exactly as the plain call would; meanwhile
+    a worker thread draws the following batch from a private copy of the advanced state. The
+    next call uses that work only if the caller's generator still holds the state it was drawn
+    from (otherwise, as after restoring a checkpoint, it draws in place).
+    So the only RNG state is the caller's generator: save it with
     :func:`minitrain.rng.generator_state` and a resumed run replays the same batches.
 
     >>> import numpy as np, torch
@@ -258,7 +259,8 @@ class Prefetcher(Generic[Batch]):
                 pending.result.cancel()
             batch = self._draw(generator)
             after = generator.get_state()
-        self._pending = _Speculation(after, self._executor.submit(self._speculate, after))
+        speculation = self._executor.submit(self._speculate, after, generator.device)
+        self._pending = _Speculation(after, speculation)
         return batch
 
     def _draw(self, generator: torch.Generator) -> Batch:
@@ -267,8 +269,8 @@ class Prefetcher(Generic[Batch]):
             batch = torch.utils._pytree.tree_map(_pin, batch)
         return batch
 
-    def _speculate(self, state: torch.Tensor) -> tuple[Batch, torch.Tensor]:
-        private = torch.Generator()
+    def _speculate(self, state: torch.Tensor, device: torch.device) -> tuple[Batch, torch.Tensor]:
+        private = torch.Generator(device=device)
         private.set_state(state)
         return self._draw(private), private.get_state()
 

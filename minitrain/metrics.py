@@ -296,7 +296,7 @@ def _figure(series: dict[str, tuple[list[int], list[float]]], title: str) -> Any
         else:
             axes.plot(steps, values, marker="o", markersize=3, label=key)
     axes.set_xlabel("step")
-    axes.set_ylabel("value")
+    axes.set_ylabel(next(iter(series)) if len(series) == 1 else "value")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()
