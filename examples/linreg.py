@@ -46,4 +46,7 @@ def experiment(config: dict) -> mt.Experiment:
         next_batch=next_batch,
         optimizer=mt.optim.sgd(lr=config["lr"]),
         steps=config["steps"],
+        # Exact matmul FLOPs: forward 2·B·P, weight grads 2·B·P, and input grads for every layer
+        # but the first (the data needs no gradient).
+        flops_per_step=mt.accounting.cruncher_flops(batch_size, dim, config["num_layers"]),
     )

@@ -123,10 +123,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("params", f"{summary['params']:,}"),
         ("FLOPs / step (6·B·P)", f"{summary['flops_per_step']:,}"),
     ]
+    if summary.get("flops_per_step_exact") is not None:
+        rows.append(("FLOPs / step (exact)", f"{summary['flops_per_step_exact']:,}"))
     rows += [(f"eval {k}", f"{v:.6g}") for k, v in summary.get("eval", {}).items()]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if "resources" in summary:
+        from minitrain.accounting.report import format_report
+
+        console.print("[bold]resources[/bold] (predicted vs measured, one step)")
+        console.print(
+            format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
+        )
 
 
 @click.command()
