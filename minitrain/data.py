@@ -182,13 +182,15 @@ def get_batch(
     # Starts in [0, len - seq_len - 1]: the window of seq_len + 1 tokens (x and y) fits.
     starts = torch.randint(len(data) - seq_len, (batch_size,), generator=generator)
     windows = np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[starts.numpy()]
-    tokens = torch.from_numpy(windows.astype(np.int64))
     device = torch.device(device)
-    if device.type == "cuda":
-        tokens = tokens.pin_memory().to(device, non_blocking=True)
-    elif device.type != "cpu":
-        tokens = tokens.to(device)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if device.type == "cuda":  # one pinned host buffer, one asynchronous copy
+        tokens = torch.from_numpy(windows.astype(np.int64)).pin_memory()
+        tokens = tokens.to(device, non_blocking=True)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    # numpy's single-threaded casts: torch's parallel copies cost more than they save here.
+    x = torch.from_numpy(windows[:, :-1].astype(np.int64))
+    y = torch.from_numpy(windows[:, 1:].astype(np.int64))
+    return x.to(device), y.to(device)
 
 
 def _check_batch_args(
