@@ -247,5 +247,38 @@ def _where(exc: BaseException, path: str | Path) -> str:
     if isinstance(exc, SyntaxError) and exc.lineno:
         lines.append(exc.lineno)
     where = f" (line {lines[-1]})" if lines else ""
-    message = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {message}{where}"
+    return f"{one_line(exc)}{where}"
+
+
+def one_line(exc: BaseException) -> str:
+    """``"Type: message"`` on one line; a jaxtyping shape error keeps the names of its dims.
+
+    >>> one_line(ValueError("bad\nmore detail"))
+    'ValueError: bad'
+    """
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if type(exc).__name__ == "TypeCheckError" and lines:
+        return _shape_error_line(lines)
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _shape_error_line(lines: list[str]) -> str:
+    """Condense jaxtyping's report: where, which argument, its shape, the expected dims."""
+    where = lines[0].removeprefix("Type-check error whilst checking the ").rstrip(".")
+    fields = {}
+    for line in lines:
+        for key in ("The problem arose whilst typechecking", "Actual value:", "Expected type:"):
+            if line.startswith(key):
+                fields[key] = line.removeprefix(key).strip().rstrip(".")
+    marker = "The current values for each jaxtyping axis annotation are as follows."
+    dims = lines[lines.index(marker) + 1 :] if marker in lines else []
+    parts = [f"shape mismatch in the {where}"]
+    if fields:
+        parts.append(
+            f"{fields.get('The problem arose whilst typechecking', 'a value')} is "
+            f"{fields.get('Actual value:', '?')}, expected {fields.get('Expected type:', '?')}"
+        )
+    if dims:
+        parts.append("bound so far: " + ", ".join(dims))
+    return "; ".join(parts)

@@ -41,7 +41,7 @@ from minitrain import checkpoint, rng
 from minitrain.backend import Backend
 from minitrain.metrics import MetricsWriter
 from minitrain.optim import learning_rate
-from minitrain.train.experiment import Experiment, ExperimentError
+from minitrain.train.experiment import Experiment, ExperimentError, one_line
 from minitrain.train.step import make_train_step
 from minitrain.tree import OptState, Params, leaves, size
 from minitrain.tree import map as tree_map
@@ -192,7 +192,8 @@ def fit(
 
     rng.seed_everything(seed)
     init_generator, data_generator = run_generators(seed)
-    params = to_backend(experiment.init(init_generator), backend)
+    with _user_code("init(generator)"):
+        params = to_backend(experiment.init(init_generator), backend)
     opt_state = experiment.optimizer.init(params)
     start = 0
     if resume:
@@ -227,10 +228,11 @@ def fit(
             if stop_requested():
                 step -= 1  # the last finished step
                 break
-            batch = backend.to_device(experiment.next_batch(data_generator))
-            if examples is None:
-                examples = batch_examples(batch)
-            out = compiled(params, opt_state, batch)
+            with _user_code("the first train step", enabled=step == start + 1):
+                batch = backend.to_device(experiment.next_batch(data_generator))
+                if examples is None:
+                    examples = batch_examples(batch)
+                out = compiled(params, opt_state, batch)
             timer.tick(step - start)
             is_checkpoint = _due(step, checkpoint_every) and step < experiment.steps
             is_eval = experiment.evaluate is not None and _due(step, experiment.eval_every)
@@ -274,6 +276,21 @@ def fit(
     if run_dir is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return FitResult(params, opt_state, summary)
+
+
+@contextlib.contextmanager
+def _user_code(what: str, enabled: bool = True) -> Iterator[None]:
+    """Report a failure of the experiment's own code (a bad config, a shape mismatch in the
+    loss) as a one-line :class:`ExperimentError`: it is the script's mistake, not the loop's."""
+    if not enabled:
+        yield
+        return
+    try:
+        yield
+    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+        if isinstance(exc, ExperimentError):
+            raise
+        raise ExperimentError(f"the experiment's {what} failed: {one_line(exc)}") from exc
 
 
 def _due(step: int, every: int) -> bool:
