@@ -192,7 +192,7 @@ def fit(
 
     rng.seed_everything(seed)
     init_generator, data_generator = run_generators(seed)
-    with _user_code("init(generator)"):
+    with _user_code("the experiment's init(generator)"):
         params = to_backend(experiment.init(init_generator), backend)
     opt_state = experiment.optimizer.init(params)
     start = 0
@@ -290,7 +290,7 @@ def _user_code(what: str, enabled: bool = True) -> Iterator[None]:
     except (ValueError, TypeError, IndexError, RuntimeError) as exc:
         if isinstance(exc, ExperimentError):
             raise
-        raise ExperimentError(f"the experiment's {what} failed: {one_line(exc)}") from exc
+        raise ExperimentError(f"{what} failed: {one_line(exc)}") from exc
 
 
 def _due(step: int, every: int) -> bool:
