@@ -17,6 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from minitrain.accounting.communication import (
+    allreduce_bytes,
+    allreduce_seconds,
+    communication_time,
+)
 from minitrain.accounting.flops import (
     SECONDS_PER_DAY,
     cruncher_flops,
@@ -79,7 +84,10 @@ __all__ = [
     "HardwareError",
     "MemoryBreakdown",
     "TransformerConfig",
+    "allreduce_bytes",
+    "allreduce_seconds",
     "bytes_per_param",
+    "communication_time",
     "cruncher_activations",
     "cruncher_flops",
     "cruncher_memory",

@@ -65,10 +65,22 @@ def estimate() -> None:
 @click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5,
               help="Model FLOPs utilization (0.3-0.6 is realistic).")
 @click.option("--dtype", default="bf16", help="Dtype of the dense peak (bf16, fp32, fp8...).")
+@click.option("--interconnect-bandwidth", type=QUANTITY, default=None,
+              help="Bytes/s per GPU for the gradient all-reduce (NCCL bus bandwidth, e.g. 50G); "
+                   "adds the data-parallel communication time.")
+@click.option("--batch-tokens", type=QUANTITY, default=4e6,
+              help="Global batch in tokens (steps = D / this); 4M as in Llama 2.")
+@click.option("--grad-bytes", type=QUANTITY, default=2,
+              help="Bytes per gradient element all-reduced (2: bf16, 4: fp32).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: float, dtype: str,
+          interconnect_bandwidth: float | None, batch_tokens: float, grad_bytes: float,
           as_json: bool) -> None:
-    """Time to train N params on D tokens: 6·N·D over peak × MFU × GPUs (chapter 3.1.1)."""
+    """Time to train N params on D tokens: 6·N·D over peak × MFU × GPUs (chapter 3.1.1).
+
+    With --interconnect-bandwidth, also the time to all-reduce the gradients every step
+    (ring all-reduce: 2·(N-1)/N × gradient bytes per GPU), beside the compute time.
+    """
     from minitrain import accounting as acc
 
     spec = _accounting_call(acc.hardware, hardware_name)
@@ -101,7 +113,52 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
         f"   (rounding the throughput to {rounded:.0e} FLOP/s, as napkin math does: "
         f"{result['days_at_rounded_throughput']:.1f} days)",
     ]
+    if interconnect_bandwidth is not None:
+        result["communication"] = _communication(
+            params, tokens, batch_tokens, gpus, interconnect_bandwidth, grad_bytes, seconds
+        )
+        lines += _communication_lines(result["communication"])
     _emit(result, lines, as_json)
+
+
+def _communication(params: float, tokens: float, batch_tokens: float, gpus: int,
+                   bandwidth: float, grad_bytes: float, compute_seconds: float) -> dict[str, Any]:
+    from minitrain import accounting as acc
+
+    gradient_bytes = params * grad_bytes
+    per_step = acc.allreduce_bytes(gradient_bytes, gpus)
+    seconds = _accounting_call(
+        acc.communication_time, params, tokens, batch_tokens, gpus, bandwidth, grad_bytes
+    )
+    return {
+        "interconnect_bandwidth": bandwidth,
+        "batch_tokens": batch_tokens,
+        "steps": tokens / batch_tokens,
+        "gradient_bytes": gradient_bytes,
+        "allreduce_bytes_per_gpu_per_step": per_step,
+        "allreduce_seconds_per_step": per_step / bandwidth,
+        "seconds": seconds,
+        "days": seconds / acc.SECONDS_PER_DAY,
+        "compute_seconds": compute_seconds,
+        "days_no_overlap": (compute_seconds + seconds) / acc.SECONDS_PER_DAY,
+        "days_full_overlap": max(compute_seconds, seconds) / acc.SECONDS_PER_DAY,
+    }
+
+
+def _communication_lines(comm: dict[str, Any]) -> list[str]:
+    from minitrain import accounting as acc
+
+    compute_days = comm["compute_seconds"] / acc.SECONDS_PER_DAY
+    return [
+        f"4. all-reduce   2·(N-1)/N × {_si(comm['gradient_bytes'], 'B')} of gradients = "
+        f"{_si(comm['allreduce_bytes_per_gpu_per_step'], 'B')} per GPU per step, at "
+        f"{_si(comm['interconnect_bandwidth'], 'B/s')} = "
+        f"{comm['allreduce_seconds_per_step']:.3g} s per step",
+        f"   × {comm['steps']:.3g} steps of {comm['batch_tokens']:.3g} tokens = "
+        f"{comm['days']:.1f} days of communication beside {compute_days:.1f} days of compute",
+        f"   total {comm['days_no_overlap']:.1f} days without overlap, "
+        f"{comm['days_full_overlap']:.1f} days if fully overlapped",
+    ]
 
 
 @estimate.command("memory")
