@@ -21,7 +21,7 @@ from torch import nn
 
 from minitrain.tree import Params
 
-__all__ = ["value_and_grad", "grad", "vmap", "from_module"]
+__all__ = ["value_and_grad", "grad", "vmap", "from_module", "per_example_grads"]
 
 vmap = torch.func.vmap
 """``torch.func.vmap``, re-exported: ``vmap(f, in_dims=0, out_dims=0, randomness="error")``."""
@@ -86,3 +86,29 @@ def from_module(module: nn.Module) -> tuple[Params, Callable[..., Any]]:
         return torch.func.functional_call(module, (params, frozen, buffers), args, kwargs)
 
     return params, apply
+
+
+def per_example_grads(
+    loss_fn: Callable[[Params, Any], torch.Tensor], batch_dim: int = 0
+) -> Callable[[Params, Any], Params]:
+    """Return ``f(params, batch) -> grads`` whose leaves gain a leading batch axis: entry ``i``
+    is the gradient of ``loss_fn`` on example ``i`` alone.
+
+    ``loss_fn(params, batch)`` takes a batch (every tensor of ``batch`` has the batch axis at
+    ``batch_dim``) and returns a 0-d loss; each example is passed as a batch of one, so a mean
+    loss needs no change. One ``vmap(grad)`` call does all examples (the torch.func
+    per-sample-gradients recipe), instead of one backward pass per example.
+
+    >>> import torch
+    >>> loss = lambda p, batch: ((batch[0] @ p["w"] - batch[1]) ** 2).mean()
+    >>> x, y = torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([1.0, 0.0])
+    >>> per_example_grads(loss)({"w": torch.zeros(2)}, (x, y))["w"]  # 2 (x·w - y) x, per row
+    tensor([[-2.,  0.],
+            [ 0.,  0.]])
+    """
+
+    def one_example(params: Params, example: Any) -> Params:
+        batch = torch.utils._pytree.tree_map(lambda t: t.unsqueeze(batch_dim), example)
+        return torch.func.grad(loss_fn)(params, batch)
+
+    return torch.func.vmap(one_example, in_dims=(None, batch_dim))

@@ -39,6 +39,8 @@ __all__ = [
     "nbytes",
     "global_norm",
     "assert_same_structure",
+    "stack",
+    "unstack",
 ]
 
 PyTree = Any
@@ -209,3 +211,85 @@ def _path_name(path: tuple[Any, ...]) -> str:
         else:
             parts.append(str(entry))
     return ".".join(parts)
+
+
+def stack(trees: list[PyTree] | tuple[PyTree, ...]) -> PyTree:
+    """One tree whose tensor leaves stack the leaves of ``trees`` along a new leading axis.
+
+    An ensemble of K models is one params tree with a leading K axis (``torch.func``'s
+    ``stack_module_state`` does this for modules). Non-tensor leaves (ints, strs...) must be
+    equal in every tree and are kept as they are.
+
+    >>> import torch
+    >>> ensemble = stack([{"w": torch.zeros(2)}, {"w": torch.ones(2)}])
+    >>> ensemble["w"]
+    tensor([[0., 0.],
+            [1., 1.]])
+    >>> stack([{"w": torch.zeros(2)}, {"w": torch.zeros(3)}])
+    Traceback (most recent call last):
+    ...
+    ValueError: trees[0] and trees[1] differ at leaf 'w': shape (2,) vs (3,); pass trees whose leaves have the same shapes
+    """  # noqa: E501
+    trees = list(trees)
+    if not trees:
+        raise ValueError("stack() needs at least one tree; pass a non-empty list of pytrees")
+    first = trees[0]
+    for index, other in enumerate(trees[1:], start=1):
+        names = ("trees[0]", f"trees[{index}]")
+        assert_same_structure(first, other, names=names, check_shapes=True)
+        for (name, a), b in zip(named_leaves(first), leaves(other), strict=True):
+            _check_stackable(name, a, b, index)
+    return _pytree.tree_map(_stack_leaf, first, *trees[1:])
+
+
+def unstack(tree: PyTree) -> list[PyTree]:
+    """The K trees of a stacked tree: leaf ``i`` of tree ``k`` is ``leaf[k]`` (inverse of
+    :func:`stack`). Tensor leaves come back as views into the stacked leaves.
+
+    >>> import torch
+    >>> first, second = unstack({"w": torch.tensor([[0.0, 0.0], [1.0, 1.0]]), "name": "a"})
+    >>> second
+    {'w': tensor([1., 1.]), 'name': 'a'}
+    """
+    named = named_leaves(tree)
+    tensors = [(name, leaf) for name, leaf in named if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise ValueError("unstack() needs a tree with tensor leaves; pass a stacked pytree")
+    for name, leaf in tensors:
+        if leaf.dim() == 0 or leaf.shape[0] != tensors[0][1].shape[0]:
+            raise ValueError(
+                f"leaf {name!r} has shape {tuple(leaf.shape)} but leaf {tensors[0][0]!r} "
+                f"stacks {tensors[0][1].shape[0]} trees; every tensor leaf needs that leading axis"
+            )
+    count = tensors[0][1].shape[0]
+    spec = structure(tree)
+    flat = [leaf for _, leaf in named]
+    return [
+        unflatten(spec, [leaf[k] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat])
+        for k in range(count)
+    ]
+
+
+def _stack_leaf(first: Any, *rest: Any) -> Any:
+    if isinstance(first, torch.Tensor):
+        return torch.stack([first, *rest])
+    return first
+
+
+def _check_stackable(name: str, a: Any, b: Any, index: int) -> None:
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        raise ValueError(
+            f"trees[0] and trees[{index}] differ at leaf {name!r}: a tensor in one, a "
+            f"{type(b if isinstance(a, torch.Tensor) else a).__name__} in the other"
+        )
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.device != b.device:
+            raise ValueError(
+                f"trees[0] and trees[{index}] differ at leaf {name!r}: {a.dtype} on {a.device} "
+                f"vs {b.dtype} on {b.device}; pass trees with the same dtypes and devices"
+            )
+    elif a != b:
+        raise ValueError(
+            f"trees[0] and trees[{index}] differ at non-tensor leaf {name!r}: {a!r} vs {b!r}; "
+            "non-tensor leaves must be equal to be stacked"
+        )
