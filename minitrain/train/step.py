@@ -13,7 +13,7 @@ import torch
 
 from minitrain.backend import Backend
 from minitrain.func import value_and_grad
-from minitrain.tree import OptState, Params, PyTree, global_norm
+from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
 __all__ = ["StepOutput", "make_train_step", "loss_with_aux"]
 
@@ -35,10 +35,18 @@ def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Ten
     return lambda params, batch: (experiment.loss(params, batch), {})
 
 
+# (grads, loss, aux) -> (grads, loss, aux), applied between the backward pass and the update.
+GradTransform = Callable[[Grads, torch.Tensor, dict], tuple[Grads, torch.Tensor, dict]]
+
+
 def make_train_step(
-    experiment: Any, backend: Backend
+    experiment: Any, backend: Backend, grad_transform: GradTransform | None = None
 ) -> Callable[[Params, OptState, PyTree], StepOutput]:
     """Build the pure step for ``experiment`` on ``backend``.
+
+    ``grad_transform(grads, loss, aux) -> (grads, loss, aux)`` runs between the backward pass
+    and clipping/update: data parallelism passes its all-reduce here
+    (:meth:`minitrain.distributed.DataParallel.reduce`).
 
     >>> import torch, minitrain as mt
     >>> from minitrain.train import Experiment
@@ -58,6 +66,8 @@ def make_train_step(
     def train_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
         with backend.autocast():
             (loss, aux), grads = loss_and_grads(params, batch)
+        if grad_transform is not None:
+            grads, loss, aux = grad_transform(grads, loss, aux)
         if max_grad_norm is not None:
             from minitrain.optim import clip_by_global_norm
 
