@@ -42,6 +42,7 @@ _EXPORTS = {
     "grad": "func",
     "vmap": "func",
     "from_module": "func",
+    "per_example_grads": "func",
     "Backend": "backend",
     "get_backend": "backend",
     "available_backends": "backend",
