@@ -162,6 +162,7 @@ def fit(
     report: bool = False,
     config: dict[str, Any] | None = None,
     say: Callable[[str], None] | None = None,
+    parallel: Any = None,
 ) -> FitResult:
     """Train ``experiment`` on ``backend``; return params, optimizer state and the summary.
 
@@ -174,12 +175,18 @@ def fit(
         resume: continue from the latest valid checkpoint in ``out_dir`` (if there is one).
         report: add the resource report (predicted vs measured memory, FLOPs, MFU).
         say: where progress messages go (default: stderr).
+        parallel: a :class:`minitrain.distributed.DataParallel` for data-parallel training:
+            each rank draws the global batch and trains on its shard, gradients are
+            all-reduced in the step, and rank 0 alone logs, evaluates and writes checkpoints.
 
     Raises :class:`NonFiniteLoss` (the last good checkpoint stays as it was),
     :class:`Interrupted` after Ctrl-C (a checkpoint of the last finished step is written first)
     and :class:`ResumeError`.
     """
     say = say or _stderr
+    main = parallel is None or parallel.is_main  # the rank that writes and reports
+    if not main:
+        say, progress = (lambda message: None), False
     if log_every < 1 or checkpoint_every < 0 or keep < 1:
         raise ValueError(
             f"need log_every >= 1, checkpoint_every >= 0 and keep >= 1; got {log_every}, "
@@ -198,15 +205,19 @@ def fit(
     start = 0
     if resume:
         params, opt_state, start = _resume(run_dir, params, opt_state, data_generator, meta, say)
+    if parallel is not None:
+        parallel.check_same(start, "the step to resume from")
     if start > experiment.steps:
         raise ResumeError(
             f"the checkpoint in {run_dir} is at step {start}, past --steps {experiment.steps}; "
             "pass --steps of at least that, or a new --out"
         )
-    step_fn = make_train_step(experiment, backend)
+    step_fn = make_train_step(experiment, backend, parallel.reduce if parallel else None)
     compiled = torch.compile(step_fn) if compile else step_fn
 
     def save(step: int) -> Path:
+        if not main:
+            return checkpoint.checkpoint_path(run_dir, step)
         return checkpoint.save(
             run_dir, step, params, opt_state, meta, generator=data_generator, keep=keep
         )
@@ -219,23 +230,26 @@ def fit(
     with contextlib.ExitStack() as stack:
         metrics = (
             stack.enter_context(MetricsWriter(run_dir, start, tensorboard))
-            if run_dir is not None
+            if run_dir is not None and main
             else None
         )
         stop_requested = stack.enter_context(_graceful_stop())
         advance = stack.enter_context(_progress(experiment, start, enabled=progress))
         for step in range(start + 1, experiment.steps + 1):
-            if stop_requested():
+            if stop_requested() if parallel is None else parallel.any(stop_requested()):
                 step -= 1  # the last finished step
                 break
             with _user_code("the first train step", enabled=step == start + 1):
-                batch = backend.to_device(experiment.next_batch(data_generator))
+                batch = experiment.next_batch(data_generator)
                 if examples is None:
                     examples = batch_examples(batch)
+                if parallel is not None:
+                    batch = parallel.shard(batch)
+                batch = backend.to_device(batch)
                 out = compiled(params, opt_state, batch)
             timer.tick(step - start)
             is_checkpoint = _due(step, checkpoint_every) and step < experiment.steps
-            is_eval = experiment.evaluate is not None and _due(step, experiment.eval_every)
+            is_eval = experiment.evaluate is not None and main and _due(step, experiment.eval_every)
             if _due(step, log_every) or step == experiment.steps or is_checkpoint or is_eval:
                 loss_value = _finite_loss(out, step)
                 record = {
@@ -265,15 +279,19 @@ def fit(
     elif not finished:
         where = "no --out was given" if run_dir is None else "no step finished"
         raise Interrupted(f"stopped at step {step}; {where}, so no checkpoint was saved")
-    if experiment.evaluate is not None and not last_eval:
+    if experiment.evaluate is not None and main and not last_eval:
         last_eval = {k: float(v) for k, v in experiment.evaluate(params).items()}
     summary = _summary(experiment, backend, seed, config, params, examples or 0, timer)
     summary.update(final_loss=loss_value, resumed_from=start or None)
     if last_eval:
         summary["eval"] = last_eval
-    if report and batch is not None:
-        summary["resources"] = _resources(experiment, backend, params, opt_state, batch, summary)
-    if run_dir is not None:
+    if parallel is not None:
+        summary["ranks"] = parallel.world_size
+    if report and batch is not None and main:
+        summary["resources"] = _resources(
+            experiment, backend, params, opt_state, batch, summary, parallel
+        )
+    if run_dir is not None and main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return FitResult(params, opt_state, summary)
 
@@ -429,21 +447,31 @@ def _resources(
     opt_state: OptState,
     batch: Any,
     summary: dict[str, Any],
+    parallel: Any = None,
 ) -> dict[str, Any]:
     from minitrain.accounting import resource_report
 
-    return resource_report(
+    # Under data parallelism the report is one rank's step on its shard of the global batch
+    # (FLOPs scale with the batch), plus the gradient all-reduce.
+    share = parallel.weight if parallel is not None else 1.0
+    exact = experiment.flops_per_step
+    report = resource_report(
         make_train_step(experiment, backend),
         params,
         opt_state,
         batch,
-        examples_per_step=summary["examples_per_step"] or None,
-        exact_flops_per_step=experiment.flops_per_step,
+        examples_per_step=round(summary["examples_per_step"] * share) or None,
+        exact_flops_per_step=round(exact * share) if exact is not None else None,
         peak_flops=backend.peak_flops(),
         step_seconds=summary["step_seconds"],
         steps_total=experiment.steps,
         steps_done=experiment.steps,
     )
+    if parallel is not None:
+        from minitrain.distributed import gradient_bytes
+
+        report["communication"] = parallel.communication(gradient_bytes(params))
+    return report
 
 
 @contextlib.contextmanager
