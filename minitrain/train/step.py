@@ -57,7 +57,7 @@ def make_train_step(
     >>> params = {"w": torch.zeros(2)}
     >>> out = step(params, exp.optimizer.init(params), torch.ones(4, 2))
     >>> out.loss, out.params
-    (tensor(1.), {'w': tensor([0.4000, 0.4000])})
+    (tensor(1.), {'w': tensor([0.2000, 0.2000])})
     """
     loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
     optimizer = experiment.optimizer
