@@ -5,11 +5,13 @@
 like the forward pass. For every op it records
 
 - **FLOPs**: matmuls, convolutions and attention by ``torch.utils.flop_counter``'s formulas (so
-  its matmul FLOPs equal ``FlopCounterMode``'s exactly), elementwise ops and reductions by the
-  tables below (FLOPs per element); an op with no formula goes into ``unknown`` (never a
-  silent zero);
+  its matmul FLOPs equal ``FlopCounterMode``'s exactly; CPU attention kernels, which
+  ``FlopCounterMode`` skips, get the same formulas as their CUDA twins), elementwise ops and
+  reductions by the tables below (FLOPs per element), a few ops by formulas of their arguments
+  (:data:`FORMULA_OPS`); an op with no formula goes into ``unknown`` (never a silent zero);
 - **bytes**: read (every tensor input) and written (every tensor output), from shapes and dtypes;
-  view ops move nothing;
+  views move nothing: an op whose schema returns an alias of its input (``Tensor(a)``), or one
+  whose outputs all share an input's storage (``_unsafe_view``, whose schema hides it);
 - **live memory**: every storage it sees (plus those passed to :meth:`Counter.track`) counts as
   live until it is freed; ``peak_bytes`` is the highest total (CPU has no allocator statistics).
 
@@ -29,14 +31,14 @@ from __future__ import annotations
 import math
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
 from minitrain.accounting.hardware import HardwareError, dtype_name
@@ -44,6 +46,7 @@ from minitrain.accounting.hardware import HardwareError, dtype_name
 __all__ = [
     "Counter",
     "DATA_MOVEMENT",
+    "FORMULA_OPS",
     "FUSED_OPTIMIZER_FLOPS",
     "OpRecord",
     "OpTotals",
@@ -52,43 +55,52 @@ __all__ = [
 ]
 
 # FLOPs per output element of elementwise ops: one per arithmetic operation or elementary
-# function in the op's definition (torch docs). Comparisons count one.
+# function in the op's definition (torch docs). Comparisons and logical ops count one.
 POINTWISE_FLOPS: dict[str, int] = {
     **dict.fromkeys(
         ["add", "sub", "rsub", "mul", "div", "neg", "abs", "reciprocal", "sqrt", "rsqrt",
          "exp", "exp2", "expm1", "log", "log2", "log1p", "sin", "cos", "tanh", "erf", "sign",
-         "square", "pow", "relu", "threshold_backward", "maximum", "minimum", "clamp",
+         "sgn", "square", "pow", "relu", "threshold_backward", "maximum", "minimum", "clamp",
          "clamp_min", "clamp_max", "where", "eq", "ne", "lt", "le", "gt", "ge", "logical_not",
-         "logical_and", "logical_or", "floor", "ceil", "round", "trunc", "fmod", "remainder",
-         "masked_fill", "leaky_relu", "hardtanh"],
+         "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or",
+         "bitwise_xor", "floor", "ceil", "round", "trunc", "fmod", "remainder", "masked_fill",
+         "leaky_relu", "hardtanh"],
         1,
     ),
     "addcmul": 3,  # self + value·t1·t2
     "addcdiv": 3,  # self + value·t1/t2
     "lerp": 3,  # self + weight·(end - self)
+    "xlogy": 3,  # x == 0 ? 0 : x·log(y): compare, log, multiply
     "sigmoid": 4,  # 1/(1 + exp(-x))
     "sigmoid_backward": 3,  # g·y·(1 - y)
     "tanh_backward": 3,  # g·(1 - y²)
     "silu": 5,  # x·sigmoid(x)
+    # sigmoid (4), then g·s·(1 + x·(1 - s)) (5); ATen's cpu/Activation.cpp silu_backward
+    "silu_backward": 9,
+    "leaky_relu_backward": 2,  # x > 0 ? g : g·slope
+    "hardtanh_backward": 2,  # min < x < max ? g : 0, two comparisons
+    "softplus": 5,  # β·x > threshold ? x : log1p(exp(β·x))/β
+    "softplus_backward": 6,  # z = exp(β·x); β·x > threshold ? g : g·z/(z + 1)
     "gelu": 20,  # the chapter's 3.6.4 table: GeLU costs about 20 FLOPs per element
     "mse_loss_backward": 3,  # 2·(x - y)·g/n
 }
 # FLOPs per *input* element of reductions and normalizations (per element of ``self``).
 REDUCTION_FLOPS: dict[str, int] = {
     **dict.fromkeys(["sum", "mean", "amax", "amin", "max", "min", "prod", "argmax", "argmin",
-                     "any", "all", "cumsum"], 1),
+                     "any", "all", "cumsum", "cumprod", "cummax", "cummin"], 1),
     "norm": 2,  # square and add
     "linalg_vector_norm": 2,
     "var": 3,  # subtract the mean, square, add
     "std": 3,
     "var_mean": 3,
     "mse_loss": 3,  # subtract, square, add
+    "logsumexp": 4,  # max, subtract, exp, add (one log per row is not counted)
     "_softmax": 5,  # max, subtract, exp, sum, divide
+    "_safe_softmax": 6,  # softmax (5), and zero the rows that are all -inf (1)
     "_log_softmax": 5,  # max, subtract, exp, sum, log-and-subtract
     "_softmax_backward_data": 4,  # g·y - y·sum(g·y)
     "_log_softmax_backward_data": 3,  # g - exp(y)·sum(g)
     "native_layer_norm": 8,  # mean (2), variance (3), normalize (1), scale and shift (2)
-    "nll_loss_forward": 1,
 }
 # FLOPs per parameter element of torch's fused optimizer kernels, counting every term of the
 # update in the torch.optim docs: SGD ``p - lr·g``; Adam(W) moments (3 + 4), bias-corrected
@@ -106,10 +118,12 @@ DATA_MOVEMENT: frozenset[str] = frozenset(
      "zeros_like", "ones", "ones_like", "empty", "empty_like", "empty_strided", "full",
      "full_like", "new_zeros", "new_ones", "new_empty", "new_empty_strided", "new_full",
      "scalar_tensor", "lift_fresh", "lift_fresh_copy", "arange", "index_select", "gather",
-     "scatter", "index", "index_put", "embedding", "embedding_dense_backward", "constant_pad_nd",
-     "randn", "rand", "normal", "uniform", "bernoulli", "randint", "randperm",
-     "_local_scalar_dense", "set", "resize", "masked_select", "nonzero", "tril", "triu",
-     "repeat", "flip", "roll", "_unsafe_index", "slice_scatter", "select_scatter"]
+     "scatter", "index", "embedding", "constant_pad_nd", "randn", "rand", "normal", "uniform",
+     "bernoulli", "randint", "randperm", "_local_scalar_dense", "set", "resize",
+     "masked_select", "nonzero", "tril", "triu", "repeat", "flip", "roll", "_unsafe_index",
+     "slice_scatter", "select_scatter", "as_strided_scatter", "diagonal_scatter",
+     # backward of a slice or select: zeros of the input's shape with the gradient copied in
+     "slice_backward", "select_backward"]
 )
 # Metadata queries: not counted at all (FlopCounterMode skips the same ones).
 _METADATA_OPS = frozenset(
@@ -218,6 +232,119 @@ def _elements(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
+def _returns_aliases(func: Any) -> bool:
+    """The schema says every output aliases an input and nothing is written (``Tensor(a)``)."""
+    returns = func._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
+
+
+def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+             mutated: list[torch.Tensor]) -> bool:
+    """No data moves: the schema returns an alias of an input, or (``aten._unsafe_view``,
+    whose schema hides it) every output shares an input's storage and nothing is written."""
+    if _returns_aliases(func):
+        return True
+    if mutated or not outputs:
+        return False
+    return all(any(torch._C._is_alias_of(out, t) for t in inputs) for out in outputs)
+
+
+# --- FLOP formulas of an op's arguments ---------------------------------------------------------
+
+
+def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
+    """The value of argument ``name`` of an aten call; its schema default when not passed."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name != name:
+            continue
+        if name in kwargs:
+            return kwargs[name]
+        if not argument.kwarg_only and position < len(args):
+            return args[position]
+        return argument.default_value if argument.has_default_value() else None
+    raise KeyError(f"{func} has no argument {name!r}")
+
+
+def _attention_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # torch.utils.flop_counter's formula for the CUDA SDPA kernels (FlashAttention, Dao et al.
+    # 2022): QKᵀ and scores·V, two bmms, 4·B·H·S_q·S_k·D; a causal mask is counted in full.
+    shapes = [_argument(func, args, kwargs, n).shape for n in ("query", "key", "value")]
+    return sdpa_flop_count(*shapes)
+
+
+def _attention_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # torch.utils.flop_counter's backward formula: the scores recomputed, then the gradients of
+    # scores, V, Q and K; five bmms, 2.5 times the forward's FLOPs.
+    names = ("grad_out", "query", "key", "value")
+    return sdpa_backward_flop_count(*[_argument(func, args, kwargs, n).shape for n in names])
+
+
+def _layer_norm_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # Per input element, for each gradient asked for in output_mask (ATen's
+    # cpu/layer_norm_kernel.cpp): dx = rstd·(g·γ - mean(g·γ) - x̂·mean(g·γ·x̂)) with
+    # x̂ = (x - μ)·rstd: g·γ (1, none without γ), x̂ (2), the two row sums (3), the
+    # combination (4); dγ = Σ g·x̂ (2, x̂ shared); dβ = Σ g (1).
+    dx, dweight, dbias = _argument(func, args, kwargs, "output_mask")
+    has_weight = _argument(func, args, kwargs, "weight") is not None
+    per_element = (9 + has_weight) * dx + 2 * dweight + dbias
+    return per_element * _argument(func, args, kwargs, "grad_out").numel()
+
+
+def _nll_loss_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # -Σ w[t]·x[i, t] / Σ w[t]: the gather moves data; one add per target, plus a multiply and
+    # an add into the total weight per target when class weights are given.
+    weighted = _argument(func, args, kwargs, "weight") is not None
+    return (1 + 2 * weighted) * _argument(func, args, kwargs, "target").numel()
+
+
+def _nll_loss_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # Zeros with -g·w[t]/Σw written at each target (ATen's LossNLL.cpp): one per target.
+    return _argument(func, args, kwargs, "target").numel()
+
+
+def _embedding_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # Each gradient row is added into its token's row: one add per element, and a divide by
+    # the token's count with scale_grad_by_freq.
+    per_element = 1 + bool(_argument(func, args, kwargs, "scale_grad_by_freq"))
+    return per_element * _argument(func, args, kwargs, "grad_output").numel()
+
+
+def _index_put_flops(func: Any, args: Any, kwargs: Any) -> int:
+    # accumulate=True adds each value into its slot (the backward of indexing); else a copy.
+    accumulate = bool(_argument(func, args, kwargs, "accumulate"))
+    return accumulate * _argument(func, args, kwargs, "values").numel()
+
+
+# GeLU's gradient per element (ATen's cpu/Activation.cpp GeluBackwardKernelImpl). Exact:
+# g·(Φ(x) + x·φ(x)), Φ(x) = (1 + erf(x/√2))/2 (4), φ(x) = exp(-x²/2)/√(2π) (4), then 3.
+# tanh: inner = √(2/π)·(x + 0.044715·x³) and its tanh (6), the left and right factors
+# 0.5·x·(1 + t) (3) and their derivatives (3 and 3), g·(l' + r'·inner') (3).
+_GELU_BACKWARD_FLOPS = {"none": 11, "tanh": 18}
+
+
+def _gelu_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
+    approximate = _argument(func, args, kwargs, "approximate")
+    return _GELU_BACKWARD_FLOPS[approximate] * _argument(func, args, kwargs, "self").numel()
+
+
+# Ops whose FLOPs depend on more than an element count: base name -> f(func, args, kwargs).
+FORMULA_OPS: dict[str, Callable[[Any, Any, Any], int]] = {
+    "_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _attention_backward_flops,
+    "native_layer_norm_backward": _layer_norm_backward_flops,
+    "nll_loss_forward": _nll_loss_flops,
+    "nll_loss2d_forward": _nll_loss_flops,
+    "nll_loss_backward": _nll_loss_backward_flops,
+    "nll_loss2d_backward": _nll_loss_backward_flops,
+    "embedding_dense_backward": _embedding_backward_flops,
+    "index_put": _index_put_flops,
+    "_index_put_impl": _index_put_flops,
+    "gelu_backward": _gelu_backward_flops,
+}
+
+
 def _dtype_label(tensors: list[torch.Tensor]) -> str:
     if not tensors:
         return "none"
@@ -284,18 +411,20 @@ class Counter:
         track_memory: track live storages for ``peak_bytes`` / ``live_bytes``.
 
     Results: ``flops`` (all ops with a formula), ``matmul_flops`` (the ``FlopCounterMode``
-    subset), ``bytes_read``, ``bytes_written``, ``by_op`` and ``by_module`` (name ->
-    :class:`OpTotals`), ``unknown`` (op -> calls with no FLOP formula), ``records``,
-    ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes`` (live bytes when the
-    first backward op ran: params, state, batch and the saved activations) and
+    subset: ops in ``torch.utils.flop_counter.flop_registry``; the CPU attention kernels are
+    not there, so their FLOPs count in ``flops`` only), ``bytes_read``, ``bytes_written``,
+    ``by_op`` and ``by_module`` (name -> :class:`OpTotals`), ``unknown`` (op -> calls with no
+    FLOP formula), ``records``, ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes``
+    (live bytes when the first backward op ran: params, state, batch and the saved
+    activations) and
     ``forward_matmul_inputs`` (storage address -> bytes of each forward matmul operand).
 
     >>> import torch
     >>> with Counter() as c:
-    ...     torch.ones(8).cumprod(0)
-    tensor([1., 1., 1., 1., 1., 1., 1., 1.])
+    ...     torch.ones(4).lgamma()
+    tensor([0., 0., 0., 0.])
     >>> c.unknown
-    {'aten.cumprod': 1}
+    {'aten.lgamma': 1}
     """
 
     keep_records: bool = True
@@ -351,12 +480,15 @@ class Counter:
         text), for a side-by-side comparison."""
         return {module: dict(ops) for module, ops in self.matmul_by_module.items()}
 
-    def _flops(self, func: Any, base: str, args: Any, kwargs: Any, out: Any) -> int | None:
+    def _flops(self, func: Any, base: str, args: Any, kwargs: Any, out: Any,
+               view: bool) -> int | None:
         packet = func._overloadpacket
         if packet in flop_registry:
             return int(flop_registry[packet](*args, **kwargs, out_val=out))
-        if func.is_view or base in DATA_MOVEMENT:
+        if view or base in DATA_MOVEMENT:
             return 0
+        if base in FORMULA_OPS:
+            return int(FORMULA_OPS[base](func, args, kwargs))
         if base in POINTWISE_FLOPS:
             return POINTWISE_FLOPS[base] * _elements(_tensors(out))
         first = _tensors(args[0] if args else ())
@@ -370,11 +502,13 @@ class Counter:
         packet = func._overloadpacket
         name, base = str(packet), _base_name(packet)
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        written = {id(t): t for t in (*outputs, *_mutated(func, args, kwargs))}
-        flops = self._flops(func, base, args, kwargs, out)
+        mutated = _mutated(func, args, kwargs)
+        written = {id(t): t for t in (*outputs, *mutated)}
+        view = _is_view(func, inputs, outputs, mutated)
+        flops = self._flops(func, base, args, kwargs, out, view)
         if flops is None:
             self.unknown[name] = self.unknown.get(name, 0) + 1
-        moved = not func.is_view
+        moved = not view
         backward = torch._C._current_autograd_node() is not None
         if self.track_memory:
             if backward and self.backward_start_live_bytes is None:
