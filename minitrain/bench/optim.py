@@ -5,7 +5,7 @@ Per optimizer, one process times, round by round interleaved (so all see the sam
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
 no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation
 (``params, state = opt.update(grads, state, params)``, the previous params freed each step as in
-a training loop) and with ``donate=True``. Ratios are median time over the peer's median.
+a training loop) and with ``donate=True``. Ratios are best-round time over the peer's.
 
 ``--breakdown`` splits one pure AdamW update into its parts: the in-place fused kernel, the
 copies of params and state that purity costs, Python overhead (the same update on 8 scalars)
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,7 +78,11 @@ def _sync(device: str) -> None:
 def time_interleaved(
     steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str
 ) -> dict[str, float]:
-    """Median seconds per call of each stepper over ``rounds`` interleaved rounds."""
+    """Fastest round's seconds per call of each stepper over ``rounds`` interleaved rounds.
+
+    The minimum, not the median: on a machine shared with other jobs, the fastest round is the
+    one least disturbed by them, and it is disturbed the same way for every stepper.
+    """
     for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
         for _ in range(3):
             stepper()
@@ -92,7 +95,7 @@ def time_interleaved(
                 stepper()
             _sync(device)
             times[name].append((time.perf_counter() - start) / inner)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: min(values) for name, values in times.items()}
 
 
 def measure(
@@ -189,7 +192,7 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"update of {result['params']} on {device} (median of {rounds} rounds x {inner})")
+    click.echo(f"update of {result['params']} on {device} (best of {rounds} interleaved rounds x {inner})")
     for name, entry in result["results"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")

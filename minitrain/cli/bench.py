@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "typecheck": "minitrain.bench.typecheck:typecheck",
     "hardware": "minitrain.bench.hardware:hardware",
     "optim": "minitrain.bench.optim:optim",
+    "step": "minitrain.bench.step:step",
 }
 
 

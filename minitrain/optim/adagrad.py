@@ -66,8 +66,8 @@ def adagrad(
         std = total.sqrt() + eps
         return p - clr * (g / std), {"sum": total}
 
-    def fast_step(ps, gs, buffers, step, lr, weight_decay, donate):
-        ps, sums = owned(ps, donate), owned(buffers["sum"], donate)
+    def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        ps, sums = owned(ps, outputs), owned(buffers["sum"], outputs)
         torch._fused_adagrad_(
             ps, gs, sums, step_tensors(step, ps), lr=lr, lr_decay=float(lr_decay),
             weight_decay=weight_decay, eps=float(eps), maximize=False,

@@ -112,9 +112,9 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
         denom = second.sqrt() / bias_correction2_sqrt + eps
         return p - (lr / bias_correction1) * (exp_avg / denom), new
 
-    def fast_step(ps, gs, buffers, step, lr, weight_decay, donate):
-        ps = owned(ps, donate)
-        new = {name: owned(buffers[name], donate) for name in buffers}
+    def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        ps = owned(ps, outputs)
+        new = {name: owned(buffers[name], outputs) for name in buffers}
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(
             ps, gs, new["exp_avg"], new["exp_avg_sq"], new.get("max_exp_avg_sq", []),

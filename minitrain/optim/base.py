@@ -263,10 +263,11 @@ class Rule(NamedTuple):
     """What one optimizer contributes to :func:`make_optimizer`.
 
     ``plain_step(p, g, buffers, step, lr, weight_decay) -> (p, buffers)`` updates one leaf with
-    out-of-place tensor ops; ``fast_step(ps, gs, buffers, step, lr, weight_decay, donate) ->
+    out-of-place tensor ops; ``fast_step(ps, gs, buffers, step, lr, weight_decay, outputs) ->
     (ps, buffers)`` updates a batch of same-(device, dtype) leaves with fused / foreach kernels,
-    in place when ``donate`` and otherwise on copies. ``buffers`` maps a state field name to a
-    tensor (plain) or a list of tensors (fast); ``step`` counts this update, starting at 1.
+    in place when ``outputs`` is None (donation) and otherwise into ``outputs(like)`` buffers.
+    ``buffers`` maps a state field name to a tensor (plain) or a list of tensors (fast);
+    ``step`` counts this update, starting at 1.
     """
 
     buffers: tuple[str, ...]
@@ -292,6 +293,7 @@ def make_optimizer(
     check_lr(lr)
     check_impl(impl)
     traced_candidates = [lr, weight_decay, *hyperparameters]
+    pool = BufferPool()
 
     def init(params: Params) -> OptState:
         check_params(params)
@@ -322,7 +324,7 @@ def make_optimizer(
         else:
             new_params, new_buffers, count, step_lr = _fast_update(
                 rule, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
-                weight_decay, donate,
+                weight_decay, None if donate else pool,
             )
         new_state = state._replace(
             count=count,
@@ -404,7 +406,10 @@ def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay)
     return new_params, new_buffers, count + 1, _lr_tensor(step_lr)
 
 
-def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, donate):
+def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, pool):
+    donate = pool is None
+    if pool is not None:
+        pool.begin_update()
     done = int(count)
     step_lr = scalar(_lr_at(lr, done))
     decay_value = scalar(weight_decay)
@@ -419,7 +424,7 @@ def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, 
                 done + 1,
                 step_lr,
                 decay_value if decays[batch[0]] else 0.0,
-                donate,
+                pool,
             )
             for position, index in enumerate(batch):
                 new_params[index] = batch_params[position]
@@ -429,9 +434,79 @@ def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, 
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
 
 
-def owned(tensors: list[Tensor], donate: bool) -> list[Tensor]:
-    """The tensors themselves when donated, else fresh copies a kernel may write in place."""
-    return tensors if donate else [t.clone() for t in tensors]
+Outputs = Callable[[list[Tensor]], list[Tensor]] | None
+"""How a fast step gets its output buffers: ``None`` when donating (write into the inputs),
+else a function returning fresh buffers shaped like the given tensors."""
+
+
+def owned(tensors: list[Tensor], outputs: Outputs) -> list[Tensor]:
+    """The tensors themselves when donated, else copies in fresh buffers a kernel may update."""
+    if outputs is None:
+        return tensors
+    copies = outputs(tensors)
+    torch._foreach_copy_(copies, tensors)
+    return copies
+
+
+class BufferPool:
+    """Output buffers for pure CPU updates, recycled once nothing outside the pool holds them.
+
+    A pure update writes every new param and state tensor into memory that the caller did not
+    pass in. Fresh ``torch.empty`` memory costs page faults on CPU (glibc hands large freed
+    blocks back to the kernel, so each step maps and zero-fills them again), which makes a
+    pure update several times slower than an in-place one. The pool keeps an alias of each
+    buffer it hands out; when the caller has dropped every tensor and view of it (the storage's
+    use count, as inductor's cudagraph trees check it, is back to the alias alone), the next
+    update reuses the memory. Nobody can observe the reuse, so the update stays pure; the cost
+    is that up to two generations of params and state stay allocated between updates.
+    CUDA has a caching allocator already, so only CPU tensors go through the pool.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple, list[Tensor]] = {}
+        self._free: dict[tuple, list[Tensor]] = {}
+        self._demand: dict[tuple, int] = {}
+
+    def begin_update(self) -> None:
+        """Find the buffers nobody else holds any more; call once before an update."""
+        self._demand = {}
+        self._free = {
+            key: [alias for alias in held if _only_alias_left(alias)]
+            for key, held in self._held.items()
+        }
+
+    def __call__(self, like: list[Tensor]) -> list[Tensor]:
+        return [self.empty_like(t) for t in like]
+
+    def empty_like(self, t: Tensor) -> Tensor:
+        if t.device.type != "cpu" or not _CAN_COUNT_STORAGE_USES:
+            return torch.empty_like(t, memory_format=torch.preserve_format)
+        key = (t.shape, t.stride(), t.dtype)
+        self._demand[key] = self._demand.get(key, 0) + 1
+        free = self._free.get(key)
+        if free:
+            return free.pop().detach()
+        buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        held = self._held.setdefault(key, [])
+        # Two generations (inputs and outputs) at most: a caller that keeps older generations
+        # alive gets plain fresh buffers beyond that.
+        if len(held) < 2 * self._demand[key]:
+            held.append(buffer)
+        return buffer.detach()
+
+
+_CAN_COUNT_STORAGE_USES = hasattr(torch._C, "_storage_Use_Count")
+
+
+def _storage_uses(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_ALONE = _storage_uses(torch.empty(1)) if _CAN_COUNT_STORAGE_USES else 0
+
+
+def _only_alias_left(alias: Tensor) -> bool:
+    return _storage_uses(alias) <= _ALONE
 
 
 def step_tensors(step: int, like: list[Tensor]) -> list[Tensor]:

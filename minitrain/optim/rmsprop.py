@@ -84,22 +84,14 @@ def rmsprop(
             return p - lr * new["momentum_buffer"], new
         return p - lr * (g / avg), new
 
-    def fast_step(ps, gs, buffers, step, lr, weight_decay, donate):
+    def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         if weight_decay != 0:
             gs = torch._foreach_add(gs, ps, alpha=weight_decay)
-        square_avg = buffers["square_avg"]
-        if donate:
-            torch._foreach_mul_(square_avg, alpha)
-        else:
-            square_avg = torch._foreach_mul(square_avg, alpha)
+        square_avg = _apply(torch.mul, buffers["square_avg"], (alpha,), {}, outputs)
         torch._foreach_addcmul_(square_avg, gs, gs, value=1 - alpha)
         new = {"square_avg": square_avg}
         if centered:
-            grad_avg = buffers["grad_avg"]
-            if donate:
-                torch._foreach_lerp_(grad_avg, gs, 1 - alpha)
-            else:
-                grad_avg = torch._foreach_lerp(grad_avg, gs, 1 - alpha)
+            grad_avg = _apply(torch.lerp, buffers["grad_avg"], (gs, 1 - alpha), {}, outputs)
             new["grad_avg"] = grad_avg
             avg = torch._foreach_addcmul(square_avg, grad_avg, grad_avg, value=-1)
             torch._foreach_sqrt_(avg)
@@ -107,21 +99,11 @@ def rmsprop(
             avg = torch._foreach_sqrt(square_avg)
         torch._foreach_add_(avg, eps)
         if has_momentum:
-            buf = buffers["momentum_buffer"]
-            if donate:
-                torch._foreach_mul_(buf, momentum)
-            else:
-                buf = torch._foreach_mul(buf, momentum)
+            buf = _apply(torch.mul, buffers["momentum_buffer"], (momentum,), {}, outputs)
             torch._foreach_addcdiv_(buf, gs, avg)
             new["momentum_buffer"] = buf
-            if donate:
-                torch._foreach_add_(ps, buf, alpha=-lr)
-                return ps, new
-            return torch._foreach_add(ps, buf, alpha=-lr), new
-        if donate:
-            torch._foreach_addcdiv_(ps, gs, avg, value=-lr)
-            return ps, new
-        return torch._foreach_addcdiv(ps, gs, avg, value=-lr), new
+            return _apply(torch.add, ps, (buf,), {"alpha": -lr}, outputs), new
+        return _apply(torch.addcdiv, ps, (gs, avg), {"value": -lr}, outputs), new
 
     rule = Rule(
         buffers=buffers,
@@ -130,3 +112,13 @@ def rmsprop(
         fast_step=fast_step,
     )
     return make_optimizer(RMSpropState, rule, lr, weight_decay, mask, impl, (alpha, momentum))
+
+
+def _apply(op, tensors, args, kwargs, outputs):
+    """``op(t, *args_i, **kwargs)`` for each tensor: in place when donating (``outputs`` None),
+    else written into fresh buffers with ``out=`` (one pass, no copy)."""
+    targets = tensors if outputs is None else outputs(tensors)
+    for index, (t, target) in enumerate(zip(tensors, targets, strict=True)):
+        leaf_args = [a[index] if isinstance(a, list | tuple) else a for a in args]
+        op(t, *leaf_args, **kwargs, out=target)
+    return targets

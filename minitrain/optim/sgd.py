@@ -78,14 +78,14 @@ def sgd(
             g = g + momentum * buf if nesterov else buf
         return p - lr * g, buffers
 
-    def fast_step(ps, gs, buffers, step, lr, weight_decay, donate):
-        ps = owned(ps, donate)
+    def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        ps = owned(ps, outputs)
         bufs = []
         if has_momentum:
             old = buffers["momentum_buffer"]
             # The kernel overwrites the buffers on the first step, so they need no copy.
-            fresh = step == 1 and not donate
-            bufs = [torch.empty_like(b) for b in old] if fresh else owned(old, donate)
+            fresh = step == 1 and outputs is not None
+            bufs = outputs(old) if fresh else owned(old, outputs)
         torch._fused_sgd_(
             ps, gs, bufs, weight_decay=weight_decay, momentum=float(momentum), lr=lr,
             dampening=float(dampening), nesterov=nesterov, maximize=False,
