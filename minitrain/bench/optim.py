@@ -192,7 +192,8 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"update of {result['params']} on {device} (best of {rounds} interleaved rounds x {inner})")
+    click.echo(f"update of {result['params']} on {device} "
+               f"(best of {rounds} interleaved rounds x {inner})")
     for name, entry in result["results"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
