@@ -37,6 +37,13 @@ from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
 @click.option("--report/--no-report", default=True, help="Add the resource report.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the train step.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Data parallel: start N workers with torch.distributed's elastic agent (as torchrun); "
+    "gloo on CPU, NCCL on CUDA. The global batch stays the same.",
+)
 def run(
     script: Path,
     backend: str,
@@ -52,6 +59,7 @@ def run(
     report: bool,
     compile_: bool,
     as_json: bool,
+    nproc: int | None,
 ) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
     from minitrain.backend import BackendError, get_backend
@@ -72,35 +80,83 @@ def run(
     except (ExperimentError, BackendError) as exc:
         raise UserError(str(exc)) from None
     _check_out_dir(out)
-    try:
-        result = fit(
-            experiment,
-            chosen,
-            seed=seed,
-            out_dir=out,
-            log_every=log_every,
-            checkpoint_every=checkpoint_every,
-            keep=keep,
-            resume=resume,
-            progress=not as_json,
-            compile=compile_,
-            tensorboard=tensorboard,
-            report=report,
-            config=config,
+    if nproc is not None:
+        _launch_workers(nproc, experiment, chosen)
+        return
+    parallel = _join_process_group(chosen)
+    with _worker_outcome(parallel):
+        try:
+            result = fit(
+                experiment,
+                chosen,
+                seed=seed,
+                out_dir=out,
+                log_every=log_every,
+                checkpoint_every=checkpoint_every,
+                keep=keep,
+                resume=resume,
+                progress=not as_json,
+                compile=compile_,
+                tensorboard=tensorboard,
+                report=report,
+                config=config,
+                parallel=parallel,
+            )
+        except NonFiniteLoss as exc:
+            raise RunFailed(str(exc)) from None
+        except Interrupted as exc:
+            raise RunInterrupted(str(exc)) from None
+        except KeyboardInterrupt:
+            raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
+        except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
+            raise UserError(str(exc)) from None
+        summary = result.summary
+        if parallel is not None and not parallel.is_main:
+            return
+        if as_json:
+            click.echo(json.dumps(summary, indent=2))
+        else:
+            _print_summary(summary)
+
+
+def _launch_workers(nproc: int, experiment: Any, backend: Any) -> None:
+    """``--nproc N``: check the run can be split, then start N workers with this command line."""
+    from minitrain import distributed
+
+    if distributed.in_worker():
+        raise UserError(
+            "--nproc starts its own workers; under torchrun drop --nproc "
+            "(torchrun --nproc-per-node sets the number of workers)"
         )
-    except NonFiniteLoss as exc:
-        raise RunFailed(str(exc)) from None
-    except Interrupted as exc:
-        raise RunInterrupted(str(exc)) from None
-    except KeyboardInterrupt:
-        raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
-    except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
+    try:
+        distributed.check_splittable(experiment, backend, nproc)
+    except ValueError as exc:
         raise UserError(str(exc)) from None
-    summary = result.summary
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-    else:
-        _print_summary(summary)
+    argv = distributed.forward_argv(click.get_current_context(), drop=("nproc",))
+    try:
+        distributed.launch(nproc, ["run", *argv])
+    except distributed.DistributedError as exc:
+        raise RunFailed(str(exc)) from None
+
+
+def _join_process_group(backend: Any) -> Any:
+    """The rank's :class:`minitrain.distributed.DataParallel` under torchrun, else None."""
+    from minitrain import distributed
+
+    if not distributed.in_worker():
+        return None
+    try:
+        return distributed.from_environment(backend.device)
+    except (ValueError, RuntimeError) as exc:
+        raise RunFailed(f"could not join the process group: {exc}") from None
+
+
+def _worker_outcome(parallel: Any) -> Any:
+    import contextlib
+
+    from minitrain import distributed
+
+    return contextlib.nullcontext() if parallel is None else distributed.worker_outcome(parallel)
 
 
 def _check_out_dir(out: Path | None) -> None:

@@ -1,0 +1,590 @@
+"""Data-parallel training on ``torch.distributed``, launched by torchrun's elastic agent.
+
+Every rank holds the same params and runs the same pure step on its own shard of the global
+batch; between the backward pass and the optimizer update the gradient pytree is flattened
+into buckets and all-reduced (gloo on CPU, NCCL on CUDA), so every rank applies the same
+update. Nothing here is a transport of its own: process groups come from
+``torch.distributed.init_process_group`` (the ``env://`` variables that torchrun sets) and
+``minitrain run --nproc N`` starts its workers through ``torch.distributed.launcher`` (the
+elastic agent behind ``torchrun``), which also watches them and stops the job when one dies.
+
+The global batch is the same for any number of ranks: every rank draws the *whole* batch from
+the same data generator and keeps its contiguous shard (:func:`shard`). So the sampler state is
+identical on every rank, a checkpoint does not depend on the rank count, and ``N`` ranks follow
+the trajectory of one rank up to float rounding.
+
+>>> batch = (torch.arange(10).reshape(5, 2), torch.arange(5))
+>>> shard(batch, rank=1, world_size=2)
+(tensor([[6, 7],
+        [8, 9]]), tensor([3, 4]))
+>>> shard_sizes(5, 2)
+[3, 2]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minitrain.tree import PyTree, leaves, nbytes, structure, unflatten
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DataParallel",
+    "DistributedError",
+    "ShardError",
+    "bucket_plan",
+    "allreduce_sum",
+    "check_splittable",
+    "forward_argv",
+    "from_environment",
+    "in_worker",
+    "is_main",
+    "launch",
+    "rank",
+    "worker_outcome",
+    "shard",
+    "shard_sizes",
+    "timeout_seconds",
+    "world_size",
+]
+
+# DistributedDataParallel's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+# How long a collective may wait for the other ranks before it fails (not the agent's job).
+DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "MINITRAIN_DIST_TIMEOUT"
+
+
+class DistributedError(RuntimeError):
+    """A worker died or the ranks disagree; the message names the rank."""
+
+
+class ShardError(ValueError):
+    """A batch that cannot be split over the ranks, with a one-line message."""
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def in_worker(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process was started by torchrun (or ``--nproc``): ``RANK`` and ``WORLD_SIZE``
+    are set.
+
+    >>> in_worker({}), in_worker({"RANK": "0", "WORLD_SIZE": "2"})
+    (False, True)
+    """
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ and "WORLD_SIZE" in environ
+
+
+def rank() -> int:
+    """This process's global rank: from the process group, else ``RANK``, else 0.
+
+    >>> rank() if not in_worker() else 0
+    0
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of ranks: from the process group, else ``WORLD_SIZE``, else 1.
+
+    >>> world_size() if not in_worker() else 1
+    1
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    """Whether this is rank 0, the one rank that writes logs, checkpoints and the summary.
+
+    >>> is_main() if not in_worker() else True
+    True
+    """
+    return rank() == 0
+
+
+def timeout_seconds(environ: dict[str, str] | None = None) -> float:
+    """Seconds a collective waits for the other ranks: ``MINITRAIN_DIST_TIMEOUT`` or 120.
+
+    >>> timeout_seconds({}), timeout_seconds({"MINITRAIN_DIST_TIMEOUT": "30"})
+    (120.0, 30.0)
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(TIMEOUT_ENV, "")
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds")
+    return value
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def shard_sizes(examples: int, world_size: int) -> list[int]:
+    """Examples per rank when ``examples`` are split in contiguous, near-equal shards.
+
+    The first ``examples % world_size`` ranks get one more (as ``torch.tensor_split``).
+
+    >>> shard_sizes(8, 2), shard_sizes(7, 3)
+    ([4, 4], [3, 2, 2])
+    """
+    if world_size < 1:
+        raise ShardError(f"world_size must be >= 1, got {world_size}")
+    if examples < world_size:
+        raise ShardError(
+            f"a global batch of {examples} examples cannot be split over {world_size} ranks; "
+            f"use a batch of at least {world_size} (--set batch_size=...) or fewer ranks"
+        )
+    base, extra = divmod(examples, world_size)
+    return [base + (r < extra) for r in range(world_size)]
+
+
+def batch_size(batch: PyTree) -> int:
+    """The leading dimension shared by every tensor of ``batch`` (the examples to split).
+
+    >>> batch_size((torch.zeros(4, 3), torch.zeros(4)))
+    4
+    """
+    sizes = {tuple(t.shape[:1]) for t in leaves(batch) if isinstance(t, torch.Tensor)}
+    if not sizes or () in sizes or len(sizes) > 1:
+        found = ", ".join(str(s[0]) if s else "0-d" for s in sorted(sizes)) or "no tensors"
+        raise ShardError(
+            f"data parallelism splits every batch tensor along dim 0, but the batch has leading "
+            f"dims {found}; return tensors that share their first (batch) dimension"
+        )
+    return sizes.pop()[0]
+
+
+def shard(batch: PyTree, rank: int, world_size: int) -> PyTree:
+    """Rank ``rank``'s contiguous slice (a view) of every tensor of the global ``batch``.
+
+    >>> x = torch.arange(6)
+    >>> [shard(x, r, 3).tolist() for r in range(3)]
+    [[0, 1], [2, 3], [4, 5]]
+    """
+    if not 0 <= rank < world_size:
+        raise ShardError(f"rank must be in [0, {world_size}), got {rank}")
+    sizes = shard_sizes(batch_size(batch), world_size)
+    start = sum(sizes[:rank])
+    stop = start + sizes[rank]
+    pieces = [
+        leaf[start:stop] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves(batch)
+    ]
+    return unflatten(structure(batch), pieces)
+
+
+# --------------------------------------------------------------------------- all-reduce
+
+
+def bucket_plan(
+    tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[list[int]]:
+    """Group tensor indices into buckets to flatten and all-reduce together.
+
+    A bucket holds tensors of one dtype and device, in order, up to ``bucket_bytes`` (a tensor
+    larger than that gets a bucket of its own). Fewer, larger messages amortize the per-call
+    latency, as DDP's gradient buckets do.
+
+    >>> ts = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float64), torch.zeros(8)]
+    >>> bucket_plan(ts, bucket_bytes=32)
+    [[0, 1], [3], [2]]
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for index, tensor in enumerate(tensors):
+        key = (tensor.dtype, tensor.device)
+        size = tensor.numel() * tensor.element_size()
+        members, filled = open_buckets.get(key, ([], 0))
+        if members and filled + size > bucket_bytes:
+            done.append(members)
+            members, filled = [], 0
+        open_buckets[key] = (members + [index], filled + size)
+    return done + [members for members, _ in open_buckets.values() if members]
+
+
+def allreduce_sum(
+    tensors: Sequence[torch.Tensor],
+    group: Any = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> list[torch.Tensor]:
+    """The element-wise sum of ``tensors`` over all ranks, as new tensors (inputs untouched).
+
+    Each bucket of :func:`bucket_plan` is flattened into one buffer and all-reduced; the
+    buckets are in flight together (``async_op``) and unflattened as they complete.
+
+    >>> allreduce_sum([torch.ones(2)]) if not dist.is_initialized() else [torch.ones(2)]
+    [tensor([1., 1.])]
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [t.clone() for t in tensors]
+    plan = bucket_plan(tensors, bucket_bytes)
+    flats = [torch.cat([tensors[i].reshape(-1) for i in members]) for members in plan]
+    works = [
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True) for flat in flats
+    ]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for members, flat, work in zip(plan, flats, works, strict=True):
+        work.wait()
+        pieces = flat.split([tensors[i].numel() for i in members])
+        for i, piece in zip(members, pieces, strict=True):
+            out[i] = piece.view_as(tensors[i])
+    return out
+
+
+class DataParallel:
+    """This rank's share of a data-parallel run: sharding, the gradient all-reduce, agreement.
+
+    Build it with :func:`from_environment` inside a worker. ``reduce`` is the step's
+    ``grad_transform``: it averages grads, loss and aux over ranks, each rank weighted by its
+    shard of the global batch (``n_r / n``), so the result is the gradient and loss of the mean
+    over the whole global batch.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: Any = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.weight = 1.0 / world_size
+        self.reduce_seconds = 0.0
+        self.reduce_calls = 0
+        self.reduced_bytes = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group)) if dist.is_initialized() else "none"
+
+    def shard(self, batch: PyTree) -> PyTree:
+        """This rank's slice of the global ``batch``; sets the weight of its gradients."""
+        examples = batch_size(batch)
+        self.weight = shard_sizes(examples, self.world_size)[self.rank] / examples
+        return shard(batch, self.rank, self.world_size)
+
+    def reduce(
+        self, grads: PyTree, loss: torch.Tensor, aux: dict[str, torch.Tensor]
+    ) -> tuple[PyTree, torch.Tensor, dict[str, torch.Tensor]]:
+        """Grads, loss and aux averaged over ranks (weighted by shard size), one all-reduce."""
+        start = time.perf_counter()
+        grad_leaves = leaves(grads)
+        tensor_at = [i for i, leaf in enumerate(grad_leaves) if isinstance(leaf, torch.Tensor)]
+        scalars = torch.stack([loss.detach().float(), *(v.detach().float() for v in aux.values())])
+        weighted = [grad_leaves[i] * self.weight for i in tensor_at]
+        weighted.append(scalars.to(self.device) * self.weight)
+        summed = allreduce_sum(weighted, self.group, self.bucket_bytes)
+        new_leaves = list(grad_leaves)
+        for i, reduced in zip(tensor_at, summed, strict=False):
+            new_leaves[i] = reduced
+        mean_scalars = summed[-1].to(scalars.device)
+        new_aux = {
+            key: mean_scalars[1 + j].to(value.dtype) for j, (key, value) in enumerate(aux.items())
+        }
+        self.reduce_seconds += time.perf_counter() - start
+        self.reduce_calls += 1
+        self.reduced_bytes = sum(t.numel() * t.element_size() for t in weighted)
+        return unflatten(structure(grads), new_leaves), mean_scalars[0].to(loss.dtype), new_aux
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (so every rank stops at the same step)."""
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def check_same(self, value: int, what: str) -> None:
+        """Raise :class:`DistributedError` unless ``value`` is the same on every rank."""
+        both = torch.tensor([value, -value], device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = int(both[0]), -int(both[1])
+        if high != low:
+            raise DistributedError(
+                f"the ranks disagree on {what} ({low} to {high}; rank {self.rank} has {value}); "
+                "every rank must see the same --out directory (a shared filesystem)"
+            )
+
+    def barrier(self) -> None:
+        """Wait for every rank (bounded by the process group's timeout)."""
+        dist.barrier(group=self.group)
+
+    def communication(self, gradient_bytes: int) -> dict[str, Any]:
+        """Bytes all-reduced per step (predicted for a ring, and as sent here) and time spent."""
+        from minitrain.accounting.communication import allreduce_bytes
+
+        calls = max(self.reduce_calls, 1)
+        seconds = self.reduce_seconds / calls if self.reduce_calls else None
+        ring = allreduce_bytes(gradient_bytes, self.world_size)
+        return {
+            "ranks": self.world_size,
+            "process_group": self.backend,
+            "gradient_bytes": gradient_bytes,
+            "allreduce_bytes_per_rank": ring,
+            "formula": "ring all-reduce: 2·(N-1)/N × gradient bytes per rank",
+            "bucket_bytes": self.bucket_bytes,
+            "buffer_bytes": self.reduced_bytes,
+            "reduce_seconds_per_step": seconds,
+            "bus_bandwidth": ring / seconds if seconds else None,
+        }
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gradient_bytes(params: PyTree) -> int:
+    """Bytes of the gradient pytree all-reduced each step: as many as the float params.
+
+    >>> gradient_bytes({"w": torch.zeros(4, 4), "step": torch.zeros((), dtype=torch.int64)})
+    64
+    """
+    return nbytes(
+        [p for p in leaves(params) if isinstance(p, torch.Tensor) and p.is_floating_point()]
+    )
+
+
+def from_environment(device: torch.device | str) -> DataParallel | None:
+    """Join the process group described by torchrun's variables; None outside a worker.
+
+    gloo for CPU devices, NCCL for CUDA ones (each rank on ``cuda:LOCAL_RANK``); collectives
+    time out after :func:`timeout_seconds`.
+    """
+    if not in_worker():
+        return None
+    device = torch.device(device)
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_seconds())
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    return DataParallel(dist.get_rank(), dist.get_world_size(), device)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def check_splittable(experiment: Any, backend: Any, nproc: int) -> None:
+    """Raise ``ValueError`` unless ``experiment``'s batches can be split over ``nproc`` ranks
+    on ``backend`` (one batch is drawn from a throwaway generator to see its size)."""
+    device = torch.device(backend.device)
+    if device.type == "cuda" and nproc > torch.cuda.device_count():
+        raise ShardError(
+            f"--nproc {nproc} needs {nproc} CUDA devices, this machine has "
+            f"{torch.cuda.device_count()}; pass --nproc {max(torch.cuda.device_count(), 1)}"
+        )
+    shard_sizes(batch_size(experiment.next_batch(torch.Generator().manual_seed(0))), nproc)
+
+
+
+def forward_argv(ctx: Any, drop: Sequence[str] = ()) -> list[str]:
+    """Rebuild the command line of a click context from its parsed values, minus ``drop``.
+
+    Used by ``--nproc`` to start each worker with the same options.
+    """
+    import click
+
+    argv: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in drop or value is None:
+            continue
+        if isinstance(param, click.Argument):
+            argv.extend(str(v) for v in (value if param.multiple else [value]))
+            continue
+        assert isinstance(param, click.Option)
+        if param.is_flag:
+            if param.secondary_opts:
+                argv.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                argv.append(param.opts[0])
+            continue
+        for item in value if param.multiple else [value]:
+            argv.extend([param.opts[0], str(item)])
+    return argv
+
+
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    """The elastic agent logs each step of its work; keep its warnings out of the user's way."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _threads_per_worker(nproc: int) -> Iterator[None]:
+    """Split the cores between the workers (``OMP_NUM_THREADS``) unless the user chose.
+
+    torchrun sets 1 thread per worker for the same reason: N workers each running as many
+    threads as there are cores oversubscribe the CPU.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> None:
+    """Run ``python -m minitrain *argv`` in ``nproc`` workers under the elastic agent.
+
+    Returns when every worker succeeded. A worker that fails stops the others; then this
+    raises ``SystemExit`` with its exit code (the worker printed its own error) or
+    :class:`DistributedError` naming the rank that died (e.g. killed by a signal).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    with tempfile.TemporaryDirectory(prefix="minitrain-elastic-") as log_dir, _quiet_elastic():
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",  # as `torchrun --standalone`: a TCP store on a free port
+            rdzv_endpoint="localhost:0",
+            max_restarts=0,
+            monitor_interval=monitor_interval,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        try:
+            with _threads_per_worker(nproc):
+                elastic_launch(config, sys.executable)("-m", "minitrain", *argv)
+        except ChildFailedError as exc:
+            _raise_failure(exc)
+        except SignalException as exc:
+            code = 130 if exc.sigval == signal.SIGINT else 128 + int(exc.sigval)
+            raise SystemExit(code) from None
+
+
+# Exit codes of a worker that printed its own one-line error (see minitrain.cli.errors).
+_REPORTED_EXIT_CODES = (1, 2, 130)
+
+
+def _raise_failure(exc: Any) -> None:
+    """Turn the elastic agent's ``ChildFailedError`` into one message naming the rank."""
+    failures = exc.failures
+    # A signal (SIGKILL, OOM killer...) other than the agent's own SIGTERM is the root cause.
+    killed = {
+        r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+    }
+    rank_, failure = min(
+        (killed or failures).items(), key=lambda item: (item[1].timestamp, item[0])
+    )
+    if failure.exitcode < 0:
+        name = signal.Signals(-failure.exitcode).name
+        raise DistributedError(
+            f"worker rank {rank_} (pid {failure.pid}) was killed by {name}; "
+            "the other workers were stopped"
+        )
+    if failure.exitcode in _REPORTED_EXIT_CODES:
+        raise SystemExit(failure.exitcode)
+    raise DistributedError(
+        f"worker rank {rank_} (pid {failure.pid}) exited with code {failure.exitcode}; "
+        "the other workers were stopped"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Whether a collective failed because another rank went away (or timed out)."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("connection closed", "connection reset", "timed out",
+                                      "gloo", "nccl", "broken pipe")
+    )
+
+
+@contextlib.contextmanager
+def worker_outcome(parallel: DataParallel) -> Iterator[None]:
+    """Around one worker's part of a command: end it as the whole job should.
+
+    Outcomes every rank reaches together (success, a non-finite loss, a requested stop) end
+    with a barrier, so rank 0 prints and checkpoints before anyone exits; rank 0 alone prints
+    them. Anything else (a rank-specific error, a lost peer) is printed with the rank and
+    exits at once, so the elastic agent stops the other workers.
+    """
+    import click
+
+    from minitrain.cli.errors import RunFailed, RunInterrupted
+
+    code = 0
+    try:
+        yield
+    except (RunFailed, RunInterrupted) as exc:
+        if parallel.is_main:
+            exc.show()
+        code = exc.exit_code
+    except click.ClickException as exc:
+        click.echo(f"error: rank {parallel.rank}: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except DistributedError as exc:
+        click.echo(f"error: rank {parallel.rank}: {exc}", err=True)
+        sys.exit(1)
+    except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
+        if not _lost_peer(exc):
+            raise
+        click.echo(f"error: rank {parallel.rank}: lost the other workers: {_first_line(exc)}",
+                   err=True)
+        sys.exit(1)
+    with contextlib.suppress(dist.DistError, RuntimeError):
+        parallel.barrier()
+    parallel.close()
+    if code:
+        sys.exit(code)
