@@ -4,8 +4,10 @@ import dataclasses
 import importlib
 import json
 import math
+import platform
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -260,3 +262,115 @@ def test_napkin_math_and_estimate_cli_import_without_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# --- the CPU measurement's cache: same machine, same torch build, at most a week old -----------
+
+
+@pytest.fixture
+def quick_cpu(tmp_path, monkeypatch):
+    """The hardware module with a small, fast measurement and an empty cache in ``tmp_path``."""
+    module = importlib.import_module("minitrain.accounting.hardware")
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(module, "_MATMUL_SIZE", {"fp32": 64, "bf16": 64})
+    monkeypatch.setattr(module, "_COPY_BYTES", 2**20)
+    monkeypatch.setattr(module, "_MEASURED", {})
+    return module
+
+
+def test_cpu_cache_records_when_and_where_it_was_measured(quick_cpu, tmp_path):
+    import torch
+
+    before = time.time()
+    spec = quick_cpu.measure_cpu()
+    details = spec.details
+    assert before <= details["measured_unix"] <= time.time()
+    assert details["measured_at"] in spec.source and "UTC" in details["measured_at"]
+    assert details["key"]["torch"] == torch.__version__
+    assert details["key"]["torch_git"] == torch.version.git_version
+    assert details["key"]["cpu"] == quick_cpu._cpu_model()
+    assert details["key"]["host"] == platform.node()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    assert json.loads(path.read_text())["details"] == json.loads(json.dumps(dict(details)))
+
+
+def test_cpu_refresh_measures_again_and_rewrites_the_cache(quick_cpu, tmp_path):
+    first = quick_cpu.measure_cpu()
+    assert quick_cpu.measure_cpu() is first  # per-process cache
+    again = quick_cpu.measure_cpu(refresh=True)
+    assert again is not first
+    assert again.details["measured_unix"] > first.details["measured_unix"]
+    assert quick_cpu.measure_cpu() is again
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    assert json.loads(path.read_text())["details"]["measured_unix"] == again.details[
+        "measured_unix"]
+
+
+def rewrite_cached(path, **details):
+    record = json.loads(path.read_text())
+    record["details"].update(details)
+    path.write_text(json.dumps(record))
+    return record
+
+
+def test_cpu_cache_expires(quick_cpu, tmp_path, monkeypatch):
+    first = quick_cpu.measure_cpu()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    week_old = first.details["measured_unix"] - quick_cpu.MAX_AGE_SECONDS + 60
+    rewrite_cached(path, measured_unix=week_old)
+    assert quick_cpu.measure_cpu().details["measured_unix"] == week_old  # not yet expired
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    rewrite_cached(path, measured_unix=week_old - 120)
+    assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
+    assert quick_cpu.measure_cpu(max_age=0) is not quick_cpu.measure_cpu(max_age=0)
+
+
+@pytest.mark.parametrize("field, other", [("torch", "1.0.0"), ("cpu", "Another CPU"),
+                                          ("host", "another-host"), ("torch_git", "0" * 40)])
+def test_cpu_cache_from_another_machine_or_torch_build_is_not_reused(quick_cpu, tmp_path,
+                                                                     monkeypatch, field, other):
+    first = quick_cpu.measure_cpu()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    rewrite_cached(path, key={**first.details["key"], field: other})
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    fresh = quick_cpu.measure_cpu()
+    assert fresh.details["key"] == first.details["key"]
+    assert fresh.details["measured_unix"] > first.details["measured_unix"]
+
+
+def test_cpu_measured_elsewhere_lands_in_another_cache_file(quick_cpu, tmp_path, monkeypatch):
+    quick_cpu.measure_cpu()
+    monkeypatch.setattr(quick_cpu, "_cpu_model", lambda: "Another CPU")
+    other = quick_cpu.measure_cpu()
+    assert other.details["key"]["cpu"] == "Another CPU"
+    assert len(list(tmp_path.glob("hardware-cpu-*.json"))) == 2
+
+
+def test_cpu_cache_of_an_older_layout_is_measured_again(quick_cpu, tmp_path, monkeypatch):
+    first = quick_cpu.measure_cpu()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    record = json.loads(path.read_text())
+    del record["details"]["measured_unix"]
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
+    with pytest.raises(ValueError, match="max_age must be"):
+        quick_cpu.measure_cpu(max_age=-1)
+
+
+def test_hardware_cpu_measure_from_the_shell(quick_cpu, capsys):
+    from minitrain.cli import main
+
+    first = quick_cpu.measure_cpu()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hardware", "cpu", "--measure", "--json"])
+    assert exit_info.value.code == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["details"]["measured_unix"] > first.details["measured_unix"]
+    assert record["details"]["measured_at"] in record["source"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hardware", "h100", "--measure"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "minitrain hardware cpu --measure" in err
+    assert len(err.strip().splitlines()) == 1

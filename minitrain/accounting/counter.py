@@ -99,7 +99,7 @@ REDUCTION_FLOPS: dict[str, int] = {
     "_safe_softmax": 6,  # softmax (5), and zero the rows that are all -inf (1)
     "_log_softmax": 5,  # max, subtract, exp, sum, log-and-subtract
     "_softmax_backward_data": 4,  # g·y - y·sum(g·y)
-    "_log_softmax_backward_data": 3,  # g - exp(y)·sum(g)
+    "_log_softmax_backward_data": 4,  # g - exp(y)·sum(g): exp, row sum, multiply, subtract
     "native_layer_norm": 8,  # mean (2), variance (3), normalize (1), scale and shift (2)
 }
 # FLOPs per parameter element of torch's fused optimizer kernels, counting every term of the

@@ -2,7 +2,8 @@
 
 Every published figure names its source. The ``cpu`` entry is measured on the spot (a timed
 matmul in fp32 and bf16, a timed copy for bandwidth), once per process, and kept on disk under
-the user cache directory so later processes reuse it.
+the user cache directory so later processes on the same machine and torch build reuse it for a
+week (:func:`measure_cpu`).
 
 Fields of :class:`Hardware` (all rates per device, SI units):
 
@@ -38,6 +39,7 @@ __all__ = [
     "DTYPE_NAMES",
     "Hardware",
     "HardwareError",
+    "MAX_AGE_SECONDS",
     "dtype_name",
     "hardware",
     "hardware_for_cuda_device",
@@ -314,6 +316,28 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (``None`` where the OS has none): a busy machine measures low."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def _machine_key(torch: Any) -> dict[str, Any]:
+    """What the figures depend on: the machine (CPU model, host, cores, memory), the torch
+    build and its thread count. A cache entry is reused only when all of them match."""
+    return {
+        "cpu": _cpu_model(),
+        "host": platform.node(),
+        "logical_cpus": os.cpu_count(),
+        "memory_bytes": _physical_memory_bytes(),
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def _cache_path(key: Mapping[str, Any]) -> Path | None:
     """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``); ``MINITRAIN_CACHE_DIR=off``
     turns the disk cache off."""
@@ -327,16 +351,26 @@ def _cache_path(key: Mapping[str, Any]) -> Path | None:
     return Path(root) / f"hardware-cpu-{digest}.json"
 
 
-def _load_cached(path: Path | None, key: Mapping[str, Any]) -> Hardware | None:
+def _age_seconds(spec: Hardware, now: float) -> float | None:
+    measured_at = spec.details.get("measured_unix")
+    return None if measured_at is None else now - float(measured_at)
+
+
+def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
+    """Measured on this machine and torch build, at most ``max_age`` seconds ago."""
+    if spec is None or spec.details.get("key") != dict(key):
+        return False
+    age = _age_seconds(spec, time.time())
+    return age is not None and 0 <= age <= max_age
+
+
+def _load_cached(path: Path | None) -> Hardware | None:
     if path is None or not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if record.get("details", {}).get("key") != dict(key):
-        return None
-    return _from_record(record)
+        return _from_record(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or an older layout: measure again
 
 
 def _from_record(record: Mapping[str, Any]) -> Hardware:
@@ -358,50 +392,70 @@ def _store(path: Path | None, spec: Hardware) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one writer per file; rename is atomic
         tmp.write_text(json.dumps(spec.to_dict(), indent=1))
         tmp.replace(path)
     except OSError:
         pass  # a read-only home directory only costs a re-measurement next time
 
 
-_MEASURED: dict[str, Hardware] = {}
-
-
-def measure_cpu(refresh: bool = False) -> Hardware:
-    """Measure this CPU: ``torch.mm`` FLOP/s in fp32 and bf16, copy bandwidth (bytes/s).
-
-    Cached for the process, and on disk keyed by CPU model, torch version and thread count;
-    ``refresh=True`` measures again (and rewrites both caches).
-    """
-    import torch  # the only torch import in the napkin layer, deferred to this call
-
-    key = {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    path = _cache_path(key)
-    memo = json.dumps(key, sort_keys=True)
-    if not refresh:
-        cached = _MEASURED.get(memo) or _load_cached(path, key)
-        if cached is not None:
-            _MEASURED[memo] = cached
-            return cached
+def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
     peaks = {
         name: _matmul_flops_per_second(torch, dtype, _MATMUL_SIZE[name])
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
-    spec = Hardware(
+    bandwidth = _copy_bytes_per_second(torch)
+    now, load = time.time(), _load_average()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
+    busy = "" if load is None else f", 1-min load {load:g} on {key['logical_cpus']} CPUs"
+    return Hardware(
         name="cpu",
         description=f"{key['cpu']} ({key['threads']} torch threads)",
         peak_flops=_frozen(peaks),
         sparse_flops=_frozen({}),
         memory_bytes=_physical_memory_bytes(),
-        memory_bandwidth=_copy_bytes_per_second(torch),
+        memory_bandwidth=bandwidth,
         source=(
-            f"measured {time.strftime('%Y-%m-%d %H:%M')}: best torch.mm of n={_MATMUL_SIZE} "
-            f"and a {_COPY_BYTES // 2**20} MiB copy (read + write)"
+            f"measured {stamp} with torch {key['torch']}{busy}: best torch.mm of "
+            f"n={_MATMUL_SIZE} and a {_COPY_BYTES // 2**20} MiB copy (read + write)"
         ),
         measured=True,
-        details=MappingProxyType({"key": key}),
+        details=MappingProxyType(
+            {"key": dict(key), "measured_at": stamp, "measured_unix": now, "load_average": load}
+        ),
     )
+
+
+# A week: a measurement taken while the machine was busy does not stick for good.
+MAX_AGE_SECONDS = 7 * 86_400
+_MEASURED: dict[str, Hardware] = {}
+
+
+def measure_cpu(refresh: bool = False, max_age: float | int = MAX_AGE_SECONDS) -> Hardware:
+    """Measure this CPU: ``torch.mm`` FLOP/s in fp32 and bf16, copy bandwidth (bytes/s).
+
+    Kept for the process and on disk. A kept measurement is reused only if it was taken on
+    this machine (CPU model, host name, cores, memory) with this torch build and thread count,
+    at most ``max_age`` seconds ago; ``details`` records all of them, the time
+    (``measured_at``) and the load average then. ``refresh=True`` measures again and rewrites
+    both caches (``minitrain hardware cpu --measure``).
+
+    >>> MAX_AGE_SECONDS / 86_400  # days a measurement is reused by default
+    7.0
+    """
+    import torch  # the only torch import in the napkin layer, deferred to this call
+
+    if not max_age >= 0:
+        raise HardwareError(f"max_age must be a non-negative number of seconds, got {max_age!r}")
+    key = _machine_key(torch)
+    path = _cache_path(key)
+    memo = json.dumps(key, sort_keys=True)
+    if not refresh:
+        for cached in (_MEASURED.get(memo), _load_cached(path)):
+            if _fresh(cached, key, max_age):
+                _MEASURED[memo] = cached
+                return cached
+    spec = _measure(torch, key)
     _store(path, spec)
     _MEASURED[memo] = spec
     return spec

@@ -11,12 +11,21 @@ from minitrain.cli.errors import UserError
 
 @click.command()
 @click.argument("name", required=False)
-@click.option("--measure", is_flag=True, help="Measure the CPU again instead of the cache.")
+@click.option(
+    "--measure", is_flag=True,
+    help="Measure the CPU again now (a kept measurement is reused for a week on the same "
+    "machine and torch build).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     """List accelerators (peak FLOP/s dense and sparse, memory, bandwidth, source), or NAME."""
     from minitrain import accounting as acc
 
+    if measure and name is not None and name.strip().lower() != "cpu":
+        raise UserError(
+            f"--measure measures this machine's CPU, not {name!r}; run "
+            "`minitrain hardware cpu --measure`"
+        )
     if measure:
         acc.measure_cpu(refresh=True)
     try:
