@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "formats": "minitrain.cli.formats:formats",
     "roofline": "minitrain.cli.roofline:roofline",
     "profile": "minitrain.cli.profile:profile",
+    "sweep": "minitrain.cli.sweep:sweep",
 }
 
 

@@ -524,6 +524,7 @@ def make_ensemble_step(
             return member_step(params, opt_state, batch)
 
     vmapped = torch.func.vmap(bound_step, randomness="different")
+    attention = _batchable_attention(backend)
 
     def ensemble_step(
         params: Params,
@@ -533,7 +534,8 @@ def make_ensemble_step(
         diverged_at: torch.Tensor,
         step_number: int,
     ) -> EnsembleStepOutput:
-        out = vmapped(params, opt_state, batch, hyperparameters)
+        with attention():
+            out = vmapped(params, opt_state, batch, hyperparameters)
         alive = diverged_at == 0
         healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
         diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
@@ -547,6 +549,17 @@ def make_ensemble_step(
         )
 
     return ensemble_step
+
+
+def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
+    """On CPU, ``scaled_dot_product_attention`` takes the math path under vmap: torch 2.x has
+    no batching rule for the CPU flash kernel (it falls back to a slow per-member loop and
+    warns), while the math path is made of batchable matmuls and a softmax."""
+    if backend.device.type != "cpu":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return lambda: sdpa_kernel([SDPBackend.MATH])
 
 
 def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
@@ -996,18 +1009,21 @@ def _resources(
     def step(p: Params, s: OptState, b: PyTree) -> EnsembleStepOutput:
         return step_fn(p, s, b, hyperparameters, diverged_at, ensemble.steps)
 
-    return resource_report(
+    # The 6·B·P rule with P = K·(params per member) and B per member gives K × 6·B·P.
+    report = resource_report(
         step,
         params,
         opt_state,
         batch,
-        examples_per_step=summary["examples_per_step"] or None,
+        examples_per_step=summary["examples_per_step"] // ensemble.size or None,
         exact_flops_per_step=summary["flops_per_step_exact"],
         peak_flops=backend.peak_flops(),
         step_seconds=summary["step_seconds"],
         steps_total=ensemble.steps,
         steps_done=ensemble.steps,
     )
+    report["members"] = ensemble.size
+    return report
 
 
 # --------------------------------------------------------------------------- the plot
@@ -1056,15 +1072,23 @@ def _sweep_figure(records: list[dict], ranking: list[dict], title: str) -> Any:
     FigureCanvasAgg(figure)
     curves_axes, ranks_axes = figure.subplots(1, 2, width_ratios=(3, 2))
     positive = all(v > 0 for _, values in curves.values() for v in values)
+    healthy_top = []
     for row in ranking:
         steps, values = curves.get(row["member"], ([], []))
         if not steps:
             continue
         smooth = _ema(values, 0.9) if len(steps) > 20 else values
+        label = labels[row["member"]]
+        if row["diverged_at"]:
+            label += f" (diverged at {row['diverged_at']})"
+        else:
+            healthy_top.append(max(smooth))
         style = {"linestyle": ":"} if row["diverged_at"] else {}
-        curves_axes.plot(steps, smooth, label=labels[row["member"]], **style)
+        curves_axes.plot(steps, smooth, label=label, **style)
     if positive:
         curves_axes.set_yscale("log")
+    if healthy_top and len(healthy_top) < len(ranking):  # keep diverged curves from the scale
+        curves_axes.set_ylim(top=max(healthy_top) * (10 if positive else 1.2))
     curves_axes.set_xlabel("step")
     curves_axes.set_ylabel("train loss" + (" (EMA 0.9)" if len(records) > 20 else ""))
     curves_axes.set_title(f"{title}: {len(ranking)} members")
@@ -1076,6 +1100,8 @@ def _sweep_figure(records: list[dict], ranking: list[dict], title: str) -> Any:
     values = [row["eval"]["val_loss"] if metric == "val_loss" else row[metric] for row in ranked]
     ranks_axes.barh([labels[row["member"]] for row in ranked], values)
     ranks_axes.invert_yaxis()
+    if values and min(values) > 0 and max(values) > 100 * min(values):
+        ranks_axes.set_xscale("log")
     ranks_axes.set_xlabel(metric.replace("_", " ") + " (best first)")
     ranks_axes.tick_params(axis="y", labelsize=7)
     diverged = len(ranking) - len(ranked)

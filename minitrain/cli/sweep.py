@@ -1,0 +1,156 @@
+"""``minitrain sweep SCRIPT --set lr=0.01,0.1 --seeds 0,1``: a grid trained by one vmapped step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
+
+
+@click.command()
+@click.argument("script", type=click.Path(path_type=Path))
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=V1,V2,...",
+    help="Override a CONFIG key (repeatable); comma-separated values of a float key are swept, "
+    "e.g. --set lr=0.01,0.03,0.1.",
+)
+@click.option("--seeds", default="0", help="Comma-separated seeds; each makes its own members.")
+@click.option("--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto.")
+@click.option("--steps", type=click.IntRange(min=0), default=None, help="Override the step count.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory.")
+@click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps.")
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Checkpoint every N steps (0: only at the end and on Ctrl-C). Needs --out.",
+)
+@click.option("--keep", type=click.IntRange(min=1), default=3, help="Checkpoints to keep.")
+@click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out.")
+@click.option("--report/--no-report", default=True, help="Add the resource report of the ensemble.")
+@click.option("--plot/--no-plot", default=True, help="Draw --out/sweep.png (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def sweep(
+    script: Path,
+    overrides: tuple[str, ...],
+    seeds: str,
+    backend: str,
+    steps: int | None,
+    out: Path | None,
+    log_every: int,
+    checkpoint_every: int,
+    keep: int,
+    resume: bool,
+    report: bool,
+    plot: bool,
+    as_json: bool,
+) -> None:
+    """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
+    step for all members, and rank them."""
+    from minitrain.backend import BackendError, get_backend
+    from minitrain.checkpoint import CheckpointError
+    from minitrain.metrics import MetricsError, MissingExtra
+    from minitrain.train import ExperimentError, Interrupted, NonFiniteLoss
+    from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
+
+    if out is not None and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory; pass a directory path")
+    try:
+        ensemble = load_sweep(script, overrides, parse_seeds(seeds), steps=steps)
+        chosen = get_backend(backend)
+    except (ExperimentError, BackendError) as exc:
+        raise UserError(str(exc)) from None
+    if not as_json:
+        click.echo(
+            f"{ensemble.size} members of {ensemble.template.name} in one vmapped step "
+            f"(swept: {', '.join(ensemble.swept) or 'seeds only'})",
+            err=True,
+        )
+    try:
+        result = fit_sweep(
+            ensemble,
+            chosen,
+            out_dir=out,
+            log_every=log_every,
+            checkpoint_every=checkpoint_every,
+            keep=keep,
+            resume=resume,
+            progress=not as_json,
+            report=report,
+        )
+    except NonFiniteLoss as exc:
+        raise RunFailed(str(exc)) from None
+    except Interrupted as exc:
+        raise RunInterrupted(str(exc)) from None
+    except KeyboardInterrupt:
+        raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
+    except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
+        raise UserError(str(exc)) from None
+    summary = result.summary
+    if plot and out is not None:
+        try:
+            summary["plot"] = str(plot_sweep(out))
+        except MissingExtra as exc:
+            click.echo(f"warning: no plot: {exc}", err=True)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ranking = summary["ranking"]
+    swept = summary["swept"]
+    eval_keys = sorted({key for row in ranking for key in row["eval"]})
+    table = Table(
+        title=f"{summary['name']}: {summary['members']} members on {summary['backend']}, "
+        f"ranked by {ranking[0]['ranked_by'].replace('_', ' ')}"
+    )
+    for column in ["rank", "member", *swept, "seed", "final loss", "smoothed loss", *eval_keys]:
+        table.add_column(column, justify="right")
+    table.add_column("status", no_wrap=True)
+    for row in ranking:
+        diverged = row["diverged_at"] is not None
+        cells = [
+            str(row["rank"]),
+            str(row["member"]),
+            *(f"{row['config'][key]:g}" for key in swept),
+            str(row["seed"]),
+            _number(row["final_loss"]),
+            _number(row["smoothed_loss"]),
+            *(_number(row["eval"].get(key)) for key in eval_keys),
+            f"diverged at step {row['diverged_at']}" if diverged else "ok",
+        ]
+        table.add_row(*cells, style="red" if diverged else None)
+    console = Console()
+    console.print(table)
+    step_ms = summary["step_seconds"] * 1e3
+    console.print(
+        f"{summary['steps']:,} steps in {summary['seconds']:.2f} s "
+        f"({step_ms:.3f} ms per step of all {summary['members']} members); "
+        f"{summary['params']:,} params in all ({summary['params_per_member']:,} per member)",
+        highlight=False,
+    )
+    if summary.get("plot"):
+        console.print(f"loss curves: {summary['plot']}", highlight=False)
+    if "resources" in summary:
+        from minitrain.accounting.report import format_report
+
+        console.print("[bold]resources[/bold] of the whole ensemble (predicted vs measured)")
+        console.print(
+            format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
+        )
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.5g}"
