@@ -1,0 +1,115 @@
+"""``minitrain bench distributed``: steps/s of the byte-level example at 1 and N ranks.
+
+Strong scaling: the global batch stays the same, so N ranks each compute 1/N of it and then
+all-reduce the gradients (gloo on CPU). Each configuration is a real ``minitrain run`` process
+(``--nproc N`` starts the workers through torch.distributed's elastic agent); the configurations
+alternate round by round so they see the same machine load. The peer is one plain process
+without the launcher. The step time is the loop's steady-state time (first step excluded);
+the all-reduce time per step is what rank 0 measured around its gradient all-reduce, which
+includes waiting for the slower rank.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bytelm.py"
+
+
+def run_once(nproc: int | None, steps: int, overrides: dict[str, str]) -> dict[str, Any]:
+    """One ``minitrain run examples/bytelm.py`` (with ``--nproc`` unless None); its summary."""
+    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    command = [sys.executable, "-m", "minitrain", "run", str(EXAMPLE), *sets,
+               "--steps", str(steps), "--log-every", str(steps), "--json"]
+    if nproc is not None:
+        command += ["--nproc", str(nproc)]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise click.ClickException(f"{' '.join(command)} failed: {proc.stderr.strip()[-400:]}")
+    return json.loads(proc.stdout)
+
+
+def measure(
+    ranks: tuple[int, ...] = (1, 2),
+    steps: int = 40,
+    rounds: int = 3,
+    overrides: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Median steady-state step time per configuration over ``rounds`` interleaved rounds."""
+    overrides = {"eval_every": "0", "eval_batches": "1", **(overrides or {})}
+    configs: dict[str, int | None] = {"plain": None, **{f"nproc {n}": n for n in ranks}}
+    step_seconds: dict[str, list[float]] = {name: [] for name in configs}
+    reduce_seconds: dict[str, list[float]] = {name: [] for name in configs}
+    summary: dict[str, Any] = {}
+    for _ in range(rounds):
+        for name, nproc in configs.items():
+            summary = run_once(nproc, steps, overrides)
+            step_seconds[name].append(summary["step_seconds"])
+            comm = summary.get("resources", {}).get("communication") or {}
+            if comm.get("reduce_seconds_per_step") is not None:
+                reduce_seconds[name].append(comm["reduce_seconds_per_step"])
+    medians = {name: statistics.median(values) for name, values in step_seconds.items()}
+    base = medians["nproc 1"] if "nproc 1" in medians else medians["plain"]
+    resources = summary.get("resources", {})
+    comm = resources.get("communication") or {}
+    return {
+        "example": "bytelm",
+        "config": summary.get("config"),
+        "params": summary.get("params"),
+        "tokens_per_step": summary.get("examples_per_step"),
+        "steps": steps,
+        "rounds": rounds,
+        "gradient_bytes": comm.get("gradient_bytes"),
+        "step_seconds": medians,
+        "steps_per_second": {name: 1 / s for name, s in medians.items()},
+        "allreduce_seconds_per_step": {
+            name: statistics.median(values) for name, values in reduce_seconds.items() if values
+        },
+        "speedup_vs_one_rank": {name: base / s for name, s in medians.items()},
+    }
+
+
+@click.command()
+@click.option("--ranks", default="1,2", help="Comma-separated rank counts to time.")
+@click.option("--steps", type=click.IntRange(min=3), default=40, help="Steps per run.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, help="Interleaved rounds.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a CONFIG key of examples/bytelm.py (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def distributed(ranks: str, steps: int, rounds: int, overrides: tuple[str, ...],
+                as_json: bool) -> None:
+    """Steps/s of examples/bytelm.py at 1 and N data-parallel ranks (same global batch)."""
+    from minitrain.cli.errors import UserError
+    from minitrain.train.experiment import ExperimentError, parse_overrides
+
+    try:
+        counts = tuple(sorted({int(part) for part in ranks.split(",") if part.strip()}))
+        parsed = parse_overrides(list(overrides))
+    except (ValueError, ExperimentError) as exc:
+        raise UserError(f"--ranks expects e.g. 1,2 and --set key=value: {exc}") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"--ranks expects positive rank counts such as 1,2, got {ranks!r}")
+    result = measure(counts, steps, rounds, parsed)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(
+        f"bytelm, {result['params']:,} params, {result['tokens_per_step']:,} tokens per global "
+        f"step, median of {rounds} interleaved rounds of {steps} steps"
+    )
+    click.echo(f"{'configuration':<14}{'ms/step':>10}{'steps/s':>10}{'vs 1 rank':>11}"
+               f"{'all-reduce ms':>15}")
+    for name, seconds in result["step_seconds"].items():
+        reduce = result["allreduce_seconds_per_step"].get(name)
+        click.echo(
+            f"{name:<14}{seconds * 1e3:>10.1f}{1 / seconds:>10.2f}"
+            f"{result['speedup_vs_one_rank'][name]:>10.2f}x"
+            f"{'-' if reduce is None else f'{reduce * 1e3:.2f}':>15}"
+        )
