@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "hardware": "minitrain.bench.hardware:hardware",
     "optim": "minitrain.bench.optim:optim",
     "step": "minitrain.bench.step:step",
+    "sweep": "minitrain.bench.sweep:sweep",
     "distributed": "minitrain.bench.distributed:distributed",
 }
 
