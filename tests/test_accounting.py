@@ -374,3 +374,21 @@ def test_hardware_cpu_measure_from_the_shell(quick_cpu, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "minitrain hardware cpu --measure" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_hardware_table_gives_cpu_figures_with_their_own_prefix(quick_cpu, capsys):
+    from minitrain.cli import main
+
+    spec = quick_cpu.measure_cpu()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hardware", "cpu"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    row = next(line for line in out.splitlines() if line.startswith("cpu "))
+    fp32 = spec.peak("fp32")
+    prefix, scale = next((p, s) for p, s in (("T", 1e12), ("G", 1e9), ("M", 1e6)) if fp32 >= s)
+    assert f"{fp32 / scale:.4g} {prefix}" in row
+    assert spec.details["measured_at"] in out
+    with pytest.raises(SystemExit):
+        main(["hardware", "h100"])
+    assert "989.4 T" in capsys.readouterr().out

@@ -43,11 +43,19 @@ def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     for spec in specs:
         sparse = spec.sparse_flops.get("bf16")
         click.echo(
-            f"{spec.name:<11}{spec.peak('bf16') / 1e12:>10.1f} T"
-            f"{'-' if sparse is None else f'{sparse / 1e12:.1f} T':>13}"
-            f"{spec.peak('fp32') / 1e12:>8.1f} T{spec.memory_bytes / 1e9:>7.0f} G"
-            f"{spec.memory_bandwidth / 1e12:>8.2f} T/s{spec.intensity('bf16'):>8.0f}"
+            f"{spec.name:<11}{_si(spec.peak('bf16')):>12}"
+            f"{'-' if sparse is None else _si(sparse):>13}"
+            f"{_si(spec.peak('fp32')):>10}{spec.memory_bytes / 1e9:>7.0f} G"
+            f"{_si(spec.memory_bandwidth) + '/s':>11}{spec.intensity('bf16'):>8.0f}"
         )
     click.echo("")
     for spec in specs:
         click.echo(f"{spec.name}: {spec.description}. {spec.source}")
+
+
+def _si(value: float) -> str:
+    """``value`` with a decimal prefix and four significant digits: 989.4 T, 44.72 G."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if value >= scale:
+            return f"{value / scale:.4g} {prefix}"
+    return f"{value:.4g} "
