@@ -33,7 +33,7 @@ def count(fn, *args):
 
 
 def only(counter, op):
-    """The one record of ``op``; every other record must be a view or cost no FLOPs."""
+    """The one record of ``op`` (fails when there is none or several)."""
     (record,) = [r for r in counter.records if r.op == op]
     return record
 
