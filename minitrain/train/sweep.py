@@ -365,11 +365,14 @@ def build_ensemble(
         }
         try:
             template = _built(build, config)
-        except ExperimentError as exc:
+        except Exception as exc:  # e.g. an argument annotated float that refuses a tensor
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise MemberMismatch(
-                f"experiment(config) with {', '.join(swept)} as per-member tensors failed ({exc}); "
-                "use swept keys only in tensor arithmetic or as mt.optim arguments"
-            ) from None
+                f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
+                f"({type(exc).__name__}: {reason}); pass swept keys only to arguments that "
+                "accept tensors (mt.optim's lr and weight_decay, max_grad_norm) or use them in "
+                "tensor arithmetic"
+            ) from exc
     return Ensemble(members, experiments, template, binding, swept)
 
 
