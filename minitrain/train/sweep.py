@@ -22,7 +22,10 @@ and, inside the vmapped step, each member's own value. The optimizer built from 
 applies per-member lr, weight decay or clipping norm, provided the script only does tensor
 arithmetic with the value or passes it to an ``mt.optim`` optimizer or schedule (no
 ``float()``, ``int()`` or ``if`` on it). The first step checks every member against the step its
-single run would take and stops with a one-line error if they differ.
+single run would take and stops with a one-line error if they differ. Arguments annotated as
+plain ``float`` (``mt.optim.cosine_schedule``'s ``peak_value``, SGD's ``momentum``) work with
+the swept tensor at run time but refuse it wherever annotations are enforced (jaxtyping's
+import hook in the test suite).
 
 **Randomness.** Random ops inside the step draw different numbers for each member (``vmap(...,
 randomness="different")``) from the global RNG, seeded with the first member's seed and saved in
