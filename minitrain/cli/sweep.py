@@ -36,6 +36,11 @@ from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
 @click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out.")
 @click.option("--report/--no-report", default=True, help="Add the resource report of the ensemble.")
 @click.option("--plot/--no-plot", default=True, help="Draw --out/sweep.png (needs matplotlib).")
+@click.option(
+    "--check/--no-check",
+    default=True,
+    help="Compare the first step with each member's own single-run step.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def sweep(
     script: Path,
@@ -50,6 +55,7 @@ def sweep(
     resume: bool,
     report: bool,
     plot: bool,
+    check: bool,
     as_json: bool,
 ) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
@@ -84,6 +90,7 @@ def sweep(
             resume=resume,
             progress=not as_json,
             report=report,
+            check=check,
         )
     except NonFiniteLoss as exc:
         raise RunFailed(str(exc)) from None

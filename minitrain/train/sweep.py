@@ -376,6 +376,7 @@ def build_ensemble(
                 "accept tensors (mt.optim's lr and weight_decay, max_grad_norm) or use them in "
                 "tensor arithmetic"
             ) from exc
+        template = dataclasses.replace(template, name=experiments[0].name)
     return Ensemble(members, experiments, template, binding, swept)
 
 
@@ -389,9 +390,7 @@ def _built(build: Callable[[dict[str, Any]], Experiment], config: dict[str, Any]
     return experiment
 
 
-_SHARED_FIELDS = (
-    "name", "steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step",
-)
+_SHARED_FIELDS = ("steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step")
 
 
 def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Experiment]) -> None:
