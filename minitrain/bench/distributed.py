@@ -3,15 +3,17 @@
 Strong scaling: the global batch stays the same, so N ranks each compute 1/N of it and then
 all-reduce the gradients (gloo on CPU). Each configuration is a real ``minitrain run`` process
 (``--nproc N`` starts the workers through torch.distributed's elastic agent); the configurations
-alternate round by round so they see the same machine load. The peer is one plain process
-without the launcher. The step time is the loop's steady-state time (first step excluded);
-the all-reduce time per step is what rank 0 measured around its gradient all-reduce, which
-includes waiting for the slower rank.
+alternate round by round so they see the same machine load. The peers are one plain process
+without the launcher, with all cores and with one thread: on a small CPU the threads per process
+matter as much as the ranks, so the table separates the two. The step time is the loop's
+steady-state time (first step excluded); the all-reduce time per step is what rank 0 measured
+around its gradient all-reduce, which includes waiting for the slower rank.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,14 +25,24 @@ import click
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bytelm.py"
 
 
-def run_once(nproc: int | None, steps: int, overrides: dict[str, str]) -> dict[str, Any]:
-    """One ``minitrain run examples/bytelm.py`` (with ``--nproc`` unless None); its summary."""
+def run_once(
+    nproc: int | None, steps: int, overrides: dict[str, str], threads: int | None = None
+) -> dict[str, Any]:
+    """One ``minitrain run examples/bytelm.py`` (with ``--nproc`` unless None); its summary.
+
+    ``threads`` sets ``OMP_NUM_THREADS`` (torch's intra-op threads per process); without it
+    a plain process uses every core and ``--nproc N`` gives each worker cores / N.
+    """
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     command = [sys.executable, "-m", "minitrain", "run", str(EXAMPLE), *sets,
                "--steps", str(steps), "--log-every", str(steps), "--json"]
     if nproc is not None:
         command += ["--nproc", str(nproc)]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise click.ClickException(f"{' '.join(command)} failed: {proc.stderr.strip()[-400:]}")
     return json.loads(proc.stdout)
@@ -38,25 +50,32 @@ def run_once(nproc: int | None, steps: int, overrides: dict[str, str]) -> dict[s
 
 def measure(
     ranks: tuple[int, ...] = (1, 2),
-    steps: int = 40,
-    rounds: int = 3,
+    steps: int = 20,
+    rounds: int = 2,
     overrides: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Median steady-state step time per configuration over ``rounds`` interleaved rounds."""
-    overrides = {"eval_every": "0", "eval_batches": "1", **(overrides or {})}
-    configs: dict[str, int | None] = {"plain": None, **{f"nproc {n}": n for n in ranks}}
+    warmup = str(min(30, steps // 4))  # the schedule needs warmup < steps
+    defaults = {"eval_every": "0", "eval_batches": "1", "warmup_steps": warmup}
+    overrides = {**defaults, **(overrides or {})}
+    cores = os.cpu_count() or 1
+    configs: dict[str, tuple[int | None, int | None]] = {
+        f"1 process, {cores} threads": (None, None),
+        "1 process, 1 thread": (None, 1),
+        **{f"nproc {n}": (n, None) for n in ranks},
+    }
     step_seconds: dict[str, list[float]] = {name: [] for name in configs}
     reduce_seconds: dict[str, list[float]] = {name: [] for name in configs}
     summary: dict[str, Any] = {}
     for _ in range(rounds):
-        for name, nproc in configs.items():
-            summary = run_once(nproc, steps, overrides)
+        for name, (nproc, threads) in configs.items():
+            summary = run_once(nproc, steps, overrides, threads)
             step_seconds[name].append(summary["step_seconds"])
             comm = summary.get("resources", {}).get("communication") or {}
             if comm.get("reduce_seconds_per_step") is not None:
                 reduce_seconds[name].append(comm["reduce_seconds_per_step"])
     medians = {name: statistics.median(values) for name, values in step_seconds.items()}
-    base = medians["nproc 1"] if "nproc 1" in medians else medians["plain"]
+    base = medians["nproc 1"] if "nproc 1" in medians else medians["1 process, 1 thread"]
     resources = summary.get("resources", {})
     comm = resources.get("communication") or {}
     return {
@@ -78,8 +97,8 @@ def measure(
 
 @click.command()
 @click.option("--ranks", default="1,2", help="Comma-separated rank counts to time.")
-@click.option("--steps", type=click.IntRange(min=3), default=40, help="Steps per run.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, help="Interleaved rounds.")
+@click.option("--steps", type=click.IntRange(min=3), default=20, help="Steps per run.")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, help="Interleaved rounds.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a CONFIG key of examples/bytelm.py (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -104,12 +123,12 @@ def distributed(ranks: str, steps: int, rounds: int, overrides: tuple[str, ...],
         f"bytelm, {result['params']:,} params, {result['tokens_per_step']:,} tokens per global "
         f"step, median of {rounds} interleaved rounds of {steps} steps"
     )
-    click.echo(f"{'configuration':<14}{'ms/step':>10}{'steps/s':>10}{'vs 1 rank':>11}"
+    click.echo(f"{'configuration':<24}{'ms/step':>10}{'steps/s':>10}{'vs nproc 1':>12}"
                f"{'all-reduce ms':>15}")
     for name, seconds in result["step_seconds"].items():
         reduce = result["allreduce_seconds_per_step"].get(name)
         click.echo(
-            f"{name:<14}{seconds * 1e3:>10.1f}{1 / seconds:>10.2f}"
-            f"{result['speedup_vs_one_rank'][name]:>10.2f}x"
+            f"{name:<24}{seconds * 1e3:>10.1f}{1 / seconds:>10.2f}"
+            f"{result['speedup_vs_one_rank'][name]:>11.2f}x"
             f"{'-' if reduce is None else f'{reduce * 1e3:.2f}':>15}"
         )
