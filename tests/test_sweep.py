@@ -1,8 +1,10 @@
 """``minitrain sweep``: members equal their single runs; logs, ranking, divergence, resume, CLI."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -287,3 +289,27 @@ def test_the_plot_names_the_missing_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(MissingExtra, match=r"pip install 'minitrain\[plot\]'"):
         plot_sweep(tmp_path)
+
+
+def test_ctrl_c_checkpoints_and_the_resumed_sweep_matches_an_uninterrupted_one(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["sweep", LINREG, "--set", "lr=0.01,0.02", "--seeds", "0,1", "--out", str(run_dir)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minitrain", *args, "--steps", "100000", "--json", "--no-report"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 4 * 20:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "--resume" in err and "Traceback" not in err
+    saved = checkpoint.verify(checkpoint.latest_valid(run_dir))["step"]
+    total = saved + 10
+    resumed = fit_sweep(load_sweep(LINREG, ["lr=0.01,0.02"], [0, 1], steps=total), CPU,
+                        out_dir=run_dir, resume=True, progress=False, say=lambda message: None)
+    whole = fit_sweep(load_sweep(LINREG, ["lr=0.01,0.02"], [0, 1], steps=total), CPU,
+                      progress=False)
+    assert torch.equal(resumed.params["final"]["weight"], whole.params["final"]["weight"])
+    assert len(read_metrics(run_dir)) == 4 * total
