@@ -7,9 +7,10 @@ no fused kernel) and with ``foreach=True``, and minitrain's fast path without do
 (``params, state = opt.update(grads, state, params)``, the previous params freed each step as in
 a training loop) and with ``donate=True``. Ratios are best-round time over the peer's.
 
-``--breakdown`` splits one pure AdamW update into its parts: the in-place fused kernel, the
-copies of params and state that purity costs, Python overhead (the same update on 8 scalars)
-and page faults per step (``getrusage`` minor faults).
+``--compiled`` adds the pure update with ``impl="compiled"`` (one inductor-generated pass per
+leaf into recycled buffers). ``--breakdown`` splits one pure AdamW update into its parts: the
+in-place fused kernel, the copies of params and state that purity costs, Python overhead (the
+same update on 8 scalars) and page faults per step (``getrusage`` minor faults).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class TorchStepper:
 class MinitrainStepper:
     """``params, state = opt.update(grads, state, params[, donate=True])`` per call."""
 
-    def __init__(self, factory: Callable, kwargs: dict, params: list, grads: list, donate: bool):
-        self.opt = factory(**kwargs)
+    def __init__(self, factory: Callable, kwargs: dict, params: list, grads: list, donate: bool,
+                 impl: str = "auto"):
+        self.opt = factory(**kwargs, impl=impl)
         self.params = [p.clone() for p in params]
         self.state = self.opt.init(self.params)
         self.grads = grads
@@ -100,7 +102,7 @@ def time_interleaved(
 
 def measure(
     names: list[str], count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5,
-    device: str = "cpu",
+    device: str = "cpu", compiled: bool = False,
 ) -> dict[str, Any]:
     """Seconds per update and ratios to the peer for each optimizer in ``names``."""
     params = make_params(count, (size, size), device)
@@ -113,6 +115,10 @@ def measure(
             "minitrain_pure": MinitrainStepper(factory, kwargs, params, grads, donate=False),
             "minitrain_donate": MinitrainStepper(factory, kwargs, params, grads, donate=True),
         }
+        if compiled:
+            steppers["minitrain_compiled"] = MinitrainStepper(
+                factory, kwargs, params, grads, donate=False, impl="compiled"
+            )
         if flag != "foreach":
             steppers["torch_foreach"] = TorchStepper(cls, kwargs, "foreach", params, grads)
         seconds = time_interleaved(steppers, rounds, inner, device)
@@ -123,6 +129,8 @@ def measure(
             "pure_over_peer": seconds["minitrain_pure"] / peer,
             "donate_over_peer": seconds["minitrain_donate"] / peer,
         }
+        if compiled:
+            results[name]["compiled_over_peer"] = seconds["minitrain_compiled"] / peer
         del steppers
     return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
 
@@ -176,9 +184,11 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
 @click.option("--device", default="cpu", help="cpu or cuda.")
 @click.option("--breakdown", "with_breakdown", is_flag=True,
               help="Also split a pure AdamW update into kernel, copies, overhead, faults (CPU).")
+@click.option("--compiled", is_flag=True,
+              help="Also time the pure update with impl='compiled' (torch.compile; slow start).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
-          with_breakdown: bool, as_json: bool) -> None:
+          with_breakdown: bool, compiled: bool, as_json: bool) -> None:
     """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated."""
     from minitrain.cli.errors import UserError
 
@@ -186,7 +196,7 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
-    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device)
+    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled)
     if with_breakdown:
         result["breakdown"] = breakdown(count, size, rounds, inner)
     if as_json:
@@ -197,8 +207,11 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
     for name, entry in result["results"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
-        click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x   "
-                   f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x")
+        ratios = f"pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x   "
+        ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x"
+        if "compiled_over_peer" in entry:
+            ratios += f"   compiled / {entry['peer']}: {entry['compiled_over_peer']:.2f}x"
+        click.echo(f"  {'':13s} {ratios}")
     if with_breakdown:
         click.echo("pure AdamW update, by part:")
         parts = result["breakdown"]

@@ -13,6 +13,10 @@ optimizer module supplies its math twice over the same state layout:
 ``impl="auto"`` (the default) takes the plain path when any leaf or hyperparameter is a functorch
 wrapped tensor (vmap, grad), when ``torch.compile`` is tracing, or when grad mode is on and a
 leaf requires grad; otherwise the fast path. ``impl="fast"`` / ``impl="plain"`` force one.
+``impl="compiled"`` chooses like ``"auto"``, but a pure (not donated) fast-path update runs the
+plain path's math per leaf through ``torch.compile`` (inductor), which fuses it into one pass
+that reads params, grads and state once and writes the new ones straight into recycled buffers:
+the fewest passes over memory a pure update can make. The first update compiles (seconds).
 
 Donation: ``opt.update(grads, state, params, donate=True)`` lets the fast path write the new
 params and state into the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``). The
@@ -46,7 +50,7 @@ Schedule = Callable[[Any], Any]
 ScalarOrSchedule = float | Tensor | Schedule
 WeightDecayMask = Params | Callable[[str, Tensor], bool] | None
 """Which leaves get weight decay: a pytree of bools like params, or ``fn(name, leaf) -> bool``."""
-Impl = Literal["auto", "fast", "plain"]
+Impl = Literal["auto", "fast", "plain", "compiled"]
 
 # Fast-path batches stay under this many bytes of touched buffers, so that the several passes
 # an update makes over one batch hit the last-level cache instead of DRAM.
@@ -137,8 +141,10 @@ def check_lr(lr: ScalarOrSchedule) -> None:
 
 
 def check_impl(impl: str) -> None:
-    if impl not in ("auto", "fast", "plain"):
-        raise ValueError(f"invalid impl={impl!r}: choose 'auto', 'fast' or 'plain'")
+    if impl not in ("auto", "fast", "plain", "compiled"):
+        raise ValueError(
+            f"invalid impl={impl!r}: choose 'auto', 'fast', 'plain' or 'compiled'"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +172,7 @@ def _has_storage(value: Tensor) -> bool:
 
 def use_plain_path(impl: str, tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
     """Whether this update must (or is asked to) take the plain tensor-ops path."""
-    if impl != "auto":
+    if impl in ("fast", "plain"):
         return impl == "plain"
     if torch.compiler.is_compiling():
         return True
@@ -294,6 +300,7 @@ def make_optimizer(
     check_impl(impl)
     traced_candidates = [lr, weight_decay, *hyperparameters]
     pool = BufferPool()
+    compiled_step = CompiledStep(rule.plain_step) if impl == "compiled" else None
 
     def init(params: Params) -> OptState:
         check_params(params)
@@ -320,6 +327,11 @@ def make_optimizer(
             new_params, new_buffers, count, step_lr = _plain_update(
                 rule, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
                 weight_decay,
+            )
+        elif compiled_step is not None and not donate:
+            new_params, new_buffers, count, step_lr = _compiled_update(
+                compiled_step, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
+                weight_decay, pool,
             )
         else:
             new_params, new_buffers, count, step_lr = _fast_update(
@@ -397,12 +409,13 @@ def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay)
     new_buffers: dict[str, list[Tensor]] = {name: [] for name in rule.buffers}
     for index, (p, g, decay) in enumerate(zip(params, grads, decays, strict=True)):
         leaf_buffers = {name: leaves[index] for name, leaves in buffers.items()}
-        p, leaf_buffers = rule.plain_step(
+        new_p, leaf_buffers = rule.plain_step(
             p, g, leaf_buffers, step, step_lr, weight_decay if decay else 0.0
         )
-        new_params.append(p)
+        # 0-d leaves would otherwise promote to the float64 of a traced bias correction.
+        new_params.append(new_p.to(p.dtype))
         for name, value in leaf_buffers.items():
-            new_buffers[name].append(value)
+            new_buffers[name].append(value.to(p.dtype))
     return new_params, new_buffers, count + 1, _lr_tensor(step_lr)
 
 
@@ -431,6 +444,53 @@ def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, 
                 for name, leaves in batch_buffers.items():
                     new_buffers[name][index] = leaves[position]
         new_count = count.add_(1) if donate else torch.tensor(done + 1, dtype=torch.int64)
+    return new_params, new_buffers, new_count, _lr_tensor(step_lr)
+
+
+class CompiledStep:
+    """A rule's ``plain_step`` compiled (lazily, once) to write its results into given buffers.
+
+    ``copy_`` into graph inputs lets inductor emit one loop per leaf that reads the inputs and
+    stores each result directly in its output buffer, with no intermediate tensors.
+    """
+
+    def __init__(self, plain_step: Callable[..., Any]) -> None:
+        self.plain_step = plain_step
+        self.kernel: Callable[..., None] | None = None
+
+    def __call__(self, p, g, buffers, step, lr, weight_decay, p_out, buffers_out) -> None:
+        if self.kernel is None:
+            self.kernel = torch.compile(self._into, dynamic=True, fullgraph=True)
+        self.kernel(p, g, buffers, step, lr, weight_decay, p_out, buffers_out)
+
+    def _into(self, p, g, buffers, step, lr, weight_decay, p_out, buffers_out) -> None:
+        new_p, new_buffers = self.plain_step(p, g, buffers, step, lr, weight_decay)
+        p_out.copy_(new_p)
+        for name, value in new_buffers.items():
+            buffers_out[name].copy_(value)
+
+
+def _compiled_update(kernel, params, grads, buffers, decays, count, lr, weight_decay, pool):
+    pool.begin_update()
+    done = int(count)
+    step_lr = scalar(_lr_at(lr, done))
+    # Tensors, not Python numbers, so that a schedule's new lr does not trigger a recompile.
+    step = torch.tensor(done + 1, dtype=torch.float64)
+    lr_tensor = torch.tensor(step_lr, dtype=torch.float64)
+    decay_tensor = torch.tensor(scalar(weight_decay), dtype=torch.float64)
+    no_decay = torch.zeros((), dtype=torch.float64)
+    new_params, new_buffers = [], {name: [] for name in buffers}
+    with torch.no_grad():
+        for index, (p, g, decay) in enumerate(zip(params, grads, decays, strict=True)):
+            leaf_buffers = {name: leaves[index] for name, leaves in buffers.items()}
+            p_out = pool.empty_like(p)
+            buffers_out = {name: pool.empty_like(b) for name, b in leaf_buffers.items()}
+            kernel(p, g, leaf_buffers, step, lr_tensor, decay_tensor if decay else no_decay,
+                   p_out, buffers_out)
+            new_params.append(p_out)
+            for name, value in buffers_out.items():
+                new_buffers[name].append(value)
+    new_count = torch.tensor(done + 1, dtype=torch.int64)
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
 
 
