@@ -87,7 +87,10 @@ def mlp(params: dict, h: torch.Tensor) -> torch.Tensor:
 
 def forward(params: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Logits ``(batch, seq, 256)`` for byte ids ``x`` of shape ``(batch, seq)``."""
-    h = params["embed"][x] + params["pos"][: x.shape[1]]
+    # F.embedding, not params["embed"][x]: the backward of tensor indexing on CPU accumulates
+    # with atomic adds across threads, so its float sums (and a resumed run) would not be
+    # bit-reproducible; embedding's backward sums in a fixed order.
+    h = F.embedding(x, params["embed"]) + params["pos"][: x.shape[1]]
     for block in params["blocks"]:
         h = h + attention(block["attn"], layer_norm(block["ln1"], h), n_heads)
         h = h + mlp(block["mlp"], layer_norm(block["ln2"], h))
@@ -137,8 +140,11 @@ def experiment(config: dict) -> mt.Experiment:
         return {"val_loss": val_loss, "val_bpb": val_loss / LN2}
 
     decay_matrices = lambda name, p: p.ndim >= 2 and not name.startswith(("embed", "pos"))  # noqa: E731
+    # Warmup is cut short for runs shorter than it (e.g. --steps 10), so any step count works.
+    decay_steps = max(config["steps"], 1)
+    warmup_steps = min(config["warmup_steps"], decay_steps - 1)
     schedule = mt.optim.cosine_schedule(
-        config["lr"], decay_steps=config["steps"], warmup_steps=config["warmup_steps"]
+        config["lr"], decay_steps=decay_steps, warmup_steps=warmup_steps
     )
     return mt.Experiment(
         name="bytelm",

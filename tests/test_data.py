@@ -441,3 +441,37 @@ def test_bytelm_resumes_bit_identically_from_a_checkpoint(bytelm, tmp_path):
         mt.tree.named_leaves(expected), mt.tree.named_leaves(resumed), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+GRAD_HASH = """
+import hashlib, importlib.util, sys, torch
+import minitrain as mt
+spec = importlib.util.spec_from_file_location("bytelm_example", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+config = module.CONFIG
+params = module.init_params(config, torch.Generator().manual_seed(0))
+g = torch.Generator().manual_seed(1)
+x = torch.randint(0, 256, (config["batch_size"], config["seq_len"]), generator=g)
+grads = mt.grad(lambda p: mt.losses.cross_entropy(module.forward(p, x, config["n_heads"]), x))(
+    params
+)
+print(hashlib.sha256(b"".join(t.numpy().tobytes() for t in mt.tree.leaves(grads))).hexdigest())
+"""
+
+
+def test_bytelm_gradients_are_bit_identical_across_processes():
+    """Resuming in a new process needs run-to-run identical float sums on CPU (2 threads)."""
+    import subprocess
+    import sys
+
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", GRAD_HASH, str(EXAMPLE)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for _ in range(3)
+    }
+    assert len(digests) == 1, digests
