@@ -296,4 +296,12 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if flops["unknown_ops"]:
         lines.append(("ops without formula", ", ".join(sorted(flops["unknown_ops"]))))
+    if report.get("communication"):  # data parallel: the gradient all-reduce of one rank
+        comm = report["communication"]
+        lines.append((
+            "all-reduce per step",
+            f"{_si(comm['allreduce_bytes_per_rank'], 'B')} sent per rank "
+            f"(2·(N-1)/N × {_si(comm['gradient_bytes'], 'B')} of grads, N = {comm['ranks']}), "
+            f"{_si(comm['reduce_seconds_per_step'], 's')} measured ({comm['process_group']})",
+        ))
     return "\n".join(f"{name:<23}{value}" for name, value in lines)

@@ -177,6 +177,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("wall time", f"{summary['seconds']:.2f} s"),
         ("step time", f"{summary['step_seconds'] * 1e3:.3f} ms"),
         ("params", f"{summary['params']:,}"),
+        *([("ranks (data parallel)", str(summary["ranks"]))] if "ranks" in summary else []),
         ("FLOPs / step (6·B·P)", f"{summary['flops_per_step']:,}"),
     ]
     if summary.get("flops_per_step_exact") is not None:
