@@ -263,6 +263,10 @@ class DataParallel:
     ``grad_transform``: it averages grads, loss and aux over ranks, each rank weighted by its
     shard of the global batch (``n_r / n``), so the result is the gradient and loss of the mean
     over the whole global batch.
+
+    >>> dp = DataParallel(rank=0, world_size=1, device=torch.device("cpu"))
+    >>> dp.reduce({"w": torch.ones(2)}, torch.tensor(3.0), {"bpb": torch.tensor(4.0)})
+    ({'w': tensor([1., 1.])}, tensor(3.), {'bpb': tensor(4.)})
     """
 
     def __init__(
@@ -381,6 +385,9 @@ def from_environment(device: torch.device | str) -> DataParallel | None:
 
     gloo for CPU devices, NCCL for CUDA ones (each rank on ``cuda:LOCAL_RANK``); collectives
     time out after :func:`timeout_seconds`.
+
+    >>> from_environment("cpu") is None or in_worker()   # None unless started by torchrun
+    True
     """
     if not in_worker():
         return None
@@ -480,6 +487,8 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
     Returns when every worker succeeded. A worker that fails stops the others; then this
     raises ``SystemExit`` with its exit code (the worker printed its own error) or
     :class:`DistributedError` naming the rank that died (e.g. killed by a signal).
+
+    >>> launch(2, ["run", "examples/linreg.py", "--steps", "10"])  # doctest: +SKIP
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
