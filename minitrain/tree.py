@@ -142,7 +142,11 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     tensors = [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
     if not tensors:
         return torch.tensor(0.0)
-    norms = torch._foreach_norm([t.float() for t in tensors], 2)
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        # Under vmap/grad: _foreach_norm has no batching rule, so one norm per leaf.
+        norms = [torch.linalg.vector_norm(t.float(), 2) for t in tensors]
+    else:
+        norms = torch._foreach_norm([t.float() for t in tensors], 2)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
 
 

@@ -124,3 +124,11 @@ def test_map_over_mismatched_trees_names_the_leaf():
         mt.tree.map(
             lambda x, y: x + y, {"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1)}
         )
+
+
+def test_global_norm_works_under_vmap():
+    stacked = {"a": torch.randn(3, 4), "b": [torch.randn(3, 2, 2)]}
+    batched = mt.vmap(mt.tree.global_norm)(stacked)
+    for k in range(3):
+        member = {"a": stacked["a"][k], "b": [stacked["b"][0][k]]}
+        torch.testing.assert_close(batched[k], mt.tree.global_norm(member))
