@@ -233,7 +233,7 @@ def decay_flags(mask: WeightDecayMask, params: Params) -> list[bool]:
 
 
 def fast_batches(
-    tensors: Sequence[Tensor], decays: Sequence[bool], buffers_per_leaf: int
+    tensors: Sequence[Tensor], decays: Sequence[bool], buffers_per_leaf: int, split: bool = True
 ) -> list[list[int]]:
     """Leaf indices grouped by (device, dtype, decays), split into cache-sized batches."""
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
@@ -245,7 +245,7 @@ def fast_batches(
         batch_bytes = 0
         for index in indices:
             nbytes = tensors[index].numel() * tensors[index].element_size() * buffers_per_leaf
-            if batch and batch_bytes + nbytes > CACHE_BATCH_BYTES:
+            if split and batch and batch_bytes + nbytes > CACHE_BATCH_BYTES:
                 batches.append(batch)
                 batch, batch_bytes = [], 0
             batch.append(index)
@@ -280,6 +280,7 @@ class Rule(NamedTuple):
     init_buffer: Callable[[str, Tensor], Tensor]
     plain_step: Callable[..., tuple[Tensor, dict[str, Tensor]]]
     fast_step: Callable[..., tuple[list[Tensor], dict[str, list[Tensor]]]]
+    fused: bool = True  # fast_step is one fused kernel (one pass over memory)
 
 
 def make_optimizer(
@@ -429,7 +430,11 @@ def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, 
     new_params = list(params)
     new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
     with torch.no_grad():
-        for batch in fast_batches(params, decays, 2 + len(buffers)):
+        # A fused kernel makes one pass, so donated updates gain nothing from cache-sized
+        # batches; pure updates (copy, then update the copy while it is in cache) and
+        # multi-pass foreach updates do.
+        one_pass = donate and rule.fused
+        for batch in fast_batches(params, decays, 2 + len(buffers), split=not one_pass):
             batch_params, batch_buffers = rule.fast_step(
                 [params[i] for i in batch],
                 [grads[i] for i in batch],

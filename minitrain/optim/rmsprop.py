@@ -110,6 +110,7 @@ def rmsprop(
         init_buffer=lambda name, p: torch.zeros_like(p, memory_format=torch.preserve_format),
         plain_step=plain_step,
         fast_step=fast_step,
+        fused=False,
     )
     return make_optimizer(RMSpropState, rule, lr, weight_decay, mask, impl, (alpha, momentum))
 
