@@ -9,8 +9,10 @@
 (1, 0.0)
 """
 
-from minitrain.optim.adagrad import AdagradState, adagrad
-from minitrain.optim.adam import AdamState, adam, adamw
+from minitrain.optim._adagrad import AdagradState, adagrad
+from minitrain.optim._adam import AdamState, adam, adamw
+from minitrain.optim._rmsprop import RMSpropState, rmsprop
+from minitrain.optim._sgd import SGDState, sgd
 from minitrain.optim.base import (
     Impl,
     Optimizer,
@@ -19,14 +21,12 @@ from minitrain.optim.base import (
     WeightDecayMask,
     learning_rate,
 )
-from minitrain.optim.rmsprop import RMSpropState, rmsprop
 from minitrain.optim.schedules import (
     constant_schedule,
     cosine_schedule,
     linear_warmup_schedule,
     step_schedule,
 )
-from minitrain.optim.sgd import SGDState, sgd
 from minitrain.optim.transforms import clip_by_global_norm
 
 __all__ = [
