@@ -251,7 +251,7 @@ def _where(exc: BaseException, path: str | Path) -> str:
 
 
 def one_line(exc: BaseException) -> str:
-    """``"Type: message"`` on one line; a jaxtyping shape error keeps the names of its dims.
+    r"""``"Type: message"`` on one line; a jaxtyping shape error keeps the names of its dims.
 
     >>> one_line(ValueError("bad\nmore detail"))
     'ValueError: bad'
