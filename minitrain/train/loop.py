@@ -42,7 +42,7 @@ from minitrain.backend import Backend
 from minitrain.metrics import MetricsWriter
 from minitrain.optim import learning_rate
 from minitrain.train.experiment import Experiment, ExperimentError, one_line
-from minitrain.train.step import make_train_step
+from minitrain.train.step import can_donate, make_train_step
 from minitrain.tree import OptState, Params, leaves, size
 from minitrain.tree import map as tree_map
 
@@ -212,7 +212,12 @@ def fit(
             f"the checkpoint in {run_dir} is at step {start}, past --steps {experiment.steps}; "
             "pass --steps of at least that, or a new --out"
         )
-    step_fn = make_train_step(experiment, backend, parallel.reduce if parallel else None)
+    # The loop never reads the params and state it passes in again, so the update may write
+    # into their buffers (torch.optim's in-place speed); compiled steps stay pure.
+    donate = can_donate(experiment.optimizer) and not compile
+    step_fn = make_train_step(
+        experiment, backend, parallel.reduce if parallel else None, donate=donate
+    )
     compiled = torch.compile(step_fn) if compile else step_fn
 
     def save(step: int) -> Path:

@@ -15,7 +15,7 @@ from minitrain.backend import Backend
 from minitrain.func import value_and_grad
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
-__all__ = ["StepOutput", "make_train_step", "loss_with_aux"]
+__all__ = ["StepOutput", "can_donate", "make_train_step", "loss_with_aux"]
 
 
 class StepOutput(NamedTuple):
@@ -26,6 +26,13 @@ class StepOutput(NamedTuple):
     loss: torch.Tensor
     grad_norm: torch.Tensor
     aux: dict[str, torch.Tensor]
+
+
+def can_donate(optimizer: Any) -> bool:
+    """Whether ``optimizer.update`` takes ``donate=True`` (every mt.optim optimizer does)."""
+    from minitrain.optim import Optimizer
+
+    return isinstance(optimizer, Optimizer)
 
 
 def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Tensor, dict]]:
@@ -40,13 +47,19 @@ GradTransform = Callable[[Grads, torch.Tensor, dict], tuple[Grads, torch.Tensor,
 
 
 def make_train_step(
-    experiment: Any, backend: Backend, grad_transform: GradTransform | None = None
+    experiment: Any,
+    backend: Backend,
+    grad_transform: GradTransform | None = None,
+    donate: bool = False,
 ) -> Callable[[Params, OptState, PyTree], StepOutput]:
     """Build the pure step for ``experiment`` on ``backend``.
 
     ``grad_transform(grads, loss, aux) -> (grads, loss, aux)`` runs between the backward pass
     and clipping/update: data parallelism passes its all-reduce here
-    (:meth:`minitrain.distributed.DataParallel.reduce`).
+    (:meth:`minitrain.distributed.DataParallel.reduce`). With ``donate=True`` (an mt.optim
+    optimizer only) the update writes the new params and state into the buffers of the old
+    ones, as ``torch.optim`` does: the caller must not use the params and state it passed in
+    again. The fit loop donates; the step stays pure without it.
 
     >>> import torch, minitrain as mt
     >>> from minitrain.train import Experiment
@@ -62,6 +75,9 @@ def make_train_step(
     loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
     optimizer = experiment.optimizer
     max_grad_norm = experiment.max_grad_norm
+    update_options = {"donate": True} if donate else {}
+    if donate and not can_donate(optimizer):
+        raise ValueError("donate=True needs an mt.optim optimizer (its update takes donate=)")
 
     def train_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
         with backend.autocast():
@@ -74,7 +90,7 @@ def make_train_step(
             grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
         else:
             grad_norm = global_norm(grads)
-        params, opt_state = optimizer.update(grads, opt_state, params)
+        params, opt_state = optimizer.update(grads, opt_state, params, **update_options)
         return StepOutput(params, opt_state, loss.detach(), grad_norm, aux)
 
     return train_step
