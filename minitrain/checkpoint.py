@@ -49,6 +49,7 @@ import torch
 
 import minitrain
 from minitrain import rng, tree
+from minitrain.atomic_io import fsync_dir, replace_dir
 
 __all__ = [
     "CheckpointError",
@@ -178,8 +179,8 @@ def save(
             safetensors.torch.save_file(tensors, staging / name)
             body["files"][name] = _fsync_and_describe(staging / name)
         _write_json(staging / STATE_FILE, {**body, "checksum": _checksum(body)})
-        _fsync_dir(staging)
-        _replace_dir(staging, target)
+        fsync_dir(staging)
+        replace_dir(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if keep is not None:
@@ -254,24 +255,8 @@ def _fsync_and_describe(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Rename ``staging`` to ``target`` (moving an older ``target`` aside first), then fsync."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".tmp-{os.getpid()}-old-{target.name}")
-        os.replace(target, old)
-    os.replace(staging, target)
-    _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove_stale_staging(root: Path) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import numpy as np
 import torch
 
+from minitrain.atomic_io import fsync_tree, replace_dir
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
 __all__ = [
@@ -415,8 +416,8 @@ def prepare(
             "val_files": [name for name, val in zip(names, held_out, strict=True) if val],
         }
         (staging / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        _fsync_tree(staging)
-        _replace_dir(staging, out_dir)
+        fsync_tree(staging)
+        replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
@@ -454,31 +455,10 @@ def _has_prepared_meta(out_dir: Path) -> bool:
     return isinstance(meta, dict) and meta.get("format") == _PREPARED_FORMAT
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-    _fsync_dir(directory)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``, replacing an older copy; ``target`` is never half-written."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(staging, target)
-    _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_prepared(data_dir: str | os.PathLike | None = None) -> PreparedData:
