@@ -79,11 +79,17 @@ def test_copies_of_views_are_charged(op, call):
 
 def test_view_copy_tag_names_a_copy_whose_twin_the_schema_marks_as_a_view():
     # torch tags X_copy ops view_copy; X itself returns Tensor(a). Both facts drive the counter.
-    for copy in (aten.view_copy.default, aten.as_strided_copy.default, aten.t_copy.default,
-                 aten.unbind_copy.int, aten.slice_copy.Tensor):
+    for copy in (
+        aten.view_copy.default,
+        aten.as_strided_copy.default,
+        aten.t_copy.default,
+        aten.unbind_copy.int,
+        aten.slice_copy.Tensor,
+    ):
         assert torch.Tag.view_copy in copy.tags
-        twin = getattr(getattr(aten, copy._overloadpacket.__name__.removesuffix("_copy")),
-                       copy._overloadname)
+        twin = getattr(
+            getattr(aten, copy._overloadpacket.__name__.removesuffix("_copy")), copy._overloadname
+        )
         assert all(r.alias_info is not None for r in twin._schema.returns)
         assert all(r.alias_info is None for r in copy._schema.returns)
 
@@ -110,7 +116,8 @@ def torch_cuda_kernel_flops(q, k, v, grad_out):
     meta = [torch.empty(t.shape, device="meta") for t in (q, k, v, grad_out)]
     forward = flop_registry[aten._scaled_dot_product_flash_attention](*meta[:3], out_val=None)
     backward = flop_registry[aten._scaled_dot_product_flash_attention_backward](
-        meta[3], *meta[:3], out_val=None)
+        meta[3], *meta[:3], out_val=None
+    )
     return forward, backward
 
 
@@ -127,8 +134,10 @@ def test_cpu_attention_flops_equal_torchs_formula_for_the_cuda_kernels(
     batch, heads, q_len, kv_len, dim, causal
 ):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, n, dim, generator=g, requires_grad=True)
-               for n in (q_len, kv_len, kv_len))
+    q, k, v = (
+        torch.randn(batch, heads, n, dim, generator=g, requires_grad=True)
+        for n in (q_len, kv_len, kv_len)
+    )
     with acc.Counter() as counter, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         out.backward(torch.ones_like(out))
@@ -174,13 +183,19 @@ ELEMENTWISE_BACKWARD = [
     ("gelu_backward", lambda g, x: aten.gelu_backward(g, x), gelu_grad_exact),
     ("gelu_backward", lambda g, x: aten.gelu_backward(g, x, approximate="tanh"), gelu_grad_tanh),
     ("silu_backward", aten.silu_backward, silu_grad),
-    ("_log_softmax_backward_data",
-     lambda g, y: aten._log_softmax_backward_data(g, y, -1, torch.float32), log_softmax_grad),
+    (
+        "_log_softmax_backward_data",
+        lambda g, y: aten._log_softmax_backward_data(g, y, -1, torch.float32),
+        log_softmax_grad,
+    ),
 ]
 
 
-@pytest.mark.parametrize("name, fused, elementary", ELEMENTWISE_BACKWARD,
-                         ids=["gelu", "gelu-tanh", "silu", "log-softmax"])
+@pytest.mark.parametrize(
+    "name, fused, elementary",
+    ELEMENTWISE_BACKWARD,
+    ids=["gelu", "gelu-tanh", "silu", "log-softmax"],
+)
 def test_fused_backward_counts_its_elementary_ops(name, fused, elementary):
     g = torch.Generator().manual_seed(1)
     grad, x = torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g)
@@ -197,12 +212,14 @@ def test_fused_backward_counts_its_elementary_ops(name, fused, elementary):
 def test_layer_norm_backward_counts_its_elementary_ops(affine):
     g = torch.Generator().manual_seed(2)
     x, grad = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g)
-    weight, bias = (torch.randn(12, generator=g), torch.randn(12, generator=g)) if affine else (
-        None, None)
+    weight, bias = (
+        (torch.randn(12, generator=g), torch.randn(12, generator=g)) if affine else (None, None)
+    )
     _, mean, rstd = aten.native_layer_norm(x, [12], weight, bias, 1e-5)
     mask = [True, affine, affine]
     fused, (dx, dweight, dbias) = count(
-        aten.native_layer_norm_backward, grad, x, [12], mean, rstd, weight, bias, mask)
+        aten.native_layer_norm_backward, grad, x, [12], mean, rstd, weight, bias, mask
+    )
 
     def elementary(grad, x):
         xhat = (x - mean) * rstd
@@ -223,12 +240,15 @@ def test_embedding_backward_counts_the_adds_of_index_put():
     grad = torch.randn(2, 3, 4, generator=g)
     fused, out = count(aten.embedding_dense_backward, grad, ids, 5, -1, False)
     plain, expected = count(
-        lambda: torch.zeros(5, 4).index_put_((ids.reshape(-1),), grad.reshape(-1, 4),
-                                             accumulate=True))
+        lambda: torch.zeros(5, 4).index_put_(
+            (ids.reshape(-1),), grad.reshape(-1, 4), accumulate=True
+        )
+    )
     torch.testing.assert_close(out, expected)
     assert fused.flops == only(plain, "aten.index_put_").flops == grad.numel()
-    copy = only(count(lambda: torch.zeros(5).index_put_((ids[0],), torch.ones(3)))[0],
-                "aten.index_put_")
+    copy = only(
+        count(lambda: torch.zeros(5).index_put_((ids[0],), torch.ones(3)))[0], "aten.index_put_"
+    )
     assert copy.flops == 0 and copy.has_formula  # no accumulate: a copy
 
 
@@ -295,20 +315,33 @@ def one_step(script, overrides):
 
 
 def test_bytelm_step_has_a_formula_for_every_op(small_corpus):
-    small = {"d_model": "32", "n_layers": "2", "n_heads": "2", "seq_len": "16",
-             "batch_size": "4", "data_dir": str(small_corpus)}
+    small = {
+        "d_model": "32",
+        "n_layers": "2",
+        "n_heads": "2",
+        "seq_len": "16",
+        "batch_size": "4",
+        "data_dir": str(small_corpus),
+    }
     counter, reference, config = one_step(EXAMPLES / "bytelm.py", small)
     assert counter.unknown == {}
     assert counter.matmul_flops == reference.get_total_flops() > 0
     # Attention on the CPU kernel: forward 4·B·H·S²·D per layer (H·D = d_model), backward 2.5x
     # that (10·B·H·S²·D).
     b, s, d, layers = (config[k] for k in ("batch_size", "seq_len", "d_model", "n_layers"))
-    attention = sum(counter.by_op[f"aten._scaled_dot_product_flash_attention_for_cpu{suffix}"]
-                    .flops for suffix in ("", "_backward"))
+    attention = sum(
+        counter.by_op[f"aten._scaled_dot_product_flash_attention_for_cpu{suffix}"].flops
+        for suffix in ("", "_backward")
+    )
     assert attention == layers * (4 + 10) * b * s * s * d
     assert counter.by_op["aten._unsafe_view"].bytes_read == 0
-    for op in ("aten.gelu_backward", "aten.native_layer_norm_backward", "aten.index_put",
-               "aten.nll_loss_backward", "aten._fused_adamw_"):
+    for op in (
+        "aten.gelu_backward",
+        "aten.native_layer_norm_backward",
+        "aten.embedding_dense_backward",
+        "aten.nll_loss_backward",
+        "aten._fused_adamw_",
+    ):
         assert counter.by_op[op].flops > 0, op
 
 
