@@ -94,7 +94,17 @@ from minitrain.train.loop import (
     to_backend,
 )
 from minitrain.train.step import StepOutput, loss_with_aux, make_train_step
-from minitrain.tree import OptState, Params, PyTree, leaves, named_leaves, size, stack, unstack
+from minitrain.tree import (
+    OptState,
+    Params,
+    PyTree,
+    global_norm,
+    leaves,
+    named_leaves,
+    size,
+    stack,
+    unstack,
+)
 from minitrain.tree import map as tree_map
 
 __all__ = [
@@ -496,9 +506,7 @@ def make_member_step(
     def member_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
         with backend.autocast():
             (loss, aux), grads = loss_and_grads(params, batch)
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([g.float().norm() for g in leaves(grads)])
-        )
+        grad_norm = global_norm(grads)
         if max_grad_norm is not None:
             scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
             grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
@@ -508,9 +516,7 @@ def make_member_step(
     return member_step
 
 
-def make_ensemble_step(
-    ensemble: Ensemble, backend: Backend
-) -> Callable[..., EnsembleStepOutput]:
+def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., EnsembleStepOutput]:
     """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number)``: one
     vmapped train step of every member.
 
@@ -757,7 +763,14 @@ def fit_sweep(
     summary["resumed_from"] = start or None
     if report and batch is not None:
         summary["resources"] = _resources(
-            ensemble, backend, step_fn, params, opt_state, batch, hyperparameters, diverged_at,
+            ensemble,
+            backend,
+            step_fn,
+            params,
+            opt_state,
+            batch,
+            hyperparameters,
+            diverged_at,
             summary,
         )
     if run_dir is not None:
@@ -897,8 +910,10 @@ def _check_same_sweep(saved: dict[str, Any], current: dict[str, Any], run_dir: P
             if key != "steps" and was["config"].get(key) != now["config"].get(key)
         ]
         if was["seed"] != now["seed"] or changed:
-            what = f"{changed[0]}={was['config'].get(changed[0])!r}" if changed else (
-                f"seed {was['seed']}"
+            what = (
+                f"{changed[0]}={was['config'].get(changed[0])!r}"
+                if changed
+                else (f"seed {was['seed']}")
             )
             raise ResumeError(
                 f"{run_dir}: member {index} was trained with {what}; pass the same --set lists "
@@ -958,8 +973,9 @@ def _summary(
         "flops_per_step_exact": exact * k if exact is not None else None,
         "examples_per_second": examples * k / step_seconds if step_seconds > 0 else None,
         "ranking": _ranking(ensemble, logs),
-        "diverged": [m.index for m, log in zip(ensemble.members, logs, strict=True)
-                     if log.diverged_at],
+        "diverged": [
+            m.index for m, log in zip(ensemble.members, logs, strict=True) if log.diverged_at
+        ],
         "configs": [m.config for m in ensemble.members],
     }
 
