@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
@@ -301,6 +302,7 @@ def make_optimizer(
     check_impl(impl)
     traced_candidates = [lr, weight_decay, *hyperparameters]
     pool = BufferPool()
+    plans = LayoutCache(mask, 2 + len(rule.buffers), rule.fused)
     compiled_step = CompiledStep(rule.plain_step) if impl == "compiled" else None
 
     def init(params: Params) -> OptState:
@@ -316,35 +318,34 @@ def make_optimizer(
     def update(
         grads: Grads, state: OptState, params: Params, *, donate: bool = False
     ) -> tuple[Params, OptState]:
-        spec = tree.structure(params)
-        param_leaves = tree.leaves(params)
-        grad_leaves = _matching_grads(grads, params, param_leaves)
+        param_leaves, spec = _pytree.tree_flatten(params)
+        grad_leaves, grad_spec = _pytree.tree_flatten(grads)
         _check_state_type(state, state_type)
-        buffer_leaves = {name: tree.leaves(getattr(state, name)) for name in rule.buffers}
+        buffer_leaves = {name: _pytree.tree_leaves(getattr(state, name)) for name in rule.buffers}
         _check_state_leaves(buffer_leaves, len(param_leaves))
-        decays = decay_flags(mask, params)
+        layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         tensors = [*param_leaves, *grad_leaves, state.count]
         if use_plain_path(impl, tensors, traced_candidates):
             new_params, new_buffers, count, step_lr = _plain_update(
-                rule, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
+                rule, param_leaves, grad_leaves, buffer_leaves, layout.decays, state.count, lr,
                 weight_decay,
             )
         elif compiled_step is not None and not donate:
             new_params, new_buffers, count, step_lr = _compiled_update(
-                compiled_step, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
-                weight_decay, pool,
+                compiled_step, param_leaves, grad_leaves, buffer_leaves, layout.decays,
+                state.count, lr, weight_decay, pool,
             )
         else:
             new_params, new_buffers, count, step_lr = _fast_update(
-                rule, param_leaves, grad_leaves, buffer_leaves, decays, state.count, lr,
+                rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, lr,
                 weight_decay, None if donate else pool,
             )
         new_state = state._replace(
             count=count,
             lr=step_lr,
-            **{name: tree.unflatten(spec, leaves) for name, leaves in new_buffers.items()},
+            **{name: _pytree.tree_unflatten(leaves, spec) for name, leaves in new_buffers.items()},
         )
-        return tree.unflatten(spec, new_params), new_state
+        return _pytree.tree_unflatten(new_params, spec), new_state
 
     return Optimizer(init, update)
 
@@ -361,6 +362,59 @@ def _matching_grads(grads: Grads, params: Params, param_leaves: list[Tensor]) ->
     ):
         return check_grads(grads, params)  # raises, naming the first mismatching leaf
     return grad_leaves
+
+
+class Layout(NamedTuple):
+    """What an update needs to know about a params tree beyond its tensors' values."""
+
+    decays: list[bool]  # per leaf: whether weight decay applies
+    batches: list[list[int]]  # leaf indices per fast-path kernel call, pure updates
+    donated_batches: list[list[int]]  # the same for donated updates
+
+
+def _signature(leaf: Any) -> Any:
+    return (leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else type(leaf)
+
+
+class LayoutCache:
+    """:class:`Layout` per params structure, checked and computed once per new structure.
+
+    The key is the tree structure and each leaf's shape, dtype and device, so an update of a
+    structure seen before skips the validation of params, the weight-decay mask and grouping.
+    Grads are still compared with params on every update (structure, shapes, dtypes).
+    """
+
+    def __init__(self, mask: WeightDecayMask, buffers_per_leaf: int, fused: bool) -> None:
+        self.mask = mask
+        self.buffers_per_leaf = buffers_per_leaf
+        self.fused = fused
+        self.layouts: dict[Any, Layout] = {}
+
+    def layout(self, params, spec, param_leaves, grads, grad_spec, grad_leaves) -> Layout:
+        if torch.compiler.is_compiling():  # no Python-side caches inside a traced graph
+            check_params(params)
+            _matching_grads(grads, params, param_leaves)
+            return self._build(params, param_leaves)
+        signature = tuple(map(_signature, param_leaves))
+        devices = tuple(getattr(leaf, "device", None) for leaf in param_leaves)
+        key = (spec, signature, devices)
+        layout = self.layouts.get(key)
+        if layout is None:
+            check_params(params)
+            layout = self.layouts[key] = self._build(params, param_leaves)
+        if grad_spec != spec or tuple(map(_signature, grad_leaves)) != signature:
+            check_grads(grads, params)  # raises, naming the first mismatching leaf
+        return layout
+
+    def _build(self, params: Params, param_leaves: list[Tensor]) -> Layout:
+        decays = decay_flags(self.mask, params)
+        return Layout(
+            decays,
+            fast_batches(param_leaves, decays, self.buffers_per_leaf),
+            # A fused kernel makes one pass, so donated updates gain nothing from cache-sized
+            # batches; multi-pass foreach updates do.
+            fast_batches(param_leaves, decays, self.buffers_per_leaf, split=not self.fused),
+        )
 
 
 def _check_state_type(state: Any, state_type: type) -> None:
@@ -420,7 +474,7 @@ def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay)
     return new_params, new_buffers, count + 1, _lr_tensor(step_lr)
 
 
-def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, pool):
+def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool):
     donate = pool is None
     if pool is not None:
         pool.begin_update()
@@ -430,18 +484,14 @@ def _fast_update(rule, params, grads, buffers, decays, count, lr, weight_decay, 
     new_params = list(params)
     new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
     with torch.no_grad():
-        # A fused kernel makes one pass, so donated updates gain nothing from cache-sized
-        # batches; pure updates (copy, then update the copy while it is in cache) and
-        # multi-pass foreach updates do.
-        one_pass = donate and rule.fused
-        for batch in fast_batches(params, decays, 2 + len(buffers), split=not one_pass):
+        for batch in layout.donated_batches if donate else layout.batches:
             batch_params, batch_buffers = rule.fast_step(
                 [params[i] for i in batch],
                 [grads[i] for i in batch],
                 {name: [leaves[i] for i in batch] for name, leaves in buffers.items()},
                 done + 1,
                 step_lr,
-                decay_value if decays[batch[0]] else 0.0,
+                decay_value if layout.decays[batch[0]] else 0.0,
                 pool,
             )
             for position, index in enumerate(batch):
