@@ -503,48 +503,47 @@ def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, 
 
 
 class CompiledStep:
-    """A rule's ``plain_step`` compiled (lazily, once) to write its results into given buffers.
+    """A rule's ``plain_step`` over lists of leaves, compiled (lazily, once per set of leaf
+    shapes) to write its results into given buffers.
 
-    ``copy_`` into graph inputs lets inductor emit one loop per leaf that reads the inputs and
-    stores each result directly in its output buffer, with no intermediate tensors.
+    ``copy_`` into graph inputs lets inductor emit loops that read each input once and store
+    each result straight into its output buffer, with no intermediate tensors: one pass over
+    memory per update. One graph covers all leaves, so an update is one compiled call.
     """
 
     def __init__(self, plain_step: Callable[..., Any]) -> None:
         self.plain_step = plain_step
         self.kernel: Callable[..., None] | None = None
 
-    def __call__(self, p, g, buffers, step, lr, weight_decay, p_out, buffers_out) -> None:
+    def __call__(self, ps, gs, buffers, step, lr, weight_decays, ps_out, buffers_out) -> None:
         if self.kernel is None:
-            self.kernel = torch.compile(self._into, dynamic=True, fullgraph=True)
-        self.kernel(p, g, buffers, step, lr, weight_decay, p_out, buffers_out)
+            self.kernel = torch.compile(self._into, dynamic=False, fullgraph=True)
+        self.kernel(ps, gs, buffers, step, lr, weight_decays, ps_out, buffers_out)
 
-    def _into(self, p, g, buffers, step, lr, weight_decay, p_out, buffers_out) -> None:
-        new_p, new_buffers = self.plain_step(p, g, buffers, step, lr, weight_decay)
-        p_out.copy_(new_p)
-        for name, value in new_buffers.items():
-            buffers_out[name].copy_(value)
+    def _into(self, ps, gs, buffers, step, lr, weight_decays, ps_out, buffers_out) -> None:
+        for index, (p, g, weight_decay) in enumerate(zip(ps, gs, weight_decays, strict=True)):
+            leaf_buffers = {name: leaves[index] for name, leaves in buffers.items()}
+            new_p, new_buffers = self.plain_step(p, g, leaf_buffers, step, lr, weight_decay)
+            ps_out[index].copy_(new_p)
+            for name, value in new_buffers.items():
+                buffers_out[name][index].copy_(value)
 
 
 def _compiled_update(kernel, params, grads, buffers, decays, count, lr, weight_decay, pool):
     pool.begin_update()
     done = int(count)
     step_lr = scalar(_lr_at(lr, done))
-    # Tensors, not Python numbers, so that a schedule's new lr does not trigger a recompile.
+    # 0-d tensors, not Python numbers, so that a new step or lr does not trigger a recompile.
     step = torch.tensor(done + 1, dtype=torch.float64)
     lr_tensor = torch.tensor(step_lr, dtype=torch.float64)
     decay_tensor = torch.tensor(scalar(weight_decay), dtype=torch.float64)
     no_decay = torch.zeros((), dtype=torch.float64)
-    new_params, new_buffers = [], {name: [] for name in buffers}
+    new_params = [pool.empty_like(p) for p in params]
+    new_buffers = {name: [pool.empty_like(b) for b in leaves] for name, leaves in buffers.items()}
     with torch.no_grad():
-        for index, (p, g, decay) in enumerate(zip(params, grads, decays, strict=True)):
-            leaf_buffers = {name: leaves[index] for name, leaves in buffers.items()}
-            p_out = pool.empty_like(p)
-            buffers_out = {name: pool.empty_like(b) for name, b in leaf_buffers.items()}
-            kernel(p, g, leaf_buffers, step, lr_tensor, decay_tensor if decay else no_decay,
-                   p_out, buffers_out)
-            new_params.append(p_out)
-            for name, value in buffers_out.items():
-                new_buffers[name].append(value)
+        kernel(params, grads, buffers, step, lr_tensor,
+               [decay_tensor if decay else no_decay for decay in decays],
+               new_params, new_buffers)
     new_count = torch.tensor(done + 1, dtype=torch.int64)
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
 
