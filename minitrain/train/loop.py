@@ -197,21 +197,11 @@ def fit(
     run_dir = Path(out_dir) if out_dir is not None else None
     meta = _run_meta(experiment, backend, seed, config)
 
-    rng.seed_everything(seed)
-    init_generator, data_generator = run_generators(seed)
-    with _user_code("the experiment's init(generator)"):
-        params = to_backend(experiment.init(init_generator), backend)
-    opt_state = experiment.optimizer.init(params)
-    start = 0
-    if resume:
-        params, opt_state, start = _resume(run_dir, params, opt_state, data_generator, meta, say)
+    params, opt_state, start, data_generator = _initial_state(
+        experiment, backend, seed, run_dir if resume else None, meta, say
+    )
     if parallel is not None:
         parallel.check_same(start, "the step to resume from")
-    if start > experiment.steps:
-        raise ResumeError(
-            f"the checkpoint in {run_dir} is at step {start}, past --steps {experiment.steps}; "
-            "pass --steps of at least that, or a new --out"
-        )
     # The loop never reads the params and state it passes in again, so the update may write
     # into their buffers (torch.optim's in-place speed); compiled steps stay pure.
     donate = can_donate(experiment.optimizer) and not compile
@@ -257,14 +247,7 @@ def fit(
             is_eval = experiment.evaluate is not None and main and _due(step, experiment.eval_every)
             if _due(step, log_every) or step == experiment.steps or is_checkpoint or is_eval:
                 loss_value = _finite_loss(out, step)
-                record = {
-                    "loss": loss_value,
-                    "lr": learning_rate(out.opt_state),
-                    "grad_norm": float(out.grad_norm),
-                    **{key: float(value) for key, value in out.aux.items()},
-                    **timer.rates(examples),
-                    "rss_bytes": resident_bytes(),
-                }
+                record = _step_record(out, loss_value, timer, examples)
                 if is_eval:
                     last_eval = {k: float(v) for k, v in experiment.evaluate(out.params).items()}
                     record.update(last_eval)
@@ -314,6 +297,50 @@ def _user_code(what: str, enabled: bool = True) -> Iterator[None]:
         if isinstance(exc, ExperimentError):
             raise
         raise ExperimentError(f"{what} failed: {one_line(exc)}") from exc
+
+
+def _initial_state(
+    experiment: Experiment,
+    backend: Backend,
+    seed: int,
+    resume_from: Path | None,
+    meta: dict[str, Any],
+    say: Callable[[str], None],
+) -> tuple[Params, OptState, int, torch.Generator]:
+    """Seed, init params and optimizer state, and resume from ``resume_from`` if given.
+
+    Returns ``(params, opt_state, step, data_generator)``.
+    """
+    rng.seed_everything(seed)
+    init_generator, data_generator = run_generators(seed)
+    with _user_code("the experiment's init(generator)"):
+        params = to_backend(experiment.init(init_generator), backend)
+    opt_state = experiment.optimizer.init(params)
+    start = 0
+    if resume_from is not None:
+        params, opt_state, start = _resume(
+            resume_from, params, opt_state, data_generator, meta, say
+        )
+    if start > experiment.steps:
+        raise ResumeError(
+            f"the checkpoint in {resume_from} is at step {start}, past --steps "
+            f"{experiment.steps}; pass --steps of at least that, or a new --out"
+        )
+    return params, opt_state, start, data_generator
+
+
+def _step_record(
+    out: Any, loss_value: float, timer: _StepTimer, examples: int | None
+) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line (without the step): loss, lr, grad norm, aux, speed, RSS."""
+    return {
+        "loss": loss_value,
+        "lr": learning_rate(out.opt_state),
+        "grad_norm": float(out.grad_norm),
+        **{key: float(value) for key, value in out.aux.items()},
+        **timer.rates(examples),
+        "rss_bytes": resident_bytes(),
+    }
 
 
 def _due(step: int, every: int) -> bool:
