@@ -7,10 +7,11 @@ no fused kernel) and with ``foreach=True``, and minitrain's fast path without do
 (``params, state = opt.update(grads, state, params)``, the previous params freed each step as in
 a training loop) and with ``donate=True``. Ratios are best-round time over the peer's.
 
-``--compiled`` adds the pure update with ``impl="compiled"`` (one inductor-generated pass per
-leaf into recycled buffers). ``--breakdown`` splits one pure AdamW update into its parts: the
-in-place fused kernel, the copies of params and state that purity costs, Python overhead (the
-same update on 8 scalars) and page faults per step (``getrusage`` minor faults).
+``--compiled`` adds the pure update with ``impl="compiled"`` (one inductor-generated graph
+over all leaves, one pass into recycled buffers). ``--breakdown`` splits one pure AdamW update
+into its parts: the in-place fused kernel, the copies of params and state that purity costs,
+Python overhead (the same update on 8 scalars) and page faults per step (``getrusage``
+minor faults).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ optimizer module supplies its math twice over the same state layout:
 wrapped tensor (vmap, grad), when ``torch.compile`` is tracing, or when grad mode is on and a
 leaf requires grad; otherwise the fast path. ``impl="fast"`` / ``impl="plain"`` force one.
 ``impl="compiled"`` chooses like ``"auto"``, but a pure (not donated) fast-path update runs the
-plain path's math per leaf through ``torch.compile`` (inductor), which fuses it into one pass
-that reads params, grads and state once and writes the new ones straight into recycled buffers:
-the fewest passes over memory a pure update can make. The first update compiles (seconds).
+plain path's math over all leaves as one ``torch.compile`` (inductor) graph, which fuses it into
+one pass that reads params, grads and state once and writes the new ones straight into
+recycled buffers: the fewest passes over memory a pure update can make. The first update of
+each new set of leaf shapes compiles (seconds).
 
 Donation: ``opt.update(grads, state, params, donate=True)`` lets the fast path write the new
 params and state into the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``). The
