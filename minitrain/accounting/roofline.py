@@ -322,6 +322,15 @@ def profile_records(
     )
 
 
+def _short(name: str, width: int = 36) -> str:
+    """An op's name cut to ``width`` characters for a plot label, keeping its phase suffix."""
+    if len(name) <= width:
+        return name
+    base, _, phase = name.partition(" (")
+    suffix = f" ({phase}" if phase else ""
+    return base[: max(8, width - len(suffix) - 1)] + "…" + suffix
+
+
 def plot(
     roofs: Sequence[Roof],
     placements: Iterable[Placement],
@@ -377,14 +386,34 @@ def plot(
         ax.scatter([p.intensity], [y], color=color, zorder=3, s=18, alpha=0.7)
         if id(p) in labelled:
             labels.setdefault(round(math.log10(p.intensity), 2), []).append(p.name)
-    for spot, names in labels.items():
+    previous, stacked = -math.inf, 0
+    for spot in sorted(labels):
+        # Labels of nearby ops (within 0.35 decades) stack downwards instead of overlapping.
+        stacked = stacked + 1 if spot - previous < 0.35 else 0
+        previous = spot
         x = 10**spot
         y = attainable_flops(x, top.peak_flops, top.bandwidth)
-        text = ", ".join(name.removeprefix("aten.") for name in names)
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        names = [_short(name.removeprefix("aten.")) for name in labels[spot]]
+        text = ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
+        right = x > hi / 10  # in the last decade, write to the left so the label stays inside
+        ax.annotate(
+            text,
+            (x, y),
+            textcoords="offset points",
+            xytext=(-4 if right else 4, -10 - 9 * stacked),
+            ha="right" if right else "left",
+            fontsize=7,
+        )
     for label, x, achieved in measured:
         ax.scatter([x], [achieved], marker="x", color="black", zorder=4)
-        ax.annotate(label, (x, achieved), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.annotate(
+            label,
+            (x, achieved),
+            textcoords="offset points",
+            xytext=(-6, 6),
+            ha="right",
+            fontsize=7,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
