@@ -54,7 +54,6 @@ def linear_init(
     return {"weight": weight}
 
 
-@typechecked
 def linear(
     params: dict[str, Tensor], x: Float[Tensor, "*batch in_dim"]
 ) -> Float[Tensor, "*batch out_dim"]:
@@ -70,7 +69,7 @@ def linear(
     return _matmul(x, params["weight"])
 
 
-@typechecked
+@typechecked  # linear's check: x and the weight together, so a mismatch names in_dim
 def _matmul(
     x: Float[Tensor, "*batch in_dim"], weight: Float[Tensor, "in_dim out_dim"]
 ) -> Float[Tensor, "*batch out_dim"]:
