@@ -232,7 +232,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [step for step, _ in points], [value for _, value in points]
 
 
-def _ema(values: list[float], weight: float) -> list[float]:
+def ema(values: list[float], weight: float) -> list[float]:
     """Bias-corrected exponential moving average, as TensorBoard's smoothing slider."""
     smoothed, average = [], 0.0
     for count, value in enumerate(values, start=1):
@@ -292,7 +292,7 @@ def _figure(series: dict[str, tuple[list[int], list[float]]], title: str) -> Any
     for key, (steps, values) in series.items():
         if len(steps) > 20:
             line = axes.plot(steps, values, alpha=0.3, linewidth=0.8)[0]
-            axes.plot(steps, _ema(values, 0.9), color=line.get_color(), label=f"{key} (EMA 0.9)")
+            axes.plot(steps, ema(values, 0.9), color=line.get_color(), label=f"{key} (EMA 0.9)")
         else:
             axes.plot(steps, values, marker="o", markersize=3, label=key)
     axes.set_xlabel("step")

@@ -25,7 +25,7 @@ import torch
 
 import minitrain as mt
 from minitrain.train import Experiment, fit
-from minitrain.train.experiment import _import_script
+from minitrain.train.experiment import import_script
 from minitrain.train.sweep import build_ensemble, fit_sweep, member_grid
 from minitrain.tree import leaves, unstack
 
@@ -71,7 +71,7 @@ def workloads() -> dict[str, tuple[dict[str, Any], Callable[[dict], Experiment]]
     """``name -> (CONFIG, experiment)`` of the benchmarked models."""
     if not LINREG.is_file():
         raise click.ClickException(f"{LINREG} not found; run from a source checkout of minitrain")
-    linreg = _import_script(LINREG)
+    linreg = import_script(LINREG)
     return {"linreg": (linreg.CONFIG, linreg.experiment), "mlp": (MLP_CONFIG, mlp_experiment)}
 
 
@@ -152,16 +152,41 @@ def measure(name: str, members: int = 8, steps: int = 300, rounds: int = 3) -> d
 
 
 @click.command("sweep")
-@click.option("--members", default=8, show_default=True, type=click.IntRange(min=1),
-              help="K learning rates (log-spaced from 0.003 to 0.1).")
-@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),
-              help="Training steps per run.")
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Interleaved rounds; medians are reported.")
-@click.option("--workload", "names", multiple=True, type=click.Choice(["linreg", "mlp"]),
-              help="Measure only these (default: both).")
-@click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
-              help="torch intra-op threads for both sides (0: leave torch's default).")
+@click.option(
+    "--members",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="K learning rates (log-spaced from 0.003 to 0.1).",
+)
+@click.option(
+    "--steps",
+    default=300,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Training steps per run.",
+)
+@click.option(
+    "--rounds",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Interleaved rounds; medians are reported.",
+)
+@click.option(
+    "--workload",
+    "names",
+    multiple=True,
+    type=click.Choice(["linreg", "mlp"]),
+    help="Measure only these (default: both).",
+)
+@click.option(
+    "--threads",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="torch intra-op threads for both sides (0: leave torch's default).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def sweep(
     members: int, steps: int, rounds: int, names: tuple[str, ...], threads: int, as_json: bool

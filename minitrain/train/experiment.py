@@ -185,7 +185,7 @@ def load_experiment(
     Every mistake (no such file, no ``experiment`` function, an unknown key, a script that
     fails) raises :class:`ExperimentError` with a one-line message.
     """
-    module = _import_script(Path(path))
+    module = import_script(Path(path))
     config = getattr(module, "CONFIG", {})
     if not isinstance(config, Mapping):
         raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
@@ -204,7 +204,9 @@ def load_experiment(
     except ExperimentError:
         raise
     except Exception as exc:  # the user's script failed: report where, in one line
-        raise ExperimentError(f"{path}: experiment(config) failed: {_where(exc, path)}") from exc
+        raise ExperimentError(
+            f"{path}: experiment(config) failed: {describe_failure(exc, path)}"
+        ) from exc
     if not isinstance(experiment, Experiment):
         raise ExperimentError(
             f"{path}: experiment(config) must return a minitrain.Experiment, "
@@ -215,7 +217,8 @@ def load_experiment(
     return experiment, config
 
 
-def _import_script(path: Path) -> Any:
+def import_script(path: Path) -> Any:
+    """Import the Python file ``path`` as a module; every failure is an ExperimentError."""
     if not path.exists():
         raise ExperimentError(f"no such experiment script: {path}")
     if path.is_dir() or path.suffix != ".py":
@@ -232,11 +235,11 @@ def _import_script(path: Path) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise ExperimentError(f"{path} failed to import: {_where(exc, path)}") from exc
+        raise ExperimentError(f"{path} failed to import: {describe_failure(exc, path)}") from exc
     return module
 
 
-def _where(exc: BaseException, path: str | Path) -> str:
+def describe_failure(exc: BaseException, path: str | Path) -> str:
     """``"NameError: name 'x' is not defined (line 12)"``, the line taken in ``path``."""
     resolved = str(Path(path).resolve())
     lines = [

@@ -51,11 +51,16 @@ __all__ = [
     "Interrupted",
     "NonFiniteLoss",
     "ResumeError",
+    "StepTimer",
     "batch_examples",
     "fit",
+    "graceful_stop",
+    "is_due",
+    "progress_bar",
     "resident_bytes",
     "run_generators",
     "to_backend",
+    "to_stderr",
 ]
 
 # Config keys that may change between a run and its resumption.
@@ -183,7 +188,7 @@ def fit(
     :class:`Interrupted` after Ctrl-C (a checkpoint of the last finished step is written first)
     and :class:`ResumeError`.
     """
-    say = say or _stderr
+    say = say or to_stderr
     main = parallel is None or parallel.is_main  # the rank that writes and reports
     if not main:
         say, progress = (lambda message: None), False
@@ -221,15 +226,15 @@ def fit(
     loss_value, last_eval = float("nan"), {}
     batch = None
     step = start
-    timer = _StepTimer(backend)
+    timer = StepTimer(backend)
     with contextlib.ExitStack() as stack:
         metrics = (
             stack.enter_context(MetricsWriter(run_dir, start, tensorboard))
             if run_dir is not None and main
             else None
         )
-        stop_requested = stack.enter_context(_graceful_stop())
-        advance = stack.enter_context(_progress(experiment, start, enabled=progress))
+        stop_requested = stack.enter_context(graceful_stop())
+        advance = stack.enter_context(progress_bar(experiment, start, enabled=progress))
         for step in range(start + 1, experiment.steps + 1):
             if stop_requested() if parallel is None else parallel.any(stop_requested()):
                 step -= 1  # the last finished step
@@ -243,9 +248,11 @@ def fit(
                 batch = backend.to_device(batch)
                 out = compiled(params, opt_state, batch)
             timer.tick(step - start)
-            is_checkpoint = _due(step, checkpoint_every) and step < experiment.steps
-            is_eval = experiment.evaluate is not None and main and _due(step, experiment.eval_every)
-            if _due(step, log_every) or step == experiment.steps or is_checkpoint or is_eval:
+            is_checkpoint = is_due(step, checkpoint_every) and step < experiment.steps
+            is_eval = (
+                experiment.evaluate is not None and main and is_due(step, experiment.eval_every)
+            )
+            if is_due(step, log_every) or step == experiment.steps or is_checkpoint or is_eval:
                 loss_value = _finite_loss(out, step)
                 record = _step_record(out, loss_value, timer, examples)
                 if is_eval:
@@ -330,7 +337,7 @@ def _initial_state(
 
 
 def _step_record(
-    out: Any, loss_value: float, timer: _StepTimer, examples: int | None
+    out: Any, loss_value: float, timer: StepTimer, examples: int | None
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` line (without the step): loss, lr, grad norm, aux, speed, RSS."""
     return {
@@ -343,7 +350,12 @@ def _step_record(
     }
 
 
-def _due(step: int, every: int) -> bool:
+def is_due(step: int, every: int) -> bool:
+    """Whether ``step`` is a multiple of ``every`` (never when ``every`` is 0).
+
+    >>> is_due(10, 5), is_due(10, 0), is_due(7, 5)
+    (True, False, False)
+    """
     return every > 0 and step % every == 0
 
 
@@ -406,7 +418,7 @@ def _check_same_run(saved: dict[str, Any], current: dict[str, Any], run_dir: Pat
             )
 
 
-class _StepTimer:
+class StepTimer:
     """Steady-state step time: from the end of the first step to the end of the last."""
 
     def __init__(self, backend: Backend) -> None:
@@ -448,7 +460,7 @@ def _summary(
     config: dict[str, Any] | None,
     params: Params,
     examples: int,
-    timer: _StepTimer,
+    timer: StepTimer,
 ) -> dict[str, Any]:
     backend.synchronize()
     n_params = size(params)
@@ -507,7 +519,7 @@ def _resources(
 
 
 @contextlib.contextmanager
-def _graceful_stop() -> Iterator[Callable[[], bool]]:
+def graceful_stop() -> Iterator[Callable[[], bool]]:
     """Turn the first Ctrl-C / SIGTERM into a request to stop after the current step.
 
     A second Ctrl-C raises ``KeyboardInterrupt`` at once. Outside the main thread (where
@@ -532,7 +544,9 @@ def _graceful_stop() -> Iterator[Callable[[], bool]]:
 
 
 @contextlib.contextmanager
-def _progress(experiment: Experiment, start: int, enabled: bool) -> Iterator[Any]:
+def progress_bar(experiment: Experiment, start: int, enabled: bool) -> Iterator[Any]:
+    """A rich progress bar on stderr (steps, elapsed, ETA, live loss); yields
+    ``advance(step, loss)``. Disabled, it yields a function that does nothing."""
     if not enabled:
         yield lambda step, loss: None
         return
@@ -556,5 +570,6 @@ def _progress(experiment: Experiment, start: int, enabled: bool) -> Iterator[Any
         yield advance
 
 
-def _stderr(message: str) -> None:
+def to_stderr(message: str) -> None:
+    """Print a progress message on stderr (stdout stays clean for ``--json``)."""
     print(message, file=sys.stderr, flush=True)

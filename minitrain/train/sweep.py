@@ -73,25 +73,25 @@ from minitrain.metrics import METRICS_FILE, MetricsWriter, MissingExtra, read_me
 from minitrain.train.experiment import (
     Experiment,
     ExperimentError,
-    _import_script,
-    _where,
     apply_overrides,
     coerce_value,
+    describe_failure,
+    import_script,
     parse_overrides,
 )
 from minitrain.train.loop import (
     Interrupted,
     NonFiniteLoss,
     ResumeError,
-    _due,
-    _graceful_stop,
-    _progress,
-    _stderr,
-    _StepTimer,
+    StepTimer,
     batch_examples,
+    graceful_stop,
+    is_due,
+    progress_bar,
     resident_bytes,
     run_generators,
     to_backend,
+    to_stderr,
 )
 from minitrain.train.step import StepOutput, loss_with_aux, make_train_step
 from minitrain.tree import (
@@ -435,7 +435,7 @@ def load_sweep(
     overrides the step count as ``minitrain run --steps`` does. Mistakes raise
     :class:`~minitrain.train.ExperimentError` with a one-line message.
     """
-    module = _import_script(Path(path))
+    module = import_script(Path(path))
     config = getattr(module, "CONFIG", {})
     if not isinstance(config, Mapping):
         raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
@@ -458,7 +458,7 @@ def load_sweep(
             raise
         except Exception as exc:  # the user's script failed: report where, in one line
             raise ExperimentError(
-                f"{path}: experiment(config) failed: {_where(exc, path)}"
+                f"{path}: experiment(config) failed: {describe_failure(exc, path)}"
             ) from exc
         if steps is not None and isinstance(experiment, Experiment):
             experiment = dataclasses.replace(experiment, steps=steps)
@@ -670,7 +670,7 @@ def fit_sweep(
     :class:`~minitrain.train.Interrupted` after Ctrl-C (a checkpoint is written first) and
     :class:`~minitrain.train.ResumeError`.
     """
-    say = say or _stderr
+    say = say or to_stderr
     if log_every < 1 or checkpoint_every < 0 or keep < 1:
         raise ValueError(
             f"need log_every >= 1, checkpoint_every >= 0 and keep >= 1; got {log_every}, "
@@ -719,11 +719,11 @@ def fit_sweep(
     examples = template.tokens_per_batch
     batch = None
     step = start
-    timer = _StepTimer(backend)
+    timer = StepTimer(backend)
     with contextlib.ExitStack() as stack_:
         metrics = stack_.enter_context(MetricsWriter(run_dir, start)) if run_dir else None
-        stop_requested = stack_.enter_context(_graceful_stop())
-        advance = stack_.enter_context(_progress(template, start, enabled=progress))
+        stop_requested = stack_.enter_context(graceful_stop())
+        advance = stack_.enter_context(progress_bar(template, start, enabled=progress))
         for step in range(start + 1, template.steps + 1):
             if stop_requested():
                 step -= 1  # the last finished step
@@ -738,10 +738,10 @@ def fit_sweep(
             timer.tick(step - start)
             if check and step == start + 1:
                 check_members(ensemble, backend, params, opt_state, batch, out)
-            is_checkpoint = _due(step, checkpoint_every) and step < template.steps
-            is_eval = template.evaluate is not None and _due(step, template.eval_every)
+            is_checkpoint = is_due(step, checkpoint_every) and step < template.steps
+            is_eval = template.evaluate is not None and is_due(step, template.eval_every)
             params, opt_state, diverged_at = out.params, out.opt_state, out.diverged_at
-            if _due(step, log_every) or step == template.steps or is_checkpoint or is_eval:
+            if is_due(step, log_every) or step == template.steps or is_checkpoint or is_eval:
                 _log_step(ensemble, out, step, logs, metrics, timer.rates(examples), is_eval, say)
                 _stop_if_all_diverged(logs, step)
                 alive = [log.final_loss for log in logs if not log.diverged_at]
@@ -949,7 +949,7 @@ def _summary(
     params: Params,
     logs: list[_MemberLog],
     examples: int,
-    timer: _StepTimer,
+    timer: StepTimer,
 ) -> dict[str, Any]:
     backend.synchronize()
     k = ensemble.size
@@ -1079,7 +1079,7 @@ def _sweep_figure(records: list[dict], ranking: list[dict], title: str) -> Any:
         raise MissingExtra(
             "the sweep plot needs matplotlib; pip install 'minitrain[plot]' or pass --no-plot"
         ) from None
-    from minitrain.metrics import _ema
+    from minitrain.metrics import ema
 
     curves: dict[int, tuple[list[int], list[float]]] = {}
     for record in records:
@@ -1098,7 +1098,7 @@ def _sweep_figure(records: list[dict], ranking: list[dict], title: str) -> Any:
         steps, values = curves.get(row["member"], ([], []))
         if not steps:
             continue
-        smooth = _ema(values, 0.9) if len(steps) > 20 else values
+        smooth = ema(values, 0.9) if len(steps) > 20 else values
         label = labels[row["member"]]
         if row["diverged_at"]:
             label += f" (diverged at {row['diverged_at']})"
