@@ -9,12 +9,12 @@ from typing import Any
 import click
 
 from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
+from minitrain.cli.options import training_options
 
 
 @click.command()
 @click.argument("script", type=click.Path(path_type=Path))
-@click.option("--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto.")
-@click.option("--steps", type=click.IntRange(min=0), default=None, help="Override the step count.")
+@training_options
 @click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
 @click.option(
     "--set",
@@ -23,20 +23,9 @@ from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
     metavar="KEY=VALUE",
     help="Override a CONFIG key of the script (repeatable), e.g. --set lr=0.1.",
 )
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory.")
-@click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps.")
-@click.option(
-    "--checkpoint-every",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Checkpoint every N steps (0: only at the end and on Ctrl-C). Needs --out.",
-)
-@click.option("--keep", type=click.IntRange(min=1), default=3, help="Checkpoints to keep.")
-@click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out.")
 @click.option("--tensorboard", is_flag=True, help="Also log to --out/tensorboard (extra).")
 @click.option("--report/--no-report", default=True, help="Add the resource report.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the train step.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @click.option(
     "--nproc",
     type=click.IntRange(min=1),

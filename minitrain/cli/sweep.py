@@ -9,10 +9,12 @@ from typing import Any
 import click
 
 from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
+from minitrain.cli.options import training_options
 
 
 @click.command()
 @click.argument("script", type=click.Path(path_type=Path))
+@training_options
 @click.option(
     "--set",
     "overrides",
@@ -22,18 +24,6 @@ from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
     "e.g. --set lr=0.01,0.03,0.1.",
 )
 @click.option("--seeds", default="0", help="Comma-separated seeds; each makes its own members.")
-@click.option("--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto.")
-@click.option("--steps", type=click.IntRange(min=0), default=None, help="Override the step count.")
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory.")
-@click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps.")
-@click.option(
-    "--checkpoint-every",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Checkpoint every N steps (0: only at the end and on Ctrl-C). Needs --out.",
-)
-@click.option("--keep", type=click.IntRange(min=1), default=3, help="Checkpoints to keep.")
-@click.option("--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out.")
 @click.option("--report/--no-report", default=True, help="Add the resource report of the ensemble.")
 @click.option("--plot/--no-plot", default=True, help="Draw --out/sweep.png (needs matplotlib).")
 @click.option(
@@ -41,7 +31,6 @@ from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
     default=True,
     help="Compare the first step with each member's own single-run step.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def sweep(
     script: Path,
     overrides: tuple[str, ...],

@@ -1,0 +1,38 @@
+"""Options that ``minitrain run`` and ``minitrain sweep`` share, defined once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+_SHARED = (
+    click.option(
+        "--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto."
+    ),
+    click.option(
+        "--steps", type=click.IntRange(min=0), default=None, help="Override the step count."
+    ),
+    click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory."),
+    click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps."),
+    click.option(
+        "--checkpoint-every",
+        type=click.IntRange(min=0),
+        default=0,
+        help="Checkpoint every N steps (0: only at the end and on Ctrl-C). Needs --out.",
+    ),
+    click.option("--keep", type=click.IntRange(min=1), default=3, help="Checkpoints to keep."),
+    click.option(
+        "--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out."
+    ),
+    click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout."),
+)
+
+
+def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --backend, --steps, --out, --log-every, --checkpoint-every, --keep, --resume, --json."""
+    for option in reversed(_SHARED):
+        command = option(command)
+    return command
