@@ -59,6 +59,7 @@ __all__ = [
     "progress_bar",
     "resident_bytes",
     "run_generators",
+    "save_final_or_interrupt",
     "to_backend",
     "to_stderr",
 ]
@@ -264,16 +265,7 @@ def fit(
             params, opt_state = out.params, out.opt_state
             if is_checkpoint:
                 save(step)
-    finished = step == experiment.steps
-    if run_dir is not None and step > start:
-        path = save(step)
-        if not finished:
-            raise Interrupted(
-                f"stopped at step {step}; checkpoint saved to {path}; continue with --resume"
-            )
-    elif not finished:
-        where = "no --out was given" if run_dir is None else "no step finished"
-        raise Interrupted(f"stopped at step {step}; {where}, so no checkpoint was saved")
+    save_final_or_interrupt(step, start, experiment.steps, run_dir, save)
     if experiment.evaluate is not None and main and not last_eval:
         last_eval = {k: float(v) for k, v in experiment.evaluate(params).items()}
     summary = _summary(experiment, backend, seed, config, params, examples or 0, timer)
@@ -304,6 +296,22 @@ def _user_code(what: str, enabled: bool = True) -> Iterator[None]:
         if isinstance(exc, ExperimentError):
             raise
         raise ExperimentError(f"{what} failed: {one_line(exc)}") from exc
+
+
+def save_final_or_interrupt(
+    step: int, start: int, total: int, run_dir: Path | None, save: Callable[[int], Path]
+) -> None:
+    """After the step loop: checkpoint the last finished step (with a run directory), then
+    raise :class:`Interrupted` if the loop stopped before ``total``."""
+    path = save(step) if run_dir is not None and step > start else None
+    if step == total:
+        return
+    if path is not None:
+        raise Interrupted(
+            f"stopped at step {step}; checkpoint saved to {path}; continue with --resume"
+        )
+    where = "no --out was given" if run_dir is None else "no step finished"
+    raise Interrupted(f"stopped at step {step}; {where}, so no checkpoint was saved")
 
 
 def _initial_state(

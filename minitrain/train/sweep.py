@@ -80,7 +80,6 @@ from minitrain.train.experiment import (
     parse_overrides,
 )
 from minitrain.train.loop import (
-    Interrupted,
     NonFiniteLoss,
     ResumeError,
     StepTimer,
@@ -90,6 +89,7 @@ from minitrain.train.loop import (
     progress_bar,
     resident_bytes,
     run_generators,
+    save_final_or_interrupt,
     to_backend,
     to_stderr,
 )
@@ -748,16 +748,7 @@ def fit_sweep(
                 advance(step, min(alive))
             if is_checkpoint:
                 save(step)
-    finished = step == template.steps
-    if run_dir is not None and step > start:
-        path = save(step)
-        if not finished:
-            raise Interrupted(
-                f"stopped at step {step}; checkpoint saved to {path}; continue with --resume"
-            )
-    elif not finished:
-        where = "no --out was given" if run_dir is None else "no step finished"
-        raise Interrupted(f"stopped at step {step}; {where}, so no checkpoint was saved")
+    save_final_or_interrupt(step, start, template.steps, run_dir, save)
     _final_evals(ensemble, params, logs)
     summary = _summary(ensemble, backend, params, logs, examples or 0, timer)
     summary["resumed_from"] = start or None
