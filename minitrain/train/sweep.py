@@ -12,7 +12,9 @@ all). Member k is the run ``minitrain run SCRIPT --set lr=... --seed s`` would m
 and data generators come from :func:`~minitrain.train.loop.run_generators` of its seed, its
 batch is drawn by its own experiment's ``next_batch`` with its own data generator, and the K
 batches are stacked. So a member sees the same batches as its single run, and members with
-different seeds see different batches.
+different seeds see different batches. When ``next_batch`` does not read a swept value (checked
+on one probe draw of the template experiment), members with the same seed would draw identical
+batches, so one draw per seed serves them all.
 
 **Swept hyperparameters.** Only float ``CONFIG`` keys may differ between members (members must
 share shapes and code paths). The script's ``experiment(config)`` is called once per member
@@ -141,6 +143,7 @@ class SweepBinding:
 
     def __init__(self) -> None:
         self.values: Mapping[str, torch.Tensor] | None = None
+        self.reads = 0  # how many times a SweptValue of this binding was used, ever
 
     @contextlib.contextmanager
     def bind(self, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
@@ -193,6 +196,7 @@ class SweptValue(torch.Tensor):
 def _resolve(value: Any) -> Any:
     """A swept value's current tensor; lists and tuples (``torch.stack([...])``) are searched."""
     if isinstance(value, SweptValue):
+        value.swept_binding.reads += 1
         bound = value.swept_binding.values
         if bound is not None and value.swept_name in bound:
             return bound[value.swept_name]
@@ -516,6 +520,41 @@ def make_member_step(
     return member_step
 
 
+def batches_ignore_swept_values(ensemble: Ensemble) -> bool:
+    """Whether the script's ``next_batch`` never reads a swept value (probed on one draw of the
+    template experiment, whose config holds the swept keys as :class:`SweptValue`)."""
+    binding = ensemble.binding
+    before = binding.reads
+    ensemble.template.next_batch(rng.generator(0))
+    return binding.reads == before
+
+
+def shared_by_seed(
+    members: Sequence[Member], generators: list[torch.Generator]
+) -> list[torch.Generator]:
+    """One data generator per seed: members with the same seed draw the same batches anyway
+    (their configs differ only in swept values their ``next_batch`` does not read), so
+    :func:`draw_batches` draws once per seed instead of once per member."""
+    by_seed: dict[int, torch.Generator] = {}
+    return [
+        by_seed.setdefault(member.seed, generator)
+        for member, generator in zip(members, generators, strict=True)
+    ]
+
+
+def draw_batches(
+    experiments: Sequence[Experiment], generators: list[torch.Generator]
+) -> list[PyTree]:
+    """Each member's next batch; members sharing a generator object share one draw."""
+    drawn: dict[int, PyTree] = {}
+    batches = []
+    for experiment, generator in zip(experiments, generators, strict=True):
+        if id(generator) not in drawn:
+            drawn[id(generator)] = experiment.next_batch(generator)
+        batches.append(drawn[id(generator)])
+    return batches
+
+
 def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., EnsembleStepOutput]:
     """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number)``: one
     vmapped train step of every member.
@@ -685,6 +724,8 @@ def fit_sweep(
     rng.seed_everything(members[0].seed)
     generators = [run_generators(member.seed) for member in members]
     data_generators = [data for _, data in generators]
+    if batches_ignore_swept_values(ensemble):
+        data_generators = shared_by_seed(members, data_generators)
     member_params = [
         to_backend(experiment.init(init), backend)
         for experiment, (init, _) in zip(experiments, generators, strict=True)
@@ -728,9 +769,7 @@ def fit_sweep(
             if stop_requested():
                 step -= 1  # the last finished step
                 break
-            member_batches = [
-                exp.next_batch(g) for exp, g in zip(experiments, data_generators, strict=True)
-            ]
+            member_batches = draw_batches(experiments, data_generators)
             if examples is None:
                 examples = batch_examples(member_batches[0])
             batch = backend.to_device(_stacked(member_batches, "batches"))
