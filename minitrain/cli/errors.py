@@ -6,7 +6,9 @@ missing file, bad config value); 130 interrupted by Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import click
 
@@ -38,6 +40,26 @@ class RunInterrupted(UserError):
     """Ctrl-C or SIGTERM stopped the run (after saving a checkpoint): exit code 130."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def training_errors() -> Iterator[None]:
+    """Turn what a training run raises into CLI errors: NaN -> exit 1, Ctrl-C -> 130, user
+    mistakes (config, checkpoints, missing extras) -> exit 2, each as one line."""
+    from minitrain.checkpoint import CheckpointError
+    from minitrain.metrics import MetricsError, MissingExtra
+    from minitrain.train import ExperimentError, Interrupted, NonFiniteLoss
+
+    try:
+        yield
+    except NonFiniteLoss as exc:
+        raise RunFailed(str(exc)) from None
+    except Interrupted as exc:
+        raise RunInterrupted(str(exc)) from None
+    except KeyboardInterrupt:
+        raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
+    except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
+        raise UserError(str(exc)) from None
 
 
 def run_cli(command: click.Command, argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
+from minitrain.cli.errors import RunFailed, UserError, training_errors
 from minitrain.cli.options import training_options
 
 
@@ -52,12 +52,8 @@ def run(
 ) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
     from minitrain.backend import BackendError, get_backend
-    from minitrain.checkpoint import CheckpointError
-    from minitrain.metrics import MetricsError, MissingExtra
     from minitrain.train import (
         ExperimentError,
-        Interrupted,
-        NonFiniteLoss,
         fit,
         load_experiment,
     )
@@ -74,7 +70,7 @@ def run(
         return
     parallel = _join_process_group(chosen)
     with _worker_outcome(parallel):
-        try:
+        with training_errors():
             result = fit(
                 experiment,
                 chosen,
@@ -91,14 +87,6 @@ def run(
                 config=config,
                 parallel=parallel,
             )
-        except NonFiniteLoss as exc:
-            raise RunFailed(str(exc)) from None
-        except Interrupted as exc:
-            raise RunInterrupted(str(exc)) from None
-        except KeyboardInterrupt:
-            raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
-        except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
-            raise UserError(str(exc)) from None
         summary = result.summary
         if parallel is not None and not parallel.is_main:
             return

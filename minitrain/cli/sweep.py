@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import RunFailed, RunInterrupted, UserError
+from minitrain.cli.errors import UserError, training_errors
 from minitrain.cli.options import training_options
 
 
@@ -50,9 +50,8 @@ def sweep(
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
     from minitrain.backend import BackendError, get_backend
-    from minitrain.checkpoint import CheckpointError
-    from minitrain.metrics import MetricsError, MissingExtra
-    from minitrain.train import ExperimentError, Interrupted, NonFiniteLoss
+    from minitrain.metrics import MissingExtra
+    from minitrain.train import ExperimentError
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
 
     if out is not None and out.exists() and not out.is_dir():
@@ -68,7 +67,7 @@ def sweep(
             f"(swept: {', '.join(ensemble.swept) or 'seeds only'})",
             err=True,
         )
-    try:
+    with training_errors():
         result = fit_sweep(
             ensemble,
             chosen,
@@ -81,14 +80,6 @@ def sweep(
             report=report,
             check=check,
         )
-    except NonFiniteLoss as exc:
-        raise RunFailed(str(exc)) from None
-    except Interrupted as exc:
-        raise RunInterrupted(str(exc)) from None
-    except KeyboardInterrupt:
-        raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
-    except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
-        raise UserError(str(exc)) from None
     summary = result.summary
     if plot and out is not None:
         try:

@@ -39,6 +39,7 @@ __all__ = [
     "apply_overrides",
     "coerce_value",
     "load_experiment",
+    "load_script",
     "parse_overrides",
 ]
 
@@ -185,16 +186,7 @@ def load_experiment(
     Every mistake (no such file, no ``experiment`` function, an unknown key, a script that
     fails) raises :class:`ExperimentError` with a one-line message.
     """
-    module = import_script(Path(path))
-    config = getattr(module, "CONFIG", {})
-    if not isinstance(config, Mapping):
-        raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
-    build = getattr(module, "experiment", None)
-    if not callable(build):
-        raise ExperimentError(
-            f"{path} has no experiment(config) function; define "
-            "'def experiment(config) -> minitrain.Experiment' (see examples/linreg.py)"
-        )
+    config, build = load_script(path)
     overrides = dict(overrides or {})
     if steps is not None and "steps" in config:
         overrides["steps"] = str(steps)
@@ -215,6 +207,21 @@ def load_experiment(
     if steps is not None:
         experiment = dataclasses.replace(experiment, steps=steps)
     return experiment, config
+
+
+def load_script(path: str | Path) -> tuple[Mapping[str, Any], Callable[[dict], Any]]:
+    """Import an experiment script; return its ``CONFIG`` and its ``experiment`` function."""
+    module = import_script(Path(path))
+    config = getattr(module, "CONFIG", {})
+    if not isinstance(config, Mapping):
+        raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
+    build = getattr(module, "experiment", None)
+    if not callable(build):
+        raise ExperimentError(
+            f"{path} has no experiment(config) function; define "
+            "'def experiment(config) -> minitrain.Experiment' (see examples/linreg.py)"
+        )
+    return config, build
 
 
 def import_script(path: Path) -> Any:

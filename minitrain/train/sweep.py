@@ -78,7 +78,7 @@ from minitrain.train.experiment import (
     apply_overrides,
     coerce_value,
     describe_failure,
-    import_script,
+    load_script,
     parse_overrides,
 )
 from minitrain.train.loop import (
@@ -439,16 +439,7 @@ def load_sweep(
     overrides the step count as ``minitrain run --steps`` does. Mistakes raise
     :class:`~minitrain.train.ExperimentError` with a one-line message.
     """
-    module = import_script(Path(path))
-    config = getattr(module, "CONFIG", {})
-    if not isinstance(config, Mapping):
-        raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
-    script_build = getattr(module, "experiment", None)
-    if not callable(script_build):
-        raise ExperimentError(
-            f"{path} has no experiment(config) function; define "
-            "'def experiment(config) -> minitrain.Experiment' (see examples/linreg.py)"
-        )
+    config, script_build = load_script(path)
     fixed, swept = parse_sweep(items)
     if steps is not None and "steps" in config:
         fixed["steps"] = str(steps)
