@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from minitrain.optim import streaming
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -67,6 +68,11 @@ def adagrad(
         return p - clr * (g / std), {"sum": total}
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        if outputs is not None and streaming.usable([*ps, *gs, *buffers["sum"]]):
+            hyperparameters = [lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
+            slots = [ps, gs, buffers["sum"]]
+            new_ps, sums = streaming.update("adagrad", hyperparameters, slots, outputs)
+            return new_ps, {"sum": sums}
         ps, sums = owned(ps, outputs), owned(buffers["sum"], outputs)
         torch._fused_adagrad_(
             ps, gs, sums, step_tensors(step, ps), lr=lr, lr_decay=float(lr_decay),

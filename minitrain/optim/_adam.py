@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from minitrain.optim import streaming
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -113,6 +114,15 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
         return p - (lr / bias_correction1) * (exp_avg / denom), new
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        if outputs is not None and streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
+            hyperparameters = [
+                beta1, beta2, eps, weight_decay, lr, lr / (1 - beta1**step),
+                math.sqrt(1 - beta2**step), decoupled, amsgrad,
+            ]
+            slots = [ps, gs, buffers["exp_avg"], buffers["exp_avg_sq"],
+                     buffers.get("max_exp_avg_sq")]
+            new_ps, *new_buffers = streaming.update("adam", hyperparameters, slots, outputs)
+            return new_ps, dict(zip(buffers, new_buffers, strict=False))
         ps = owned(ps, outputs)
         new = {name: owned(buffers[name], outputs) for name in buffers}
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from minitrain.optim import streaming
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -85,6 +86,14 @@ def rmsprop(
         return p - lr * (g / avg), new
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        state = [buffers.get(name) for name in ("square_avg", "momentum_buffer", "grad_avg")]
+        if streaming.usable([*ps, *gs, *sum(filter(None, state), [])]):
+            hyperparameters = [lr, alpha, eps, weight_decay, momentum, centered, has_momentum]
+            new_ps, *new_state = streaming.update(
+                "rmsprop", hyperparameters, [ps, gs, *state], outputs
+            )
+            names = ("square_avg", "momentum_buffer", "grad_avg")
+            return new_ps, {n: t for n, t in zip(names, new_state, strict=True) if t is not None}
         if weight_decay != 0:
             gs = torch._foreach_add(gs, ps, alpha=weight_decay)
         square_avg = _apply(torch.mul, buffers["square_avg"], (alpha,), {}, outputs)

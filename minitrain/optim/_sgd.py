@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from minitrain.optim import streaming
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -79,6 +80,13 @@ def sgd(
         return p - lr * g, buffers
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        old = buffers.get("momentum_buffer")
+        if outputs is not None and streaming.usable([*ps, *gs, *(old or [])]):
+            hyperparameters = [
+                lr, momentum, dampening, weight_decay, nesterov, step == 1, has_momentum,
+            ]
+            new_ps, bufs = streaming.update("sgd", hyperparameters, [ps, gs, old], outputs)
+            return new_ps, ({"momentum_buffer": bufs} if has_momentum else {})
         ps = owned(ps, outputs)
         bufs = []
         if has_momentum:

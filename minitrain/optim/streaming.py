@@ -1,0 +1,177 @@
+"""One-pass CPU updates with streaming stores: the fast path of pure fp32 updates on CPU.
+
+torch's fused optimizer kernels only update in place, so a pure update built on them copies
+params and state first and then updates the copies: two passes over memory. A single pass
+that writes into fresh buffers (what ``impl="compiled"`` emits through inductor) is still
+slower than the in-place kernel, because every plain store to a line that is not in cache
+first reads that line (read for ownership): per element, Adam's in-place update moves 4 reads
+and 3 write-backs through DRAM, an out-of-place one 4 reads, 3 ownership reads and 3
+write-backs. Non-temporal stores skip the ownership read, which brings a pure update back to
+the in-place kernel's traffic. Neither aten nor inductor emits them, so this module builds a
+small C file (``_streaming.c``, the update rules of SGD, AdaGrad, RMSprop and Adam/AdamW) with
+the system C compiler on first use, caches the library next to minitrain's other caches, and
+calls it through ``ctypes`` (which releases the GIL).
+
+It covers CPU float32 contiguous leaves. Anything else, or no C compiler, or
+``MINITRAIN_STREAMING=0``, leaves the optimizers on their fused-kernel path.
+
+>>> import torch
+>>> from minitrain.optim import streaming
+>>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
+>>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
+>>> if streaming.usable([*params, *grads]):
+...     new_params, _ = streaming.update("sgd", hp, [params, grads, None], streaming.fresh)
+... else:  # no C compiler here: the same result by hand
+...     new_params = [params[0] - 0.5 * grads[0]]
+>>> new_params[0], params[0]
+(tensor([0., 0., 0., 0.]), tensor([1., 1., 1., 1.]))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["RULES", "available", "fresh", "usable", "update"]
+
+RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3}
+"""Rule name -> index in ``_streaming.c``'s table."""
+
+SOURCE = Path(__file__).with_name("_streaming.c")
+ENV = "MINITRAIN_STREAMING"
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in {"0", "off", "false", "no"}
+
+
+def _flags() -> list[str]:
+    """Compiler flags: AVX2+FMA on x86 CPUs where torch itself runs AVX2 or AVX-512 code."""
+    flags = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
+    capability = ""
+    if hasattr(torch.backends, "cpu") and hasattr(torch.backends.cpu, "get_cpu_capability"):
+        capability = torch.backends.cpu.get_cpu_capability()
+    x86 = platform.machine().lower() in {"x86_64", "amd64"}
+    if x86 and capability.startswith(("AVX2", "AVX512")):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _cache_dir() -> Path:
+    """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``), else a temporary folder."""
+    root = os.environ.get("MINITRAIN_CACHE_DIR")
+    if root is not None and root.strip().lower() in {"", "0", "off", "none"}:
+        return Path(tempfile.gettempdir()) / f"minitrain-{os.getuid()}"
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "minitrain")
+    return Path(root)
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    """Compile ``_streaming.c`` once per source, flags and compiler; return the library path."""
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / "kernels" / f"streaming-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target, then rename: a concurrent process never loads a partial file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
+            check=True, capture_output=True, timeout=120,
+        )
+        os.replace(partial, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not _enabled() or sys.platform == "win32":
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"), _flags())))
+    except (OSError, subprocess.SubprocessError):
+        return None  # no compiler, a failed build or load: the fused-kernel path stays
+    library.minitrain_update.restype = ctypes.c_int
+    library.minitrain_update.argtypes = [
+        ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+    ]
+    return library
+
+
+def fresh(like: list[Tensor]) -> list[Tensor]:
+    """New uninitialized buffers shaped like ``like`` (optimizers pass a recycling pool)."""
+    return [torch.empty_like(t) for t in like]
+
+
+def available() -> bool:
+    """Whether the streaming kernels are built and loaded (building them on first call).
+
+    >>> isinstance(available(), bool)
+    True
+    """
+    return _library() is not None
+
+
+def usable(tensors: Sequence[Tensor]) -> bool:
+    """Whether an update over these tensors can run here: all CPU, float32, contiguous.
+
+    >>> usable([torch.ones(2, dtype=torch.bfloat16)])
+    False
+    """
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        and not t.requires_grad
+        for t in tensors
+    ) and available()
+
+
+def update(
+    rule: str,
+    hyperparameters: Sequence[float | bool],
+    slots: Sequence[list[Tensor] | None],
+    outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
+) -> list[list[Tensor] | None]:
+    """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
+
+    ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
+    rule, ``None`` for a buffer the rule does not use. The results go into ``outputs(like)``
+    buffers, written with streaming stores, or, when ``outputs`` is None (donation), into the
+    params and buffers themselves. Call :func:`usable` first.
+    """
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    written = [slots[0], *slots[2:]]
+    results = [s if s is None or outputs is None else outputs(s) for s in written]
+    n_leaves = len(slots[0])
+    rows = [slot or [None] * n_leaves for slot in (*slots, *results)]
+    pointers = (ctypes.c_void_p * (len(rows) * n_leaves))(*[
+        None if row[leaf] is None else row[leaf].data_ptr()
+        for leaf in range(n_leaves) for row in rows
+    ])
+    sizes = (ctypes.c_int64 * n_leaves)(*[p.numel() for p in slots[0]])
+    hp = (ctypes.c_double * len(hyperparameters))(*map(float, hyperparameters))
+    status = library.minitrain_update(
+        RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
+        int(outputs is not None),
+    )
+    if status != 0:
+        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+    return results
