@@ -26,6 +26,7 @@ import click
 import torch
 
 import minitrain as mt
+from minitrain.optim import streaming
 
 # name -> (minitrain factory, torch.optim class, kwargs shared by both, peer's fast flag)
 OPTIMIZERS: dict[str, tuple[Callable[..., Any], type, dict[str, Any], str]] = {
@@ -140,6 +141,29 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _one_pass_parts(params, grads, exp_avg, exp_avg_sq) -> dict[str, Callable[[], Any]]:
+    """The streaming kernel's single out-of-place pass, with plain stores and with streaming
+    stores, into two sets of buffers used in turn (as the pure path's pool does)."""
+    if not streaming.usable(params):
+        return {}
+    hp = [0.9, 0.999, 1e-8, 1e-2, 1e-3, 1e-3 / (1 - 0.9), (1 - 0.999) ** 0.5, True, False]
+    generations = [[[t.clone() for t in leaves] for leaves in (params, exp_avg, exp_avg_sq)]
+                   for _ in range(2)]
+    turn = [0]
+
+    def one_pass(nontemporal: bool) -> None:
+        source, target = generations[turn[0] % 2], generations[(turn[0] + 1) % 2]
+        given = iter(target)
+        turn[0] += 1
+        streaming.update("adam", hp, [source[0], grads, source[1], source[2], None],
+                         lambda like: next(given), nontemporal=nontemporal)
+
+    return {
+        "one_pass_plain_stores": lambda: one_pass(False),
+        "one_pass_streaming_stores": lambda: one_pass(True),
+    }
+
+
 def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5) -> dict:
     """Where one pure AdamW update's time goes on CPU (see the module docstring)."""
     params = make_params(count, (size, size), "cpu")
@@ -156,6 +180,7 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
         "fused_kernel_in_place": lambda: torch._fused_adamw_(
             params, grads, exp_avg, exp_avg_sq, [], steps, **kernel_kwargs
         ),
+        **_one_pass_parts(params, grads, exp_avg, exp_avg_sq),
         "copies_of_params_and_state": lambda: [
             t.clone() for t in (*params, *exp_avg, *exp_avg_sq)
         ],

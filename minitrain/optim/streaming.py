@@ -147,13 +147,16 @@ def update(
     hyperparameters: Sequence[float | bool],
     slots: Sequence[list[Tensor] | None],
     outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
+    *,
+    nontemporal: bool | None = None,
 ) -> list[list[Tensor] | None]:
     """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
     rule, ``None`` for a buffer the rule does not use. The results go into ``outputs(like)``
     buffers, written with streaming stores, or, when ``outputs`` is None (donation), into the
-    params and buffers themselves. Call :func:`usable` first.
+    params and buffers themselves. Call :func:`usable` first. ``nontemporal=False`` forces
+    plain stores into fresh buffers (to measure what streaming saves).
     """
     library = _library()
     if library is None:
@@ -170,7 +173,7 @@ def update(
     hp = (ctypes.c_double * len(hyperparameters))(*map(float, hyperparameters))
     status = library.minitrain_update(
         RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
-        int(outputs is not None),
+        int(outputs is not None if nontemporal is None else nontemporal),
     )
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
