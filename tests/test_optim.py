@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 import minitrain as mt
-from minitrain.optim import streaming
 
 OPTIMIZERS = {
     "sgd": (mt.optim.sgd, torch.optim.SGD),
@@ -248,12 +247,9 @@ def test_donation_reuses_buffers_and_gives_the_same_numbers(name, kwargs):
         pointers = [t.data_ptr() for t in mt.tree.leaves(donated)]
         donated, donated_state = opt.update(grads, donated_state, donated, donate=True)
         assert [t.data_ptr() for t in mt.tree.leaves(donated)] == pointers
-    # Pure fp32 CPU updates run the one-pass streaming kernels, donated ones torch's fused
-    # kernels (in place): the same math, rounded by different compilers.
-    exact = not streaming.available()
     for x, y in zip(mt.tree.leaves((pure_params, pure_state)),
                     mt.tree.leaves((donated, donated_state)), strict=True):
-        torch.testing.assert_close(x, y, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 def test_sgd_with_zero_grads_and_no_weight_decay_changes_nothing():

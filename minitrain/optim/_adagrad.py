@@ -68,7 +68,7 @@ def adagrad(
         return p - clr * (g / std), {"sum": total}
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
-        if outputs is not None and streaming.usable([*ps, *gs, *buffers["sum"]]):
+        if streaming.usable([*ps, *gs, *buffers["sum"]]):
             hyperparameters = [lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
             slots = [ps, gs, buffers["sum"]]
             new_ps, sums = streaming.update("adagrad", hyperparameters, slots, outputs)

@@ -114,7 +114,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
         return p - (lr / bias_correction1) * (exp_avg / denom), new
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
-        if outputs is not None and streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
+        if streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
             hyperparameters = [
                 beta1, beta2, eps, weight_decay, lr, lr / (1 - beta1**step),
                 math.sqrt(1 - beta2**step), decoupled, amsgrad,

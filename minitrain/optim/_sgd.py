@@ -81,7 +81,7 @@ def sgd(
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         old = buffers.get("momentum_buffer")
-        if outputs is not None and streaming.usable([*ps, *gs, *(old or [])]):
+        if streaming.usable([*ps, *gs, *(old or [])]):
             hyperparameters = [
                 lr, momentum, dampening, weight_decay, nesterov, step == 1, has_momentum,
             ]

@@ -8,8 +8,8 @@ optimizer module supplies its math twice over the same state layout:
   ``torch._fused_*`` / ``torch._foreach_*`` kernels that update buffers in place. Without
   donation it runs on fresh copies, so the inputs are never touched. CPU float32 leaves take
   :mod:`minitrain.optim.streaming` instead where it builds: one pass that writes the new values
-  into recycled buffers with streaming stores (and, for RMSprop, which has no fused kernel in
-  torch, in place when donated);
+  into recycled buffers with streaming stores, or in place when donated (the same kernel, so
+  pure and donated updates agree bit for bit);
 * a **plain path**, per leaf with ordinary tensor ops and no in-place writes, which works under
   ``torch.func.vmap``, ``torch.compile`` and autograd.
 

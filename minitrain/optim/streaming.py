@@ -1,4 +1,4 @@
-"""One-pass CPU updates with streaming stores: the fast path of pure fp32 updates on CPU.
+"""One-pass CPU updates with streaming stores: the fast path of fp32 updates on CPU.
 
 torch's fused optimizer kernels only update in place, so a pure update built on them copies
 params and state first and then updates the copies: two passes over memory. A single pass
@@ -12,8 +12,10 @@ small C file (``_streaming.c``, the update rules of SGD, AdaGrad, RMSprop and Ad
 the system C compiler on first use, caches the library next to minitrain's other caches, and
 calls it through ``ctypes`` (which releases the GIL).
 
-It covers CPU float32 contiguous leaves. Anything else, or no C compiler, or
-``MINITRAIN_STREAMING=0``, leaves the optimizers on their fused-kernel path.
+Donated updates run the same kernel in place with plain stores (as fast as torch's fused
+kernels, and one pass instead of RMSprop's several foreach passes), so pure and donated updates
+agree bit for bit. It covers CPU float32 contiguous leaves. Anything else, or no C compiler, or
+``MINITRAIN_STREAMING=0``, leaves the optimizers on their fused / foreach path.
 
 >>> import torch
 >>> from minitrain.optim import streaming
@@ -58,7 +60,7 @@ def _enabled() -> bool:
 
 def _flags() -> list[str]:
     """Compiler flags: AVX2+FMA on x86 CPUs where torch itself runs AVX2 or AVX-512 code."""
-    flags = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp"]
+    flags = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
     capability = ""
     if hasattr(torch.backends, "cpu") and hasattr(torch.backends.cpu, "get_cpu_capability"):
         capability = torch.backends.cpu.get_cpu_capability()
