@@ -15,10 +15,12 @@ torch.Size([3])
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from beartype import beartype
 from jaxtyping import Bool, Float, Int, Integer, Num, Shaped, jaxtyped
 from torch import Tensor
@@ -46,7 +48,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def typechecked(fn: F) -> F:
-    """Check ``fn``'s jaxtyping annotations with beartype on every call (when enabled)."""
+    """Check ``fn``'s jaxtyping annotations with beartype on every call (when enabled).
+
+    While ``torch.compile`` traces, the call goes straight to ``fn``: the compiler cannot trace
+    through beartype's wrapper (it would break the graph at every checked call), and a compiled
+    graph never runs the Python function again, so there is nothing left to check.
+    """
     if not ENABLED:
         return fn
-    return jaxtyped(typechecker=beartype)(fn)
+    checked = jaxtyped(typechecker=beartype)(fn)
+
+    @functools.wraps(fn)
+    def check_unless_compiling(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return checked(*args, **kwargs)
+
+    return check_unless_compiling  # type: ignore[return-value]

@@ -108,8 +108,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
         second = exp_avg_sq
         if amsgrad:
             second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = _sqrt(1 - beta2**step)
+        bias_correction1, bias_correction2_sqrt = step
         denom = second.sqrt() / bias_correction2_sqrt + eps
         return p - (lr / bias_correction1) * (exp_avg / denom), new
 
@@ -133,11 +132,15 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
         )
         return ps, new
 
+    def bias_corrections(step):
+        return 1 - beta1**step, _sqrt(1 - beta2**step)
+
     rule = Rule(
         buffers=buffers,
         init_buffer=lambda name, p: torch.zeros_like(p, memory_format=torch.preserve_format),
         plain_step=plain_step,
         fast_step=fast_step,
+        step_scalars=bias_corrections,
     )
     return make_optimizer(AdamState, rule, lr, weight_decay, mask, impl, (beta1, beta2))
 

@@ -286,6 +286,10 @@ class Rule(NamedTuple):
     plain_step: Callable[..., tuple[Tensor, dict[str, Tensor]]]
     fast_step: Callable[..., tuple[list[Tensor], dict[str, list[Tensor]]]]
     fused: bool = True  # fast_step is one fused kernel (one pass over memory)
+    # What plain_step receives as ``step``: computed once per update from the step number, so
+    # that step-derived scalars (bias corrections) are one shared node in a traced graph, which
+    # inductor computes once instead of inside every leaf's loop.
+    step_scalars: Callable[[Any], Any] = lambda step: step
 
 
 def make_optimizer(
@@ -307,7 +311,7 @@ def make_optimizer(
     traced_candidates = [lr, weight_decay, *hyperparameters]
     pool = BufferPool()
     plans = LayoutCache(mask, 2 + len(rule.buffers), rule.fused)
-    compiled_step = CompiledStep(rule.plain_step) if impl == "compiled" else None
+    compiled_step = CompiledStep(rule.plain_step, rule.step_scalars) if impl == "compiled" else None
 
     def init(params: Params) -> OptState:
         check_params(params)
@@ -463,7 +467,7 @@ def step_number(count: Tensor) -> Any:
 
 def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay):
     step_lr = _lr_at(lr, count if is_traced(count) else int(count))
-    step = step_number(count)
+    step = rule.step_scalars(step_number(count))
     new_params = []
     new_buffers: dict[str, list[Tensor]] = {name: [] for name in rule.buffers}
     for index, (p, g, decay) in enumerate(zip(params, grads, decays, strict=True)):
@@ -515,8 +519,9 @@ class CompiledStep:
     memory per update. One graph covers all leaves, so an update is one compiled call.
     """
 
-    def __init__(self, plain_step: Callable[..., Any]) -> None:
+    def __init__(self, plain_step: Callable[..., Any], step_scalars: Callable[[Any], Any]) -> None:
         self.plain_step = plain_step
+        self.step_scalars = step_scalars
         self.kernel: Callable[..., None] | None = None
 
     def __call__(self, ps, gs, buffers, step, lr, weight_decays, ps_out, buffers_out) -> None:
@@ -525,6 +530,7 @@ class CompiledStep:
         self.kernel(ps, gs, buffers, step, lr, weight_decays, ps_out, buffers_out)
 
     def _into(self, ps, gs, buffers, step, lr, weight_decays, ps_out, buffers_out) -> None:
+        step = self.step_scalars(step)
         for index, (p, g, weight_decay) in enumerate(zip(ps, gs, weight_decays, strict=True)):
             leaf_buffers = {name: leaves[index] for name, leaves in buffers.items()}
             new_p, new_buffers = self.plain_step(p, g, leaf_buffers, step, lr, weight_decay)
