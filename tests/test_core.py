@@ -1,6 +1,9 @@
 """Init, models, function transforms, seeding and shape checks."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -143,3 +146,26 @@ def test_rng_state_roundtrip():
     first = (torch.rand(2).tolist(), __import__("numpy").random.rand(2).tolist())
     mt.rng.set_rng_state(state)
     assert (torch.rand(2).tolist(), __import__("numpy").random.rand(2).tolist()) == first
+
+
+COMPILE_CHECKED = """
+import torch, minitrain as mt
+params = mt.models.cruncher_init(dim=8, num_layers=2, generator=torch.Generator().manual_seed(0))
+x = torch.randn(4, 8)
+compiled = torch.compile(mt.models.cruncher, fullgraph=True, backend="aot_eager")
+assert torch.allclose(compiled(params, x), mt.models.cruncher(params, x))
+try:
+    mt.models.cruncher(params, torch.randn(4, 7))
+except Exception as error:
+    print(type(error).__name__)
+"""
+
+
+def test_shape_checked_functions_compile_into_one_graph_and_still_check_eager_calls():
+    # A fresh interpreter: pytest's jaxtyping import hook wraps functions in checks of its own.
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHECKED], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MINITRAIN_TYPECHECK": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "TypeCheckError"
