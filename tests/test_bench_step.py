@@ -38,7 +38,7 @@ print("ok")
 @pytest.mark.parametrize("typecheck", ["0", "1"])
 def test_compiled_steps_match_the_eager_step(typecheck):
     # A fresh interpreter: under pytest the jaxtyping import hook wraps every function in
-    # checks that dynamo cannot trace. With checks on, only the update is compiled.
+    # checks that dynamo cannot trace. minitrain's own checks step aside while dynamo traces.
     result = subprocess.run(
         [sys.executable, "-c", COMPILED_STEPS], capture_output=True, text=True, timeout=300,
         env={**os.environ, "MINITRAIN_TYPECHECK": typecheck},

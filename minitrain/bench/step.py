@@ -15,10 +15,8 @@ pure update recycles buffers), the donated one passes the inputs themselves. It 
 :data:`COMPILE_OPTIONS`, which compute the update's step-count scalars once per step rather
 than once per element (see :class:`ScalarCSE`).
 
-With minitrain's runtime shape checks on (the default), dynamo cannot trace the checked model
-and loss, so forward and backward run eagerly and only the update is compiled;
-``MINITRAIN_TYPECHECK=0`` compiles forward, backward and update as one graph, in which inductor
-updates each layer as soon as its gradient is ready.
+Shape checks step aside while dynamo traces, so forward, backward and update compile into one
+graph, in which inductor updates each layer as soon as its gradient is ready.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import minitrain as mt
 from minitrain.bench.optim import time_interleaved
-from minitrain.typecheck import ENABLED as TYPECHECK_ENABLED
 
 ADAMW = dict(lr=1e-3, weight_decay=1e-2)
 
@@ -236,7 +233,6 @@ def measure(
         "seconds": seconds,
         "ratio_to_peer": {name: value / peer for name, value in seconds.items()},
         "compile_seconds": compile_seconds,
-        "typecheck": TYPECHECK_ENABLED,
     }
 
 
@@ -269,6 +265,3 @@ def step(dim: int, num_layers: int, batch: int, rounds: int, inner: int, device:
         click.echo(f"  {name:26s} {seconds * 1e3:8.2f} ms  {result['ratio_to_peer'][name]:.2f}x")
     if result["compile_seconds"] is not None:
         click.echo(f"  (torch.compile took {result['compile_seconds']:.1f} s, not counted)")
-        if result["typecheck"]:
-            click.echo("  (shape checks on: forward and backward ran eagerly, only the update was "
-                       "compiled; MINITRAIN_TYPECHECK=0 compiles the whole step)")
