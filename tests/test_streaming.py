@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import minitrain as mt
 from minitrain.optim import streaming
 
-pytestmark = pytest.mark.skipif(
+needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
 )
 
@@ -62,6 +62,7 @@ def torch_reference(cls, kwargs, params, grads_seq):
     return [p.detach() for p in leaves]
 
 
+@needs_kernels
 @pytest.mark.parametrize("name, factory, cls, kwargs", CONFIGS, ids=IDS)
 def test_pure_updates_of_large_leaves_match_torch_optim(name, factory, cls, kwargs, monkeypatch):
     # Leaf sizes with ragged tails, and enough elements in all that the update splits across
@@ -84,6 +85,7 @@ def test_pure_updates_of_large_leaves_match_torch_optim(name, factory, cls, kwar
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
+@needs_kernels
 @settings(deadline=None, max_examples=15)
 @given(offset=st.integers(0, 15), size=st.integers(1, 40000), threads=st.sampled_from([1, 2, 3]))
 def test_misaligned_views_and_any_thread_count_give_the_same_numbers(offset, size, threads):
@@ -112,6 +114,7 @@ def test_misaligned_views_and_any_thread_count_give_the_same_numbers(offset, siz
         torch.testing.assert_close(ours[0], theirs, rtol=2e-6, atol=1e-7)
 
 
+@needs_kernels
 def test_leaves_it_cannot_take_stay_on_the_fused_kernels(monkeypatch):
     calls = spy_rules(monkeypatch)
     opt = mt.optim.adamw(lr=0.01, impl="fast")
@@ -123,6 +126,7 @@ def test_leaves_it_cannot_take_stay_on_the_fused_kernels(monkeypatch):
     assert calls == []
 
 
+@needs_kernels
 def test_donated_rmsprop_updates_in_place_with_the_streaming_kernel(monkeypatch):
     calls = spy_rules(monkeypatch)
     opt = mt.optim.rmsprop(lr=0.01, momentum=0.9, centered=True, impl="fast")
@@ -143,3 +147,28 @@ def test_the_environment_switch_turns_the_kernels_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+WITHOUT_COMPILER = """
+import torch, minitrain as mt
+from minitrain.optim import streaming
+assert not streaming.available()
+params = [torch.randn(300, 7, generator=torch.Generator().manual_seed(0))]
+grads = [torch.ones(300, 7)]
+opt = mt.optim.adamw(lr=0.1)
+new, _ = opt.update(grads, opt.init(params), params)
+leaf = torch.nn.Parameter(params[0].clone())
+leaf.grad = grads[0]
+torch.optim.AdamW([leaf], lr=0.1).step()
+torch.testing.assert_close(new[0], leaf.detach())
+print("fused")
+"""
+
+
+def test_without_a_compiler_the_optimizers_keep_torchs_kernels(tmp_path):
+    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"),
+           "MINITRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", WITHOUT_COMPILER], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "fused"

@@ -105,9 +105,15 @@ def _build(compiler: str, flags: list[str]) -> Path:
 def _library() -> ctypes.CDLL | None:
     if not _enabled() or sys.platform == "win32":
         return None
-    try:
-        library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"), _flags())))
-    except (OSError, subprocess.SubprocessError):
+    compiler, flags = os.environ.get("CC", "cc"), _flags()
+    # Without OpenMP (e.g. Apple clang) the kernels still build, on one thread.
+    for attempt in (flags, [flag for flag in flags if flag != "-fopenmp"]):
+        try:
+            library = ctypes.CDLL(str(_build(compiler, attempt)))
+            break
+        except (OSError, subprocess.SubprocessError):
+            continue
+    else:
         return None  # no compiler, a failed build or load: the fused-kernel path stays
     library.minitrain_update.restype = ctypes.c_int
     library.minitrain_update.argtypes = [
