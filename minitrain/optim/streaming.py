@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
 __all__ = ["RULES", "available", "fresh", "usable", "update"]
@@ -138,16 +139,22 @@ def available() -> bool:
 
 
 def usable(tensors: Sequence[Tensor]) -> bool:
-    """Whether an update over these tensors can run here: all CPU, float32, contiguous.
+    """Whether an update over these tensors can run here: all CPU, float32, contiguous, and no
+    ``TorchDispatchMode`` watching (the accounting ``Counter`` and ``FlopCounterMode`` count
+    aten ops, which a C kernel would hide from them; torch's kernels run instead).
 
     >>> usable([torch.ones(2, dtype=torch.bfloat16)])
     False
     """
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-        and not t.requires_grad
-        for t in tensors
-    ) and available()
+    return (
+        all(
+            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+            and not t.requires_grad
+            for t in tensors
+        )
+        and _python_dispatch._get_current_dispatch_mode() is None
+        and available()
+    )
 
 
 def update(
@@ -179,10 +186,11 @@ def update(
     ])
     sizes = (ctypes.c_int64 * n_leaves)(*[p.numel() for p in slots[0]])
     hp = (ctypes.c_double * len(hyperparameters))(*map(float, hyperparameters))
-    status = library.minitrain_update(
-        RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
-        int(outputs is not None if nontemporal is None else nontemporal),
-    )
+    with torch.profiler.record_function(f"minitrain::streaming_{rule}"):  # named in traces
+        status = library.minitrain_update(
+            RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
+            int(outputs is not None if nontemporal is None else nontemporal),
+        )
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
     return results
