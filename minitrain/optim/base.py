@@ -39,6 +39,7 @@ import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim import streaming
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
@@ -162,9 +163,14 @@ def is_traced(value: Any) -> bool:
         return False
     if torch.compiler.is_compiling():
         return True
+    if type(value) in _PLAIN_TENSOR_TYPES:  # fast path: no subclass, so not fake
+        return torch._C._functorch.is_functorch_wrapped_tensor(value)
     if torch._C._functorch.is_functorch_wrapped_tensor(value):
         return True
     return isinstance(value, torch._subclasses.FakeTensor) or not _has_storage(value)
+
+
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def _has_storage(value: Tensor) -> bool:
@@ -238,19 +244,22 @@ def decay_flags(mask: WeightDecayMask, params: Params) -> list[bool]:
 
 
 def fast_batches(
-    tensors: Sequence[Tensor], decays: Sequence[bool], buffers_per_leaf: int, split: bool = True
+    tensors: Sequence[Tensor], decays: Sequence[bool], buffers_per_leaf: int,
+    split: bool | Callable[[Tensor], bool] = True,
 ) -> list[list[int]]:
-    """Leaf indices grouped by (device, dtype, decays), split into cache-sized batches."""
+    """Leaf indices grouped by (device, dtype, decays), split into cache-sized batches (per
+    group, when ``split`` is true or returns true for the group's first leaf)."""
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for index, (t, decay) in enumerate(zip(tensors, decays, strict=True)):
         groups.setdefault((t.device, t.dtype, decay), []).append(index)
     batches = []
     for indices in groups.values():
+        split_group = split(tensors[indices[0]]) if callable(split) else split
         batch: list[int] = []
         batch_bytes = 0
         for index in indices:
             nbytes = tensors[index].numel() * tensors[index].element_size() * buffers_per_leaf
-            if split and batch and batch_bytes + nbytes > CACHE_BATCH_BYTES:
+            if split_group and batch and batch_bytes + nbytes > CACHE_BATCH_BYTES:
                 batches.append(batch)
                 batch, batch_bytes = [], 0
             batch.append(index)
@@ -416,12 +425,22 @@ class LayoutCache:
 
     def _build(self, params: Params, param_leaves: list[Tensor]) -> Layout:
         decays = decay_flags(self.mask, params)
+        # Updates that make one pass over memory (a fused kernel in place, the streaming
+        # kernels) gain nothing from cache-sized batches, only more calls; multi-pass updates
+        # (foreach, or copies then a fused kernel) keep each batch's passes in cache.
+        one_pass = not torch.compiler.is_compiling() and streaming.available()
+
+        def multi_pass(leaf: Tensor, donated: bool) -> bool:
+            if one_pass and leaf.device.type == "cpu" and leaf.dtype == torch.float32:
+                return False
+            return not (donated and self.fused)
+
         return Layout(
             decays,
-            fast_batches(param_leaves, decays, self.buffers_per_leaf),
-            # A fused kernel makes one pass, so donated updates gain nothing from cache-sized
-            # batches; multi-pass foreach updates do.
-            fast_batches(param_leaves, decays, self.buffers_per_leaf, split=not self.fused),
+            fast_batches(param_leaves, decays, self.buffers_per_leaf,
+                         split=lambda leaf: multi_pass(leaf, donated=False)),
+            fast_batches(param_leaves, decays, self.buffers_per_leaf,
+                         split=lambda leaf: multi_pass(leaf, donated=True)),
         )
 
 

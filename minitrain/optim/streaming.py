@@ -148,8 +148,7 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     """
     return (
         all(
-            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-            and not t.requires_grad
+            t.dtype is torch.float32 and t.is_cpu and not t.requires_grad and t.is_contiguous()
             for t in tensors
         )
         and _python_dispatch._get_current_dispatch_mode() is None
@@ -186,11 +185,15 @@ def update(
     ])
     sizes = (ctypes.c_int64 * n_leaves)(*[p.numel() for p in slots[0]])
     hp = (ctypes.c_double * len(hyperparameters))(*map(float, hyperparameters))
-    with torch.profiler.record_function(f"minitrain::streaming_{rule}"):  # named in traces
-        status = library.minitrain_update(
-            RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
-            int(outputs is not None if nontemporal is None else nontemporal),
-        )
+    arguments = (
+        RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
+        int(outputs is not None if nontemporal is None else nontemporal),
+    )
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"minitrain::streaming_{rule}"):  # named in traces
+            status = library.minitrain_update(*arguments)
+    else:
+        status = library.minitrain_update(*arguments)
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
     return results
