@@ -331,15 +331,18 @@ def source_files(root: str | os.PathLike) -> list[Path]:
 
 
 def default_data_dir() -> Path:
-    """Where the byte-level stdlib corpus is cached: ``$MINITRAIN_CACHE`` or ``~/.cache``.
+    """Where the byte-level stdlib corpus is cached: under ``$MINITRAIN_CACHE_DIR`` (the same
+    folder as the hardware and kernel caches; ``$MINITRAIN_CACHE`` is read too), else
+    ``$XDG_CACHE_HOME/minitrain`` or ``~/.cache/minitrain``.
 
     >>> default_data_dir().name.startswith("stdlib-bytes-py")
     True
     """
-    base = os.environ.get("MINITRAIN_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    root = Path(base) if base else Path.home() / ".cache"
-    if not os.environ.get("MINITRAIN_CACHE"):
-        root = root / "minitrain"
+    chosen = os.environ.get("MINITRAIN_CACHE_DIR") or os.environ.get("MINITRAIN_CACHE")
+    if chosen and chosen.strip().lower() not in {"0", "off", "none"}:
+        root = Path(chosen)
+    else:  # "off" turns off the caches of measurements; the corpus still needs a home
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     return root / f"stdlib-bytes-py{version}"
 

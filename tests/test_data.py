@@ -475,3 +475,16 @@ def test_bytelm_gradients_are_bit_identical_across_processes():
         for _ in range(3)
     }
     assert len(digests) == 1, digests
+
+
+def test_the_corpus_lives_under_the_shared_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("MINITRAIN_CACHE", raising=False)
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path / "shared"))
+    assert data.default_data_dir().parent == tmp_path / "shared"
+    monkeypatch.delenv("MINITRAIN_CACHE_DIR")
+    monkeypatch.setenv("MINITRAIN_CACHE", str(tmp_path / "older-name"))
+    assert data.default_data_dir().parent == tmp_path / "older-name"
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", "off")
+    monkeypatch.delenv("MINITRAIN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data.default_data_dir().parent == tmp_path / "xdg" / "minitrain"
