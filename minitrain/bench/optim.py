@@ -1,6 +1,6 @@
 """``minitrain bench optim``: mt.optim updates against ``torch.optim``, side by side.
 
-Every optimizer updates 8 fp32 params of 1024×1024 (the issue's size) with fixed random grads.
+Every optimizer updates 8 fp32 params of 1024×1024 with fixed random grads.
 Per optimizer, one process times, round by round interleaved (so all see the same machine
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
 no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation
@@ -9,9 +9,11 @@ a training loop) and with ``donate=True``. Ratios are best-round time over the p
 
 ``--compiled`` adds the pure update with ``impl="compiled"`` (one inductor-generated graph
 over all leaves, one pass into recycled buffers). ``--breakdown`` splits one pure AdamW update
-into its parts: the in-place fused kernel, the copies of params and state that purity costs,
-Python overhead (the same update on 8 scalars) and page faults per step (``getrusage``
-minor faults).
+into its parts: the in-place fused kernel; one out-of-place pass with plain stores and with
+streaming stores (the read for ownership of every output line, and what skipping it saves);
+copies of params and state into fresh memory and aten's out-of-place kernel (allocation);
+Python overhead (the same update on 8 scalars); and page faults per step (``getrusage`` minor
+faults).
 """
 
 from __future__ import annotations
