@@ -149,3 +149,23 @@ def test_console_script_and_module_entry_points(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_compile_trains_the_same_losses(tmp_path):
+    # A fresh interpreter: under pytest the jaxtyping import hook wraps every function in checks
+    # that dynamo cannot trace. --compile compiles forward and backward; the update stays eager
+    # (and donates), so the losses match an eager run.
+    def losses(*flags):
+        out = tmp_path / ("compiled" if flags else "eager")
+        result = subprocess.run(
+            [sys.executable, "-m", "minitrain", "run", LINREG, "--steps", "30", "--no-report",
+             "--out", str(out), *flags],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    eager, compiled = losses(), losses("--compile")
+    assert len(compiled) == 30
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)

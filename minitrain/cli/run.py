@@ -25,7 +25,8 @@ from minitrain.cli.options import training_options
 )
 @click.option("--tensorboard", is_flag=True, help="Also log to --out/tensorboard (extra).")
 @click.option("--report/--no-report", default=True, help="Add the resource report.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the train step.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch.compile forward and backward (the update stays eager).")
 @click.option(
     "--nproc",
     type=click.IntRange(min=1),

@@ -209,12 +209,11 @@ def fit(
     if parallel is not None:
         parallel.check_same(start, "the step to resume from")
     # The loop never reads the params and state it passes in again, so the update may write
-    # into their buffers (torch.optim's in-place speed); compiled steps stay pure.
-    donate = can_donate(experiment.optimizer) and not compile
-    step_fn = make_train_step(
-        experiment, backend, parallel.reduce if parallel else None, donate=donate
+    # into their buffers (torch.optim's in-place speed).
+    compiled = make_train_step(
+        experiment, backend, parallel.reduce if parallel else None,
+        donate=can_donate(experiment.optimizer), compile=compile,
     )
-    compiled = torch.compile(step_fn) if compile else step_fn
 
     def save(step: int) -> Path:
         if not main:

@@ -51,6 +51,7 @@ def make_train_step(
     backend: Backend,
     grad_transform: GradTransform | None = None,
     donate: bool = False,
+    compile: bool = False,
 ) -> Callable[[Params, OptState, PyTree], StepOutput]:
     """Build the pure step for ``experiment`` on ``backend``.
 
@@ -59,7 +60,10 @@ def make_train_step(
     (:meth:`minitrain.distributed.DataParallel.reduce`). With ``donate=True`` (an mt.optim
     optimizer only) the update writes the new params and state into the buffers of the old
     ones, as ``torch.optim`` does: the caller must not use the params and state it passed in
-    again. The fit loop donates; the step stays pure without it.
+    again. The fit loop donates; the step stays pure without it. ``compile=True`` runs the
+    forward and backward pass through ``torch.compile``; the gradient transform, clipping and
+    the update stay eager, where they run torch's fused kernels or minitrain's streaming ones
+    (and can donate) instead of inductor's out-of-place loops.
 
     >>> import torch, minitrain as mt
     >>> from minitrain.train import Experiment
@@ -72,7 +76,14 @@ def make_train_step(
     >>> out.loss, out.params
     (tensor(1.), {'w': tensor([0.2000, 0.2000])})
     """
-    loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
+    gradients = value_and_grad(loss_with_aux(experiment), has_aux=True)
+
+    def loss_and_grads(params: Params, batch: PyTree):
+        with backend.autocast():
+            return gradients(params, batch)
+
+    if compile:
+        loss_and_grads = torch.compile(loss_and_grads)
     optimizer = experiment.optimizer
     max_grad_norm = experiment.max_grad_norm
     update_options = {"donate": True} if donate else {}
@@ -80,8 +91,7 @@ def make_train_step(
         raise ValueError("donate=True needs an mt.optim optimizer (its update takes donate=)")
 
     def train_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
-        with backend.autocast():
-            (loss, aux), grads = loss_and_grads(params, batch)
+        (loss, aux), grads = loss_and_grads(params, batch)
         if grad_transform is not None:
             grads, loss, aux = grad_transform(grads, loss, aux)
         if max_grad_norm is not None:
