@@ -17,6 +17,9 @@ than once per element (see :class:`ScalarCSE`).
 
 Shape checks step aside while dynamo traces, so forward, backward and update compile into one
 graph, in which inductor updates each layer as soon as its gradient is ready.
+
+``minitrain_run_compile`` is what ``minitrain run --compile`` does: forward and backward under
+``torch.compile``, then the eager update, donated (mt.optim's fast path).
 """
 
 from __future__ import annotations
@@ -125,10 +128,16 @@ def cruncher_loss(params: dict, batch: tuple) -> torch.Tensor:
     return mt.losses.mse(mt.models.cruncher(params, x), y)
 
 
-def make_pure_step(donate: bool) -> Callable:
-    """``(params, state, batch) -> (params, state, loss)``: value_and_grad, then AdamW."""
+def make_pure_step(donate: bool, compile_grads: bool = False) -> Callable:
+    """``(params, state, batch) -> (params, state, loss)``: value_and_grad, then AdamW.
+
+    ``compile_grads`` puts forward and backward through ``torch.compile`` and keeps the update
+    eager, as ``minitrain run --compile`` does.
+    """
     opt = mt.optim.adamw(**ADAMW)
     loss_and_grads = mt.value_and_grad(cruncher_loss)
+    if compile_grads:
+        loss_and_grads = torch.compile(loss_and_grads)
 
     def step(params, state, batch):
         loss, grads = loss_and_grads(params, batch)
@@ -224,6 +233,10 @@ def measure(
         for name, donate in (("minitrain_compiled", False), ("minitrain_compiled_donate", True)):
             steppers[name] = CompiledStepper(params, data, donate)
             steppers[name]()
+        steppers["minitrain_run_compile"] = PureStepper(
+            make_pure_step(donate=True, compile_grads=True), params, data
+        )
+        steppers["minitrain_run_compile"]()
         compile_seconds = time.perf_counter() - start
     seconds = time_interleaved(steppers, rounds, inner, device)
     peer = seconds["module_fused_adamw"]
