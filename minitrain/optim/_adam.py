@@ -114,9 +114,10 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         if streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
+            bias_correction1, bias_correction2_sqrt = bias_corrections(step)
             hyperparameters = [
-                beta1, beta2, eps, weight_decay, lr, lr / (1 - beta1**step),
-                math.sqrt(1 - beta2**step), decoupled, amsgrad,
+                beta1, beta2, eps, weight_decay, lr, lr / bias_correction1, bias_correction2_sqrt,
+                decoupled, amsgrad,
             ]
             slots = [ps, gs, buffers["exp_avg"], buffers["exp_avg_sq"],
                      buffers.get("max_exp_avg_sq")]
