@@ -1,0 +1,74 @@
+"""The exception types minitrain raises on purpose; a leaf module that imports nothing.
+
+Library code raises these; only the command line turns them into messages and exit codes:
+a :class:`UserError` is a mistake the user can fix (exit 2), a :class:`RunFailed` is a run that
+could not go on (exit 1), :class:`Interrupted` is a stop asked for by Ctrl-C or SIGTERM (exit
+130). Each message is one line that says what went wrong and how to fix it.
+
+>>> err = StorageError.from_os_error(OSError(28, "No space left on device"), "runs/a/metrics.jsonl",
+...                                  "write")
+>>> str(err)
+'cannot write runs/a/metrics.jsonl: no space left on device'
+>>> isinstance(err, RunFailed)
+True
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "MinitrainError",
+    "UserError",
+    "RunFailed",
+    "Interrupted",
+    "StorageError",
+    "os_cause",
+]
+
+
+class MinitrainError(Exception):
+    """Base of every error minitrain raises on purpose (never a bug in minitrain itself)."""
+
+
+class UserError(MinitrainError, ValueError):
+    """A mistake the user can fix: a bad flag, config value, script or file (exit code 2)."""
+
+
+class RunFailed(MinitrainError, RuntimeError):
+    """The run could not go on: a non-finite loss, a dead worker, a full disk (exit code 1)."""
+
+
+class Interrupted(MinitrainError, RuntimeError):
+    """Ctrl-C or SIGTERM stopped the run; the message says what was saved (exit code 130)."""
+
+
+class StorageError(RunFailed):
+    """An OSError while reading or writing a path, as one line naming the path and the cause."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None,
+                 errno_: int | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else os.fspath(path)
+        self.errno = errno_
+
+    @classmethod
+    def from_os_error(cls, exc: OSError, path: str | os.PathLike | None = None,
+                      action: str = "write") -> StorageError:
+        """``cannot <action> <path>: <cause>`` from an OSError (the cause in lower case)."""
+        where = path if path is not None else exc.filename
+        cause = os_cause(exc)
+        message = f"cannot {action} {os.fspath(where)}: {cause}" if where else f"{action}: {cause}"
+        return cls(message, where, exc.errno)
+
+
+def os_cause(exc: OSError) -> str:
+    """A short, lower-case cause for an OSError: ``no space left on device``.
+
+    >>> os_cause(PermissionError(13, "Permission denied"))
+    'permission denied'
+    """
+    if exc.errno is not None:
+        return os.strerror(exc.errno).lower()
+    return (str(exc) or type(exc).__name__).lower()
+
