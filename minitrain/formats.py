@@ -267,11 +267,12 @@ def _round_e8m0(x: torch.Tensor, saturate: bool) -> tuple[torch.Tensor, torch.Te
     """Round float64 ``x`` to a power of two, ties (1.5 * 2**e) upwards, as torch and ml_dtypes.
 
     e8m0 is unsigned and has no zero: non-positive and NaN inputs become NaN; values below
-    2**-127 become 2**-127.
+    2**-127 become 2**-127; overflow (inf included) is NaN, or 2**127 with ``saturate``.
     """
     positive = x > 0
     fraction, exponent = torch.frexp(torch.where(positive & torch.isfinite(x), x, 1.0))
     exponent = exponent - 1 + (fraction >= 0.75).to(exponent.dtype)  # fraction*2 >= 1.5
+    exponent = torch.where(torch.isinf(x), 128, exponent)  # saturates to 2**127 below
     overflow = (exponent > 127) | torch.isinf(x)
     exponent = exponent.clamp(min=-127, max=127)
     rounded = torch.ldexp(torch.ones_like(x), exponent)
@@ -298,11 +299,15 @@ def _blockwise_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _apply_block_scale(
-    x: torch.Tensor, scale: torch.Tensor, element: FormatSpec
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    element: FormatSpec,
+    reciprocal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Divide blocks by ``scale``, clamp and round elements, multiply back."""
+    """Scale blocks down (``/ scale``, or ``* reciprocal`` where given), clamp and round
+    elements, multiply back by ``scale``."""
     blocks = x.reshape(*scale.shape[:-1], -1)
-    scaled = blocks / scale
+    scaled = blocks / scale if reciprocal is None else blocks * reciprocal
     overflow = scaled.abs() > element.max
     clamped = scaled.clamp(-element.max, element.max)
     rounded, _ = _round_elements(clamped.double(), element, saturate=True, subnormals=True)
@@ -311,22 +316,32 @@ def _apply_block_scale(
 
 
 def _quantize_mx(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """OCP MX v1.0, 6.3: scale = 2**(floor(log2(amax)) - emax_elem), elements clamped."""
+    """OCP MX v1.0, 6.3: scale = 2**(floor(log2(amax)) - emax_elem), elements clamped.
+
+    As torchao ``to_mx`` (FLOOR): the exponent is read from the fp32 bit pattern of the block's
+    amax, so an infinite amax has exponent 128 (the block's finite values flush to 0 and the
+    infinity stays infinite after scaling back) and a NaN amax makes the whole block NaN (e8m0
+    code 0xFF).
+    """
     element = spec(s.element)
     emax_element = math.floor(math.log2(element.max))
     amax = _blockwise_amax(x, s.block_size)
-    _, exponent = torch.frexp(torch.where(amax > 0, amax, 1.0))
-    shared = (exponent - 1 - emax_element).clamp(min=-127, max=127)  # e8m0 range
+    _, exponent = torch.frexp(torch.where(torch.isfinite(amax) & (amax > 0), amax, 1.0))
+    exponent = torch.where(torch.isinf(amax), 129, exponent)  # exponent field all ones: 2**128
+    shared = (exponent - 1 - emax_element).clamp(min=-127, max=128)  # e8m0 range (+1: NaN)
     scale = torch.ldexp(torch.ones_like(amax), shared)
+    scale = torch.where(torch.isnan(amax), math.nan, scale)
     return _apply_block_scale(x, scale, element)
 
 
 def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 two-level scaling as in torchao ``nvfp4_quantize`` with a per-tensor scale.
+    """NVFP4 two-level scaling exactly as torchao ``nvfp4_quantize`` with a per-tensor scale.
 
     tensor scale = amax(x) / (448 * 6); block scale = amax(block) / 6 / tensor scale, clamped
-    to [2**-6, 448] and rounded to e4m3; elements = x / (tensor scale * block scale), clamped
-    to [-6, 6] and rounded to fp4 e2m1.
+    to [2**-6, 448] and rounded to e4m3; elements = x * ((1 / tensor scale) / block scale) in
+    fp32 (torchao multiplies by this reciprocal to match its Triton kernel; dividing by the
+    product rounds differently near ties), clamped to [-6, 6] and rounded to fp4 e2m1; values =
+    elements * (tensor scale * block scale), as torchao's ``NVFP4Tensor.dequantize``.
     """
     element, scale_format = spec(s.element), spec(s.scale_format)
     tensor_amax = x.abs().amax()
@@ -336,7 +351,9 @@ def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch
     block_scale = _blockwise_amax(x, s.block_size) / element.max / tensor_scale
     block_scale = block_scale.clamp(scale_format.min_normal, scale_format.max)
     block_scale, _ = _round_elements(block_scale.double(), scale_format, True, True)
-    return _apply_block_scale(x, tensor_scale * block_scale.to(x.dtype), element)
+    block_scale = block_scale.to(x.dtype)
+    reciprocal = (1.0 / tensor_scale) / block_scale
+    return _apply_block_scale(x, tensor_scale * block_scale, element, reciprocal)
 
 
 def _quantize_with_overflow(
@@ -397,7 +414,7 @@ def decode(codes: Int[Tensor, "*shape"], fmt: str | FormatSpec) -> Float[Tensor,
     if ((codes < 0) | (codes >= 2**s.bits)).any():
         raise ValueError(f"{s.name} codes are integers in [0, {2**s.bits}); got one outside")
     if s.name == "e8m0":
-        return torch.where(codes == 255, math.nan, torch.exp2((codes - 127).double()))
+        return torch.where(codes == 255, math.nan, torch.exp2((codes - 127).double())).float()
     m_bits = s.mantissa_bits
     sign = torch.where((codes >> (s.bits - 1)) & 1 == 1, -1.0, 1.0)
     field = (codes >> m_bits) & (2**s.exponent_bits - 1)

@@ -268,13 +268,14 @@ def test_nan_passes_through():
 
 
 def nvfp4_reference(x: torch.Tensor) -> torch.Tensor:
-    """torchao's nvfp4_quantize (two-level scaling), written with torch's and ml_dtypes' casts."""
+    """torchao's nvfp4_quantize (two-level scaling), written with torch's and ml_dtypes' casts:
+    elements are multiplied by the reciprocal of the combined scale, as torchao does."""
     blocks = x.reshape(-1, 16)
     tensor_scale = x.abs().amax() / (448.0 * 6.0)
     block_scale = blocks.abs().amax(dim=-1, keepdim=True) / 6.0 / tensor_scale
     block_scale = block_scale.clamp(2.0**-6, 448.0).to(torch.float8_e4m3fn).float()
     total = tensor_scale * block_scale
-    scaled = (blocks / total).clamp(-6.0, 6.0)
+    scaled = (blocks * ((1.0 / tensor_scale) / block_scale)).clamp(-6.0, 6.0)
     return (via_ml_dtypes(scaled, ml_dtypes.float4_e2m1fn) * total).reshape(x.shape)
 
 
@@ -307,6 +308,38 @@ def test_nvfp4_matches_reference_recipe(scale):
 def test_mx_matches_reference_recipe(name, dtype, emax):
     x = gaussian(4, 128) * torch.logspace(-3, 3, 128)
     assert_bitwise_equal(formats.quantize(x, name), mx_reference(x, dtype, emax), x.flatten())
+
+
+def test_nvfp4_exact_tie_rounds_as_torchao():
+    # 1.3125 * (1 / tensor scale) / block scale lands one ulp under the tie that division hits.
+    x = torch.tensor([4.5, 1.3125] + [0.0] * 14)
+    assert formats.quantize(x, "nvfp4")[:2].tolist() == [4.5, 1.125]
+    assert_bitwise_equal(formats.quantize(x, "nvfp4"), nvfp4_reference(x), x)
+
+
+@pytest.mark.parametrize(
+    ("special", "mxfp8", "mxfp4"),
+    [
+        (math.nan, [math.nan, math.nan], [math.nan, math.nan]),
+        (math.inf, [math.inf, 0.0], [math.inf, 0.0]),
+    ],
+)
+def test_mx_block_with_nan_or_inf_takes_torchaos_scale(special, mxfp8, mxfp4):
+    x = torch.tensor([special, 100.0] + [1.0] * 30)
+    for name, expected in (("mxfp8", mxfp8), ("mxfp4", mxfp4)):
+        q = formats.quantize(x, name)
+        assert_bitwise_equal(q[:2], torch.tensor(expected), x[:2])
+        other = formats.quantize(torch.cat([x, torch.full((32,), 3.0)]), name)[32:]
+        assert torch.equal(other, torch.full((32,), 3.0))  # the next block is untouched
+
+
+def test_e8m0_saturates_inf_to_largest_power_of_two():
+    x = torch.tensor([math.inf, 2.0**128, 3.0])
+    assert formats.quantize(x, "e8m0", saturate=True).tolist() == [2.0**127, 2.0**127, 4.0]
+    assert formats.quantize(x, "e8m0").isnan()[:2].all()
+    decoded = formats.decode(torch.tensor([0, 127, 254, 255]), "e8m0")
+    assert decoded.dtype == torch.float32
+    assert_bitwise_equal(decoded, torch.tensor([2.0**-127, 1.0, 2.0**127, math.nan]), decoded)
 
 
 def test_mx_blocks_are_fp4_values_times_a_power_of_two():
