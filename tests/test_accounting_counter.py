@@ -98,7 +98,8 @@ def test_fused_adamw_flops_per_parameter():
     grads = mt.tree.map(torch.ones_like, params)
     with acc.Counter() as counter:
         opt.update(grads, state, params)
-    assert counter.by_op["aten._fused_adamw_"].flops == 15 * 110
+    # 13 FLOPs per element and one more for the decoupled weight decay (adamw default 0.01)
+    assert counter.by_op["aten._fused_adamw_"].flops == 14 * 110
     assert counter.unknown == {}
 
 

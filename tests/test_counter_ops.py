@@ -5,6 +5,7 @@ out in elementary ops: both must give torch's values, and the counter must count
 kernel exactly as many FLOPs as the elementary ops it replaces.
 """
 
+import itertools
 import math
 from pathlib import Path
 
@@ -349,3 +350,87 @@ def test_linreg_step_has_a_formula_for_every_op():
     counter, reference, _ = one_step(EXAMPLES / "linreg.py", {"num_layers": "2"})
     assert counter.unknown == {}
     assert counter.matmul_flops == reference.get_total_flops() > 0
+
+
+# --- optimizer updates: in-place foreach ops and fused kernels ----------------------------------
+
+
+def torch_update_flops(cls, steps=2, **options):
+    """Counted FLOPs of each of ``steps`` calls of a torch optimizer's ``step``, and the ledger."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 3, generator=generator, requires_grad=True),
+              torch.randn(7, generator=generator, requires_grad=True)]
+    optimizer = cls(params, **options)
+    counts, unknown = [], {}
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        with acc.Counter() as counter:
+            optimizer.step()
+        counts.append(counter.flops)
+        unknown |= counter.unknown
+    return counts, unknown
+
+
+def grid(**axes):
+    keys = list(axes)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*axes.values())]
+
+
+FUSED_GRID = [
+    *[(torch.optim.SGD, dict(lr=0.1, **o))
+      for o in grid(momentum=[0.0, 0.9], weight_decay=[0.0, 0.1], maximize=[False, True],
+                    nesterov=[False, True], dampening=[0.0])
+      if not (o["nesterov"] and o["momentum"] == 0)],
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.5)),
+    *[(cls, dict(lr=0.01, **o)) for cls in (torch.optim.Adam, torch.optim.AdamW)
+      for o in grid(weight_decay=[0.0, 0.1], amsgrad=[False, True], maximize=[False, True])],
+    *[(torch.optim.Adagrad, dict(lr=0.1, **o))
+      for o in grid(weight_decay=[0.0, 0.1], maximize=[False, True], lr_decay=[0.0, 0.01])],
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "options"), FUSED_GRID, ids=[f"{c.__name__}-{o}" for c, o in FUSED_GRID]
+)
+def test_fused_update_counts_the_ops_of_torchs_single_tensor_update(cls, options):
+    # Two steps: SGD's first step copies the gradient into the momentum buffer.
+    fused, fused_unknown = torch_update_flops(cls, fused=True, **options)
+    single, single_unknown = torch_update_flops(cls, foreach=False, fused=False, **options)
+    assert fused == single and min(fused) > 0
+    assert fused_unknown == single_unknown == {}
+
+
+@pytest.mark.parametrize(
+    "options",
+    grid(momentum=[0.0, 0.9], centered=[False, True], weight_decay=[0.0, 0.1],
+         maximize=[False, True]),
+)
+def test_rmsprop_foreach_update_counts_its_in_place_ops(options):
+    foreach, foreach_unknown = torch_update_flops(torch.optim.RMSprop, foreach=True, **options)
+    single, single_unknown = torch_update_flops(torch.optim.RMSprop, foreach=False, **options)
+    assert foreach == single and min(foreach) > 22  # more than one FLOP per element
+    assert foreach_unknown == single_unknown == {}
+
+
+def test_in_place_foreach_ops_count_the_tensors_they_write():
+    xs = [torch.ones(3, 4), torch.ones(5)]
+    counter, _ = count(lambda: (torch._foreach_mul_(xs, 2.0), torch._foreach_addcmul_(xs, xs, xs)))
+    assert counter.by_op["aten._foreach_mul_"].flops == 17
+    assert counter.by_op["aten._foreach_addcmul_"].flops == 3 * 17 and counter.unknown == {}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options", "per_element"),
+    [("sgd", {}, 1), ("sgd", dict(momentum=0.9, first_step=True), 1),
+     ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True), 6),
+     ("adam", {}, 13), ("adamw", dict(weight_decay=0.1, amsgrad=True), 15),
+     ("adagrad", dict(grad_scale=True), 9)],
+)
+def test_fused_kernel_formula(optimizer, options, per_element):
+    assert acc.optimizer_flops_per_element(optimizer, **options) == per_element
+
+
+def test_fused_kernel_formula_refuses_an_unknown_optimizer():
+    with pytest.raises(ValueError, match="choose one of sgd, adam"):
+        acc.optimizer_flops_per_element("lamb")

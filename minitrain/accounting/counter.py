@@ -41,13 +41,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
+from minitrain.accounting.flops import optimizer_flops_per_element
 from minitrain.accounting.hardware import HardwareError, dtype_name
 
 __all__ = [
     "Counter",
     "DATA_MOVEMENT",
     "FORMULA_OPS",
-    "FUSED_OPTIMIZER_FLOPS",
     "OpRecord",
     "OpTotals",
     "POINTWISE_FLOPS",
@@ -101,16 +101,6 @@ REDUCTION_FLOPS: dict[str, int] = {
     "_softmax_backward_data": 4,  # g·y - y·sum(g·y)
     "_log_softmax_backward_data": 4,  # g - exp(y)·sum(g): exp, row sum, multiply, subtract
     "native_layer_norm": 8,  # mean (2), variance (3), normalize (1), scale and shift (2)
-}
-# FLOPs per parameter element of torch's fused optimizer kernels, counting every term of the
-# update in the torch.optim docs: SGD ``p - lr·g``; Adam(W) moments (3 + 4), bias-corrected
-# denominator (3), step (3), plus decoupled weight decay (2) for AdamW; Adagrad ``s + g²`` (2)
-# and ``p - lr·g/(sqrt(s) + eps)`` (4).
-FUSED_OPTIMIZER_FLOPS: dict[str, int] = {
-    "_fused_sgd": 2,
-    "_fused_adam": 13,
-    "_fused_adamw": 15,
-    "_fused_adagrad": 6,
 }
 # Ops that move or create data but do no arithmetic: zero FLOPs, their bytes still count.
 DATA_MOVEMENT: frozenset[str] = frozenset(
@@ -329,6 +319,31 @@ def _gelu_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
     return _GELU_BACKWARD_FLOPS[approximate] * _argument(func, args, kwargs, "self").numel()
 
 
+def _fused_optimizer_flops(optimizer: str) -> Callable[[Any, Any, Any], int]:
+    # torch's fused kernels, from the elementwise ops of torch's single-tensor reference
+    # implementation with the kernel's own hyperparameters (flops.optimizer_flops_per_element).
+    def flops(func: Any, args: Any, kwargs: Any) -> int:
+        def get(name: str) -> Any:
+            try:
+                return _argument(func, args, kwargs, name)
+            except KeyError:
+                return None
+
+        per_element = optimizer_flops_per_element(
+            optimizer,
+            maximize=bool(get("maximize")),
+            weight_decay=float(get("weight_decay") or 0.0),
+            momentum=float(get("momentum") or 0.0),
+            nesterov=bool(get("nesterov")),
+            first_step=bool(get("is_first_step")),
+            amsgrad=bool(get("amsgrad")),
+            grad_scale=get("grad_scale") is not None,
+        )
+        return per_element * _elements(_tensors(_argument(func, args, kwargs, "self")))
+
+    return flops
+
+
 # Ops whose FLOPs depend on more than an element count: base name -> f(func, args, kwargs).
 FORMULA_OPS: dict[str, Callable[[Any, Any, Any], int]] = {
     "_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
@@ -342,6 +357,10 @@ FORMULA_OPS: dict[str, Callable[[Any, Any, Any], int]] = {
     "index_put": _index_put_flops,
     "_index_put_impl": _index_put_flops,
     "gelu_backward": _gelu_backward_flops,
+    "_fused_sgd": _fused_optimizer_flops("sgd"),
+    "_fused_adam": _fused_optimizer_flops("adam"),
+    "_fused_adamw": _fused_optimizer_flops("adamw"),
+    "_fused_adagrad": _fused_optimizer_flops("adagrad"),
 }
 
 
@@ -485,17 +504,17 @@ class Counter:
         packet = func._overloadpacket
         if packet in flop_registry:
             return int(flop_registry[packet](*args, **kwargs, out_val=out))
-        if view or base in DATA_MOVEMENT:
+        if view or base in DATA_MOVEMENT or func.namespace == "profiler":
             return 0
         if base in FORMULA_OPS:
             return int(FORMULA_OPS[base](func, args, kwargs))
         if base in POINTWISE_FLOPS:
-            return POINTWISE_FLOPS[base] * _elements(_tensors(out))
+            # In-place ``_foreach_*`` ops return nothing: count the tensors they write.
+            written = _tensors(out) or _mutated(func, args, kwargs)
+            return POINTWISE_FLOPS[base] * _elements(written)
         first = _tensors(args[0] if args else ())
         if base in REDUCTION_FLOPS:
             return REDUCTION_FLOPS[base] * _elements(first)
-        if base in FUSED_OPTIMIZER_FLOPS:
-            return FUSED_OPTIMIZER_FLOPS[base] * _elements(first)
         return None
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "cruncher_flops",
     "effective_throughput",
     "forward_flops",
+    "optimizer_flops_per_element",
     "round_significant",
     "training_flops",
     "training_time",
@@ -134,3 +135,56 @@ def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = 
     first_layer = dim * dim if num_layers else dim
     skipped = 0 if input_grad else 2 * batch * first_layer
     return 6 * batch * params - skipped
+
+
+FUSED_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
+
+
+def optimizer_flops_per_element(
+    optimizer: str,
+    *,
+    maximize: bool = False,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    first_step: bool = False,
+    amsgrad: bool = False,
+    grad_scale: bool = False,
+) -> int:
+    """FLOPs per parameter element of one update of torch's fused kernels (``_fused_sgd_``,
+    ``_fused_adam_``, ``_fused_adamw_``, ``_fused_adagrad_``) with these hyperparameters.
+
+    Each elementwise op of torch's single-tensor reference implementation (``foreach=False,
+    fused=False``; ``_single_tensor_sgd`` in torch/optim/sgd.py, ``_single_tensor_adam`` in
+    torch/optim/adam.py, ``_single_tensor_adagrad`` in torch/optim/adagrad.py) counts as the
+    counter counts it: ``add``, ``mul``, ``neg``, ``sqrt``, ``div``, ``maximum`` 1 per element
+    (an ``alpha=`` scale is part of the op), ``lerp``, ``addcmul``, ``addcdiv`` 3. The step
+    counter (``step += 1``, one add per parameter *tensor*) is a separate op in both paths and
+    is not included. ``grad_scale`` (AMP) adds the kernel's unscaling ``g / scale``.
+
+    - SGD: ``-g`` if maximize (1); ``g + wd·p`` (1); momentum after the first step
+      ``b·μ + (1 - τ)·g`` (2; the first step copies ``g``); nesterov ``g + μ·b`` (1);
+      ``p - lr·g`` (1).
+    - Adam(W): ``-g`` (1); weight decay ``g + wd·p`` (Adam) or ``p·(1 - lr·wd)`` (AdamW) (1);
+      ``m.lerp(g, 1 - β1)`` (3); ``v·β2 + (1 - β2)·g·g`` (1 + 3); amsgrad ``max(v̂, v)`` (1);
+      ``sqrt(v) / √bc2 + eps`` (3); ``p - step·m/denom`` (3): 13 with no options.
+    - Adagrad: ``-g`` (1); ``g + wd·p`` (1); ``s + g·g`` (3); ``sqrt(s) + eps`` (2);
+      ``p - clr·g/std`` (3): 8 with no options.
+
+    >>> optimizer_flops_per_element("adamw", weight_decay=0.01)
+    14
+    >>> optimizer_flops_per_element("sgd", momentum=0.9, nesterov=True)
+    4
+    """
+    key = optimizer.strip().lower()
+    if key not in FUSED_OPTIMIZERS:
+        choices = ", ".join(FUSED_OPTIMIZERS)
+        raise ValueError(f"no fused-kernel formula for {optimizer!r}; choose one of {choices}")
+    common = bool(maximize) + (weight_decay != 0) + bool(grad_scale)
+    if key == "sgd":
+        with_momentum = momentum != 0
+        return (common + 2 * (with_momentum and not first_step)
+                + (with_momentum and bool(nesterov)) + 1)
+    if key == "adagrad":
+        return common + 8
+    return common + 13 + bool(amsgrad)
