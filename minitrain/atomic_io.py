@@ -1,8 +1,13 @@
-"""Crash-safe directory writes: build aside, fsync, rename into place.
+"""Crash-safe writes: build aside, fsync, rename into place.
 
-A reader sees the old directory or the new one, never half of one: the new content is written
-into a staging directory next to the target, flushed to disk, then renamed over the target
-(POSIX ``rename`` is atomic within one filesystem). Used by checkpoints and prepared data.
+A reader sees the old file or directory or the new one, never half of one: the new content is
+written next to the target, flushed to disk (``fsync`` of the file, then of the directory that
+holds the new name), then renamed over the target (POSIX ``rename`` is atomic within one
+filesystem). Used by checkpoints, metrics and prepared data.
+
+Low-level helpers (:func:`write_new_file`, :func:`replace_dir`) raise the ``OSError`` they meet;
+the public ones meant for run directories (:func:`write_atomic`, :func:`check_writable_dir`)
+raise :class:`minitrain.errors.StorageError`, one line naming the path and the cause.
 
 >>> import tempfile
 >>> from pathlib import Path
@@ -16,13 +21,23 @@ into a staging directory next to the target, flushed to disk, then renamed over 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_tree", "replace_dir"]
+from minitrain.errors import StorageError
+
+__all__ = [
+    "fsync_dir",
+    "fsync_tree",
+    "write_new_file",
+    "replace_dir",
+    "write_atomic",
+    "check_writable_dir",
+]
 
 
-def fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: str | os.PathLike) -> None:
     """Flush a directory's entries (new names, renames) to disk."""
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -39,17 +54,122 @@ def fsync_tree(directory: Path) -> None:
     fsync_dir(directory)
 
 
+def write_new_file(path: str | os.PathLike, data: bytes) -> None:
+    """Create ``path`` (it must not exist), write all of ``data`` and fsync it.
+
+    ``os.write`` may write less than asked (a full disk often writes a part first); the loop
+    goes on until every byte is down or the OS raises (ENOSPC, EFBIG, EIO).
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> path = Path(tempfile.mkdtemp()) / "x.bin"
+    >>> write_new_file(path, b"abc"); path.read_bytes()
+    b'abc'
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_dir(staging: Path, target: Path) -> None:
     """Rename ``staging`` to ``target``, moving an older ``target`` aside first, then fsync.
 
     The older copy is renamed to ``.tmp-<pid>-old-<name>`` (so a cleaner that knows the
-    ``.tmp-<pid>-`` prefix can remove it if this process dies) and deleted afterwards.
+    ``.tmp-<pid>-`` prefix can remove it if this process dies) and deleted only once the new
+    one is in place; if the rename fails, the older copy is moved back.
     """
     old = None
     if target.exists():
         old = target.with_name(f".tmp-{os.getpid()}-old-{target.name}")
         os.replace(target, old)
-    os.replace(staging, target)
-    fsync_dir(target.parent)
+    try:
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        if old is not None and not target.exists():
+            os.replace(old, target)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str, what: str = "write") -> Path:
+    """Replace ``path``'s content with ``data`` atomically (temp file, fsync, rename, fsync dir).
+
+    On any ``OSError`` the old content stays, the temp file is removed, and
+    :class:`~minitrain.errors.StorageError` says ``cannot <what> <path>: <cause>``.
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> path = Path(tempfile.mkdtemp()) / "summary.json"
+    >>> write_atomic(path, '{"steps": 3}\\n').read_text()
+    '{"steps": 3}\\n'
+    >>> write_atomic(Path(tempfile.mkdtemp()), "x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.StorageError: cannot write /...: is a directory
+    """
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else bytes(data)
+    temp: str | None = None
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, os.strerror(21), str(path))
+        temp = str(path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"))
+        write_new_file(temp, payload)
+        os.replace(temp, path)
+        temp = None
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, path, what) from None
+    finally:
+        if temp is not None:
+            _unlink_quietly(temp)
+    return path
+
+
+def check_writable_dir(directory: str | os.PathLike, what: str = "write to") -> Path:
+    """Create ``directory`` if needed and prove it takes a new file (write, fsync, delete).
+
+    Run before the first step, so an unwritable ``--out`` fails at once, not after training.
+    Works as root too (where permission bits do not stop writes): it really writes.
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> check_writable_dir(Path(tempfile.mkdtemp()) / "run").is_dir()
+    True
+    >>> blocker = Path(tempfile.mkdtemp()) / "file"; _ = blocker.write_text("")
+    >>> check_writable_dir(blocker / "run")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.StorageError: cannot write to .../file/run: not a directory
+    """
+    directory = Path(directory)
+    try:
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(20, os.strerror(20), str(directory))
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        try:
+            write_new_file(probe, b"minitrain\n")
+        finally:
+            _unlink_quietly(probe)
+    except FileExistsError as exc:  # a parent is a file: mkdir says "exists"
+        raise StorageError.from_os_error(
+            NotADirectoryError(20, os.strerror(20), exc.filename), directory, what
+        ) from None
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, directory, what) from None
+    return directory
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

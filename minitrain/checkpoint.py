@@ -2,7 +2,8 @@
 
 The chapter (3.5.8) saves ``model.state_dict()`` and ``optimizer.state_dict()`` with
 ``torch.save``, a pickle: loading one runs arbitrary code, and a crash mid-write leaves a torn
-file. Here a checkpoint is a directory ``<run>/checkpoints/step-NNNNNNNN/`` holding
+file. Here a checkpoint is a directory ``<run>/checkpoints/step-NNNNNNNN/`` (at least 8 digits,
+up to 19 for steps below 2**63) holding
 
 - ``params.safetensors`` and ``opt_state.safetensors``: the tensor leaves, keyed by their
   :func:`minitrain.tree.named_leaves` names;
@@ -12,9 +13,14 @@ file. Here a checkpoint is a directory ``<run>/checkpoints/step-NNNNNNNN/`` hold
 
 A save writes everything into a temporary directory next to the final one, fsyncs files and
 directory, then renames it into place: a reader sees the old checkpoint or the new one, never
-half of one. :func:`latest_valid` verifies sizes and hashes and skips (and reports) anything
-truncated, corrupted or not a checkpoint. :func:`load` rebuilds the exact pytrees from the
-caller's templates, so no structure is ever deserialized from the file.
+half of one. An ``OSError`` on the way (a full disk, a file-size limit, a read-only directory)
+removes the temporary directory, leaves every earlier checkpoint as it was and raises
+:class:`~minitrain.errors.StorageError`, one line naming the path and the cause; older
+checkpoints are pruned only once the new one is in place. :func:`latest_valid` verifies sizes,
+hashes and every field of ``state.json`` (types, ranges, the sizes of the RNG states) and skips
+(and reports) anything truncated, corrupted, unreadable or not a checkpoint. :func:`load`
+rebuilds the exact pytrees from the caller's templates, so no structure is ever deserialized
+from the file.
 
 >>> import tempfile, torch
 >>> run = tempfile.mkdtemp()
@@ -49,7 +55,9 @@ import torch
 
 import minitrain
 from minitrain import rng, tree
-from minitrain.atomic_io import fsync_dir, replace_dir
+from minitrain.atomic_io import fsync_dir, replace_dir, write_new_file
+from minitrain.checkpoint_state import MAX_STEP, check_state_fields
+from minitrain.errors import StorageError, os_cause
 
 __all__ = [
     "CheckpointError",
@@ -62,6 +70,7 @@ __all__ = [
     "checkpoint_path",
     "prune",
     "restore_rng",
+    "MAX_STEP",
 ]
 
 FORMAT = "minitrain-checkpoint"
@@ -70,7 +79,7 @@ PARAMS_FILE = "params.safetensors"
 OPT_STATE_FILE = "opt_state.safetensors"
 STATE_FILE = "state.json"
 CHECKPOINTS = "checkpoints"
-_STEP_NAME = re.compile(r"step-(\d{8})")
+_STEP_NAME = re.compile(r"step-(\d{8,19})")
 _MAX_STATE_BYTES = 64 * 2**20
 _SCALAR_TYPES = (bool, int, float, str, type(None))
 
@@ -101,6 +110,8 @@ def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
 
     >>> checkpoint_path("runs/a", 120).as_posix()
     'runs/a/checkpoints/step-00000120'
+    >>> checkpoint_path("runs/a", 2**63 - 1).name
+    'step-9223372036854775807'
     """
     _check_step(step)
     return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
@@ -109,20 +120,35 @@ def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Every ``checkpoints/step-NNNNNNNN`` entry of ``run_dir``, oldest step first (unverified).
 
+    Only canonical names count (``step-`` and the step with at least 8 digits, no extra
+    leading zeros). A ``checkpoints`` directory that cannot be listed raises
+    :class:`~minitrain.errors.StorageError`.
+
     >>> import tempfile
     >>> list_checkpoints(tempfile.mkdtemp())
     []
     """
     root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [path for path in root.iterdir() if _STEP_NAME.fullmatch(path.name)]
-    return sorted(found, key=lambda path: path.name)
+    try:
+        if not root.is_dir():
+            return []
+        found = [path for path in root.iterdir() if _canonical_step(path.name) is not None]
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, root, "list the checkpoints in") from None
+    return sorted(found, key=_step_of)
+
+
+def _canonical_step(name: str) -> int | None:
+    match = _STEP_NAME.fullmatch(name)
+    if not match:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_STEP and name == f"step-{step:08d}" else None
 
 
 def _check_step(step: int) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**8:
-        raise CheckpointError(f"step must be an integer in [0, 10**8), got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"step must be an integer in [0, 2**63), got {step!r}")
 
 
 # --------------------------------------------------------------------------- save
@@ -144,7 +170,13 @@ def save(
         meta: JSON data stored as is (put the run's ``config`` and ``backend`` here).
         generator: the data sampler's generator, whose state is saved with the global RNGs'.
         keep: if given, afterwards delete all but the ``keep`` newest checkpoints up to ``step``
-            (checkpoints of later steps are never deleted).
+            (checkpoints of later steps are never deleted). Pruning starts only once the new
+            checkpoint is durably in place; if pruning fails, the extra checkpoints stay and a
+            warning is logged.
+
+    Raises :class:`CheckpointError` for arguments that cannot be saved and
+    :class:`~minitrain.errors.StorageError` for an ``OSError`` while writing (nothing is left
+    behind, and an earlier checkpoint of the same step stays as it was).
 
     >>> import tempfile, torch
     >>> run = tempfile.mkdtemp()
@@ -157,8 +189,6 @@ def save(
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep must be a positive integer or None, got {keep!r}")
     target = checkpoint_path(run_dir, step)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(target.parent)
     params_tensors, params_scalars = _split_leaves(params, "params")
     opt_tensors, opt_scalars = _split_leaves(opt_state, "opt_state")
     body = {
@@ -173,19 +203,51 @@ def save(
         "scalars": {"params": params_scalars, "opt_state": opt_scalars},
         "files": {},
     }
-    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent))
+    blobs = {
+        PARAMS_FILE: safetensors.torch.save(params_tensors),
+        OPT_STATE_FILE: safetensors.torch.save(opt_tensors),
+    }
+    for name, blob in blobs.items():
+        body["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    record = {**body, "checksum": _checksum(body)}
+    blobs[STATE_FILE] = (json.dumps(record, indent=1) + "\n").encode()
+    _make_checkpoints_dir(target.parent)
+    staging = None
     try:
-        for name, tensors in ((PARAMS_FILE, params_tensors), (OPT_STATE_FILE, opt_tensors)):
-            safetensors.torch.save_file(tensors, staging / name)
-            body["files"][name] = _fsync_and_describe(staging / name)
-        _write_json(staging / STATE_FILE, {**body, "checksum": _checksum(body)})
+        staging = Path(
+            tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent)
+        )
+        for name, blob in blobs.items():
+            write_new_file(staging / name, blob)
         fsync_dir(staging)
         replace_dir(staging, target)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, target, "write checkpoint") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     if keep is not None:
-        prune(run_dir, keep, up_to=step)
+        try:
+            prune(run_dir, keep, up_to=step)
+        except (OSError, StorageError) as exc:
+            logger.warning("kept older checkpoints in %s: pruning failed: %s", target.parent, exc)
     return target
+
+
+def _make_checkpoints_dir(root: Path) -> None:
+    """Create ``<run>/checkpoints`` (StorageError if that cannot be done) and clear staging
+    directories left by dead processes."""
+    try:
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(20, os.strerror(20), str(root))
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a parent of the run directory is a file
+        raise StorageError.from_os_error(
+            NotADirectoryError(20, os.strerror(20)), root, "create the checkpoint directory"
+        ) from None
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, root, "create the checkpoint directory") from None
+    _remove_stale_staging(root)
 
 
 def _split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -239,29 +301,13 @@ def _checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w") as handle:
-        handle.write(json.dumps(data, indent=1) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_and_describe(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-
-
-
-
 def _remove_stale_staging(root: Path) -> None:
     """Delete ``.tmp-*`` directories left by saves whose process has died."""
-    for path in root.glob(".tmp-*"):
+    try:
+        stale = list(root.glob(".tmp-*"))
+    except OSError:
+        return
+    for path in stale:
         match = re.match(r"\.tmp-(\d+)-", path.name)
         if match and not _process_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
@@ -283,7 +329,7 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
     """Delete all but the ``keep`` newest checkpoints with step <= ``up_to``; return the deleted.
 
     Each is renamed aside before it is deleted, so a crash never leaves half a checkpoint under
-    a valid name.
+    a valid name. An ``OSError`` raises :class:`~minitrain.errors.StorageError`.
 
     >>> import tempfile, torch
     >>> run = tempfile.mkdtemp()
@@ -300,7 +346,10 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
     doomed = candidates[:-keep]
     for path in doomed:
         trash = path.with_name(f".tmp-{os.getpid()}-pruned-{path.name}")
-        os.replace(path, trash)
+        try:
+            os.replace(path, trash)
+        except OSError as exc:
+            raise StorageError.from_os_error(exc, path, "prune checkpoint") from None
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
 
@@ -407,13 +456,19 @@ def restore_rng(checkpoint: Checkpoint, generator: torch.Generator | None = None
     >>> torch.equal(torch.rand(2, generator=g), expected)
     True
     """
+    if generator is not None and checkpoint.generator_state is None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} holds no data generator state; it was saved "
+            "without generator=..."
+        )
+    try:  # both are checked before either is set
+        rng.check_rng_state(checkpoint.rng_state)
+        if generator is not None:
+            rng.check_generator_state(checkpoint.generator_state, generator.device)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {checkpoint.path}: {exc}") from None
     rng.set_rng_state(checkpoint.rng_state)
     if generator is not None:
-        if checkpoint.generator_state is None:
-            raise CheckpointError(
-                f"checkpoint {checkpoint.path} holds no data generator state; it was saved "
-                "without generator=..."
-            )
         rng.set_generator_state(generator, checkpoint.generator_state)
 
 
@@ -426,12 +481,16 @@ def _read_checkpoint(path: Path, keep_bytes: bool) -> tuple[dict[str, Any], dict
         }
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    except OSError as exc:  # unreadable (EACCES, EIO) or gone while reading
+        raise CheckpointError(
+            f"checkpoint {path}: cannot read {exc.filename or path}: {os_cause(exc)}"
+        ) from None
     return state, blobs
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    match = _STEP_NAME.fullmatch(path.name)
-    if not match:
+    step = _canonical_step(path.name)
+    if step is None:
         raise CheckpointError("not a checkpoint: its name is not step-NNNNNNNN")
     if not path.is_dir():
         raise CheckpointError("not a directory (a checkpoint is a step-NNNNNNNN/ directory)")
@@ -458,8 +517,12 @@ def _read_state(path: Path) -> dict[str, Any]:
     body = {key: value for key, value in state.items() if key != "checksum"}
     if state.get("checksum") != _checksum(body):
         raise CheckpointError(f"{STATE_FILE} does not match its checksum (corrupted)")
-    if state["step"] != int(match.group(1)):
-        raise CheckpointError(f"{STATE_FILE} records step {state['step']}, not {match.group(1)}")
+    try:
+        check_state_fields(state, (PARAMS_FILE, OPT_STATE_FILE))
+    except ValueError as exc:
+        raise CheckpointError(f"{STATE_FILE} {exc}") from None
+    if state["step"] != step:
+        raise CheckpointError(f"{STATE_FILE} records step {state['step']}, not {step}")
     return state
 
 

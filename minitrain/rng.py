@@ -3,7 +3,9 @@
 The chapter (3.5.3) seeds three libraries: torch, numpy and Python's ``random``.
 :func:`seed_everything` seeds all three with one value; :func:`get_rng_state` and
 :func:`set_rng_state` capture and restore them as JSON-friendly data, so a checkpoint can resume
-a run bit for bit.
+a run bit for bit. :func:`check_rng_state` and :func:`check_generator_state` validate such data
+(types, ranges, sizes) on scratch generators before anything global is touched, so a damaged
+checkpoint is refused with a reason instead of failing halfway through a restore.
 
 >>> import torch
 >>> seed_everything(0); a = torch.rand(2)
@@ -15,6 +17,8 @@ True
 from __future__ import annotations
 
 import base64
+import binascii
+import math
 import random
 from typing import Any
 
@@ -28,13 +32,25 @@ __all__ = [
     "set_rng_state",
     "generator_state",
     "set_generator_state",
+    "check_rng_state",
+    "check_generator_state",
+    "MAX_SEED",
+    "TORCH_CPU_STATE_BYTES",
 ]
+
+MAX_SEED = 2**63 - 1
+"""The largest seed accepted: torch's ``manual_seed`` takes a signed 64-bit value."""
+
+TORCH_CPU_STATE_BYTES = 5056
+"""Size of a torch CPU generator's state (mt19937: 624 words, plus the Philox/normal caches)."""
+
+_MT_WORDS = 624  # mt19937's state: 624 32-bit words (numpy's and Python's random too)
 
 
 def seed_everything(seed: int) -> None:
     """Seed torch (CPU and every CUDA device), numpy and Python's ``random`` with ``seed``."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -58,8 +74,125 @@ def generator_state(g: torch.Generator) -> str:
 
 
 def set_generator_state(g: torch.Generator, state: str) -> None:
-    """Restore a generator from :func:`generator_state`'s text."""
+    """Restore a generator from :func:`generator_state`'s text (checked first)."""
+    check_generator_state(state, g.device)
     g.set_state(_decode(state))
+
+
+def check_generator_state(state: Any, device: str | torch.device = "cpu") -> None:
+    """Raise ``ValueError`` unless ``state`` is a generator state :func:`generator_state` wrote.
+
+    A CPU state must decode to :data:`TORCH_CPU_STATE_BYTES` bytes that torch accepts (tried on
+    a scratch generator).
+
+    >>> check_generator_state(generator_state(generator(0)))
+    >>> check_generator_state("AAAA")
+    Traceback (most recent call last):
+    ...
+    ValueError: torch generator state is 3 bytes, not 5056
+    """
+    raw = _decode_checked(state, "torch generator state")
+    if torch.device(device).type != "cpu":
+        return
+    if len(raw) != TORCH_CPU_STATE_BYTES:
+        raise ValueError(
+            f"torch generator state is {len(raw)} bytes, not {TORCH_CPU_STATE_BYTES}"
+        )
+    try:
+        torch.Generator().set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    except RuntimeError as exc:
+        raise ValueError(f"torch generator state is not valid ({exc})") from None
+
+
+def check_rng_state(state: Any) -> None:
+    """Raise ``ValueError`` unless ``state`` is what :func:`get_rng_state` returns.
+
+    Checks every field: torch's CPU state (size, accepted by a scratch generator), numpy's
+    (``MT19937``, 624 keys in ``[0, 2**32)``, ``pos`` in ``[0, 624]``...), Python's
+    ``random`` (version 3, 624 words and an index) and, if present, the CUDA states.
+
+    >>> check_rng_state(get_rng_state())
+    >>> check_rng_state({"torch": "", "numpy": {}, "random": []})
+    Traceback (most recent call last):
+    ...
+    ValueError: torch generator state is 0 bytes, not 5056
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"rng state is a {type(state).__name__}, not a dict")
+    unknown = set(state) - {"torch", "numpy", "random", "cuda"}
+    if unknown:
+        raise ValueError(f"rng state has unknown field(s) {sorted(unknown)}")
+    for key in ("torch", "numpy", "random"):
+        if key not in state:
+            raise ValueError(f"rng state has no {key!r} field")
+    check_generator_state(state["torch"])
+    _check_numpy_state(state["numpy"])
+    _check_random_state(state["random"])
+    if "cuda" in state:
+        cuda = state["cuda"]
+        if not isinstance(cuda, list):
+            raise ValueError(f"rng state 'cuda' is a {type(cuda).__name__}, not a list")
+        for entry in cuda:
+            _decode_checked(entry, "cuda generator state")
+
+
+def _check_numpy_state(numpy_state: Any) -> None:
+    fields = {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}
+    if not isinstance(numpy_state, dict) or set(numpy_state) != fields:
+        raise ValueError(f"numpy rng state must be a dict with fields {sorted(fields)}")
+    if numpy_state["kind"] != "MT19937":
+        raise ValueError(f"numpy rng state kind is {numpy_state['kind']!r}, not 'MT19937'")
+    _check_words(numpy_state["keys"], _MT_WORDS, "numpy rng state keys")
+    if not _is_int(numpy_state["pos"]) or not 0 <= numpy_state["pos"] <= _MT_WORDS:
+        raise ValueError(f"numpy rng state pos must be in [0, 624], got {numpy_state['pos']!r}")
+    if not _is_int(numpy_state["has_gauss"]) or numpy_state["has_gauss"] not in (0, 1):
+        raise ValueError(f"numpy rng has_gauss must be 0 or 1, got {numpy_state['has_gauss']!r}")
+    if not _is_finite(numpy_state["cached_gaussian"]):
+        raise ValueError(
+            f"numpy rng cached_gaussian must be a finite number, got "
+            f"{numpy_state['cached_gaussian']!r}"
+        )
+
+
+def _check_random_state(random_state: Any) -> None:
+    if not isinstance(random_state, list) or len(random_state) != 3:
+        raise ValueError("random rng state must be [version, internal state, gauss]")
+    version, internal, gauss = random_state
+    if version != 3 or not _is_int(version):
+        raise ValueError(f"random rng state version must be 3, got {version!r}")
+    if not isinstance(internal, list) or len(internal) != _MT_WORDS + 1:
+        raise ValueError("random rng internal state must be a list of 625 integers")
+    _check_words(internal[:-1], _MT_WORDS, "random rng internal state")
+    if not _is_int(internal[-1]) or not 0 <= internal[-1] <= _MT_WORDS:
+        raise ValueError(f"random rng state index must be in [0, 624], got {internal[-1]!r}")
+    if gauss is not None and not _is_finite(gauss):
+        raise ValueError(f"random rng gauss must be null or a finite number, got {gauss!r}")
+
+
+def _check_words(words: Any, count: int, label: str) -> None:
+    if not isinstance(words, list) or len(words) != count:
+        raise ValueError(f"{label} must be a list of {count} integers")
+    if not all(_is_int(word) and 0 <= word < 2**32 for word in words):
+        raise ValueError(f"{label} must hold integers in [0, 2**32)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
+        value
+    )
+
+
+def _decode_checked(text: Any, label: str) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"{label} is a {type(text).__name__}, not base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{label} is not valid base64") from None
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -82,7 +215,9 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the global generators from :func:`get_rng_state`'s data."""
+    """Restore the global generators from :func:`get_rng_state`'s data (checked first: a
+    ``ValueError`` leaves every generator as it was)."""
+    check_rng_state(state)
     torch.set_rng_state(_decode(state["torch"]))
     numpy_state = state["numpy"]
     np.random.set_state(

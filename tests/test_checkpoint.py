@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 import minitrain as mt
 from minitrain import checkpoint
 from minitrain.checkpoint import CheckpointError
+from minitrain.errors import StorageError
 
 
 class AdamLikeState(NamedTuple):
@@ -231,7 +234,7 @@ def test_unsaveable_input_is_refused(tmp_path, params, opt_state, meta, message)
     assert checkpoint.list_checkpoints(tmp_path) == []
 
 
-@pytest.mark.parametrize("step", [-1, 10**8, True])
+@pytest.mark.parametrize("step", [-1, 2**63, True])
 def test_bad_step_is_refused(tmp_path, step):
     with pytest.raises(CheckpointError, match="step must be an integer"):
         checkpoint.save(tmp_path, step, {}, {})
@@ -345,22 +348,33 @@ def test_no_valid_checkpoint_gives_none(tmp_path):
 # --------------------------------------------------------------------------- atomicity
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+def fail_writes(monkeypatch, name: str, errno_: int) -> None:
+    """Make ``os.write`` to a file called ``name`` write half its bytes, then raise ``errno_``
+    (as a disk that fills up mid-file does)."""
+    real_write = os.write
+
+    def write(fd, data):
+        target = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else ""
+        if Path(target).name == name:
+            if len(data) > 1:
+                return real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno_, os.strerror(errno_))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, errno_):
     older, newer, params, opt_state = save_pair(tmp_path)
     before = {p.name: p.read_bytes() for p in newer.iterdir()}
-    real_save_file = safetensors.torch.save_file
-
-    def crash_on_opt_state(tensors, filename, metadata=None):
-        if Path(filename).name == "opt_state.safetensors":
-            real_save_file(dict(list(tensors.items())[:1]), filename)  # half-written
-            raise OSError("disk full")
-        return real_save_file(tensors, filename, metadata)
-
-    monkeypatch.setattr(safetensors.torch, "save_file", crash_on_opt_state)
-    with pytest.raises(OSError, match="disk full"):
+    fail_writes(monkeypatch, "opt_state.safetensors", errno_)
+    cause = os.strerror(errno_).lower()
+    with pytest.raises(StorageError, match=f"cannot write checkpoint .*step-00000200: {cause}"):
         checkpoint.save(tmp_path, 200, make_params(5), opt_state)  # would replace step 200
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StorageError, match=cause) as error:
         checkpoint.save(tmp_path, 300, make_params(5), opt_state, keep=1)
+    assert "\n" not in str(error.value)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [older.name, newer.name]
     assert {p.name: p.read_bytes() for p in newer.iterdir()} == before
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp")]
@@ -410,3 +424,142 @@ def test_sigkill_mid_save_never_leaves_a_bad_checkpoint(tmp_path):
     # A later save cleans up the staging directories the killed savers left behind.
     checkpoint.save(run, 10**7 - 1, {}, {})
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+# --------------------------------------------------------------------------- state.json fields
+
+
+def edit_state(path: Path, edit) -> None:
+    """Apply ``edit`` to a checkpoint's state.json and re-sign it: only the field checks see it."""
+    state = json.loads((path / "state.json").read_text())
+    del state["checksum"]
+    edit(state)
+    state["checksum"] = checkpoint._checksum(state)
+    (path / "state.json").write_text(json.dumps(state))
+
+
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def edit(state):
+        target = state
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+
+    return edit
+
+
+def _drop(key):
+    return lambda state: state.pop(key)
+
+
+STATE_EDITS = {
+    "step missing": (_drop("step"), "lacks ['step']"),
+    "rng missing": (_drop("rng"), "lacks ['rng']"),
+    "unknown field": (_set("extra", 1), "unknown fields ['extra']"),
+    "step a string": (_set("step", "200"), "step must be an integer"),
+    "step a float": (_set("step", 200.0), "step must be an integer"),
+    "step negative": (_set("step", -1), "step must be an integer"),
+    "meta a list": (_set("meta", []), "'meta' is a list"),
+    "saved_at a string": (_set("saved_at", "now"), "saved_at"),
+    "versions of ints": (_set("versions", {"torch": 2}), "versions"),
+    "torch rng short": (_set("rng", "torch", "AAAA"), "3 bytes, not 5056"),
+    "torch rng not base64": (_set("rng", "torch", "!!"), "not valid base64"),
+    "torch rng garbage": (
+        _set("rng", "torch", "A" * (5056 * 4 // 3 + 4)), "torch generator state"
+    ),
+    "numpy kind": (_set("rng", "numpy", "kind", "PCG64"), "MT19937"),
+    "numpy keys short": (_set("rng", "numpy", "keys", [1, 2]), "624 integers"),
+    "numpy key too big": (_set("rng", "numpy", "keys", [2**32] * 624), "[0, 2**32)"),
+    "numpy pos": (_set("rng", "numpy", "pos", 625), "pos must be in"),
+    "numpy gauss nan": (_set("rng", "numpy", "cached_gaussian", "x"), "cached_gaussian"),
+    "random version": (_set("rng", "random", [2, [0] * 625, None]), "version must be 3"),
+    "random short": (_set("rng", "random", [3, [0] * 10, None]), "625 integers"),
+    "random index": (_set("rng", "random", [3, [0] * 624 + [999], None]), "index"),
+    "data generator": (_set("data_generator", 5), "not base64 text"),
+    "scalars": (_set("scalars", {"params": {}}), "scalars"),
+    "scalar leaf a list": (_set("scalars", "opt_state", "step", [4]), "plain values"),
+    "file bytes negative": (
+        _set("files", "params.safetensors", "bytes", -1), "record of params.safetensors"
+    ),
+    "file digest": (_set("files", "params.safetensors", "sha256", "00"), "hex digest"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(STATE_EDITS))
+def test_a_bad_state_field_is_skipped_like_corruption(tmp_path, edit):
+    change, message = STATE_EDITS[edit]
+    older, newer, params, opt_state = save_pair(tmp_path)
+    edit_state(newer, change)
+    with pytest.raises(CheckpointError, match=re.escape(message)) as error:
+        checkpoint.load(newer, params, opt_state)
+    assert "\n" not in str(error.value) and "state.json" in str(error.value)
+    reasons = []
+    assert checkpoint.latest_valid(tmp_path, lambda p, why: reasons.append(why)) == older
+    assert len(reasons) == 1 and message in reasons[0]
+    random_state, torch_state = random.getstate(), torch.get_rng_state()
+    checkpoint.restore_rng(checkpoint.load(older, params, opt_state))  # the older one still works
+    random.setstate(random_state), torch.set_rng_state(torch_state)
+
+
+def test_an_unreadable_checkpoint_is_skipped_with_the_cause(tmp_path, monkeypatch):
+    older, newer, params, opt_state = save_pair(tmp_path)
+    real_read = Path.read_bytes
+
+    def read_bytes(self):
+        if self.parent == newer:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    reasons = []
+    assert checkpoint.latest_valid(tmp_path, lambda p, why: reasons.append(why)) == older
+    assert reasons == [f"cannot read {newer / 'state.json'}: permission denied"]
+
+
+# --------------------------------------------------------------------------- names and places
+
+
+def test_steps_past_10_to_the_8_get_wider_names_and_sort_by_step(tmp_path):
+    for step in (99_999_999, 10**8, 2**63 - 1, 7):
+        checkpoint.save(tmp_path, step, {"w": torch.ones(1)}, {}, keep=3)
+    names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
+    # keep=3 prunes only up to the step saved: the later ones stay (step 7 came last).
+    assert names == [
+        "step-00000007", "step-99999999", "step-100000000", "step-9223372036854775807"
+    ]
+    assert checkpoint.latest_valid(tmp_path).name == "step-9223372036854775807"
+    assert checkpoint.load(checkpoint.latest_valid(tmp_path), {"w": torch.ones(1)}, {}).step == (
+        2**63 - 1
+    )
+    # Not canonical (extra leading zeros, too long): not a checkpoint name at all.
+    for name in ("step-000000001", "step-99999999999999999999"):
+        (tmp_path / "checkpoints" / name).mkdir()
+    assert len(checkpoint.list_checkpoints(tmp_path)) == 4
+
+
+def test_checkpoints_that_is_a_file_is_a_storage_error(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a directory")
+    with pytest.raises(StorageError, match=r"checkpoints: not a directory") as error:
+        checkpoint.save(tmp_path, 1, {"w": torch.ones(1)}, {})
+    assert error.value.path == str(tmp_path / "checkpoints")
+    assert (tmp_path / "checkpoints").read_text() == "not a directory"
+    assert checkpoint.list_checkpoints(tmp_path) == []
+
+
+def test_a_failed_prune_keeps_the_new_checkpoint_and_warns(tmp_path, monkeypatch, caplog):
+    older, newer, params, opt_state = save_pair(tmp_path)
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if "-pruned-" in str(dst):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with caplog.at_level(logging.WARNING, logger="minitrain.checkpoint"):
+        path = checkpoint.save(tmp_path, 300, params, opt_state, keep=1)
+    assert "pruning failed" in caplog.text and "read-only file system" in caplog.text
+    assert checkpoint.list_checkpoints(tmp_path) == [older, newer, path]
+    assert checkpoint.latest_valid(tmp_path) == path

@@ -1,0 +1,96 @@
+"""What a checkpoint's ``state.json`` must hold: every field, its type and its range.
+
+:mod:`minitrain.checkpoint` writes ``state.json`` and checks it with
+:func:`check_state_fields` before any value is used, so a record edited by hand (a field
+missing, a wrong type, a garbage RNG state) is refused with a reason and skipped like a
+corrupt checkpoint instead of failing halfway through a resume. The RNG states are checked by
+:mod:`minitrain.rng` on scratch generators (sizes, ranges, and torch's own validation).
+
+>>> check_state_fields({"format": "minitrain-checkpoint"}, ("params.safetensors",))
+Traceback (most recent call last):
+...
+ValueError: lacks ['checksum', 'data_generator', 'files', 'meta', 'rng', 'saved_at', 'scalars', 'step', 'versions', 'version']
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from minitrain import rng
+
+__all__ = ["MAX_STEP", "STATE_FIELDS", "check_state_fields"]
+
+MAX_STEP = 2**63 - 1
+"""The largest step a checkpoint can be named for: ``step-`` and up to 19 digits."""
+
+STATE_FIELDS = frozenset({
+    "format", "version", "step", "meta", "rng", "data_generator", "versions", "saved_at",
+    "scalars", "files", "checksum",
+})
+"""The fields of ``state.json``, no more and no fewer."""
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SCALAR_TYPES = (bool, int, float, str, type(None))
+
+
+def check_state_fields(state: dict[str, Any], file_names: Iterable[str]) -> None:
+    """Raise ``ValueError`` (a one-line reason) unless every field of ``state`` is well formed.
+
+    ``file_names`` are the tensor files the ``files`` record must describe.
+    """
+    missing, unknown = STATE_FIELDS - set(state), set(state) - STATE_FIELDS
+    if missing or unknown:
+        raise ValueError(
+            f"lacks {sorted(missing)}" if missing else f"has unknown fields {sorted(unknown)}"
+        )
+    step = state["step"]
+    if not _is_int(step) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an integer in [0, 2**63), got {step!r}")
+    for key in ("meta", "versions", "scalars", "files"):
+        if not isinstance(state[key], dict):
+            raise ValueError(f"field {key!r} is a {type(state[key]).__name__}, not an object")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in state["versions"].items()):
+        raise ValueError("versions must map names to version strings")
+    saved_at = state["saved_at"]
+    if not (isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool)
+            and math.isfinite(saved_at) and saved_at >= 0):
+        raise ValueError(f"saved_at must be a time in seconds, got {saved_at!r}")
+    try:
+        rng.check_rng_state(state["rng"])
+        if state["data_generator"] is not None:
+            rng.check_generator_state(state["data_generator"])
+    except ValueError as exc:
+        raise ValueError(f"has a bad RNG state: {exc}") from None
+    _check_scalars(state["scalars"])
+    _check_files(state["files"], set(file_names))
+
+
+def _check_scalars(scalars: dict[str, Any]) -> None:
+    if set(scalars) != {"params", "opt_state"} or not all(
+        isinstance(leaves, dict)
+        and all(isinstance(value, _SCALAR_TYPES) for value in leaves.values())
+        for leaves in scalars.values()
+    ):
+        raise ValueError("scalars must hold 'params' and 'opt_state' maps of plain values")
+
+
+def _check_files(files: dict[str, Any], names: set[str]) -> None:
+    if set(files) != names:
+        raise ValueError(f"files must list exactly {sorted(names)}")
+    for name, record in files.items():
+        if not (
+            isinstance(record, dict)
+            and set(record) == {"bytes", "sha256"}
+            and _is_int(record["bytes"])
+            and record["bytes"] >= 0
+            and isinstance(record["sha256"], str)
+            and _SHA256.fullmatch(record["sha256"])
+        ):
+            raise ValueError(f"record of {name} must be {{'bytes': size, 'sha256': hex digest}}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
