@@ -345,15 +345,15 @@ def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch
     """
     element, scale_format = spec(s.element), spec(s.scale_format)
     tensor_amax = x.abs().amax()
-    if tensor_amax == 0:
-        return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
-    tensor_scale = tensor_amax / (scale_format.max * element.max)
+    zero = tensor_amax == 0  # an all-zero tensor stays zero (no branch: works under vmap)
+    tensor_scale = torch.where(zero, 1.0, tensor_amax) / (scale_format.max * element.max)
     block_scale = _blockwise_amax(x, s.block_size) / element.max / tensor_scale
     block_scale = block_scale.clamp(scale_format.min_normal, scale_format.max)
     block_scale, _ = _round_elements(block_scale.double(), scale_format, True, True)
     block_scale = block_scale.to(x.dtype)
     reciprocal = (1.0 / tensor_scale) / block_scale
-    return _apply_block_scale(x, tensor_scale * block_scale, element, reciprocal)
+    values, overflow = _apply_block_scale(x, tensor_scale * block_scale, element, reciprocal)
+    return torch.where(zero, 0.0, values), overflow & ~zero
 
 
 def _quantize_with_overflow(

@@ -418,3 +418,11 @@ def test_formats_command_values_and_mistakes():
     assert "0111" in table.stdout and "-6" in table.stdout
     wrong = CliRunner().invoke(formats_command, ["--values", "fp7"])
     assert wrong.exit_code == 2 and wrong.output.startswith("error: unknown number format")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8", "mxfp4", "nvfp4"])
+def test_quantize_under_vmap_matches_a_loop(name):
+    x = gaussian(3, 2, 32, seed=4)
+    x[1] = 0.0  # an all-zero member keeps its own (zero) scale
+    batched = torch.func.vmap(lambda t: formats.quantize(t, name))(x)
+    assert_bitwise_equal(batched, torch.stack([formats.quantize(t, name) for t in x]), x)
