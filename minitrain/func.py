@@ -62,7 +62,9 @@ def grad(
     return torch.func.grad(fn, argnums=argnums, has_aux=has_aux)
 
 
-def from_module(module: nn.Module) -> tuple[Params, Callable[..., Any]]:
+def from_module(
+    module: nn.Module, *, with_state: bool = False
+) -> tuple[Params, Callable[..., Any]] | tuple[Params, Params, Callable[..., Any]]:
     """Split an ``nn.Module`` into ``(params, apply)`` with ``apply(params, *args, **kwargs)``.
 
     ``params`` is a dict of detached copies of the trainable parameters, keyed by their
@@ -73,6 +75,24 @@ def from_module(module: nn.Module) -> tuple[Params, Callable[..., Any]]:
     >>> params, apply = from_module(net)
     >>> sorted(params), apply(params, torch.zeros(4, 3)).shape
     (['bias', 'weight'], torch.Size([4, 2]))
+
+    With ``with_state=True`` the buffers are explicit state instead (flax's mutable
+    collections, equinox's ``State``): ``params, state, apply = from_module(module,
+    with_state=True)`` and ``apply(params, state, *args, **kwargs) -> (out, new_state)``.
+    ``apply`` is pure: it runs on copies of ``state``, so the buffers a forward pass updates
+    in place (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked`` in train
+    mode) come back in ``new_state`` and ``state`` is never mutated. This is what lets
+    ``torch.func.grad`` differentiate a train-mode BatchNorm model: return ``new_state`` as
+    the loss's aux (``value_and_grad(loss, has_aux=True)``) and carry it to the next step,
+    like the params. Each call copies every buffer (a step pays ``nbytes(state)`` more).
+
+    >>> bn = torch.nn.BatchNorm1d(2)
+    >>> params, state, apply = from_module(bn, with_state=True)
+    >>> out, new_state = apply(params, state, torch.tensor([[0.0, 1.0], [2.0, 5.0]]))
+    >>> state["running_mean"], new_state["running_mean"]   # momentum 0.1 of the batch mean
+    (tensor([0., 0.]), tensor([0.1000, 0.3000]))
+    >>> int(new_state["num_batches_tracked"])
+    1
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_module expects a torch.nn.Module, got {type(module).__name__}")
@@ -82,10 +102,32 @@ def from_module(module: nn.Module) -> tuple[Params, Callable[..., Any]]:
     }
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
 
+    if with_state:
+        return params, buffers, _stateful_apply(module, frozen, set(buffers))
+
     def apply(params: Params, *args: Any, **kwargs: Any) -> Any:
         return torch.func.functional_call(module, (params, frozen, buffers), args, kwargs)
 
     return params, apply
+
+
+def _stateful_apply(
+    module: nn.Module, frozen: Params, names: set[str]
+) -> Callable[..., tuple[Any, Params]]:
+    def apply(params: Params, state: Params, *args: Any, **kwargs: Any) -> tuple[Any, Params]:
+        if not isinstance(state, dict) or set(state) != names:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"state must be the dict of buffers from_module(..., with_state=True) returned "
+                f"(keys {sorted(names)}), got {got}; pass apply(params, state, *inputs)"
+            )
+        # Copies, made inside any torch.func transform: the forward pass may update them in
+        # place (BatchNorm), and they are returned as the new state.
+        new_state = {name: t.clone() for name, t in state.items()}
+        out = torch.func.functional_call(module, (params, frozen, new_state), args, kwargs)
+        return out, new_state
+
+    return apply
 
 
 def per_example_grads(
