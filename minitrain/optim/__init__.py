@@ -22,9 +22,19 @@ from minitrain.optim.base import (
     learning_rate,
 )
 from minitrain.optim.schedules import (
+    constant_factor_schedule,
     constant_schedule,
+    cosine_annealing_schedule,
     cosine_schedule,
+    cosine_warm_restarts_schedule,
+    cyclic_schedule,
+    exponential_schedule,
+    linear_schedule,
     linear_warmup_schedule,
+    multistep_schedule,
+    one_cycle_schedule,
+    polynomial_schedule,
+    sequential_schedule,
     step_schedule,
 )
 from minitrain.optim.transforms import clip_by_global_norm
@@ -48,6 +58,16 @@ __all__ = [
     "linear_warmup_schedule",
     "cosine_schedule",
     "step_schedule",
+    "multistep_schedule",
+    "exponential_schedule",
+    "cosine_annealing_schedule",
+    "cosine_warm_restarts_schedule",
+    "linear_schedule",
+    "polynomial_schedule",
+    "constant_factor_schedule",
+    "one_cycle_schedule",
+    "cyclic_schedule",
+    "sequential_schedule",
     "learning_rate",
     "clip_by_global_norm",
 ]

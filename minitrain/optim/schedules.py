@@ -1,13 +1,17 @@
 """Learning-rate schedules: pure functions ``step -> lr`` of the number of updates done.
 
 Each schedule accepts a Python int (the fast path, logging) or a 0-d integer tensor (the plain
-path under ``vmap`` / ``torch.compile``) and answers in kind. Shapes follow optax's
-``linear_schedule``, ``warmup_cosine_decay_schedule`` and torch's ``StepLR``.
+path under ``vmap`` / ``torch.compile``) and answers in kind. ``linear_warmup_schedule`` and
+``cosine_schedule`` follow optax (``warmup_cosine_decay_schedule``); the rest equal the
+schedulers of ``torch.optim.lr_scheduler`` stepped once per update, with torch's argument names
+and defaults (``init_value`` is the optimizer's lr there).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +19,25 @@ from torch import Tensor
 
 from minitrain.optim.base import Schedule, check_hyperparameter
 
-__all__ = ["constant_schedule", "linear_warmup_schedule", "cosine_schedule", "step_schedule"]
+__all__ = [
+    "constant_schedule",
+    "linear_warmup_schedule",
+    "cosine_schedule",
+    "step_schedule",
+    "multistep_schedule",
+    "exponential_schedule",
+    "cosine_annealing_schedule",
+    "cosine_warm_restarts_schedule",
+    "linear_schedule",
+    "polynomial_schedule",
+    "constant_factor_schedule",
+    "one_cycle_schedule",
+    "cyclic_schedule",
+    "sequential_schedule",
+]
+
+Value = float | Tensor
+"""A real hyperparameter of a schedule: a float or a 0-d tensor (swept, or differentiated)."""
 
 
 def constant_schedule(value: float) -> Schedule:
@@ -80,18 +102,417 @@ def cosine_schedule(
     return schedule
 
 
-def step_schedule(init_value: float, step_size: int, gamma: float = 0.1) -> Schedule:
+def step_schedule(init_value: Value, step_size: int, gamma: Value = 0.1) -> Schedule:
     """Multiply the lr by ``gamma`` every ``step_size`` steps (``torch.optim.lr_scheduler.StepLR``).
 
     >>> schedule = step_schedule(1.0, step_size=2, gamma=0.5)
     >>> [schedule(step) for step in range(5)]
     [1.0, 1.0, 0.5, 0.5, 0.25]
     """
-    check_hyperparameter("init_value", init_value, 0.0)
-    check_hyperparameter("gamma", gamma, 0.0)
-    if step_size < 1:
-        raise ValueError(f"invalid step_size={step_size}: it must be at least 1")
-    return lambda step: init_value * gamma ** (step // step_size)
+    _check_value("init_value", init_value)
+    _check_value("gamma", gamma)
+    _check_count("step_size", step_size, 1)
+    # torch StepLR._get_closed_form_lr
+    return _tensor_friendly(lambda t: init_value * gamma ** (t // step_size))
+
+
+# --------------------------------------------------------------------------------------------
+# torch.optim.lr_scheduler, value for value
+#
+# Each factory below equals one torch scheduler stepped once per update: ``schedule(k)`` is
+# ``scheduler.get_last_lr()[0]`` after ``k`` calls of ``scheduler.step()``, for an optimizer
+# whose lr is ``init_value``. Torch updates most of them recursively (``lr *= ...``); these use
+# torch's closed forms (``_get_closed_form_lr``), so the two agree to rounding (~1e-15 relative).
+# A tensor step is computed in float64 and answers a 0-d float64 tensor, with torch ops only (no
+# ``if`` on tensors, no host syncs), so schedules run under ``vmap`` and ``torch.compile``.
+
+
+def multistep_schedule(
+    init_value: Value, milestones: Sequence[int], gamma: Value = 0.1
+) -> Schedule:
+    """Multiply the lr by ``gamma`` at each milestone (``torch.optim.lr_scheduler.MultiStepLR``).
+
+    A milestone listed twice multiplies by ``gamma`` twice, as in torch.
+
+    >>> schedule = multistep_schedule(1.0, milestones=[2, 4], gamma=0.5)
+    >>> [schedule(step) for step in range(6)]
+    [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    """
+    _check_value("init_value", init_value)
+    _check_value("gamma", gamma)
+    bounds = sorted(_check_steps("milestones", milestones))
+    # torch MultiStepLR._get_closed_form_lr: base_lr * gamma ** bisect_right(milestones, epoch)
+    return _tensor_friendly(lambda t: init_value * gamma ** _passed(t, bounds))
+
+
+def exponential_schedule(init_value: Value, gamma: Value) -> Schedule:
+    """Multiply the lr by ``gamma`` every step (``torch.optim.lr_scheduler.ExponentialLR``).
+
+    >>> schedule = exponential_schedule(1.0, gamma=0.5)
+    >>> [schedule(step) for step in range(4)]
+    [1.0, 0.5, 0.25, 0.125]
+    """
+    _check_value("init_value", init_value)
+    _check_value("gamma", gamma)
+    return _tensor_friendly(lambda t: init_value * gamma**t)
+
+
+def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.0) -> Schedule:
+    """Cosine from ``init_value`` down to ``eta_min`` over ``T_max`` steps
+    (``torch.optim.lr_scheduler.CosineAnnealingLR``).
+
+    The closed form of SGDR (Loshchilov & Hutter 2017, eq. 5, no restarts). Torch updates the lr
+    recursively; stepped each update its values equal this closed form to rounding, including
+    after ``T_max``, where both rise again with period ``2 * T_max`` (unlike
+    :func:`cosine_schedule`, which stays at its end value).
+
+    >>> schedule = cosine_annealing_schedule(1.0, T_max=4)
+    >>> [round(schedule(step), 4) for step in range(9)]
+    [1.0, 0.8536, 0.5, 0.1464, 0.0, 0.1464, 0.5, 0.8536, 1.0]
+    """
+    _check_value("init_value", init_value)
+    _check_value("eta_min", eta_min)
+    _check_count("T_max", T_max, 1)
+    # torch CosineAnnealingLR._get_closed_form_lr
+    return _tensor_friendly(
+        lambda t: eta_min + (init_value - eta_min) * (1 + _cos(math.pi * t / T_max)) / 2
+    )
+
+
+def cosine_warm_restarts_schedule(
+    init_value: Value, T_0: int, T_mult: int = 1, eta_min: Value = 0.0
+) -> Schedule:
+    """Cosine annealing restarted after ``T_0``, then ``T_0 * T_mult``, ... steps
+    (``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts``; SGDR, Loshchilov & Hutter 2017).
+
+    >>> schedule = cosine_warm_restarts_schedule(1.0, T_0=2, T_mult=2)
+    >>> [schedule(step) for step in range(7)]
+    [1.0, 0.5, 1.0, 0.8535533905932737, 0.5, 0.14644660940672627, 1.0]
+    """
+    _check_value("init_value", init_value)
+    _check_value("eta_min", eta_min)
+    _check_count("T_0", T_0, 1)
+    _check_count("T_mult", T_mult, 1)
+
+    def cycle_position(t: Any) -> tuple[Any, Any]:
+        """``(T_cur, T_i)``: steps since the last restart and the length of this cycle."""
+        if T_mult == 1:
+            return t % T_0, T_0
+        if not isinstance(t, Tensor):  # torch's step(): restart when T_cur reaches T_i
+            t_cur, t_i = t, T_0
+            while t_cur >= t_i:
+                t_cur, t_i = t_cur - t_i, t_i * T_mult
+            return t_cur, t_i
+        # Restart n begins at T_0 (T_mult^n - 1) / (T_mult - 1) (torch's step(epoch)); the
+        # logarithm can land one off at a boundary, so the count is corrected both ways.
+        def start(n: Tensor) -> Tensor:
+            return T_0 * (T_mult**n - 1) / (T_mult - 1)
+
+        n = torch.floor(torch.log(t / T_0 * (T_mult - 1) + 1) / math.log(T_mult))
+        n = torch.where(t < start(n), n - 1, n)
+        n = torch.where(t >= start(n + 1), n + 1, n)
+        return t - start(n), T_0 * T_mult**n
+
+    def schedule(t: Any) -> Any:
+        t_cur, t_i = cycle_position(t)
+        # torch CosineAnnealingWarmRestarts.get_lr
+        return eta_min + (init_value - eta_min) * (1 + _cos(math.pi * t_cur / t_i)) / 2
+
+    return _tensor_friendly(schedule)
+
+
+def linear_schedule(
+    init_value: Value,
+    start_factor: Value = 1.0 / 3,
+    end_factor: Value = 1.0,
+    total_iters: int = 5,
+) -> Schedule:
+    """``init_value`` times a factor going linearly from ``start_factor`` to ``end_factor`` over
+    ``total_iters`` steps, then constant (``torch.optim.lr_scheduler.LinearLR``).
+
+    >>> schedule = linear_schedule(1.0, start_factor=0.25, total_iters=3)
+    >>> [schedule(step) for step in range(5)]
+    [0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    _check_value("init_value", init_value)
+    _check_value("start_factor", start_factor, 0.0, 1.0, low_open=True)
+    _check_value("end_factor", end_factor, 0.0, 1.0)
+    _check_count("total_iters", total_iters, 1)
+    # torch LinearLR._get_closed_form_lr
+    return _tensor_friendly(
+        lambda t: init_value
+        * (start_factor + (end_factor - start_factor) * _min(t, total_iters) / total_iters)
+    )
+
+
+def polynomial_schedule(init_value: Value, total_iters: int = 5, power: Value = 1.0) -> Schedule:
+    """``init_value * (1 - step / total_iters) ** power``, then 0
+    (``torch.optim.lr_scheduler.PolynomialLR``).
+
+    >>> schedule = polynomial_schedule(1.0, total_iters=4, power=2.0)
+    >>> [schedule(step) for step in range(6)]
+    [1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
+    """
+    _check_value("init_value", init_value)
+    _check_value("power", power)
+    _check_count("total_iters", total_iters, 1)
+    # torch PolynomialLR._get_closed_form_lr
+    return _tensor_friendly(
+        lambda t: init_value * (1.0 - _min(t, total_iters) / total_iters) ** power
+    )
+
+
+def constant_factor_schedule(
+    init_value: Value, factor: Value = 1.0 / 3, total_iters: int = 5
+) -> Schedule:
+    """``init_value * factor`` for ``total_iters`` steps, then ``init_value``
+    (``torch.optim.lr_scheduler.ConstantLR``).
+
+    >>> schedule = constant_factor_schedule(1.0, factor=0.5, total_iters=2)
+    >>> [schedule(step) for step in range(4)]
+    [0.5, 0.5, 1.0, 1.0]
+    """
+    _check_value("init_value", init_value)
+    _check_value("factor", factor, 0.0, 1.0)
+    _check_count("total_iters", total_iters, 1)
+    # torch ConstantLR._get_closed_form_lr
+    return _tensor_friendly(
+        lambda t: _where(t >= total_iters, init_value, init_value * factor)
+    )
+
+
+def one_cycle_schedule(
+    max_lr: Value,
+    total_steps: int,
+    pct_start: float = 0.3,
+    anneal_strategy: str = "cos",
+    div_factor: Value = 25.0,
+    final_div_factor: Value = 1e4,
+    three_phase: bool = False,
+) -> Schedule:
+    """The 1cycle policy (Smith & Topin 2019) as ``torch.optim.lr_scheduler.OneCycleLR``.
+
+    From ``max_lr / div_factor`` up to ``max_lr`` over ``pct_start * total_steps`` steps, then
+    down to ``max_lr / div_factor / final_div_factor`` (``three_phase``: back down to the start
+    first, symmetrically, then to the minimum). ``anneal_strategy`` is ``"cos"`` or
+    ``"linear"``. Only the lr: torch's momentum cycling is not part of a schedule. Like torch, a
+    step past ``total_steps`` raises (tensor steps extrapolate the last phase instead).
+
+    >>> schedule = one_cycle_schedule(1.0, total_steps=5, pct_start=0.4, anneal_strategy="linear",
+    ...                               div_factor=10.0, final_div_factor=1.0)
+    >>> [round(schedule(step), 4) for step in range(5)]
+    [0.1, 1.0, 0.7, 0.4, 0.1]
+    """
+    _check_value("max_lr", max_lr)
+    _check_count("total_steps", total_steps, 1)
+    check_hyperparameter("pct_start", pct_start, 0.0, 1.0)
+    if anneal_strategy not in ("cos", "linear"):
+        raise ValueError(
+            f"invalid anneal_strategy={anneal_strategy!r}: choose 'cos' or 'linear'"
+        )
+    _check_value("div_factor", div_factor, 0.0, low_open=True)
+    _check_value("final_div_factor", final_div_factor, 0.0, low_open=True)
+    initial_lr = max_lr / div_factor
+    min_lr = initial_lr / final_div_factor
+    # torch OneCycleLR.__init__: (end_step, start lr, end lr) per phase
+    if three_phase:
+        phases = [
+            (float(pct_start * total_steps) - 1, initial_lr, max_lr),
+            (float(2 * pct_start * total_steps) - 2, max_lr, initial_lr),
+            (total_steps - 1, initial_lr, min_lr),
+        ]
+    else:
+        phases = [
+            (float(pct_start * total_steps) - 1, initial_lr, max_lr),
+            (total_steps - 1, max_lr, min_lr),
+        ]
+    starts = [0.0] + [end for end, _, _ in phases[:-1]]
+
+    def anneal(start: Any, end: Any, pct: Any) -> Any:  # torch OneCycleLR._annealing_*
+        if anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (_cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def phase_value(t: Any, index: int) -> Any:
+        end_step, start_lr, end_lr = phases[index]
+        length = end_step - starts[index]
+        # Torch divides by zero here (ZeroDivisionError); a zero-length phase holds its start.
+        return anneal(start_lr, end_lr, (t - starts[index]) / (length if length != 0 else 1.0))
+
+    def schedule(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            if t > total_steps:
+                raise ValueError(
+                    f"one_cycle_schedule was asked for step {t} past total_steps={total_steps}; "
+                    "build it with total_steps at least the number of updates"
+                )
+            index = next(i for i, (end, _, _) in enumerate(phases) if t <= end or
+                         i == len(phases) - 1)
+            return phase_value(t, index)
+        value = phase_value(t, len(phases) - 1)
+        for index in reversed(range(len(phases) - 1)):  # torch takes the first phase that fits
+            value = torch.where(t <= phases[index][0], phase_value(t, index), value)
+        return value
+
+    return _tensor_friendly(schedule)
+
+
+def cyclic_schedule(
+    base_lr: Value,
+    max_lr: Value,
+    step_size_up: int = 2000,
+    step_size_down: int | None = None,
+    mode: str = "triangular",
+    gamma: Value = 1.0,
+    scale_fn: Callable[[Any], Any] | None = None,
+    scale_mode: str = "cycle",
+) -> Schedule:
+    """Cyclical learning rates (Smith 2017) as ``torch.optim.lr_scheduler.CyclicLR``.
+
+    Triangles between ``base_lr`` and ``max_lr``: up over ``step_size_up`` steps, down over
+    ``step_size_down`` (default: the same). ``mode`` scales the amplitude: ``"triangular"``
+    (never), ``"triangular2"`` (halved each cycle), ``"exp_range"`` (``gamma ** step``); a
+    ``scale_fn`` of the cycle number (``scale_mode="cycle"``) or of the step
+    (``"iterations"``) replaces the mode. Only the lr: torch's momentum cycling is not part of a
+    schedule.
+
+    >>> schedule = cyclic_schedule(0.0, 1.0, step_size_up=2, mode="triangular2")
+    >>> [schedule(step) for step in range(9)]
+    [0.0, 0.5, 1.0, 0.5, 0.0, 0.25, 0.5, 0.25, 0.0]
+    """
+    _check_value("base_lr", base_lr)
+    _check_value("max_lr", max_lr)
+    _check_value("gamma", gamma)
+    _check_count("step_size_up", step_size_up, 1)
+    down = step_size_up if step_size_down is None else step_size_down
+    _check_count("step_size_down", down, 0)
+    if scale_fn is None:
+        # torch CyclicLR._init_scale_fn: the modes set their own scale_mode
+        if mode == "triangular":
+            scale_fn, scale_mode = (lambda x: 1.0), "cycle"
+        elif mode == "triangular2":
+            scale_fn, scale_mode = (lambda x: 1 / (2.0 ** (x - 1))), "cycle"
+        elif mode == "exp_range":
+            scale_fn, scale_mode = (lambda x: gamma**x), "iterations"
+        else:
+            raise ValueError(
+                f"invalid mode={mode!r}: choose 'triangular', 'triangular2' or 'exp_range', "
+                "or pass scale_fn"
+            )
+    if scale_mode not in ("cycle", "iterations"):
+        raise ValueError(f"invalid scale_mode={scale_mode!r}: choose 'cycle' or 'iterations'")
+    total_size = float(step_size_up) + float(down)
+    step_ratio = step_size_up / total_size
+    # With step_size_down=0 the falling half is never taken; its denominator must not be 0.
+    fall = step_ratio - 1 if step_ratio != 1 else -1.0
+
+    def schedule(t: Any) -> Any:
+        # torch CyclicLR.get_lr
+        cycle = _floor(1 + t / total_size)
+        x = 1.0 + t / total_size - cycle
+        scale_factor = _where(x <= step_ratio, x / step_ratio, (x - 1) / fall)
+        base_height = (max_lr - base_lr) * scale_factor
+        return base_lr + base_height * scale_fn(cycle if scale_mode == "cycle" else t)
+
+    return _tensor_friendly(schedule)
+
+
+def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]) -> Schedule:
+    """``schedules[i]`` from ``milestones[i - 1]`` on, restarted at step 0 there
+    (``torch.optim.lr_scheduler.SequentialLR``).
+
+    >>> warmup = linear_schedule(1.0, start_factor=0.5, total_iters=2)
+    >>> decay = exponential_schedule(1.0, gamma=0.5)
+    >>> schedule = sequential_schedule([warmup, decay], milestones=[3])
+    >>> [schedule(step) for step in range(6)]
+    [0.5, 0.75, 1.0, 1.0, 0.5, 0.25]
+    """
+    schedules = list(schedules)
+    bounds = _check_steps("milestones", milestones)
+    if not schedules or not all(callable(s) for s in schedules):
+        raise ValueError("sequential_schedule needs a non-empty list of schedules (step -> lr)")
+    if len(bounds) != len(schedules) - 1:
+        raise ValueError(
+            f"sequential_schedule got {len(schedules)} schedules and {len(bounds)} milestones; "
+            "pass one milestone fewer than schedules"
+        )
+    if bounds != sorted(bounds):
+        raise ValueError(f"invalid milestones={bounds}: list them in increasing order")
+    offsets = [0, *bounds]
+
+    def schedule(step: Any) -> Any:
+        if not isinstance(step, Tensor):
+            index = bisect.bisect_right(bounds, step)  # torch SequentialLR.step
+            return schedules[index](step - offsets[index])
+        value = _float64(schedules[0](step), step)
+        for index in range(1, len(schedules)):
+            start = offsets[index]
+            later = _float64(schedules[index]((step - start).clamp(min=0)), step)
+            value = torch.where(step >= start, later, value)
+        return value
+
+    return schedule
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: one formula for Python ints and 0-d tensors
+
+
+def _tensor_friendly(formula: Callable[[Any], Any]) -> Schedule:
+    """A schedule from ``formula(t)``: ``t`` a Python int, or a float64 tensor for a tensor step
+    (integer math stays exact in float64 below 2**53)."""
+
+    def schedule(step: Any) -> Any:
+        if isinstance(step, Tensor):
+            return _float64(formula(step.to(torch.float64)), step)
+        if step < 0:
+            raise ValueError(f"invalid step={step}: a schedule counts updates from 0")
+        return formula(step)
+
+    return schedule
+
+
+def _float64(value: Any, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(torch.float64)
+    return torch.full_like(like, value, dtype=torch.float64)
+
+
+def _passed(t: Any, bounds: list[int]) -> Any:
+    """How many of the sorted ``bounds`` are <= ``t`` (``bisect_right``)."""
+    if not isinstance(t, Tensor):
+        return bisect.bisect_right(bounds, t)
+    return sum(((t >= bound).to(torch.float64) for bound in bounds), torch.zeros_like(t))
+
+
+def _min(value: Any, high: int) -> Any:
+    return value.clamp(max=high) if isinstance(value, Tensor) else min(value, high)
+
+
+def _floor(value: Any) -> Any:
+    return torch.floor(value) if isinstance(value, Tensor) else math.floor(value)
+
+
+def _check_value(name: str, value: Any, low: float = 0.0, high: float = math.inf,
+                 *, low_open: bool = False) -> None:
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise ValueError(
+            f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a float or 0-d tensor"
+        )
+    check_hyperparameter(name, value, low, high, low_open=low_open)
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"invalid {name}={value!r}: it must be an int >= {low}")
+
+
+def _check_steps(name: str, values: Sequence[int]) -> list[int]:
+    values = list(values)
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"invalid {name}={values!r}: each must be an int >= 0")
+    return values
 
 
 def _check_common(peak_value: float, warmup_steps: int, init_value: float) -> None:
@@ -122,5 +543,7 @@ def _cos(value: Any) -> Any:
 
 def _where(condition: Any, a: Any, b: Any) -> Any:
     if isinstance(condition, Tensor):
+        if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+            a = _float64(a, condition)  # two Python numbers would give float32
         return torch.where(condition, a, b)
     return a if condition else b
