@@ -5,6 +5,10 @@
 everything it logged. A resumed run drops the lines past the step it resumes from, so the file
 reads as one uninterrupted run. TensorBoard (``pip install 'minitrain[tensorboard]'``) and
 matplotlib (``pip install 'minitrain[plot]'``) are optional and imported only when asked for.
+An ``OSError`` while reading, writing or plotting (a full disk, ``metrics.jsonl`` that is a
+directory, an unwritable run directory) raises :class:`~minitrain.errors.StorageError`, one
+line naming the path and the cause; a line cut short by a failed write is removed again, so
+the file keeps only whole records.
 
 >>> import tempfile
 >>> run = tempfile.mkdtemp()
@@ -17,15 +21,18 @@ matplotlib (``pip install 'minitrain[plot]'``) are optional and imported only wh
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
-import tempfile
 from numbers import Real
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from minitrain.atomic_io import fsync_dir, write_atomic, write_new_file
+from minitrain.errors import StorageError
 
 __all__ = [
     "METRICS_FILE",
@@ -74,7 +81,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = _metrics_path(path)
     if not path.is_file():
         raise MetricsError(f"no metrics file at {path}; pass a run directory written with --out")
-    lines = path.read_text().split("\n")
+    try:
+        lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, path, "read") from None
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -108,18 +118,16 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> int:
     if not path.exists():
         return 0
     kept = [record for record in read_metrics(path) if record["step"] <= step]
-    handle = tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-    )
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with handle:
-            handle.writelines(_dumps(record) + "\n" for record in kept)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, path)
+        write_new_file(temp, "".join(_dumps(record) + "\n" for record in kept).encode())
+        os.replace(temp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, path, "rewrite") from None
     finally:
-        if os.path.exists(handle.name):
-            os.unlink(handle.name)
+        if os.path.lexists(temp):
+            os.unlink(temp)
     return len(kept)
 
 
@@ -138,11 +146,30 @@ def _plain(value: Any) -> Any:
 
 
 def _dumps(record: dict[str, Any]) -> str:
-    return json.dumps(record, allow_nan=False, separators=(", ", ": "))
+    try:
+        return json.dumps(record, allow_nan=False, separators=(", ", ": "))
+    except (TypeError, ValueError) as exc:
+        bad = next(
+            (key for key, value in record.items() if not _is_json_scalar(value)), "a value"
+        )
+        raise MetricsError(
+            f"metrics value {bad!r} cannot be logged ({exc}); log numbers, strings or None"
+        ) from None
+
+
+def _is_json_scalar(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 class MetricsWriter:
     """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once.
+
+    Raises :class:`~minitrain.errors.StorageError` for an ``OSError`` (opening, writing,
+    closing) and :class:`MetricsError` for a value that is not JSON data.
 
     Args:
         run_dir: the run directory (created if needed).
@@ -158,18 +185,29 @@ class MetricsWriter:
         if not isinstance(resume_step, int) or resume_step < 0:
             raise MetricsError(f"resume_step must be a non-negative int, got {resume_step!r}")
         self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step == 0:
-            self.path.write_text("")
-        else:
-            truncate_metrics(self.path, resume_step)
+        self._fd: int | None = None
         self._tensorboard = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step == 0:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            else:
+                truncate_metrics(self.path, resume_step)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            # Whole lines only: os.write of one line per record, at the end of the file.
+            self._size = os.lseek(fd, 0, os.SEEK_END)
+            self._fd = fd
+        except OSError as exc:
+            raise StorageError.from_os_error(exc, self.path, "write") from None
         if tensorboard:
-            self._tensorboard = tensorboard_writer(
-                self.path.parent / TENSORBOARD_DIR,
-                purge_step=resume_step + 1 if resume_step else None,
-            )
-        self._file = open(self.path, "a")  # closed in close()
+            directory = self.path.parent / TENSORBOARD_DIR
+            try:
+                self._tensorboard = tensorboard_writer(
+                    directory, purge_step=resume_step + 1 if resume_step else None
+                )
+            except OSError as exc:
+                self.close()
+                raise StorageError.from_os_error(exc, directory, "write") from None
 
     def write(self, step: int, **values: Any) -> dict[str, Any]:
         """Log ``values`` for ``step``; returns the record written.
@@ -181,20 +219,50 @@ class MetricsWriter:
         """
         if not isinstance(step, int) or isinstance(step, bool):
             raise MetricsError(f"step must be an int, got {step!r}")
+        if self._fd is None:
+            raise MetricsError(f"{self.path} is closed; open a new MetricsWriter")
         record = {"step": step, **{key: _plain(value) for key, value in values.items()}}
-        self._file.write(_dumps(record) + "\n")
-        self._file.flush()
+        self._append((_dumps(record) + "\n").encode())
         if self._tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(key, value, step)
+            try:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
+                        self._tensorboard.add_scalar(key, value, step)
+            except OSError as exc:
+                raise StorageError.from_os_error(
+                    exc, self.path.parent / TENSORBOARD_DIR, "write"
+                ) from None
         return record
 
+    def _append(self, line: bytes) -> None:
+        """Write one whole line; if the OS refuses part way, cut the file back and raise."""
+        view = memoryview(line)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            try:  # drop the partial line so the file holds whole records only
+                os.ftruncate(self._fd, self._size)
+                os.lseek(self._fd, self._size, os.SEEK_SET)
+            except OSError:
+                pass  # read_metrics ignores an unfinished last line anyway
+            raise StorageError.from_os_error(exc, self.path, "write") from None
+        self._size += len(line)
+
     def close(self) -> None:
-        """Flush and close the file (and the TensorBoard writer)."""
-        self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        """Flush the file to disk and close it (and the TensorBoard writer); safe to repeat."""
+        fd, self._fd = self._fd, None
+        tensorboard, self._tensorboard = self._tensorboard, None
+        try:
+            if fd is not None:
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if tensorboard is not None:
+                tensorboard.close()
+        except OSError as exc:
+            raise StorageError.from_os_error(exc, self.path, "write") from None
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -274,8 +342,22 @@ def plot(
     out = Path(out_png) if out_png is not None else Path(run_dir) / PLOT_FILE
     if out.suffix.lower() != ".png":
         raise MetricsError(f"the plot is written as PNG; give a path ending in .png, not {out}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=120)
+    try:
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=120)
+        if out.is_dir():
+            raise IsADirectoryError(21, os.strerror(21), str(out))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, buffer.getvalue())
+    except FileExistsError:  # a parent of out is a file
+        raise StorageError.from_os_error(
+            NotADirectoryError(20, os.strerror(20)), out, "write the plot to"
+        ) from None
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, out, "write the plot to") from None
+    except StorageError as exc:
+        raise StorageError(str(exc).replace("cannot write ", "cannot write the plot to ", 1),
+                           exc.path, exc.errno) from None
     return out
 
 

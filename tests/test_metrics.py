@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from click.testing import CliRunner
 
 from minitrain import metrics
 from minitrain.cli import cli
+from minitrain.errors import StorageError
 from minitrain.metrics import MetricsError, MetricsWriter, MissingExtra, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -178,3 +182,85 @@ def test_plot_command_mistakes(tmp_path, setup, args, message):
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- OS errors
+
+
+def fail_writes_to(monkeypatch, name, errno_, partial=True):
+    """``os.write`` to a file called ``name`` writes part of the line, then raises ``errno_``."""
+    real_write = os.write
+
+    def write(fd, data):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name == name:
+            if partial and len(data) > 1:
+                partial_done.append(real_write(fd, bytes(data[: len(data) // 2])))
+                return partial_done[-1]
+            raise OSError(errno_, os.strerror(errno_))
+        return real_write(fd, data)
+
+    partial_done = []
+    monkeypatch.setattr(os, "write", write)
+    return partial_done
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+def test_a_failed_write_keeps_every_whole_line(tmp_path, monkeypatch, errno_):
+    log = MetricsWriter(tmp_path)
+    log.write(1, loss=1.0)
+    log.write(2, loss=0.5)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    partial = fail_writes_to(monkeypatch, "metrics.jsonl", errno_)
+    with pytest.raises(StorageError) as error:
+        log.write(3, loss=0.25)
+    assert partial, "the injected fault wrote part of the line first"
+    assert str(error.value) == (
+        f"cannot write {tmp_path / 'metrics.jsonl'}: {os.strerror(errno_).lower()}"
+    )
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before  # the half line is gone
+    log.write(3, loss=0.25)  # the writer still works once the disk has room again
+    log.close()
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_metrics_file_that_is_a_directory(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(StorageError, match=r"metrics.jsonl: is a directory"):
+        MetricsWriter(tmp_path)
+    with pytest.raises(StorageError, match=r"metrics.jsonl: is a directory"):
+        MetricsWriter(tmp_path, resume_step=3)
+
+
+def test_run_dir_under_a_regular_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match="not a directory"):
+        MetricsWriter(tmp_path / "file" / "run")
+
+
+def test_a_failed_resume_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
+    log_steps(tmp_path, range(1, 6))
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    fail_writes_to(monkeypatch, f".metrics.jsonl.{os.getpid()}.tmp", errno.ENOSPC)
+    with pytest.raises(StorageError, match="cannot rewrite .*metrics.jsonl: no space left"):
+        MetricsWriter(tmp_path, resume_step=3)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_value_that_is_not_json_is_named(tmp_path):
+    with MetricsWriter(tmp_path) as log, pytest.raises(MetricsError, match="'tags'"):
+        log.write(1, loss=1.0, tags=object())
+    assert read_metrics(tmp_path) == []
+
+
+def test_plot_into_a_directory_or_under_a_file_is_a_storage_error(tmp_path):
+    log_steps(tmp_path, range(1, 4))
+    pytest.importorskip("matplotlib")
+    (tmp_path / "taken.png").mkdir()
+    with pytest.raises(StorageError, match="cannot write the plot to .*taken.png: is a dir"):
+        metrics.plot(tmp_path, tmp_path / "taken.png")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match="not a directory"):
+        metrics.plot(tmp_path, tmp_path / "file" / "loss.png")
