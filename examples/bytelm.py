@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import minitrain as mt
-from minitrain.data import Prefetcher, ensure_prepared, get_batch
+from minitrain.data import Prefetcher, ensure_prepared, get_batch, load_prepared
 
 CONFIG = {
     "d_model": 128,
@@ -37,6 +37,9 @@ CONFIG = {
     "data_dir": "",  # prepared data; "" = the minitrain cache (~/.cache/minitrain/...)
     "source_dir": "",  # .py files to prepare from; "" = the standard library
 }
+# With data_dir alone the corpus must already be there (minitrain prepare --out DIR); with
+# source_dir too it is prepared on first use. A corpus that fails its checks is an error naming
+# the file, never rebuilt from another source.
 
 VOCAB = 256  # one token per byte value
 LN2 = math.log(2.0)
@@ -109,12 +112,21 @@ def flops_per_step(config: dict) -> int:
     return 3 * config["batch_size"] * seq * forward_per_token
 
 
+def load_data(data_dir: str, source_dir: str) -> mt.data.PreparedData:
+    """The prepared corpus: a given ``data_dir`` alone is only read (never built from the
+    standard library in its place); with ``source_dir`` it is prepared from there on first
+    use; neither: the standard library corpus in the minitrain cache."""
+    if data_dir and not source_dir:
+        return load_prepared(data_dir)
+    return ensure_prepared(data_dir or None, source_dir or None)
+
+
 def experiment(config: dict) -> mt.Experiment:
     if config["d_model"] % config["n_heads"]:
         raise ValueError(
             f"d_model={config['d_model']} must be divisible by n_heads={config['n_heads']}"
         )
-    data = ensure_prepared(config["data_dir"] or None, config["source_dir"] or None)
+    data = load_data(config["data_dir"], config["source_dir"])
     batch_size, seq_len, n_heads = config["batch_size"], config["seq_len"], config["n_heads"]
     sample = Prefetcher(lambda g: get_batch(data.train, batch_size, seq_len, g))
 

@@ -8,6 +8,10 @@ shifted by one token, as a pure function of a ``torch.Generator``. :class:`Prefe
 the next batch in a background thread without touching any RNG state a checkpoint does not hold,
 so a resumed run sees the same batches as an uninterrupted one.
 
+A prepared corpus that fails its checks (size, SHA-256) is a :class:`DataError` naming the
+file, never rebuilt behind the user's back; an ``OSError`` is a one-line
+:class:`~minitrain.errors.StorageError`.
+
 >>> import tempfile, numpy as np, torch
 >>> from pathlib import Path
 >>> path = write_tokens(Path(tempfile.mkdtemp()) / "data.bin", np.arange(10))
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from minitrain.atomic_io import fsync_tree, replace_dir
+from minitrain.errors import StorageError
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
 __all__ = [
@@ -97,7 +102,10 @@ def write_tokens(path: str | os.PathLike, tokens: Any, dtype: str = "uint16") ->
             "use dtype='int32' or fix the ids"
         )
     path = Path(path)
-    values.astype(np_dtype).tofile(path)
+    try:
+        values.astype(np_dtype).tofile(path)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, path, "write") from None
     return path
 
 
@@ -123,6 +131,13 @@ def open_tokens(
         raise DataError(
             f"token file {path} does not exist; run 'minitrain prepare' or fix the path"
         )
+    try:
+        return _open_tokens(path, np_dtype, dtype, vocab_size)
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, path, "read") from None
+
+
+def _open_tokens(path: Path, np_dtype: np.dtype, dtype: str, vocab_size: int | None) -> np.memmap:
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"token file {path} is empty (0 bytes); write token ids into it first")
@@ -393,9 +408,10 @@ def prepare(
         held_out[-1] = True
     if all(held_out):
         held_out[0] = False
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    staging = None
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         counts = {
             split: _write_split(
                 staging / f"{split}.bin",
@@ -416,28 +432,41 @@ def prepare(
             "val_fraction": val_fraction,
             "files": {split: count[0] for split, count in counts.items()},
             "tokens": {split: count[1] for split, count in counts.items()},
+            "sha256": {split: count[2] for split, count in counts.items()},
             "val_files": [name for name, val in zip(names, held_out, strict=True) if val],
         }
         (staging / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         fsync_tree(staging)
         replace_dir(staging, out_dir)
+    except FileExistsError:  # mkdir met a file where a parent directory should be
+        raise StorageError.from_os_error(
+            NotADirectoryError(20, os.strerror(20)), out_dir, "write the prepared data to"
+        ) from None
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, out_dir, "write the prepared data to") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return meta
 
 
-def _write_split(path: Path, files: list[Path]) -> tuple[int, int]:
-    tokens = 0
+def _write_split(path: Path, files: list[Path]) -> tuple[int, int, str]:
+    tokens, digest = 0, hashlib.sha256()
     with open(path, "wb") as out:
         for source in files:
-            content = source.read_bytes()
+            try:
+                content = source.read_bytes()
+            except OSError as exc:
+                raise StorageError.from_os_error(exc, source, "read") from None
             if content and not content.endswith(b"\n"):
                 content += b"\n"
-            np.frombuffer(content, dtype=np.uint8).astype(np.uint16).tofile(out)
+            encoded = np.frombuffer(content, dtype=np.uint8).astype(np.uint16).tobytes()
+            out.write(encoded)
+            digest.update(encoded)
             tokens += len(content)
     if tokens == 0:
         raise DataError(f"the .py files for {path.name} are all empty; use a folder with source")
-    return len(files), tokens
+    return len(files), tokens, digest.hexdigest()
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -458,14 +487,11 @@ def _has_prepared_meta(out_dir: Path) -> bool:
     return isinstance(meta, dict) and meta.get("format") == _PREPARED_FORMAT
 
 
-
-
-
-
-
-
 def load_prepared(data_dir: str | os.PathLike | None = None) -> PreparedData:
     """Open a directory written by :func:`prepare`: its train and val memmaps and meta.
+
+    Checks ``meta.json`` (every field) and each split's size and SHA-256 against it; a
+    mismatch is a :class:`DataError` naming the file. Nothing is rebuilt.
 
     >>> import tempfile
     >>> from pathlib import Path
@@ -476,50 +502,111 @@ def load_prepared(data_dir: str | os.PathLike | None = None) -> PreparedData:
     12
     """
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-    if not _has_prepared_meta(data_dir):
-        raise DataError(
-            f"{data_dir} holds no prepared data (no valid meta.json); run 'minitrain prepare "
-            f"--out {data_dir}'"
-        )
-    meta = json.loads((data_dir / "meta.json").read_text())
+    rebuild = f"run 'minitrain prepare --out {data_dir}' to rebuild it"
+    meta = _read_meta(data_dir)
     splits = {}
     for split in ("train", "val"):
-        splits[split] = open_tokens(
-            data_dir / f"{split}.bin", dtype=meta["dtype"], vocab_size=meta["vocab_size"]
-        )
-        if len(splits[split]) != meta["tokens"][split]:
-            raise DataError(
-                f"{data_dir / f'{split}.bin'} has {len(splits[split])} tokens but meta.json "
-                f"records {meta['tokens'][split]}; run 'minitrain prepare --out {data_dir}' again"
-            )
+        path = data_dir / f"{split}.bin"
+        expected = meta["tokens"][split] * TOKEN_DTYPES[meta["dtype"]].itemsize
+        try:
+            size = path.stat().st_size if path.is_file() else None
+            if size != expected:
+                raise DataError(
+                    f"{path} has {size} bytes but meta.json records {meta['tokens'][split]} "
+                    f"tokens ({expected} bytes); it changed after it was prepared; {rebuild}"
+                ) if size is not None else DataError(f"{path} is missing; {rebuild}")
+            if "sha256" in meta and _file_sha256(path) != meta["sha256"][split]:
+                raise DataError(
+                    f"{path} does not match the SHA-256 in meta.json (edited or corrupted); "
+                    f"{rebuild}"
+                )
+        except OSError as exc:
+            raise StorageError.from_os_error(exc, path, "read") from None
+        splits[split] = open_tokens(path, dtype=meta["dtype"], vocab_size=meta["vocab_size"])
     return PreparedData(splits["train"], splits["val"], meta)
+
+
+def _read_meta(data_dir: Path) -> dict[str, Any]:
+    """``meta.json`` of a prepared directory, every field checked."""
+    path = data_dir / "meta.json"
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DataError(f"{data_dir} is a file, not a prepared data directory")
+    if not path.is_file():
+        raise DataError(
+            f"{data_dir} holds no prepared data (no meta.json); run 'minitrain prepare "
+            f"--out {data_dir}'"
+        )
+    try:
+        meta = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, path, "read") from None
+    except ValueError:
+        meta = None
+    problem = _meta_problem(meta)
+    if problem:
+        raise DataError(f"{path} {problem}; run 'minitrain prepare --out {data_dir}'")
+    return meta
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """What is wrong with a ``meta.json`` record, or None."""
+    if not isinstance(meta, dict) or meta.get("format") != _PREPARED_FORMAT:
+        return f"is not a {_PREPARED_FORMAT} record"
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        return f"has dtype {meta.get('dtype')!r}, not one of {sorted(TOKEN_DTYPES)}"
+    vocab = meta.get("vocab_size")
+    if not _is_count(vocab) or vocab > np.iinfo(TOKEN_DTYPES[meta["dtype"]]).max + 1:
+        return f"has vocab_size {vocab!r}, not a positive integer that {meta['dtype']} holds"
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, dict) or not all(_is_count(tokens.get(s)) for s in ("train", "val")):
+        return "must record positive token counts for 'train' and 'val'"
+    digests = meta.get("sha256", {"train": "0" * 64, "val": "0" * 64})
+    if not isinstance(digests, dict) or not all(
+        isinstance(digests.get(s), str) and len(digests[s]) == 64 for s in ("train", "val")
+    ):
+        return "must record a SHA-256 hex digest for 'train' and 'val'"
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def ensure_prepared(
     data_dir: str | os.PathLike | None = None, source_dir: str | os.PathLike | None = None
 ) -> PreparedData:
-    """:func:`load_prepared`, running :func:`prepare` first if the data is absent or damaged.
+    """:func:`load_prepared`, running :func:`prepare` first if the directory is absent or empty.
 
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.py").write_text("x = 1\\n")
-    >>> _ = (src / "b.py").write_text("y = 2\\n")
-    >>> len(ensure_prepared(Path(tempfile.mkdtemp()) / "bytes", src).train) > 0
-    True
+    A directory that holds a corpus which fails its checks, or one prepared from another
+    ``source_dir`` than the one asked for, is a :class:`DataError`: it is never rebuilt
+    silently (that would train on other data).
     """
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-    try:
-        return load_prepared(data_dir)
-    except DataError:
-        if data_dir.exists() and any(data_dir.iterdir()) and not _has_prepared_meta(data_dir):
-            raise
-    try:
-        prepare(data_dir, source_dir)
-    except OSError as exc:
-        try:  # another process may have prepared the same directory at the same moment
-            return load_prepared(data_dir)
-        except DataError:
+    if _absent_or_empty(data_dir):
+        try:
+            prepare(data_dir, source_dir)
+        except StorageError:
+            if _absent_or_empty(data_dir):  # else another process prepared it meanwhile
+                raise
+    prepared = load_prepared(data_dir)
+    if source_dir is not None:
+        recorded = Path(str(prepared.meta.get("source", "")))
+        if recorded.resolve() != Path(source_dir).resolve():
             raise DataError(
-                f"could not prepare data in {data_dir}: {exc}; pass a writable directory"
-            ) from exc
-    return load_prepared(data_dir)
+                f"{data_dir} holds data prepared from {recorded}, not {source_dir}; pass "
+                f"another data directory or run 'minitrain prepare --out {data_dir} --source "
+                f"{source_dir}'"
+            )
+    return prepared
+
+
+def _absent_or_empty(directory: Path) -> bool:
+    try:
+        return not directory.exists() or (directory.is_dir() and not any(directory.iterdir()))
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, directory, "read") from None

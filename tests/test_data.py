@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from minitrain import data, rng
 from minitrain.bench.data import chapter_get_batch, measure, nanogpt_get_batch
 from minitrain.cli import cli
 from minitrain.data import DataError, Prefetcher, get_batch, open_tokens, write_tokens
+from minitrain.errors import StorageError
 
 
 def tokens_file(tmp_path, values, dtype="uint16"):
@@ -279,6 +282,103 @@ def test_damaged_prepared_data_is_reported(tmp_path, sources):
         data.load_prepared(target)
     with pytest.raises(DataError, match="no prepared data"):
         data.load_prepared(tmp_path)
+
+
+def append_byte(path):
+    with open(path, "ab") as handle:
+        handle.write(b"\0")
+
+
+def flip_first_token(path):
+    content = bytearray(path.read_bytes())
+    content[0] ^= 1
+    path.write_bytes(bytes(content))
+
+
+@pytest.mark.parametrize(
+    ("file", "damage", "message"),
+    [
+        ("train.bin", append_byte, "has {size} bytes but meta.json records"),
+        ("val.bin", lambda p: p.write_bytes(p.read_bytes()[:-2]), "meta.json records"),
+        ("train.bin", flip_first_token, "does not match the SHA-256"),
+        ("train.bin", lambda p: p.unlink(), "is missing"),
+        ("meta.json", lambda p: p.write_text("{"), "is not a minitrain-tokens record"),
+        ("meta.json", lambda p: p.write_text(p.read_text().replace('"uint16"', '"u8"')), "dtype"),
+    ],
+)
+def test_a_damaged_corpus_is_an_error_and_never_rebuilt(tmp_path, sources, file, damage, message):
+    target = tmp_path / "bytes"
+    data.prepare(target, sources)
+    damage(target / file)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    size = (target / file).stat().st_size if (target / file).exists() else 0
+    for load in (data.load_prepared, lambda d: data.ensure_prepared(d, sources)):
+        with pytest.raises(DataError, match=message.format(size=size)) as error:
+            load(target)
+        assert "\n" not in str(error.value) and str(target) in str(error.value)
+        assert "minitrain prepare --out" in str(error.value)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_ensure_prepared_refuses_a_corpus_from_another_source(tmp_path, sources):
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("x.py", "y.py"):
+        (other / name).write_text(f"{name[0]} = 1\n")
+    data.prepare(tmp_path / "bytes", sources)
+    with pytest.raises(DataError, match="holds data prepared from .*src, not .*other"):
+        data.ensure_prepared(tmp_path / "bytes", other)
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+def test_prepare_on_a_full_disk_leaves_the_old_corpus(tmp_path, sources, monkeypatch, errno_):
+    target = tmp_path / "bytes"
+    data.prepare(target, sources)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    real_open = open
+
+    class FullDisk:  # writes half of what it is given, then the OS refuses
+        def __init__(self, handle):
+            self.handle = handle
+
+        def write(self, content):
+            self.handle.write(content[: len(content) // 2])
+            raise OSError(errno_, os.strerror(errno_))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.handle.close()
+
+    def open_(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        return FullDisk(handle) if Path(path).name == "val.bin" and "w" in mode else handle
+
+    monkeypatch.setattr(data, "open", open_, raising=False)
+    with pytest.raises(StorageError) as error:
+        data.prepare(target, sources)
+    assert str(error.value) == (
+        f"cannot write the prepared data to {target}: {os.strerror(errno_).lower()}"
+    )
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bytes", "src"]  # no staging left
+
+
+def test_an_unreadable_token_file_is_a_storage_error(tmp_path, monkeypatch):
+    path = tokens_file(tmp_path, [1, 2, 3])
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(Path, "is_file", lambda self: True)
+    with pytest.raises(StorageError, match=f"cannot read {path}: permission denied"):
+        open_tokens(path)
 
 
 def test_prepare_refuses_to_overwrite_other_files(tmp_path, sources):

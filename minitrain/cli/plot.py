@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from minitrain.cli.errors import UserError
+from minitrain.cli.errors import RunFailed, UserError
+from minitrain.errors import StorageError
 
 
 @click.command()
@@ -36,8 +37,8 @@ def plot(run_dir: Path, out: Path | None, keys: tuple[str, ...], as_json: bool) 
         records = metrics.read_metrics(run_dir)
     except (metrics.MetricsError, metrics.MissingExtra) as exc:
         raise UserError(str(exc)) from None
-    except OSError as exc:
-        raise UserError(f"cannot write the plot: {exc}; pass a writable --out") from None
+    except StorageError as exc:  # unreadable metrics, a full disk, --out that is a directory
+        raise RunFailed(str(exc)) from None
     result = {
         "png": str(png),
         "records": len(records),

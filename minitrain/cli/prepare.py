@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from minitrain.cli.errors import UserError
+from minitrain.cli.errors import RunFailed, UserError
+from minitrain.errors import StorageError
 
 
 @click.command()
@@ -38,8 +39,8 @@ def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json:
         meta = data.prepare(out, source, val_fraction=val_fraction)
     except data.DataError as exc:
         raise UserError(str(exc)) from None
-    except OSError as exc:
-        raise UserError(f"cannot write the prepared data: {exc}; pass a writable --out") from None
+    except StorageError as exc:  # a full disk, an unwritable --out: the run of prepare failed
+        raise RunFailed(str(exc)) from None
     out_dir = out if out is not None else data.default_data_dir()
     summary = {"out": str(out_dir), **{k: v for k, v in meta.items() if k != "val_files"}}
     if as_json:
