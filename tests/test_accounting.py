@@ -46,7 +46,8 @@ def test_scenario_2_forty_billion_params_on_eight_h100():
 def test_bytes_per_param_by_optimizer_and_precision():
     fp32 = {name: acc.bytes_per_param(name, "fp32").total for name in acc.OPTIMIZER_STATES}
     assert fp32 == {"sgd": 8, "momentum": 12, "adagrad": 12, "rmsprop": 12, "adam": 16,
-                    "adamw": 16}
+                    "adamw": 16, "adadelta": 16, "adamax": 16, "nadam": 16, "radam": 16,
+                    "asgd": 12, "rprop": 16, "adafactor": 8, "lion": 12, "muon": 12}
     # ZeRO paper section 3.1: mixed-precision Adam is 2 + 2 + 12 = 16 bytes per parameter.
     mixed = acc.bytes_per_param("adam", "bf16-mixed")
     assert (mixed.params, mixed.grads, mixed.optimizer_state + mixed.master_weights) == (2, 2, 12)
@@ -231,7 +232,7 @@ def test_cpu_is_measured_and_cached(tmp_path, monkeypatch):
         lambda: acc.training_time(1e20, gpus=0),
         lambda: acc.training_flops(-1, 10),
         lambda: acc.training_flops(math.inf, 10),
-        lambda: acc.bytes_per_param("lion"),
+        lambda: acc.bytes_per_param("lamb"),
         lambda: acc.bytes_per_param("adamw", "fp7"),
         lambda: acc.max_params("h100", zero_stage=4),
         lambda: acc.max_params(80e9, reserved_bytes=90e9),
@@ -392,3 +393,59 @@ def test_hardware_table_gives_cpu_figures_with_their_own_prefix(quick_cpu, capsy
     with pytest.raises(SystemExit):
         main(["hardware", "h100"])
     assert "989.4 T" in capsys.readouterr().out
+
+
+# --- optimizer state layouts against torch.optim -------------------------------------------------
+
+
+def _torch_optimizers():
+    import lion_pytorch
+    import torch
+
+    o = torch.optim
+    return {
+        "sgd": (o.SGD, {}), "momentum": (o.SGD, dict(momentum=0.9)), "adagrad": (o.Adagrad, {}),
+        "rmsprop": (o.RMSprop, {}), "adam": (o.Adam, {}), "adamw": (o.AdamW, {}),
+        "adadelta": (o.Adadelta, {}), "adamax": (o.Adamax, {}), "nadam": (o.NAdam, {}),
+        "radam": (o.RAdam, {}), "asgd": (o.ASGD, {}), "rprop": (o.Rprop, {}),
+        "adafactor": (o.Adafactor, {}), "lion": (lion_pytorch.Lion, {}), "muon": (o.Muon, {}),
+    }
+
+
+@pytest.mark.parametrize("optimizer", sorted(acc.OPTIMIZER_STATES))
+@pytest.mark.parametrize("shape", [(7,), (4, 6), (3, 4, 5)])
+def test_optimizer_state_elements_equal_torchs_state(optimizer, shape):
+    import torch
+
+    if optimizer == "muon" and len(shape) != 2:
+        pytest.skip("torch's Muon takes matrices only")
+    cls, options = _torch_optimizers()[optimizer]
+    p = torch.nn.Parameter(torch.randn(shape))
+    p.grad = torch.randn(shape)
+    opt = cls([p], **options)
+    opt.step()
+    elements = sum(t.numel() for t in opt.state[p].values() if isinstance(t, torch.Tensor))
+    assert acc.optimizer_state_elements(optimizer, shape) == elements
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "cls", "options", "extra"),
+    [("adam", "Adam", dict(amsgrad=True), dict(amsgrad=True)),
+     ("rmsprop", "RMSprop", dict(momentum=0.9, centered=True), dict(momentum=True, centered=True))],
+)
+def test_optimizer_state_elements_with_options(optimizer, cls, options, extra):
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    p.grad = torch.randn(4, 6)
+    opt = getattr(torch.optim, cls)([p], **options)
+    opt.step()
+    elements = sum(t.numel() for t in opt.state[p].values())
+    assert acc.optimizer_state_elements(optimizer, (4, 6), **extra) == elements
+
+
+def test_optimizer_state_elements_bad_input():
+    with pytest.raises(ValueError, match="choose one of"):
+        acc.optimizer_state_elements("lamb", (3,))
+    with pytest.raises(ValueError, match="sizes >= 0"):
+        acc.optimizer_state_elements("adam", (3, -1))

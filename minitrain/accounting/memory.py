@@ -29,15 +29,23 @@ __all__ = [
     "cruncher_memory",
     "cruncher_params",
     "max_params",
+    "optimizer_state_elements",
     "optimizer_states",
     "per_device_bytes_per_param",
     "training_memory",
     "transformer_activation_bytes",
 ]
 
-# Tensors of optimizer state per parameter tensor, as torch.optim keeps them:
-# SGD none; SGD with momentum "momentum_buffer"; Adagrad "sum"; RMSprop "square_avg"
-# (no momentum, not centered); Adam/AdamW "exp_avg" and "exp_avg_sq".
+# Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
+# (the ``state[...] = torch.zeros_like(p)`` lines of each optimizer's ``_init_group`` in
+# torch/optim/*.py): SGD none; SGD with momentum "momentum_buffer"; Adagrad "sum"; RMSprop
+# "square_avg" (no momentum, not centered); Adam/AdamW "exp_avg" and "exp_avg_sq"; Adadelta
+# "square_avg" and "acc_delta"; Adamax "exp_avg" and "exp_inf"; NAdam and RAdam "exp_avg" and
+# "exp_avg_sq"; ASGD "ax" (the average); Rprop "prev" and "step_size"; Muon (torch/optim/_muon.py)
+# "momentum_buffer"; Lion (Chen et al. 2023; lion-pytorch) its single "exp_avg". Adafactor
+# (torch/optim/_adafactor.py, Shazeer and Stern 2018) factors the second moment of a matrix into
+# "row_var" (rows) and "col_var" (columns), ``(r + c)/(r·c)`` elements per parameter, 0 in the
+# limit of large matrices; a vector keeps a full "variance" (see :func:`optimizer_state_elements`).
 OPTIMIZER_STATES: dict[str, int] = {
     "sgd": 0,
     "momentum": 1,
@@ -45,6 +53,20 @@ OPTIMIZER_STATES: dict[str, int] = {
     "rmsprop": 1,
     "adam": 2,
     "adamw": 2,
+    "adadelta": 2,
+    "adamax": 2,
+    "nadam": 2,
+    "radam": 2,
+    "asgd": 1,
+    "rprop": 2,
+    "adafactor": 0,
+    "lion": 1,
+    "muon": 1,
+}
+# 0-d tensors torch keeps per parameter tensor besides those: "step" (all but SGD, Lion and
+# Muon), NAdam's "mu_product", ASGD's "eta" and "mu".
+_SCALAR_STATES: dict[str, int] = dict.fromkeys(OPTIMIZER_STATES, 1) | {
+    "sgd": 0, "momentum": 0, "lion": 0, "muon": 0, "nadam": 2, "asgd": 3,
 }
 
 
@@ -89,6 +111,47 @@ def optimizer_states(optimizer: str) -> int:
             f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}"
         )
     return OPTIMIZER_STATES[key]
+
+
+def optimizer_state_elements(
+    optimizer: str,
+    shape: tuple[int, ...],
+    *,
+    amsgrad: bool = False,
+    momentum: bool = False,
+    centered: bool = False,
+    scalars: bool = True,
+) -> int:
+    """Elements of optimizer state torch keeps for one parameter of ``shape`` (torch's layouts,
+    see :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``.
+
+    ``amsgrad`` adds Adam(W)'s "max_exp_avg_sq"; RMSprop's ``momentum`` adds a
+    "momentum_buffer" and ``centered`` a "grad_avg". Adafactor keeps ``prod(shape[:-1])`` row
+    and ``prod(shape[:-2])·shape[-1]`` column elements for a matrix (or a stack of them).
+
+    >>> optimizer_state_elements("adamw", (768, 3072))    # two moments and the step
+    4718593
+    >>> optimizer_state_elements("adafactor", (768, 3072))    # rows + columns + step
+    3841
+    """
+    key = optimizer.strip().lower()
+    full = optimizer_states(key)
+    if any(not isinstance(n, int) or n < 0 for n in shape):
+        raise ValueError(f"shape must be a tuple of sizes >= 0, got {shape!r}")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if key in ("adam", "adamw"):
+        full += bool(amsgrad)
+    if key == "rmsprop":
+        full += bool(momentum) + bool(centered)
+    elements = full * numel
+    if key == "adafactor":
+        if len(shape) >= 2:
+            elements = numel // shape[-1] + numel // shape[-2] if numel else 0
+        else:
+            elements = numel
+    return elements + (_SCALAR_STATES[key] if scalars else 0)
 
 
 def precision(name: str) -> Precision:
