@@ -17,6 +17,7 @@ from torch.optim import lr_scheduler
 import minitrain as mt
 
 S = mt.optim
+reduce_on_plateau = mt.optim.reduce_on_plateau
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -273,6 +274,80 @@ def test_a_tensor_hyperparameter_gives_a_tensor_lr_with_its_gradient():
     (lambda: S.exponential_schedule(1.0, gamma=0.5)(-1), "step"),
 ])
 def test_bad_arguments_are_one_line_errors_naming_the_argument(build, name):
+    with pytest.raises(ValueError, match=name) as info:
+        build()
+    assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# ReduceLROnPlateau as a transformation fed the metric
+
+
+def torch_plateau_lrs(metrics, lr, **kwargs):
+    """The lr after each ``scheduler.step(metric)``."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=lr)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **kwargs)
+    lrs = []
+    for metric in metrics:
+        optimizer.step()
+        scheduler.step(metric)
+        lrs.append(float(optimizer.param_groups[0]["lr"]))
+    return lrs
+
+
+def plateau_lrs(metrics, lr, **kwargs):
+    tx = reduce_on_plateau(lr=lr, **kwargs)
+    updates = {"w": torch.ones(3, dtype=torch.float64), "b": torch.ones((), dtype=torch.float32)}
+    state = tx.init(updates)
+    lrs = []
+    for metric in metrics:
+        scaled, state = tx.update(updates, state, value=metric)
+        assert scaled["b"].dtype == torch.float32
+        torch.testing.assert_close(scaled["w"], updates["w"] * float(state.lr) / lr)
+        lrs.append(float(state.lr))
+    assert int(state.count) == len(metrics)
+    return lrs
+
+
+@settings(max_examples=25, deadline=None)
+@given(metrics=st.lists(st.sampled_from([-1.0, 0.0, 0.5, 0.9995, 1.0, 1.0001, 2.0, math.nan]),
+                        min_size=1, max_size=30),
+       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
+       threshold=st.sampled_from([0.0, 1e-4, 0.1]), factor=st.floats(0.0, 0.9),
+       patience=st.integers(0, 3), cooldown=st.integers(0, 3),
+       min_lr=st.sampled_from([0.0, 0.01]), eps=st.sampled_from([1e-8, 0.02]),
+       lr=st.sampled_from([1.0, 0.1]))
+def test_reduce_on_plateau_equals_torch(metrics, lr, **kwargs):
+    assert plateau_lrs(metrics, lr, **kwargs) == torch_plateau_lrs(metrics, lr, **kwargs)
+
+
+def test_reduce_on_plateau_takes_tensor_metrics_under_vmap():
+    """No host syncs: the update runs under vmap over the metric (one member per metric)."""
+    tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=0)
+    updates = {"w": torch.ones(2)}
+    state = tx.init(updates)
+    for metric in [1.0, 2.0]:
+        _, state = tx.update(updates, state, value=torch.tensor(metric))
+
+    def step(value):
+        return tx.update(updates, state, value=value)
+
+    scaled, batched = torch.func.vmap(step)(torch.tensor([0.5, 3.0]))
+    assert batched.lr.tolist() == [0.05, 0.025]
+    torch.testing.assert_close(scaled["w"], torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
+
+
+@pytest.mark.parametrize(("build", "name"), [
+    (lambda: reduce_on_plateau(mode="best"), "mode"),
+    (lambda: reduce_on_plateau(threshold_mode="relative"), "threshold_mode"),
+    (lambda: reduce_on_plateau(factor=1.0), "factor"),
+    (lambda: reduce_on_plateau(patience=-1), "patience"),
+    (lambda: reduce_on_plateau(lr=0.0), "lr"),
+    (lambda: reduce_on_plateau().update({}, reduce_on_plateau().init({}),
+                                        value=torch.ones(2)), "value"),
+])
+def test_reduce_on_plateau_bad_arguments(build, name):
     with pytest.raises(ValueError, match=name) as info:
         build()
     assert "\n" not in str(info.value)

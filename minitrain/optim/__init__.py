@@ -11,6 +11,7 @@
 
 from minitrain.optim._adagrad import AdagradState, adagrad
 from minitrain.optim._adam import AdamState, adam, adamw
+from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
 from minitrain.optim._rmsprop import RMSpropState, rmsprop
 from minitrain.optim._sgd import SGDState, sgd
 from minitrain.optim.base import (
@@ -68,6 +69,8 @@ __all__ = [
     "one_cycle_schedule",
     "cyclic_schedule",
     "sequential_schedule",
+    "reduce_on_plateau",
+    "ReduceLROnPlateauState",
     "learning_rate",
     "clip_by_global_norm",
 ]
