@@ -1,0 +1,471 @@
+"""Predict one training step before running it: memory, FLOPs, bytes and time, on fake tensors.
+
+:func:`predict_step` traces a whole step (forward, backward through :func:`minitrain.
+value_and_grad`, gradient clipping when asked, ``optimizer.update``) on tensors that have a
+shape, a dtype and a device but no data: PyTorch's ``FakeTensorMode`` for the forward and
+backward pass, meta tensors for the update (an mt.optim optimizer treats fake tensors as
+traced and would take its plain path, while a real step takes torch's fused and foreach
+kernels; meta tensors take those too). Nothing is computed and nothing model-sized is
+allocated, so a 1.5B-param model predicts on a laptop.
+
+- **FLOPs and bytes**: a :class:`~minitrain.accounting.Counter` watches the traced ops, so
+  the numbers are the ones the counter gives on a real step (same ops, same formulas).
+- **Memory**: :class:`~minitrain.accounting.predict_lifetimes.Lifetimes` follows every
+  storage from the op that makes it to the moment its last reference dies. Categories:
+  ``params``, ``grads``, ``optimizer_state``, ``batch``, ``buffers`` (module buffers and
+  constants), ``activations`` (made by the forward pass and still alive when the backward pass
+  starts: what autograd saved), ``temporaries`` (the rest). The peak and its moment (phase,
+  op, module) are found, not assumed.
+- **Time**: each op on the hardware's roofline, ``max(flops / peak, bytes / bandwidth)``
+  (chapter 3.6.2), summed over the step.
+
+>>> import torch, minitrain as mt
+>>> loss = lambda p, x: (x @ p["w"]).tanh().sum()
+>>> pred = predict_step(loss, {"w": TensorSpec((1024, 1024))}, TensorSpec((4096, 1024)),
+...                     optimizer=mt.optim.sgd(lr=0.1))
+>>> pred.peak_phase, pred.memory["persistent"]["params"] // 2**20, pred.matmul_flops // 2**30
+('backward', 4, 24)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from minitrain.accounting.counter import Counter
+from minitrain.accounting.hardware import Hardware, HardwareError, dtype_name, hardware
+from minitrain.accounting.predict_lifetimes import CATEGORIES, Lifetimes, category, replay
+from minitrain.func import value_and_grad
+from minitrain.tree import global_norm
+
+__all__ = [
+    "PredictionError",
+    "SavedTensor",
+    "StepPrediction",
+    "TensorSpec",
+    "fake_mode",
+    "predict_step",
+]
+
+
+class PredictionError(ValueError):
+    """A step that cannot be traced without data (``.item()``, data-dependent shapes)."""
+
+
+class TensorSpec(NamedTuple):
+    """A tensor's shape and dtype (and device), without data: ``jax.ShapeDtypeStruct``.
+
+    A ``(shape, dtype)`` tuple and a tensor on the meta device are read the same way.
+
+    >>> TensorSpec((8, 1024), torch.int64)
+    TensorSpec(shape=(8, 1024), dtype=torch.int64, device='cpu')
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+class SavedTensor(NamedTuple):
+    """A tensor saved for backward: size, shape, dtype, the module and op that made it."""
+
+    bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    module: str
+    op: str
+
+
+class StepPrediction(NamedTuple):
+    """What :func:`predict_step` returns.
+
+    Memory (bytes):
+
+    - ``peak_bytes``; ``peak_phase`` (``"forward"``, ``"backward"``, ``"clip"``, ``"update"``),
+      ``peak_op`` (``"aten.mm"``) and ``peak_module`` (``"transformer.h.3.mlp"``) at the peak;
+    - ``memory``: ``{"at_peak": {category: bytes}, "persistent": {category: bytes},
+      "saved_for_backward": bytes, "end": {category: bytes}}``; categories are
+      ``params, grads, optimizer_state, batch, buffers, activations, temporaries``;
+      ``persistent`` holds what lives across steps (params, optimizer state, batch, buffers),
+      ``end`` what is alive after the update (new params and state beside the old ones when
+      the update is pure);
+    - ``saved``: the largest tensors saved for backward, largest first (:class:`SavedTensor`);
+      ``saved_by_module``: saved bytes per innermost module;
+    - ``timeline``: one sample per traced op, ``(op_index, phase, {category: live bytes})``,
+      in order; ``op_index`` counts the aten ops of the step from 0 (``per_op`` names them by
+      op), categories with no live bytes are left out; live bytes right after the op's
+      outputs were allocated (before anything it made obsolete is freed).
+
+    Work: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset), ``bytes`` (read plus
+    written), ``bytes_read``, ``bytes_written``; ``per_op`` (op -> ``{"calls", "flops",
+    "bytes", "seconds"}``), ``per_module`` (module path -> ``{"calls", "flops", "bytes"}``,
+    nested modules included in their parents as ``FlopCounterMode`` does), ``unknown_ops``
+    (op -> calls without a FLOP formula).
+
+    Time on ``hardware`` (a name of :func:`minitrain.accounting.hardware`): ``dtype`` (of the
+    peak FLOP/s used), ``seconds_per_step`` (the roofline time of every op, summed),
+    ``mfu_bound`` (``flops / (seconds_per_step · peak)``: the best MFU the step can reach
+    there), ``fits`` (``peak_bytes <= memory`` of the hardware).
+    """
+
+    peak_bytes: int
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    memory: dict[str, Any]
+    saved: list[SavedTensor]
+    saved_by_module: dict[str, int]
+    timeline: list[tuple[int, str, dict[str, int]]]
+    flops: int
+    matmul_flops: int
+    bytes: int
+    bytes_read: int
+    bytes_written: int
+    per_op: dict[str, dict[str, float]]
+    per_module: dict[str, dict[str, int]]
+    unknown_ops: dict[str, int]
+    hardware: str
+    dtype: str
+    seconds_per_step: float
+    mfu_bound: float
+    fits: bool
+
+    def summary(self) -> dict[str, Any]:
+        """The totals as plain JSON-serializable values (no timeline, no tables)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "peak_op": self.peak_op,
+            "peak_module": self.peak_module,
+            "memory": self.memory,
+            "saved": [s._asdict() for s in self.saved],
+            "flops": self.flops,
+            "matmul_flops": self.matmul_flops,
+            "bytes": self.bytes,
+            "unknown_ops": dict(self.unknown_ops),
+            "hardware": self.hardware,
+            "dtype": self.dtype,
+            "seconds_per_step": self.seconds_per_step,
+            "mfu_bound": self.mfu_bound,
+            "fits": self.fits,
+        }
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake tensor mode for building a model or a batch to predict with (real tensors that
+    meet fake ones are converted, as a module's buffers must be).
+
+    >>> with fake_mode():
+    ...     w = torch.nn.Linear(4096, 4096).weight   # no memory behind it
+    >>> type(w.data).__name__, w.shape
+    ('FakeTensor', torch.Size([4096, 4096]))
+    """
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# -- inputs: real, meta, fake, specs -> fake tensors ------------------------------------------
+
+
+def _is_spec(x: Any) -> bool:
+    if isinstance(x, TensorSpec):
+        return True
+    return (
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+        and isinstance(x[0], tuple | list | torch.Size)
+        and all(isinstance(n, int) for n in x[0])
+    )
+
+
+def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
+    if _is_spec(x):
+        spec = x if isinstance(x, TensorSpec) else TensorSpec(tuple(x[0]), x[1])
+        with mode:
+            return torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
+    if not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, FakeTensor):
+        if x.fake_mode is not mode:
+            raise ValueError("tensors from two fake modes; build them under one fake_mode()")
+        return x
+    if x.is_meta:
+        with mode:
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+    return mode.from_tensor(x)
+
+
+def _to_meta(x: Any) -> Any:
+    # A fake tensor's twin on the meta device (outside the fake mode: see the module docstring).
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def _find_mode(tree: Any) -> FakeTensorMode | None:
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if isinstance(leaf, FakeTensor):
+            return leaf.fake_mode
+    return None
+
+
+def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    return tree_map(fn, tree, is_leaf=_is_spec)
+
+
+# -- the traced step ---------------------------------------------------------------------------
+
+
+class _Metadata(TorchDispatchMode):
+    """Answers ``prim.device`` below every other mode: fake tensors dispatch it where real ones
+    never do, and the counter would count it as an op without a formula."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default:
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class _Trace:
+    """Runs the step under the modes; holds what the prediction is computed from."""
+
+    def __init__(self) -> None:
+        self.lifetimes = Lifetimes()
+        self.counter = Counter(keep_records=True, track_memory=False)
+
+    @contextlib.contextmanager
+    def watching(self, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
+        # Fake mode at the bottom, lifetimes above it, the counter on top: the counter
+        # decomposes composite ops and lifetimes sees each part.
+        self.lifetimes.phase = phase
+        with contextlib.ExitStack() as stack:
+            if mode is not None:
+                stack.enter_context(mode)
+            stack.enter_context(self.lifetimes)
+            stack.enter_context(self.counter)
+            stack.enter_context(_Metadata())
+            yield
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        op = str(getattr(exc, "func", "an op"))
+        raise PredictionError(
+            f"{op} needs the data of a tensor (an .item(), a data-dependent shape); fake "
+            "tensors have none, so this step cannot be predicted: measure one real step instead"
+        ) from None
+    except UnsupportedOperatorException as exc:
+        raise PredictionError(
+            f"{exc.func} has no fake-tensor implementation, so this step cannot be predicted: "
+            "measure one real step instead"
+        ) from None
+
+
+def predict_step(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    *,
+    optimizer: Any = None,
+    donate: bool = False,
+    has_aux: bool = False,
+    max_grad_norm: float | None = None,
+    hardware: str | Hardware = "h100",
+    dtype: Any = None,
+    autocast: Callable[[], Any] | None = None,
+    top_saved: int = 10,
+) -> StepPrediction:
+    """Predict one training step of ``loss_fn(params, batch)`` (see the module docstring).
+
+    Args:
+        loss_fn: ``(params, batch) -> 0-d loss`` (or ``(loss, aux)`` with ``has_aux``).
+        params, batch: pytrees of real tensors, fake tensors (from one :func:`fake_mode`),
+            meta tensors, :class:`TensorSpec` or ``(shape, dtype)`` tuples.
+        optimizer: an ``mt.optim`` optimizer; its state is made by ``optimizer.init`` (the
+            first step's state). None: forward and backward only.
+        donate: the update writes params and state in place (``update(..., donate=True)``).
+        max_grad_norm: clip grads to this global norm, as the train step does; without it
+            the grad norm is still taken (the train step logs it).
+        hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`).
+        dtype: the dtype of the peak FLOP/s for every op (``"bf16"`` to assume tensor
+            cores); default: each op's own floating dtype.
+        autocast: a context manager factory for the forward and backward pass (the backend's
+            ``autocast``), as the train step uses.
+        top_saved: how many of the largest saved tensors to list.
+
+    Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
+    """
+    spec = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
+    mode = _find_mode((params, batch)) or fake_mode()
+    fake_params = _map(lambda x: _to_fake(mode, x), params)
+    fake_batch = _map(lambda x: _to_fake(mode, x), batch)
+    trace = _Trace()
+    lifetimes = trace.lifetimes
+    lifetimes.register(fake_params, "params")
+    lifetimes.register(fake_batch, "batch")
+    state = None
+    meta_params = None
+    if optimizer is not None:
+        meta_params = _map(_to_meta, fake_params)
+        lifetimes.alias(meta_params, fake_params)
+        state = optimizer.init(meta_params)
+        lifetimes.register(state, "optimizer_state")
+    persistent = _live_by_category(lifetimes)
+    gradients = value_and_grad(loss_fn, has_aux=has_aux)
+    with warnings.catch_warnings(), _one_line_errors():
+        # The counter asks fake storages for their address (to key forward matmul inputs).
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        with trace.watching(mode, "forward"), autocast() if autocast else contextlib.nullcontext():
+            value, grads = gradients(fake_params, fake_batch)
+        del value
+        lifetimes.categorize(grads, "grads")
+        meta_grads = _map(_to_meta, grads)
+        lifetimes.alias(meta_grads, grads)
+        del grads
+        if meta_params is None:
+            meta_params = _map(_to_meta, fake_params)
+            lifetimes.alias(meta_params, fake_params)
+        end_state = _update(trace, optimizer, meta_params, meta_grads, state, donate,
+                            max_grad_norm)
+    end = _live_by_category(lifetimes)
+    del end_state
+    return _prediction(trace, spec, dtype, persistent, end, top_saved)
+
+
+def _update(trace: _Trace, optimizer: Any, params: Any, grads: Any, state: Any, donate: bool,
+            max_grad_norm: float | None) -> Any:
+    """Clip (or take the norm of) the grads and update, as the train step does; on meta."""
+    with trace.watching(None, "clip"):
+        if max_grad_norm is not None:
+            from minitrain.optim import clip_by_global_norm
+
+            grads, norm = clip_by_global_norm(grads, max_grad_norm)
+            trace.lifetimes.categorize(grads, "grads")
+        else:
+            norm = global_norm(grads)
+    if optimizer is None:
+        return norm
+    with trace.watching(None, "update"):
+        options = {"donate": True} if donate else {}
+        new_params, new_state = optimizer.update(grads, state, params, **options)
+        del grads
+    trace.lifetimes.categorize(new_params, "params")
+    trace.lifetimes.categorize(new_state, "optimizer_state")
+    return new_params, new_state, norm
+
+
+def _hardware(name: str) -> Hardware:
+    try:
+        return hardware(name)
+    except HardwareError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _live_by_category(lifetimes: Lifetimes) -> dict[str, int]:
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for allocation in lifetimes.live():
+        totals[category(allocation)] += allocation.nbytes
+    return {k: v for k, v in totals.items() if v}
+
+
+def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
+    if dtype is not None:
+        return spec.peak(dtype)
+    try:
+        return spec.peak(record_dtype)
+    except HardwareError:  # integer and bool ops: the fp32 peak
+        return spec.peak("fp32")
+
+
+def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str, int],
+                end: dict[str, int], top_saved: int) -> StepPrediction:
+    lifetimes, counter = trace.lifetimes, trace.counter
+    result = replay(lifetimes)
+    per_op: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"calls": 0, "flops": 0, "bytes": 0, "seconds": 0.0}
+    )
+    seconds = 0.0
+    for record in counter.records:
+        op_seconds = max(
+            record.flops / _peak_for(spec, dtype, record.dtype),
+            record.bytes / spec.memory_bandwidth,
+        )
+        row = per_op[record.op]
+        row["calls"] += 1
+        row["flops"] += record.flops
+        row["bytes"] += record.bytes
+        row["seconds"] += op_seconds
+        seconds += op_seconds
+    main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
+    peak_flops = _peak_for(spec, dtype, main_dtype)
+    saved = sorted(
+        (a for a in lifetimes.allocations if a.saved), key=lambda a: (-a.nbytes, a.index)
+    )
+    by_module: dict[str, int] = defaultdict(int)
+    for allocation in saved:
+        by_module[allocation.module] += allocation.nbytes
+    peak_name, peak_phase, peak_module = (
+        lifetimes.ops[result.peak_op] if result.peak_op >= 0 else ("", "input", "Global")
+    )
+    return StepPrediction(
+        peak_bytes=result.peak_bytes,
+        peak_phase=peak_phase,
+        peak_op=peak_name,
+        peak_module=peak_module,
+        memory={
+            "at_peak": {k: v for k, v in result.at_peak.items() if v},
+            "persistent": persistent,
+            "saved_for_backward": sum(a.nbytes for a in saved),
+            "end": end,
+        },
+        saved=[SavedTensor(a.nbytes, a.shape, a.dtype, a.module, a.op)
+               for a in saved[:top_saved]],
+        saved_by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
+        timeline=result.timeline,
+        flops=counter.flops,
+        matmul_flops=counter.matmul_flops,
+        bytes=counter.bytes_read + counter.bytes_written,
+        bytes_read=counter.bytes_read,
+        bytes_written=counter.bytes_written,
+        per_op=dict(per_op),
+        per_module={name: {"calls": t.calls, "flops": t.flops,
+                           "bytes": t.bytes_read + t.bytes_written}
+                    for name, t in counter.by_module.items()},
+        unknown_ops=dict(counter.unknown),
+        hardware=spec.name,
+        dtype=main_dtype,
+        seconds_per_step=seconds,
+        mfu_bound=counter.flops / (seconds * peak_flops) if seconds else 0.0,
+        fits=result.peak_bytes <= spec.memory_bytes,
+    )
+
+
+def _main_dtype(counter: Counter) -> str:
+    # The dtype that did most of the FLOPs.
+    flops: dict[str, int] = defaultdict(int)
+    for record in counter.records:
+        flops[record.dtype] += record.flops
+    for name, _ in sorted(flops.items(), key=lambda kv: -kv[1]):
+        try:
+            return dtype_name(name)
+        except HardwareError:
+            continue
+    return "fp32"
+
