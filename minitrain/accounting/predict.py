@@ -24,7 +24,7 @@ allocated, so a 1.5B-param model predicts on a laptop.
 >>> pred = predict_step(loss, {"w": TensorSpec((1024, 1024))}, TensorSpec((4096, 1024)),
 ...                     optimizer=mt.optim.sgd(lr=0.1))
 >>> pred.peak_phase, pred.memory["persistent"]["params"] // 2**20, pred.matmul_flops // 2**30
-('backward', 4, 24)
+('backward', 4, 16)
 """
 
 from __future__ import annotations
