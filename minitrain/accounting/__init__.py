@@ -4,7 +4,9 @@ The napkin math (``training_flops``, ``training_time``, ``bytes_per_param``, ``m
 activation formulas, transformer presets) and the hardware registry are plain Python and import
 without torch. The torch-using parts load on first use: :class:`Counter` (a
 ``TorchDispatchMode`` counting FLOPs, bytes and live memory per aten op and module),
-:func:`resource_report` (predicted vs measured for one training step) and ``roofline``.
+:func:`predict_step` (one training step predicted on fake tensors: peak memory and its moment,
+FLOPs, time on a given device), :func:`resource_report` (predicted vs measured for one
+training step) and ``roofline``.
 
 >>> import minitrain as mt
 >>> flops = mt.accounting.training_flops(params=70e9, tokens=15e12)
@@ -73,8 +75,13 @@ _LAZY = {
     "OpRecord": "minitrain.accounting.counter",
     "resource_report": "minitrain.accounting.report",
     "predicted_peak_bytes": "minitrain.accounting.report",
+    "predict_step": "minitrain.accounting.predict",
+    "PredictionError": "minitrain.accounting.predict",
+    "StepPrediction": "minitrain.accounting.predict",
+    "TensorSpec": "minitrain.accounting.predict",
+    "fake_mode": "minitrain.accounting.predict",
 }
-_LAZY_SUBMODULES = ("counter", "report", "roofline")
+_LAZY_SUBMODULES = ("counter", "predict", "report", "roofline")
 
 __all__ = [
     "SECONDS_PER_DAY",
@@ -134,6 +141,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for static type checkers and IDEs only
-    from minitrain.accounting import counter, report, roofline  # noqa: F401
+    from minitrain.accounting import counter, predict, report, roofline  # noqa: F401
     from minitrain.accounting.counter import Counter, OpRecord  # noqa: F401
+    from minitrain.accounting.predict import (  # noqa: F401
+        PredictionError,
+        StepPrediction,
+        TensorSpec,
+        fake_mode,
+        predict_step,
+    )
     from minitrain.accounting.report import predicted_peak_bytes, resource_report  # noqa: F401
