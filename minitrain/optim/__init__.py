@@ -22,6 +22,7 @@ from minitrain.optim.base import (
     WeightDecayMask,
     learning_rate,
 )
+from minitrain.optim.meta import Unrolled, unroll
 from minitrain.optim.schedules import (
     constant_factor_schedule,
     constant_schedule,
@@ -71,6 +72,8 @@ __all__ = [
     "sequential_schedule",
     "reduce_on_plateau",
     "ReduceLROnPlateauState",
+    "unroll",
+    "Unrolled",
     "learning_rate",
     "clip_by_global_norm",
 ]

@@ -1,0 +1,106 @@
+"""Differentiable optimization: K pure updates unrolled, differentiable end to end.
+
+:func:`unroll` runs ``K`` updates of an optimizer on a loss and returns the final params, so
+that a validation loss of them can be differentiated with respect to anything the updates
+depend on: the initial params (MAML, Finn et al. 2017), or hyperparameters given as tensors
+(lr, weight decay, a schedule's values; "hypergradients", Maclaurin et al. 2015; what torchopt's
+meta-optimizers are used for). Both autograd (tensors that require grad, ``.backward()``) and
+``torch.func`` (``grad`` over the whole unrolled loop, ``vmap`` over tasks) work: the inner
+gradients come from ``torch.func.grad``, which both differentiate through, and the updates take
+the optimizer's plain path (ordinary tensor ops, no in-place writes).
+
+Memory grows with K: every update's intermediates are kept for the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.optim.base import Optimizer, is_traced
+from minitrain.tree import OptState, Params, PyTree
+
+__all__ = ["Unrolled", "unroll"]
+
+
+class Unrolled(NamedTuple):
+    """What :func:`unroll` returns: the params and optimizer state after the last update, and
+    ``losses``, the loss before each update (a ``(K,)`` tensor)."""
+
+    params: Params
+    state: OptState
+    losses: Tensor
+
+
+def unroll(
+    optimizer: Any,
+    loss_fn: Callable[[Params, PyTree], Tensor],
+    params: Params,
+    batches: Iterable[PyTree],
+    state: OptState | None = None,
+) -> Unrolled:
+    """Take one update per batch of ``loss_fn(params, batch)``; differentiable throughout.
+
+    ``optimizer`` is an ``mt.optim`` optimizer (``update(grads, state, params) -> (params,
+    state)``) or a gradient transformation (``update(updates, state, params) -> (updates,
+    state)``, whose updates are added to the params). ``state`` defaults to
+    ``optimizer.init(params)``. Hyperparameters to differentiate are passed to the optimizer
+    as tensors (``sgd(lr=lr_tensor)``). With grad mode on, a param leaf that does not require
+    grad is given an alias that does, so that every update takes the differentiable plain path
+    even when only a hyperparameter requires grad.
+
+    >>> import torch, minitrain as mt
+    >>> lr = torch.tensor(0.1, requires_grad=True)
+    >>> loss_fn = lambda p, x: ((p["w"] - x) ** 2).sum()
+    >>> out = unroll(mt.optim.sgd(lr=lr), loss_fn, {"w": torch.zeros(1)}, [torch.ones(1)] * 3)
+    >>> out.params["w"].detach()  # 1 - (1 - 2 lr)^3
+    tensor([0.4880])
+    >>> torch.autograd.grad(out.params["w"].sum(), lr)  # 6 (1 - 2 lr)^2
+    (tensor(3.8400),)
+    """
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ValueError(
+            f"unroll needs an optimizer or gradient transformation (init, update), got "
+            f"{type(optimizer).__name__}"
+        )
+    if not callable(loss_fn):
+        raise ValueError("unroll needs loss_fn(params, batch) -> 0-d tensor")
+    params = _differentiable(params)
+    if state is None:
+        state = optimizer.init(params)
+    grad_and_value = torch.func.grad_and_value(loss_fn)
+    losses = []
+    for batch in batches:
+        grads, loss = grad_and_value(params, batch)
+        if isinstance(optimizer, Optimizer):
+            params, state = optimizer.update(grads, state, params)
+        else:
+            updates, state = optimizer.update(grads, state, params)
+            params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
+        losses.append(loss)
+    if not losses:
+        raise ValueError("unroll got no batches; pass one batch per update")
+    return Unrolled(params, state, torch.stack(losses))
+
+
+def _differentiable(params: Params) -> Params:
+    """``params`` with every plain floating leaf requiring grad (an alias where it did not),
+    when grad mode is on: the optimizers' automatic path choice looks at the leaves only."""
+    if not torch.is_grad_enabled() or _inside_functorch_transform():
+        return params  # no autograd, or torch.func's: the optimizers see traced tensors
+
+    def leaf(p: Any) -> Any:
+        if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
+                or is_traced(p)):
+            return p
+        return p.detach().requires_grad_(True)
+
+    return tree.map(leaf, params)
+
+
+def _inside_functorch_transform() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
