@@ -74,7 +74,7 @@ def test_hardware_lists_the_registry_with_sources(capsys, tmp_path, monkeypatch)
          "unknown hardware"),
         (("estimate", "time", "--params", "1", "--tokens", "1", "--dtype", "fp5"),
          "unknown dtype"),
-        (("estimate", "memory", "--optimizer", "lion"), "unknown optimizer"),
+        (("estimate", "memory", "--optimizer", "no-such-optimizer"), "unknown optimizer"),
         (("estimate", "transformer", "--preset", "gpt9"), "unknown preset"),
         (("hardware", "abacus"), "unknown hardware"),
     ],
@@ -83,3 +83,76 @@ def test_user_mistakes_are_one_line_and_exit_2(capsys, args, message):
     code, _, err = invoke(capsys, *args)
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# -- estimate step ------------------------------------------------------------------------------
+
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples"
+
+DATA_DEPENDENT = '''
+import torch
+import minitrain as mt
+
+CONFIG = {"kind": "item"}
+
+
+def experiment(config):
+    def loss(params, x):
+        y = x @ params["w"]
+        if config["kind"] == "item":
+            return (y / float(y.abs().max().item())).square().mean()
+        return y[y > 0].square().mean()
+
+    return mt.Experiment(init=lambda g: {"w": torch.randn(4, 2, generator=g)}, loss=loss,
+                         next_batch=lambda g: torch.randn(8, 4, generator=g),
+                         optimizer=mt.optim.sgd(lr=0.1), steps=1)
+'''
+
+
+def test_estimate_step_predicts_what_one_real_step_measures(capsys):
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    script = str(EXAMPLES / "gpt2.py")
+    predicted = as_json(capsys, "estimate", "step", script, "--set", "n_layer=1")
+    measured = as_json(capsys, "estimate", "step", script, "--set", "n_layer=1", "--measure")
+    assert not predicted["measured"] and measured["measured"]
+    assert predicted["params"] == measured["params"]
+    assert predicted["flops"] == measured["flops"]
+    assert predicted["matmul_flops"] == measured["matmul_flops"]
+    assert abs(predicted["peak_bytes"] / measured["peak_bytes"] - 1) < 0.10
+    assert predicted["fits"] and predicted["seconds_per_step"] > 0
+    assert predicted["memory"]["saved_for_backward"] > 0
+    # Two devices: half the batch each, so fewer FLOPs and a smaller peak per device.
+    halves = as_json(capsys, "estimate", "step", script, "--set", "n_layer=1", "--gpus", "2")
+    assert halves["flops"] < predicted["flops"] and halves["peak_bytes"] < predicted["peak_bytes"]
+    code, text, _ = invoke(capsys, "estimate", "step", script, "--set", "n_layer=1",
+                           "--hardware", "a100-80gb")
+    assert code == 0 and "fits on a100-80gb" in text and "saved for backward" in text
+
+
+@pytest.mark.parametrize("kind, op", [("item", "aten._local_scalar_dense"),
+                                      ("mask", "aten.nonzero")])
+def test_estimate_step_that_needs_data_is_one_line_suggesting_measure(capsys, tmp_path, kind, op):
+    script = tmp_path / "needs_data.py"
+    script.write_text(DATA_DEPENDENT)
+    code, _, err = invoke(capsys, "estimate", "step", str(script), "--set", f"kind={kind}")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert op in err and "--measure" in err
+    measured = as_json(capsys, "estimate", "step", str(script), "--set", f"kind={kind}",
+                       "--measure")
+    assert measured["measured"] and measured["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("estimate", "step", "no_such_script.py"), "no such experiment script"),
+        (("estimate", "step", str(EXAMPLES / "linreg.py"), "--set", "lrr=1"),
+         "unknown config key"),
+        (("estimate", "step", str(EXAMPLES / "linreg.py"), "--hardware", "tpu"),
+         "unknown hardware"),
+        (("estimate", "step", str(EXAMPLES / "linreg.py"), "--gpus", "3"), "does not split"),
+    ],
+)
+def test_estimate_step_mistakes_are_one_line(capsys, args, message):
+    code, _, err = invoke(capsys, *args)
+    assert code == 2 and message in err and err.count("\n") == 1, err

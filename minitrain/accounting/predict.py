@@ -59,11 +59,17 @@ __all__ = [
     "TensorSpec",
     "fake_mode",
     "predict_step",
+    "step_time",
 ]
 
 
 class PredictionError(ValueError):
-    """A step that cannot be traced without data (``.item()``, data-dependent shapes)."""
+    """A step that cannot be traced without data (``.item()``, data-dependent shapes);
+    ``reason`` says which op and why, in a few words."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class TensorSpec(NamedTuple):
@@ -135,7 +141,7 @@ class StepPrediction(NamedTuple):
     bytes: int
     bytes_read: int
     bytes_written: int
-    per_op: dict[str, dict[str, float]]
+    per_op: dict[str, dict[str, int | float]]
     per_module: dict[str, dict[str, int]]
     unknown_ops: dict[str, int]
     hardware: str
@@ -261,21 +267,23 @@ class _Trace:
             yield
 
 
+def _describe(func: Any) -> str:
+    name = str(func).removesuffix(".default")
+    if "_local_scalar_dense" in name:
+        return f"{name} (.item(), float() or int() of a tensor) needs the tensor's data"
+    return f"{name} needs the tensor's data (its output shape depends on the values)"
+
+
 @contextlib.contextmanager
 def _one_line_errors() -> Iterator[None]:
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        op = str(getattr(exc, "func", "an op"))
-        raise PredictionError(
-            f"{op} needs the data of a tensor (an .item(), a data-dependent shape); fake "
-            "tensors have none, so this step cannot be predicted: measure one real step instead"
-        ) from None
+        reason = f"{_describe(exc.func)}, which fake tensors do not have"
+        raise PredictionError(f"{reason}: measure one real step instead", reason) from None
     except UnsupportedOperatorException as exc:
-        raise PredictionError(
-            f"{exc.func} has no fake-tensor implementation, so this step cannot be predicted: "
-            "measure one real step instead"
-        ) from None
+        reason = f"{exc.func} has no fake-tensor implementation"
+        raise PredictionError(f"{reason}: measure one real step instead", reason) from None
 
 
 def predict_step(
@@ -398,23 +406,7 @@ def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str,
                 end: dict[str, int], top_saved: int) -> StepPrediction:
     lifetimes, counter = trace.lifetimes, trace.counter
     result = replay(lifetimes)
-    per_op: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"calls": 0, "flops": 0, "bytes": 0, "seconds": 0.0}
-    )
-    seconds = 0.0
-    for record in counter.records:
-        op_seconds = max(
-            record.flops / _peak_for(spec, dtype, record.dtype),
-            record.bytes / spec.memory_bandwidth,
-        )
-        row = per_op[record.op]
-        row["calls"] += 1
-        row["flops"] += record.flops
-        row["bytes"] += record.bytes
-        row["seconds"] += op_seconds
-        seconds += op_seconds
-    main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
-    peak_flops = _peak_for(spec, dtype, main_dtype)
+    seconds, per_op, main_dtype, mfu = step_time(counter, spec, dtype)
     saved = sorted(
         (a for a in lifetimes.allocations if a.saved), key=lambda a: (-a.nbytes, a.index)
     )
@@ -444,7 +436,7 @@ def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str,
         bytes=counter.bytes_read + counter.bytes_written,
         bytes_read=counter.bytes_read,
         bytes_written=counter.bytes_written,
-        per_op=dict(per_op),
+        per_op=per_op,
         per_module={name: {"calls": t.calls, "flops": t.flops,
                            "bytes": t.bytes_read + t.bytes_written}
                     for name, t in counter.by_module.items()},
@@ -452,9 +444,47 @@ def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str,
         hardware=spec.name,
         dtype=main_dtype,
         seconds_per_step=seconds,
-        mfu_bound=counter.flops / (seconds * peak_flops) if seconds else 0.0,
+        mfu_bound=mfu,
         fits=result.peak_bytes <= spec.memory_bytes,
     )
+
+
+def step_time(counter: Counter, spec: Hardware, dtype: Any = None
+              ) -> tuple[float, dict[str, dict[str, int | float]], str, float]:
+    """The counted ops of a step on ``spec``'s roofline: ``(seconds, per_op, dtype, mfu_bound)``.
+
+    Each op takes ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2) with the peak of
+    ``dtype`` (default: the op's own floating dtype, fp32 for integer ops); ``per_op`` sums
+    calls, FLOPs, bytes and seconds by op; ``mfu_bound`` is ``flops / (seconds · peak)`` with
+    the peak of the dtype that did most FLOPs.
+
+    >>> import torch
+    >>> with Counter() as c:
+    ...     _ = torch.ones(256, 256) @ torch.ones(256, 256)
+    >>> seconds, per_op, name, mfu = step_time(c, hardware("h100"))
+    >>> mm = per_op["aten.mm"]   # 2·256³ FLOPs at H100's 67 TFLOP/s fp32: compute-bound
+    >>> name, mm["flops"] == 2 * 256**3, round(mm["seconds"] * 1e9), round(seconds * 1e9)
+    ('fp32', True, 501, 657)
+    """
+    per_op: dict[str, dict[str, int | float]] = defaultdict(
+        lambda: {"calls": 0, "flops": 0, "bytes": 0, "seconds": 0.0}
+    )
+    seconds = 0.0
+    for record in counter.records:
+        op_seconds = max(
+            record.flops / _peak_for(spec, dtype, record.dtype),
+            record.bytes / spec.memory_bandwidth,
+        )
+        row = per_op[record.op]
+        row["calls"] += 1
+        row["flops"] += record.flops
+        row["bytes"] += record.bytes
+        row["seconds"] += op_seconds
+        seconds += op_seconds
+    main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
+    peak_flops = _peak_for(spec, dtype, main_dtype)
+    mfu = counter.flops / (seconds * peak_flops) if seconds else 0.0
+    return seconds, dict(per_op), main_dtype, mfu
 
 
 def _main_dtype(counter: Counter) -> str:
