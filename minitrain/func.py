@@ -12,8 +12,9 @@ into a params pytree and a pure apply function through ``torch.func.functional_c
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,16 +22,72 @@ from torch import nn
 
 from minitrain.tree import Params
 
-__all__ = ["value_and_grad", "grad", "vmap", "from_module", "per_example_grads"]
+__all__ = [
+    "value_and_grad", "grad", "vmap", "from_module", "per_example_grads",
+    "saved_tensor_hooks_inside",
+]
 
 vmap = torch.func.vmap
 """``torch.func.vmap``, re-exported: ``vmap(f, in_dims=0, out_dims=0, randomness="error")``."""
+
+
+_INNER_HOOKS: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = []
+
+
+@contextlib.contextmanager
+def saved_tensor_hooks_inside(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+) -> Iterator[None]:
+    """Saved-tensor hooks that run inside the functions :func:`value_and_grad`, :func:`grad`
+    and :func:`per_example_grads` differentiate, while this context is open.
+
+    ``torch.func.grad`` refuses hooks registered outside it; these are registered inside the
+    transform, where it sees each tensor autograd saves (``torch.func`` wrappers included).
+    The accounting counter's memory timeline records activations this way.
+
+    >>> seen = []
+    >>> with saved_tensor_hooks_inside(lambda t: seen.append(t.shape) or t, lambda t: t):
+    ...     _ = grad(lambda w: w.exp().sum())(torch.ones(3))
+    >>> seen
+    [torch.Size([3])]
+    """
+    pair = (pack, unpack)
+    _INNER_HOOKS.append(pair)
+    try:
+        yield
+    finally:
+        _INNER_HOOKS.remove(pair)
+
+
+def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with saved-tensor hooks allowed while it runs inside a ``torch.func`` transform.
+
+    ``torch.func.grad`` refuses every saved-tensor hook ("don't yet support saved tensor
+    hooks"), and so ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which is
+    one, and the accounting counter's record of what autograd saves. Inside ``fn`` they are
+    allowed again (``torch.autograd.graph.disable_saved_tensors_hooks`` lifted); the transform
+    restores the refusal when it returns, after its backward pass. Checkpointed losses give
+    the gradients of the same loss without checkpointing (tests/test_accounting_counter.py).
+    """
+
+    @functools.wraps(fn)
+    def allowed(*args: Any, **kwargs: Any) -> Any:
+        torch._C._autograd._saved_tensors_hooks_enable()
+        with contextlib.ExitStack() as stack:
+            for pack, unpack in list(_INNER_HOOKS):
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+            return fn(*args, **kwargs)
+
+    return allowed
 
 
 def value_and_grad(
     fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
     """Return ``f(*args) -> (value, grads)``; with ``has_aux``, ``((value, aux), grads)``.
+
+    Activation checkpointing (``torch.utils.checkpoint.checkpoint(block, x,
+    use_reentrant=False)``) works inside ``fn``, though ``torch.func.grad`` alone refuses it.
 
     ``fn`` must return a 0-d tensor (or ``(0-d tensor, aux)`` with ``has_aux``, aux a pytree of
     tensors). Grads have the
@@ -41,7 +98,9 @@ def value_and_grad(
     >>> v, aux, g
     (tensor(5.), {'w_max': tensor(2.)}, {'w': tensor([2., 4.])})
     """
-    grad_and_value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)
+    grad_and_value = torch.func.grad_and_value(
+        _with_saved_tensor_hooks(fn), argnums=argnums, has_aux=has_aux
+    )
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -59,7 +118,7 @@ def grad(
     >>> grad(lambda w: (w ** 3).sum())(torch.tensor([1.0, 2.0]))
     tensor([ 3., 12.])
     """
-    return torch.func.grad(fn, argnums=argnums, has_aux=has_aux)
+    return torch.func.grad(_with_saved_tensor_hooks(fn), argnums=argnums, has_aux=has_aux)
 
 
 def from_module(
@@ -151,6 +210,6 @@ def per_example_grads(
 
     def one_example(params: Params, example: Any) -> Params:
         batch = torch.utils._pytree.tree_map(lambda t: t.unsqueeze(batch_dim), example)
-        return torch.func.grad(loss_fn)(params, batch)
+        return torch.func.grad(_with_saved_tensor_hooks(loss_fn))(params, batch)
 
     return torch.func.vmap(one_example, in_dims=(None, batch_dim))

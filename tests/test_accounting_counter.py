@@ -211,3 +211,89 @@ def test_format_report_names_every_figure():
     text = acc.report.format_report(report)
     for label in ("params", "peak memory", "FLOPs per step", "MFU", "time to finish"):
         assert label in text
+
+
+# --- memory timeline and activation checkpointing ----------------------------------------------
+
+
+def recorded_step(loss_fn, params, batch, optimizer):
+    state = optimizer.init(params)
+    with acc.Counter(record_timeline=True) as counter:
+        counter.track(params, category="params")
+        counter.track(state, category="optimizer_state")
+        counter.track(batch, category="batch")
+        loss, grads = mt.value_and_grad(loss_fn)(params, batch)
+        counter.categorize(grads, category="grads")
+        new_params, new_state = optimizer.update(grads, state, params)
+        counter.categorize(new_params, category="params")
+        counter.categorize(new_state, category="optimizer_state")
+    return counter, grads
+
+
+def test_timeline_of_a_cruncher_step_by_category():
+    batch, dim, layers = 32, 64, 3
+    params, data = cruncher_setup(batch, dim, layers)
+    counter, grads = recorded_step(cruncher_loss, params, data, mt.optim.adamw(lr=1e-3))
+    timeline = counter.timeline()
+    assert [i for i, _, _ in timeline] == list(range(len(counter.records)))
+    assert [sum(live.values()) for _, _, live in timeline] == [
+        r.live_bytes for r in counter.records
+    ]
+    assert max(r.live_bytes for r in counter.records) == counter.peak_bytes
+    phases = [phase for _, phase, _ in timeline]
+    assert phases == sorted(phases, key=["forward", "backward", "update"].index)
+    first_backward = timeline[phases.index("backward")][2]
+    # What autograd saved: each layer's output, the next matmul's input (B·D·L, chapter 3.5.6),
+    # and the prediction error the square saves (B); the batch and weights are their own.
+    assert first_backward["activations"] == 4 * (acc.cruncher_activations(batch, dim, layers)
+                                                 + batch)
+    assert first_backward["params"] == mt.tree.nbytes(params)
+    assert first_backward["batch"] == mt.tree.nbytes(data)
+    assert max(live.get("grads", 0) for _, _, live in timeline) == mt.tree.nbytes(grads)
+    assert "activations" not in timeline[-1][2]  # freed by the end of the backward pass
+
+
+def mlp_loss(checkpointed):
+    from torch.utils.checkpoint import checkpoint
+
+    def block(h, w):
+        return torch.tanh(h @ w).relu()
+
+    def loss(params, x):
+        h = x
+        for w in params:
+            h = checkpoint(block, h, w, use_reentrant=False) if checkpointed else block(h, w)
+        return h.square().mean()
+
+    return loss, block
+
+
+def test_activation_checkpointing_recomputes_the_forward_and_saves_less():
+    g = mt.rng.generator(0)
+    params = [torch.randn(64, 64, generator=g) / 8 for _ in range(4)]
+    x = torch.randn(32, 64, generator=g)
+    plain, block = mlp_loss(False)
+    checkpointed, _ = mlp_loss(True)
+    counters, grads = {}, {}
+    for name, loss in (("plain", plain), ("checkpointed", checkpointed)):
+        counters[name], grads[name] = recorded_step(loss, params, x, mt.optim.sgd(lr=0.1))
+        assert counters[name].unknown == {}
+    torch.testing.assert_close(grads["checkpointed"], grads["plain"])
+    with acc.Counter() as forward:  # the blocks' forward FLOPs, run once more in backward
+        h = x
+        for w in params:
+            h = block(h, w)
+    assert counters["checkpointed"].flops == counters["plain"].flops + forward.flops
+    assert (counters["checkpointed"].matmul_flops
+            == counters["plain"].matmul_flops + forward.matmul_flops)
+
+    def saved_at_backward_start(counter):
+        timeline = counter.timeline()
+        return next(live for _, phase, live in timeline if phase == "backward")["activations"]
+
+    # Plain: each block saves its tanh and relu outputs (the relu output is also the next
+    # matmul's saved input; the first's is the batch, the weights are params): 2·B·D floats per
+    # block. Checkpointed: only what leaves each block, B·D floats.
+    blocks, bd = len(params), 32 * 64
+    assert saved_at_backward_start(counters["plain"]) == blocks * 2 * bd * 4
+    assert saved_at_backward_start(counters["checkpointed"]) == blocks * bd * 4

@@ -29,7 +29,6 @@ also in the backward pass. Fields of :class:`OpRecord` (one per op call) are doc
 from __future__ import annotations
 
 import math
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +42,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from minitrain.accounting.flops import optimizer_flops_per_element
 from minitrain.accounting.hardware import HardwareError, dtype_name
+from minitrain.accounting.timeline import LiveStorages, Timeline
+from minitrain.func import saved_tensor_hooks_inside
 
 __all__ = [
     "Counter",
@@ -377,30 +378,6 @@ def _innermost(parents: set[str]) -> str:
     return max(parents, key=lambda p: (p != "Global", p.count("."), len(p)), default="Global")
 
 
-class _LiveStorages:
-    """Bytes of live storages, each counted once; freed storages leave through a finalizer."""
-
-    def __init__(self) -> None:
-        self.sizes: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-
-    def add(self, t: torch.Tensor) -> None:
-        if t.is_meta or t.layout != torch.strided:
-            return
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self.sizes:
-            return
-        self.sizes[key] = nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.live -= self.sizes.pop(key, 0)
-
-
 class _Mode(TorchDispatchMode):
     def __init__(self, counter: Counter) -> None:
         super().__init__()
@@ -461,11 +438,20 @@ class Counter:
     records: list[OpRecord] = field(default_factory=list)
     backward_start_live_bytes: int | None = None
     forward_matmul_inputs: dict[int, int] = field(default_factory=dict)
-    _live: _LiveStorages = field(default_factory=_LiveStorages, repr=False)
+    record_timeline: bool = False
+    _live: LiveStorages = field(default_factory=LiveStorages, repr=False)
+    _hooks: Any = field(default=None, repr=False)
+    _phase: str = field(default="forward", repr=False)
     _tracker: ModuleTracker | None = field(default=None, repr=False)
     _mode: _Mode | None = field(default=None, repr=False)
 
     def __enter__(self) -> Counter:
+        if self.record_timeline:
+            if not self.track_memory:
+                raise ValueError("record_timeline needs track_memory=True")
+            self._live.record = True
+            self._hooks = saved_tensor_hooks_inside(self._pack, lambda t: t)
+            self._hooks.__enter__()
         self._tracker = ModuleTracker()
         self._tracker.__enter__()
         self._mode = _Mode(self)
@@ -476,13 +462,33 @@ class Counter:
         assert self._mode is not None and self._tracker is not None, "exit without enter"
         self._mode.__exit__(*exc)
         self._tracker.__exit__(*exc)
-        self._mode = self._tracker = None
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+        self._mode = self._tracker = self._hooks = None
 
-    def track(self, *trees: Any) -> None:
-        """Count the tensors of ``trees`` (params, optimizer state, batch) as live memory now."""
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._live.saved(t)
+        return t
+
+    def track(self, *trees: Any, category: str | None = None) -> None:
+        """Count the tensors of ``trees`` (params, optimizer state, batch) as live memory now;
+        ``category`` names them in the timeline (see :mod:`minitrain.accounting.timeline`)."""
         if self.track_memory:
             for t in _tensors(trees):
-                self._live.add(t)
+                self._live.add(t, category)
+
+    def categorize(self, *trees: Any, category: str) -> None:
+        """Put the live storages of ``trees`` (grads, new params...) in ``category`` of the
+        timeline, unless :meth:`track` already gave them one."""
+        for t in _tensors(trees):
+            self._live.categorize(t, category)
+
+    def timeline(self) -> Timeline:
+        """Live bytes by category after every op: ``[(op_index, phase, {category: bytes})]``,
+        the format of ``predict_step``'s (needs ``record_timeline=True``). What autograd saves
+        is seen inside :func:`minitrain.value_and_grad` (and ``grad``); elsewhere activations
+        are what the forward pass made that is alive when the backward pass starts."""
+        return self._live.timeline()
 
     @property
     def live_bytes(self) -> int:
@@ -529,11 +535,16 @@ class Counter:
             self.unknown[name] = self.unknown.get(name, 0) + 1
         moved = not view
         backward = torch._C._current_autograd_node() is not None
+        if backward:
+            self._phase = "backward"
+        elif self._phase == "backward":
+            self._phase = "update"
         if self.track_memory:
             if backward and self.backward_start_live_bytes is None:
                 self.backward_start_live_bytes = self._live.live
             for t in (*inputs, *outputs):
                 self._live.add(t)
+            self._live.sample(self._phase)
         parents = set(self._tracker.parents) if self._tracker is not None else {"Global"}
         record = OpRecord(
             op=name,
