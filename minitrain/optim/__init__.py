@@ -11,6 +11,19 @@
 
 from minitrain.optim._adagrad import AdagradState, adagrad
 from minitrain.optim._adam import AdamState, adam, adamw
+from minitrain.optim._core import (
+    ChainState,
+    EmptyState,
+    GradientTransformation,
+    LeafBatch,
+    Updates,
+    apply_updates,
+    as_optimizer,
+    chain,
+    identity,
+    leafwise,
+    register_lowering,
+)
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
 from minitrain.optim._rmsprop import RMSpropState, rmsprop
 from minitrain.optim._sgd import SGDState, sgd
@@ -39,7 +52,8 @@ from minitrain.optim.schedules import (
     sequential_schedule,
     step_schedule,
 )
-from minitrain.optim.transforms import clip_by_global_norm
+from minitrain.optim.transforms import *  # noqa: F403  (the building blocks, listed below)
+from minitrain.optim.transforms import __all__ as _transforms
 
 __all__ = [
     "Optimizer",
@@ -75,5 +89,16 @@ __all__ = [
     "unroll",
     "Unrolled",
     "learning_rate",
-    "clip_by_global_norm",
+    "GradientTransformation",
+    "EmptyState",
+    "ChainState",
+    "Updates",
+    "identity",
+    "chain",
+    "apply_updates",
+    "leafwise",
+    "LeafBatch",
+    "as_optimizer",
+    "register_lowering",
+    *_transforms,
 ]

@@ -1,35 +1,144 @@
-"""Gradient transforms: pure functions from grads to grads."""
+"""Gradient transformations, the building blocks of every optimizer (optax names, torch math).
+
+The rules live in ``_transforms_rules`` (per-leaf math) and ``_transforms_wrappers`` (routing,
+accumulation, skipping, averaging, injected hyperparameters); this module adds global-norm
+clipping and is the public index of them all.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim._core import EmptyState, GradientTransformation, hyperparameter, tagged
+from minitrain.optim._transforms_rules import (
+    AddDecayedWeightsState,
+    ClipState,
+    ScaleByAdagradState,
+    ScaleByAdamState,
+    ScaleByLearningRateState,
+    ScaleByRmsState,
+    ScaleState,
+    TraceState,
+    add_decayed_weights,
+    clip,
+    scale,
+    scale_by_adagrad,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_rms,
+    scale_by_sign,
+    trace,
+)
+from minitrain.optim._transforms_wrappers import (
+    ApplyIfFiniteState,
+    EmaState,
+    InjectHyperparamsState,
+    MaskedState,
+    MultiSteps,
+    MultiStepsState,
+    MultiTransformState,
+    apply_if_finite,
+    ema,
+    inject_hyperparams,
+    masked,
+    multi_transform,
+)
 from minitrain.optim.base import check_hyperparameter, is_traced
 from minitrain.tree import Grads
 
-__all__ = ["clip_by_global_norm"]
+__all__ = [
+    "clip_by_global_norm",
+    "ClipByGlobalNormState",
+    "scale",
+    "ScaleState",
+    "scale_by_learning_rate",
+    "ScaleByLearningRateState",
+    "scale_by_adam",
+    "ScaleByAdamState",
+    "scale_by_rms",
+    "ScaleByRmsState",
+    "scale_by_adagrad",
+    "ScaleByAdagradState",
+    "scale_by_sign",
+    "trace",
+    "TraceState",
+    "add_decayed_weights",
+    "AddDecayedWeightsState",
+    "clip",
+    "ClipState",
+    "masked",
+    "MaskedState",
+    "multi_transform",
+    "MultiTransformState",
+    "MultiSteps",
+    "MultiStepsState",
+    "apply_if_finite",
+    "ApplyIfFiniteState",
+    "ema",
+    "EmaState",
+    "inject_hyperparams",
+    "InjectHyperparamsState",
+]
+
+ClipByGlobalNormState = EmptyState
 
 
-def clip_by_global_norm(grads: Grads, max_norm: float) -> tuple[Grads, Tensor]:
-    """Scale ``grads`` so that their joint L2 norm is at most ``max_norm``.
+def clip_by_global_norm(grads_or_max_norm: Any, max_norm: Any = None) -> Any:
+    """Scale updates so that their joint L2 norm is at most ``max_norm``.
 
-    Returns the clipped grads and the norm before clipping. The scale is
-    ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
+    Two forms (optax's and minitrain's earlier function): ``clip_by_global_norm(max_norm)``
+    returns the transformation; ``clip_by_global_norm(grads, max_norm)`` returns the clipped
+    grads and the norm before clipping. The scale is ``min(1, max_norm / (norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grad_norm_``.
 
     >>> import torch
     >>> grads, norm = clip_by_global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, 1.0)
     >>> norm, grads["a"], grads["b"]
     (tensor(5.), tensor([0.6000]), tensor([0.8000]))
+    >>> tx = clip_by_global_norm(1.0)
+    >>> tx.update([torch.tensor([3.0, 4.0])], tx.init([torch.zeros(2)]))[0]
+    [tensor([0.6000, 0.8000])]
     """
+    if max_norm is None:
+        return _clip_transform(grads_or_max_norm)
+    return _clip(grads_or_max_norm, max_norm)
+
+
+def _clip_transform(max_norm: Any) -> GradientTransformation:
+    max_norm = hyperparameter("max_norm", max_norm)
+    check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
+
+    def update(updates, state, params=None):
+        return _clip(updates, max_norm)[0], state
+
+    return tagged("clip_by_global_norm", GradientTransformation(lambda p: EmptyState(), update),
+                  max_norm=max_norm)
+
+
+def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
     leaves = tree.leaves(grads)
     if not leaves:
         raise ValueError("grads has no leaves; pass a pytree of tensors")
     if any(is_traced(g) for g in leaves) or torch.compiler.is_compiling():
         norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in leaves]))
-    else:
-        norm = tree.global_norm(grads)
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return tree.map(lambda g: g * scale.to(g.dtype), grads), norm
+        scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
+    norm = tree.global_norm(grads)
+    scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if any(g.requires_grad for g in leaves) and torch.is_grad_enabled():
+        return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(leaves):
+        groups.setdefault(g.dtype, []).append(i)
+    out = list(leaves)
+    with torch.no_grad():
+        for dtype, indices in groups.items():
+            scaled = torch._foreach_mul([leaves[i] for i in indices], scale_.to(dtype))
+            for i, value in zip(indices, scaled, strict=True):
+                out[i] = value
+    return tree.unflatten(tree.structure(grads), out), norm

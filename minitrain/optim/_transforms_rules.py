@@ -1,0 +1,415 @@
+"""Building blocks that map updates leaf by leaf (optax ``_src/transform.py``, torch semantics).
+
+Each rule is one per-leaf function made into a transformation by :func:`leafwise`, so its math
+lives here once: the aliases (``sgd``, ``adam``, ...) are chains of these, and their fused
+kernels are lowerings tested equal to them. Where optax and ``torch.optim`` differ (RMSprop's
+eps outside the sqrt, Adam's eps after the bias correction, SGD's first momentum step), torch
+wins.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.optim._core import (
+    EmptyState,
+    GradientTransformation,
+    check_pair,
+    hyperparameter,
+    leafwise,
+    tagged,
+)
+from minitrain.optim.base import (
+    ScalarOrSchedule,
+    WeightDecayMask,
+    check_hyperparameter,
+    check_lr,
+    decay_flags,
+    is_traced,
+    scalar,
+    use_plain_path,
+)
+from minitrain.tree import Params
+
+__all__ = [
+    "scale",
+    "ScaleState",
+    "scale_by_learning_rate",
+    "ScaleByLearningRateState",
+    "scale_by_adam",
+    "ScaleByAdamState",
+    "scale_by_rms",
+    "ScaleByRmsState",
+    "scale_by_adagrad",
+    "ScaleByAdagradState",
+    "scale_by_sign",
+    "trace",
+    "TraceState",
+    "add_decayed_weights",
+    "AddDecayedWeightsState",
+    "clip",
+    "ClipState",
+]
+
+
+def _zeros(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _sqrt(value: Any) -> Any:
+    return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
+
+
+def _map(fn, updates):
+    """``fn`` over the leaves of ``updates``: once over all leaves as a list when they are plain
+    tensors (``fn`` then gets a list and must use ``torch._foreach_*``), else per leaf."""
+    leaves = tree.leaves(updates)
+    if leaves and not use_plain_path("auto", leaves, []):
+        with torch.no_grad():
+            return tree.unflatten(tree.structure(updates), list(fn(leaves, True)))
+    return tree.map(lambda u: fn(u, False), updates)
+
+
+ScaleState = EmptyState
+ClipState = EmptyState
+AddDecayedWeightsState = EmptyState
+
+
+def scale(step_size: float | Tensor) -> GradientTransformation:
+    """Multiply updates by ``step_size``.
+
+    >>> import torch
+    >>> scale(3.0).update([torch.ones(1)], EmptyState())[0]
+    [tensor([3.])]
+    """
+    step_size = hyperparameter("step_size", step_size)
+
+    def update(updates, state, params=None):
+        return _scaled(updates, step_size), state
+
+    return tagged("scale", GradientTransformation(lambda params: EmptyState(), update),
+                  step_size=step_size)
+
+
+def _scaled(updates, factor):
+    def fn(u, batched):
+        if batched:
+            return torch._foreach_mul(u, scalar(factor))
+        return factor * u
+
+    return _map(fn, updates)
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """``count`` updates done and ``lr``, the learning rate of the last one."""
+
+    count: Tensor
+    lr: Tensor
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
+                           *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply updates by ``-lr`` (``lr`` without ``flip_sign``): a float, a one-element tensor,
+    or a schedule ``step -> lr`` read at the number of updates done.
+
+    >>> import torch
+    >>> tx = scale_by_learning_rate(lambda count: 1.0 if count < 1 else 0.5)
+    >>> state = tx.init([torch.zeros(1)])
+    >>> for _ in range(2):
+    ...     updates, state = tx.update([torch.ones(1)], state)
+    >>> updates, float(state.lr)
+    ([tensor([-0.5000])], 0.5)
+    """
+    is_schedule = callable(learning_rate) and not isinstance(learning_rate, Tensor)
+    if not is_schedule:
+        learning_rate = hyperparameter("lr", learning_rate)
+        check_lr(learning_rate)
+    sign = -1 if flip_sign else 1
+
+    def lr_at(count):
+        if is_schedule:
+            value = learning_rate(count if is_traced(count) else int(count))
+            check_hyperparameter("lr (from the schedule)", value, 0.0)
+            return value
+        return learning_rate
+
+    def init(params):
+        return ScaleByLearningRateState(torch.zeros((), dtype=torch.int64), _f32(lr_at(0)))
+
+    def update(updates, state, params=None):
+        lr = lr_at(state.count)
+        factor = -lr if flip_sign else lr
+        return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, _f32(lr))
+
+    return tagged("scale_by_learning_rate", GradientTransformation(init, update),
+                  learning_rate=learning_rate, sign=sign)
+
+
+def _f32(value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-leaf rules
+
+
+class ScaleByAdamState(NamedTuple):
+    """``count``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` (``()`` leaves unless
+    amsgrad), like torch.optim.Adam's state."""
+
+    count: Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+    max_exp_avg_sq: Params
+
+
+def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad):
+    """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
+    torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2))."""
+    exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
+    exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": ()}
+    second = exp_avg_sq
+    if amsgrad:
+        second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = _sqrt(1 - beta2**step)
+    denom = second.sqrt() / bias_correction2_sqrt + eps
+    return (exp_avg / denom) / bias_correction1, new
+
+
+def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999, eps: float = 1e-8,
+                  amsgrad: bool = False) -> GradientTransformation:
+    """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad.
+
+    >>> import torch
+    >>> tx = scale_by_adam()
+    >>> tx.update([torch.tensor([5.0, -0.01])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1.0000, -1.0000])]
+    """
+    beta1, beta2 = check_pair("betas", (b1, b2))
+    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
+    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
+    check_hyperparameter("eps", eps, 0.0)
+
+    def init_leaf(p):
+        return {"exp_avg": _zeros(p), "exp_avg_sq": _zeros(p),
+                "max_exp_avg_sq": _zeros(p) if amsgrad else ()}
+
+    return leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
+                    dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad))
+
+
+class ScaleByRmsState(NamedTuple):
+    """``count``, ``square_avg`` and ``grad_avg`` (``()`` leaves unless centered)."""
+
+    count: Tensor
+    square_avg: Params
+    grad_avg: Params
+
+
+def rms_leaf(g, buffers, p, step, alpha, eps, centered):
+    """torch.optim.RMSprop's scaling (eps outside the sqrt; Graves 2013 when centered)."""
+    square_avg = alpha * buffers["square_avg"] + (1 - alpha) * (g * g)
+    new = {"square_avg": square_avg, "grad_avg": ()}
+    if centered:
+        grad_avg = new["grad_avg"] = torch.lerp(buffers["grad_avg"], g, 1 - alpha)
+        avg = (square_avg - grad_avg * grad_avg).sqrt() + eps
+    else:
+        avg = square_avg.sqrt() + eps
+    return g / avg, new
+
+
+def scale_by_rms(alpha: float | Tensor = 0.99, eps: float = 1e-8,
+                 centered: bool = False) -> GradientTransformation:
+    """Divide by the root of a running mean of squares, as torch.optim.RMSprop.
+
+    >>> import torch
+    >>> tx = scale_by_rms(alpha=0.0, eps=0.0)
+    >>> tx.update([torch.tensor([4.0, -2.0])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1., -1.])]
+    """
+    check_hyperparameter("alpha", alpha, 0.0, 1.0)
+    check_hyperparameter("eps", eps, 0.0)
+
+    def init_leaf(p):
+        return {"square_avg": _zeros(p), "grad_avg": _zeros(p) if centered else ()}
+
+    return leafwise("scale_by_rms", init_leaf, rms_leaf, ScaleByRmsState,
+                    dict(alpha=alpha, eps=eps, centered=centered))
+
+
+class ScaleByAdagradState(NamedTuple):
+    """``count`` and ``sum`` of squared updates per leaf."""
+
+    count: Tensor
+    sum: Params
+
+
+def adagrad_leaf(g, buffers, p, step, lr_decay, eps):
+    """torch.optim.Adagrad's scaling, with its lr decay ``1 / (1 + (t - 1) * lr_decay)``."""
+    total = buffers["sum"] + g * g
+    std = total.sqrt() + eps
+    return (g / std) / (1 + (step - 1) * lr_decay), {"sum": total}
+
+
+def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                     eps: float = 1e-10) -> GradientTransformation:
+    """Divide by the root of the sum of squares so far, as torch.optim.Adagrad.
+
+    >>> import torch
+    >>> tx = scale_by_adagrad()
+    >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1., -1.])]
+    """
+    check_hyperparameter("lr_decay", lr_decay, 0.0)
+    check_hyperparameter("initial_accumulator_value", initial_accumulator_value, 0.0)
+    check_hyperparameter("eps", eps, 0.0)
+
+    def init_leaf(p):
+        return {"sum": torch.full_like(p, initial_accumulator_value,
+                                       memory_format=torch.preserve_format)}
+
+    return leafwise("scale_by_adagrad", init_leaf, adagrad_leaf, ScaleByAdagradState,
+                    dict(lr_decay=lr_decay, eps=eps))
+
+
+def sign_leaf(g, buffers, p, step):
+    """``sign(g)`` (signSGD, Bernstein et al. 2018)."""
+    return torch.sign(g), buffers
+
+
+def scale_by_sign() -> GradientTransformation:
+    """Replace each update by its sign.
+
+    >>> import torch
+    >>> tx = scale_by_sign()
+    >>> tx.update([torch.tensor([3.0, -0.5, 0.0])], tx.init([torch.zeros(3)]))[0]
+    [tensor([ 1., -1.,  0.])]
+    """
+    return leafwise("scale_by_sign", lambda p: {}, sign_leaf)
+
+
+class TraceState(NamedTuple):
+    """``count`` and ``momentum_buffer`` per leaf, like torch.optim.SGD's state."""
+
+    count: Tensor
+    momentum_buffer: Params
+
+
+def trace_leaf(g, buffers, p, step, momentum, dampening, nesterov):
+    """torch.optim.SGD's momentum: ``b = g`` on the first step, then ``b = momentum * b +
+    (1 - dampening) * g``; the update is ``g + momentum * b`` (Nesterov) or ``b``."""
+    later = momentum * buffers["momentum_buffer"] + (1 - dampening) * g
+    if isinstance(step, int):
+        buf = g if step == 1 else later
+    else:
+        buf = torch.where(step == 1, g, later)
+    return (g + momentum * buf if nesterov else buf), {"momentum_buffer": buf}
+
+
+def trace(momentum: float | Tensor = 0.9, dampening: float = 0.0,
+          nesterov: bool = False) -> GradientTransformation:
+    """Momentum as torch.optim.SGD has it (first step ``b = g``, dampening, Nesterov).
+
+    >>> import torch
+    >>> tx = trace(momentum=0.9)
+    >>> state = tx.init([torch.zeros(1)])
+    >>> for _ in range(2):
+    ...     updates, state = tx.update([torch.ones(1)], state)
+    >>> updates
+    [tensor([1.9000])]
+    """
+    check_hyperparameter("momentum", momentum, 0.0)
+    check_hyperparameter("dampening", dampening, 0.0)
+    if nesterov and (_concrete(momentum) == 0 or _concrete(dampening) != 0):
+        raise ValueError(
+            "invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
+            "set momentum or turn nesterov off"
+        )
+    return leafwise("trace", lambda p: {"momentum_buffer": _zeros(p)}, trace_leaf, TraceState,
+                    dict(momentum=momentum, dampening=dampening, nesterov=nesterov))
+
+
+def _concrete(value: Any) -> Any:
+    value = scalar(value)
+    return value if isinstance(value, int | float) else None
+
+
+def add_decayed_weights(weight_decay: float | Tensor = 0.0,
+                        mask: WeightDecayMask = None) -> GradientTransformation:
+    """Add ``weight_decay * p`` to each update (``mask``: a pytree of bools like params, or
+    ``fn(name, leaf) -> bool``). Before a scaling rule this is torch's L2 decay (``g += wd * p``),
+    after it decoupled decay (AdamW).
+
+    >>> import torch
+    >>> tx = add_decayed_weights(0.5, mask={"w": True, "b": False})
+    >>> params = {"w": torch.ones(1), "b": torch.ones(1)}
+    >>> tx.update({"w": torch.zeros(1), "b": torch.zeros(1)}, tx.init(params), params)[0]
+    {'w': tensor([0.5000]), 'b': tensor([0.])}
+    """
+    weight_decay = hyperparameter("weight_decay", weight_decay)
+    check_hyperparameter("weight_decay", weight_decay, 0.0)
+    off = isinstance(weight_decay, int | float) and weight_decay == 0
+
+    def update(updates, state, params=None):
+        if off:
+            return updates, state
+        if params is None:
+            raise ValueError(
+                "add_decayed_weights needs params: call update(updates, state, params)"
+            )
+        flags = decay_flags(mask, params)
+        u_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
+        if len(u_leaves) != len(p_leaves):
+            raise ValueError(
+                f"updates have {len(u_leaves)} leaves but params {len(p_leaves)}; "
+                f"pass the params the updates are for"
+            )
+        if not use_plain_path("auto", [*u_leaves, *p_leaves], [weight_decay]):
+            on = [i for i, flag in enumerate(flags) if flag]
+            with torch.no_grad():
+                decayed = torch._foreach_add([u_leaves[i] for i in on], [p_leaves[i] for i in on],
+                                             alpha=scalar(weight_decay))
+            out = list(u_leaves)
+            for i, value in zip(on, decayed, strict=True):
+                out[i] = value
+        else:
+            out = [u + weight_decay * p if flag else u
+                   for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
+        return tree.unflatten(tree.structure(updates), out), state
+
+    return tagged("add_decayed_weights", GradientTransformation(lambda p: EmptyState(), update),
+                  weight_decay=weight_decay, mask=mask)
+
+
+def clip(max_delta: float | Tensor) -> GradientTransformation:
+    """Clamp each element of the updates to ``[-max_delta, max_delta]``.
+
+    >>> import torch
+    >>> clip(1.0).update([torch.tensor([3.0, -0.5, -2.0])], EmptyState())[0]
+    [tensor([ 1.0000, -0.5000, -1.0000])]
+    """
+    max_delta = hyperparameter("max_delta", max_delta)
+    check_hyperparameter("max_delta", max_delta, 0.0)
+
+    def update(updates, state, params=None):
+        if isinstance(max_delta, Tensor):
+            return tree.map(lambda u: torch.clamp(u, -max_delta, max_delta), updates), state
+
+        def fn(u, batched):
+            if batched:
+                return torch._foreach_clamp_max(torch._foreach_clamp_min(u, -max_delta), max_delta)
+            return torch.clamp(u, -max_delta, max_delta)
+
+        return _map(fn, updates), state
+
+    return tagged("clip", GradientTransformation(lambda p: EmptyState(), update),
+                  max_delta=max_delta)

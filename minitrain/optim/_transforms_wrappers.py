@@ -1,0 +1,365 @@
+"""Transformations that wrap others: routing leaves, accumulating, skipping, averaging, and
+hyperparameters kept in the state (optax ``_src/wrappers.py``, ``combine.py``,
+``schedules/_inject.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.optim._core import GradientTransformation, hyperparameter, tagged
+from minitrain.optim.base import is_traced
+from minitrain.tree import Params
+
+__all__ = [
+    "masked",
+    "MaskedState",
+    "multi_transform",
+    "MultiTransformState",
+    "MultiSteps",
+    "MultiStepsState",
+    "apply_if_finite",
+    "ApplyIfFiniteState",
+    "ema",
+    "EmaState",
+    "inject_hyperparams",
+    "InjectHyperparamsState",
+]
+
+
+def _labels(labels: Any, params: Params, what: str) -> list[Any]:
+    """Per leaf of ``params``: its label from a pytree like params or ``fn(name, leaf)``."""
+    named = tree.named_leaves(params)
+    if callable(labels):
+        return [labels(name, leaf) for name, leaf in named]
+    tree.assert_same_structure(params, labels, names=("params", what))
+    return tree.leaves(labels)
+
+
+def _select(leaves: list[Any], indices: list[int]) -> list[Any]:
+    return [leaves[i] for i in indices]
+
+
+class MaskedState(NamedTuple):
+    """The inner transformation's state over the masked-in leaves (a list pytree)."""
+
+    inner_state: Any
+
+
+def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
+    """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through.
+
+    ``mask`` is a pytree of bools like params or ``fn(name, leaf) -> bool``. ``inner`` sees a
+    list of the selected leaves.
+
+    >>> import torch, minitrain as mt
+    >>> tx = masked(mt.optim.scale(0.0), lambda name, leaf: leaf.ndim >= 2)
+    >>> params = {"w": torch.ones(1, 1), "b": torch.ones(1)}
+    >>> tx.update(params, tx.init(params), params)[0]
+    {'w': tensor([[0.]]), 'b': tensor([1.])}
+    """
+
+    def chosen(params: Params) -> list[int]:
+        flags = _labels(mask, params, "mask")
+        for (name, _), flag in zip(tree.named_leaves(params), flags, strict=True):
+            if not isinstance(flag, bool):
+                raise ValueError(f"mask leaf {name!r} is {type(flag).__name__}; use True or False")
+        return [i for i, flag in enumerate(flags) if flag]
+
+    def init(params):
+        return MaskedState(inner.init(_select(tree.leaves(params), chosen(params))))
+
+    def update(updates, state, params=None):
+        indices = chosen(updates if params is None else params)
+        leaves = tree.leaves(updates)
+        inner_params = None if params is None else _select(tree.leaves(params), indices)
+        new, inner_state = inner.update(_select(leaves, indices), state.inner_state, inner_params)
+        out = list(leaves)
+        for i, value in zip(indices, new, strict=True):
+            out[i] = value
+        return tree.unflatten(tree.structure(updates), out), MaskedState(inner_state)
+
+    return tagged("masked", GradientTransformation(init, update), inner=inner, mask=mask)
+
+
+class MultiTransformState(NamedTuple):
+    """Per label, the state of its transformation over the leaves with that label."""
+
+    inner_states: dict[str, Any]
+
+
+def multi_transform(transforms: dict[str, GradientTransformation],
+                    labels: Any) -> GradientTransformation:
+    """Route each leaf to the transformation of its label (optax ``multi_transform``).
+
+    ``labels`` is a pytree of label strings like params or ``fn(name, leaf) -> label``. Each
+    transformation sees a list of its leaves (and their params).
+
+    >>> import torch, minitrain as mt
+    >>> tx = multi_transform({"matrix": mt.optim.scale(-1.0), "other": mt.optim.scale(0.0)},
+    ...                      lambda name, p: "matrix" if p.ndim == 2 else "other")
+    >>> params = {"w": torch.ones(1, 1), "b": torch.ones(1)}
+    >>> tx.update(params, tx.init(params), params)[0]
+    {'w': tensor([[-1.]]), 'b': tensor([0.])}
+    """
+    if not transforms:
+        raise ValueError("multi_transform needs at least one labelled transformation")
+
+    def groups(params: Params) -> dict[str, list[int]]:
+        found: dict[str, list[int]] = {label: [] for label in transforms}
+        named = tree.named_leaves(params)
+        for index, ((name, _), label) in enumerate(
+            zip(named, _labels(labels, params, "labels"), strict=True)
+        ):
+            if label not in transforms:
+                raise ValueError(
+                    f"leaf {name!r} has label {label!r}, which has no transformation; "
+                    f"labels are {sorted(transforms)}"
+                )
+            found[label].append(index)
+        return found
+
+    def init(params):
+        leaves = tree.leaves(params)
+        return MultiTransformState({
+            label: transforms[label].init(_select(leaves, indices))
+            for label, indices in groups(params).items()
+        })
+
+    def update(updates, state, params=None):
+        leaves = tree.leaves(updates)
+        p_leaves = None if params is None else tree.leaves(params)
+        out = list(leaves)
+        new_states = {}
+        for label, indices in groups(updates if params is None else params).items():
+            new, new_states[label] = transforms[label].update(
+                _select(leaves, indices), state.inner_states[label],
+                None if p_leaves is None else _select(p_leaves, indices),
+            )
+            for i, value in zip(indices, new, strict=True):
+                out[i] = value
+        return tree.unflatten(tree.structure(updates), out), MultiTransformState(new_states)
+
+    return tagged("multi_transform", GradientTransformation(init, update),
+                  transforms=transforms, labels=labels)
+
+
+class MultiStepsState(NamedTuple):
+    """``mini_step`` micro-batches accumulated so far, ``gradient_step`` inner updates made,
+    the inner state, and ``acc_grads`` (the sum of this cycle's gradients)."""
+
+    mini_step: Tensor
+    gradient_step: Tensor
+    inner_state: Any
+    acc_grads: Params
+
+
+def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransformation:  # noqa: N802
+    """Accumulate gradients over ``every_k`` micro-batches, then apply ``inner`` to their sum.
+
+    Between inner steps the updates are zeros (params stay put). Summing matches ``.grad``
+    accumulation in torch (``loss.backward()`` per micro-batch, then ``optimizer.step()``);
+    divide each micro-batch's loss by ``every_k`` for the mean.
+
+    >>> import torch, minitrain as mt
+    >>> tx = MultiSteps(mt.optim.scale(-1.0), every_k=2)
+    >>> state = tx.init([torch.zeros(1)])
+    >>> first, state = tx.update([torch.ones(1)], state)
+    >>> second, state = tx.update([torch.full((1,), 2.0)], state)
+    >>> first, second
+    ([tensor([0.])], [tensor([-3.])])
+    """
+    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+        raise ValueError(f"invalid every_k={every_k!r}: pass a positive int")
+
+    def init(params):
+        zero = torch.zeros((), dtype=torch.int64)
+        return MultiStepsState(zero, zero.clone(), inner.init(params), tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
+        mini_step = state.mini_step + 1
+        if is_traced(mini_step):
+            boundary = mini_step == every_k
+            new, inner_state = inner.update(acc, state.inner_state, params)
+            inner_state = tree.map(lambda n, o: torch.where(boundary, n, o),
+                                   inner_state, state.inner_state)
+            out = tree.map(lambda u: torch.where(boundary, u, torch.zeros_like(u)), new)
+            acc = tree.map(lambda a: torch.where(boundary, torch.zeros_like(a), a), acc)
+            return out, MultiStepsState(torch.where(boundary, 0, mini_step),
+                                        state.gradient_step + boundary.long(), inner_state, acc)
+        if int(mini_step) < every_k:
+            zeros = tree.map(torch.zeros_like, updates)
+            return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
+        new, inner_state = inner.update(acc, state.inner_state, params)
+        return new, MultiStepsState(torch.zeros((), dtype=torch.int64), state.gradient_step + 1,
+                                    inner_state, tree.map(torch.zeros_like, acc))
+
+    return tagged("MultiSteps", GradientTransformation(init, update), inner=inner,
+                  every_k=every_k)
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """``notfinite_count`` consecutive skipped updates, ``last_finite`` (bool),
+    ``total_notfinite`` skipped in all, and the inner state."""
+
+    notfinite_count: Tensor
+    last_finite: Tensor
+    total_notfinite: Tensor
+    inner_state: Any
+
+
+def apply_if_finite(inner: GradientTransformation,
+                    max_consecutive_errors: int | None = None) -> GradientTransformation:
+    """Skip (zero) updates of ``inner`` with a NaN or inf and keep its old state, counting them.
+
+    After ``max_consecutive_errors`` skips in a row the next non-finite update goes through
+    (None: never).
+
+    >>> import torch, minitrain as mt
+    >>> tx = apply_if_finite(mt.optim.scale(-1.0))
+    >>> state = tx.init([torch.zeros(1)])
+    >>> updates, state = tx.update([torch.tensor([float("nan")])], state)
+    >>> updates, int(state.total_notfinite)
+    ([tensor([0.])], 1)
+    """
+
+    def init(params):
+        zero = torch.zeros((), dtype=torch.int64)
+        return ApplyIfFiniteState(zero, torch.tensor(True), zero.clone(), inner.init(params))
+
+    def update(updates, state, params=None):
+        new, inner_state = inner.update(updates, state.inner_state, params)
+        leaves = tree.leaves(new)
+        finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
+            torch.tensor(True))
+        if max_consecutive_errors is not None:
+            finite = finite | (state.notfinite_count >= max_consecutive_errors)
+        if not is_traced(finite) and bool(finite):
+            return new, ApplyIfFiniteState(torch.zeros((), dtype=torch.int64), finite,
+                                           state.total_notfinite, inner_state)
+        if not is_traced(finite):
+            return tree.map(torch.zeros_like, new), ApplyIfFiniteState(
+                state.notfinite_count + 1, finite, state.total_notfinite + 1, state.inner_state)
+        keep = tree.map(lambda n, o: torch.where(finite, n, o), inner_state, state.inner_state)
+        out = tree.map(lambda u: torch.where(finite, u, torch.zeros_like(u)), new)
+        bad = (~finite).long()
+        return out, ApplyIfFiniteState((state.notfinite_count + bad) * bad, finite,
+                                       state.total_notfinite + bad, keep)
+
+    return tagged("apply_if_finite", GradientTransformation(init, update), inner=inner)
+
+
+class EmaState(NamedTuple):
+    """``count`` updates seen and ``ema``, the average of the params after each update."""
+
+    count: Tensor
+    ema: Params
+
+
+def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
+    """Keep an exponential moving average of the params after each update, as
+    ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))``
+    with ``update_parameters`` after each step: the first update copies, later ones
+    ``ema = lerp(ema, p, 1 - decay)``. Put it last in a chain; updates pass through.
+
+    >>> import torch, minitrain as mt
+    >>> tx = mt.optim.chain(mt.optim.scale(-1.0), ema(0.5))
+    >>> params = [torch.zeros(1)]
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...     updates, state = tx.update([torch.ones(1)], state, params)
+    ...     params = mt.optim.apply_updates(params, updates)
+    >>> params, state[-1].ema  # params after each step: -1, -2; ema: -1, then -1.5
+    ([tensor([-2.])], [tensor([-1.5000])])
+    """
+    decay = hyperparameter("decay", decay)
+
+    def init(params):
+        return EmaState(torch.zeros((), dtype=torch.int64), tree.map(torch.clone, params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("ema needs params: call update(updates, state, params)")
+        new_params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
+        if not is_traced(state.count):
+            if int(state.count) == 0:
+                average = tree.map(lambda p: p.detach().clone(), new_params)
+            else:
+                average = tree.map(lambda a, p: torch.lerp(a, p.detach(), 1 - decay),
+                                   state.ema, new_params)
+        else:
+            average = tree.map(lambda a, p: torch.where(state.count == 0, p, torch.lerp(
+                a, p, 1 - decay)), state.ema, new_params)
+        return updates, EmaState(state.count + 1, average)
+
+    return tagged("ema", GradientTransformation(init, update), decay=decay)
+
+
+class InjectHyperparamsState(NamedTuple):
+    """``count`` updates done, ``hyperparams`` (name -> 0-d float tensor, changeable between
+    updates with ``state._replace``), and the inner state."""
+
+    count: Tensor
+    hyperparams: dict[str, Tensor]
+    inner_state: Any
+
+
+def inject_hyperparams(factory: Callable[..., GradientTransformation],
+                       ) -> Callable[..., GradientTransformation]:
+    """``inject_hyperparams(factory)(**kwargs)``: ``factory(**kwargs)`` with its numeric
+    arguments kept in the state as 0-d tensors (schedules are evaluated at each update's
+    count and stored), so they can be read, changed during a run, or swept.
+
+    >>> import torch, minitrain as mt
+    >>> tx = inject_hyperparams(mt.optim.scale_by_learning_rate)(learning_rate=0.1)
+    >>> state = tx.init([torch.zeros(1)])
+    >>> state = state._replace(hyperparams={"learning_rate": torch.tensor(0.5)})
+    >>> tx.update([torch.ones(1)], state)[0]
+    [tensor([-0.5000])]
+    """
+
+    def build(**kwargs: Any) -> GradientTransformation:
+        numeric = {k: v for k, v in kwargs.items()
+                   if isinstance(v, Tensor) or isinstance(v, int | float)
+                   and not isinstance(v, bool)}
+        schedules = {k: v for k, v in kwargs.items()
+                     if callable(v) and not isinstance(v, Tensor)}
+        static = {k: v for k, v in kwargs.items() if k not in numeric and k not in schedules}
+
+        def values(count: Any) -> dict[str, Tensor]:
+            out = {k: _hyper_tensor(k, v) for k, v in numeric.items()}
+            step = count if is_traced(count) else int(count)
+            out.update({k: _hyper_tensor(k, fn(step)) for k, fn in schedules.items()})
+            return out
+
+        def init(params):
+            count = torch.zeros((), dtype=torch.int64)
+            hyper = values(count)
+            return InjectHyperparamsState(count, hyper, factory(**static, **hyper).init(params))
+
+        def update(updates, state, params=None):
+            hyper = dict(state.hyperparams)
+            hyper.update({k: _hyper_tensor(k, fn(state.count if is_traced(state.count)
+                                                 else int(state.count)))
+                          for k, fn in schedules.items()})
+            inner = factory(**static, **hyper)
+            updates, inner_state = inner.update(updates, state.inner_state, params)
+            return updates, InjectHyperparamsState(state.count + 1, hyper, inner_state)
+
+        return tagged("inject_hyperparams", GradientTransformation(init, update),
+                      factory=factory, **kwargs)
+
+    return build
+
+
+def _hyper_tensor(name: str, value: Any) -> Tensor:
+    value = hyperparameter(name, value)
+    if isinstance(value, Tensor):
+        return value if value.is_floating_point() else value.to(torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32)
