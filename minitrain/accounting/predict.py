@@ -104,11 +104,12 @@ class StepPrediction(NamedTuple):
     - ``peak_bytes``; ``peak_phase`` (``"forward"``, ``"backward"``, ``"clip"``, ``"update"``),
       ``peak_op`` (``"aten.mm"``) and ``peak_module`` (``"transformer.h.3.mlp"``) at the peak;
     - ``memory``: ``{"at_peak": {category: bytes}, "persistent": {category: bytes},
-      "saved_for_backward": bytes, "end": {category: bytes}}``; categories are
+      "saved_for_backward": bytes, "largest": {category: bytes}, "end": {category: bytes}}``;
+      categories are
       ``params, grads, optimizer_state, batch, buffers, activations, temporaries``;
       ``persistent`` holds what lives across steps (params, optimizer state, batch, buffers),
-      ``end`` what is alive after the update (new params and state beside the old ones when
-      the update is pure);
+      ``largest`` the most each category holds at any moment, ``end`` what is alive after the
+      update (new params and state beside the old ones when the update is pure);
     - ``saved``: the largest tensors saved for backward, largest first (:class:`SavedTensor`);
       ``saved_by_module``: saved bytes per innermost module;
     - ``timeline``: one sample per traced op, ``(op_index, phase, {category: live bytes})``,
@@ -352,6 +353,7 @@ def predict_step(
             lifetimes.alias(meta_params, fake_params)
         end_state = _update(trace, optimizer, meta_params, meta_grads, state, donate,
                             max_grad_norm)
+    del meta_grads
     end = _live_by_category(lifetimes)
     del end_state
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
@@ -425,6 +427,7 @@ def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str,
             "at_peak": {k: v for k, v in result.at_peak.items() if v},
             "persistent": persistent,
             "saved_for_backward": sum(a.nbytes for a in saved),
+            "largest": {k: v for k, v in result.largest.items() if v},
             "end": end,
         },
         saved=[SavedTensor(a.nbytes, a.shape, a.dtype, a.module, a.op)

@@ -203,6 +203,7 @@ class Replay:
         self.peak_bytes = 0
         self.peak_op = -1
         self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.largest: dict[str, int] = dict.fromkeys(CATEGORIES, 0)  # per category, any time
 
 
 def category(allocation: Allocation) -> str:
@@ -226,8 +227,10 @@ def replay(lifetimes: Lifetimes) -> Replay:
             result.timeline.append((sign, phase, {k: v for k, v in live.items() if v}))
             continue
         nbytes = lifetimes.allocations[index].nbytes
-        live[kinds[index]] += sign * nbytes
+        kind = kinds[index]
+        live[kind] += sign * nbytes
         total += sign * nbytes
+        result.largest[kind] = max(result.largest[kind], live[kind])
         if total > result.peak_bytes:
             result.peak_bytes = total
             # An allocation belongs to the op whose outputs are being registered: the next

@@ -1,14 +1,17 @@
 """Predicted vs measured resources of one training step: memory, FLOPs, MFU, time to finish.
 
-:func:`resource_report` runs the pure train step once under a :class:`Counter` (the outputs are
-thrown away; the global RNG state is restored) and sets what it counted beside what the
-formulas predict:
+:func:`resource_report` predicts the step with :func:`~minitrain.accounting.predict_step` on
+fake tensors (never from the measured step's tensors), then runs the pure train step once
+under a :class:`Counter` (the outputs are thrown away; the global RNG state is restored) and
+sets what it measured beside the prediction:
 
-- **memory**: params, grads, optimizer state and activations, predicted; the peak predicted by
-  :func:`predicted_peak_bytes` and measured (CUDA: ``torch.cuda.max_memory_allocated`` around
-  one step; CPU: the counter's live storages);
-- **FLOPs per step**: the ``6·B·P`` rule, the exact model formula (when given) and as counted
-  (all ops with a formula, and the matmul subset that ``FlopCounterMode`` counts);
+- **memory**: params, grads, optimizer state, batch and activations saved for backward,
+  predicted, and the peak with its moment; measured: the peak (CUDA:
+  ``torch.cuda.max_memory_allocated`` around one step; CPU: the counter's live storages), the
+  resident categories and, on CPU, what was alive when the backward pass began; and where the
+  memory goes: the largest tensors saved for backward and the module that saved each;
+- **FLOPs per step**: the ``6·B·P`` rule, the exact model formula (when given), predicted and
+  as counted (all ops with a formula, and the matmul subset that ``FlopCounterMode`` counts);
 - **speed**: achieved FLOP/s and MFU against the device's dense peak, and the projected time to
   finish.
 """
@@ -23,6 +26,7 @@ import torch
 
 from minitrain.accounting.counter import Counter
 from minitrain.accounting.memory import optimizer_states
+from minitrain.accounting.predict import predict_step
 from minitrain.tree import leaves, nbytes, size
 
 __all__ = ["format_report", "predicted_peak_bytes", "resource_report"]
@@ -53,14 +57,6 @@ def predicted_peak_bytes(
     backward = resident + activations + grads
     update = resident + grads + (0 if donate else params + optimizer_state)
     return {"backward": backward, "update": update, "peak": max(backward, update)}
-
-
-def _storage_keys(tree: Any) -> set[int]:
-    return {
-        leaf.untyped_storage().data_ptr()
-        for leaf in leaves(tree)
-        if isinstance(leaf, torch.Tensor) and leaf.numel()
-    }
 
 
 def _first_dim(batch: Any) -> int:
@@ -115,7 +111,7 @@ def resource_report(
     opt_state: Any,
     batch: Any,
     *,
-    optimizer: str | None = None,
+    optimizer: Any = None,
     examples_per_step: int | None = None,
     exact_flops_per_step: int | None = None,
     activation_bytes: int | None = None,
@@ -124,39 +120,68 @@ def resource_report(
     step_seconds: int | float | None = None,
     steps_total: int | None = None,
     steps_done: int = 0,
+    loss_fn: Callable[..., Any] | None = None,
+    has_aux: bool = False,
+    max_grad_norm: float | None = None,
+    autocast: Callable[[], Any] | None = None,
+    hardware: str | None = None,
 ) -> dict[str, Any]:
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
+    With ``loss_fn`` (and an ``mt.optim`` optimizer as ``optimizer``) the prediction is
+    :func:`~minitrain.accounting.predict_step` on fake tensors: made before and apart from the
+    measured step, category by category, with the largest tensors saved for backward and the
+    module that saved each. Without it (a step that is not ``loss_fn`` + optimizer, e.g. a
+    vmapped ensemble) the prediction is the chapter's formula (:func:`predicted_peak_bytes`),
+    activations from ``activation_bytes`` only.
+
     Args:
         step: the pure train step (uncompiled); it runs once more here, outputs discarded.
-        optimizer: name for the predicted optimizer state (``"sgd"``, ``"adamw"``...); without
-            it the state's actual size is used.
+        optimizer: the ``mt.optim`` optimizer the step updates with, or its name (``"sgd"``,
+            ``"adamw"``...) for the formula's optimizer state.
         examples_per_step: ``B`` of the ``6·B·P`` rule (tokens per batch for a language model);
             default: the batch's leading dimension.
         exact_flops_per_step: the model's exact FLOP formula for one step, if known.
-        activation_bytes: the model's activation formula in bytes; without it, the bytes of
-            every forward matmul operand that is neither a param nor batch data.
-        donate: whether the update writes params and state in place.
+        activation_bytes: the model's activation formula in bytes (formula prediction only).
+        donate: whether the step's update writes params and state in place.
         peak_flops: the device's dense peak FLOP/s (the backend's ``peak_flops()``) for MFU.
         step_seconds, steps_total, steps_done: measured time per step and progress, for
             achieved FLOP/s and the projected time to finish.
+        loss_fn, has_aux, max_grad_norm, autocast: the step's loss, whether it returns aux,
+            its clipping and the backend's autocast, as the train step uses them.
+        hardware: a device name for the predicted time per step (roofline), if wanted.
 
     Returns a JSON-serializable dict: ``params``, ``examples_per_step``, ``memory``
-    (``predicted``, ``measured``, ``peak_ratio``), ``flops_per_step`` (``rule_6bp``, ``exact``,
-    ``counted``, ``counted_matmul``, ``unknown_ops``) and ``speed``.
+    (``predicted``, ``measured``, ``peak_ratio`` measured/predicted, ``where`` the largest
+    saved tensors), ``flops_per_step`` (``rule_6bp``, ``exact``, ``predicted``, ``counted``,
+    ``counted_matmul``, ``unknown_ops``) and ``speed``.
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.zeros(8, 4)}
     >>> opt = mt.optim.sgd(lr=0.1)
-    >>> grad = mt.value_and_grad(lambda p, x: (x @ p["w"]).square().mean())
+    >>> loss = lambda p, x: (x @ p["w"]).square().mean()
+    >>> grad = mt.value_and_grad(loss)
     >>> def step(params, state, x):
-    ...     loss, grads = grad(params, x)
+    ...     value, grads = grad(params, x)
+    ...     mt.tree.global_norm(grads)
     ...     return opt.update(grads, state, params)
-    >>> r = resource_report(step, params, opt.init(params), torch.ones(16, 8), optimizer="sgd")
+    >>> r = resource_report(step, params, opt.init(params), torch.ones(16, 8), optimizer=opt,
+    ...                     loss_fn=loss)
     >>> r["params"], r["flops_per_step"]["rule_6bp"], r["flops_per_step"]["counted_matmul"]
     (32, 3072, 2048)
+    >>> r["memory"]["predicted"]["peak"] == r["memory"]["measured"]["peak"]
+    True
     """
     device = _cuda_device((params, batch))
+    traced = loss_fn is not None and hasattr(optimizer, "update")
+    prediction = (
+        predict_step(
+            loss_fn, params, batch, optimizer=optimizer, donate=donate, has_aux=has_aux,
+            max_grad_norm=max_grad_norm, autocast=autocast, hardware=hardware or "h100",
+        )
+        if traced
+        else None
+    )
     with _rng_kept(device):
         counter = _count_step(step, params, opt_state, batch)
         measured_peak = (
@@ -167,25 +192,15 @@ def resource_report(
     n_params = size(params)
     examples = examples_per_step if examples_per_step is not None else _first_dim(batch)
     params_bytes, state_bytes, batch_bytes = nbytes(params), nbytes(opt_state), nbytes(batch)
-    if activation_bytes is None:
-        known = _storage_keys((params, opt_state, batch))
-        activation_bytes = sum(
-            b for key, b in counter.forward_matmul_inputs.items() if key not in known
-        )
-        activation_source = "forward matmul operands other than params and batch"
+    if prediction is not None:
+        predicted = _traced_memory(prediction)
     else:
-        activation_source = "model formula"
-    predicted_state = (
-        optimizer_states(optimizer) * params_bytes if optimizer is not None else state_bytes
-    )
-    peaks = predicted_peak_bytes(
-        params=params_bytes, optimizer_state=predicted_state, batch=batch_bytes,
-        activations=activation_bytes, donate=donate,
-    )
+        predicted = _formula_memory(optimizer, params_bytes, state_bytes, batch_bytes,
+                                    activation_bytes, donate)
     resident = params_bytes + state_bytes + batch_bytes
     measured_activations = (
         counter.backward_start_live_bytes - resident
-        if counter.backward_start_live_bytes is not None
+        if counter.backward_start_live_bytes is not None and device is None
         else None
     )
     rule = 6 * examples * n_params
@@ -196,36 +211,32 @@ def resource_report(
     )
     achieved = model_flops / step_seconds if step_seconds else None
     remaining = (steps_total - steps_done) if steps_total is not None else None
-    return {
+    report = {
         "params": n_params,
         "examples_per_step": examples,
         "memory": {
-            "predicted": {
-                "params": params_bytes,
-                "grads": params_bytes,
-                "optimizer_state": predicted_state,
-                "activations": activation_bytes,
-                "activations_source": activation_source,
-                "batch": batch_bytes,
-                "backward_peak": peaks["backward"],
-                "update_peak": peaks["update"],
-                "peak": peaks["peak"],
-            },
+            "predicted": predicted,
             "measured": {
                 "peak": measured_peak,
-                "activations": measured_activations,
+                "params": params_bytes,
                 "optimizer_state": state_bytes,
+                "batch": batch_bytes,
+                "activations": measured_activations,
                 "source": (
                     "torch.cuda.max_memory_allocated"
                     if device is not None
                     else "live storages (minitrain.accounting.Counter)"
                 ),
             },
-            "peak_ratio": _ratio(measured_peak, peaks["peak"]),
+            "peak_ratio": _ratio(measured_peak, predicted["peak"]),
+            "where": (
+                [saved._asdict() for saved in prediction.saved[:5]] if prediction else []
+            ),
         },
         "flops_per_step": {
             "rule_6bp": rule,
             "exact": exact_flops_per_step,
+            "predicted": prediction.flops if prediction else None,
             "counted": counter.flops,
             "counted_matmul": counter.matmul_flops,
             "unknown_ops": dict(counter.unknown),
@@ -243,6 +254,53 @@ def resource_report(
                 remaining * step_seconds if remaining is not None and step_seconds else None
             ),
         },
+    }
+    if prediction is not None and hardware is not None:
+        report["speed"] |= {"predicted_step_seconds": prediction.seconds_per_step,
+                            "predicted_on": prediction.hardware,
+                            "mfu_bound": prediction.mfu_bound}
+    return report
+
+
+def _traced_memory(prediction: Any) -> dict[str, Any]:
+    memory = prediction.memory
+    persistent, largest = memory["persistent"], memory["largest"]
+    return {
+        "params": persistent.get("params", 0),
+        "grads": largest.get("grads", 0),
+        "optimizer_state": persistent.get("optimizer_state", 0),
+        "batch": persistent.get("batch", 0),
+        "activations": memory["saved_for_backward"],
+        "activations_source": "predict_step: alive from the forward into the backward pass",
+        "at_peak": memory["at_peak"],
+        "peak": prediction.peak_bytes,
+        "peak_phase": prediction.peak_phase,
+        "peak_op": prediction.peak_op,
+        "peak_module": prediction.peak_module,
+        "source": "predict_step (fake tensors)",
+    }
+
+
+def _formula_memory(optimizer: Any, params_bytes: int, state_bytes: int, batch_bytes: int,
+                    activation_bytes: int | None, donate: bool) -> dict[str, Any]:
+    predicted_state = (
+        optimizer_states(optimizer) * params_bytes if isinstance(optimizer, str) else state_bytes
+    )
+    peaks = predicted_peak_bytes(
+        params=params_bytes, optimizer_state=predicted_state, batch=batch_bytes,
+        activations=activation_bytes or 0, donate=donate,
+    )
+    return {
+        "params": params_bytes,
+        "grads": params_bytes,
+        "optimizer_state": predicted_state,
+        "activations": activation_bytes,
+        "activations_source": "model formula" if activation_bytes is not None else None,
+        "batch": batch_bytes,
+        "backward_peak": peaks["backward"],
+        "update_peak": peaks["update"],
+        "peak": peaks["peak"],
+        "source": "formula (pass loss_fn and the optimizer for a traced prediction)",
     }
 
 
@@ -271,20 +329,41 @@ def format_report(report: dict[str, Any]) -> str:
     time to finish         -
     """
     memory, flops, speed = report["memory"], report["flops_per_step"], report["speed"]
+    predicted, measured = memory["predicted"], memory["measured"]
     ratio = memory["peak_ratio"]
     mfu = speed["mfu"]
+    moment = (
+        f" ({predicted['peak_phase']}, {predicted['peak_op']} in {predicted['peak_module']})"
+        if predicted.get("peak_phase") else ""
+    )
     lines = [
         ("params", f"{report['params']:,}"),
         (
             "peak memory",
-            f"predicted {_si(memory['predicted']['peak'], 'B')}, "
-            f"measured {_si(memory['measured']['peak'], 'B')}"
+            f"predicted {_si(predicted['peak'], 'B')}{moment}, "
+            f"measured {_si(measured['peak'], 'B')}"
             + (f" (x{ratio:.2f})" if ratio is not None else ""),
         ),
+    ]
+    both = [key for key in ("params", "optimizer_state", "batch", "activations")
+            if predicted.get(key) is not None and measured.get(key) is not None]
+    if both:
+        lines.append(("  predicted/measured", ", ".join(
+            f"{key.replace('_', ' ')} {_si(predicted[key], 'B')}/{_si(measured[key], 'B')}"
+            for key in both)))
+    for index, saved in enumerate(memory.get("where", [])[:3]):
+        lines.append((
+            "  where it goes" if index == 0 else "",
+            f"{_si(saved['bytes'], 'B')} {tuple(saved['shape'])} saved by {saved['op']} in "
+            f"{saved['module']}",
+        ))
+    predicted_flops = flops.get("predicted")
+    lines += [
         (
             "FLOPs per step",
             f"6·B·P {_si(flops['rule_6bp'], 'FLOP')}, exact {_si(flops['exact'], 'FLOP')}, "
-            f"counted {_si(flops['counted'], 'FLOP')} "
+            + (f"predicted {_si(predicted_flops, 'FLOP')}, " if predicted_flops else "")
+            + f"counted {_si(flops['counted'], 'FLOP')} "
             f"(matmul {_si(flops['counted_matmul'], 'FLOP')})",
         ),
         (

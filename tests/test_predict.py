@@ -1,0 +1,171 @@
+"""predict_step: a training step predicted on fake tensors, against the same step measured."""
+
+import dataclasses
+import resource
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import minitrain as mt
+from minitrain import accounting as acc
+from minitrain.accounting.predict import PredictionError, TensorSpec, predict_step
+
+
+def mlp_loss(apply):
+    def loss(params, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(apply(params, x), y)
+
+    return loss
+
+
+def mlp(dim=64, hidden=256, classes=10):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.LayerNorm(hidden),
+                        nn.Linear(hidden, classes))
+    params, apply = mt.from_module(net)
+    return params, mlp_loss(apply)
+
+
+def measured_peak(loss, params, batch, optimizer, donate=False):
+    grad = mt.value_and_grad(loss)
+    params = mt.tree.map(torch.clone, params)
+    state = optimizer.init(params)
+    with acc.Counter(keep_records=False) as counter:
+        counter.track(params, state, batch)
+        _, grads = grad(params, batch)
+        mt.tree.global_norm(grads)
+        out = optimizer.update(grads, state, params, donate=donate)
+        del grads, out
+    return counter
+
+
+def test_specs_meta_tensors_and_real_tensors_predict_the_same_step():
+    params, loss = mlp()
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    opt = mt.optim.adamw(lr=1e-3)
+    real = predict_step(loss, params, batch, optimizer=opt)
+    specs = predict_step(
+        loss, {k: TensorSpec(tuple(v.shape)) for k, v in params.items()},
+        (TensorSpec((32, 64)), ((32,), torch.int64)),
+        optimizer=opt,
+    )
+    meta = predict_step(loss, {k: v.to("meta") for k, v in params.items()},
+                        tuple(t.to("meta") for t in batch), optimizer=opt)
+    for other in (specs, meta):
+        assert other.peak_bytes == real.peak_bytes
+        assert other.flops == real.flops and other.bytes == real.bytes
+        assert other.memory["persistent"] == real.memory["persistent"]
+    counter = measured_peak(loss, params, batch, opt)
+    assert real.peak_bytes == pytest.approx(counter.peak_bytes, rel=0.02)
+    assert real.flops == counter.flops and real.matmul_flops == counter.matmul_flops
+
+
+def test_inputs_are_not_touched_and_no_real_compute_runs():
+    params, loss = mlp()
+    batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    before = mt.tree.map(torch.clone, params)
+    rng = torch.get_rng_state()
+    predict_step(loss, params, batch, optimizer=mt.optim.sgd(lr=0.1, momentum=0.9), donate=True)
+    assert all(torch.equal(a, b) for a, b in zip(mt.tree.leaves(before), mt.tree.leaves(params),
+                                                 strict=True))
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_billion_params_predict_in_seconds_without_their_memory():
+    dim, layers, batch = 16384, 4, 64  # 1.07e9 params: 4.3 GB of fp32, 17 GB with AdamW
+    params = {"layers": [{"weight": TensorSpec((dim, dim))} for _ in range(layers)],
+              "final": {"weight": TensorSpec((dim, 1))}}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    pred = predict_step(lambda p, b: mt.models.cruncher(p, b[0]).square().mean(),
+                        params, (TensorSpec((batch, dim)), TensorSpec((batch,))),
+                        optimizer=mt.optim.adamw(lr=1e-3), hardware="h100")
+    assert time.perf_counter() - start < 30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss < 200e6
+    n = layers * dim * dim + dim
+    assert pred.memory["persistent"]["params"] == 4 * n
+    assert pred.memory["persistent"]["optimizer_state"] == 8 * n + 8 + 4  # moments, count, lr
+    # A pure AdamW update holds old and new params and moments, and the grads: 5 copies plus.
+    assert pred.peak_phase == "update" and pred.peak_bytes > 5 * 4 * n
+    assert pred.fits and pred.peak_bytes <= acc.hardware("h100").memory_bytes
+    small = dataclasses.replace(acc.hardware("h100"), memory_bytes=16 * 10**9)
+    assert not predict_step(lambda p, b: mt.models.cruncher(p, b[0]).square().mean(), params,
+                            (TensorSpec((batch, dim)), TensorSpec((batch,))),
+                            optimizer=mt.optim.adamw(lr=1e-3), hardware=small).fits
+
+
+def test_the_peak_and_its_moment_are_found():
+    params, loss = mlp(dim=32, hidden=64)
+    opt = mt.optim.adamw(lr=1e-3)
+    # Large batch: the activations dominate, so the peak is inside the backward pass.
+    big = predict_step(loss, params, (TensorSpec((4096, 32)), ((4096,), torch.int64)),
+                       optimizer=opt)
+    assert big.peak_phase == "backward"
+    assert big.memory["at_peak"]["activations"] > big.memory["persistent"]["params"]
+    # Tiny batch, pure update: old and new params and moments together, in the update.
+    small = predict_step(loss, params, (TensorSpec((1, 32)), ((1,), torch.int64)),
+                         optimizer=opt)
+    assert small.peak_phase == "update"
+    donated = predict_step(loss, params, (TensorSpec((1, 32)), ((1,), torch.int64)),
+                           optimizer=opt, donate=True)
+    assert donated.peak_bytes < small.peak_bytes
+    for pred in (big, small, donated):
+        assert sum(pred.memory["at_peak"].values()) == pred.peak_bytes
+        assert max(sum(sample.values()) for _, _, sample in pred.timeline) == pred.peak_bytes
+
+
+def test_timeline_format_and_saved_tensors_name_their_module():
+    params, loss = mlp()
+    pred = predict_step(loss, params, (TensorSpec((16, 64)), ((16,), torch.int64)),
+                        optimizer=mt.optim.sgd(lr=0.1), max_grad_norm=1.0)
+    phases = [phase for _, phase, _ in pred.timeline]
+    order = ["forward", "backward", "clip", "update"]
+    assert sorted(set(phases), key=order.index) == order
+    assert phases == sorted(phases, key=order.index)  # one run of each, in order
+    assert [index for index, _, _ in pred.timeline] == list(range(len(pred.timeline)))
+    assert sum(totals["calls"] for totals in pred.per_op.values()) == len(pred.timeline)
+    assert pred.saved and pred.saved == sorted(pred.saved, key=lambda s: -s.bytes)
+    modules = {saved.module for saved in pred.saved}
+    assert {"Sequential.0", "Sequential.2"} & modules  # the first Linear's output, LayerNorm's
+    assert sum(pred.saved_by_module.values()) == pred.memory["saved_for_backward"]
+    assert pred.per_module["Global"]["flops"] == pred.flops
+    assert pred.seconds_per_step > 0 and 0 < pred.mfu_bound <= 1
+
+
+def test_a_loss_that_needs_data_is_one_line_naming_the_op():
+    def loss(params, x):
+        return (x @ params["w"]).sum() / (x.max().item() + 1)
+
+    with pytest.raises(PredictionError, match="_local_scalar_dense") as info:
+        predict_step(loss, {"w": torch.ones(4)}, torch.ones(2, 4))
+    assert "\n" not in str(info.value)
+
+
+def test_resource_report_predicts_apart_from_the_measured_step():
+    params, loss = mlp()
+    batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    opt = mt.optim.adamw(lr=1e-3)
+    grad = mt.value_and_grad(loss)
+
+    def step(params, state, batch):
+        _, grads = grad(params, batch)
+        mt.tree.global_norm(grads)
+        return opt.update(grads, state, params)
+
+    report = acc.resource_report(step, params, opt.init(params), batch, optimizer=opt,
+                                 loss_fn=loss, hardware="h100")
+    memory = report["memory"]
+    assert memory["predicted"]["source"].startswith("predict_step")
+    assert memory["peak_ratio"] == pytest.approx(1.0, abs=0.10)
+    assert memory["predicted"]["params"] == memory["measured"]["params"]
+    assert memory["predicted"]["optimizer_state"] == memory["measured"]["optimizer_state"]
+    assert memory["predicted"]["activations"] == pytest.approx(
+        memory["measured"]["activations"], rel=0.10)
+    assert memory["where"] and memory["where"][0]["module"].startswith("Sequential")
+    assert report["flops_per_step"]["predicted"] == report["flops_per_step"]["counted"]
+    assert report["speed"]["predicted_step_seconds"] > 0
+    text = acc.report.format_report(report)
+    assert "where it goes" in text and "predicted/measured" in text
