@@ -1,0 +1,388 @@
+"""Low-precision matmuls in training, simulated exactly: fp8 (per-tensor scales) and MX / NVFP4.
+
+Each matmul quantizes its inputs with :func:`minitrain.formats.quantize` semantics (bit-exact),
+then multiplies the quantized values in fp32, which is what an fp8 tensor core does: products of
+fp8 values are exact in fp32 and accumulation is fp32. Params, grads of params, optimizer state
+and the update stay fp32; only the three GEMMs of each matmul see low precision.
+
+The fp8 recipe is Transformer Engine's (``DelayedScaling``, Micikevicius et al. 2022, "FP8
+Formats for Deep Learning"): activations and weights in e4m3 in the forward pass, the gradient
+of the output in e5m2 in the backward pass, each tensor scaled by ``fp8_max / amax / 2**margin``
+before the (saturating) cast and unscaled after it. With ``state`` the amax comes from a history
+of the last ``history_len`` steps (delayed scaling, TE's ``amax_compute_algo="max"``); without,
+from the tensor itself (TE's ``Float8CurrentScaling``). The history is explicit, pure state: a
+tensor ``(num_matmuls, 3, history_len)`` (operand a, operand b, output grad), and the updated
+history comes back as the *gradient* of the state, the trick flax's ``fp8_ops`` uses, so it works
+under ``torch.func.grad`` and ``vmap`` with no side effects.
+
+Block formats (``mxfp8``, ``mxfp4``, ``nvfp4``) scale blocks along the reduction dimension of
+each GEMM, as torchao's MX training does: the forward pass quantizes ``a`` along K and ``b``
+along K; the backward requantizes the high-precision operands along the new reduction dimension
+(N for the input gradient, M for the weight gradient). Reduction dimensions that are not a
+multiple of the block are padded with zeros, which change no block scale and no sum.
+
+Inside :func:`simulate`, a ``TorchFunctionMode`` routes ``F.linear``, ``torch.matmul``, ``@``,
+``mm`` and ``bmm`` through these matmuls, so any model runs unchanged, including
+``mt.from_module`` models and ``torch.func.vmap`` sweeps.
+
+>>> import torch
+>>> a, b = torch.randn(4, 32), torch.randn(32, 8)
+>>> with simulate(RECIPES["fp8"]):
+...     y = a @ b
+>>> expected = quantize_operand(a, "fp8_e4m3") @ quantize_operand(b, "fp8_e4m3")
+>>> torch.equal(y, expected)
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from minitrain.formats import quantize, spec
+
+__all__ = [
+    "Recipe",
+    "RECIPES",
+    "recipe",
+    "quantize_operand",
+    "delayed_scale",
+    "matmul",
+    "linear",
+    "simulate",
+    "init_state",
+    "count_matmuls",
+]
+
+PER_TENSOR = ("fp8_e4m3", "fp8_e5m2")
+BLOCK = ("mxfp8", "mxfp4", "nvfp4")
+_TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+class Recipe(NamedTuple):
+    """Formats of the forward operands and of the output gradient, and the scaling options."""
+
+    forward: str = "fp8_e4m3"  # activations and weights
+    backward: str = "fp8_e5m2"  # gradient of the matmul's output
+    history_len: int = 16  # delayed scaling: steps of amax history (TE default 1024)
+    margin: int = 0  # scale = fp8_max / amax / 2**margin (TE DelayedScaling.margin)
+
+
+RECIPES = {
+    "fp8": Recipe("fp8_e4m3", "fp8_e5m2"),  # Transformer Engine's HYBRID format
+    "mxfp8": Recipe("mxfp8", "mxfp8"),  # OCP MX: e4m3 elements everywhere (torchao default)
+    "mxfp4": Recipe("mxfp4", "mxfp4"),
+    "nvfp4": Recipe("nvfp4", "nvfp4"),
+}
+
+
+def recipe(name: str | Recipe) -> Recipe:
+    """A recipe by name (``fp8``, ``mxfp8``, ``mxfp4``, ``nvfp4``), checked.
+
+    >>> recipe("fp8").backward
+    'fp8_e5m2'
+    """
+    if isinstance(name, Recipe):
+        r = name
+    elif name in RECIPES:
+        r = RECIPES[name]
+    else:
+        raise ValueError(f"unknown matmul format {name!r}; choose one of: {', '.join(RECIPES)}")
+    for fmt in (r.forward, r.backward):
+        if fmt not in PER_TENSOR + BLOCK:
+            raise ValueError(
+                f"matmul operands take one of {', '.join(PER_TENSOR + BLOCK)}, not {fmt!r}"
+            )
+    if r.history_len < 1:
+        raise ValueError(f"history_len must be at least 1, got {r.history_len}")
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing one operand
+
+
+def _cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``quantize(x, fmt, saturate=True)`` through torch's fp8 cast (round to nearest even;
+    tested equal bit for bit): clamp, cast, back to fp32."""
+    top = spec(fmt).max
+    return x.clamp(-top, top).to(_TORCH_FP8[fmt]).float()
+
+
+def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+    """TE's scale from an amax history: ``fp8_max / max(history) / 2**margin``, or 1 while the
+    history holds no positive finite amax (TE ``_default_sf_compute`` keeps the old scale).
+
+    >>> delayed_scale(torch.tensor([2.0, 4.0, 0.0]), "fp8_e4m3")
+    tensor(112.)
+    """
+    amax = history.amax(dim=-1)
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, spec(fmt).max / torch.where(usable, amax, 1.0) / 2.0**margin, 1.0)
+
+
+def _along_last(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    """Block-quantize ``x`` along ``dim``, zero-padding that dimension to whole blocks."""
+    block = spec(fmt).block_size
+    moved = x.movedim(dim, -1)
+    length = moved.shape[-1]
+    pad = -length % block
+    if pad:
+        moved = F.pad(moved, (0, pad))
+    return quantize(moved, fmt)[..., :length].movedim(-1, dim)
+
+
+def quantize_operand(
+    x: torch.Tensor, fmt: str, dim: int = -1, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 values a low-precision GEMM sees for operand ``x``.
+
+    Per-tensor formats: ``quantize(x * scale, fmt, saturate=True) / scale`` with ``scale``
+    given, else ``fp8_max / amax(x)`` (current scaling). Block formats: blocks along ``dim``,
+    the reduction dimension of the GEMM.
+
+    >>> quantize_operand(torch.tensor([1.0, 3.0, 448.0]), "fp8_e4m3", scale=torch.tensor(1.0))
+    tensor([  1.,   3., 448.])
+    """
+    x = x.float()
+    if fmt in BLOCK:
+        return _along_last(x, fmt, dim)
+    if scale is None:
+        scale = delayed_scale(x.abs().amax().reshape(1), fmt)
+    return _cast_fp8(x * scale, fmt) / scale
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul: forward and backward GEMMs in low precision, fp32 accumulation
+
+
+def _record(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Newest amax first, oldest dropped (TE rolls its ``amax_history`` the same way)."""
+    return torch.cat([amax.reshape(1), history[:-1]])
+
+
+class _LowPrecisionMatmul(torch.autograd.Function):
+    """``a @ b`` for ``a (..., M, K)``, ``b (..., K, N)`` (same batch dims, or ``b`` 2-D with
+    ``a`` 2-D), with the forward and both backward GEMMs on quantized operands."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b, history, r: Recipe):
+        a32, b32 = a.float(), b.float()
+        if r.forward in BLOCK:
+            qa, qb = quantize_operand(a32, r.forward, -1), quantize_operand(b32, r.forward, -2)
+            new_history = history
+        else:
+            if history is None:
+                sa = sb = None
+            else:
+                sa = delayed_scale(history[0], r.forward, r.margin)
+                sb = delayed_scale(history[1], r.forward, r.margin)
+            qa = quantize_operand(a32, r.forward, scale=sa)
+            qb = quantize_operand(b32, r.forward, scale=sb)
+            new_history = None
+            if history is not None:
+                new_history = torch.stack(
+                    [
+                        _record(history[0], a32.abs().amax()),
+                        _record(history[1], b32.abs().amax()),
+                        history[2],
+                    ]
+                )
+        y = (qa @ qb).to(torch.promote_types(a.dtype, b.dtype))
+        return y, qa, qb, new_history
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, history, r = inputs
+        _, qa, qb, new_history = output
+        ctx.recipe = r
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.has_history = history is not None
+        ctx.save_for_backward(a, b, qa, qb, new_history)
+        ctx.mark_non_differentiable(qa, qb)
+
+    @staticmethod
+    def backward(ctx, grad_y, _qa, _qb, _history):
+        a, b, qa, qb, history = ctx.saved_tensors
+        r = ctx.recipe
+        g = grad_y.float()
+        with _bypass():
+            if r.forward in BLOCK:
+                ga = quantize_operand(g, r.backward, -1) @ quantize_operand(b, r.forward, -1).mT
+                gb = quantize_operand(a, r.forward, -2).mT @ quantize_operand(g, r.backward, -2)
+                new_history = None
+            else:
+                sg = None if history is None else delayed_scale(history[2], r.backward, r.margin)
+                qg = quantize_operand(g, r.backward, scale=sg)
+                ga, gb = qg @ qb.mT, qa.mT @ qg
+                new_history = None
+                if ctx.has_history:  # the "gradient" of the state is the updated state
+                    new_history = torch.stack(
+                        [history[0], history[1], _record(history[2], g.abs().amax())]
+                    )
+        return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, r: Recipe | str, history: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``torch.matmul(a, b)`` with quantized operands and fp32 accumulation.
+
+    ``history`` is this matmul's amax history ``(3, history_len)`` (delayed fp8 scaling), or
+    None for current scaling; its gradient is the updated history.
+
+    >>> a, b = torch.randn(2, 3, 32), torch.randn(32, 4)
+    >>> matmul(a, b, "mxfp8").shape
+    torch.Size([2, 3, 4])
+    """
+    r = recipe(r)
+    squeeze = []
+    if a.ndim == 1:
+        a, squeeze = a.unsqueeze(0), [*squeeze, -2]
+    if b.ndim == 1:
+        b, squeeze = b.unsqueeze(-1), [*squeeze, -1]
+    with _bypass():
+        if b.ndim == 2:  # fold a's batch dims into M: one GEMM, as F.linear runs it
+            lead = a.shape[:-1]
+            y = _LowPrecisionMatmul.apply(a.reshape(-1, a.shape[-1]), b, history, r)[0]
+            y = y.reshape(*lead, b.shape[-1])
+        else:
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            a = a.expand(*batch, *a.shape[-2:])
+            b = b.expand(*batch, *b.shape[-2:])
+            y = _LowPrecisionMatmul.apply(a, b, history, r)[0]
+    for dim in squeeze:
+        y = y.squeeze(dim)
+    return y
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    r: Recipe | str,
+    history: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``weight`` is ``(out, in)``) with quantized operands;
+    the bias is added in fp32."""
+    y = matmul(x, weight.mT, r, history)
+    return y if bias is None else y + bias
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode: every matmul of a model, unchanged
+
+
+_BYPASS = [0]  # > 0 while our own GEMMs run: the mode lets them through
+
+
+@contextlib.contextmanager
+def _bypass() -> Iterator[None]:
+    _BYPASS[0] += 1
+    try:
+        yield
+    finally:
+        _BYPASS[0] -= 1
+
+
+_MATMULS = {
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.mm,
+    torch.Tensor.mm,
+    torch.bmm,
+    torch.Tensor.bmm,
+}
+
+
+def _is_float(*tensors: Any) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+
+
+class _Simulate(TorchFunctionMode):
+    def __init__(self, r: Recipe, state: torch.Tensor | None, count_only: bool = False):
+        super().__init__()
+        self.recipe, self.state, self.count_only, self.calls = r, state, count_only, 0
+
+    def _history(self) -> torch.Tensor | None:
+        index, self.calls = self.calls, self.calls + 1
+        if self.state is None or self.count_only:
+            return None
+        if index >= self.state.shape[0]:
+            raise ValueError(
+                f"the fp8 state holds amax histories for {self.state.shape[0]} matmuls but the "
+                f"model ran more; build it with init_state(recipe, count_matmuls(fn, *args))"
+            )
+        return self.state[index]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _BYPASS[0]:
+            return func(*args, **kwargs)
+        if func is F.linear and _is_float(*args[:2]):
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            history = self._history()
+            if self.count_only:
+                return func(*args, **kwargs)
+            return linear(x, weight, bias, self.recipe, history)
+        if func in _MATMULS and _is_float(*args[:2]) and not kwargs:
+            history = self._history()
+            if self.count_only:
+                return func(*args, **kwargs)
+            return matmul(args[0], args[1], self.recipe, history)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[None]:
+    """Run every ``F.linear`` / ``matmul`` / ``@`` / ``mm`` / ``bmm`` inside in low precision.
+
+    ``state`` (from :func:`init_state`) turns on delayed scaling for the fp8 recipe: matmul
+    ``i`` of the forward pass reads row ``i``; differentiate with respect to ``state`` to get
+    the updated histories. Without it, fp8 uses current scaling. Other ops (attention inside
+    ``F.scaled_dot_product_attention``, norms, softmax) keep their precision, as in TE.
+
+    >>> a = torch.tensor([[1.0, 3.3]])
+    >>> with simulate("fp8"):
+    ...     (a @ torch.eye(2)).tolist()  # x 448 / 3.3: 1.0 -> 135.8 -> 128 in e4m3 -> 0.943
+    [[0.9428570866584778, 3.299999713897705]]
+    """
+    r = recipe(r)
+    if state is not None and r.forward in BLOCK:
+        raise ValueError("block formats take their scales from the blocks: pass state=None")
+    with _Simulate(r, state):
+        yield
+
+
+def count_matmuls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """How many matmuls ``fn(*args, **kwargs)`` runs (one plain forward pass, no grad).
+
+    >>> count_matmuls(lambda x: x @ x @ x, torch.eye(2))
+    2
+    """
+    mode = _Simulate(RECIPES["fp8"], None, count_only=True)
+    with torch.no_grad(), mode:
+        fn(*args, **kwargs)
+    return mode.calls
+
+
+def init_state(r: Recipe | str, num_matmuls: int) -> torch.Tensor:
+    """Empty amax histories ``(num_matmuls, 3, history_len)``: the first step scales by 1, as
+    TE's fresh ``DelayedScaling`` does.
+
+    >>> init_state("fp8", 4).shape
+    torch.Size([4, 3, 16])
+    """
+    r = recipe(r)
+    if r.forward in BLOCK:
+        raise ValueError(f"{r.forward} keeps no amax history; simulate it with state=None")
+    return torch.zeros(num_matmuls, 3, r.history_len)

@@ -1,0 +1,163 @@
+"""Simulated low-precision matmuls: each GEMM equals quantize-then-fp32-matmul, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minitrain as mt
+from minitrain import lowp
+from minitrain.formats import quantize
+
+
+def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def per_tensor(x: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: TE's scaled saturating cast, with mt.formats.quantize."""
+    if scale is None:
+        scale = mt.formats.spec(fmt).max / x.abs().amax()
+    return quantize(x * scale, fmt, saturate=True) / scale
+
+
+def blockwise(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    return quantize(x.movedim(dim, -1).contiguous(), fmt).movedim(-1, dim)
+
+
+def test_fp8_cast_equals_quantize_with_saturation():
+    x = torch.cat([randn(4096, scale=100.0), randn(4096, scale=1e-4), torch.tensor([1e6, -1e6])])
+    for fmt in lowp.PER_TENSOR:
+        assert torch.equal(lowp._cast_fp8(x, fmt), quantize(x, fmt, saturate=True))
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp8", "mxfp4", "nvfp4"])
+def test_forward_and_backward_gemms_are_quantize_then_fp32_matmul(name):
+    r = lowp.RECIPES[name]
+    a = randn(64, 96, seed=1, scale=3.0).requires_grad_()
+    b = randn(96, 32, seed=2).requires_grad_()
+    g = randn(64, 32, seed=3, scale=1e-3)
+    y = lowp.matmul(a, b, name)
+    ga, gb = torch.autograd.grad(y, (a, b), g)
+    a, b = a.detach(), b.detach()
+    if name == "fp8":
+        qa, qb = per_tensor(a, "fp8_e4m3"), per_tensor(b, "fp8_e4m3")
+        qg = per_tensor(g, "fp8_e5m2")  # the backward pass quantizes grad_output to e5m2
+        expected = (qa @ qb, qg @ qb.T, qa.T @ qg)
+    else:  # blocks along each GEMM's reduction dimension
+        f, fb = r.forward, r.backward
+        expected = (
+            blockwise(a, f, -1) @ blockwise(b, f, 0),
+            blockwise(g, fb, -1) @ blockwise(b, f, -1).T,
+            blockwise(a, f, 0).T @ blockwise(g, fb, 0),
+        )
+    for actual, want in zip((y, ga, gb), expected, strict=True):
+        assert torch.equal(actual, want)
+    assert not torch.equal(y, a @ b)  # it did quantize
+
+
+def test_grad_output_is_rounded_to_e5m2_not_e4m3():
+    a, b = torch.eye(4).requires_grad_(), torch.eye(4)
+    g = torch.tensor([[1.0, 1.125, 1.25, 1.375]] * 4)  # e4m3 values, three of them not e5m2
+    (ga,) = torch.autograd.grad(lowp.matmul(a, b, "fp8"), (a,), g)
+    assert torch.equal(ga, per_tensor(g, "fp8_e5m2"))
+    assert not torch.equal(ga, g)
+
+
+def test_reduction_dimension_not_a_multiple_of_the_block_is_zero_padded():
+    a, b = randn(5, 40, seed=4), randn(40, 3, seed=5)
+    padded = lowp.matmul(F.pad(a, (0, 24)), F.pad(b, (0, 0, 0, 24)), "mxfp8")
+    assert torch.equal(lowp.matmul(a, b, "mxfp8"), padded)
+
+
+def test_mode_routes_linear_matmul_and_at_through_the_recipe():
+    x, w, bias = randn(8, 32, seed=6), randn(16, 32, seed=7), randn(16, seed=8)
+    expected = per_tensor(x, "fp8_e4m3") @ per_tensor(w.T, "fp8_e4m3") + bias
+    with lowp.simulate("fp8"):
+        outs = [F.linear(x, w, bias), x @ w.T + bias, torch.matmul(x, w.T) + bias]
+        outs.append(torch.mm(x, w.T) + bias)
+        assert (torch.arange(3) @ torch.arange(3)).item() == 5  # integers pass through
+    for out in outs:
+        assert torch.equal(out, expected)
+    assert not torch.equal(x @ w.T + bias, expected)  # outside the context: fp32 again
+
+
+def test_from_module_model_under_grad_and_vmap():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    params, apply = mt.from_module(net)
+    x, y = randn(16, 32, seed=9), randn(16, 1, seed=10)
+
+    def loss(p, x, y):
+        with lowp.simulate("mxfp8"):
+            return F.mse_loss(apply(p, x), y)
+
+    grads = mt.grad(loss)(params, x, y)
+    members = mt.tree.stack([params, mt.tree.map(lambda t: t * 0.5, params)])
+    batched = mt.vmap(mt.grad(loss), in_dims=(0, None, None))(members, x, y)
+    second = mt.grad(loss)(mt.tree.map(lambda t: t * 0.5, params), x, y)
+    for name in grads:
+        assert torch.equal(batched[name][0], grads[name])
+        assert torch.equal(batched[name][1], second[name])
+    with torch.no_grad():
+        fp32 = mt.grad(lambda p, x, y: F.mse_loss(apply(p, x), y))(params, x, y)
+    assert not torch.equal(grads["0.weight"], fp32["0.weight"])
+
+
+def test_delayed_scaling_history_comes_back_as_the_gradient_of_the_state():
+    a = randn(8, 32, seed=11, scale=2.0)
+    w = randn(32, 16, seed=12).requires_grad_()
+    g = randn(8, 16, seed=13)
+    r = lowp.Recipe(history_len=4)
+    state = lowp.init_state(r, lowp.count_matmuls(lambda: a @ w))
+    assert state.shape == (1, 3, 4)
+
+    def step(state):
+        state = state.requires_grad_()
+        with lowp.simulate(r, state):
+            y = a @ w
+        gw, new_state = torch.autograd.grad(y, (w, state), g)
+        return y, gw, new_state
+
+    y0, gw0, state1 = step(state)  # the first step scales by 1
+    qg = quantize(g, "fp8_e5m2", saturate=True)
+    assert torch.equal(
+        y0, quantize(a, "fp8_e4m3", saturate=True) @ quantize(w.detach(), "fp8_e4m3", saturate=True)
+    )
+    assert torch.equal(gw0, quantize(a, "fp8_e4m3", saturate=True).T @ qg)
+    amaxes = torch.stack([a.abs().amax(), w.detach().abs().amax(), g.abs().amax()])
+    assert torch.equal(state1[0, :, 0], amaxes) and not state1[0, :, 1:].any()
+    y1, _, state2 = step(state1.detach())  # the second step scales by the recorded amaxes
+    s = lowp.delayed_scale(state1[0], "fp8_e4m3")
+    want = per_tensor(a, "fp8_e4m3", s[0]) @ per_tensor(w.detach(), "fp8_e4m3", s[1])
+    assert torch.equal(y1, want)
+    assert torch.equal(state2[0, :, 1], amaxes)
+
+
+def test_delayed_state_under_vmap_is_per_member():
+    a = randn(3, 8, 32, seed=14) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
+    w = randn(32, 16, seed=15)
+    state = lowp.init_state("fp8", 1)
+
+    def loss(w, state, a):
+        with lowp.simulate("fp8", state):
+            return (a @ w).sum()
+
+    grad = torch.func.grad(loss, argnums=(0, 1))
+    _, states = torch.func.vmap(grad, in_dims=(None, None, 0))(w, state, a)
+    for i in range(3):
+        assert torch.equal(states[i], grad(w, state, a[i])[1])
+        assert states[i][0, 0, 0] == a[i].abs().amax()
+
+
+def test_bad_recipe_and_state_errors_say_how_to_fix():
+    with pytest.raises(ValueError, match="choose one of"):
+        lowp.recipe("fp7")
+    with pytest.raises(ValueError, match="state=None"):
+        lowp.init_state("mxfp8", 2)
+    with (
+        pytest.raises(ValueError, match="count_matmuls"),
+        lowp.simulate("fp8", torch.zeros(1, 3, 4)),
+    ):
+        torch.eye(2) @ torch.eye(2) @ torch.eye(2)
