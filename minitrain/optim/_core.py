@@ -145,7 +145,7 @@ class ChainState(tuple):
     """The state of :func:`chain`: a tuple of the inner transformations' states."""
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
+def chain(*transforms: Any) -> GradientTransformation:
     """Apply ``transforms`` in order; the state is the tuple of their states.
 
     >>> import torch, minitrain as mt

@@ -382,12 +382,19 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
             for i, value in zip(on, decayed, strict=True):
                 out[i] = value
         else:
-            out = [u + weight_decay * p if flag else u
+            out = [_decayed(u, p, weight_decay) if flag else u
                    for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
         return tree.unflatten(tree.structure(updates), out), state
 
     return tagged("add_decayed_weights", GradientTransformation(lambda p: EmptyState(), update),
                   weight_decay=weight_decay, mask=mask)
+
+
+def _decayed(u: Tensor, p: Tensor, weight_decay: Any) -> Tensor:
+    """``u + weight_decay * p`` as torch.optim computes it (``grad.add(param, alpha=wd)``)."""
+    if isinstance(weight_decay, int | float):
+        return torch.add(u, p, alpha=weight_decay)
+    return u + weight_decay * p
 
 
 def clip(max_delta: float | Tensor) -> GradientTransformation:
