@@ -351,3 +351,35 @@ def test_reduce_on_plateau_bad_arguments(build, name):
     with pytest.raises(ValueError, match=name) as info:
         build()
     assert "\n" not in str(info.value)
+
+
+def test_reduce_on_plateau_after_adam_takes_torchs_steps():
+    """Adam then reduce_on_plateau, fed the previous loss (torch steps the scheduler after the
+    optimizer), equals torch.optim.Adam with ReduceLROnPlateau stepped on each loss."""
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+
+    def loss_fn(w):
+        return ((w - target) ** 2).sum() + 0.3 * torch.sin(5 * w).sum()
+
+    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05, "cooldown": 1}
+    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = torch.optim.Adam([param], lr=0.3)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
+    tx = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.3))
+    plateau = reduce_on_plateau(lr=0.3, **settings)
+    params = {"w": torch.zeros(3, dtype=torch.float64)}
+    state, plateau_state, previous = tx.init(params), plateau.init(params), None
+    for _ in range(25):
+        optimizer.zero_grad()
+        loss = loss_fn(param)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss.item())
+
+        value, grads = mt.value_and_grad(lambda p: loss_fn(p["w"]))(params)
+        updates, state = tx.update(grads, state, params)
+        updates, plateau_state = plateau.update(updates, plateau_state, value=previous)
+        params, previous = mt.optim.apply_updates(params, updates), value
+        torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
+    _, plateau_state = plateau.update(updates, plateau_state, value=previous)  # the last loss
+    assert float(plateau_state.lr) == optimizer.param_groups[0]["lr"] < 0.3

@@ -5,31 +5,27 @@ method, line for line, with ``torch.where`` for each ``if`` so that nothing wait
 and the update runs under ``vmap`` and ``torch.compile``). It is a transformation fed the metric:
 ``update(updates, state, params=None, *, value)`` first takes ``value`` as torch's
 ``scheduler.step(value)`` does, then scales ``updates`` by ``lr / initial lr`` with the lr that
-results. Put it after ``scale_by_learning_rate`` (or after any transformation whose updates
-carry the lr) and pass the metric each update.
+results; ``value=None`` (no new metric, e.g. between evaluations) scales by the current lr and
+leaves the state as it is. Apply it after ``scale_by_learning_rate`` (or after any transformation
+whose updates carry the lr). A torch loop steps the scheduler after the optimizer, so its update
+``t`` uses the metrics before ``t``: pass ``value=None`` on the first update and the previous
+metric after that to take the same steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim._core import GradientTransformation
 from minitrain.optim.base import check_hyperparameter
 from minitrain.tree import Params
 
 __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]
-
-
-class GradientTransformation(NamedTuple):
-    """``init(params) -> state``, ``update(updates, state, params=None, **extra)``."""
-
-    init: Callable[..., Any]
-    update: Callable[..., Any]
 
 
 class ReduceLROnPlateauState(NamedTuple):
@@ -110,13 +106,15 @@ def reduce_on_plateau(
 
     def update(
         updates: Any, state: ReduceLROnPlateauState, params: Params | None = None, *,
-        value: Any,
+        value: Any = None,
     ) -> tuple[Any, ReduceLROnPlateauState]:
         if not isinstance(state, ReduceLROnPlateauState):
             raise ValueError(
                 f"reduce_on_plateau got a state of {type(state).__name__}; pass the state "
                 "returned by its init(params)"
             )
+        if value is None:  # no new metric: scale by the current lr
+            return _scaled(updates, state.lr / lr), state
         current = _metric(value, state.best)
         # torch ReduceLROnPlateau.step, each `if` a torch.where
         better = is_better(current, state.best)
@@ -133,10 +131,13 @@ def reduce_on_plateau(
         cooldown_counter = torch.where(reduce, cooldown, cooldown_counter)
         bad = torch.where(reduce, 0, bad)
         new_state = ReduceLROnPlateauState(lr_now, best, bad, cooldown_counter, state.count + 1)
-        scale = lr_now / lr
-        return tree.map(lambda u: u * scale.to(u.dtype), updates), new_state
+        return _scaled(updates, lr_now / lr), new_state
 
     return GradientTransformation(init, update)
+
+
+def _scaled(updates: Any, scale: Tensor) -> Any:
+    return tree.map(lambda u: u * scale.to(u.dtype), updates)
 
 
 def _metric(value: Any, like: Tensor) -> Tensor:
