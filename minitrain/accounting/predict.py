@@ -58,6 +58,7 @@ __all__ = [
     "StepPrediction",
     "TensorSpec",
     "fake_mode",
+    "predict_call",
     "predict_step",
     "step_time",
 ]
@@ -356,6 +357,51 @@ def predict_step(
     del meta_grads
     end = _live_by_category(lifetimes)
     del end_state
+    return _prediction(trace, spec, dtype, persistent, end, top_saved)
+
+
+def predict_call(
+    step: Callable[..., Any],
+    params: Any,
+    opt_state: Any,
+    batch: Any,
+    *,
+    hardware: str | Hardware = "h100",
+    dtype: Any = None,
+    top_saved: int = 10,
+) -> StepPrediction:
+    """Predict ``step(params, opt_state, batch)``, any pure train step, on fake tensors.
+
+    For a step that is not a loss and an ``mt.optim`` optimizer (a vmapped ensemble, a
+    hand-written step). Everything runs on fake tensors, so an ``mt.optim`` update inside takes
+    its plain path (per leaf, out of place) where a real step takes torch's fused kernels: the
+    update's FLOPs and temporaries are those of the plain path. Phases are ``forward`` and
+    ``backward`` (which runs on to the end of the step); the new params, state and grads count
+    as temporaries. Prefer :func:`predict_step` when the step is a loss and an optimizer.
+
+    >>> import torch, minitrain as mt
+    >>> opt = mt.optim.sgd(lr=0.1)
+    >>> grad = mt.value_and_grad(lambda p, x: (x @ p["w"]).sum())
+    >>> def step(p, s, x):
+    ...     return opt.update(grad(p, x)[1], s, p)
+    >>> p = {"w": torch.zeros(256, 256)}
+    >>> pred = predict_call(step, p, opt.init(p), torch.ones(64, 256))
+    >>> pred.memory["persistent"]["params"], pred.matmul_flops == 2 * (2 * 64 * 256 * 256)
+    (262144, True)
+    """
+    spec = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
+    mode = _find_mode((params, opt_state, batch)) or fake_mode()
+    fakes = [_map(lambda x: _to_fake(mode, x), tree) for tree in (params, opt_state, batch)]
+    trace = _Trace()
+    for tree, name in zip(fakes, ("params", "optimizer_state", "batch"), strict=True):
+        trace.lifetimes.register(tree, name)
+    persistent = _live_by_category(trace.lifetimes)
+    with warnings.catch_warnings(), _one_line_errors():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        with trace.watching(mode, "forward"):
+            out = step(*fakes)
+    end = _live_by_category(trace.lifetimes)
+    del out
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
 
 

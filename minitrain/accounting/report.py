@@ -26,7 +26,7 @@ import torch
 
 from minitrain.accounting.counter import Counter
 from minitrain.accounting.memory import optimizer_states
-from minitrain.accounting.predict import predict_step
+from minitrain.accounting.predict import PredictionError, predict_call, predict_step
 from minitrain.tree import leaves, nbytes, size
 
 __all__ = ["format_report", "predicted_peak_bytes", "resource_report"]
@@ -131,8 +131,10 @@ def resource_report(
     With ``loss_fn`` (and an ``mt.optim`` optimizer as ``optimizer``) the prediction is
     :func:`~minitrain.accounting.predict_step` on fake tensors: made before and apart from the
     measured step, category by category, with the largest tensors saved for backward and the
-    module that saved each. Without it (a step that is not ``loss_fn`` + optimizer, e.g. a
-    vmapped ensemble) the prediction is the chapter's formula (:func:`predicted_peak_bytes`),
+    module that saved each. Without them (a step that is not ``loss_fn`` + optimizer, e.g. a
+    vmapped ensemble) the whole ``step`` is traced on fake tensors
+    (:func:`~minitrain.accounting.predict.predict_call`); if even that cannot run (the step
+    needs data), the prediction is the chapter's formula (:func:`predicted_peak_bytes`), with
     activations from ``activation_bytes`` only.
 
     Args:
@@ -173,15 +175,15 @@ def resource_report(
     True
     """
     device = _cuda_device((params, batch))
-    traced = loss_fn is not None and hasattr(optimizer, "update")
-    prediction = (
-        predict_step(
+    if loss_fn is not None and hasattr(optimizer, "update"):
+        prediction = predict_step(
             loss_fn, params, batch, optimizer=optimizer, donate=donate, has_aux=has_aux,
             max_grad_norm=max_grad_norm, autocast=autocast, hardware=hardware or "h100",
         )
-        if traced
-        else None
-    )
+        source = "predict_step (fake tensors)"
+    else:
+        prediction = _predict_any(step, params, opt_state, batch, hardware or "h100")
+        source = "predict_call: the whole step on fake tensors (update on its plain path)"
     with _rng_kept(device):
         counter = _count_step(step, params, opt_state, batch)
         measured_peak = (
@@ -193,7 +195,7 @@ def resource_report(
     examples = examples_per_step if examples_per_step is not None else _first_dim(batch)
     params_bytes, state_bytes, batch_bytes = nbytes(params), nbytes(opt_state), nbytes(batch)
     if prediction is not None:
-        predicted = _traced_memory(prediction)
+        predicted = _traced_memory(prediction, donate) | {"source": source}
     else:
         predicted = _formula_memory(optimizer, params_bytes, state_bytes, batch_bytes,
                                     activation_bytes, donate)
@@ -262,10 +264,27 @@ def resource_report(
     return report
 
 
-def _traced_memory(prediction: Any) -> dict[str, Any]:
+def _predict_any(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
+                 hardware: str) -> Any:
+    try:
+        return predict_call(step, params, opt_state, batch, hardware=hardware)
+    except PredictionError:
+        return None
+
+
+def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
     memory = prediction.memory
     persistent, largest = memory["persistent"], memory["largest"]
+    # The chapter's two moments (predicted_peak_bytes) over the traced sizes, beside the
+    # traced peak itself.
+    chapter = predicted_peak_bytes(
+        params=persistent.get("params", 0), optimizer_state=persistent.get("optimizer_state", 0),
+        batch=persistent.get("batch", 0), activations=memory["saved_for_backward"],
+        grads=largest.get("grads", persistent.get("params", 0)), donate=donate,
+    )
     return {
+        "backward_peak": chapter["backward"],
+        "update_peak": chapter["update"],
         "params": persistent.get("params", 0),
         "grads": largest.get("grads", 0),
         "optimizer_state": persistent.get("optimizer_state", 0),
