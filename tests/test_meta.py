@@ -37,6 +37,9 @@ OPTIMIZERS = {
     "adagrad": lambda lr, wd: mt.optim.adagrad(lr=lr, weight_decay=wd),
     "sgd-schedule": lambda lr, wd: mt.optim.sgd(
         lr=mt.optim.exponential_schedule(lr, gamma=0.7), weight_decay=wd),
+    "chain": lambda lr, wd: mt.optim.chain(
+        mt.optim.scale_by_adam(), mt.optim.add_decayed_weights(wd),
+        mt.optim.scale_by_learning_rate(lr)),
 }
 
 

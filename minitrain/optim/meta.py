@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim._core import apply_updates
 from minitrain.optim.base import Optimizer, is_traced
 from minitrain.tree import OptState, Params, PyTree
 
@@ -80,7 +81,7 @@ def unroll(
             params, state = optimizer.update(grads, state, params)
         else:
             updates, state = optimizer.update(grads, state, params)
-            params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
+            params = apply_updates(params, updates)
         losses.append(loss)
     if not losses:
         raise ValueError("unroll got no batches; pass one batch per update")
