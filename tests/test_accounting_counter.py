@@ -174,12 +174,16 @@ def test_predicted_peak_memory_within_ten_percent_on_cpu(name, optimizer):
     json.dumps(report)
     memory, flops, speed = report["memory"], report["flops_per_step"], report["speed"]
     assert memory["peak_ratio"] == pytest.approx(1.0, abs=0.10)
-    # activations: the chapter's B·D·L, predicted from the matmul operands and measured
-    assert memory["predicted"]["activations"] == 4 * acc.cruncher_activations(batch, dim, layers)
+    # activations: the chapter's B·D·L, and the prediction error the square saves (B), predicted
+    # on fake tensors (a few bytes of 0-d tensors besides) and measured
+    saved = 4 * (acc.cruncher_activations(batch, dim, layers) + batch)
+    assert saved <= memory["predicted"]["activations"] <= saved + 64
     assert memory["measured"]["activations"] == pytest.approx(
         4 * acc.cruncher_activations(batch, dim, layers), rel=0.10)
     chapter = acc.cruncher_memory(batch, dim, layers, optimizer=name)
-    assert memory["predicted"]["backward_peak"] == chapter.total + 4 * (batch * dim + batch)
+    # the chapter's four kinds and the batch; the error vector and 0-d tensors are the rest
+    assert memory["predicted"]["backward_peak"] == pytest.approx(
+        chapter.total + 4 * (batch * dim + batch), abs=4 * batch + 64)
     # FLOPs: 6·B·P, exact and counted
     n_params = mt.tree.size(params)
     assert report["params"] == n_params

@@ -483,6 +483,11 @@ class Counter:
         for t in _tensors(trees):
             self._live.categorize(t, category)
 
+    def set_phase(self, phase: str) -> None:
+        """Name the phase of the ops from now on (``"clip"``, ``"update"``); the counter
+        itself tells ``forward``, ``backward`` and ``update`` (anything after the backward)."""
+        self._phase = phase
+
     def timeline(self) -> Timeline:
         """Live bytes by category after every op: ``[(op_index, phase, {category: bytes})]``,
         the format of ``predict_step``'s (needs ``record_timeline=True``). What autograd saves

@@ -13,11 +13,13 @@ format of :attr:`minitrain.accounting.predict.StepPrediction.timeline`:
    hook sees every saved tensor inside :func:`minitrain.value_and_grad` and ``grad`` (a
    checkpointed region saves nothing but its inputs); where no hook ran (plain autograd),
    what the forward pass made and is alive when the backward pass starts;
-3. ``grads`` if the backward pass made it and it outlived the backward pass;
+3. ``grads`` if the backward pass made it and it outlived the backward pass (when no storage
+   was put in ``grads`` by ``categorize``);
 4. ``temporaries`` otherwise.
 
 Phases: ``forward`` until the first op of the backward pass, ``backward`` while the autograd
-engine runs, ``update`` after it (clipping and the optimizer update).
+engine runs, ``update`` after it, unless named by ``Counter.set_phase`` (``minitrain profile``
+marks ``clip`` and ``update`` as ``predict_step`` does).
 
 :func:`plot_memory_timeline` draws one or more timelines (predicted, measured) as stacked areas
 over the op index, phases marked; it needs matplotlib (``pip install 'minitrain[plot]'``).
@@ -151,7 +153,9 @@ class LiveStorages:
             life.died is None or life.died > backward_start
         ):  # no hook saw the saved tensors (plain autograd): alive when the backward starts
             return "activations"
-        if life.phase == "backward" and (life.died is None or life.died > backward_end):
+        if self._guess_grads and life.phase == "backward" and (
+            life.died is None or life.died > backward_end
+        ):
             return "grads"
         return "temporaries"
 
@@ -160,6 +164,8 @@ class LiveStorages:
         if not self.record:
             raise ValueError("no timeline was recorded; use Counter(record_timeline=True)")
         steps = len(self.phases)
+        # Without grads named by categorize(), they are what the backward made and outlived it.
+        self._guess_grads = all(life.category != "grads" for life in self.lives)
         backward = [i for i, phase in enumerate(self.phases) if phase == "backward"]
         backward_start, backward_end = (backward[0], backward[-1] + 1) if backward else (steps,) * 2
         change: dict[str, list[int]] = {c: [0] * (steps + 1) for c in CATEGORIES}
@@ -222,9 +228,10 @@ def plot_memory_timeline(
         totals = [sum(live.values()) for _, _, live in timeline]
         peak = max(range(len(totals)), key=totals.__getitem__)
         ax.plot([xs[peak]], [totals[peak] / scale], "k.", markersize=8)
+        right = xs[peak] > xs[0] + 0.6 * (xs[-1] - xs[0])  # label left of a peak on the right
         ax.annotate(f"peak {totals[peak] / scale:.3g} {unit} ({timeline[peak][1]})",
                     (xs[peak], totals[peak] / scale), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
+                    xytext=(-6 if right else 6, 4), ha="right" if right else "left", fontsize=8)
         for phase, start, end in _phase_spans(timeline):
             if start:
                 ax.axvline(start, color="black", linestyle="--", linewidth=0.7)

@@ -8,6 +8,7 @@ max(FLOPs / peak, bytes / bandwidth), and the sum set against the step time meas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -41,9 +42,11 @@ def profile_script(
     seed: int,
     warmup: int,
     repeats: int,
-) -> tuple[Any, dict[str, Any], Any]:
+    memory: bool = False,
+) -> tuple[Any, dict[str, Any], Any, dict[str, Any] | None]:
     """Load ``script``, run its step under the counter and time it; return the profile,
-    the experiment's config and the counter."""
+    the experiment's config, the counter and (with ``memory``) the predicted and measured
+    memory timelines."""
     from minitrain.accounting.counter import Counter
     from minitrain.accounting.hardware import dtype_name
     from minitrain.accounting.roofline import profile_records
@@ -67,7 +70,68 @@ def profile_script(
     measured = time_step(step, params, opt_state, batch, backend, repeats)
     with Counter(track_memory=False) as counter:
         step(params, opt_state, batch)
-    return profile_records(counter.records, on, measured), config, counter
+    timelines = None
+    if memory:
+        timelines = memory_timelines(experiment, backend, params, opt_state, batch)
+    return profile_records(counter.records, on, measured), config, counter, timelines
+
+
+def measured_timeline(experiment: Any, backend: Any, params: Any, opt_state: Any,
+                      batch: Any) -> list:
+    """Live memory by category after every op of one real step (the counter's record)."""
+    from minitrain.accounting.counter import Counter
+    from minitrain.train import make_train_step
+
+    counters: list[Any] = []
+
+    def mark_grads(grads: Any, loss: Any, aux: Any) -> tuple[Any, Any, Any]:
+        counters[0].categorize(grads, category="grads")
+        counters[0].set_phase("clip")  # the grad norm (and clipping) come next
+        return grads, loss, aux
+
+    optimizer = experiment.optimizer
+
+    def update(grads: Any, *args: Any, **kwargs: Any) -> Any:
+        counters[0].categorize(grads, category="grads")  # clipped grads are new tensors
+        counters[0].set_phase("update")
+        return optimizer.update(grads, *args, **kwargs)
+
+    if hasattr(optimizer, "_replace"):  # an mt.optim Optimizer: mark where the update starts
+        experiment = dataclasses.replace(experiment, optimizer=optimizer._replace(update=update))
+    step = make_train_step(experiment, backend, grad_transform=mark_grads)
+    with Counter(record_timeline=True, keep_records=False) as counter:
+        counters.append(counter)
+        counter.track(params, category="params")
+        counter.track(opt_state, category="optimizer_state")
+        counter.track(batch, category="batch")
+        out = step(params, opt_state, batch)
+        counter.categorize(out.params, category="params")
+        counter.categorize(out.opt_state, category="optimizer_state")
+    return counter.timeline()
+
+
+def predicted_timeline(experiment: Any, backend: Any, params: Any, batch: Any) -> list:
+    """Live memory by category after every op of the step as ``predict_step`` traces it on
+    fake tensors (no data, nothing computed)."""
+    from minitrain.accounting.predict import predict_step
+    from minitrain.train.step import loss_with_aux
+
+    prediction = predict_step(
+        loss_with_aux(experiment), params, batch, optimizer=experiment.optimizer,
+        has_aux=True, max_grad_norm=experiment.max_grad_norm, autocast=backend.autocast,
+    )
+    return prediction.timeline
+
+
+def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
+                     batch: Any) -> dict[str, Any]:
+    """``{"predicted": timeline or an error line, "measured": timeline}`` of one step."""
+    try:
+        predicted: Any = predicted_timeline(experiment, backend, params, batch)
+    except ValueError as exc:  # PredictionError: the step needs data (.item(), ...)
+        predicted = str(exc).splitlines()[0]
+    return {"predicted": predicted,
+            "measured": measured_timeline(experiment, backend, params, opt_state, batch)}
 
 
 @click.command()
@@ -81,6 +145,8 @@ def profile_script(
 @click.option("--repeats", type=click.IntRange(min=1), default=5, help="Timed steps (median).")
 @click.option("--top", type=click.IntRange(min=1), default=15, help="Rows of the op table.")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Draw the roofline.")
+@click.option("--memory", "memory_path", default=None, metavar="FILE.png",
+              help="Draw predicted and measured live memory over one step, by category.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def profile(
     script: Path,
@@ -93,6 +159,7 @@ def profile(
     repeats: int,
     top: int,
     plot_path: str | None,
+    memory_path: str | None,
     as_json: bool,
 ) -> None:
     """Place every op of one training step of SCRIPT on a roofline (see examples/linreg.py)."""
@@ -104,9 +171,15 @@ def profile(
         parsed = parse_overrides(overrides)
     except ExperimentError as exc:
         raise UserError(str(exc)) from None
-    result, config, counter = profile_script(
-        script, parsed, backend_name, hardware_name, dtype, seed, warmup, repeats
+    if memory_path is not None:
+        _needs_matplotlib()
+    result, config, counter, timelines = profile_script(
+        script, parsed, backend_name, hardware_name, dtype, seed, warmup, repeats,
+        memory=memory_path is not None,
     )
+    memory = None
+    if timelines is not None and memory_path is not None:
+        memory = _draw_memory(script, timelines, memory_path)
     if plot_path is not None:
         achieved = result.achieved_flops
         measured = [("whole step, measured", result.intensity, achieved)] if achieved else []
@@ -122,11 +195,53 @@ def profile(
         except ValueError as exc:
             raise UserError(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(_record(script, config, result, counter, plot_path), indent=2))
+        record = _record(script, config, result, counter, plot_path)
+        if memory is not None:
+            record["memory"] = memory
+        click.echo(json.dumps(record, indent=2))
         return
     _print(script, result, counter, top)
     if plot_path is not None:
         click.echo(f"wrote {plot_path}")
+    if memory is not None:
+        _print_memory(memory)
+
+
+def _needs_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "--memory needs matplotlib; install it with: pip install 'minitrain[plot]'"
+        ) from None
+
+
+def _draw_memory(script: Path, timelines: dict[str, Any], path: str) -> dict[str, Any]:
+    """Draw the timelines; return their peaks (and why a prediction is missing)."""
+    from minitrain.accounting.timeline import plot_memory_timeline, timeline_summary
+
+    drawn = {f"{label} ({'fake tensors' if label == 'predicted' else 'this run'})": t
+             for label, t in timelines.items() if isinstance(t, list)}
+    try:
+        plot_memory_timeline(drawn, path, title=f"{script.name}: live memory over one step")
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc).splitlines()[0]) from None
+    memory: dict[str, Any] = {"plot": path}
+    for label, t in timelines.items():
+        memory[label] = timeline_summary(t) if isinstance(t, list) else {"error": t}
+    return memory
+
+
+def _print_memory(memory: dict[str, Any]) -> None:
+    for label in ("predicted", "measured"):
+        m = memory[label]
+        if "error" in m:
+            click.echo(f"memory {label}: not available ({m['error']})")
+            continue
+        parts = ", ".join(f"{k} {si(v, 'B')}" for k, v in m["at_peak"].items())
+        click.echo(f"memory {label}: peak {si(m['peak_bytes'], 'B')} at op {m['peak_op_index']} "
+                   f"({m['peak_phase']}): {parts}")
+    click.echo(f"wrote {memory['plot']}")
 
 
 def _record(script: Path, config: dict, result: Any, counter: Any, plot_path: str | None) -> dict:
