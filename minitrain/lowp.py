@@ -71,6 +71,7 @@ class Recipe(NamedTuple):
     backward: str = "fp8_e5m2"  # gradient of the matmul's output
     history_len: int = 16  # delayed scaling: steps of amax history (TE default 1024)
     margin: int = 0  # scale = fp8_max / amax / 2**margin (TE DelayedScaling.margin)
+    gemm: str = "simulated"  # or "scaled_mm": real fp8 GEMMs through torch._scaled_mm
 
 
 RECIPES = {
@@ -78,6 +79,7 @@ RECIPES = {
     "mxfp8": Recipe("mxfp8", "mxfp8"),  # OCP MX: e4m3 elements everywhere (torchao default)
     "mxfp4": Recipe("mxfp4", "mxfp4"),
     "nvfp4": Recipe("nvfp4", "nvfp4"),
+    "fp8-scaled-mm": Recipe("fp8_e4m3", "fp8_e5m2", gemm="scaled_mm"),  # fp8 tensor cores
 }
 
 
@@ -98,6 +100,8 @@ def recipe(name: str | Recipe) -> Recipe:
             raise ValueError(
                 f"matmul operands take one of {', '.join(PER_TENSOR + BLOCK)}, not {fmt!r}"
             )
+    if r.gemm not in ("simulated", "scaled_mm") or (r.gemm == "scaled_mm" and r.forward in BLOCK):
+        raise ValueError(f"gemm is 'simulated' or 'scaled_mm' (fp8 only), got {r.gemm!r}")
     if r.history_len < 1:
         raise ValueError(f"history_len must be at least 1, got {r.history_len}")
     return r
@@ -157,6 +161,34 @@ def quantize_operand(
     return _cast_fp8(x * scale, fmt) / scale
 
 
+def scaled_mm_operands(
+    a: torch.Tensor, b: torch.Tensor, formats: tuple[str, str], scales: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The arguments of ``torch._scaled_mm`` for ``a (M, K) @ b (K, N)``: ``a`` in fp8 row-major,
+    ``b`` in fp8 column-major (cuBLASLt's layout), and the dequantization scales ``1 / scale``.
+    The fp8 codes are those :func:`quantize_operand` rounds to.
+
+    >>> a8, b8, ia, ib = scaled_mm_operands(torch.ones(16, 32), torch.ones(32, 16),
+    ...     ("fp8_e4m3", "fp8_e4m3"), (torch.tensor(2.0), torch.tensor(4.0)))
+    >>> a8.dtype, b8.stride(), ia.item(), ib.item()
+    (torch.float8_e4m3fn, (1, 32), 0.5, 0.25)
+    """
+    (fa, fb), (sa, sb) = formats, scales
+    a8 = (a.float() * sa).clamp(-spec(fa).max, spec(fa).max).to(_TORCH_FP8[fa])
+    b8 = (b.float() * sb).clamp(-spec(fb).max, spec(fb).max).to(_TORCH_FP8[fb])
+    return a8.contiguous(), b8.mT.contiguous().mT, sa.reciprocal(), sb.reciprocal()
+
+
+def _gemm(a, b, formats, scales, r: Recipe, qa, qb) -> torch.Tensor:
+    """``qa @ qb`` in fp32, or the same product on fp8 tensor cores for ``gemm="scaled_mm"``
+    (2-D operands whose dimensions are multiples of 16, as cuBLASLt needs; others simulate)."""
+    dims = (*a.shape, b.shape[-1])
+    if r.gemm == "scaled_mm" and a.ndim == 2 and b.ndim == 2 and all(d % 16 == 0 for d in dims):
+        a8, b8, ia, ib = scaled_mm_operands(a, b, formats, scales)
+        return torch._scaled_mm(a8, b8, scale_a=ia, scale_b=ib, out_dtype=torch.float32)
+    return qa @ qb
+
+
 # ---------------------------------------------------------------------------------------------
 # The matmul: forward and backward GEMMs in low precision, fp32 accumulation
 
@@ -175,58 +207,72 @@ class _LowPrecisionMatmul(torch.autograd.Function):
     @staticmethod
     def forward(a, b, history, r: Recipe):
         a32, b32 = a.float(), b.float()
-        if r.forward in BLOCK:
-            qa, qb = quantize_operand(a32, r.forward, -1), quantize_operand(b32, r.forward, -2)
-            new_history = history
-        else:
-            if history is None:
-                sa = sb = None
-            else:
-                sa = delayed_scale(history[0], r.forward, r.margin)
-                sb = delayed_scale(history[1], r.forward, r.margin)
-            qa = quantize_operand(a32, r.forward, scale=sa)
-            qb = quantize_operand(b32, r.forward, scale=sb)
-            new_history = None
-            if history is not None:
-                new_history = torch.stack(
-                    [
-                        _record(history[0], a32.abs().amax()),
-                        _record(history[1], b32.abs().amax()),
-                        history[2],
-                    ]
+        one = torch.ones((), device=a.device)
+        with _bypass(), torch.autocast(a.device.type, enabled=False):
+            if r.forward in BLOCK:
+                qa = quantize_operand(a32, r.forward, -1)
+                qb = quantize_operand(b32, r.forward, -2)
+                return (
+                    (qa @ qb).to(torch.promote_types(a.dtype, b.dtype)),
+                    qa,
+                    qb,
+                    history,
+                    one.expand(2),
                 )
-        y = (qa @ qb).to(torch.promote_types(a.dtype, b.dtype))
-        return y, qa, qb, new_history
+            fmt = r.forward
+            if history is None:  # current scaling
+                sa = delayed_scale(a32.abs().amax().reshape(1), fmt, r.margin)
+                sb = delayed_scale(b32.abs().amax().reshape(1), fmt, r.margin)
+                new_history = None
+            else:
+                sa = delayed_scale(history[0], fmt, r.margin)
+                sb = delayed_scale(history[1], fmt, r.margin)
+                amax_a, amax_b = a32.abs().amax(), b32.abs().amax()
+                rows = [_record(history[0], amax_a), _record(history[1], amax_b), history[2]]
+                new_history = torch.stack(rows)
+            qa, qb = quantize_operand(a32, fmt, scale=sa), quantize_operand(b32, fmt, scale=sb)
+            y = _gemm(a32, b32, (fmt, fmt), (sa, sb), r, qa, qb)
+        return (
+            y.to(torch.promote_types(a.dtype, b.dtype)),
+            qa,
+            qb,
+            new_history,
+            torch.stack([sa, sb]),
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         a, b, history, r = inputs
-        _, qa, qb, new_history = output
+        _, qa, qb, new_history, scales = output
         ctx.recipe = r
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.has_history = history is not None
-        ctx.save_for_backward(a, b, qa, qb, new_history)
-        ctx.mark_non_differentiable(qa, qb)
+        ctx.save_for_backward(a, b, qa, qb, new_history, scales)
+        ctx.mark_non_differentiable(qa, qb, scales)
 
     @staticmethod
-    def backward(ctx, grad_y, _qa, _qb, _history):
-        a, b, qa, qb, history = ctx.saved_tensors
+    def backward(ctx, grad_y, _qa, _qb, _history, _scales):
+        a, b, qa, qb, history, scales = ctx.saved_tensors
+        sa, sb = scales[0], scales[1]
         r = ctx.recipe
         g = grad_y.float()
-        with _bypass():
+        new_history = None
+        with _bypass(), torch.autocast(g.device.type, enabled=False):
             if r.forward in BLOCK:
                 ga = quantize_operand(g, r.backward, -1) @ quantize_operand(b, r.forward, -1).mT
                 gb = quantize_operand(a, r.forward, -2).mT @ quantize_operand(g, r.backward, -2)
-                new_history = None
             else:
-                sg = None if history is None else delayed_scale(history[2], r.backward, r.margin)
-                qg = quantize_operand(g, r.backward, scale=sg)
-                ga, gb = qg @ qb.mT, qa.mT @ qg
-                new_history = None
+                if history is None:
+                    sg = delayed_scale(g.abs().amax().reshape(1), r.backward, r.margin)
+                else:
+                    sg = delayed_scale(history[2], r.backward, r.margin)
                 if ctx.has_history:  # the "gradient" of the state is the updated state
-                    new_history = torch.stack(
-                        [history[0], history[1], _record(history[2], g.abs().amax())]
-                    )
+                    g_row = _record(history[2], g.abs().amax())
+                    new_history = torch.stack([history[0], history[1], g_row])
+                qg = quantize_operand(g, r.backward, scale=sg)
+                fmts = (r.backward, r.forward)
+                ga = _gemm(g, b.float().mT, fmts, (sg, sb), r, qg, qb.mT)
+                gb = _gemm(a.float().mT, g, fmts[::-1], (sa, sg), r, qa.mT, qg)
         return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
 
 

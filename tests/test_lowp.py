@@ -161,3 +161,29 @@ def test_bad_recipe_and_state_errors_say_how_to_fix():
         lowp.simulate("fp8", torch.zeros(1, 3, 4)),
     ):
         torch.eye(2) @ torch.eye(2) @ torch.eye(2)
+
+
+def test_scaled_mm_gemms_are_built_from_the_same_fp8_codes():
+    # torch._scaled_mm runs on CPU too: the real-fp8 recipe (cuda-fp8's) is exercised here.
+    a = randn(32, 64, seed=16, scale=3.0).requires_grad_()
+    b = randn(64, 48, seed=17).requires_grad_()
+    g = randn(32, 48, seed=18, scale=1e-2)
+    y = lowp.matmul(a, b, "fp8-scaled-mm")
+    ga, gb = torch.autograd.grad(y, (a, b), g)
+    a, b = a.detach(), b.detach()
+    e4, e5 = "fp8_e4m3", "fp8_e5m2"
+    sa, sb, sg = (448.0 / a.abs().amax(), 448.0 / b.abs().amax(), 57344.0 / g.abs().amax())
+    a8, b8, ia, ib = lowp.scaled_mm_operands(a, b, (e4, e4), (sa, sb))
+    assert b8.stride() == (1, 64)  # column-major, as cuBLASLt wants it
+    assert torch.equal(a8.float(), quantize(a * sa, e4, saturate=True))  # the same codes
+    assert torch.equal(b8.float(), quantize(b * sb, e4, saturate=True))
+    assert ia == 1 / sa and ib == 1 / sb
+    assert torch.equal(y, torch._scaled_mm(a8, b8, scale_a=ia, scale_b=ib, out_dtype=torch.float32))
+    g8, bt8, ig, ib2 = lowp.scaled_mm_operands(g, b.T, (e5, e4), (sg, sb))
+    assert g8.dtype == torch.float8_e5m2
+    want_ga = torch._scaled_mm(g8, bt8, scale_a=ig, scale_b=ib2, out_dtype=torch.float32)
+    assert torch.equal(ga, want_ga)
+    simulated = lowp.matmul(a.requires_grad_(), b.requires_grad_(), "fp8")
+    sim_ga, sim_gb = torch.autograd.grad(simulated, (a, b), g)
+    for real, sim in ((y, simulated), (ga, sim_ga), (gb, sim_gb)):
+        torch.testing.assert_close(real, sim.detach(), rtol=1e-5, atol=1e-5)
