@@ -268,6 +268,9 @@ def constant_factor_schedule(
     """``init_value * factor`` for ``total_iters`` steps, then ``init_value``
     (``torch.optim.lr_scheduler.ConstantLR``).
 
+    ``total_iters`` must be at least 1 (with 0, torch's stepped scheduler keeps ``factor`` while
+    its closed form gives ``init_value``; use :func:`constant_schedule`).
+
     >>> schedule = constant_factor_schedule(1.0, factor=0.5, total_iters=2)
     >>> [schedule(step) for step in range(4)]
     [0.5, 0.5, 1.0, 1.0]
