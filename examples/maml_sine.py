@@ -89,7 +89,8 @@ def experiment(config: dict) -> mt.Experiment:
                             torch.Generator().manual_seed(12345))
 
     def evaluate(params: dict) -> dict:
-        after, before = losses(params, held_out)
+        with torch.no_grad():  # torch.func.grad still adapts inside; nothing to backpropagate
+            after, before = losses(params, held_out)
         return {"query_loss_adapted": float(after), "query_loss_unadapted": float(before)}
 
     def next_batch(generator: torch.Generator) -> dict:
