@@ -9,8 +9,8 @@
 (1, 0.0)
 """
 
-from minitrain.optim._adagrad import AdagradState, adagrad
-from minitrain.optim._adam import AdamState, adam, adamw
+from minitrain.optim._adagrad import AdagradState, adagrad, adagrad_chain
+from minitrain.optim._adam import AdamState, adam, adam_chain, adamw
 from minitrain.optim._core import (
     ChainState,
     EmptyState,
@@ -23,10 +23,11 @@ from minitrain.optim._core import (
     identity,
     leafwise,
     register_lowering,
+    spec,
 )
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
-from minitrain.optim._rmsprop import RMSpropState, rmsprop
-from minitrain.optim._sgd import SGDState, sgd
+from minitrain.optim._rmsprop import RMSpropState, rmsprop, rmsprop_chain
+from minitrain.optim._sgd import SGDState, sgd, sgd_chain
 from minitrain.optim.base import (
     Impl,
     Optimizer,
@@ -100,5 +101,10 @@ __all__ = [
     "LeafBatch",
     "as_optimizer",
     "register_lowering",
+    "spec",
+    "sgd_chain",
+    "adam_chain",
+    "adagrad_chain",
+    "rmsprop_chain",
     *_transforms,
 ]

@@ -1,7 +1,9 @@
 """AdaGrad as ``torch.optim.Adagrad`` (Duchi et al. 2011; torch docs' algorithm box).
 
-Math: ``g += wd * p``; ``clr = lr / (1 + (t - 1) * lr_decay)``; ``sum += g * g``;
-``p -= clr * g / (sqrt(sum) + eps)``. The accumulator starts at ``initial_accumulator_value``.
+The chain (:func:`adagrad_chain`): ``[scale(-1) if maximize] [add_decayed_weights]
+scale_by_adagrad(lr_decay, initial_accumulator_value, eps) scale_by_learning_rate``. The plain
+path runs its per-leaf math; the fast path lowers it to ``torch._fused_adagrad_`` or the
+streaming kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +14,20 @@ import torch
 from torch import Tensor
 
 from minitrain.optim import streaming
+from minitrain.optim._core import (
+    GradientTransformation,
+    chain,
+    hyperparameter,
+    register_lowering,
+)
+from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
+from minitrain.optim._transforms_rules import (
+    adagrad_leaf,
+    add_decayed_weights,
+    scale,
+    scale_by_adagrad,
+    scale_by_learning_rate,
+)
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -24,7 +40,7 @@ from minitrain.optim.base import (
 )
 from minitrain.tree import Params
 
-__all__ = ["AdagradState", "adagrad"]
+__all__ = ["AdagradState", "adagrad", "adagrad_chain"]
 
 
 class AdagradState(NamedTuple):
@@ -42,6 +58,7 @@ def adagrad(
     initial_accumulator_value: float = 0.0,
     eps: float = 1e-10,
     *,
+    maximize: bool = False,
     mask: WeightDecayMask = None,
     impl: str = "auto",
 ) -> Optimizer:
@@ -56,18 +73,14 @@ def adagrad(
     tensor([0.9000, 1.1000])
     """
     check_hyperparameter("lr_decay", lr_decay, 0.0)
+    weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
     check_hyperparameter("initial_accumulator_value", initial_accumulator_value, 0.0)
     check_hyperparameter("eps", eps, 0.0)
-
-    def plain_step(p, g, buffers, step, lr, weight_decay):
-        g = g + weight_decay * p
-        clr = lr / (1 + (step - 1) * lr_decay)
-        total = buffers["sum"] + g * g
-        std = total.sqrt() + eps
-        return p - clr * (g / std), {"sum": total}
+    plain_step = leaf_step(adagrad_leaf, dict(lr_decay=lr_decay, eps=eps), maximize=maximize)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        gs = maximized(gs, maximize)
         if streaming.usable([*ps, *gs, *buffers["sum"]]):
             hyperparameters = [lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
             slots = [ps, gs, buffers["sum"]]
@@ -86,4 +99,47 @@ def adagrad(
         )
 
     rule = Rule(("sum",), init_buffer, plain_step, fast_step)
+    lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(AdagradState, rule, lr, weight_decay, mask, impl)
+
+
+def adagrad_chain(
+    lr: ScalarOrSchedule = 1e-2,
+    lr_decay: float = 0.0,
+    weight_decay: float | Tensor = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    *,
+    maximize: bool = False,
+    mask: WeightDecayMask = None,
+) -> GradientTransformation:
+    """The chain of transformations :func:`adagrad` runs.
+
+    >>> import torch, minitrain as mt
+    >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(adagrad_chain())[1]["transforms"])]
+    ['add_decayed_weights', 'scale_by_adagrad', 'scale_by_learning_rate']
+    """
+    return chain(
+        *([scale(-1.0)] if maximize else []),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_adagrad(lr_decay, initial_accumulator_value, eps),
+        scale_by_learning_rate(lr),
+    )
+
+
+def _match(tx: GradientTransformation):
+    """Lower ``as_optimizer`` of an AdaGrad-shaped chain to :func:`adagrad`'s fast path."""
+    found = chain_lowering(tx, "scale_by_adagrad")
+    if found is None:
+        return None
+    parts, before, clip_norm, decoupled, weight_decay, mask, lr = found
+    if parts["rules"] != ["scale_by_adagrad"] or decoupled and weight_decay != 0:
+        return None
+    rule = parts["scale_by_adagrad"]
+    optimizer = adagrad(lr, rule["lr_decay"], weight_decay, 0.0, rule["eps"], mask=mask,
+                        impl="fast")
+    return register_alias(tx, optimizer, AdagradState, "scale_by_adagrad", ("sum",), before,
+                          clip_norm)
+
+
+register_lowering(_match)

@@ -1,9 +1,11 @@
 """Adam and AdamW as ``torch.optim.Adam`` / ``torch.optim.AdamW`` (Kingma & Ba 2015,
 Algorithm 1; Loshchilov & Hutter 2019 for decoupled weight decay; Reddi et al. 2018 for AMSGrad).
 
-Math (torch docs' algorithm box): Adam ``g += wd * p``, AdamW ``p *= 1 - lr * wd``;
-``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``; AMSGrad keeps
-``v_max = max(v_max, v)``; ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``.
+Each is a chain of transformations (:func:`adam_chain`): ``[scale(-1) if maximize]``, L2 decay
+``add_decayed_weights`` (Adam) before ``scale_by_adam`` or after it (AdamW, decoupled), then
+``scale_by_learning_rate``. The plain path runs exactly that chain's per-leaf math; the fast
+path lowers it to ``torch._fused_adam(w)_`` or the streaming kernel, and ``as_optimizer`` of
+the same chain built by hand takes that lowering too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ import torch
 from torch import Tensor
 
 from minitrain.optim import streaming
+from minitrain.optim._core import (
+    GradientTransformation,
+    chain,
+    check_pair,
+    hyperparameter,
+    register_lowering,
+)
+from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
+from minitrain.optim._transforms_rules import (
+    adam_leaf,
+    add_decayed_weights,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+)
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -23,11 +40,12 @@ from minitrain.optim.base import (
     check_hyperparameter,
     make_optimizer,
     owned,
+    scalar,
     step_tensors,
 )
 from minitrain.tree import Params
 
-__all__ = ["AdamState", "adam", "adamw"]
+__all__ = ["AdamState", "adam", "adamw", "adam_chain"]
 
 
 class AdamState(NamedTuple):
@@ -42,11 +60,12 @@ class AdamState(NamedTuple):
 
 def adam(
     lr: ScalarOrSchedule = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float | Tensor = 0.0,
     amsgrad: bool = False,
     *,
+    maximize: bool = False,
     mask: WeightDecayMask = None,
     impl: str = "auto",
 ) -> Optimizer:
@@ -60,16 +79,17 @@ def adam(
     >>> params["w"]  # the first step moves each coordinate by about lr
     tensor([0.9000, 1.1000])
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, decoupled=False)
 
 
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float | Tensor = 1e-2,
     amsgrad: bool = False,
     *,
+    maximize: bool = False,
     mask: WeightDecayMask = None,
     impl: str = "auto",
 ) -> Optimizer:
@@ -84,40 +104,57 @@ def adamw(
     >>> params["w"].item(), params["b"].item()  # only the matrix decays: 1 - 0.1 * 0.5
     (0.949999988079071, 1.0)
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, decoupled=True)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, decoupled=True)
 
 
-def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool) -> Optimizer:
-    if not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise ValueError(f"invalid betas={betas!r}: pass a pair (beta1, beta2)")
-    beta1, beta2 = betas
+def adam_chain(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float | Tensor = 0.0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    mask: WeightDecayMask = None,
+    decoupled: bool = False,
+) -> GradientTransformation:
+    """The chain of transformations :func:`adam` (``decoupled=False``) or :func:`adamw` runs.
+
+    >>> import torch, minitrain as mt
+    >>> tx = adam_chain(lr=0.1, weight_decay=0.5, decoupled=True)
+    >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
+    ['scale_by_adam', 'add_decayed_weights', 'scale_by_learning_rate']
+    """
+    decay = add_decayed_weights(weight_decay, mask)
+    return chain(
+        *([scale(-1.0)] if maximize else []),
+        *([] if decoupled else [decay]),
+        scale_by_adam(*betas, eps=eps, amsgrad=amsgrad),
+        *([decay] if decoupled else []),
+        scale_by_learning_rate(lr),
+    )
+
+
+def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoupled):
+    beta1, beta2 = check_pair("betas", betas)
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
     check_hyperparameter("eps", eps, 0.0)
+    weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
     buffers = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-
-    def plain_step(p, g, buffers, step, lr, weight_decay):
-        if decoupled:
-            p = p * (1 - lr * weight_decay)
-        else:
-            g = g + weight_decay * p
-        exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
-        exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g)
-        new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        second = exp_avg_sq
-        if amsgrad:
-            second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
-        bias_correction1, bias_correction2_sqrt = step
-        denom = second.sqrt() / bias_correction2_sqrt + eps
-        return p - (lr / bias_correction1) * (exp_avg / denom), new
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad)
+    plain_step = leaf_step(adam_leaf, hyper, decoupled=decoupled, maximize=maximize,
+                           unused=() if amsgrad else ("max_exp_avg_sq",))
+    b1, b2 = scalar(beta1), scalar(beta2)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        gs = maximized(gs, maximize)
         if streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
-            bias_correction1, bias_correction2_sqrt = bias_corrections(step)
+            bias_correction1 = 1 - b1**step
             hyperparameters = [
-                beta1, beta2, eps, weight_decay, lr, lr / bias_correction1, bias_correction2_sqrt,
-                decoupled, amsgrad,
+                b1, b2, eps, weight_decay, lr, lr / bias_correction1,
+                math.sqrt(1 - b2**step), decoupled, amsgrad,
             ]
             slots = [ps, gs, buffers["exp_avg"], buffers["exp_avg_sq"],
                      buffers.get("max_exp_avg_sq")]
@@ -128,23 +165,36 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, mask, impl, *, decoupled: bool)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(
             ps, gs, new["exp_avg"], new["exp_avg_sq"], new.get("max_exp_avg_sq", []),
-            step_tensors(step, ps), lr=lr, beta1=float(beta1), beta2=float(beta2),
+            step_tensors(step, ps), lr=lr, beta1=float(b1), beta2=float(b2),
             weight_decay=weight_decay, eps=float(eps), amsgrad=amsgrad, maximize=False,
         )
         return ps, new
-
-    def bias_corrections(step):
-        return 1 - beta1**step, _sqrt(1 - beta2**step)
 
     rule = Rule(
         buffers=buffers,
         init_buffer=lambda name, p: torch.zeros_like(p, memory_format=torch.preserve_format),
         plain_step=plain_step,
         fast_step=fast_step,
-        step_scalars=bias_corrections,
     )
-    return make_optimizer(AdamState, rule, lr, weight_decay, mask, impl, (beta1, beta2))
+    return make_optimizer(AdamState, rule, hyperparameter("lr", lr) if not callable(lr) else lr,
+                          weight_decay, mask, impl, (beta1, beta2))
 
 
-def _sqrt(value):
-    return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
+def _match(tx: GradientTransformation):
+    """Lower ``as_optimizer(adam_chain(...))`` (built by hand, optionally after
+    ``clip_by_global_norm``) to :func:`adam` / :func:`adamw`'s fast path."""
+    found = chain_lowering(tx, "scale_by_adam")
+    if found is None:
+        return None
+    parts, before, clip_norm, decoupled, weight_decay, mask, lr = found
+    if parts["rules"] != ["scale_by_adam"]:
+        return None
+    adam_spec = parts["scale_by_adam"]
+    optimizer = _adam(lr, (adam_spec["beta1"], adam_spec["beta2"]), adam_spec["eps"],
+                      weight_decay, adam_spec["amsgrad"], False, mask, "fast",
+                      decoupled=decoupled)
+    return register_alias(tx, optimizer, AdamState, "scale_by_adam",
+                          ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), before, clip_norm)
+
+
+register_lowering(_match)

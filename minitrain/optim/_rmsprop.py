@@ -1,11 +1,9 @@
 """RMSProp as ``torch.optim.RMSprop`` (Hinton's lecture 6e; Graves 2013 for ``centered``).
 
-Math (torch docs' algorithm box): ``g += wd * p``; ``v = alpha * v + (1 - alpha) * g * g``;
-centered: ``ga = lerp(ga, g, 1 - alpha)`` and ``avg = sqrt(v - ga * ga) + eps``, else
-``avg = sqrt(v) + eps`` (eps outside the sqrt, unlike optax); with momentum
-``b = momentum * b + g / avg`` and ``p -= lr * b``, else ``p -= lr * g / avg``.
-
-torch has no fused RMSProp kernel, so the fast path is a sequence of ``torch._foreach_*``
+The chain (:func:`rmsprop_chain`): ``[scale(-1) if maximize] [add_decayed_weights]
+scale_by_rms(alpha, eps, centered) [trace(momentum)] scale_by_learning_rate`` (eps outside the
+sqrt, unlike optax). The plain path runs its per-leaf math; the fast path lowers it to the
+streaming kernel, else (torch has no fused RMSprop kernel) a sequence of ``torch._foreach_*``
 passes over cache-sized batches of leaves (see ``base.CACHE_BATCH_BYTES``); without donation
 the first pass of each buffer writes a fresh tensor instead of updating in place.
 """
@@ -18,6 +16,22 @@ import torch
 from torch import Tensor
 
 from minitrain.optim import streaming
+from minitrain.optim._core import (
+    GradientTransformation,
+    chain,
+    hyperparameter,
+    register_lowering,
+)
+from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
+from minitrain.optim._transforms_rules import (
+    add_decayed_weights,
+    rms_leaf,
+    scale,
+    scale_by_learning_rate,
+    scale_by_rms,
+    trace,
+    trace_leaf,
+)
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -25,10 +39,11 @@ from minitrain.optim.base import (
     WeightDecayMask,
     check_hyperparameter,
     make_optimizer,
+    scalar,
 )
 from minitrain.tree import Params
 
-__all__ = ["RMSpropState", "rmsprop"]
+__all__ = ["RMSpropState", "rmsprop", "rmsprop_chain"]
 
 
 class RMSpropState(NamedTuple):
@@ -46,9 +61,10 @@ def rmsprop(
     alpha: float = 0.99,
     eps: float = 1e-8,
     weight_decay: float | Tensor = 0.0,
-    momentum: float = 0.0,
+    momentum: float | Tensor = 0.0,
     centered: bool = False,
     *,
+    maximize: bool = False,
     mask: WeightDecayMask = None,
     impl: str = "auto",
 ) -> Optimizer:
@@ -64,31 +80,25 @@ def rmsprop(
     """
     check_hyperparameter("alpha", alpha, 0.0, 1.0)
     check_hyperparameter("eps", eps, 0.0)
+    weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
+    momentum = hyperparameter("momentum", momentum)
     check_hyperparameter("momentum", momentum, 0.0)
     has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
     buffers = ("square_avg",) + (("momentum_buffer",) if has_momentum else ()) + (
         ("grad_avg",) if centered else ()
     )
-
-    def plain_step(p, g, buffers, step, lr, weight_decay):
-        g = g + weight_decay * p
-        square_avg = alpha * buffers["square_avg"] + (1 - alpha) * (g * g)
-        new = {"square_avg": square_avg}
-        if centered:
-            new["grad_avg"] = torch.lerp(buffers["grad_avg"], g, 1 - alpha)
-            avg = (square_avg - new["grad_avg"] * new["grad_avg"]).sqrt() + eps
-        else:
-            avg = square_avg.sqrt() + eps
-        if has_momentum:
-            new["momentum_buffer"] = momentum * buffers["momentum_buffer"] + g / avg
-            return p - lr * new["momentum_buffer"], new
-        return p - lr * (g / avg), new
+    rules = [(rms_leaf, dict(alpha=alpha, eps=eps, centered=centered))]
+    if has_momentum:
+        rules.append((trace_leaf, dict(momentum=momentum, dampening=0.0, nesterov=False)))
+    plain_step = leaf_step(rules, maximize=maximize)
+    mu = scalar(momentum)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        gs = maximized(gs, maximize)
         state = [buffers.get(name) for name in ("square_avg", "momentum_buffer", "grad_avg")]
         if streaming.usable([*ps, *gs, *sum(filter(None, state), [])]):
-            hyperparameters = [lr, alpha, eps, weight_decay, momentum, centered, has_momentum]
+            hyperparameters = [lr, alpha, eps, weight_decay, mu, centered, has_momentum]
             new_ps, *new_state = streaming.update(
                 "rmsprop", hyperparameters, [ps, gs, *state], outputs
             )
@@ -108,7 +118,7 @@ def rmsprop(
             avg = torch._foreach_sqrt(square_avg)
         torch._foreach_add_(avg, eps)
         if has_momentum:
-            buf = _apply(torch.mul, buffers["momentum_buffer"], (momentum,), {}, outputs)
+            buf = _apply(torch.mul, buffers["momentum_buffer"], (mu,), {}, outputs)
             torch._foreach_addcdiv_(buf, gs, avg)
             new["momentum_buffer"] = buf
             return _apply(torch.add, ps, (buf,), {"alpha": -lr}, outputs), new
@@ -121,7 +131,62 @@ def rmsprop(
         fast_step=fast_step,
         fused=False,
     )
+    lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(RMSpropState, rule, lr, weight_decay, mask, impl, (alpha, momentum))
+
+
+def rmsprop_chain(
+    lr: ScalarOrSchedule = 1e-2,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float | Tensor = 0.0,
+    momentum: float | Tensor = 0.0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+    mask: WeightDecayMask = None,
+) -> GradientTransformation:
+    """The chain of transformations :func:`rmsprop` runs.
+
+    >>> import torch, minitrain as mt
+    >>> tx = rmsprop_chain(momentum=0.9)
+    >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
+    ['add_decayed_weights', 'scale_by_rms', 'trace', 'scale_by_learning_rate']
+    """
+    has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
+    return chain(
+        *([scale(-1.0)] if maximize else []),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_rms(alpha, eps, centered),
+        *([trace(momentum)] if has_momentum else []),
+        scale_by_learning_rate(lr),
+    )
+
+
+def _match(tx: GradientTransformation):
+    """Lower ``as_optimizer`` of an RMSprop-shaped chain to :func:`rmsprop`'s fast path."""
+    found = chain_lowering(tx, "scale_by_rms")
+    if found is None:
+        return None
+    parts, before, clip_norm, decoupled, weight_decay, mask, lr = found
+    if decoupled and weight_decay != 0 or parts["rules"] not in (
+        ["scale_by_rms"], ["scale_by_rms", "trace"]
+    ):
+        return None
+    momentum = 0.0
+    if "trace" in parts:
+        t = parts["trace"]
+        if t["nesterov"] or t["dampening"] != 0:
+            return None
+        momentum = t["momentum"]
+    rms = parts["scale_by_rms"]
+    optimizer = rmsprop(lr, rms["alpha"], rms["eps"], weight_decay, momentum, rms["centered"],
+                        mask=mask, impl="fast")
+    return register_alias(tx, optimizer, RMSpropState, "scale_by_rms",
+                          ("square_avg", "momentum_buffer", "grad_avg"), before, clip_norm)
+
+
+register_lowering(_match)
 
 
 def _apply(op, tensors, args, kwargs, outputs):

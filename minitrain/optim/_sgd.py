@@ -1,8 +1,9 @@
 """SGD with momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
 
-Math (torch.optim.SGD docs, ``_single_tensor_sgd``): ``g += wd * p``; with momentum,
-``b = g`` on the first step and ``b = momentum * b + (1 - dampening) * g`` after;
-``g = g + momentum * b`` (Nesterov) or ``g = b``; ``p -= lr * g``.
+The chain (:func:`sgd_chain`): ``[scale(-1) if maximize] [add_decayed_weights]
+[trace(momentum, dampening, nesterov)] scale_by_learning_rate`` (torch.optim.SGD docs,
+``_single_tensor_sgd``). The plain path runs its per-leaf math; the fast path lowers it to
+``torch._fused_sgd_`` or the streaming kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +14,20 @@ import torch
 from torch import Tensor
 
 from minitrain.optim import streaming
+from minitrain.optim._core import (
+    GradientTransformation,
+    chain,
+    hyperparameter,
+    register_lowering,
+)
+from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
+from minitrain.optim._transforms_rules import (
+    add_decayed_weights,
+    scale,
+    scale_by_learning_rate,
+    trace,
+    trace_leaf,
+)
 from minitrain.optim.base import (
     Optimizer,
     Rule,
@@ -21,10 +36,11 @@ from minitrain.optim.base import (
     check_hyperparameter,
     make_optimizer,
     owned,
+    scalar,
 )
 from minitrain.tree import Params
 
-__all__ = ["SGDState", "sgd"]
+__all__ = ["SGDState", "sgd", "sgd_chain"]
 
 
 class SGDState(NamedTuple):
@@ -35,13 +51,18 @@ class SGDState(NamedTuple):
     momentum_buffer: Params
 
 
+def _has_momentum(momentum) -> bool:
+    return not (isinstance(momentum, int | float) and momentum == 0)
+
+
 def sgd(
     lr: ScalarOrSchedule = 1e-3,
-    momentum: float = 0.0,
+    momentum: float | Tensor = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float | Tensor = 0.0,
     *,
+    maximize: bool = False,
     mask: WeightDecayMask = None,
     impl: str = "auto",
 ) -> Optimizer:
@@ -56,46 +77,36 @@ def sgd(
     >>> params["w"]  # 1 - 0.1 * 1 - 0.1 * 1.9
     tensor([0.7100])
     """
+    momentum = hyperparameter("momentum", momentum)
     check_hyperparameter("momentum", momentum, 0.0)
     check_hyperparameter("dampening", dampening, 0.0)
+    weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
-    if nesterov and (momentum == 0 or dampening != 0):
+    if nesterov and (scalar(momentum) == 0 or scalar(dampening) != 0):
         raise ValueError(
             "invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
             "set momentum or turn nesterov off"
         )
-    has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
-
-    def plain_step(p, g, buffers, step, lr, weight_decay):
-        g = g + weight_decay * p
-        if has_momentum:
-            old = buffers["momentum_buffer"]
-            later = momentum * old + (1 - dampening) * g
-            if isinstance(step, int):
-                buf = g if step == 1 else later
-            else:
-                buf = torch.where(step == 1, g, later)
-            buffers = {"momentum_buffer": buf}
-            g = g + momentum * buf if nesterov else buf
-        return p - lr * g, buffers
+    has_momentum = _has_momentum(momentum)
+    rules = [(trace_leaf, dict(momentum=momentum, dampening=dampening, nesterov=nesterov))]
+    plain_step = leaf_step(rules if has_momentum else [], maximize=maximize)
+    mu = scalar(momentum)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
+        gs = maximized(gs, maximize)
         old = buffers.get("momentum_buffer")
         if streaming.usable([*ps, *gs, *(old or [])]):
-            hyperparameters = [
-                lr, momentum, dampening, weight_decay, nesterov, step == 1, has_momentum,
-            ]
+            hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, has_momentum]
             new_ps, bufs = streaming.update("sgd", hyperparameters, [ps, gs, old], outputs)
             return new_ps, ({"momentum_buffer": bufs} if has_momentum else {})
         ps = owned(ps, outputs)
         bufs = []
         if has_momentum:
-            old = buffers["momentum_buffer"]
             # The kernel overwrites the buffers on the first step, so they need no copy.
             fresh = step == 1 and outputs is not None
             bufs = outputs(old) if fresh else owned(old, outputs)
         torch._fused_sgd_(
-            ps, gs, bufs, weight_decay=weight_decay, momentum=float(momentum), lr=lr,
+            ps, gs, bufs, weight_decay=weight_decay, momentum=float(mu), lr=lr,
             dampening=float(dampening), nesterov=nesterov, maximize=False,
             is_first_step=step == 1,
         )
@@ -107,4 +118,52 @@ def sgd(
         plain_step=plain_step,
         fast_step=fast_step,
     )
+    lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(SGDState, rule, lr, weight_decay, mask, impl, (momentum, dampening))
+
+
+def sgd_chain(
+    lr: ScalarOrSchedule = 1e-3,
+    momentum: float | Tensor = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float | Tensor = 0.0,
+    *,
+    maximize: bool = False,
+    mask: WeightDecayMask = None,
+) -> GradientTransformation:
+    """The chain of transformations :func:`sgd` runs.
+
+    >>> import torch, minitrain as mt
+    >>> tx = sgd_chain(lr=0.1, momentum=0.9)
+    >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
+    ['add_decayed_weights', 'trace', 'scale_by_learning_rate']
+    """
+    return chain(
+        *([scale(-1.0)] if maximize else []),
+        add_decayed_weights(weight_decay, mask),
+        *([trace(momentum, dampening, nesterov)] if _has_momentum(momentum) else []),
+        scale_by_learning_rate(lr),
+    )
+
+
+def _match(tx: GradientTransformation):
+    """Lower ``as_optimizer`` of an SGD-shaped chain to :func:`sgd`'s fast path."""
+    for core in ("trace", None):
+        found = chain_lowering(tx, core)
+        if found is None:
+            continue
+        parts, before, clip_norm, decoupled, weight_decay, mask, lr = found
+        if parts["rules"] not in (["trace"], []) or decoupled and parts["rules"] and not (
+            isinstance(weight_decay, int | float) and weight_decay == 0
+        ):
+            return None
+        t = parts.get("trace", dict(momentum=0.0, dampening=0.0, nesterov=False))
+        optimizer = sgd(lr, t["momentum"], t["dampening"], t["nesterov"], weight_decay,
+                        mask=mask, impl="fast")
+        return register_alias(tx, optimizer, SGDState, "trace", ("momentum_buffer",), before,
+                              clip_norm)
+    return None
+
+
+register_lowering(_match)

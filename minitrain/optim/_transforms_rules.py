@@ -376,13 +376,13 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
         if not use_plain_path("auto", [*u_leaves, *p_leaves], [weight_decay]):
             on = [i for i, flag in enumerate(flags) if flag]
             with torch.no_grad():
-                decayed = torch._foreach_add([u_leaves[i] for i in on], [p_leaves[i] for i in on],
-                                             alpha=scalar(weight_decay))
+                moved = torch._foreach_add([u_leaves[i] for i in on], [p_leaves[i] for i in on],
+                                           alpha=scalar(weight_decay))
             out = list(u_leaves)
-            for i, value in zip(on, decayed, strict=True):
+            for i, value in zip(on, moved, strict=True):
                 out[i] = value
         else:
-            out = [_decayed(u, p, weight_decay) if flag else u
+            out = [decayed(u, p, weight_decay) if flag else u
                    for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
         return tree.unflatten(tree.structure(updates), out), state
 
@@ -390,7 +390,7 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
                   weight_decay=weight_decay, mask=mask)
 
 
-def _decayed(u: Tensor, p: Tensor, weight_decay: Any) -> Tensor:
+def decayed(u: Tensor, p: Tensor, weight_decay: Any) -> Tensor:
     """``u + weight_decay * p`` as torch.optim computes it (``grad.add(param, alpha=wd)``)."""
     if isinstance(weight_decay, int | float):
         return torch.add(u, p, alpha=weight_decay)

@@ -1,0 +1,131 @@
+"""How the aliases (``sgd``, ``adam``, ...) are their chains of transformations, lowered.
+
+An alias's plain path is :func:`leaf_step`: the per-leaf functions of its chain's rules (from
+``_transforms_rules``) composed in the chain's order, so it computes the chain's result bit for
+bit. Its fast path runs torch's fused kernels or the streaming kernels over the same state.
+:func:`register_alias` makes ``as_optimizer(chain)`` take that fast path when a chain built by
+hand has an alias's shape: ``[clip_by_global_norm] [add_decayed_weights] RULE...
+[add_decayed_weights] scale_by_learning_rate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.optim._core import GradientTransformation, spec
+from minitrain.optim._transforms_rules import decayed
+from minitrain.optim.base import use_plain_path
+
+__all__ = ["leaf_step", "maximized", "chain_lowering", "register_alias"]
+
+Leaf = Callable[..., tuple[Tensor, dict[str, Any]]]
+
+
+def _off(weight_decay: Any) -> bool:
+    return isinstance(weight_decay, int | float) and weight_decay == 0
+
+
+def leaf_step(rules: Leaf | Sequence[tuple[Leaf, dict[str, Any]]], hyper: dict[str, Any] | None
+              = None, *, decoupled: bool = False, maximize: bool = False,
+              unused: Sequence[str] = ()) -> Callable[..., Any]:
+    """``plain_step(p, g, buffers, step, lr, weight_decay) -> (p, buffers)`` of the chain
+    ``[scale(-1)] [add_decayed_weights] *rules [add_decayed_weights] scale_by_learning_rate``
+    followed by ``apply_updates``, per leaf, with the same ops as the chain's plain path."""
+    if callable(rules):
+        rules = [(rules, hyper or {})]
+
+    def plain_step(p, g, buffers, step, lr, weight_decay):
+        if maximize:
+            g = -1.0 * g  # scale(-1.0)
+        if not decoupled and not _off(weight_decay):
+            g = decayed(g, p, weight_decay)
+        state = dict(buffers, **{name: () for name in unused})
+        new: dict[str, Any] = {}
+        for rule, rule_hyper in rules:
+            g, out = rule(g, state, p, step, **rule_hyper)
+            new.update(out)
+        if decoupled and not _off(weight_decay):
+            g = decayed(g, p, weight_decay)
+        return p + (-lr) * g, {name: value for name, value in new.items() if name in buffers}
+
+    return plain_step
+
+
+def maximized(gs: list[Tensor], maximize: bool) -> list[Tensor]:
+    """The grads to descend along: negated for ``maximize=True`` (torch.optim's ``maximize``)."""
+    return list(torch._foreach_neg(gs)) if maximize else gs
+
+
+def chain_lowering(tx: GradientTransformation, core: str | None):
+    """Parse a chain shaped like an alias around the rule named ``core`` (None: no rule, plain
+    SGD); None when ``tx`` has another shape.
+
+    Returns ``(parts, before, clip_norm, decoupled, weight_decay, mask, lr)``: ``parts`` maps
+    each rule's name to the arguments it was built with.
+    """
+    found = spec(tx)
+    if found is None or found[0] != "chain":
+        return None
+    specs = [spec(inner) for inner in found[1]["transforms"]]
+    if any(s is None for s in specs):
+        return None
+    names = [s[0] for s in specs]
+    clip_norm = None
+    before = 0
+    if names[:1] == ["clip_by_global_norm"]:
+        clip_norm, before = specs[0][1]["max_norm"], 1
+    if names[-1:] != ["scale_by_learning_rate"] or specs[-1][1]["sign"] != -1:
+        return None
+    middle = names[before:-1]
+    decays = [i for i, name in enumerate(middle) if name == "add_decayed_weights"]
+    if len(decays) > 1 or (core is not None and core not in middle):
+        return None
+    weight_decay, mask, decoupled = 0.0, None, False
+    if decays:
+        decay = specs[before + decays[0]][1]
+        weight_decay, mask = decay["weight_decay"], decay["mask"]
+        if decays[0] == len(middle) - 1:
+            decoupled = True
+        elif decays[0] != 0:
+            return None
+    rules = [name for name in middle if name != "add_decayed_weights"]
+    parts = {name: s[1] for name, s in zip(names, specs, strict=True)}
+    if len(set(rules)) != len(rules) or (rules[:1] != [core] if core else rules):
+        return None
+    parts["rules"] = rules
+    return parts, before, clip_norm, decoupled, weight_decay, mask, \
+        specs[-1][1]["learning_rate"]
+
+
+def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type, core: str,
+                   buffers: Sequence[str], before: int, clip_norm: Any) -> Callable[..., Any]:
+    """A lowered update of chain ``tx`` through ``optimizer``'s fast path: the chain's state is
+    read into ``state_type`` (fields ``count``, ``lr`` and buffers) and written back."""
+    from minitrain.optim.transforms import clip_by_global_norm
+
+    def lowered(grads, state, params, donate):
+        leaves = tree.leaves(params)
+        if use_plain_path("auto", [*leaves, *tree.leaves(grads)], []):
+            return None
+        if clip_norm is not None:
+            grads, _ = clip_by_global_norm(grads, clip_norm)
+        fields: dict[str, Any] = {}
+        for inner in state[before:]:
+            for name in getattr(inner, "_fields", ()):
+                fields.setdefault(name, getattr(inner, name))
+        alias_state = state_type(**{name: fields.get(name, ()) for name in state_type._fields})
+        new_params, new = optimizer.update(grads, alias_state, params, donate=donate)
+        new_state = list(state)
+        for index, inner in enumerate(state[before:], start=before):
+            if getattr(inner, "_fields", ()):
+                new_state[index] = inner._replace(**{
+                    name: getattr(new, name) for name in inner._fields if name in new._fields
+                })
+        return new_params, tuple(new_state)
+
+    return lowered
