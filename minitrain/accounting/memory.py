@@ -346,6 +346,7 @@ def transformer_activation_bytes(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     bytes_per_element: int = 2,
+    attention: str = "eager",
 ) -> float:
     """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4).
 
@@ -355,6 +356,10 @@ def transformer_activation_bytes(
     ``5·a·s/h`` attention term (eq. 6); full recomputation keeps only each layer's input,
     ``2·s·b·h`` (section 4.1). ``bytes_per_element=4`` scales the formula for fp32 activations
     (the 1-byte masks scale too, a slight overestimate). Embedding and logits are not included.
+    ``attention="flash"``: a fused kernel (FlashAttention, Dao et al. 2022) saves no ``s²``
+    terms, only the softmax's log-sum-exp in fp32, ``4·a·s·b`` bytes per layer (over ``t``);
+    ``"selective"`` is ``recompute="selective"``. Term by term (one layer, no parallelism):
+    :func:`minitrain.accounting.transformer.transformer_activation_terms`.
 
     >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
     ...                              num_layers=1) / 2**30   # GPT-3, one layer
@@ -362,6 +367,8 @@ def transformer_activation_bytes(
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+    if attention not in ("eager", "selective", "flash"):
+        raise ValueError(f"unknown attention {attention!r}; choose one of eager, selective, flash")
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
                         ("heads", heads), ("num_layers", num_layers),
                         ("tensor_parallel", tensor_parallel)):
@@ -369,11 +376,15 @@ def transformer_activation_bytes(
             raise ValueError(f"{name} must be >= 1, got {value}")
     t = tensor_parallel
     sbh = seq_len * batch * hidden
-    attention = 5 * heads * seq_len / hidden if recompute == "none" else 0.0
+    scores = recompute == "none" and attention == "eager"
+    attention_term = 5 * heads * seq_len / hidden if scores else 0.0
+    # FlashAttention's fp32 log-sum-exp per row and head, in bytes (not scaled by precision)
+    flash = attention == "flash" and recompute != "full"
+    logsumexp = 4 * heads * seq_len * batch / t if flash else 0
     if recompute == "full":
         per_layer = 2 * sbh / (t if sequence_parallel else 1)
     elif sequence_parallel:
-        per_layer = sbh * (34 + attention) / t
+        per_layer = sbh * (34 + attention_term) / t
     else:
-        per_layer = sbh * (10 + 24 / t + attention / t)
-    return per_layer * num_layers * bytes_per_element / 2
+        per_layer = sbh * (10 + 24 / t + attention_term / t)
+    return (per_layer * bytes_per_element / 2 + logsumexp) * num_layers

@@ -24,10 +24,13 @@ from minitrain.accounting.memory import (
 )
 
 __all__ = [
+    "ATTENTION",
     "PRESETS",
     "TransformerConfig",
     "preset",
+    "transformer_activation_terms",
     "transformer_flops_per_token",
+    "transformer_layer_activation_bytes",
     "transformer_matmul_params",
     "transformer_memory",
     "transformer_params",
@@ -175,8 +178,12 @@ def transformer_memory(
     recompute: str = "none",
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    attention: str = "eager",
 ) -> MemoryBreakdown:
     """Bytes per device to train ``config`` with ``batch`` sequences per device.
+
+    ``attention="flash"`` (a fused attention kernel) saves no ``s²`` terms, only the softmax
+    statistics (see :func:`transformer_activation_terms`).
 
     Params, grads and optimizer state from :func:`training_memory` (sharded by ZeRO stage over
     ``gpus``, or split by tensor parallelism); activations by Korthikanti et al. 2022.
@@ -190,9 +197,88 @@ def transformer_memory(
         seq_len=context, batch=batch, hidden=config.hidden, heads=config.heads,
         num_layers=config.num_layers, recompute=recompute, tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel,
-        bytes_per_element=precision(precision_name).activations,
+        bytes_per_element=precision(precision_name).activations, attention=attention,
     )
     return training_memory(
         transformer_params(config) / tensor_parallel, optimizer=optimizer,
         precision=precision_name, activation_bytes=activations, gpus=gpus, zero_stage=zero_stage,
     )
+
+
+ATTENTION = ("eager", "selective", "flash")
+
+
+def transformer_activation_terms(
+    *,
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    attention: str = "eager",
+    dropout: bool = True,
+    bytes_per_element: int | float = 2,
+    mask_bytes: int | float = 1,
+    norm_stats_bytes: int | float = 0,
+) -> dict[str, float]:
+    """Bytes one transformer layer saves for the backward pass, term by term.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    section 4.1, with ``p = bytes_per_element`` (2 in the paper) and 1-byte dropout masks:
+    the attention block saves the QKV input (``p·sbh``), Q and K (``2p·sbh``), the softmax
+    output (``p·as²b``), its dropout mask (``as²b``) and output (``p·as²b``), V (``p·sbh``), the
+    output projection's input (``p·sbh``) and its dropout mask (``sbh``); the MLP its input
+    (``p·sbh``), the GeLU input (``4p·sbh``), the second matmul's input (``4p·sbh``) and a
+    dropout mask (``sbh``); the two layer norms their inputs (``2p·sbh``). In all, eq. 1:
+    ``s·b·h·(34 + 5·a·s/h)`` bytes at 16-bit.
+
+    ``attention``: ``"eager"`` (eq. 1); ``"selective"`` recomputes the ``s²`` terms in the
+    backward pass (section 5, eq. 6: ``34·s·b·h``); ``"flash"`` (a fused kernel, Dao et al.
+    2022, "FlashAttention", section 3.1) never forms them either, and saves instead the
+    softmax's log-sum-exp per row and head in fp32 (``4·a·s·b`` bytes). ``dropout=False``
+    drops the masks (and the softmax's dropout output is the softmax output).
+    ``norm_stats_bytes`` per row and layer norm: PyTorch's ``native_layer_norm`` saves the mean
+    and reciprocal std in fp32 (8 bytes), which the paper leaves out. Embeddings, the final
+    norm, the logits and the loss are not per layer and not included.
+
+    >>> t = transformer_activation_terms(seq_len=2048, batch=1, hidden=12288, heads=96)
+    >>> sum(t.values()) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)     # eq. 1, GPT-3
+    True
+    """
+    if attention not in ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION)}")
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
+                        ("heads", heads), ("bytes_per_element", bytes_per_element)):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    p, sbh, asb = bytes_per_element, seq_len * batch * hidden, heads * seq_len * batch
+    s2 = asb * seq_len  # a·s²·b: one score per head, query and key
+    mask = mask_bytes if dropout else 0
+    eager = attention == "eager"
+    terms = {
+        "qkv_input": p * sbh,
+        "q_and_k": 2 * p * sbh,
+        "softmax_output": p * s2 if eager else 0,
+        "attention_dropout_mask": mask * s2 if eager else 0,
+        "attention_dropout_output": p * s2 if eager and dropout else 0,
+        "softmax_logsumexp": 4 * asb if attention == "flash" else 0,
+        "v": p * sbh,
+        "projection_input": p * sbh,
+        "projection_dropout_mask": mask * sbh,
+        "mlp_input": p * sbh,
+        "gelu_input": 4 * p * sbh,
+        "mlp_output_input": 4 * p * sbh,
+        "mlp_dropout_mask": mask * sbh,
+        "layernorm_inputs": 2 * p * sbh,
+        "layernorm_stats": 2 * norm_stats_bytes * seq_len * batch,
+    }
+    return {name: float(value) for name, value in terms.items()}
+
+
+def transformer_layer_activation_bytes(**kwargs: Any) -> float:
+    """The sum of :func:`transformer_activation_terms` (same arguments): bytes per layer.
+
+    >>> transformer_layer_activation_bytes(seq_len=1024, batch=8, hidden=1600, heads=25,
+    ...                                    attention="flash") / 1e9    # GPT-2 XL: 34·sbh + 4·asb
+    0.446464
+    """
+    return sum(transformer_activation_terms(**kwargs).values())
