@@ -6,6 +6,7 @@ measured one (live storages, CPU), the predicted FLOPs equal the counted FLOPs, 
 matmul FLOPs equal ``FlopCounterMode``'s, and every op has a FLOP formula.
 """
 
+import functools
 import importlib.util
 import math
 from pathlib import Path
@@ -158,13 +159,13 @@ OPTIMIZERS = {
 }
 
 
-def measure(params, loss, batch, optimizer, donate):
-    """One real train step (the loop's own) under the Counter and under FlopCounterMode."""
+def measure(params, loss, batch, optimizer, donate, flop_counter=True):
+    """One real train step (the loop's own) under the Counter (and under FlopCounterMode)."""
     exp = Experiment(init=lambda g: params, loss=loss, next_batch=lambda g: batch,
                      optimizer=optimizer, steps=1)
     step = make_train_step(exp, mt.get_backend("cpu"), donate=donate)
-    counts = []
-    for watch in ("counter", "flop_counter"):
+    counts = [None, None]
+    for watch in ("counter", "flop_counter")[: 1 + flop_counter]:
         state = optimizer.init(params)
         copy = mt.tree.map(torch.clone, params)
         torch.manual_seed(0)
@@ -177,15 +178,20 @@ def measure(params, loss, batch, optimizer, donate):
             with FlopCounterMode(display=False) as flop_counter:
                 out = step(copy, state, batch)
                 del out
-        counts.append(counter if watch == "counter" else flop_counter)
+        counts[watch == "flop_counter"] = counter if watch == "counter" else flop_counter
     return counts
 
 
-def zoo_row(name, opt_name, donate):
-    params, loss, data = ZOO[name]()
+@functools.cache
+def build(name):
+    return ZOO[name]()
+
+
+def zoo_row(name, opt_name, donate, flop_counter=True):
+    params, loss, data = build(name)
     batch = data(torch.Generator().manual_seed(0))
     optimizer = OPTIMIZERS[opt_name]()
-    counter, flop_counter = measure(params, loss, batch, optimizer, donate)
+    counter, flop_counter = measure(params, loss, batch, optimizer, donate, flop_counter)
     pred = predict_step(loss, params, batch, optimizer=optimizer, donate=donate)
     return pred, counter, flop_counter, mt.tree.size(params)
 
@@ -194,11 +200,14 @@ def zoo_row(name, opt_name, donate):
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", list(ZOO))
 def test_predicted_step_matches_the_measured_one(name, opt_name, donate):
-    pred, counter, flop_counter, _ = zoo_row(name, opt_name, donate)
+    # FlopCounterMode once per model (the update does no matmul).
+    check_matmuls = opt_name == "sgd" and not donate
+    pred, counter, flop_counter, _ = zoo_row(name, opt_name, donate, check_matmuls)
     ratio = pred.peak_bytes / counter.peak_bytes
     assert math.isclose(ratio, 1.0, abs_tol=0.10), (pred.memory, counter.peak_bytes)
     assert pred.flops == counter.flops
-    assert counter.matmul_flops == flop_counter.get_total_flops()
+    if check_matmuls:
+        assert counter.matmul_flops == flop_counter.get_total_flops()
     assert pred.matmul_flops == counter.matmul_flops
     assert pred.unknown_ops == counter.unknown
     assert set(pred.unknown_ops) <= WITHOUT_FORMULA
