@@ -169,3 +169,25 @@ def test_resource_report_predicts_apart_from_the_measured_step():
     assert report["speed"]["predicted_step_seconds"] > 0
     text = acc.report.format_report(report)
     assert "where it goes" in text and "predicted/measured" in text
+
+
+def test_autocast_bf16_is_predicted_like_the_measured_step():
+    params, loss = mlp(dim=64, hidden=256)
+    batch = (torch.randn(128, 64), torch.randint(0, 10, (128,)))
+    opt = mt.optim.adamw(lr=1e-3)
+
+    def bf16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    pred = predict_step(loss, params, batch, optimizer=opt, autocast=bf16)
+    grad = mt.value_and_grad(loss)
+    state = opt.init(params)
+    with acc.Counter(keep_records=False) as counter:
+        counter.track(params, state, batch)
+        with bf16():
+            _, grads = grad(params, batch)
+        mt.tree.global_norm(grads)
+        out = opt.update(grads, state, params)
+        del grads, out
+    assert pred.peak_bytes == counter.peak_bytes and pred.flops == counter.flops
+    assert pred.dtype == "bf16" and pred.saved[0].dtype == "bfloat16"

@@ -297,7 +297,7 @@ def predict_step(
     donate: bool = False,
     has_aux: bool = False,
     max_grad_norm: float | None = None,
-    hardware: str | Hardware = "h100",
+    hardware: str | Hardware | None = None,
     dtype: Any = None,
     autocast: Callable[[], Any] | None = None,
     top_saved: int = 10,
@@ -313,7 +313,8 @@ def predict_step(
         donate: the update writes params and state in place (``update(..., donate=True)``).
         max_grad_norm: clip grads to this global norm, as the train step does; without it
             the grad norm is still taken (the train step logs it).
-        hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`).
+        hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`) for the time
+            per step and ``fits``; default ``"h100"``.
         dtype: the dtype of the peak FLOP/s for every op (``"bf16"`` to assume tensor
             cores); default: each op's own floating dtype.
         autocast: a context manager factory for the forward and backward pass (the backend's
@@ -322,7 +323,7 @@ def predict_step(
 
     Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
     """
-    spec = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
+    spec = hardware if isinstance(hardware, Hardware) else _hardware(hardware or "h100")
     mode = _find_mode((params, batch)) or fake_mode()
     fake_params = _map(lambda x: _to_fake(mode, x), params)
     fake_batch = _map(lambda x: _to_fake(mode, x), batch)
