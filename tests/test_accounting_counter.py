@@ -301,3 +301,15 @@ def test_activation_checkpointing_recomputes_the_forward_and_saves_less():
     blocks, bd = len(params), 32 * 64
     assert saved_at_backward_start(counters["plain"]) == blocks * 2 * bd * 4
     assert saved_at_backward_start(counters["checkpointed"]) == blocks * bd * 4
+
+    # predicted on fake tensors: the same recomputation, the same saving, the same peaks
+    from minitrain.accounting.predict import predict_step
+
+    predictions = {name: predict_step(loss, params, x, optimizer=mt.optim.sgd(lr=0.1))
+                   for name, loss in (("plain", plain), ("checkpointed", checkpointed))}
+    assert predictions["checkpointed"].flops == predictions["plain"].flops + forward.flops
+    saved = {name: p.memory["saved_for_backward"] for name, p in predictions.items()}
+    assert saved["plain"] - saved["checkpointed"] == blocks * bd * 4
+    for name, prediction in predictions.items():
+        assert prediction.unknown_ops == {}
+        assert prediction.peak_bytes == pytest.approx(counters[name].peak_bytes, rel=0.1)

@@ -7,13 +7,17 @@ like the forward pass. For every op it records
 - **FLOPs**: matmuls, convolutions and attention by ``torch.utils.flop_counter``'s formulas (so
   its matmul FLOPs equal ``FlopCounterMode``'s exactly; CPU attention kernels, which
   ``FlopCounterMode`` skips, get the same formulas as their CUDA twins), elementwise ops and
-  reductions by the tables below (FLOPs per element), a few ops by formulas of their arguments
-  (:data:`FORMULA_OPS`); an op with no formula goes into ``unknown`` (never a silent zero);
+  reductions by the tables below (FLOPs per element; in-place ``_foreach_*`` ops, which return
+  nothing, per element they write), a few ops by formulas of their arguments
+  (:data:`FORMULA_OPS`; torch's fused optimizer kernels by their hyperparameters,
+  :func:`~minitrain.accounting.flops.fused_kernel_flops_per_element`); an op with no formula
+  goes into ``unknown`` (never a silent zero; profiler markers cost nothing);
 - **bytes**: read (every tensor input) and written (every tensor output), from shapes and dtypes;
   views move nothing: an op whose schema returns an alias of its input (``Tensor(a)``), or one
   whose outputs all share an input's storage (``_unsafe_view``, whose schema hides it);
 - **live memory**: every storage it sees (plus those passed to :meth:`Counter.track`) counts as
-  live until it is freed; ``peak_bytes`` is the highest total (CPU has no allocator statistics).
+  live until it is freed; ``peak_bytes`` is the highest total (CPU has no allocator statistics);
+  with ``record_timeline=True``, by category after every op (:mod:`.timeline`).
 
 Per-module totals follow ``FlopCounterMode``'s naming (``"Global"``, ``"Sequential.0"``...),
 also in the backward pass. Fields of :class:`OpRecord` (one per op call) are documented there.
@@ -40,7 +44,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
-from minitrain.accounting.flops import optimizer_flops_per_element
+from minitrain.accounting.flops import fused_kernel_flops_per_element
 from minitrain.accounting.hardware import HardwareError, dtype_name
 from minitrain.accounting.timeline import LiveStorages, Timeline
 from minitrain.func import saved_tensor_hooks_inside
@@ -321,26 +325,10 @@ def _gelu_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
 
 
 def _fused_optimizer_flops(optimizer: str) -> Callable[[Any, Any, Any], int]:
-    # torch's fused kernels, from the elementwise ops of torch's single-tensor reference
-    # implementation with the kernel's own hyperparameters (flops.optimizer_flops_per_element).
+    # torch's fused kernels by their own hyperparameters (flops.fused_kernel_flops_per_element)
     def flops(func: Any, args: Any, kwargs: Any) -> int:
-        def get(name: str) -> Any:
-            try:
-                return _argument(func, args, kwargs, name)
-            except KeyError:
-                return None
-
-        per_element = optimizer_flops_per_element(
-            optimizer,
-            maximize=bool(get("maximize")),
-            weight_decay=float(get("weight_decay") or 0.0),
-            momentum=float(get("momentum") or 0.0),
-            nesterov=bool(get("nesterov")),
-            first_step=bool(get("is_first_step")),
-            amsgrad=bool(get("amsgrad")),
-            grad_scale=get("grad_scale") is not None,
-        )
-        return per_element * _elements(_tensors(_argument(func, args, kwargs, "self")))
+        named = {a.name: _argument(func, args, kwargs, a.name) for a in func._schema.arguments}
+        return fused_kernel_flops_per_element(optimizer, named) * _elements(_tensors(named["self"]))
 
     return flops
 

@@ -15,6 +15,8 @@ section 2.1.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
@@ -25,6 +27,7 @@ __all__ = [
     "cruncher_flops",
     "effective_throughput",
     "forward_flops",
+    "fused_kernel_flops_per_element",
     "optimizer_flops_per_element",
     "round_significant",
     "training_flops",
@@ -188,3 +191,23 @@ def optimizer_flops_per_element(
     if key == "adagrad":
         return common + 8
     return common + 13 + bool(amsgrad)
+
+
+def fused_kernel_flops_per_element(optimizer: str, arguments: Mapping[str, Any]) -> int:
+    """:func:`optimizer_flops_per_element` from a fused kernel's arguments by their schema names
+    (``aten::_fused_adamw_(..., float lr, ..., float weight_decay, ..., bool amsgrad, ...)``);
+    arguments a kernel does not take count as off.
+
+    >>> fused_kernel_flops_per_element("sgd", {"momentum": 0.9, "is_first_step": False})
+    3
+    """
+    return optimizer_flops_per_element(
+        optimizer,
+        maximize=bool(arguments.get("maximize")),
+        weight_decay=float(arguments.get("weight_decay") or 0.0),
+        momentum=float(arguments.get("momentum") or 0.0),
+        nesterov=bool(arguments.get("nesterov")),
+        first_step=bool(arguments.get("is_first_step")),
+        amsgrad=bool(arguments.get("amsgrad")),
+        grad_scale=arguments.get("grad_scale") is not None,
+    )
