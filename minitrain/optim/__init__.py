@@ -9,8 +9,12 @@
 (1, 0.0)
 """
 
+from minitrain.optim._adadelta import ScaleByAdadeltaState, adadelta, scale_by_adadelta
+from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._adagrad import AdagradState, adagrad, adagrad_chain
 from minitrain.optim._adam import AdamState, adam, adam_chain, adamw
+from minitrain.optim._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
+from minitrain.optim._asgd import ScaleByAsgdState, asgd, asgd_average, scale_by_asgd
 from minitrain.optim._core import (
     ChainState,
     EmptyState,
@@ -25,9 +29,27 @@ from minitrain.optim._core import (
     register_lowering,
     spec,
 )
+from minitrain.optim._lion import ScaleByLionState, lion, scale_by_lion
+from minitrain.optim._muon import (
+    muon,
+    muon_momentum,
+    newton_schulz,
+    orthogonalize_by_newton_schulz,
+    scale_by_muon,
+)
+from minitrain.optim._nadam import ScaleByNadamState, nadam, scale_by_nadam
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
+from minitrain.optim._radam import ScaleByRadamState, radam, scale_by_radam
 from minitrain.optim._rmsprop import RMSpropState, rmsprop, rmsprop_chain
+from minitrain.optim._rprop import ScaleByRpropState, rprop, scale_by_rprop
+from minitrain.optim._schedule_free import (
+    ScheduleFreeAdamwState,
+    scale_by_schedule_free_adamw,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+)
 from minitrain.optim._sgd import SGDState, sgd, sgd_chain
+from minitrain.optim._state_bytes import state_bytes
 from minitrain.optim.base import (
     Impl,
     Optimizer,
@@ -107,4 +129,19 @@ __all__ = [
     "adagrad_chain",
     "rmsprop_chain",
     *_transforms,
+]
+
+__all__ += [  # the torch.optim family beyond Adam, Lion and schedule-free AdamW
+    "adadelta", "scale_by_adadelta", "ScaleByAdadeltaState",
+    "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",
+    "adamax", "scale_by_adamax", "ScaleByAdamaxState",
+    "asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average",
+    "nadam", "scale_by_nadam", "ScaleByNadamState",
+    "radam", "scale_by_radam", "ScaleByRadamState",
+    "rprop", "scale_by_rprop", "ScaleByRpropState",
+    "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
+    "lion", "scale_by_lion", "ScaleByLionState",
+    "schedule_free_adamw", "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState",
+    "schedule_free_eval_params",
+    "state_bytes",
 ]

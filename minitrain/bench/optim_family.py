@@ -1,0 +1,123 @@
+"""The torch.optim family beyond Adam, Lion and schedule-free AdamW against their references.
+
+Each optimizer updates 8 fp32 params of 1024×1024 with fixed random grads on the CPU; one
+process times, round by round interleaved, the reference's fastest path (``foreach=True`` where
+torch has one; Muon's only path; ``lion_pytorch.Lion``; ``schedulefree.AdamWScheduleFree`` with
+foreach) and minitrain's pure update (``params, state = opt.update(grads, state, params)``, the
+previous params dropped as in a training loop). The ratio is best-round time over the peer's;
+the target is at most 1.0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import minitrain as mt
+
+__all__ = ["FAMILY", "family_ratios"]
+
+# name -> (minitrain factory, reference "module:Class", shared kwargs, reference-only kwargs)
+FAMILY: dict[str, tuple[Callable[..., Any], str, dict[str, Any], dict[str, Any]]] = {
+    "adadelta": (mt.optim.adadelta, "torch.optim:Adadelta", {}, {"foreach": True}),
+    "adafactor": (mt.optim.adafactor, "torch.optim:Adafactor", {}, {"foreach": True}),
+    "adamax": (mt.optim.adamax, "torch.optim:Adamax", {}, {"foreach": True}),
+    "asgd": (mt.optim.asgd, "torch.optim:ASGD", {}, {"foreach": True}),
+    "nadam": (mt.optim.nadam, "torch.optim:NAdam", {}, {"foreach": True}),
+    "nadam_decoupled": (mt.optim.nadam, "torch.optim:NAdam",
+                        dict(weight_decay=0.01, decoupled_weight_decay=True), {"foreach": True}),
+    "radam": (mt.optim.radam, "torch.optim:RAdam", {}, {"foreach": True}),
+    "rprop": (mt.optim.rprop, "torch.optim:Rprop", {}, {"foreach": True}),
+    "muon": (mt.optim.muon, "torch.optim:Muon", dict(lr=0.02), {}),
+    "lion": (mt.optim.lion, "lion_pytorch:Lion", dict(lr=1e-4, weight_decay=0.01), {}),
+    "schedule_free_adamw": (mt.optim.schedule_free_adamw, "schedulefree:AdamWScheduleFree",
+                            dict(warmup_steps=10), {"foreach": True}),
+}
+
+
+def make_params(count: int, shape: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(count)]
+
+
+def time_interleaved(steppers: dict[str, Callable[[], None]], rounds: int,
+                     inner: int) -> dict[str, float]:
+    """Fastest round's seconds per call of each stepper, rounds interleaved (the round least
+    disturbed by other jobs on a shared machine, disturbed alike for every stepper)."""
+    for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
+        for _ in range(2):
+            stepper()
+    best = dict.fromkeys(steppers, float("inf"))
+    for _ in range(rounds):
+        for name, stepper in steppers.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                stepper()
+            best[name] = min(best[name], (time.perf_counter() - start) / inner)
+    return best
+
+
+def _reference_class(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Reference:
+    def __init__(self, cls: type, kwargs: dict, params: list, grads: list):
+        self.params = [torch.nn.Parameter(p.clone()) for p in params]
+        self.optimizer = cls(self.params, **kwargs)
+        if hasattr(self.optimizer, "train"):  # schedule-free: steps only in train mode
+            self.optimizer.train()
+        self.grads = grads
+
+    def __call__(self) -> None:
+        for p, g in zip(self.params, self.grads, strict=True):
+            p.grad = g.clone() if p.grad is None else p.grad.copy_(g)  # schedulefree scales it
+        self.optimizer.step()
+
+
+class _Pure:
+    def __init__(self, factory: Callable, kwargs: dict, params: list, grads: list):
+        self.opt = factory(**kwargs)
+        self.params = [p.clone() for p in params]
+        self.state = self.opt.init(self.params)
+        self.grads = grads
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            self.params, self.state = self.opt.update(self.grads, self.state, self.params)
+
+
+def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 1024,
+                  rounds: int = 10, inner: int = 3) -> dict[str, Any]:
+    """Seconds per update (reference, minitrain pure) and their ratio for each optimizer.
+
+    A reference that is not installed (``lion-pytorch``, ``schedulefree``) gives a row with
+    ``"skipped"`` and the reason instead of numbers.
+    """
+    params = make_params(count, (size, size))
+    grads = make_params(count, (size, size), seed=1)
+    rows: dict[str, Any] = {}
+    for name in names or list(FAMILY):
+        factory, reference, shared, only_reference = FAMILY[name]
+        try:
+            cls = _reference_class(reference)
+        except ImportError as exc:
+            rows[name] = {"skipped": f"{reference} is not installed ({exc})"}
+            continue
+        steppers = {
+            "reference": _Reference(cls, {**shared, **only_reference}, params, grads),
+            "minitrain_pure": _Pure(factory, shared, params, grads),
+        }
+        seconds = time_interleaved(steppers, rounds, inner)
+        rows[name] = {
+            "reference": reference,
+            "seconds": seconds,
+            "pure_over_reference": seconds["minitrain_pure"] / seconds["reference"],
+        }
+        del steppers
+    return {"params": f"{count} x {size}x{size} fp32, cpu", "results": rows}

@@ -1,0 +1,173 @@
+"""Adafactor (Shazeer & Stern 2018), as torch.optim.Adafactor computes it: second moments
+factored into row and column means for leaves of two or more dims (the last two), relative
+step sizes, update clipping, and lr-scaled decoupled weight decay."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as _pytree
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.optim._core import GradientTransformation, as_optimizer, chain, tagged
+from minitrain.optim._family import Scalar, check_range, descent_prefix, step_of
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, check_hyperparameter, is_traced
+from minitrain.tree import Params
+
+__all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]
+
+
+class ScaleByAdafactorState(NamedTuple):
+    """``count``; per leaf of two or more dims ``row_var`` (shape ``(..., m, 1)``) and
+    ``col_var`` (``(..., 1, n)``), per smaller leaf ``variance``; the other entries are ``()``
+    (torch keeps no such key)."""
+
+    count: Tensor
+    row_var: Any
+    col_var: Any
+    variance: Any
+
+
+def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The state shapes Adafactor keeps for a param of ``shape``.
+
+    >>> factored_shapes((4, 1024, 512)), factored_shapes((7,))
+    ([(4, 1024, 1), (4, 1, 512)], [(7,)])
+    """
+    if len(shape) > 1:
+        return [(*shape[:-1], 1), (*shape[:-2], 1, shape[-1])]
+    return [tuple(shape)]
+
+
+def _init_leaf(p: Tensor) -> tuple[Any, Any, Any]:
+    if p.dim() > 1:
+        row, col = factored_shapes(tuple(p.shape))
+        return p.new_zeros(row), p.new_zeros(col), ()
+    return (), (), torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def adafactor_leaf(g, row_var, col_var, variance, p, step, lr, beta2_decay, eps1, eps2, d,
+                   weight_decay):
+    """One leaf's full update, torch's ``_single_tensor_adafactor``:
+    ``beta2_t = 1 - t^decay``, ``rho_t = min(lr, 1/sqrt(t))``, ``alpha_t = max(eps2, RMS(p))
+    rho_t``; ``V`` from the factored (or plain) running means of ``g²``; ``U = g / max(sqrt(V),
+    eps1)`` clipped to RMS ``d``; the update is ``-alpha_t U - lr wd p``."""
+    traced = isinstance(step, Tensor)
+    if eps1 is None:
+        eps1 = torch.finfo(p.dtype).eps
+    one_minus_beta2 = step**beta2_decay
+    rho = torch.clamp(1 / step.sqrt(), max=lr) if traced else min(lr, 1 / math.sqrt(step))
+    alpha = torch.clamp(torch.linalg.vector_norm(p) / math.sqrt(p.numel()), min=eps2) * rho
+    if g.dim() > 1:
+        row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
+        col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square() / g.size(-2)
+        row_var = torch.lerp(row_var, row_mean, one_minus_beta2)
+        col_var = torch.lerp(col_var, col_mean, one_minus_beta2)
+        estimate = (row_var @ col_var) / row_var.mean(dim=-2, keepdim=True).clamp(min=eps1)
+    else:
+        variance = torch.lerp(variance, g * g, one_minus_beta2)
+        estimate = variance
+    scaled = estimate.clamp(min=eps1 * eps1).rsqrt() * g
+    clip = torch.clamp(torch.linalg.vector_norm(scaled) / (math.sqrt(scaled.numel()) * d), min=1)
+    update = scaled * (-alpha / clip)
+    if not (isinstance(weight_decay, int | float) and weight_decay == 0):
+        update = update - (lr * weight_decay) * p
+    return update, row_var, col_var, variance
+
+
+def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
+                       eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
+                       weight_decay: Scalar = 0.0) -> GradientTransformation:
+    """Adafactor's whole update (``lr`` caps the relative step size and scales the decay).
+
+    >>> import torch, minitrain as mt
+    >>> tx = scale_by_adafactor()
+    >>> params = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    >>> state = tx.init(params)
+    >>> [tuple(t.shape) for t in (state.row_var["w"], state.col_var["w"], state.variance["b"])]
+    [(2, 1), (1, 3), (3,)]
+    >>> updates, state = tx.update(mt.tree.map(torch.ones_like, params), state, params)
+    >>> updates["b"]
+    tensor([-0.0100, -0.0100, -0.0100])
+    """
+    schedule = callable(lr) and not isinstance(lr, Tensor)
+    if not schedule:
+        lr = check_range("lr", lr, 0.0)
+    beta2_decay = check_range("beta2_decay", beta2_decay, -float("inf"), 0.0)
+    if not isinstance(eps, tuple | list) or len(eps) != 2:
+        raise ValueError(f"invalid eps={eps!r}: pass a pair (eps1 or None, eps2)")
+    eps1 = None if eps[0] is None else check_range("eps[0] (epsilon1)", eps[0], 0.0)
+    eps2 = check_range("eps[1] (epsilon2)", eps[1], 0.0)
+    d = check_range("d (clipping threshold)", d, 1.0)
+    weight_decay = check_range("weight_decay", weight_decay, 0.0)
+
+    def init(params: Params) -> ScaleByAdafactorState:
+        for name, leaf in tree.named_leaves(params):
+            if leaf.is_complex():
+                raise ValueError(f"Adafactor does not support complex params ({name!r}); "
+                                 f"pass real ones (e.g. torch.view_as_real)")
+        spec = tree.structure(params)
+        columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True))
+        return ScaleByAdafactorState(torch.zeros((), dtype=torch.int64),
+                                     *(tree.unflatten(spec, list(c)) for c in columns))
+
+    def update(updates, state, params=None):
+        if not isinstance(state, ScaleByAdafactorState):
+            raise ValueError(
+                f"scale_by_adafactor expected a ScaleByAdafactorState, got "
+                f"{type(state).__name__}; pass the state returned by its init(params)"
+            )
+        if params is None:
+            raise ValueError("scale_by_adafactor needs params: call update(updates, state, params)")
+        spec = tree.structure(updates)
+        g_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
+        buffers = [_entries(getattr(state, f), spec, f)
+                   for f in ("row_var", "col_var", "variance")]
+        step = step_of(state.count)
+        step_lr = lr
+        if schedule:
+            step_lr = lr(state.count if is_traced(state.count) else int(state.count))
+            check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
+        rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay)
+                for g, p, *b in zip(g_leaves, p_leaves, *buffers, strict=True)]
+        out, new_rows, new_cols, new_vars = zip(*rows, strict=True)
+        columns = (new_rows, new_cols, new_vars)
+        new_state = ScaleByAdafactorState(
+            state.count + 1, *(tree.unflatten(spec, list(c)) for c in columns)
+        )
+        return tree.unflatten(spec, list(out)), new_state
+
+    return tagged("scale_by_adafactor", GradientTransformation(init, update), lr=lr,
+                  beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay)
+
+
+def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:
+    """The per-leaf entries of a state field laid out like the updates (``()`` included)."""
+    entries = _pytree.tree_flatten(
+        buffer, is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
+    if len(entries) != spec.num_leaves:
+        raise ValueError(
+            f"state.{name} has {len(entries)} entries but the updates have {spec.num_leaves} "
+            f"leaves; create the state with init(params)"
+        )
+    return entries
+
+
+def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
+              eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
+              weight_decay: Scalar = 0.0, *, maximize: bool = False) -> Optimizer:
+    """torch.optim.Adafactor (its defaults; ``eps[0]=None`` means the dtype's machine eps).
+
+    >>> import torch, minitrain as mt
+    >>> opt = mt.optim.adafactor()
+    >>> params = {"w": torch.ones(2, 2)}
+    >>> params, state = opt.update({"w": torch.ones(2, 2)}, opt.init(params), params)
+    >>> params["w"]
+    tensor([[0.9900, 0.9900],
+            [0.9900, 0.9900]])
+    """
+    return as_optimizer(chain(*descent_prefix(maximize),
+                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)))

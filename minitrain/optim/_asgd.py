@@ -1,0 +1,120 @@
+"""Averaged SGD (Polyak & Juditsky 1992; Bottou 2012's step sizes), as torch.optim.ASGD."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from minitrain.optim._family import (
+    Rule,
+    Scalar,
+    check_range,
+    family_optimizer,
+    rule_transform,
+    zeros,
+)
+from minitrain.optim.base import Optimizer, WeightDecayMask
+from minitrain.tree import Params
+
+__all__ = ["asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average"]
+
+
+class ScaleByAsgdState(NamedTuple):
+    """``count`` and ``ax``, the running average of the params (torch's ``ax``)."""
+
+    count: Tensor
+    ax: Params
+
+
+def asgd_step_sizes(step: Any, lr: Any, lambd: Any, alpha: Any, t0: Any) -> tuple[Any, Any]:
+    """``(eta_t, mu_t)`` of update ``t``: torch sets them after update ``t - 1`` to
+    ``eta = lr / (1 + lambd * lr * (t - 1))^alpha`` and ``mu = 1 / max(1, t - 1 - t0)``
+    (both start at ``lr`` and 1)."""
+    eta = lr / (1 + lambd * lr * (step - 1)) ** alpha
+    if isinstance(step, Tensor):
+        mu = torch.where(step == 1, 1.0, 1 / torch.clamp(step - 1 - t0, min=1.0))
+    else:
+        mu = 1.0 if step == 1 else 1 / max(1.0, step - 1 - t0)
+    return eta, mu
+
+
+def asgd_leaf(g, buffers, p, step, lr, lambd, alpha, t0):
+    """torch's ``_single_tensor_asgd``: ``p <- p (1 - lambd eta) - eta g``, then the average
+    ``ax <- ax + mu (p - ax)`` (a copy while ``mu == 1``). The update is the full step."""
+    eta, mu = asgd_step_sizes(step, lr, lambd, alpha, t0)
+    update = -eta * (g + lambd * p)
+    new_p = p + update
+    ax = buffers["ax"]
+    averaged = ax + (new_p - ax) * mu
+    if isinstance(mu, Tensor):
+        averaged = torch.where(mu == 1, new_p, averaged)
+    elif mu == 1:
+        averaged = new_p
+    return update, {"ax": averaged}
+
+
+def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
+    if callable(lr) and not isinstance(lr, Tensor):
+        raise ValueError("invalid lr: ASGD decays its own step size from lr; pass a number")
+    hyper = dict(lr=check_range("lr", lr, 0.0), lambd=check_range("lambd", lambd, 0.0),
+                 alpha=check_range("alpha", alpha, 0.0), t0=check_range("t0", t0, -float("inf")))
+    return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf, hyper,
+                needs_params=True)
+
+
+def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4,
+                  alpha: Scalar = 0.75, t0: Scalar = 1e6):
+    """ASGD's whole step ``-eta_t (g + lambd p)``, keeping the average of the params in
+    ``ax`` (read it with :func:`asgd_average`). ``lr`` is ``eta``'s start: a number, not a
+    schedule.
+
+    >>> import torch
+    >>> tx = scale_by_asgd(lr=0.5, lambd=0.0)
+    >>> params = [torch.ones(1)]
+    >>> updates, state = tx.update([torch.ones(1)], tx.init(params), params)
+    >>> updates, state.ax
+    ([tensor([-0.5000])], [tensor([0.5000])])
+    """
+    return rule_transform(_rule(lr, lambd, alpha, t0))
+
+
+def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
+         t0: Scalar = 1e6, weight_decay: Any = 0.0, *, maximize: bool = False,
+         mask: WeightDecayMask = None) -> Optimizer:
+    """torch.optim.ASGD: L2 decay, then ASGD's step; the averaged params are
+    ``asgd_average(state)``.
+
+    >>> import torch, minitrain as mt
+    >>> opt = mt.optim.asgd(lr=0.5, lambd=0.0)
+    >>> params = {"w": torch.tensor([1.0])}
+    >>> params, state = opt.update({"w": torch.tensor([1.0])}, opt.init(params), params)
+    >>> params["w"], mt.optim.asgd_average(state)["w"]
+    (tensor([0.5000]), tensor([0.5000]))
+    """
+    return family_optimizer(_rule(lr, lambd, alpha, t0), maximize=maximize,
+                            weight_decay=weight_decay, mask=mask)
+
+
+def asgd_average(state: Any) -> Params:
+    """The averaged params ``ax`` held in an ASGD state (also inside a chain's state)."""
+    if isinstance(state, ScaleByAsgdState):
+        return state.ax
+    if isinstance(state, tuple):
+        for inner in state:
+            found = _find(inner)
+            if found is not None:
+                return found
+    raise ValueError("asgd_average expects the state of mt.optim.asgd or scale_by_asgd")
+
+
+def _find(state: Any) -> Params | None:
+    if isinstance(state, ScaleByAsgdState):
+        return state.ax
+    if isinstance(state, tuple):
+        for inner in state:
+            found = _find(inner)
+            if found is not None:
+                return found
+    return None

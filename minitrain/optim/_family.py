@@ -1,0 +1,314 @@
+"""Plumbing shared by the torch.optim family beyond Adam: the descent prefix, step numbers,
+and per-leaf rules whose state also holds a few scalars (NAdam's ``mu_product``, schedule-free
+AdamW's ``weight_sum``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as _pytree
+from torch import Tensor
+
+from minitrain.optim._core import (
+    GradientTransformation,
+    as_optimizer,
+    chain,
+    hyperparameter,
+    leafwise,
+    tagged,
+)
+from minitrain.optim._pooled import PooledLeaves, _run
+from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
+from minitrain.optim.base import (
+    BufferPool,
+    Optimizer,
+    WeightDecayMask,
+    check_hyperparameter,
+    decay_flags,
+    is_traced,
+    scalar,
+    use_plain_path,
+)
+from minitrain.tree import Params
+
+__all__ = [
+    "Scalar",
+    "descent_prefix",
+    "step_of",
+    "leafwise_with_scalars",
+    "zeros",
+    "check_range",
+    "Rule",
+    "rule_transform",
+    "family_optimizer",
+]
+
+
+Scalar = int | float | Tensor
+"""A hyperparameter: a number or a one-element tensor (squeezed to 0-d like torch.optim)."""
+
+
+def zeros(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def check_range(name: str, value: Any, low: float, high: float = float("inf"), **open_ends):
+    """``value`` as torch.optim takes it (see ``hyperparameter``), checked to lie in range."""
+    value = hyperparameter(name, value)
+    check_hyperparameter(name, value, low, high, **open_ends)
+    return value
+
+
+def descent_prefix(maximize: bool, weight_decay: Any = 0.0,
+                   mask: WeightDecayMask = None) -> list[GradientTransformation]:
+    """What torch.optim does to a gradient before its rule: negate it when maximizing, then add
+    the L2 term ``weight_decay * p`` (``grad = grad.add(param, alpha=weight_decay)``)."""
+    if not isinstance(maximize, bool):
+        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
+    prefix = [scale(-1.0)] if maximize else []
+    weight_decay = check_range("weight_decay", weight_decay, 0.0)
+    if not (isinstance(weight_decay, int | float) and weight_decay == 0):
+        prefix.append(add_decayed_weights(weight_decay, mask))
+    return prefix
+
+
+def step_of(count: Tensor) -> Any:
+    """The 1-based number of the update after ``count`` updates: an int, or a float64 0-d
+    tensor when ``count`` is traced (vmap, compile)."""
+    if is_traced(count):
+        return count.to(torch.float64) + 1
+    return int(count) + 1
+
+
+def leafwise_with_scalars(
+    name: str,
+    state_type: type,
+    scalars: dict[str, Callable[[], Tensor]],
+    advance: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
+    init_leaf: Callable[[Tensor], dict[str, Tensor]],
+    update_leaf: Callable[..., tuple[Tensor, dict[str, Tensor]]],
+    hyperparams: dict[str, Any],
+    *,
+    needs_params: bool = False,
+) -> GradientTransformation:
+    """A per-leaf rule (:func:`~minitrain.optim.leafwise`) whose state also keeps 0-d scalars.
+
+    ``state_type`` has fields ``count``, then the names in ``scalars`` (each made by its
+    function at init), then the buffers of ``init_leaf``. Per update,
+    ``advance(step, **scalars) -> (new_scalars, per_step)`` gives the next scalars and extra
+    keyword arguments for ``update_leaf`` (plain numbers, or 0-d tensors when traced).
+    """
+    fields = state_type._fields
+    names = tuple(scalars)
+    if fields[: 1 + len(names)] != ("count", *names):
+        raise ValueError(f"{name}: state_type fields must be count, then {names}")
+    buffers = fields[1 + len(names):]
+    leaf_state = NamedTuple(f"{state_type.__name__}Buffers",  # type: ignore[misc]
+                            [("count", Tensor), *((b, Any) for b in buffers)])
+    hyper = {key: hyperparameter(key, value) for key, value in hyperparams.items()}
+    template = leafwise(name, init_leaf, update_leaf, leaf_state, hyper,
+                        needs_params=needs_params)
+
+    def init(params: Params):
+        inner = template.init(params)
+        return state_type(inner.count, *(make() for make in scalars.values()), *inner[1:])
+
+    def update(updates, state, params=None):
+        if not isinstance(state, state_type):
+            raise ValueError(
+                f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
+                f"pass the state returned by its init(params)"
+            )
+        old = {key: getattr(state, key) for key in names}
+        traced = is_traced(state.count) or any(is_traced(v) for v in old.values())
+        step = step_of(state.count)
+        values = old if traced else {key: scalar(v) for key, v in old.items()}
+        new_scalars, per_step = advance(step, **values)
+        rule = leafwise(name, init_leaf, update_leaf, leaf_state, {**hyper, **per_step},
+                        needs_params=needs_params)
+        inner = leaf_state(state.count, *(getattr(state, b) for b in buffers))
+        updates, inner = rule.update(updates, inner, params)
+        kept = {key: _like(new_scalars[key], old[key]) for key in names}
+        return updates, state_type(inner.count, **kept,
+                                   **{b: getattr(inner, b) for b in buffers})
+
+    return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper)
+
+
+def _like(value: Any, old: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(old.dtype)
+    return torch.tensor(value, dtype=old.dtype, device=old.device)
+
+
+# --------------------------------------------------------------------------------------------
+# A rule, its chain, and the chain's fast path
+
+
+class Rule(NamedTuple):
+    """What a family member contributes: a per-leaf rule (:func:`leafwise`'s contract), and
+    for rules that keep scalars, their initial values and ``advance`` (see
+    :func:`leafwise_with_scalars`)."""
+
+    name: str
+    state_type: type
+    init_leaf: Callable[[Tensor], dict[str, Tensor]]
+    update_leaf: Callable[..., Any]
+    hyperparams: dict[str, Any]
+    scalars: dict[str, Callable[[], Tensor]] | None = None
+    advance: Callable[..., Any] | None = None
+    needs_params: bool = False
+
+
+def rule_transform(rule: Rule) -> GradientTransformation:
+    """``rule`` as a transformation."""
+    if rule.scalars:
+        return leafwise_with_scalars(rule.name, rule.state_type, rule.scalars, rule.advance,
+                                     rule.init_leaf, rule.update_leaf, rule.hyperparams,
+                                     needs_params=rule.needs_params)
+    return leafwise(rule.name, rule.init_leaf, rule.update_leaf, rule.state_type,
+                    rule.hyperparams, needs_params=rule.needs_params)
+
+
+def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
+                     weight_decay: Any = 0.0, mask: WeightDecayMask = None,
+                     decoupled: bool = False) -> Optimizer:
+    """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``, whose
+    update on plain CPU tensors runs the same ops into recycled buffers (``_pooled``).
+
+    ``lr=None``: the rule's output is the whole step (Rprop, ASGD, schedule-free AdamW).
+    """
+    if not isinstance(maximize, bool):
+        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
+    weight_decay = check_range("weight_decay", weight_decay, 0.0)
+    decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
+    parts = [scale(-1.0)] if maximize else []
+    if decays and not decoupled:
+        parts.append(add_decayed_weights(weight_decay, mask))
+    parts.append(rule_transform(rule))
+    if decays and decoupled:
+        parts.append(add_decayed_weights(weight_decay, mask))
+    if lr is not None:
+        parts.append(scale_by_learning_rate(lr))
+    tx = chain(*parts)
+    slow = as_optimizer(tx)
+    plan = _Plan(rule, maximize, weight_decay if decays else None, mask, decoupled, lr)
+    pool = BufferPool()
+
+    def update(grads, state, params, *, donate: bool = False):
+        if plan.takes(grads, state, params):
+            return plan.run(grads, state, params, pool)
+        return slow.update(grads, state, params, donate=donate)
+
+    update.transformation = tx  # type: ignore[attr-defined]
+    return Optimizer(tx.init, update)
+
+
+class _Plan:
+    """The pooled run of one ``family_optimizer`` chain (same ops, same order)."""
+
+    def __init__(self, rule, maximize, weight_decay, mask, decoupled, lr):
+        self.rule, self.maximize, self.weight_decay = rule, maximize, weight_decay
+        self.mask, self.decoupled, self.lr = mask, decoupled, lr
+        self.hyper = {k: hyperparameter(k, v) for k, v in rule.hyperparams.items()}
+        self.schedule = callable(lr) and not isinstance(lr, Tensor)
+        self.rule_index = int(maximize) + int(weight_decay is not None and not decoupled)
+        self.flags: dict[Any, list[bool]] = {}
+
+    def takes(self, grads, state, params) -> bool:
+        """Whether the pooled path applies: plain CPU tensors, no tracing, no autograd, and
+        inputs whose layout matches (anything else takes the chain, which explains errors)."""
+        p_leaves, spec = _pytree.tree_flatten(params)
+        g_leaves, g_spec = _pytree.tree_flatten(grads)
+        hyper = [*self.hyper.values(), self.lr if isinstance(self.lr, Tensor) else 0.0]
+        if g_spec != spec or not p_leaves or not isinstance(state, tuple):
+            return False
+        if not all(isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                   for t in (*p_leaves, *g_leaves)):
+            return False
+        if use_plain_path("auto", [*p_leaves, *g_leaves], hyper):
+            return False
+        if any(g.shape != p.shape or g.dtype != p.dtype
+               for g, p in zip(g_leaves, p_leaves, strict=True)):
+            return False
+        inner = state[self.rule_index] if len(state) > self.rule_index else None
+        if not isinstance(inner, self.rule.state_type) or is_traced(inner.count):
+            return False
+        for field in self.buffers():
+            leaves, buffer_spec = _pytree.tree_flatten(getattr(inner, field))
+            if getattr(inner, field) == ():
+                continue
+            if buffer_spec != spec or any(
+                not isinstance(b, Tensor) or b.shape != p.shape or b.dtype != p.dtype
+                or b.device.type != "cpu" for b, p in zip(leaves, p_leaves, strict=True)
+            ):
+                return False
+        return True
+
+    def buffers(self) -> tuple[str, ...]:
+        skip = 1 + len(self.rule.scalars or {})
+        return self.rule.state_type._fields[skip:]
+
+    def decay(self, u, p, params, pool):
+        key = _pytree.tree_structure(params)
+        flags = self.flags.get(key)
+        if flags is None:
+            flags = self.flags[key] = decay_flags(self.mask, params)
+        wd = scalar(self.weight_decay)
+        return PooledLeaves([_run(torch.add, (ui, pi), {"alpha": wd}, pool) if flag else ui
+                             for ui, pi, flag in zip(u, p, flags, strict=True)], pool)
+
+    def run(self, grads, state, params, pool):
+        pool.begin_update()
+        p_leaves, spec = _pytree.tree_flatten(params)
+        new_state = list(state)
+        with torch.no_grad():
+            p = PooledLeaves(p_leaves, pool)
+            u = PooledLeaves(_pytree.tree_leaves(grads), pool)
+            if self.maximize:
+                u = u * -1.0
+            if self.weight_decay is not None and not self.decoupled:
+                u = self.decay(u, p, params, pool)
+            u, new_state[self.rule_index] = self.run_rule(u, p, state[self.rule_index], spec,
+                                                           pool)
+            if self.weight_decay is not None and self.decoupled:
+                u = self.decay(u, p, params, pool)
+            if self.lr is not None:
+                lr_state = state[-1]
+                lr = self.lr(int(lr_state.count)) if self.schedule else self.lr
+                if self.schedule:
+                    check_hyperparameter("lr (from the schedule)", lr, 0.0)
+                u = u * scalar(-lr)
+                lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
+                    float(lr), dtype=torch.float32)
+                new_state[-1] = type(lr_state)(lr_state.count + 1, lr_tensor)
+            new_params = [_run(torch.add, (pi, ui), {}, pool).to(pi.dtype)
+                          for pi, ui in zip(p, u, strict=True)]
+        return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
+
+    def run_rule(self, u, p, inner, spec, pool):
+        rule = self.rule
+        step = int(inner.count) + 1
+        per_step: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
+        if rule.scalars:
+            old = {key: getattr(inner, key) for key in rule.scalars}
+            new_scalars, per_step = rule.advance(step, **{k: scalar(v) for k, v in old.items()})
+            kept = {key: _like(new_scalars[key], old[key]) for key in rule.scalars}
+            per_step = {k: hyperparameter(k, v) for k, v in per_step.items()}
+        buffers = {
+            field: () if getattr(inner, field) == () else
+            PooledLeaves(_pytree.tree_leaves(getattr(inner, field)), pool)
+            for field in self.buffers()
+        }
+        out, new_buffers = rule.update_leaf(u, buffers, p, step, **self.hyper, **per_step)
+        fields = {
+            field: () if getattr(inner, field) == () else
+            _pytree.tree_unflatten(list(new_buffers[field]), spec)
+            for field in self.buffers()
+        }
+        count = torch.tensor(step, dtype=torch.int64)
+        return out, rule.state_type(count, **kept, **fields)

@@ -1,0 +1,156 @@
+"""The family's fast path (the same rules into recycled buffers) against its chains, state
+bytes against the references' own state, and Muon routed by multi_transform."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lion_pytorch import Lion
+from schedulefree import AdamWScheduleFree
+
+import minitrain as mt
+
+ALIASES = {
+    "adadelta": (mt.optim.adadelta, dict(weight_decay=0.1, maximize=True)),
+    "adamax": (mt.optim.adamax, dict(weight_decay=0.1)),
+    "asgd": (mt.optim.asgd, dict(t0=2, weight_decay=0.1)),
+    "nadam": (mt.optim.nadam, dict(weight_decay=0.1, decoupled_weight_decay=True)),
+    "radam": (mt.optim.radam, dict(weight_decay=0.1)),
+    "rprop": (mt.optim.rprop, dict(maximize=True)),
+    "lion": (mt.optim.lion, dict(weight_decay=0.1, lr=mt.optim.cosine_schedule(1e-3, 10))),
+    "schedule_free_adamw": (mt.optim.schedule_free_adamw, dict(warmup_steps=3, weight_decay=0.1)),
+}
+
+
+def make(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (8, 6), "b": (6,), "s": ()}
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(8)]
+    return params, grads
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_fast_path_equals_the_chain_bit_for_bit(name):
+    factory, kwargs = ALIASES[name]
+    fast = factory(**kwargs)
+    chain = mt.optim.as_optimizer(fast.update.transformation)
+    params, grads_seq = make()
+    p1, s1 = params, fast.init(params)
+    p2, s2 = params, chain.init(params)
+    with torch.no_grad():
+        for grads in grads_seq:
+            p1, s1 = fast.update(grads, s1, p1)
+            p2, s2 = chain.update(grads, s2, p2)
+    for a, b in zip(mt.tree.leaves((p1, s1)), mt.tree.leaves((p2, s2)), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_results_kept_by_the_caller_are_never_reused(name):
+    factory, kwargs = ALIASES[name]
+    opt = factory(**kwargs)
+    params, grads_seq = make(1)
+    state = opt.init(params)
+    kept = []
+    with torch.no_grad():
+        for grads in grads_seq:
+            params, state = opt.update(grads, state, params)
+            kept.append((params, state, [t.clone() for t in mt.tree.leaves((params, state))]))
+    for params, state, copies in kept:
+        assert all(torch.equal(a, b) for a, b in
+                   zip(mt.tree.leaves((params, state)), copies, strict=True))
+
+
+def torch_state_bytes(optimizer) -> int:
+    """Bytes of per-param state tensors a reference optimizer keeps (O(1) scalars aside)."""
+    return sum(
+        value.nbytes for state in optimizer.state.values() for key, value in state.items()
+        if isinstance(value, torch.Tensor) and key not in ("step", "mu_product", "eta", "mu")
+    )
+
+
+REFERENCES = [
+    ("sgd", torch.optim.SGD, dict(momentum=0.9)),
+    ("sgd", torch.optim.SGD, {}),
+    ("adam", torch.optim.Adam, dict(amsgrad=True)),
+    ("adamw", torch.optim.AdamW, {}),
+    ("adagrad", torch.optim.Adagrad, {}),
+    ("rmsprop", torch.optim.RMSprop, dict(momentum=0.9, centered=True)),
+    ("adadelta", torch.optim.Adadelta, {}),
+    ("adafactor", torch.optim.Adafactor, {}),
+    ("adamax", torch.optim.Adamax, {}),
+    ("asgd", torch.optim.ASGD, {}),
+    ("nadam", torch.optim.NAdam, {}),
+    ("radam", torch.optim.RAdam, {}),
+    ("rprop", torch.optim.Rprop, {}),
+    ("lion", Lion, {}),
+    ("schedule_free_adamw", AdamWScheduleFree, {}),
+]
+
+
+@pytest.mark.parametrize(("name", "cls", "kwargs"), REFERENCES,
+                         ids=[f"{n}-{'-'.join(k) or 'default'}" for n, _, k in REFERENCES])
+def test_state_bytes_equal_the_reference_optimizers_state(name, cls, kwargs):
+    shapes = [(16, 8), (3, 4, 5), (7,), ()]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    optimizer = cls(params, **kwargs)
+    if hasattr(optimizer, "train"):
+        optimizer.train()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert mt.optim.state_bytes(name, params, **kwargs) == torch_state_bytes(optimizer)
+    assert mt.optim.state_bytes(name, shapes, **kwargs) == torch_state_bytes(optimizer)
+
+
+def test_state_bytes_of_muon_and_on_the_meta_device():
+    params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(4, 4))]
+    optimizer = torch.optim.Muon(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert mt.optim.state_bytes("muon", params) == torch_state_bytes(optimizer)
+    meta = [torch.empty(1024, 1024, device="meta", dtype=torch.bfloat16)]
+    assert mt.optim.state_bytes("adafactor", meta) == (1024 + 1024) * 2
+
+
+@pytest.mark.parametrize("factory", [mt.optim.adadelta, mt.optim.adafactor, mt.optim.nadam,
+                                     mt.optim.lion, mt.optim.schedule_free_adamw])
+def test_state_bytes_equal_what_init_allocates(factory):
+    name = factory.__name__
+    params = {"w": torch.zeros(16, 8), "v": torch.zeros(3, 4, 5), "b": torch.zeros(7)}
+    state = factory().init(params)
+    per_leaf = [t for t in mt.tree.leaves(state) if t.dim() > 0]
+    assert mt.optim.state_bytes(name, params) == sum(t.nbytes for t in per_leaf)
+
+
+def test_state_bytes_of_an_unknown_optimizer_lists_the_known_ones():
+    with pytest.raises(ValueError, match="adafactor"):
+        mt.optim.state_bytes("adamwx", [(2,)])
+
+
+def test_muon_for_matrices_and_adamw_for_the_rest_equals_two_torch_optimizers():
+    g = torch.Generator().manual_seed(0)
+    params = {"embed": torch.randn(10, 8, generator=g), "hidden": torch.randn(8, 8, generator=g),
+              "norm": torch.ones(8)}
+    grads_seq = [{k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+                 for _ in range(5)]
+    hidden = mt.optim.chain(mt.optim.scale_by_muon(), mt.optim.add_decayed_weights(0.1),
+                            mt.optim.scale_by_learning_rate(0.02))
+    rest = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.add_decayed_weights(0.01),
+                          mt.optim.scale_by_learning_rate(1e-3))
+    labels = lambda name, p: "muon" if name == "hidden" else "adamw"  # noqa: E731
+    opt = mt.optim.as_optimizer(mt.optim.multi_transform({"muon": hidden, "adamw": rest}, labels))
+    state = opt.init(params)
+    leaves = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    muon = torch.optim.Muon([leaves["hidden"]], lr=0.02, weight_decay=0.1)
+    adamw = torch.optim.AdamW([leaves["embed"], leaves["norm"]], lr=1e-3, weight_decay=0.01)
+    for grads in grads_seq:
+        params, state = opt.update(grads, state, params)
+        for k, p in leaves.items():
+            p.grad = grads[k].clone()
+        muon.step()
+        adamw.step()
+    for k, p in leaves.items():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
