@@ -89,6 +89,7 @@ class Lifetimes(TorchDispatchMode):
         self.backward_started = False
         self._by_storage: dict[int, Allocation] = {}
         self._modules = ModuleTracker()
+        self._backward_module = ""
 
     # -- context: the module tracker goes with the mode ------------------------------------
     def __enter__(self) -> Lifetimes:
@@ -170,6 +171,17 @@ class Lifetimes(TorchDispatchMode):
             if allocation is not None and allocation.phase != "input":
                 allocation.category = category
 
+    def _op_module(self, inputs: list[torch.Tensor]) -> str:
+        """The module of an op: the active one in the forward pass; in the backward pass (where
+        module hooks do not fire under ``torch.func`` transforms), the module whose saved
+        tensors the op reads, or else the one the last such op read."""
+        if self.phase != "backward":
+            return self.module()
+        modules = [a.module for a in map(self._find, inputs) if a is not None and a.saved]
+        if modules:
+            self._backward_module = _innermost(set(modules))
+        return self._backward_module or self.module()
+
     # -- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -186,7 +198,7 @@ class Lifetimes(TorchDispatchMode):
                 raise
             out = None
         name = str(func._overloadpacket)
-        self.ops.append((name, self.phase, self.module()))
+        self.ops.append((name, self.phase, self._op_module(inputs)))
         for t in inputs:
             self._see(t, phase="input", op="", category="buffers")
         for t in _tensors(out):
