@@ -86,3 +86,19 @@ def test_a_wrong_state_is_a_one_line_error():
     params, state, apply = mt.from_module(nn.BatchNorm1d(2), with_state=True)
     with pytest.raises(ValueError, match=r"apply\(params, state, \*inputs\)"):
         apply(params, torch.randn(4, 2))
+
+
+def test_state_is_vmapped_like_the_params():
+    # A sweep of K models: each model's params and state carry the leading axis.
+    params, state, apply = mt.from_module(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)),
+                                          with_state=True)
+    k = 3
+    stacked = [{n: t.expand(k, *t.shape).clone() for n, t in tree.items()}
+               for tree in (params, state)]
+    x = torch.randn(k, 5, 3, generator=torch.Generator().manual_seed(0))
+    outs, new_states = mt.vmap(apply)(*stacked, x)
+    for i in range(k):
+        out, new_state = apply(params, state, x[i])
+        torch.testing.assert_close(outs[i], out)
+        for name in state:
+            torch.testing.assert_close(new_states[name][i], new_state[name])
