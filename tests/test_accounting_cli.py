@@ -101,7 +101,9 @@ def experiment(config):
         y = x @ params["w"]
         if config["kind"] == "item":
             return (y / float(y.abs().max().item())).square().mean()
-        return y[y > 0].square().mean()
+        if config["kind"] == "mask":
+            return y[y > 0].square().mean()
+        return y.square().mean()
 
     return mt.Experiment(init=lambda g: {"w": torch.randn(4, 2, generator=g)}, loss=loss,
                          next_batch=lambda g: torch.randn(8, 4, generator=g),
@@ -156,3 +158,14 @@ def test_estimate_step_that_needs_data_is_one_line_suggesting_measure(capsys, tm
 def test_estimate_step_mistakes_are_one_line(capsys, args, message):
     code, _, err = invoke(capsys, *args)
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_estimate_step_builds_on_real_tensors_when_the_script_needs_data(capsys, tmp_path):
+    script = tmp_path / "numpy_data.py"
+    script.write_text(DATA_DEPENDENT.replace(
+        "    def loss(params, x):",
+        "    table = torch.arange(8.0).numpy()  # a data pipeline: fails on fake tensors\n\n"
+        "    def loss(params, x):"))
+    result = as_json(capsys, "estimate", "step", str(script), "--set", "kind=plain")
+    assert result["built_on"] == "real tensors" and not result["measured"]
+    assert result["peak_bytes"] > 0

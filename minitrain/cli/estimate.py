@@ -387,13 +387,12 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
     from minitrain import accounting as acc
 
     mode = acc.fake_mode()
-    with mode:
-        experiment = _load(script, overrides)
+    built = []
+    experiment = _fake_or_real(mode, lambda: _load(script, overrides), built)
     try:
-        with mode:
-            generator = torch.Generator().manual_seed(seed)
-            params = experiment.init(generator)
-            batch = experiment.next_batch(generator)
+        generator = torch.Generator().manual_seed(seed)
+        params = _fake_or_real(mode, lambda: experiment.init(generator), built)
+        batch = _fake_or_real(mode, lambda: experiment.next_batch(generator), built)
         if gpus > 1:
             batch = _shard(batch, gpus)
         prediction = acc.predict_step(
@@ -407,7 +406,19 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
         raise _failed(script, exc) from None
     from minitrain.tree import size
 
-    return {"measured": False, "params": size(params)} | prediction.summary()
+    return {"measured": False, "params": size(params),
+            "built_on": "real tensors" if built else "fake tensors"} | prediction.summary()
+
+
+def _fake_or_real(mode: Any, build: Any, built: list[str]) -> Any:
+    """``build()`` on fake tensors; for the scripts whose own code needs data (a data pipeline
+    calling ``.numpy()``), on real ones, noting it in ``built``."""
+    try:
+        with mode:
+            return build()
+    except Exception:
+        built.append("real")
+        return build()
 
 
 def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
@@ -448,6 +459,8 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
 
 def _step_lines(result: dict[str, Any], spec: Any) -> list[str]:
     how = "measured (one real step)" if result["measured"] else "predicted (fake tensors)"
+    if result.get("built_on") == "real tensors":
+        how += "; the script's setup needed data and ran on real tensors"
     lines = [
         f"{result['script']}: {result['params']:,} params, {how}"
         + (f", per device of {result['gpus']}" if result["gpus"] > 1 else ""),
