@@ -126,6 +126,12 @@ def test_estimate_step_predicts_what_one_real_step_measures(capsys):
     # Two devices: half the batch each, so fewer FLOPs and a smaller peak per device.
     halves = as_json(capsys, "estimate", "step", script, "--set", "n_layer=1", "--gpus", "2")
     assert halves["flops"] < predicted["flops"] and halves["peak_bytes"] < predicted["peak_bytes"]
+    # bf16 autocast: predicted as one real step under the same autocast measures.
+    bf16 = [as_json(capsys, "estimate", "step", script, "--set", "n_layer=1", "--autocast",
+                    "bf16", *extra) for extra in ((), ("--measure",))]
+    assert bf16[0]["peak_bytes"] == pytest.approx(bf16[1]["peak_bytes"], rel=0.01)
+    assert bf16[0]["flops"] == bf16[1]["flops"] and bf16[0]["dtype"] == "bf16"
+    assert bf16[0]["peak_bytes"] < predicted["peak_bytes"]
     code, text, _ = invoke(capsys, "estimate", "step", script, "--set", "n_layer=1",
                            "--hardware", "a100-80gb")
     assert code == 0 and "fits on a100-80gb" in text and "saved for backward" in text

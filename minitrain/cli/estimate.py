@@ -307,6 +307,9 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
 @click.option("--dtype", default=None,
               help="Dtype of the peak FLOP/s for every op (e.g. bf16 for tensor cores); "
                    "default: each op's own dtype.")
+@click.option("--autocast", type=click.Choice(["none", "bf16", "fp16"]), default="none",
+              help="Run forward and backward under torch.autocast in this dtype (what the "
+                   "CUDA backend does in bf16); the update stays fp32.")
 @click.option("--donate/--pure", default=True,
               help="Donated update (in place, as `minitrain run` does) or a pure one.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
@@ -315,7 +318,8 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
                    "on fake tensors (for scripts that need data, e.g. .item() in the loss).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int,
-         dtype: str | None, donate: bool, seed: int, measure: bool, as_json: bool) -> None:
+         dtype: str | None, autocast: str, donate: bool, seed: int, measure: bool,
+         as_json: bool) -> None:
     """Predict one training step of SCRIPT: peak memory (and when it happens), FLOPs, and the
     time per step on --hardware, without running it.
 
@@ -327,13 +331,24 @@ def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int
     spec = _accounting_call(acc.hardware, hardware_name)
     if dtype is not None:
         _accounting_call(spec.peak, dtype)
+    cast = _autocast(autocast)
     if measure:
-        result = _measured_step(script, overrides, spec, dtype, donate, seed)
+        result = _measured_step(script, overrides, spec, dtype, donate, seed, cast)
     else:
-        result = _predicted_step(script, overrides, spec, dtype, donate, seed, gpus)
-    result |= {"script": str(script), "gpus": gpus, "donate": donate,
+        result = _predicted_step(script, overrides, spec, dtype, donate, seed, gpus, cast)
+    result |= {"script": str(script), "gpus": gpus, "donate": donate, "autocast": autocast,
                "memory_bytes": spec.memory_bytes}
     _emit(result, _step_lines(result, spec), as_json)
+
+
+def _autocast(name: str) -> Any:
+    """A factory of ``torch.autocast`` contexts on the CPU (fake tensors live there)."""
+    if name == "none":
+        return None
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return lambda: torch.autocast("cpu", dtype=dtype)
 
 
 def _load(script: Path, overrides: tuple[str, ...]) -> Any:
@@ -381,7 +396,7 @@ def _shard(batch: Any, gpus: int) -> Any:
 
 
 def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
-                    donate: bool, seed: int, gpus: int) -> dict[str, Any]:
+                    donate: bool, seed: int, gpus: int, cast: Any) -> dict[str, Any]:
     import torch
 
     from minitrain import accounting as acc
@@ -398,7 +413,7 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
         prediction = acc.predict_step(
             experiment.loss, params, batch, optimizer=experiment.optimizer, donate=donate,
             has_aux=experiment.has_aux, max_grad_norm=experiment.max_grad_norm,
-            hardware=spec, dtype=dtype,
+            hardware=spec, dtype=dtype, autocast=cast,
         )
     except UserError:
         raise
@@ -422,7 +437,9 @@ def _fake_or_real(mode: Any, build: Any, built: list[str]) -> Any:
 
 
 def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
-                   donate: bool, seed: int) -> dict[str, Any]:
+                   donate: bool, seed: int, cast: Any) -> dict[str, Any]:
+    import contextlib
+
     import torch
 
     from minitrain import accounting as acc
@@ -439,7 +456,7 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
     train_step = make_train_step(experiment, backend, donate=donate)
     counter = acc.Counter()
     try:
-        with counter:
+        with counter, cast() if cast else contextlib.nullcontext():
             counter.track(params, state, batch)
             out = train_step(params, state, batch)
             del out
