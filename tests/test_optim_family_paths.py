@@ -31,7 +31,9 @@ def make(seed: int = 0):
 
 
 @pytest.mark.parametrize("name", list(ALIASES))
-def test_fast_path_equals_the_chain_bit_for_bit(name):
+def test_fast_path_equals_the_chain(name):
+    """The same rule either way; the fast path folds ``-lr`` (and decoupled decay) into the
+    final add, as torch.optim does, so the two agree to rounding."""
     factory, kwargs = ALIASES[name]
     fast = factory(**kwargs)
     chain = mt.optim.as_optimizer(fast.update.transformation)
@@ -43,7 +45,8 @@ def test_fast_path_equals_the_chain_bit_for_bit(name):
             p1, s1 = fast.update(grads, s1, p1)
             p2, s2 = chain.update(grads, s2, p2)
     for a, b in zip(mt.tree.leaves((p1, s1)), mt.tree.leaves((p2, s2)), strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", list(ALIASES))

@@ -36,6 +36,7 @@ from minitrain.tree import Params
 
 __all__ = [
     "Scalar",
+    "add_scaled",
     "descent_prefix",
     "step_of",
     "leafwise_with_scalars",
@@ -49,6 +50,14 @@ __all__ = [
 
 Scalar = int | float | Tensor
 """A hyperparameter: a number or a one-element tensor (squeezed to 0-d like torch.optim)."""
+
+
+def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
+    """``x + alpha * y`` in one pass (``torch.add(x, y, alpha=alpha)``) when ``alpha`` is a
+    number; with a tensor ``alpha`` (traced, or a tensor hyperparameter) as two ops."""
+    if isinstance(alpha, Tensor):
+        return x + alpha * y
+    return torch.add(x, y, alpha=alpha)
 
 
 def zeros(p: Tensor) -> Tensor:
@@ -261,6 +270,16 @@ class _Plan:
         return PooledLeaves([_run(torch.add, (ui, pi), {"alpha": wd}, pool) if flag else ui
                              for ui, pi, flag in zip(u, p, flags, strict=True)], pool)
 
+    def shrunk(self, p, params, lr, pool):
+        """``p (1 - lr wd)`` on the decayed leaves (torch's decoupled weight decay)."""
+        key = _pytree.tree_structure(params)
+        flags = self.flags.get(key)
+        if flags is None:
+            flags = self.flags[key] = decay_flags(self.mask, params)
+        factor = 1 - lr * scalar(self.weight_decay)
+        return [_run(torch.mul, (pi, factor), {}, pool) if flag else pi
+                for pi, flag in zip(p, flags, strict=True)]
+
     def run(self, grads, state, params, pool):
         pool.begin_update()
         p_leaves, spec = _pytree.tree_flatten(params)
@@ -274,19 +293,25 @@ class _Plan:
                 u = self.decay(u, p, params, pool)
             u, new_state[self.rule_index] = self.run_rule(u, p, state[self.rule_index], spec,
                                                            pool)
-            if self.weight_decay is not None and self.decoupled:
-                u = self.decay(u, p, params, pool)
-            if self.lr is not None:
+            decoupled = self.weight_decay is not None and self.decoupled
+            if self.lr is None:
+                if decoupled:
+                    u = self.decay(u, p, params, pool)
+                new_params = [_run(torch.add, (pi, ui), {}, pool).to(pi.dtype)
+                              for pi, ui in zip(p, u, strict=True)]
+            else:
                 lr_state = state[-1]
                 lr = self.lr(int(lr_state.count)) if self.schedule else self.lr
                 if self.schedule:
                     check_hyperparameter("lr (from the schedule)", lr, 0.0)
-                u = u * scalar(-lr)
                 lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
                     float(lr), dtype=torch.float32)
                 new_state[-1] = type(lr_state)(lr_state.count + 1, lr_tensor)
-            new_params = [_run(torch.add, (pi, ui), {}, pool).to(pi.dtype)
-                          for pi, ui in zip(p, u, strict=True)]
+                # p - lr (u + wd p) as torch.optim computes it: p (1 - lr wd) - lr u, one pass
+                # over p for the decay and one for the step (the chain makes three).
+                base = self.shrunk(p, params, scalar(lr), pool) if decoupled else p
+                new_params = [_run(torch.add, (bi, ui), {"alpha": -scalar(lr)}, pool).to(pi.dtype)
+                              for pi, bi, ui in zip(p, base, u, strict=True)]
         return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
 
     def run_rule(self, u, p, inner, spec, pool):

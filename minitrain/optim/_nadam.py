@@ -3,6 +3,7 @@ modes (L2 in the gradient, or decoupled as in AdamW)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -12,6 +13,7 @@ from minitrain.optim._core import check_pair
 from minitrain.optim._family import (
     Rule,
     Scalar,
+    add_scaled,
     check_range,
     family_optimizer,
     rule_transform,
@@ -33,6 +35,10 @@ class ScaleByNadamState(NamedTuple):
     exp_avg_sq: Params
 
 
+def _sqrt(value: Any) -> Any:
+    return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
+
+
 def momentum_cache(beta1: Any, momentum_decay: Any, step: Any) -> Any:
     """Dozat 2016's momentum schedule ``mu_t = beta1 (1 - 0.5 * 0.96^(t * psi))``."""
     return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
@@ -44,8 +50,11 @@ def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
     mu * mu_{t+1})`` (before ``-lr``)."""
     exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
     exp_avg_sq = torch.addcmul(beta2 * buffers["exp_avg_sq"], g, g, value=1 - beta2)
-    denom = (exp_avg_sq / (1 - beta2**step)).sqrt() + eps
-    direction = (g * grad_coef + exp_avg * avg_coef) / denom
+    # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): the 1 / sqrt(bc2) moves
+    # into the two coefficients, a pass less over v.
+    root = _sqrt(1 - beta2**step)
+    denom = exp_avg_sq.sqrt() + eps * root
+    direction = add_scaled(g * (grad_coef * root), exp_avg, avg_coef * root) / denom
     return direction, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -19,6 +19,7 @@ from minitrain.optim._core import check_pair
 from minitrain.optim._family import (
     Rule,
     Scalar,
+    add_scaled,
     check_range,
     family_optimizer,
     rule_transform,
@@ -57,9 +58,10 @@ def schedule_free_leaf(g, buffers, y, step, beta1, beta2, eps, weight_decay, lr_
     exp_avg_sq = torch.addcmul(beta2 * buffers["exp_avg_sq"], g, g, value=1 - beta2)
     normalized = g / ((exp_avg_sq / bias_correction2).sqrt() + eps)
     if not (isinstance(weight_decay, int | float) and weight_decay == 0):
-        normalized = normalized + weight_decay * y
-    new_y = torch.lerp(y, z, ckp1) + normalized * (lr_t * (beta1 * (1 - ckp1) - 1))
-    return new_y - y, {"z": z - normalized * lr_t, "exp_avg_sq": exp_avg_sq}
+        normalized = add_scaled(normalized, y, weight_decay)
+    # lerp(y, z, c) + k g' - y = k g' + c (z - y)
+    change = add_scaled(normalized * (lr_t * (beta1 * (1 - ckp1) - 1)), z - y, ckp1)
+    return change, {"z": add_scaled(z, normalized, -lr_t), "exp_avg_sq": exp_avg_sq}
 
 
 def _weights(step, lr, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_max):
