@@ -454,6 +454,7 @@ def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
 def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str, int],
                 end: dict[str, int], top_saved: int) -> StepPrediction:
     lifetimes, counter = trace.lifetimes, trace.counter
+    lifetimes.close()
     result = replay(lifetimes)
     seconds, per_op, main_dtype, mfu = step_time(counter, spec, dtype)
     saved = sorted(

@@ -90,6 +90,7 @@ class Lifetimes(TorchDispatchMode):
         self._by_storage: dict[int, Allocation] = {}
         self._modules = ModuleTracker()
         self._backward_module = ""
+        self._finalizers: list[weakref.finalize] = []
 
     # -- context: the module tracker goes with the mode ------------------------------------
     def __enter__(self) -> Lifetimes:
@@ -126,7 +127,7 @@ class Lifetimes(TorchDispatchMode):
         key = storage._cdata
         self._by_storage[key] = allocation
         allocation.handles += 1
-        weakref.finalize(storage, self._release, key)
+        self._finalizers.append(weakref.finalize(storage, self._release, key))
 
     def _see(self, t: torch.Tensor, *, phase: str, op: str, category: str | None) -> None:
         storage = _storage(t)
@@ -151,6 +152,12 @@ class Lifetimes(TorchDispatchMode):
         allocation.handles -= 1
         if allocation.handles == 0:
             self.events.append((allocation.index, -1))
+
+    def close(self) -> None:
+        """Stop watching: storages that outlive the step no longer call back."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
 
     def live(self) -> list[Allocation]:
         """Allocations alive now."""
