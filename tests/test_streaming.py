@@ -167,7 +167,7 @@ print("fused")
 
 def test_without_a_compiler_the_optimizers_keep_torchs_kernels(tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"),
-           "MINITRAIN_CACHE_DIR": str(tmp_path / "cache")}
+           "MINITRAIN_CACHE_DIR": str(tmp_path / "cache"), "MINITRAIN_STREAMING": "1"}
     out = subprocess.run([sys.executable, "-c", WITHOUT_COMPILER], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -38,12 +38,18 @@ def _torch_run(cls, kwargs, params, grads):
     return [p.detach() for p in ps]
 
 
-def _tx_run(tx, params, grads, requires_grad=False):
+def _tx_run(tx, params, grads, requires_grad=False, lowered=True):
+    """Run ``as_optimizer(tx)`` (which may lower ``tx`` to fused kernels) or, with
+    ``lowered=False``, the transformation itself then ``apply_updates``."""
     opt = as_optimizer(tx)
     params = [p.clone().requires_grad_(requires_grad) for p in params]
     state = opt.init(params)
     for step_grads in grads:
-        params, state = opt.update(step_grads, state, params)
+        if lowered:
+            params, state = opt.update(step_grads, state, params)
+        else:
+            updates, state = tx.update(step_grads, state, params)
+            params = apply_updates(params, updates)
     return [p.detach() for p in params], state
 
 
@@ -81,7 +87,10 @@ def test_chains_of_transforms_match_torch_optim(name, requires_grad):
     make, cls, kwargs = CHAINS[name]
     params, grads = _data(0, 6)
     with torch.set_grad_enabled(requires_grad):
-        ours, _ = _tx_run(make(), params, grads, requires_grad)
+        ours, _ = _tx_run(make(), params, grads, requires_grad, lowered=False)
+        lowered, _ = _tx_run(make(), params, grads, requires_grad)
+    for a, b in zip(ours, lowered, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours, _torch_run(cls, kwargs, params, grads), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -90,9 +99,9 @@ def test_chains_of_transforms_match_torch_optim(name, requires_grad):
 def test_batched_and_plain_paths_agree_to_the_bit(name):
     make = CHAINS[name][0]
     params, grads = _data(1, 4)
-    batched, state_b = _tx_run(make(), params, grads)
+    batched, state_b = _tx_run(make(), params, grads, lowered=False)
     with torch.enable_grad():
-        plain, state_p = _tx_run(make(), params, grads, requires_grad=True)
+        plain, state_p = _tx_run(make(), params, grads, requires_grad=True, lowered=False)
     for a, b in zip(batched, plain, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(mt.tree.leaves(state_b), mt.tree.leaves(state_p), strict=True):

@@ -56,6 +56,8 @@ from minitrain.optim.base import (
     ScalarOrSchedule,
     Schedule,
     WeightDecayMask,
+    buffer_pool_bytes,
+    clear_buffer_pools,
     learning_rate,
 )
 from minitrain.optim.meta import Unrolled, unroll
@@ -112,6 +114,8 @@ __all__ = [
     "unroll",
     "Unrolled",
     "learning_rate",
+    "clear_buffer_pools",
+    "buffer_pool_bytes",
     "GradientTransformation",
     "EmptyState",
     "ChainState",

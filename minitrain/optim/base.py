@@ -31,10 +31,13 @@ pure; donation is a permission, never an obligation.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch._prims_common as _prims_common
 import torch.utils._pytree as _pytree
 from torch import Tensor
 
@@ -49,6 +52,8 @@ __all__ = [
     "WeightDecayMask",
     "Impl",
     "learning_rate",
+    "clear_buffer_pools",
+    "buffer_pool_bytes",
 ]
 
 Schedule = Callable[[Any], Any]
@@ -94,11 +99,30 @@ def learning_rate(state: OptState) -> float:
     >>> mt.optim.learning_rate(state)
     0.25
     """
-    if not hasattr(state, "lr"):
+    found = _find_lr(state)
+    if found is None:
         raise ValueError(
             f"learning_rate() expects the state of an mt.optim optimizer, got {type(state)!r}"
         )
-    return float(state.lr)
+    return float(found)
+
+
+def _find_lr(state: Any) -> Any:
+    """The ``lr`` field of a state, or the first one inside a chain's tuple of states (also an
+    injected ``lr`` / ``learning_rate`` hyperparameter)."""
+    if hasattr(state, "lr") and isinstance(state.lr, Tensor):
+        return state.lr
+    hyper = getattr(state, "hyperparams", None)
+    if isinstance(hyper, dict):
+        for key in ("lr", "learning_rate"):
+            if key in hyper:
+                return hyper[key]
+    if isinstance(state, tuple):
+        for inner in state:
+            found = _find_lr(inner)
+            if found is not None:
+                return found
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,21 +366,30 @@ def make_optimizer(
         _check_state_leaves(buffer_leaves, len(param_leaves))
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         tensors = [*param_leaves, *grad_leaves, state.count]
-        if use_plain_path(impl, tensors, traced_candidates):
+        check_state_shapes(buffer_leaves, param_leaves, params)
+        plain = use_plain_path(impl, tensors, traced_candidates)
+        if not plain:
+            safe = fast_path_inputs(param_leaves, grad_leaves, buffer_leaves, params)
+            plain = safe is None  # params the kernels cannot address: ordinary tensor ops
+            if safe is not None:
+                grad_leaves, buffer_leaves = safe
+        if plain:
             new_params, new_buffers, count, step_lr = _plain_update(
                 rule, param_leaves, grad_leaves, buffer_leaves, layout.decays, state.count, lr,
                 weight_decay,
             )
         elif compiled_step is not None and not donate:
-            new_params, new_buffers, count, step_lr = _compiled_update(
-                compiled_step, param_leaves, grad_leaves, buffer_leaves, layout.decays,
-                state.count, lr, weight_decay, pool,
-            )
+            with pool.lock:
+                new_params, new_buffers, count, step_lr = _compiled_update(
+                    compiled_step, param_leaves, grad_leaves, buffer_leaves, layout.decays,
+                    state.count, lr, weight_decay, pool,
+                )
         else:
-            new_params, new_buffers, count, step_lr = _fast_update(
-                rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, lr,
-                weight_decay, None if donate else pool,
-            )
+            with pool.lock:
+                new_params, new_buffers, count, step_lr = _fast_update(
+                    rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, lr,
+                    weight_decay, None if donate else pool,
+                )
         new_state = state._replace(
             count=count,
             lr=step_lr,
@@ -442,6 +475,81 @@ class LayoutCache:
             fast_batches(param_leaves, decays, self.buffers_per_leaf,
                          split=lambda leaf: multi_pass(leaf, donated=True)),
         )
+
+
+def _leaf_name(params: Params, index: int) -> str:
+    return tree.named_leaves(params)[index][0]
+
+
+def check_state_shapes(buffers: dict[str, list], params: list[Tensor], tree_: Params) -> None:
+    """``ValueError`` naming the first state leaf that is not a tensor of its param's shape (a
+    state from another model would otherwise broadcast, or send a kernel out of bounds)."""
+    for name, leaves in buffers.items():
+        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
+            if not isinstance(leaf, Tensor) or leaf.shape != p.shape:
+                shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
+                raise ValueError(
+                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {shape} but its param is "
+                    f"{tuple(p.shape)}; create the state with opt.init(params) for these params"
+                )
+
+
+def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
+                     tree_: Params) -> tuple[list[Tensor], dict[str, list]] | None:
+    """Grads and state the fused and streaming kernels can read safely, or None (plain path).
+
+    Those kernels walk each param's storage and the same offsets in its grad and state, so every
+    grad and state leaf must have its param's dtype, device and strides and a storage that holds
+    all of it. Grads and state that do not (expanded with stride 0, transposed, overlapping,
+    sliced views) are copied into the param's layout; a state leaf of another dtype or device is
+    a ``ValueError`` naming it. None when a param itself is not dense and non-overlapping.
+    """
+    for p in params:
+        if not _dense(p):
+            return None
+    grads = [g if _like(g, p) else _copy_like(g, p) for g, p in zip(grads, params, strict=True)]
+    checked = {}
+    for name, leaves in buffers.items():
+        out = []
+        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
+            if leaf.dtype != p.dtype or leaf.device != p.device:
+                raise ValueError(
+                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {leaf.dtype} on "
+                    f"{leaf.device} but its param is {p.dtype} on {p.device}; create the state "
+                    f"with opt.init(params) or move it with the params"
+                )
+            out.append(leaf if _like(leaf, p) else _copy_like(leaf, p))
+        checked[name] = out
+    return grads, checked
+
+
+def _dense(t: Tensor) -> bool:
+    if t.is_contiguous():
+        return _storage_holds(t)
+    return _prims_common.is_non_overlapping_and_dense_or_false(t) and _storage_holds(t)
+
+
+def _like(t: Tensor, p: Tensor) -> bool:
+    if t.device != p.device:
+        raise ValueError(f"a grad is on {t.device} but its param on {p.device}; move the grads")
+    if p.is_contiguous():
+        return t.is_contiguous() and _storage_holds(t)
+    return t.stride() == p.stride() and _storage_holds(t)
+
+
+def _copy_like(t: Tensor, p: Tensor) -> Tensor:
+    out = torch.empty_like(p, memory_format=torch.preserve_format)
+    with torch.no_grad():
+        out.copy_(t)
+    return out
+
+
+def _storage_holds(t: Tensor) -> bool:
+    """Whether ``t``'s storage holds every element ``t`` addresses."""
+    if t.numel() == 0:
+        return True
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def _check_state_type(state: Any, state_type: type) -> None:
@@ -609,6 +717,23 @@ class BufferPool:
         self._held: dict[tuple, list[Tensor]] = {}
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
+        # Held for a whole update (begin_update, then every empty_like): two threads updating
+        # with one optimizer would otherwise both be handed the same free buffer.
+        self.lock = threading.RLock()
+        _POOLS.add(self)
+
+    def clear(self) -> None:
+        """Forget every buffer (memory the caller still holds stays valid)."""
+        with self.lock:
+            self._held, self._free, self._demand = {}, {}, {}
+
+    def idle_bytes(self) -> int:
+        """Bytes of buffers that only this pool holds: its extra memory right now."""
+        with self.lock:
+            return sum(
+                alias.untyped_storage().nbytes()
+                for held in self._held.values() for alias in held if _only_alias_left(alias)
+            )
 
     def begin_update(self) -> None:
         """Find the buffers nobody else holds any more; call once before an update."""
@@ -636,6 +761,31 @@ class BufferPool:
         if len(held) < 2 * self._demand[key]:
             held.append(buffer)
         return buffer.detach()
+
+
+_POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+
+
+def clear_buffer_pools() -> None:
+    """Release the recycled buffers of every optimizer's pool (e.g. before measuring memory, or
+    when a run ends and the optimizer lives on).
+
+    >>> clear_buffer_pools(); buffer_pool_bytes()
+    0
+    """
+    for pool in list(_POOLS):
+        pool.clear()
+
+
+def buffer_pool_bytes() -> int:
+    """Bytes that optimizers' recycling pools hold beyond what callers hold: the pure fast
+    path's extra memory (up to one more generation of params and state).
+
+    >>> import torch, minitrain as mt
+    >>> isinstance(buffer_pool_bytes(), int)
+    True
+    """
+    return sum(pool.idle_bytes() for pool in list(_POOLS))
 
 
 _CAN_COUNT_STORAGE_USES = hasattr(torch._C, "_storage_Use_Count")

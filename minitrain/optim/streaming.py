@@ -15,7 +15,10 @@ calls it through ``ctypes`` (which releases the GIL).
 Donated updates run the same kernel in place with plain stores (as fast as torch's fused
 kernels, and one pass instead of RMSprop's several foreach passes), so pure and donated updates
 agree bit for bit. It covers CPU float32 contiguous leaves. Anything else, or no C compiler, or
-``MINITRAIN_STREAMING=0``, leaves the optimizers on their fused / foreach path.
+``MINITRAIN_STREAMING=0``, leaves the optimizers on their fused / foreach path;
+``MINITRAIN_STREAMING=require`` (CI) turns a failed build into a :class:`BuildError` that shows
+the compiler's output. The cached library is verified against its recorded size and sha256
+before it is loaded, and the OpenMP runtime it runs on must be the one torch has loaded.
 
 >>> import torch
 >>> from minitrain.optim import streaming
@@ -46,7 +49,7 @@ import torch
 import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
-__all__ = ["RULES", "available", "fresh", "usable", "update"]
+__all__ = ["RULES", "BuildError", "available", "fresh", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3}
 """Rule name -> index in ``_streaming.c``'s table."""
@@ -82,24 +85,100 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+class BuildError(RuntimeError):
+    """The kernels failed to build or load under ``MINITRAIN_STREAMING=require``."""
+
+
+def _required() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() == "require"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(target: Path) -> bool:
+    """Whether ``target`` is the complete library its sidecar (size and sha256) records."""
+    record = target.with_suffix(".sha256")
+    try:
+        size, digest = record.read_text().split()
+        return target.stat().st_size == int(size) and _digest(target) == digest
+    except (OSError, ValueError):
+        return False
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, rename it over ``path``."""
+    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+
+
 def _build(compiler: str, flags: list[str]) -> Path:
-    """Compile ``_streaming.c`` once per source, flags and compiler; return the library path."""
+    """Compile ``_streaming.c`` once per source, flags and compiler; return the library path.
+
+    The library is written atomically (temporary file, fsync, rename) with a sidecar recording
+    its size and sha256; a cached file that does not match its record (truncated, corrupted, or
+    written by an interrupted build) is rebuilt, never loaded.
+    """
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / "kernels" / f"streaming-{key}.so"
-    if target.exists():
+    if target.exists() and _verified(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target, then rename: a concurrent process never loads a partial file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
         subprocess.run(
             [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
-        os.replace(partial, target)
+        data = partial.read_bytes()
+    # The record goes first: a reader that sees the new library also sees its record.
+    record = f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
+    _write_durably(target.with_suffix(".sha256"), record)
+    _write_durably(target, data)
     return target
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {line.split()[-1] for line in lines
+            if any(Path(line.split()[-1]).name.startswith(n) for n in names)}
+
+
+def _load(path: Path, openmp: bool) -> ctypes.CDLL:
+    """Load the library; with OpenMP, check that it runs on torch's own OpenMP runtime (a
+    second runtime would oversubscribe the cores and can deadlock after fork)."""
+    before = _openmp_runtimes()
+    library = ctypes.CDLL(str(path))
+    if openmp and before and _openmp_runtimes() - before:
+        raise OSError(
+            f"{path.name} links an OpenMP runtime other than torch's "
+            f"({sorted(_openmp_runtimes() - before)}); building without OpenMP"
+        )
+    return library
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, subprocess.CalledProcessError):
+        output = (error.stderr or b"").decode(errors="replace").strip()
+        return f"{' '.join(map(str, error.cmd))} failed:\n{output}"
+    return f"{type(error).__name__}: {error}"
 
 
 @functools.cache
@@ -107,14 +186,21 @@ def _library() -> ctypes.CDLL | None:
     if not _enabled() or sys.platform == "win32":
         return None
     compiler, flags = os.environ.get("CC", "cc"), _flags()
-    # Without OpenMP (e.g. Apple clang) the kernels still build, on one thread.
+    # Without OpenMP (e.g. Apple clang, or a compiler whose runtime is not torch's) the kernels
+    # still build, on one thread.
+    failures = []
     for attempt in (flags, [flag for flag in flags if flag != "-fopenmp"]):
         try:
-            library = ctypes.CDLL(str(_build(compiler, attempt)))
+            library = _load(_build(compiler, attempt), "-fopenmp" in attempt)
             break
-        except (OSError, subprocess.SubprocessError):
-            continue
+        except (OSError, subprocess.SubprocessError) as error:
+            failures.append(_describe(error))
     else:
+        if _required():
+            raise BuildError(
+                f"{ENV}=require but the streaming kernels did not build or load:\n"
+                + "\n".join(failures)
+            )
         return None  # no compiler, a failed build or load: the fused-kernel path stays
     library.minitrain_update.restype = ctypes.c_int
     library.minitrain_update.argtypes = [
@@ -127,6 +213,36 @@ def _library() -> ctypes.CDLL | None:
 def fresh(like: list[Tensor]) -> list[Tensor]:
     """New uninitialized buffers shaped like ``like`` (optimizers pass a recycling pool)."""
     return [torch.empty_like(t) for t in like]
+
+
+def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
+    """Refuse any tensor the kernel would read or write out of bounds: per leaf, every tensor
+    must be a CPU float32, contiguous tensor with the param's element count whose storage holds
+    all of it. (Callers make grads and state match their params before this; this is the last
+    guard before raw pointers reach C.)"""
+    for index, slot in enumerate(slots):
+        if slot is None:
+            continue
+        if len(slot) != n_leaves:
+            raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
+        for leaf, (t, p) in enumerate(zip(slot, slots[0], strict=True)):
+            if not (
+                t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
+                and t.numel() == p.numel() and _storage_holds(t)
+            ):
+                raise ValueError(
+                    f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} "
+                    f"{t.device} stride {t.stride()} does not match its param "
+                    f"{tuple(p.shape)}; pass contiguous float32 CPU tensors of the param's shape"
+                )
+
+
+def _storage_holds(t: Tensor) -> bool:
+    """Whether ``t``'s storage holds every element ``t`` addresses."""
+    if t.numel() == 0:
+        return True
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def available() -> bool:
@@ -178,6 +294,7 @@ def update(
     written = [slots[0], *slots[2:]]
     results = [s if s is None or outputs is None else outputs(s) for s in written]
     n_leaves = len(slots[0])
+    _check_slots([*slots, *results], n_leaves)
     rows = [slot or [None] * n_leaves for slot in (*slots, *results)]
     pointers = (ctypes.c_void_p * (len(rows) * n_leaves))(*[
         None if row[leaf] is None else row[leaf].data_ptr()

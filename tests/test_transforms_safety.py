@@ -1,0 +1,174 @@
+"""The fast path cannot corrupt memory: mismatched states are refused naming the leaf, strided
+grads and state are read as the plain path reads them, the buffer pool is thread-safe and
+clearable, and the kernel cache is verified before it is loaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minitrain as mt
+from minitrain.optim import streaming
+
+FACTORIES = {
+    "sgd": lambda **k: mt.optim.sgd(lr=0.1, momentum=0.9, **k),
+    "adam": lambda **k: mt.optim.adam(lr=0.01, weight_decay=0.1, **k),
+    "adamw": lambda **k: mt.optim.adamw(lr=0.01, amsgrad=True, **k),
+    "adagrad": lambda **k: mt.optim.adagrad(lr=0.1, **k),
+    "rmsprop": lambda **k: mt.optim.rmsprop(lr=0.01, centered=True, momentum=0.5, **k),
+}
+
+
+@pytest.mark.parametrize("impl", ["fast", "plain"])
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_state_of_a_smaller_model_is_refused_naming_the_leaf(name, impl):
+    opt = FACTORIES[name](impl=impl)
+    small = opt.init({"w": torch.zeros(8), "b": torch.zeros(2)})
+    params = {"w": torch.zeros(4096), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"state\.\w+ leaf .*'w'.* \(8,\)"):
+        opt.update({"w": torch.ones(4096), "b": torch.ones(2)}, small, params)
+
+
+def _strided(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    if kind == "expanded":  # what autograd gives for 0.0 * p.sum(): one element of storage
+        return torch.randn((), generator=g).expand(shape)
+    if kind == "transposed":
+        return torch.randn(cols, rows, generator=g).t()
+    if kind == "sliced":
+        return torch.randn(rows, 2 * cols, generator=g)[:, ::2]
+    if kind == "overlapping":  # rows share elements
+        base = torch.randn(rows + cols, generator=g)
+        return base.as_strided(shape, (1, 1))
+    return torch.randn(shape, generator=g)
+
+
+KINDS = ["expanded", "transposed", "sliced", "overlapping", "contiguous"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FACTORIES)),
+    kind=st.sampled_from(KINDS),
+    state_kind=st.sampled_from(["transposed", "sliced", "contiguous"]),
+    shape=st.tuples(st.integers(1, 37), st.integers(1, 37)),
+    donate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_strided_grads_and_state_give_what_contiguous_ones_give(name, kind, state_kind, shape,
+                                                                 donate, seed):
+    grad = _strided(kind, shape, seed)
+    params = {"w": torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1))}
+    opt = FACTORIES[name](impl="fast")
+    state = opt.init(params)
+    state = opt.update({"w": torch.ones(shape)}, state, params)[1]
+    strided_state = state._replace(**{
+        field: {"w": _strided(state_kind, shape, seed).copy_(value["w"])}
+        if isinstance(value, dict) else value
+        for field, value in state._asdict().items() if field != "count"
+    }, count=state.count.clone())  # a donated update consumes its state, count included
+    contiguous, _ = opt.update({"w": grad.contiguous()}, state, params)
+    strided, _ = opt.update({"w": grad}, strided_state, {"w": params["w"].clone()},
+                            donate=donate)
+    plain, _ = FACTORIES[name](impl="plain").update({"w": grad}, state, params)
+    assert torch.equal(strided["w"], contiguous["w"])
+    torch.testing.assert_close(strided["w"], plain["w"], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FACTORIES)),
+    delta=st.sampled_from([-3, -1, 1, 5]),
+    dtype=st.sampled_from([None, torch.float64]),
+)
+def test_hypothesis_mismatched_states_are_value_errors(name, delta, dtype):
+    opt = FACTORIES[name](impl="fast")
+    params = {"a": torch.zeros(4), "w": torch.zeros(64)}
+    wrong = {"a": torch.zeros(4), "w": torch.zeros(max(1, 64 + delta), dtype=dtype or
+                                                    torch.float32)}
+    state = opt.init(params)
+    field = next(f for f in state._fields[2:] if isinstance(getattr(state, f), dict))
+    if dtype is not None:
+        wrong["w"] = torch.zeros(64, dtype=dtype)
+    bad = state._replace(**{field: wrong})
+    with pytest.raises(ValueError, match=rf"state\.{field} leaf .*'w'"):
+        opt.update({"a": torch.ones(4), "w": torch.ones(64)}, bad, params)
+
+
+def test_two_threads_updating_with_one_optimizer_get_their_own_buffers():
+    opt = mt.optim.adamw(lr=0.01)
+    results = {}
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = [torch.randn(256, 256, generator=g) for _ in range(4)]
+        state = opt.init(params)
+        for _ in range(20):
+            grads = [torch.randn(256, 256, generator=g) for _ in range(4)]
+            params, state = opt.update(grads, state, params)
+        results[seed] = params
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    together = dict(results)
+    for seed in (0, 1):
+        run(seed)  # alone, after the threads
+        for a, b in zip(together[seed], results[seed], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_buffer_pools_can_be_cleared_and_report_their_extra_bytes():
+    opt = mt.optim.sgd(lr=0.1, momentum=0.9)
+    params = [torch.ones(1024)]
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = opt.update([torch.ones(1024)], state, params)
+    if mt.optim.base._CAN_COUNT_STORAGE_USES:
+        assert mt.optim.buffer_pool_bytes() >= 1024 * 4  # at least the previous params
+    mt.optim.clear_buffer_pools()
+    assert mt.optim.buffer_pool_bytes() == 0
+    params, state = opt.update([torch.ones(1024)], state, params)
+    assert torch.allclose(params[0], torch.full((1024,), 1 - 0.1 * (1 + 1.9 + 2.71 + 3.439)))
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_require_turns_a_failed_build_into_an_error_with_the_compiler_output(tmp_path):
+    compiler = tmp_path / "broken-cc"
+    compiler.write_text("#!/bin/sh\necho 'error: the compiler says no' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {"CC": str(compiler), "MINITRAIN_CACHE_DIR": str(tmp_path / "cache"),
+           "MINITRAIN_STREAMING": "require"}
+    out = _python("from minitrain.optim import streaming; streaming.available()", env)
+    assert out.returncode != 0
+    assert "BuildError" in out.stderr and "the compiler says no" in out.stderr
+
+
+@pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
+    env = {"MINITRAIN_CACHE_DIR": str(tmp_path), "MINITRAIN_STREAMING": "require"}
+    code = ("from minitrain.optim import streaming; assert streaming.available(); "
+            "print(streaming._build(streaming.os.environ.get('CC', 'cc'), streaming._flags()))")
+    first = _python(code, env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    library = tmp_path / "kernels" / os.path.basename(first.stdout.strip())
+    size = library.stat().st_size
+    with open(library, "r+b") as f:
+        f.truncate(size // 3)
+    second = _python(code, env)
+    assert second.returncode == 0, second.stderr[-2000:]  # no SIGBUS: rebuilt first
+    assert library.stat().st_size == size
