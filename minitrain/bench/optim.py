@@ -1,6 +1,10 @@
 """``minitrain bench optim``: mt.optim updates against ``torch.optim``, side by side.
 
-Every optimizer updates 8 fp32 params of 1024×1024 with fixed random grads.
+Every optimizer updates 8 fp32 params of 1024×1024 with fixed random grads. The rows are the
+registry ``OPTIMIZERS`` (add one with :func:`register`); ``CHAINS`` holds chains of
+transformations built by hand, each timed against an aliased row's peer (the hand-built
+clip + Adam + weight decay + schedule chain against fused AdamW, target 1.5x). The command line
+is ``minitrain bench optim`` (``minitrain.cli.bench_optim``).
 Per optimizer, one process times, round by round interleaved (so all see the same machine
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
 no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation
@@ -18,25 +22,62 @@ faults).
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from collections.abc import Callable
 from typing import Any
 
-import click
 import torch
 
 import minitrain as mt
 from minitrain.optim import streaming
 
-# name -> (minitrain factory, torch.optim class, kwargs shared by both, peer's fast flag)
+# The registry of rows: name -> (minitrain factory, torch.optim class, kwargs shared by both,
+# the peer's fast flag: "fused" or "foreach"). The factory takes the kwargs and ``impl``; more
+# optimizers join with ``register(name, factory, cls, kwargs, flag)``.
 OPTIMIZERS: dict[str, tuple[Callable[..., Any], type, dict[str, Any], str]] = {
     "adamw": (mt.optim.adamw, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2), "fused"),
     "adam": (mt.optim.adam, torch.optim.Adam, dict(lr=1e-3), "fused"),
     "sgd_momentum": (mt.optim.sgd, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), "fused"),
     "adagrad": (mt.optim.adagrad, torch.optim.Adagrad, dict(lr=1e-2), "fused"),
     "rmsprop": (mt.optim.rmsprop, torch.optim.RMSprop, dict(lr=1e-2), "foreach"),
+}
+
+
+def register(name: str, factory: Callable[..., Any], cls: type, kwargs: dict[str, Any],
+             flag: str) -> None:
+    """Add a row: ``factory(**kwargs, impl=...)`` against ``cls(params, **kwargs, **{flag: True})``.
+
+    >>> register("sgd_plain", mt.optim.sgd, torch.optim.SGD, dict(lr=0.1), "fused")
+    >>> "sgd_plain" in OPTIMIZERS
+    True
+    >>> del OPTIMIZERS["sgd_plain"]
+    """
+    if flag not in ("fused", "foreach"):
+        raise ValueError(f"invalid flag={flag!r}: use 'fused' or 'foreach'")
+    OPTIMIZERS[name] = (factory, cls, dict(kwargs), flag)
+
+
+def hand_built_adamw(lr: float = 1e-3, weight_decay: float = 1e-2, max_norm: float = 1.0,
+                     impl: str = "auto") -> mt.optim.Optimizer:
+    """A chain built by hand: clip by global norm, Adam, decoupled weight decay, cosine schedule.
+
+    >>> opt = hand_built_adamw()
+    >>> [mt.optim.spec(tx)[0] for tx in mt.optim.spec(opt.update.transformation)[1]["transforms"]]
+    ['clip_by_global_norm', 'scale_by_adam', 'add_decayed_weights', 'scale_by_learning_rate']
+    """
+    del impl  # the chain chooses its path itself
+    schedule = mt.optim.cosine_schedule(lr, decay_steps=10_000, warmup_steps=10)
+    return mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.clip_by_global_norm(max_norm), mt.optim.scale_by_adam(),
+        mt.optim.add_decayed_weights(weight_decay), mt.optim.scale_by_learning_rate(schedule),
+    ))
+
+
+# Chains of transformations timed against an aliased row's torch peer:
+# name -> (factory taking ``impl``, the OPTIMIZERS row whose peer it is held to, target ratio).
+CHAINS: dict[str, tuple[Callable[..., Any], str, float]] = {
+    "chain_clip_adam_decay_schedule": (hand_built_adamw, "adamw", 1.5),
 }
 
 
@@ -139,6 +180,28 @@ def measure(
     return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
 
 
+def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: int = 15,
+                   inner: int = 5, device: str = "cpu") -> dict[str, Any]:
+    """Seconds per pure update of each chain in ``names`` and its ratio to its peer, timed
+    interleaved with that peer."""
+    params = make_params(count, (size, size), device)
+    grads = make_params(count, (size, size), device, seed=1)
+    results = {}
+    for name in names:
+        factory, row, target = CHAINS[name]
+        _, cls, kwargs, flag = OPTIMIZERS[row]
+        steppers = {
+            f"torch_{flag}": TorchStepper(cls, kwargs, flag, params, grads),
+            "minitrain_pure": MinitrainStepper(factory, {}, params, grads, donate=False),
+        }
+        seconds = time_interleaved(steppers, rounds, inner, device)
+        ratio = seconds["minitrain_pure"] / seconds[f"torch_{flag}"]
+        results[name] = {"peer": f"{row} torch_{flag}", "seconds": seconds,
+                         "pure_over_peer": ratio, "target": target}
+        del steppers
+    return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
+
+
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -200,49 +263,3 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
             part()
         faults[name] = (_faults() - before) / inner
     return {"seconds": seconds, "minor_page_faults_per_call": faults}
-
-
-@click.command()
-@click.option("--optimizer", "names", multiple=True, type=click.Choice(list(OPTIMIZERS)),
-              help="Optimizers to time (repeatable); default: all.")
-@click.option("--count", type=click.IntRange(min=1), default=8, help="Number of params.")
-@click.option("--size", type=click.IntRange(min=1), default=1024, help="Each param is size².")
-@click.option("--rounds", type=click.IntRange(min=1), default=15, help="Interleaved rounds.")
-@click.option("--inner", type=click.IntRange(min=1), default=5, help="Updates per round.")
-@click.option("--device", default="cpu", help="cpu or cuda.")
-@click.option("--breakdown", "with_breakdown", is_flag=True,
-              help="Also split a pure AdamW update into kernel, copies, overhead, faults (CPU).")
-@click.option("--compiled", is_flag=True,
-              help="Also time the pure update with impl='compiled' (torch.compile; slow start).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
-          with_breakdown: bool, compiled: bool, as_json: bool) -> None:
-    """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated."""
-    from minitrain.cli.errors import UserError
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
-    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled)
-    if with_breakdown:
-        result["breakdown"] = breakdown(count, size, rounds, inner)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(f"update of {result['params']} on {device} "
-               f"(best of {rounds} interleaved rounds x {inner})")
-    for name, entry in result["results"].items():
-        times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
-        click.echo(f"  {name:13s} {times}")
-        ratios = f"pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x   "
-        ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x"
-        if "compiled_over_peer" in entry:
-            ratios += f"   compiled / {entry['peer']}: {entry['compiled_over_peer']:.2f}x"
-        click.echo(f"  {'':13s} {ratios}")
-    if with_breakdown:
-        click.echo("pure AdamW update, by part:")
-        parts = result["breakdown"]
-        for name, seconds in parts["seconds"].items():
-            faults = parts["minor_page_faults_per_call"][name]
-            click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")

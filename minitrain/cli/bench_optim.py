@@ -1,0 +1,66 @@
+"""``minitrain bench optim``: the command over :mod:`minitrain.bench.optim` (parse, run, print)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+import torch
+
+from minitrain.bench.optim import CHAINS, OPTIMIZERS, breakdown, measure, measure_chains
+from minitrain.cli.errors import UserError
+
+__all__ = ["optim"]
+
+
+@click.command()
+@click.option("--optimizer", "names", multiple=True, type=click.Choice(list(OPTIMIZERS)),
+              help="Optimizers to time (repeatable); default: all.")
+@click.option("--count", type=click.IntRange(min=1), default=8, help="Number of params.")
+@click.option("--size", type=click.IntRange(min=1), default=1024, help="Each param is size².")
+@click.option("--rounds", type=click.IntRange(min=1), default=15, help="Interleaved rounds.")
+@click.option("--inner", type=click.IntRange(min=1), default=5, help="Updates per round.")
+@click.option("--device", default="cpu", help="cpu or cuda.")
+@click.option("--breakdown", "with_breakdown", is_flag=True,
+              help="Also split a pure AdamW update into kernel, copies, overhead, faults (CPU).")
+@click.option("--compiled", is_flag=True,
+              help="Also time the pure update with impl='compiled' (torch.compile; slow start).")
+@click.option("--chain", "chains", multiple=True, type=click.Choice(list(CHAINS)),
+              help="Chains of transformations to time (repeatable); default: all.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
+          with_breakdown: bool, compiled: bool, chains: tuple[str, ...], as_json: bool) -> None:
+    """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
+    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled)
+    if with_breakdown:
+        result["breakdown"] = breakdown(count, size, rounds, inner)
+    result["chains"] = measure_chains(list(chains or CHAINS), count, size, rounds, inner,
+                                      device)["results"]
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"update of {result['params']} on {device} "
+               f"(best of {rounds} interleaved rounds x {inner})")
+    for name, entry in result["results"].items():
+        times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
+        click.echo(f"  {name:13s} {times}")
+        ratios = f"pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x   "
+        ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x"
+        if "compiled_over_peer" in entry:
+            ratios += f"   compiled / {entry['peer']}: {entry['compiled_over_peer']:.2f}x"
+        click.echo(f"  {'':13s} {ratios}")
+    for name, entry in result["chains"].items():
+        times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
+        click.echo(f"  {name}  {times}")
+        click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
+                   f"(target <= {entry['target']}x)")
+    if with_breakdown:
+        click.echo("pure AdamW update, by part:")
+        parts = result["breakdown"]
+        for name, seconds in parts["seconds"].items():
+            faults = parts["minor_page_faults_per_call"][name]
+            click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")
