@@ -210,3 +210,21 @@ def test_update_never_mutates_its_inputs(name):
         opt.update(grads, state, params)
     after = mt.tree.leaves((params, state, grads))
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize(("factory", "kwargs", "lrs"), [
+    (mt.optim.nadam, dict(lr=0.01), [0.01, 0.01]),
+    (mt.optim.asgd, dict(lr=0.1, lambd=1.0, alpha=1.0), [0.1, 0.1 / 1.1]),  # lr / (1 + lr t)
+    (mt.optim.rprop, dict(lr=0.2), [0.2, 0.2]),
+    (mt.optim.schedule_free_adamw, dict(lr=0.1, warmup_steps=4), [0.025, 0.05]),
+    (mt.optim.adafactor, dict(lr=mt.optim.step_schedule(0.05, 1, gamma=0.5)), [0.05, 0.025]),
+])
+def test_learning_rate_reads_the_lr_of_the_last_update(factory, kwargs, lrs):
+    opt = factory(**kwargs)
+    params = {"w": torch.ones(2, 2)}
+    state = opt.init(params)
+    seen = []
+    for _ in range(2):
+        params, state = opt.update({"w": torch.ones(2, 2)}, state, params)
+        seen.append(mt.optim.learning_rate(state))
+    assert seen == pytest.approx(lrs, rel=1e-6)

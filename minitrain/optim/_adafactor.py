@@ -21,11 +21,12 @@ __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored
 
 
 class ScaleByAdafactorState(NamedTuple):
-    """``count``; per leaf of two or more dims ``row_var`` (shape ``(..., m, 1)``) and
-    ``col_var`` (``(..., 1, n)``), per smaller leaf ``variance``; the other entries are ``()``
-    (torch keeps no such key)."""
+    """``count``; ``lr`` of the last update (float32); per leaf of two or more dims
+    ``row_var`` (shape ``(..., m, 1)``) and ``col_var`` (``(..., 1, n)``), per smaller leaf
+    ``variance``; the other entries are ``()`` (torch keeps no such key)."""
 
     count: Tensor
+    lr: Tensor
     row_var: Any
     col_var: Any
     variance: Any
@@ -111,7 +112,8 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                                  f"pass real ones (e.g. torch.view_as_real)")
         spec = tree.structure(params)
         columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True))
-        return ScaleByAdafactorState(torch.zeros((), dtype=torch.int64),
+        first_lr = lr(0) if schedule else lr
+        return ScaleByAdafactorState(torch.zeros((), dtype=torch.int64), _f32(first_lr),
                                      *(tree.unflatten(spec, list(c)) for c in columns))
 
     def update(updates, state, params=None):
@@ -136,12 +138,16 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         out, new_rows, new_cols, new_vars = zip(*rows, strict=True)
         columns = (new_rows, new_cols, new_vars)
         new_state = ScaleByAdafactorState(
-            state.count + 1, *(tree.unflatten(spec, list(c)) for c in columns)
+            state.count + 1, _f32(step_lr), *(tree.unflatten(spec, list(c)) for c in columns)
         )
         return tree.unflatten(spec, list(out)), new_state
 
     return tagged("scale_by_adafactor", GradientTransformation(init, update), lr=lr,
                   beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay)
+
+
+def _f32(value: Any) -> Tensor:
+    return torch.as_tensor(value, dtype=torch.float32).detach().clone()
 
 
 def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:

@@ -10,6 +10,7 @@ from torch import Tensor
 from minitrain.optim._family import (
     Rule,
     Scalar,
+    add_scaled,
     check_range,
     family_optimizer,
     rule_transform,
@@ -22,9 +23,11 @@ __all__ = ["asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average"]
 
 
 class ScaleByAsgdState(NamedTuple):
-    """``count`` and ``ax``, the running average of the params (torch's ``ax``)."""
+    """``count``, ``lr`` (the step size ``eta`` of the last update, float32 as torch keeps
+    it) and ``ax``, the running average of the params (torch's ``ax``)."""
 
     count: Tensor
+    lr: Tensor
     ax: Params
 
 
@@ -40,11 +43,10 @@ def asgd_step_sizes(step: Any, lr: Any, lambd: Any, alpha: Any, t0: Any) -> tupl
     return eta, mu
 
 
-def asgd_leaf(g, buffers, p, step, lr, lambd, alpha, t0):
+def asgd_leaf(g, buffers, p, step, lambd, eta, mu):
     """torch's ``_single_tensor_asgd``: ``p <- p (1 - lambd eta) - eta g``, then the average
     ``ax <- ax + mu (p - ax)`` (a copy while ``mu == 1``). The update is the full step."""
-    eta, mu = asgd_step_sizes(step, lr, lambd, alpha, t0)
-    update = -eta * (g + lambd * p)
+    update = add_scaled(g, p, lambd) * -eta
     new_p = p + update
     ax = buffers["ax"]
     averaged = ax + (new_p - ax) * mu
@@ -58,10 +60,22 @@ def asgd_leaf(g, buffers, p, step, lr, lambd, alpha, t0):
 def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
     if callable(lr) and not isinstance(lr, Tensor):
         raise ValueError("invalid lr: ASGD decays its own step size from lr; pass a number")
-    hyper = dict(lr=check_range("lr", lr, 0.0), lambd=check_range("lambd", lambd, 0.0),
-                 alpha=check_range("alpha", alpha, 0.0), t0=check_range("t0", t0, -float("inf")))
-    return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf, hyper,
+    initial = check_range("lr", lr, 0.0)
+    lambd = check_range("lambd", lambd, 0.0)
+    alpha = check_range("alpha", alpha, 0.0)
+    t0 = check_range("t0", t0, -float("inf"))
+
+    def advance(step, lr):  # lr: eta of the last update (kept for learning_rate(state))
+        eta, mu = asgd_step_sizes(step, initial, lambd, alpha, t0)
+        return {"lr": eta}, {"eta": eta, "mu": mu}
+
+    return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
+                dict(lambd=lambd), scalars={"lr": lambda: _f32(initial)}, advance=advance,
                 needs_params=True)
+
+
+def _f32(value: Any) -> Tensor:
+    return torch.as_tensor(value, dtype=torch.float32).clone()
 
 
 def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4,

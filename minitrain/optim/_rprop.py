@@ -22,9 +22,11 @@ __all__ = ["rprop", "scale_by_rprop", "ScaleByRpropState"]
 
 
 class ScaleByRpropState(NamedTuple):
-    """``count``, ``prev`` (last gradient, zero where it changed sign) and ``step_size``."""
+    """``count``, ``lr`` (the initial step size, torch's group ``lr``), ``prev`` (last
+    gradient, zero where it changed sign) and ``step_size``."""
 
     count: Tensor
+    lr: Tensor
     prev: Params
     step_size: Params
 
@@ -56,9 +58,12 @@ def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
     check_range("step_sizes[1]", largest, scalar(smallest))
     init_leaf = lambda p: {"prev": zeros(p), "step_size": torch.full_like(  # noqa: E731
         p, scalar(lr), memory_format=torch.preserve_format)}
+    initial = torch.as_tensor(lr, dtype=torch.float32)
     return Rule("scale_by_rprop", ScaleByRpropState, init_leaf, rprop_leaf,
                 dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
-                     step_size_max=largest))
+                     step_size_max=largest),
+                scalars={"lr": lambda: initial.clone()},
+                advance=lambda step, lr: ({"lr": lr}, {}))
 
 
 def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),

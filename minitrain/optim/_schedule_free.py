@@ -39,12 +39,13 @@ __all__ = [
 class ScheduleFreeAdamwState(NamedTuple):
     """``count``; ``b1`` (kept for :func:`schedule_free_eval_params`), ``weight_sum`` and
     ``lr_max`` (float64 0-d, the reference's group entries); per leaf ``z`` and
-    ``exp_avg_sq``."""
+    ``exp_avg_sq``; ``lr`` is the warmed-up lr of the last update (float32)."""
 
     count: Tensor
     b1: Tensor
     weight_sum: Tensor
     lr_max: Tensor
+    lr: Tensor
     z: Params
     exp_avg_sq: Params
 
@@ -101,11 +102,14 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
     r = check_range("r", r, 0.0)
     weight_lr_power = check_range("weight_lr_power", weight_lr_power, 0.0)
 
-    def advance(step, b1, weight_sum, lr_max):
+    def advance(step, b1, weight_sum, lr_max, lr):
         lr_t, bias_correction2, ckp1, weight_sum, lr_max = _weights(
-            step, lr, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_max)
-        return {"b1": b1, "weight_sum": weight_sum, "lr_max": lr_max}, {
+            step, lr_value, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_max)
+        return {"b1": b1, "weight_sum": weight_sum, "lr_max": lr_max, "lr": lr_t}, {
             "lr_t": lr_t, "bias_correction2": bias_correction2, "ckp1": ckp1}
+
+    lr_value = lr
+    first_lr = lr / warmup_steps if warmup_steps else lr
 
     def f64(value: Any):
         return lambda: torch.tensor(float(value), dtype=torch.float64)
@@ -117,7 +121,8 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
         schedule_free_leaf,
         dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
         scalars={"b1": lambda: torch.as_tensor(beta1, dtype=torch.float64).clone(),
-                 "weight_sum": f64(0.0), "lr_max": f64(-1.0)},
+                 "weight_sum": f64(0.0), "lr_max": f64(-1.0),
+                 "lr": lambda: torch.as_tensor(first_lr, dtype=torch.float32).clone()},
         advance=advance, needs_params=True,
     )
 
