@@ -157,3 +157,33 @@ def test_muon_for_matrices_and_adamw_for_the_rest_equals_two_torch_optimizers():
         adamw.step()
     for k, p in leaves.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_updates_on_one_optimizer_equal_sequential_ones():
+    import threading
+
+    opt = mt.optim.nadam(lr=0.01)
+    runs = [make(seed) for seed in range(4)]
+    want = []
+    for params, grads_seq in runs:
+        state = opt.init(params)
+        for grads in grads_seq:
+            params, state = opt.update(grads, state, params)
+        want.append(params)
+    got: dict[int, dict] = {}
+
+    def work(index: int) -> None:
+        params, grads_seq = runs[index]
+        state = opt.init(params)
+        for grads in grads_seq:
+            params, state = opt.update(grads, state, params)
+        got[index] = params
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(runs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, params in enumerate(want):
+        for key in params:
+            assert torch.equal(got[index][key], params[key])

@@ -209,7 +209,8 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
 
     def update(grads, state, params, *, donate: bool = False):
         if plan.takes(grads, state, params):
-            return plan.run(grads, state, params, pool)
+            with pool.lock:  # two concurrent updates must not share an output buffer
+                return plan.run(grads, state, params, pool)
         return slow.update(grads, state, params, donate=donate)
 
     update.transformation = tx  # type: ignore[attr-defined]
