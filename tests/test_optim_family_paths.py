@@ -187,3 +187,24 @@ def test_concurrent_updates_on_one_optimizer_equal_sequential_ones():
     for index, params in enumerate(want):
         for key in params:
             assert torch.equal(got[index][key], params[key])
+
+
+@pytest.mark.parametrize("factory", [mt.optim.nadam, mt.optim.radam, mt.optim.asgd,
+                                     mt.optim.rprop, mt.optim.schedule_free_adamw,
+                                     mt.optim.adafactor])
+def test_updates_vmap_over_an_ensemble(factory):
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, 2, generator=g)}
+    grads = {"w": torch.randn(3, 4, 2, generator=g)}
+    opt = factory()
+
+    def run(p, grad):
+        state = opt.init(p)
+        for _ in range(7):  # past RAdam's rectification threshold
+            p, state = opt.update(grad, state, p)
+        return p
+
+    batched = torch.func.vmap(run)(params, grads)["w"]
+    members = torch.stack([run({"w": params["w"][i]}, {"w": grads["w"][i]})["w"]
+                           for i in range(3)])
+    torch.testing.assert_close(batched, members, rtol=1e-5, atol=1e-6)
