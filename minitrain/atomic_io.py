@@ -21,6 +21,7 @@ raise :class:`minitrain.errors.StorageError`, one line naming the path and the c
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "replace_dir",
     "write_atomic",
     "check_writable_dir",
+    "remove_stale_staging",
 ]
 
 
@@ -166,6 +168,31 @@ def check_writable_dir(directory: str | os.PathLike, what: str = "write to") -> 
     except OSError as exc:
         raise StorageError.from_os_error(exc, directory, what) from None
     return directory
+
+
+def remove_stale_staging(root: Path) -> None:
+    """Delete the ``.tmp-<pid>-*`` entries in ``root`` left by writers whose process has died
+    (this process's own leftovers too: a failed write here has already given up on them)."""
+    try:
+        stale = list(root.glob(".tmp-*"))
+    except OSError:
+        return
+    for path in stale:
+        match = re.match(r"\.tmp-(\d+)-", path.name)
+        if match and not _process_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlink_quietly(path: str | os.PathLike) -> None:

@@ -55,8 +55,8 @@ import torch
 
 import minitrain
 from minitrain import rng, tree
-from minitrain.atomic_io import fsync_dir, replace_dir, write_new_file
-from minitrain.checkpoint_state import MAX_STEP, check_state_fields
+from minitrain.atomic_io import fsync_dir, remove_stale_staging, replace_dir, write_new_file
+from minitrain.checkpoint_state import MAX_STEP, check_state_fields, pickle_kind
 from minitrain.errors import StorageError, os_cause
 
 __all__ = [
@@ -203,22 +203,17 @@ def save(
         "scalars": {"params": params_scalars, "opt_state": opt_scalars},
         "files": {},
     }
-    blobs = {
-        PARAMS_FILE: safetensors.torch.save(params_tensors),
-        OPT_STATE_FILE: safetensors.torch.save(opt_tensors),
-    }
-    for name, blob in blobs.items():
-        body["files"][name] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-    record = {**body, "checksum": _checksum(body)}
-    blobs[STATE_FILE] = (json.dumps(record, indent=1) + "\n").encode()
     _make_checkpoints_dir(target.parent)
     staging = None
     try:
         staging = Path(
             tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent)
         )
-        for name, blob in blobs.items():
-            write_new_file(staging / name, blob)
+        for name, tensors in ((PARAMS_FILE, params_tensors), (OPT_STATE_FILE, opt_tensors)):
+            _save_tensors(tensors, staging / name)
+            body["files"][name] = _fsync_and_describe(staging / name)
+        record = {**body, "checksum": _checksum(body)}
+        write_new_file(staging / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
         fsync_dir(staging)
         replace_dir(staging, target)
     except OSError as exc:
@@ -247,7 +242,7 @@ def _make_checkpoints_dir(root: Path) -> None:
         ) from None
     except OSError as exc:
         raise StorageError.from_os_error(exc, root, "create the checkpoint directory") from None
-    _remove_stale_staging(root)
+    remove_stale_staging(root)
 
 
 def _split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -301,28 +296,26 @@ def _checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _remove_stale_staging(root: Path) -> None:
-    """Delete ``.tmp-*`` directories left by saves whose process has died."""
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` (written by its Rust core, straight from the tensors'
+    memory); an I/O failure there comes back as an ``OSError`` with its errno."""
     try:
-        stale = list(root.glob(".tmp-*"))
-    except OSError:
-        return
-    for path in stale:
-        match = re.match(r"\.tmp-(\d+)-", path.name)
-        if match and not _process_alive(int(match.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
+        safetensors.torch.save_file(tensors, path)
+    except safetensors.SafetensorError as exc:
+        # Rust's io::Error ends its message with "(os error N)".
+        match = re.search(r"\(os error (\d+)\)", str(exc))
+        if match is None:
+            raise CheckpointError(f"cannot serialize {path.name}: {exc}") from None
+        code = int(match.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _fsync_and_describe(path: Path) -> dict[str, Any]:
+    """fsync a written file and return its size and SHA-256 (read back from the page cache)."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+        digest = hashlib.file_digest(handle, "sha256")
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> list[Path]:
@@ -553,18 +546,12 @@ def _hash_file(path: Path) -> Any:
 
 
 def _refuse_pickle(head: bytes, name: str) -> None:
-    # Pickle protocols 2-5 start with PROTO (0x80) and the protocol number; torch.save writes a
-    # zip archive (local file header "PK\x03\x04"), whose data.pkl is a pickle.
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        kind = "a pickle"
-    elif head[:4] == b"PK\x03\x04":
-        kind = "a zip archive (torch.save format)"
-    else:
-        return
-    raise CheckpointError(
-        f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
-        "never unpickles)"
-    )
+    kind = pickle_kind(head)
+    if kind is not None:
+        raise CheckpointError(
+            f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
+            "never unpickles)"
+        )
 
 
 # safetensors parses a JSON header and raw tensor bytes: no pickle, no code runs.

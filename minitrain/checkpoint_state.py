@@ -9,7 +9,7 @@ corrupt checkpoint instead of failing halfway through a resume. The RNG states a
 >>> check_state_fields({"format": "minitrain-checkpoint"}, ("params.safetensors",))
 Traceback (most recent call last):
 ...
-ValueError: lacks ['checksum', 'data_generator', 'files', 'meta', 'rng', 'saved_at', 'scalars', 'step', 'versions', 'version']
+ValueError: lacks ['checksum', 'data_generator', 'files', 'meta', 'rng', 'saved_at', 'scalars', 'step', 'version', 'versions']
 """  # noqa: E501
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from minitrain import rng
 
-__all__ = ["MAX_STEP", "STATE_FIELDS", "check_state_fields"]
+__all__ = ["MAX_STEP", "STATE_FIELDS", "check_state_fields", "pickle_kind"]
 
 MAX_STEP = 2**63 - 1
 """The largest step a checkpoint can be named for: ``step-`` and up to 19 digits."""
@@ -94,3 +94,19 @@ def _check_files(files: dict[str, Any], names: set[str]) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def pickle_kind(head: bytes) -> str | None:
+    """What a file starting with ``head`` is, if it is a pickle in disguise; else None.
+
+    >>> import pickle
+    >>> pickle_kind(pickle.dumps([1], protocol=4)[:8]), pickle_kind(b"{")
+    ('a pickle', None)
+    """
+    # Pickle protocols 2-5 start with PROTO (0x80) and the protocol number; torch.save writes a
+    # zip archive (local file header "PK\x03\x04"), whose data.pkl is a pickle.
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a pickle"
+    if head[:4] == b"PK\x03\x04":
+        return "a zip archive (torch.save format)"
+    return None

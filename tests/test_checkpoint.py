@@ -364,11 +364,32 @@ def fail_writes(monkeypatch, name: str, errno_: int) -> None:
     monkeypatch.setattr(os, "write", write)
 
 
+def fail_tensor_writes(monkeypatch, name: str, errno_: int) -> None:
+    """safetensors' Rust writer fails on ``name`` after writing half of it, as it reports an
+    I/O error: a SafetensorError whose message ends in "(os error N)"."""
+    real_save_file = safetensors.torch.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        if Path(filename).name != name:
+            return real_save_file(tensors, filename, metadata)
+        real_save_file(tensors, filename, metadata)
+        Path(filename).write_bytes(Path(filename).read_bytes()[:40])
+        raise safetensors.SafetensorError(
+            f"Error while serializing: I/O error: {os.strerror(errno_)} (os error {errno_})"
+        )
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
 @pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EFBIG, errno.EIO])
-def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, errno_):
+@pytest.mark.parametrize("where", ["state.json", "opt_state.safetensors"])
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, errno_, where):
     older, newer, params, opt_state = save_pair(tmp_path)
     before = {p.name: p.read_bytes() for p in newer.iterdir()}
-    fail_writes(monkeypatch, "opt_state.safetensors", errno_)
+    if where == "state.json":
+        fail_writes(monkeypatch, where, errno_)
+    else:
+        fail_tensor_writes(monkeypatch, where, errno_)
     cause = os.strerror(errno_).lower()
     with pytest.raises(StorageError, match=f"cannot write checkpoint .*step-00000200: {cause}"):
         checkpoint.save(tmp_path, 200, make_params(5), opt_state)  # would replace step 200
