@@ -47,7 +47,7 @@ from minitrain.optim._transforms_wrappers import (
     masked,
     multi_transform,
 )
-from minitrain.optim.base import check_hyperparameter, is_traced
+from minitrain.optim.base import BufferPool, check_hyperparameter, is_traced
 from minitrain.tree import Grads
 
 __all__ = [
@@ -136,9 +136,16 @@ def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
     for i, g in enumerate(leaves):
         groups.setdefault(g.dtype, []).append(i)
     out = list(leaves)
-    with torch.no_grad():
-        for dtype, indices in groups.items():
-            scaled = torch._foreach_mul([leaves[i] for i in indices], scale_.to(dtype))
-            for i, value in zip(indices, scaled, strict=True):
-                out[i] = value
+    # A Python number on CPU: aten's scalar overload (a float32 factor either way, so the same
+    # products as multiplying by the 0-d tensor).
+    factors = {dtype: float(scale_) if scale_.is_cpu else scale_.to(dtype) for dtype in groups}
+    # Recycled output buffers: fresh memory for every step's clipped grads costs page faults
+    # (see base.BufferPool), more than the multiplication itself.
+    with torch.no_grad(), _POOL.lock:
+        _POOL.begin_update()
+        for i, g in enumerate(leaves):
+            out[i] = torch.mul(g, factors[g.dtype], out=_POOL.empty_like(g))
     return tree.unflatten(tree.structure(grads), out), norm
+
+
+_POOL = BufferPool()
