@@ -42,6 +42,7 @@ def _fixed(count: int) -> Callable[..., int]:
 # Buffers shaped like each param, as a function of the optimizer's hyperparameters.
 STATE_BUFFERS: dict[str, Callable[..., int]] = {
     "sgd": _sgd,
+    "momentum": _fixed(1),  # SGD with momentum (accounting's name)
     "adam": _adam,
     "adamw": _adam,
     "adagrad": _fixed(1),  # sum
