@@ -248,3 +248,29 @@ def test_apply_updates_is_pure_and_keeps_dtypes():
     params = {"w": torch.ones(2, dtype=torch.bfloat16)}
     out = apply_updates(params, {"w": torch.full((2,), 0.25)})
     assert out["w"].dtype == torch.bfloat16 and torch.equal(params["w"], torch.ones(2).bfloat16())
+
+
+def test_injected_hyperparameters_are_swept_by_fit_sweep():
+    from minitrain.train.members import build_ensemble, member_grid
+    from minitrain.train.sweep import fit_sweep
+
+    config = {"lr": 0.1, "steps": 3}
+
+    def experiment(config):
+        tx = mt.optim.inject_hyperparams(
+            lambda learning_rate: chain(scale_by_adam(), scale_by_learning_rate(learning_rate))
+        )(learning_rate=config["lr"])
+        return mt.Experiment(
+            init=lambda g: {"w": torch.zeros(2)},
+            loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
+            next_batch=lambda g: torch.randn(4, 2, generator=g),
+            optimizer=as_optimizer(tx), steps=config["steps"])
+
+    members = member_grid(config, {}, {"lr": [0.01, 0.1]}, seeds=[0])
+    result = fit_sweep(build_ensemble(experiment, members), mt.get_backend("cpu"),
+                       progress=False)
+    lrs = result.opt_state.hyperparams["learning_rate"]
+    torch.testing.assert_close(lrs, torch.tensor([0.01, 0.1]), check_dtype=False)
+    # Adam moves each coordinate by about lr per step: the members moved 3 * lr.
+    torch.testing.assert_close(result.params["w"].abs().amax(dim=1),
+                               torch.tensor([0.03, 0.3]), rtol=0.05, atol=0)
