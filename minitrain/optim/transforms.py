@@ -132,6 +132,8 @@ def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
     scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if any(g.requires_grad for g in leaves) and torch.is_grad_enabled():
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
+    if scale_.is_cpu and float(scale_) == 1.0:  # within the bound: multiplying by 1 is exact
+        return grads, norm
     groups: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(leaves):
         groups.setdefault(g.dtype, []).append(i)
