@@ -46,22 +46,24 @@ def is_hidden_matrix(name: str, leaf) -> bool:
 
 
 def muon_and_adamw(config: dict) -> mt.optim.Optimizer:
+    """Muon for the hidden matrices, Adam for the rest, under one warmup + cosine schedule of
+    ``lr`` (the Muon group's peak is ``muon_lr``: its updates are scaled by muon_lr / lr)."""
     decay_steps = max(config["steps"], 1)
     warmup_steps = min(config["warmup_steps"], decay_steps - 1)
-
-    def schedule(peak: float):
-        return mt.optim.cosine_schedule(peak, decay_steps=decay_steps, warmup_steps=warmup_steps)
-
-    hidden = mt.optim.chain(
+    schedule = mt.optim.cosine_schedule(
+        config["lr"], decay_steps=decay_steps, warmup_steps=warmup_steps
+    )
+    hidden = mt.optim.chain(  # torch.optim.Muon: p <- p (1 - lr wd) - lr ratio NS(momentum)
         mt.optim.scale_by_muon(momentum=config["muon_momentum"]),
         mt.optim.add_decayed_weights(config["weight_decay"]),
-        mt.optim.scale_by_learning_rate(schedule(config["muon_lr"])),
+        mt.optim.scale(config["muon_lr"] / config["lr"]),
     )
-    rest = mt.optim.chain(  # bytelm decays no embedding, norm or bias
-        mt.optim.scale_by_adam(0.9, 0.95), mt.optim.scale_by_learning_rate(schedule(config["lr"]))
-    )
+    rest = mt.optim.scale_by_adam(0.9, 0.95)  # bytelm decays no embedding, norm or bias
     labels = lambda name, leaf: "muon" if is_hidden_matrix(name, leaf) else "adamw"  # noqa: E731
-    return mt.optim.as_optimizer(mt.optim.multi_transform({"muon": hidden, "adamw": rest}, labels))
+    return mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.multi_transform({"muon": hidden, "adamw": rest}, labels),
+        mt.optim.scale_by_learning_rate(schedule),
+    ))
 
 
 def experiment(config: dict) -> mt.Experiment:
