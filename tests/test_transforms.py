@@ -274,3 +274,20 @@ def test_injected_hyperparameters_are_swept_by_fit_sweep():
     # Adam moves each coordinate by about lr per step: the members moved 3 * lr.
     torch.testing.assert_close(result.params["w"].abs().amax(dim=1),
                                torch.tensor([0.03, 0.3]), rtol=0.05, atol=0)
+
+
+def test_a_chain_state_round_trips_through_a_checkpoint(tmp_path):
+    tx = mt.optim.apply_if_finite(mt.optim.MultiSteps(
+        chain(mt.optim.clip_by_global_norm(1.0), scale_by_adam(amsgrad=True),
+              add_decayed_weights(0.1), scale_by_learning_rate(0.01), mt.optim.ema(0.9)),
+        every_k=2))
+    opt = as_optimizer(tx)
+    params, grads = _data(3, 3)
+    state = opt.init(params)
+    for step_grads in grads:
+        params, state = opt.update(step_grads, state, params)
+    path = mt.checkpoint.save(tmp_path, 3, params, state)
+    loaded = mt.checkpoint.load(path, params, opt.init(params))
+    for a, b in zip(mt.tree.leaves(state), mt.tree.leaves(loaded.opt_state), strict=True):
+        assert torch.equal(a, b)
+    assert type(loaded.opt_state) is type(state)
