@@ -71,8 +71,8 @@ def used(trained, tmp_path):
 
 
 def damage_file(name, how):
-    def damage(out):
-        path = out / CKPT.format(6) / name
+    def damage(out, step=6):
+        path = out / CKPT.format(step) / name
         if how == "truncate":
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         elif how == "flip":
@@ -135,6 +135,75 @@ def run_skip_case(capsys, used, damage, words):
 @pytest.mark.parametrize("case", sorted(SKIPS))
 def test_a_damaged_checkpoint_is_skipped_on_resume(capsys, used, case):
     run_skip_case(capsys, used, *SKIPS[case])
+
+
+def _both_newest_damaged(out):
+    for step in (4, 6):
+        damage_file("params.safetensors", "truncate")(out, step)
+
+
+def _copy_as(name, step=6):
+    def copy(out):
+        shutil.copytree(out / CKPT.format(step), out / "checkpoints" / name)
+
+    return copy
+
+
+def _swap(name, source=4):
+    def swap(out):
+        shutil.copy(out / CKPT.format(source) / name, out / CKPT.format(6) / name)
+
+    return swap
+
+
+def _torch_save_over(out):
+    import torch
+
+    torch.save({"w": torch.zeros(4)}, out / CKPT.format(6) / "params.safetensors")
+
+
+def _stray_file(out):
+    (out / CKPT.format(6) / "notes.txt").write_text("mine")
+
+
+def _dead_staging(out):
+    (out / "checkpoints" / ".tmp-999999999-step-00000008-x").mkdir()
+    (out / "checkpoints" / ".tmp-999999999-step-00000008-x" / "state.json").write_text("{")
+
+
+# id: (damage, the skip messages expected (step: words), the step resumed from)
+ODD_LAYOUTS = {
+    "the two newest truncated": (
+        _both_newest_damaged, {6: "truncated", 4: "truncated"}, 2),
+    "state.json of step 4 under step 6": (_swap("state.json"), {6: "records step 4"}, 4),
+    "params of step 4 under step 6": (_swap("params.safetensors"), {6: "SHA-256"}, 4),
+    "params written by torch.save": (_torch_save_over, {6: "torch.save format"}, 4),
+    "a copy of step 6 named step 9": (_copy_as("step-00000009"), {9: "records step 6"}, 6),
+    "a name with a leading zero too many": (_copy_as("step-000000009"), {}, 6),
+    "a name past 19 digits": (_copy_as("step-" + "9" * 20), {}, 6),
+    "a stray file in a checkpoint": (_stray_file, {}, 6),
+    "staging left by a dead process": (_dead_staging, {}, 6),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_LAYOUTS))
+def test_odd_checkpoint_layouts_on_resume(capsys, used, case):
+    damage, skips, start = ODD_LAYOUTS[case]
+    script_path, out = used
+    untouched = {k: v for k, v in snapshot(out).items()
+                 if k.startswith("checkpoints/") and int(k.split("/")[1][5:]) < start}
+    damage(out)
+    code, stdout, err = run(capsys, script_path, out, "--resume", "--keep", "10", steps=8)
+    assert code == 0, err
+    check_clean(err, script=script_path, error=False)
+    skipped = [line for line in err.splitlines() if line.startswith("skipping checkpoint")]
+    assert len(skipped) == len(skips), err
+    for step, words in skips.items():
+        assert any(f"step-{step:08d}" in line and words in line for line in skipped), err
+    assert f"step-{start:08d} (step {start})" in err, err
+    check_kept(untouched, out)
+    assert steps_logged(out) == list(range(1, 9)) and latest_step(out) == 8
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
 def test_an_unreadable_checkpoint_is_skipped_on_resume(capsys, used, monkeypatch):
