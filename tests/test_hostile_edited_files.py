@@ -356,6 +356,18 @@ CORPUS = {  # id: (file, damage, exit code, words of the error line)
     "train.bin deleted": ("train.bin", lambda p: p.unlink(), "train.bin is missing"),
     "meta.json garbage": ("meta.json", lambda p: p.write_text("{]"), "meta.json"),
     "meta.json deleted": ("meta.json", lambda p: p.unlink(), "no meta.json"),
+    "val.bin edited": ("val.bin", flip, "SHA-256"),
+    "meta.json dtype int64": (
+        "meta.json", lambda p: p.write_text(p.read_text().replace('"uint16"', '"int64"')),
+        "dtype"),
+    "meta.json token count negative": (
+        "meta.json", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()),
+                                                        "tokens": {"train": -1, "val": 1}})),
+        "token counts"),
+    "meta.json digest not hex": (
+        "meta.json", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()),
+                                                        "sha256": {"train": "x", "val": "y"}})),
+        "SHA-256"),
     "meta.json vocab_size": (
         "meta.json", lambda p: p.write_text(p.read_text().replace('"vocab_size": 256',
                                                                   '"vocab_size": -1')),

@@ -51,6 +51,15 @@ REFUSED = {  # id: (args, words of the error line)
     "--log-every 0": (("--log-every", "0"), "--log-every"),
     "--checkpoint-every -1": (("--checkpoint-every", "-1"), "--checkpoint-every"),
     "--keep 0": (("--keep", "0"), "--keep"),
+    "--keep -1": (("--keep", "-1"), "--keep"),
+    "--steps 1.5": (("--steps", "1.5"), "--steps"),
+    "--steps empty": (("--steps", ""), "--steps"),
+    "--log-every 1e3": (("--log-every", "1e3"), "--log-every"),
+    "--nproc 0": (("--nproc", "0"), "--nproc"),
+    "--backend nope": (("--backend", "nope"), "nope"),
+    "--set has_aux=maybe": (("--set", "has_aux=maybe"), "has_aux"),
+    "--set dim=abc": (("--set", "dim=abc"), "dim"),
+    "--set without =": (("--set", "lr"), "--set"),
 }
 
 
