@@ -100,7 +100,8 @@ def test_misaligned_views_and_any_thread_count_give_the_same_numbers(offset, siz
     torch._fused_adam_([expected_p], [grad], [expected_m], [expected_v], [],
                        [torch.tensor(3.0)], lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1,
                        eps=1e-8, amsgrad=False, maximize=False)
-    hp = [0.9, 0.99, 1e-8, 0.1, 0.01, 0.01 / (1 - 0.9**3), (1 - 0.99**3) ** 0.5, False, False]
+    hp = [0.9, 0.99, 1e-8, 0.1, 0.01, 0.01 / (1 - 0.9**3), (1 - 0.99**3) ** 0.5, False, False,
+          1.0]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

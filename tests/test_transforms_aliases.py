@@ -114,3 +114,26 @@ def test_bad_tensor_hyperparameters_are_refused_naming_them():
         mt.optim.adamw(betas=(0.9, torch.tensor(0.999)))
     with pytest.raises(ValueError, match="betas"):
         mt.optim.adam(betas=(torch.tensor(0.9), 0.999))
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_a_leading_clip_folds_into_the_lowered_update(decoupled):
+    params, grads = _data(3)
+
+    def make():
+        return mt.optim.chain(
+            mt.optim.clip_by_global_norm(0.5), mt.optim.scale_by_adam(),
+            mt.optim.add_decayed_weights(0.1), mt.optim.scale_by_learning_rate(0.01),
+        ) if decoupled else mt.optim.chain(
+            mt.optim.clip_by_global_norm(0.5), mt.optim.add_decayed_weights(0.1),
+            mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.01),
+        )
+
+    lowered, _ = _run(mt.optim.as_optimizer(make()), params, grads)
+    factory = mt.optim.adamw if decoupled else mt.optim.adam
+    clipped_first = [mt.optim.clip_by_global_norm(g, 0.5)[0] for g in grads]
+    fast, _ = _run(factory(lr=0.01, weight_decay=0.1, impl="fast"), params, clipped_first)
+    plain, _ = _run(mt.optim.as_optimizer(make()), params, grads, requires_grad=True)
+    for a, b, c in zip(lowered, fast, plain, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)

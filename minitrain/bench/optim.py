@@ -211,7 +211,7 @@ def _one_pass_parts(params, grads, exp_avg, exp_avg_sq) -> dict[str, Callable[[]
     stores, into two sets of buffers used in turn (as the pure path's pool does)."""
     if not streaming.usable(params):
         return {}
-    hp = [0.9, 0.999, 1e-8, 1e-2, 1e-3, 1e-3 / (1 - 0.9), (1 - 0.999) ** 0.5, True, False]
+    hp = [0.9, 0.999, 1e-8, 1e-2, 1e-3, 1e-3 / (1 - 0.9), (1 - 0.999) ** 0.5, True, False, 1.0]
     generations = [[[t.clone() for t in leaves] for leaves in (params, exp_avg, exp_avg_sq)]
                    for _ in range(2)]
     turn = [0]

@@ -24,7 +24,13 @@ from minitrain.optim._core import (
     hyperparameter,
     register_lowering,
 )
-from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
+from minitrain.optim._lowering import (
+    GradScale,
+    chain_lowering,
+    leaf_step,
+    maximized,
+    register_alias,
+)
 from minitrain.optim._transforms_rules import (
     adam_leaf,
     add_decayed_weights,
@@ -135,7 +141,10 @@ def adam_chain(
     )
 
 
-def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoupled):
+def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoupled,
+          grad_scale=None):
+    """``grad_scale``: a :class:`GradScale` a lowered chain sets to fold a global-norm clip into
+    the update (the grads are multiplied by it first)."""
     beta1, beta2 = check_pair("betas", betas)
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
@@ -150,16 +159,19 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
+        factor = 1.0 if grad_scale is None else grad_scale.value
         if streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
             bias_correction1 = 1 - b1**step
             hyperparameters = [
                 b1, b2, eps, weight_decay, lr, lr / bias_correction1,
-                math.sqrt(1 - b2**step), decoupled, amsgrad,
+                math.sqrt(1 - b2**step), decoupled, amsgrad, factor,
             ]
             slots = [ps, gs, buffers["exp_avg"], buffers["exp_avg_sq"],
                      buffers.get("max_exp_avg_sq")]
             new_ps, *new_buffers = streaming.update("adam", hyperparameters, slots, outputs)
             return new_ps, dict(zip(buffers, new_buffers, strict=False))
+        if factor != 1.0:
+            gs = torch._foreach_mul(gs, factor)
         ps = owned(ps, outputs)
         new = {name: owned(buffers[name], outputs) for name in buffers}
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -190,11 +202,13 @@ def _match(tx: GradientTransformation):
     if parts["rules"] != ["scale_by_adam"]:
         return None
     adam_spec = parts["scale_by_adam"]
+    scale = GradScale()
     optimizer = _adam(lr, (adam_spec["beta1"], adam_spec["beta2"]), adam_spec["eps"],
                       weight_decay, adam_spec["amsgrad"], False, mask, "fast",
-                      decoupled=decoupled)
+                      decoupled=decoupled, grad_scale=scale)
     return register_alias(tx, optimizer, AdamState, "scale_by_adam",
-                          ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), before, clip_norm)
+                          ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), before, clip_norm,
+                          fold_clip=scale)
 
 
 register_lowering(_match)

@@ -10,6 +10,7 @@ hand has an alias's shape: ``[clip_by_global_norm] [add_decayed_weights] RULE...
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from minitrain.optim._core import GradientTransformation, spec
 from minitrain.optim._transforms_rules import decayed
 from minitrain.optim.base import use_plain_path
 
-__all__ = ["leaf_step", "maximized", "chain_lowering", "register_alias"]
+__all__ = ["leaf_step", "maximized", "chain_lowering", "register_alias", "GradScale"]
 
 Leaf = Callable[..., tuple[Tensor, dict[str, Any]]]
 
@@ -102,18 +103,37 @@ def chain_lowering(tx: GradientTransformation, core: str | None):
         specs[-1][1]["learning_rate"]
 
 
+class GradScale(threading.local):
+    """A factor a lowered chain hands to an alias's fast step for this call only (per thread):
+    a global-norm clip's scale, multiplied into the grads inside the update's one pass."""
+
+    value: float = 1.0
+
+
 def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type, core: str,
-                   buffers: Sequence[str], before: int, clip_norm: Any) -> Callable[..., Any]:
+                   buffers: Sequence[str], before: int, clip_norm: Any,
+                   fold_clip: GradScale | None = None) -> Callable[..., Any]:
     """A lowered update of chain ``tx`` through ``optimizer``'s fast path: the chain's state is
-    read into ``state_type`` (fields ``count``, ``lr`` and buffers) and written back."""
-    from minitrain.optim.transforms import clip_by_global_norm
+    read into ``state_type`` (fields ``count``, ``lr`` and buffers) and written back. With
+    ``fold_clip``, a leading ``clip_by_global_norm`` computes only its scale and ``optimizer``
+    multiplies the grads by it (the same float32 products as clipping first)."""
+    from minitrain.optim.transforms import clip_by_global_norm, clip_scale
 
     def lowered(grads, state, params, donate):
         leaves = tree.leaves(params)
         if use_plain_path("auto", [*leaves, *tree.leaves(grads)], []):
             return None
+        if clip_norm is not None and fold_clip is not None:
+            fold_clip.value = clip_scale(grads, clip_norm)
+            try:
+                return _update(grads, state, params, donate)
+            finally:
+                fold_clip.value = 1.0
         if clip_norm is not None:
             grads, _ = clip_by_global_norm(grads, clip_norm)
+        return _update(grads, state, params, donate)
+
+    def _update(grads, state, params, donate):
         fields: dict[str, Any] = {}
         for inner in state[before:]:
             for name in getattr(inner, "_fields", ()):

@@ -77,17 +77,21 @@ static inline v8 lerp(v8 a, v8 b, float w, int small_w) {
 typedef void (*rule_fn)(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt);
 
 /* Adam / AdamW. hp: beta1, beta2, eps, weight_decay, lr, step_size (lr / bias_correction1),
-   bias_correction2_sqrt, decoupled (1 AdamW, 0 Adam), amsgrad.
+   bias_correction2_sqrt, decoupled (1 AdamW, 0 Adam), amsgrad, grad_scale (the grads are
+   multiplied by it first, in float32: a global-norm clip folded into the same pass).
    ptr: p, g, exp_avg, exp_avg_sq, max_exp_avg_sq | p, exp_avg, exp_avg_sq, max_exp_avg_sq. */
 static void adam(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
     const float w = (float)(1.0 - hp[0]), beta2 = (float)hp[1], one_minus_beta2 = (float)(1.0 - hp[1]);
     const float eps = (float)hp[2], wd = (float)hp[3], decay = (float)(1.0 - hp[4] * hp[3]);
     const float step_size = (float)hp[5], inv_bc2_sqrt = (float)(1.0 / hp[6]);
     const int decoupled = hp[7] != 0.0, amsgrad = hp[8] != 0.0, small_w = fabsf(w) < 0.5f;
+    const float grad_scale = (float)hp[9];
+    const int scaled = grad_scale != 1.0f;
     const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *v_in = ptr[3], *max_in = ptr[4];
     float *p_out = ptr[5], *m_out = ptr[6], *v_out = ptr[7], *max_out = ptr[8];
     for (int64_t i = lo; i < hi; i += W) {
         v8 p = load(p_in + i), g = load(g_in + i);
+        if (scaled) g = g * grad_scale;
         if (decoupled) p = p * decay; /* AdamW: p *= 1 - lr * wd */
         else if (wd != 0.0f) g = g + p * wd;
         const v8 m = lerp(load(m_in + i), g, w, small_w);

@@ -53,6 +53,8 @@ __all__ = ["RULES", "BuildError", "available", "fresh", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3}
 """Rule name -> index in ``_streaming.c``'s table."""
+HYPERPARAMETERS = {"adam": 10, "sgd": 7, "adagrad": 3, "rmsprop": 7}
+"""Rule name -> how many hyperparameters the kernel reads (``_streaming.c`` lists them)."""
 
 SOURCE = Path(__file__).with_name("_streaming.c")
 ENV = "MINITRAIN_STREAMING"
@@ -288,6 +290,11 @@ def update(
     params and buffers themselves. Call :func:`usable` first. ``nontemporal=False`` forces
     plain stores into fresh buffers (to measure what streaming saves).
     """
+    if len(hyperparameters) != HYPERPARAMETERS[rule]:
+        raise ValueError(
+            f"streaming rule {rule!r} takes {HYPERPARAMETERS[rule]} hyperparameters, got "
+            f"{len(hyperparameters)}; pass them in the order _streaming.c documents"
+        )
     library = _library()
     if library is None:
         raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")

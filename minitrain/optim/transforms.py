@@ -119,6 +119,18 @@ def _clip_transform(max_norm: Any) -> GradientTransformation:
                   max_norm=max_norm)
 
 
+def clip_scale(grads: Grads, max_norm: float) -> float:
+    """The factor :func:`clip_by_global_norm` multiplies plain CPU or GPU grads by, as a Python
+    float (``min(1, max_norm / (norm + 1e-6))`` in float32).
+
+    >>> clip_scale([torch.tensor([3.0, 4.0])], 1.0)
+    0.19999995827674866
+    """
+    check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
+    norm = tree.global_norm(grads)
+    return float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
 def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
     leaves = tree.leaves(grads)
