@@ -208,3 +208,40 @@ def test_updates_vmap_over_an_ensemble(factory):
     members = torch.stack([run({"w": params["w"][i]}, {"w": grads["w"][i]})["w"]
                            for i in range(3)])
     torch.testing.assert_close(batched, members, rtol=1e-5, atol=1e-6)
+
+
+
+COMPILED_UPDATE = """
+import torch, minitrain as mt
+g = torch.Generator().manual_seed(2)
+params = {"w": torch.randn(8, 6, generator=g), "b": torch.randn(6, generator=g)}
+grads_seq = [{k: torch.randn(p.shape, generator=g) for k, p in params.items()} for _ in range(8)]
+for factory, kwargs in [(mt.optim.asgd, dict(t0=2, weight_decay=0.1)),
+                        (mt.optim.schedule_free_adamw, dict(warmup_steps=3, weight_decay=0.1))]:
+    fast, compiled = factory(**kwargs), factory(**kwargs, impl="compiled")
+    p1, s1 = params, fast.init(params)
+    p2, s2 = params, compiled.init(params)
+    with torch.no_grad():
+        for grads in grads_seq:  # one compile: new steps and scalars are tensor inputs
+            p1, s1 = fast.update(grads, s1, p1)
+            p2, s2 = compiled.update(grads, s2, p2)
+    for a, b in zip(mt.tree.leaves((p1, s1)), mt.tree.leaves((p2, s2)), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_compiled_update_equals_the_fast_path():
+    # A fresh interpreter: under pytest the jaxtyping import hook wraps every function in
+    # checks that dynamo cannot trace (as tests/test_optim.py does for the aliases).
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILED_UPDATE], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MINITRAIN_TYPECHECK": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"

@@ -4,8 +4,8 @@ Each optimizer updates 8 fp32 params of 1024×1024 with fixed random grads on th
 process times, round by round interleaved, the reference's fastest path (``foreach=True`` where
 torch has one; Muon's only path; ``lion_pytorch.Lion``; ``schedulefree.AdamWScheduleFree`` with
 foreach) and minitrain's pure update (``params, state = opt.update(grads, state, params)``, the
-previous params dropped as in a training loop). The ratio is best-round time over the peer's;
-the target is at most 1.0.
+previous params dropped as in a training loop), optionally also with ``impl="compiled"``. The
+ratio is best-round time over the peer's; the target is at most 1.0.
 """
 
 from __future__ import annotations
@@ -92,9 +92,15 @@ class _Pure:
             self.params, self.state = self.opt.update(self.grads, self.state, self.params)
 
 
+# Aliases with impl="compiled" (their chain as one inductor graph; Adafactor and Muon have none)
+COMPILED = {"adadelta", "adamax", "asgd", "nadam", "nadam_decoupled", "radam", "rprop", "lion",
+            "schedule_free_adamw"}
+
+
 def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 1024,
-                  rounds: int = 10, inner: int = 3) -> dict[str, Any]:
-    """Seconds per update (reference, minitrain pure) and their ratio for each optimizer.
+                  rounds: int = 10, inner: int = 3, compiled: bool = False) -> dict[str, Any]:
+    """Seconds per update (reference, minitrain pure) and their ratio for each optimizer;
+    with ``compiled``, also the pure update with ``impl="compiled"`` (compiles first, seconds).
 
     A reference that is not installed (``lion-pytorch``, ``schedulefree``) gives a row with
     ``"skipped"`` and the reason instead of numbers.
@@ -113,11 +119,17 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
             "reference": _Reference(cls, {**shared, **only_reference}, params, grads),
             "minitrain_pure": _Pure(factory, shared, params, grads),
         }
+        if compiled and name in COMPILED:
+            steppers["minitrain_compiled"] = _Pure(factory, {**shared, "impl": "compiled"},
+                                                   params, grads)
         seconds = time_interleaved(steppers, rounds, inner)
         rows[name] = {
             "reference": reference,
             "seconds": seconds,
             "pure_over_reference": seconds["minitrain_pure"] / seconds["reference"],
         }
+        if "minitrain_compiled" in seconds:
+            rows[name]["compiled_over_reference"] = (
+                seconds["minitrain_compiled"] / seconds["reference"])
         del steppers
     return {"params": f"{count} x {size}x{size} fp32, cpu", "results": rows}

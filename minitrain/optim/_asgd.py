@@ -95,7 +95,7 @@ def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4,
 
 
 def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
-         t0: Scalar = 1e6, weight_decay: Any = 0.0, *, maximize: bool = False,
+         t0: Scalar = 1e6, weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
          mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.ASGD: L2 decay, then ASGD's step; the averaged params are
     ``asgd_average(state)``.
@@ -108,7 +108,7 @@ def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
     (tensor([0.5000]), tensor([0.5000]))
     """
     return family_optimizer(_rule(lr, lambd, alpha, t0), maximize=maximize,
-                            weight_decay=weight_decay, mask=mask)
+                            weight_decay=weight_decay, mask=mask, impl=impl)
 
 
 def asgd_average(state: Any) -> Params:

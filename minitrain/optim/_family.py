@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as _pytree
 from torch import Tensor
 
+from minitrain.optim._compiled_rule import CompiledChain
 from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
@@ -184,12 +185,15 @@ def rule_transform(rule: Rule) -> GradientTransformation:
 
 def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                      weight_decay: Any = 0.0, mask: WeightDecayMask = None,
-                     decoupled: bool = False) -> Optimizer:
+                     decoupled: bool = False, impl: str = "auto") -> Optimizer:
     """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``, whose
-    update on plain CPU tensors runs the same ops into recycled buffers (``_pooled``).
+    update on plain CPU tensors runs the same ops into recycled buffers (``_pooled``), or with
+    ``impl="compiled"`` as one inductor graph (``_compiled_rule``).
 
     ``lr=None``: the rule's output is the whole step (Rprop, ASGD, schedule-free AdamW).
     """
+    if impl not in ("auto", "compiled"):
+        raise ValueError(f"invalid impl={impl!r}: choose 'auto' or 'compiled'")
     if not isinstance(maximize, bool):
         raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
     weight_decay = check_range("weight_decay", weight_decay, 0.0)
@@ -206,11 +210,13 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
     slow = as_optimizer(tx)
     plan = _Plan(rule, maximize, weight_decay if decays else None, mask, decoupled, lr)
     pool = BufferPool()
+    compiled = CompiledChain(rule.update_leaf, maximize, decays and not decoupled,
+                             decays and decoupled, lr is not None) if impl == "compiled" else None
 
     def update(grads, state, params, *, donate: bool = False):
         if plan.takes(grads, state, params):
             with pool.lock:  # two concurrent updates must not share an output buffer
-                return plan.run(grads, state, params, pool)
+                return plan.run(grads, state, params, pool, compiled)
         return slow.update(grads, state, params, donate=donate)
 
     update.transformation = tx  # type: ignore[attr-defined]
@@ -281,7 +287,9 @@ class _Plan:
         return [_run(torch.mul, (pi, factor), {}, pool) if flag else pi
                 for pi, flag in zip(p, flags, strict=True)]
 
-    def run(self, grads, state, params, pool):
+    def run(self, grads, state, params, pool, compiled=None):
+        if compiled is not None and len({p.dtype for p in _pytree.tree_leaves(params)}) == 1:
+            return self.run_compiled(grads, state, params, pool, compiled)
         pool.begin_update()
         p_leaves, spec = _pytree.tree_flatten(params)
         new_state = list(state)
@@ -338,3 +346,48 @@ class _Plan:
         }
         count = torch.tensor(step, dtype=torch.int64)
         return out, rule.state_type(count, **kept, **fields)
+
+    def step_lr(self, state, new_state):
+        """The lr of this update, recorded in the chain's last state."""
+        lr_state = state[-1]
+        lr = self.lr(int(lr_state.count)) if self.schedule else self.lr
+        if self.schedule:
+            check_hyperparameter("lr (from the schedule)", lr, 0.0)
+        lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
+            float(lr), dtype=torch.float32)
+        new_state[-1] = type(lr_state)(lr_state.count + 1, lr_tensor)
+        return scalar(lr)
+
+    def run_compiled(self, grads, state, params, pool, compiled):
+        pool.begin_update()
+        rule = self.rule
+        p_leaves, spec = _pytree.tree_flatten(params)
+        new_state = list(state)
+        inner = state[self.rule_index]
+        step = int(inner.count) + 1
+        per_step: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
+        if rule.scalars:
+            old = {key: getattr(inner, key) for key in rule.scalars}
+            new_scalars, per_step = rule.advance(step, **{k: scalar(v) for k, v in old.items()})
+            kept = {key: _like(new_scalars[key], old[key]) for key in rule.scalars}
+        lr = self.step_lr(state, new_state) if self.lr is not None else 0.0
+        key = _pytree.tree_structure(params)
+        flags = self.flags.get(key)
+        if flags is None:
+            flags = self.flags[key] = decay_flags(self.mask, params)
+        used = [f for f in self.buffers() if getattr(inner, f) != ()]
+        buffers = {f: _pytree.tree_leaves(getattr(inner, f)) for f in used}
+        ps_out = [pool.empty_like(p) for p in p_leaves]
+        buffers_out = {f: [pool.empty_like(b) for b in leaves] for f, leaves in buffers.items()}
+        with torch.no_grad():
+            compiled(p_leaves, _pytree.tree_leaves(grads), buffers, step,
+                     {k: scalar(v) for k, v in self.hyper.items()},
+                     {k: scalar(v) for k, v in per_step.items()}, lr,
+                     scalar(self.weight_decay) if self.weight_decay is not None else 0.0,
+                     flags, ps_out, buffers_out)
+        fields = {f: () if f not in buffers_out else _pytree.tree_unflatten(buffers_out[f], spec)
+                  for f in self.buffers()}
+        new_state[self.rule_index] = rule.state_type(torch.tensor(step, dtype=torch.int64),
+                                                     **kept, **fields)
+        return _pytree.tree_unflatten(ps_out, spec), tuple(new_state)
