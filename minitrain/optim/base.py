@@ -31,18 +31,22 @@ pure; donation is a permission, never an obligation.
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
-import torch._prims_common as _prims_common
 import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim import streaming
+from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-exported)
+    _CAN_COUNT_STORAGE_USES,
+    BufferPool,
+    buffer_pool_bytes,
+    clear_buffer_pools,
+)
+from minitrain.optim._safety import check_state_shapes, fast_path_inputs
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
@@ -477,81 +481,6 @@ class LayoutCache:
         )
 
 
-def _leaf_name(params: Params, index: int) -> str:
-    return tree.named_leaves(params)[index][0]
-
-
-def check_state_shapes(buffers: dict[str, list], params: list[Tensor], tree_: Params) -> None:
-    """``ValueError`` naming the first state leaf that is not a tensor of its param's shape (a
-    state from another model would otherwise broadcast, or send a kernel out of bounds)."""
-    for name, leaves in buffers.items():
-        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
-            if not isinstance(leaf, Tensor) or leaf.shape != p.shape:
-                shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
-                raise ValueError(
-                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {shape} but its param is "
-                    f"{tuple(p.shape)}; create the state with opt.init(params) for these params"
-                )
-
-
-def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
-                     tree_: Params) -> tuple[list[Tensor], dict[str, list]] | None:
-    """Grads and state the fused and streaming kernels can read safely, or None (plain path).
-
-    Those kernels walk each param's storage and the same offsets in its grad and state, so every
-    grad and state leaf must have its param's dtype, device and strides and a storage that holds
-    all of it. Grads and state that do not (expanded with stride 0, transposed, overlapping,
-    sliced views) are copied into the param's layout; a state leaf of another dtype or device is
-    a ``ValueError`` naming it. None when a param itself is not dense and non-overlapping.
-    """
-    for p in params:
-        if not _dense(p):
-            return None
-    grads = [g if _like(g, p) else _copy_like(g, p) for g, p in zip(grads, params, strict=True)]
-    checked = {}
-    for name, leaves in buffers.items():
-        out = []
-        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
-            if leaf.dtype != p.dtype or leaf.device != p.device:
-                raise ValueError(
-                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {leaf.dtype} on "
-                    f"{leaf.device} but its param is {p.dtype} on {p.device}; create the state "
-                    f"with opt.init(params) or move it with the params"
-                )
-            out.append(leaf if _like(leaf, p) else _copy_like(leaf, p))
-        checked[name] = out
-    return grads, checked
-
-
-def _dense(t: Tensor) -> bool:
-    if t.is_contiguous():
-        return _storage_holds(t)
-    return _prims_common.is_non_overlapping_and_dense_or_false(t) and _storage_holds(t)
-
-
-def _like(t: Tensor, p: Tensor) -> bool:
-    if t.device != p.device:
-        raise ValueError(f"a grad is on {t.device} but its param on {p.device}; move the grads")
-    if p.is_contiguous():
-        return t.is_contiguous() and _storage_holds(t)
-    return t.stride() == p.stride() and _storage_holds(t)
-
-
-def _copy_like(t: Tensor, p: Tensor) -> Tensor:
-    out = torch.empty_like(p, memory_format=torch.preserve_format)
-    with torch.no_grad():
-        out.copy_(t)
-    return out
-
-
-def _storage_holds(t: Tensor) -> bool:
-    """Whether ``t``'s storage holds every element ``t`` addresses."""
-    if t.numel() == 0:
-        return True
-    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
-
-
 def _check_state_type(state: Any, state_type: type) -> None:
     if not isinstance(state, state_type):
         raise ValueError(
@@ -697,109 +626,6 @@ def owned(tensors: list[Tensor], outputs: Outputs) -> list[Tensor]:
     copies = outputs(tensors)
     torch._foreach_copy_(copies, tensors)
     return copies
-
-
-class BufferPool:
-    """Output buffers for pure CPU updates, recycled once nothing outside the pool holds them.
-
-    A pure update writes every new param and state tensor into memory that the caller did not
-    pass in. Fresh ``torch.empty`` memory costs page faults on CPU (glibc hands large freed
-    blocks back to the kernel, so each step maps and zero-fills them again), which makes a
-    pure update several times slower than an in-place one. The pool keeps an alias of each
-    buffer it hands out; when the caller has dropped every tensor and view of it (the storage's
-    use count, as inductor's cudagraph trees check it, is back to the alias alone), the next
-    update reuses the memory. Nobody can observe the reuse, so the update stays pure; the cost
-    is that up to two generations of params and state stay allocated between updates.
-    CUDA has a caching allocator already, so only CPU tensors go through the pool.
-    """
-
-    def __init__(self) -> None:
-        self._held: dict[tuple, list[Tensor]] = {}
-        self._free: dict[tuple, list[Tensor]] = {}
-        self._demand: dict[tuple, int] = {}
-        # Held for a whole update (begin_update, then every empty_like): two threads updating
-        # with one optimizer would otherwise both be handed the same free buffer.
-        self.lock = threading.RLock()
-        _POOLS.add(self)
-
-    def clear(self) -> None:
-        """Forget every buffer (memory the caller still holds stays valid)."""
-        with self.lock:
-            self._held, self._free, self._demand = {}, {}, {}
-
-    def idle_bytes(self) -> int:
-        """Bytes of buffers that only this pool holds: its extra memory right now."""
-        with self.lock:
-            return sum(
-                alias.untyped_storage().nbytes()
-                for held in self._held.values() for alias in held if _only_alias_left(alias)
-            )
-
-    def begin_update(self) -> None:
-        """Find the buffers nobody else holds any more; call once before an update."""
-        self._demand = {}
-        self._free = {
-            key: [alias for alias in held if _only_alias_left(alias)]
-            for key, held in self._held.items()
-        }
-
-    def __call__(self, like: list[Tensor]) -> list[Tensor]:
-        return [self.empty_like(t) for t in like]
-
-    def empty_like(self, t: Tensor) -> Tensor:
-        if t.device.type != "cpu" or not _CAN_COUNT_STORAGE_USES:
-            return torch.empty_like(t, memory_format=torch.preserve_format)
-        key = (t.shape, t.stride(), t.dtype)
-        self._demand[key] = self._demand.get(key, 0) + 1
-        free = self._free.get(key)
-        if free:
-            return free.pop().detach()
-        buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        held = self._held.setdefault(key, [])
-        # Two generations (inputs and outputs) at most: a caller that keeps older generations
-        # alive gets plain fresh buffers beyond that.
-        if len(held) < 2 * self._demand[key]:
-            held.append(buffer)
-        return buffer.detach()
-
-
-_POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()
-
-
-def clear_buffer_pools() -> None:
-    """Release the recycled buffers of every optimizer's pool (e.g. before measuring memory, or
-    when a run ends and the optimizer lives on).
-
-    >>> clear_buffer_pools(); buffer_pool_bytes()
-    0
-    """
-    for pool in list(_POOLS):
-        pool.clear()
-
-
-def buffer_pool_bytes() -> int:
-    """Bytes that optimizers' recycling pools hold beyond what callers hold: the pure fast
-    path's extra memory (up to one more generation of params and state).
-
-    >>> import torch, minitrain as mt
-    >>> isinstance(buffer_pool_bytes(), int)
-    True
-    """
-    return sum(pool.idle_bytes() for pool in list(_POOLS))
-
-
-_CAN_COUNT_STORAGE_USES = hasattr(torch._C, "_storage_Use_Count")
-
-
-def _storage_uses(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-_ALONE = _storage_uses(torch.empty(1)) if _CAN_COUNT_STORAGE_USES else 0
-
-
-def _only_alias_left(alias: Tensor) -> bool:
-    return _storage_uses(alias) <= _ALONE
 
 
 def step_tensors(step: int, like: list[Tensor]) -> list[Tensor]:

@@ -1,0 +1,115 @@
+"""Recycled output buffers for pure CPU updates, and the registry of every pool (thread-safe,
+clearable, and counted in :func:`buffer_pool_bytes`)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import Tensor
+
+__all__ = ["BufferPool", "clear_buffer_pools", "buffer_pool_bytes"]
+
+
+class BufferPool:
+    """Output buffers for pure CPU updates, recycled once nothing outside the pool holds them.
+
+    A pure update writes every new param and state tensor into memory that the caller did not
+    pass in. Fresh ``torch.empty`` memory costs page faults on CPU (glibc hands large freed
+    blocks back to the kernel, so each step maps and zero-fills them again), which makes a
+    pure update several times slower than an in-place one. The pool keeps an alias of each
+    buffer it hands out; when the caller has dropped every tensor and view of it (the storage's
+    use count, as inductor's cudagraph trees check it, is back to the alias alone), the next
+    update reuses the memory. Nobody can observe the reuse, so the update stays pure; the cost
+    is that up to two generations of params and state stay allocated between updates.
+    CUDA has a caching allocator already, so only CPU tensors go through the pool.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple, list[Tensor]] = {}
+        self._free: dict[tuple, list[Tensor]] = {}
+        self._demand: dict[tuple, int] = {}
+        # Held for a whole update (begin_update, then every empty_like): two threads updating
+        # with one optimizer would otherwise both be handed the same free buffer.
+        self.lock = threading.RLock()
+        _POOLS.add(self)
+
+    def clear(self) -> None:
+        """Forget every buffer (memory the caller still holds stays valid)."""
+        with self.lock:
+            self._held, self._free, self._demand = {}, {}, {}
+
+    def idle_bytes(self) -> int:
+        """Bytes of buffers that only this pool holds: its extra memory right now."""
+        with self.lock:
+            return sum(
+                alias.untyped_storage().nbytes()
+                for held in self._held.values() for alias in held if _only_alias_left(alias)
+            )
+
+    def begin_update(self) -> None:
+        """Find the buffers nobody else holds any more; call once before an update."""
+        self._demand = {}
+        self._free = {
+            key: [alias for alias in held if _only_alias_left(alias)]
+            for key, held in self._held.items()
+        }
+
+    def __call__(self, like: list[Tensor]) -> list[Tensor]:
+        return [self.empty_like(t) for t in like]
+
+    def empty_like(self, t: Tensor) -> Tensor:
+        if t.device.type != "cpu" or not _CAN_COUNT_STORAGE_USES:
+            return torch.empty_like(t, memory_format=torch.preserve_format)
+        key = (t.shape, t.stride(), t.dtype)
+        self._demand[key] = self._demand.get(key, 0) + 1
+        free = self._free.get(key)
+        if free:
+            return free.pop().detach()
+        buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        held = self._held.setdefault(key, [])
+        # Two generations (inputs and outputs) at most: a caller that keeps older generations
+        # alive gets plain fresh buffers beyond that.
+        if len(held) < 2 * self._demand[key]:
+            held.append(buffer)
+        return buffer.detach()
+
+
+_POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+
+
+def clear_buffer_pools() -> None:
+    """Release the recycled buffers of every optimizer's pool (e.g. before measuring memory, or
+    when a run ends and the optimizer lives on).
+
+    >>> clear_buffer_pools(); buffer_pool_bytes()
+    0
+    """
+    for pool in list(_POOLS):
+        pool.clear()
+
+
+def buffer_pool_bytes() -> int:
+    """Bytes that optimizers' recycling pools hold beyond what callers hold: the pure fast
+    path's extra memory (up to one more generation of params and state).
+
+    >>> import torch, minitrain as mt
+    >>> isinstance(buffer_pool_bytes(), int)
+    True
+    """
+    return sum(pool.idle_bytes() for pool in list(_POOLS))
+
+
+_CAN_COUNT_STORAGE_USES = hasattr(torch._C, "_storage_Use_Count")
+
+
+def _storage_uses(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_ALONE = _storage_uses(torch.empty(1)) if _CAN_COUNT_STORAGE_USES else 0
+
+
+def _only_alias_left(alias: Tensor) -> bool:
+    return _storage_uses(alias) <= _ALONE

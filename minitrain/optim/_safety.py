@@ -1,0 +1,92 @@
+"""Checks that stand between an update's inputs and the fused / streaming kernels.
+
+Those kernels walk raw storage: a state leaf of another shape, or a grad whose strides differ
+from its param's (expanded, transposed, sliced, overlapping), would be read out of bounds or in
+the wrong order. These checks run before any of them (and name the leaf when they refuse).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._prims_common as _prims_common
+from torch import Tensor
+
+from minitrain import tree
+from minitrain.tree import Params
+
+__all__ = ["check_state_shapes", "fast_path_inputs"]
+
+
+def _leaf_name(params: Params, index: int) -> str:
+    return tree.named_leaves(params)[index][0]
+
+
+def check_state_shapes(buffers: dict[str, list], params: list[Tensor], tree_: Params) -> None:
+    """``ValueError`` naming the first state leaf that is not a tensor of its param's shape (a
+    state from another model would otherwise broadcast, or send a kernel out of bounds)."""
+    for name, leaves in buffers.items():
+        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
+            if not isinstance(leaf, Tensor) or leaf.shape != p.shape:
+                shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
+                raise ValueError(
+                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {shape} but its param is "
+                    f"{tuple(p.shape)}; create the state with opt.init(params) for these params"
+                )
+
+
+def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
+                     tree_: Params) -> tuple[list[Tensor], dict[str, list]] | None:
+    """Grads and state the fused and streaming kernels can read safely, or None (plain path).
+
+    Those kernels walk each param's storage and the same offsets in its grad and state, so every
+    grad and state leaf must have its param's dtype, device and strides and a storage that holds
+    all of it. Grads and state that do not (expanded with stride 0, transposed, overlapping,
+    sliced views) are copied into the param's layout; a state leaf of another dtype or device is
+    a ``ValueError`` naming it. None when a param itself is not dense and non-overlapping.
+    """
+    for p in params:
+        if not _dense(p):
+            return None
+    grads = [g if _like(g, p) else _copy_like(g, p) for g, p in zip(grads, params, strict=True)]
+    checked = {}
+    for name, leaves in buffers.items():
+        out = []
+        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
+            if leaf.dtype != p.dtype or leaf.device != p.device:
+                raise ValueError(
+                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {leaf.dtype} on "
+                    f"{leaf.device} but its param is {p.dtype} on {p.device}; create the state "
+                    f"with opt.init(params) or move it with the params"
+                )
+            out.append(leaf if _like(leaf, p) else _copy_like(leaf, p))
+        checked[name] = out
+    return grads, checked
+
+
+def _dense(t: Tensor) -> bool:
+    if t.is_contiguous():
+        return _storage_holds(t)
+    return _prims_common.is_non_overlapping_and_dense_or_false(t) and _storage_holds(t)
+
+
+def _like(t: Tensor, p: Tensor) -> bool:
+    if t.device != p.device:
+        raise ValueError(f"a grad is on {t.device} but its param on {p.device}; move the grads")
+    if p.is_contiguous():
+        return t.is_contiguous() and _storage_holds(t)
+    return t.stride() == p.stride() and _storage_holds(t)
+
+
+def _copy_like(t: Tensor, p: Tensor) -> Tensor:
+    out = torch.empty_like(p, memory_format=torch.preserve_format)
+    with torch.no_grad():
+        out.copy_(t)
+    return out
+
+
+def _storage_holds(t: Tensor) -> bool:
+    """Whether ``t``'s storage holds every element ``t`` addresses."""
+    if t.numel() == 0:
+        return True
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
