@@ -172,3 +172,29 @@ def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
     second = _python(code, env)
     assert second.returncode == 0, second.stderr[-2000:]  # no SIGBUS: rebuilt first
     assert library.stat().st_size == size
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_the_gradient_of_an_unused_param_is_zero_not_garbage(name):
+    # The gradient of 0.0 * p["pad"].sum() is an expanded tensor: stride 0, one element.
+    params = {"w": torch.ones(8), "pad": torch.zeros(64, 33)}
+    grads = mt.grad(lambda p: (p["w"] ** 2).sum() + 0.0 * p["pad"].sum())(params)
+    assert grads["pad"].stride() == (0, 0)
+    opt = FACTORIES[name](impl="fast")
+    new, _ = opt.update(grads, opt.init(params), params)
+    plain, _ = FACTORIES[name](impl="plain").update(grads, opt.init(params), params)
+    assert torch.equal(new["pad"], plain["pad"])
+    torch.testing.assert_close(new["w"], plain["w"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_as_optimizer_of_an_unlowered_chain_donates_or_not_alike(donate):
+    tx = mt.optim.chain(mt.optim.scale_by_sign(), mt.optim.trace(0.9),
+                        mt.optim.scale_by_learning_rate(0.1))
+    opt = mt.optim.as_optimizer(tx)
+    params = [torch.randn(5, 3, generator=torch.Generator().manual_seed(0))]
+    reference = opt.update([torch.ones(5, 3)], opt.init(params), params)[0]
+    given = [params[0].clone()]
+    out = opt.update([torch.ones(5, 3)], opt.init(given), given, donate=donate)[0]
+    assert torch.equal(out[0], reference[0])
+    assert (out[0].data_ptr() == given[0].data_ptr()) == donate
