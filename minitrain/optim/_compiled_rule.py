@@ -11,6 +11,7 @@ shapes compiles (seconds). Leaves of mixed dtypes take the uncompiled fast path.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,11 @@ class CompiledChain:
     def __call__(self, ps, gs, buffers, step, hyper, per_step, lr, weight_decay, flags,
                  ps_out, buffers_out) -> None:
         if self.kernel is None:
-            self.kernel = torch.compile(self._into, dynamic=False, fullgraph=True)
+            # A code object of its own: dynamo's recompile limit counts per code object, and
+            # each optimizer (rule, flags, leaf shapes) is a graph of its own.
+            code = CompiledChain._into.__code__.replace()
+            into = types.MethodType(types.FunctionType(code, globals(), "_into"), self)
+            self.kernel = torch.compile(into, dynamic=False, fullgraph=True)
         dtype = ps[0].dtype  # one dtype for all leaves (the caller checks)
 
         def tensors(values: dict) -> dict:
