@@ -36,6 +36,11 @@ def test_the_papers_equations_at_16_bit(shape):
     assert acc.transformer_activation_bytes(**one) == pytest.approx(eager, rel=1e-12)
     assert acc.transformer_activation_bytes(**one, recompute="selective") == selective
     assert acc.transformer_activation_bytes(**one, attention="flash") == flash
+    # fp32 activations, 1-byte masks: each term by what it holds, not the 16-bit total doubled
+    fp32 = transformer_layer_activation_bytes(**shape, bytes_per_element=4)
+    assert fp32 == pytest.approx(sbh * (66 + 9 * a * s / h), rel=1e-12)
+    assert acc.transformer_activation_bytes(**one, bytes_per_element=4) == pytest.approx(
+        fp32, rel=1e-12)
 
 
 def test_bad_attention_is_one_line():

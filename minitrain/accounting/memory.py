@@ -347,6 +347,7 @@ def transformer_activation_bytes(
     sequence_parallel: bool = False,
     bytes_per_element: int = 2,
     attention: str = "eager",
+    mask_bytes: int = 1,
 ) -> float:
     """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4).
 
@@ -354,11 +355,15 @@ def transformer_activation_bytes(
     (eq. 1); with tensor parallelism ``t``: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), and with
     sequence parallelism everything over ``t`` (eq. 4). Selective recomputation drops the
     ``5·a·s/h`` attention term (eq. 6); full recomputation keeps only each layer's input,
-    ``2·s·b·h`` (section 4.1). ``bytes_per_element=4`` scales the formula for fp32 activations
-    (the 1-byte masks scale too, a slight overestimate). Embedding and logits are not included.
+    ``2·s·b·h`` (section 4.1). Other widths ``p = bytes_per_element`` and ``m = mask_bytes``
+    scale each term by what it holds (section 4.1's list): ``s·b·h·(4p + 2m)`` replicated over
+    tensor-parallel ranks (layer-norm inputs, the QKV and MLP inputs, two dropout masks),
+    ``12p·s·b·h/t`` split (Q, K, V, the projection input, the two MLP activations) and
+    ``(2p + m)·a·s²·b/t`` of scores; fp32 activations with 1-byte masks: ``66 + 9·a·s/h``.
     ``attention="flash"``: a fused kernel (FlashAttention, Dao et al. 2022) saves no ``s²``
     terms, only the softmax's log-sum-exp in fp32, ``4·a·s·b`` bytes per layer (over ``t``);
-    ``"selective"`` is ``recompute="selective"``. Term by term (one layer, no parallelism):
+    ``"selective"`` is ``recompute="selective"``. Embedding and logits are not included. Term
+    by term (one layer, no parallelism):
     :func:`minitrain.accounting.transformer.transformer_activation_terms`.
 
     >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
@@ -374,17 +379,12 @@ def transformer_activation_bytes(
                         ("tensor_parallel", tensor_parallel)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    t = tensor_parallel
-    sbh = seq_len * batch * hidden
-    scores = recompute == "none" and attention == "eager"
-    attention_term = 5 * heads * seq_len / hidden if scores else 0.0
-    # FlashAttention's fp32 log-sum-exp per row and head, in bytes (not scaled by precision)
-    flash = attention == "flash" and recompute != "full"
-    logsumexp = 4 * heads * seq_len * batch / t if flash else 0
+    t, p, m = tensor_parallel, bytes_per_element, mask_bytes
+    sbh, asb = seq_len * batch * hidden, heads * seq_len * batch
+    sp = t if sequence_parallel else 1
     if recompute == "full":
-        per_layer = 2 * sbh / (t if sequence_parallel else 1)
-    elif sequence_parallel:
-        per_layer = sbh * (34 + attention_term) / t
-    else:
-        per_layer = sbh * (10 + 24 / t + attention_term / t)
-    return (per_layer * bytes_per_element / 2 + logsumexp) * num_layers
+        return p * sbh / sp * num_layers
+    scores = (2 * p + m) * asb * seq_len if recompute == "none" and attention == "eager" else 0
+    logsumexp = 4 * asb if attention == "flash" else 0  # fp32 whatever the activations
+    per_layer = (4 * p + 2 * m) * sbh / sp + (12 * p * sbh + scores + logsumexp) / t
+    return per_layer * num_layers
