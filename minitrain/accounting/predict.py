@@ -312,7 +312,9 @@ def predict_step(
             first step's state). None: forward and backward only.
         donate: the update writes params and state in place (``update(..., donate=True)``).
         max_grad_norm: clip grads to this global norm, as the train step does; without it
-            the grad norm is still taken (the train step logs it).
+            the grad norm is still taken (the train step logs it). Clipping is predicted
+            active (the grads multiplied by the scale): a real step whose norm is already
+            within the bound skips that multiply, one FLOP and one copy of the grads less.
         hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`) for the time
             per step and ``fits``; default ``"h100"``.
         dtype: the dtype of the peak FLOP/s for every op (``"bf16"`` to assume tensor
