@@ -1,0 +1,164 @@
+"""Precision policies, their compute context and the backends built from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import minitrain as mt
+from minitrain import lowp, precision_backends
+from minitrain.backend import Backend, BackendError, register_backend
+from minitrain.precision import (
+    POLICIES,
+    Policy,
+    compute_context,
+    dynamic_loss_scale,
+    policy,
+    scaled_value_and_grad,
+    select_tree,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_policy_casts_float_leaves_only_and_never_mutates():
+    tree = {"w": torch.ones(2), "ids": torch.arange(3), "nested": [torch.zeros(1, 2)]}
+    p = Policy(torch.float32, torch.float16, torch.bfloat16)
+    out = p.cast_to_compute(tree)
+    assert out["w"].dtype == torch.float16 and out["ids"].dtype == torch.int64
+    assert out["nested"][0].dtype == torch.float16
+    assert p.cast_to_output(out)["w"].dtype == torch.bfloat16
+    assert p.cast_to_param(out)["w"].dtype == torch.float32
+    assert tree["w"].dtype == torch.float32  # the input is untouched
+
+
+def test_presets_keep_fp32_master_params_and_only_fp16_scales_the_loss():
+    assert set(POLICIES) == {"fp32", "bf16", "fp16", "fp8", "mxfp8", "mxfp4", "nvfp4"}
+    assert all(p.param_dtype == torch.float32 for p in POLICIES.values())
+    assert [n for n, p in POLICIES.items() if p.loss_scaling] == ["fp16"]
+    with pytest.raises(ValueError, match="choose one of: fp32, bf16"):
+        policy("fp12")
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_compute_context_autocasts(name, dtype):
+    with compute_context(name, "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+    with compute_context("fp32", torch.device("cpu")):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp8", "nvfp4"])
+def test_compute_context_simulates_the_matmul_format(name):
+    a = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    with compute_context(name):
+        y = a @ b
+    assert torch.equal(y, lowp.matmul(a, b, name))
+
+
+FACTORIES = {
+    "cpu-fp16": precision_backends.cpu_fp16,
+    "cpu-fp8": precision_backends.cpu_fp8,
+    "cpu-mxfp8": precision_backends.cpu_mxfp8,
+    "cpu-mxfp4": precision_backends.cpu_mxfp4,
+    "cpu-nvfp4": precision_backends.cpu_nvfp4,
+    "cuda-fp16": precision_backends.cuda_fp16,
+    "cuda-fp8": precision_backends.cuda_fp8,
+}
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_backends_follow_the_protocol_and_register_like_any_other(name):
+    register_backend(f"test-{name}", FACTORIES[name])
+    backend = FACTORIES[name]()
+    assert isinstance(backend, Backend) and backend.name == name
+    assert backend.param_dtype == torch.float32
+    if name.startswith("cpu"):
+        got = mt.get_backend(f"test-{name}")
+        assert got.is_available() == (True, "host CPU")
+        assert got.peak_flops() == mt.accounting.hardware("cpu").peak_flops["fp32"] or (
+            name == "cpu-fp16" and got.peak_flops() is None  # no fp16 CPU peak in the registry
+        )
+        with got.autocast():
+            out = torch.ones(32, 32) @ torch.ones(32, 32)
+        assert out.dtype == (torch.float16 if name == "cpu-fp16" else torch.float32)
+    elif not torch.cuda.is_available():
+        with pytest.raises(BackendError) as error:
+            mt.get_backend(f"test-{name}")
+        message = str(error.value)
+        assert "\n" not in message and "no CUDA GPU here" in message
+
+
+def test_cuda_fp8_says_which_gpus_have_fp8():
+    usable, reason = precision_backends.cuda_fp8(capability=(8, 6)).is_available()
+    assert not usable and "compute capability >= 8.9" in reason and "8.6" in reason
+    assert "\n" not in reason
+    assert precision_backends.cuda_fp8(capability=(9, 0)).is_available()[0]
+    assert precision_backends.cuda_fp8().policy.matmul_format == "fp8-scaled-mm"
+
+
+# ---------------------------------------------------------------------------------------------
+# Training bytelm's model a few steps in each precision
+
+
+def bytelm():
+    spec = importlib.util.spec_from_file_location("bytelm_example", ROOT / "examples/bytelm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIG = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32}
+
+
+def train(name: str, steps: int = 6) -> list[float]:
+    """Loss per step of bytelm's model on a fixed batch of Python source bytes, AdamW on fp32
+    master params."""
+    model = bytelm()
+    g = torch.Generator().manual_seed(0)
+    params = model.init_params(CONFIG, g)
+    source = torch.frombuffer(
+        bytearray((ROOT / "examples/bytelm.py").read_bytes()), dtype=torch.uint8
+    )
+    starts = torch.randint(0, len(source) - CONFIG["seq_len"] - 1, (8,), generator=g)
+    text = torch.stack([source[i : i + CONFIG["seq_len"] + 1] for i in starts.tolist()]).long()
+    x, y = text[:, :-1], text[:, 1:]
+    opt = mt.optim.adamw(lr=3e-3)
+    opt_state = opt.init(params)
+    p = policy(name)
+    loss_scale = dynamic_loss_scale(init_scale=2.0**12)
+    scale_state = loss_scale.init()
+
+    def loss_fn(params, x, y):
+        with compute_context(p, "cpu"):
+            return mt.losses.cross_entropy(model.forward(params, x, CONFIG["n_heads"]), y)
+
+    step = scaled_value_and_grad(loss_fn, loss_scale)
+    losses = []
+    for _ in range(steps):
+        loss, grads, finite, scale_state = step(params, scale_state, x, y)
+        new_params, new_state = opt.update(grads, opt_state, params)
+        params, opt_state = select_tree(finite, (new_params, new_state), (params, opt_state))
+        assert all(v.dtype == torch.float32 for v in mt.tree.leaves(params))
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def fp32_losses():
+    return train("fp32")
+
+
+@pytest.mark.parametrize(
+    ("name", "tolerance"), [("fp16", 0.002), ("fp8", 0.01), ("mxfp8", 0.01), ("nvfp4", 0.02)]
+)
+def test_low_precision_training_stays_close_to_fp32(fp32_losses, name, tolerance):
+    losses = train(name)
+    assert losses[-1] < losses[0] - 0.1  # it learns
+    for ours, reference in zip(losses, fp32_losses, strict=True):
+        assert abs(ours - reference) <= tolerance * reference
+    assert losses != fp32_losses  # and it did run in low precision
