@@ -162,3 +162,18 @@ def test_low_precision_training_stays_close_to_fp32(fp32_losses, name, tolerance
     for ours, reference in zip(losses, fp32_losses, strict=True):
         assert abs(ours - reference) <= tolerance * reference
     assert losses != fp32_losses  # and it did run in low precision
+
+
+def test_gpt_benchmark_compares_the_same_model():
+    from minitrain.bench import gpt_step
+
+    config = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32, "batch_size": 2}
+    params = bytelm().init_params(config, torch.Generator().manual_seed(0))
+    module = gpt_step.NanoGPT(config)
+    gpt_step._copy_bytelm_params(module, params)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(module(x), bytelm().forward(params, x, 4))
+    small = {"d_model": 32, "n_layers": 1, "seq_len": 32, "batch_size": 2}
+    result = gpt_step.gpt_step_ratios(small, rounds=1, inner=1)
+    assert set(result["ratios"]) == {"fp32", "bf16", "fp8/fp32"}
+    assert all(0 < r < 100 for r in result["ratios"].values())
