@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ def load_bytelm() -> Any:
         raise FileNotFoundError(f"{path} not found: run the gpt benchmark from a repository clone")
     spec = importlib.util.spec_from_file_location("minitrain_bench_bytelm", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # torch.compile looks the module up by name
     spec.loader.exec_module(module)
     return module
 
