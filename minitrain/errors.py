@@ -23,6 +23,12 @@ __all__ = [
     "RunFailed",
     "Interrupted",
     "StorageError",
+    "ExperimentError",
+    "ResumeError",
+    "NonFiniteLoss",
+    "ScriptError",
+    "DistributedError",
+    "ShardError",
     "os_cause",
 ]
 
@@ -60,6 +66,38 @@ class StorageError(RunFailed):
         cause = os_cause(exc)
         message = f"cannot {action} {os.fspath(where)}: {cause}" if where else f"{action}: {cause}"
         return cls(message, where, exc.errno)
+
+
+class ExperimentError(UserError):
+    """A mistake in an experiment script or its overrides, with a one-line message."""
+
+
+class ResumeError(ExperimentError):
+    """``--resume`` cannot continue this run (no run directory, a different config, ...)."""
+
+
+class NonFiniteLoss(RunFailed):
+    """The loss (or the gradient norm) became NaN or infinite; the run stopped."""
+
+
+class ScriptError(RunFailed):
+    """The user's own code (init, next_batch, the loss, evaluate) raised.
+
+    The message names the function and the step; ``frames`` holds the formatted traceback
+    frames of the user's own files, shown above the one ``error:`` line.
+    """
+
+    def __init__(self, message: str, frames: str = "") -> None:
+        super().__init__(message)
+        self.frames = frames
+
+
+class DistributedError(RunFailed):
+    """A data-parallel job failed: a worker died, ranks disagree, a collective timed out."""
+
+
+class ShardError(UserError):
+    """A batch cannot be split over the requested number of ranks."""
 
 
 def os_cause(exc: OSError) -> str:
