@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from minitrain import checkpoint, distributed
 from minitrain.accounting import allreduce_bytes, allreduce_seconds, communication_time
 from minitrain.backend import get_backend
+from minitrain.cli import launch
 from minitrain.train import fit, load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,7 +241,7 @@ def test_forward_argv_round_trips_the_run_command():
     argv = [LINREG, "--steps", "5", "--set", "lr=0.1", "--set", "dim=8", "--no-report",
             "--json", "--nproc", "2"]
     ctx = run.make_context("run", list(argv))
-    forwarded = distributed.forward_argv(ctx, drop=("nproc",))
+    forwarded = launch.forward_argv(ctx, drop=("nproc",))
     again = run.make_context("run", list(forwarded))
     assert "--nproc" not in forwarded
     assert {k: v for k, v in ctx.params.items() if k != "nproc"} == {
@@ -255,14 +256,14 @@ def failure(exitcode, pid, timestamp=0):
 
 def test_failures_name_the_rank_that_died():
     killed = SimpleNamespace(failures={0: failure(-15, 10), 1: failure(-9, 11)})
-    with pytest.raises(distributed.DistributedError, match="rank 1 .pid 11. was killed by SIGKILL"):
-        distributed._raise_failure(killed)
+    with pytest.raises(launch.DistributedError, match="rank 1 .pid 11. was killed by SIGKILL"):
+        launch._raise_failure(killed)
     crashed = SimpleNamespace(failures={1: failure(3, 11, 5), 0: failure(-15, 10, 6)})
-    with pytest.raises(distributed.DistributedError, match="rank 1 .pid 11. exited with code 3"):
-        distributed._raise_failure(crashed)
+    with pytest.raises(launch.DistributedError, match="rank 1 .pid 11. exited with code 3"):
+        launch._raise_failure(crashed)
     reported = SimpleNamespace(failures={0: failure(130, 10)})
     with pytest.raises(SystemExit) as exit_info:
-        distributed._raise_failure(reported)
+        launch._raise_failure(reported)
     assert exit_info.value.code == 130
 
 

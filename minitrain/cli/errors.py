@@ -1,7 +1,9 @@
 """Exit codes and one-line errors for the command line.
 
-Exit codes: 0 success; 1 a failed run (e.g. a non-finite loss); 2 a user mistake (bad flag,
-missing file, bad config value); 130 interrupted by Ctrl-C.
+Exit codes: 0 success; 1 a failed run (a non-finite loss, an error in the user's script, a full
+disk, a dead worker); 2 a user mistake (bad flag, missing file, bad config value); 130 stopped
+by Ctrl-C or SIGTERM. The library raises the types of :mod:`minitrain.errors`; this module alone
+turns them into messages and exit codes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import sys
 from collections.abc import Iterator
 
 import click
+
+from minitrain import errors
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -42,24 +46,57 @@ class RunInterrupted(UserError):
     exit_code = EXIT_INTERRUPTED
 
 
+class ScriptFailed(RunFailed):
+    """The user's script raised: its own frames first, then the one ``error:`` line."""
+
+    def __init__(self, message: str, frames: str) -> None:
+        super().__init__(message)
+        self.frames = frames
+
+    def show(self, file=None) -> None:
+        if self.frames:
+            click.echo("Traceback of your code (most recent call last):", err=True, file=file)
+            click.echo(self.frames.rstrip("\n"), err=True, file=file)
+        super().show(file)
+
+
+def _user_mistakes() -> tuple[type[BaseException], ...]:
+    """Errors raised by modules that predate :mod:`minitrain.errors` (all user mistakes)."""
+    from minitrain.backend import BackendError
+    from minitrain.checkpoint import CheckpointError
+    from minitrain.data import DataError
+    from minitrain.metrics import MetricsError, MissingExtra
+
+    return (CheckpointError, MetricsError, MissingExtra, DataError, BackendError)
+
+
+def as_cli_error(exc: BaseException) -> click.ClickException | None:
+    """The CLI error for a library error (None: not one of ours)."""
+    message = str(exc)
+    if isinstance(exc, errors.ScriptError):
+        return ScriptFailed(message, exc.frames)
+    if isinstance(exc, errors.Interrupted):
+        return RunInterrupted(message)
+    if isinstance(exc, errors.RunFailed):
+        return RunFailed(message)
+    if isinstance(exc, (errors.UserError, *_user_mistakes())):
+        return UserError(message)
+    return None
+
+
 @contextlib.contextmanager
 def training_errors() -> Iterator[None]:
-    """Turn what a training run raises into CLI errors: NaN -> exit 1, Ctrl-C -> 130, user
-    mistakes (config, checkpoints, missing extras) -> exit 2, each as one line."""
-    from minitrain.checkpoint import CheckpointError
-    from minitrain.metrics import MetricsError, MissingExtra
-    from minitrain.train import ExperimentError, Interrupted, NonFiniteLoss
-
+    """Turn what a training run raises into CLI errors: a failed run -> exit 1, Ctrl-C -> 130,
+    user mistakes (config, checkpoints, missing extras) -> exit 2, each as one line."""
     try:
         yield
-    except NonFiniteLoss as exc:
-        raise RunFailed(str(exc)) from None
-    except Interrupted as exc:
-        raise RunInterrupted(str(exc)) from None
     except KeyboardInterrupt:
-        raise RunInterrupted("interrupted twice; stopped without a checkpoint") from None
-    except (ExperimentError, CheckpointError, MetricsError, MissingExtra) as exc:
-        raise UserError(str(exc)) from None
+        raise RunInterrupted("interrupted before training started; nothing was saved") from None
+    except Exception as exc:
+        mapped = as_cli_error(exc)
+        if mapped is None:
+            raise
+        raise mapped from None
 
 
 def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
@@ -81,4 +118,8 @@ def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except errors.MinitrainError as exc:  # raised outside training_errors(): still one line
+        mapped = as_cli_error(exc)
+        mapped.show()
+        sys.exit(mapped.exit_code)
     sys.exit(EXIT_OK)

@@ -8,12 +8,21 @@ from typing import Any
 
 import click
 
+# Step numbers name checkpoints (step-NNNNNNNN) and seeds feed numpy's SeedSequence and torch:
+# both take values below 2**63.
+MAX_STEPS = 2**63 - 1
+MAX_SEED = 2**63 - 1
+SEED = click.IntRange(min=0, max=MAX_SEED)
+
 _SHARED = (
     click.option(
         "--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto."
     ),
     click.option(
-        "--steps", type=click.IntRange(min=0), default=None, help="Override the step count."
+        "--steps",
+        type=click.IntRange(min=0, max=MAX_STEPS),
+        default=None,
+        help="Override the step count.",
     ),
     click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory."),
     click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps."),
@@ -27,12 +36,18 @@ _SHARED = (
     click.option(
         "--resume", is_flag=True, help="Continue from the latest valid checkpoint in --out."
     ),
+    click.option(
+        "--overwrite",
+        is_flag=True,
+        help="Replace the earlier run in --out (its metrics, checkpoints and summary).",
+    ),
     click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout."),
 )
 
 
 def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add --backend, --steps, --out, --log-every, --checkpoint-every, --keep, --resume, --json."""
+    """Add --backend, --steps, --out, --log-every, --checkpoint-every, --keep, --resume,
+    --overwrite and --json."""
     for option in reversed(_SHARED):
         command = option(command)
     return command

@@ -9,13 +9,13 @@ from typing import Any
 import click
 
 from minitrain.cli.errors import RunFailed, UserError, training_errors
-from minitrain.cli.options import training_options
+from minitrain.cli.options import SEED, training_options
 
 
 @click.command()
 @click.argument("script", type=click.Path(path_type=Path))
 @training_options
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
+@click.option("--seed", type=SEED, default=0, help="Seed for init and data (0 to 2**63-1).")
 @click.option(
     "--set",
     "overrides",
@@ -45,6 +45,7 @@ def run(
     checkpoint_every: int,
     keep: int,
     resume: bool,
+    overwrite: bool,
     tensorboard: bool,
     report: bool,
     compile_: bool,
@@ -52,25 +53,23 @@ def run(
     nproc: int | None,
 ) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
-    from minitrain.backend import BackendError, get_backend
-    from minitrain.train import (
-        ExperimentError,
-        fit,
-        load_experiment,
-    )
+    from minitrain.backend import get_backend
+    from minitrain.train import fit, load_experiment
     from minitrain.train.experiment import parse_overrides
+    from minitrain.train.loop import dumps_finite
+    from minitrain.train.signals import stop_requests
 
-    try:
+    with training_errors():
         experiment, config = load_experiment(script, parse_overrides(overrides), steps=steps)
         chosen = get_backend(backend)
-    except (ExperimentError, BackendError) as exc:
-        raise UserError(str(exc)) from None
     _check_out_dir(out)
+    if resume and overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite replaces it; pass one")
     if nproc is not None:
         _launch_workers(nproc, experiment, chosen)
         return
     parallel = _join_process_group(chosen)
-    with _worker_outcome(parallel):
+    with stop_requests(), _worker_outcome(parallel):
         with training_errors():
             result = fit(
                 experiment,
@@ -81,6 +80,7 @@ def run(
                 checkpoint_every=checkpoint_every,
                 keep=keep,
                 resume=resume,
+                overwrite=overwrite,
                 progress=not as_json,
                 compile=compile_,
                 tensorboard=tensorboard,
@@ -92,7 +92,7 @@ def run(
         if parallel is not None and not parallel.is_main:
             return
         if as_json:
-            click.echo(json.dumps(summary, indent=2))
+            click.echo(dumps_finite(summary, indent=2))
         else:
             _print_summary(summary)
 
@@ -100,6 +100,7 @@ def run(
 def _launch_workers(nproc: int, experiment: Any, backend: Any) -> None:
     """``--nproc N``: check the run can be split, then start N workers with this command line."""
     from minitrain import distributed
+    from minitrain.cli import launch
 
     if distributed.in_worker():
         raise UserError(
@@ -110,9 +111,9 @@ def _launch_workers(nproc: int, experiment: Any, backend: Any) -> None:
         distributed.check_splittable(experiment, backend, nproc)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    argv = distributed.forward_argv(click.get_current_context(), drop=("nproc",))
+    argv = launch.forward_argv(click.get_current_context(), drop=("nproc",))
     try:
-        distributed.launch(nproc, ["run", *argv])
+        launch.launch(nproc, ["run", *argv])
     except distributed.DistributedError as exc:
         raise RunFailed(str(exc)) from None
 
@@ -132,9 +133,9 @@ def _join_process_group(backend: Any) -> Any:
 def _worker_outcome(parallel: Any) -> Any:
     import contextlib
 
-    from minitrain import distributed
+    from minitrain.cli.launch import worker_outcome
 
-    return contextlib.nullcontext() if parallel is None else distributed.worker_outcome(parallel)
+    return contextlib.nullcontext() if parallel is None else worker_outcome(parallel)
 
 
 def _check_out_dir(out: Path | None) -> None:
@@ -151,7 +152,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     table.add_column("", justify="right")
     rows = [
         ("steps", f"{summary['steps']:,}"),
-        ("final loss", f"{summary['final_loss']:.6g}"),
+        ("final loss", _number(summary.get("final_loss"))),
         ("wall time", f"{summary['seconds']:.2f} s"),
         ("step time", f"{summary['step_seconds'] * 1e3:.3f} ms"),
         ("params", f"{summary['params']:,}"),
@@ -172,6 +173,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         console.print(
             format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
         )
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
 
 
 @click.command()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ def sweep(
     checkpoint_every: int,
     keep: int,
     resume: bool,
+    overwrite: bool,
     report: bool,
     plot: bool,
     check: bool,
@@ -49,25 +49,26 @@ def sweep(
 ) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
-    from minitrain.backend import BackendError, get_backend
+    from minitrain.backend import get_backend
     from minitrain.metrics import MissingExtra
-    from minitrain.train import ExperimentError
+    from minitrain.train.loop import dumps_finite
+    from minitrain.train.signals import stop_requests
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
 
     if out is not None and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a directory; pass a directory path")
-    try:
+    if resume and overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite replaces it; pass one")
+    with training_errors():
         ensemble = load_sweep(script, overrides, parse_seeds(seeds), steps=steps)
         chosen = get_backend(backend)
-    except (ExperimentError, BackendError) as exc:
-        raise UserError(str(exc)) from None
     if not as_json:
         click.echo(
             f"{ensemble.size} members of {ensemble.template.name} in one vmapped step "
             f"(swept: {', '.join(ensemble.swept) or 'seeds only'})",
             err=True,
         )
-    with training_errors():
+    with stop_requests(), training_errors():
         result = fit_sweep(
             ensemble,
             chosen,
@@ -76,6 +77,7 @@ def sweep(
             checkpoint_every=checkpoint_every,
             keep=keep,
             resume=resume,
+            overwrite=overwrite,
             progress=not as_json,
             report=report,
             check=check,
@@ -87,7 +89,7 @@ def sweep(
         except MissingExtra as exc:
             click.echo(f"warning: no plot: {exc}", err=True)
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(dumps_finite(summary, indent=2))
     else:
         _print_summary(summary)
 

@@ -1,13 +1,20 @@
-"""Training: the experiment contract, the pure train step and the fit loop."""
+"""Training: the experiment contract, the pure train step and the one fit loop."""
 
+from minitrain.errors import (
+    ExperimentError,
+    Interrupted,
+    NonFiniteLoss,
+    ResumeError,
+    ScriptError,
+)
 from minitrain.train.experiment import (
     Experiment,
-    ExperimentError,
     apply_overrides,
     load_experiment,
     parse_overrides,
 )
-from minitrain.train.loop import FitResult, Interrupted, NonFiniteLoss, ResumeError, fit
+from minitrain.train.loop import FitResult, Stepper, run_loop
+from minitrain.train.single import SingleRun, fit
 from minitrain.train.step import StepOutput, make_train_step
 
 __all__ = [
@@ -17,10 +24,14 @@ __all__ = [
     "Interrupted",
     "NonFiniteLoss",
     "ResumeError",
+    "ScriptError",
+    "SingleRun",
     "StepOutput",
+    "Stepper",
     "apply_overrides",
     "fit",
     "load_experiment",
     "make_train_step",
     "parse_overrides",
+    "run_loop",
 ]

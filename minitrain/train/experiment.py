@@ -31,21 +31,19 @@ from typing import Any
 
 import torch
 
+from minitrain.errors import ExperimentError, ResumeError
 from minitrain.tree import Params, PyTree
 
 __all__ = [
     "Experiment",
     "ExperimentError",
+    "ResumeError",
     "apply_overrides",
     "coerce_value",
     "load_experiment",
     "load_script",
     "parse_overrides",
 ]
-
-
-class ExperimentError(ValueError):
-    """A mistake in an experiment script or its overrides, with a one-line message."""
 
 
 @dataclass(frozen=True)

@@ -1,360 +1,91 @@
-"""The fit loop: the impure shell around the pure train step.
+"""The fit loop: the one impure shell around every pure train step.
 
-It is the one place in training that touches clocks, devices, files, signals and global RNG
-state: seed, init (or resume from the latest valid checkpoint), loop over steps
-(batch -> device -> step), log, checkpoint, and summarize.
+One loop serves single runs, vmapped sweeps and data parallel; what differs (one model or an
+ensemble, one process or N ranks) sits behind a :class:`Stepper`: how to init, restore and save,
+take a step, check finiteness, and what to log and summarize (torchtune's recipes and
+Lightning's strategies make the same split). The loop owns everything else, once:
 
-A run directory holds ``metrics.jsonl``, ``checkpoints/step-NNNNNNNN/`` and ``summary.json``.
-A checkpoint holds everything the next step depends on (params, optimizer state, the data
-generator and the global RNGs), so a run resumed with ``resume=True`` ends bit-identical to an
-uninterrupted one on CPU.
+- the run directory: one owner at a time (:mod:`minitrain.rundir`), checked writable before
+  the first step; a fresh run refuses a used directory without ``resume`` or ``overwrite``;
+- stops: Ctrl-C and SIGTERM are recorded for the whole run (a burst cannot break a save) and
+  end, after a checkpoint of the last finished step, with :class:`Interrupted` (exit 130);
+- finiteness: every step is checked (a device flag, read at logs, checkpoints and the end), so
+  nothing non-finite is checkpointed and no good checkpoint is pruned by a bad one;
+- the user's errors: an exception in ``init``, ``next_batch``, the loss or ``evaluate`` saves
+  the last good step and names the function and the step (:class:`ScriptError`, exit 1);
+- disk: any OSError is one :class:`StorageError` line naming the path (exit 1);
+- metrics, progress, evaluation, the summary and the resource report.
+
+A checkpoint holds everything the next step depends on, so a resumed run ends bit-identical to
+an uninterrupted one on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
-import os
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-import numpy as np
-import torch
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-
-from minitrain import checkpoint, rng
-from minitrain.backend import Backend
+from minitrain import checkpoint, rundir
+from minitrain.errors import Interrupted, NonFiniteLoss, ResumeError, StorageError
 from minitrain.metrics import MetricsWriter
-from minitrain.optim import learning_rate
-from minitrain.train.experiment import Experiment, ExperimentError, one_line
-from minitrain.train.step import can_donate, make_train_step
-from minitrain.tree import OptState, Params, leaves, size
-from minitrain.tree import map as tree_map
+from minitrain.train.progress import progress_bar, to_stderr
+from minitrain.train.setup import run_generators, to_backend  # noqa: F401  (re-exported)
+from minitrain.train.signals import stop_requests
 
 __all__ = [
     "FitResult",
-    "Interrupted",
     "NonFiniteLoss",
     "ResumeError",
+    "Stepper",
     "StepTimer",
-    "batch_examples",
-    "fit",
-    "graceful_stop",
+    "dumps_finite",
+    "finite_json",
     "is_due",
-    "progress_bar",
-    "resident_bytes",
-    "run_generators",
-    "save_final_or_interrupt",
-    "to_backend",
-    "to_stderr",
+    "run_loop",
 ]
 
-# Config keys that may change between a run and its resumption.
-RESUMABLE_CHANGES = frozenset({"steps"})
+SUMMARY_FILE = "summary.json"
 
 
 class FitResult(NamedTuple):
-    """What :func:`fit` returns: the trained params, the optimizer state and the summary."""
+    """What a fit returns: the trained params, the optimizer state and the summary."""
 
-    params: Params
-    opt_state: OptState
+    params: Any
+    opt_state: Any
     summary: dict[str, Any]
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss (or the gradient norm) became NaN or infinite; the run stopped."""
+@runtime_checkable
+class Stepper(Protocol):
+    """What the loop needs from one kind of run (see :mod:`minitrain.train.single` and
+    :mod:`minitrain.train.sweep`)."""
 
+    name: str
+    steps: int
+    main: bool  # this process writes files and prints (rank 0)
+    current_step: int  # the last step taken (its state is the stepper's current state)
 
-class Interrupted(RuntimeError):
-    """Ctrl-C (SIGINT) or SIGTERM stopped the run after a checkpoint was written."""
-
-
-class ResumeError(ExperimentError):
-    """``resume=True`` cannot continue this run (no run directory, a different config, ...)."""
-
-
-def run_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
-    """Independent ``(init, data)`` generators derived from one seed (numpy SeedSequence).
-
-    >>> a, _ = run_generators(0); b, _ = run_generators(0)
-    >>> torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
-    True
-    """
-    init_seq, data_seq = np.random.SeedSequence(seed).spawn(2)
-    return (
-        rng.generator(int(init_seq.generate_state(1, np.uint64)[0])),
-        rng.generator(int(data_seq.generate_state(1, np.uint64)[0])),
-    )
-
-
-def to_backend(params: Params, backend: Backend) -> Params:
-    """Params on the backend's device; floating leaves in its ``param_dtype``."""
-
-    def move(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        dtype = backend.param_dtype if leaf.is_floating_point() else leaf.dtype
-        return leaf.to(device=backend.device, dtype=dtype)
-
-    return tree_map(move, params)
-
-
-def batch_examples(batch: Any) -> int:
-    """Examples in a batch: the leading dimension of its first tensor (1 for a 0-d tensor).
-
-    >>> batch_examples((torch.zeros(4, 16), torch.zeros(4)))
-    4
-    """
-    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        return 1
-    return int(tensors[0].shape[0])
-
-
-@functools.cache
-def _statm() -> int | None:
-    try:
-        return os.open("/proc/self/statm", os.O_RDONLY)
-    except OSError:
-        return None
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (RSS) from ``/proc/self/statm``; None where unavailable.
-
-    >>> resident_bytes() is None or resident_bytes() > 0
-    True
-    """
-    fd = _statm()
-    if fd is None:
-        return None
-    try:
-        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def fit(
-    experiment: Experiment,
-    backend: Backend,
-    *,
-    seed: int = 0,
-    out_dir: str | Path | None = None,
-    log_every: int = 1,
-    checkpoint_every: int = 0,
-    keep: int = 3,
-    resume: bool = False,
-    progress: bool = True,
-    compile: bool = False,
-    tensorboard: bool = False,
-    report: bool = False,
-    config: dict[str, Any] | None = None,
-    say: Callable[[str], None] | None = None,
-    parallel: Any = None,
-) -> FitResult:
-    """Train ``experiment`` on ``backend``; return params, optimizer state and the summary.
-
-    Args:
-        out_dir: run directory for ``metrics.jsonl``, checkpoints and ``summary.json``.
-        log_every: log (and check the loss is finite) every this many steps.
-        checkpoint_every: also checkpoint every this many steps (0: only at the end, on
-            Ctrl-C and on SIGTERM). Needs ``out_dir``.
-        keep: how many checkpoints to keep.
-        resume: continue from the latest valid checkpoint in ``out_dir`` (if there is one).
-        report: add the resource report (predicted vs measured memory, FLOPs, MFU).
-        say: where progress messages go (default: stderr).
-        parallel: a :class:`minitrain.distributed.DataParallel` for data-parallel training:
-            each rank draws the global batch and trains on its shard, gradients are
-            all-reduced in the step, and rank 0 alone logs, evaluates and writes checkpoints.
-
-    Raises :class:`NonFiniteLoss` (the last good checkpoint stays as it was),
-    :class:`Interrupted` after Ctrl-C (a checkpoint of the last finished step is written first)
-    and :class:`ResumeError`.
-    """
-    say = say or to_stderr
-    main = parallel is None or parallel.is_main  # the rank that writes and reports
-    if not main:
-        say, progress = (lambda message: None), False
-    if log_every < 1 or checkpoint_every < 0 or keep < 1:
-        raise ValueError(
-            f"need log_every >= 1, checkpoint_every >= 0 and keep >= 1; got {log_every}, "
-            f"{checkpoint_every} and {keep}"
-        )
-    if (checkpoint_every or resume) and out_dir is None:
-        raise ResumeError("--checkpoint-every and --resume need a run directory: pass --out DIR")
-    run_dir = Path(out_dir) if out_dir is not None else None
-    meta = _run_meta(experiment, backend, seed, config)
-
-    params, opt_state, start, data_generator = _initial_state(
-        experiment, backend, seed, run_dir if resume else None, meta, say
-    )
-    if parallel is not None:
-        parallel.check_same(start, "the step to resume from")
-    # The loop never reads the params and state it passes in again, so the update may write
-    # into their buffers (torch.optim's in-place speed).
-    compiled = make_train_step(
-        experiment, backend, parallel.reduce if parallel else None,
-        donate=can_donate(experiment.optimizer), compile=compile,
-    )
-
-    def save(step: int) -> Path:
-        if not main:
-            return checkpoint.checkpoint_path(run_dir, step)
-        return checkpoint.save(
-            run_dir, step, params, opt_state, meta, generator=data_generator, keep=keep
-        )
-
-    examples = experiment.tokens_per_batch
-    loss_value, last_eval = float("nan"), {}
-    batch = None
-    step = start
-    timer = StepTimer(backend)
-    with contextlib.ExitStack() as stack:
-        metrics = (
-            stack.enter_context(MetricsWriter(run_dir, start, tensorboard))
-            if run_dir is not None and main
-            else None
-        )
-        stop_requested = stack.enter_context(graceful_stop())
-        advance = stack.enter_context(progress_bar(experiment, start, enabled=progress))
-        for step in range(start + 1, experiment.steps + 1):
-            if stop_requested() if parallel is None else parallel.any(stop_requested()):
-                step -= 1  # the last finished step
-                break
-            with _user_code("the first train step", enabled=step == start + 1):
-                batch = experiment.next_batch(data_generator)
-                if examples is None:
-                    examples = batch_examples(batch)
-                if parallel is not None:
-                    batch = parallel.shard(batch)
-                batch = backend.to_device(batch)
-                out = compiled(params, opt_state, batch)
-            timer.tick(step - start)
-            is_checkpoint = is_due(step, checkpoint_every) and step < experiment.steps
-            is_eval = (
-                experiment.evaluate is not None and main and is_due(step, experiment.eval_every)
-            )
-            if is_due(step, log_every) or step == experiment.steps or is_checkpoint or is_eval:
-                loss_value = _finite_loss(out, step)
-                record = _step_record(out, loss_value, timer, examples)
-                if is_eval:
-                    last_eval = {k: float(v) for k, v in experiment.evaluate(out.params).items()}
-                    record.update(last_eval)
-                if metrics is not None:
-                    metrics.write(step, **record)
-                advance(step, loss_value)
-            params, opt_state = out.params, out.opt_state
-            if is_checkpoint:
-                save(step)
-    save_final_or_interrupt(step, start, experiment.steps, run_dir, save)
-    if experiment.evaluate is not None and main and not last_eval:
-        last_eval = {k: float(v) for k, v in experiment.evaluate(params).items()}
-    summary = _summary(experiment, backend, seed, config, params, examples or 0, timer)
-    summary.update(final_loss=loss_value, resumed_from=start or None)
-    if last_eval:
-        summary["eval"] = last_eval
-    if parallel is not None:
-        summary["ranks"] = parallel.world_size
-    if report and batch is not None and main:
-        summary["resources"] = _resources(
-            experiment, backend, params, opt_state, batch, summary, parallel
-        )
-    if run_dir is not None and main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return FitResult(params, opt_state, summary)
-
-
-@contextlib.contextmanager
-def _user_code(what: str, enabled: bool = True) -> Iterator[None]:
-    """Report a failure of the experiment's own code (a bad config, a shape mismatch in the
-    loss) as a one-line :class:`ExperimentError`: it is the script's mistake, not the loop's."""
-    if not enabled:
-        yield
-        return
-    try:
-        yield
-    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-        if isinstance(exc, ExperimentError):
-            raise
-        raise ExperimentError(f"{what} failed: {one_line(exc)}") from exc
-
-
-def save_final_or_interrupt(
-    step: int, start: int, total: int, run_dir: Path | None, save: Callable[[int], Path]
-) -> None:
-    """After the step loop: checkpoint the last finished step (with a run directory), then
-    raise :class:`Interrupted` if the loop stopped before ``total``."""
-    path = save(step) if run_dir is not None and step > start else None
-    if step == total:
-        return
-    if path is not None:
-        raise Interrupted(
-            f"stopped at step {step}; checkpoint saved to {path}; continue with --resume"
-        )
-    where = "no --out was given" if run_dir is None else "no step finished"
-    raise Interrupted(f"stopped at step {step}; {where}, so no checkpoint was saved")
-
-
-def _initial_state(
-    experiment: Experiment,
-    backend: Backend,
-    seed: int,
-    resume_from: Path | None,
-    meta: dict[str, Any],
-    say: Callable[[str], None],
-) -> tuple[Params, OptState, int, torch.Generator]:
-    """Seed, init params and optimizer state, and resume from ``resume_from`` if given.
-
-    Returns ``(params, opt_state, step, data_generator)``.
-    """
-    rng.seed_everything(seed)
-    init_generator, data_generator = run_generators(seed)
-    with _user_code("the experiment's init(generator)"):
-        params = to_backend(experiment.init(init_generator), backend)
-    opt_state = experiment.optimizer.init(params)
-    start = 0
-    if resume_from is not None:
-        params, opt_state, start = _resume(
-            resume_from, params, opt_state, data_generator, meta, say
-        )
-    if start > experiment.steps:
-        raise ResumeError(
-            f"the checkpoint in {resume_from} is at step {start}, past --steps "
-            f"{experiment.steps}; pass --steps of at least that, or a new --out"
-        )
-    return params, opt_state, start, data_generator
-
-
-def _step_record(
-    out: Any, loss_value: float, timer: StepTimer, examples: int | None
-) -> dict[str, Any]:
-    """One ``metrics.jsonl`` line (without the step): loss, lr, grad norm, aux, speed, RSS."""
-    return {
-        "loss": loss_value,
-        "lr": learning_rate(out.opt_state),
-        "grad_norm": float(out.grad_norm),
-        **{key: float(value) for key, value in out.aux.items()},
-        **timer.rates(examples),
-        "rss_bytes": resident_bytes(),
-    }
+    def init(self) -> None: ...
+    def resume_from(self, path: Path, saved_meta_check: Callable[[dict], None]) -> int: ...
+    def meta(self) -> dict[str, Any]: ...
+    def check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None: ...
+    def save(self, run_dir: Path, step: int, keep: int) -> Path: ...
+    def step(self, step: int) -> None: ...
+    def check_finite(self) -> None: ...
+    def records(self, step: int, rates: dict[str, float], evaluate: bool) -> list[dict]: ...
+    def progress_loss(self) -> float: ...
+    def should_stop(self, requested: bool) -> bool: ...
+    def examples(self) -> int | None: ...
+    def finish(self) -> None: ...
+    def summary(self, timer: StepTimer) -> dict[str, Any]: ...
+    def report(self, summary: dict[str, Any]) -> dict[str, Any]: ...
+    def result(self, summary: dict[str, Any]) -> FitResult: ...
+    def evaluates_at(self, step: int) -> bool: ...
 
 
 def is_due(step: int, every: int) -> bool:
@@ -366,70 +97,35 @@ def is_due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def _finite_loss(out: Any, step: int) -> float:
-    loss_value = float(out.loss)
-    if not (math.isfinite(loss_value) and math.isfinite(float(out.grad_norm))):
-        raise NonFiniteLoss(
-            f"loss became {loss_value} (grad norm {float(out.grad_norm)}) at step {step}; "
-            "the last checkpoint is kept; lower the learning rate (--set lr=...) or clip "
-            "gradients"
-        )
-    return loss_value
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (JSON has neither).
+
+    >>> finite_json({"loss": float("nan"), "steps": [1, float("inf")]})
+    {'loss': None, 'steps': [1, None]}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(item) for item in value]
+    return value
 
 
-def _run_meta(
-    experiment: Experiment, backend: Backend, seed: int, config: dict[str, Any] | None
-) -> dict[str, Any]:
-    return {
-        "experiment": experiment.name,
-        "seed": seed,
-        "backend": backend.name,
-        "config": config or {},
-    }
+def dumps_finite(value: Any, **options: Any) -> str:
+    """``json.dumps`` that writes null for NaN and infinities, never bare ``NaN``.
 
-
-def _resume(
-    run_dir: Path,
-    params: Params,
-    opt_state: OptState,
-    data_generator: torch.Generator,
-    meta: dict[str, Any],
-    say: Callable[[str], None],
-) -> tuple[Params, OptState, int]:
-    path = checkpoint.latest_valid(
-        run_dir, on_skip=lambda p, reason: say(f"skipping checkpoint {p.name}: {reason}")
-    )
-    if path is None:
-        say(f"no valid checkpoint in {run_dir}; starting from step 0")
-        return params, opt_state, 0
-    saved = checkpoint.load(path, params, opt_state)
-    _check_same_run(saved.meta, meta, run_dir)
-    checkpoint.restore_rng(saved, data_generator)
-    say(f"resuming from {path} (step {saved.step})")
-    return saved.params, saved.opt_state, saved.step
-
-
-def _check_same_run(saved: dict[str, Any], current: dict[str, Any], run_dir: Path) -> None:
-    for key in ("experiment", "seed", "backend"):
-        if saved.get(key) != current[key]:
-            raise ResumeError(
-                f"{run_dir} was trained with {key}={saved.get(key)!r}, this run has "
-                f"{key}={current[key]!r}; use the same value to resume, or a new --out"
-            )
-    old, new = saved.get("config", {}), current["config"]
-    for key in sorted(set(old) | set(new)):
-        if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
-            raise ResumeError(
-                f"{run_dir} was trained with {key}={old.get(key)!r}, this run has "
-                f"{key}={new.get(key)!r}; pass --set {key}={old.get(key)} to resume, or a new --out"
-            )
+    >>> dumps_finite({"loss": float("nan")})
+    '{"loss": null}'
+    """
+    return json.dumps(finite_json(value), allow_nan=False, **options)
 
 
 class StepTimer:
     """Steady-state step time: from the end of the first step to the end of the last."""
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self.synchronize = synchronize
         self.start = time.perf_counter()
         self.steady_start: float | None = None
         self.last = self.start
@@ -440,7 +136,7 @@ class StepTimer:
         now = time.perf_counter()
         self.step_time, self.last = now - self.last, now
         if steps_this_run == 1:
-            self.backend.synchronize()
+            self.synchronize()
             self.steady_start = self.last = time.perf_counter()
         else:
             self.steady_steps = steps_this_run - 1
@@ -460,123 +156,231 @@ class StepTimer:
         return rates
 
 
-def _summary(
-    experiment: Experiment,
-    backend: Backend,
-    seed: int,
-    config: dict[str, Any] | None,
-    params: Params,
-    examples: int,
-    timer: StepTimer,
-) -> dict[str, Any]:
-    backend.synchronize()
-    n_params = size(params)
-    step_seconds = timer.step_seconds()
-    summary: dict[str, Any] = {
-        "name": experiment.name,
-        "backend": backend.name,
-        "seed": seed,
-        "steps": experiment.steps,
-        "seconds": timer.seconds(),
-        "step_seconds": step_seconds,
-        "params": n_params,
-        "examples_per_step": examples,
-        # The chapter's rule (3.5.6): 2·B·P forward + 4·B·P backward.
-        "flops_per_step": 6 * examples * n_params,
-        "flops_per_step_exact": experiment.flops_per_step,
-        "examples_per_second": examples / step_seconds if step_seconds > 0 else None,
-    }
-    if config is not None:
-        summary["config"] = config
-    return summary
+def run_loop(
+    stepper: Stepper,
+    *,
+    out_dir: str | Path | None = None,
+    log_every: int = 1,
+    checkpoint_every: int = 0,
+    keep: int = 3,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    tensorboard: bool = False,
+    report: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> FitResult:
+    """Train ``stepper`` to its last step; return its :class:`FitResult`.
 
-
-def _resources(
-    experiment: Experiment,
-    backend: Backend,
-    params: Params,
-    opt_state: OptState,
-    batch: Any,
-    summary: dict[str, Any],
-    parallel: Any = None,
-) -> dict[str, Any]:
-    from minitrain.accounting import resource_report
-
-    # Under data parallelism the report is one rank's step on its shard of the global batch
-    # (FLOPs scale with the batch), plus the gradient all-reduce.
-    share = parallel.weight if parallel is not None else 1.0
-    exact = experiment.flops_per_step
-    report = resource_report(
-        make_train_step(experiment, backend),
-        params,
-        opt_state,
-        batch,
-        examples_per_step=round(summary["examples_per_step"] * share) or None,
-        exact_flops_per_step=round(exact * share) if exact is not None else None,
-        peak_flops=backend.peak_flops(),
-        step_seconds=summary["step_seconds"],
-        steps_total=experiment.steps,
-        steps_done=experiment.steps,
-    )
-    if parallel is not None:
-        from minitrain.distributed import gradient_bytes
-
-        report["communication"] = parallel.communication(gradient_bytes(params))
-    return report
-
-
-@contextlib.contextmanager
-def graceful_stop() -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C / SIGTERM into a request to stop after the current step.
-
-    A second Ctrl-C raises ``KeyboardInterrupt`` at once. Outside the main thread (where
-    signal handlers cannot be set) this does nothing.
+    Raises :class:`NonFiniteLoss` (the last good checkpoint stays as it was),
+    :class:`~minitrain.errors.Interrupted` after Ctrl-C or SIGTERM (a checkpoint of the last
+    finished step is written first), :class:`ResumeError`, :class:`ScriptError` and
+    :class:`~minitrain.errors.StorageError`.
     """
-    requested = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield requested.is_set
-        return
+    say = say or to_stderr
+    if not stepper.main:
+        say, progress = (lambda message: None), False
+    if log_every < 1 or checkpoint_every < 0 or keep < 1:
+        raise ValueError(
+            f"need log_every >= 1, checkpoint_every >= 0 and keep >= 1; got {log_every}, "
+            f"{checkpoint_every} and {keep}"
+        )
+    if (checkpoint_every or resume) and out_dir is None:
+        raise ResumeError("--checkpoint-every and --resume need a run directory: pass --out DIR")
+    run_dir = Path(out_dir) if out_dir is not None else None
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(stop_requests())
+        if run_dir is not None and stepper.main:
+            owner = rundir.claim(run_dir, resume=resume, overwrite=overwrite)
+            stack.callback(owner.release)
+        stepper.init()
+        start = _resume(stepper, run_dir, say) if resume else 0
+        finished = _finished_summary(stepper, run_dir, start) if resume else None
+        if finished is not None:
+            say(f"{run_dir} already finished all {start} steps; nothing to do "
+                "(pass a larger --steps to train on)")
+            return stepper.result(finished)
+        loop = _Loop(stepper, run_dir, start, log_every, checkpoint_every, keep, say, stop)
+        loop.train(progress, tensorboard)
+        return loop.finish(report)
 
-    def handler(signum: int, frame: Any) -> None:
-        if requested.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        requested.set()
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield requested.is_set
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def progress_bar(experiment: Experiment, start: int, enabled: bool) -> Iterator[Any]:
-    """A rich progress bar on stderr (steps, elapsed, ETA, live loss); yields
-    ``advance(step, loss)``. Disabled, it yields a function that does nothing."""
-    if not enabled:
-        yield lambda step, loss: None
-        return
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        console=Console(stderr=True),
-        refresh_per_second=4,
+def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
+    """Load the latest valid checkpoint of ``run_dir`` into ``stepper``; its step (0: none)."""
+    path = checkpoint.latest_valid(
+        run_dir, on_skip=lambda p, reason: say(f"skipping checkpoint {p.name}: {reason}")
     )
-    with progress:
-        task = progress.add_task(experiment.name, total=experiment.steps, completed=start, loss="-")
+    if path is None:
+        say(f"no valid checkpoint in {run_dir}; starting from step 0")
+        return 0
+    start = stepper.resume_from(path, lambda saved: stepper.check_resumable(saved, run_dir))
+    say(f"resuming from {path} (step {start})")
+    if start > stepper.steps:
+        raise ResumeError(
+            f"the checkpoint in {run_dir} is at step {start}, past --steps {stepper.steps}; "
+            "pass --steps of at least that, or a new --out"
+        )
+    return start
 
-        def advance(step: int, loss: float) -> None:
-            progress.update(task, completed=step, loss=f"{loss:.4g}")
 
-        yield advance
+def _finished_summary(stepper: Stepper, run_dir: Path, start: int) -> dict[str, Any] | None:
+    """The saved summary of a run that already finished every step, else None."""
+    if start == 0 or start < stepper.steps:
+        return None
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("steps") == start else None
 
 
-def to_stderr(message: str) -> None:
-    """Print a progress message on stderr (stdout stays clean for ``--json``)."""
-    print(message, file=sys.stderr, flush=True)
+class _Loop:
+    """The state of one pass of the step loop (kept in one place so every exit saves)."""
+
+    def __init__(self, stepper: Stepper, run_dir: Path | None, start: int, log_every: int,
+                 checkpoint_every: int, keep: int, say: Callable[[str], None], stop: Any) -> None:
+        self.stepper, self.run_dir, self.start = stepper, run_dir, start
+        self.log_every, self.checkpoint_every, self.keep = log_every, checkpoint_every, keep
+        self.say, self.stop = say, stop
+        self.done = start  # the last finished, finiteness-checked step
+        self.saved: Path | None = None
+        self.timer = StepTimer(getattr(stepper, "synchronize", lambda: None))
+        self.writes = run_dir is not None and stepper.main
+
+    def train(self, progress: bool, tensorboard: bool) -> None:
+        stepper = self.stepper
+        with contextlib.ExitStack() as stack:
+            metrics = (
+                stack.enter_context(self._storage(lambda: MetricsWriter(
+                    self.run_dir, self.start, tensorboard)))
+                if self.writes else None
+            )
+            advance = stack.enter_context(
+                progress_bar(stepper.name, stepper.steps, self.start, enabled=progress)
+            )
+            try:
+                for step in range(self.start + 1, stepper.steps + 1):
+                    if stepper.should_stop(self.stop.requested):
+                        break
+                    stepper.step(step)
+                    self.timer.tick(step - self.start)
+                    self._after_step(step, metrics, advance)
+            except (NonFiniteLoss, StorageError):
+                raise
+            except BaseException as exc:
+                self._save_on_error(exc)
+                raise
+
+    def _after_step(self, step: int, metrics: Any, advance: Any) -> None:
+        stepper = self.stepper
+        is_checkpoint = is_due(step, self.checkpoint_every) and step < stepper.steps
+        is_eval = stepper.main and stepper.evaluates_at(step)
+        if is_due(step, self.log_every) or step == stepper.steps or is_checkpoint or is_eval:
+            stepper.check_finite()
+            self.done = step
+            records = stepper.records(step, self.timer.rates(stepper.examples()), is_eval)
+            if metrics is not None:
+                with self._storage_errors():
+                    for record in records:
+                        metrics.write(step, **record)
+            advance(step, stepper.progress_loss())
+        if is_checkpoint:
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        if step <= self.start or step == getattr(self.saved, "step", None):
+            return
+        if not self.writes:
+            if self.run_dir is not None:  # a worker: rank 0 writes
+                self.saved = _Saved(checkpoint.checkpoint_path(self.run_dir, step), step)
+            return
+        with self._storage_errors():
+            path = self.stepper.save(self.run_dir, step, self.keep)
+        self.saved = _Saved(path, step)
+
+    def stepper_finite_step(self) -> int:
+        """The last step taken, after checking that every step since the last check was
+        finite (raises :class:`NonFiniteLoss` naming the step otherwise)."""
+        step = self.stepper.current_step
+        if step > self.done:
+            self.stepper.check_finite()
+        return step
+
+    def _save_on_error(self, exc: BaseException) -> None:
+        """An exception stopped the loop: save the last good step (never a bad one)."""
+        if self.run_dir is None:
+            return
+        try:
+            step = self.stepper_finite_step()
+            self._save(step)
+        except Exception as inner:  # the original error is what the user must see
+            self.say(f"could not save a checkpoint after the error: {inner}")
+            return
+        if self.saved is not None and self.writes:
+            self.say(f"saved the last good step ({self.saved.step}) to {self.saved.path}")
+
+    def finish(self, report: bool) -> FitResult:
+        stepper = self.stepper
+        last = self.stepper_finite_step()
+        stopped = last < stepper.steps
+        if self.run_dir is not None and last > self.start:
+            self._save(last)
+        if stopped:
+            raise Interrupted(self._stop_message(last))
+        with self._storage_errors():
+            stepper.finish()
+            summary = stepper.summary(self.timer)
+            summary["resumed_from"] = self.start or None
+            if report and not self.stop.requested and stepper.main:
+                summary["resources"] = stepper.report(summary)
+            if self.writes:
+                _write_summary(self.run_dir / SUMMARY_FILE, summary)
+        if self.stop.requested:
+            raise Interrupted(
+                f"stopped by {self.stop.first} after the last step ({last}); the checkpoint "
+                + (f"is in {self.saved.path}" if self.saved else "was not written (no --out)")
+                + (" and summary.json is written" if self.writes else "")
+            )
+        return stepper.result(summary)
+
+    def _stop_message(self, step: int) -> str:
+        if self.saved is not None and self.saved.step == step:
+            return (
+                f"stopped at step {step}; checkpoint saved to {self.saved.path}; continue "
+                "with --resume"
+            )
+        where = "no --out was given" if self.run_dir is None else "no step finished"
+        return f"stopped at step {step}; {where}, so no checkpoint was saved"
+
+    @contextlib.contextmanager
+    def _storage_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise StorageError.from_os_error(exc, exc.filename, "write") from None
+
+    def _storage(self, make: Callable[[], Any]) -> Any:
+        with self._storage_errors():
+            return make()
+
+
+class _Saved(NamedTuple):
+    path: Path
+    step: int
+
+
+def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """``summary.json``, written aside and renamed into place (never half a file)."""
+    staging = path.with_name(f".{path.name}.tmp")
+    try:
+        staging.write_text(dumps_finite(summary, indent=2) + "\n")
+        staging.replace(path)
+    except IsADirectoryError as exc:
+        raise StorageError(
+            f"cannot write {path}: it is a directory; move it away and rerun with --resume",
+            path,
+        ) from exc
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            staging.unlink()
+        raise StorageError.from_os_error(exc, path, "write") from None

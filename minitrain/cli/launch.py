@@ -1,0 +1,202 @@
+"""Starting ``--nproc N`` workers under torch's elastic agent, and ending each one cleanly.
+
+The command line's side of data parallelism: the library side (process groups, sharding, the
+bucketed all-reduce) is :mod:`minitrain.distributed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import click
+import torch.distributed as dist
+
+from minitrain.cli.errors import RunFailed, RunInterrupted
+from minitrain.distributed import DataParallel
+from minitrain.errors import DistributedError
+
+__all__ = ["forward_argv", "launch", "worker_outcome"]
+
+
+def forward_argv(ctx: Any, drop: Sequence[str] = ()) -> list[str]:
+    """Rebuild the command line of a click context from its parsed values, minus ``drop``.
+
+    Used by ``--nproc`` to start each worker with the same options.
+    """
+    argv: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in drop or value is None:
+            continue
+        if isinstance(param, click.Argument):
+            argv.extend(str(v) for v in (value if param.multiple else [value]))
+            continue
+        assert isinstance(param, click.Option)
+        if param.is_flag:
+            if param.secondary_opts:
+                argv.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                argv.append(param.opts[0])
+            continue
+        for item in value if param.multiple else [value]:
+            argv.extend([param.opts[0], str(item)])
+    return argv
+
+
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    """The elastic agent logs each step of its work; keep its warnings out of the user's way."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _threads_per_worker(nproc: int) -> Iterator[None]:
+    """Split the cores between the workers (``OMP_NUM_THREADS``) unless the user chose.
+
+    torchrun sets 1 thread per worker for the same reason: N workers each running as many
+    threads as there are cores oversubscribe the CPU.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> None:
+    """Run ``python -m minitrain *argv`` in ``nproc`` workers under the elastic agent.
+
+    Returns when every worker succeeded. A worker that fails stops the others; then this
+    raises ``SystemExit`` with its exit code (the worker printed its own error) or
+    :class:`DistributedError` naming the rank that died (e.g. killed by a signal).
+
+    >>> launch(2, ["run", "examples/linreg.py", "--steps", "10"])  # doctest: +SKIP
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    with tempfile.TemporaryDirectory(prefix="minitrain-elastic-") as log_dir, _quiet_elastic():
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",  # as `torchrun --standalone`: a TCP store on a free port
+            rdzv_endpoint="localhost:0",
+            max_restarts=0,
+            monitor_interval=monitor_interval,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        try:
+            with _threads_per_worker(nproc):
+                elastic_launch(config, sys.executable)("-m", "minitrain", *argv)
+        except ChildFailedError as exc:
+            _raise_failure(exc)
+        except SignalException as exc:
+            # Ctrl-C and SIGTERM reach the workers too, which save and exit 130 (the agent
+            # waits for them); the job ends as a stopped run, not a killed one.
+            stopped = exc.sigval in (signal.SIGINT, signal.SIGTERM)
+            raise SystemExit(130 if stopped else 128 + int(exc.sigval)) from None
+
+
+# Exit codes of a worker that printed its own one-line error (see minitrain.cli.errors).
+_REPORTED_EXIT_CODES = (1, 2, 130)
+
+
+def _raise_failure(exc: Any) -> None:
+    """Turn the elastic agent's ``ChildFailedError`` into one message naming the rank."""
+    failures = exc.failures
+    # A signal (SIGKILL, OOM killer...) other than the agent's own SIGTERM is the root cause.
+    killed = {
+        r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+    }
+    rank_, failure = min(
+        (killed or failures).items(), key=lambda item: (item[1].timestamp, item[0])
+    )
+    if failure.exitcode < 0:
+        name = signal.Signals(-failure.exitcode).name
+        raise DistributedError(
+            f"worker rank {rank_} (pid {failure.pid}) was killed by {name}; "
+            "the other workers were stopped"
+        )
+    if failure.exitcode in _REPORTED_EXIT_CODES:
+        raise SystemExit(failure.exitcode)
+    raise DistributedError(
+        f"worker rank {rank_} (pid {failure.pid}) exited with code {failure.exitcode}; "
+        "the other workers were stopped"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Whether a collective failed because another rank went away (or timed out)."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("connection closed", "connection reset", "timed out",
+                                      "gloo", "nccl", "broken pipe")
+    )
+
+
+@contextlib.contextmanager
+def worker_outcome(parallel: DataParallel) -> Iterator[None]:
+    """Around one worker's part of a command: end it as the whole job should.
+
+    Outcomes every rank reaches together (success, a non-finite loss, a requested stop) end
+    with a barrier, so rank 0 prints and checkpoints before anyone exits; rank 0 alone prints
+    them. Anything else (a rank-specific error, a lost peer) is printed with the rank and
+    exits at once, so the elastic agent stops the other workers.
+    """
+    code = 0
+    try:
+        yield
+    except (RunFailed, RunInterrupted) as exc:
+        if parallel.is_main:
+            exc.show()
+        code = exc.exit_code
+    except click.ClickException as exc:
+        click.echo(f"error: rank {parallel.rank}: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except DistributedError as exc:
+        click.echo(f"error: rank {parallel.rank}: {exc}", err=True)
+        sys.exit(1)
+    except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
+        if not _lost_peer(exc):
+            raise
+        click.echo(f"error: rank {parallel.rank}: lost the other workers: {_first_line(exc)}",
+                   err=True)
+        sys.exit(1)
+    with contextlib.suppress(dist.DistError, RuntimeError):
+        parallel.barrier()
+    parallel.close()
+    if code:
+        sys.exit(code)

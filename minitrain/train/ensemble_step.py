@@ -1,0 +1,219 @@
+"""The vmapped ensemble step: every member's train step at once, diverged members frozen."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as _pytree
+
+from minitrain import rng
+from minitrain.backend import Backend
+from minitrain.func import value_and_grad
+from minitrain.train.experiment import Experiment
+from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
+from minitrain.train.step import StepOutput, loss_with_aux, make_train_step
+from minitrain.tree import OptState, Params, PyTree, global_norm, leaves, named_leaves, unstack
+from minitrain.tree import map as tree_map
+
+__all__ = [
+    "EnsembleStepOutput",
+    "batches_ignore_swept_values",
+    "check_members",
+    "draw_batches",
+    "make_ensemble_step",
+    "make_member_step",
+    "shared_by_seed",
+]
+
+# --------------------------------------------------------------------------- the steps
+
+
+class EnsembleStepOutput(NamedTuple):
+    """One ensemble step: stacked params and state, per-member ``(K,)`` losses and norms."""
+
+    params: Params
+    opt_state: OptState
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    aux: dict[str, torch.Tensor]
+    diverged_at: torch.Tensor
+
+
+def make_member_step(
+    experiment: Experiment, backend: Backend
+) -> Callable[[Params, OptState, PyTree], StepOutput]:
+    """The single-member train step, in ops that ``vmap`` supports.
+
+    Same math as :func:`~minitrain.train.make_train_step`: the global gradient norm is the norm
+    of the per-leaf norms, and clipping scales by ``min(1, max_norm / (norm + 1e-6))``
+    (``torch.nn.utils.clip_grad_norm_``), so a swept ``max_grad_norm`` works too.
+
+    >>> import torch, minitrain as mt
+    >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
+    ...     loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
+    ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=1)
+    >>> step = make_member_step(exp, mt.get_backend("cpu"))
+    >>> params = {"w": torch.zeros(2)}
+    >>> step(params, exp.optimizer.init(params), torch.ones(4, 2)).params
+    {'w': tensor([0.2000, 0.2000])}
+    """
+    loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
+    optimizer = experiment.optimizer
+    max_grad_norm = experiment.max_grad_norm
+
+    def member_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
+        with backend.autocast():
+            (loss, aux), grads = loss_and_grads(params, batch)
+        grad_norm = global_norm(grads)
+        if max_grad_norm is not None:
+            scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
+        params, opt_state = optimizer.update(grads, opt_state, params)
+        return StepOutput(params, opt_state, loss.detach(), grad_norm, aux)
+
+    return member_step
+
+
+def batches_ignore_swept_values(ensemble: Ensemble) -> bool:
+    """Whether the script's ``next_batch`` never reads a swept value (probed on one draw of the
+    template experiment, whose config holds the swept keys as :class:`SweptValue`)."""
+    binding = ensemble.binding
+    before = binding.reads
+    ensemble.template.next_batch(rng.generator(0))
+    return binding.reads == before
+
+
+def shared_by_seed(
+    members: Sequence[Member], generators: list[torch.Generator]
+) -> list[torch.Generator]:
+    """One data generator per seed: members with the same seed draw the same batches anyway
+    (their configs differ only in swept values their ``next_batch`` does not read), so
+    :func:`draw_batches` draws once per seed instead of once per member."""
+    by_seed: dict[int, torch.Generator] = {}
+    return [
+        by_seed.setdefault(member.seed, generator)
+        for member, generator in zip(members, generators, strict=True)
+    ]
+
+
+def draw_batches(
+    experiments: Sequence[Experiment], generators: list[torch.Generator]
+) -> list[PyTree]:
+    """Each member's next batch; members sharing a generator object share one draw."""
+    drawn: dict[int, PyTree] = {}
+    batches = []
+    for experiment, generator in zip(experiments, generators, strict=True):
+        if id(generator) not in drawn:
+            drawn[id(generator)] = experiment.next_batch(generator)
+        batches.append(drawn[id(generator)])
+    return batches
+
+
+def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., EnsembleStepOutput]:
+    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number)``: one
+    vmapped train step of every member.
+
+    ``hyperparameters`` maps each swept key to its ``(K,)`` values; ``diverged_at`` is a
+    ``(K,)`` int64 tensor, 0 for healthy members and the step of divergence otherwise. A
+    member whose loss or gradient norm is not finite, or that diverged before, keeps its params
+    and optimizer state; newly diverged members get ``diverged_at = step_number``.
+    """
+    member_step = make_member_step(ensemble.template, backend)
+    binding = ensemble.binding
+
+    def bound_step(
+        params: Params, opt_state: OptState, batch: PyTree, values: dict[str, torch.Tensor]
+    ) -> StepOutput:
+        with binding.bind(values):
+            return member_step(params, opt_state, batch)
+
+    vmapped = torch.func.vmap(bound_step, randomness="different")
+    attention = _batchable_attention(backend)
+
+    def ensemble_step(
+        params: Params,
+        opt_state: OptState,
+        batch: PyTree,
+        hyperparameters: dict[str, torch.Tensor],
+        diverged_at: torch.Tensor,
+        step_number: int,
+    ) -> EnsembleStepOutput:
+        with attention():
+            out = vmapped(params, opt_state, batch, hyperparameters)
+        alive = diverged_at == 0
+        healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
+        diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
+        return EnsembleStepOutput(
+            _keep_where(healthy, out.params, params),
+            _keep_where(healthy, out.opt_state, opt_state),
+            out.loss,
+            out.grad_norm,
+            out.aux,
+            diverged_at,
+        )
+
+    return ensemble_step
+
+
+def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
+    """On CPU, ``scaled_dot_product_attention`` takes the math path under vmap: torch 2.x has
+    no batching rule for the CPU flash kernel (it falls back to a slow per-member loop and
+    warns), while the math path is made of batchable matmuls and a softmax."""
+    if backend.device.type != "cpu":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return lambda: sdpa_kernel([SDPBackend.MATH])
+
+
+def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    """Leaf by leaf: member k's new value where ``healthy[k]``, else its old value."""
+
+    def choose(new_leaf: Any, old_leaf: Any) -> Any:
+        if not isinstance(new_leaf, torch.Tensor):
+            return new_leaf
+        mask = healthy.view(-1, *([1] * (new_leaf.dim() - 1)))
+        return torch.where(mask, new_leaf, old_leaf)
+
+    # The step returns trees shaped like its inputs, so no structure check is needed here.
+    return _pytree.tree_map(choose, new, old)
+
+
+def check_members(
+    ensemble: Ensemble,
+    backend: Backend,
+    params: Params,
+    opt_state: OptState,
+    batch: PyTree,
+    out: EnsembleStepOutput,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+) -> None:
+    """Check each healthy member's new params against the step its own single run would take.
+
+    ``params``, ``opt_state`` and ``batch`` are the stacked inputs of the ensemble step that
+    returned ``out``. Raises :class:`MemberMismatch` naming the first member and leaf that
+    differ (e.g. a script that turned a swept value into a Python float).
+    """
+    singles = zip(unstack(params), unstack(opt_state), unstack(batch), strict=True)
+    new_params = unstack(out.params)
+    for k, (member_params, member_state, member_batch) in enumerate(singles):
+        if int(out.diverged_at[k]) != 0:
+            continue
+        member, experiment = ensemble.members[k], ensemble.experiments[k]
+        reference = make_train_step(experiment, backend)(member_params, member_state, member_batch)
+        pairs = zip(named_leaves(reference.params), leaves(new_params[k]), strict=True)
+        for name, (expected, got) in ((n, (e, g)) for (n, e), g in pairs):
+            if not torch.allclose(got, expected, rtol=rtol, atol=atol):
+                worst = float((got - expected).abs().max())
+                raise MemberMismatch(
+                    f"member {k} ({member_label(member)}) after one vmapped step differs from "
+                    f"its own run at param {name!r} (max |difference| {worst:.3g}); use swept "
+                    f"keys ({', '.join(ensemble.swept) or 'none'}) only in tensor arithmetic "
+                    "or as mt.optim arguments (no float(), int() or if on them)"
+                )
+
+

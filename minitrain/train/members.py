@@ -1,0 +1,368 @@
+"""Sweep members: swept values, the grid of ``--set`` lists and ``--seeds``, the ensemble.
+
+See :mod:`minitrain.train.sweep` for how a sweep trains; this module builds what it trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from minitrain.train.experiment import (
+    Experiment,
+    ExperimentError,
+    apply_overrides,
+    coerce_value,
+    describe_failure,
+    load_script,
+    parse_overrides,
+)
+
+__all__ = [
+    "Ensemble",
+    "Member",
+    "MemberMismatch",
+    "SweepBinding",
+    "SweptValue",
+    "build_ensemble",
+    "load_sweep",
+    "member_grid",
+    "member_label",
+    "parse_seeds",
+    "parse_sweep",
+]
+
+# --------------------------------------------------------------------------- swept values
+
+
+class SweepBinding:
+    """Where one ensemble's per-member hyperparameter values live while its step runs."""
+
+    def __init__(self) -> None:
+        self.values: Mapping[str, torch.Tensor] | None = None
+        self.reads = 0  # how many times a SweptValue of this binding was used, ever
+
+    @contextlib.contextmanager
+    def bind(self, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Make every :class:`SweptValue` of this binding stand for ``values[name]``."""
+        previous, self.values = self.values, values
+        try:
+            yield
+        finally:
+            self.values = previous
+
+
+class SweptValue(torch.Tensor):
+    """A 0-d float64 tensor standing for the per-member values of one swept hyperparameter.
+
+    Outside its binding it is a plain tensor holding ``value`` (member 0's). While
+    ``binding.bind({name: values})`` is active, every torch op that receives it uses
+    ``values[name]`` instead (through ``__torch_function__``); inside ``vmap`` that is each
+    member's own value. Scripts receive these in ``config`` for swept keys.
+
+    >>> binding = SweptValue.binding_type()
+    >>> lr = SweptValue(0.1, "lr", binding)
+    >>> float(lr * 2)
+    0.2
+    >>> def doubled(values):
+    ...     with binding.bind({"lr": values}):
+    ...         return lr * 2
+    >>> torch.func.vmap(doubled)(torch.tensor([0.1, 0.3], dtype=torch.float64))
+    tensor([0.2000, 0.6000], dtype=torch.float64)
+    """
+
+    binding_type = SweepBinding
+
+    @staticmethod
+    def __new__(cls, value: float, name: str, binding: SweepBinding) -> SweptValue:
+        plain = torch.tensor(float(value), dtype=torch.float64)
+        swept = torch.Tensor._make_subclass(cls, plain)
+        swept.swept_name = name
+        swept.swept_binding = binding
+        swept.swept_plain = plain
+        return swept
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = {key: _resolve(value) for key, value in kwargs.items()} if kwargs else {}
+        return func(*(_resolve(arg) for arg in args), **kwargs)
+
+
+def _resolve(value: Any) -> Any:
+    """A swept value's current tensor; lists and tuples (``torch.stack([...])``) are searched."""
+    if isinstance(value, SweptValue):
+        value.swept_binding.reads += 1
+        bound = value.swept_binding.values
+        if bound is not None and value.swept_name in bound:
+            return bound[value.swept_name]
+        return value.swept_plain
+    if isinstance(value, list | tuple) and any(isinstance(v, SweptValue) for v in value):
+        return type(value)(_resolve(v) for v in value)
+    return value
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+class Member(NamedTuple):
+    """One run of a sweep: its position, seed, full config and the swept values among it."""
+
+    index: int
+    seed: int
+    config: dict[str, Any]
+    swept: dict[str, Any]
+
+
+def member_label(member: Member) -> str:
+    """``"lr=0.01 seed=0"``: what tells a member apart.
+
+    >>> member_label(Member(0, 1, {"lr": 0.01, "dim": 4}, {"lr": 0.01}))
+    'lr=0.01 seed=1'
+    """
+    return " ".join([*(f"{k}={v:g}" for k, v in member.swept.items()), f"seed={member.seed}"])
+
+
+def parse_sweep(items: Sequence[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Split ``--set`` items into fixed overrides and swept keys (comma-separated values).
+
+    >>> parse_sweep(["lr=0.01,0.1", "dim=8", "weight_decay=0, 0.01"])
+    ({'dim': '8'}, {'lr': ['0.01', '0.1'], 'weight_decay': ['0', '0.01']})
+    """
+    fixed: dict[str, str] = {}
+    swept: dict[str, list[str]] = {}
+    for item in items:
+        ((key, text),) = parse_overrides([item]).items()
+        values = [value.strip() for value in text.split(",")]
+        if len(values) > 1 and not all(values):
+            raise ExperimentError(
+                f"--set {item}: an empty value in the list; write values like key=0.01,0.1"
+            )
+        fixed.pop(key, None)
+        swept.pop(key, None)
+        if len(values) == 1:
+            fixed[key] = values[0]
+        else:
+            swept[key] = values
+    return fixed, swept
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2" -> [0, 1, 2]``; each seed a distinct non-negative int.
+
+    >>> parse_seeds("0, 3")
+    [0, 3]
+    """
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ExperimentError(
+            f"--seeds {text}: expected comma-separated integers, e.g. --seeds 0,1,2"
+        ) from None
+    _check_distinct("--seeds", seeds)
+    if any(seed < 0 for seed in seeds):
+        raise ExperimentError(f"--seeds {text}: seeds must be non-negative integers")
+    return seeds
+
+
+def member_grid(
+    config: Mapping[str, Any],
+    fixed: Mapping[str, Any],
+    swept: Mapping[str, Sequence[Any]],
+    seeds: Sequence[int] = (0,),
+) -> list[Member]:
+    """Every combination of the swept values (last key fastest) and the seeds (fastest).
+
+    ``fixed`` overrides apply to every member; values may be strings (from the command line)
+    or numbers, parsed as the type of the ``config`` default. Only float keys may be swept.
+
+    >>> grid = member_grid({"lr": 0.01, "dim": 4}, {"dim": 8}, {"lr": ["0.1", 0.3]}, [0, 1])
+    >>> [(m.index, m.seed, m.config) for m in grid[:2]]
+    [(0, 0, {'lr': 0.1, 'dim': 8}), (1, 1, {'lr': 0.1, 'dim': 8})]
+    >>> [m.swept for m in grid[2:]]
+    [{'lr': 0.3}, {'lr': 0.3}]
+    """
+    if not seeds:
+        raise ExperimentError("a sweep needs at least one seed; pass --seeds 0")
+    _check_distinct("seeds", list(seeds))
+    base = apply_overrides(config, {key: str(value) for key, value in fixed.items()})
+    apply_overrides(config, {key: str(values[0]) for key, values in swept.items() if values})
+    grids = {}
+    for key, texts in swept.items():
+        default = config[key]
+        if type(default) is not float:
+            raise ExperimentError(
+                f"--set {key}={','.join(map(str, texts))}: only float CONFIG keys can take "
+                f"several values (members must share shapes and code); {key}'s default "
+                f"{default!r} is a {type(default).__name__}, so run one sweep per value"
+            )
+        if not texts:
+            raise ExperimentError(f"--set {key}=: give at least one value")
+        values = [coerce_value(key, str(text), default) for text in texts]
+        _check_distinct(f"--set {key}", values)
+        grids[key] = values
+    keys = list(grids)
+    members = []
+    for combo, seed in itertools.product(itertools.product(*grids.values()), seeds):
+        values = dict(zip(keys, combo, strict=True))
+        members.append(Member(len(members), int(seed), {**base, **values}, values))
+    return members
+
+
+def _check_distinct(what: str, values: list[Any]) -> None:
+    seen = set()
+    for value in values:
+        if value in seen:
+            raise ExperimentError(f"{what}: {value!r} is listed twice; list each value once")
+        seen.add(value)
+
+
+# --------------------------------------------------------------------------- the ensemble
+
+
+class MemberMismatch(ExperimentError):
+    """The members cannot share one vmapped step (their runs differ in more than values)."""
+
+
+@dataclass(frozen=True)
+class Ensemble:
+    """K members, their experiments, and the one experiment whose step they share.
+
+    ``template`` is ``experiment(config)`` built with every swept key as a :class:`SweptValue`
+    of ``binding``; its loss, optimizer and clipping norm make the vmapped step.
+    """
+
+    members: tuple[Member, ...]
+    experiments: tuple[Experiment, ...]
+    template: Experiment
+    binding: SweepBinding
+    swept: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        """K, the number of members."""
+        return len(self.members)
+
+    @property
+    def steps(self) -> int:
+        return self.template.steps
+
+    def hyperparameters(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Each swept key's per-member values as a float64 tensor of shape ``(K,)``."""
+        return {
+            key: torch.tensor([m.swept[key] for m in self.members], dtype=torch.float64).to(device)
+            for key in self.swept
+        }
+
+
+def build_ensemble(
+    build: Callable[[dict[str, Any]], Experiment], members: Sequence[Member]
+) -> Ensemble:
+    """Build each member's experiment and the shared template; check they can share a step.
+
+    ``build`` is an experiment script's ``experiment(config)`` function.
+    """
+    members = tuple(members)
+    if not members:
+        raise ExperimentError("a sweep needs at least one member")
+    experiments = tuple(_built(build, member.config) for member in members)
+    _check_same_run_shape(members, experiments)
+    binding = SweepBinding()
+    swept = tuple(members[0].swept)
+    template = experiments[0]
+    if swept:
+        first = members[0]
+        config = {
+            **first.config,
+            **{key: SweptValue(first.swept[key], key, binding) for key in swept},
+        }
+        try:
+            template = _built(build, config)
+        except Exception as exc:  # e.g. an argument annotated float that refuses a tensor
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise MemberMismatch(
+                f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
+                f"({type(exc).__name__}: {reason}); pass swept keys only to arguments that "
+                "accept tensors (mt.optim's lr and weight_decay, max_grad_norm) or use them in "
+                "tensor arithmetic"
+            ) from exc
+        template = dataclasses.replace(template, name=experiments[0].name)
+    return Ensemble(members, experiments, template, binding, swept)
+
+
+def _built(build: Callable[[dict[str, Any]], Experiment], config: dict[str, Any]) -> Experiment:
+    experiment = build(dict(config))
+    if not isinstance(experiment, Experiment):
+        raise ExperimentError(
+            f"experiment(config) must return a minitrain.Experiment, got "
+            f"{type(experiment).__name__}"
+        )
+    return experiment
+
+
+_SHARED_FIELDS = ("steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step")
+
+
+def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Experiment]) -> None:
+    first = experiments[0]
+    for member, experiment in zip(members[1:], experiments[1:], strict=True):
+        differing = [
+            (field, getattr(experiment, field), getattr(first, field))
+            for field in _SHARED_FIELDS
+            if getattr(experiment, field) != getattr(first, field)
+        ]
+        for field in ("evaluate", "max_grad_norm"):
+            if (getattr(experiment, field) is None) != (getattr(first, field) is None):
+                differing.append((field, getattr(experiment, field), getattr(first, field)))
+        if differing:
+            field, value, first_value = differing[0]
+            raise MemberMismatch(
+                f"member {member.index} ({member_label(member)}) has {field}={value!r} but "
+                f"member 0 has {first_value!r}; members of one vmapped step may differ only in "
+                "float hyperparameters such as lr or weight_decay"
+            )
+
+
+def load_sweep(
+    path: str | Path,
+    items: Sequence[str] = (),
+    seeds: Sequence[int] = (0,),
+    steps: int | None = None,
+) -> Ensemble:
+    """Import an experiment script and build the ensemble of its ``--set``/``--seeds`` grid.
+
+    ``items`` are ``--set`` values (``"lr=0.01,0.1"`` sweeps, ``"dim=8"`` fixes); ``steps``
+    overrides the step count as ``minitrain run --steps`` does. Mistakes raise
+    :class:`~minitrain.train.ExperimentError` with a one-line message.
+    """
+    config, script_build = load_script(path)
+    fixed, swept = parse_sweep(items)
+    if steps is not None and "steps" in config:
+        fixed["steps"] = str(steps)
+        swept.pop("steps", None)
+    members = member_grid(config, fixed, swept, seeds)
+
+    def build(member_config: dict[str, Any]) -> Experiment:
+        try:
+            experiment = script_build(member_config)
+        except ExperimentError:
+            raise
+        except Exception as exc:  # the user's script failed: report where, in one line
+            raise ExperimentError(
+                f"{path}: experiment(config) failed: {describe_failure(exc, path)}"
+            ) from exc
+        if steps is not None and isinstance(experiment, Experiment):
+            experiment = dataclasses.replace(experiment, steps=steps)
+        return experiment
+
+    return build_ensemble(build, members)
+
+

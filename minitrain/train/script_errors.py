@@ -1,0 +1,72 @@
+"""Errors raised by the user's own code (init, next_batch, the loss, evaluate), shown as such.
+
+A failure inside an experiment script is the script's, not minitrain's: the user sees the frames
+of their own files (not minitrain's or torch's), then one ``error:`` line that names the
+function and the step. :func:`script_call` wraps each call into user code.
+
+>>> def next_batch():
+...     raise KeyError("x")
+>>> try:
+...     with script_call("next_batch", step=5):
+...         next_batch()
+... except ScriptError as exc:
+...     print(exc)
+next_batch raised KeyError: 'x' at step 5
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+from minitrain.errors import MinitrainError, ScriptError
+
+__all__ = ["ScriptError", "script_call", "user_frames"]
+
+_OURS = Path(__file__).resolve().parents[1]  # minitrain/
+
+
+def _library_roots() -> tuple[str, ...]:
+    roots = {str(_OURS)}
+    for name in ("torch", "functorch", "beartype", "jaxtyping", "numpy"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            roots.add(str(Path(module.__file__).resolve().parent))
+    roots.add(str(Path(os.__file__).resolve().parent))  # the standard library
+    return tuple(roots)
+
+
+def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """The traceback frames of ``exc`` that lie in the user's files (not in libraries)."""
+    roots = _library_roots()
+    frames = traceback.extract_tb(exc.__traceback__)
+    return [
+        frame
+        for frame in frames
+        if not str(Path(frame.filename).resolve()).startswith(roots)
+        and not frame.filename.startswith("<")
+    ]
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def script_call(what: str, step: int | None = None) -> Iterator[None]:
+    """Re-raise an exception of user code as :class:`ScriptError` (minitrain's own errors and
+    KeyboardInterrupt pass through)."""
+    try:
+        yield
+    except MinitrainError:
+        raise
+    except Exception as exc:
+        frames = user_frames(exc)
+        shown = "".join(traceback.format_list(frames)) if frames else ""
+        where = f" at step {step}" if step is not None else ""
+        raise ScriptError(f"{what} raised {_describe(exc)}{where}", shown) from exc

@@ -1,0 +1,88 @@
+"""Setting a run up: generators from a seed, params on the backend, checks of what init gave."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from minitrain import rng
+from minitrain.backend import Backend
+from minitrain.errors import ExperimentError
+from minitrain.train.experiment import one_line
+from minitrain.tree import Params, leaves
+from minitrain.tree import map as tree_map
+
+__all__ = ["batch_examples", "check_params", "run_generators", "to_backend"]
+
+
+def run_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
+    """Independent ``(init, data)`` generators derived from one seed (numpy SeedSequence).
+
+    >>> a, _ = run_generators(0); b, _ = run_generators(0)
+    >>> torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
+    True
+    """
+    init_seq, data_seq = np.random.SeedSequence(seed).spawn(2)
+    return (
+        rng.generator(int(init_seq.generate_state(1, np.uint64)[0])),
+        rng.generator(int(data_seq.generate_state(1, np.uint64)[0])),
+    )
+
+
+def to_backend(params: Params, backend: Backend) -> Params:
+    """Params on the backend's device; floating leaves in its ``param_dtype``."""
+
+    def move(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        dtype = backend.param_dtype if leaf.is_floating_point() else leaf.dtype
+        return leaf.to(device=backend.device, dtype=dtype)
+
+    return tree_map(move, params)
+
+
+def batch_examples(batch: Any) -> int:
+    """Examples in a batch: the leading dimension of its first tensor (1 for a 0-d tensor).
+
+    >>> batch_examples((torch.zeros(4, 16), torch.zeros(4)))
+    4
+    """
+    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        return 1
+    return int(tensors[0].shape[0])
+
+
+def check_params(params: Any, what: str = "init(generator)") -> None:
+    """Raise :class:`ExperimentError` unless ``params`` is a pytree with floating tensors only.
+
+    >>> try:
+    ...     check_params({"w": torch.zeros(2, dtype=torch.int64)})
+    ... except ExperimentError as exc:
+    ...     print(str(exc)[:50])
+    init(generator) returned an integer tensor at 'w' 
+    """
+    from minitrain.tree import named_leaves
+
+    try:
+        named = named_leaves(params)
+    except (TypeError, ValueError) as exc:
+        raise ExperimentError(
+            f"{what} must return a pytree of tensors (dicts, lists, tuples), got "
+            f"{type(params).__name__}: {one_line(exc)}"
+        ) from None
+    if not named:
+        raise ExperimentError(f"{what} returned no tensors; return a dict of float tensors")
+    for name, leaf in named:
+        if not isinstance(leaf, torch.Tensor):
+            raise ExperimentError(
+                f"{what} returned a {type(leaf).__name__} at {name!r}; every leaf of the params "
+                "must be a tensor"
+            )
+        if not leaf.is_floating_point():
+            raise ExperimentError(
+                f"{what} returned an integer tensor at {name!r} ({leaf.dtype}); params must be "
+                "floating point: create them with dtype=torch.float32"
+            )

@@ -1,0 +1,69 @@
+"""Ctrl-C and SIGTERM as requests to stop, for the whole life of a run.
+
+The handler only records the request: it never raises, so a burst of signals cannot interrupt a
+checkpoint half-written, an evaluation or the report. The loop reads the request between steps,
+saves the last finished step and ends with :class:`minitrain.errors.Interrupted` (exit 130).
+The handler stays installed until :func:`stop_requests` exits, so the final save, evaluation,
+report and summary are covered too; the command line keeps it until the process ends.
+
+>>> with stop_requests() as stop:
+...     stop.requested
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["StopRequest", "stop_requests"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """How many stop signals arrived, and the first one's name."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = signal.Signals(signum).name
+
+
+_active: StopRequest | None = None
+
+
+@contextlib.contextmanager
+def stop_requests() -> Iterator[StopRequest]:
+    """Install the recording handler for SIGINT and SIGTERM; yield the :class:`StopRequest`.
+
+    Nested uses share the outer request (the command line installs it first, the loop again).
+    Outside the main thread, where handlers cannot be set, the request never fires.
+    """
+    global _active
+    if _active is not None:
+        yield _active
+        return
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {sig: signal.signal(sig, request.handle) for sig in _SIGNALS}
+    _active = request
+    try:
+        yield request
+    finally:
+        _active = None
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,0 +1,329 @@
+"""One model, in one process or as one rank of N: the :class:`Stepper` behind ``minitrain run``.
+
+>>> import torch, minitrain as mt
+>>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
+...     loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
+...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=3)
+>>> result = fit(exp, mt.get_backend("cpu"), progress=False)
+>>> result.summary["steps"], round(result.summary["final_loss"], 4)
+(3, 0.0016)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minitrain import checkpoint, rng
+from minitrain.backend import Backend
+from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, ScriptError
+from minitrain.optim import learning_rate
+from minitrain.train.experiment import Experiment, one_line
+from minitrain.train.loop import FitResult, StepTimer, run_loop
+from minitrain.train.progress import resident_bytes
+from minitrain.train.script_errors import script_call
+from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
+from minitrain.train.step import can_donate, make_train_step
+from minitrain.tree import size
+
+__all__ = ["RESUMABLE_CHANGES", "SingleRun", "fit"]
+
+# Config keys that may change between a run and its resumption.
+RESUMABLE_CHANGES = frozenset({"steps"})
+# Finiteness flags are read (one host sync) at least this often.
+MAX_UNCHECKED_STEPS = 256
+
+
+class SingleRun:
+    """The :class:`~minitrain.train.loop.Stepper` of one model (optionally one rank of N)."""
+
+    def __init__(self, experiment: Experiment, backend: Backend, *, seed: int = 0,
+                 compile: bool = False, config: dict[str, Any] | None = None,
+                 parallel: Any = None) -> None:
+        self.experiment, self.backend, self.seed = experiment, backend, seed
+        self.compile, self.config, self.parallel = compile, config, parallel
+        self.name, self.steps = experiment.name, experiment.steps
+        self.main = parallel is None or parallel.is_main
+        self.current_step = 0
+        self.synchronize = backend.synchronize
+        self._checked_step = 0
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._examples = experiment.tokens_per_batch
+        self._out: Any = None
+        self._batch: Any = None
+        self._last_eval: dict[str, float] = {}
+        self._loss = float("nan")
+
+    # ------------------------------------------------------------------ start and resume
+
+    def init(self) -> None:
+        rng.seed_everything(self.seed)
+        init_generator, self.data_generator = run_generators(self.seed)
+        with script_call("init(generator)"):
+            params = self.experiment.init(init_generator)
+        check_params(params)
+        self.params = to_backend(params, self.backend)
+        with script_call("optimizer.init(params)"):
+            self.opt_state = self.experiment.optimizer.init(self.params)
+        # The loop never reads the params and state it passes in again, so the update may
+        # write into their buffers (torch.optim's in-place speed).
+        self._train_step = make_train_step(
+            self.experiment, self.backend, self.parallel.reduce if self.parallel else None,
+            donate=can_donate(self.experiment.optimizer), compile=self.compile,
+        )
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "experiment": self.experiment.name,
+            "seed": self.seed,
+            "backend": self.backend.name,
+            "config": self.config or {},
+        }
+
+    def resume_from(self, path: Path, check: Callable[[dict], None]) -> int:
+        saved = checkpoint.load(path, self.params, self.opt_state)
+        check(saved.meta)
+        checkpoint.restore_rng(saved, self.data_generator)
+        self.params, self.opt_state = saved.params, saved.opt_state
+        if self.parallel is not None:
+            self.parallel.check_same(saved.step, "the step to resume from")
+        self.current_step = self._checked_step = saved.step
+        return saved.step
+
+    def check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
+        current = self.meta()
+        for key in ("experiment", "seed", "backend"):
+            if saved.get(key) != current[key]:
+                raise ResumeError(
+                    f"{run_dir} was trained with {key}={saved.get(key)!r}, this run has "
+                    f"{key}={current[key]!r}; use the same value to resume, or a new --out"
+                )
+        old, new = saved.get("config", {}), current["config"]
+        for key in sorted(set(old) | set(new)):
+            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
+                raise ResumeError(
+                    f"{run_dir} was trained with {key}={old.get(key)!r}, this run has "
+                    f"{key}={new.get(key)!r}; pass --set {key}={old.get(key)} to resume, or a "
+                    "new --out"
+                )
+
+    def save(self, run_dir: Path, step: int, keep: int) -> Path:
+        return checkpoint.save(
+            run_dir, step, self.params, self.opt_state, self.meta(),
+            generator=self.data_generator, keep=keep,
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def should_stop(self, requested: bool) -> bool:
+        return requested if self.parallel is None else self.parallel.any(requested)
+
+    def step(self, step: int) -> None:
+        first = step == self._checked_step + 1 and self._out is None
+        with script_call("next_batch(generator)", step):
+            batch = self.experiment.next_batch(self.data_generator)
+        if self._examples is None:
+            self._examples = batch_examples(batch)
+        if self.parallel is not None:
+            batch = self.parallel.shard(batch)
+        batch = self.backend.to_device(batch)
+        with _first_step_mistakes(first), script_call("the train step (loss)", step):
+            out = self._train_step(self.params, self.opt_state, batch)
+        self.params, self.opt_state = out.params, out.opt_state
+        self._out, self._batch, self.current_step = out, batch, step
+        self._pending.append((step, out.loss.detach(), out.grad_norm.detach()))
+        if len(self._pending) >= MAX_UNCHECKED_STEPS:
+            self.check_finite()
+
+    def check_finite(self) -> None:
+        """Raise :class:`NonFiniteLoss` naming the first step whose loss or gradient norm was
+        not finite since the last check (one host sync for all of them)."""
+        if not self._pending:
+            return
+        steps = [step for step, _, _ in self._pending]
+        values = torch.stack(
+            [torch.stack([loss.float(), norm.float()]) for _, loss, norm in self._pending]
+        )
+        self._pending.clear()
+        finite = torch.isfinite(values).all(dim=1)
+        if not bool(finite.all()):
+            bad = int((~finite).nonzero()[0, 0])
+            loss, norm = values[bad].tolist()
+            raise NonFiniteLoss(
+                f"loss became {loss} (grad norm {norm}) at step {steps[bad]}; the last "
+                "checkpoint is kept; lower the learning rate (--set lr=...) or clip gradients"
+            )
+        self._checked_step = steps[-1]
+
+    def evaluates_at(self, step: int) -> bool:
+        every = self.experiment.eval_every
+        return self.experiment.evaluate is not None and every > 0 and step % every == 0
+
+    def records(self, step: int, rates: dict[str, float], evaluate: bool) -> list[dict]:
+        out = self._out
+        self._loss = float(out.loss)
+        with script_call("the loss's aux values", step):
+            aux = {key: float(value) for key, value in out.aux.items()}
+        record = {
+            "loss": self._loss,
+            "lr": learning_rate(out.opt_state),
+            "grad_norm": float(out.grad_norm),
+            **aux,
+            **rates,
+            "rss_bytes": resident_bytes(),
+        }
+        if evaluate:
+            self._last_eval = self._evaluate(step)
+            record.update(self._last_eval)
+        return [record] if self.main else []
+
+    def _evaluate(self, step: int | None) -> dict[str, float]:
+        with script_call("evaluate(params)", step):
+            values = self.experiment.evaluate(self.params)
+            if not hasattr(values, "items"):
+                raise ScriptError(
+                    f"evaluate(params) must return a dict of numbers, got "
+                    f"{type(values).__name__}" + (f" at step {step}" if step else "")
+                )
+            return {str(key): float(value) for key, value in values.items()}
+
+    def progress_loss(self) -> float:
+        return self._loss
+
+    def examples(self) -> int | None:
+        return self._examples
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        if self._out is not None:
+            self._loss = float(self._out.loss)
+        if self.experiment.evaluate is not None and self.main and not self._last_eval:
+            self._last_eval = self._evaluate(None)
+
+    def summary(self, timer: StepTimer) -> dict[str, Any]:
+        self.backend.synchronize()
+        examples = self._examples or 0
+        n_params = size(self.params)
+        step_seconds = timer.step_seconds()
+        summary: dict[str, Any] = {
+            "name": self.experiment.name,
+            "backend": self.backend.name,
+            "seed": self.seed,
+            "steps": self.experiment.steps,
+            "seconds": timer.seconds(),
+            "step_seconds": step_seconds,
+            "params": n_params,
+            "examples_per_step": examples,
+            # The chapter's rule (3.5.6): 2·B·P forward + 4·B·P backward.
+            "flops_per_step": 6 * examples * n_params,
+            "flops_per_step_exact": self.experiment.flops_per_step,
+            "examples_per_second": examples / step_seconds if step_seconds > 0 else None,
+            "final_loss": self._loss if math.isfinite(self._loss) else None,
+        }
+        if self.config is not None:
+            summary["config"] = self.config
+        if self._last_eval:
+            summary["eval"] = self._last_eval
+        if self.parallel is not None:
+            summary["ranks"] = self.parallel.world_size
+        return summary
+
+    def report(self, summary: dict[str, Any]) -> dict[str, Any]:
+        if self._batch is None:
+            return {}
+        from minitrain.accounting import resource_report
+
+        # Under data parallelism the report is one rank's step on its shard of the global
+        # batch (FLOPs scale with the batch), plus the gradient all-reduce.
+        share = self.parallel.weight if self.parallel is not None else 1.0
+        exact = self.experiment.flops_per_step
+        report = resource_report(
+            make_train_step(self.experiment, self.backend),
+            self.params,
+            self.opt_state,
+            self._batch,
+            examples_per_step=round(summary["examples_per_step"] * share) or None,
+            exact_flops_per_step=round(exact * share) if exact is not None else None,
+            peak_flops=self.backend.peak_flops(),
+            step_seconds=summary["step_seconds"],
+            steps_total=self.experiment.steps,
+            steps_done=self.experiment.steps,
+        )
+        if self.parallel is not None:
+            from minitrain.distributed import gradient_bytes
+
+            report["communication"] = self.parallel.communication(gradient_bytes(self.params))
+        return report
+
+    def result(self, summary: dict[str, Any]) -> FitResult:
+        return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary)
+
+
+class _first_step_mistakes:
+    """At a run's first step, a shape or type error in the loss is a mistake in the script's
+    setup (exit 2, one line), not a failure partway through training."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if self.enabled and isinstance(exc, ScriptError):
+            cause = exc.__cause__
+            if isinstance(cause, ValueError | TypeError | IndexError | RuntimeError):
+                raise ExperimentError(f"the first train step failed: {one_line(cause)}") from cause
+        return False
+
+
+def fit(
+    experiment: Experiment,
+    backend: Backend,
+    *,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    log_every: int = 1,
+    checkpoint_every: int = 0,
+    keep: int = 3,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    compile: bool = False,
+    tensorboard: bool = False,
+    report: bool = False,
+    config: dict[str, Any] | None = None,
+    say: Callable[[str], None] | None = None,
+    parallel: Any = None,
+) -> FitResult:
+    """Train ``experiment`` on ``backend``; return params, optimizer state and the summary.
+
+    Args:
+        out_dir: run directory for ``metrics.jsonl``, checkpoints and ``summary.json``.
+        log_every: log every this many steps (every step is checked for finiteness).
+        checkpoint_every: also checkpoint every this many steps (0: only at the end, on
+            Ctrl-C and on SIGTERM). Needs ``out_dir``.
+        keep: how many checkpoints to keep.
+        resume: continue from the latest valid checkpoint in ``out_dir`` (if there is one).
+        overwrite: replace an earlier run in ``out_dir`` (without it, a used directory is
+            refused unless ``resume``).
+        report: add the resource report (predicted vs measured memory, FLOPs, MFU).
+        say: where progress messages go (default: stderr).
+        parallel: a :class:`minitrain.distributed.DataParallel` for data-parallel training:
+            each rank draws the global batch and trains on its shard, gradients are
+            all-reduced in the step, and rank 0 alone logs, evaluates and writes checkpoints.
+
+    Raises what :func:`~minitrain.train.loop.run_loop` raises.
+    """
+    stepper = SingleRun(experiment, backend, seed=seed, compile=compile, config=config,
+                        parallel=parallel)
+    return run_loop(
+        stepper, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
+        keep=keep, resume=resume, overwrite=overwrite, progress=progress,
+        tensorboard=tensorboard, report=report, say=say,
+    )
