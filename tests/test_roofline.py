@@ -156,7 +156,7 @@ def test_roofline_command_unknown_hardware_is_a_one_line_error():
 
 
 def test_bench_hardware_measures_a_ridge_point():
-    from minitrain.bench.hardware import hardware as bench_hardware
+    from minitrain.cli.bench_hardware import hardware as bench_hardware
 
     args = ["--n", "128", "--copy-mib", "4", "--rounds", "1", "--json"]
     result = CliRunner().invoke(bench_hardware, args)

@@ -4,11 +4,13 @@ Both read random windows of a 100M-token uint16 memmap built in a temporary dire
 chapter's sizes (batch 64, sequence length 1024), interleaved round by round in one process so
 both see the same machine load and the same page cache. nanoGPT's per-row ``torch.stack``
 loader is timed alongside as a second reference.
+
+Measuring functions only; the command line is ``minitrain bench data``
+(:mod:`minitrain.cli.bench_data`).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -17,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import click
 import numpy as np
 import torch
 
@@ -111,32 +112,3 @@ def measure(
         "speedup_vs_chapter": medians["chapter"] / medians["minitrain"],
         "speedup_vs_nanogpt": medians["nanogpt"] / medians["minitrain"],
     }
-
-
-@click.command()
-@click.option("--tokens", "num_tokens", type=click.IntRange(min=2), default=100_000_000)
-@click.option("--batch-size", type=click.IntRange(min=1), default=64)
-@click.option("--seq-len", type=click.IntRange(min=1), default=1024)
-@click.option("--rounds", type=click.IntRange(min=1), default=20, help="Interleaved rounds.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def data(num_tokens: int, batch_size: int, seq_len: int, rounds: int, as_json: bool) -> None:
-    """get_batch throughput against the chapter's list comprehension (target: >= 20x)."""
-    from minitrain.cli.errors import UserError
-
-    if seq_len >= num_tokens:
-        raise UserError(f"--seq-len {seq_len} must be shorter than --tokens {num_tokens}")
-    result = measure(num_tokens, batch_size, seq_len, rounds)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(
-        f"get_batch on a {num_tokens:,}-token uint16 memmap, batch {batch_size}, "
-        f"seq_len {seq_len} (median of {rounds} interleaved rounds)"
-    )
-    for name, seconds in result["seconds_per_batch"].items():
-        rate = result["tokens_per_second"][name]
-        click.echo(f"  {name:10s} {seconds * 1e3:9.3f} ms/batch  {rate / 1e6:9.1f} M tokens/s")
-    click.echo(
-        f"minitrain vs chapter: {result['speedup_vs_chapter']:.1f}x; "
-        f"vs nanoGPT: {result['speedup_vs_nanogpt']:.1f}x"
-    )

@@ -8,6 +8,9 @@ without the launcher, with all cores and with one thread: on a small CPU the thr
 matter as much as the ranks, so the table separates the two. The step time is the loop's
 steady-state time (first step excluded); the all-reduce time per step is what rank 0 measured
 around its gradient all-reduce, which includes waiting for the slower rank.
+
+Measuring functions only; the command line is ``minitrain bench distributed``
+(:mod:`minitrain.cli.bench_distributed`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import click
+from minitrain.errors import RunFailed
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bytelm.py"
 
@@ -44,7 +47,7 @@ def run_once(
         env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise click.ClickException(f"{' '.join(command)} failed: {proc.stderr.strip()[-400:]}")
+        raise RunFailed(f"{' '.join(command)} failed: {proc.stderr.strip()[-400:]}")
     return json.loads(proc.stdout)
 
 
@@ -93,42 +96,3 @@ def measure(
         },
         "speedup_vs_one_rank": {name: base / s for name, s in medians.items()},
     }
-
-
-@click.command()
-@click.option("--ranks", default="1,2", help="Comma-separated rank counts to time.")
-@click.option("--steps", type=click.IntRange(min=3), default=20, help="Steps per run.")
-@click.option("--rounds", type=click.IntRange(min=1), default=2, help="Interleaved rounds.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a CONFIG key of examples/bytelm.py (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def distributed(ranks: str, steps: int, rounds: int, overrides: tuple[str, ...],
-                as_json: bool) -> None:
-    """Steps/s of examples/bytelm.py at 1 and N data-parallel ranks (same global batch)."""
-    from minitrain.cli.errors import UserError
-    from minitrain.train.experiment import ExperimentError, parse_overrides
-
-    try:
-        counts = tuple(sorted({int(part) for part in ranks.split(",") if part.strip()}))
-        parsed = parse_overrides(list(overrides))
-    except (ValueError, ExperimentError) as exc:
-        raise UserError(f"--ranks expects e.g. 1,2 and --set key=value: {exc}") from None
-    if not counts or min(counts) < 1:
-        raise UserError(f"--ranks expects positive rank counts such as 1,2, got {ranks!r}")
-    result = measure(counts, steps, rounds, parsed)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(
-        f"bytelm, {result['params']:,} params, {result['tokens_per_step']:,} tokens per global "
-        f"step, median of {rounds} interleaved rounds of {steps} steps"
-    )
-    click.echo(f"{'configuration':<24}{'ms/step':>10}{'steps/s':>10}{'vs nproc 1':>12}"
-               f"{'all-reduce ms':>15}")
-    for name, seconds in result["step_seconds"].items():
-        reduce = result["allreduce_seconds_per_step"].get(name)
-        click.echo(
-            f"{name:<24}{seconds * 1e3:>10.1f}{1 / seconds:>10.2f}"
-            f"{result['speedup_vs_one_rank'][name]:>11.2f}x"
-            f"{'-' if reduce is None else f'{reduce * 1e3:.2f}':>15}"
-        )

@@ -30,6 +30,7 @@ from torch import nn
 
 import minitrain as mt
 from minitrain.bench.optim import time_interleaved
+from minitrain.errors import UserError
 from minitrain.precision import compute_context
 
 __all__ = ["GPTConfig", "NanoGPT", "load_bytelm", "gpt_step_ratios"]
@@ -43,7 +44,7 @@ def load_bytelm() -> Any:
     """examples/bytelm.py as a module (it ships in the repository, not in the wheel)."""
     path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "bytelm.py"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run the gpt benchmark from a repository clone")
+        raise UserError(f"{path} not found: run the gpt benchmark from a repository clone")
     spec = importlib.util.spec_from_file_location("minitrain_bench_bytelm", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # torch.compile looks the module up by name

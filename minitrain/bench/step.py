@@ -20,16 +20,17 @@ graph, in which inductor updates each layer as soon as its gradient is ready.
 
 ``minitrain_run_compile`` is what ``minitrain run --compile`` does: forward and backward under
 ``torch.compile``, then the eager update, donated (mt.optim's fast path).
+
+Measuring functions only; the command line is ``minitrain bench step``
+(:mod:`minitrain.cli.bench_step`).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
-import click
 import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -247,34 +248,3 @@ def measure(
         "ratio_to_peer": {name: value / peer for name, value in seconds.items()},
         "compile_seconds": compile_seconds,
     }
-
-
-@click.command()
-@click.option("--dim", type=click.IntRange(min=1), default=1024)
-@click.option("--layers", "num_layers", type=click.IntRange(min=0), default=8)
-@click.option("--batch", type=click.IntRange(min=1), default=256)
-@click.option("--rounds", type=click.IntRange(min=1), default=15, help="Interleaved rounds.")
-@click.option("--inner", type=click.IntRange(min=1), default=3, help="Steps per round.")
-@click.option("--device", default="cpu", help="cpu or cuda.")
-@click.option("--compile/--no-compile", "with_compile", default=True,
-              help="Also time the pure step under torch.compile.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def step(dim: int, num_layers: int, batch: int, rounds: int, inner: int, device: str,
-         with_compile: bool, as_json: bool) -> None:
-    """Functional train step (value_and_grad + AdamW) over nn.Module + fused AdamW."""
-    from minitrain.cli.errors import UserError
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
-    result = measure(dim, num_layers, batch, rounds, inner, device, with_compile)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(f"train step of the {result['model']} on {device} "
-               f"(best of {rounds} interleaved rounds x {inner})")
-    for name, seconds in result["seconds"].items():
-        click.echo(f"  {name:26s} {seconds * 1e3:8.2f} ms  {result['ratio_to_peer'][name]:.2f}x")
-    if result["compile_seconds"] is not None:
-        click.echo(f"  (torch.compile took {result['compile_seconds']:.1f} s, not counted)")

@@ -3,6 +3,9 @@
 Both figures come from child processes, alternately with ``MINITRAIN_TYPECHECK=1`` and ``=0``
 (the switch is read at import): a ``mt.models.cruncher`` call (D=16, B=4) and a steady-state
 step of the linreg example.
+
+Measuring functions only; the command line is ``minitrain bench typecheck``
+(:mod:`minitrain.cli.bench_typecheck`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import click
 
 LINREG = Path(__file__).resolve().parents[2] / "examples" / "linreg.py"
 
@@ -43,15 +44,15 @@ def best_of(typecheck: bool, steps: int, runs: int = 2) -> dict[str, float]:
     return {key: min(r[key] for r in results) for key in results[0]}
 
 
-@click.command("typecheck")
-@click.option("--steps", default=2000, show_default=True, help="Linreg steps per child run.")
-@click.option("--json", "as_json", is_flag=True)
-def typecheck(steps: int, as_json: bool) -> None:
-    """Shape-check overhead: per cruncher call and per linreg train step."""
+def overhead(steps: int) -> dict[str, float]:
+    """Checked and unchecked microseconds per cruncher call and per linreg step, and the ratio.
+
+    The checked step is the best of two batches of child runs, as it is the figure a noisy
+    machine inflates most.
+    """
     on, off = best_of(True, steps), best_of(False, steps)
-    on, off = {**on, "step2": best_of(True, steps)["step"]}, off
-    on["step"] = min(on.pop("step2"), on["step"])
-    result = {
+    on = {**on, "step": min(on["step"], best_of(True, steps)["step"])}
+    return {
         "call_checked_us": on["call"] * 1e6,
         "call_unchecked_us": off["call"] * 1e6,
         "call_overhead_us": (on["call"] - off["call"]) * 1e6,
@@ -60,16 +61,3 @@ def typecheck(steps: int, as_json: bool) -> None:
         "step_overhead_us": (on["step"] - off["step"]) * 1e6,
         "step_ratio": on["step"] / off["step"],
     }
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(
-        f"per call (cruncher, B=4, D=16): checked {result['call_checked_us']:.1f} us, "
-        f"unchecked {result['call_unchecked_us']:.1f} us, "
-        f"overhead {result['call_overhead_us']:.1f} us"
-    )
-    click.echo(
-        f"per linreg step: checked {result['step_checked_us']:.1f} us, "
-        f"unchecked {result['step_unchecked_us']:.1f} us, "
-        f"overhead {result['step_overhead_us']:.1f} us ({result['step_ratio']:.2f}x)"
-    )

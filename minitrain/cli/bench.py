@@ -6,15 +6,16 @@ import click
 
 from minitrain.cli import LazyGroup
 
-# name -> "module:attribute" of a click command; loaded lazily.
+# name -> "module:attribute" of a click command; loaded lazily. Each command parses its options,
+# calls the measuring functions of minitrain.bench.<name> (which return dicts) and prints.
 BENCHMARKS: dict[str, str] = {
-    "data": "minitrain.bench.data:data",
-    "typecheck": "minitrain.bench.typecheck:typecheck",
-    "hardware": "minitrain.bench.hardware:hardware",
-    "optim": "minitrain.bench.optim:optim",
-    "step": "minitrain.bench.step:step",
-    "sweep": "minitrain.bench.sweep:sweep",
-    "distributed": "minitrain.bench.distributed:distributed",
+    "data": "minitrain.cli.bench_data:data",
+    "typecheck": "minitrain.cli.bench_typecheck:typecheck",
+    "hardware": "minitrain.cli.bench_hardware:hardware",
+    "optim": "minitrain.cli.bench_optim:optim",
+    "step": "minitrain.cli.bench_step:step",
+    "sweep": "minitrain.cli.bench_sweep:sweep",
+    "distributed": "minitrain.cli.bench_distributed:distributed",
 }
 
 
