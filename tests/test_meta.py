@@ -136,3 +136,44 @@ def test_unroll_bad_input():
         mt.optim.unroll(mt.optim.sgd(lr=0.1), loss_fn, params, [])
     with pytest.raises(ValueError, match="init, update"):
         mt.optim.unroll(torch.optim.SGD, loss_fn, params, batches)
+
+
+ONE_UPDATE = {
+    **{name: OPTIMIZERS[name] for name in ("sgd", "adam", "adamw", "rmsprop", "adagrad",
+                                           "chain")},
+    "lion": lambda lr, wd: mt.optim.lion(lr=lr, weight_decay=wd),
+    "nadam": lambda lr, wd: mt.optim.nadam(lr=lr, weight_decay=wd),
+    "radam": lambda lr, wd: mt.optim.radam(lr=lr, weight_decay=wd, decoupled_weight_decay=True),
+    "adamax": lambda lr, wd: mt.optim.adamax(lr=lr, weight_decay=wd),
+    "sign-chain": lambda lr, wd: mt.optim.chain(
+        mt.optim.scale_by_sign(), mt.optim.add_decayed_weights(wd),
+        mt.optim.scale_by_learning_rate(lr)),
+}
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", sorted(ONE_UPDATE))
+def test_a_tensor_lr_that_requires_grad_takes_the_plain_path(name, donate):
+    """Plain params and grads (no grad required, the fast path's inputs) with an lr and weight
+    decay that require grad: the update stays differentiable, equal to torch.func.grad."""
+    make = ONE_UPDATE[name]
+    params, batches, val = problem(4)
+    grads = [mt.value_and_grad(loss_fn)(params, batch)[1] for batch in batches[:2]]
+
+    def f(lr, wd):
+        opt = make(lr, wd)
+        opt = opt if isinstance(opt, mt.optim.Optimizer) else mt.optim.as_optimizer(opt)
+        p, state = params, opt.init(params)
+        for g in grads:
+            p, state = opt.update(g, state, p, donate=donate)
+        return loss_fn(p, val)
+
+    lr = torch.tensor(0.05, dtype=F64, requires_grad=True)
+    wd = torch.tensor(0.1, dtype=F64, requires_grad=True)
+    out = f(lr, wd)
+    assert out.requires_grad
+    d_lr, d_wd = torch.autograd.grad(out, (lr, wd))
+    want_lr, want_wd = torch.func.grad(f, argnums=(0, 1))(lr.detach(), wd.detach())
+    assert abs(float(want_lr)) > 1e-4
+    torch.testing.assert_close(d_lr, want_lr, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(d_wd, want_wd, rtol=1e-10, atol=1e-12)

@@ -3,6 +3,7 @@ clearable, and counted in :func:`buffer_pool_bytes`)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -108,8 +109,12 @@ def _storage_uses(t: Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-_ALONE = _storage_uses(torch.empty(1)) if _CAN_COUNT_STORAGE_USES else 0
+@functools.cache
+def _alone() -> int:
+    """The use count of a storage held by one tensor (measured on first use, not at import:
+    the module may first be imported under a functorch transform, whose tensors have none)."""
+    return _storage_uses(torch.empty(1))
 
 
 def _only_alias_left(alias: Tensor) -> bool:
-    return _storage_uses(alias) <= _ALONE
+    return _storage_uses(alias) <= _alone()

@@ -103,6 +103,33 @@ def chain_lowering(tx: GradientTransformation, core: str | None):
         specs[-1][1]["learning_rate"]
 
 
+def spec_tensors(tx: GradientTransformation) -> list[Tensor]:
+    """The tensor hyperparameters ``tx`` (and every transformation inside it) was built with.
+
+    >>> import torch, minitrain as mt
+    >>> spec_tensors(mt.optim.chain(mt.optim.scale(2.0), mt.optim.scale(torch.tensor(3.0))))
+    [tensor(3.)]
+    """
+    found: list[Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, GradientTransformation):
+            found.extend(spec_tensors(value))
+        elif isinstance(value, tuple | list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    described = spec(tx)
+    if described is not None:
+        walk(described[1])
+    return found
+
+
 class GradScale(threading.local):
     """A factor a lowered chain hands to an alias's fast step for this call only (per thread):
     a global-norm clip's scale, multiplied into the grads inside the update's one pass."""
@@ -119,9 +146,11 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
     multiplies the grads by it (the same float32 products as clipping first)."""
     from minitrain.optim.transforms import clip_by_global_norm, clip_scale
 
+    hyperparameters = spec_tensors(tx)
+
     def lowered(grads, state, params, donate):
         leaves = tree.leaves(params)
-        if use_plain_path("auto", [*leaves, *tree.leaves(grads)], []):
+        if use_plain_path("auto", [*leaves, *tree.leaves(grads)], hyperparameters):
             return None
         if clip_norm is not None and fold_clip is not None:
             fold_clip.value = clip_scale(grads, clip_norm)

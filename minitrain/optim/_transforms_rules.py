@@ -65,11 +65,12 @@ def _sqrt(value: Any) -> Any:
     return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
 
 
-def _map(fn, updates):
+def _map(fn, updates, hyperparameters=()):
     """``fn`` over the leaves of ``updates``: once over all leaves as a list when they are plain
-    tensors (``fn`` then gets a list and must use ``torch._foreach_*``), else per leaf."""
+    tensors (``fn`` then gets a list and must use ``torch._foreach_*``), else per leaf (also
+    when a tensor in ``hyperparameters`` is traced or requires grad)."""
     leaves = tree.leaves(updates)
-    if leaves and not use_plain_path("auto", leaves, []):
+    if leaves and not use_plain_path("auto", leaves, hyperparameters):
         with torch.no_grad():
             return tree.unflatten(tree.structure(updates), list(fn(leaves, True)))
     return tree.map(lambda u: fn(u, False), updates)
@@ -102,7 +103,7 @@ def _scaled(updates, factor):
             return torch._foreach_mul(u, scalar(factor))
         return factor * u
 
-    return _map(fn, updates)
+    return _map(fn, updates, [factor])
 
 
 class ScaleByLearningRateState(NamedTuple):

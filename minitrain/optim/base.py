@@ -112,8 +112,9 @@ def learning_rate(state: OptState) -> float:
 
 
 def _find_lr(state: Any) -> Any:
-    """The ``lr`` field of a state, or the first one inside a chain's tuple of states (also an
-    injected ``lr`` / ``learning_rate`` hyperparameter)."""
+    """The ``lr`` field of a state, or the first one inside a chain's tuple of states or a
+    ``multi_transform``'s dict of them, in order (also an injected ``lr`` / ``learning_rate``
+    hyperparameter)."""
     if hasattr(state, "lr") and isinstance(state.lr, Tensor):
         return state.lr
     hyper = getattr(state, "hyperparams", None)
@@ -121,8 +122,9 @@ def _find_lr(state: Any) -> Any:
         for key in ("lr", "learning_rate"):
             if key in hyper:
                 return hyper[key]
-    if isinstance(state, tuple):
-        for inner in state:
+    inners = state.values() if isinstance(state, dict) else state
+    if isinstance(state, tuple | list | dict):
+        for inner in inners:
             found = _find_lr(inner)
             if found is not None:
                 return found
@@ -210,7 +212,9 @@ def _has_storage(value: Tensor) -> bool:
 
 
 def use_plain_path(impl: str, tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
-    """Whether this update must (or is asked to) take the plain tensor-ops path."""
+    """Whether this update must (or is asked to) take the plain tensor-ops path: under a
+    compiler or functorch transform, or with grad mode on and a leaf or tensor hyperparameter
+    that requires grad (a differentiable lr: the fast path's kernels would detach it)."""
     if impl in ("fast", "plain"):
         return impl == "plain"
     if torch.compiler.is_compiling():
@@ -219,7 +223,10 @@ def use_plain_path(impl: str, tensors: Sequence[Tensor], hyperparameters: Sequen
         return True
     if any(is_traced(t) for t in tensors):
         return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and (
+        any(t.requires_grad for t in tensors)
+        or any(isinstance(v, Tensor) and v.requires_grad for v in hyperparameters)
+    )
 
 
 # --------------------------------------------------------------------------------------------
