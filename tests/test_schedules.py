@@ -383,3 +383,53 @@ def test_reduce_on_plateau_after_adam_takes_torchs_steps():
         torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
     _, plateau_state = plateau.update(updates, plateau_state, value=previous)  # the last loss
     assert float(plateau_state.lr) == optimizer.param_groups[0]["lr"] < 0.3
+
+
+@pytest.mark.parametrize("wrap", ["chain", "apply_if_finite", "multi_transform"])
+def test_chain_forwards_value_to_reduce_on_plateau(wrap):
+    """``value=`` given to a chain's update (or through a wrapper, or ``as_optimizer``) reaches
+    reduce_on_plateau and no other transformation: equal to torch.optim.Adam with
+    ReduceLROnPlateau stepped on each loss."""
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+
+    def loss_fn(w):
+        return ((w - target) ** 2).sum() + 0.3 * torch.sin(5 * w).sum()
+
+    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05}
+    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = torch.optim.Adam([param], lr=0.3)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
+    tx = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.3),
+                        reduce_on_plateau(lr=0.3, **settings))
+    if wrap == "apply_if_finite":
+        tx = mt.optim.apply_if_finite(tx)
+    elif wrap == "multi_transform":
+        tx = mt.optim.multi_transform({"all": tx, "none": mt.optim.scale(0.0)},
+                                      lambda name, leaf: "all")
+    assert mt.optim.extra_args(tx) == {"value"}
+    opt = mt.optim.as_optimizer(tx)
+    params = {"w": torch.zeros(3, dtype=torch.float64)}
+    state, previous = opt.init(params), None
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = loss_fn(param)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss.item())
+
+        value, grads = mt.value_and_grad(lambda p: loss_fn(p["w"]))(params)
+        params, state = opt.update(grads, state, params, value=previous)
+        previous = value
+        torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
+    assert optimizer.param_groups[0]["lr"] < 0.3  # the plateau was reached
+
+
+def test_chain_refuses_a_keyword_no_transformation_takes():
+    tx = mt.optim.chain(mt.optim.scale_by_adam(), reduce_on_plateau())
+    params = {"w": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"\['valu'\].*value") as info:
+        tx.update(params, tx.init(params), params, valu=1.0)
+    assert "\n" not in str(info.value)
+    opt = mt.optim.adamw()
+    with pytest.raises((ValueError, TypeError), match="value"):
+        opt.update(params, opt.init(params), params, value=1.0)

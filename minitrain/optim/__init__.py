@@ -24,6 +24,7 @@ from minitrain.optim._core import (
     apply_updates,
     as_optimizer,
     chain,
+    extra_args,
     identity,
     leafwise,
     register_lowering,
@@ -50,42 +51,16 @@ from minitrain.optim._schedule_free import (
 )
 from minitrain.optim._sgd import SGDState, sgd, sgd_chain
 from minitrain.optim._state_bytes import state_bytes
-from minitrain.optim.base import (
-    Impl,
-    Optimizer,
-    ScalarOrSchedule,
-    Schedule,
-    WeightDecayMask,
-    buffer_pool_bytes,
-    clear_buffer_pools,
-    learning_rate,
-)
+from minitrain.optim.base import *  # noqa: F403  (the interface, listed below)
+from minitrain.optim.base import __all__ as _base
 from minitrain.optim.meta import Unrolled, unroll
-from minitrain.optim.schedules import (
-    constant_factor_schedule,
-    constant_schedule,
-    cosine_annealing_schedule,
-    cosine_schedule,
-    cosine_warm_restarts_schedule,
-    cyclic_schedule,
-    exponential_schedule,
-    linear_schedule,
-    linear_warmup_schedule,
-    multistep_schedule,
-    one_cycle_schedule,
-    polynomial_schedule,
-    sequential_schedule,
-    step_schedule,
-)
+from minitrain.optim.schedules import *  # noqa: F403  (the schedules, listed below)
+from minitrain.optim.schedules import __all__ as _schedules
 from minitrain.optim.transforms import *  # noqa: F403  (the building blocks, listed below)
 from minitrain.optim.transforms import __all__ as _transforms
 
 __all__ = [
-    "Optimizer",
-    "Schedule",
-    "ScalarOrSchedule",
-    "WeightDecayMask",
-    "Impl",
+    *_base,
     "sgd",
     "SGDState",
     "adagrad",
@@ -95,27 +70,11 @@ __all__ = [
     "adam",
     "adamw",
     "AdamState",
-    "constant_schedule",
-    "linear_warmup_schedule",
-    "cosine_schedule",
-    "step_schedule",
-    "multistep_schedule",
-    "exponential_schedule",
-    "cosine_annealing_schedule",
-    "cosine_warm_restarts_schedule",
-    "linear_schedule",
-    "polynomial_schedule",
-    "constant_factor_schedule",
-    "one_cycle_schedule",
-    "cyclic_schedule",
-    "sequential_schedule",
+    *_schedules,
     "reduce_on_plateau",
     "ReduceLROnPlateauState",
     "unroll",
     "Unrolled",
-    "learning_rate",
-    "clear_buffer_pools",
-    "buffer_pool_bytes",
     "GradientTransformation",
     "EmptyState",
     "ChainState",
@@ -128,6 +87,7 @@ __all__ = [
     "as_optimizer",
     "register_lowering",
     "spec",
+    "extra_args",
     "sgd_chain",
     "adam_chain",
     "adagrad_chain",

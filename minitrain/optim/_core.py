@@ -54,6 +54,7 @@ tensor([ 0.9000, -1.1000])
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -88,6 +89,7 @@ __all__ = [
     "as_optimizer",
     "register_lowering",
     "spec",
+    "extra_args",
 ]
 
 Updates = Grads
@@ -142,6 +144,60 @@ def identity() -> GradientTransformation:
     return tagged("identity", GradientTransformation(lambda params: EmptyState(), update))
 
 
+def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
+    """The keyword arguments beyond ``(updates, state, params)`` that ``tx.update`` takes
+    (optax's ``with_extra_args_support``), e.g. ``{"value"}`` for ``reduce_on_plateau``; None
+    when it takes any (``**kwargs``). Wrappers declare theirs as ``update.extra_args``.
+
+    >>> import minitrain as mt
+    >>> extra_args(mt.optim.reduce_on_plateau()), extra_args(mt.optim.scale(2.0))
+    (frozenset({'value'}), frozenset())
+    >>> sorted(extra_args(chain(mt.optim.scale_by_adam(), mt.optim.reduce_on_plateau())))
+    ['value']
+    """
+    declared = getattr(tx.update, "extra_args", False)
+    if declared is not False:
+        return declared
+    try:
+        parameters = list(inspect.signature(tx.update).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: no extra arguments
+        return frozenset()
+    names = set()
+    for index, p in enumerate(parameters):
+        if p.kind is p.VAR_KEYWORD:
+            return None
+        if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and index >= 3):
+            names.add(p.name)
+    return frozenset(names)
+
+
+def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformation]) -> Callable:
+    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes."""
+    takes = [extra_args(tx) for tx in inners]
+    update.extra_args = (  # type: ignore[attr-defined]
+        None if any(t is None for t in takes) else frozenset().union(*takes)
+    )
+    return update
+
+
+def check_extra_args(where: str, accepted: frozenset[str] | None, extra: dict[str, Any]) -> None:
+    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`)."""
+    unknown = sorted(set(extra) - accepted) if accepted is not None else []
+    if unknown:
+        raise ValueError(
+            f"{where} got keyword argument(s) {unknown} that none of its transformations take "
+            f"(they take {sorted(accepted)}); pass only those, e.g. value= for reduce_on_plateau"
+        )
+
+
+def select_extra_args(tx: GradientTransformation, extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``extra`` that ``tx.update`` takes."""
+    if not extra:
+        return extra
+    takes = extra_args(tx)
+    return dict(extra) if takes is None else {k: v for k, v in extra.items() if k in takes}
+
+
 class ChainState(tuple):
     """The state of :func:`chain`: a tuple of the inner transformations' states."""
 
@@ -166,18 +222,20 @@ def chain(*transforms: Any) -> GradientTransformation:
     def init(params):
         return tuple(tx.init(params) for tx in transforms)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra):
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain of {len(transforms)} transformations got a state of "
                 f"{type(state).__name__}; pass the state returned by its init(params)"
             )
+        check_extra_args("chain", update.extra_args, extra)
         new_state = []
         for tx, inner in zip(transforms, state, strict=True):
-            updates, inner = tx.update(updates, inner, params)
+            updates, inner = tx.update(updates, inner, params, **select_extra_args(tx, extra))
             new_state.append(inner)
         return updates, tuple(new_state)
 
+    forwards_extra_args(update, transforms)
     return tagged("chain", GradientTransformation(init, update), transforms=transforms)
 
 
@@ -452,17 +510,20 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     """
     lowered = next((low for match in _LOWERINGS if (low := match(tx)) is not None), None)
 
-    def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False):
-        if lowered is not None:
+    def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
+               **extra: Any):
+        if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
+            check_extra_args("as_optimizer", extra_args(tx), extra)
+        elif lowered is not None:
             result = lowered(grads, state, params, donate)
             if result is not None:
                 return result
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(grads, state, params, **extra)
         leaves = tree.leaves(params)
-        if donate and not use_plain_path("auto", leaves, []) and all(
-            isinstance(p, Tensor) for p in leaves
+        u_leaves = tree.leaves(updates)
+        if donate and not use_plain_path("auto", [*leaves, *u_leaves], []) and all(
+            isinstance(p, Tensor) for p in (*leaves, *u_leaves)
         ):
-            u_leaves = tree.leaves(updates)
             if len(u_leaves) == len(leaves) and all(
                 u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)
             ):

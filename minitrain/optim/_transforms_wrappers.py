@@ -12,7 +12,14 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import GradientTransformation, hyperparameter, tagged
+from minitrain.optim._core import (
+    GradientTransformation,
+    check_extra_args,
+    forwards_extra_args,
+    hyperparameter,
+    select_extra_args,
+    tagged,
+)
 from minitrain.optim.base import is_traced
 from minitrain.tree import Params
 
@@ -74,16 +81,19 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     def init(params):
         return MaskedState(inner.init(_select(tree.leaves(params), chosen(params))))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra):
+        check_extra_args("masked", update.extra_args, extra)
         indices = chosen(updates if params is None else params)
         leaves = tree.leaves(updates)
         inner_params = None if params is None else _select(tree.leaves(params), indices)
-        new, inner_state = inner.update(_select(leaves, indices), state.inner_state, inner_params)
+        new, inner_state = inner.update(_select(leaves, indices), state.inner_state, inner_params,
+                                        **extra)
         out = list(leaves)
         for i, value in zip(indices, new, strict=True):
             out[i] = value
         return tree.unflatten(tree.structure(updates), out), MaskedState(inner_state)
 
+    forwards_extra_args(update, [inner])
     return tagged("masked", GradientTransformation(init, update), inner=inner, mask=mask)
 
 
@@ -131,7 +141,8 @@ def multi_transform(transforms: dict[str, GradientTransformation],
             for label, indices in groups(params).items()
         })
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra):
+        check_extra_args("multi_transform", update.extra_args, extra)
         leaves = tree.leaves(updates)
         p_leaves = None if params is None else tree.leaves(params)
         out = list(leaves)
@@ -140,11 +151,13 @@ def multi_transform(transforms: dict[str, GradientTransformation],
             new, new_states[label] = transforms[label].update(
                 _select(leaves, indices), state.inner_states[label],
                 None if p_leaves is None else _select(p_leaves, indices),
+                **select_extra_args(transforms[label], extra),
             )
             for i, value in zip(indices, new, strict=True):
                 out[i] = value
         return tree.unflatten(tree.structure(updates), out), MultiTransformState(new_states)
 
+    forwards_extra_args(update, list(transforms.values()))
     return tagged("multi_transform", GradientTransformation(init, update),
                   transforms=transforms, labels=labels)
 
@@ -181,12 +194,13 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         zero = torch.zeros((), dtype=torch.int64)
         return MultiStepsState(zero, zero.clone(), inner.init(params), tree.zeros_like(params))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra):
+        check_extra_args("MultiSteps", update.extra_args, extra)
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
         mini_step = state.mini_step + 1
         if is_traced(mini_step):
             boundary = mini_step == every_k
-            new, inner_state = inner.update(acc, state.inner_state, params)
+            new, inner_state = inner.update(acc, state.inner_state, params, **extra)
             inner_state = tree.map(lambda n, o: torch.where(boundary, n, o),
                                    inner_state, state.inner_state)
             out = tree.map(lambda u: torch.where(boundary, u, torch.zeros_like(u)), new)
@@ -196,10 +210,11 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         if int(mini_step) < every_k:
             zeros = tree.map(torch.zeros_like, updates)
             return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
-        new, inner_state = inner.update(acc, state.inner_state, params)
+        new, inner_state = inner.update(acc, state.inner_state, params, **extra)
         return new, MultiStepsState(torch.zeros((), dtype=torch.int64), state.gradient_step + 1,
                                     inner_state, tree.map(torch.zeros_like, acc))
 
+    forwards_extra_args(update, [inner])
     return tagged("MultiSteps", GradientTransformation(init, update), inner=inner,
                   every_k=every_k)
 
@@ -233,8 +248,9 @@ def apply_if_finite(inner: GradientTransformation,
         zero = torch.zeros((), dtype=torch.int64)
         return ApplyIfFiniteState(zero, torch.tensor(True), zero.clone(), inner.init(params))
 
-    def update(updates, state, params=None):
-        new, inner_state = inner.update(updates, state.inner_state, params)
+    def update(updates, state, params=None, **extra):
+        check_extra_args("apply_if_finite", update.extra_args, extra)
+        new, inner_state = inner.update(updates, state.inner_state, params, **extra)
         leaves = tree.leaves(new)
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
             torch.tensor(True))
@@ -252,6 +268,7 @@ def apply_if_finite(inner: GradientTransformation,
         return out, ApplyIfFiniteState((state.notfinite_count + bad) * bad, finite,
                                        state.total_notfinite + bad, keep)
 
+    forwards_extra_args(update, [inner])
     return tagged("apply_if_finite", GradientTransformation(init, update), inner=inner)
 
 

@@ -14,75 +14,14 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim._core import EmptyState, GradientTransformation, hyperparameter, tagged
-from minitrain.optim._transforms_rules import (
-    AddDecayedWeightsState,
-    ClipState,
-    ScaleByAdagradState,
-    ScaleByAdamState,
-    ScaleByLearningRateState,
-    ScaleByRmsState,
-    ScaleState,
-    TraceState,
-    add_decayed_weights,
-    clip,
-    scale,
-    scale_by_adagrad,
-    scale_by_adam,
-    scale_by_learning_rate,
-    scale_by_rms,
-    scale_by_sign,
-    trace,
-)
-from minitrain.optim._transforms_wrappers import (
-    ApplyIfFiniteState,
-    EmaState,
-    InjectHyperparamsState,
-    MaskedState,
-    MultiSteps,
-    MultiStepsState,
-    MultiTransformState,
-    apply_if_finite,
-    ema,
-    inject_hyperparams,
-    masked,
-    multi_transform,
-)
+from minitrain.optim._transforms_rules import *  # noqa: F403  (listed in __all__)
+from minitrain.optim._transforms_rules import __all__ as _rules
+from minitrain.optim._transforms_wrappers import *  # noqa: F403  (listed in __all__)
+from minitrain.optim._transforms_wrappers import __all__ as _wrappers
 from minitrain.optim.base import BufferPool, check_hyperparameter, is_traced
 from minitrain.tree import Grads
 
-__all__ = [
-    "clip_by_global_norm",
-    "ClipByGlobalNormState",
-    "scale",
-    "ScaleState",
-    "scale_by_learning_rate",
-    "ScaleByLearningRateState",
-    "scale_by_adam",
-    "ScaleByAdamState",
-    "scale_by_rms",
-    "ScaleByRmsState",
-    "scale_by_adagrad",
-    "ScaleByAdagradState",
-    "scale_by_sign",
-    "trace",
-    "TraceState",
-    "add_decayed_weights",
-    "AddDecayedWeightsState",
-    "clip",
-    "ClipState",
-    "masked",
-    "MaskedState",
-    "multi_transform",
-    "MultiTransformState",
-    "MultiSteps",
-    "MultiStepsState",
-    "apply_if_finite",
-    "ApplyIfFiniteState",
-    "ema",
-    "EmaState",
-    "inject_hyperparams",
-    "InjectHyperparamsState",
-]
+__all__ = ["clip_by_global_norm", "ClipByGlobalNormState", *_rules, *_wrappers]
 
 ClipByGlobalNormState = EmptyState
 
@@ -121,7 +60,7 @@ def _clip_transform(max_norm: Any) -> GradientTransformation:
 
 def clip_scale(grads: Grads, max_norm: float) -> float:
     """The factor :func:`clip_by_global_norm` multiplies plain CPU or GPU grads by, as a Python
-    float (``min(1, max_norm / (norm + 1e-6))`` in float32).
+    float (``min(1, max_norm / (norm + 1e-6))`` in float32, float64 when a grad is fp64).
 
     >>> clip_scale([torch.tensor([3.0, 4.0])], 1.0)
     0.19999995827674866
@@ -137,7 +76,8 @@ def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
     if not leaves:
         raise ValueError("grads has no leaves; pass a pytree of tensors")
     if any(is_traced(g) for g in leaves) or torch.compiler.is_compiling():
-        norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in leaves]))
+        norm = torch.linalg.vector_norm(torch.stack([
+            (g if g.dtype == torch.float64 else g.float()).norm() for g in leaves]))
         scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
     norm = tree.global_norm(grads)
