@@ -133,7 +133,8 @@ def nbytes(tree: PyTree) -> int:
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
-    """The L2 norm of all leaves taken together, as a 0-d fp32 tensor.
+    """The L2 norm of all leaves taken together, as a 0-d fp32 tensor (fp64 when a leaf is
+    fp64: each leaf's norm in its dtype, at least fp32, as ``torch.nn.utils.clip_grad_norm_``).
 
     >>> import torch
     >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
@@ -144,10 +145,14 @@ def global_norm(tree: PyTree) -> torch.Tensor:
         return torch.tensor(0.0)
     if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         # Under vmap/grad: _foreach_norm has no batching rule, so one norm per leaf.
-        norms = [torch.linalg.vector_norm(t.float(), 2) for t in tensors]
+        norms = [torch.linalg.vector_norm(_at_least_fp32(t), 2) for t in tensors]
     else:
-        norms = torch._foreach_norm([t.float() for t in tensors], 2)
+        norms = torch._foreach_norm([_at_least_fp32(t) for t in tensors], 2)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def assert_same_structure(

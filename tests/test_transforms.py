@@ -291,3 +291,30 @@ def test_a_chain_state_round_trips_through_a_checkpoint(tmp_path):
     for a, b in zip(mt.tree.leaves(state), mt.tree.leaves(loaded.opt_state), strict=True):
         assert torch.equal(a, b)
     assert type(loaded.opt_state) is type(state)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float64, torch.float32)])
+@pytest.mark.parametrize("path", ["fast", "autograd"])
+def test_clip_by_global_norm_in_fp64_equals_clip_grad_norm(dtypes, path):
+    """fp64 grads: the norm is taken in fp64 (torch's clip_grad_norm_ takes each norm in its
+    grads' dtype), so norm and clipped grads equal torch's to the bit."""
+    g = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(37, 11, generator=g, dtype=dtypes[0]) * 3.0,
+             "b": torch.randn(11, generator=g, dtype=dtypes[1])}
+    ps = [torch.nn.Parameter(torch.zeros_like(v)) for v in grads.values()]
+    for p, v in zip(ps, grads.values(), strict=True):
+        p.grad = v.clone()
+    want_norm = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+    assert want_norm.dtype == torch.float64
+    if path == "autograd":
+        grads = {k: v.clone().requires_grad_(True) for k, v in grads.items()}
+    clipped, norm = mt.optim.clip_by_global_norm(grads, 1.0)
+    assert norm.dtype == torch.float64
+    torch.testing.assert_close(norm, want_norm, rtol=0, atol=0)
+    for (name, value), p in zip(clipped.items(), ps, strict=True):
+        assert value.dtype == p.dtype, name
+        torch.testing.assert_close(value.detach(), p.grad, rtol=0, atol=0)
+    tx = mt.optim.clip_by_global_norm(1.0)
+    updates, _ = tx.update(grads, tx.init(grads))
+    for value, p in zip(updates.values(), ps, strict=True):
+        torch.testing.assert_close(value.detach(), p.grad, rtol=0, atol=0)
