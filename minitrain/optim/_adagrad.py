@@ -16,17 +16,15 @@ from torch import Tensor
 from minitrain.optim import streaming
 from minitrain.optim._core import (
     GradientTransformation,
-    chain,
     hyperparameter,
     register_lowering,
 )
+from minitrain.optim._family import torch_order
 from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
 from minitrain.optim._transforms_rules import (
     adagrad_leaf,
     add_decayed_weights,
-    scale,
     scale_by_adagrad,
-    scale_by_learning_rate,
 )
 from minitrain.optim.base import (
     Optimizer,
@@ -119,12 +117,8 @@ def adagrad_chain(
     >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(adagrad_chain())[1]["transforms"])]
     ['add_decayed_weights', 'scale_by_adagrad', 'scale_by_learning_rate']
     """
-    return chain(
-        *([scale(-1.0)] if maximize else []),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_adagrad(lr_decay, initial_accumulator_value, eps),
-        scale_by_learning_rate(lr),
-    )
+    return torch_order([scale_by_adagrad(lr_decay, initial_accumulator_value, eps)], lr,
+                       maximize=maximize, decay=add_decayed_weights(weight_decay, mask))
 
 
 def _match(tx: GradientTransformation):

@@ -19,11 +19,11 @@ from torch import Tensor
 from minitrain.optim import streaming
 from minitrain.optim._core import (
     GradientTransformation,
-    chain,
     check_pair,
     hyperparameter,
     register_lowering,
 )
+from minitrain.optim._family import torch_order
 from minitrain.optim._lowering import (
     GradScale,
     chain_lowering,
@@ -34,9 +34,7 @@ from minitrain.optim._lowering import (
 from minitrain.optim._transforms_rules import (
     adam_leaf,
     add_decayed_weights,
-    scale,
     scale_by_adam,
-    scale_by_learning_rate,
 )
 from minitrain.optim.base import (
     Optimizer,
@@ -131,14 +129,8 @@ def adam_chain(
     >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
     ['scale_by_adam', 'add_decayed_weights', 'scale_by_learning_rate']
     """
-    decay = add_decayed_weights(weight_decay, mask)
-    return chain(
-        *([scale(-1.0)] if maximize else []),
-        *([] if decoupled else [decay]),
-        scale_by_adam(*betas, eps=eps, amsgrad=amsgrad),
-        *([decay] if decoupled else []),
-        scale_by_learning_rate(lr),
-    )
+    return torch_order([scale_by_adam(*betas, eps=eps, amsgrad=amsgrad)], lr, maximize=maximize,
+                       decay=add_decayed_weights(weight_decay, mask), decoupled=decoupled)
 
 
 def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoupled,

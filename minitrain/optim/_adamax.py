@@ -11,12 +11,11 @@ from minitrain.optim._core import check_pair
 from minitrain.optim._family import (
     Rule,
     Scalar,
-    check_range,
     family_optimizer,
+    moments_rule,
     rule_transform,
-    zeros,
 )
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask, check_hyperparameter
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
 __all__ = ["adamax", "scale_by_adamax", "ScaleByAdamaxState"]
@@ -40,13 +39,7 @@ def adamax_leaf(g, buffers, p, step, beta1, beta2, eps):
 
 
 def _rule(b1: Any, b2: Any, eps: Any) -> Rule:
-    beta1, beta2 = check_pair("betas", (b1, b2))
-    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
-    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
-    eps = check_range("eps", eps, 0.0)
-    init_leaf = lambda p: {"exp_avg": zeros(p), "exp_inf": zeros(p)}  # noqa: E731
-    return Rule("scale_by_adamax", ScaleByAdamaxState, init_leaf, adamax_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=eps))
+    return moments_rule("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, b1, b2, eps)
 
 
 def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):

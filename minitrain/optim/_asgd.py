@@ -13,6 +13,7 @@ from minitrain.optim._family import (
     add_scaled,
     check_range,
     family_optimizer,
+    find_state,
     rule_transform,
     zeros,
 )
@@ -113,22 +114,7 @@ def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
 
 def asgd_average(state: Any) -> Params:
     """The averaged params ``ax`` held in an ASGD state (also inside a chain's state)."""
-    if isinstance(state, ScaleByAsgdState):
-        return state.ax
-    if isinstance(state, tuple):
-        for inner in state:
-            found = _find(inner)
-            if found is not None:
-                return found
-    raise ValueError("asgd_average expects the state of mt.optim.asgd or scale_by_asgd")
-
-
-def _find(state: Any) -> Params | None:
-    if isinstance(state, ScaleByAsgdState):
-        return state.ax
-    if isinstance(state, tuple):
-        for inner in state:
-            found = _find(inner)
-            if found is not None:
-                return found
-    return None
+    found = find_state(state, ScaleByAsgdState)
+    if found is None:
+        raise ValueError("asgd_average expects the state of mt.optim.asgd or scale_by_asgd")
+    return found.ax

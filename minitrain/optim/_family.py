@@ -17,6 +17,7 @@ from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
     chain,
+    check_pair,
     hyperparameter,
     leafwise,
     tagged,
@@ -43,7 +44,11 @@ __all__ = [
     "leafwise_with_scalars",
     "zeros",
     "check_range",
+    "check_betas",
+    "find_state",
+    "torch_order",
     "Rule",
+    "moments_rule",
     "rule_transform",
     "family_optimizer",
 ]
@@ -70,6 +75,61 @@ def check_range(name: str, value: Any, low: float, high: float = float("inf"), *
     value = hyperparameter(name, value)
     check_hyperparameter(name, value, low, high, **open_ends)
     return value
+
+
+def check_betas(betas: Any, high: float = 1.0, high_open: bool = True) -> tuple[Any, Any]:
+    """torch.optim's ``betas``: two numbers or two tensors, each in ``[0, high)`` (``[0, high]``
+    with ``high_open=False``, as Lion allows).
+
+    >>> check_betas((0.9, 1.0))
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid betas[1]=1.0: it must lie in [0.0, 1.0); pass a value in that range
+    """
+    beta1, beta2 = check_pair("betas", betas)
+    check_hyperparameter("betas[0]", beta1, 0.0, high, high_open=high_open)
+    check_hyperparameter("betas[1]", beta2, 0.0, high, high_open=high_open)
+    return beta1, beta2
+
+
+def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool = False,
+                decay: GradientTransformation | None = None,
+                decoupled: bool = False) -> GradientTransformation:
+    """torch.optim's order as a chain: ``-g`` when maximizing, the L2 ``decay`` (``g + wd p``)
+    before the ``rule``'s transformations or, ``decoupled``, after them, then ``-lr`` (none for
+    ``lr=None``: the rule's output is the whole step).
+
+    >>> import minitrain as mt
+    >>> tx = torch_order([mt.optim.scale_by_adam()], 1e-3, maximize=True)
+    >>> [mt.optim.spec(t)[0] for t in mt.optim.spec(tx)[1]["transforms"]]
+    ['scale', 'scale_by_adam', 'scale_by_learning_rate']
+    """
+    return chain(
+        *([scale(-1.0)] if maximize else []),
+        *([decay] if decay is not None and not decoupled else []),
+        *rule,
+        *([decay] if decay is not None and decoupled else []),
+        *([scale_by_learning_rate(lr)] if lr is not None else []),
+    )
+
+
+def find_state(state: Any, state_type: type) -> Any:
+    """The first ``state_type`` in ``state``, looking inside chains' tuples and
+    ``multi_transform``'s dicts of states in order; None when there is none.
+
+    >>> import torch, minitrain as mt
+    >>> tx = mt.optim.chain(mt.optim.clip(1.0), mt.optim.scale_by_lion())
+    >>> type(find_state(tx.init([torch.zeros(2)]), mt.optim.ScaleByLionState)).__name__
+    'ScaleByLionState'
+    """
+    if isinstance(state, state_type):
+        return state
+    if isinstance(state, tuple | list | dict):
+        for inner in state.values() if isinstance(state, dict) else state:
+            found = find_state(inner, state_type)
+            if found is not None:
+                return found
+    return None
 
 
 def descent_prefix(maximize: bool, weight_decay: Any = 0.0,
@@ -173,6 +233,17 @@ class Rule(NamedTuple):
     needs_params: bool = False
 
 
+def moments_rule(name: str, state_type: type, update_leaf: Callable[..., Any], b1: Any, b2: Any,
+                 eps: Any) -> Rule:
+    """A rule with Adam's hyperparameters (``betas`` in [0, 1), ``eps`` >= 0) whose buffers,
+    the fields of ``state_type`` after ``count``, start at zero (Adamax, RAdam)."""
+    beta1, beta2 = check_betas((b1, b2))
+    eps = check_range("eps", eps, 0.0)
+    buffers = state_type._fields[1:]
+    return Rule(name, state_type, lambda p: {b: zeros(p) for b in buffers}, update_leaf,
+                dict(beta1=beta1, beta2=beta2, eps=eps))
+
+
 def rule_transform(rule: Rule) -> GradientTransformation:
     """``rule`` as a transformation."""
     if rule.scalars:
@@ -198,15 +269,8 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
         raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
     weight_decay = check_range("weight_decay", weight_decay, 0.0)
     decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
-    parts = [scale(-1.0)] if maximize else []
-    if decays and not decoupled:
-        parts.append(add_decayed_weights(weight_decay, mask))
-    parts.append(rule_transform(rule))
-    if decays and decoupled:
-        parts.append(add_decayed_weights(weight_decay, mask))
-    if lr is not None:
-        parts.append(scale_by_learning_rate(lr))
-    tx = chain(*parts)
+    tx = torch_order([rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
+                     decay=add_decayed_weights(weight_decay, mask) if decays else None)
     slow = as_optimizer(tx)
     plan = _Plan(rule, maximize, weight_decay if decays else None, mask, decoupled, lr)
     pool = BufferPool()
@@ -239,7 +303,7 @@ class _Plan:
         inputs whose layout matches (anything else takes the chain, which explains errors)."""
         p_leaves, spec = _pytree.tree_flatten(params)
         g_leaves, g_spec = _pytree.tree_flatten(grads)
-        hyper = [*self.hyper.values(), self.lr if isinstance(self.lr, Tensor) else 0.0]
+        hyper = [*self.hyper.values(), self.lr, self.weight_decay]
         if g_spec != spec or not p_leaves or not isinstance(state, tuple):
             return False
         if not all(isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous()
@@ -268,21 +332,23 @@ class _Plan:
         skip = 1 + len(self.rule.scalars or {})
         return self.rule.state_type._fields[skip:]
 
-    def decay(self, u, p, params, pool):
+    def decay_flags(self, params) -> list[bool]:
+        """Per leaf of ``params``: whether weight decay applies (cached per structure)."""
         key = _pytree.tree_structure(params)
         flags = self.flags.get(key)
         if flags is None:
             flags = self.flags[key] = decay_flags(self.mask, params)
+        return flags
+
+    def decay(self, u, p, params, pool):
+        flags = self.decay_flags(params)
         wd = scalar(self.weight_decay)
         return PooledLeaves([_run(torch.add, (ui, pi), {"alpha": wd}, pool) if flag else ui
                              for ui, pi, flag in zip(u, p, flags, strict=True)], pool)
 
     def shrunk(self, p, params, lr, pool):
         """``p (1 - lr wd)`` on the decayed leaves (torch's decoupled weight decay)."""
-        key = _pytree.tree_structure(params)
-        flags = self.flags.get(key)
-        if flags is None:
-            flags = self.flags[key] = decay_flags(self.mask, params)
+        flags = self.decay_flags(params)
         factor = 1 - lr * scalar(self.weight_decay)
         return [_run(torch.mul, (pi, factor), {}, pool) if flag else pi
                 for pi, flag in zip(p, flags, strict=True)]
@@ -309,30 +375,19 @@ class _Plan:
                 new_params = [_run(torch.add, (pi, ui), {}, pool).to(pi.dtype)
                               for pi, ui in zip(p, u, strict=True)]
             else:
-                lr_state = state[-1]
-                lr = self.lr(int(lr_state.count)) if self.schedule else self.lr
-                if self.schedule:
-                    check_hyperparameter("lr (from the schedule)", lr, 0.0)
-                lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
-                    float(lr), dtype=torch.float32)
-                new_state[-1] = type(lr_state)(lr_state.count + 1, lr_tensor)
+                lr = self.step_lr(state, new_state)
                 # p - lr (u + wd p) as torch.optim computes it: p (1 - lr wd) - lr u, one pass
                 # over p for the decay and one for the step (the chain makes three).
-                base = self.shrunk(p, params, scalar(lr), pool) if decoupled else p
-                new_params = [_run(torch.add, (bi, ui), {"alpha": -scalar(lr)}, pool).to(pi.dtype)
+                base = self.shrunk(p, params, lr, pool) if decoupled else p
+                new_params = [_run(torch.add, (bi, ui), {"alpha": -lr}, pool).to(pi.dtype)
                               for pi, bi, ui in zip(p, base, u, strict=True)]
         return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
 
     def run_rule(self, u, p, inner, spec, pool):
         rule = self.rule
         step = int(inner.count) + 1
-        per_step: dict[str, Any] = {}
-        kept: dict[str, Any] = {}
-        if rule.scalars:
-            old = {key: getattr(inner, key) for key in rule.scalars}
-            new_scalars, per_step = rule.advance(step, **{k: scalar(v) for k, v in old.items()})
-            kept = {key: _like(new_scalars[key], old[key]) for key in rule.scalars}
-            per_step = {k: hyperparameter(k, v) for k, v in per_step.items()}
+        per_step, kept = self.advance(inner, step)
+        per_step = {k: hyperparameter(k, v) for k, v in per_step.items()}
         buffers = {
             field: () if getattr(inner, field) == () else
             PooledLeaves(_pytree.tree_leaves(getattr(inner, field)), pool)
@@ -346,6 +401,15 @@ class _Plan:
         }
         count = torch.tensor(step, dtype=torch.int64)
         return out, rule.state_type(count, **kept, **fields)
+
+    def advance(self, inner, step: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """``(per_step, kept)``: the rule's extra arguments for update ``step`` and its next
+        scalars, from the scalars in ``inner`` (none for rules without scalars)."""
+        if not self.rule.scalars:
+            return {}, {}
+        old = {key: getattr(inner, key) for key in self.rule.scalars}
+        new_scalars, per_step = self.rule.advance(step, **{k: scalar(v) for k, v in old.items()})
+        return per_step, {key: _like(new_scalars[key], old[key]) for key in self.rule.scalars}
 
     def step_lr(self, state, new_state):
         """The lr of this update, recorded in the chain's last state."""
@@ -365,17 +429,9 @@ class _Plan:
         new_state = list(state)
         inner = state[self.rule_index]
         step = int(inner.count) + 1
-        per_step: dict[str, Any] = {}
-        kept: dict[str, Any] = {}
-        if rule.scalars:
-            old = {key: getattr(inner, key) for key in rule.scalars}
-            new_scalars, per_step = rule.advance(step, **{k: scalar(v) for k, v in old.items()})
-            kept = {key: _like(new_scalars[key], old[key]) for key in rule.scalars}
+        per_step, kept = self.advance(inner, step)
         lr = self.step_lr(state, new_state) if self.lr is not None else 0.0
-        key = _pytree.tree_structure(params)
-        flags = self.flags.get(key)
-        if flags is None:
-            flags = self.flags[key] = decay_flags(self.mask, params)
+        flags = self.decay_flags(params)
         used = [f for f in self.buffers() if getattr(inner, f) != ()]
         buffers = {f: _pytree.tree_leaves(getattr(inner, f)) for f in used}
         ps_out = [pool.empty_like(p) for p in p_leaves]

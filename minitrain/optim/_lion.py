@@ -8,8 +8,15 @@ import torch
 from torch import Tensor
 
 from minitrain.optim._core import check_pair
-from minitrain.optim._family import Rule, Scalar, family_optimizer, rule_transform, zeros
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask, check_hyperparameter
+from minitrain.optim._family import (
+    Rule,
+    Scalar,
+    check_betas,
+    family_optimizer,
+    rule_transform,
+    zeros,
+)
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
 __all__ = ["lion", "scale_by_lion", "ScaleByLionState"]
@@ -30,9 +37,7 @@ def lion_leaf(g, buffers, p, step, beta1, beta2):
 
 
 def _rule(b1: Any, b2: Any) -> Rule:
-    beta1, beta2 = check_pair("betas", (b1, b2))
-    check_hyperparameter("betas[0]", beta1, 0.0, 1.0)
-    check_hyperparameter("betas[1]", beta2, 0.0, 1.0)
+    beta1, beta2 = check_betas((b1, b2), high_open=False)
     return Rule("scale_by_lion", ScaleByLionState, lambda p: {"exp_avg": zeros(p)}, lion_leaf,
                 dict(beta1=beta1, beta2=beta2))
 

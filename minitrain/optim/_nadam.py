@@ -14,12 +14,13 @@ from minitrain.optim._family import (
     Rule,
     Scalar,
     add_scaled,
+    check_betas,
     check_range,
     family_optimizer,
     rule_transform,
     zeros,
 )
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask, check_hyperparameter
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
 __all__ = ["nadam", "scale_by_nadam", "ScaleByNadamState"]
@@ -59,9 +60,7 @@ def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
 
 
 def _rule(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
-    beta1, beta2 = check_pair("betas", (b1, b2))
-    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
-    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
+    beta1, beta2 = check_betas((b1, b2))
     eps = check_range("eps", eps, 0.0)
     momentum_decay = check_range("momentum_decay", momentum_decay, 0.0)
 

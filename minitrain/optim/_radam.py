@@ -12,12 +12,11 @@ from minitrain.optim._core import check_pair
 from minitrain.optim._family import (
     Rule,
     Scalar,
-    check_range,
     family_optimizer,
+    moments_rule,
     rule_transform,
-    zeros,
 )
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask, check_hyperparameter
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
 __all__ = ["radam", "scale_by_radam", "ScaleByRadamState"]
@@ -62,13 +61,7 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
 
 
 def _rule(b1: Any, b2: Any, eps: Any) -> Rule:
-    beta1, beta2 = check_pair("betas", (b1, b2))
-    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
-    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
-    eps = check_range("eps", eps, 0.0)
-    init_leaf = lambda p: {"exp_avg": zeros(p), "exp_avg_sq": zeros(p)}  # noqa: E731
-    return Rule("scale_by_radam", ScaleByRadamState, init_leaf, radam_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=eps))
+    return moments_rule("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2, eps)
 
 
 def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):

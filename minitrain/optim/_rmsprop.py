@@ -18,16 +18,14 @@ from torch import Tensor
 from minitrain.optim import streaming
 from minitrain.optim._core import (
     GradientTransformation,
-    chain,
     hyperparameter,
     register_lowering,
 )
+from minitrain.optim._family import torch_order
 from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
 from minitrain.optim._transforms_rules import (
     add_decayed_weights,
     rms_leaf,
-    scale,
-    scale_by_learning_rate,
     scale_by_rms,
     trace,
     trace_leaf,
@@ -154,13 +152,8 @@ def rmsprop_chain(
     ['add_decayed_weights', 'scale_by_rms', 'trace', 'scale_by_learning_rate']
     """
     has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
-    return chain(
-        *([scale(-1.0)] if maximize else []),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_rms(alpha, eps, centered),
-        *([trace(momentum)] if has_momentum else []),
-        scale_by_learning_rate(lr),
-    )
+    rule = [scale_by_rms(alpha, eps, centered), *([trace(momentum)] if has_momentum else [])]
+    return torch_order(rule, lr, maximize=maximize, decay=add_decayed_weights(weight_decay, mask))
 
 
 def _match(tx: GradientTransformation):

@@ -22,6 +22,7 @@ from minitrain.optim._family import (
     add_scaled,
     check_range,
     family_optimizer,
+    find_state,
     rule_transform,
     zeros,
 )
@@ -172,7 +173,7 @@ def schedule_free_eval_params(state: Any, params: Params) -> Params:
     ``state`` is the state of :func:`schedule_free_adamw` or of a chain holding
     :func:`scale_by_schedule_free_adamw`.
     """
-    inner = _find(state)
+    inner = find_state(state, ScheduleFreeAdamwState)
     if inner is None:
         raise ValueError(
             "schedule_free_eval_params expects the state of mt.optim.schedule_free_adamw "
@@ -180,14 +181,3 @@ def schedule_free_eval_params(state: Any, params: Params) -> Params:
         )
     weight = 1 - 1 / float(inner.b1)
     return tree.map(lambda y, z: torch.lerp(y, z.to(y.dtype), weight), params, inner.z)
-
-
-def _find(state: Any) -> ScheduleFreeAdamwState | None:
-    if isinstance(state, ScheduleFreeAdamwState):
-        return state
-    if isinstance(state, tuple):
-        for inner in state:
-            found = _find(inner)
-            if found is not None:
-                return found
-    return None

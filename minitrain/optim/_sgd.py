@@ -16,15 +16,13 @@ from torch import Tensor
 from minitrain.optim import streaming
 from minitrain.optim._core import (
     GradientTransformation,
-    chain,
     hyperparameter,
     register_lowering,
 )
+from minitrain.optim._family import torch_order
 from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
 from minitrain.optim._transforms_rules import (
     add_decayed_weights,
-    scale,
-    scale_by_learning_rate,
     trace,
     trace_leaf,
 )
@@ -139,12 +137,9 @@ def sgd_chain(
     >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
     ['add_decayed_weights', 'trace', 'scale_by_learning_rate']
     """
-    return chain(
-        *([scale(-1.0)] if maximize else []),
-        add_decayed_weights(weight_decay, mask),
-        *([trace(momentum, dampening, nesterov)] if _has_momentum(momentum) else []),
-        scale_by_learning_rate(lr),
-    )
+    momentum_part = [trace(momentum, dampening, nesterov)] if _has_momentum(momentum) else []
+    return torch_order(momentum_part, lr, maximize=maximize,
+                       decay=add_decayed_weights(weight_decay, mask))
 
 
 def _match(tx: GradientTransformation):
