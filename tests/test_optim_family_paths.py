@@ -3,6 +3,8 @@ bytes against the references' own state, and Muon routed by multi_transform."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from lion_pytorch import Lion
@@ -157,6 +159,59 @@ def test_muon_for_matrices_and_adamw_for_the_rest_equals_two_torch_optimizers():
         adamw.step()
     for k, p in leaves.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
+    # learning_rate() looks inside multi_transform's dict of states: the first group's lr
+    assert mt.optim.learning_rate(state) == pytest.approx(muon.param_groups[0]["lr"])
+
+
+def _load_example(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bytelm_muon_reports_its_learning_rate_in_the_run_loop(tmp_path):
+    """The example's optimizer (multi_transform then one schedule) gives learning_rate() the
+    warmup's values, and ``minitrain run`` logs them for 3 steps of a small model."""
+    import json
+    import subprocess
+    import sys
+
+    from minitrain.data import source_files, stdlib_dir
+
+    example = _load_example("bytelm_muon")
+    config = {**example.CONFIG, "steps": 3, "warmup_steps": 2, "lr": 0.01}
+    opt = example.muon_and_adamw(config)
+    params = {"blocks.0.w": torch.randn(4, 4), "embed": torch.randn(3, 4)}
+    state = opt.init(params)
+    seen = []
+    for _ in range(3):
+        params, state = opt.update({k: torch.ones_like(p) for k, p in params.items()},
+                                   state, params)
+        seen.append(mt.optim.learning_rate(state))
+    want = [0.0, 0.005, 0.01]  # linear warmup from 0 over 2 steps, then the cosine's peak
+    assert seen == pytest.approx(want)
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for path in source_files(stdlib_dir())[:20]:
+        (source / path.name).write_bytes(path.read_bytes())
+    sets = ["d_model=32", "n_layers=1", "n_heads=2", "seq_len=32", "batch_size=4",
+            "eval_every=0", "eval_batches=1", "lr=0.01", "warmup_steps=2",
+            f"source_dir={source}", f"data_dir={tmp_path / 'data'}"]
+    script = str(Path(__file__).resolve().parents[1] / "examples" / "bytelm_muon.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "minitrain", "run", script, "--steps", "3", "--log-every", "1",
+         "--out", str(tmp_path / "run"), "--json", *(a for s in sets for a in ("--set", s))],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [row["lr"] for row in rows if "lr" in row] == pytest.approx(want)
 
 
 def test_concurrent_updates_on_one_optimizer_equal_sequential_ones():
@@ -245,3 +300,22 @@ def test_compiled_update_equals_the_fast_path():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_bench_optim_family_flag_adds_the_family_rows():
+    import json
+
+    from click.testing import CliRunner
+
+    from minitrain.cli.bench_optim import optim
+
+    tiny = ["--optimizer", "adamw", "--count", "1", "--size", "16", "--rounds", "1",
+            "--inner", "1", "--json"]
+    result = CliRunner().invoke(optim, [*tiny, "--family", "--member", "lion",
+                                        "--member", "adamax"])
+    assert result.exit_code == 0, result.output
+    family = json.loads(result.output)["family"]
+    assert sorted(family) == ["adamax", "lion"]
+    assert family["adamax"]["reference"] == "torch.optim:Adamax"
+    assert family["lion"]["pure_over_reference"] > 0
+    assert "family" not in json.loads(CliRunner().invoke(optim, tiny).output)

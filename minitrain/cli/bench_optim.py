@@ -8,6 +8,7 @@ import click
 import torch
 
 from minitrain.bench.optim import CHAINS, OPTIMIZERS, breakdown, measure, measure_chains
+from minitrain.bench.optim_family import FAMILY, family_ratios
 from minitrain.cli.errors import UserError
 
 __all__ = ["optim"]
@@ -27,10 +28,20 @@ __all__ = ["optim"]
               help="Also time the pure update with impl='compiled' (torch.compile; slow start).")
 @click.option("--chain", "chains", multiple=True, type=click.Choice(list(CHAINS)),
               help="Chains of transformations to time (repeatable); default: all.")
+@click.option("--family", "with_family", is_flag=True,
+              help="Also time the rest of the family (Adadelta ... Muon, Lion, schedule-free "
+                   "AdamW) against their references' fastest path (CPU).")
+@click.option("--member", "members", multiple=True, type=click.Choice(list(FAMILY)),
+              help="With --family: members to time (repeatable); default: all.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
-          with_breakdown: bool, compiled: bool, chains: tuple[str, ...], as_json: bool) -> None:
-    """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated."""
+          with_breakdown: bool, compiled: bool, chains: tuple[str, ...], with_family: bool,
+          members: tuple[str, ...], as_json: bool) -> None:
+    """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated;
+    chains built by hand over fused AdamW; with --family, every other optimizer's pure update
+    over its reference (target <= 1.0x)."""
+    if with_family and device != "cpu":
+        raise UserError("--family times the CPU only; drop --family or use --device cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
@@ -40,6 +51,9 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         result["breakdown"] = breakdown(count, size, rounds, inner)
     result["chains"] = measure_chains(list(chains or CHAINS), count, size, rounds, inner,
                                       device)["results"]
+    if with_family:
+        result["family"] = family_ratios(list(members) or None, count, size, rounds, inner,
+                                         compiled)["results"]
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -58,6 +72,16 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         click.echo(f"  {name}  {times}")
         click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
                    f"(target <= {entry['target']}x)")
+    for name, entry in result.get("family", {}).items():
+        if "skipped" in entry:
+            click.echo(f"  {name:13s} skipped: {entry['skipped']}")
+            continue
+        times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
+        click.echo(f"  {name:13s} {times}")
+        ratios = f"pure / {entry['reference']}: {entry['pure_over_reference']:.2f}x"
+        if "compiled_over_reference" in entry:
+            ratios += f"   compiled: {entry['compiled_over_reference']:.2f}x"
+        click.echo(f"  {'':13s} {ratios} (target <= 1.0x)")
     if with_breakdown:
         click.echo("pure AdamW update, by part:")
         parts = result["breakdown"]
