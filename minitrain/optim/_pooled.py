@@ -66,7 +66,11 @@ for _name, _func in {"add": torch.add, "sub": torch.sub, "mul": torch.mul,
 for _name, _func in {"radd": torch.add, "rmul": torch.mul}.items():
     setattr(PooledLeaves, f"__{_name}__", _operator(_func, swap=True))
 PooledLeaves.__rsub__ = lambda self, other: _apply(torch.rsub, (self, other), {})
-PooledLeaves.__rtruediv__ = lambda self, other: _apply(operator.truediv, (other, self), {})
+# ``number / t`` is ``t.reciprocal() * number`` (torch ``Tensor.__rtruediv__``): the same two
+# ops, each with ``out=`` (``operator.truediv`` has none, so every call allocated a fresh result).
+PooledLeaves.__rtruediv__ = lambda self, other: (
+    _apply(torch.mul, (_apply(torch.reciprocal, (self,), {}), other), {})
+    if isinstance(other, int | float) else _apply(operator.truediv, (other, self), {}))
 PooledLeaves.__neg__ = lambda self: _apply(torch.neg, (self,), {})
 PooledLeaves.__iadd__ = PooledLeaves.__add__
 PooledLeaves.__isub__ = PooledLeaves.__sub__

@@ -43,20 +43,21 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    momentum = exp_avg / bias_correction1
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
     traced = isinstance(rho_t, Tensor)
     if not traced and rho_t <= 5.0:
-        return momentum, new
+        return exp_avg / bias_correction1, new
     # The clamp only keeps the (unused) early branch of torch.where finite under tracing.
     safe_rho = rho_t.clamp(min=5.0) if traced else rho_t
     rect = _sqrt((safe_rho - 4) * (safe_rho - 2) * rho_inf
                  / ((rho_inf - 4) * (rho_inf - 2) * safe_rho))
-    adaptive = _sqrt(bias_correction2) / (exp_avg_sq.sqrt() + eps)
-    rectified = momentum * adaptive * rect
+    # m_t / (1 - b1^t) * r_t * sqrt(1 - b2^t) / (sqrt(v_t) + eps) with the scalars folded into
+    # one factor: four passes over the leaf instead of seven.
+    factor = rect * _sqrt(bias_correction2) / bias_correction1
+    rectified = exp_avg * factor / (exp_avg_sq.sqrt() + eps)
     if traced:
-        return torch.where(rho_t > 5.0, rectified, momentum), new
+        return torch.where(rho_t > 5.0, rectified, exp_avg / bias_correction1), new
     return rectified, new
 
 
