@@ -20,11 +20,13 @@ minitrain.errors.UserError: ... is in use by another run (pid ...); wait for it 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from minitrain.atomic_io import check_writable_dir
 from minitrain.errors import StorageError, UserError
 
 __all__ = ["LOCK_FILE", "RunOwner", "claim", "holds_a_run"]
@@ -56,10 +58,13 @@ class RunOwner:
 def holds_a_run(path: Path) -> bool:
     """Whether ``path`` holds metrics or checkpoints of an earlier run."""
     checkpoints = path / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        return True
     metrics = path / "metrics.jsonl"
-    return metrics.is_file() and metrics.stat().st_size > 0
+    try:
+        if checkpoints.is_dir() and any(checkpoints.iterdir()):
+            return True
+        return metrics.is_file() and metrics.stat().st_size > 0
+    except OSError as exc:
+        raise StorageError.from_os_error(exc, exc.filename or path, "read") from None
 
 
 def claim(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunOwner:
@@ -92,7 +97,6 @@ def claim(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunOwner
         if overwrite and not resume:
             _clear(path)
         _probe_writable(path)
-        _probe_writable(path / "checkpoints")
         _write_owner(fd)
     except BaseException:
         owner.release()
@@ -148,22 +152,17 @@ def _clear(path: Path) -> None:
             raise StorageError.from_os_error(exc, target, "remove") from None
 
 
-def _probe_writable(directory: Path) -> None:
-    """Create ``directory`` and write one small file in it, so that an unwritable run
-    directory fails before the first step instead of after the last."""
-    probe = directory / f".probe-{os.getpid()}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as handle:
-            handle.write(b"minitrain")
-            handle.flush()
-            os.fsync(handle.fileno())
-    except NotADirectoryError as exc:
-        raise UserError(
-            f"{directory} is a file, not a directory; move it away or pass another --out"
-        ) from exc
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, directory, "write to") from None
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
+def _probe_writable(path: Path) -> None:
+    """Prove the run directory and its checkpoints folder take new files, and that the files
+    the run writes at the end are not in the way, so an unwritable ``--out`` fails before the
+    first step instead of after the last."""
+    check_writable_dir(path)
+    check_writable_dir(path / "checkpoints")
+    for name in ("summary.json", "metrics.jsonl"):
+        target = path / name
+        if target.is_dir():
+            raise StorageError.from_os_error(
+                IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target)),
+                target,
+                "write",
+            )

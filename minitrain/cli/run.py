@@ -69,7 +69,7 @@ def run(
         _launch_workers(nproc, experiment, chosen)
         return
     parallel = _join_process_group(chosen)
-    with stop_requests(), _worker_outcome(parallel):
+    with stop_requests(keep_until_exit=True), _worker_outcome(parallel):
         with training_errors():
             result = fit(
                 experiment,

@@ -68,7 +68,7 @@ def sweep(
             f"(swept: {', '.join(ensemble.swept) or 'seeds only'})",
             err=True,
         )
-    with stop_requests(), training_errors():
+    with stop_requests(keep_until_exit=True), training_errors():
         result = fit_sweep(
             ensemble,
             chosen,

@@ -11,10 +11,11 @@ import torch.utils._pytree as _pytree
 
 from minitrain import rng
 from minitrain.backend import Backend
+from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
 from minitrain.train.experiment import Experiment
 from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
-from minitrain.train.step import StepOutput, loss_with_aux, make_train_step
+from minitrain.train.step import StepOutput, loss_scale_of, loss_with_aux, make_train_step
 from minitrain.tree import OptState, Params, PyTree, global_norm, leaves, named_leaves, unstack
 from minitrain.tree import map as tree_map
 
@@ -25,6 +26,7 @@ __all__ = [
     "draw_batches",
     "make_ensemble_step",
     "make_member_step",
+    "refuse_carry",
     "shared_by_seed",
 ]
 
@@ -60,6 +62,7 @@ def make_member_step(
     >>> step(params, exp.optimizer.init(params), torch.ones(4, 2)).params
     {'w': tensor([0.2000, 0.2000])}
     """
+    refuse_carry(experiment, backend)
     loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
     optimizer = experiment.optimizer
     max_grad_norm = experiment.max_grad_norm
@@ -75,6 +78,22 @@ def make_member_step(
         return StepOutput(params, opt_state, loss.detach(), grad_norm, aux)
 
     return member_step
+
+
+def refuse_carry(experiment: Experiment, backend: Backend) -> None:
+    """Sweeps train params and optimizer state only: refuse model state and loss scaling in
+    one line (each config trains alone with ``minitrain run``)."""
+    if getattr(experiment, "init_state", None) is not None:
+        raise ExperimentError(
+            "minitrain sweep does not carry model state (init_state) yet; train each config "
+            "with minitrain run --set ..."
+        )
+    if loss_scale_of(experiment, backend) is not None:
+        raise ExperimentError(
+            f"minitrain sweep does not carry a loss scale yet ({backend.name} scales the loss); "
+            "sweep on cpu-bf16, or train each config with minitrain run --backend "
+            f"{backend.name}"
+        )
 
 
 def batches_ignore_swept_values(ensemble: Ensemble) -> bool:
@@ -128,7 +147,9 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
         params: Params, opt_state: OptState, batch: PyTree, values: dict[str, torch.Tensor]
     ) -> StepOutput:
         with binding.bind(values):
-            return member_step(params, opt_state, batch)
+            out = member_step(params, opt_state, batch)
+        # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry)
+        return out._replace(carry=(), applied=())
 
     vmapped = torch.func.vmap(bound_step, randomness="different")
     attention = _batchable_attention(backend)

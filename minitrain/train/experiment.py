@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from minitrain.tree import Params, PyTree
 
 __all__ = [
     "Experiment",
+    "check_loss_output",
     "ExperimentError",
     "ResumeError",
     "apply_overrides",
@@ -66,6 +68,15 @@ class Experiment:
         flops_per_step: exact FLOPs of one training step by the model's own formula, if known.
         max_grad_norm: clip gradients to this global norm (None: no clipping).
         name: shown in the progress bar and the summary.
+        init_state: ``init_state(generator) -> state``, for a model whose forward pass
+            updates buffers (BatchNorm's running statistics; ``mt.from_module(module,
+            with_state=True)`` gives them). Then ``loss(params, state, batch) -> (loss,
+            new_state)`` (``((loss, aux), new_state)`` with ``has_aux``) and ``evaluate(params,
+            state)``: haiku's ``transform_with_state``, equinox's ``State``. The train step
+            carries the state, checkpoints save it. Drawn after ``init`` with its generator.
+        loss_scale: the dynamic loss scale (``mt.precision.dynamic_loss_scale(...)``) of a run
+            on a backend whose policy scales the loss (cpu-fp16, cuda-fp16); default
+            ``torch.amp.GradScaler``'s (2**16, x2 every 2000 finite steps, x0.5 on overflow).
     """
 
     init: Callable[[torch.Generator], Params]
@@ -81,6 +92,8 @@ class Experiment:
     max_grad_norm: float | None = None
     name: str = "experiment"
     extras: Mapping[str, Any] = field(default_factory=dict)
+    init_state: Callable[[torch.Generator], PyTree] | None = None
+    loss_scale: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
@@ -95,8 +108,46 @@ class Experiment:
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ExperimentError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
+        if self.init_state is not None and not callable(self.init_state):
+            raise ExperimentError("Experiment.init_state must be a function: generator -> state")
         if self.eval_every < 0:
             raise ExperimentError(f"eval_every must be >= 0, got {self.eval_every}")
+
+
+def check_loss_output(loss: Any, aux: Any) -> None:
+    """Refuse what a loss function should not return, naming it (a user mistake, not ours).
+
+    >>> check_loss_output(torch.tensor(1.0), {"acc": torch.tensor(0.5)})
+    >>> check_loss_output(torch.ones(3), {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.ExperimentError: the loss returned a tensor of shape (3,); return one ...
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise ExperimentError(
+            f"the loss returned {type(loss).__name__}; return a 0-d float tensor (with "
+            "has_aux=True: a (loss, aux dict) pair)"
+        )
+    if loss.ndim != 0:
+        raise ExperimentError(
+            f"the loss returned a tensor of shape {tuple(loss.shape)}; return one number "
+            "(a 0-d float tensor), e.g. the batch mean"
+        )
+    if not loss.is_floating_point():
+        raise ExperimentError(f"the loss returned a {loss.dtype} tensor; return a float tensor")
+    if not isinstance(aux, Mapping):
+        raise ExperimentError(
+            f"the loss's aux is a {type(aux).__name__}; return a dict of name -> 0-d tensor"
+        )
+    for key, value in aux.items():
+        if not isinstance(key, str):
+            raise ExperimentError(f"the loss's aux has a key {key!r}; use str names")
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                    else type(value).__name__)
+            raise ExperimentError(
+                f"the loss's aux value {key!r} is {what}; log 0-d tensors (e.g. x.mean())"
+            )
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -126,7 +177,11 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
     >>> coerce_value("dim", "8.5", 16)
     Traceback (most recent call last):
     ...
-    minitrain.train.experiment.ExperimentError: --set dim=8.5: expected an int (the default is 16)
+    minitrain.errors.ExperimentError: --set dim=8.5: expected an int (the default is 16)
+    >>> coerce_value("lr", "inf", 0.01)
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.ExperimentError: --set lr=inf: expected a finite float (the default is 0.01)
     """
     kind = type(default)
     try:
@@ -140,7 +195,7 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
         if kind is int:
             return int(text)
         if kind is float:
-            return float(text)
+            value = float(text)
         if kind is str:
             return text
     except ValueError:
@@ -148,6 +203,12 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
         raise ExperimentError(
             f"--set {key}={text}: expected {article} {kind.__name__} (the default is {default!r})"
         ) from None
+    if kind is float:
+        if not math.isfinite(value):
+            raise ExperimentError(
+                f"--set {key}={text}: expected a finite float (the default is {default!r})"
+            )
+        return value
     raise ExperimentError(
         f"config key {key!r} has a default of type {kind.__name__}, which --set cannot "
         "override; use an int, float, bool or str default"
@@ -162,7 +223,7 @@ def apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, str]) -> 
     >>> apply_overrides({"lr": 0.01}, {"lrr": "0.1"})
     Traceback (most recent call last):
     ...
-    minitrain.train.experiment.ExperimentError: unknown config key 'lrr'; known keys: lr
+    minitrain.errors.ExperimentError: unknown config key 'lrr'; known keys: lr
     """
     merged = dict(config)
     for key, text in overrides.items():

@@ -53,11 +53,13 @@ SUMMARY_FILE = "summary.json"
 
 
 class FitResult(NamedTuple):
-    """What a fit returns: the trained params, the optimizer state and the summary."""
+    """What a fit returns: the trained params, the optimizer state and the summary (and the
+    carried model state and loss scale, a :class:`minitrain.train.step.Carry`, if any)."""
 
     params: Any
     opt_state: Any
     summary: dict[str, Any]
+    state: Any = None
 
 
 @runtime_checkable
@@ -211,8 +213,16 @@ def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
         run_dir, on_skip=lambda p, reason: say(f"skipping checkpoint {p.name}: {reason}")
     )
     if path is None:
-        say(f"no valid checkpoint in {run_dir}; starting from step 0")
+        if checkpoint.list_checkpoints(run_dir):
+            raise ResumeError(
+                f"every checkpoint in {run_dir / checkpoint.CHECKPOINTS} failed its checks (see "
+                "above); nothing was changed. Move them away to start over, or pass --overwrite"
+            )
+        say(f"no checkpoint in {run_dir}; starting from step 0")
         return 0
+    # The config is compared before anything is loaded, so a changed shape is named by its
+    # config key, not by a template mismatch.
+    stepper.check_resumable(checkpoint.verify(path).get("meta", {}), run_dir)
     start = stepper.resume_from(path, lambda saved: stepper.check_resumable(saved, run_dir))
     say(f"resuming from {path} (step {start})")
     if start > stepper.steps:

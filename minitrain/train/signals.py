@@ -13,6 +13,7 @@ False
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import signal
 import threading
@@ -44,12 +45,23 @@ class StopRequest:
 _active: StopRequest | None = None
 
 
+def _ignore_stops_at_exit() -> None:
+    """At interpreter exit Python puts default handlers back (a late SIGTERM would kill the
+    process after its result was saved and printed); ignore the signals instead."""
+    for sig in _SIGNALS:
+        handler = signal.getsignal(sig)
+        if isinstance(getattr(handler, "__self__", None), StopRequest):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
-def stop_requests() -> Iterator[StopRequest]:
+def stop_requests(keep_until_exit: bool = False) -> Iterator[StopRequest]:
     """Install the recording handler for SIGINT and SIGTERM; yield the :class:`StopRequest`.
 
     Nested uses share the outer request (the command line installs it first, the loop again).
-    Outside the main thread, where handlers cannot be set, the request never fires.
+    Outside the main thread, where handlers cannot be set, the request never fires. With
+    ``keep_until_exit=True`` (the command line) the handler is not removed on exit: a signal
+    that arrives while the process prints its result and shuts down is recorded, not fatal.
     """
     global _active
     if _active is not None:
@@ -61,9 +73,12 @@ def stop_requests() -> Iterator[StopRequest]:
         return
     previous = {sig: signal.signal(sig, request.handle) for sig in _SIGNALS}
     _active = request
+    if keep_until_exit:
+        atexit.register(_ignore_stops_at_exit)
     try:
         yield request
     finally:
         _active = None
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        if not keep_until_exit:
+            for sig, old in previous.items():
+                signal.signal(sig, old)

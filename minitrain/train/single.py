@@ -6,11 +6,12 @@
 ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=3)
 >>> result = fit(exp, mt.get_backend("cpu"), progress=False)
 >>> result.summary["steps"], round(result.summary["final_loss"], 4)
-(3, 0.0016)
+(3, 0.1296)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,15 @@ from minitrain.train.loop import FitResult, StepTimer, run_loop
 from minitrain.train.progress import resident_bytes
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
-from minitrain.train.step import can_donate, make_train_step
+from minitrain.train.step import (
+    can_donate,
+    carry_metrics,
+    checked_values,
+    init_carry,
+    make_train_step,
+    pack_checkpoint_state,
+    unpack_checkpoint_state,
+)
 from minitrain.tree import size
 
 __all__ = ["RESUMABLE_CHANGES", "SingleRun", "fit"]
@@ -69,6 +78,8 @@ class SingleRun:
         self.params = to_backend(params, self.backend)
         with script_call("optimizer.init(params)"):
             self.opt_state = self.experiment.optimizer.init(self.params)
+        with script_call("init_state(generator)"):  # model state and the loss scale, if any
+            self.carry = init_carry(self.experiment, self.backend, init_generator)
         # The loop never reads the params and state it passes in again, so the update may
         # write into their buffers (torch.optim's in-place speed).
         self._train_step = make_train_step(
@@ -85,10 +96,12 @@ class SingleRun:
         }
 
     def resume_from(self, path: Path, check: Callable[[dict], None]) -> int:
-        saved = checkpoint.load(path, self.params, self.opt_state)
+        template = pack_checkpoint_state(self.opt_state, self.carry)
+        saved = checkpoint.load(path, self.params, template)
         check(saved.meta)
         checkpoint.restore_rng(saved, self.data_generator)
-        self.params, self.opt_state = saved.params, saved.opt_state
+        self.params = saved.params
+        self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, self.carry)
         if self.parallel is not None:
             self.parallel.check_same(saved.step, "the step to resume from")
         self.current_step = self._checked_step = saved.step
@@ -113,7 +126,8 @@ class SingleRun:
 
     def save(self, run_dir: Path, step: int, keep: int) -> Path:
         return checkpoint.save(
-            run_dir, step, self.params, self.opt_state, self.meta(),
+            run_dir, step, self.params, pack_checkpoint_state(self.opt_state, self.carry),
+            self.meta(),
             generator=self.data_generator, keep=keep,
         )
 
@@ -132,10 +146,10 @@ class SingleRun:
             batch = self.parallel.shard(batch)
         batch = self.backend.to_device(batch)
         with _first_step_mistakes(first), script_call("the train step (loss)", step):
-            out = self._train_step(self.params, self.opt_state, batch)
-        self.params, self.opt_state = out.params, out.opt_state
+            out = self._train_step(self.params, self.opt_state, batch, self.carry)
+        self.params, self.opt_state, self.carry = out.params, out.opt_state, out.carry
         self._out, self._batch, self.current_step = out, batch, step
-        self._pending.append((step, out.loss.detach(), out.grad_norm.detach()))
+        self._pending.append((step, *checked_values(out)))
         if len(self._pending) >= MAX_UNCHECKED_STEPS:
             self.check_finite()
 
@@ -173,6 +187,7 @@ class SingleRun:
             "lr": learning_rate(out.opt_state),
             "grad_norm": float(out.grad_norm),
             **aux,
+            **carry_metrics(out.carry),
             **rates,
             "rss_bytes": resident_bytes(),
         }
@@ -183,7 +198,9 @@ class SingleRun:
 
     def _evaluate(self, step: int | None) -> dict[str, float]:
         with script_call("evaluate(params)", step):
-            values = self.experiment.evaluate(self.params)
+            state = () if self.carry is None or self.carry.model_state is None else (
+                self.carry.model_state,)
+            values = self.experiment.evaluate(self.params, *state)
             if not hasattr(values, "items"):
                 raise ScriptError(
                     f"evaluate(params) must return a dict of numbers, got "
@@ -229,6 +246,9 @@ class SingleRun:
             summary["config"] = self.config
         if self._last_eval:
             summary["eval"] = self._last_eval
+        if self.carry is not None and self.carry.loss_scale is not None:
+            summary["skipped_steps"] = int(self.carry.skipped)
+            summary["loss_scale"] = float(self.carry.loss_scale.scale)
         if self.parallel is not None:
             summary["ranks"] = self.parallel.world_size
         return summary
@@ -243,7 +263,7 @@ class SingleRun:
         share = self.parallel.weight if self.parallel is not None else 1.0
         exact = self.experiment.flops_per_step
         report = resource_report(
-            make_train_step(self.experiment, self.backend),
+            functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry),
             self.params,
             self.opt_state,
             self._batch,
@@ -261,7 +281,8 @@ class SingleRun:
         return report
 
     def result(self, summary: dict[str, Any]) -> FitResult:
-        return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary)
+        return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary,
+                         getattr(self, "carry", None))
 
 
 class _first_step_mistakes:

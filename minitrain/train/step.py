@@ -1,7 +1,16 @@
-"""The pure train step: ``(params, opt_state, batch) -> StepOutput``.
+"""The pure train step: ``(params, opt_state, batch[, carry]) -> StepOutput``.
 
 Forward and backward run under the backend's autocast context; the optimizer update runs on the
 fp32 master params outside it. Nothing is mutated: the step returns new params and state.
+
+A run may carry more than params and optimizer state, in a :class:`Carry`:
+
+- model state, the buffers a forward pass updates (BatchNorm's running statistics): an
+  experiment with ``init_state`` has a loss ``loss(params, state, batch) -> (loss, new_state)``
+  (haiku's ``transform_with_state``, equinox's ``State``, flax's mutable collections);
+- a dynamic loss scale (:class:`minitrain.precision.LossScaleState`) when the backend's policy
+  asks for one (fp16): the loss is scaled, the grads unscaled, a step whose grads overflow is
+  skipped and the scale updated, as ``torch.amp.GradScaler`` does; ``skipped`` counts them.
 """
 
 from __future__ import annotations
@@ -12,10 +21,33 @@ from typing import Any, NamedTuple
 import torch
 
 from minitrain.backend import Backend
+from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
+from minitrain.precision import DynamicLossScale, LossScaleState, dynamic_loss_scale, select_tree
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
-__all__ = ["StepOutput", "can_donate", "make_train_step", "loss_with_aux"]
+__all__ = [
+    "Carry",
+    "StepOutput",
+    "can_donate",
+    "carry_metrics",
+    "checked_values",
+    "init_carry",
+    "loss_scale_of",
+    "make_train_step",
+    "loss_with_aux",
+    "pack_checkpoint_state",
+    "stateful_loss",
+    "unpack_checkpoint_state",
+]
+
+
+class Carry(NamedTuple):
+    """What a step carries besides params and optimizer state (None where a run has none)."""
+
+    model_state: PyTree = None  # buffers a forward pass updates (BatchNorm statistics)
+    loss_scale: LossScaleState | None = None  # fp16's dynamic loss scale
+    skipped: torch.Tensor | None = None  # 0-d int64: steps skipped for overflow so far
 
 
 class StepOutput(NamedTuple):
@@ -26,6 +58,8 @@ class StepOutput(NamedTuple):
     loss: torch.Tensor
     grad_norm: torch.Tensor
     aux: dict[str, torch.Tensor]
+    carry: Carry | None = None
+    applied: torch.Tensor | None = None  # 0-d bool under loss scaling: the update was applied
 
 
 def can_donate(optimizer: Any) -> bool:
@@ -37,9 +71,171 @@ def can_donate(optimizer: Any) -> bool:
 
 def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Tensor, dict]]:
     """The experiment's loss as ``(params, batch) -> (loss, aux)`` whether or not it has aux."""
-    if experiment.has_aux:
-        return experiment.loss
-    return lambda params, batch: (experiment.loss(params, batch), {})
+    from minitrain.train.experiment import check_loss_output
+
+    def checked(params: Params, batch: PyTree) -> tuple[torch.Tensor, dict]:
+        out = experiment.loss(params, batch)
+        if experiment.has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise ExperimentError(
+                    f"the loss returned {type(out).__name__}; with has_aux=True return a "
+                    "(loss, aux dict) pair"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, {}
+        check_loss_output(loss, aux)
+        return loss, aux
+
+    return checked
+
+
+def stateful_loss(
+    experiment: Any,
+) -> Callable[[Params, PyTree, PyTree], tuple[torch.Tensor, tuple[dict, PyTree]]]:
+    """The experiment's loss as ``(params, model_state, batch) -> (loss, (aux, new_state))``.
+
+    With ``init_state`` the experiment's loss is ``loss(params, state, batch) -> (value,
+    new_state)``, ``value`` what a stateless loss returns (``loss`` or ``(loss, aux)``);
+    without it ``model_state`` is None and comes back None. State leaves are tensors.
+
+    >>> import torch, minitrain as mt
+    >>> exp = mt.Experiment(init=lambda g: {"w": torch.ones(2)},
+    ...     init_state=lambda g: {"n": torch.tensor(0)},
+    ...     loss=lambda p, s, x: ((x @ p["w"]).mean(), {"n": s["n"] + 1}),
+    ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=1)
+    >>> stateful_loss(exp)({"w": torch.ones(2)}, {"n": torch.tensor(0)}, torch.ones(4, 2))
+    (tensor(2.), ({}, {'n': tensor(1)}))
+    """
+    if getattr(experiment, "init_state", None) is None:
+        plain = loss_with_aux(experiment)
+
+        def stateless(params: Params, model_state: PyTree, batch: PyTree):
+            loss, aux = plain(params, batch)
+            return loss, (aux, None)
+
+        return stateless
+
+    from minitrain.train.experiment import check_loss_output
+
+    def with_state(params: Params, model_state: PyTree, batch: PyTree):
+        out = experiment.loss(params, model_state, batch)
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise ExperimentError(
+                f"the loss returned {type(out).__name__}; an experiment with init_state has a "
+                "loss(params, state, batch) that returns (loss, new_state)"
+                + (" with loss a (loss, aux) pair" if experiment.has_aux else "")
+            )
+        value, new_state = out
+        if experiment.has_aux:
+            if not (isinstance(value, tuple | list) and len(value) == 2):
+                raise ExperimentError(
+                    "with has_aux=True and init_state the loss returns ((loss, aux), new_state)"
+                )
+            loss, aux = value
+        else:
+            loss, aux = value, {}
+        check_loss_output(loss, aux)
+        _check_same_structure(model_state, new_state)
+        return loss, (aux, new_state)
+
+    return with_state
+
+
+def _check_same_structure(state: PyTree, new_state: PyTree) -> None:
+    old = torch.utils._pytree.tree_structure(state)
+    new = torch.utils._pytree.tree_structure(new_state)
+    if old != new:
+        raise ExperimentError(
+            "the loss's new state is not shaped like the state it was given (init_state's); "
+            "return the new_state that apply(params, state, ...) returned"
+        )
+
+
+def loss_scale_of(experiment: Any, backend: Backend) -> DynamicLossScale | None:
+    """The dynamic loss scale a run on ``backend`` carries: None unless the backend's policy
+    asks for loss scaling (fp16); then the experiment's ``loss_scale`` or GradScaler's defaults.
+    """
+    policy = getattr(backend, "policy", None)
+    if policy is None or not policy.loss_scaling:
+        return None
+    return getattr(experiment, "loss_scale", None) or dynamic_loss_scale()
+
+
+def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) -> Carry | None:
+    """The step's first :class:`Carry` (None when the run carries nothing): the model state
+    from ``experiment.init_state(generator)``, and the loss scale where the backend needs one.
+
+    >>> import torch, minitrain as mt
+    >>> exp = mt.Experiment(init=lambda g: {"w": torch.ones(2)}, loss=lambda p, x: p["w"].sum(),
+    ...     next_batch=lambda g: None, optimizer=mt.optim.sgd(lr=0.1), steps=1)
+    >>> init_carry(exp, mt.get_backend("cpu"), torch.Generator()) is None
+    True
+    >>> init_carry(exp, mt.get_backend("cpu-fp16"), torch.Generator()).loss_scale.scale
+    tensor(65536.)
+    """
+    from minitrain.train.setup import to_backend
+
+    init_state = getattr(experiment, "init_state", None)
+    loss_scale = loss_scale_of(experiment, backend)
+    if init_state is None and loss_scale is None:
+        return None
+    model_state = None
+    if init_state is not None:
+        model_state = to_backend(init_state(generator), backend)
+    if loss_scale is None:
+        return Carry(model_state)
+    scale = backend.to_device(loss_scale.init())
+    return Carry(model_state, LossScaleState(*scale), backend.to_device(torch.tensor(0)))
+
+
+def checked_values(out: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(loss, grad_norm)`` a run's finiteness check reads from a step.
+
+    A step skipped for overflow under loss scaling is expected (GradScaler skips it too), not a
+    failure: it reads as finite while the loss scale stays positive. A scale that fell to 0 (the
+    loss is not finite whatever its scale) reads as the step's own values.
+    """
+    loss, norm = out.loss.detach(), out.grad_norm.detach()
+    if out.applied is None:
+        return loss, norm
+    expected = ~out.applied & (out.carry.loss_scale.scale > 0)
+    zero = torch.zeros((), device=loss.device)
+    return torch.where(expected, zero, loss.float()), torch.where(expected, zero, norm.float())
+
+
+def carry_metrics(carry: Carry | None) -> dict[str, float]:
+    """What a step's carry adds to ``metrics.jsonl``: ``loss_scale`` and ``skipped``."""
+    if carry is None or carry.loss_scale is None:
+        return {}
+    return {"loss_scale": float(carry.loss_scale.scale), "skipped": int(carry.skipped)}
+
+
+def pack_checkpoint_state(opt_state: OptState, carry: Carry | None) -> PyTree:
+    """The tree a checkpoint's ``opt_state`` file holds: the optimizer state alone (a run that
+    carries nothing, the format unchanged), else ``{"optimizer", "model_state",
+    "loss_scale", "skipped"}`` for the parts the run has."""
+    if carry is None:
+        return opt_state
+    packed = {"optimizer": opt_state}
+    if carry.model_state is not None:
+        packed["model_state"] = carry.model_state
+    if carry.loss_scale is not None:
+        packed["loss_scale"] = {"scale": carry.loss_scale.scale,
+                                "growth_tracker": carry.loss_scale.growth_tracker}
+        packed["skipped"] = carry.skipped
+    return packed
+
+
+def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptState, Carry | None]:
+    """Inverse of :func:`pack_checkpoint_state` (``carry`` tells which parts are there)."""
+    if carry is None:
+        return packed, None
+    scale = None
+    if carry.loss_scale is not None:
+        saved = packed["loss_scale"]
+        scale = LossScaleState(saved["scale"], saved["growth_tracker"])
+    return packed["optimizer"], Carry(packed.get("model_state"), scale, packed.get("skipped"))
 
 
 # (grads, loss, aux) -> (grads, loss, aux), applied between the backward pass and the update.
@@ -52,8 +248,9 @@ def make_train_step(
     grad_transform: GradTransform | None = None,
     donate: bool = False,
     compile: bool = False,
-) -> Callable[[Params, OptState, PyTree], StepOutput]:
-    """Build the pure step for ``experiment`` on ``backend``.
+) -> Callable[..., StepOutput]:
+    """Build the pure step ``(params, opt_state, batch, carry=None) -> StepOutput`` for
+    ``experiment`` on ``backend``.
 
     ``grad_transform(grads, loss, aux) -> (grads, loss, aux)`` runs between the backward pass
     and clipping/update: data parallelism passes its all-reduce here
@@ -64,6 +261,13 @@ def make_train_step(
     forward and backward pass through ``torch.compile``; the gradient transform, clipping and
     the update stay eager, where they run torch's fused kernels or minitrain's streaming ones
     (and can donate) instead of inductor's out-of-place loops.
+
+    ``carry`` (:func:`init_carry`) holds the model state of an experiment with ``init_state``
+    and the loss scale of a backend whose policy scales the loss (fp16); the output's ``carry``
+    is the next step's. Under loss scaling, a step whose grads are not finite leaves params and
+    optimizer state as they were (``select_tree``, pure and vmappable; a donating step reads
+    the flag once, ``bool(finite)``, before the update, since the update overwrites its inputs)
+    and ``applied`` says which steps were taken.
 
     >>> import torch, minitrain as mt
     >>> from minitrain.train import Experiment
@@ -76,11 +280,21 @@ def make_train_step(
     >>> out.loss, out.params
     (tensor(1.), {'w': tensor([0.2000, 0.2000])})
     """
-    gradients = value_and_grad(loss_with_aux(experiment), has_aux=True)
+    loss_fn = stateful_loss(experiment)
+    loss_scale = loss_scale_of(experiment, backend)
+    needs_state = getattr(experiment, "init_state", None) is not None
 
-    def loss_and_grads(params: Params, batch: PyTree):
+    def objective(params: Params, model_state: PyTree, scale: Any, batch: PyTree):
+        loss, (aux, new_state) = loss_fn(params, model_state, batch)
+        scaled = loss if scale is None else loss_scale.scale_loss(loss, scale)
+        # torch.func's aux holds tensors only: a stateless run's None travels as ()
+        return scaled, (loss.detach(), aux, () if new_state is None else new_state)
+
+    gradients = value_and_grad(objective, has_aux=True)
+
+    def loss_and_grads(params: Params, model_state: PyTree, scale: Any, batch: PyTree):
         with backend.autocast():
-            return gradients(params, batch)
+            return gradients(params, model_state, scale, batch)
 
     if compile:
         loss_and_grads = torch.compile(loss_and_grads)
@@ -90,17 +304,45 @@ def make_train_step(
     if donate and not can_donate(optimizer):
         raise ValueError("donate=True needs an mt.optim optimizer (its update takes donate=)")
 
-    def train_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
-        (loss, aux), grads = loss_and_grads(params, batch)
+    def train_step(
+        params: Params, opt_state: OptState, batch: PyTree, carry: Carry | None = None
+    ) -> StepOutput:
+        if carry is None and needs_state:
+            raise ValueError(
+                "this experiment has model state (init_state): pass the step its carry, "
+                "init_carry(experiment, backend, generator) at the start"
+            )
+        if carry is None and loss_scale is not None:
+            carry = Carry(None, loss_scale.init(), torch.tensor(0))
+        model_state = carry.model_state if carry is not None else None
+        scale = carry.loss_scale if carry is not None else None
+        (_, (loss, aux, model_state)), grads = loss_and_grads(params, model_state, scale, batch)
         if grad_transform is not None:
             grads, loss, aux = grad_transform(grads, loss, aux)
+        finite = None
+        if scale is not None:  # GradScaler.unscale_ (after any all-reduce), before clipping
+            grads, finite, scale = loss_scale.unscale_and_check(grads, scale)
         if max_grad_norm is not None:
             from minitrain.optim import clip_by_global_norm
 
             grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
         else:
             grad_norm = global_norm(grads)
-        params, opt_state = optimizer.update(grads, opt_state, params, **update_options)
-        return StepOutput(params, opt_state, loss.detach(), grad_norm, aux)
+        if finite is None:
+            params, opt_state = optimizer.update(grads, opt_state, params, **update_options)
+        elif donate:
+            if bool(finite):  # the update overwrites params and state: decide before it
+                params, opt_state = optimizer.update(grads, opt_state, params, **update_options)
+        else:
+            new_params, new_opt_state = optimizer.update(grads, opt_state, params)
+            params = select_tree(finite, new_params, params)
+            opt_state = select_tree(finite, new_opt_state, opt_state)
+        if carry is not None:
+            model_state = model_state if needs_state else None
+            skipped = carry.skipped
+            if finite is not None:
+                skipped = skipped + (~finite).to(skipped.dtype)
+            carry = Carry(model_state, scale, skipped)
+        return StepOutput(params, opt_state, loss, grad_norm, aux, carry, finite)
 
     return train_step
