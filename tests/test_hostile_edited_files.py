@@ -23,26 +23,12 @@ from test_hostile_harness import (
     invoke,
     latest_step,
     main,
-    recorded_signals,
     run,
     snapshot,
     steps_logged,
-    write_script,
 )
 
 from minitrain import data
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
-
 
 CKPT = "checkpoints/step-{:08d}"
 

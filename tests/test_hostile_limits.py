@@ -15,25 +15,11 @@ from test_hostile_harness import (
     check_clean,
     invoke,
     latest_step,
-    recorded_signals,
     run,
     strict_json,
-    write_script,
 )
 
 from minitrain import checkpoint
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
-
 
 REFUSED = {  # id: (args, words of the error line)
     "--steps 1e8": (("--steps", "1e8"), "--steps"),

@@ -29,14 +29,12 @@ from test_hostile_harness import (
     check_clean,
     check_kept,
     latest_step,
-    recorded_signals,
     run,
     snapshot,
     spawn,
     steps_logged,
     strict_json,
     wait_for_lines,
-    write_script,
 )
 from test_hostile_limits import run_refused_case
 from test_hostile_oserrors import CAUSE, _dir, _file, fail_writes, no_staging_left, run_shape_case
@@ -46,18 +44,6 @@ from test_hostile_stops import EVAL_END, run_in_script_case, run_library_case
 
 import minitrain.accounting
 from minitrain import checkpoint, metrics
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
-
 
 # --------------------------------------------------------------------------- script errors
 

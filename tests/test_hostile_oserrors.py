@@ -19,24 +19,10 @@ import pytest
 from test_hostile_harness import (
     check_clean,
     invoke,
-    recorded_signals,
     run,
-    write_script,
 )
 
 from minitrain import data, metrics
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
-
 
 CAUSE = {code: os.strerror(code).lower() for code in errno.errorcode}
 

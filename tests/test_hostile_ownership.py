@@ -15,7 +15,6 @@ import pytest
 from test_hostile_harness import (
     check_clean,
     latest_step,
-    recorded_signals,
     run,
     snapshot,
     spawn,
@@ -23,17 +22,6 @@ from test_hostile_harness import (
     wait_for_lines,
     write_script,
 )
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
 
 
 @pytest.fixture

@@ -13,22 +13,9 @@ from test_hostile_harness import (
     check_clean,
     check_kept,
     latest_step,
-    recorded_signals,
     run,
     steps_logged,
-    write_script,
 )
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
 
 EVAL = ("--set", "evaluate=true", "--set", "eval_every=1")
 AUX = ("--set", "has_aux=true")

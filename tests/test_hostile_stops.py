@@ -17,25 +17,11 @@ import pytest
 from test_hostile_harness import (
     check_clean,
     latest_step,
-    recorded_signals,
     run,
     steps_logged,
-    write_script,
 )
 
 from minitrain import checkpoint, metrics
-
-
-@pytest.fixture
-def script(tmp_path):
-    return write_script(tmp_path)
-
-
-@pytest.fixture
-def safe_signals():
-    with recorded_signals() as seen:
-        yield seen
-
 
 EVAL2 = ("--set", "evaluate=true", "--set", "eval_every=2")
 EVAL_END = ("--set", "evaluate=true")
