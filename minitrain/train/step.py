@@ -24,6 +24,8 @@ from minitrain.backend import Backend
 from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
 from minitrain.precision import DynamicLossScale, LossScaleState, dynamic_loss_scale, select_tree
+from minitrain.train.experiment import check_loss_output
+from minitrain.train.setup import to_backend
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
 __all__ = [
@@ -71,8 +73,6 @@ def can_donate(optimizer: Any) -> bool:
 
 def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Tensor, dict]]:
     """The experiment's loss as ``(params, batch) -> (loss, aux)`` whether or not it has aux."""
-    from minitrain.train.experiment import check_loss_output
-
     def checked(params: Params, batch: PyTree) -> tuple[torch.Tensor, dict]:
         out = experiment.loss(params, batch)
         if experiment.has_aux:
@@ -115,8 +115,6 @@ def stateful_loss(
             return loss, (aux, None)
 
         return stateless
-
-    from minitrain.train.experiment import check_loss_output
 
     def with_state(params: Params, model_state: PyTree, batch: PyTree):
         out = experiment.loss(params, model_state, batch)
@@ -174,8 +172,6 @@ def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) ->
     >>> init_carry(exp, mt.get_backend("cpu-fp16"), torch.Generator()).loss_scale.scale
     tensor(65536.)
     """
-    from minitrain.train.setup import to_backend
-
     init_state = getattr(experiment, "init_state", None)
     loss_scale = loss_scale_of(experiment, backend)
     if init_state is None and loss_scale is None:
