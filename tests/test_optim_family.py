@@ -122,3 +122,14 @@ def test_learning_rate_reads_the_lr_of_the_last_update(factory, kwargs, lrs):
         params, state = opt.update({"w": torch.ones(2, 2)}, state, params)
         seen.append(mt.optim.learning_rate(state))
     assert seen == pytest.approx(lrs, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", [*FAMILY, "Lion", "ScheduleFreeAdamW"])
+def test_a_state_of_another_model_is_a_value_error_naming_the_leaf(name):
+    factory = {"Lion": mt.optim.lion, "ScheduleFreeAdamW": mt.optim.schedule_free_adamw}.get(
+        name) or FAMILY[name]
+    opt = factory()
+    small = opt.init({"w": torch.zeros(8, 4), "v": torch.zeros(2, 2)})
+    params = {"w": torch.zeros(64, 33), "v": torch.zeros(2, 2)}
+    with pytest.raises(ValueError, match=r"state\.\w+ leaf .*'w'.*\(8, [14]\)"):
+        opt.update(mt.tree.map(torch.ones_like, params), small, params)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lion_pytorch import Lion
 from schedulefree import AdamWScheduleFree
 
@@ -319,3 +321,52 @@ def test_bench_optim_family_flag_adds_the_family_rows():
     assert family["adamax"]["reference"] == "torch.optim:Adamax"
     assert family["lion"]["pure_over_reference"] > 0
     assert "family" not in json.loads(CliRunner().invoke(optim, tiny).output)
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_the_counter_counts_the_first_update_like_every_other(name, monkeypatch):
+    """The fast path learns on first use which ops take ``out=`` by running them once more;
+    under the accounting Counter that second run is not the update's, so it is not made."""
+    from minitrain.accounting import Counter
+    from minitrain.optim import _pooled
+
+    monkeypatch.setattr(_pooled, "_OUT_SPECS", {})
+    factory, kwargs = ALIASES[name]
+    opt = factory(**kwargs)
+    params, grads = make()
+    state = opt.init(params)
+    counts = []
+    for g in grads[:2]:
+        with Counter() as counter:
+            params, state = opt.update(g, state, params)
+        counts.append((counter.flops, dict(counter.unknown)))
+    assert counts[0] == counts[1] and counts[0][1] == {}
+
+
+def _strided_grad(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    if kind == "expanded":  # the gradient of 0.0 * p.sum(): stride 0, one element of storage
+        return torch.randn((), generator=g).expand(shape)
+    if kind == "transposed":
+        return torch.randn(cols, rows, generator=g).t()
+    if kind == "sliced":
+        return torch.randn(rows, 2 * cols, generator=g)[:, ::2]
+    return torch.randn(rows + cols, generator=g).as_strided(shape, (1, 1))  # overlapping rows
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(sorted(ALIASES)),
+       kind=st.sampled_from(["expanded", "transposed", "sliced", "overlapping"]),
+       shape=st.tuples(st.integers(1, 19), st.integers(1, 19)), seed=st.integers(0, 2**16))
+def test_strided_grads_update_like_contiguous_ones(name, kind, shape, seed):
+    factory, kwargs = ALIASES[name]
+    opt = factory(**kwargs)
+    params = {"w": torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1))}
+    grad = _strided_grad(kind, shape, seed)
+    state = opt.init(params)
+    strided, strided_state = opt.update({"w": grad}, state, params)
+    contiguous, contiguous_state = opt.update({"w": grad.contiguous()}, state, params)
+    for a, b in zip(mt.tree.leaves((strided, strided_state)),
+                    mt.tree.leaves((contiguous, contiguous_state)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

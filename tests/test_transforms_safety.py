@@ -198,3 +198,35 @@ def test_as_optimizer_of_an_unlowered_chain_donates_or_not_alike(donate):
     out = opt.update([torch.ones(5, 3)], opt.init(given), given, donate=donate)[0]
     assert torch.equal(out[0], reference[0])
     assert (out[0].data_ptr() == given[0].data_ptr()) == donate
+
+
+FOREIGN_OPENMP = """
+import torch
+from minitrain.optim import streaming
+real, built, loads = streaming._openmp_runtimes, [], []
+def runtimes():  # the first library loaded brings a second OpenMP runtime in
+    loads.append(1)
+    found = real() if TORCH_HAS_OPENMP else set()
+    return found | {"/opt/other/libiomp5.so"} if len(loads) == 2 else found
+build = streaming._build
+streaming._openmp_runtimes = runtimes
+streaming._build = lambda cc, flags: built.append(flags) or build(cc, flags)
+assert streaming.available()
+assert "-fopenmp" in built[0] and "-fopenmp" not in built[-1], built
+slots = [[torch.ones(4)], [torch.ones(4)], None]
+new, _ = streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], slots, streaming.fresh)
+assert torch.equal(new[0], torch.full((4,), 0.5))
+print("without openmp")
+"""
+
+
+@pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
+@pytest.mark.parametrize("torch_has_openmp", [True, False])
+def test_a_kernel_on_another_openmp_runtime_is_rebuilt_without_openmp(tmp_path,
+                                                                      torch_has_openmp):
+    assert streaming._openmp_runtimes()  # torch's own runtime is mapped and found
+    code = FOREIGN_OPENMP.replace("TORCH_HAS_OPENMP", str(torch_has_openmp))
+    out = _python(code, {"MINITRAIN_CACHE_DIR": str(tmp_path),
+                                   "MINITRAIN_STREAMING": "require"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "without openmp"

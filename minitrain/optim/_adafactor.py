@@ -128,6 +128,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         g_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
         buffers = [_entries(getattr(state, f), spec, f)
                    for f in ("row_var", "col_var", "variance")]
+        _check_shapes(buffers, g_leaves, updates)
         step = step_of(state.count)
         step_lr = lr
         if schedule:
@@ -160,6 +161,24 @@ def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:
             f"leaves; create the state with init(params)"
         )
     return entries
+
+
+def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any) -> None:
+    """``ValueError`` naming the first leaf whose factored moments do not fit its update (a
+    state from another model would otherwise broadcast or fail deep inside the update)."""
+    fields = ("row_var", "col_var", "variance")
+    for index, (g, *entries) in enumerate(zip(g_leaves, *buffers, strict=True)):
+        shapes = factored_shapes(tuple(g.shape))
+        want = (dict(zip(fields[:2], shapes, strict=True)) if g.dim() > 1
+                else {"variance": shapes[0]})
+        for field, entry in zip(fields, entries, strict=True):
+            got = tuple(entry.shape) if isinstance(entry, Tensor) else entry
+            if got != want.get(field, ()):
+                name = tree.named_leaves(updates)[index][0]
+                raise ValueError(
+                    f"state.{field} leaf {name!r} is {got} but a {tuple(g.shape)} update needs "
+                    f"{want.get(field, ())}; create the state with init(params)"
+                )
 
 
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
 from minitrain.optim.base import BufferPool
@@ -107,7 +108,9 @@ def _run(func: Callable, args: tuple, kwargs: dict, pool: BufferPool) -> Any:
         out = _buffer(pool, known[1], known[2], args)
         return func(*args, **kwargs, out=out)
     result = func(*args, **kwargs)
-    if known is None:
+    if known is None and _python_dispatch._get_current_dispatch_mode() is None:
+        # Not under a dispatch mode (the accounting Counter, FlopCounterMode, fake tensors):
+        # the probe runs the op a second time, which a counter would count as the update's.
         _OUT_SPECS[key] = (_takes_out(func, args, kwargs, result), result.shape, result.dtype) \
             if isinstance(result, Tensor) and result.dim() > 0 else (False, None, None)
     return result

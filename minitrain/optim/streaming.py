@@ -151,13 +151,14 @@ def _build(compiler: str, flags: list[str]) -> Path:
     return target
 
 
-def _openmp_runtimes() -> set[str]:
-    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+def _openmp_runtimes() -> set[str] | None:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; None where the process's
+    mappings cannot be read)."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
     except OSError:
-        return set()
+        return None
     names = ("libgomp", "libiomp", "libomp")
     return {line.split()[-1] for line in lines
             if any(Path(line.split()[-1]).name.startswith(n) for n in names)}
@@ -168,10 +169,14 @@ def _load(path: Path, openmp: bool) -> ctypes.CDLL:
     second runtime would oversubscribe the cores and can deadlock after fork)."""
     before = _openmp_runtimes()
     library = ctypes.CDLL(str(path))
-    if openmp and before and _openmp_runtimes() - before:
+    after = _openmp_runtimes()
+    # Any runtime the library brought in is not torch's: torch's is mapped since its import
+    # (and when torch runs without OpenMP, a runtime of the kernel's own is a second one too).
+    if openmp and before is not None and after is not None and after - before:
         raise OSError(
             f"{path.name} links an OpenMP runtime other than torch's "
-            f"({sorted(_openmp_runtimes() - before)}); building without OpenMP"
+            f"({sorted(after - before)}; torch's: {sorted(before) or 'none'}); "
+            f"building without OpenMP"
         )
     return library
 
