@@ -167,6 +167,21 @@ def test_apply_if_finite_skips_and_counts_non_finite_updates():
     assert int(state.notfinite_count) == 0 and int(state.total_notfinite) == 1
 
 
+@pytest.mark.parametrize("bad_step", [0, 1], ids=["between-inner-steps", "at-an-inner-step"])
+def test_apply_if_finite_around_multisteps_drops_a_non_finite_micro_batch(bad_step):
+    tx = mt.optim.apply_if_finite(mt.optim.MultiSteps(mt.optim.scale(-0.1), every_k=2))
+    params = [torch.zeros(2)]
+    state = tx.init(params)
+    seen = []
+    for step in range(7):
+        grad = torch.full((2,), float("nan") if step == bad_step else 1.0)
+        updates, state = tx.update([grad], state, params)
+        params = apply_updates(params, updates)
+        seen.append(float(params[0][0]))
+    # The bad micro-batch is skipped, the next ones pair up: three inner steps of -0.2.
+    assert seen[-1] == pytest.approx(-0.6) and int(state.total_notfinite) == 1
+
+
 def test_multi_transform_routes_leaves_and_masked_skips_the_rest():
     params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
     grads = {"w": torch.full((2, 2), 2.0), "b": torch.full((2,), 2.0)}

@@ -5,7 +5,8 @@ process times, round by round interleaved, the reference's fastest path (``forea
 torch has one; Muon's only path; ``lion_pytorch.Lion``; ``schedulefree.AdamWScheduleFree`` with
 foreach) and minitrain's pure update (``params, state = opt.update(grads, state, params)``, the
 previous params dropped as in a training loop), optionally also with ``impl="compiled"``. The
-ratio is best-round time over the peer's; the target is at most 1.0.
+grads are set once on both sides (restored before each step only for a reference that writes
+into them). The ratio is best-round time over the peer's; the target is at most 1.0.
 """
 
 from __future__ import annotations
@@ -66,17 +67,27 @@ def _reference_class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+# References whose step writes into p.grad (schedulefree divides it by the denominator in
+# place): their grads are restored before each step. The others keep the grads set once, as
+# minitrain's update keeps its grads, so that neither side times a copy the other does not.
+WRITES_GRADS = {"schedulefree:AdamWScheduleFree"}
+
+
 class _Reference:
-    def __init__(self, cls: type, kwargs: dict, params: list, grads: list):
+    def __init__(self, cls: type, kwargs: dict, params: list, grads: list,
+                 writes_grads: bool = False):
         self.params = [torch.nn.Parameter(p.clone()) for p in params]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.clone()
         self.optimizer = cls(self.params, **kwargs)
         if hasattr(self.optimizer, "train"):  # schedule-free: steps only in train mode
             self.optimizer.train()
-        self.grads = grads
+        self.grads = grads if writes_grads else None
 
     def __call__(self) -> None:
-        for p, g in zip(self.params, self.grads, strict=True):
-            p.grad = g.clone() if p.grad is None else p.grad.copy_(g)  # schedulefree scales it
+        if self.grads is not None:
+            for p, g in zip(self.params, self.grads, strict=True):
+                p.grad.copy_(g)
         self.optimizer.step()
 
 
@@ -116,7 +127,8 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
             rows[name] = {"skipped": f"{reference} is not installed ({exc})"}
             continue
         steppers = {
-            "reference": _Reference(cls, {**shared, **only_reference}, params, grads),
+            "reference": _Reference(cls, {**shared, **only_reference}, params, grads,
+                                    writes_grads=reference in WRITES_GRADS),
             "minitrain_pure": _Pure(factory, shared, params, grads),
         }
         if compiled and name in COMPILED:

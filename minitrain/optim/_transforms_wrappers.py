@@ -231,10 +231,13 @@ class ApplyIfFiniteState(NamedTuple):
 
 def apply_if_finite(inner: GradientTransformation,
                     max_consecutive_errors: int | None = None) -> GradientTransformation:
-    """Skip (zero) updates of ``inner`` with a NaN or inf and keep its old state, counting them.
+    """Skip (zero) an update whose incoming updates or whose result from ``inner`` has a NaN or
+    inf, keep ``inner``'s old state, and count the skips.
 
-    After ``max_consecutive_errors`` skips in a row the next non-finite update goes through
-    (None: never).
+    The incoming updates are checked too (as optax does), so that around ``MultiSteps`` a
+    non-finite micro-batch is dropped instead of poisoning the accumulated sum (whose zero
+    updates between inner steps are finite). After ``max_consecutive_errors`` skips in a row
+    the next non-finite update goes through (None: never).
 
     >>> import torch, minitrain as mt
     >>> tx = apply_if_finite(mt.optim.scale(-1.0))
@@ -251,7 +254,7 @@ def apply_if_finite(inner: GradientTransformation,
     def update(updates, state, params=None, **extra):
         check_extra_args("apply_if_finite", update.extra_args, extra)
         new, inner_state = inner.update(updates, state.inner_state, params, **extra)
-        leaves = tree.leaves(new)
+        leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
             torch.tensor(True))
         if max_consecutive_errors is not None:
