@@ -178,3 +178,42 @@ def test_estimate_step_builds_on_real_tensors_when_the_script_needs_data(capsys,
     result = as_json(capsys, "estimate", "step", str(script), "--set", "kind=plain")
     assert result["built_on"] == "real tensors" and not result["measured"]
     assert result["peak_bytes"] > 0
+
+
+BATCHNORM_SCRIPT = """
+import torch
+from torch import nn
+import minitrain as mt
+
+CONFIG = {"batch_size": 16, "lr": 0.1}
+
+
+def experiment(config):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(8 * 7 * 7, 10))
+    params, state, apply = mt.from_module(net, with_state=True)
+    size = config["batch_size"]
+
+    def loss(params, state, batch):
+        x, y = batch
+        logits, new_state = apply(params, state, x)
+        return nn.functional.cross_entropy(logits, y), new_state
+
+    def next_batch(g):
+        return torch.randn(size, 3, 16, 16, generator=g), torch.randint(0, 10, (size,), generator=g)
+
+    return mt.Experiment(init=lambda g: params, init_state=lambda g: state, loss=loss,
+                         next_batch=next_batch, optimizer=mt.optim.sgd(lr=config["lr"],
+                         momentum=0.9), steps=1)
+"""
+
+
+def test_estimate_step_of_a_model_with_batchnorm_state(capsys, tmp_path):
+    script = tmp_path / "batchnorm.py"
+    script.write_text(BATCHNORM_SCRIPT)
+    predicted = as_json(capsys, "estimate", "step", str(script))
+    measured = as_json(capsys, "estimate", "step", str(script), "--measure")
+    assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.02)
+    assert predicted["flops"] == measured["flops"] and predicted["unknown_ops"] == {}
+    assert predicted["memory"]["persistent"]["buffers"] > 0  # the running statistics

@@ -265,6 +265,102 @@ def test_nll_loss_counts_one_flop_per_target():
     assert weighted.by_op["aten.nll_loss_forward"].flops == 3 * 6  # multiply, add, add
 
 
+def _channel(t):
+    return t[None, :, None, None]
+
+
+BN_GEN = torch.Generator().manual_seed(4)
+BN_X = torch.randn(4, 3, 5, 6, generator=BN_GEN)
+BN_W, BN_B = torch.randn(3, generator=BN_GEN), torch.randn(3, generator=BN_GEN)
+BN_MEAN, BN_VAR = torch.randn(3, generator=BN_GEN), torch.rand(3, generator=BN_GEN) + 0.5
+MOMENTUM, EPS = 0.1, 1e-5
+
+
+def test_batch_norm_forward_counts_its_elementary_ops():
+    # Training, with running statistics: torch's kernel against the same statistics written out.
+    stats = (BN_MEAN.clone(), BN_VAR.clone())
+    fused, (out, *_) = count(aten._native_batch_norm_legit, BN_X, BN_W, BN_B, *stats, True,
+                             MOMENTUM, EPS)
+
+    def elementary():
+        mean_, var_ = BN_MEAN.clone(), BN_VAR.clone()
+        var, mean = torch.var_mean(BN_X, [0, 2, 3], correction=0, keepdim=True)
+        out = (BN_X - mean) * (var + EPS).rsqrt() * _channel(BN_W) + _channel(BN_B)
+        n = BN_X.numel() // 3
+        mean_.mul_(1 - MOMENTUM).add_(mean.flatten(), alpha=MOMENTUM)
+        var_.mul_(1 - MOMENTUM).add_(var.flatten() * (n / (n - 1)), alpha=MOMENTUM)
+        return out, mean_, var_
+
+    plain, (expected, mean, var) = count(elementary)
+    torch.testing.assert_close((out, *stats), (expected, mean, var))
+    assert fused.flops == plain.flops == 7 * BN_X.numel() + 7 * 3
+    assert fused.unknown == plain.unknown == {}
+    # Eval: the running statistics normalize.
+    fused, (out, *_) = count(aten._native_batch_norm_legit_no_training, BN_X, BN_W, BN_B,
+                             BN_MEAN, BN_VAR, MOMENTUM, EPS)
+    plain, expected = count(lambda: (BN_X - _channel(BN_MEAN)) * _channel((BN_VAR + EPS).rsqrt())
+                            * _channel(BN_W) + _channel(BN_B))
+    torch.testing.assert_close(out, expected)
+    assert fused.flops == plain.flops == 4 * BN_X.numel() + 2 * 3
+    # F.batch_norm in training mode without running statistics: no running update.
+    counter, _ = count(lambda: F.batch_norm(BN_X, None, None, training=True))
+    assert counter.flops == 5 * BN_X.numel() + 2 * 3 and counter.unknown == {}
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batch_norm_backward_counts_its_elementary_ops(train):
+    _, mean, invstd = aten._native_batch_norm_legit(
+        BN_X, BN_W, BN_B, BN_MEAN.clone(), BN_VAR.clone(), True, MOMENTUM, EPS)
+    grad = torch.randn(BN_X.shape, generator=torch.Generator().manual_seed(5))
+    fused, grads = count(aten.native_batch_norm_backward, grad, BN_X, BN_W, BN_MEAN, BN_VAR,
+                         mean, invstd, train, EPS, [True, True, True])
+
+    def elementary():
+        mu, rstd = ((_channel(mean), _channel(invstd)) if train
+                    else (_channel(BN_MEAN), _channel((BN_VAR + EPS).rsqrt())))
+        xhat = (BN_X - mu) * rstd
+        sum_g, sum_gx = grad.sum([0, 2, 3]), (grad * xhat).sum([0, 2, 3])
+        n = BN_X.numel() // 3
+        if train:
+            centred = grad - _channel(sum_g / n) - xhat * _channel(sum_gx / n)
+            dx = centred * (_channel(BN_W) * rstd)
+        else:
+            dx = grad * (_channel(BN_W) * rstd)
+        return dx, sum_gx, sum_g
+
+    plain, expected = count(elementary)
+    torch.testing.assert_close(grads, expected, rtol=1e-4, atol=1e-5)
+    assert fused.flops == plain.flops > 0 and plain.unknown == {}
+    only_dbias, _ = count(aten.native_batch_norm_backward, grad, BN_X, BN_W, BN_MEAN, BN_VAR,
+                          mean, invstd, train, EPS, [False, False, True])
+    assert only_dbias.flops == BN_X.numel()  # Σ g
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, dilation, ceil_mode",
+    [([2], [], [0], [1], False), ([3, 2], [2, 1], [1, 0], [1, 2], True),
+     ([3], [2], [0], [1], True)],
+)
+def test_max_pool_counts_one_comparison_per_window_element(kernel, stride, padding, dilation,
+                                                            ceil_mode):
+    x = torch.randn(2, 3, 9, 11, generator=torch.Generator().manual_seed(6))
+    args = (kernel, stride, padding, dilation, ceil_mode)
+    forward, (out, indices) = count(aten.max_pool2d_with_indices, x, *args)
+    window = math.prod(kernel * 2 if len(kernel) == 1 else kernel)
+    assert forward.flops == window * out.numel() and forward.unknown == {}
+    # amax over the windows unfolded (no padding, no dilation): the same count
+    if padding == [0] and dilation == [1] and not ceil_mode:
+        k = kernel * 2 if len(kernel) == 1 else kernel
+        step = stride or k
+        windows = x.unfold(2, k[0], step[0]).unfold(3, k[1], step[1])
+        plain, expected = count(lambda: windows.amax((-2, -1)))
+        torch.testing.assert_close(out, expected)
+        assert plain.flops == forward.flops
+    backward, _ = count(aten.max_pool2d_with_indices_backward, torch.ones_like(out), x, *args,
+                        indices)
+    assert backward.flops == out.numel() and backward.unknown == {}
+
+
 @pytest.mark.parametrize(
     "call, op, flops",
     [

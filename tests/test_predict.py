@@ -192,3 +192,42 @@ def test_autocast_bf16_is_predicted_like_the_measured_step():
     assert pred.peak_bytes == pytest.approx(counter.peak_bytes, rel=0.01)
     assert pred.flops == counter.flops
     assert pred.dtype == "bf16" and pred.saved[0].dtype == "bfloat16"
+
+
+def test_model_state_is_predicted_like_the_step_that_carries_it():
+    from minitrain.train import Experiment
+    from minitrain.train.step import init_carry, make_train_step
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(8 * 7 * 7, 10), nn.BatchNorm1d(10))
+    params, state, apply = mt.from_module(net, with_state=True)
+
+    def loss(params, state, batch):
+        x, y = batch
+        logits, new_state = apply(params, state, x)
+        return nn.functional.cross_entropy(logits, y), new_state
+
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,)))
+    opt = mt.optim.sgd(lr=0.1, momentum=0.9)
+    exp = Experiment(init=lambda g: params, init_state=lambda g: state, loss=loss,
+                     next_batch=lambda g: batch, optimizer=opt, steps=1)
+    backend = mt.get_backend("cpu")
+    for donate in (False, True):
+        pred = predict_step(loss, params, batch, optimizer=opt, donate=donate,
+                            model_state=state)
+        copy, carry = mt.tree.map(torch.clone, params), init_carry(exp, backend, torch.Generator())
+        opt_state = opt.init(copy)
+        with acc.Counter(keep_records=False) as counter:
+            counter.track(copy, opt_state, batch, carry)
+            out = make_train_step(exp, backend, donate=donate)(copy, opt_state, batch,
+                                                               carry=carry)
+            del out
+        assert pred.peak_bytes == pytest.approx(counter.peak_bytes, rel=0.02)
+        assert pred.flops == counter.flops and pred.unknown_ops == counter.unknown == {}
+        # The statistics, and the new ones the step returns beside them (and a few scalar
+        # constants the ops made on the way).
+        assert pred.memory["persistent"]["buffers"] == mt.tree.nbytes(state)
+        assert 0 <= pred.memory["end"]["buffers"] - 2 * mt.tree.nbytes(state) <= 64
+    with pytest.raises(ValueError, match="returns \\(value, new_state\\)"):
+        predict_step(lambda p, s, b: loss(p, s, b)[0], params, batch, model_state=state)

@@ -144,6 +144,18 @@ def test_profile_memory_timeline_predicted_and_measured(tmp_path):
         assert {"params", "grads", "batch"} <= set(side["at_peak"])
 
 
+def test_profile_memory_of_a_model_with_batchnorm_state(tmp_path):
+    from test_accounting_cli import BATCHNORM_SCRIPT
+
+    script = tmp_path / "batchnorm.py"
+    script.write_text(BATCHNORM_SCRIPT)
+    record = run_profile(str(script), "--memory", str(tmp_path / "memory.png"))
+    measured, predicted = record["memory"]["measured"], record["memory"]["predicted"]
+    assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.02)
+    assert predicted["at_peak"]["buffers"] == measured["at_peak"]["buffers"] > 0
+    assert record["unknown_ops"] == {}
+
+
 def test_measured_timeline_categories_on_a_real_step():
     from minitrain.cli.profile import measured_timeline
 

@@ -3,7 +3,8 @@ fake tensors against the same step run for real under the Counter.
 
 For each model, with SGD and AdamW, pure and donated: the predicted peak is within 10% of the
 measured one (live storages, CPU), the predicted FLOPs equal the counted FLOPs, the counted
-matmul FLOPs equal ``FlopCounterMode``'s, and every op has a FLOP formula.
+matmul FLOPs equal ``FlopCounterMode``'s, and every op has a FLOP formula. The ResNet trains
+its BatchNorm layers in train mode, the running statistics carried as model state.
 """
 
 import functools
@@ -18,15 +19,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import minitrain as mt
 from minitrain.accounting.predict import predict_step
 from minitrain.train import Experiment
-from minitrain.train.step import make_train_step
+from minitrain.train.step import init_carry, make_train_step
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
-# Ops the Counter has no FLOP formula for yet (listed in the README); nothing else may be.
-WITHOUT_FORMULA = {
-    "aten._native_batch_norm_legit_no_training", "aten.native_batch_norm_backward",
-    "aten.max_pool2d_with_indices", "aten.max_pool2d_with_indices_backward",
-}
+# Ops the Counter has no FLOP formula for (each named in the README); nothing else may be.
+WITHOUT_FORMULA: set[str] = set()
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 VOCAB, SEQ, BATCH = 128, 16, 4
 
@@ -92,19 +90,20 @@ def resnet():
         num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
         layer_type="basic", num_labels=5,
     )
-    # Eval-mode BatchNorm: the running statistics are read, not updated, so the functional
-    # gradient applies (train-mode statistics need them as explicit state).
-    params, apply = mt.from_module(transformers.ResNetForImageClassification(config).eval())
+    # Train-mode BatchNorm: the running statistics are model state, taken and returned.
+    module = transformers.ResNetForImageClassification(config).train()
+    params, state, apply = mt.from_module(module, with_state=True)
 
-    def loss(params, batch):
+    def loss(params, state, batch):
         images, labels = batch
-        return apply(params, pixel_values=images, labels=labels).loss
+        out, new_state = apply(params, state, pixel_values=images, labels=labels)
+        return out.loss, new_state
 
     def data(generator):
         return (torch.randn(BATCH, 3, 16, 16, generator=generator),
                 torch.randint(0, 5, (BATCH,), generator=generator))
 
-    return params, loss, data
+    return params, loss, data, state
 
 
 def cruncher():
@@ -159,24 +158,27 @@ OPTIMIZERS = {
 }
 
 
-def measure(params, loss, batch, optimizer, donate, flop_counter=True):
+def measure(params, loss, batch, optimizer, donate, flop_counter=True, state=None):
     """One real train step (the loop's own) under the Counter (and under FlopCounterMode)."""
     exp = Experiment(init=lambda g: params, loss=loss, next_batch=lambda g: batch,
-                     optimizer=optimizer, steps=1)
-    step = make_train_step(exp, mt.get_backend("cpu"), donate=donate)
+                     optimizer=optimizer, steps=1,
+                     init_state=None if state is None else (lambda g: state))
+    backend = mt.get_backend("cpu")
+    step = make_train_step(exp, backend, donate=donate)
     counts = [None, None]
     for watch in ("counter", "flop_counter")[: 1 + flop_counter]:
-        state = optimizer.init(params)
+        opt_state = optimizer.init(params)
         copy = mt.tree.map(torch.clone, params)
+        carry = init_carry(exp, backend, torch.Generator())
         torch.manual_seed(0)
         if watch == "counter":
             with mt.accounting.Counter(keep_records=False) as counter:
-                counter.track(copy, state, batch)
-                out = step(copy, state, batch)
+                counter.track(copy, opt_state, batch, carry)
+                out = step(copy, opt_state, batch, carry=carry)
                 del out
         else:
             with FlopCounterMode(display=False) as flop_counter:
-                out = step(copy, state, batch)
+                out = step(copy, opt_state, batch, carry=carry)
                 del out
         counts[watch == "flop_counter"] = counter if watch == "counter" else flop_counter
     return counts
@@ -188,11 +190,13 @@ def build(name):
 
 
 def zoo_row(name, opt_name, donate, flop_counter=True):
-    params, loss, data = build(name)
+    params, loss, data, *state = build(name)
+    state = state[0] if state else None
     batch = data(torch.Generator().manual_seed(0))
     optimizer = OPTIMIZERS[opt_name]()
-    counter, flop_counter = measure(params, loss, batch, optimizer, donate, flop_counter)
-    pred = predict_step(loss, params, batch, optimizer=optimizer, donate=donate)
+    counter, flop_counter = measure(params, loss, batch, optimizer, donate, flop_counter, state)
+    pred = predict_step(loss, params, batch, optimizer=optimizer, donate=donate,
+                        model_state=state)
     return pred, counter, flop_counter, mt.tree.size(params)
 
 
@@ -211,4 +215,6 @@ def test_predicted_step_matches_the_measured_one(name, opt_name, donate):
     assert pred.matmul_flops == counter.matmul_flops
     assert pred.unknown_ops == counter.unknown
     assert set(pred.unknown_ops) <= WITHOUT_FORMULA
+    if name == "resnet":  # the running statistics are state, kept beside the new ones
+        assert pred.memory["persistent"]["buffers"] > 0
     assert pred.memory["saved_for_backward"] > 0 and pred.saved

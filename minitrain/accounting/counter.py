@@ -34,18 +34,18 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
-from minitrain.accounting.flops import fused_kernel_flops_per_element
 from minitrain.accounting.hardware import HardwareError, dtype_name
+from minitrain.accounting.op_formulas import FORMULA_OPS
 from minitrain.accounting.timeline import LiveStorages, Timeline
 from minitrain.func import saved_tensor_hooks_inside
 
@@ -246,111 +246,6 @@ def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
     return all(any(torch._C._is_alias_of(out, t) for t in inputs) for out in outputs)
 
 
-# --- FLOP formulas of an op's arguments ---------------------------------------------------------
-
-
-def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
-    """The value of argument ``name`` of an aten call; its schema default when not passed."""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.name != name:
-            continue
-        if name in kwargs:
-            return kwargs[name]
-        if not argument.kwarg_only and position < len(args):
-            return args[position]
-        return argument.default_value if argument.has_default_value() else None
-    raise KeyError(f"{func} has no argument {name!r}")
-
-
-def _attention_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # torch.utils.flop_counter's formula for the CUDA SDPA kernels (FlashAttention, Dao et al.
-    # 2022): QKᵀ and scores·V, two bmms, 4·B·H·S_q·S_k·D; a causal mask is counted in full.
-    shapes = [_argument(func, args, kwargs, n).shape for n in ("query", "key", "value")]
-    return sdpa_flop_count(*shapes)
-
-
-def _attention_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # torch.utils.flop_counter's backward formula: the scores recomputed, then the gradients of
-    # scores, V, Q and K; five bmms, 2.5 times the forward's FLOPs.
-    names = ("grad_out", "query", "key", "value")
-    return sdpa_backward_flop_count(*[_argument(func, args, kwargs, n).shape for n in names])
-
-
-def _layer_norm_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # Per input element, for each gradient asked for in output_mask (ATen's
-    # cpu/layer_norm_kernel.cpp): dx = rstd·(g·γ - mean(g·γ) - x̂·mean(g·γ·x̂)) with
-    # x̂ = (x - μ)·rstd: g·γ (1, none without γ), x̂ (2), the two row sums (3), the
-    # combination (4); dγ = Σ g·x̂ (2, x̂ shared); dβ = Σ g (1).
-    dx, dweight, dbias = _argument(func, args, kwargs, "output_mask")
-    has_weight = _argument(func, args, kwargs, "weight") is not None
-    per_element = (9 + has_weight) * dx + 2 * dweight + dbias
-    return per_element * _argument(func, args, kwargs, "grad_out").numel()
-
-
-def _nll_loss_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # -Σ w[t]·x[i, t] / Σ w[t]: the gather moves data; one add per target, plus a multiply and
-    # an add into the total weight per target when class weights are given.
-    weighted = _argument(func, args, kwargs, "weight") is not None
-    return (1 + 2 * weighted) * _argument(func, args, kwargs, "target").numel()
-
-
-def _nll_loss_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # Zeros with -g·w[t]/Σw written at each target (ATen's LossNLL.cpp): one per target.
-    return _argument(func, args, kwargs, "target").numel()
-
-
-def _embedding_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # Each gradient row is added into its token's row: one add per element, and a divide by
-    # the token's count with scale_grad_by_freq.
-    per_element = 1 + bool(_argument(func, args, kwargs, "scale_grad_by_freq"))
-    return per_element * _argument(func, args, kwargs, "grad_output").numel()
-
-
-def _index_put_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # accumulate=True adds each value into its slot (the backward of indexing); else a copy.
-    accumulate = bool(_argument(func, args, kwargs, "accumulate"))
-    return accumulate * _argument(func, args, kwargs, "values").numel()
-
-
-# GeLU's gradient per element (ATen's cpu/Activation.cpp GeluBackwardKernelImpl). Exact:
-# g·(Φ(x) + x·φ(x)), Φ(x) = (1 + erf(x/√2))/2 (4), φ(x) = exp(-x²/2)/√(2π) (4), then 3.
-# tanh: inner = √(2/π)·(x + 0.044715·x³) and its tanh (6), the left and right factors
-# 0.5·x·(1 + t) (3) and their derivatives (3 and 3), g·(l' + r'·inner') (3).
-_GELU_BACKWARD_FLOPS = {"none": 11, "tanh": 18}
-
-
-def _gelu_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    approximate = _argument(func, args, kwargs, "approximate")
-    return _GELU_BACKWARD_FLOPS[approximate] * _argument(func, args, kwargs, "self").numel()
-
-
-def _fused_optimizer_flops(optimizer: str) -> Callable[[Any, Any, Any], int]:
-    # torch's fused kernels by their own hyperparameters (flops.fused_kernel_flops_per_element)
-    def flops(func: Any, args: Any, kwargs: Any) -> int:
-        named = {a.name: _argument(func, args, kwargs, a.name) for a in func._schema.arguments}
-        return fused_kernel_flops_per_element(optimizer, named) * _elements(_tensors(named["self"]))
-
-    return flops
-
-
-# Ops whose FLOPs depend on more than an element count: base name -> f(func, args, kwargs).
-FORMULA_OPS: dict[str, Callable[[Any, Any, Any], int]] = {
-    "_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
-    "_scaled_dot_product_flash_attention_for_cpu_backward": _attention_backward_flops,
-    "native_layer_norm_backward": _layer_norm_backward_flops,
-    "nll_loss_forward": _nll_loss_flops,
-    "nll_loss2d_forward": _nll_loss_flops,
-    "nll_loss_backward": _nll_loss_backward_flops,
-    "nll_loss2d_backward": _nll_loss_backward_flops,
-    "embedding_dense_backward": _embedding_backward_flops,
-    "index_put": _index_put_flops,
-    "_index_put_impl": _index_put_flops,
-    "gelu_backward": _gelu_backward_flops,
-    "_fused_sgd": _fused_optimizer_flops("sgd"),
-    "_fused_adam": _fused_optimizer_flops("adam"),
-    "_fused_adamw": _fused_optimizer_flops("adamw"),
-    "_fused_adagrad": _fused_optimizer_flops("adagrad"),
-}
 
 
 def _dtype_label(tensors: list[torch.Tensor]) -> str:

@@ -301,11 +301,14 @@ def predict_step(
     dtype: Any = None,
     autocast: Callable[[], Any] | None = None,
     top_saved: int = 10,
+    model_state: Any = None,
 ) -> StepPrediction:
     """Predict one training step of ``loss_fn(params, batch)`` (see the module docstring).
 
     Args:
-        loss_fn: ``(params, batch) -> 0-d loss`` (or ``(loss, aux)`` with ``has_aux``).
+        loss_fn: ``(params, batch) -> 0-d loss`` (or ``(loss, aux)`` with ``has_aux``); with
+            ``model_state``, ``(params, model_state, batch) -> (value, new_state)`` as an
+            experiment with ``init_state`` has it, ``value`` what a stateless loss returns.
         params, batch: pytrees of real tensors, fake tensors (from one :func:`fake_mode`),
             meta tensors, :class:`TensorSpec` or ``(shape, dtype)`` tuples.
         optimizer: an ``mt.optim`` optimizer; its state is made by ``optimizer.init`` (the
@@ -322,6 +325,10 @@ def predict_step(
         autocast: a context manager factory for the forward and backward pass (the backend's
             ``autocast``), as the train step uses.
         top_saved: how many of the largest saved tensors to list.
+        model_state: buffers a forward pass updates (BatchNorm statistics, from
+            ``mt.from_module(module, with_state=True)``), as real, fake or meta tensors or
+            specs. They count as ``buffers``; the new state the loss returns stays alive to
+            the end of the step, as the train step carries it.
 
     Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
     """
@@ -340,13 +347,22 @@ def predict_step(
         lifetimes.alias(meta_params, fake_params)
         state = optimizer.init(meta_params)
         lifetimes.register(state, "optimizer_state")
+    objective, aux = loss_fn, has_aux
+    if model_state is not None:
+        fake_state = _map(lambda x: _to_fake(mode, x), model_state)
+        lifetimes.register(fake_state, "buffers")
+        objective, aux = _with_state(loss_fn, fake_state, has_aux), True
     persistent = _live_by_category(lifetimes)
-    gradients = value_and_grad(loss_fn, has_aux=has_aux)
+    gradients = value_and_grad(objective, has_aux=aux)
+    new_state = None
     with warnings.catch_warnings(), _one_line_errors():
         # The counter asks fake storages for their address (to key forward matmul inputs).
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         with trace.watching(mode, "forward"), autocast() if autocast else contextlib.nullcontext():
             value, grads = gradients(fake_params, fake_batch)
+        if model_state is not None:
+            new_state = value[1][1]
+            lifetimes.categorize(new_state, "buffers")
         del value
         lifetimes.categorize(grads, "grads")
         meta_grads = _map(_to_meta, grads)
@@ -359,8 +375,25 @@ def predict_step(
                             max_grad_norm)
     del meta_grads
     end = _live_by_category(lifetimes)
-    del end_state
+    del end_state, new_state
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
+
+
+def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn(params, state, batch) -> (value, new_state)`` as ``(params, batch) -> (loss,
+    (aux, new_state))``, the state bound."""
+
+    def objective(params: Any, batch: Any) -> Any:
+        out = loss_fn(params, state, batch)
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise ValueError(
+                f"with model_state the loss returns (value, new_state), got {type(out).__name__}"
+            )
+        value, new_state = out
+        loss, aux = value if has_aux else (value, ())
+        return loss, (aux, new_state)
+
+    return objective
 
 
 def predict_call(

@@ -407,13 +407,16 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
     try:
         generator = torch.Generator().manual_seed(seed)
         params = _fake_or_real(mode, lambda: experiment.init(generator), built)
+        init_state = getattr(experiment, "init_state", None)
+        model_state = (None if init_state is None
+                       else _fake_or_real(mode, lambda: init_state(generator), built))
         batch = _fake_or_real(mode, lambda: experiment.next_batch(generator), built)
         if gpus > 1:
             batch = _shard(batch, gpus)
         prediction = acc.predict_step(
             experiment.loss, params, batch, optimizer=experiment.optimizer, donate=donate,
             has_aux=experiment.has_aux, max_grad_norm=experiment.max_grad_norm,
-            hardware=spec, dtype=dtype, autocast=cast,
+            hardware=spec, dtype=dtype, autocast=cast, model_state=model_state,
         )
     except UserError:
         raise
@@ -444,21 +447,22 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
 
     from minitrain import accounting as acc
     from minitrain.backend import get_backend
-    from minitrain.train.step import make_train_step
+    from minitrain.train.step import init_carry, make_train_step
     from minitrain.tree import size
 
     experiment = _load(script, overrides)
     backend = get_backend("auto")
     generator = torch.Generator().manual_seed(seed)
     params = backend.to_device(experiment.init(generator))
+    carry = init_carry(experiment, backend, generator)
     batch = backend.to_device(experiment.next_batch(generator))
     state = experiment.optimizer.init(params)
     train_step = make_train_step(experiment, backend, donate=donate)
     counter = acc.Counter()
     try:
         with counter, cast() if cast else contextlib.nullcontext():
-            counter.track(params, state, batch)
-            out = train_step(params, state, batch)
+            counter.track(params, state, batch, carry)
+            out = train_step(params, state, batch, carry=carry)
             del out
     except Exception as exc:
         raise UserError(f"{script}: the step failed: {type(exc).__name__}: {exc}") from None

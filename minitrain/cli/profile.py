@@ -9,6 +9,7 @@ max(FLOPs / peak, bytes / bandwidth), and the sum set against the step time meas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -53,6 +54,7 @@ def profile_script(
     from minitrain.backend import BackendError, get_backend
     from minitrain.train import ExperimentError, load_experiment, make_train_step
     from minitrain.train.loop import run_generators, to_backend
+    from minitrain.train.step import init_carry
 
     try:
         experiment, config = load_experiment(script, overrides)
@@ -63,22 +65,28 @@ def profile_script(
     init_generator, data_generator = run_generators(seed)
     params = to_backend(experiment.init(init_generator), backend)
     opt_state = experiment.optimizer.init(params)
+    # The model state (BatchNorm statistics) and loss scale the run carries from step to step.
+    carry = init_carry(experiment, backend, init_generator)
     batch = backend.to_device(experiment.next_batch(data_generator))
-    step = make_train_step(experiment, backend)
+    step = functools.partial(make_train_step(experiment, backend), carry=carry)
     for _ in range(warmup):  # first calls pay for lazy initialization
-        params, opt_state, *_ = step(params, opt_state, batch)
+        out = step(params, opt_state, batch)
+        params, opt_state = out.params, out.opt_state
+        step = functools.partial(step.func, carry=out.carry)
     measured = time_step(step, params, opt_state, batch, backend, repeats)
     with Counter(track_memory=False) as counter:
         step(params, opt_state, batch)
     timelines = None
     if memory:
-        timelines = memory_timelines(experiment, backend, params, opt_state, batch)
+        timelines = memory_timelines(experiment, backend, params, opt_state, batch,
+                                     step.keywords["carry"])
     return profile_records(counter.records, on, measured), config, counter, timelines
 
 
 def measured_timeline(experiment: Any, backend: Any, params: Any, opt_state: Any,
-                      batch: Any) -> list:
-    """Live memory by category after every op of one real step (the counter's record)."""
+                      batch: Any, carry: Any = None) -> list:
+    """Live memory by category after every op of one real step (the counter's record);
+    ``carry`` holds the model state and loss scale of a run that carries them."""
     from minitrain.accounting.counter import Counter
     from minitrain.train import make_train_step
 
@@ -104,34 +112,45 @@ def measured_timeline(experiment: Any, backend: Any, params: Any, opt_state: Any
         counter.track(params, category="params")
         counter.track(opt_state, category="optimizer_state")
         counter.track(batch, category="batch")
-        out = step(params, opt_state, batch)
+        if carry is not None:
+            counter.track(carry, category="buffers")
+        out = step(params, opt_state, batch, carry=carry)
         counter.categorize(out.params, category="params")
         counter.categorize(out.opt_state, category="optimizer_state")
+        if out.carry is not None:
+            counter.categorize(out.carry, category="buffers")
     return counter.timeline()
 
 
-def predicted_timeline(experiment: Any, backend: Any, params: Any, batch: Any) -> list:
+def predicted_timeline(experiment: Any, backend: Any, params: Any, batch: Any,
+                       model_state: Any = None) -> list:
     """Live memory by category after every op of the step as ``predict_step`` traces it on
     fake tensors (no data, nothing computed)."""
     from minitrain.accounting.predict import predict_step
     from minitrain.train.step import loss_with_aux
 
+    if model_state is None:
+        loss, has_aux = loss_with_aux(experiment), True
+    else:
+        loss, has_aux = experiment.loss, experiment.has_aux
     prediction = predict_step(
-        loss_with_aux(experiment), params, batch, optimizer=experiment.optimizer,
-        has_aux=True, max_grad_norm=experiment.max_grad_norm, autocast=backend.autocast,
+        loss, params, batch, optimizer=experiment.optimizer, has_aux=has_aux,
+        max_grad_norm=experiment.max_grad_norm, autocast=backend.autocast,
+        model_state=model_state,
     )
     return prediction.timeline
 
 
 def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
-                     batch: Any) -> dict[str, Any]:
+                     batch: Any, carry: Any = None) -> dict[str, Any]:
     """``{"predicted": timeline or an error line, "measured": timeline}`` of one step."""
+    model_state = carry.model_state if carry is not None else None
     try:
-        predicted: Any = predicted_timeline(experiment, backend, params, batch)
+        predicted: Any = predicted_timeline(experiment, backend, params, batch, model_state)
     except ValueError as exc:  # PredictionError: the step needs data (.item(), ...)
         predicted = str(exc).splitlines()[0]
     return {"predicted": predicted,
-            "measured": measured_timeline(experiment, backend, params, opt_state, batch)}
+            "measured": measured_timeline(experiment, backend, params, opt_state, batch, carry)}
 
 
 @click.command()
