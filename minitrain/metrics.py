@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+from collections.abc import Sequence
 from numbers import Real
 from pathlib import Path
 from typing import Any
@@ -309,39 +310,72 @@ def ema(values: list[float], weight: float) -> list[float]:
     return smoothed
 
 
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's directory name; where two runs share a name, the paths as given."""
+    names = [path.resolve().name or str(path) for path in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [str(path) for path in run_dirs]
+
+
+def _title(run_dirs: list[Path]) -> str:
+    if len(run_dirs) == 1:
+        return run_dirs[0].resolve().name
+    parents = {path.resolve().parent for path in run_dirs}
+    return next(iter(parents)).name if len(parents) == 1 else f"{len(run_dirs)} runs"
+
+
 def plot(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike | Sequence[str | os.PathLike],
     out_png: str | os.PathLike | None = None,
     keys: tuple[str, ...] | None = None,
 ) -> Path:
     """Draw the loss curve of a run (and any ``val*``/``eval*`` series) to a PNG; return its path.
 
+    ``run_dir`` is one run directory, or a list of them: their curves are overlaid, one colour
+    per run, labelled by directory name (the paths as given where two names are the same).
     ``keys`` picks the series (default: ``loss`` and every key starting with ``val`` or
-    ``eval``). The PNG goes to ``out_png`` or ``run_dir/loss.png``. Needs matplotlib (the
-    ``plot`` extra), imported here only.
+    ``eval``, in any of the runs). The PNG goes to ``out_png``, which a list of runs needs, or
+    to ``run_dir/loss.png``. Needs matplotlib (the ``plot`` extra), imported here only.
 
     >>> import tempfile
-    >>> run = tempfile.mkdtemp()
-    >>> with MetricsWriter(run) as log:
-    ...     for s in range(1, 4):
-    ...         _ = log.write(s, loss=1.0 / s)
-    >>> plot(run).name
+    >>> runs = [tempfile.mkdtemp(), tempfile.mkdtemp()]
+    >>> for run in runs:
+    ...     with MetricsWriter(run) as log:
+    ...         for s in range(1, 4):
+    ...             _ = log.write(s, loss=1.0 / s)
+    >>> plot(runs[0]).name
     'loss.png'
+    >>> plot(runs, Path(runs[0]) / "both.png").name
+    'both.png'
     """
-    records = read_metrics(run_dir)
-    if keys is None:
-        found = {key for record in records for key in record}
-        keys = ("loss", *sorted(k for k in found if k.startswith(("val", "eval"))))
-    series = {key: _series(records, key) for key in keys}
-    series = {key: points for key, points in series.items() if points[0]}
-    if not series:
+    several = not isinstance(run_dir, (str, os.PathLike))
+    run_dirs = [Path(path) for path in run_dir] if several else [Path(run_dir)]
+    if not run_dirs:
+        raise MetricsError("no run directories to plot; pass at least one")
+    if several and len(run_dirs) > 1 and out_png is None:
         raise MetricsError(
-            f"{_metrics_path(run_dir)} has no numeric values for {', '.join(keys)}; nothing to plot"
+            f"{len(run_dirs)} run directories make one plot; say where it goes with an out path "
+            "ending in .png"
         )
-    figure = _figure(series, title=Path(run_dir).resolve().name)
-    out = Path(out_png) if out_png is not None else Path(run_dir) / PLOT_FILE
+    runs = [read_metrics(path) for path in run_dirs]
+    if keys is None:
+        found = {key for records in runs for record in records for key in record}
+        keys = ("loss", *sorted(k for k in found if k.startswith(("val", "eval"))))
+    curves = []
+    for path, records in zip(run_dirs, runs, strict=True):
+        series = {key: _series(records, key) for key in keys}
+        series = {key: points for key, points in series.items() if points[0]}
+        if not series:
+            raise MetricsError(
+                f"{_metrics_path(path)} has no numeric values for {', '.join(keys)}; nothing to "
+                "plot"
+            )
+        curves.append(series)
+    out = Path(out_png) if out_png is not None else run_dirs[0] / PLOT_FILE
     if out.suffix.lower() != ".png":
         raise MetricsError(f"the plot is written as PNG; give a path ending in .png, not {out}")
+    figure = _figure(curves, _labels(run_dirs) if len(run_dirs) > 1 else None, _title(run_dirs))
     try:
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=120)
@@ -361,7 +395,14 @@ def plot(
     return out
 
 
-def _figure(series: dict[str, tuple[list[int], list[float]]], title: str) -> Any:
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _figure(
+    curves: list[dict[str, tuple[list[int], list[float]]]], labels: list[str] | None, title: str
+) -> Any:
+    """One axes: each run's series; with ``labels`` (several runs) a colour per run and a line
+    style per key."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -371,14 +412,26 @@ def _figure(series: dict[str, tuple[list[int], list[float]]], title: str) -> Any
     figure = Figure(figsize=(7, 4), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    for key, (steps, values) in series.items():
-        if len(steps) > 20:
-            line = axes.plot(steps, values, alpha=0.3, linewidth=0.8)[0]
-            axes.plot(steps, ema(values, 0.9), color=line.get_color(), label=f"{key} (EMA 0.9)")
-        else:
-            axes.plot(steps, values, marker="o", markersize=3, label=key)
+    all_keys = list(dict.fromkeys(key for series in curves for key in series))
+    for index, series in enumerate(curves):
+        colour = None if labels is None else f"C{index % 10}"
+        for key, (steps, values) in series.items():
+            if labels is None:
+                name = key
+            else:
+                name = labels[index] if len(all_keys) == 1 else f"{labels[index]}: {key}"
+            style = _LINESTYLES[all_keys.index(key) % len(_LINESTYLES)] if labels else "-"
+            if len(steps) > 20:
+                raw_alpha = 0.3 if labels is None else 0.15
+                line = axes.plot(steps, values, alpha=raw_alpha, linewidth=0.8, color=colour,
+                                 linestyle=style)[0]
+                axes.plot(steps, ema(values, 0.9), color=line.get_color(), linestyle=style,
+                          label=f"{name} (EMA 0.9)")
+            else:
+                axes.plot(steps, values, marker="o", markersize=3, label=name, color=colour,
+                          linestyle=style)
     axes.set_xlabel("step")
-    axes.set_ylabel(next(iter(series)) if len(series) == 1 else "value")
+    axes.set_ylabel(all_keys[0] if len(all_keys) == 1 else "value")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()

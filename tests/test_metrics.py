@@ -166,6 +166,85 @@ def test_plot_command(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def legend_of(monkeypatch):
+    """The legend labels and line colours of every figure metrics.plot draws."""
+    drawn = []
+    real = metrics._figure
+
+    def spy(*args, **kwargs):
+        figure = real(*args, **kwargs)
+        axes = figure.axes[0]
+        labelled = [line for line in axes.get_lines() if not line.get_label().startswith("_")]
+        drawn.append(({line.get_label(): line.get_color() for line in labelled},
+                      axes.get_title()))
+        return figure
+
+    monkeypatch.setattr(metrics, "_figure", spy)
+    return drawn
+
+
+def test_plot_overlays_several_runs_labelled_by_directory(tmp_path, monkeypatch):
+    drawn = legend_of(monkeypatch)
+    runs = [tmp_path / "fp32", tmp_path / "bf16", tmp_path / "fp8"]
+    for index, run in enumerate(runs):
+        with MetricsWriter(run) as log:
+            for step in range(1, 40 + 10 * index):
+                log.write(step, loss=(5.0 + index) / step)
+    png = metrics.plot(runs, tmp_path / "compare.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    (labels, title), = drawn
+    assert list(labels) == [f"{run.name} (EMA 0.9)" for run in runs]
+    assert len(set(labels.values())) == 3  # a colour per run
+    assert title == tmp_path.name
+    # several keys: run and key in each label; a run lacking a key still plots the others
+    with MetricsWriter(tmp_path / "val") as log:
+        for step in range(1, 6):
+            log.write(step, loss=1.0 / step, val_loss=2.0 / step)
+    metrics.plot([runs[0], tmp_path / "val"], tmp_path / "keys.png")
+    assert list(drawn[-1][0]) == ["fp32: loss (EMA 0.9)", "val: loss", "val: val_loss"]
+    # the single-run plot keeps its labels and title
+    metrics.plot(runs[0])
+    assert list(drawn[-1][0]) == ["loss (EMA 0.9)"] and drawn[-1][1] == "fp32"
+
+
+def test_plot_of_runs_with_the_same_name_labels_them_by_path(tmp_path, monkeypatch):
+    drawn = legend_of(monkeypatch)
+    runs = [tmp_path / "a" / "run", tmp_path / "b" / "run"]
+    for run in runs:
+        log_steps(run, [1, 2, 3])
+    metrics.plot(runs, tmp_path / "same.png")
+    assert list(drawn[0][0]) == [str(run) for run in runs]
+
+
+def test_plot_of_several_runs_mistakes(tmp_path):
+    log_steps(tmp_path / "a", [1, 2])
+    log_steps(tmp_path / "b", [1, 2])
+    with pytest.raises(MetricsError, match="out path ending in .png"):
+        metrics.plot([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(MetricsError, match=r"b/metrics.jsonl has no numeric values for val_loss"):
+        with MetricsWriter(tmp_path / "c") as log:
+            log.write(1, val_loss=1.0)
+        metrics.plot([tmp_path / "c", tmp_path / "b"], tmp_path / "x.png", keys=("val_loss",))
+    with pytest.raises(MetricsError, match="no run directories"):
+        metrics.plot([], tmp_path / "x.png")
+
+
+def test_plot_command_over_several_runs(tmp_path):
+    for name, steps in (("fp32", 30), ("bf16", 25)):
+        log_steps(tmp_path / name, range(1, steps + 1))
+    out = tmp_path / "compare.png"
+    args = ["plot", str(tmp_path / "fp32"), str(tmp_path / "bf16"), "--out", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["png"] == str(out) and out.read_bytes()[:8] == PNG_MAGIC
+    assert [(r["run_dir"], r["last_step"]) for r in summary["runs"]] == [
+        (str(tmp_path / "fp32"), 30), (str(tmp_path / "bf16"), 25)]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0, text.output
+    assert text.output.strip() == f"wrote {out} (2 runs; fp32: 30 records, bf16: 25 records)"
+
+
 @pytest.mark.parametrize(
     ("setup", "args", "message"),
     [
@@ -173,6 +252,8 @@ def test_plot_command(tmp_path):
         (None, ["{tmp}"], "no metrics file"),
         ("log", ["{tmp}", "--out", "{tmp}/x.jpg"], "ending in .png"),
         ("log", ["{tmp}", "--key", "nope"], "no numeric values for nope"),
+        ("log", ["{tmp}", "{tmp}"], "pass --out PATH.png"),
+        ("log", ["{tmp}", "{tmp}/absent", "--out", "{tmp}/x.png"], "absent is not a directory"),
     ],
 )
 def test_plot_command_mistakes(tmp_path, setup, args, message):

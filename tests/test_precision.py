@@ -177,3 +177,41 @@ def test_gpt_benchmark_compares_the_same_model():
     result = gpt_step.gpt_step_ratios(small, rounds=1, inner=1)
     assert set(result["ratios"]) == {"fp32", "bf16", "fp8/fp32"}
     assert all(0 < r < 100 for r in result["ratios"].values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The resource report of a step in each precision
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("cpu", torch.float32), ("cpu-bf16", torch.bfloat16),
+                                             ("cpu-fp16", torch.float16)])
+def test_the_resource_report_measures_activations_at_the_compute_dtype(name, dtype):
+    backend = mt.get_backend(name)
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(64, 256, generator=g), "w2": torch.randn(256, 64, generator=g)}
+    opt = mt.optim.sgd(lr=0.1)
+    batch = torch.randn(128, 64, generator=g)
+
+    def step(params, opt_state, x):
+        def loss(p):
+            with backend.autocast():
+                return (torch.relu(x @ p["w1"]) @ p["w2"]).float().square().mean()
+
+        grads = torch.func.grad(loss)(params)
+        return opt.update(grads, opt_state, params)
+
+    report = mt.accounting.resource_report(
+        step, params, opt.init(params), batch, peak_flops=backend.peak_flops(), step_seconds=0.01
+    )
+    memory, speed = report["memory"], report["speed"]
+    hidden = 128 * 256 * dtype.itemsize  # relu(x @ w1), saved for the backward of @ w2
+    assert any(w["dtype"] == str(dtype).removeprefix("torch.") and w["bytes"] == hidden
+               for w in memory["where"]), memory["where"]
+    assert hidden <= memory["measured"]["activations"] < 4 * hidden
+    peak = mt.accounting.hardware("cpu").peak_flops.get({"cpu": "fp32", "cpu-bf16": "bf16"}.get(
+        name, "fp16"))
+    assert speed["peak_flops_per_second"] == peak
+    if peak is None:  # the CPU registry measures no fp16 peak: MFU is unknown, not wrong
+        assert speed["mfu"] is None
+    else:
+        assert speed["mfu"] == pytest.approx(speed["achieved_flops_per_second"] / peak)

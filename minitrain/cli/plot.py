@@ -1,4 +1,4 @@
-"""``minitrain plot DIR``: the loss curve of a run as a PNG."""
+"""``minitrain plot DIR [DIR ...]``: the loss curve of a run as a PNG, or several runs overlaid."""
 
 from __future__ import annotations
 
@@ -11,13 +11,22 @@ from minitrain.cli.errors import RunFailed, UserError
 from minitrain.errors import StorageError
 
 
+def _summary(records: list[dict]) -> dict:
+    return {
+        "records": len(records),
+        "first_step": records[0]["step"],
+        "last_step": records[-1]["step"],
+        "last": records[-1],
+    }
+
+
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
     default=None,
-    help="PNG file to write [default: RUN_DIR/loss.png].",
+    help="PNG file to write [default: RUN_DIR/loss.png; needed with several RUN_DIRS].",
 )
 @click.option(
     "--key",
@@ -26,28 +35,42 @@ from minitrain.errors import StorageError
     help="Series to plot (repeatable) [default: loss and every val*/eval* key].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def plot(run_dir: Path, out: Path | None, keys: tuple[str, ...], as_json: bool) -> None:
-    """Plot the metrics.jsonl of RUN_DIR (written by minitrain run --out RUN_DIR)."""
+def plot(run_dirs: tuple[Path, ...], out: Path | None, keys: tuple[str, ...],
+         as_json: bool) -> None:
+    """Plot the metrics.jsonl of RUN_DIRS (written by minitrain run --out RUN_DIR).
+
+    Several RUN_DIRS overlay their curves in one PNG, labelled by directory name, e.g.
+    minitrain plot runs/fp32 runs/bf16 --out compare.png
+    """
     from minitrain import metrics
 
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir} is not a directory; pass the --out directory of a run")
+    for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            raise UserError(f"{run_dir} is not a directory; pass the --out directory of a run")
+    if len(run_dirs) > 1 and out is None:
+        raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
     try:
-        png = metrics.plot(run_dir, out, keys=keys or None)
-        records = metrics.read_metrics(run_dir)
+        target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
+        png = metrics.plot(target, out, keys=keys or None)
+        runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
     except (metrics.MetricsError, metrics.MissingExtra) as exc:
         raise UserError(str(exc)) from None
     except StorageError as exc:  # unreadable metrics, a full disk, --out that is a directory
         raise RunFailed(str(exc)) from None
-    result = {
-        "png": str(png),
-        "records": len(records),
-        "first_step": records[0]["step"],
-        "last_step": records[-1]["step"],
-        "last": records[-1],
-    }
+    if len(run_dirs) == 1:
+        result = {"png": str(png), **_summary(runs[0])}
+    else:
+        result = {
+            "png": str(png),
+            "runs": [{"run_dir": str(d), **_summary(r)} for d, r in zip(run_dirs, runs,
+                                                                         strict=True)],
+        }
     if as_json:
         click.echo(json.dumps(result, indent=2))
-    else:
+    elif len(run_dirs) == 1:
         steps = f"steps {result['first_step']}..{result['last_step']}"
-        click.echo(f"wrote {png} ({len(records)} records, {steps})")
+        click.echo(f"wrote {png} ({result['records']} records, {steps})")
+    else:
+        each = ", ".join(f"{d.name}: {len(r)} records" for d, r in zip(run_dirs, runs,
+                                                                       strict=True))
+        click.echo(f"wrote {png} ({len(run_dirs)} runs; {each})")
