@@ -53,6 +53,16 @@ def test_estimate_transformer_preset(capsys):
     full = as_json(capsys, "estimate", "transformer", "--preset", "gpt2-xl", "--batch", "4",
                    "--recompute", "full")
     assert full["memory_per_gpu"]["activations"] < memory["activations"] / 10
+    # Per layer, Korthikanti et al. 2022 at 16-bit: eq. 1, eq. 6 (selective), a fused kernel.
+    s, b, h, a = 1024, 4, 1600, 25
+    assert result["activations_per_layer"] == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    selective = as_json(capsys, "estimate", "transformer", "--preset", "gpt2-xl", "--batch", "4",
+                        "--recompute", "selective")
+    assert selective["activations_per_layer"] == 34 * s * b * h
+    flash = as_json(capsys, "estimate", "transformer", "--preset", "gpt2-xl", "--batch", "4",
+                    "--attention", "flash")
+    assert flash["attention"] == "flash"
+    assert flash["activations_per_layer"] == 34 * s * b * h + 4 * a * s * b
 
 
 def test_hardware_lists_the_registry_with_sources(capsys, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """predict_step: a training step predicted on fake tensors, against the same step measured."""
 
 import dataclasses
+import functools
 import resource
 import time
 
@@ -229,5 +230,12 @@ def test_model_state_is_predicted_like_the_step_that_carries_it():
         # constants the ops made on the way).
         assert pred.memory["persistent"]["buffers"] == mt.tree.nbytes(state)
         assert 0 <= pred.memory["end"]["buffers"] - 2 * mt.tree.nbytes(state) <= 64
+    # The run's report: predicted on fake tensors with the state, beside the measured step.
+    step = functools.partial(make_train_step(exp, backend), carry=init_carry(
+        exp, backend, torch.Generator()))
+    report = acc.resource_report(step, params, opt.init(params), batch, optimizer=opt,
+                                 loss_fn=loss, model_state=state)
+    assert report["memory"]["peak_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert report["flops_per_step"]["predicted"] == report["flops_per_step"]["counted"]
     with pytest.raises(ValueError, match="returns \\(value, new_state\\)"):
         predict_step(lambda p, s, b: loss(p, s, b)[0], params, batch, model_state=state)

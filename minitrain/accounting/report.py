@@ -125,6 +125,7 @@ def resource_report(
     max_grad_norm: float | None = None,
     autocast: Callable[[], Any] | None = None,
     hardware: str | None = None,
+    model_state: Any = None,
 ) -> dict[str, Any]:
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
@@ -152,6 +153,8 @@ def resource_report(
         loss_fn, has_aux, max_grad_norm, autocast: the step's loss, whether it returns aux,
             its clipping and the backend's autocast, as the train step uses them.
         hardware: a device name for the predicted time per step (roofline), if wanted.
+        model_state: the buffers a forward pass updates, for a ``loss_fn(params, state,
+            batch) -> (value, new_state)`` (see :func:`~minitrain.accounting.predict_step`).
 
     Returns a JSON-serializable dict: ``params``, ``examples_per_step``, ``memory``
     (``predicted``, ``measured``, ``peak_ratio`` measured/predicted, ``where`` the largest
@@ -179,6 +182,7 @@ def resource_report(
         prediction = predict_step(
             loss_fn, params, batch, optimizer=optimizer, donate=donate, has_aux=has_aux,
             max_grad_norm=max_grad_norm, autocast=autocast, hardware=hardware or "h100",
+            model_state=model_state,
         )
         source = "predict_step (fake tensors)"
     else:

@@ -236,12 +236,14 @@ def memory(hardware_name: str, gpus: int, optimizer: str, precision: str, zero_s
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
               help="Activation recomputation (Korthikanti et al. 2022).")
+@click.option("--attention", type=click.Choice(["eager", "flash"]), default="eager",
+              help="eager: the a·s² scores saved; flash: a fused kernel saves none.")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
 @click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5, help="For time.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float | None,
                 optimizer: str, precision: str, gpus: int, zero_stage: int, recompute: str,
-                hardware_name: str, mfu: float, as_json: bool) -> None:
+                attention: str, hardware_name: str, mfu: float, as_json: bool) -> None:
     """Params, FLOPs per token and per step, and memory per device of a transformer preset."""
     from minitrain import accounting as acc
 
@@ -253,6 +255,7 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
     mem = _accounting_call(
         acc.transformer_memory, config, batch=batch, seq_len=context, optimizer=optimizer,
         precision_name=precision, gpus=gpus, zero_stage=zero_stage, recompute=recompute,
+        attention=attention,
     )
     result: dict[str, Any] = {
         "preset": config.name,
@@ -264,6 +267,9 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
         "flops_per_token": per_token,
         "flops_per_step": per_token * batch * context * gpus,
         "memory_per_gpu": mem._asdict() | {"total": mem.total},
+        "activations_per_layer": mem.activations / config.num_layers,
+        "recompute": recompute,
+        "attention": attention,
         "fits": mem.total <= spec.memory_bytes,
         "hardware": spec.name,
     }
@@ -277,7 +283,8 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
         f"({batch} × {context} tokens × {gpus} GPUs)",
         f"memory per GPU      {_si(mem.total, 'B')}: params {_si(mem.params, 'B')}, grads "
         f"{_si(mem.grads, 'B')}, optimizer {_si(mem.optimizer_state + mem.master_weights, 'B')}, "
-        f"activations {_si(mem.activations, 'B')} (recompute {recompute})",
+        f"activations {_si(mem.activations, 'B')} (recompute {recompute}, {attention} "
+        f"attention; {_si(mem.activations / config.num_layers, 'B')} per layer)",
         f"fits on {spec.name}      {'yes' if result['fits'] else 'no'} "
         f"({_si(spec.memory_bytes, 'B')})",
     ]
