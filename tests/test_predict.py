@@ -239,3 +239,31 @@ def test_model_state_is_predicted_like_the_step_that_carries_it():
     assert report["flops_per_step"]["predicted"] == report["flops_per_step"]["counted"]
     with pytest.raises(ValueError, match="returns \\(value, new_state\\)"):
         predict_step(lambda p, s, b: loss(p, s, b)[0], params, batch, model_state=state)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_clipped_grads_replace_the_unclipped_ones_as_in_the_train_step(donate):
+    # A tiny batch: the peak is in the clip or the update, where the grads count.
+    from minitrain.train import Experiment
+    from minitrain.train.step import make_train_step
+
+    params = mt.models.cruncher_init(dim=256, num_layers=2, generator=torch.Generator())
+
+    def loss(params, batch):
+        x, y = batch
+        return mt.losses.mse(mt.models.cruncher(params, x), y)
+
+    batch = (torch.randn(2, 256), torch.randn(2))
+    opt = mt.optim.sgd(lr=0.1, momentum=0.9)
+    exp = Experiment(init=lambda g: params, loss=loss, next_batch=lambda g: batch, optimizer=opt,
+                     steps=1, max_grad_norm=1e-9)  # every step clips
+    copy = mt.tree.map(torch.clone, params)
+    state = opt.init(copy)
+    with acc.Counter(keep_records=False) as counter:
+        counter.track(copy, state, batch)
+        out = make_train_step(exp, mt.get_backend("cpu"), donate=donate)(copy, state, batch)
+        del out
+    pred = predict_step(loss, params, batch, optimizer=opt, donate=donate, max_grad_norm=1e-9)
+    assert pred.peak_phase in ("clip", "update")
+    assert pred.peak_bytes == pytest.approx(counter.peak_bytes, rel=0.01)
+    assert pred.flops == counter.flops

@@ -371,9 +371,11 @@ def predict_step(
         if meta_params is None:
             meta_params = _map(_to_meta, fake_params)
             lifetimes.alias(meta_params, fake_params)
-        end_state = _update(trace, optimizer, meta_params, meta_grads, state, donate,
-                            max_grad_norm)
-    del meta_grads
+        # The grads go in a box the update empties: once clipped, the unclipped grads die as
+        # they do in the train step (which rebinds its one reference).
+        box = [meta_grads]
+        del meta_grads
+        end_state = _update(trace, optimizer, meta_params, box, state, donate, max_grad_norm)
     end = _live_by_category(lifetimes)
     del end_state, new_state
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
@@ -441,9 +443,11 @@ def predict_call(
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
 
 
-def _update(trace: _Trace, optimizer: Any, params: Any, grads: Any, state: Any, donate: bool,
-            max_grad_norm: float | None) -> Any:
-    """Clip (or take the norm of) the grads and update, as the train step does; on meta."""
+def _update(trace: _Trace, optimizer: Any, params: Any, box: list[Any], state: Any,
+            donate: bool, max_grad_norm: float | None) -> Any:
+    """Clip (or take the norm of) the grads (``box``'s one item, taken out, so only this
+    frame holds them) and update, as the train step does; on meta."""
+    grads = box.pop()
     with trace.watching(None, "clip"):
         if max_grad_norm is not None:
             from minitrain.optim import clip_by_global_norm
