@@ -91,7 +91,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_refuse_constant)
         except ValueError:
             if number == len(lines):  # the unfinished last line of a killed run
                 break
@@ -102,6 +102,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise MetricsError(f"{path} line {number} has no integer 'step'; fix or delete it")
         records.append(record)
     return records
+
+
+def _refuse_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON (minitrain writes null): a line holding one was edited."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def truncate_metrics(path: str | os.PathLike, step: int) -> int:

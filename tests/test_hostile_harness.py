@@ -39,14 +39,21 @@ SCRIPT = textwrap.dedent(
     import minitrain as mt
 
     CONFIG = {"dim": 4, "batch_size": 4, "lr": 0.05, "steps": 6, "fail": "", "sleep": 0.0,
-              "eval_every": 0, "has_aux": False, "evaluate": False}
+              "eval_every": 0, "has_aux": False, "evaluate": False, "setup_sleep": 0.0}
 
 
     class UserBug(Exception):
         pass
 
 
+    class BaseBug(BaseException):  # what no `except Exception` catches
+        pass
+
+
     def experiment(config):
+        if config["setup_sleep"]:  # a slow setup; the marker file says it has begun
+            open(__file__ + ".started", "w").close()
+            time.sleep(config["setup_sleep"])
         dim, batch_size = config["dim"], config["batch_size"]
         where, what, at = (config["fail"].split(":") + ["", "", "0"])[:3]
         at, calls = int(at or 0), {}
@@ -64,6 +71,14 @@ SCRIPT = textwrap.dedent(
                 raise UserBug(f"{name} gave up")
             if what == "MemoryError":
                 raise MemoryError("user out of memory")
+            if what == "ValueError":
+                raise ValueError(f"{name} got a bad value")
+            if what == "BaseBug":
+                raise BaseBug(f"{name} gave up")
+            if what == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            if what.startswith("exit"):
+                raise SystemExit(int(what[4:]))
             if what.startswith(("sigterm", "sigint")):
                 sig = signal.SIGTERM if what.startswith("sigterm") else signal.SIGINT
                 for _ in range(int(what[7 if what.startswith("sigterm") else 6:] or 1)):

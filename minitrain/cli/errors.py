@@ -9,6 +9,8 @@ turns them into messages and exit codes.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -99,8 +101,68 @@ def training_errors() -> Iterator[None]:
         raise mapped from None
 
 
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _early_sigterm() -> Iterator[None]:
+    """Until a command installs its own handlers (the fit loop's), SIGTERM stops the process as
+    Ctrl-C does: exit 130 with a line, not death by signal. The previous handler comes back
+    unless a command replaced this one."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _terminate_as_interrupt:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _raise_broken_pipe() -> None:
+    raise BrokenPipeError(32, os.strerror(32))
+
+
+@contextlib.contextmanager
+def output_errors(saved_in: str | os.PathLike | None = None) -> Iterator[None]:
+    """Writing a command's result to stdout failed (a closed pipe, a full device): one line,
+    exit 1, naming where the result is saved. Pass ``console`` objects of rich through
+    :func:`rich_console` so that a closed pipe is an error here, not rich's silent exit."""
+    try:
+        yield
+        sys.stdout.flush()
+    except OSError as exc:
+        _silence_stdout()
+        where = f"; the summary is saved in {saved_in}" if saved_in is not None else ""
+        raise RunFailed(f"cannot write to standard output: {errors.os_cause(exc)}{where}") from None
+
+
+def rich_console():  # noqa: ANN201 (rich is imported lazily)
+    """A rich Console whose closed pipe raises BrokenPipeError (rich exits 1 silently)."""
+    from rich.console import Console
+
+    console = Console()
+    console.on_broken_pipe = _raise_broken_pipe
+    return console
+
+
 def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
     """Invoke ``command``; print click usage errors and :class:`UserError` on one line."""
+    with _early_sigterm():
+        _run_cli(command, argv)
+
+
+def _run_cli(command: click.Command, argv: list[str] | None) -> None:
     try:
         command.main(args=argv, standalone_mode=False)
     except _NO_ARGS_IS_HELP as exc:  # `minitrain` alone: show the help
@@ -114,8 +176,15 @@ def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
-        click.echo("error: aborted", err=True)
+        click.echo("error: interrupted before anything was saved", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted before anything was saved", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:  # e.g. `minitrain backends | head -1`
+        _silence_stdout()
+        click.echo("error: cannot write to standard output: broken pipe", err=True)
+        sys.exit(EXIT_FAILED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except errors.MinitrainError as exc:  # raised outside training_errors(): still one line

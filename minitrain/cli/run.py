@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import RunFailed, UserError, training_errors
+from minitrain.cli.errors import (
+    RunFailed,
+    UserError,
+    output_errors,
+    rich_console,
+    training_errors,
+)
 from minitrain.cli.options import SEED, training_options
 
 
@@ -91,10 +97,11 @@ def run(
         summary = result.summary
         if parallel is not None and not parallel.is_main:
             return
-        if as_json:
-            click.echo(dumps_finite(summary, indent=2))
-        else:
-            _print_summary(summary)
+        with output_errors(out / "summary.json" if out is not None else None):
+            if as_json:
+                click.echo(dumps_finite(summary, indent=2))
+            else:
+                _print_summary(summary)
 
 
 def _launch_workers(nproc: int, experiment: Any, backend: Any) -> None:
@@ -144,7 +151,6 @@ def _check_out_dir(out: Path | None) -> None:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{summary['name']} on {summary['backend']}", show_header=False)
@@ -164,7 +170,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     rows += [(f"eval {k}", f"{v:.6g}") for k, v in summary.get("eval", {}).items()]
     for name, value in rows:
         table.add_row(name, value)
-    console = Console()
+    console = rich_console()
     console.print(table)
     if "resources" in summary:
         from minitrain.accounting.report import format_report

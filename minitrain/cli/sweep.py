@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError, training_errors
+from minitrain.cli.errors import UserError, output_errors, rich_console, training_errors
 from minitrain.cli.options import training_options
 
 
@@ -88,14 +88,14 @@ def sweep(
             summary["plot"] = str(plot_sweep(out))
         except MissingExtra as exc:
             click.echo(f"warning: no plot: {exc}", err=True)
-    if as_json:
-        click.echo(dumps_finite(summary, indent=2))
-    else:
-        _print_summary(summary)
+    with output_errors(out / "summary.json" if out is not None else None):
+        if as_json:
+            click.echo(dumps_finite(summary, indent=2))
+        else:
+            _print_summary(summary)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     ranking = summary["ranking"]
@@ -121,7 +121,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"diverged at step {row['diverged_at']}" if diverged else "ok",
         ]
         table.add_row(*cells, style="red" if diverged else None)
-    console = Console()
+    console = rich_console()
     console.print(table)
     step_ms = summary["step_seconds"] * 1e3
     console.print(

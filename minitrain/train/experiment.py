@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import sys
 import traceback
@@ -41,6 +42,8 @@ __all__ = [
     "ExperimentError",
     "ResumeError",
     "apply_overrides",
+    "as_recorded",
+    "check_config_value",
     "coerce_value",
     "load_experiment",
     "load_script",
@@ -148,6 +151,47 @@ def check_loss_output(loss: Any, aux: Any) -> None:
             raise ExperimentError(
                 f"the loss's aux value {key!r} is {what}; log 0-d tensors (e.g. x.mean())"
             )
+
+
+def check_config_value(where: str, value: Any) -> None:
+    """Refuse a config value that a checkpoint cannot record: it is saved in every checkpoint's
+    ``state.json`` and compared on ``--resume``, so it must be JSON data with finite numbers.
+
+    >>> check_config_value("CONFIG['sizes']", [64, {"lr": 0.1, "name": None}])
+    >>> check_config_value("CONFIG['lr']", float("nan"))
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.ExperimentError: CONFIG['lr'] is nan; config values must be finite numbers, ...
+    """
+    kind = "config values must be finite numbers, strings, booleans, None, or lists and dicts of "
+    kind += "them (each checkpoint records the config); build other objects in experiment(config)"
+    if value is None or isinstance(value, bool | int | str):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ExperimentError(f"{where} is {value}; {kind}")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_config_value(f"{where}[{index}]", item)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ExperimentError(f"{where} has the key {key!r}; {kind} (with str keys)")
+            check_config_value(f"{where}[{key!r}]", item)
+        return
+    raise ExperimentError(f"{where} is a {type(value).__name__}; {kind}")
+
+
+def as_recorded(value: Any) -> Any:
+    """``value`` as a checkpoint records it (JSON: tuples become lists), for comparing a saved
+    config with this run's.
+
+    >>> as_recorded({"shape": (2, 3)}) == {"shape": [2, 3]}
+    True
+    """
+    return json.loads(json.dumps(value))
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -274,6 +318,8 @@ def load_script(path: str | Path) -> tuple[Mapping[str, Any], Callable[[dict], A
     config = getattr(module, "CONFIG", {})
     if not isinstance(config, Mapping):
         raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
+    for key, value in config.items():
+        check_config_value(f"{path}: CONFIG[{key!r}]", value)
     build = getattr(module, "experiment", None)
     if not callable(build):
         raise ExperimentError(

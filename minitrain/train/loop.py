@@ -277,6 +277,9 @@ class _Loop:
                     self._after_step(step, metrics, advance)
             except (NonFiniteLoss, StorageError):
                 raise
+            except KeyboardInterrupt as exc:  # raised in the script, or outside our handlers
+                self._save_on_error(exc)
+                raise Interrupted(self._stop_message(self.stepper.current_step)) from None
             except BaseException as exc:
                 self._save_on_error(exc)
                 raise

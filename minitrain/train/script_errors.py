@@ -53,6 +53,8 @@ def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit (sys.exit({exc.code!r}))"
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
@@ -60,12 +62,14 @@ def _describe(exc: BaseException) -> str:
 @contextlib.contextmanager
 def script_call(what: str, step: int | None = None) -> Iterator[None]:
     """Re-raise an exception of user code as :class:`ScriptError` (minitrain's own errors and
-    KeyboardInterrupt pass through)."""
+    KeyboardInterrupt pass through). ``sys.exit()`` and other ``BaseException`` subclasses
+    raised by the script are its errors too: they must not end the run with their own exit code
+    or without a message."""
     try:
         yield
-    except MinitrainError:
+    except (MinitrainError, KeyboardInterrupt, GeneratorExit):
         raise
-    except Exception as exc:
+    except BaseException as exc:
         frames = user_frames(exc)
         shown = "".join(traceback.format_list(frames)) if frames else ""
         where = f" at step {step}" if step is not None else ""

@@ -23,10 +23,10 @@ from minitrain import checkpoint, rng
 from minitrain.backend import Backend
 from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, ScriptError
 from minitrain.optim import learning_rate
-from minitrain.train.experiment import Experiment, one_line
+from minitrain.train.experiment import Experiment, as_recorded, one_line
 from minitrain.train.loop import FitResult, StepTimer, run_loop
 from minitrain.train.progress import resident_bytes
-from minitrain.train.script_errors import script_call
+from minitrain.train.script_errors import script_call, user_frames
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
 from minitrain.train.step import (
     can_donate,
@@ -115,7 +115,7 @@ class SingleRun:
                     f"{run_dir} was trained with {key}={saved.get(key)!r}, this run has "
                     f"{key}={current[key]!r}; use the same value to resume, or a new --out"
                 )
-        old, new = saved.get("config", {}), current["config"]
+        old, new = saved.get("config", {}), as_recorded(current["config"])
         for key in sorted(set(old) | set(new)):
             if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
                 raise ResumeError(
@@ -299,7 +299,12 @@ class _first_step_mistakes:
         if self.enabled and isinstance(exc, ScriptError):
             cause = exc.__cause__
             if isinstance(cause, ValueError | TypeError | IndexError | RuntimeError):
-                raise ExperimentError(f"the first train step failed: {one_line(cause)}") from cause
+                frames = user_frames(cause)
+                where = f" ({Path(frames[-1].filename).name} line {frames[-1].lineno})" if (
+                    frames) else ""
+                raise ExperimentError(
+                    f"the first train step failed in the loss{where}: {one_line(cause)}"
+                ) from cause
         return False
 
 

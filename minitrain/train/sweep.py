@@ -76,6 +76,7 @@ from minitrain.train.ensemble_step import (
     make_ensemble_step,
     shared_by_seed,
 )
+from minitrain.train.experiment import as_recorded
 from minitrain.train.loop import FitResult, StepTimer, run_loop
 from minitrain.train.members import (
     Ensemble,
@@ -397,7 +398,7 @@ def _check_same_sweep(saved: dict[str, Any], current: dict[str, Any], run_dir: P
                 f"{run_dir} was trained with {key}={saved.get(key)!r}, this sweep has "
                 f"{key}={current[key]!r}; use the same value to resume, or a new --out"
             )
-    old, new = saved.get("members", []), current["members"]
+    old, new = saved.get("members", []), as_recorded(current["members"])
     if len(old) != len(new) or len(saved.get("data_generators", [])) != len(new):
         raise ResumeError(
             f"{run_dir} holds a sweep of {len(old)} members, this one has {len(new)}; pass the "
