@@ -23,10 +23,11 @@ the trajectory of one rank up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "bucket_plan",
     "allreduce_sum",
     "check_splittable",
+    "collective",
     "from_environment",
     "in_worker",
     "is_main",
@@ -230,16 +232,39 @@ def allreduce_sum(
         return [t.clone() for t in tensors]
     plan = bucket_plan(tensors, bucket_bytes)
     flats = [torch.cat([tensors[i].reshape(-1) for i in members]) for members in plan]
-    works = [
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True) for flat in flats
-    ]
+    with collective("the gradient all-reduce"):
+        works = [
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            for flat in flats
+        ]
+        for work in works:
+            work.wait()
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for members, flat, work in zip(plan, flats, works, strict=True):
-        work.wait()
+    for members, flat in zip(plan, flats, strict=True):
         pieces = flat.split([tensors[i].numel() for i in members])
         for i, piece in zip(members, pieces, strict=True):
             out[i] = piece.view_as(tensors[i])
     return out
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """A collective that fails (gloo or NCCL lost a peer, or timed out) is a
+    :class:`DistributedError` naming it, not an error of the user's loss.
+
+    >>> with collective("the gradient all-reduce"):  # doctest: +ELLIPSIS
+    ...     raise RuntimeError("[gloo] Connection closed by peer")
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.DistributedError: the gradient all-reduce failed: another worker ...
+    """
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed.DistBackendError is one
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise DistributedError(
+            f"{what} failed: another worker stopped or lost contact ({cause})"
+        ) from exc
 
 
 class DataParallel:
@@ -313,13 +338,15 @@ class DataParallel:
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (so every rank stops at the same step)."""
         value = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        with collective("agreeing on a stop"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item())
 
     def check_same(self, value: int, what: str) -> None:
         """Raise :class:`DistributedError` unless ``value`` is the same on every rank."""
         both = torch.tensor([value, -value], device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        with collective(f"comparing {what} across ranks"):
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = int(both[0]), -int(both[1])
         if high != low:
             raise DistributedError(

@@ -123,6 +123,8 @@ LOOP_REFUSED = {
     "--seed 2**63": (("--seed", str(2**63)), "--seed"),
     "--set lr=inf": (("--set", "lr=inf"), "lr"),
     "--set lr=1e400": (("--set", "lr=1e400"), "lr"),
+    "--set dim=10**20": (("--set", f"dim={10**20}"), "dim"),
+    "--set dim=-2**63-1": (("--set", f"dim={-2**63 - 1}"), "dim"),
 }
 
 

@@ -237,7 +237,7 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
         if default is None:
             return text
         if kind is int:
-            return int(text)
+            value = int(text)
         if kind is float:
             value = float(text)
         if kind is str:
@@ -247,6 +247,13 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
         raise ExperimentError(
             f"--set {key}={text}: expected {article} {kind.__name__} (the default is {default!r})"
         ) from None
+    if kind is int:
+        if not -(2**63) <= value < 2**63:
+            raise ExperimentError(
+                f"--set {key}={text}: expected an int in [-2**63, 2**63) (the default is "
+                f"{default!r})"
+            )
+        return value
     if kind is float:
         if not math.isfinite(value):
             raise ExperimentError(
