@@ -267,6 +267,7 @@ class SingleRun:
             self.params,
             self.opt_state,
             self._batch,
+            **self._prediction_inputs(),
             examples_per_step=round(summary["examples_per_step"] * share) or None,
             exact_flops_per_step=round(exact * share) if exact is not None else None,
             peak_flops=self.backend.peak_flops(),
@@ -279,6 +280,22 @@ class SingleRun:
 
             report["communication"] = self.parallel.communication(gradient_bytes(self.params))
         return report
+
+    def _prediction_inputs(self) -> dict[str, Any]:
+        """What :func:`~minitrain.accounting.predict_step` needs to predict this run's step on
+        fake tensors, apart from the measured one: its loss, optimizer, clipping, autocast and
+        model state. A loss-scaled step (fp16) is traced whole instead (``predict_call``)."""
+        experiment, carry = self.experiment, self.carry
+        if carry is not None and carry.loss_scale is not None:
+            return {}
+        return {
+            "loss_fn": experiment.loss,
+            "optimizer": experiment.optimizer,
+            "has_aux": experiment.has_aux,
+            "max_grad_norm": experiment.max_grad_norm,
+            "autocast": self.backend.autocast,
+            "model_state": carry.model_state if carry is not None else None,
+        }
 
     def result(self, summary: dict[str, Any]) -> FitResult:
         return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary,
