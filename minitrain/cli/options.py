@@ -16,7 +16,11 @@ SEED = click.IntRange(min=0, max=MAX_SEED)
 
 _SHARED = (
     click.option(
-        "--backend", default="cpu", help="cpu (fp32), cpu-bf16, cuda (bf16 autocast), auto."
+        "--backend",
+        default="cpu",
+        help="cpu (fp32), cpu-bf16, cpu-fp16, cpu-fp8, cpu-mxfp8, cpu-mxfp4, cpu-nvfp4, cuda "
+        "(bf16 autocast), cuda-fp16, cuda-fp8, auto, or an installed backend "
+        "(see minitrain backends).",
     ),
     click.option(
         "--steps",
