@@ -176,3 +176,15 @@ def test_nan_written_into_metrics_by_hand_names_the_file_and_line(
     assert code == 2, err
     check_clean(err, "metrics.jsonl", "line 3", script=script)
     check_kept(before, out)
+
+
+def test_an_error_in_a_module_the_script_imports_names_both_lines(capsys, tmp_path, safe_signals):
+    (tmp_path / "user_helpers.py").write_text("def build(config):\n    return config['missing']\n")
+    path = tmp_path / "uses_helpers.py"
+    path.write_text(
+        "import sys\nsys.path.insert(0, __file__.rsplit('/', 1)[0])\nimport user_helpers\n"
+        "CONFIG = {'lr': 0.1}\n\ndef experiment(config):\n    return user_helpers.build(config)\n"
+    )
+    code, _, err = run(capsys, path, tmp_path / "run")
+    assert code == 2, err
+    check_clean(err, "KeyError", "user_helpers.py line 2, called from line 7")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from minitrain.errors import ExperimentError, ResumeError
+from minitrain.train.script_errors import user_frames
 from minitrain.tree import Params, PyTree
 
 __all__ = [
@@ -359,17 +360,19 @@ def import_script(path: Path) -> Any:
 
 
 def describe_failure(exc: BaseException, path: str | Path) -> str:
-    """``"NameError: name 'x' is not defined (line 12)"``, the line taken in ``path``."""
+    """``"NameError: name 'x' is not defined (line 12)"``, the line taken in ``path``; where the
+    error was raised in another of the user's files, that file and line too."""
     resolved = str(Path(path).resolve())
-    lines = [
-        frame.lineno
-        for frame in traceback.extract_tb(exc.__traceback__)
-        if str(Path(frame.filename).resolve()) == resolved
-    ]
+    frames = traceback.extract_tb(exc.__traceback__)
+    lines = [frame.lineno for frame in frames if str(Path(frame.filename).resolve()) == resolved]
     if isinstance(exc, SyntaxError) and exc.lineno:
         lines.append(exc.lineno)
-    where = f" (line {lines[-1]})" if lines else ""
-    return f"{one_line(exc)}{where}"
+    where = f"line {lines[-1]}" if lines else ""
+    innermost = user_frames(exc)[-1:] if not isinstance(exc, SyntaxError) else []
+    if innermost and str(Path(innermost[0].filename).resolve()) != resolved:
+        raised = f"{Path(innermost[0].filename).name} line {innermost[0].lineno}"
+        where = f"{raised}, called from {where}" if where else raised
+    return f"{one_line(exc)} ({where})" if where else one_line(exc)
 
 
 def one_line(exc: BaseException) -> str:
