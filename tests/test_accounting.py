@@ -47,7 +47,8 @@ def test_bytes_per_param_by_optimizer_and_precision():
     fp32 = {name: acc.bytes_per_param(name, "fp32").total for name in acc.OPTIMIZER_STATES}
     assert fp32 == {"sgd": 8, "momentum": 12, "adagrad": 12, "rmsprop": 12, "adam": 16,
                     "adamw": 16, "adadelta": 16, "adamax": 16, "nadam": 16, "radam": 16,
-                    "asgd": 12, "rprop": 16, "adafactor": 8, "lion": 12, "muon": 12}
+                    "asgd": 12, "rprop": 16, "adafactor": 8, "lion": 12, "muon": 12,
+                    "schedule_free_adamw": 16}
     # ZeRO paper section 3.1: mixed-precision Adam is 2 + 2 + 12 = 16 bytes per parameter.
     mixed = acc.bytes_per_param("adam", "bf16-mixed")
     assert (mixed.params, mixed.grads, mixed.optimizer_state + mixed.master_weights) == (2, 2, 12)
@@ -400,6 +401,7 @@ def test_hardware_table_gives_cpu_figures_with_their_own_prefix(quick_cpu, capsy
 
 def _torch_optimizers():
     import lion_pytorch
+    import schedulefree
     import torch
 
     o = torch.optim
@@ -409,6 +411,7 @@ def _torch_optimizers():
         "adadelta": (o.Adadelta, {}), "adamax": (o.Adamax, {}), "nadam": (o.NAdam, {}),
         "radam": (o.RAdam, {}), "asgd": (o.ASGD, {}), "rprop": (o.Rprop, {}),
         "adafactor": (o.Adafactor, {}), "lion": (lion_pytorch.Lion, {}), "muon": (o.Muon, {}),
+        "schedule_free_adamw": (schedulefree.AdamWScheduleFree, {}),
     }
 
 
@@ -424,6 +427,8 @@ def test_optimizer_state_elements_equal_torchs_state(optimizer, shape):
     p = torch.nn.Parameter(torch.randn(shape))
     p.grad = torch.randn(shape)
     opt = cls([p], **options)
+    if hasattr(opt, "train"):  # schedulefree steps in train mode only
+        opt.train()
     opt.step()
     elements = sum(t.numel() for t in opt.state[p].values() if isinstance(t, torch.Tensor))
     assert acc.optimizer_state_elements(optimizer, shape) == elements

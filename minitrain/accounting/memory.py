@@ -42,7 +42,8 @@ __all__ = [
 # "square_avg" (no momentum, not centered); Adam/AdamW "exp_avg" and "exp_avg_sq"; Adadelta
 # "square_avg" and "acc_delta"; Adamax "exp_avg" and "exp_inf"; NAdam and RAdam "exp_avg" and
 # "exp_avg_sq"; ASGD "ax" (the average); Rprop "prev" and "step_size"; Muon (torch/optim/_muon.py)
-# "momentum_buffer"; Lion (Chen et al. 2023; lion-pytorch) its single "exp_avg". Adafactor
+# "momentum_buffer"; Lion (Chen et al. 2023; lion-pytorch) its single "exp_avg"; schedule-free
+# AdamW (Defazio et al. 2024; schedulefree's AdamWScheduleFree) "z" and "exp_avg_sq". Adafactor
 # (torch/optim/_adafactor.py, Shazeer and Stern 2018) factors the second moment of a matrix into
 # "row_var" (rows) and "col_var" (columns), ``(r + c)/(r·c)`` elements per parameter, 0 in the
 # limit of large matrices; a vector keeps a full "variance" (see :func:`optimizer_state_elements`).
@@ -62,11 +63,13 @@ OPTIMIZER_STATES: dict[str, int] = {
     "adafactor": 0,
     "lion": 1,
     "muon": 1,
+    "schedule_free_adamw": 2,
 }
 # 0-d tensors torch keeps per parameter tensor besides those: "step" (all but SGD, Lion and
 # Muon), NAdam's "mu_product", ASGD's "eta" and "mu".
 _SCALAR_STATES: dict[str, int] = dict.fromkeys(OPTIMIZER_STATES, 1) | {
     "sgd": 0, "momentum": 0, "lion": 0, "muon": 0, "nadam": 2, "asgd": 3,
+    "schedule_free_adamw": 0,  # its step count and weight sum live in the param group
 }
 
 

@@ -168,7 +168,8 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
 @click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
 @click.option("--optimizer", default="adamw",
-              help="sgd, momentum, adagrad, rmsprop, adam, adamw.")
+              help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, radam, "
+                   "asgd, rprop, adafactor, lion, muon, schedule_free_adamw.")
 @click.option("--precision", default="fp32", help="fp32, bf16-mixed, amp, bf16.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
@@ -230,7 +231,9 @@ def memory(hardware_name: str, gpus: int, optimizer: str, precision: str, zero_s
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
               help="Context length (default: the preset's).")
 @click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
-@click.option("--optimizer", default="adamw", help="sgd, momentum, adagrad, rmsprop, adam, adamw.")
+@click.option("--optimizer", default="adamw",
+              help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, radam, "
+                   "asgd, rprop, adafactor, lion, muon, schedule_free_adamw.")
 @click.option("--precision", default="bf16-mixed", help="fp32, bf16-mixed, amp, bf16.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
