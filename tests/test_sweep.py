@@ -329,8 +329,12 @@ def test_cli_sweep_writes_the_run_and_reports_the_whole_ensemble(capsys, tmp_pat
     single = fit(experiment, CPU, progress=False, report=True, config=config).summary["resources"]
     ensemble = summary["resources"]
     assert member.config["lr"] == 0.01 and ensemble["members"] == 4
-    for key in ("params", "grads", "optimizer_state", "batch"):
+    for key in ("params", "optimizer_state", "batch"):
         assert ensemble["memory"]["predicted"][key] == 4 * single["memory"]["predicted"][key]
+    # A single run is predicted by predict_step, which knows its grads; the vmapped ensemble
+    # step is traced whole, where grads cannot be told from other temporaries: not a zero.
+    assert single["memory"]["predicted"]["grads"] == 16 * 4
+    assert ensemble["memory"]["predicted"]["grads"] is None
     for key in ("rule_6bp", "exact", "counted_matmul"):
         assert ensemble["flops_per_step"][key] == 4 * single["flops_per_step"][key]
     code, stdout, _ = invoke(capsys, "sweep", LINREG, "--set", "lr=0.01,0.1", "--steps", "5")

@@ -290,7 +290,7 @@ def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
         "backward_peak": chapter["backward"],
         "update_peak": chapter["update"],
         "params": persistent.get("params", 0),
-        "grads": largest.get("grads", 0),
+        "grads": largest.get("grads"),  # None: a whole-step trace cannot tell grads apart
         "optimizer_state": persistent.get("optimizer_state", 0),
         "batch": persistent.get("batch", 0),
         "activations": memory["saved_for_backward"],
