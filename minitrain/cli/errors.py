@@ -175,10 +175,7 @@ def _run_cli(command: click.Command, argv: list[str] | None) -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("error: interrupted before anything was saved", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt):  # before any handler of a command's
         click.echo("error: interrupted before anything was saved", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:  # e.g. `minitrain backends | head -1`

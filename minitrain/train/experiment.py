@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from minitrain.errors import ExperimentError, ResumeError
-from minitrain.train.script_errors import user_frames
+from minitrain.train.script_errors import raised_at
 from minitrain.tree import Params, PyTree
 
 __all__ = [
@@ -368,9 +368,9 @@ def describe_failure(exc: BaseException, path: str | Path) -> str:
     if isinstance(exc, SyntaxError) and exc.lineno:
         lines.append(exc.lineno)
     where = f"line {lines[-1]}" if lines else ""
-    innermost = user_frames(exc)[-1:] if not isinstance(exc, SyntaxError) else []
-    if innermost and str(Path(innermost[0].filename).resolve()) != resolved:
-        raised = f"{Path(innermost[0].filename).name} line {innermost[0].lineno}"
+    frame = None if isinstance(exc, SyntaxError) else raised_at(exc)
+    if frame is not None and str(Path(frame.filename).resolve()) != resolved:
+        raised = f"{Path(frame.filename).name} line {frame.lineno}"
         where = f"{raised}, called from {where}" if where else raised
     return f"{one_line(exc)} ({where})" if where else one_line(exc)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from minitrain.errors import MinitrainError, ScriptError
 
-__all__ = ["ScriptError", "script_call", "user_frames"]
+__all__ = ["ScriptError", "raised_at", "script_call", "user_frames"]
 
 _OURS = Path(__file__).resolve().parents[1]  # minitrain/
 
@@ -50,6 +50,12 @@ def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
         if not str(Path(frame.filename).resolve()).startswith(roots)
         and not frame.filename.startswith("<")
     ]
+
+
+def raised_at(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc`` in the user's own files (None: it rose in libraries)."""
+    frames = user_frames(exc)
+    return frames[-1] if frames else None
 
 
 def _describe(exc: BaseException) -> str:

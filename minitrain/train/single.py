@@ -26,7 +26,7 @@ from minitrain.optim import learning_rate
 from minitrain.train.experiment import Experiment, as_recorded, one_line
 from minitrain.train.loop import FitResult, StepTimer, run_loop
 from minitrain.train.progress import resident_bytes
-from minitrain.train.script_errors import script_call, user_frames
+from minitrain.train.script_errors import raised_at, script_call
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
 from minitrain.train.step import (
     can_donate,
@@ -316,9 +316,8 @@ class _first_step_mistakes:
         if self.enabled and isinstance(exc, ScriptError):
             cause = exc.__cause__
             if isinstance(cause, ValueError | TypeError | IndexError | RuntimeError):
-                frames = user_frames(cause)
-                where = f" ({Path(frames[-1].filename).name} line {frames[-1].lineno})" if (
-                    frames) else ""
+                frame = raised_at(cause)
+                where = f" ({Path(frame.filename).name} line {frame.lineno})" if frame else ""
                 raise ExperimentError(
                     f"the first train step failed in the loss{where}: {one_line(cause)}"
                 ) from cause
