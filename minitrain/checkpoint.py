@@ -524,7 +524,7 @@ def _check_file(path: Path, record: dict[str, Any], keep_bytes: bool) -> bytes:
         raise CheckpointError(f"{path.name} is missing")
     size = path.stat().st_size
     with open(path, "rb") as handle:
-        _refuse_pickle(handle.read(8), path.name)
+        _refuse_pickle(handle.read(9), path.name)
     if size != record["bytes"]:
         raise CheckpointError(
             f"{path.name} is {size} bytes where {record['bytes']} were written "

@@ -99,10 +99,17 @@ def _is_int(value: Any) -> bool:
 def pickle_kind(head: bytes) -> str | None:
     """What a file starting with ``head`` is, if it is a pickle in disguise; else None.
 
+    ``head`` is a file's first 9 bytes or more. A safetensors file starts with its header's
+    length (8 bytes, little-endian) and the header's ``{``; a length such as 640 begins with
+    the bytes a pickle begins with, so that file is not taken for one.
+
     >>> import pickle
-    >>> pickle_kind(pickle.dumps([1], protocol=4)[:8]), pickle_kind(b"{")
+    >>> pickle_kind(pickle.dumps([1], protocol=4)[:9]), pickle_kind(b"{")
     ('a pickle', None)
+    >>> pickle_kind((640).to_bytes(8, "little") + b"{")  # a safetensors header of 640 bytes
     """
+    if len(head) >= 9 and head[8:9] == b"{":
+        return None
     # Pickle protocols 2-5 start with PROTO (0x80) and the protocol number; torch.save writes a
     # zip archive (local file header "PK\x03\x04"), whose data.pkl is a pickle.
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):

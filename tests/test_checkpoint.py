@@ -105,6 +105,25 @@ def test_round_trip_is_bit_exact(tmp_path):
     assert_bit_equal(loaded.opt_state, opt_state)
 
 
+@pytest.mark.parametrize("header_bytes", [0x280, 0x380, 0x480, 0x580])
+def test_a_safetensors_header_whose_length_starts_like_a_pickle_loads(tmp_path, header_bytes):
+    # A header of 640 bytes is written as 80 02 00 ..., the bytes a pickle starts with.
+    def saved(width: int) -> tuple[Path, int]:
+        path = checkpoint.save(tmp_path / str(width), 1, {"w": torch.ones(2)},
+                               {"k" * width: torch.zeros(3)})
+        return path, int.from_bytes((path / "opt_state.safetensors").read_bytes()[:8], "little")
+
+    low, high = 1, 2 * header_bytes  # the header grows with the key: bisect for its width
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if saved(middle)[1] < header_bytes else (low, middle)
+    path, length = saved(low)
+    assert length == header_bytes
+    assert (path / "opt_state.safetensors").read_bytes()[:2] == bytes([0x80, header_bytes >> 8])
+    loaded = checkpoint.load(path, {"w": torch.zeros(2)}, {"k" * low: torch.ones(3)})
+    assert torch.equal(loaded.opt_state["k" * low], torch.zeros(3))
+
+
 def test_tensors_are_stored_by_tree_names_in_plain_safetensors(tmp_path):
     params = make_params()
     path = checkpoint.save(tmp_path, 1, params, make_opt_state(params))
