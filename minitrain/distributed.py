@@ -342,6 +342,14 @@ class DataParallel:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item())
 
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of ``tensor`` over the ranks, in a new tensor (fp8 amax
+        histories: every rank then scales by the same amaxes)."""
+        value = tensor.clone()
+        with collective("reducing the fp8 amax histories"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return value
+
     def check_same(self, value: int, what: str) -> None:
         """Raise :class:`DistributedError` unless ``value`` is the same on every rank."""
         both = torch.tensor([value, -value], device=self.device)

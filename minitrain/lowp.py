@@ -276,6 +276,9 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
 
 
+# Under torch.compile the simulated matmul runs eager (a graph break around each one): dynamo
+# cannot trace this autograd.Function ("Expected FakeTensor", torch 2.13); the rest compiles.
+@torch.compiler.disable
 def matmul(
     a: torch.Tensor, b: torch.Tensor, r: Recipe | str, history: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -35,6 +35,8 @@ __all__ = [
     "POLICIES",
     "policy",
     "compute_context",
+    "delayed_scaling",
+    "without_matmul_format",
     "LossScaleState",
     "DynamicLossScale",
     "dynamic_loss_scale",
@@ -123,6 +125,28 @@ def compute_context(
         if p.matmul_format is not None:
             stack.enter_context(lowp.simulate(p.matmul_format, fp8_state))
         yield
+
+
+def delayed_scaling(p: Policy | str) -> lowp.Recipe | None:
+    """The fp8 recipe whose per-tensor scales a training run takes from an amax history
+    (Transformer Engine's ``DelayedScaling``), or None: block formats scale from their blocks,
+    and a policy without a matmul format has nothing to scale.
+
+    >>> delayed_scaling("fp8").history_len, delayed_scaling("mxfp8"), delayed_scaling("bf16")
+    (16, None, None)
+    """
+    p = policy(p)
+    if p.matmul_format is None:
+        return None
+    r = lowp.recipe(p.matmul_format)
+    return r if r.forward in lowp.PER_TENSOR else None
+
+
+def without_matmul_format(p: Policy | str) -> Policy:
+    """The policy with its matmuls left at the compute dtype: the context a train step enters
+    around a forward pass that runs its own :func:`minitrain.lowp.simulate` (delayed scaling
+    needs the amax history as an argument of the differentiated function)."""
+    return policy(p)._replace(matmul_format=None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,10 +29,13 @@ from minitrain.train.progress import resident_bytes
 from minitrain.train.script_errors import raised_at, script_call
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
 from minitrain.train.step import (
+    Carry,
     can_donate,
     carry_metrics,
     checked_values,
+    fp8_recipe_of,
     init_carry,
+    init_fp8_history,
     make_train_step,
     pack_checkpoint_state,
     unpack_checkpoint_state,
@@ -80,12 +83,33 @@ class SingleRun:
             self.opt_state = self.experiment.optimizer.init(self.params)
         with script_call("init_state(generator)"):  # model state and the loss scale, if any
             self.carry = init_carry(self.experiment, self.backend, init_generator)
+        if fp8_recipe_of(self.backend) is not None:  # a checkpoint's shape, before any resume
+            self.carry = self._with_fp8_history(self.carry)
         # The loop never reads the params and state it passes in again, so the update may
         # write into their buffers (torch.optim's in-place speed).
+        parallel = self.parallel
         self._train_step = make_train_step(
-            self.experiment, self.backend, self.parallel.reduce if self.parallel else None,
+            self.experiment, self.backend, parallel.reduce if parallel else None,
             donate=can_donate(self.experiment.optimizer), compile=self.compile,
+            amax_reduce=parallel.max if parallel else None,
         )
+
+    def _with_fp8_history(self, carry: Carry | None) -> Carry:
+        """``carry`` plus empty amax histories, one per matmul of a forward pass on a batch
+        drawn from a copy of the data generator (the run's own draws are unchanged)."""
+        probe = torch.Generator(self.data_generator.device)
+        probe.set_state(self.data_generator.get_state())
+        with script_call("next_batch(generator)", 1):
+            batch = self.experiment.next_batch(probe)
+        if self.parallel is not None:
+            batch = self.parallel.shard(batch)
+        batch = self.backend.to_device(batch)
+        model_state = carry.model_state if carry is not None else None
+        with _first_step_mistakes(True), script_call("the train step (loss)", 1):
+            history = init_fp8_history(
+                self.experiment, self.backend, self.params, model_state, batch
+            )
+        return (carry or Carry())._replace(fp8_history=history)
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -249,6 +273,9 @@ class SingleRun:
         if self.carry is not None and self.carry.loss_scale is not None:
             summary["skipped_steps"] = int(self.carry.skipped)
             summary["loss_scale"] = float(self.carry.loss_scale.scale)
+        if self.carry is not None and self.carry.fp8_history is not None:
+            matmuls, _, history_len = self.carry.fp8_history.shape
+            summary["fp8_scaling"] = {"amax_history": history_len, "matmuls": matmuls}
         if self.parallel is not None:
             summary["ranks"] = self.parallel.world_size
         return summary
@@ -284,9 +311,10 @@ class SingleRun:
     def _prediction_inputs(self) -> dict[str, Any]:
         """What :func:`~minitrain.accounting.predict_step` needs to predict this run's step on
         fake tensors, apart from the measured one: its loss, optimizer, clipping, autocast and
-        model state. A loss-scaled step (fp16) is traced whole instead (``predict_call``)."""
+        model state. A loss-scaled step (fp16) or one with fp8 amax histories is traced whole
+        instead (``predict_call``)."""
         experiment, carry = self.experiment, self.carry
-        if carry is not None and carry.loss_scale is not None:
+        if carry is not None and (carry.loss_scale is not None or carry.fp8_history is not None):
             return {}
         return {
             "loss_fn": experiment.loss,

@@ -10,20 +10,35 @@ A run may carry more than params and optimizer state, in a :class:`Carry`:
   (haiku's ``transform_with_state``, equinox's ``State``, flax's mutable collections);
 - a dynamic loss scale (:class:`minitrain.precision.LossScaleState`) when the backend's policy
   asks for one (fp16): the loss is scaled, the grads unscaled, a step whose grads overflow is
-  skipped and the scale updated, as ``torch.amp.GradScaler`` does; ``skipped`` counts them.
+  skipped and the scale updated, as ``torch.amp.GradScaler`` does; ``skipped`` counts them;
+- the amax histories of delayed fp8 scaling (:func:`minitrain.lowp.init_state`) when the
+  policy's matmuls are per-tensor fp8 (``cpu-fp8``, ``cuda-fp8``), kept as Transformer Engine's
+  ``DelayedScaling`` keeps them: each step scales each matmul's operands by the largest amax of
+  the last ``history_len`` steps and records its own. The updated histories come back as the
+  gradient of the histories (:mod:`minitrain.lowp`); they are neither clipped nor applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from minitrain import lowp
 from minitrain.backend import Backend
 from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
-from minitrain.precision import DynamicLossScale, LossScaleState, dynamic_loss_scale, select_tree
+from minitrain.precision import (
+    DynamicLossScale,
+    LossScaleState,
+    compute_context,
+    delayed_scaling,
+    dynamic_loss_scale,
+    select_tree,
+    without_matmul_format,
+)
 from minitrain.train.experiment import check_loss_output
 from minitrain.train.setup import to_backend
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
@@ -34,6 +49,8 @@ __all__ = [
     "can_donate",
     "carry_metrics",
     "checked_values",
+    "fp8_recipe_of",
+    "init_fp8_history",
     "init_carry",
     "loss_scale_of",
     "make_train_step",
@@ -50,6 +67,7 @@ class Carry(NamedTuple):
     model_state: PyTree = None  # buffers a forward pass updates (BatchNorm statistics)
     loss_scale: LossScaleState | None = None  # fp16's dynamic loss scale
     skipped: torch.Tensor | None = None  # 0-d int64: steps skipped for overflow so far
+    fp8_history: torch.Tensor | None = None  # (matmuls, 3, history_len) amaxes, delayed fp8
 
 
 class StepOutput(NamedTuple):
@@ -160,9 +178,41 @@ def loss_scale_of(experiment: Any, backend: Backend) -> DynamicLossScale | None:
     return getattr(experiment, "loss_scale", None) or dynamic_loss_scale()
 
 
+def fp8_recipe_of(backend: Backend) -> lowp.Recipe | None:
+    """The fp8 recipe of a backend whose policy scales its matmuls from amax histories
+    (``cpu-fp8``, ``cuda-fp8``), else None.
+
+    >>> import minitrain as mt
+    >>> fp8_recipe_of(mt.get_backend("cpu-fp8")).forward, fp8_recipe_of(mt.get_backend("cpu"))
+    ('fp8_e4m3', None)
+    """
+    policy = getattr(backend, "policy", None)
+    return None if policy is None else delayed_scaling(policy)
+
+
+def _fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context around a forward pass that simulates its own fp8 matmuls: the backend's
+    autocast without its matmul mode."""
+    policy = without_matmul_format(backend.policy)
+    return lambda: compute_context(policy, backend.device)
+
+
+def init_fp8_history(
+    experiment: Any, backend: Backend, params: Params, model_state: PyTree, batch: PyTree
+) -> torch.Tensor:
+    """Empty amax histories for every matmul one forward pass of ``experiment`` runs on
+    ``batch`` (counted by :func:`minitrain.lowp.count_matmuls`), on the backend's device."""
+    recipe = fp8_recipe_of(backend)
+    with _fp8_context(backend)():
+        count = lowp.count_matmuls(stateful_loss(experiment), params, model_state, batch)
+    return lowp.init_state(recipe, count).to(backend.device)
+
+
 def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) -> Carry | None:
     """The step's first :class:`Carry` (None when the run carries nothing): the model state
     from ``experiment.init_state(generator)``, and the loss scale where the backend needs one.
+    On a delayed-fp8 backend the first step adds empty amax histories, one per matmul it runs
+    (or add them before, to have the carry's shape: :func:`init_fp8_history`).
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.ones(2)}, loss=lambda p, x: p["w"].sum(),
@@ -210,7 +260,7 @@ def carry_metrics(carry: Carry | None) -> dict[str, float]:
 def pack_checkpoint_state(opt_state: OptState, carry: Carry | None) -> PyTree:
     """The tree a checkpoint's ``opt_state`` file holds: the optimizer state alone (a run that
     carries nothing, the format unchanged), else ``{"optimizer", "model_state",
-    "loss_scale", "skipped"}`` for the parts the run has."""
+    "loss_scale", "skipped", "fp8_history"}`` for the parts the run has."""
     if carry is None:
         return opt_state
     packed = {"optimizer": opt_state}
@@ -220,6 +270,8 @@ def pack_checkpoint_state(opt_state: OptState, carry: Carry | None) -> PyTree:
         packed["loss_scale"] = {"scale": carry.loss_scale.scale,
                                 "growth_tracker": carry.loss_scale.growth_tracker}
         packed["skipped"] = carry.skipped
+    if carry.fp8_history is not None:
+        packed["fp8_history"] = carry.fp8_history
     return packed
 
 
@@ -231,7 +283,17 @@ def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptSta
     if carry.loss_scale is not None:
         saved = packed["loss_scale"]
         scale = LossScaleState(saved["scale"], saved["growth_tracker"])
-    return packed["optimizer"], Carry(packed.get("model_state"), scale, packed.get("skipped"))
+    carry = Carry(
+        packed.get("model_state"), scale, packed.get("skipped"), packed.get("fp8_history")
+    )
+    return packed["optimizer"], carry
+
+
+def _recorded(new_history: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """The histories after a step: a matmul whose backward pass did not run (its output never
+    reached the loss) has a zero gradient, and keeps its old history instead."""
+    ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
+    return torch.where(ran, new_history, history)
 
 
 # (grads, loss, aux) -> (grads, loss, aux), applied between the backward pass and the update.
@@ -244,6 +306,7 @@ def make_train_step(
     grad_transform: GradTransform | None = None,
     donate: bool = False,
     compile: bool = False,
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Callable[..., StepOutput]:
     """Build the pure step ``(params, opt_state, batch, carry=None) -> StepOutput`` for
     ``experiment`` on ``backend``.
@@ -256,7 +319,9 @@ def make_train_step(
     again. The fit loop donates; the step stays pure without it. ``compile=True`` runs the
     forward and backward pass through ``torch.compile``; the gradient transform, clipping and
     the update stay eager, where they run torch's fused kernels or minitrain's streaming ones
-    (and can donate) instead of inductor's out-of-place loops.
+    (and can donate) instead of inductor's out-of-place loops. ``amax_reduce`` combines the
+    updated fp8 amax histories across data-parallel ranks (an elementwise max, as Transformer
+    Engine reduces amaxes over its data-parallel group), so every rank scales alike.
 
     ``carry`` (:func:`init_carry`) holds the model state of an experiment with ``init_state``
     and the loss scale of a backend whose policy scales the loss (fp16); the output's ``carry``
@@ -279,18 +344,25 @@ def make_train_step(
     loss_fn = stateful_loss(experiment)
     loss_scale = loss_scale_of(experiment, backend)
     needs_state = getattr(experiment, "init_state", None) is not None
+    recipe = fp8_recipe_of(backend)
 
-    def objective(params: Params, model_state: PyTree, scale: Any, batch: PyTree):
-        loss, (aux, new_state) = loss_fn(params, model_state, batch)
+    def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree):
+        fp8 = contextlib.nullcontext() if recipe is None else lowp.simulate(recipe, history)
+        with fp8:
+            loss, (aux, new_state) = loss_fn(params, model_state, batch)
         scaled = loss if scale is None else loss_scale.scale_loss(loss, scale)
         # torch.func's aux holds tensors only: a stateless run's None travels as ()
         return scaled, (loss.detach(), aux, () if new_state is None else new_state)
 
-    gradients = value_and_grad(objective, has_aux=True)
+    # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
+    gradients = value_and_grad(objective, argnums=0 if recipe is None else (0, 3), has_aux=True)
+    context = backend.autocast if recipe is None else _fp8_context(backend)
 
-    def loss_and_grads(params: Params, model_state: PyTree, scale: Any, batch: PyTree):
-        with backend.autocast():
-            return gradients(params, model_state, scale, batch)
+    def loss_and_grads(
+        params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree
+    ):
+        with context():
+            return gradients(params, model_state, scale, history, batch)
 
     if compile:
         loss_and_grads = torch.compile(loss_and_grads)
@@ -308,11 +380,21 @@ def make_train_step(
                 "this experiment has model state (init_state): pass the step its carry, "
                 "init_carry(experiment, backend, generator) at the start"
             )
-        if carry is None and loss_scale is not None:
-            carry = Carry(None, loss_scale.init(), torch.tensor(0))
+        if carry is None and (loss_scale is not None or recipe is not None):
+            carry = Carry(None, *((loss_scale.init(), torch.tensor(0)) if loss_scale else ()))
         model_state = carry.model_state if carry is not None else None
         scale = carry.loss_scale if carry is not None else None
-        (_, (loss, aux, model_state)), grads = loss_and_grads(params, model_state, scale, batch)
+        history = carry.fp8_history if carry is not None else None
+        if recipe is not None and history is None:  # the first step counts its matmuls
+            history = init_fp8_history(experiment, backend, params, model_state, batch)
+        (_, (loss, aux, model_state)), grads = loss_and_grads(
+            params, model_state, scale, history, batch
+        )
+        if recipe is not None:
+            grads, new_history = grads
+            history = _recorded(new_history, history)
+            if amax_reduce is not None:
+                history = amax_reduce(history)
         if grad_transform is not None:
             grads, loss, aux = grad_transform(grads, loss, aux)
         finite = None
@@ -338,7 +420,7 @@ def make_train_step(
             skipped = carry.skipped
             if finite is not None:
                 skipped = skipped + (~finite).to(skipped.dtype)
-            carry = Carry(model_state, scale, skipped)
+            carry = Carry(model_state, scale, skipped, history)
         return StepOutput(params, opt_state, loss, grad_norm, aux, carry, finite)
 
     return train_step
