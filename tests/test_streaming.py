@@ -173,3 +173,59 @@ def test_without_a_compiler_the_optimizers_keep_torchs_kernels(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "fused"
+
+
+@needs_kernels
+@settings(deadline=None, max_examples=15)
+@given(sizes=st.lists(st.integers(0, 70000), min_size=1, max_size=5),
+       threads=st.sampled_from([1, 2, 3]))
+def test_sum_of_squares_is_the_float64_sum_for_any_thread_count(sizes, threads):
+    g = torch.Generator().manual_seed(sum(sizes))
+    leaves = [torch.randn(n, generator=g) for n in sizes]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = streaming.sum_of_squares(leaves)
+    finally:
+        torch.set_num_threads(previous)
+    want = [float(t.double().square().sum()) for t in leaves]
+    assert ours == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+@needs_kernels
+def test_the_kernels_global_norm_matches_clip_grad_norm_and_its_edge_cases():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(300, 257), (33,), (), (0,), (70001,)]
+    grads = [torch.randn(s, generator=g) * 3 for s in shapes]
+    ps = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+    for p, t in zip(ps, grads, strict=True):
+        p.grad = t.clone()
+    want = torch.nn.utils.clip_grad_norm_(ps, 1.0)
+    ours = streaming.global_norm(grads)
+    assert ours.dtype == torch.float32 and ours.shape == ()
+    torch.testing.assert_close(ours, want, rtol=2e-5, atol=0)
+    exact = torch.cat([t.reshape(-1).double() for t in grads]).norm()
+    assert abs(float(ours) - float(exact)) <= 2e-7 * float(exact)  # float64 sums, then fp32
+    # Overflow of a float32 sum of squares is inf, as torch's float32 accumulation gives.
+    assert torch.isinf(streaming.global_norm([torch.full((10,), 1e20)]))
+    assert torch.isnan(streaming.global_norm([torch.tensor([float("nan")]), torch.ones(3)]))
+    # clip_by_global_norm on CPU float32 takes this norm, and the clipped grads equal torch's.
+    clipped, norm = mt.optim.clip_by_global_norm(grads, 1.0)
+    assert torch.equal(norm, ours)
+    for c, p in zip(clipped, ps, strict=True):
+        torch.testing.assert_close(c, p.grad, rtol=2e-5, atol=1e-8)
+
+
+@needs_kernels
+def test_a_lowered_clip_takes_the_kernels_norm_and_no_other_pass(monkeypatch):
+    calls = []
+    original = streaming.sum_of_squares
+    monkeypatch.setattr(streaming, "sum_of_squares",
+                        lambda leaves: calls.append(len(leaves)) or original(leaves))
+    monkeypatch.setattr(torch, "_foreach_norm", None)  # the torch norm must not run
+    opt = mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.clip_by_global_norm(1.0), mt.optim.scale_by_adam(),
+        mt.optim.add_decayed_weights(0.1), mt.optim.scale_by_learning_rate(0.01)))
+    params = [torch.randn(100, 10), torch.randn(10)]
+    new, _ = opt.update([torch.randn(100, 10), torch.randn(10)], opt.init(params), params)
+    assert calls == [2] and new[0].shape == (100, 10)

@@ -86,7 +86,12 @@ def _copy_like(t: Tensor, p: Tensor) -> Tensor:
 
 def _storage_holds(t: Tensor) -> bool:
     """Whether ``t``'s storage holds every element ``t`` addresses."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return True
-    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    if t.is_contiguous():
+        extent = n  # a contiguous tensor addresses [offset, offset + numel)
+    else:
+        extent = 1 + sum((size - 1) * stride
+                         for size, stride in zip(t.shape, t.stride(), strict=True))
     return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()

@@ -13,9 +13,21 @@
    same code on a zero-padded copy. It follows torch's fused CPU kernels and foreach paths
    (aten/src/ATen/native/cpu/Fused{Adam,SGD,Adagrad}Kernel.cpp, torch/optim/rmsprop.py).
    Scalars derived from the step (bias corrections, decayed lr) come in from Python as doubles.
+
+   The family rules (NAdam, RAdam, Adamax, Lion, schedule-free AdamW) follow minitrain's own
+   per-leaf functions (minitrain/optim/_nadam.py, ... which follow torch/optim/nadam.py,
+   radam.py, adamax.py, lion-pytorch's Lion and schedulefree's AdamWScheduleFree). They share
+   torch.optim's frame: hp[0..4] = grad_sign (-1 for maximize), l2 (g += l2 * p), lr, decay
+   (p *= decay before the step: decoupled weight decay 1 - lr * wd), has_lr; the new param is
+   p * decay - lr * d with has_lr, else p + d (the rule's d is the whole step).
+
+   minitrain_sumsq reduces sum(x * x) per leaf (the global-norm clip's one pass over the
+   grads), walked from the last chunk back to the first, so the lines it reads last are the
+   first ones the update after it reads.
 */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(_OPENMP)
 #include <omp.h>
@@ -70,6 +82,22 @@ static inline v8 vmax(v8 a, v8 b) { /* torch.maximum: NaN in either gives NaN */
 /* at::lerp(a, b, w): a + w * (b - a) for |w| < 0.5, else b - (1 - w) * (b - a). */
 static inline v8 lerp(v8 a, v8 b, float w, int small_w) {
     return small_w ? a + w * (b - a) : b - (1.0f - w) * (b - a);
+}
+
+static inline v8 vabs(v8 x) { /* |x|: clear the sign bit */
+    typedef int32_t i8 __attribute__((vector_size(W * sizeof(int32_t))));
+    i8 bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits &= 0x7fffffff;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline v8 vsign(v8 x) { /* torch.sign: 1, -1, or +0 for zeros and NaN */
+    typedef int32_t i8 __attribute__((vector_size(W * sizeof(int32_t))));
+    const v8 zero = {0};
+    const i8 gt = x > zero, lt = x < zero; /* -1 where true */
+    return __builtin_convertvector(lt - gt, v8);
 }
 
 /* Each rule updates elements [lo, hi) of one leaf, hi - lo a multiple of W. ptr holds the
@@ -178,12 +206,135 @@ static void rmsprop(const double *hp, float *const *ptr, int64_t lo, int64_t hi,
     }
 }
 
+
+/* The family's frame (see the top of this file). */
+typedef struct {
+    float sign, l2, lr, decay;
+    int negate, has_l2, has_lr, has_decay;
+} frame_t;
+
+static inline frame_t frame(const double *hp) {
+    frame_t f = {(float)hp[0], (float)hp[1], (float)hp[2], (float)hp[3],
+                 hp[0] != 1.0, hp[1] != 0.0, hp[4] != 0.0, hp[3] != 1.0};
+    return f;
+}
+
+static inline v8 grad_in(const frame_t *f, v8 g, v8 p) {
+    if (f->negate) g = g * f->sign;    /* scale(-1) for maximize */
+    if (f->has_l2) g = g + p * f->l2;  /* add_decayed_weights before the rule */
+    return g;
+}
+
+static inline v8 param_out(const frame_t *f, v8 p, v8 d) {
+    if (!f->has_lr) return p + d;
+    if (f->has_decay) p = p * f->decay; /* decoupled: p * (1 - lr * wd) */
+    return p - f->lr * d;
+}
+
+/* NAdam (_nadam.py nadam_leaf). hp[5..]: 1 - beta1, beta2, 1 - beta2, eps * sqrt(bc2),
+   grad_coef * sqrt(bc2), avg_coef * sqrt(bc2). ptr: p, g, exp_avg, exp_avg_sq | p, exp_avg,
+   exp_avg_sq. */
+static void nadam(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
+    const frame_t f = frame(hp);
+    const float w = (float)hp[5], beta2 = (float)hp[6], one_minus_beta2 = (float)hp[7];
+    const float eps_root = (float)hp[8], grad_coef = (float)hp[9], avg_coef = (float)hp[10];
+    const int small_w = fabsf(w) < 0.5f;
+    const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *v_in = ptr[3];
+    float *p_out = ptr[4], *m_out = ptr[5], *v_out = ptr[6];
+    for (int64_t i = lo; i < hi; i += W) {
+        const v8 p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
+        const v8 m = lerp(load(m_in + i), g, w, small_w);
+        const v8 v = load(v_in + i) * beta2 + one_minus_beta2 * g * g;
+        const v8 d = (g * grad_coef + m * avg_coef) / (vsqrt(v) + eps_root);
+        store(p_out + i, param_out(&f, p, d), nt);
+        store(m_out + i, m, nt);
+        store(v_out + i, v, nt);
+    }
+}
+
+/* RAdam (_radam.py radam_leaf). hp[5..]: 1 - beta1, beta2, 1 - beta2, eps, rectified,
+   bias_correction1, factor (rect * sqrt(bc2) / bc1). ptr: as NAdam. */
+static void radam(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
+    const frame_t f = frame(hp);
+    const float w = (float)hp[5], beta2 = (float)hp[6], one_minus_beta2 = (float)hp[7];
+    const float eps = (float)hp[8], bc1 = (float)hp[10], factor = (float)hp[11];
+    const int rectified = hp[9] != 0.0, small_w = fabsf(w) < 0.5f;
+    const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *v_in = ptr[3];
+    float *p_out = ptr[4], *m_out = ptr[5], *v_out = ptr[6];
+    for (int64_t i = lo; i < hi; i += W) {
+        const v8 p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
+        const v8 m = lerp(load(m_in + i), g, w, small_w);
+        const v8 v = load(v_in + i) * beta2 + one_minus_beta2 * g * g;
+        const v8 d = rectified ? m * factor / (vsqrt(v) + eps) : m / bc1;
+        store(p_out + i, param_out(&f, p, d), nt);
+        store(m_out + i, m, nt);
+        store(v_out + i, v, nt);
+    }
+}
+
+/* Adamax (_adamax.py adamax_leaf). hp[5..]: 1 - beta1, beta2, eps, bias_correction1.
+   ptr: p, g, exp_avg, exp_inf | p, exp_avg, exp_inf. */
+static void adamax(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
+    const frame_t f = frame(hp);
+    const float w = (float)hp[5], beta2 = (float)hp[6], eps = (float)hp[7], bc1 = (float)hp[8];
+    const int small_w = fabsf(w) < 0.5f;
+    const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *u_in = ptr[3];
+    float *p_out = ptr[4], *m_out = ptr[5], *u_out = ptr[6];
+    for (int64_t i = lo; i < hi; i += W) {
+        const v8 p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
+        const v8 m = lerp(load(m_in + i), g, w, small_w);
+        const v8 u = vmax(load(u_in + i) * beta2, vabs(g) + eps);
+        store(p_out + i, param_out(&f, p, m / u / bc1), nt);
+        store(m_out + i, m, nt);
+        store(u_out + i, u, nt);
+    }
+}
+
+/* Lion (_lion.py lion_leaf; Chen et al. 2023, Algorithm 2). hp[5..]: 1 - beta1, 1 - beta2.
+   ptr: p, g, exp_avg | p, exp_avg. */
+static void lion(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
+    const frame_t f = frame(hp);
+    const float w1 = (float)hp[5], w2 = (float)hp[6];
+    const int small_w1 = fabsf(w1) < 0.5f, small_w2 = fabsf(w2) < 0.5f;
+    const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2];
+    float *p_out = ptr[3], *m_out = ptr[4];
+    for (int64_t i = lo; i < hi; i += W) {
+        const v8 p = load(p_in + i), g = grad_in(&f, load(g_in + i), p), m = load(m_in + i);
+        store(p_out + i, param_out(&f, p, vsign(lerp(m, g, w1, small_w1))), nt);
+        store(m_out + i, lerp(m, g, w2, small_w2), nt);
+    }
+}
+
+/* Schedule-free AdamW (_schedule_free.py schedule_free_leaf; Defazio et al. 2024). hp[5..]:
+   beta2, 1 - beta2, bias_correction2, eps, weight_decay, lr_t * (beta1 (1 - ckp1) - 1), ckp1,
+   lr_t. ptr: y, g, z, exp_avg_sq | y, z, exp_avg_sq. */
+static void sfadamw(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
+    const frame_t f = frame(hp);
+    const float beta2 = (float)hp[5], one_minus_beta2 = (float)hp[6], bc2 = (float)hp[7];
+    const float eps = (float)hp[8], wd = (float)hp[9], k = (float)hp[10], ckp1 = (float)hp[11];
+    const float lr_t = (float)hp[12];
+    const float *y_in = ptr[0], *g_in = ptr[1], *z_in = ptr[2], *v_in = ptr[3];
+    float *y_out = ptr[4], *z_out = ptr[5], *v_out = ptr[6];
+    for (int64_t i = lo; i < hi; i += W) {
+        const v8 y = load(y_in + i), g = grad_in(&f, load(g_in + i), y), z = load(z_in + i);
+        const v8 v = load(v_in + i) * beta2 + one_minus_beta2 * g * g;
+        v8 normalized = g / (vsqrt(v / bc2) + eps);
+        if (wd != 0.0f) normalized = normalized + y * wd;
+        store(y_out + i, param_out(&f, y, normalized * k + ckp1 * (z - y)), nt);
+        store(z_out + i, z - lr_t * normalized, nt);
+        store(v_out + i, v, nt);
+    }
+}
+
 typedef struct {
     rule_fn update;
     int64_t inputs, pointers;
 } rule_t;
 
-static const rule_t RULES[] = {{adam, 5, 9}, {sgd, 3, 5}, {adagrad, 3, 5}, {rmsprop, 5, 9}};
+static const rule_t RULES[] = {{adam, 5, 9},   {sgd, 3, 5},    {adagrad, 3, 5},
+                               {rmsprop, 5, 9}, {nadam, 4, 7},  {radam, 4, 7},
+                               {adamax, 4, 7},  {lion, 3, 5},   {sfadamw, 4, 7}};
+#define N_RULES ((int)(sizeof RULES / sizeof RULES[0]))
 
 /* Elements [lo, hi) of one leaf: whole vectors in place, streaming only where every output is
    aligned, then the ragged end on zero-padded copies. */
@@ -209,43 +360,144 @@ static void run_range(const rule_t *rule, const double *hp, float *const *ptr, i
 
 static int64_t padded(int64_t size) { return (size + ALIGN - 1) / ALIGN * ALIGN; }
 
-/* Thread `rank` of `team` takes an equal share of all leaves' elements laid end to end, in
-   64-byte-aligned slices. */
-static void work(const rule_t *rule, const double *hp, float *const *ptrs, const int64_t *sizes,
-                 int64_t n_leaves, int64_t total, int rank, int team, int nt) {
-    const int64_t n_ptrs = rule->pointers;
-    const int64_t begin = total * rank / team / ALIGN * ALIGN;
-    const int64_t end = rank + 1 == team ? total : total * (rank + 1) / team / ALIGN * ALIGN;
-    int64_t offset = 0;
-    for (int64_t leaf = 0; leaf < n_leaves && offset < end; leaf++) {
-        const int64_t lo = begin > offset ? begin - offset : 0;
-        const int64_t hi = end - offset < sizes[leaf] ? end - offset : sizes[leaf];
-        if (lo < hi) run_range(rule, hp, ptrs + leaf * n_ptrs, lo, hi, nt);
-        offset += padded(sizes[leaf]);
+/* The work is cut into chunks of at most CHUNK elements, none spanning two leaves, handed
+   to the threads one at a time (OpenMP dynamic schedule): a thread that the OS deschedules
+   (another process on its core) holds up one chunk, not a fixed half of the update. Chunk
+   starts are multiples of CHUNK within a leaf, so 64-byte aligned where the leaf is. */
+#define CHUNK 32768
+
+typedef struct {
+    int64_t n_chunks, *first; /* first[leaf]: index of the leaf's first chunk; first[n] = n_chunks */
+} chunks_t;
+
+static int chunks_make(chunks_t *c, const int64_t *sizes, int64_t n_leaves) {
+    c->first = (int64_t *)malloc((size_t)(n_leaves + 1) * sizeof(int64_t));
+    if (!c->first) return -1;
+    int64_t n = 0;
+    for (int64_t leaf = 0; leaf < n_leaves; leaf++) {
+        c->first[leaf] = n;
+        n += (sizes[leaf] + CHUNK - 1) / CHUNK;
     }
-#if defined(__AVX__)
-    if (nt) _mm_sfence(); /* streaming stores are weakly ordered: drain them here */
-#endif
+    c->first[n_leaves] = n;
+    c->n_chunks = n;
+    return 0;
 }
 
-/* Run rule `rule` (0 Adam, 1 SGD, 2 AdaGrad, 3 RMSprop) over n_leaves leaves of `sizes`
-   elements, on up to n_threads threads. `ptrs` holds n_ptrs pointers per leaf (the rule's
-   inputs, then its outputs; NULL for unused buffers). Built with -fopenmp, the library's
-   libgomp.so.1 resolves to the copy torch has already loaded, so the update runs on torch's
-   own OpenMP threads. Returns 0, or -1 (nothing done) for an unknown rule or pointer count. */
+/* The leaf of chunk `k` (binary search over first[]) and its element range [lo, hi). */
+static int64_t chunk_range(const chunks_t *c, const int64_t *sizes, int64_t n_leaves, int64_t k,
+                           int64_t *lo, int64_t *hi) {
+    int64_t a = 0, b = n_leaves - 1;
+    while (a < b) { /* the last leaf whose first chunk is <= k (empty leaves have none) */
+        const int64_t mid = (a + b + 1) / 2;
+        if (c->first[mid] <= k) a = mid;
+        else b = mid - 1;
+    }
+    while (c->first[a + 1] <= k) a++; /* step past empty leaves sharing this first index */
+    *lo = (k - c->first[a]) * CHUNK;
+    *hi = *lo + CHUNK < sizes[a] ? *lo + CHUNK : sizes[a];
+    return a;
+}
+
+/* Run rule `rule` (0 Adam, 1 SGD, 2 AdaGrad, 3 RMSprop, 4 NAdam, 5 RAdam, 6 Adamax, 7 Lion,
+   8 schedule-free AdamW) over n_leaves leaves of `sizes` elements, on up to n_threads
+   threads. `ptrs` holds n_ptrs pointers per leaf (the rule's inputs, then its outputs; NULL
+   for unused buffers). Built with -fopenmp, the library's libgomp.so.1 resolves to the copy
+   torch has already loaded, so the update runs on torch's own OpenMP threads. Returns 0, or
+   -1 (nothing done) for an unknown rule or pointer count, -2 when out of memory. */
 int minitrain_update(int rule, const double *hp, float *const *ptrs, const int64_t *sizes,
                      int64_t n_leaves, int64_t n_ptrs, int n_threads, int nontemporal) {
-    if (rule < 0 || rule > 3 || n_ptrs != RULES[rule].pointers) return -1;
+    if (rule < 0 || rule >= N_RULES || n_ptrs != RULES[rule].pointers) return -1;
+    const rule_t *r = &RULES[rule];
     int64_t total = 0;
     for (int64_t leaf = 0; leaf < n_leaves; leaf++) total += padded(sizes[leaf]);
     if (n_threads < 1 || (int64_t)n_threads * 16384 > total) n_threads = 1; /* small: one thread */
+    chunks_t c;
+    if (chunks_make(&c, sizes, n_leaves) != 0) return -2;
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(n_threads)
-    work(&RULES[rule], hp, ptrs, sizes, n_leaves, total, omp_get_thread_num(),
-         omp_get_num_threads(), nontemporal);
-#else
-    (void)n_threads;
-    work(&RULES[rule], hp, ptrs, sizes, n_leaves, total, 0, 1, nontemporal);
 #endif
+    {
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1) nowait
+#endif
+        for (int64_t k = 0; k < c.n_chunks; k++) {
+            int64_t lo, hi;
+            const int64_t leaf = chunk_range(&c, sizes, n_leaves, k, &lo, &hi);
+            run_range(r, hp, ptrs + leaf * n_ptrs, lo, hi, nontemporal);
+        }
+#if defined(__AVX__)
+        if (nontemporal) _mm_sfence(); /* streaming stores are weakly ordered: drain them */
+#endif
+    }
+    (void)n_threads;
+    free(c.first);
+    return 0;
+}
+
+#define SUMSQ_BLOCK 4096 /* floats per block: summed in float vectors, then into a double */
+
+/* sum(x * x) over x[lo, hi), blocks taken from hi back to lo. */
+static double sumsq_range(const float *x, int64_t lo, int64_t hi) {
+    double total = 0.0;
+    for (int64_t b = hi; b > lo;) {
+        const int64_t a = b - SUMSQ_BLOCK > lo ? b - SUMSQ_BLOCK : lo;
+        v8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+        int64_t i = a;
+        for (; i + 4 * W <= b; i += 4 * W) {
+            const v8 x0 = load(x + i), x1 = load(x + i + W);
+            const v8 x2 = load(x + i + 2 * W), x3 = load(x + i + 3 * W);
+            acc0 += x0 * x0;
+            acc1 += x1 * x1;
+            acc2 += x2 * x2;
+            acc3 += x3 * x3;
+        }
+        for (; i + W <= b; i += W) {
+            const v8 x0 = load(x + i);
+            acc0 += x0 * x0;
+        }
+        const v8 acc = (acc0 + acc1) + (acc2 + acc3);
+        double block = 0.0;
+        for (int k = 0; k < W; k++) block += (double)acc[k];
+        for (; i < b; i++) block += (double)x[i] * (double)x[i];
+        total += block;
+        b = a;
+    }
+    return total;
+}
+
+/* out[leaf] = sum of x * x over leaf `leaf` (float32, sizes[leaf] elements), accumulated in
+   double, on up to n_threads threads. Chunks are taken from the last to the first, so the
+   lines read last are the first ones an update after it reads; each chunk's sum is kept and
+   a leaf's chunks are added in order, so the result does not depend on the threads. Returns
+   0, or -2 when out of memory. */
+int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_leaves,
+                    int n_threads, double *out) {
+    int64_t total = 0;
+    for (int64_t leaf = 0; leaf < n_leaves; leaf++) total += padded(sizes[leaf]);
+    if (n_threads < 1 || (int64_t)n_threads * 16384 > total) n_threads = 1;
+    chunks_t c;
+    if (chunks_make(&c, sizes, n_leaves) != 0) return -2;
+    double *partial = (double *)malloc((size_t)(c.n_chunks + 1) * sizeof(double));
+    if (!partial) {
+        free(c.first);
+        return -2;
+    }
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+#endif
+    for (int64_t j = 0; j < c.n_chunks; j++) {
+        const int64_t k = c.n_chunks - 1 - j;
+        int64_t lo, hi;
+        const int64_t leaf = chunk_range(&c, sizes, n_leaves, k, &lo, &hi);
+        partial[k] = sumsq_range(ptrs[leaf], lo, hi);
+    }
+    (void)n_threads;
+    for (int64_t leaf = 0; leaf < n_leaves; leaf++) {
+        double sum = 0.0;
+        for (int64_t k = c.first[leaf]; k < c.first[leaf + 1]; k++) sum += partial[k];
+        out[leaf] = sum;
+    }
+    free(partial);
+    free(c.first);
     return 0;
 }

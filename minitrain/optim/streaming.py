@@ -34,6 +34,7 @@ before it is loaded, and the OpenMP runtime it runs on must be the one torch has
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -49,11 +50,14 @@ import torch
 import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
-__all__ = ["RULES", "BuildError", "available", "fresh", "usable", "update"]
+__all__ = ["RULES", "BuildError", "available", "fresh", "global_norm", "sum_of_squares",
+           "usable", "update"]
 
-RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3}
+RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
+         "lion": 7, "schedule_free_adamw": 8}
 """Rule name -> index in ``_streaming.c``'s table."""
-HYPERPARAMETERS = {"adam": 10, "sgd": 7, "adagrad": 3, "rmsprop": 7}
+HYPERPARAMETERS = {"adam": 10, "sgd": 7, "adagrad": 3, "rmsprop": 7, "nadam": 11, "radam": 12,
+                   "adamax": 9, "lion": 7, "schedule_free_adamw": 13}
 """Rule name -> how many hyperparameters the kernel reads (``_streaming.c`` lists them)."""
 
 SOURCE = Path(__file__).with_name("_streaming.c")
@@ -211,8 +215,12 @@ def _library() -> ctypes.CDLL | None:
         return None  # no compiler, a failed build or load: the fused-kernel path stays
     library.minitrain_update.restype = ctypes.c_int
     library.minitrain_update.argtypes = [
-        ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+    ]
+    library.minitrain_sumsq.restype = ctypes.c_int
+    library.minitrain_sumsq.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
     ]
     return library
 
@@ -227,16 +235,21 @@ def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
     must be a CPU float32, contiguous tensor with the param's element count whose storage holds
     all of it. (Callers make grads and state match their params before this; this is the last
     guard before raw pointers reach C.)"""
+    sizes = [p.numel() for p in slots[0]]
+    float32 = torch.float32
     for index, slot in enumerate(slots):
         if slot is None:
             continue
         if len(slot) != n_leaves:
             raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
-        for leaf, (t, p) in enumerate(zip(slot, slots[0], strict=True)):
+        for leaf, t in enumerate(slot):
+            n = sizes[leaf]
+            # Contiguous with n elements: the storage must hold [offset, offset + n) floats.
             if not (
-                t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
-                and t.numel() == p.numel() and _storage_holds(t)
+                t.dtype is float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
+                and (n == 0 or (t.storage_offset() + n) * 4 <= t.untyped_storage().nbytes())
             ):
+                p = slots[0][leaf]
                 raise ValueError(
                     f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} "
                     f"{t.device} stride {t.stride()} does not match its param "
@@ -246,9 +259,14 @@ def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
 
 def _storage_holds(t: Tensor) -> bool:
     """Whether ``t``'s storage holds every element ``t`` addresses."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return True
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    if t.is_contiguous():
+        extent = n
+    else:
+        extent = 1 + sum((size - 1) * stride
+                         for size, stride in zip(t.shape, t.stride(), strict=True))
     return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
@@ -307,15 +325,17 @@ def update(
     results = [s if s is None or outputs is None else outputs(s) for s in written]
     n_leaves = len(slots[0])
     _check_slots([*slots, *results], n_leaves)
-    rows = [slot or [None] * n_leaves for slot in (*slots, *results)]
-    pointers = (ctypes.c_void_p * (len(rows) * n_leaves))(*[
-        None if row[leaf] is None else row[leaf].data_ptr()
-        for leaf in range(n_leaves) for row in rows
+    rows = [*slots, *results]
+    # array.array builds the pointer table in C (a ctypes array converts element by element);
+    # the arrays stay referenced here until the call returns.
+    pointers = array.array("Q", [
+        0 if row is None else row[leaf].data_ptr() for leaf in range(n_leaves) for row in rows
     ])
-    sizes = (ctypes.c_int64 * n_leaves)(*[p.numel() for p in slots[0]])
-    hp = (ctypes.c_double * len(hyperparameters))(*map(float, hyperparameters))
+    sizes = array.array("q", [p.numel() for p in slots[0]])
+    hp = array.array("d", map(float, hyperparameters))
     arguments = (
-        RULES[rule], hp, pointers, sizes, n_leaves, len(rows), torch.get_num_threads(),
+        RULES[rule], hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0],
+        n_leaves, len(rows), torch.get_num_threads(),
         int(outputs is not None if nontemporal is None else nontemporal),
     )
     if torch.autograd._profiler_enabled():
@@ -326,3 +346,43 @@ def update(
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
     return results
+
+
+def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
+    """``sum(x * x)`` of each leaf, accumulated in float64 by one pass over all leaves (on the
+    kernels' threads, the same for any number of threads). Call :func:`usable` first.
+
+    >>> leaves = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
+    >>> sum_of_squares(leaves) if usable(leaves) else [25.0, 1.0]
+    [25.0, 1.0]
+    """
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    leaves = list(leaves)
+    n_leaves = len(leaves)
+    _check_slots([leaves], n_leaves)
+    n_threads = max(1, torch.get_num_threads())
+    pointers = array.array("Q", [t.data_ptr() for t in leaves])
+    sizes = array.array("q", [t.numel() for t in leaves])
+    out = array.array("d", bytes(8 * n_leaves))
+    status = library.minitrain_sumsq(pointers.buffer_info()[0], sizes.buffer_info()[0], n_leaves,
+                                     n_threads, out.buffer_info()[0])
+    if status != 0:
+        raise RuntimeError(f"streaming sum of squares failed with status {status}")
+    return list(out)
+
+
+def global_norm(leaves: Sequence[Tensor]) -> Tensor:
+    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor, in
+    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
+    sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
+    those norms. Each leaf's sum of squares is accumulated in float64 (torch accumulates in
+    float32, so the two differ by float32 rounding). Call :func:`usable` first.
+
+    >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
+    >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
+    tensor(5.)
+    """
+    squares = torch.tensor(sum_of_squares(leaves), dtype=torch.float64)
+    return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)

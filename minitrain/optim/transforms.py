@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim import streaming
 from minitrain.optim._core import EmptyState, GradientTransformation, hyperparameter, tagged
 from minitrain.optim._transforms_rules import *  # noqa: F403  (listed in __all__)
 from minitrain.optim._transforms_rules import __all__ as _rules
@@ -66,8 +67,18 @@ def clip_scale(grads: Grads, max_norm: float) -> float:
     0.19999995827674866
     """
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
-    norm = tree.global_norm(grads)
+    norm = _global_norm(grads, tree.leaves(grads))
     return float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+def _global_norm(grads: Grads, leaves: list) -> Tensor:
+    """``tree.global_norm(grads)``; for float32 CPU leaves, one pass of the streaming kernels'
+    sum of squares over all of them (torch's ``_foreach_norm`` then the norm of the norms, as
+    in ``clip_grad_norm_``, otherwise)."""
+    if leaves and all(isinstance(g, Tensor) for g in leaves) and streaming.usable(leaves) and \
+            all(streaming._storage_holds(g) for g in leaves):
+        return streaming.global_norm(leaves)
+    return tree.global_norm(grads)
 
 
 def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
@@ -80,7 +91,7 @@ def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
             (g if g.dtype == torch.float64 else g.float()).norm() for g in leaves]))
         scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
-    norm = tree.global_norm(grads)
+    norm = _global_norm(grads, leaves)
     scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if any(g.requires_grad for g in leaves) and torch.is_grad_enabled():
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
