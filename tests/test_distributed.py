@@ -27,6 +27,7 @@ from minitrain.accounting import allreduce_bytes, allreduce_seconds, communicati
 from minitrain.backend import get_backend
 from minitrain.cli import launch
 from minitrain.train import fit, load_experiment
+from minitrain.train.setup import run_generators
 
 ROOT = Path(__file__).resolve().parents[1]
 LINREG = str(ROOT / "examples" / "linreg.py")
@@ -271,6 +272,22 @@ def test_timeout_comes_from_the_environment():
     assert distributed.timeout_seconds({"MINITRAIN_DIST_TIMEOUT": "7.5"}) == 7.5
     with pytest.raises(ValueError, match="MINITRAIN_DIST_TIMEOUT"):
         distributed.timeout_seconds({"MINITRAIN_DIST_TIMEOUT": "soon"})
+
+
+def test_fp8_amax_histories_are_max_reduced_across_ranks(tmp_path):
+    """Each rank sees its shard; the recorded amax is the global batch's, as TE reduces it."""
+    proc = subprocess.run(
+        cli("run", LINREG, "--backend", "cpu-fp8", "--steps", "1", "--out", str(tmp_path / "r"),
+            "--nproc", "2", "--json"),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    history = load_file(checkpoint.list_checkpoints(tmp_path / "r")[-1] / "opt_state.safetensors")
+    history = history["fp8_history"]
+    experiment, _ = load_experiment(LINREG, {})
+    x, _ = experiment.next_batch(run_generators(0)[1])  # the global batch of step 1
+    assert history[0, 0, 0] == x.abs().max()
+    assert x[:2].abs().max() < x.abs().max()  # rank 0's own shard holds a smaller amax
 
 
 def test_nproc_mistakes_are_one_line_errors(tmp_path):

@@ -165,6 +165,56 @@ def test_a_resumed_fp8_run_equals_an_uninterrupted_one(tmp_path):
     assert resumed.state.fp8_history[:, :, :STEPS].count_nonzero() > 0
 
 
+SWEPT = """
+import torch
+import minitrain as mt
+
+CONFIG = {"lr": 0.01, "steps": 8}
+
+
+def experiment(config):
+    def next_batch(generator):
+        spread = 2.0 ** torch.randint(-3, 4, (), generator=generator).float()
+        x = torch.randn(16, 8, generator=generator) * spread
+        return x, x.sum(dim=1)
+
+    return mt.Experiment(
+        name="swept-fp8",
+        init=lambda g: mt.models.cruncher_init(dim=8, num_layers=2, generator=g),
+        loss=lambda p, b: mt.losses.mse(mt.models.cruncher(p, b[0]), b[1]),
+        next_batch=next_batch, optimizer=mt.optim.adamw(lr=config["lr"]),
+        steps=config["steps"], eval_every=0,
+    )
+"""
+
+
+def test_sweep_members_carry_their_own_histories_and_equal_single_runs(tmp_path):
+    from minitrain.train.experiment import load_experiment
+    from minitrain.train.sweep import fit_sweep, load_sweep
+
+    script = tmp_path / "swept.py"
+    script.write_text(SWEPT)
+    ensemble = load_sweep(str(script), ["lr=0.003,0.1"], steps=8)
+    result = fit_sweep(ensemble, FP8, progress=False, out_dir=tmp_path / "sweep")
+    assert result.summary["fp8_scaling"]["matmuls"] == 3
+    histories = result.state.fp8_history
+    assert histories.shape == (2, 3, 3, HISTORY)
+    for k, member in enumerate(ensemble.members):
+        experiment, config = load_experiment(str(script), {"lr": str(member.config["lr"])},
+                                             steps=8)
+        single = mt.fit(experiment, FP8, seed=member.seed, progress=False, config=config)
+        torch.testing.assert_close(histories[k], single.state.fp8_history, rtol=1e-5, atol=0)
+        for name, p in single.params.items():
+            torch.testing.assert_close(mt.tree.unstack(result.params)[k][name], p,
+                                       rtol=1e-5, atol=1e-6)
+    assert not torch.equal(histories[0, :, 2], histories[1, :, 2])  # the grads differ
+    run = tmp_path / "resumed"
+    fit_sweep(load_sweep(str(script), ["lr=0.003,0.1"], steps=3), FP8, progress=False,
+              out_dir=run)
+    resumed = fit_sweep(ensemble, FP8, progress=False, out_dir=run, resume=True)
+    assert torch.equal(resumed.state.fp8_history, histories)
+
+
 COMPILED = """
 import sys
 import torch

@@ -9,13 +9,22 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as _pytree
 
-from minitrain import rng
+from minitrain import lowp, rng
 from minitrain.backend import Backend
 from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
 from minitrain.train.experiment import Experiment
 from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
-from minitrain.train.step import StepOutput, loss_scale_of, loss_with_aux, make_train_step
+from minitrain.train.step import (
+    Carry,
+    StepOutput,
+    fp8_context,
+    fp8_recipe_of,
+    loss_scale_of,
+    loss_with_aux,
+    make_train_step,
+    next_fp8_history,
+)
 from minitrain.tree import OptState, Params, PyTree, global_norm, leaves, named_leaves, unstack
 from minitrain.tree import map as tree_map
 
@@ -42,16 +51,20 @@ class EnsembleStepOutput(NamedTuple):
     grad_norm: torch.Tensor
     aux: dict[str, torch.Tensor]
     diverged_at: torch.Tensor
+    fp8_history: torch.Tensor | None = None  # (K, matmuls, 3, history_len): delayed fp8
 
 
 def make_member_step(
     experiment: Experiment, backend: Backend
-) -> Callable[[Params, OptState, PyTree], StepOutput]:
-    """The single-member train step, in ops that ``vmap`` supports.
+) -> Callable[..., StepOutput]:
+    """The single-member train step ``(params, opt_state, batch, fp8_history=None)``, in ops
+    that ``vmap`` supports.
 
     Same math as :func:`~minitrain.train.make_train_step`: the global gradient norm is the norm
     of the per-leaf norms, and clipping scales by ``min(1, max_norm / (norm + 1e-6))``
-    (``torch.nn.utils.clip_grad_norm_``), so a swept ``max_grad_norm`` works too.
+    (``torch.nn.utils.clip_grad_norm_``), so a swept ``max_grad_norm`` works too. On a
+    delayed-fp8 backend each member carries its own amax histories (the output's
+    ``carry.fp8_history``).
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
@@ -63,19 +76,36 @@ def make_member_step(
     {'w': tensor([0.2000, 0.2000])}
     """
     refuse_carry(experiment, backend)
-    loss_and_grads = value_and_grad(loss_with_aux(experiment), has_aux=True)
+    plain_loss, recipe = loss_with_aux(experiment), fp8_recipe_of(backend)
+
+    def loss(params: Params, history: Any, batch: PyTree) -> tuple[torch.Tensor, dict]:
+        fp8 = contextlib.nullcontext() if recipe is None else lowp.simulate(recipe, history)
+        with fp8:
+            return plain_loss(params, batch)
+
+    # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
+    loss_and_grads = value_and_grad(loss, argnums=0 if recipe is None else (0, 1), has_aux=True)
+    context = backend.autocast if recipe is None else fp8_context(backend)
     optimizer = experiment.optimizer
     max_grad_norm = experiment.max_grad_norm
 
-    def member_step(params: Params, opt_state: OptState, batch: PyTree) -> StepOutput:
-        with backend.autocast():
-            (loss, aux), grads = loss_and_grads(params, batch)
+    def member_step(
+        params: Params, opt_state: OptState, batch: PyTree, fp8_history: Any = None
+    ) -> StepOutput:
+        if recipe is not None and fp8_history is None:
+            raise ValueError(f"{backend.name} steps take each member's fp8_history")
+        with context():
+            (loss, aux), grads = loss_and_grads(params, fp8_history, batch)
+        carry = None
+        if recipe is not None:
+            grads, new_history = grads
+            carry = Carry(fp8_history=next_fp8_history(new_history, fp8_history))
         grad_norm = global_norm(grads)
         if max_grad_norm is not None:
             scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
             grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
         params, opt_state = optimizer.update(grads, opt_state, params)
-        return StepOutput(params, opt_state, loss.detach(), grad_norm, aux)
+        return StepOutput(params, opt_state, loss.detach(), grad_norm, aux, carry)
 
     return member_step
 
@@ -132,26 +162,32 @@ def draw_batches(
 
 
 def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., EnsembleStepOutput]:
-    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number)``: one
-    vmapped train step of every member.
+    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number,
+    fp8_history=None)``: one vmapped train step of every member.
 
     ``hyperparameters`` maps each swept key to its ``(K,)`` values; ``diverged_at`` is a
     ``(K,)`` int64 tensor, 0 for healthy members and the step of divergence otherwise. A
     member whose loss or gradient norm is not finite, or that diverged before, keeps its params
-    and optimizer state; newly diverged members get ``diverged_at = step_number``.
+    and optimizer state (and fp8 histories); newly diverged members get ``diverged_at =
+    step_number``.
     """
     member_step = make_member_step(ensemble.template, backend)
     binding = ensemble.binding
 
     def bound_step(
-        params: Params, opt_state: OptState, batch: PyTree, values: dict[str, torch.Tensor]
+        params: Params, opt_state: OptState, batch: PyTree, values: dict[str, torch.Tensor],
+        history: Any,
     ) -> StepOutput:
         with binding.bind(values):
-            out = member_step(params, opt_state, batch)
-        # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry)
-        return out._replace(carry=(), applied=())
+            out = member_step(params, opt_state, batch, history)
+        # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry),
+        # and the fp8 histories travel bare
+        history = () if out.carry is None else out.carry.fp8_history
+        return out._replace(carry=history, applied=())
 
-    vmapped = torch.func.vmap(bound_step, randomness="different")
+    history_dim = None if fp8_recipe_of(backend) is None else 0
+    vmapped = torch.func.vmap(bound_step, in_dims=(0, 0, 0, 0, history_dim),
+                              randomness="different")
     attention = _batchable_attention(backend)
 
     def ensemble_step(
@@ -161,9 +197,10 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
         hyperparameters: dict[str, torch.Tensor],
         diverged_at: torch.Tensor,
         step_number: int,
+        fp8_history: torch.Tensor | None = None,
     ) -> EnsembleStepOutput:
         with attention():
-            out = vmapped(params, opt_state, batch, hyperparameters)
+            out = vmapped(params, opt_state, batch, hyperparameters, fp8_history)
         alive = diverged_at == 0
         healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
         diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
@@ -174,6 +211,7 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
             out.grad_norm,
             out.aux,
             diverged_at,
+            None if fp8_history is None else _keep_where(healthy, out.carry, fp8_history),
         )
 
     return ensemble_step
@@ -212,12 +250,13 @@ def check_members(
     out: EnsembleStepOutput,
     rtol: float = 1e-4,
     atol: float = 1e-6,
+    fp8_history: torch.Tensor | None = None,
 ) -> None:
     """Check each healthy member's new params against the step its own single run would take.
 
-    ``params``, ``opt_state`` and ``batch`` are the stacked inputs of the ensemble step that
-    returned ``out``. Raises :class:`MemberMismatch` naming the first member and leaf that
-    differ (e.g. a script that turned a swept value into a Python float).
+    ``params``, ``opt_state``, ``batch`` (and ``fp8_history``) are the stacked inputs of the
+    ensemble step that returned ``out``. Raises :class:`MemberMismatch` naming the first member
+    and leaf that differ (e.g. a script that turned a swept value into a Python float).
     """
     singles = zip(unstack(params), unstack(opt_state), unstack(batch), strict=True)
     new_params = unstack(out.params)
@@ -225,7 +264,10 @@ def check_members(
         if int(out.diverged_at[k]) != 0:
             continue
         member, experiment = ensemble.members[k], ensemble.experiments[k]
-        reference = make_train_step(experiment, backend)(member_params, member_state, member_batch)
+        carry = None if fp8_history is None else Carry(fp8_history=fp8_history[k])
+        reference = make_train_step(experiment, backend)(
+            member_params, member_state, member_batch, carry
+        )
         pairs = zip(named_leaves(reference.params), leaves(new_params[k]), strict=True)
         for name, (expected, got) in ((n, (e, g)) for (n, e), g in pairs):
             if not torch.allclose(got, expected, rtol=rtol, atol=atol):

@@ -49,7 +49,9 @@ __all__ = [
     "can_donate",
     "carry_metrics",
     "checked_values",
+    "fp8_context",
     "fp8_recipe_of",
+    "next_fp8_history",
     "init_fp8_history",
     "init_carry",
     "loss_scale_of",
@@ -190,7 +192,7 @@ def fp8_recipe_of(backend: Backend) -> lowp.Recipe | None:
     return None if policy is None else delayed_scaling(policy)
 
 
-def _fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
+def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
     """The context around a forward pass that simulates its own fp8 matmuls: the backend's
     autocast without its matmul mode."""
     policy = without_matmul_format(backend.policy)
@@ -203,7 +205,7 @@ def init_fp8_history(
     """Empty amax histories for every matmul one forward pass of ``experiment`` runs on
     ``batch`` (counted by :func:`minitrain.lowp.count_matmuls`), on the backend's device."""
     recipe = fp8_recipe_of(backend)
-    with _fp8_context(backend)():
+    with fp8_context(backend)():
         count = lowp.count_matmuls(stateful_loss(experiment), params, model_state, batch)
     return lowp.init_state(recipe, count).to(backend.device)
 
@@ -289,7 +291,7 @@ def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptSta
     return packed["optimizer"], carry
 
 
-def _recorded(new_history: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """The histories after a step: a matmul whose backward pass did not run (its output never
     reached the loss) has a zero gradient, and keeps its old history instead."""
     ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
@@ -356,7 +358,7 @@ def make_train_step(
 
     # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
     gradients = value_and_grad(objective, argnums=0 if recipe is None else (0, 3), has_aux=True)
-    context = backend.autocast if recipe is None else _fp8_context(backend)
+    context = backend.autocast if recipe is None else fp8_context(backend)
 
     def loss_and_grads(
         params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree
@@ -392,7 +394,7 @@ def make_train_step(
         )
         if recipe is not None:
             grads, new_history = grads
-            history = _recorded(new_history, history)
+            history = next_fp8_history(new_history, history)
             if amax_reduce is not None:
                 history = amax_reduce(history)
         if grad_transform is not None:

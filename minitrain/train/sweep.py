@@ -94,6 +94,7 @@ from minitrain.train.members import (
 from minitrain.train.progress import resident_bytes, to_stderr
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
+from minitrain.train.step import Carry, fp8_recipe_of, init_fp8_history
 from minitrain.train.sweep_plot import plot_sweep
 from minitrain.tree import OptState, Params, PyTree, size, stack, unstack
 
@@ -179,7 +180,29 @@ class SweepRun:
         )
         self.diverged_at = torch.zeros(ensemble.size, dtype=torch.int64, device=self.backend.device)
         self.hyperparameters = ensemble.hyperparameters(self.backend.device)
+        self.fp8_history = self._fp8_histories(member_params[0])
         self.step_fn = make_ensemble_step(ensemble, self.backend)
+
+    def _fp8_histories(self, params: Params) -> torch.Tensor | None:
+        """Each member's empty amax histories on a delayed-fp8 backend (else None): one per
+        matmul of a forward pass on a batch from a copy of the first data generator."""
+        if fp8_recipe_of(self.backend) is None:
+            return None
+        experiment, source = self.ensemble.experiments[0], self.data_generators[0]
+        probe = torch.Generator(source.device)
+        probe.set_state(source.get_state())
+        with script_call("next_batch(generator)", 1):
+            batch = self.backend.to_device(experiment.next_batch(probe))
+        with script_call("the train step (loss)", 1):
+            history = init_fp8_history(experiment, self.backend, params, None, batch)
+        return history.expand(self.ensemble.size, *history.shape).clone()
+
+    def _carried(self) -> dict[str, Any]:
+        """What a checkpoint's ``opt_state`` file holds besides the parameters."""
+        state = {"optimizer": self.opt_state, "diverged_at": self.diverged_at}
+        if self.fp8_history is not None:
+            state["fp8_history"] = self.fp8_history
+        return state
 
     def meta(self) -> dict[str, Any]:
         ensemble = self.ensemble
@@ -191,8 +214,7 @@ class SweepRun:
         }
 
     def resume_from(self, path: Path, check: Callable[[dict], None]) -> int:
-        template = {"optimizer": self.opt_state, "diverged_at": self.diverged_at}
-        saved = checkpoint.load(path, self.params, template)
+        saved = checkpoint.load(path, self.params, self._carried())
         check(saved.meta)
         checkpoint.restore_rng(saved)
         states = saved.meta["data_generators"]
@@ -201,6 +223,7 @@ class SweepRun:
         self.params = saved.params
         self.opt_state = saved.opt_state["optimizer"]
         self.diverged_at = saved.opt_state["diverged_at"]
+        self.fp8_history = saved.opt_state.get("fp8_history")
         self.current_step = saved.step
         _reload_logs(path.parent.parent, saved.step, self.logs, self.diverged_at)
         return saved.step
@@ -209,7 +232,7 @@ class SweepRun:
         _check_same_sweep(saved, self.meta(), run_dir)
 
     def save(self, run_dir: Path, step: int, keep: int) -> Path:
-        state = {"optimizer": self.opt_state, "diverged_at": self.diverged_at}
+        state = self._carried()
         generator_states = [rng.generator_state(g) for g in self.data_generators]
         saved_meta = {**self.meta(), "data_generators": generator_states}
         return checkpoint.save(run_dir, step, self.params, state, saved_meta, keep=keep)
@@ -226,10 +249,12 @@ class SweepRun:
         batch = self.backend.to_device(_stacked(member_batches, "batches"))
         with script_call("the train step (loss)", step):
             out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
-                               self.diverged_at, step)
+                               self.diverged_at, step, self.fp8_history)
         if self.check and self._out is None:
-            check_members(ensemble, self.backend, self.params, self.opt_state, batch, out)
+            check_members(ensemble, self.backend, self.params, self.opt_state, batch, out,
+                          fp8_history=self.fp8_history)
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
+        self.fp8_history = out.fp8_history
         self._out, self._batch, self.current_step = out, batch, step
 
     def check_finite(self) -> None:
@@ -269,8 +294,12 @@ class SweepRun:
                 self.logs[k].last_eval = {key: float(v) for key, v in values.items()}
 
     def summary(self, timer: StepTimer) -> dict[str, Any]:
-        return _summary(self.ensemble, self.backend, self.params, self.logs,
-                        self._examples or 0, timer)
+        summary = _summary(self.ensemble, self.backend, self.params, self.logs,
+                           self._examples or 0, timer)
+        if self.fp8_history is not None:
+            _, matmuls, _, history_len = self.fp8_history.shape
+            summary["fp8_scaling"] = {"amax_history": history_len, "matmuls": matmuls}
+        return summary
 
     def report(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The resource report of one whole ensemble step: K × params, grads, state,
@@ -280,9 +309,10 @@ class SweepRun:
         from minitrain.accounting import resource_report
 
         ensemble, values, diverged = self.ensemble, self.hyperparameters, self.diverged_at
+        history = self.fp8_history
 
         def step(p: Params, s: OptState, b: PyTree) -> EnsembleStepOutput:
-            return self.step_fn(p, s, b, values, diverged, ensemble.steps)
+            return self.step_fn(p, s, b, values, diverged, ensemble.steps, history)
 
         # The 6·B·P rule with P = K·(params per member) and B per member gives K × 6·B·P.
         report = resource_report(
@@ -301,7 +331,10 @@ class SweepRun:
         return report
 
     def result(self, summary: dict[str, Any]) -> FitResult:
-        return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary)
+        history = getattr(self, "fp8_history", None)  # (K, matmuls, 3, history_len)
+        carry = None if history is None else Carry(fp8_history=history)
+        return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary,
+                         carry)
 
 
 def fit_sweep(
