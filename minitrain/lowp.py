@@ -367,8 +367,10 @@ class _Simulate(TorchFunctionMode):
             return None
         if index >= self.state.shape[0]:
             raise ValueError(
-                f"the fp8 state holds amax histories for {self.state.shape[0]} matmuls but the "
-                f"model ran more; build it with init_state(recipe, count_matmuls(fn, *args))"
+                f"the model ran more matmuls than the {self.state.shape[0]} its fp8 amax "
+                "histories were counted for: delayed fp8 scaling needs the same matmuls in every "
+                "forward pass (count them with count_matmuls(fn, *args), build the state with "
+                "init_state)"
             )
         return self.state[index]
 

@@ -252,3 +252,63 @@ def test_a_compiled_low_precision_step_equals_the_eager_one(backend):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_a_checkpoint_saved_with_current_scaling_resumes_with_empty_histories(
+    tmp_path, monkeypatch, capsys
+):
+    import minitrain.train.single
+    import minitrain.train.step
+
+    with monkeypatch.context() as patch:  # a run that scaled each tensor by its own amax
+        for module in (minitrain.train.single, minitrain.train.step):
+            patch.setattr(module, "fp8_recipe_of", lambda backend: None)
+        older = mt.fit(experiment(5), FP8, progress=False, out_dir=tmp_path)
+    assert older.state is None
+    resumed = mt.fit(experiment(8), FP8, progress=False, out_dir=tmp_path, resume=True)
+    assert "holds no fp8 amax histories" in capsys.readouterr().err
+    assert resumed.summary["steps"] == 8
+    assert not resumed.state.fp8_history[:, :, 3:].any()  # three steps recorded since
+    assert resumed.state.fp8_history[:, :, :3].all()
+
+
+VARYING = """
+import torch
+import minitrain as mt
+
+CONFIG = {"steps": 6}
+
+
+def experiment(config):
+    calls = {"n": 0}
+
+    def loss(params, batch):  # one matmul, then two from the third step on
+        calls["n"] += 1
+        h = batch @ params["w"]
+        if calls["n"] >= 4:
+            h = h @ params["v"]
+        return (h ** 2).mean()
+
+    return mt.Experiment(
+        init=lambda g: {"w": torch.randn(8, 8, generator=g), "v": torch.eye(8)},
+        loss=loss, next_batch=lambda g: torch.randn(4, 8, generator=g),
+        optimizer=mt.optim.sgd(lr=0.01), steps=config["steps"],
+    )
+"""
+
+
+def test_a_model_that_adds_a_matmul_mid_run_fails_in_one_line_and_keeps_its_steps(tmp_path):
+    script = tmp_path / "varying.py"
+    script.write_text(VARYING)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "minitrain", "run", str(script), "--backend", "cpu-fp8",
+         "--out", str(out)], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "same matmuls in every forward pass" in errors[0]
+    assert "at step 3" in errors[0]
+    assert "Traceback (most recent call last)" not in proc.stderr.replace(
+        "Traceback of your code (most recent call last)", "")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]

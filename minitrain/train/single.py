@@ -25,7 +25,7 @@ from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, Script
 from minitrain.optim import learning_rate
 from minitrain.train.experiment import Experiment, as_recorded, one_line
 from minitrain.train.loop import FitResult, StepTimer, run_loop
-from minitrain.train.progress import resident_bytes
+from minitrain.train.progress import resident_bytes, to_stderr
 from minitrain.train.script_errors import raised_at, script_call
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
 from minitrain.train.step import (
@@ -120,16 +120,39 @@ class SingleRun:
         }
 
     def resume_from(self, path: Path, check: Callable[[dict], None]) -> int:
-        template = pack_checkpoint_state(self.opt_state, self.carry)
-        saved = checkpoint.load(path, self.params, template)
+        saved, saved_carry = self._load(path)
         check(saved.meta)
         checkpoint.restore_rng(saved, self.data_generator)
         self.params = saved.params
-        self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, self.carry)
+        fresh_history = self.carry.fp8_history if self.carry is not None else None
+        self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, saved_carry)
+        if fresh_history is not None and (self.carry is None or self.carry.fp8_history is None):
+            self.carry = (self.carry or Carry())._replace(fp8_history=fresh_history)
         if self.parallel is not None:
             self.parallel.check_same(saved.step, "the step to resume from")
         self.current_step = self._checked_step = saved.step
         return saved.step
+
+    def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Carry | None]:
+        """The checkpoint at ``path`` and the carry it was saved with. A cpu-fp8 checkpoint
+        written before fp8 scales came from amax histories holds none: it loads, and the
+        histories start empty."""
+        template = pack_checkpoint_state(self.opt_state, self.carry)
+        try:
+            return checkpoint.load(path, self.params, template), self.carry
+        except checkpoint.CheckpointError as error:
+            if self.carry is None or self.carry.fp8_history is None:
+                raise
+            first = error
+        older = self.carry._replace(fp8_history=None)
+        older = None if all(part is None for part in older) else older
+        try:
+            saved = checkpoint.load(path, self.params, pack_checkpoint_state(self.opt_state, older))
+        except checkpoint.CheckpointError:
+            raise first from None
+        to_stderr(f"note: {path} holds no fp8 amax histories (saved with current scaling); "
+                  "they start empty")
+        return saved, older
 
     def check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
         current = self.meta()
