@@ -229,3 +229,110 @@ def test_a_lowered_clip_takes_the_kernels_norm_and_no_other_pass(monkeypatch):
     params = [torch.randn(100, 10), torch.randn(10)]
     new, _ = opt.update([torch.randn(100, 10), torch.randn(10)], opt.init(params), params)
     assert calls == [2] and new[0].shape == (100, 10)
+
+
+# The family's streaming kernels: against the references (torch.optim, lion-pytorch,
+# schedulefree) and against the same chain run op by op, on leaves that split across threads.
+def _lion_reference():
+    from lion_pytorch import Lion
+
+    return Lion
+
+
+def _schedule_free_reference():
+    from schedulefree import AdamWScheduleFree
+
+    return AdamWScheduleFree
+
+
+FAMILY = [
+    ("nadam", mt.optim.nadam, lambda: torch.optim.NAdam, dict(lr=0.01, weight_decay=0.1), {}),
+    ("nadam", mt.optim.nadam, lambda: torch.optim.NAdam,
+     dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True, maximize=True,
+          momentum_decay=0.01), {}),
+    ("radam", mt.optim.radam, lambda: torch.optim.RAdam, dict(lr=0.01, weight_decay=0.1), {}),
+    ("radam", mt.optim.radam, lambda: torch.optim.RAdam,
+     dict(lr=0.01, betas=(0.8, 0.5), weight_decay=0.1, decoupled_weight_decay=True), {}),
+    ("adamax", mt.optim.adamax, lambda: torch.optim.Adamax,
+     dict(lr=0.01, weight_decay=0.1, maximize=True), {}),
+    ("lion", mt.optim.lion, _lion_reference, dict(lr=1e-3, weight_decay=0.1), {}),
+    ("lion", mt.optim.lion, _lion_reference, dict(lr=1e-3, betas=(0.3, 0.8)), {}),
+    ("schedule_free_adamw", mt.optim.schedule_free_adamw, _schedule_free_reference,
+     dict(lr=0.01, weight_decay=0.1, warmup_steps=3), {"foreach": False}),
+]
+FAMILY_IDS = [f"{name}-{i}" for i, (name, *_) in enumerate(FAMILY)]
+
+
+def _family_reference(cls, kwargs, params, grads_seq):
+    leaves = [torch.nn.Parameter(p.clone()) for p in params]
+    optimizer = cls(leaves, **kwargs)
+    if hasattr(optimizer, "train"):
+        optimizer.train()
+    for grads in grads_seq:
+        for p, g in zip(leaves, grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+    return [p.detach() for p in leaves]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, factory, reference, kwargs, only_reference", FAMILY,
+                         ids=FAMILY_IDS)
+@pytest.mark.parametrize("donate", [False, True])
+def test_family_kernels_match_the_references_and_the_chain(
+        name, factory, reference, kwargs, only_reference, donate, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(300, 257), (33,), (), (70001,)]
+    params = [torch.randn(shape, generator=g) for shape in shapes]
+    grads_seq = [[torch.randn(shape, generator=g) for shape in shapes] for _ in range(6)]
+    calls = spy_rules(monkeypatch)
+    opt = factory(**kwargs)
+    ours, state = [p.clone() for p in params], opt.init(params)
+    for grads in grads_seq:
+        snapshot = [t.clone() for t in (*ours, *grads)]
+        pointers = [t.data_ptr() for t in ours]
+        new, state = opt.update(grads, state, ours, donate=donate)
+        if donate:  # written in place
+            assert [t.data_ptr() for t in new] == pointers
+        else:  # the inputs are untouched
+            for before, after in zip(snapshot, (*ours, *grads), strict=True):
+                assert torch.equal(before, after)
+        ours = new
+    assert calls == [name] * len(grads_seq)
+    # The same chain, op by op (the transformation's own update).
+    chain = mt.optim.as_optimizer(opt.update.transformation)
+    theirs, chain_state = [p.clone() for p in params], chain.init(params)
+    for grads in grads_seq:
+        theirs, chain_state = chain.update(grads, chain_state, theirs)
+    for a, b in zip(mt.tree.leaves((ours, state)), mt.tree.leaves((theirs, chain_state)),
+                    strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    want = _family_reference(reference(), {**kwargs, **only_reference}, params, grads_seq)
+    for mine, expected in zip(ours, want, strict=True):
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_family_kernels_decay_only_the_masked_leaves_and_skip_odd_layouts(monkeypatch):
+    calls = spy_rules(monkeypatch)
+    params = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+    grads = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+    mask = lambda name, p: p.ndim >= 2  # noqa: E731
+    opt = mt.optim.nadam(lr=0.01, weight_decay=0.5, decoupled_weight_decay=True, mask=mask)
+    new, state = opt.update(grads, opt.init(params), params)
+    chain = mt.optim.as_optimizer(opt.update.transformation)
+    want, _ = chain.update(grads, chain.init(params), params)
+    assert calls == ["nadam", "nadam"]  # one call per decay group
+    for key in params:
+        torch.testing.assert_close(new[key], want[key], rtol=1e-6, atol=1e-7)
+    # A transposed grad, a bf16 leaf: the rule runs op by op instead.
+    calls.clear()
+    for odd_params, odd_grads in (
+        ([torch.randn(5, 4)], [torch.randn(4, 5).t()]),
+        ([torch.randn(5, 4, dtype=torch.bfloat16)], [torch.randn(5, 4, dtype=torch.bfloat16)]),
+    ):
+        new, _ = opt.update(odd_grads, opt.init(odd_params), odd_params)
+        chain_new, _ = chain.update(odd_grads, chain.init(odd_params), odd_params)
+        torch.testing.assert_close(new[0], chain_new[0])
+    assert calls == []

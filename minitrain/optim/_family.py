@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as _pytree
 from torch import Tensor
 
+from minitrain.optim import streaming
 from minitrain.optim._compiled_rule import CompiledChain
 from minitrain.optim._core import (
     GradientTransformation,
@@ -231,17 +232,22 @@ class Rule(NamedTuple):
     scalars: dict[str, Callable[[], Tensor]] | None = None
     advance: Callable[..., Any] | None = None
     needs_params: bool = False
+    # ``kernel(step, hyper, per_step) -> (rule, hyperparameters, buffers)``: the streaming
+    # kernel (``_streaming.c``) that computes the same step in one pass over float32 CPU
+    # leaves, the rule's part of its hyperparameters (after the family's frame), and the
+    # state fields it reads and writes in its slot order. Numbers in, numbers out.
+    kernel: Callable[..., tuple[str, list[float], tuple[str, ...]]] | None = None
 
 
 def moments_rule(name: str, state_type: type, update_leaf: Callable[..., Any], b1: Any, b2: Any,
-                 eps: Any) -> Rule:
+                 eps: Any, kernel: Callable[..., Any] | None = None) -> Rule:
     """A rule with Adam's hyperparameters (``betas`` in [0, 1), ``eps`` >= 0) whose buffers,
     the fields of ``state_type`` after ``count``, start at zero (Adamax, RAdam)."""
     beta1, beta2 = check_betas((b1, b2))
     eps = check_range("eps", eps, 0.0)
     buffers = state_type._fields[1:]
     return Rule(name, state_type, lambda p: {b: zeros(p) for b in buffers}, update_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=eps))
+                dict(beta1=beta1, beta2=beta2, eps=eps), kernel=kernel)
 
 
 def rule_transform(rule: Rule) -> GradientTransformation:
@@ -280,6 +286,8 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
     def update(grads, state, params, *, donate: bool = False):
         if plan.takes(grads, state, params):
             with pool.lock:  # two concurrent updates must not share an output buffer
+                if compiled is None and plan.kernel_takes(grads, state, params):
+                    return plan.run_kernel(grads, state, params, pool, donate)
                 return plan.run(grads, state, params, pool, compiled)
         return slow.update(grads, state, params, donate=donate)
 
@@ -327,6 +335,65 @@ class _Plan:
             ):
                 return False
         return True
+
+    def kernel_takes(self, grads, state, params) -> bool:
+        """Whether the rule's streaming kernel can run (after :meth:`takes`): it has one, the
+        kernels are built, and every param, grad and buffer leaf is a float32 CPU contiguous
+        tensor whose storage holds it (anything else runs the rule op by op)."""
+        if self.rule.kernel is None or (self.lr is None and self.weight_decay is not None
+                                        and self.decoupled):
+            return False
+        inner = state[self.rule_index]
+        tensors = [*_pytree.tree_leaves(params), *_pytree.tree_leaves(grads)]
+        for field in self.buffers():
+            if getattr(inner, field) == ():
+                return False
+            tensors.extend(_pytree.tree_leaves(getattr(inner, field)))
+        return streaming.usable(tensors) and all(streaming._storage_holds(t) for t in tensors)
+
+    def run_kernel(self, grads, state, params, pool, donate: bool = False):
+        """The update as one streaming-kernel pass per decay group: the frame of the chain
+        (``-g`` for maximize, L2 decay, ``-lr`` and decoupled decay) and the rule's step in
+        the same loop, into recycled buffers, or in place when ``donate``."""
+        if not donate:
+            pool.begin_update()
+        p_leaves, spec = _pytree.tree_flatten(params)
+        g_leaves = _pytree.tree_leaves(grads)
+        new_state = list(state)
+        inner = state[self.rule_index]
+        step = int(inner.count) + 1
+        per_step, kept = self.advance(inner, step)
+        lr = self.step_lr(state, new_state) if self.lr is not None else None
+        name, rule_hp, fields = self.rule.kernel(
+            step, {k: scalar(v) for k, v in self.hyper.items()},
+            {k: scalar(v) for k, v in per_step.items()})
+        buffers = {f: _pytree.tree_leaves(getattr(inner, f)) for f in fields}
+        flags = self.decay_flags(params) if self.weight_decay is not None else \
+            [False] * len(p_leaves)
+        new_params = list(p_leaves)
+        new_buffers = {f: list(leaves) for f, leaves in buffers.items()}
+        wd = scalar(self.weight_decay) if self.weight_decay is not None else 0.0
+        for flag in (True, False):
+            group = [i for i, decays in enumerate(flags) if decays is flag]
+            if not group:
+                continue
+            l2 = wd if flag and not self.decoupled else 0.0
+            decay = 1 - lr * wd if flag and self.decoupled and lr is not None else 1.0
+            frame = [-1.0 if self.maximize else 1.0, l2, 0.0 if lr is None else float(lr),
+                     decay, float(lr is not None)]
+            slots = [[p_leaves[i] for i in group], [g_leaves[i] for i in group],
+                     *([buffers[f][i] for i in group] for f in fields)]
+            out = streaming.update(name, frame + [float(v) for v in rule_hp], slots,
+                                   None if donate else pool)
+            for position, i in enumerate(group):
+                new_params[i] = out[0][position]
+                for f, leaves in zip(fields, out[1:], strict=True):
+                    new_buffers[f][i] = leaves[position]
+        new_fields = {f: _pytree.tree_unflatten(new_buffers[f], spec) if f in new_buffers
+                      else getattr(inner, f) for f in self.buffers()}
+        new_state[self.rule_index] = self.rule.state_type(
+            torch.tensor(step, dtype=torch.int64), **kept, **new_fields)
+        return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
 
     def buffers(self) -> tuple[str, ...]:
         skip = 1 + len(self.rule.scalars or {})
