@@ -217,6 +217,24 @@ def test_format_report_names_every_figure():
         assert label in text
 
 
+def test_the_report_counts_what_the_optimizer_pools_hold():
+    params, data = cruncher_setup()
+    opt = mt.optim.adamw(lr=1e-3)
+    step = make_train_step(cruncher_experiment(opt, 64, 3, 32), mt.get_backend("cpu"))
+    mt.optim.clear_buffer_pools()
+    state = opt.init(params)
+    for _ in range(3):  # pure updates: the old params' buffers are recycled through the pools
+        out = step(params, state, data)
+        params, state = out.params, out.opt_state
+    report = acc.resource_report(step, params, state, data, optimizer="adamw")
+    pooled = report["memory"]["measured"]["optimizer_buffer_pools"]
+    assert pooled == mt.optim.buffer_pool_bytes() > 0
+    assert "optimizer pools" in acc.report.format_report(report)
+    mt.optim.clear_buffer_pools()
+    report = acc.resource_report(step, params, state, data, optimizer="adamw")
+    assert report["memory"]["measured"]["optimizer_buffer_pools"] == mt.optim.buffer_pool_bytes()
+
+
 # --- memory timeline and activation checkpointing ----------------------------------------------
 
 

@@ -101,6 +101,13 @@ def _cuda_peak(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any
     return torch.cuda.max_memory_allocated(device) - max(other, 0)
 
 
+def _buffer_pool_bytes() -> int:
+    """Bytes mt.optim's recycling pools hold now (:func:`minitrain.optim.buffer_pool_bytes`)."""
+    from minitrain.optim import buffer_pool_bytes
+
+    return buffer_pool_bytes()
+
+
 def _ratio(measured: int | float | None, predicted: int | float | None) -> int | float | None:
     return measured / predicted if measured is not None and predicted else None
 
@@ -228,6 +235,8 @@ def resource_report(
                 "optimizer_state": state_bytes,
                 "batch": batch_bytes,
                 "activations": measured_activations,
+                # the pure fast path's recycled buffers, held beyond what the step returned
+                "optimizer_buffer_pools": _buffer_pool_bytes(),
                 "source": (
                     "torch.cuda.max_memory_allocated"
                     if device is not None
@@ -374,6 +383,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(("  predicted/measured", ", ".join(
             f"{key.replace('_', ' ')} {_si(predicted[key], 'B')}/{_si(measured[key], 'B')}"
             for key in both)))
+    if measured.get("optimizer_buffer_pools"):
+        lines.append(("  optimizer pools", f"{_si(measured['optimizer_buffer_pools'], 'B')} "
+                      "of recycled buffers (pure updates), beyond the peak"))
     for index, saved in enumerate(memory.get("where", [])[:3]):
         lines.append((
             "  where it goes" if index == 0 else "",
