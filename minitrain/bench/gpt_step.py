@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import minitrain as mt
+from minitrain import lowp
 from minitrain.bench.optim import time_interleaved
 from minitrain.errors import UserError
-from minitrain.precision import compute_context
+from minitrain.precision import compute_context, delayed_scaling
 
 __all__ = ["GPTConfig", "NanoGPT", "load_bytelm", "gpt_step_ratios"]
 
@@ -134,20 +135,28 @@ def _peer_step(module: NanoGPT, batch: tuple, dtype: torch.dtype, compile: bool)
 def _functional_step(
     bytelm: Any, params: dict, batch: tuple, n_heads: int, policy: str, compile: bool
 ) -> Callable:
+    """One functional train step; the fp8 policy scales from amax histories (delayed scaling,
+    as ``minitrain run --backend cpu-fp8`` trains): they are differentiated and carried."""
     opt = mt.optim.adamw(**ADAMW)
-    state = {"params": params, "opt": opt.init(params)}
+    state = {"params": params, "opt": opt.init(params), "history": None}
 
-    def loss(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with compute_context(policy, "cpu"):
+    def loss(p: dict, history: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with compute_context(policy, "cpu", history):
             logits = bytelm.forward(p, x, n_heads)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
-    grads_of = mt.value_and_grad(loss)
+    delayed = delayed_scaling(policy) is not None
+    if delayed:
+        count = lowp.count_matmuls(bytelm.forward, params, batch[0], n_heads)
+        state["history"] = lowp.init_state(delayed_scaling(policy), count)
+    grads_of = mt.value_and_grad(loss, argnums=(0, 1) if delayed else 0)
     if compile:
         grads_of = torch.compile(grads_of)
 
     def step() -> None:
-        _, grads = grads_of(state["params"], *batch)
+        _, grads = grads_of(state["params"], state["history"], *batch)
+        if delayed:
+            grads, state["history"] = grads
         state["params"], state["opt"] = opt.update(
             grads, state["opt"], state["params"], donate=True
         )
