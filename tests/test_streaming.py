@@ -259,6 +259,13 @@ FAMILY = [
     ("lion", mt.optim.lion, _lion_reference, dict(lr=1e-3, betas=(0.3, 0.8)), {}),
     ("schedule_free_adamw", mt.optim.schedule_free_adamw, _schedule_free_reference,
      dict(lr=0.01, weight_decay=0.1, warmup_steps=3), {"foreach": False}),
+    ("adadelta", mt.optim.adadelta, lambda: torch.optim.Adadelta,
+     dict(lr=0.5, weight_decay=0.1, maximize=True), {}),
+    ("asgd", mt.optim.asgd, lambda: torch.optim.ASGD, dict(lr=0.01, t0=2, weight_decay=0.1), {}),
+    ("asgd", mt.optim.asgd, lambda: torch.optim.ASGD, dict(lr=0.01, lambd=0.0), {}),
+    ("rprop", mt.optim.rprop, lambda: torch.optim.Rprop, dict(lr=0.01, maximize=True), {}),
+    ("rprop", mt.optim.rprop, lambda: torch.optim.Rprop,
+     dict(lr=0.01, etas=(0.3, 1.5), step_sizes=(1e-3, 0.02)), {}),
 ]
 FAMILY_IDS = [f"{name}-{i}" for i, (name, *_) in enumerate(FAMILY)]
 

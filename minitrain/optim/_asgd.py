@@ -72,7 +72,13 @@ def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
 
     return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
                 dict(lambd=lambd), scalars={"lr": lambda: _f32(initial)}, advance=advance,
-                needs_params=True)
+                needs_params=True, kernel=asgd_kernel)
+
+
+def asgd_kernel(step, hyper, per_step):
+    """:func:`asgd_leaf` as ``_streaming.c``'s ``asgd`` rule (see ``_family.Rule``)."""
+    eta, mu = per_step["eta"], per_step["mu"]
+    return "asgd", [hyper["lambd"], -eta, mu, float(mu == 1)], ("ax",)
 
 
 def _f32(value: Any) -> Tensor:

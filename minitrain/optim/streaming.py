@@ -54,10 +54,11 @@ __all__ = ["RULES", "BuildError", "available", "fresh", "global_norm", "sum_of_s
            "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
-         "lion": 7, "schedule_free_adamw": 8}
+         "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
 """Rule name -> index in ``_streaming.c``'s table."""
 HYPERPARAMETERS = {"adam": 10, "sgd": 7, "adagrad": 3, "rmsprop": 7, "nadam": 11, "radam": 12,
-                   "adamax": 9, "lion": 7, "schedule_free_adamw": 13}
+                   "adamax": 9, "lion": 7, "schedule_free_adamw": 13, "adadelta": 8, "asgd": 9,
+                   "rprop": 9}
 """Rule name -> how many hyperparameters the kernel reads (``_streaming.c`` lists them)."""
 
 SOURCE = Path(__file__).with_name("_streaming.c")
