@@ -188,3 +188,14 @@ def test_an_error_in_a_module_the_script_imports_names_both_lines(capsys, tmp_pa
     code, _, err = run(capsys, path, tmp_path / "run")
     assert code == 2, err
     check_clean(err, "KeyError", "user_helpers.py line 2, called from line 7")
+
+
+def test_a_set_key_given_twice_with_two_values_is_refused(capsys, tmp_path, script,
+                                                         safe_signals):
+    run_dir = tmp_path / "run"
+    code, _, err = run(capsys, script, run_dir, "--set", "lr=0.1", "--set", "lr=0.2")
+    assert code == 2, err
+    check_clean(err, "--set lr is given twice", "0.1, then 0.2")
+    assert not run_dir.exists()
+    code, _, err = run(capsys, script, run_dir, "--set", "lr=0.1", "--set", "lr=0.1")
+    assert code == 0, err

@@ -196,17 +196,27 @@ def as_recorded(value: Any) -> Any:
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """``["lr=0.1", "dim=8"] -> {"lr": "0.1", "dim": "8"}``; later items win.
+    """``["lr=0.1", "dim=8"] -> {"lr": "0.1", "dim": "8"}``. A key given twice with two values
+    is refused (which one was meant?); the same value twice is harmless.
 
     >>> parse_overrides(["lr=0.1", "name=a=b"])
     {'lr': '0.1', 'name': 'a=b'}
+    >>> parse_overrides(["lr=0.1", "lr=0.2"])
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.ExperimentError: --set lr is given twice (0.1, then 0.2); pass it once
     """
-    overrides = {}
+    overrides: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ExperimentError(f"--set expects key=value, got {item!r} (e.g. --set lr=0.1)")
-        overrides[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if overrides.get(key, value) != value:
+            raise ExperimentError(
+                f"--set {key} is given twice ({overrides[key]}, then {value}); pass it once"
+            )
+        overrides[key] = value
     return overrides
 
 
