@@ -178,7 +178,8 @@ def test_loop_signal_inside_the_library(capsys, script, tmp_path, monkeypatch, s
     run_library_case(capsys, script, tmp_path, monkeypatch, LOOP_LIBRARY[case])
 
 
-@pytest.mark.parametrize(("seed", "sig"), [(1, signal.SIGTERM), (3, signal.SIGINT)])
+@pytest.mark.parametrize(("seed", "sig"),
+                         [(1, signal.SIGTERM), (3, signal.SIGINT), (5, signal.SIGHUP)])
 def test_a_burst_of_signals_at_a_random_moment(script, tmp_path, seed, sig):
     chance = random.Random(seed)
     out = tmp_path / "run"

@@ -107,19 +107,21 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def _early_sigterm() -> Iterator[None]:
-    """Until a command installs its own handlers (the fit loop's), SIGTERM stops the process as
-    Ctrl-C does: exit 130 with a line, not death by signal. The previous handler comes back
-    unless a command replaced this one."""
+    """Until a command installs its own handlers (the fit loop's), SIGTERM and SIGHUP stop the
+    process as Ctrl-C does: exit 130 with a line, not death by signal. The previous handlers
+    come back unless a command replaced them."""
+    stops = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
     try:
-        previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+        previous = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in stops}
     except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGTERM) is _terminate_as_interrupt:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is _terminate_as_interrupt:
+                signal.signal(sig, handler)
 
 
 def _silence_stdout() -> None:

@@ -121,7 +121,7 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
         except SignalException as exc:
             # Ctrl-C and SIGTERM reach the workers too, which save and exit 130 (the agent
             # waits for them); the job ends as a stopped run, not a killed one.
-            stopped = exc.sigval in (signal.SIGINT, signal.SIGTERM)
+            stopped = exc.sigval in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
             raise SystemExit(130 if stopped else 128 + int(exc.sigval)) from None
 
 

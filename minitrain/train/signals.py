@@ -1,4 +1,5 @@
-"""Ctrl-C and SIGTERM as requests to stop, for the whole life of a run.
+"""Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) as requests to stop, for the
+whole life of a run.
 
 The handler only records the request: it never raises, so a burst of signals cannot interrupt a
 checkpoint half-written, an evaluation or the report. The loop reads the request between steps,
@@ -22,7 +23,9 @@ from typing import Any
 
 __all__ = ["StopRequest", "stop_requests"]
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 class StopRequest:
@@ -56,7 +59,8 @@ def _ignore_stops_at_exit() -> None:
 
 @contextlib.contextmanager
 def stop_requests(keep_until_exit: bool = False) -> Iterator[StopRequest]:
-    """Install the recording handler for SIGINT and SIGTERM; yield the :class:`StopRequest`.
+    """Install the recording handler for SIGINT, SIGTERM and SIGHUP; yield the
+    :class:`StopRequest`.
 
     Nested uses share the outer request (the command line installs it first, the loop again).
     Outside the main thread, where handlers cannot be set, the request never fires. With
