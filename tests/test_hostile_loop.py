@@ -510,3 +510,16 @@ def test_a_live_run_directory_is_locked(capsys, holder, safe_signals, case):
     logged = steps_logged(out)
     assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 25
 
+
+
+def test_a_run_started_under_nohup_ignores_sighup(script, tmp_path):
+    out = tmp_path / "run"
+    proc = spawn("run", script, "--steps", "40", "--no-report", "--json", "--out", out,
+                 "--set", "sleep=0.01",
+                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for_lines(out / "metrics.jsonl", 5, proc)
+    for _ in range(3):
+        proc.send_signal(signal.SIGHUP)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert steps_logged(out)[-1] == 40

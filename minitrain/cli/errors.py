@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import click
 
 from minitrain import errors
+from minitrain.train.signals import stop_signals
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -110,7 +111,7 @@ def _early_sigterm() -> Iterator[None]:
     """Until a command installs its own handlers (the fit loop's), SIGTERM and SIGHUP stop the
     process as Ctrl-C does: exit 130 with a line, not death by signal. The previous handlers
     come back unless a command replaced them."""
-    stops = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    stops = [sig for sig in stop_signals() if sig != signal.SIGINT]
     try:
         previous = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in stops}
     except ValueError:  # not the main thread

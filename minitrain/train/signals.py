@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["StopRequest", "stop_requests"]
+__all__ = ["StopRequest", "stop_requests", "stop_signals"]
 
 _SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
@@ -46,6 +46,18 @@ class StopRequest:
 
 
 _active: StopRequest | None = None
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a run: SIGINT, SIGTERM, and SIGHUP unless the process was started
+    to ignore it (``nohup``: then a closed terminal must not stop the run).
+
+    >>> signal.SIGTERM in stop_signals()
+    True
+    """
+    hangup = getattr(signal, "SIGHUP", None)
+    ignored = hangup is not None and signal.getsignal(hangup) is signal.SIG_IGN
+    return tuple(sig for sig in _SIGNALS if not (sig == hangup and ignored))
 
 
 def _ignore_stops_at_exit() -> None:
@@ -75,7 +87,7 @@ def stop_requests(keep_until_exit: bool = False) -> Iterator[StopRequest]:
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
-    previous = {sig: signal.signal(sig, request.handle) for sig in _SIGNALS}
+    previous = {sig: signal.signal(sig, request.handle) for sig in stop_signals()}
     _active = request
     if keep_until_exit:
         atexit.register(_ignore_stops_at_exit)
