@@ -77,6 +77,11 @@ def claim(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunOwner
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"--out {path} is a file, not a directory; pass a directory path")
+    if path.is_symlink() and not path.exists():
+        raise UserError(
+            f"--out {path} is a symbolic link to {os.readlink(path)}, which does not exist; "
+            "create that directory, or pass another --out"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)

@@ -39,6 +39,7 @@ def workspace(tmp_path_factory):
     for name, text in SCRIPTS.items():
         (root / name).write_text(text)
     (root / "a_file").write_text("x")
+    (root / "dangling").symlink_to(root / "nowhere")
     (root / "not_prepared").mkdir()
     (root / "not_prepared" / "stray.txt").write_text("x")
     (root / "no_metrics").mkdir()
@@ -86,6 +87,7 @@ def cases(cuda_present: bool) -> list[tuple[str, list[str], str]]:
         ("unknown-backend", [*run, "--backend", "tpu"], "installed backends: cpu"),
         ("keep-zero", [*run, "--keep", "0", "--out", "{root}/k"], "--keep"),
         ("out-is-file", [*run, "--out", "{root}/a_file"], "is a file, not a directory"),
+        ("out-dangling-link", [*run, "--out", "{root}/dangling"], "which does not exist"),
         ("resume-without-out", [*run, "--resume"], "pass --out DIR"),
         ("checkpoint-without-out", [*run, "--checkpoint-every", "5"], "pass --out DIR"),
         # The experiment script and its config.
