@@ -54,7 +54,8 @@ SUMMARY_FILE = "summary.json"
 
 class FitResult(NamedTuple):
     """What a fit returns: the trained params, the optimizer state and the summary (and the
-    carried model state and loss scale, a :class:`minitrain.train.step.Carry`, if any)."""
+    carried model state, loss scale and fp8 amax histories, a
+    :class:`minitrain.train.step.Carry`, if any)."""
 
     params: Any
     opt_state: Any
