@@ -343,3 +343,60 @@ def test_family_kernels_decay_only_the_masked_leaves_and_skip_odd_layouts(monkey
         chain_new, _ = chain.update(odd_grads, chain.init(odd_params), odd_params)
         torch.testing.assert_close(new[0], chain_new[0])
     assert calls == []
+
+
+ADAFACTOR = [dict(), dict(weight_decay=0.1, maximize=True),
+             dict(lr=mt.optim.step_schedule(0.05, 2, gamma=0.5), beta2_decay=-0.5,
+                  eps=(1e-30, 1e-2), d=2.0)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kwargs", ADAFACTOR, ids=["default", "decay-maximize", "schedule"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_adafactor_kernels_match_torch_and_the_chain(kwargs, donate, monkeypatch):
+    calls = []
+    original = streaming.adafactor_stats
+    monkeypatch.setattr(streaming, "adafactor_stats",
+                        lambda g, p: calls.append(tuple(g.shape)) or original(g, p))
+    g = torch.Generator().manual_seed(0)
+    # A matrix that splits across threads with a ragged row, small and 1-D/0-d/3-D leaves
+    # (those take the chain's own ops).
+    shapes = [(300, 257), (64, 3), (33,), (), (2, 3, 4)]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads_seq = [[torch.randn(s, generator=g) for s in shapes] for _ in range(5)]
+    opt = mt.optim.adafactor(**kwargs)
+    ours, state = [p.clone() for p in params], opt.init(params)
+    for grads in grads_seq:
+        snapshot = [t.clone() for t in (*ours, *grads)]
+        pointer = ours[0].data_ptr()
+        new, state = opt.update(grads, state, ours, donate=donate)
+        assert (new[0].data_ptr() == pointer) == donate
+        if not donate:
+            for before, after in zip(snapshot, (*ours, *grads), strict=True):
+                assert torch.equal(before, after)
+        ours = new
+    assert calls == [(300, 257), (64, 3)] * len(grads_seq)
+    transformation = opt.update.transformation
+    theirs, chain_state = [p.clone() for p in params], transformation.init(params)
+    for grads in grads_seq:
+        updates, chain_state = transformation.update(grads, chain_state, theirs)
+        theirs = mt.optim.apply_updates(theirs, updates)
+    for a, b in zip(mt.tree.leaves((ours, state)), mt.tree.leaves((theirs, chain_state)),
+                    strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    reference = dict(kwargs)
+    if callable(reference.get("lr")):
+        reference["lr"] = 0.05  # the schedule as torch's StepLR, stepped below
+    leaves = [torch.nn.Parameter(p.clone()) for p in params]
+    optimizer = torch.optim.Adafactor(leaves, **reference)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5) \
+        if callable(kwargs.get("lr")) else None
+    for grads in grads_seq:
+        for p, grad in zip(leaves, grads, strict=True):
+            p.grad = grad.clone()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    for mine, expected in zip(ours, leaves, strict=True):
+        torch.testing.assert_close(mine, expected.detach(), rtol=1e-5, atol=1e-6)

@@ -587,3 +587,137 @@ int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_le
     free(c.first);
     return 0;
 }
+
+/* Adafactor's factored second moment for a row-major m x n float32 matrix (torch's
+   _single_tensor_adafactor, minitrain/optim/_adafactor.py adafactor_leaf; Shazeer & Stern
+   2018): three passes, each over the rows split evenly across threads, instead of the ten or
+   so an op-by-op update makes.
+
+   minitrain_adafactor_stats: row[i] = sum_j g_ij^2, col[j] = sum_i g_ij^2, *p_sumsq =
+   sum p^2, in double; `scratch` holds n_threads * (n + 1) doubles. */
+int minitrain_adafactor_stats(const float *g, const float *p, int64_t m, int64_t n,
+                              int n_threads, double *row, double *col, double *p_sumsq,
+                              double *scratch) {
+    if (n_threads < 1) return -1;
+    if ((int64_t)n_threads * 16384 > m * n || n_threads > m) n_threads = 1;
+    for (int64_t k = 0; k < (int64_t)n_threads * (n + 1); k++) scratch[k] = 0.0;
+    int team = 1;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(n_threads)
+#endif
+    {
+#if defined(_OPENMP)
+        const int rank = omp_get_thread_num(), size = omp_get_num_threads();
+#else
+        const int rank = 0, size = 1;
+#endif
+        if (rank == 0) team = size;
+        double *local = scratch + (int64_t)rank * (n + 1); /* n column sums, then sum p^2 */
+        for (int64_t i = m * rank / size; i < m * (rank + 1) / size; i++) {
+            const float *x = g + i * n;
+            row[i] = sumsq_range(x, 0, n);
+            for (int64_t j = 0; j < n; j++) local[j] += (double)x[j] * (double)x[j];
+            local[n] += sumsq_range(p + i * n, 0, n);
+        }
+    }
+    for (int64_t j = 0; j <= n; j++) {
+        double sum = 0.0;
+        for (int r = 0; r < team; r++) sum += scratch[(int64_t)r * (n + 1) + j];
+        if (j < n) col[j] = sum;
+        else *p_sumsq = sum;
+    }
+    return 0;
+}
+
+/* g_ij * rsqrt(max(r_i * c_j / denom, eps1^2)) (torch: (row_var @ col_var) / denom, clamped,
+   rsqrt, times g; a NaN stays NaN), times `sign`, over one row's vector starting at j. */
+static inline v8 adafactor_scaled(const float *g, const float *c, float r, float denom,
+                                  float eps1_sq, float sign, int64_t j) {
+    typedef int32_t i8 __attribute__((vector_size(W * sizeof(int32_t))));
+    const v8 zero = {0}, floor_ = zero + eps1_sq;
+    v8 estimate = (r * load(c + j)) / denom;
+    const i8 low = estimate < floor_;
+    estimate = vselect(mask_of(&low), floor_, estimate);
+    return (1.0f / vsqrt(estimate)) * (load(g + j) * sign);
+}
+
+/* One row: vectors in place, then the ragged end on zero-padded copies. `out` NULL: only the
+   sum of squares of the scaled row is returned; else out = p + coef * scaled - lr_wd * p. */
+static double adafactor_row(const float *g, const float *p, const float *c, float r,
+                            float denom, float eps1_sq, float sign, float coef, float lr_wd,
+                            float *out, int64_t n, int nt) {
+    double total = 0.0;
+    v8 acc = {0};
+    const int64_t whole = n / W * W;
+    if (out && ((uintptr_t)out % 32) != 0) nt = 0;
+    for (int64_t j = 0; j < whole; j += W) {
+        const v8 s = adafactor_scaled(g, c, r, denom, eps1_sq, sign, j);
+        if (out) {
+            const v8 x = load(p + j);
+            v8 u = s * coef;
+            if (lr_wd != 0.0f) u = u - lr_wd * x;
+            store(out + j, x + u, nt);
+        } else {
+            acc += s * s;
+        }
+    }
+    if (whole < n) {
+        float pg[W] = {0}, pp[W] = {0}, pc[W], po[W];
+        for (int k = 0; k < W; k++) pc[k] = 1.0f; /* padding lanes: finite, then dropped */
+        const size_t bytes = (size_t)(n - whole) * sizeof(float);
+        memcpy(pg, g + whole, bytes);
+        memcpy(pp, p + whole, bytes);
+        memcpy(pc, c + whole, bytes);
+        const v8 s = adafactor_scaled(pg, pc, r, denom, eps1_sq, sign, 0);
+        if (out) {
+            const v8 x = load(pp);
+            v8 u = s * coef;
+            if (lr_wd != 0.0f) u = u - lr_wd * x;
+            const v8 y = x + u;
+            memcpy(po, &y, sizeof y);
+            memcpy(out + whole, po, bytes);
+        } else {
+            for (int k = 0; k < n - whole; k++) total += (double)s[k] * (double)s[k];
+        }
+    }
+    for (int k = 0; k < W; k++) total += (double)acc[k];
+    return total;
+}
+
+/* Pass 2 (out NULL): returns the sum of squares of the scaled update through *sumsq.
+   Pass 3: out = p + coef * scaled - lr_wd * p, streaming stores when nontemporal. `row` and
+   `col` are the new row_var (m) and col_var (n), `denom` their row mean clamped to eps1;
+   `scratch` holds n_threads doubles. */
+int minitrain_adafactor_apply(const float *g, const float *p, const float *row,
+                              const float *col, int64_t m, int64_t n, const double *hp,
+                              float *out, int n_threads, int nontemporal, double *sumsq,
+                              double *scratch) {
+    if (n_threads < 1) return -1;
+    if ((int64_t)n_threads * 16384 > m * n || n_threads > m) n_threads = 1;
+    const float denom = (float)hp[0], eps1_sq = (float)hp[1], sign = (float)hp[2];
+    const float coef = (float)hp[3], lr_wd = (float)hp[4];
+    int team = 1;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(n_threads)
+#endif
+    {
+#if defined(_OPENMP)
+        const int rank = omp_get_thread_num(), size = omp_get_num_threads();
+#else
+        const int rank = 0, size = 1;
+#endif
+        if (rank == 0) team = size;
+        double local = 0.0;
+        for (int64_t i = m * rank / size; i < m * (rank + 1) / size; i++)
+            local += adafactor_row(g + i * n, p + i * n, col, row[i], denom, eps1_sq, sign, coef,
+                                   lr_wd, out ? out + i * n : NULL, n, nontemporal);
+        scratch[rank] = local;
+#if defined(__AVX__)
+        if (out && nontemporal) _mm_sfence();
+#endif
+    }
+    double total = 0.0;
+    for (int r = 0; r < team; r++) total += scratch[r];
+    if (sumsq) *sumsq = total;
+    return 0;
+}

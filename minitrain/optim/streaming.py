@@ -50,8 +50,8 @@ import torch
 import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
-__all__ = ["RULES", "BuildError", "available", "fresh", "global_norm", "sum_of_squares",
-           "usable", "update"]
+__all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available", "fresh",
+           "global_norm", "sum_of_squares", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
          "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
@@ -218,6 +218,17 @@ def _library() -> ctypes.CDLL | None:
     library.minitrain_update.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+    ]
+    library.minitrain_adafactor_stats.restype = ctypes.c_int
+    library.minitrain_adafactor_stats.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ]
+    library.minitrain_adafactor_apply.restype = ctypes.c_int
+    library.minitrain_adafactor_apply.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p,
     ]
     library.minitrain_sumsq.restype = ctypes.c_int
     library.minitrain_sumsq.argtypes = [
@@ -387,3 +398,77 @@ def global_norm(leaves: Sequence[Tensor]) -> Tensor:
     """
     squares = torch.tensor(sum_of_squares(leaves), dtype=torch.float64)
     return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)
+
+
+def _matrix_check(what: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    """The last guard before an Adafactor kernel gets ``t``'s pointer (as :func:`_check_slots`)."""
+    if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
+            and tuple(t.shape) == shape and _storage_holds(t)):
+        raise ValueError(
+            f"adafactor kernel {what}: {tuple(t.shape)} {t.dtype} {t.device} stride "
+            f"{t.stride()} is not a contiguous float32 CPU tensor of shape {shape}"
+        )
+
+
+def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
+    """One pass over an ``(m, n)`` grad and its param: the float64 sums of ``g**2`` over each
+    row ``(m,)`` and each column ``(n,)``, and ``sum(p**2)``. Call :func:`usable` first.
+
+    >>> g = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    >>> if usable([g]):
+    ...     rows, cols, p2 = adafactor_stats(g, torch.ones(2, 2))
+    ... else:
+    ...     rows, cols, p2 = torch.tensor([5.0, 25.0]), torch.tensor([10.0, 20.0]), 4.0
+    >>> rows.tolist(), cols.tolist(), p2
+    ([5.0, 25.0], [10.0, 20.0], 4.0)
+    """
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    m, n = g.shape
+    _matrix_check("grad", g, (m, n))
+    _matrix_check("param", p, (m, n))
+    threads = max(1, torch.get_num_threads())
+    rows = torch.empty(m, dtype=torch.float64)
+    cols = torch.empty(n, dtype=torch.float64)
+    out = array.array("d", [0.0])
+    scratch = torch.empty(threads * (n + 1), dtype=torch.float64)
+    status = library.minitrain_adafactor_stats(
+        g.data_ptr(), p.data_ptr(), m, n, threads, rows.data_ptr(), cols.data_ptr(),
+        out.buffer_info()[0], scratch.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"adafactor stats failed with status {status}")
+    return rows, cols, out[0]
+
+
+def adafactor_apply(g: Tensor, p: Tensor, row_var: Tensor, col_var: Tensor,
+                    hyperparameters: Sequence[float], out: Tensor | None = None,
+                    nontemporal: bool = False) -> float:
+    """Adafactor's scaled update of an ``(m, n)`` leaf, ``s = sign * g * rsqrt(max(r_i c_j /
+    denom, eps1**2))`` with ``hyperparameters = [denom, eps1**2, sign, coef, lr * wd]``:
+    without ``out``, returns ``sum(s**2)``; with it, writes ``p + coef * s - lr * wd * p``
+    there (streaming stores with ``nontemporal``) and returns 0. Call :func:`usable` first."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    m, n = g.shape
+    _matrix_check("grad", g, (m, n))
+    _matrix_check("param", p, (m, n))
+    _matrix_check("row_var", row_var, (m,))
+    _matrix_check("col_var", col_var, (n,))
+    if out is not None:
+        _matrix_check("output", out, (m, n))
+    if len(hyperparameters) != 5:
+        raise ValueError("adafactor_apply takes 5 hyperparameters: denom, eps1**2, sign, coef, "
+                         "lr * weight_decay")
+    threads = max(1, torch.get_num_threads())
+    hp = array.array("d", map(float, hyperparameters))
+    total = array.array("d", [0.0])
+    scratch = array.array("d", bytes(8 * threads))
+    status = library.minitrain_adafactor_apply(
+        g.data_ptr(), p.data_ptr(), row_var.data_ptr(), col_var.data_ptr(), m, n,
+        hp.buffer_info()[0], 0 if out is None else out.data_ptr(), threads, int(nontemporal),
+        total.buffer_info()[0], scratch.buffer_info()[0])
+    if status != 0:
+        raise RuntimeError(f"adafactor apply failed with status {status}")
+    return total[0]
