@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import click
 
 from minitrain import errors
-from minitrain.train.signals import stop_signals
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -111,7 +110,12 @@ def _early_sigterm() -> Iterator[None]:
     """Until a command installs its own handlers (the fit loop's), SIGTERM and SIGHUP stop the
     process as Ctrl-C does: exit 130 with a line, not death by signal. The previous handlers
     come back unless a command replaced them."""
-    stops = [sig for sig in stop_signals() if sig != signal.SIGINT]
+    # SIGHUP only where the process was not started to ignore it (nohup); the fit loop's
+    # handlers (minitrain.train.signals, which imports torch) make the same choice later.
+    stops = [signal.SIGTERM]
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+        stops.append(hangup)
     try:
         previous = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in stops}
     except ValueError:  # not the main thread
