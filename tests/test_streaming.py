@@ -64,7 +64,10 @@ def torch_reference(cls, kwargs, params, grads_seq):
 
 @needs_kernels
 @pytest.mark.parametrize("name, factory, cls, kwargs", CONFIGS, ids=IDS)
-def test_pure_updates_of_large_leaves_match_torch_optim(name, factory, cls, kwargs, monkeypatch):
+@pytest.mark.parametrize("streams", [True, False], ids=["streaming-stores", "plain-stores"])
+def test_pure_updates_of_large_leaves_match_torch_optim(name, factory, cls, kwargs, streams,
+                                                        monkeypatch):
+    monkeypatch.setattr(streaming, "STREAMING_BYTES", 0 if streams else 2**62)
     # Leaf sizes with ragged tails, and enough elements in all that the update splits across
     # threads (slices of 64-byte blocks laid end to end across the leaves).
     g = torch.Generator().manual_seed(0)
@@ -87,8 +90,10 @@ def test_pure_updates_of_large_leaves_match_torch_optim(name, factory, cls, kwar
 
 @needs_kernels
 @settings(deadline=None, max_examples=15)
-@given(offset=st.integers(0, 15), size=st.integers(1, 40000), threads=st.sampled_from([1, 2, 3]))
-def test_misaligned_views_and_any_thread_count_give_the_same_numbers(offset, size, threads):
+@given(offset=st.integers(0, 15), size=st.integers(1, 40000), threads=st.sampled_from([1, 2, 3]),
+       nontemporal=st.sampled_from([None, True, False]))
+def test_misaligned_views_and_any_thread_count_give_the_same_numbers(offset, size, threads,
+                                                                     nontemporal):
     # Inputs that start mid cache line, sizes that end mid vector: the streaming kernel agrees
     # with torch's fused kernel on every element, whatever the number of threads.
     g = torch.Generator().manual_seed(size)
@@ -106,7 +111,7 @@ def test_misaligned_views_and_any_thread_count_give_the_same_numbers(offset, siz
     torch.set_num_threads(threads)
     try:
         new_p, new_m, new_v, unused = streaming.update(
-            "adam", hp, [[p], [grad], [m], [v], None], streaming.fresh
+            "adam", hp, [[p], [grad], [m], [v], None], streaming.fresh, nontemporal=nontemporal
         )
     finally:
         torch.set_num_threads(previous)
@@ -285,9 +290,12 @@ def _family_reference(cls, kwargs, params, grads_seq):
 @needs_kernels
 @pytest.mark.parametrize("name, factory, reference, kwargs, only_reference", FAMILY,
                          ids=FAMILY_IDS)
-@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("donate, streams", [(False, True), (False, False), (True, False)],
+                         ids=["streaming-stores", "plain-stores", "donated"])
 def test_family_kernels_match_the_references_and_the_chain(
-        name, factory, reference, kwargs, only_reference, donate, monkeypatch):
+        name, factory, reference, kwargs, only_reference, donate, streams, monkeypatch):
+    # Streaming stores for any size, or plain stores for any size.
+    monkeypatch.setattr(streaming, "STREAMING_BYTES", 0 if streams else 2**62)
     g = torch.Generator().manual_seed(0)
     shapes = [(300, 257), (33,), (), (70001,)]
     params = [torch.randn(shape, generator=g) for shape in shapes]
@@ -352,8 +360,10 @@ ADAFACTOR = [dict(), dict(weight_decay=0.1, maximize=True),
 
 @needs_kernels
 @pytest.mark.parametrize("kwargs", ADAFACTOR, ids=["default", "decay-maximize", "schedule"])
-@pytest.mark.parametrize("donate", [False, True])
-def test_adafactor_kernels_match_torch_and_the_chain(kwargs, donate, monkeypatch):
+@pytest.mark.parametrize("donate, streams", [(False, True), (False, False), (True, False)],
+                         ids=["streaming-stores", "plain-stores", "donated"])
+def test_adafactor_kernels_match_torch_and_the_chain(kwargs, donate, streams, monkeypatch):
+    monkeypatch.setattr(streaming, "STREAMING_BYTES", 0 if streams else 2**62)
     calls = []
     original = streaming.adafactor_stats
     monkeypatch.setattr(streaming, "adafactor_stats",

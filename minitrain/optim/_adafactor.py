@@ -279,10 +279,12 @@ def _match(tx: GradientTransformation):
         if not donate:
             pool.begin_update()
         out, rows, cols, variances = [], [], [], []
+        # Streaming stores for a large update (p and g read, the new p written).
+        nontemporal = not donate and streaming.streams(12 * sum(p.numel() for p in p_leaves))
         for g, p, row, col, var in zip(g_leaves, p_leaves, *buffers, strict=True):
             if _kernel_leaf(p, g, row, col):
                 new_p, row, col = _kernel_step(g, p, row, col, step, sign, numbers,
-                                               p if donate else pool.empty_like(p), donate)
+                                               p if donate else pool.empty_like(p), nontemporal)
             else:  # the chain's own ops for this leaf: -g, adafactor_leaf, apply_updates
                 u, row, col, var = adafactor_leaf(
                     g * sign if sign != 1.0 else g, row, col, var, p, step, step_lr,
@@ -309,7 +311,7 @@ def _kernel_leaf(p: Tensor, g: Tensor, row: Any, col: Any) -> bool:
             and streaming._storage_holds(col))
 
 
-def _kernel_step(g, p, row_var, col_var, step, sign, h, out, donate):
+def _kernel_step(g, p, row_var, col_var, step, sign, h, out, nontemporal):
     """:func:`adafactor_leaf` for a 2-D leaf, its scalars in float32 as torch computes them,
     the passes over the leaf in C (``_streaming.c``, ``minitrain_adafactor_*``)."""
     m, n = p.shape
@@ -334,7 +336,7 @@ def _kernel_step(g, p, row_var, col_var, step, sign, h, out, donate):
     coef = float(-alpha / clip)
     lr_wd = h["lr"] * h["weight_decay"] if h["weight_decay"] != 0 else 0.0
     streaming.adafactor_apply(g, p, rows, cols, [denom, eps1 * eps1, sign, coef, lr_wd], out,
-                              nontemporal=not donate)
+                              nontemporal=nontemporal)
     return out, row_var, col_var
 
 

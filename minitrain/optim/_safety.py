@@ -70,10 +70,14 @@ def _dense(t: Tensor) -> bool:
 
 
 def _like(t: Tensor, p: Tensor) -> bool:
-    if t.device != p.device:
+    if not (t.is_cpu and p.is_cpu) and t.device != p.device:
         raise ValueError(f"a grad is on {t.device} but its param on {p.device}; move the grads")
     if p.is_contiguous():
-        return t.is_contiguous() and _storage_holds(t)
+        if not t.is_contiguous():
+            return False
+        n = t.numel()  # contiguous: the storage must hold [offset, offset + numel)
+        return n == 0 or (t.storage_offset() + n) * t.element_size() <= \
+            t.untyped_storage().nbytes()
     return t.stride() == p.stride() and _storage_holds(t)
 
 
