@@ -274,7 +274,7 @@ def quick_cpu(tmp_path, monkeypatch):
     """The hardware module with a small, fast measurement and an empty cache in ``tmp_path``."""
     module = importlib.import_module("minitrain.accounting.hardware")
     monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(module, "_MATMUL_SIZE", {"fp32": 64, "bf16": 64})
+    monkeypatch.setattr(module, "_MATMUL_SIZE", {"fp32": 64, "bf16": 64, "fp16": 64})
     monkeypatch.setattr(module, "_COPY_BYTES", 2**20)
     monkeypatch.setattr(module, "_MEASURED", {})
     return module
@@ -326,6 +326,19 @@ def test_cpu_cache_expires(quick_cpu, tmp_path, monkeypatch):
     rewrite_cached(path, measured_unix=week_old - 120)
     assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
     assert quick_cpu.measure_cpu(max_age=0) is not quick_cpu.measure_cpu(max_age=0)
+
+
+def test_cpu_cache_from_a_probe_without_fp16_is_measured_again(quick_cpu, tmp_path, monkeypatch):
+    first = quick_cpu.measure_cpu()
+    assert set(first.peak_flops) == {"fp32", "bf16", "fp16"}
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    record = json.loads(path.read_text())
+    del record["peak_flops"]["fp16"]
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    again = quick_cpu.measure_cpu()
+    assert again.details["measured_unix"] > first.details["measured_unix"]
+    assert again.peak_flops["fp16"] > 0
 
 
 @pytest.mark.parametrize("field, other", [("torch", "1.0.0"), ("cpu", "Another CPU"),

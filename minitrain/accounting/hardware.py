@@ -1,7 +1,7 @@
 """Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse kept apart), memory, bandwidth.
 
 Every published figure names its source. The ``cpu`` entry is measured on the spot (a timed
-matmul in fp32 and bf16, a timed copy for bandwidth), once per process, and kept on disk under
+matmul in fp32, bf16 and fp16, a timed copy for bandwidth), once per process, and kept on disk under
 the user cache directory so later processes on the same machine and torch build reuse it for a
 week (:func:`measure_cpu`).
 
@@ -266,7 +266,7 @@ def hardware_for_cuda_device(device_name: str) -> Hardware | None:
 # ---------------------------------------------------------------------------------------------
 # The CPU, measured: best-of-N timings of torch.mm and of a large copy.
 
-_MATMUL_SIZE = {"fp32": 1024, "bf16": 512}
+_MATMUL_SIZE = {"fp32": 1024, "bf16": 512, "fp16": 512}
 _COPY_BYTES = 64 * 2**20
 _MIN_SECONDS = 0.05
 _MIN_REPEATS = 3
@@ -357,8 +357,11 @@ def _age_seconds(spec: Hardware, now: float) -> float | None:
 
 
 def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
-    """Measured on this machine and torch build, at most ``max_age`` seconds ago."""
+    """Measured on this machine and torch build, at most ``max_age`` seconds ago, with a peak
+    for every dtype the probe measures (a record from an older probe is measured again)."""
     if spec is None or spec.details.get("key") != dict(key):
+        return False
+    if not set(_MATMUL_SIZE) <= set(spec.peak_flops):
         return False
     age = _age_seconds(spec, time.time())
     return age is not None and 0 <= age <= max_age
@@ -402,7 +405,10 @@ def _store(path: Path | None, spec: Hardware) -> None:
 def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
     peaks = {
         name: _matmul_flops_per_second(torch, dtype, _MATMUL_SIZE[name])
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        for name, dtype in (
+            ("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)
+        )
+        if name in _MATMUL_SIZE
     }
     bandwidth = _copy_bytes_per_second(torch)
     now, load = time.time(), _load_average()
