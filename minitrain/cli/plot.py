@@ -20,6 +20,11 @@ def _summary(records: list[dict]) -> dict:
     }
 
 
+def _is_sweep(records: list[dict]) -> bool:
+    """Whether ``records`` come from ``minitrain sweep`` (each names its member)."""
+    return bool(records) and "member" in records[0]
+
+
 @click.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
@@ -40,7 +45,8 @@ def plot(run_dirs: tuple[Path, ...], out: Path | None, keys: tuple[str, ...],
     """Plot the metrics.jsonl of RUN_DIRS (written by minitrain run --out RUN_DIR).
 
     Several RUN_DIRS overlay their curves in one PNG, labelled by directory name, e.g.
-    minitrain plot runs/fp32 runs/bf16 --out compare.png
+    minitrain plot runs/fp32 runs/bf16 --out compare.png. A sweep's directory gets one curve
+    per member beside the ranking (its sweep.png).
     """
     from minitrain import metrics
 
@@ -50,9 +56,20 @@ def plot(run_dirs: tuple[Path, ...], out: Path | None, keys: tuple[str, ...],
     if len(run_dirs) > 1 and out is None:
         raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
     try:
-        target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
-        png = metrics.plot(target, out, keys=keys or None)
         runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
+        sweeps = [d for d, r in zip(run_dirs, runs, strict=True) if _is_sweep(r)]
+        if sweeps and len(run_dirs) > 1:
+            raise UserError(
+                f"{sweeps[0]} is a sweep; plot it alone (minitrain plot {sweeps[0]}: one curve "
+                "per member), and overlay single runs only"
+            )
+        if sweeps:
+            from minitrain.train.sweep_plot import plot_sweep
+
+            png = plot_sweep(run_dirs[0], out)
+        else:
+            target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
+            png = metrics.plot(target, out, keys=keys or None)
     except (metrics.MetricsError, metrics.MissingExtra) as exc:
         raise UserError(str(exc)) from None
     except StorageError as exc:  # unreadable metrics, a full disk, --out that is a directory
