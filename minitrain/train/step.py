@@ -330,7 +330,9 @@ def make_train_step(
     is the next step's. Under loss scaling, a step whose grads are not finite leaves params and
     optimizer state as they were (``select_tree``, pure and vmappable; a donating step reads
     the flag once, ``bool(finite)``, before the update, since the update overwrites its inputs)
-    and ``applied`` says which steps were taken.
+    and ``applied`` says which steps were taken. On a delayed-fp8 backend (``cpu-fp8``,
+    ``cuda-fp8``) the carry holds the amax histories, counted on the first batch when the
+    carry has none; the output's carry holds the histories this step recorded.
 
     >>> import torch, minitrain as mt
     >>> from minitrain.train import Experiment
