@@ -176,6 +176,8 @@ def test_gpt_benchmark_compares_the_same_model():
     result = gpt_step.gpt_step_ratios(small, rounds=1, inner=1)
     assert set(result["ratios"]) == {"fp32", "bf16", "fp8/fp32"}
     assert all(0 < r < 100 for r in result["ratios"].values())
+    assert set(result["paired_median_ratios"]) == set(result["ratios"])
+    assert all(0 < r < 100 for r in result["paired_median_ratios"].values())
 
 
 # ---------------------------------------------------------------------------------------------

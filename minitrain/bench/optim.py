@@ -23,6 +23,7 @@ faults).
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -122,14 +123,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_interleaved(
+def time_rounds(
     steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str
-) -> dict[str, float]:
-    """Fastest round's seconds per call of each stepper over ``rounds`` interleaved rounds.
-
-    The minimum, not the median: on a machine shared with other jobs, the fastest round is the
-    one least disturbed by them, and it is disturbed the same way for every stepper.
-    """
+) -> dict[str, list[float]]:
+    """Each round's seconds per call of each stepper, over ``rounds`` interleaved rounds (in a
+    round the steppers run one after another, in order)."""
     for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
         for _ in range(3):
             stepper()
@@ -142,7 +140,29 @@ def time_interleaved(
                 stepper()
             _sync(device)
             times[name].append((time.perf_counter() - start) / inner)
+    return times
+
+
+def time_interleaved(
+    steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str
+) -> dict[str, float]:
+    """Fastest round's seconds per call of each stepper over ``rounds`` interleaved rounds.
+
+    The minimum, not the median: on a machine shared with other jobs, the fastest round is the
+    one least disturbed by them, and it is disturbed the same way for every stepper.
+    """
+    times = time_rounds(steppers, rounds, inner, device)
     return {name: min(values) for name, values in times.items()}
+
+
+def paired_median_ratio(times: dict[str, list[float]], name: str, peer: str) -> float:
+    """The median over rounds of ``name``'s time over ``peer``'s in the same round: two
+    steppers run back to back share the load of that moment, which the ratio cancels.
+
+    >>> paired_median_ratio({"a": [2.0, 9.0, 3.0], "b": [1.0, 9.0, 2.0]}, "a", "b")
+    1.5
+    """
+    return statistics.median(a / b for a, b in zip(times[name], times[peer], strict=True))
 
 
 def measure(

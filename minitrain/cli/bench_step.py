@@ -62,7 +62,9 @@ def _print_gpt(result: dict[str, Any], rounds: int, inner: int) -> None:
         peer = "fp32 functional step" if name == "fp8/fp32" else "nanoGPT nn.Module"
         target = 2.0 if name == "fp8/fp32" else 1.05
         label = "minitrain fp8" if name == "fp8/fp32" else f"minitrain {name}"
-        click.echo(f"  {label} / {peer}: {ratio:.2f}x (target <= {target}x)")
+        paired = result["paired_median_ratios"][name]
+        click.echo(f"  {label} / {peer}: {ratio:.2f}x best rounds, {paired:.2f}x median of "
+                   f"paired rounds (target <= {target}x)")
 
 
 @click.command()
