@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DataParallel",
     "DistributedError",
+    "LostPeer",
     "ShardError",
     "bucket_plan",
     "allreduce_sum",
@@ -62,7 +63,11 @@ DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "MINITRAIN_DIST_TIMEOUT"
 
 
+class LostPeer(DistributedError):
+    """A collective failed because another rank went away or stopped answering (it died, was
+    killed, or timed out): a consequence, whose cause the launcher names if it knows it."""
 
+    lost_peer = True
 
 # --------------------------------------------------------------------------- ranks
 
@@ -250,21 +255,19 @@ def allreduce_sum(
 @contextlib.contextmanager
 def collective(what: str) -> Iterator[None]:
     """A collective that fails (gloo or NCCL lost a peer, or timed out) is a
-    :class:`DistributedError` naming it, not an error of the user's loss.
+    :class:`LostPeer` (a :class:`DistributedError`) naming it, not an error of the user's loss.
 
     >>> with collective("the gradient all-reduce"):  # doctest: +ELLIPSIS
     ...     raise RuntimeError("[gloo] Connection closed by peer")
     Traceback (most recent call last):
     ...
-    minitrain.errors.DistributedError: the gradient all-reduce failed: another worker ...
+    minitrain.distributed.LostPeer: the gradient all-reduce failed: another worker ...
     """
     try:
         yield
     except RuntimeError as exc:  # torch.distributed.DistBackendError is one
         cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise DistributedError(
-            f"{what} failed: another worker stopped or lost contact ({cause})"
-        ) from exc
+        raise LostPeer(f"{what} failed: another worker stopped or lost contact ({cause})") from exc
 
 
 class DataParallel:

@@ -48,6 +48,12 @@ class RunInterrupted(UserError):
     exit_code = EXIT_INTERRUPTED
 
 
+class LostPeer(RunFailed):
+    """A worker of a data-parallel job lost its peers (a collective failed because another
+    rank died or stopped answering): exit code 1. A consequence, not a cause: under
+    ``--nproc`` the worker leaves it to the launcher, which names the root cause once."""
+
+
 class ScriptFailed(RunFailed):
     """The user's script raised: its own frames first, then the one ``error:`` line."""
 
@@ -79,6 +85,8 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
         return ScriptFailed(message, exc.frames)
     if isinstance(exc, errors.Interrupted):
         return RunInterrupted(message)
+    if isinstance(exc, errors.DistributedError) and getattr(exc, "lost_peer", False):
+        return LostPeer(message)
     if isinstance(exc, errors.RunFailed):
         return RunFailed(message)
     if isinstance(exc, (errors.UserError, *_user_mistakes())):

@@ -13,17 +13,23 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
 import torch.distributed as dist
 
-from minitrain.cli.errors import RunFailed, RunInterrupted
+from minitrain.cli.errors import LostPeer, RunFailed, RunInterrupted
 from minitrain.distributed import DataParallel
 from minitrain.errors import DistributedError
 
-__all__ = ["forward_argv", "launch", "worker_outcome"]
+__all__ = ["REPORTS_ENV", "forward_argv", "launch", "worker_outcome"]
+
+# Set by ``launch`` for its workers: the folder where a worker that lost its peers leaves its
+# message (``rank-N``) for the launcher instead of printing it, so that the job ends with one
+# ``error:`` line naming the root cause (the rank that died), not one line per consequence.
+REPORTS_ENV = "MINITRAIN_LAUNCH_REPORTS"
 
 
 def forward_argv(ctx: Any, drop: Sequence[str] = ()) -> list[str]:
@@ -70,6 +76,20 @@ def _quiet_elastic() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` while the workers start (they inherit it)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
 def _threads_per_worker(nproc: int) -> Iterator[None]:
     """Split the cores between the workers (``OMP_NUM_THREADS``) unless the user chose.
 
@@ -91,7 +111,9 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
 
     Returns when every worker succeeded. A worker that fails stops the others; then this
     raises ``SystemExit`` with its exit code (the worker printed its own error) or
-    :class:`DistributedError` naming the rank that died (e.g. killed by a signal).
+    :class:`DistributedError` naming the rank that died (e.g. killed by a signal). Workers
+    that only lost their peers leave their message in :data:`REPORTS_ENV`'s folder; it is
+    raised only when no rank died or reported an error of its own.
 
     >>> launch(2, ["run", "examples/linreg.py", "--steps", "10"])  # doctest: +SKIP
     """
@@ -102,6 +124,8 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     with tempfile.TemporaryDirectory(prefix="minitrain-elastic-") as log_dir, _quiet_elastic():
+        reports = Path(log_dir) / "reports"
+        reports.mkdir()
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -114,10 +138,10 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            with _threads_per_worker(nproc):
+            with _threads_per_worker(nproc), _environment(REPORTS_ENV, str(reports)):
                 elastic_launch(config, sys.executable)("-m", "minitrain", *argv)
         except ChildFailedError as exc:
-            _raise_failure(exc)
+            _raise_failure(exc, _read_reports(reports))
         except SignalException as exc:
             # Ctrl-C and SIGTERM reach the workers too, which save and exit 130 (the agent
             # waits for them); the job ends as a stopped run, not a killed one.
@@ -129,15 +153,40 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
 _REPORTED_EXIT_CODES = (1, 2, 130)
 
 
-def _raise_failure(exc: Any) -> None:
-    """Turn the elastic agent's ``ChildFailedError`` into one message naming the rank."""
+def _read_reports(folder: Path) -> dict[int, str]:
+    """The messages workers left in ``folder`` (``rank-N``), by rank."""
+    reports = {}
+    with contextlib.suppress(OSError):
+        for path in folder.iterdir():
+            rank_text = path.name.removeprefix("rank-")
+            if path.name.startswith("rank-") and rank_text.isdigit():
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    reports[int(rank_text)] = path.read_text(encoding="utf-8").strip()
+    return {rank_: text for rank_, text in reports.items() if text}
+
+
+def _raise_failure(exc: Any, lost_peers: Mapping[int, str] | None = None) -> None:
+    """Turn the elastic agent's ``ChildFailedError`` into one message naming the root cause.
+
+    ``lost_peers``: the messages of workers that failed only because another rank went away
+    (:func:`worker_outcome` leaves them instead of printing them). The root cause is, in this
+    order: a rank killed by a signal; a rank that failed on its own (it printed its error);
+    the first rank that lost its peers (a collective that timed out).
+    """
     failures = exc.failures
+    lost_peers = lost_peers or {}
     # A signal (SIGKILL, OOM killer...) other than the agent's own SIGTERM is the root cause.
     killed = {
         r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
     }
+    own = {
+        r: f for r, f in failures.items()
+        if r not in lost_peers and not (f.exitcode < 0 and -f.exitcode == signal.SIGTERM)
+    }
+    if not killed and not own and lost_peers:
+        raise DistributedError(lost_peers[min(lost_peers)])
     rank_, failure = min(
-        (killed or failures).items(), key=lambda item: (item[1].timestamp, item[0])
+        (killed or own or failures).items(), key=lambda item: (item[1].timestamp, item[0])
     )
     if failure.exitcode < 0:
         name = signal.Signals(-failure.exitcode).name
@@ -174,11 +223,15 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
     Outcomes every rank reaches together (success, a non-finite loss, a requested stop) end
     with a barrier, so rank 0 prints and checkpoints before anyone exits; rank 0 alone prints
     them. Anything else (a rank-specific error, a lost peer) is printed with the rank and
-    exits at once, so the elastic agent stops the other workers.
+    exits at once, so the elastic agent stops the other workers. A lost peer is a consequence
+    of another rank's failure: under ``--nproc`` it goes to the launcher (:data:`REPORTS_ENV`),
+    which prints the root cause once.
     """
     code = 0
     try:
         yield
+    except LostPeer as exc:
+        _lost_peer_exit(parallel.rank, exc.format_message())
     except (RunFailed, RunInterrupted) as exc:
         if parallel.is_main:
             exc.show()
@@ -187,16 +240,32 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
         click.echo(f"error: rank {parallel.rank}: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except DistributedError as exc:
+        if getattr(exc, "lost_peer", False):
+            _lost_peer_exit(parallel.rank, str(exc))
         click.echo(f"error: rank {parallel.rank}: {exc}", err=True)
         sys.exit(1)
     except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
         if not _lost_peer(exc):
             raise
-        click.echo(f"error: rank {parallel.rank}: lost the other workers: {_first_line(exc)}",
-                   err=True)
-        sys.exit(1)
+        _lost_peer_exit(parallel.rank, f"lost the other workers: {_first_line(exc)}")
     with contextlib.suppress(dist.DistError, RuntimeError):
         parallel.barrier()
     parallel.close()
     if code:
         sys.exit(code)
+
+
+def _lost_peer_exit(rank_: int, message: str) -> None:
+    """Exit 1 after losing the other workers: the message goes to the launcher's reports
+    folder when ``--nproc`` started this worker (it names the root cause), else to stderr."""
+    text = f"rank {rank_}: {message}"
+    folder = os.environ.get(REPORTS_ENV)
+    try:
+        if not folder:
+            raise OSError("not started by --nproc")
+        staging = Path(folder) / f".rank-{rank_}.tmp"
+        staging.write_text(text + "\n", encoding="utf-8")
+        staging.replace(Path(folder) / f"rank-{rank_}")
+    except OSError:
+        click.echo(f"error: {text}", err=True)
+    sys.exit(1)
