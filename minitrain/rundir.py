@@ -6,6 +6,11 @@ checkpoints folder included) before any step runs, takes ``<out>/.lock`` with ``
 refuses a fresh run into a directory that already holds a run unless told to resume or
 overwrite. The lock file holds the owner's pid and command line, so the refusal names it.
 
+The owner also remembers which directory it claimed (its device and inode, and an open
+descriptor of it): :meth:`RunOwner.gone` says whether the path still is that directory, so a
+run whose directory was removed, moved or replaced while it trained notices at its next write
+instead of writing into a recreated directory (or a deleted file) that nobody will find.
+
 >>> import tempfile
 >>> from pathlib import Path
 >>> out = Path(tempfile.mkdtemp()) / "run"
@@ -14,6 +19,8 @@ overwrite. The lock file holds the owner's pid and command line, so the refusal 
 Traceback (most recent call last):
 ...
 minitrain.errors.UserError: ... is in use by another run (pid ...); wait for it to finish, ...
+>>> owner.gone() is None
+True
 >>> owner.release()
 """
 
@@ -25,11 +32,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from minitrain.atomic_io import check_writable_dir
 from minitrain.errors import StorageError, UserError
 
-__all__ = ["LOCK_FILE", "RunOwner", "claim", "holds_a_run"]
+__all__ = ["LOCK_FILE", "Gone", "RunOwner", "claim", "holds_a_run"]
 
 LOCK_FILE = ".lock"
 # What a previous run leaves behind; a fresh run refuses to mix its files with them.
@@ -41,18 +49,90 @@ except ImportError:  # not POSIX: no advisory locks, the directory is still chec
     fcntl = None
 
 
+class Gone(NamedTuple):
+    """What became of a claimed run directory: ``how`` is ``"removed"`` (deleted, or in part:
+    its lock file is gone) or ``"moved"`` (renamed to ``moved_to``, when that can be told)."""
+
+    how: str
+    moved_to: Path | None = None
+
+
 class RunOwner:
     """The held lock of one run directory; :meth:`release` (or process exit) frees it."""
 
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
         self._fd = fd
+        self._dir_fd = _open_dir(path)
+        self._identity = _identity(path, self._dir_fd)
+
+    def gone(self) -> Gone | None:
+        """None while ``path`` is still the directory this run claimed, with its lock file;
+        else what became of it. Two ``stat`` calls: cheap enough for every metrics write."""
+        if self._identity is None:
+            return None
+        try:
+            now = os.stat(self.path)
+            same = (now.st_dev, now.st_ino) == self._identity
+        except (FileNotFoundError, NotADirectoryError):
+            same = False
+        except OSError:  # cannot tell (e.g. permission denied): the next write will say
+            return None
+        if same:
+            return Gone("removed") if _unlinked(self._fd) else None
+        moved_to = _moved_to(self._dir_fd, self._identity)
+        return Gone("moved", moved_to) if moved_to is not None else Gone("removed")
 
     def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._dir_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._dir_fd = None
+
+
+def _open_dir(path: Path) -> int | None:
+    """A descriptor of the directory itself (it follows a rename), where the OS has them."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        return os.open(path, flags)
+    except OSError:
+        return None
+
+
+def _identity(path: Path, dir_fd: int | None) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(dir_fd) if dir_fd is not None else os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _unlinked(fd: int | None) -> bool:
+    """Whether the file open as ``fd`` (the lock file) was deleted."""
+    if fd is None:
+        return False
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return False
+
+
+def _moved_to(dir_fd: int | None, identity: tuple[int, int]) -> Path | None:
+    """Where the claimed directory lives now, if it still exists and the OS can say (Linux's
+    ``/proc/self/fd``); None when it was deleted or cannot be found."""
+    if dir_fd is None:
+        return None
+    try:
+        if os.fstat(dir_fd).st_nlink == 0:
+            return None
+        where = os.readlink(f"/proc/self/fd/{dir_fd}")
+        st = os.stat(where)
+    except OSError:
+        return None
+    if where.endswith(" (deleted)") or (st.st_dev, st.st_ino) != identity:
+        return None
+    return Path(where)
 
 
 def holds_a_run(path: Path) -> bool:

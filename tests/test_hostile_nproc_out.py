@@ -9,12 +9,24 @@ checked in-process.
 from __future__ import annotations
 
 import os
+import shutil
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_hostile_harness import (
+    EXIT,
+    check_clean,
+    check_kept,
+    latest_step,
+    run,
+    snapshot,
+    steps_logged,
+    strict_json,
+)
 
-from minitrain import distributed
+from minitrain import distributed, rundir
 from minitrain.cli import errors as cli_errors
 from minitrain.cli import launch
 
@@ -112,3 +124,120 @@ def test_the_launcher_sets_the_reports_folder_only_while_workers_run(monkeypatch
     with launch._environment(launch.REPORTS_ENV, "/somewhere"):
         assert os.environ[launch.REPORTS_ENV] == "/somewhere"
     assert launch.REPORTS_ENV not in os.environ
+
+
+# --------------------------------------------------------------------------- a removed --out
+
+# linreg whose next_batch removes (or moves, or empties of its lock) the run directory at a
+# given step, as `rm -rf DIR` in another terminal would.
+REMOVER = textwrap.dedent(
+    '''
+    import os, shutil
+    import torch
+    import minitrain as mt
+
+    CONFIG = {"dim": 4, "batch_size": 4, "steps": 20, "out": "", "at": 0, "how": "rm"}
+
+    def experiment(config):
+        calls = [0]
+
+        def next_batch(generator):
+            calls[0] += 1
+            out = config["out"]
+            if calls[0] == config["at"] and os.path.isdir(out):
+                if config["how"] == "rm":
+                    shutil.rmtree(out)
+                elif config["how"] == "replace":
+                    shutil.rmtree(out)
+                    os.mkdir(out)
+                elif config["how"] == "lock":
+                    os.unlink(os.path.join(out, ".lock"))
+                else:
+                    os.rename(out, config["how"])
+            x = torch.randn(config["batch_size"], config["dim"], generator=generator)
+            return x, x.sum(dim=1)
+
+        def loss(params, batch):
+            x, y = batch
+            return ((x @ params["w"] - y) ** 2).mean()
+
+        return mt.Experiment(
+            name="remover", init=lambda g: {"w": torch.zeros(config["dim"])}, loss=loss,
+            next_batch=next_batch, optimizer=mt.optim.sgd(lr=0.05), steps=config["steps"],
+        )
+    '''
+)
+
+
+def remover(tmp_path, capsys, out, at, how="rm", *args):
+    script = tmp_path / "remover.py"
+    script.write_text(REMOVER)
+    return run(capsys, script, out, "--checkpoint-every", "5", "--set", f"out={out}",
+               "--set", f"at={at}", "--set", f"how={how}", *args, steps=20)
+
+
+def test_the_owner_tells_a_removed_moved_or_replaced_directory(tmp_path):
+    out = tmp_path / "run"
+    owner = rundir.claim(out, resume=False, overwrite=False)
+    try:
+        assert owner.gone() is None
+        os.rename(out, tmp_path / "moved")
+        assert owner.gone() == rundir.Gone("moved", tmp_path / "moved")
+        os.rename(tmp_path / "moved", out)
+        assert owner.gone() is None
+        (out / rundir.LOCK_FILE).unlink()
+        assert owner.gone() == rundir.Gone("removed")
+        shutil.rmtree(out)
+        assert owner.gone() == rundir.Gone("removed")
+        out.mkdir()  # another directory in its place is not this run's
+        assert owner.gone() == rundir.Gone("removed")
+    finally:
+        owner.release()
+
+
+@pytest.mark.parametrize("how", ["rm", "replace"])
+def test_a_removed_run_directory_stops_the_run_saying_so(how, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = remover(tmp_path, capsys, out, 8, how)
+    assert code == EXIT["failed"]
+    check_clean(err, f"the run directory {out} was removed while the run trained (noticed at "
+                "step 8)", "its checkpoints went with it (the last was step 5)")
+    # Nothing was written into a recreated directory: no checkpoint, no metrics, no summary.
+    assert sorted(os.listdir(out)) == [] if how == "replace" else not out.exists()
+
+
+def test_a_run_directory_removed_before_any_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = remover(tmp_path, capsys, out, 2)
+    assert code == EXIT["failed"]
+    check_clean(err, "was removed", "(noticed at step 2)", "no checkpoint had been saved")
+    assert not out.exists()
+
+
+def test_a_removed_lock_file_stops_the_run_and_keeps_the_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = remover(tmp_path, capsys, out, 13, "lock")
+    assert code == EXIT["failed"]
+    check_clean(err, "was removed in part", "(noticed at step 13)",
+                f"the last checkpoint (step 10) is still in {out / 'checkpoints'}")
+    assert latest_step(out) == 10
+
+
+def test_a_moved_run_directory_names_where_it_went_and_resumes_there(tmp_path, capsys):
+    out, moved = tmp_path / "run", tmp_path / "moved"
+    code, _, err = remover(tmp_path, capsys, out, 8, str(moved))
+    assert code == EXIT["failed"]
+    check_clean(err, f"was moved to {moved}", "(noticed at step 8)",
+                f"the last checkpoint (step 5) is in {moved / 'checkpoints'}",
+                f"--resume --out {moved}")
+    assert not out.exists()
+    before = snapshot(moved)
+    assert latest_step(moved) == 5 and steps_logged(moved) == list(range(1, 8))
+    # The same config (a resumed run must have it); its `out` is gone, so nothing moves again.
+    script = tmp_path / "remover.py"
+    code, stdout, err = run(capsys, script, moved, "--checkpoint-every", "5", "--set",
+                            f"out={out}", "--set", "at=8", "--set", f"how={moved}", "--resume",
+                            "--keep", "10", steps=20)
+    assert code == EXIT["ok"], err
+    assert strict_json(stdout)["steps"] == 20
+    check_kept(before, moved, up_to=5)

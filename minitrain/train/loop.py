@@ -13,7 +13,9 @@ Lightning's strategies make the same split). The loop owns everything else, once
   nothing non-finite is checkpointed and no good checkpoint is pruned by a bad one;
 - the user's errors: an exception in ``init``, ``next_batch``, the loss or ``evaluate`` saves
   the last good step and names the function and the step (:class:`ScriptError`, exit 1);
-- disk: any OSError is one :class:`StorageError` line naming the path (exit 1);
+- disk: any OSError is one :class:`StorageError` line naming the path (exit 1), and so is a
+  run directory removed or moved while the run trains (noticed at the next metrics write or
+  checkpoint, never written into a recreated directory);
 - metrics, progress, evaluation, the summary and the resource report.
 
 A checkpoint holds everything the next step depends on, so a resumed run ends bit-identical to
@@ -191,6 +193,7 @@ def run_loop(
     if (checkpoint_every or resume) and out_dir is None:
         raise ResumeError("--checkpoint-every and --resume need a run directory: pass --out DIR")
     run_dir = Path(out_dir) if out_dir is not None else None
+    owner: rundir.RunOwner | None = None
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(stop_requests())
         if run_dir is not None and stepper.main:
@@ -203,7 +206,8 @@ def run_loop(
             say(f"{run_dir} already finished all {start} steps; nothing to do "
                 "(pass a larger --steps to train on)")
             return stepper.result(finished)
-        loop = _Loop(stepper, run_dir, start, log_every, checkpoint_every, keep, say, stop)
+        loop = _Loop(stepper, run_dir, start, log_every, checkpoint_every, keep, say, stop,
+                     owner)
         loop.train(progress, tensorboard)
         return loop.finish(report)
 
@@ -249,8 +253,9 @@ class _Loop:
     """The state of one pass of the step loop (kept in one place so every exit saves)."""
 
     def __init__(self, stepper: Stepper, run_dir: Path | None, start: int, log_every: int,
-                 checkpoint_every: int, keep: int, say: Callable[[str], None], stop: Any) -> None:
-        self.stepper, self.run_dir, self.start = stepper, run_dir, start
+                 checkpoint_every: int, keep: int, say: Callable[[str], None], stop: Any,
+                 owner: rundir.RunOwner | None = None) -> None:
+        self.stepper, self.run_dir, self.start, self.owner = stepper, run_dir, start, owner
         self.log_every, self.checkpoint_every, self.keep = log_every, checkpoint_every, keep
         self.say, self.stop = say, stop
         self.done = start  # the last finished, finiteness-checked step
@@ -294,7 +299,8 @@ class _Loop:
             self.done = step
             records = stepper.records(step, self.timer.rates(stepper.examples()), is_eval)
             if metrics is not None:
-                with self._storage_errors():
+                self._check_run_dir(step)
+                with self._storage_errors(step):
                     for record in records:
                         metrics.write(step, **record)
             advance(step, stepper.progress_loss())
@@ -308,7 +314,8 @@ class _Loop:
             if self.run_dir is not None:  # a worker: rank 0 writes
                 self.saved = _Saved(checkpoint.checkpoint_path(self.run_dir, step), step)
             return
-        with self._storage_errors():
+        self._check_run_dir(step)
+        with self._storage_errors(step):
             path = self.stepper.save(self.run_dir, step, self.keep)
         self.saved = _Saved(path, step)
 
@@ -341,13 +348,14 @@ class _Loop:
             self._save(last)
         if stopped:
             raise Interrupted(self._stop_message(last))
-        with self._storage_errors():
+        with self._storage_errors(last):
             stepper.finish()
             summary = stepper.summary(self.timer)
             summary["resumed_from"] = self.start or None
             if report and not self.stop.requested and stepper.main:
                 summary["resources"] = stepper.report(summary)
             if self.writes:
+                self._check_run_dir(last)
                 _write_summary(self.run_dir / SUMMARY_FILE, summary)
         if self.stop.requested:
             raise Interrupted(
@@ -356,6 +364,47 @@ class _Loop:
                 + (" and summary.json is written" if self.writes else "")
             )
         return stepper.result(summary)
+
+    def _check_run_dir(self, step: int) -> None:
+        """Raise :class:`StorageError` if the run directory is no longer the one this run
+        claimed (removed, in part or whole, or moved) before writing into it at ``step``; the
+        message says where the last checkpoint is, if anywhere."""
+        gone = self.owner.gone() if self.owner is not None else None
+        if gone is None:
+            return
+        run_dir = self.run_dir
+        if self.saved is not None:
+            last: _Saved | None = self.saved
+        elif self.start:
+            last = _Saved(checkpoint.checkpoint_path(run_dir, self.start), self.start)
+        else:
+            last = None
+        path = last.path if last is not None else None
+        if path is not None and gone.moved_to is not None:
+            with contextlib.suppress(ValueError):
+                path = gone.moved_to / path.relative_to(run_dir)
+        kept = path is not None and path.is_dir()
+        if kept and gone.moved_to is None:  # perhaps an `rm -rf` still at work: let it finish
+            kept = _survives(path)
+        if gone.moved_to is not None:
+            what = f"the run directory {run_dir} was moved to {gone.moved_to}"
+        elif kept:  # its lock file is gone: removed in part, or still being removed
+            what = f"the run directory {run_dir} was removed in part"
+        else:
+            what = f"the run directory {run_dir} was removed"
+        what += f" while the run trained (noticed at step {step})"
+        if last is None:
+            where = "no checkpoint had been saved; rerun it"
+        elif kept and gone.moved_to is not None:
+            where = (f"the last checkpoint (step {last.step}) is in {path}; continue with "
+                     f"--resume --out {gone.moved_to}")
+        elif kept:
+            where = (f"the last checkpoint (step {last.step}) is still in {path}; continue from "
+                     f"it with --resume --out {run_dir}")
+        else:
+            where = (f"its checkpoints went with it (the last was step {last.step}), so "
+                     "nothing of this run is kept; rerun it")
+        raise StorageError(f"{what}; {where}", run_dir)
 
     def _stop_message(self, step: int) -> str:
         if self.saved is not None and self.saved.step == step:
@@ -367,15 +416,32 @@ class _Loop:
         return f"stopped at step {step}; {where}, so no checkpoint was saved"
 
     @contextlib.contextmanager
-    def _storage_errors(self) -> Iterator[None]:
+    def _storage_errors(self, step: int | None = None) -> Iterator[None]:
+        """An OSError is a :class:`StorageError`; a write into the run directory (at ``step``)
+        that failed because the directory was removed or moved meanwhile says that instead."""
         try:
             yield
-        except OSError as exc:
+        except (OSError, StorageError) as exc:
+            if step is not None:
+                self._check_run_dir(step)
+            if isinstance(exc, StorageError):
+                raise
             raise StorageError.from_os_error(exc, exc.filename, "write") from None
 
     def _storage(self, make: Callable[[], Any]) -> Any:
         with self._storage_errors():
             return make()
+
+
+def _survives(path: Path, settle: float = 0.5) -> bool:
+    """Whether ``path`` is still a directory after ``settle`` seconds (a removal of the run
+    directory that is under way takes it within that time)."""
+    deadline = time.monotonic() + settle
+    while path.is_dir():
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 class _Saved(NamedTuple):
