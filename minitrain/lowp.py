@@ -119,14 +119,19 @@ def _cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
-    """TE's scale from an amax history: ``fp8_max / max(history) / 2**margin``, or 1 while the
-    history holds no positive finite amax (TE ``_default_sf_compute`` keeps the old scale).
+    """TE's scale from an amax history: ``fp8_max / max(history) / 2**margin`` over its finite
+    entries, or 1 while it holds no positive finite amax (a fresh history). An inf or NaN
+    recorded by an overflowing step is skipped: TE's ``_default_sf_compute`` would keep its
+    previous scale, which a history alone does not hold.
 
     >>> delayed_scale(torch.tensor([2.0, 4.0, 0.0]), "fp8_e4m3")
     tensor(112.)
+    >>> delayed_scale(torch.tensor([float("nan"), 2.0, 4.0]), "fp8_e4m3")
+    tensor(112.)
     """
-    amax = history.amax(dim=-1)
-    usable = (amax > 0) & torch.isfinite(amax)
+    finite = torch.where(torch.isfinite(history), history, 0.0)
+    amax = finite.amax(dim=-1)
+    usable = amax > 0
     return torch.where(usable, spec(fmt).max / torch.where(usable, amax, 1.0) / 2.0**margin, 1.0)
 
 
@@ -410,18 +415,28 @@ def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Non
     r = recipe(r)
     if state is not None and r.forward in BLOCK:
         raise ValueError("block formats take their scales from the blocks: pass state=None")
-    with _Simulate(r, state):
+    mode = _Simulate(r, state)
+    with mode:
         yield
+    if state is not None and mode.calls < state.shape[0]:  # matmul i would read row i + k
+        raise ValueError(
+            f"the model ran {mode.calls} matmuls, fewer than the {state.shape[0]} its fp8 amax "
+            "histories were counted for: delayed fp8 scaling needs the same matmuls in every "
+            "forward pass (count them with count_matmuls(fn, *args), build the state with "
+            "init_state)"
+        )
 
 
 def count_matmuls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
-    """How many matmuls ``fn(*args, **kwargs)`` runs (one plain forward pass, no grad).
+    """How many matmuls ``fn(*args, **kwargs)`` runs (one plain forward pass, in the grad mode
+    a train step runs it in: a model may branch on ``torch.is_grad_enabled()``; plain tensor
+    arguments build no graph).
 
     >>> count_matmuls(lambda x: x @ x @ x, torch.eye(2))
     2
     """
     mode = _Simulate(RECIPES["fp8"], None, count_only=True)
-    with torch.no_grad(), mode:
+    with torch.enable_grad(), mode:
         fn(*args, **kwargs)
     return mode.calls
 

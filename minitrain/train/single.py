@@ -32,6 +32,7 @@ from minitrain.train.step import (
     Carry,
     can_donate,
     carry_metrics,
+    check_fp8_history,
     checked_values,
     fp8_recipe_of,
     init_carry,
@@ -126,6 +127,7 @@ class SingleRun:
         self.params = saved.params
         fresh_history = self.carry.fp8_history if self.carry is not None else None
         self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, saved_carry)
+        check_fp8_history(self.carry.fp8_history if self.carry else None, str(path))
         if fresh_history is not None and (self.carry is None or self.carry.fp8_history is None):
             self.carry = (self.carry or Carry())._replace(fp8_history=fresh_history)
         if self.parallel is not None:

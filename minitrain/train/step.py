@@ -28,7 +28,7 @@ import torch
 
 from minitrain import lowp
 from minitrain.backend import Backend
-from minitrain.errors import ExperimentError
+from minitrain.errors import ExperimentError, ResumeError
 from minitrain.func import value_and_grad
 from minitrain.precision import (
     DynamicLossScale,
@@ -48,6 +48,7 @@ __all__ = [
     "StepOutput",
     "can_donate",
     "carry_metrics",
+    "check_fp8_history",
     "checked_values",
     "fp8_context",
     "fp8_recipe_of",
@@ -289,6 +290,20 @@ def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptSta
         packed.get("model_state"), scale, packed.get("skipped"), packed.get("fp8_history")
     )
     return packed["optimizer"], carry
+
+
+def check_fp8_history(history: torch.Tensor | None, where: str) -> None:
+    """Refuse amax histories no step can record (an amax is a finite absolute maximum, so NaN,
+    inf or a negative entry means the file was edited), naming ``where`` they came from."""
+    if history is None:
+        return
+    bad = ~torch.isfinite(history) | (history < 0)
+    if bool(bad.any()):
+        raise ResumeError(
+            f"{where}: its fp8_history holds {int(bad.sum())} entries that are not amaxes (NaN, "
+            "inf or negative: edited by hand?); move that checkpoint away to resume from an "
+            "earlier one, or pass --overwrite"
+        )
 
 
 def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ from minitrain.train.members import (
 from minitrain.train.progress import resident_bytes, to_stderr
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
-from minitrain.train.step import Carry, fp8_recipe_of, init_fp8_history
+from minitrain.train.step import Carry, check_fp8_history, fp8_recipe_of, init_fp8_history
 from minitrain.train.sweep_plot import plot_sweep
 from minitrain.tree import OptState, Params, PyTree, size, stack, unstack
 
@@ -224,6 +224,7 @@ class SweepRun:
         self.opt_state = saved.opt_state["optimizer"]
         self.diverged_at = saved.opt_state["diverged_at"]
         self.fp8_history = saved.opt_state.get("fp8_history")
+        check_fp8_history(self.fp8_history, str(path))
         self.current_step = saved.step
         _reload_logs(path.parent.parent, saved.step, self.logs, self.diverged_at)
         return saved.step
