@@ -357,6 +357,24 @@ _MATMULS = {
 }
 
 
+def _levels(t: torch.Tensor, batched: bool) -> list[int]:
+    """The functorch levels of ``t``'s vmap (``batched``) or grad wrappers."""
+    functorch, levels = torch._C._functorch, []
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t) == batched:
+            levels.append(functorch.maybe_get_level(t))
+        t = functorch.get_unwrapped(t)
+    return levels
+
+
+def _vmapped_inside(history: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether an operand is batched by a ``vmap`` inside the function that differentiates
+    ``history`` (per-example grads, MAML's inner loop): that history's gradient would be summed
+    over the vmapped batch instead of recording one amax. Levels grow inward."""
+    grad_level = max(_levels(history, batched=False), default=0)
+    return any(level > grad_level for t in operands for level in _levels(t, batched=True))
+
+
 def _is_float(*tensors: Any) -> bool:
     return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
 
@@ -366,9 +384,11 @@ class _Simulate(TorchFunctionMode):
         super().__init__()
         self.recipe, self.state, self.count_only, self.calls = r, state, count_only, 0
 
-    def _history(self) -> torch.Tensor | None:
+    def _history(self, *operands: torch.Tensor) -> torch.Tensor | None:
+        """Matmul ``i``'s amax history (row ``i`` of the state), or None for current scaling:
+        without a state, and for a matmul vmapped inside the loss (its row stays as it was)."""
         index, self.calls = self.calls, self.calls + 1
-        if self.state is None or self.count_only:
+        if self.state is None or self.count_only or _vmapped_inside(self.state, *operands):
             return None
         if index >= self.state.shape[0]:
             raise ValueError(
@@ -386,12 +406,12 @@ class _Simulate(TorchFunctionMode):
         if func is F.linear and _is_float(*args[:2]):
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            history = self._history()
+            history = self._history(x, weight)
             if self.count_only:
                 return func(*args, **kwargs)
             return linear(x, weight, bias, self.recipe, history)
         if func in _MATMULS and _is_float(*args[:2]) and not kwargs:
-            history = self._history()
+            history = self._history(args[0], args[1])
             if self.count_only:
                 return func(*args, **kwargs)
             return matmul(args[0], args[1], self.recipe, history)
