@@ -428,6 +428,18 @@ def _matrix_check(what: str, t: Tensor, shape: tuple[int, ...]) -> None:
         )
 
 
+def _adafactor_leaf(g: Tensor, p: Tensor) -> tuple[ctypes.CDLL, tuple[int, int]]:
+    """The kernels' library and the ``(m, n)`` shape of an Adafactor leaf, its grad and param
+    checked first."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    m, n = g.shape
+    _matrix_check("grad", g, (m, n))
+    _matrix_check("param", p, (m, n))
+    return library, (m, n)
+
+
 def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
     """One pass over an ``(m, n)`` grad and its param: the float64 sums of ``g**2`` over each
     row ``(m,)`` and each column ``(n,)``, and ``sum(p**2)``. Call :func:`usable` first.
@@ -440,12 +452,7 @@ def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
     >>> rows.tolist(), cols.tolist(), p2
     ([5.0, 25.0], [10.0, 20.0], 4.0)
     """
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    m, n = g.shape
-    _matrix_check("grad", g, (m, n))
-    _matrix_check("param", p, (m, n))
+    library, (m, n) = _adafactor_leaf(g, p)
     threads = max(1, torch.get_num_threads())
     rows = torch.empty(m, dtype=torch.float64)
     cols = torch.empty(n, dtype=torch.float64)
@@ -466,12 +473,7 @@ def adafactor_apply(g: Tensor, p: Tensor, row_var: Tensor, col_var: Tensor,
     denom, eps1**2))`` with ``hyperparameters = [denom, eps1**2, sign, coef, lr * wd]``:
     without ``out``, returns ``sum(s**2)``; with it, writes ``p + coef * s - lr * wd * p``
     there (streaming stores with ``nontemporal``) and returns 0. Call :func:`usable` first."""
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    m, n = g.shape
-    _matrix_check("grad", g, (m, n))
-    _matrix_check("param", p, (m, n))
+    library, (m, n) = _adafactor_leaf(g, p)
     _matrix_check("row_var", row_var, (m,))
     _matrix_check("col_var", col_var, (n,))
     if out is not None:
