@@ -100,6 +100,16 @@ def same_files(a: Path, b: Path, step: int) -> None:
         assert left == right, f"{name} at step {step} differs"
 
 
+def assert_resumed_run_is_the_same(capsys, script: Path, whole: Path, part: Path, stop: int,
+                                   steps: int) -> None:
+    """A run to ``stop`` resumed to ``steps`` in ``part`` ends as ``whole`` did, byte for
+    byte."""
+    assert run(capsys, script, part, *FP8, steps=stop)[0] == 0
+    code, _, err = run(capsys, script, part, "--resume", *FP8, steps=steps)
+    assert code == 0, err
+    same_files(whole, part, steps)
+
+
 def saved_history(out: Path, step: int) -> torch.Tensor:
     blob = (out / CKPT.format(step) / "opt_state.safetensors").read_bytes()
     return safetensors.torch.load(blob)["fp8_history"]
@@ -361,10 +371,7 @@ def test_a_loss_without_a_matmul_trains_checkpoints_and_resumes(capsys, tmp_path
     assert code == 0, err
     assert json.loads(stdout)["fp8_scaling"] == {"amax_history": 16, "matmuls": 0}
     assert saved_history(whole, 4).shape == (0, 3, 16)
-    assert run(capsys, path, part, *FP8, steps=2)[0] == 0
-    code, _, err = run(capsys, path, part, "--resume", *FP8, steps=4)
-    assert code == 0, err
-    same_files(whole, part, 4)
+    assert_resumed_run_is_the_same(capsys, path, whole, part, stop=2, steps=4)
 
 
 STATEFUL = """
@@ -406,10 +413,7 @@ def test_model_state_on_cpu_fp8_resumes_bit_for_bit_and_the_probe_leaves_it(caps
     summary = json.loads(stdout)
     assert summary["fp8_scaling"]["matmuls"] == 2
     assert summary["eval"]["count"] == 6.0  # the probe's forward pass updated no state
-    assert run(capsys, path, part, *FP8, steps=3)[0] == 0
-    code, _, err = run(capsys, path, part, "--resume", *FP8, steps=6)
-    assert code == 0, err
-    same_files(whole, part, 6)
+    assert_resumed_run_is_the_same(capsys, path, whole, part, stop=3, steps=6)
 
 
 FEWER = """
