@@ -334,7 +334,9 @@ def make_train_step(
     optimizer only) the update writes the new params and state into the buffers of the old
     ones, as ``torch.optim`` does: the caller must not use the params and state it passed in
     again. The fit loop donates; the step stays pure without it. ``compile=True`` runs the
-    forward and backward pass through ``torch.compile``; the gradient transform, clipping and
+    forward pass through ``torch.compile``, as nanoGPT compiles its model (AOTAutograd
+    compiles the backward pass with it; with simulated matmul formats, forward and backward
+    are compiled under ``torch.func``'s grad); the gradient transform, clipping and
     the update stay eager, where they run torch's fused kernels or minitrain's streaming ones
     (and can donate) instead of inductor's out-of-place loops. ``amax_reduce`` combines the
     updated fp8 amax histories across data-parallel ranks (an elementwise max, as Transformer
@@ -373,6 +375,10 @@ def make_train_step(
         # torch.func's aux holds tensors only: a stateless run's None travels as ()
         return scaled, (loss.detach(), aux, () if new_state is None else new_state)
 
+    policy = getattr(backend, "policy", None)
+    simulates = policy is not None and policy.matmul_format is not None
+    if compile and not simulates:  # nanoGPT's torch.compile(model): AOTAutograd, and no functorch
+        objective = torch.compile(objective)
     # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
     gradients = value_and_grad(objective, argnums=0 if recipe is None else (0, 3), has_aux=True)
     context = backend.autocast if recipe is None else fp8_context(backend)
@@ -383,8 +389,9 @@ def make_train_step(
         with context():
             return gradients(params, model_state, scale, history, batch)
 
-    if compile:
+    if compile and simulates:  # the simulated matmuls run eager, between compiled regions
         loss_and_grads = torch.compile(loss_and_grads)
+
     optimizer = experiment.optimizer
     max_grad_norm = experiment.max_grad_norm
     update_options = {"donate": True} if donate else {}
