@@ -370,3 +370,58 @@ def test_strided_grads_update_like_contiguous_ones(name, kind, shape, seed):
     for a, b in zip(mt.tree.leaves((strided, strided_state)),
                     mt.tree.leaves((contiguous, contiguous_state)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"lr": 0.02, "weight_decay": 0.0, "nesterov": False},
+        {"lr": 0.05, "weight_decay": 0.3, "adjust_lr_fn": "match_rms_adamw"},
+        {"momentum": 0.5, "ns_steps": 3, "eps": 1e-5, "adjust_lr_fn": "original"},
+    ],
+)
+def test_muon_fast_path_is_torch_optim_muon_bit_for_bit(kwargs, donate, monkeypatch):
+    from minitrain.optim import _muon
+
+    taken = []
+    leaf = _muon._muon_leaf
+    monkeypatch.setattr(_muon, "_muon_leaf", lambda *a: taken.append(1) or leaf(*a))
+    g = torch.Generator().manual_seed(3)
+    shapes = {"tall": (12, 5), "wide": (4, 9), "square": (6, 6)}
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    grads_seq = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(4)]
+    ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    torch_opt = torch.optim.Muon(list(ref.values()), **kwargs)
+    opt = mt.optim.muon(**kwargs)
+    ours = mt.tree.map(torch.clone, params)
+    state = opt.init(ours)
+    for grads in grads_seq:
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        ours, state = opt.update(grads, state, ours, donate=donate)
+        for k, p in ref.items():
+            assert torch.equal(ours[k], p.detach()), k
+            assert torch.equal(state[0][0].momentum_buffer[k],
+                               torch_opt.state[p]["momentum_buffer"]), k
+    assert len(taken) == 3 * len(grads_seq)
+    assert int(state[0][0].count) == int(state[-1].count) == len(grads_seq)
+
+
+def test_muon_fast_path_with_a_schedule_equals_its_chain():
+    opt = mt.optim.muon(lr=mt.optim.cosine_schedule(0.05, 5), weight_decay=0.1)
+    g = torch.Generator().manual_seed(4)
+    params = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(3, 3, generator=g)}
+    fast, plain = mt.tree.map(torch.clone, params), mt.tree.map(torch.clone, params)
+    fast_state, plain_state = opt.init(fast), opt.init(plain)
+    chain = opt.update.transformation  # the chain itself: no lowering
+    for _ in range(5):
+        grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+        fast, fast_state = opt.update(grads, fast_state, fast)
+        updates, plain_state = chain.update(grads, plain_state, plain)
+        plain = mt.optim.apply_updates(plain, updates)
+        for k in params:
+            torch.testing.assert_close(fast[k], plain[k], rtol=1e-6, atol=1e-7)
+    assert float(fast_state[-1].lr) == float(plain_state[-1].lr)

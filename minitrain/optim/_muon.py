@@ -14,17 +14,21 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim._buffers import BufferPool
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
     as_optimizer,
     chain,
     leafwise,
+    register_lowering,
+    spec,
     tagged,
 )
 from minitrain.optim._family import Scalar, check_range, descent_prefix, zeros
+from minitrain.optim._lowering import chain_lowering, spec_tensors
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
-from minitrain.optim.base import Optimizer, ScalarOrSchedule
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, use_plain_path
 from minitrain.tree import Params
 
 __all__ = [
@@ -195,3 +199,87 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
                                             adjust_lr_fn),
                               add_decayed_weights(weight_decay), scale_by_learning_rate(lr)))
 
+
+
+# --------------------------------------------------------------------------------------------
+# The fast path: torch.optim.Muon's per-leaf ops
+
+
+def _match(tx: GradientTransformation):
+    """The lowered update of ``chain(scale_by_muon(...), add_decayed_weights(wd),
+    scale_by_learning_rate(lr))`` (what :func:`muon` builds), or None for another chain."""
+    found = chain_lowering(tx, "chain")
+    if found is None:
+        return None
+    parts, before, _, decoupled, weight_decay, mask, lr = found
+    inner = parts["chain"]["transforms"]
+    inner_specs = [spec(t) for t in inner]
+    names = [s[0] if s else None for s in inner_specs]
+    if before or mask is not None or not decoupled or names != [
+        "muon_momentum", "orthogonalize_by_newton_schulz"
+    ]:
+        return None
+    momentum = inner_specs[0][1]
+    ns = inner_specs[1][1]
+    lr_tx = spec(tx)[1]["transforms"][-1]
+    hyperparameters = spec_tensors(tx)
+    pool = BufferPool()  # a pure update's new params and buffers, recycled
+
+    def lowered(grads, state, params, donate):
+        p_leaves, g_leaves = tree.leaves(params), tree.leaves(grads)
+        if (len(p_leaves) != len(g_leaves) or use_plain_path(
+                "auto", [*p_leaves, *g_leaves], hyperparameters)
+                or not all(isinstance(t, Tensor) and t.dim() == 2
+                           for t in (*p_leaves, *g_leaves))):
+            return None
+        (momentum_state, ortho_state), decay_state, lr_state = state
+        _, new_lr_state = lr_tx.update([], lr_state)  # the lr of this step, and its count
+        step_lr = lr if isinstance(lr, int | float) else float(new_lr_state.lr)
+        buffers = tree.leaves(momentum_state.momentum_buffer)
+        if len(buffers) != len(p_leaves) or any(
+            not isinstance(b, Tensor) or b.shape != p.shape or b.dtype != g.dtype
+            for b, p, g in zip(buffers, p_leaves, g_leaves, strict=False)
+        ):
+            return None  # the plain chain names what does not fit
+        new_params, new_buffers = [], []
+        with pool.lock:
+            pool.begin_update()
+            for p, g, buf in zip(p_leaves, g_leaves, buffers, strict=True):
+                p, buf = _muon_leaf(p, g, buf, step_lr, weight_decay, momentum, ns,
+                                    None if donate else pool)
+                new_params.append(p)
+                new_buffers.append(buf)
+        momentum_state = MuonMomentumState(
+            momentum_state.count + 1,
+            tree.unflatten(tree.structure(momentum_state.momentum_buffer), new_buffers),
+        )
+        new_state = ((momentum_state, ortho_state), decay_state, new_lr_state)
+        return tree.unflatten(tree.structure(params), new_params), new_state
+
+    return lowered
+
+
+def _muon_leaf(p: Tensor, g: Tensor, buf: Tensor, lr: float, weight_decay: Any,
+               momentum: dict[str, Any], ns: dict[str, Any], pool: BufferPool | None):
+    """torch's ``_single_tensor_muon`` for one matrix: ``B = lerp(B, g, 1 - mu)``, the update
+    ``NS(lerp(g, B, mu))``, then ``p <- p (1 - lr wd) - lr ratio update`` (the bfloat16 update
+    added without a float32 copy). Without a ``pool`` (donated), ``p`` and ``B`` are written in
+    place; with one, into its recycled buffers."""
+    mu = momentum["momentum"]
+    with torch.no_grad():
+        if pool is None:
+            buf = buf.lerp_(g, 1 - mu)
+        else:
+            buf = torch.lerp(buf, g, 1 - mu, out=pool.empty_like(buf))
+        update = torch.lerp(g, buf, mu) if momentum["nesterov"] else buf
+        ortho = newton_schulz(update, ns["ns_coefficients"], ns["ns_steps"], ns["eps"])
+        alpha = -lr * muon_lr_ratio(tuple(p.shape), ns["adjust_lr_fn"])
+        decay = 1 - lr * weight_decay
+        if pool is not None:
+            p = torch.mul(p, decay, out=pool.empty_like(p))
+        elif not (isinstance(decay, int | float) and decay == 1):
+            p.mul_(decay)
+        return p.add_(ortho, alpha=alpha), buf
+
+
+register_lowering(_match)
