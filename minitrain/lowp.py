@@ -37,6 +37,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -163,7 +164,34 @@ def quantize_operand(
         return _along_last(x, fmt, dim)
     if scale is None:
         scale = delayed_scale(x.abs().amax().reshape(1), fmt)
-    return _cast_fp8(x * scale, fmt) / scale
+    top = spec(fmt).max
+    codes = (x * scale).clamp(-top, top).to(_TORCH_FP8[fmt])
+    decoded = _decode_div(codes, fmt, scale)
+    return codes.float() / scale if decoded is None else decoded
+
+
+_FAST_DECODE_MIN = 16384  # elements: below, the kernel call costs more than torch's cast
+
+
+def _decode_div(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor | None:
+    """``codes.float() / scale`` through the streaming kernels' table lookup, bit for bit (the
+    fp8 -> float32 cast is a slow scalar loop in torch), or None where torch's ops must run:
+    under a torch.func transform, for a scale of more than one element, small tensors."""
+    functorch = torch._C._functorch
+    if (codes.numel() < _FAST_DECODE_MIN or scale.numel() != 1 or codes.dim() == 0
+            or functorch.is_functorch_wrapped_tensor(codes)
+            or functorch.is_functorch_wrapped_tensor(scale)
+            or scale.device.type != "cpu"):
+        return None
+    from minitrain.optim import streaming
+
+    return streaming.decode_div(codes, _decode_table(fmt), scale)
+
+
+@functools.cache
+def _decode_table(fmt: str) -> torch.Tensor:
+    """The float32 value of each of the format's 256 codes (torch's own cast)."""
+    return torch.arange(256, dtype=torch.uint8).view(_TORCH_FP8[fmt]).float()
 
 
 def scaled_mm_operands(

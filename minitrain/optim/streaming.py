@@ -50,8 +50,8 @@ import torch
 import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
-__all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available", "fresh",
-           "global_norm", "sum_of_squares", "usable", "update"]
+__all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
+           "decode_div", "fresh", "global_norm", "sum_of_squares", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
          "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
@@ -240,6 +240,11 @@ def _library() -> ctypes.CDLL | None:
     library.minitrain_sumsq.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
     ]
+    library.minitrain_decode_div.restype = ctypes.c_int
+    library.minitrain_decode_div.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int,
+    ]
     return library
 
 
@@ -401,6 +406,41 @@ def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
     if status != 0:
         raise RuntimeError(f"streaming sum of squares failed with status {status}")
     return list(out)
+
+
+def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
+    """``table[codes] / scale`` in float32 for a contiguous CPU tensor of one-byte fp8 codes
+    (``torch.float8_*`` or ``uint8``) and its format's 256-entry float32 ``table``: what
+    ``codes.float() / scale`` gives, bit for bit, in one threaded pass. None when the kernels
+    are not available, a ``TorchDispatchMode`` is counting aten ops, or ``codes`` is not such
+    a tensor (a subclass, a fake tensor): the caller takes torch's ops.
+
+    >>> codes = torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    >>> table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    >>> out = decode_div(codes, table, 2.0)
+    >>> (out if out is not None else codes.float() / 2.0).tolist()
+    [0.5, -1.0, 224.0]
+    """
+    library = _library()
+    if (library is None or type(codes) is not Tensor or codes.device.type != "cpu"
+            or codes.element_size() != 1 or codes.is_floating_point() and codes.dtype not in
+            (torch.float8_e4m3fn, torch.float8_e5m2)
+            or _python_dispatch._get_current_dispatch_mode() is not None
+            or not codes.is_contiguous() or not _storage_holds(codes)
+            or table.dtype is not torch.float32 or table.numel() != 256
+            or not table.is_contiguous()):
+        return None
+    if isinstance(scale, Tensor) and (type(scale) is not Tensor or scale.numel() != 1
+                                      or scale.device.type != "cpu"):
+        return None
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    status = library.minitrain_decode_div(
+        codes.data_ptr(), table.data_ptr(), float(scale), out.data_ptr(), codes.numel(),
+        max(1, torch.get_num_threads()),
+    )
+    if status != 0:
+        raise RuntimeError(f"streaming fp8 decode failed with status {status}")
+    return out
 
 
 def global_norm(leaves: Sequence[Tensor]) -> Tensor:
