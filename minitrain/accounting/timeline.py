@@ -30,8 +30,8 @@ over the op index, phases marked; it needs matplotlib (``pip install 'minitrain[
 >>> with Counter(record_timeline=True) as c:
 ...     c.track(w, category="params")
 ...     loss, grads = mt.value_and_grad(lambda w: w.tanh().sum())(w)
->>> [(i, phase, sorted(live)) for i, phase, live in c.timeline()][:1]
-[(0, 'forward', ['activations', 'params'])]
+>>> [(i, phase, sorted(live)) for i, phase, live in c.timeline()][:2]  # detach (an alias), tanh
+[(0, 'forward', ['params']), (1, 'forward', ['activations', 'params'])]
 >>> max(live.get("grads", 0) for _, _, live in c.timeline()) == 256 * 256 * 4
 True
 """
