@@ -112,11 +112,16 @@ def recipe(name: str | Recipe) -> Recipe:
 # Quantizing one operand
 
 
-def _cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``quantize(x, fmt, saturate=True)`` through torch's fp8 cast (round to nearest even;
-    tested equal bit for bit): clamp, cast, back to fp32."""
+def _fp8_codes(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` saturated and cast to torch's fp8 dtype (round to nearest even)."""
     top = spec(fmt).max
-    return x.clamp(-top, top).to(_TORCH_FP8[fmt]).float()
+    return x.clamp(-top, top).to(_TORCH_FP8[fmt])
+
+
+def _cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``quantize(x, fmt, saturate=True)`` through torch's fp8 cast (tested equal bit for bit):
+    clamp, cast, back to fp32."""
+    return _fp8_codes(x, fmt).float()
 
 
 def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
@@ -164,8 +169,7 @@ def quantize_operand(
         return _along_last(x, fmt, dim)
     if scale is None:
         scale = delayed_scale(x.abs().amax().reshape(1), fmt)
-    top = spec(fmt).max
-    codes = (x * scale).clamp(-top, top).to(_TORCH_FP8[fmt])
+    codes = _fp8_codes(x * scale, fmt)
     decoded = _decode_div(codes, fmt, scale)
     return codes.float() / scale if decoded is None else decoded
 
@@ -176,12 +180,11 @@ _FAST_DECODE_MIN = 16384  # elements: below, the kernel call costs more than tor
 def _decode_div(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor | None:
     """``codes.float() / scale`` through the streaming kernels' table lookup, bit for bit (the
     fp8 -> float32 cast is a slow scalar loop in torch), or None where torch's ops must run:
-    under a torch.func transform, for a scale of more than one element, small tensors."""
+    small tensors, under a torch.func transform, and whatever :func:`streaming.decode_div`
+    refuses (a scale of more than one element, counters, fake tensors)."""
     functorch = torch._C._functorch
-    if (codes.numel() < _FAST_DECODE_MIN or scale.numel() != 1 or codes.dim() == 0
-            or functorch.is_functorch_wrapped_tensor(codes)
-            or functorch.is_functorch_wrapped_tensor(scale)
-            or scale.device.type != "cpu"):
+    if (codes.numel() < _FAST_DECODE_MIN or functorch.is_functorch_wrapped_tensor(codes)
+            or functorch.is_functorch_wrapped_tensor(scale)):
         return None
     from minitrain.optim import streaming
 

@@ -200,7 +200,6 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
                               add_decayed_weights(weight_decay), scale_by_learning_rate(lr)))
 
 
-
 # --------------------------------------------------------------------------------------------
 # The fast path: torch.optim.Muon's per-leaf ops
 
