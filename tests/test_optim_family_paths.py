@@ -382,14 +382,21 @@ def test_strided_grads_update_like_contiguous_ones(name, kind, shape, seed):
         {"momentum": 0.5, "ns_steps": 3, "eps": 1e-5, "adjust_lr_fn": "original"},
     ],
 )
-def test_muon_fast_path_is_torch_optim_muon_bit_for_bit(kwargs, donate, monkeypatch):
+@pytest.mark.parametrize("stack_bytes", [None, 2 * 2 * 48 * 32], ids=["one_stack", "stacks_of_2"])
+def test_muon_fast_path_is_torch_optim_muon_bit_for_bit(kwargs, donate, stack_bytes, monkeypatch):
+    """Matrices of one shape run one batched Newton-Schulz (bmm/baddbmm) per stack, and still
+    equal torch's one-matrix-at-a-time loop bit for bit."""
     from minitrain.optim import _muon
 
-    taken = []
-    leaf = _muon._muon_leaf
-    monkeypatch.setattr(_muon, "_muon_leaf", lambda *a: taken.append(1) or leaf(*a))
+    stacks = []
+    run_stack = _muon._muon_stack
+    monkeypatch.setattr(_muon, "_muon_stack", lambda ps, *a: stacks.append(len(ps))
+                        or run_stack(ps, *a))
+    if stack_bytes is not None:
+        monkeypatch.setattr(_muon, "STACK_BYTES", stack_bytes)
     g = torch.Generator().manual_seed(3)
-    shapes = {"tall": (12, 5), "wide": (4, 9), "square": (6, 6)}
+    shapes = {"tall": (48, 32), "wide": (32, 56), "tall2": (48, 32), "square": (40, 40),
+              "wide2": (32, 56), "tall3": (48, 32)}
     params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     grads_seq = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(4)]
     ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
@@ -406,8 +413,71 @@ def test_muon_fast_path_is_torch_optim_muon_bit_for_bit(kwargs, donate, monkeypa
             assert torch.equal(ours[k], p.detach()), k
             assert torch.equal(state[0][0].momentum_buffer[k],
                                torch_opt.state[p]["momentum_buffer"]), k
-    assert len(taken) == 3 * len(grads_seq)
+    per_step = [3, 2, 1] if stack_bytes is None else [2, 1, 1, 1, 1]  # tall, wide, square
+    assert stacks == per_step * len(grads_seq)
     assert int(state[0][0].count) == int(state[-1].count) == len(grads_seq)
+
+
+def _muon_run_against_torch(steps=3, shapes=((40, 48),) * 4):
+    """Muon's fast path and torch.optim.Muon side by side; asserts equal params each step."""
+    g = torch.Generator().manual_seed(5)
+    params = {f"m{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+    ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    torch_opt = torch.optim.Muon(list(ref.values()), lr=0.02)
+    opt = mt.optim.muon(lr=0.02)
+    ours, state = params, opt.init(params)
+    for _ in range(steps):
+        grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        ours, state = opt.update(grads, state, ours)
+        for k, p in ref.items():
+            assert torch.equal(ours[k], p.detach()), k
+
+
+def _counting_newton_schulz(monkeypatch, batched_result):
+    """Replace Newton-Schulz by one that counts its 2-D and stacked calls and computes a
+    stack with ``batched_result(stack, one_at_a_time)``."""
+    from minitrain.optim import _muon
+
+    calls = []
+    one = _muon.newton_schulz
+
+    def counted(x, *args):
+        calls.append(x.dim())
+        if x.dim() == 2:
+            return one(x, *args)
+        return batched_result(x, torch.stack([one(m, *args) for m in x.unbind(0)]))
+
+    monkeypatch.setattr(_muon, "newton_schulz", counted)
+    monkeypatch.setattr(_muon, "_STACK_IS_EXACT", {})
+    return calls, _muon
+
+
+def test_muon_stacks_same_shape_matrices_once_a_batched_run_proved_exact(monkeypatch):
+    calls, _muon = _counting_newton_schulz(monkeypatch, lambda stack, alone: alone)
+    _muon_run_against_torch(steps=3)
+    assert calls == [3] + [2] * 4 + [3, 3]  # step 1 runs both ways, then the stack alone
+    assert list(_muon._STACK_IS_EXACT.values()) == [True]
+
+
+def test_muon_runs_one_matrix_at_a_time_where_a_batched_run_rounds_differently(monkeypatch):
+    """A GEMM library whose batched kernels round differently costs the stacking, never the
+    bits: the result stays torch's."""
+    calls, _muon = _counting_newton_schulz(
+        monkeypatch, lambda stack, alone: alone + torch.finfo(torch.bfloat16).eps
+    )
+    _muon_run_against_torch(steps=3)
+    assert calls == [3] + [2] * 4 + [2] * 8
+    assert list(_muon._STACK_IS_EXACT.values()) == [False]
+
+
+def test_muon_stacks_are_exact_on_this_machines_gemms_or_not_taken():
+    """The real kernels, over shapes where oneDNN's batched bfloat16 GEMMs were seen to round
+    both ways (tall, wide, one side of 17, tiny): equal to torch.optim.Muon either way."""
+    _muon_run_against_torch(steps=2, shapes=[(300, 17)] * 8 + [(5, 12)] * 2 + [(64, 96)] * 3
+                            + [(96, 64)] * 3)
 
 
 def test_muon_fast_path_with_a_schedule_equals_its_chain():

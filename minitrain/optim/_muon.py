@@ -28,7 +28,7 @@ from minitrain.optim._core import (
 from minitrain.optim._family import Scalar, check_range, descent_prefix, zeros
 from minitrain.optim._lowering import chain_lowering, spec_tensors
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, use_plain_path
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, is_traced, use_plain_path
 from minitrain.tree import Params
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "MuonMomentumState",
     "orthogonalize_by_newton_schulz",
     "newton_schulz",
+    "newton_schulz_each",
     "muon_lr_ratio",
 ]
 
@@ -78,23 +79,131 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
                   steps: int = NS_STEPS, eps: Scalar = EPS) -> Tensor:
     """An approximate ``U V^T`` of ``g = U S V^T`` by ``steps`` quintic Newton-Schulz steps in
     bfloat16 (torch's ``_zeropower_via_newtonschulz``, the same ops in the same order);
-    returned in bfloat16.
+    returned in bfloat16. ``g`` is one matrix ``(m, n)`` or a stack ``(k, m, n)`` of matrices,
+    each orthogonalized on its own with ``bmm``/``baddbmm`` (the same bits as one at a time,
+    in ``3 steps`` larger GEMMs instead of ``3 k steps`` small ones).
 
     >>> import torch
     >>> q = newton_schulz(torch.diag(torch.tensor([3.0, 0.5])))
     >>> [round(float(v), 1) for v in torch.diagonal(q)]  # both singular values now near 1
     [0.7, 1.0]
+    >>> torch.equal(newton_schulz(torch.stack([2 * torch.eye(2), torch.ones(2, 2)]))[1],
+    ...             newton_schulz(torch.ones(2, 2)))
+    True
     """
     a, b, c = coefficients
     x = g.bfloat16()
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+        x = x.mT
+    if x.dim() == 2:
+        x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+        matmul, addmatmul = torch.mm, torch.addmm
+    else:  # each matrix's own norm, reduced as torch reduces one matrix
+        norms = torch.stack([m.norm() for m in x.unbind(0)]).clamp(min=eps)
+        # contiguous: oneDNN's batched GEMM of transposed matrices rounds differently
+        x = (x / norms[:, None, None]).contiguous()
+        matmul, addmatmul = torch.bmm, torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = matmul(x, x.mT)
+        x = addmatmul(x, addmatmul(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+# A stack of matrices for one batched Newton-Schulz run holds at most this many bfloat16
+# bytes (its products hold about as much again): larger groups run in several stacks.
+STACK_BYTES = 32 * 2**20
+
+
+def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None
+                      ) -> list[list[int]]:
+    """The indices of ``matrices`` grouped by shape, dtype and device, in order of first
+    appearance, each group cut into stacks of at most ``stack_bytes`` (default
+    :data:`STACK_BYTES`) in bfloat16.
+
+    >>> import torch
+    >>> same_shape_stacks([torch.ones(2, 3), torch.ones(3, 3), torch.ones(2, 3)])
+    [[0, 2], [1]]
+    >>> same_shape_stacks([torch.ones(2, 3)] * 3, stack_bytes=24)
+    [[0, 1], [2]]
+    """
+    stack_bytes = STACK_BYTES if stack_bytes is None else stack_bytes
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
+    stacks = []
+    for (shape, _, _), members in groups.items():
+        per_stack = max(1, stack_bytes // (2 * math.prod(shape)))
+        stacks += [members[i:i + per_stack] for i in range(0, len(members), per_stack)]
+    return stacks
+
+
+def newton_schulz_each(matrices: list[Tensor], coefficients: tuple[Scalar, Scalar, Scalar]
+                       = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: Scalar = EPS
+                       ) -> list[Tensor]:
+    """:func:`newton_schulz` of each matrix, bit for bit, with matrices of one shape stacked
+    into batched GEMMs where that gives the same bits (see :func:`_newton_schulz_stack`).
+
+    >>> import torch
+    >>> ms = [torch.randn(32, 48), torch.ones(2, 3), torch.randn(32, 48)]
+    >>> all(torch.equal(q, newton_schulz(m)) for q, m in zip(newton_schulz_each(ms), ms))
+    True
+    """
+    out: list[Tensor] = [None] * len(matrices)  # type: ignore[list-item]
+    for stack in same_shape_stacks(matrices):
+        together = _newton_schulz_stack([matrices[i] for i in stack], coefficients, steps, eps)
+        for i, q in zip(stack, together, strict=True):
+            out[i] = q
+    return out
+
+
+STACK_MIN_SIDE = 32
+
+# (shape, dtype, device, stack size, threads, coefficients, steps) -> whether the batched run
+# gave the same bits as one matrix at a time when first tried.
+_STACK_IS_EXACT: dict[tuple, bool] = {}
+
+
+def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Scalar, Scalar],
+                         steps: int, eps: Scalar) -> list[Tensor]:
+    """:func:`newton_schulz` of each of a list of same-shape matrices, one batched run when
+    that is known to round as one at a time does.
+
+    Whether it does depends on the GEMM library's kernels, not on the data: on a CPU with
+    oneDNN's bfloat16 GEMMs most shapes give the same bits, but some do not (a side of 17,
+    stacks of some sizes, and tiny matrices, where torch's mm and bmm take different
+    fallbacks). So the first stack of each shape, size and thread count runs both ways, the
+    batched run is used from then on only if the two were equal, and the result returned is
+    always the one-at-a-time one's bits. Matrices with a side under ``STACK_MIN_SIDE`` run one
+    at a time (their few outputs, each rounded to bfloat16, can hide a different summation
+    order from a single check), as do matrices under a functorch transform, a compiler or
+    autograd.
+    """
+    def alone() -> list[Tensor]:
+        return [newton_schulz(m, coefficients, steps, eps) for m in matrices]
+
+    first = matrices[0]
+    if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE or any(
+        is_traced(m) for m in matrices
+    ) or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)):
+        return alone()
+    key = (tuple(first.shape), first.dtype, first.device, len(matrices), torch.get_num_threads(),
+           tuple(coefficients), steps)
+    exact = _STACK_IS_EXACT.get(key)
+    if exact is False:
+        return alone()
+    stacked = torch.empty((len(matrices), *first.shape), dtype=torch.bfloat16,
+                          device=first.device)
+    for row, m in zip(stacked.unbind(0), matrices, strict=True):
+        row.copy_(m)  # m.bfloat16(), without a float32 stack
+    together = list(newton_schulz(stacked, coefficients, steps, eps).unbind(0))
+    if exact is None:
+        one_at_a_time = alone()
+        _STACK_IS_EXACT[key] = all(
+            torch.equal(a, b) for a, b in zip(together, one_at_a_time, strict=True)
+        )
+        return one_at_a_time
+    return together
 
 
 def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> float:
@@ -155,16 +264,17 @@ def orthogonalize_by_newton_schulz(
         _check_matrices(params)
         return EmptyState()
 
-    def one(u: Tensor) -> Tensor:
-        if u.dim() != 2:
-            raise ValueError(
-                f"Muon updates 2-D params only, got an update of shape {tuple(u.shape)}"
-            )
-        ratio = muon_lr_ratio(tuple(u.shape), adjust_lr_fn)
-        return newton_schulz(u, coefficients, ns_steps, eps).to(u.dtype) * ratio
-
     def update(updates, state, params=None):
-        return tree.map(one, updates), state
+        leaves = tree.leaves(updates)
+        for u in leaves:
+            if u.dim() != 2:
+                raise ValueError(
+                    f"Muon updates 2-D params only, got an update of shape {tuple(u.shape)}"
+                )
+        ortho = newton_schulz_each(leaves, coefficients, ns_steps, eps)
+        new = [q.to(u.dtype) * muon_lr_ratio(tuple(u.shape), adjust_lr_fn)
+               for q, u in zip(ortho, leaves, strict=True)]
+        return tree.unflatten(tree.structure(updates), new), state
 
     return tagged("orthogonalize_by_newton_schulz", GradientTransformation(init, update),
                   ns_coefficients=coefficients, ns_steps=ns_steps, eps=eps,
@@ -240,14 +350,16 @@ def _match(tx: GradientTransformation):
             for b, p, g in zip(buffers, p_leaves, g_leaves, strict=False)
         ):
             return None  # the plain chain names what does not fit
-        new_params, new_buffers = [], []
+        new_params: list[Tensor] = [None] * len(p_leaves)  # type: ignore[list-item]
+        new_buffers: list[Tensor] = [None] * len(p_leaves)  # type: ignore[list-item]
         with pool.lock:
             pool.begin_update()
-            for p, g, buf in zip(p_leaves, g_leaves, buffers, strict=True):
-                p, buf = _muon_leaf(p, g, buf, step_lr, weight_decay, momentum, ns,
-                                    None if donate else pool)
-                new_params.append(p)
-                new_buffers.append(buf)
+            for stack in same_shape_stacks(p_leaves):
+                ps, bs = _muon_stack([p_leaves[i] for i in stack], [g_leaves[i] for i in stack],
+                                     [buffers[i] for i in stack], step_lr, weight_decay,
+                                     momentum, ns, None if donate else pool)
+                for i, p, buf in zip(stack, ps, bs, strict=True):
+                    new_params[i], new_buffers[i] = p, buf
         momentum_state = MuonMomentumState(
             momentum_state.count + 1,
             tree.unflatten(tree.structure(momentum_state.momentum_buffer), new_buffers),
@@ -258,27 +370,37 @@ def _match(tx: GradientTransformation):
     return lowered
 
 
-def _muon_leaf(p: Tensor, g: Tensor, buf: Tensor, lr: float, weight_decay: Any,
-               momentum: dict[str, Any], ns: dict[str, Any], pool: BufferPool | None):
-    """torch's ``_single_tensor_muon`` for one matrix: ``B = lerp(B, g, 1 - mu)``, the update
-    ``NS(lerp(g, B, mu))``, then ``p <- p (1 - lr wd) - lr ratio update`` (the bfloat16 update
-    added without a float32 copy). Without a ``pool`` (donated), ``p`` and ``B`` are written in
-    place; with one, into its recycled buffers."""
+def _muon_stack(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor], lr: float,
+                weight_decay: Any, momentum: dict[str, Any], ns: dict[str, Any],
+                pool: BufferPool | None) -> tuple[list[Tensor], list[Tensor]]:
+    """torch's ``_single_tensor_muon`` for matrices of one shape: ``B = lerp(B, g, 1 - mu)``,
+    the update ``NS(lerp(g, B, mu))`` (one batched Newton-Schulz run for the stack where that
+    gives the same bits, see :func:`_newton_schulz_stack`), then
+    ``p <- p (1 - lr wd) - lr ratio update`` (the bfloat16 update added without a float32
+    copy). Without a ``pool`` (donated), ``p`` and ``B`` are written in place; with one, into
+    its recycled buffers."""
     mu = momentum["momentum"]
     with torch.no_grad():
         if pool is None:
-            buf = buf.lerp_(g, 1 - mu)
+            bufs = [buf.lerp_(g, 1 - mu) for buf, g in zip(bufs, gs, strict=True)]
         else:
-            buf = torch.lerp(buf, g, 1 - mu, out=pool.empty_like(buf))
-        update = torch.lerp(g, buf, mu) if momentum["nesterov"] else buf
-        ortho = newton_schulz(update, ns["ns_coefficients"], ns["ns_steps"], ns["eps"])
-        alpha = -lr * muon_lr_ratio(tuple(p.shape), ns["adjust_lr_fn"])
+            bufs = [torch.lerp(buf, g, 1 - mu, out=pool.empty_like(buf))
+                    for buf, g in zip(bufs, gs, strict=True)]
+        updates = ([torch.lerp(g, buf, mu) for g, buf in zip(gs, bufs, strict=True)]
+                   if momentum["nesterov"] else bufs)
+        orthos = _newton_schulz_stack(updates, ns["ns_coefficients"], ns["ns_steps"],
+                                      ns["eps"])
+        del updates
+        alpha = -lr * muon_lr_ratio(tuple(ps[0].shape), ns["adjust_lr_fn"])
         decay = 1 - lr * weight_decay
-        if pool is not None:
-            p = torch.mul(p, decay, out=pool.empty_like(p))
-        elif not (isinstance(decay, int | float) and decay == 1):
-            p.mul_(decay)
-        return p.add_(ortho, alpha=alpha), buf
+        new_params = []
+        for p, ortho in zip(ps, orthos, strict=True):
+            if pool is not None:
+                p = torch.mul(p, decay, out=pool.empty_like(p))
+            elif not (isinstance(decay, int | float) and decay == 1):
+                p.mul_(decay)
+            new_params.append(p.add_(ortho, alpha=alpha))
+        return new_params, bufs
 
 
 register_lowering(_match)
