@@ -320,7 +320,14 @@ def test_bench_optim_family_flag_adds_the_family_rows():
     assert sorted(family) == ["adamax", "lion"]
     assert family["adamax"]["reference"] == "torch.optim:Adamax"
     assert family["lion"]["pure_over_reference"] > 0
-    assert "family" not in json.loads(CliRunner().invoke(optim, tiny).output)
+    assert family["lion"]["paired_median_ratio"] > 0
+    plain = json.loads(CliRunner().invoke(optim, tiny).output)
+    assert "family" not in plain
+    assert set(plain["results"]["adamw"]["paired_median_ratios"]) == {"pure", "donate"}
+    assert all(entry["paired_median_ratio"] > 0 for entry in plain["chains"].values())
+    text = CliRunner().invoke(optim, [*tiny[:-1], "--family", "--member", "lion"]).output
+    ratio_lines = [line for line in text.splitlines() if "x" in line and "/" in line]
+    assert len(ratio_lines) == 3 and all("paired" in line for line in ratio_lines), text
 
 
 @pytest.mark.parametrize("name", list(ALIASES))

@@ -9,7 +9,9 @@ Per optimizer, one process times, round by round interleaved (so all see the sam
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
 no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation
 (``params, state = opt.update(grads, state, params)``, the previous params freed each step as in
-a training loop) and with ``donate=True``. Ratios are best-round time over the peer's.
+a training loop) and with ``donate=True``. Ratios are best-round time over the peer's, and
+beside them the median over rounds of the two sides' ratio in the same round (the peer and
+minitrain run back to back, so the load of that moment cancels).
 
 ``--compiled`` adds the pure update with ``impl="compiled"`` (one inductor-generated graph
 over all leaves, one pass into recycled buffers). ``--breakdown`` splits one pure AdamW update
@@ -186,13 +188,18 @@ def measure(
             )
         if flag != "foreach":
             steppers["torch_foreach"] = TorchStepper(cls, kwargs, "foreach", params, grads)
-        seconds = time_interleaved(steppers, rounds, inner, device)
+        times = time_rounds(steppers, rounds, inner, device)
+        seconds = {stepper: min(values) for stepper, values in times.items()}
         peer = seconds[f"torch_{flag}"]
         results[name] = {
             "peer": f"torch_{flag}",
             "seconds": seconds,
             "pure_over_peer": seconds["minitrain_pure"] / peer,
             "donate_over_peer": seconds["minitrain_donate"] / peer,
+            "paired_median_ratios": {
+                side: paired_median_ratio(times, f"minitrain_{side}", f"torch_{flag}")
+                for side in ("pure", "donate")
+            },
         }
         if compiled:
             results[name]["compiled_over_peer"] = seconds["minitrain_compiled"] / peer
@@ -214,10 +221,13 @@ def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: i
             f"torch_{flag}": TorchStepper(cls, kwargs, flag, params, grads),
             "minitrain_pure": MinitrainStepper(factory, {}, params, grads, donate=False),
         }
-        seconds = time_interleaved(steppers, rounds, inner, device)
+        times = time_rounds(steppers, rounds, inner, device)
+        seconds = {stepper: min(values) for stepper, values in times.items()}
         ratio = seconds["minitrain_pure"] / seconds[f"torch_{flag}"]
         results[name] = {"peer": f"{row} torch_{flag}", "seconds": seconds,
-                         "pure_over_peer": ratio, "target": target}
+                         "pure_over_peer": ratio, "target": target,
+                         "paired_median_ratio": paired_median_ratio(
+                             times, "minitrain_pure", f"torch_{flag}")}
         del steppers
     return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
 

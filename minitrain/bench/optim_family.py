@@ -12,13 +12,13 @@ into them). The ratio is best-round time over the peer's; the target is at most 
 from __future__ import annotations
 
 import importlib
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import minitrain as mt
+from minitrain.bench.optim import paired_median_ratio, time_rounds
 
 __all__ = ["FAMILY", "family_ratios"]
 
@@ -43,23 +43,6 @@ FAMILY: dict[str, tuple[Callable[..., Any], str, dict[str, Any], dict[str, Any]]
 def make_params(count: int, shape: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g) for _ in range(count)]
-
-
-def time_interleaved(steppers: dict[str, Callable[[], None]], rounds: int,
-                     inner: int) -> dict[str, float]:
-    """Fastest round's seconds per call of each stepper, rounds interleaved (the round least
-    disturbed by other jobs on a shared machine, disturbed alike for every stepper)."""
-    for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
-        for _ in range(2):
-            stepper()
-    best = dict.fromkeys(steppers, float("inf"))
-    for _ in range(rounds):
-        for name, stepper in steppers.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                stepper()
-            best[name] = min(best[name], (time.perf_counter() - start) / inner)
-    return best
 
 
 def _reference_class(path: str) -> type:
@@ -134,11 +117,13 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
         if compiled and name in COMPILED:
             steppers["minitrain_compiled"] = _Pure(factory, {**shared, "impl": "compiled"},
                                                    params, grads)
-        seconds = time_interleaved(steppers, rounds, inner)
+        times = time_rounds(steppers, rounds, inner, "cpu")
+        seconds = {stepper: min(values) for stepper, values in times.items()}
         rows[name] = {
             "reference": reference,
             "seconds": seconds,
             "pure_over_reference": seconds["minitrain_pure"] / seconds["reference"],
+            "paired_median_ratio": paired_median_ratio(times, "minitrain_pure", "reference"),
         }
         if "minitrain_compiled" in seconds:
             rows[name]["compiled_over_reference"] = (

@@ -57,13 +57,16 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"update of {result['params']} on {device} "
-               f"(best of {rounds} interleaved rounds x {inner})")
+    click.echo(f"update of {result['params']} on {device} (best of {rounds} interleaved "
+               f"rounds x {inner}; paired: median of the rounds' own ratios)")
     for name, entry in result["results"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
-        ratios = f"pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x   "
-        ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x"
+        paired = entry["paired_median_ratios"]
+        ratios = f"pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
+        ratios += f"(paired {paired['pure']:.2f}x)   "
+        ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x "
+        ratios += f"(paired {paired['donate']:.2f}x)"
         if "compiled_over_peer" in entry:
             ratios += f"   compiled / {entry['peer']}: {entry['compiled_over_peer']:.2f}x"
         click.echo(f"  {'':13s} {ratios}")
@@ -71,17 +74,18 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name}  {times}")
         click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
-                   f"(target <= {entry['target']}x)")
+                   f"(paired {entry['paired_median_ratio']:.2f}x; target <= {entry['target']}x)")
     for name, entry in result.get("family", {}).items():
         if "skipped" in entry:
             click.echo(f"  {name:13s} skipped: {entry['skipped']}")
             continue
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
-        ratios = f"pure / {entry['reference']}: {entry['pure_over_reference']:.2f}x"
+        ratios = (f"pure / {entry['reference']}: {entry['pure_over_reference']:.2f}x "
+                  f"(paired {entry['paired_median_ratio']:.2f}x; target <= 1.0x)")
         if "compiled_over_reference" in entry:
             ratios += f"   compiled: {entry['compiled_over_reference']:.2f}x"
-        click.echo(f"  {'':13s} {ratios} (target <= 1.0x)")
+        click.echo(f"  {'':13s} {ratios}")
     if with_breakdown:
         click.echo("pure AdamW update, by part:")
         parts = result["breakdown"]
