@@ -487,6 +487,38 @@ def test_muon_stacks_are_exact_on_this_machines_gemms_or_not_taken():
                             + [(96, 64)] * 3)
 
 
+def test_muon_stacks_are_predicted_and_counted_one_matrix_at_a_time(monkeypatch):
+    """The step predictor (meta and fake tensors) and the accounting Counter see Muon's
+    one-at-a-time ops, whatever a real update learned: the prediction equals the count, and
+    nothing is compared (counted twice) under them."""
+    from minitrain.accounting import Counter
+    from minitrain.accounting.predict import TensorSpec, predict_step
+    from minitrain.optim import _muon
+
+    monkeypatch.setattr(_muon, "_STACK_IS_EXACT", {})
+    params = {f"w{i}": torch.randn(48, 40) for i in range(4)}
+    loss = lambda p, x: sum((x @ w).tanh().sum() for w in p.values())  # noqa: E731
+    opt = mt.optim.muon(lr=0.02)
+    predicted = predict_step(loss, params, TensorSpec((8, 48)), optimizer=opt)
+    without_update = predict_step(loss, params, TensorSpec((8, 48)))
+    assert _muon._STACK_IS_EXACT == {}
+    assert "aten.bmm" not in predicted.per_op
+    grads = mt.tree.map(torch.randn_like, params)
+    state = opt.init(params)
+    opt.update(grads, state, params)  # a real update: checks the stack once
+    assert len(_muon._STACK_IS_EXACT) == 1
+    with Counter(keep_records=False) as counter:
+        opt.update(grads, state, params)
+    assert counter.flops == predicted.flops - without_update.flops
+    assert "aten.bmm" not in str(counter.flop_counts())
+    monkeypatch.setattr(_muon, "_STACK_IS_EXACT", {})
+    with Counter(keep_records=False) as first:  # a first update, counted: not checked twice
+        opt.update(grads, state, params)
+    assert first.flops == counter.flops and _muon._STACK_IS_EXACT == {}
+    # per matrix and step: X X^T, then the two addmms (the tall 48 x 40 runs transposed)
+    assert counter.matmul_flops == 4 * 5 * (2 * 40 * 48 * 40 + 2 * 40**3 + 2 * 40 * 40 * 48)
+
+
 def test_muon_fast_path_with_a_schedule_equals_its_chain():
     opt = mt.optim.muon(lr=mt.optim.cosine_schedule(0.05, 5), weight_decay=0.1)
     g = torch.Generator().manual_seed(4)

@@ -11,7 +11,9 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from minitrain import tree
 from minitrain.optim._buffers import BufferPool
@@ -28,7 +30,7 @@ from minitrain.optim._core import (
 from minitrain.optim._family import Scalar, check_range, descent_prefix, zeros
 from minitrain.optim._lowering import chain_lowering, spec_tensors
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, is_traced, use_plain_path
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, use_plain_path
 from minitrain.tree import Params
 
 __all__ = [
@@ -159,6 +161,14 @@ def newton_schulz_each(matrices: list[Tensor], coefficients: tuple[Scalar, Scala
 
 STACK_MIN_SIDE = 32
 
+
+def _can_compare(matrices: list[Tensor]) -> bool:
+    """Whether two results on these matrices can be compared: real data, and no dispatch mode
+    that would count (or fake) the check."""
+    return _python_dispatch._get_current_dispatch_mode() is None and not any(
+        m.device.type == "meta" or isinstance(m, FakeTensor) for m in matrices
+    )
+
 # (shape, dtype, device, stack size, threads, coefficients, steps) -> whether the batched run
 # gave the same bits as one matrix at a time when first tried.
 _STACK_IS_EXACT: dict[tuple, bool] = {}
@@ -177,20 +187,23 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
     always the one-at-a-time one's bits. Matrices with a side under ``STACK_MIN_SIDE`` run one
     at a time (their few outputs, each rounded to bfloat16, can hide a different summation
     order from a single check), as do matrices under a functorch transform, a compiler or
-    autograd.
+    autograd, and matrices without data (fake or meta tensors, as the step predictor traces
+    them) or watched by a dispatch mode (the accounting ``Counter``, ``FlopCounterMode``; as
+    the optimizers' streaming kernels give way to torch's ops there): nothing is then compared,
+    counted twice, or predicted other than it is measured.
     """
     def alone() -> list[Tensor]:
         return [newton_schulz(m, coefficients, steps, eps) for m in matrices]
 
     first = matrices[0]
-    if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE or any(
-        is_traced(m) for m in matrices
-    ) or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)):
+    if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE or torch.compiler.is_compiling() \
+            or any(torch._C._functorch.is_functorch_wrapped_tensor(m) for m in matrices) \
+            or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)):
         return alone()
     key = (tuple(first.shape), first.dtype, first.device, len(matrices), torch.get_num_threads(),
            tuple(coefficients), steps)
     exact = _STACK_IS_EXACT.get(key)
-    if exact is False:
+    if exact is False or not _can_compare(matrices):
         return alone()
     stacked = torch.empty((len(matrices), *first.shape), dtype=torch.bfloat16,
                           device=first.device)
