@@ -411,9 +411,10 @@ def _is_float(*tensors: Any) -> bool:
 
 
 class _Simulate(TorchFunctionMode):
-    def __init__(self, r: Recipe, state: torch.Tensor | None, count_only: bool = False):
+    def __init__(self, r: Recipe, state: torch.Tensor | None, count_only: bool = False,
+                 first_call: int = 0):
         super().__init__()
-        self.recipe, self.state, self.count_only, self.calls = r, state, count_only, 0
+        self.recipe, self.state, self.count_only, self.calls = r, state, count_only, first_call
 
     def _history(self, *operands: torch.Tensor) -> torch.Tensor | None:
         """Matmul ``i``'s amax history (row ``i`` of the state), or None for current scaling:
@@ -449,6 +450,73 @@ class _Simulate(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing: the recomputation replays the simulated matmuls
+
+
+def _innermost_simulation() -> _Simulate | None:
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, _Simulate)]
+    return modes[-1] if modes and not modes[-1].count_only else None
+
+
+class _Replay:
+    """The recomputation's context: ``recompute`` (the caller's), then a simulation that
+    starts at the matmul the checkpointed region started at, so that it reads the same amax
+    history rows of the same state and saves the same tensors as the forward pass did. Fresh
+    on every entry (a graph kept with ``retain_graph`` recomputes once per backward pass)."""
+
+    def __init__(self, recompute: Any, mode: _Simulate) -> None:
+        self.recompute, self.recipe, self.state = recompute, mode.recipe, mode.state
+        self.first_call = mode.calls
+        self.stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.recompute)
+        stack.enter_context(_Simulate(self.recipe, self.state, first_call=self.first_call))
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.stacks.pop().__exit__(*exc)
+
+
+def _replaying_contexts(mode: _Simulate, context_fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``context_fn()``'s forward context, and its recomputation context under a replay."""
+    forward, recompute = context_fn()
+    return forward, _Replay(recompute, mode)
+
+
+def _checkpoint_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's non-reentrant checkpoint, which recomputes the region in the backward pass,
+    outside :func:`simulate`, as it re-enters the device context of the forward pass: with a
+    simulation active, the recomputation runs under one too (see :func:`_replaying_contexts`).
+    """
+
+    @functools.wraps(original)
+    def generator(fn, preserve_rng_state=True, context_fn=None, *rest, **kwargs):
+        import torch.utils.checkpoint as checkpoint
+
+        context_fn = checkpoint.noop_context_fn if context_fn is None else context_fn
+        mode = _innermost_simulation()
+        debug = bool(rest[1:2] and rest[1]) or checkpoint._checkpoint_debug_enabled
+        if mode is not None and not debug and not torch.compiler.is_compiling():
+            context_fn = functools.partial(_replaying_contexts, mode, context_fn)
+        return original(fn, preserve_rng_state, context_fn, *rest, **kwargs)
+
+    generator.minitrain_replays = True  # type: ignore[attr-defined]
+    return generator
+
+
+def _install_checkpoint_replay() -> None:
+    import torch.utils.checkpoint as checkpoint
+
+    original = getattr(checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if original is not None and not getattr(original, "minitrain_replays", False):
+        checkpoint._checkpoint_without_reentrant_generator = _checkpoint_generator(original)
+
+
 @contextlib.contextmanager
 def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[None]:
     """Run every ``F.linear`` / ``matmul`` / ``@`` / ``mm`` / ``bmm`` inside in low precision.
@@ -466,6 +534,7 @@ def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Non
     r = recipe(r)
     if state is not None and r.forward in BLOCK:
         raise ValueError("block formats take their scales from the blocks: pass state=None")
+    _install_checkpoint_replay()
     mode = _Simulate(r, state)
     with mode:
         yield

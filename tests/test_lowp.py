@@ -252,3 +252,70 @@ def test_a_simulated_fp8_step_with_the_fast_decode_equals_torchs_ops(monkeypatch
     assert _same_bits(fast[0], slow[0])
     assert all(_same_bits(x, y) for x, y in zip(fast[1], slow[1], strict=True))
     assert all(_same_bits(x, y) for x, y in zip(grads(), slow[1], strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing inside a simulation
+
+
+def _grads_with_and_without_checkpointing(recipe_name, state, context_fn=None, twice=False):
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=g)
+    a = torch.randn(32, 32, generator=g, requires_grad=True)
+    b = torch.randn(32, 32, generator=g, requires_grad=True)
+    results = []
+    for checkpointed in (False, True):
+        history = None if state is None else state.clone().requires_grad_(True)
+        with lowp.simulate(recipe_name, history):
+            if checkpointed:
+                h = checkpoint(lambda x, w: torch.relu(x @ w) @ w, x, a, use_reentrant=False,
+                               context_fn=context_fn or noop_context_fn)
+            else:
+                h = torch.relu(x @ a) @ a
+            loss = ((h @ b) ** 2).mean()
+        inputs = [a, b] + ([history] if history is not None else [])
+        grads = torch.autograd.grad(loss, inputs, retain_graph=twice)
+        if twice:  # the graph kept: the region is recomputed again, from the same matmul
+            assert all(torch.equal(u, v) for u, v in zip(
+                grads, torch.autograd.grad(loss, inputs), strict=True))
+        results.append(grads)
+    return results
+
+
+@pytest.mark.parametrize("name,delayed", [("fp8", True), ("fp8", False), ("mxfp8", False),
+                                          ("nvfp4", False)])
+def test_a_checkpointed_region_recomputes_its_simulated_matmuls_bit_for_bit(name, delayed):
+    """torch.utils.checkpoint (non-reentrant) recomputes in the backward pass, outside the
+    simulation: the recomputation replays it from the region's first matmul, so grads and
+    the updated amax histories equal the run without checkpointing."""
+    state = lowp.init_state(name, 3) + torch.tensor([0.5, 2.0, 8.0])[:, None, None] \
+        if delayed else None
+    plain, checkpointed = _grads_with_and_without_checkpointing(name, state)
+    assert len(plain) == (3 if delayed else 2)
+    for u, v in zip(plain, checkpointed, strict=True):
+        assert torch.equal(u, v)
+
+
+def test_checkpoint_replay_keeps_a_callers_context_fn_and_recomputes_again():
+    entered = []
+
+    class Note:  # reusable, as torch enters the recomputation's context on every recompute
+        def __init__(self, what):
+            self.what = what
+
+        def __enter__(self):
+            entered.append(self.what)
+
+        def __exit__(self, *exc):
+            return False
+
+    def context_fn():
+        return Note("forward"), Note("recompute")
+
+    state = lowp.init_state("fp8", 3) + 1.0
+    plain, checkpointed = _grads_with_and_without_checkpointing("fp8", state, context_fn,
+                                                                twice=True)
+    assert all(torch.equal(u, v) for u, v in zip(plain, checkpointed, strict=True))
+    assert entered == ["forward", "recompute", "recompute"]
