@@ -312,9 +312,6 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
 
 
-# Under torch.compile the simulated matmul runs eager (a graph break around each one): dynamo
-# cannot trace this autograd.Function ("Expected FakeTensor", torch 2.13); the rest compiles.
-@torch.compiler.disable
 def matmul(
     a: torch.Tensor, b: torch.Tensor, r: Recipe | str, history: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -327,6 +324,16 @@ def matmul(
     >>> matmul(a, b, "mxfp8").shape
     torch.Size([2, 3, 4])
     """
+    return _matmul(a, b, r, history)[0]
+
+
+# Under torch.compile the simulated matmul runs eager (a graph break around each one): dynamo
+# cannot trace this autograd.Function ("Expected FakeTensor", torch 2.13); the rest compiles.
+@torch.compiler.disable
+def _matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
+            history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`matmul`, and the history with this forward pass's operand amaxes recorded
+    (rows 0 and 1; row 2, the output gradient's, as it was), None without a history."""
     r = recipe(r)
     squeeze = []
     if a.ndim == 1:
@@ -336,16 +343,17 @@ def matmul(
     with _bypass():
         if b.ndim == 2:  # fold a's batch dims into M: one GEMM, as F.linear runs it
             lead = a.shape[:-1]
-            y = _LowPrecisionMatmul.apply(a.reshape(-1, a.shape[-1]), b, history, r)[0]
+            y, _, _, recorded, _ = _LowPrecisionMatmul.apply(
+                a.reshape(-1, a.shape[-1]), b, history, r)
             y = y.reshape(*lead, b.shape[-1])
         else:
             batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
             a = a.expand(*batch, *a.shape[-2:])
             b = b.expand(*batch, *b.shape[-2:])
-            y = _LowPrecisionMatmul.apply(a, b, history, r)[0]
+            y, _, _, recorded, _ = _LowPrecisionMatmul.apply(a, b, history, r)
     for dim in squeeze:
         y = y.squeeze(dim)
-    return y
+    return y, None if history is None else recorded.detach()
 
 
 def linear(
@@ -357,8 +365,12 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``weight`` is ``(out, in)``) with quantized operands;
     the bias is added in fp32."""
-    y = matmul(x, weight.mT, r, history)
-    return y if bias is None else y + bias
+    return _linear(x, weight, bias, r, history)[0]
+
+
+def _linear(x, weight, bias, r, history):
+    y, recorded = _matmul(x, weight.mT, r, history)
+    return (y if bias is None else y + bias), recorded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +427,20 @@ class _Simulate(TorchFunctionMode):
                  first_call: int = 0):
         super().__init__()
         self.recipe, self.state, self.count_only, self.calls = r, state, count_only, first_call
+        self.recorded: dict[int, torch.Tensor] = {}  # matmul index -> its forward amaxes
+
+    def forward_history(self) -> torch.Tensor | None:
+        """The state with every matmul's forward amaxes recorded as this forward pass saw
+        them (rows 0 and 1 of each matmul that ran with a history; the rest as they were),
+        detached; None without a state. The gradient of the state holds the same rows and the
+        output gradient's amax, but only for matmuls whose backward pass ran: a matmul whose
+        output never reaches the loss gets its forward amaxes from here (Transformer Engine
+        records forward amaxes in the forward pass)."""
+        if self.state is None:
+            return None
+        state = self.state.detach()
+        rows = [self.recorded.get(i, state[i]) for i in range(state.shape[0])]
+        return torch.stack(rows) if rows else state.clone()  # a model without matmuls
 
     def _history(self, *operands: torch.Tensor) -> torch.Tensor | None:
         """Matmul ``i``'s amax history (row ``i`` of the state), or None for current scaling:
@@ -441,13 +467,19 @@ class _Simulate(TorchFunctionMode):
             history = self._history(x, weight)
             if self.count_only:
                 return func(*args, **kwargs)
-            return linear(x, weight, bias, self.recipe, history)
+            y, recorded = _linear(x, weight, bias, self.recipe, history)
+            return self._keep(recorded, y)
         if func in _MATMULS and _is_float(*args[:2]) and not kwargs:
             history = self._history(args[0], args[1])
             if self.count_only:
                 return func(*args, **kwargs)
-            return matmul(args[0], args[1], self.recipe, history)
+            return self._keep(*_matmul(args[0], args[1], self.recipe, history)[::-1])
         return func(*args, **kwargs)
+
+    def _keep(self, recorded: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        if recorded is not None:
+            self.recorded[self.calls - 1] = recorded
+        return y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,13 +550,15 @@ def _install_checkpoint_replay() -> None:
 
 
 @contextlib.contextmanager
-def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[None]:
+def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Any]:
     """Run every ``F.linear`` / ``matmul`` / ``@`` / ``mm`` / ``bmm`` inside in low precision.
 
     ``state`` (from :func:`init_state`) turns on delayed scaling for the fp8 recipe: matmul
     ``i`` of the forward pass reads row ``i``; differentiate with respect to ``state`` to get
-    the updated histories. Without it, fp8 uses current scaling. Other ops (attention inside
-    ``F.scaled_dot_product_attention``, norms, softmax) keep their precision, as in TE.
+    the updated histories (the context's value has ``forward_history()``, the forward amaxes
+    alone, for matmuls whose backward pass does not run). Without it, fp8 uses current
+    scaling. Other ops (attention inside ``F.scaled_dot_product_attention``, norms, softmax)
+    keep their precision, as in TE.
 
     >>> a = torch.tensor([[1.0, 3.3]])
     >>> with simulate("fp8"):
@@ -537,7 +571,7 @@ def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Non
     _install_checkpoint_replay()
     mode = _Simulate(r, state)
     with mode:
-        yield
+        yield mode
     if state is not None and mode.calls < state.shape[0]:  # matmul i would read row i + k
         raise ValueError(
             f"the model ran {mode.calls} matmuls, fewer than the {state.shape[0]} its fp8 amax "

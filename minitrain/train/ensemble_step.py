@@ -78,10 +78,12 @@ def make_member_step(
     refuse_carry(experiment, backend)
     plain_loss, recipe = loss_with_aux(experiment), fp8_recipe_of(backend)
 
-    def loss(params: Params, history: Any, batch: PyTree) -> tuple[torch.Tensor, dict]:
+    def loss(params: Params, history: Any, batch: PyTree) -> tuple[torch.Tensor, tuple]:
         fp8 = contextlib.nullcontext() if recipe is None else lowp.simulate(recipe, history)
-        with fp8:
-            return plain_loss(params, batch)
+        with fp8 as simulation:
+            value, aux = plain_loss(params, batch)
+        forward = None if simulation is None else simulation.forward_history()
+        return value, (aux, () if forward is None else forward)
 
     # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
     loss_and_grads = value_and_grad(loss, argnums=0 if recipe is None else (0, 1), has_aux=True)
@@ -95,11 +97,12 @@ def make_member_step(
         if recipe is not None and fp8_history is None:
             raise ValueError(f"{backend.name} steps take each member's fp8_history")
         with context():
-            (loss, aux), grads = loss_and_grads(params, fp8_history, batch)
+            (loss, (aux, forward_history)), grads = loss_and_grads(params, fp8_history, batch)
         carry = None
         if recipe is not None:
             grads, new_history = grads
-            carry = Carry(fp8_history=next_fp8_history(new_history, fp8_history))
+            carry = Carry(fp8_history=next_fp8_history(new_history, fp8_history,
+                                                       forward_history))
         grad_norm = global_norm(grads)
         if max_grad_norm is not None:
             scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)

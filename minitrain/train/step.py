@@ -306,11 +306,14 @@ def check_fp8_history(history: torch.Tensor | None, where: str) -> None:
         )
 
 
-def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-    """The histories after a step: a matmul whose backward pass did not run (its output never
-    reached the loss) has a zero gradient, and keeps its old history instead."""
+def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor,
+                     forward_history: torch.Tensor | None = None) -> torch.Tensor:
+    """The histories after a step: the gradient of the histories (``new_history``), except
+    for a matmul whose backward pass did not run (its output never reached the loss), whose
+    gradient is zero: it takes its row of ``forward_history`` (the forward amaxes recorded,
+    :meth:`minitrain.lowp.simulate`'s ``forward_history()``), or keeps its old history."""
     ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
-    return torch.where(ran, new_history, history)
+    return torch.where(ran, new_history, history if forward_history is None else forward_history)
 
 
 # (grads, loss, aux) -> (grads, loss, aux), applied between the backward pass and the update.
@@ -369,11 +372,13 @@ def make_train_step(
 
     def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree):
         fp8 = contextlib.nullcontext() if recipe is None else lowp.simulate(recipe, history)
-        with fp8:
+        with fp8 as simulation:
             loss, (aux, new_state) = loss_fn(params, model_state, batch)
         scaled = loss if scale is None else loss_scale.scale_loss(loss, scale)
+        forward = None if simulation is None else simulation.forward_history()
         # torch.func's aux holds tensors only: a stateless run's None travels as ()
-        return scaled, (loss.detach(), aux, () if new_state is None else new_state)
+        return scaled, (loss.detach(), aux, () if new_state is None else new_state,
+                        () if forward is None else forward)
 
     policy = getattr(backend, "policy", None)
     simulates = policy is not None and policy.matmul_format is not None
@@ -413,12 +418,12 @@ def make_train_step(
         history = carry.fp8_history if carry is not None else None
         if recipe is not None and history is None:  # the first step counts its matmuls
             history = init_fp8_history(experiment, backend, params, model_state, batch)
-        (_, (loss, aux, model_state)), grads = loss_and_grads(
+        (_, (loss, aux, model_state, forward_history)), grads = loss_and_grads(
             params, model_state, scale, history, batch
         )
         if recipe is not None:
             grads, new_history = grads
-            history = next_fp8_history(new_history, history)
+            history = next_fp8_history(new_history, history, forward_history)
             if amax_reduce is not None:
                 history = amax_reduce(history)
         if grad_transform is not None:
