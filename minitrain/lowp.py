@@ -532,13 +532,37 @@ def _checkpoint_generator(original: Callable[..., Any]) -> Callable[..., Any]:
 
         context_fn = checkpoint.noop_context_fn if context_fn is None else context_fn
         mode = _innermost_simulation()
-        debug = bool(rest[1:2] and rest[1]) or checkpoint._checkpoint_debug_enabled
-        if mode is not None and not debug and not torch.compiler.is_compiling():
+        # torch's own rules: a global debug setting wins over the argument (rest[1]); a traced
+        # region (make_fx, export: a proxy mode) takes only dispatch modes from context_fn
+        debug = getattr(checkpoint, "_checkpoint_debug_enabled", None)
+        debug = bool(rest[1:2] and rest[1]) if debug is None else debug
+        traced = getattr(checkpoint, "_is_compiling", lambda *a: False)(fn, (), {})
+        if mode is not None and not debug and not traced and not torch.compiler.is_compiling():
             context_fn = functools.partial(_replaying_contexts, mode, context_fn)
         return original(fn, preserve_rng_state, context_fn, *rest, **kwargs)
 
     generator.minitrain_replays = True  # type: ignore[attr-defined]
     return generator
+
+
+def _refusing_reentrant(original: type) -> type:
+    """torch's reentrant checkpoint, refused inside a simulation: its recomputation runs in
+    the backward pass with no hook to replay the simulated matmuls, so the region's grads
+    would silently be those of full-precision matmuls."""
+
+    class CheckpointFunction(original):  # type: ignore[misc, valid-type]
+        minitrain_refuses = True
+
+        @staticmethod
+        def forward(ctx, run_function, preserve_rng_state, *args):
+            if _innermost_simulation() is not None:
+                raise ValueError(
+                    "torch.utils.checkpoint with use_reentrant=True (torch's default) recomputes "
+                    "outside the simulated low-precision matmuls; pass use_reentrant=False"
+                )
+            return original.forward(ctx, run_function, preserve_rng_state, *args)
+
+    return CheckpointFunction
 
 
 def _install_checkpoint_replay() -> None:
@@ -547,6 +571,9 @@ def _install_checkpoint_replay() -> None:
     original = getattr(checkpoint, "_checkpoint_without_reentrant_generator", None)
     if original is not None and not getattr(original, "minitrain_replays", False):
         checkpoint._checkpoint_without_reentrant_generator = _checkpoint_generator(original)
+    reentrant = getattr(checkpoint, "CheckpointFunction", None)
+    if reentrant is not None and not getattr(reentrant, "minitrain_refuses", False):
+        checkpoint.CheckpointFunction = _refusing_reentrant(reentrant)
 
 
 @contextlib.contextmanager

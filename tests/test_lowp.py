@@ -319,3 +319,14 @@ def test_checkpoint_replay_keeps_a_callers_context_fn_and_recomputes_again():
                                                                 twice=True)
     assert all(torch.equal(u, v) for u, v in zip(plain, checkpointed, strict=True))
     assert entered == ["forward", "recompute", "recompute"]
+
+
+def test_a_reentrant_checkpoint_inside_a_simulation_is_refused_in_one_line():
+    from torch.utils.checkpoint import checkpoint
+
+    a, x = torch.randn(32, 32, requires_grad=True), torch.randn(4, 32, requires_grad=True)
+    with lowp.simulate("fp8"), pytest.raises(ValueError, match="use_reentrant=False"):
+        checkpoint(lambda x: x @ a, x, use_reentrant=True)
+    # outside a simulation, torch's reentrant checkpoint is untouched
+    checkpoint(lambda x: x @ a, x, use_reentrant=True).sum().backward()
+    assert torch.equal(a.grad, x.detach().sum(0)[:, None].expand(32, 32))

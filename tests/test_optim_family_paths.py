@@ -425,16 +425,18 @@ def test_muon_fast_path_is_torch_optim_muon_bit_for_bit(kwargs, donate, stack_by
     assert int(state[0][0].count) == int(state[-1].count) == len(grads_seq)
 
 
-def _muon_run_against_torch(steps=3, shapes=((40, 48),) * 4):
-    """Muon's fast path and torch.optim.Muon side by side; asserts equal params each step."""
+def _muon_run_against_torch(steps=3, shapes=((40, 48),) * 4, zero_first=False):
+    """Muon's fast path and torch.optim.Muon side by side; asserts equal params each step
+    (``zero_first``: the first grads are zeros, as for a zero-initialised projection)."""
     g = torch.Generator().manual_seed(5)
     params = {f"m{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
     ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
     torch_opt = torch.optim.Muon(list(ref.values()), lr=0.02)
     opt = mt.optim.muon(lr=0.02)
     ours, state = params, opt.init(params)
-    for _ in range(steps):
-        grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+    for step in range(steps):
+        grads = {k: torch.randn(p.shape, generator=g) * (step > 0 or not zero_first)
+                 for k, p in params.items()}
         for k, p in ref.items():
             p.grad = grads[k].clone()
         torch_opt.step()
@@ -465,7 +467,9 @@ def _counting_newton_schulz(monkeypatch, batched_result):
 def test_muon_stacks_same_shape_matrices_once_a_batched_run_proved_exact(monkeypatch):
     calls, _muon = _counting_newton_schulz(monkeypatch, lambda stack, alone: alone)
     _muon_run_against_torch(steps=3)
-    assert calls == [3] + [2] * 4 + [3, 3]  # step 1 runs both ways, then the stack alone
+    # step 1 first tries random matrices of the stack's shape both ways, then every step
+    # runs the stack in one batched run
+    assert calls == [3] + [2] * 4 + [3, 3, 3]
     assert list(_muon._STACK_IS_EXACT.values()) == [True]
 
 
@@ -476,8 +480,33 @@ def test_muon_runs_one_matrix_at_a_time_where_a_batched_run_rounds_differently(m
         monkeypatch, lambda stack, alone: alone + torch.finfo(torch.bfloat16).eps
     )
     _muon_run_against_torch(steps=3)
-    assert calls == [3] + [2] * 4 + [2] * 8
+    assert calls == [3, 2] + [2] * 12  # the check stops at the first matrix that differs
     assert list(_muon._STACK_IS_EXACT.values()) == [False]
+
+
+def test_a_first_update_of_zeros_does_not_decide_the_stacking(monkeypatch):
+    """Zero grads (a zero-initialised projection) round alike either way: the check runs on
+    random matrices, so a batched kernel that rounds other values differently is still
+    caught."""
+    calls, _muon = _counting_newton_schulz(
+        monkeypatch, lambda stack, alone: alone + torch.finfo(torch.bfloat16).eps * alone.ne(0)
+    )
+    _muon_run_against_torch(steps=2, zero_first=True)
+    assert list(_muon._STACK_IS_EXACT.values()) == [False]
+
+
+def test_muon_takes_empty_and_non_contiguous_matrices():
+    """A 0-size matrix (torch steps it) and a transposed grad: one at a time, torch's bits."""
+    params = {"empty": torch.zeros(0, 40), "a": torch.randn(40, 48), "b": torch.randn(40, 48)}
+    ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    grads = {"empty": torch.zeros(0, 40), "a": torch.randn(48, 40).T, "b": torch.randn(40, 48)}
+    for k, p in ref.items():
+        p.grad = grads[k].clone()
+    torch.optim.Muon(list(ref.values()), lr=0.02).step()
+    opt = mt.optim.muon(lr=0.02)
+    new, _ = opt.update(grads, opt.init(params), params)
+    for k, p in ref.items():
+        assert torch.equal(new[k], p.detach()), k
 
 
 def test_muon_stacks_are_exact_on_this_machines_gemms_or_not_taken():

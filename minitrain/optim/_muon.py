@@ -135,7 +135,7 @@ def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None
         groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
     stacks = []
     for (shape, _, _), members in groups.items():
-        per_stack = max(1, stack_bytes // (2 * math.prod(shape)))
+        per_stack = max(1, stack_bytes // max(1, 2 * math.prod(shape)))  # a 0-size matrix too
         stacks += [members[i:i + per_stack] for i in range(0, len(members), per_stack)]
     return stacks
 
@@ -163,14 +163,16 @@ STACK_MIN_SIDE = 32
 
 
 def _can_compare(matrices: list[Tensor]) -> bool:
-    """Whether two results on these matrices can be compared: real data, and no dispatch mode
-    that would count (or fake) the check."""
-    return _python_dispatch._get_current_dispatch_mode() is None and not any(
+    """Whether two results can be computed and compared here: real data, no dispatch mode
+    that would count (or fake) the check, and no CUDA graph being captured."""
+    if _python_dispatch._get_current_dispatch_mode() is not None or any(
         m.device.type == "meta" or isinstance(m, FakeTensor) for m in matrices
-    )
+    ):
+        return False
+    return not (matrices[0].is_cuda and torch.cuda.is_current_stream_capturing())
 
-# (shape, dtype, device, stack size, threads, coefficients, steps) -> whether the batched run
-# gave the same bits as one matrix at a time when first tried.
+# (shape, dtype, device, stack size, threads, GEMM settings, coefficients, steps, eps) ->
+# whether a batched run gives the same bits as one matrix at a time (_stacking_is_exact).
 _STACK_IS_EXACT: dict[tuple, bool] = {}
 
 
@@ -182,41 +184,56 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
     Whether it does depends on the GEMM library's kernels, not on the data: on a CPU with
     oneDNN's bfloat16 GEMMs most shapes give the same bits, but some do not (a side of 17,
     stacks of some sizes, and tiny matrices, where torch's mm and bmm take different
-    fallbacks). So the first stack of each shape, size and thread count runs both ways, the
-    batched run is used from then on only if the two were equal, and the result returned is
-    always the one-at-a-time one's bits. Matrices with a side under ``STACK_MIN_SIDE`` run one
-    at a time (their few outputs, each rounded to bfloat16, can hide a different summation
-    order from a single check), as do matrices under a functorch transform, a compiler or
-    autograd, and matrices without data (fake or meta tensors, as the step predictor traces
-    them) or watched by a dispatch mode (the accounting ``Counter``, ``FlopCounterMode``; as
-    the optimizers' streaming kernels give way to torch's ops there): nothing is then compared,
-    counted twice, or predicted other than it is measured.
+    fallbacks). So the first stack of each shape, size, device, thread count and GEMM setting
+    is tried both ways on random matrices of its shape (:func:`_stacking_is_exact`; the
+    user's first update may be all zeros, which rounds alike either way), and the batched run
+    is used only if the two gave the same bits. Matrices with a side under ``STACK_MIN_SIDE``
+    run one at a time (their few outputs, each rounded to bfloat16, can hide a different
+    summation order from a check), as do non-contiguous ones, matrices under a functorch
+    transform, a compiler or autograd, and matrices without data (fake or meta tensors, as the
+    step predictor traces them) or watched by a dispatch mode (the accounting ``Counter``,
+    ``FlopCounterMode``; as the optimizers' streaming kernels give way to torch's ops there):
+    nothing is then compared, counted twice, or predicted other than it is measured.
     """
     def alone() -> list[Tensor]:
         return [newton_schulz(m, coefficients, steps, eps) for m in matrices]
 
     first = matrices[0]
     if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE or torch.compiler.is_compiling() \
+            or not all(m.is_contiguous() for m in matrices) \
             or any(torch._C._functorch.is_functorch_wrapped_tensor(m) for m in matrices) \
-            or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)):
+            or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)) \
+            or not _can_compare(matrices):
         return alone()
     key = (tuple(first.shape), first.dtype, first.device, len(matrices), torch.get_num_threads(),
-           tuple(coefficients), steps)
+           torch.backends.mkldnn.enabled,
+           torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+           tuple(coefficients), steps, eps)
     exact = _STACK_IS_EXACT.get(key)
-    if exact is False or not _can_compare(matrices):
+    if exact is None:
+        exact = _STACK_IS_EXACT[key] = _stacking_is_exact(first, len(matrices), coefficients,
+                                                          steps, eps)
+    if not exact:
         return alone()
     stacked = torch.empty((len(matrices), *first.shape), dtype=torch.bfloat16,
                           device=first.device)
     for row, m in zip(stacked.unbind(0), matrices, strict=True):
         row.copy_(m)  # m.bfloat16(), without a float32 stack
-    together = list(newton_schulz(stacked, coefficients, steps, eps).unbind(0))
-    if exact is None:
-        one_at_a_time = alone()
-        _STACK_IS_EXACT[key] = all(
-            torch.equal(a, b) for a, b in zip(together, one_at_a_time, strict=True)
-        )
-        return one_at_a_time
-    return together
+    return list(newton_schulz(stacked, coefficients, steps, eps).unbind(0))
+
+
+def _stacking_is_exact(like: Tensor, count: int, coefficients: tuple[Scalar, Scalar, Scalar],
+                       steps: int, eps: Scalar) -> bool:
+    """Whether ``count`` random matrices shaped like ``like`` get the same bits from one
+    batched Newton-Schulz run as from one run each (a fixed seed: the same answer every time
+    for the same kernels)."""
+    generator = torch.Generator().manual_seed(0)
+    probe = [torch.randn(like.shape, generator=generator).to(like.device, like.dtype)
+             for _ in range(count)]
+    stacked = torch.stack([m.bfloat16() for m in probe])
+    together = newton_schulz(stacked, coefficients, steps, eps).unbind(0)
+    return all(torch.equal(newton_schulz(m, coefficients, steps, eps), q)
+               for m, q in zip(probe, together, strict=True))
 
 
 def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> float:
