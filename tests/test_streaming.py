@@ -433,3 +433,52 @@ def test_adafactor_kernels_match_torch_and_the_chain(kwargs, donate, streams, mo
             scheduler.step()
     for mine, expected in zip(ours, leaves, strict=True):
         torch.testing.assert_close(mine, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+# (rule name, pointer slots per leaf: its inputs, then its outputs), as _streaming.c's RULES
+SLOTS = {"adam": (5, 9), "sgd": (3, 5), "adagrad": (3, 5), "rmsprop": (5, 9), "nadam": (4, 7),
+         "radam": (4, 7), "adamax": (4, 7), "lion": (3, 5), "schedule_free_adamw": (4, 7),
+         "adadelta": (4, 7), "asgd": (3, 5), "rprop": (4, 7)}
+
+
+def _eight_float_build() -> object:
+    """The kernels built without AVX-512 (8-float vectors), loaded beside the running ones."""
+    import ctypes
+
+    flags = [flag for flag in streaming._flags() if flag != "-mavx512f"]
+    library = streaming._load(streaming._build(os.environ.get("CC", "cc"), flags),
+                              "-fopenmp" in flags)
+    library.minitrain_update.restype = ctypes.c_int
+    library.minitrain_update.argtypes = streaming._library().minitrain_update.argtypes
+    return library
+
+
+@needs_kernels
+@pytest.mark.skipif("-mavx512f" not in streaming._flags(),
+                    reason="torch runs no AVX-512 code here: the kernels have one width only")
+@settings(deadline=None, max_examples=24)
+@given(rule=st.sampled_from(sorted(SLOTS)), size=st.integers(1, 70000),
+       nontemporal=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_16_float_kernels_give_the_8_float_kernels_bits(rule, size, nontemporal, seed):
+    """Every elementwise rule, on random state and hyperparameters (flags included), with
+    ragged tails, threads and both kinds of stores: the AVX-512 build writes the same bits as
+    the 8-float build (NaNs included, compared as integers)."""
+    import array
+
+    assert len(SLOTS) == len(streaming.RULES)
+    inputs, pointers = SLOTS[rule]
+    g = torch.Generator().manual_seed(seed)
+    ins = [torch.randn(size, generator=g) for _ in range(inputs)]
+    hp = array.array("d", torch.rand(streaming.HYPERPARAMETERS[rule], generator=g).tolist())
+    results = []
+    for library in (streaming._library(), _eight_float_build()):
+        outs = [torch.full((size,), float("nan")) for _ in range(pointers - inputs)]
+        table = array.array("Q", [t.data_ptr() for t in (*ins, *outs)])
+        sizes = array.array("q", [size])
+        status = library.minitrain_update(
+            streaming.RULES[rule], hp.buffer_info()[0], table.buffer_info()[0],
+            sizes.buffer_info()[0], 1, pointers, 2, int(nontemporal))
+        assert status == 0
+        results.append(outs)
+    for wide, narrow in zip(*results, strict=True):
+        assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))
