@@ -328,6 +328,35 @@ def test_bench_optim_family_flag_adds_the_family_rows():
     text = CliRunner().invoke(optim, [*tiny[:-1], "--family", "--member", "lion"]).output
     ratio_lines = [line for line in text.splitlines() if "x" in line and "/" in line]
     assert len(ratio_lines) == 3 and all("paired" in line for line in ratio_lines), text
+    assert plain["cold"] is False
+
+
+def test_bench_optim_cold_flushes_the_cache_before_every_timed_update(monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from minitrain.bench import optim as bench
+    from minitrain.cli.bench_optim import optim
+
+    flushes = []
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 2**20)  # a small flush
+    real = bench.cache_flusher
+
+    def counted():
+        flush = real()
+        return lambda: flushes.append(1) or flush()
+
+    monkeypatch.setattr(bench, "cache_flusher", counted)
+    args = ["--optimizer", "sgd_momentum", "--count", "1", "--size", "16", "--rounds", "2",
+            "--inner", "1", "--cold", "--json"]
+    result = CliRunner().invoke(optim, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["cold"] is True
+    # 2 rounds x 1 call: sgd's 4 steppers, then the chain's 2
+    assert len(flushes) == 2 * 4 + 2 * 2
+    refused = CliRunner().invoke(optim, [*args[:-1], "--device", "cuda"])
+    assert refused.exit_code != 0
 
 
 @pytest.mark.parametrize("name", list(ALIASES))

@@ -28,6 +28,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,23 +127,75 @@ def _sync(device: str) -> None:
 
 
 def time_rounds(
-    steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str
+    steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str,
+    before_call: Callable[[], None] | None = None,
 ) -> dict[str, list[float]]:
     """Each round's seconds per call of each stepper, over ``rounds`` interleaved rounds (in a
-    round the steppers run one after another, in order)."""
+    round the steppers run one after another, in order). ``before_call`` (e.g.
+    :func:`cache_flusher`) runs untimed before every timed call.
+
+    >>> flushes = []
+    >>> times = time_rounds({"a": lambda: None}, 2, 3, "cpu", lambda: flushes.append(1))
+    >>> len(times["a"]), len(flushes)
+    (2, 6)
+    """
     for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
         for _ in range(3):
             stepper()
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(rounds):
         for name, stepper in steppers.items():
-            _sync(device)
-            start = time.perf_counter()
+            if before_call is None:
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(inner):
+                    stepper()
+                _sync(device)
+                times[name].append((time.perf_counter() - start) / inner)
+                continue
+            total = 0.0
             for _ in range(inner):
+                before_call()
+                _sync(device)
+                start = time.perf_counter()
                 stepper()
-            _sync(device)
-            times[name].append((time.perf_counter() - start) / inner)
+                _sync(device)
+                total += time.perf_counter() - start
+            times[name].append(total / inner)
     return times
+
+
+def last_level_cache_bytes() -> int:
+    """This CPU's last-level cache, from Linux's sysfs; 512 MiB where it cannot be read.
+
+    >>> last_level_cache_bytes() > 0
+    True
+    """
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes, default=512 * 2**20)
+
+
+def cache_flusher() -> Callable[[], None]:
+    """A function that writes twice the last-level cache's bytes: what a forward and backward
+    pass do to the optimizer's buffers between two updates of a model larger than the cache
+    (``--cold``). Without it, an in-place peer keeps its params and state in cache from one
+    timed update to the next, which no training loop does.
+    """
+    buffer = torch.empty(2 * last_level_cache_bytes() // 4)
+    value = [0.0]
+
+    def flush() -> None:
+        value[0] = 1.0 - value[0]
+        buffer.fill_(value[0])
+
+    return flush
 
 
 def time_interleaved(
@@ -169,9 +222,11 @@ def paired_median_ratio(times: dict[str, list[float]], name: str, peer: str) -> 
 
 def measure(
     names: list[str], count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5,
-    device: str = "cpu", compiled: bool = False,
+    device: str = "cpu", compiled: bool = False, cold: bool = False,
 ) -> dict[str, Any]:
-    """Seconds per update and ratios to the peer for each optimizer in ``names``."""
+    """Seconds per update and ratios to the peer for each optimizer in ``names``; ``cold``
+    flushes the last-level cache before every update (:func:`cache_flusher`)."""
+    flush = cache_flusher() if cold else None
     params = make_params(count, (size, size), device)
     grads = make_params(count, (size, size), device, seed=1)
     results = {}
@@ -188,7 +243,7 @@ def measure(
             )
         if flag != "foreach":
             steppers["torch_foreach"] = TorchStepper(cls, kwargs, "foreach", params, grads)
-        times = time_rounds(steppers, rounds, inner, device)
+        times = time_rounds(steppers, rounds, inner, device, flush)
         seconds = {stepper: min(values) for stepper, values in times.items()}
         peer = seconds[f"torch_{flag}"]
         results[name] = {
@@ -208,9 +263,10 @@ def measure(
 
 
 def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: int = 15,
-                   inner: int = 5, device: str = "cpu") -> dict[str, Any]:
+                   inner: int = 5, device: str = "cpu", cold: bool = False) -> dict[str, Any]:
     """Seconds per pure update of each chain in ``names`` and its ratio to its peer, timed
-    interleaved with that peer."""
+    interleaved with that peer (``cold``: as :func:`measure`)."""
+    flush = cache_flusher() if cold else None
     params = make_params(count, (size, size), device)
     grads = make_params(count, (size, size), device, seed=1)
     results = {}
@@ -221,7 +277,7 @@ def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: i
             f"torch_{flag}": TorchStepper(cls, kwargs, flag, params, grads),
             "minitrain_pure": MinitrainStepper(factory, {}, params, grads, donate=False),
         }
-        times = time_rounds(steppers, rounds, inner, device)
+        times = time_rounds(steppers, rounds, inner, device, flush)
         seconds = {stepper: min(values) for stepper, values in times.items()}
         ratio = seconds["minitrain_pure"] / seconds[f"torch_{flag}"]
         results[name] = {"peer": f"{row} torch_{flag}", "seconds": seconds,

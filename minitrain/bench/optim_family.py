@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import minitrain as mt
-from minitrain.bench.optim import paired_median_ratio, time_rounds
+from minitrain.bench.optim import cache_flusher, paired_median_ratio, time_rounds
 
 __all__ = ["FAMILY", "family_ratios"]
 
@@ -92,15 +92,18 @@ COMPILED = {"adadelta", "adamax", "asgd", "nadam", "nadam_decoupled", "radam", "
 
 
 def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 1024,
-                  rounds: int = 10, inner: int = 3, compiled: bool = False) -> dict[str, Any]:
+                  rounds: int = 10, inner: int = 3, compiled: bool = False,
+                  cold: bool = False) -> dict[str, Any]:
     """Seconds per update (reference, minitrain pure) and their ratio for each optimizer;
     with ``compiled``, also the pure update with ``impl="compiled"`` (compiles first, seconds).
 
     A reference that is not installed (``lion-pytorch``, ``schedulefree``) gives a row with
-    ``"skipped"`` and the reason instead of numbers.
+    ``"skipped"`` and the reason instead of numbers. ``cold`` flushes the last-level cache
+    before every update (:func:`minitrain.bench.optim.cache_flusher`).
     """
     params = make_params(count, (size, size))
     grads = make_params(count, (size, size), seed=1)
+    flush = cache_flusher() if cold else None
     rows: dict[str, Any] = {}
     for name in names or list(FAMILY):
         factory, reference, shared, only_reference = FAMILY[name]
@@ -117,7 +120,7 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
         if compiled and name in COMPILED:
             steppers["minitrain_compiled"] = _Pure(factory, {**shared, "impl": "compiled"},
                                                    params, grads)
-        times = time_rounds(steppers, rounds, inner, "cpu")
+        times = time_rounds(steppers, rounds, inner, "cpu", flush)
         seconds = {stepper: min(values) for stepper, values in times.items()}
         rows[name] = {
             "reference": reference,

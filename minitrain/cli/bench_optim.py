@@ -33,32 +33,40 @@ __all__ = ["optim"]
                    "AdamW) against their references' fastest path (CPU).")
 @click.option("--member", "members", multiple=True, type=click.Choice(list(FAMILY)),
               help="With --family: members to time (repeatable); default: all.")
+@click.option("--cold", is_flag=True,
+              help="Flush the last-level cache before every timed update, as a training "
+                   "loop's forward and backward pass do (CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
           with_breakdown: bool, compiled: bool, chains: tuple[str, ...], with_family: bool,
-          members: tuple[str, ...], as_json: bool) -> None:
+          members: tuple[str, ...], cold: bool, as_json: bool) -> None:
     """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated;
     chains built by hand over fused AdamW; with --family, every other optimizer's pure update
     over its reference (target <= 1.0x)."""
     if with_family and device != "cpu":
         raise UserError("--family times the CPU only; drop --family or use --device cpu")
+    if cold and device != "cpu":
+        raise UserError("--cold flushes the CPU's cache only; drop --cold or use --device cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
-    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled)
+    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled,
+                     cold)
+    result["cold"] = cold
     if with_breakdown:
         result["breakdown"] = breakdown(count, size, rounds, inner)
     result["chains"] = measure_chains(list(chains or CHAINS), count, size, rounds, inner,
-                                      device)["results"]
+                                      device, cold)["results"]
     if with_family:
         result["family"] = family_ratios(list(members) or None, count, size, rounds, inner,
-                                         compiled)["results"]
+                                         compiled, cold)["results"]
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"update of {result['params']} on {device} (best of {rounds} interleaved "
-               f"rounds x {inner}; paired: median of the rounds' own ratios)")
+               f"rounds x {inner}; paired: median of the rounds' own ratios"
+               + ("; cold: the last-level cache flushed before every update)" if cold else ")"))
     for name, entry in result["results"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
