@@ -82,8 +82,9 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
     """An approximate ``U V^T`` of ``g = U S V^T`` by ``steps`` quintic Newton-Schulz steps in
     bfloat16 (torch's ``_zeropower_via_newtonschulz``, the same ops in the same order);
     returned in bfloat16. ``g`` is one matrix ``(m, n)`` or a stack ``(k, m, n)`` of matrices,
-    each orthogonalized on its own with ``bmm``/``baddbmm`` (the same bits as one at a time,
-    in ``3 steps`` larger GEMMs instead of ``3 k steps`` small ones).
+    each orthogonalized on its own with ``bmm``/``baddbmm``: ``3 steps`` larger GEMMs instead
+    of ``3 k steps`` small ones, which need not round as they do (:func:`newton_schulz_each`
+    stacks only where they were checked to).
 
     >>> import torch
     >>> q = newton_schulz(torch.diag(torch.tensor([3.0, 0.5])))
@@ -115,6 +116,8 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
 # A stack of matrices for one batched Newton-Schulz run holds at most this many bfloat16
 # bytes (its products hold about as much again): larger groups run in several stacks.
 STACK_BYTES = 32 * 2**20
+# Matrices with a side under this run one at a time (see _newton_schulz_stack).
+STACK_MIN_SIDE = 32
 
 
 def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None
@@ -159,9 +162,6 @@ def newton_schulz_each(matrices: list[Tensor], coefficients: tuple[Scalar, Scala
     return out
 
 
-STACK_MIN_SIDE = 32
-
-
 def _can_compare(matrices: list[Tensor]) -> bool:
     """Whether two results can be computed and compared here: real data, no dispatch mode
     that would count (or fake) the check, and no CUDA graph being captured."""
@@ -170,6 +170,7 @@ def _can_compare(matrices: list[Tensor]) -> bool:
     ):
         return False
     return not (matrices[0].is_cuda and torch.cuda.is_current_stream_capturing())
+
 
 # (shape, dtype, device, stack size, threads, GEMM settings, coefficients, steps, eps) ->
 # whether a batched run gives the same bits as one matrix at a time (_stacking_is_exact).
