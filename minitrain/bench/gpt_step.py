@@ -30,7 +30,7 @@ from torch import nn
 
 import minitrain as mt
 from minitrain import lowp
-from minitrain.bench.optim import paired_median_ratio, time_rounds
+from minitrain.bench.optim import best_rounds, paired_median_ratio, time_rounds
 from minitrain.errors import UserError
 from minitrain.precision import compute_context, delayed_scaling
 
@@ -202,7 +202,7 @@ def gpt_step_ratios(
             bytelm, copy, batch, config["n_heads"], "fp8", False
         )
     times = time_rounds(steppers, rounds=rounds, inner=inner, device="cpu")
-    seconds = {name: min(values) for name, values in times.items()}
+    seconds = best_rounds(times)
     pairs = {
         tag: (f"minitrain-{tag}", f"nanogpt-{tag}")
         for tag in (k.removeprefix("nanogpt-") for k in seconds if k.startswith("nanogpt-"))

@@ -206,7 +206,15 @@ def time_interleaved(
     The minimum, not the median: on a machine shared with other jobs, the fastest round is the
     one least disturbed by them, and it is disturbed the same way for every stepper.
     """
-    times = time_rounds(steppers, rounds, inner, device)
+    return best_rounds(time_rounds(steppers, rounds, inner, device))
+
+
+def best_rounds(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each stepper's fastest round (see :func:`time_interleaved`).
+
+    >>> best_rounds({"a": [2.0, 1.0]})
+    {'a': 1.0}
+    """
     return {name: min(values) for name, values in times.items()}
 
 
@@ -244,7 +252,7 @@ def measure(
         if flag != "foreach":
             steppers["torch_foreach"] = TorchStepper(cls, kwargs, "foreach", params, grads)
         times = time_rounds(steppers, rounds, inner, device, flush)
-        seconds = {stepper: min(values) for stepper, values in times.items()}
+        seconds = best_rounds(times)
         peer = seconds[f"torch_{flag}"]
         results[name] = {
             "peer": f"torch_{flag}",
@@ -278,7 +286,7 @@ def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: i
             "minitrain_pure": MinitrainStepper(factory, {}, params, grads, donate=False),
         }
         times = time_rounds(steppers, rounds, inner, device, flush)
-        seconds = {stepper: min(values) for stepper, values in times.items()}
+        seconds = best_rounds(times)
         ratio = seconds["minitrain_pure"] / seconds[f"torch_{flag}"]
         results[name] = {"peer": f"{row} torch_{flag}", "seconds": seconds,
                          "pure_over_peer": ratio, "target": target,

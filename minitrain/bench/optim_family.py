@@ -18,7 +18,12 @@ from typing import Any
 import torch
 
 import minitrain as mt
-from minitrain.bench.optim import cache_flusher, paired_median_ratio, time_rounds
+from minitrain.bench.optim import (
+    best_rounds,
+    cache_flusher,
+    paired_median_ratio,
+    time_rounds,
+)
 
 __all__ = ["FAMILY", "family_ratios"]
 
@@ -121,7 +126,7 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
             steppers["minitrain_compiled"] = _Pure(factory, {**shared, "impl": "compiled"},
                                                    params, grads)
         times = time_rounds(steppers, rounds, inner, "cpu", flush)
-        seconds = {stepper: min(values) for stepper, values in times.items()}
+        seconds = best_rounds(times)
         rows[name] = {
             "reference": reference,
             "seconds": seconds,

@@ -216,11 +216,17 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
                                                           steps, eps)
     if not exact:
         return alone()
+    return list(newton_schulz(_bf16_stack(matrices), coefficients, steps, eps).unbind(0))
+
+
+def _bf16_stack(matrices: list[Tensor]) -> Tensor:
+    """``torch.stack([m.bfloat16() for m in matrices])``, cast straight into the stack."""
+    first = matrices[0]
     stacked = torch.empty((len(matrices), *first.shape), dtype=torch.bfloat16,
                           device=first.device)
     for row, m in zip(stacked.unbind(0), matrices, strict=True):
-        row.copy_(m)  # m.bfloat16(), without a float32 stack
-    return list(newton_schulz(stacked, coefficients, steps, eps).unbind(0))
+        row.copy_(m)
+    return stacked
 
 
 def _stacking_is_exact(like: Tensor, count: int, coefficients: tuple[Scalar, Scalar, Scalar],
@@ -231,8 +237,7 @@ def _stacking_is_exact(like: Tensor, count: int, coefficients: tuple[Scalar, Sca
     generator = torch.Generator().manual_seed(0)
     probe = [torch.randn(like.shape, generator=generator).to(like.device, like.dtype)
              for _ in range(count)]
-    stacked = torch.stack([m.bfloat16() for m in probe])
-    together = newton_schulz(stacked, coefficients, steps, eps).unbind(0)
+    together = newton_schulz(_bf16_stack(probe), coefficients, steps, eps).unbind(0)
     return all(torch.equal(newton_schulz(m, coefficients, steps, eps), q)
                for m, q in zip(probe, together, strict=True))
 
