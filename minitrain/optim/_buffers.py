@@ -52,27 +52,48 @@ class BufferPool:
     def begin_update(self) -> None:
         """Find the buffers nobody else holds any more; call once before an update."""
         self._demand = {}
+        if not _CAN_COUNT_STORAGE_USES:
+            self._free = {}
+            return
+        uses, alone = torch._C._storage_Use_Count, _alone()
         self._free = {
-            key: [alias for alias in held if _only_alias_left(alias)]
+            key: [alias for alias in held if uses(alias.untyped_storage()._cdata) <= alone]
             for key, held in self._held.items()
         }
 
     def __call__(self, like: list[Tensor]) -> list[Tensor]:
-        return [self.empty_like(t) for t in like]
+        """A buffer shaped like each of ``like`` (as :meth:`empty_like`, with one key lookup per
+        run of leaves of one layout)."""
+        out = []
+        key = free = None
+        for t in like:
+            if not t.is_cpu or not _CAN_COUNT_STORAGE_USES:
+                out.append(torch.empty_like(t, memory_format=torch.preserve_format))
+                continue
+            shape, stride, dtype = t.shape, t.stride(), t.dtype
+            if key is None or key[0] != shape or key[1] != stride or key[2] is not dtype:
+                key = (shape, stride, dtype)
+                free = self._free.get(key)
+            out.append(self._take(key, free))
+        return out
 
     def empty_like(self, t: Tensor) -> Tensor:
-        if t.device.type != "cpu" or not _CAN_COUNT_STORAGE_USES:
+        """An uninitialized buffer of ``t``'s shape, strides and dtype (recycled when one is
+        free)."""
+        if not t.is_cpu or not _CAN_COUNT_STORAGE_USES:
             return torch.empty_like(t, memory_format=torch.preserve_format)
         key = (t.shape, t.stride(), t.dtype)
-        self._demand[key] = self._demand.get(key, 0) + 1
-        free = self._free.get(key)
+        return self._take(key, self._free.get(key))
+
+    def _take(self, key: tuple, free: list[Tensor] | None) -> Tensor:
+        demand = self._demand[key] = self._demand.get(key, 0) + 1
         if free:
             return free.pop().detach()
-        buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        buffer = torch.empty_strided(key[0], key[1], dtype=key[2])
         held = self._held.setdefault(key, [])
         # Two generations (inputs and outputs) at most: a caller that keeps older generations
         # alive gets plain fresh buffers beyond that.
-        if len(held) < 2 * self._demand[key]:
+        if len(held) < 2 * demand:
             held.append(buffer)
         return buffer.detach()
 

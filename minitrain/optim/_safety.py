@@ -14,7 +14,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.tree import Params
 
-__all__ = ["check_state_shapes", "fast_path_inputs"]
+__all__ = ["check_state_shapes", "fast_path_inputs", "kernel_ready"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -61,6 +61,44 @@ def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[st
             out.append(leaf if _like(leaf, p) else _copy_like(leaf, p))
         checked[name] = out
     return grads, checked
+
+
+def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list]) -> bool:
+    """Whether every param, grad and state leaf is a plain CPU tensor, contiguous within its
+    storage, not requiring grad, and every grad and state leaf has its param's shape and dtype:
+    the common case, accepted in one pass (never under a compiler). False sends the update
+    through the full checks (:func:`check_state_shapes`, ``use_plain_path``,
+    :func:`fast_path_inputs`), which name a mismatch or copy what the kernels cannot read.
+
+    >>> p = [torch.zeros(3)]
+    >>> kernel_ready(p, [torch.ones(3)], {"m": [torch.zeros(3)]})
+    True
+    >>> kernel_ready(p, [torch.ones(1).expand(3)], {})  # stride 0: the full checks copy it
+    False
+    """
+    if torch.compiler.is_compiling():
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    columns = [grads, *buffers.values()]
+    for index, p in enumerate(params):
+        if type(p) not in _PLAIN or not _contiguous_cpu(p, wrapped):
+            return False
+        shape, dtype = p.shape, p.dtype
+        for column in columns:
+            t = column[index]
+            if (type(t) is not Tensor or t.dtype is not dtype or t.shape != shape
+                    or not _contiguous_cpu(t, wrapped)):
+                return False
+    return True
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _contiguous_cpu(t: Tensor, wrapped) -> bool:
+    return (t.is_cpu and not t.requires_grad and t.is_contiguous() and not wrapped(t)
+            and (t.storage_offset() + t.numel()) * t.element_size()
+            <= t.untyped_storage().nbytes())
 
 
 def _dense(t: Tensor) -> bool:

@@ -46,7 +46,7 @@ from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-ex
     buffer_pool_bytes,
     clear_buffer_pools,
 )
-from minitrain.optim._safety import check_state_shapes, fast_path_inputs
+from minitrain.optim._safety import check_state_shapes, fast_path_inputs, kernel_ready
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
@@ -221,8 +221,13 @@ def use_plain_path(impl: str, tensors: Sequence[Tensor], hyperparameters: Sequen
         return True
     if any(is_traced(value) for value in hyperparameters):
         return True
-    if any(is_traced(t) for t in tensors):
-        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for t in tensors:  # is_traced, inlined: an update checks every leaf
+        if type(t) in _PLAIN_TENSOR_TYPES:
+            if wrapped(t):
+                return True
+        elif is_traced(t):
+            return True
     return torch.is_grad_enabled() and (
         any(t.requires_grad for t in tensors)
         or any(isinstance(v, Tensor) and v.requires_grad for v in hyperparameters)
@@ -376,10 +381,14 @@ def make_optimizer(
         buffer_leaves = {name: _pytree.tree_leaves(getattr(state, name)) for name in rule.buffers}
         _check_state_leaves(buffer_leaves, len(param_leaves))
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
-        tensors = [*param_leaves, *grad_leaves, state.count]
-        check_state_shapes(buffer_leaves, param_leaves, params)
-        plain = use_plain_path(impl, tensors, traced_candidates)
-        if not plain:
+        ready = kernel_ready(param_leaves, grad_leaves, buffer_leaves)
+        if ready:
+            plain = use_plain_path(impl, [state.count], traced_candidates)
+        else:
+            check_state_shapes(buffer_leaves, param_leaves, params)
+            tensors = [*param_leaves, *grad_leaves, state.count]
+            plain = use_plain_path(impl, tensors, traced_candidates)
+        if not plain and not ready:
             safe = fast_path_inputs(param_leaves, grad_leaves, buffer_leaves, params)
             plain = safe is None  # params the kernels cannot address: ordinary tensor ops
             if safe is not None:
@@ -437,6 +446,10 @@ def _signature(leaf: Any) -> Any:
     return (leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else type(leaf)
 
 
+def _device(leaf: Any) -> Any:
+    return leaf.device if isinstance(leaf, Tensor) else None
+
+
 class LayoutCache:
     """:class:`Layout` per params structure, checked and computed once per new structure.
 
@@ -457,8 +470,7 @@ class LayoutCache:
             _matching_grads(grads, params, param_leaves)
             return self._build(params, param_leaves)
         signature = tuple(map(_signature, param_leaves))
-        devices = tuple(getattr(leaf, "device", None) for leaf in param_leaves)
-        key = (spec, signature, devices)
+        key = (spec, signature, tuple(map(_device, param_leaves)))
         layout = self.layouts.get(key)
         if layout is None:
             check_params(params)
@@ -517,7 +529,15 @@ def _lr_at(lr: ScalarOrSchedule, count: Any) -> Any:
 def _lr_tensor(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32)
+    value = float(value)
+    if abs(value) <= _FLOAT32_MAX:
+        # torch.tensor's value on a shorter path (half the time an update starts with cold
+        # caches); scalar_tensor refuses what float32 cannot hold, which torch.tensor makes inf.
+        return torch.scalar_tensor(value, dtype=torch.float32)
+    return torch.tensor(value, dtype=torch.float32)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def step_number(count: Tensor) -> Any:
@@ -569,7 +589,7 @@ def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, 
                 new_params[index] = batch_params[position]
                 for name, leaves in batch_buffers.items():
                     new_buffers[name][index] = leaves[position]
-        new_count = count.add_(1) if donate else torch.tensor(done + 1, dtype=torch.int64)
+        new_count = count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
 
 

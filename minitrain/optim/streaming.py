@@ -269,16 +269,18 @@ def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
     """Refuse any tensor the kernel would read or write out of bounds: per leaf, every tensor
     must be a CPU float32, contiguous tensor with the param's element count whose storage holds
     all of it. (Callers make grads and state match their params before this; this is the last
-    guard before raw pointers reach C.)"""
+    guard before raw pointers reach C.) A row that is the same list object as an earlier one
+    (a donated update writes into its inputs) is checked once."""
     sizes = [p.numel() for p in slots[0]]
     float32 = torch.float32
+    seen: list[list[Tensor]] = []
     for index, slot in enumerate(slots):
-        if slot is None:
+        if slot is None or any(slot is row for row in seen):
             continue
+        seen.append(slot)
         if len(slot) != n_leaves:
             raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
-        for leaf, t in enumerate(slot):
-            n = sizes[leaf]
+        for leaf, (t, n) in enumerate(zip(slot, sizes, strict=True)):
             # Contiguous with n elements: the storage must hold [offset, offset + n) floats.
             if not (
                 t.dtype is float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
@@ -322,13 +324,12 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     >>> usable([torch.ones(2, dtype=torch.bfloat16)])
     False
     """
-    return (
-        all(
-            t.dtype is torch.float32 and t.is_cpu and not t.requires_grad and t.is_contiguous()
-            for t in tensors
-        )
-        and _python_dispatch._get_current_dispatch_mode() is None
-        and available()
+    if _python_dispatch._get_current_dispatch_mode() is not None or not available():
+        return False
+    float32 = torch.float32
+    return all(
+        t.dtype is float32 and t.is_cpu and not t.requires_grad and t.is_contiguous()
+        for t in tensors
     )
 
 
@@ -370,7 +371,7 @@ def update(
     sizes = array.array("q", [p.numel() for p in slots[0]])
     hp = array.array("d", map(float, hyperparameters))
     if nontemporal is None:
-        touched = 4 * sum(sizes) * sum(row is not None for row in rows)
+        touched = 4 * sum(sizes) * (len(rows) - rows.count(None))
         nontemporal = outputs is not None and streams(touched)
     arguments = (
         RULES[rule], hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0],
