@@ -230,3 +230,63 @@ def test_a_kernel_on_another_openmp_runtime_is_rebuilt_without_openmp(tmp_path,
                                    "MINITRAIN_STREAMING": "require"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "without openmp"
+
+
+LAYOUTS = [((4, 3), torch.float32), ((3, 4), torch.float32), ((12,), torch.float32),
+           ((4, 3), torch.float64), ((0,), torch.float32)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, len(LAYOUTS) - 1), min_size=1, max_size=6),
+                          st.lists(st.booleans(), min_size=6, max_size=6),
+                          st.booleans()),
+                min_size=1, max_size=6))
+def test_hypothesis_the_pool_never_hands_out_memory_someone_holds(updates):
+    """Each update asks for buffers like a random run of leaves (one call or one at a time) and
+    keeps a random subset; no buffer handed out may share storage with another one of the same
+    update or with any tensor still held, and each has its like's shape, strides and dtype."""
+    pool = mt.optim.base.BufferPool()
+    held: list[torch.Tensor] = []
+    for picks, keep, batched in updates:
+        likes = [torch.empty(LAYOUTS[i][0], dtype=LAYOUTS[i][1]) for i in picks]
+        pool.begin_update()
+        out = pool(likes) if batched else [pool.empty_like(t) for t in likes]
+        for t, like in zip(out, likes, strict=True):
+            assert (t.shape, t.stride(), t.dtype) == (like.shape, like.stride(), like.dtype)
+        storages = [t.untyped_storage().data_ptr() for t in out if t.numel()]
+        assert len(set(storages)) == len(storages)
+        held_storages = {t.untyped_storage().data_ptr() for t in held if t.numel()}
+        assert not held_storages & set(storages)
+        held = [t for t, k in zip(out, keep, strict=False) if k] + held[:len(held) // 2]
+
+
+@pytest.mark.parametrize("shrunk", ["param", "grad", "state"])
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_storage_shrunk_by_hand_is_refused_naming_the_leaf(name, shrunk):
+    # Even torch's own elementwise ops read past the end of such a tensor (a segfault).
+    opt = FACTORIES[name]()
+    params = {"w": torch.ones(4096)}
+    state = opt.init(params)
+    params, state = opt.update({"w": torch.ones(4096)}, state, params)  # pool buffers now
+    grads = {"w": torch.ones(4096)}
+    victim = {"param": params["w"], "grad": grads["w"],
+              "state": max(mt.tree.leaves(state), key=lambda t: t.numel())}[shrunk]
+    victim.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"'w'.*storage holds 0 bytes"):
+        opt.update(grads, state, params)
+
+
+def test_a_pool_buffer_whose_storage_was_shrunk_is_not_handed_out_again():
+    pool = mt.optim.base.BufferPool()
+    like = torch.empty(1024)
+    pool.begin_update()
+    first, kept, dropped = pool([like, like, like])
+    first.untyped_storage().resize_(0)
+    del first, dropped  # an intact buffer would be recycled now
+    pool.begin_update()
+    second, third = pool([like, like])
+    assert second.untyped_storage().nbytes() == third.untyped_storage().nbytes() == 1024 * 4
+    assert kept.data_ptr() not in (second.data_ptr(), third.data_ptr())
+    assert second.untyped_storage().nbytes() == 1024 * 4
+    torch.mul(like.fill_(2.0), 3.0, out=second)
+    assert torch.equal(second, torch.full((1024,), 6.0))

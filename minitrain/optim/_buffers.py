@@ -31,6 +31,7 @@ class BufferPool:
         self._held: dict[tuple, list[Tensor]] = {}
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
+        self._nbytes: dict[tuple, int] = {}  # per key: the storage bytes a buffer needs
         # Held for a whole update (begin_update, then every empty_like): two threads updating
         # with one optimizer would otherwise both be handed the same free buffer.
         self.lock = threading.RLock()
@@ -87,9 +88,15 @@ class BufferPool:
 
     def _take(self, key: tuple, free: list[Tensor] | None) -> Tensor:
         demand = self._demand[key] = self._demand.get(key, 0) + 1
-        if free:
-            return free.pop().detach()
+        while free:
+            alias = free.pop()
+            if alias.untyped_storage().nbytes() >= self._nbytes[key]:
+                return alias.detach()
+            # Its storage was resized by hand (``resize_``): an op writing ``out=`` it would
+            # write past the end. Forget it.
+            self._held[key] = [held for held in self._held[key] if held is not alias]
         buffer = torch.empty_strided(key[0], key[1], dtype=key[2])
+        self._nbytes.setdefault(key, buffer.untyped_storage().nbytes())
         held = self._held.setdefault(key, [])
         # Two generations (inputs and outputs) at most: a caller that keeps older generations
         # alive gets plain fresh buffers beyond that.

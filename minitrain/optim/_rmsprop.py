@@ -4,7 +4,7 @@ The chain (:func:`rmsprop_chain`): ``[scale(-1) if maximize] [add_decayed_weight
 scale_by_rms(alpha, eps, centered) [trace(momentum)] scale_by_learning_rate`` (eps outside the
 sqrt, unlike optax). The plain path runs its per-leaf math; the fast path lowers it to the
 streaming kernel, else (torch has no fused RMSprop kernel) a sequence of ``torch._foreach_*``
-passes over cache-sized batches of leaves (see ``base.CACHE_BATCH_BYTES``); without donation
+passes over cache-sized batches of leaves (see ``_layout.CACHE_BATCH_BYTES``); without donation
 the first pass of each buffer writes a fresh tensor instead of updating in place.
 """
 

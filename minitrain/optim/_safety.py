@@ -42,11 +42,19 @@ def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[st
     grad and state leaf must have its param's dtype, device and strides and a storage that holds
     all of it. Grads and state that do not (expanded with stride 0, transposed, overlapping,
     sliced views) are copied into the param's layout; a state leaf of another dtype or device is
-    a ``ValueError`` naming it. None when a param itself is not dense and non-overlapping.
+    a ``ValueError`` naming it, as is any param, grad or state leaf whose storage is smaller than
+    the tensor (a storage resized by hand: even torch's own ops would read past its end). None
+    when a param itself is not dense and non-overlapping.
     """
-    for p in params:
-        if not _dense(p):
-            return None
+    for index, p in enumerate(params):
+        _check_storage(p, f"param {_leaf_name(tree_, index)!r}")
+    for index, g in enumerate(grads):
+        _check_storage(g, f"the grad of {_leaf_name(tree_, index)!r}")
+    for name, leaves in buffers.items():
+        for index, leaf in enumerate(leaves):
+            _check_storage(leaf, f"state.{name} leaf {_leaf_name(tree_, index)!r}")
+    if not all(map(_dense, params)):
+        return None
     grads = [g if _like(g, p) else _copy_like(g, p) for g, p in zip(grads, params, strict=True)]
     checked = {}
     for name, leaves in buffers.items():
@@ -101,10 +109,17 @@ def _contiguous_cpu(t: Tensor, wrapped) -> bool:
             <= t.untyped_storage().nbytes())
 
 
+def _check_storage(t: Tensor, what: str) -> None:
+    if not _storage_holds(t):
+        raise ValueError(
+            f"{what} is a {tuple(t.shape)} tensor at offset {t.storage_offset()} but its storage "
+            f"holds {t.untyped_storage().nbytes()} bytes (was it resized by hand?); pass tensors "
+            f"whose storage holds them"
+        )
+
+
 def _dense(t: Tensor) -> bool:
-    if t.is_contiguous():
-        return _storage_holds(t)
-    return _prims_common.is_non_overlapping_and_dense_or_false(t) and _storage_holds(t)
+    return t.is_contiguous() or _prims_common.is_non_overlapping_and_dense_or_false(t)
 
 
 def _like(t: Tensor, p: Tensor) -> bool:
