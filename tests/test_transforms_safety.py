@@ -290,3 +290,35 @@ def test_a_pool_buffer_whose_storage_was_shrunk_is_not_handed_out_again():
     assert second.untyped_storage().nbytes() == 1024 * 4
     torch.mul(like.fill_(2.0), 3.0, out=second)
     assert torch.equal(second, torch.full((1024,), 6.0))
+
+
+TIED = {
+    **FACTORIES,
+    "lion": lambda: mt.optim.lion(lr=0.1),
+    "nadam": lambda: mt.optim.nadam(lr=0.1),
+    "adafactor": lambda: mt.optim.adafactor(lr=0.1),
+    "muon": lambda: mt.optim.muon(lr=0.1),
+    "chain": lambda: mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.clip_by_global_norm(1.0), mt.optim.scale_by_adam(),
+        mt.optim.scale_by_learning_rate(0.1))),
+    "unlowered chain": lambda: mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.scale_by_sign(), mt.optim.scale_by_learning_rate(0.1))),
+}
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_a_tensor_passed_twice_and_donated_is_updated_as_without_donation(name):
+    # Tied weights as two leaves: updating each leaf in place would update the tensor twice.
+    g = torch.Generator().manual_seed(0)
+    grads = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(64, 32, generator=g)}
+    factory = TIED[name] if name not in FACTORIES else lambda: FACTORIES[name]()
+    expected = []
+    for donate in (False, True):
+        w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        params = {"a": w, "b": w}
+        opt = factory()
+        state = opt.init(params)
+        for _ in range(2):
+            params, state = opt.update(grads, state, params, donate=donate)
+        expected.append(params)
+    torch.testing.assert_close(expected[1], expected[0], rtol=0, atol=0)

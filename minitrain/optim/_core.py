@@ -65,6 +65,7 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim._leafbatch import LeafBatch
+from minitrain.optim._safety import distinct_storages
 from minitrain.optim.base import (
     Optimizer,
     check_hyperparameter,
@@ -512,6 +513,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
+        donate = donate and distinct_storages(params, state)
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             check_extra_args("as_optimizer", extra_args(tx), extra)
         elif lowered is not None:

@@ -24,6 +24,7 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._pooled import PooledLeaves, _run
+from minitrain.optim._safety import distinct_storages
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     BufferPool,
@@ -284,6 +285,7 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                              decays and decoupled, lr is not None) if impl == "compiled" else None
 
     def update(grads, state, params, *, donate: bool = False):
+        donate = donate and distinct_storages(params, state)
         if plan.takes(grads, state, params):
             with pool.lock:  # two concurrent updates must not share an output buffer
                 if compiled is None and plan.kernel_takes(grads, state, params):

@@ -7,14 +7,17 @@ the wrong order. These checks run before any of them (and name the leaf when the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch._prims_common as _prims_common
+import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
 from minitrain.tree import Params
 
-__all__ = ["check_state_shapes", "fast_path_inputs", "kernel_ready"]
+__all__ = ["check_state_shapes", "distinct_storages", "fast_path_inputs", "kernel_ready"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -69,6 +72,29 @@ def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[st
             out.append(leaf if _like(leaf, p) else _copy_like(leaf, p))
         checked[name] = out
     return grads, checked
+
+
+def distinct_storages(*trees: Any) -> bool:
+    """Whether no two non-empty tensor leaves of ``trees`` share a storage: a donated update
+    writes each leaf in place, so a tensor passed twice (tied weights as two leaves) would be
+    updated twice. False also where a leaf has no storage to compare (a functorch tensor).
+
+    >>> w = torch.ones(3)
+    >>> distinct_storages({"a": w, "b": w.clone()}), distinct_storages({"a": w, "b": w[:2]})
+    (True, False)
+    """
+    seen = set()
+    for t in _pytree.tree_leaves(trees):
+        if not isinstance(t, Tensor) or t.numel() == 0:
+            continue
+        try:
+            pointer = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return False
+        if pointer in seen or pointer == 0:  # 0: meta and fake storages all look alike
+            return False
+        seen.add(pointer)
+    return True
 
 
 def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list]) -> bool:
