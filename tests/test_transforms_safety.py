@@ -322,3 +322,13 @@ def test_a_tensor_passed_twice_and_donated_is_updated_as_without_donation(name):
             params, state = opt.update(grads, state, params, donate=donate)
         expected.append(params)
     torch.testing.assert_close(expected[1], expected[0], rtol=0, atol=0)
+
+
+def test_a_lowered_chain_keeps_donating_though_its_state_shares_one_count():
+    opt = TIED["chain"]()
+    params = [torch.randn(64, 32, generator=torch.Generator().manual_seed(0))]
+    state = opt.init(params)
+    for _ in range(3):
+        given = params[0].data_ptr()
+        params, state = opt.update([torch.ones(64, 32)], state, params, donate=True)
+        assert params[0].data_ptr() == given

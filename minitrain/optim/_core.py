@@ -513,7 +513,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
-        donate = donate and distinct_storages(params, state)
+        donate = donate and distinct_storages(params)
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             check_extra_args("as_optimizer", extra_args(tx), extra)
         elif lowered is not None:

@@ -285,7 +285,7 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                              decays and decoupled, lr is not None) if impl == "compiled" else None
 
     def update(grads, state, params, *, donate: bool = False):
-        donate = donate and distinct_storages(params, state)
+        donate = donate and distinct_storages(params)
         if plan.takes(grads, state, params):
             with pool.lock:  # two concurrent updates must not share an output buffer
                 if compiled is None and plan.kernel_takes(grads, state, params):

@@ -74,17 +74,18 @@ def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[st
     return grads, checked
 
 
-def distinct_storages(*trees: Any) -> bool:
-    """Whether no two non-empty tensor leaves of ``trees`` share a storage: a donated update
-    writes each leaf in place, so a tensor passed twice (tied weights as two leaves) would be
+def distinct_storages(params: Any) -> bool:
+    """Whether no two non-empty tensor leaves of ``params`` share a storage: a donated update
+    writes each param in place, so a tensor passed twice (tied weights as two leaves) would be
     updated twice. False also where a leaf has no storage to compare (a functorch tensor).
+    (State may share tensors by design: a chain's transformations hold one step count.)
 
     >>> w = torch.ones(3)
     >>> distinct_storages({"a": w, "b": w.clone()}), distinct_storages({"a": w, "b": w[:2]})
     (True, False)
     """
     seen = set()
-    for t in _pytree.tree_leaves(trees):
+    for t in params if type(params) is list else _pytree.tree_leaves(params):
         if not isinstance(t, Tensor) or t.numel() == 0:
             continue
         try:

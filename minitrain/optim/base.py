@@ -312,7 +312,7 @@ def make_optimizer(
         grad_leaves, grad_spec = _pytree.tree_flatten(grads)
         _check_state_type(state, state_type)
         buffer_leaves = {name: _pytree.tree_leaves(getattr(state, name)) for name in rule.buffers}
-        donate = donate and distinct_storages(param_leaves, buffer_leaves)
+        donate = donate and distinct_storages(param_leaves)
         _check_state_leaves(buffer_leaves, len(param_leaves))
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         ready = kernel_ready(param_leaves, grad_leaves, buffer_leaves)
