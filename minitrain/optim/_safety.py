@@ -89,12 +89,12 @@ def distinct_storages(params: Any) -> bool:
         if not isinstance(t, Tensor) or t.numel() == 0:
             continue
         try:
-            pointer = t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()._cdata  # the StorageImpl: meta and fake ones too
         except (RuntimeError, NotImplementedError):
             return False
-        if pointer in seen or pointer == 0:  # 0: meta and fake storages all look alike
+        if storage in seen:
             return False
-        seen.add(pointer)
+        seen.add(storage)
     return True
 
 
