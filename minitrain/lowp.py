@@ -329,7 +329,9 @@ def matmul(
 
 # Under torch.compile the simulated matmul runs eager (a graph break around each one): dynamo
 # cannot trace this autograd.Function ("Expected FakeTensor", torch 2.13); the rest compiles.
-@torch.compiler.disable
+# torch's lazy form of torch.compiler.disable imports dynamo (0.8 s) on the first call, not
+# when minitrain is imported.
+@getattr(torch, "_disable_dynamo", torch.compiler.disable)
 def _matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
             history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`matmul`, and the history with this forward pass's operand amaxes recorded
