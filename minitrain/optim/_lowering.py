@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain.optim import _flat
 from minitrain.optim._core import GradientTransformation, spec
 from minitrain.optim._transforms_rules import decayed
 from minitrain.optim.base import use_plain_path
@@ -149,8 +149,8 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
     hyperparameters = spec_tensors(tx)
 
     def lowered(grads, state, params, donate):
-        leaves = tree.leaves(params)
-        if use_plain_path("auto", [*leaves, *tree.leaves(grads)], hyperparameters):
+        leaves = _flat.flatten(params)[0]
+        if use_plain_path("auto", [*leaves, *_flat.flatten(grads)[0]], hyperparameters):
             return None
         if clip_norm is not None and fold_clip is not None:
             fold_clip.value = clip_scale(grads, clip_norm)

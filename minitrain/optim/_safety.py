@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 import torch._prims_common as _prims_common
-import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim import _flat
 from minitrain.tree import Params
 
 __all__ = ["check_state_shapes", "distinct_storages", "fast_path_inputs", "kernel_ready"]
@@ -85,7 +85,7 @@ def distinct_storages(params: Any) -> bool:
     (True, False)
     """
     seen = set()
-    for t in params if type(params) is list else _pytree.tree_leaves(params):
+    for t in params if type(params) is list else _flat.flatten(params)[0]:
         if not isinstance(t, Tensor) or t.numel() == 0:
             continue
         try:

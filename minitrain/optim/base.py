@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
-import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim import _flat
 from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-exported)
     _CAN_COUNT_STORAGE_USES,
     BufferPool,
@@ -308,10 +308,10 @@ def make_optimizer(
     def update(
         grads: Grads, state: OptState, params: Params, *, donate: bool = False
     ) -> tuple[Params, OptState]:
-        param_leaves, spec = _pytree.tree_flatten(params)
-        grad_leaves, grad_spec = _pytree.tree_flatten(grads)
+        param_leaves, spec = _flat.flatten(params)
+        grad_leaves, grad_spec = _flat.flatten(grads)
         _check_state_type(state, state_type)
-        buffer_leaves = {name: _pytree.tree_leaves(getattr(state, name)) for name in rule.buffers}
+        buffer_leaves = {name: _flat.flatten(getattr(state, name))[0] for name in rule.buffers}
         donate = donate and distinct_storages(param_leaves)
         _check_state_leaves(buffer_leaves, len(param_leaves))
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
@@ -347,9 +347,9 @@ def make_optimizer(
         new_state = state._replace(
             count=count,
             lr=step_lr,
-            **{name: _pytree.tree_unflatten(leaves, spec) for name, leaves in new_buffers.items()},
+            **{name: _flat.unflatten(spec, leaves) for name, leaves in new_buffers.items()},
         )
-        return _pytree.tree_unflatten(new_params, spec), new_state
+        return _flat.unflatten(spec, new_params), new_state
 
     return Optimizer(init, update)
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import streaming
+from minitrain.optim import _flat, streaming
 from minitrain.optim._core import EmptyState, GradientTransformation, hyperparameter, tagged
 from minitrain.optim._transforms_rules import *  # noqa: F403  (listed in __all__)
 from minitrain.optim._transforms_rules import __all__ as _rules
@@ -67,7 +67,7 @@ def clip_scale(grads: Grads, max_norm: float) -> float:
     0.19999995827674866
     """
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
-    norm = _global_norm(grads, tree.leaves(grads))
+    norm = _global_norm(grads, _flat.flatten(grads)[0])
     return float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
