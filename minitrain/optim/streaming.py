@@ -38,6 +38,7 @@ import array
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import subprocess
@@ -51,7 +52,8 @@ import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
 __all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
-           "decode_div", "fresh", "global_norm", "sum_of_squares", "usable", "update"]
+           "decode_div", "float32", "fresh", "global_norm", "global_norm_value",
+           "sum_of_squares", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
          "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
@@ -340,6 +342,7 @@ def update(
     outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
     *,
     nontemporal: bool | None = None,
+    verified: bool = False,
 ) -> list[list[Tensor] | None]:
     """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
 
@@ -348,7 +351,10 @@ def update(
     buffers, written with streaming stores when the update touches :data:`STREAMING_BYTES` or
     more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores
-    into fresh buffers (to measure what streaming saves).
+    into fresh buffers (to measure what streaming saves). ``verified=True`` skips the per-leaf
+    checks (:func:`_check_slots`): only for inputs ``minitrain.optim._safety.kernel_ready``
+    accepted, of float32, and ``outputs`` None or a ``BufferPool`` (whose buffers take each
+    input's shape and strides).
     """
     if len(hyperparameters) != HYPERPARAMETERS[rule]:
         raise ValueError(
@@ -361,8 +367,12 @@ def update(
     written = [slots[0], *slots[2:]]
     results = [s if s is None or outputs is None else outputs(s) for s in written]
     n_leaves = len(slots[0])
-    _check_slots([*slots, *results], n_leaves)
     rows = [*slots, *results]
+    if not verified:
+        _check_slots(rows, n_leaves)
+    elif any(row is not None and len(row) != n_leaves for row in rows):
+        raise ValueError(f"streaming slots hold {[len(r or ()) for r in rows]} leaves, "
+                         f"expected {n_leaves} in each")
     # array.array builds the pointer table in C (a ctypes array converts element by element);
     # the arrays stay referenced here until the call returns.
     pointers = array.array("Q", [
@@ -448,18 +458,44 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
 
 
 def global_norm(leaves: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor, in
-    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
-    sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
-    those norms. Each leaf's sum of squares is accumulated in float64 (torch accumulates in
-    float32, so the two differ by float32 rounding). Call :func:`usable` first.
+    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor: see
+    :func:`global_norm_value`. Call :func:`usable` first.
 
     >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
     >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
     tensor(5.)
     """
-    squares = torch.tensor(sum_of_squares(leaves), dtype=torch.float64)
-    return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)
+    return torch.scalar_tensor(global_norm_value(leaves), dtype=torch.float32)
+
+
+def global_norm_value(leaves: Sequence[Tensor]) -> float:
+    """The L2 norm of float32 CPU leaves taken together, as the float32 value it rounds to, in
+    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
+    sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
+    those norms. Each leaf's sum of squares is accumulated in float64 (torch accumulates in
+    float32, so the two differ by float32 rounding); the norm of the norms is summed exactly
+    (``math.fsum`` of their squares, exact in float64) and rounded to float32. Plain Python
+    arithmetic after the one pass: an update right after a cache sweep runs no torch op here.
+    Call :func:`usable` first.
+
+    >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
+    >>> global_norm_value(leaves) if usable(leaves) else 5.0
+    5.0
+    """
+    norms = [float32(math.sqrt(float32(total))) for total in sum_of_squares(leaves)]
+    return float32(math.sqrt(math.fsum(norm * norm for norm in norms)))
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even; beyond its range, ``inf``), as
+    ``torch.tensor(value, dtype=torch.float32)`` holds it. Each float32 operation done in
+    float64 and rounded once with this gives float32's own result for +, -, *, / and sqrt
+    (float64 has 53 >= 2 * 24 + 2 bits: Figueroa, "When is double rounding innocuous?", 1995).
+
+    >>> float32(0.1), float32(1e39), float32(2.0**-149)
+    (0.10000000149011612, inf, 1.401298464324817e-45)
+    """
+    return array.array("f", (value,))[0]
 
 
 def _matrix_check(what: str, t: Tensor, shape: tuple[int, ...]) -> None:

@@ -7,6 +7,7 @@ clipping and is the public index of them all.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ def _clip_transform(max_norm: Any) -> GradientTransformation:
                   max_norm=max_norm)
 
 
-def clip_scale(grads: Grads, max_norm: float) -> float:
+def clip_scale(grads: Grads, max_norm: float | int | Tensor) -> float:
     """The factor :func:`clip_by_global_norm` multiplies plain CPU or GPU grads by, as a Python
     float (``min(1, max_norm / (norm + 1e-6))`` in float32, float64 when a grad is fp64).
 
@@ -67,21 +68,55 @@ def clip_scale(grads: Grads, max_norm: float) -> float:
     0.19999995827674866
     """
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
-    norm = _global_norm(grads, _flat.flatten(grads)[0])
-    return float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    leaves = _flat.flatten(grads)[0]
+    scale_ = _norm_and_scale(grads, leaves, max_norm)[1]
+    return scale_ if isinstance(scale_, float) else float(scale_)
+
+
+def clip_factor(norm: float, max_norm: float | int) -> float:
+    """``torch.clamp(max_norm / (norm + 1e-6), max=1.0)`` for a float32 ``norm`` (a 0-d float32
+    tensor) and a Python number ``max_norm``, in plain Python: torch's float32 ops (``t +
+    1e-6``; ``max_norm / t``, which torch runs as ``t.reciprocal() * max_norm``; the clamp, NaN
+    passing through), each done in float64 and rounded to float32 once, which gives float32's
+    own results (:func:`~minitrain.optim.streaming.float32`).
+
+    >>> clip_factor(5.0, 1.0), clip_factor(0.5, 1.0)
+    (0.19999995827674866, 1.0)
+    """
+    f32 = streaming.float32
+    shifted = f32(norm + f32(1e-6))
+    reciprocal = f32(1.0 / shifted) if shifted != 0 else math.copysign(math.inf, shifted)
+    return min(f32(reciprocal * f32(float(max_norm))), 1.0)  # min(nan, 1.0): nan, as clamp
+
+
+def _kernel_norm(leaves: list) -> bool:
+    """Whether the streaming kernels' one pass can take the global norm of these leaves."""
+    return bool(leaves) and all(isinstance(g, Tensor) for g in leaves) and \
+        streaming.usable(leaves) and all(streaming._storage_holds(g) for g in leaves)
+
+
+def _norm_and_scale(grads: Grads, leaves: list, max_norm: Any) -> tuple[Tensor, Tensor | float]:
+    """The global norm of ``grads`` and the clip's factor: a Python float on the kernels' path
+    with a number ``max_norm`` (no torch op after the pass), else a 0-d tensor."""
+    # An int converts to float64 exactly up to 2**53 (one rounding to float32, as torch's).
+    exact = type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
+    if exact and _kernel_norm(leaves):
+        value = streaming.global_norm_value(leaves)
+        return torch.scalar_tensor(value, dtype=torch.float32), clip_factor(value, max_norm)
+    norm = _global_norm(grads, leaves)
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def _global_norm(grads: Grads, leaves: list) -> Tensor:
     """``tree.global_norm(grads)``; for float32 CPU leaves, one pass of the streaming kernels'
     sum of squares over all of them (torch's ``_foreach_norm`` then the norm of the norms, as
     in ``clip_grad_norm_``, otherwise)."""
-    if leaves and all(isinstance(g, Tensor) for g in leaves) and streaming.usable(leaves) and \
-            all(streaming._storage_holds(g) for g in leaves):
+    if _kernel_norm(leaves):
         return streaming.global_norm(leaves)
     return tree.global_norm(grads)
 
 
-def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
+def _clip(grads: Grads, max_norm: float | int | Tensor) -> tuple[Grads, Tensor]:
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
     leaves = tree.leaves(grads)
     if not leaves:
@@ -91,11 +126,12 @@ def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
             (g if g.dtype == torch.float64 else g.float()).norm() for g in leaves]))
         scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
-    norm = _global_norm(grads, leaves)
-    scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if any(g.requires_grad for g in leaves) and torch.is_grad_enabled():
+    norm, scale_ = _norm_and_scale(grads, leaves, max_norm)
+    if isinstance(scale_, Tensor) and any(g.requires_grad for g in leaves) \
+            and torch.is_grad_enabled():
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
-    if scale_.is_cpu and float(scale_) == 1.0:  # within the bound: multiplying by 1 is exact
+    on_cpu = not isinstance(scale_, Tensor) or scale_.is_cpu
+    if on_cpu and float(scale_) == 1.0:  # within the bound: multiplying by 1 is exact
         return grads, norm
     groups: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(leaves):
@@ -103,7 +139,7 @@ def _clip(grads: Grads, max_norm: float | Tensor) -> tuple[Grads, Tensor]:
     out = list(leaves)
     # A Python number on CPU: aten's scalar overload (a float32 factor either way, so the same
     # products as multiplying by the 0-d tensor).
-    factors = {dtype: float(scale_) if scale_.is_cpu else scale_.to(dtype) for dtype in groups}
+    factors = {dtype: float(scale_) if on_cpu else scale_.to(dtype) for dtype in groups}
     # Recycled output buffers: fresh memory for every step's clipped grads costs page faults
     # (see base.BufferPool), more than the multiplication itself.
     with torch.no_grad(), _POOL.lock:

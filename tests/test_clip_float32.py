@@ -1,0 +1,78 @@
+"""The global-norm clip's factor in plain Python floats equals torch's float32 ops on the norm,
+and the kernels' norm of norms is the exactly summed norm, rounded once to float32."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minitrain as mt
+from minitrain.optim import streaming
+from minitrain.optim.transforms import clip_factor
+
+needs_kernels = pytest.mark.skipif(
+    not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
+)
+
+float32s = st.floats(width=32, allow_nan=True, allow_infinity=True)
+norms = st.one_of(st.floats(min_value=0.0, width=32, allow_infinity=True),
+                  st.sampled_from([0.0, math.inf, math.nan, 2.0**-149, 3.4028234663852886e38]))
+max_norms = st.one_of(st.floats(min_value=1e-30, max_value=1e30), st.integers(1, 10**6),
+                      st.sampled_from([1e-45, 1e39, math.inf, 0.1, 1.0]))
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), float32s))
+def test_float32_rounds_as_torch_does(value):
+    want = torch.tensor(value, dtype=torch.float32).item()
+    assert _same(streaming.float32(value), want)
+
+
+@settings(max_examples=600, deadline=None)
+@given(norm=norms, max_norm=max_norms)
+def test_clip_factor_equals_torchs_float32_ops(norm, max_norm):
+    norm32 = torch.tensor(norm, dtype=torch.float32)
+    want = float(torch.clamp(max_norm / (norm32 + 1e-6), max=1.0))
+    assert _same(clip_factor(norm32.item(), max_norm), want)
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6),
+       scales=st.lists(st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e18, 1e25]), min_size=6,
+                       max_size=6),
+       seed=st.integers(0, 2**16))
+def test_the_kernels_norm_is_the_exact_norm_of_the_leaf_norms(sizes, scales, seed):
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(n, generator=g) * s for n, s in zip(sizes, scales, strict=False)]
+    value = streaming.global_norm_value(leaves)
+    sums = torch.tensor(streaming.sum_of_squares(leaves), dtype=torch.float64)
+    leaf_norms = sums.to(torch.float32).sqrt().double()
+    exact = math.sqrt(math.fsum(float(n) ** 2 for n in leaf_norms))
+    assert value == torch.tensor(exact, dtype=torch.float32).item()
+    # torch's norm of the same float32 leaf norms agrees to float32 rounding.
+    theirs = float(torch.linalg.vector_norm(leaf_norms.float(), 2))
+    assert value == pytest.approx(theirs, rel=2.5e-7, abs=0) or math.isinf(theirs)
+    assert torch.equal(streaming.global_norm(leaves), torch.tensor(value))
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(max_norm=st.sampled_from([1e-3, 0.5, 1, 3.0, 1e6]), seed=st.integers(0, 2**16))
+def test_a_lowered_clip_and_the_clip_run_op_by_op_scale_alike(max_norm, seed):
+    g = torch.Generator().manual_seed(seed)
+    grads = {"w": torch.randn(40, 33, generator=g), "b": torch.randn(33, generator=g) * 5}
+    clipped, norm = mt.optim.clip_by_global_norm(grads, max_norm)
+    factor = mt.optim.transforms.clip_scale(grads, max_norm)
+    assert norm.dtype == torch.float32 and factor == clip_factor(norm.item(), max_norm)
+    for name, value in grads.items():
+        want = value if factor == 1.0 else value * factor
+        assert torch.equal(clipped[name], want), name
