@@ -77,10 +77,13 @@ def adagrad(
     check_hyperparameter("eps", eps, 0.0)
     plain_step = leaf_step(adagrad_leaf, dict(lr_decay=lr_decay, eps=eps), maximize=maximize)
 
+    def streaming_spec(step, lr, weight_decay):
+        return "adagrad", [lr / (1 + (step - 1) * lr_decay), weight_decay, eps], ("sum",)
+
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
         if streaming.usable([*ps, *gs, *buffers["sum"]]):
-            hyperparameters = [lr / (1 + (step - 1) * lr_decay), weight_decay, eps]
+            _, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
             slots = [ps, gs, buffers["sum"]]
             new_ps, sums = streaming.update("adagrad", hyperparameters, slots, outputs)
             return new_ps, {"sum": sums}
@@ -96,7 +99,8 @@ def adagrad(
             p, initial_accumulator_value, memory_format=torch.preserve_format
         )
 
-    rule = Rule(("sum",), init_buffer, plain_step, fast_step)
+    rule = Rule(("sum",), init_buffer, plain_step, fast_step,
+                streaming=None if maximize else streaming_spec)
     lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(AdagradState, rule, lr, weight_decay, mask, impl)
 

@@ -149,15 +149,20 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
                            unused=() if amsgrad else ("max_exp_avg_sq",))
     b1, b2 = scalar(beta1), scalar(beta2)
 
+    def streaming_spec(step, lr, weight_decay):
+        factor = 1.0 if grad_scale is None else grad_scale.value
+        hyperparameters = [
+            b1, b2, eps, weight_decay, lr, lr / (1 - b1**step), math.sqrt(1 - b2**step),
+            decoupled, amsgrad, factor,
+        ]
+        return "adam", hyperparameters, ("exp_avg", "exp_avg_sq",
+                                         "max_exp_avg_sq" if amsgrad else None)
+
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
         factor = 1.0 if grad_scale is None else grad_scale.value
         if streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
-            bias_correction1 = 1 - b1**step
-            hyperparameters = [
-                b1, b2, eps, weight_decay, lr, lr / bias_correction1,
-                math.sqrt(1 - b2**step), decoupled, amsgrad, factor,
-            ]
+            _, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
             slots = [ps, gs, buffers["exp_avg"], buffers["exp_avg_sq"],
                      buffers.get("max_exp_avg_sq")]
             new_ps, *new_buffers = streaming.update("adam", hyperparameters, slots, outputs)
@@ -179,6 +184,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
         init_buffer=lambda name, p: torch.zeros_like(p, memory_format=torch.preserve_format),
         plain_step=plain_step,
         fast_step=fast_step,
+        streaming=None if maximize else streaming_spec,
     )
     return make_optimizer(AdamState, rule, hyperparameter("lr", lr) if not callable(lr) else lr,
                           weight_decay, mask, impl, (beta1, beta2))

@@ -92,11 +92,16 @@ def rmsprop(
     plain_step = leaf_step(rules, maximize=maximize)
     mu = scalar(momentum)
 
+    def streaming_spec(step, lr, weight_decay):
+        hyperparameters = [lr, alpha, eps, weight_decay, mu, centered, has_momentum]
+        return "rmsprop", hyperparameters, ("square_avg", "momentum_buffer" if has_momentum
+                                            else None, "grad_avg" if centered else None)
+
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
         state = [buffers.get(name) for name in ("square_avg", "momentum_buffer", "grad_avg")]
         if streaming.usable([*ps, *gs, *sum(filter(None, state), [])]):
-            hyperparameters = [lr, alpha, eps, weight_decay, mu, centered, has_momentum]
+            _, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
             new_ps, *new_state = streaming.update(
                 "rmsprop", hyperparameters, [ps, gs, *state], outputs
             )
@@ -128,6 +133,7 @@ def rmsprop(
         plain_step=plain_step,
         fast_step=fast_step,
         fused=False,
+        streaming=None if maximize else streaming_spec,
     )
     lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(RMSpropState, rule, lr, weight_decay, mask, impl, (alpha, momentum))

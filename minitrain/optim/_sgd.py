@@ -90,12 +90,16 @@ def sgd(
     plain_step = leaf_step(rules if has_momentum else [], maximize=maximize)
     mu = scalar(momentum)
 
+    def streaming_spec(step, lr, weight_decay):
+        hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, has_momentum]
+        return "sgd", hyperparameters, ("momentum_buffer" if has_momentum else None,)
+
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
         old = buffers.get("momentum_buffer")
         if streaming.usable([*ps, *gs, *(old or [])]):
-            hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, has_momentum]
-            new_ps, bufs = streaming.update("sgd", hyperparameters, [ps, gs, old], outputs)
+            name, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
+            new_ps, bufs = streaming.update(name, hyperparameters, [ps, gs, old], outputs)
             return new_ps, ({"momentum_buffer": bufs} if has_momentum else {})
         ps = owned(ps, outputs)
         bufs = []
@@ -115,6 +119,7 @@ def sgd(
         init_buffer=lambda name, p: torch.zeros_like(p, memory_format=torch.preserve_format),
         plain_step=plain_step,
         fast_step=fast_step,
+        streaming=None if maximize else streaming_spec,
     )
     lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(SGDState, rule, lr, weight_decay, mask, impl, (momentum, dampening))

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import _flat
+from minitrain.optim import _flat, streaming
 from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-exported)
     _CAN_COUNT_STORAGE_USES,
     BufferPool,
@@ -272,6 +272,11 @@ class Rule(NamedTuple):
     # that step-derived scalars (bias corrections) are one shared node in a traced graph, which
     # inductor computes once instead of inside every leaf's loop.
     step_scalars: Callable[[Any], Any] = lambda step: step
+    # The streaming kernel this rule runs on CPU float32 leaves: ``streaming(step, lr,
+    # weight_decay) -> (kernel rule, hyperparameters, buffer names in the kernel's slot order
+    # (None for a slot left empty))``, or None where only ``fast_step`` applies (maximize). An
+    # update whose leaves kernel_ready accepted then calls the kernel directly (_stream_update).
+    streaming: Callable[[int, float, float], tuple[str, list, tuple] | None] | None = None
 
 
 def make_optimizer(
@@ -337,6 +342,12 @@ def make_optimizer(
                 new_params, new_buffers, count, step_lr = _compiled_update(
                     compiled_step, param_leaves, grad_leaves, buffer_leaves, layout.decays,
                     state.count, lr, weight_decay, pool,
+                )
+        elif ready and _streams(rule, param_leaves):
+            with pool.lock:
+                new_params, new_buffers, count, step_lr = _stream_update(
+                    rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, lr,
+                    weight_decay, None if donate else pool,
                 )
         else:
             with pool.lock:
@@ -444,6 +455,48 @@ def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, 
                 for name, leaves in batch_buffers.items():
                     new_buffers[name][index] = leaves[position]
         new_count = count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
+    return new_params, new_buffers, new_count, _lr_tensor(step_lr)
+
+
+def _streams(rule: Rule, params: list[Tensor]) -> bool:
+    """Whether the rule can call its streaming kernel directly on these leaves (which
+    kernel_ready accepted: plain contiguous CPU tensors, grads and state of their params'
+    shapes and dtypes): float32 params, and the kernels built and not hidden from a counter."""
+    if rule.streaming is None or not streaming.usable(()):
+        return False
+    float32 = torch.float32
+    return all(p.dtype is float32 for p in params)
+
+
+def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool):
+    """:func:`_fast_update` for leaves the streaming kernels take as they are: each batch is one
+    kernel call, with no per-leaf checks beyond kernel_ready's (its outputs come from the pool,
+    which hands out buffers of each param's shape, or are the donated inputs themselves)."""
+    donate = pool is None
+    done = int(count)
+    step_lr = scalar(_lr_at(lr, done))
+    decay_value = scalar(weight_decay)
+    batches = layout.donated_batches if donate else layout.batches
+    specs = [rule.streaming(done + 1, step_lr, decay_value if layout.decays[batch[0]] else 0.0)
+             for batch in batches]
+    if any(spec is None for spec in specs):
+        return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool)
+    if pool is not None:
+        pool.begin_update()
+    new_params = list(params)
+    new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
+    for batch, spec in zip(batches, specs, strict=True):
+        kernel, hyperparameters, names = spec
+        slots = [[params[i] for i in batch], [grads[i] for i in batch],
+                 *[None if name is None else [buffers[name][i] for i in batch] for name in names]]
+        batch_params, *batch_buffers = streaming.update(kernel, hyperparameters, slots, pool,
+                                                        verified=True)
+        for position, index in enumerate(batch):
+            new_params[index] = batch_params[position]
+            for name, leaves in zip(names, batch_buffers, strict=True):
+                if name is not None:
+                    new_buffers[name][index] = leaves[position]
+    new_count = count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
 
 
