@@ -1,0 +1,107 @@
+"""Updates whose leaves the one-pass check accepts call the streaming kernel directly; they give
+the bits of the rule's own fast step, pure and donated, with a weight-decay mask, and anything
+the check refuses still takes the full checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minitrain as mt
+from minitrain.optim import base, streaming
+
+needs_kernels = pytest.mark.skipif(
+    not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
+)
+
+
+def _matrices(name, p):
+    return p.ndim >= 2
+
+
+CONFIGS = {
+    "sgd": (mt.optim.sgd, dict(lr=0.1)),
+    "sgd-momentum-decay": (mt.optim.sgd, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+    "sgd-nesterov-mask": (mt.optim.sgd, dict(lr=0.1, momentum=0.9, nesterov=True,
+                                             weight_decay=0.2, mask=_matrices)),
+    "adam": (mt.optim.adam, dict(lr=0.01, weight_decay=0.1)),
+    "adam-amsgrad": (mt.optim.adam, dict(lr=0.01, amsgrad=True)),
+    "adamw-mask-schedule": (mt.optim.adamw, dict(
+        lr=mt.optim.cosine_schedule(0.01, decay_steps=10), weight_decay=0.5, mask=_matrices)),
+    "adagrad": (mt.optim.adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.1)),
+    "rmsprop": (mt.optim.rmsprop, dict(lr=0.01)),
+    "rmsprop-centered-momentum": (mt.optim.rmsprop, dict(lr=0.01, momentum=0.9, centered=True,
+                                                         weight_decay=0.1)),
+}
+
+
+def _data(seed):
+    g = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(70, 300, generator=g), "b": torch.randn(300, generator=g),
+              "blocks": [torch.randn(33, 7, generator=g), torch.randn(5, generator=g)]}
+    grads = [mt.tree.map(lambda p: torch.randn(p.shape, generator=g), params) for _ in range(3)]
+    return params, grads
+
+
+def _run(opt, params, grads, donate):
+    params = mt.tree.map(torch.clone, params)
+    state = opt.init(params)
+    for step_grads in grads:
+        params, state = opt.update(step_grads, state, params, donate=donate)
+    return params, state
+
+
+def _counting(monkeypatch, driver):
+    calls = []
+    original = getattr(base, driver)
+
+    def counted(*args, **kwargs):
+        calls.append(driver)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(base, driver, counted)
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_direct_kernel_call_gives_the_fast_steps_bits(name, donate, monkeypatch):
+    factory, kwargs = CONFIGS[name]
+    params, grads = _data(0)
+    lane = _counting(monkeypatch, "_stream_update")
+    direct = _run(factory(**kwargs, impl="fast"), params, grads, donate)
+    assert lane, "the update did not call the kernel directly"
+    monkeypatch.setattr(base, "_streams", lambda rule, leaves: False)
+    stepped = _run(factory(**kwargs, impl="fast"), params, grads, donate)
+    for a, b in zip(mt.tree.leaves(direct), mt.tree.leaves(stepped), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert int(direct[1].count) == len(grads)
+
+
+@needs_kernels
+def test_maximize_takes_the_fast_step(monkeypatch):
+    params, grads = _data(1)
+    lane = _counting(monkeypatch, "_stream_update")
+    _run(mt.optim.sgd(lr=0.1, maximize=True, impl="fast"), params, grads, donate=False)
+    assert not lane
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["transposed", "expanded", "float64"])
+def test_grads_the_one_pass_check_refuses_take_the_full_checks(layout, monkeypatch):
+    params = {"w": torch.randn(6, 4), "b": torch.randn(4)}
+    row = torch.randn(1, 4)
+    grads = {"w": row.expand(6, 4).clone(), "b": torch.randn(4)}
+    want, _ = _run(mt.optim.adam(lr=0.1, impl="fast"), params, [grads], donate=False)
+    odd = {"transposed": grads["w"].t().contiguous().t(), "expanded": row.expand(6, 4),
+           "float64": grads["w"].double()}[layout]
+    lane = _counting(monkeypatch, "_stream_update")
+    opt = mt.optim.adam(lr=0.1, impl="fast")
+    if layout == "float64":
+        with pytest.raises(ValueError, match="'w'"):
+            opt.update(dict(grads, w=odd), opt.init(params), params)
+        return
+    got, _ = opt.update(dict(grads, w=odd), opt.init(params), params)
+    assert not lane
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
