@@ -324,7 +324,8 @@ def test_bench_optim_family_flag_adds_the_family_rows():
     plain = json.loads(CliRunner().invoke(optim, tiny).output)
     assert "family" not in plain
     assert set(plain["results"]["adamw"]["paired_median_ratios"]) == {"pure", "donate"}
-    assert all(entry["paired_median_ratio"] > 0 for entry in plain["chains"].values())
+    assert all(entry["paired_median_ratio"] > 0 and entry["donate_over_peer"] > 0
+               for entry in plain["chains"].values())
     text = CliRunner().invoke(optim, [*tiny[:-1], "--family", "--member", "lion"]).output
     ratio_lines = [line for line in text.splitlines() if "x" in line and "/" in line]
     assert len(ratio_lines) == 3 and all("paired" in line for line in ratio_lines), text
@@ -353,8 +354,8 @@ def test_bench_optim_cold_flushes_the_cache_before_every_timed_update(monkeypatc
     result = CliRunner().invoke(optim, args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["cold"] is True
-    # 2 rounds x 1 call: sgd's 4 steppers, then the chain's 2
-    assert len(flushes) == 2 * 4 + 2 * 2
+    # 2 rounds x 1 call: sgd's 4 steppers, then the chain's 3 (torch, pure, donated)
+    assert len(flushes) == 2 * 4 + 2 * 3
     refused = CliRunner().invoke(optim, [*args[:-1], "--device", "cuda"])
     assert refused.exit_code != 0
 

@@ -3,7 +3,8 @@
 Every optimizer updates 8 fp32 params of 1024×1024 with fixed random grads. The rows are the
 registry ``OPTIMIZERS`` (add one with :func:`register`); ``CHAINS`` holds chains of
 transformations built by hand, each timed against an aliased row's peer (the hand-built
-clip + Adam + weight decay + schedule chain against fused AdamW, target 1.5x). The command line
+clip + Adam + weight decay + schedule chain against fused AdamW, target 1.5x), pure and donated
+as the aliases are. The command line
 is ``minitrain bench optim`` (``minitrain.cli.bench_optim``).
 Per optimizer, one process times, round by round interleaved (so all see the same machine
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
@@ -281,17 +282,26 @@ def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: i
     for name in names:
         factory, row, target = CHAINS[name]
         _, cls, kwargs, flag = OPTIMIZERS[row]
+        # The donated chain updates in place after the pure one, as the aliases' rows run: the
+        # peer then starts each round after an in-place stepper's write-backs, as the pure
+        # chain starts after the peer's (with the pure chain alone, which leaves no dirty
+        # lines, only the chain paid for the other's write-backs).
         steppers = {
             f"torch_{flag}": TorchStepper(cls, kwargs, flag, params, grads),
             "minitrain_pure": MinitrainStepper(factory, {}, params, grads, donate=False),
+            "minitrain_donate": MinitrainStepper(factory, {}, params, grads, donate=True),
         }
         times = time_rounds(steppers, rounds, inner, device, flush)
         seconds = best_rounds(times)
-        ratio = seconds["minitrain_pure"] / seconds[f"torch_{flag}"]
+        peer = seconds[f"torch_{flag}"]
         results[name] = {"peer": f"{row} torch_{flag}", "seconds": seconds,
-                         "pure_over_peer": ratio, "target": target,
+                         "pure_over_peer": seconds["minitrain_pure"] / peer,
+                         "donate_over_peer": seconds["minitrain_donate"] / peer,
+                         "target": target,
                          "paired_median_ratio": paired_median_ratio(
-                             times, "minitrain_pure", f"torch_{flag}")}
+                             times, "minitrain_pure", f"torch_{flag}"),
+                         "paired_median_donate_ratio": paired_median_ratio(
+                             times, "minitrain_donate", f"torch_{flag}")}
         del steppers
     return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
 

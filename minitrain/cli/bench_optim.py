@@ -82,7 +82,9 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name}  {times}")
         click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
-                   f"(paired {entry['paired_median_ratio']:.2f}x; target <= {entry['target']}x)")
+                   f"(paired {entry['paired_median_ratio']:.2f}x; target <= {entry['target']}x)"
+                   f"   donate: {entry['donate_over_peer']:.2f}x "
+                   f"(paired {entry['paired_median_donate_ratio']:.2f}x)")
     for name, entry in result.get("family", {}).items():
         if "skipped" in entry:
             click.echo(f"  {name:13s} skipped: {entry['skipped']}")
