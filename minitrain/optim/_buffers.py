@@ -28,7 +28,10 @@ class BufferPool:
     """
 
     def __init__(self) -> None:
-        self._held: dict[tuple, list[Tensor]] = {}
+        # per key: (alias, its StorageImpl's address) of each buffer handed out; the pool alone
+        # holds the alias, so its storage never changes (a storage is not kept: that would
+        # count as a use)
+        self._held: dict[tuple, list[tuple[Tensor, int]]] = {}
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
         self._nbytes: dict[tuple, int] = {}  # per key: the storage bytes a buffer needs
@@ -47,7 +50,7 @@ class BufferPool:
         with self.lock:
             return sum(
                 alias.untyped_storage().nbytes()
-                for held in self._held.values() for alias in held if _only_alias_left(alias)
+                for held in self._held.values() for alias, _ in held if _only_alias_left(alias)
             )
 
     def begin_update(self) -> None:
@@ -58,7 +61,7 @@ class BufferPool:
             return
         uses, alone = torch._C._storage_Use_Count, _alone()
         self._free = {
-            key: [alias for alias in held if uses(alias.untyped_storage()._cdata) <= alone]
+            key: [alias for alias, storage in held if uses(storage) <= alone]
             for key, held in self._held.items()
         }
 
@@ -94,14 +97,14 @@ class BufferPool:
                 return alias.detach()
             # Its storage was resized by hand (``resize_``): an op writing ``out=`` it would
             # write past the end. Forget it.
-            self._held[key] = [held for held in self._held[key] if held is not alias]
+            self._held[key] = [held for held in self._held[key] if held[0] is not alias]
         buffer = torch.empty_strided(key[0], key[1], dtype=key[2])
         self._nbytes.setdefault(key, buffer.untyped_storage().nbytes())
         held = self._held.setdefault(key, [])
         # Two generations (inputs and outputs) at most: a caller that keeps older generations
         # alive gets plain fresh buffers beyond that.
         if len(held) < 2 * demand:
-            held.append(buffer)
+            held.append((buffer, buffer.untyped_storage()._cdata))
         return buffer.detach()
 
 

@@ -115,14 +115,20 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     columns = [grads, *buffers.values()]
+    if any(len(column) != len(params) for column in columns):
+        return False
     for index, p in enumerate(params):
         if type(p) not in _PLAIN or not _contiguous_cpu(p, wrapped):
             return False
-        shape, dtype = p.shape, p.dtype
+        shape, dtype, size = p.shape, p.dtype, p.element_size()
+        nbytes = p.numel() * size
         for column in columns:
             t = column[index]
+            # _contiguous_cpu, with the element count and size of its param (the same shape
+            # and dtype): contiguous, so the storage must hold [offset, offset + numel).
             if (type(t) is not Tensor or t.dtype is not dtype or t.shape != shape
-                    or not _contiguous_cpu(t, wrapped)):
+                    or not t.is_cpu or t.requires_grad or not t.is_contiguous() or wrapped(t)
+                    or t.storage_offset() * size + nbytes > t.untyped_storage().nbytes()):
                 return False
     return True
 

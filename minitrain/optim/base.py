@@ -319,8 +319,9 @@ def make_optimizer(
         buffer_leaves = {name: _flat.flatten(getattr(state, name))[0] for name in rule.buffers}
         donate = donate and distinct_storages(param_leaves)
         _check_state_leaves(buffer_leaves, len(param_leaves))
-        layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         ready = kernel_ready(param_leaves, grad_leaves, buffer_leaves)
+        layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves,
+                              on_cpu_matching=ready)
         if ready:
             plain = use_plain_path(impl, [state.count], traced_candidates)
         else:
