@@ -4,6 +4,10 @@ the check refuses still takes the full checks."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -105,3 +109,79 @@ def test_grads_the_one_pass_check_refuses_take_the_full_checks(layout, monkeypat
     got, _ = opt.update(dict(grads, w=odd), opt.init(params), params)
     assert not lane
     assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+
+
+# The caller's code that runs during an update (a weight-decay mask when a layout is built, an
+# lr schedule) shrinks a storage the one-pass check has not seen yet, or has already passed.
+CALLBACK_SHRINKS = {
+    "mask-shrinks-a-grad": """
+p = {"w": torch.randn(1 << 20)}; g = {"w": torch.randn(1 << 20)}
+armed = False
+def mask(name, leaf):
+    if armed: g["w"].untyped_storage().resize_(4)
+    return True
+opt = mt.optim.adam(lr=0.1, mask=mask); state = opt.init(p); armed = True
+new, state = opt.update(g, state, p, donate=DONATE)
+""",
+    "schedule-shrinks-a-param": """
+p = {"w": torch.randn(1 << 22)}; g = {"w": torch.randn(1 << 22)}
+armed = False
+def lr(count):
+    if armed: p["w"].untyped_storage().resize_(4)
+    return 0.1
+opt = mt.optim.sgd(lr=lr, momentum=0.9); state = opt.init(p); armed = True
+new, state = opt.update(g, state, p, donate=DONATE)
+""",
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", CALLBACK_SHRINKS)
+def test_a_callback_that_shrinks_a_storage_is_refused_not_a_crash(case, donate):
+    code = "import torch, minitrain as mt\n" + CALLBACK_SHRINKS[case].replace(
+        "DONATE", str(donate))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "MINITRAIN_TYPECHECK": "0"})
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])  # not a signal
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError") and "'w'" in last or "does not match" in last, last
+
+
+@pytest.mark.parametrize("factory, kwargs", [
+    (mt.optim.sgd, dict(lr=1.0, momentum=0.5)), (mt.optim.adam, dict(lr=0.1)),
+    (mt.optim.adagrad, dict(lr=0.1)), (mt.optim.rmsprop, dict(lr=0.1)),
+    (mt.optim.lion, dict(lr=0.1)), (mt.optim.nadam, dict(lr=0.1)),
+], ids=["sgd", "adam", "adagrad", "rmsprop", "lion", "nadam"])
+@pytest.mark.parametrize("where", ["grad", "state"])
+def test_a_negative_view_is_read_as_its_values(factory, kwargs, where):
+    """torch._neg_view holds -t in memory with the negative bit set: the kernels must not read
+    that memory raw (the fast path copies it into its param's layout first)."""
+    params = {"w": torch.randn(300), "b": torch.randn(7)}
+    grads = {"w": torch.randn(300), "b": torch.randn(7)}
+    opt = factory(**kwargs)
+    state = opt.update(grads, opt.init(params), params)[1]  # non-zero state
+    odd_grads, odd_state = grads, state
+    if where == "grad":
+        odd_grads = dict(grads, w=torch._neg_view(-grads["w"]))
+        assert odd_grads["w"].is_neg() and torch.equal(odd_grads["w"], grads["w"])
+    else:
+        leaves = mt.tree.leaves(state)
+        big = next(t for t in leaves if t.shape == (300,))
+        replaced = [torch._neg_view(-t) if t is big else t for t in leaves]
+        odd_state = mt.tree.unflatten(mt.tree.structure(state), replaced)
+    want, want_state = opt.update(grads, state, params)
+    got, got_state = opt.update(odd_grads, odd_state, params)
+    # The aliases copy such a leaf and run their kernel: the same bits. The rest of the
+    # family runs its rule op by op on them (torch resolves the bit), which rounds apart from
+    # its kernel in the last bit.
+    alias = factory in (mt.optim.sgd, mt.optim.adam, mt.optim.adagrad, mt.optim.rmsprop)
+    for a, b in zip(mt.tree.leaves((want, want_state)), mt.tree.leaves((got, got_state)),
+                    strict=True):
+        if alias:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # The clip's norm of such grads is torch's (float32 sums), not the kernel's pass.
+    torch.testing.assert_close(mt.optim.clip_by_global_norm(odd_grads, 1.0)[1],
+                               mt.optim.clip_by_global_norm(grads, 1.0)[1], rtol=1e-6, atol=0)

@@ -138,24 +138,18 @@ class LayoutCache:
         self.fused = fused
         self.layouts: dict[Any, Layout] = {}
 
-    def layout(self, params, spec, param_leaves, grads, grad_spec, grad_leaves,
-               on_cpu_matching: bool = False) -> Layout:
-        """The params' layout; raises naming the first leaf where grads do not match params.
-        ``on_cpu_matching``: every leaf is a CPU tensor and every grad has its param's shape
-        and dtype (``_safety.kernel_ready`` checked it), so only the structures are compared."""
+    def layout(self, params, spec, param_leaves, grads, grad_spec, grad_leaves) -> Layout:
         if torch.compiler.is_compiling():  # no Python-side caches inside a traced graph
             check_params(params)
             _matching_grads(grads, params, param_leaves)
             return self._build(params, param_leaves)
         signature = tuple(map(_signature, param_leaves))
-        devices = "cpu" if on_cpu_matching else tuple(map(_device, param_leaves))
-        key = (spec, signature, devices)
+        key = (spec, signature, tuple(map(_device, param_leaves)))
         layout = self.layouts.get(key)
         if layout is None:
             check_params(params)
             layout = self.layouts[key] = self._build(params, param_leaves)
-        if grad_spec != spec or not on_cpu_matching and tuple(
-                map(_signature, grad_leaves)) != signature:
+        if grad_spec != spec or tuple(map(_signature, grad_leaves)) != signature:
             check_grads(grads, params)  # raises, naming the first mismatching leaf
         return layout
 

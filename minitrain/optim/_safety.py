@@ -128,6 +128,7 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
             # and dtype): contiguous, so the storage must hold [offset, offset + numel).
             if (type(t) is not Tensor or t.dtype is not dtype or t.shape != shape
                     or not t.is_cpu or t.requires_grad or not t.is_contiguous() or wrapped(t)
+                    or t.is_neg()
                     or t.storage_offset() * size + nbytes > t.untyped_storage().nbytes()):
                 return False
     return True
@@ -137,8 +138,10 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _contiguous_cpu(t: Tensor, wrapped) -> bool:
+    # A tensor with the negative bit (torch._neg_view) holds -t in memory: the kernels would
+    # read it raw.
     return (t.is_cpu and not t.requires_grad and t.is_contiguous() and not wrapped(t)
-            and (t.storage_offset() + t.numel()) * t.element_size()
+            and not t.is_neg() and (t.storage_offset() + t.numel()) * t.element_size()
             <= t.untyped_storage().nbytes())
 
 
@@ -152,12 +155,15 @@ def _check_storage(t: Tensor, what: str) -> None:
 
 
 def _dense(t: Tensor) -> bool:
-    return t.is_contiguous() or _prims_common.is_non_overlapping_and_dense_or_false(t)
+    return not t.is_neg() and (
+        t.is_contiguous() or _prims_common.is_non_overlapping_and_dense_or_false(t))
 
 
 def _like(t: Tensor, p: Tensor) -> bool:
     if not (t.is_cpu and p.is_cpu) and t.device != p.device:
         raise ValueError(f"a grad is on {t.device} but its param on {p.device}; move the grads")
+    if t.is_neg():  # the negative bit: memory holds -t; a copy resolves it
+        return False
     if p.is_contiguous():
         if not t.is_contiguous():
             return False

@@ -319,9 +319,10 @@ def make_optimizer(
         buffer_leaves = {name: _flat.flatten(getattr(state, name))[0] for name in rule.buffers}
         donate = donate and distinct_storages(param_leaves)
         _check_state_leaves(buffer_leaves, len(param_leaves))
+        # The layout first: building one runs the caller's weight-decay mask, which must not
+        # run between the one-pass check below and a kernel.
+        layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         ready = kernel_ready(param_leaves, grad_leaves, buffer_leaves)
-        layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves,
-                              on_cpu_matching=ready)
         if ready:
             plain = use_plain_path(impl, [state.count], traced_candidates)
         else:
@@ -431,13 +432,14 @@ def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay)
     return new_params, new_buffers, count + 1, _lr_tensor(step_lr)
 
 
-def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool):
+def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
+                 values=None):
+    """The rule's batched fast step over each batch; ``values``: :func:`_step_values` already
+    taken (so a schedule runs once per update)."""
     donate = pool is None
     if pool is not None:
         pool.begin_update()
-    done = int(count)
-    step_lr = scalar(_lr_at(lr, done))
-    decay_value = scalar(weight_decay)
+    done, step_lr, decay_value = values or _step_values(count, lr, weight_decay)
     new_params = list(params)
     new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
     with torch.no_grad():
@@ -474,20 +476,29 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     kernel call, with no per-leaf checks beyond kernel_ready's (its outputs come from the pool,
     which hands out buffers of each param's shape, or are the donated inputs themselves)."""
     donate = pool is None
-    done = int(count)
-    step_lr = scalar(_lr_at(lr, done))
-    decay_value = scalar(weight_decay)
+    values = _step_values(count, lr, weight_decay)
+    done, step_lr, decay_value = values
     batches = layout.donated_batches if donate else layout.batches
     specs = [rule.streaming(done + 1, step_lr, decay_value if layout.decays[batch[0]] else 0.0)
              for batch in batches]
     if any(spec is None for spec in specs):
-        return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool)
+        return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
+                            values)
+    plain_values = _plain_values([lr, weight_decay, *(v for spec in specs for v in spec[1])])
+    specs = [(kernel, [float(value) for value in hyperparameters], names)
+             for kernel, hyperparameters, names in specs]
+    # A schedule, or a hyperparameter of a tensor subclass, ran the caller's code after
+    # kernel_ready accepted the leaves: check them again, or that code could resize a storage
+    # and send the kernel out of bounds. (Failing, the rule's fast step runs, whose kernels
+    # check every leaf themselves.)
+    if not plain_values and not kernel_ready(params, grads, buffers):
+        return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
+                            values)
     if pool is not None:
         pool.begin_update()
     new_params = list(params)
     new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
-    for batch, spec in zip(batches, specs, strict=True):
-        kernel, hyperparameters, names = spec
+    for batch, (kernel, hyperparameters, names) in zip(batches, specs, strict=True):
         slots = [[params[i] for i in batch], [grads[i] for i in batch],
                  *[None if name is None else [buffers[name][i] for i in batch] for name in names]]
         batch_params, *batch_buffers = streaming.update(kernel, hyperparameters, slots, pool,
@@ -499,6 +510,23 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
                     new_buffers[name][index] = leaves[position]
     new_count = count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
+
+
+def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any) -> tuple[int, Any, Any]:
+    """The updates done so far, this update's lr (the schedule's value) and weight decay, as
+    Python numbers where they are concrete."""
+    done = int(count)
+    return done, scalar(_lr_at(lr, done)), scalar(weight_decay)
+
+
+def _plain_values(values: list) -> bool:
+    """Whether reading these hyperparameters runs none of the caller's code: numbers or plain
+    tensors, not a schedule or a tensor subclass.
+
+    >>> _plain_values([0.1, torch.tensor(0.9), True]), _plain_values([lambda step: 0.1])
+    (True, False)
+    """
+    return all(type(value) in (int, float, bool, Tensor) for value in values)
 
 
 class CompiledStep:

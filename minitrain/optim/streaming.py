@@ -52,8 +52,7 @@ import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 
 __all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
-           "decode_div", "float32", "fresh", "global_norm", "global_norm_value",
-           "sum_of_squares", "usable", "update"]
+           "decode_div", "float32", "fresh", "global_norm", "sum_of_squares", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
          "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
@@ -286,6 +285,7 @@ def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
             # Contiguous with n elements: the storage must hold [offset, offset + n) floats.
             if not (
                 t.dtype is float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
+                and not t.is_neg()
                 and (n == 0 or (t.storage_offset() + n) * 4 <= t.untyped_storage().nbytes())
             ):
                 p = slots[0][leaf]
@@ -331,7 +331,7 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     float32 = torch.float32
     return all(
         t.dtype is float32 and t.is_cpu and not t.requires_grad and t.is_contiguous()
-        for t in tensors
+        and not t.is_neg() for t in tensors
     )
 
 
@@ -458,32 +458,20 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
 
 
 def global_norm(leaves: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor: see
-    :func:`global_norm_value`. Call :func:`usable` first.
+    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor, in
+    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
+    sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
+    those norms (torch's ``vector_norm``). Each leaf's sum of squares is accumulated in float64
+    (torch accumulates in float32, so the two differ by float32 rounding). The leaf norms are
+    Python floats rounded to float32 (:func:`float32`; a square root rounded once is float32's
+    own), so after the one pass only two torch ops run. Call :func:`usable` first.
 
     >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
     >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
     tensor(5.)
     """
-    return torch.scalar_tensor(global_norm_value(leaves), dtype=torch.float32)
-
-
-def global_norm_value(leaves: Sequence[Tensor]) -> float:
-    """The L2 norm of float32 CPU leaves taken together, as the float32 value it rounds to, in
-    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
-    sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
-    those norms. Each leaf's sum of squares is accumulated in float64 (torch accumulates in
-    float32, so the two differ by float32 rounding); the norm of the norms is summed exactly
-    (``math.fsum`` of their squares, exact in float64) and rounded to float32. Plain Python
-    arithmetic after the one pass: an update right after a cache sweep runs no torch op here.
-    Call :func:`usable` first.
-
-    >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
-    >>> global_norm_value(leaves) if usable(leaves) else 5.0
-    5.0
-    """
     norms = [float32(math.sqrt(float32(total))) for total in sum_of_squares(leaves)]
-    return float32(math.sqrt(math.fsum(norm * norm for norm in norms)))
+    return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32))
 
 
 def float32(value: float) -> float:
