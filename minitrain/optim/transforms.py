@@ -101,8 +101,8 @@ def _norm_and_scale(grads: Grads, leaves: list, max_norm: Any) -> tuple[Tensor, 
     # An int converts to float64 exactly up to 2**53 (one rounding to float32, as torch's).
     exact = type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
     if exact and _kernel_norm(leaves):
-        value = streaming.global_norm_value(leaves)
-        return torch.scalar_tensor(value, dtype=torch.float32), clip_factor(value, max_norm)
+        norm = streaming.global_norm(leaves)
+        return norm, clip_factor(float(norm), max_norm)
     norm = _global_norm(grads, leaves)
     return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
