@@ -46,6 +46,15 @@
 #define W 8
 #endif
 #define VBYTES (W * 4) /* a streaming store needs its address aligned to this */
+/* Four vectors per trip through each rule's loop: more independent loads in flight while the
+   square roots and divisions of the vectors before them run (measured on a 2-core Xeon, in
+   one process against the loop as written: AdaGrad's pure pass 1.8% faster, SGD's 0.5%). The
+   math per element is unchanged. */
+#if defined(__GNUC__)
+#define UNROLL _Pragma("GCC unroll 4")
+#else
+#define UNROLL
+#endif
 #define ALIGN 16 /* floats: thread slices start on 64-byte boundaries */
 #define MAX_PTRS 16
 
@@ -137,7 +146,7 @@ static void adam(const double *hp, float *const *ptr, int64_t lo, int64_t hi, in
     const int scaled = grad_scale != 1.0f;
     const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *v_in = ptr[3], *max_in = ptr[4];
     float *p_out = ptr[5], *m_out = ptr[6], *v_out = ptr[7], *max_out = ptr[8];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         vf p = load(p_in + i), g = load(g_in + i);
         if (scaled) g = g * grad_scale;
         if (decoupled) p = p * decay; /* AdamW: p *= 1 - lr * wd */
@@ -164,7 +173,7 @@ static void sgd(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int
     const int nesterov = hp[4] != 0.0, first = hp[5] != 0.0, has_momentum = hp[6] != 0.0;
     const float *p_in = ptr[0], *g_in = ptr[1], *b_in = ptr[2];
     float *p_out = ptr[3], *b_out = ptr[4];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i);
         vf g = load(g_in + i);
         if (wd != 0.0f) g = g + p * wd;
@@ -183,7 +192,7 @@ static void adagrad(const double *hp, float *const *ptr, int64_t lo, int64_t hi,
     const float clr = (float)hp[0], wd = (float)hp[1], eps = (float)hp[2];
     const float *p_in = ptr[0], *g_in = ptr[1], *sum_in = ptr[2];
     float *p_out = ptr[3], *sum_out = ptr[4];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i);
         vf g = load(g_in + i);
         if (wd != 0.0f) g = g + p * wd;
@@ -202,7 +211,7 @@ static void rmsprop(const double *hp, float *const *ptr, int64_t lo, int64_t hi,
     const int centered = hp[5] != 0.0, has_momentum = hp[6] != 0.0, small_w = fabsf(w) < 0.5f;
     const float *p_in = ptr[0], *g_in = ptr[1], *sq_in = ptr[2], *b_in = ptr[3], *ga_in = ptr[4];
     float *p_out = ptr[5], *sq_out = ptr[6], *b_out = ptr[7], *ga_out = ptr[8];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i);
         vf g = load(g_in + i);
         if (wd != 0.0f) g = g + p * wd;
@@ -261,7 +270,7 @@ static void nadam(const double *hp, float *const *ptr, int64_t lo, int64_t hi, i
     const int small_w = fabsf(w) < 0.5f;
     const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *v_in = ptr[3];
     float *p_out = ptr[4], *m_out = ptr[5], *v_out = ptr[6];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
         const vf m = lerp(load(m_in + i), g, w, small_w);
         const vf v = load(v_in + i) * beta2 + one_minus_beta2 * g * g;
@@ -281,7 +290,7 @@ static void radam(const double *hp, float *const *ptr, int64_t lo, int64_t hi, i
     const int rectified = hp[9] != 0.0, small_w = fabsf(w) < 0.5f;
     const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *v_in = ptr[3];
     float *p_out = ptr[4], *m_out = ptr[5], *v_out = ptr[6];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
         const vf m = lerp(load(m_in + i), g, w, small_w);
         const vf v = load(v_in + i) * beta2 + one_minus_beta2 * g * g;
@@ -300,7 +309,7 @@ static void adamax(const double *hp, float *const *ptr, int64_t lo, int64_t hi, 
     const int small_w = fabsf(w) < 0.5f;
     const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2], *u_in = ptr[3];
     float *p_out = ptr[4], *m_out = ptr[5], *u_out = ptr[6];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
         const vf m = lerp(load(m_in + i), g, w, small_w);
         const vf u = vmax(load(u_in + i) * beta2, vabs(g) + eps);
@@ -318,7 +327,7 @@ static void lion(const double *hp, float *const *ptr, int64_t lo, int64_t hi, in
     const int small_w1 = fabsf(w1) < 0.5f, small_w2 = fabsf(w2) < 0.5f;
     const float *p_in = ptr[0], *g_in = ptr[1], *m_in = ptr[2];
     float *p_out = ptr[3], *m_out = ptr[4];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p), m = load(m_in + i);
         store(p_out + i, param_out(&f, p, vsign(lerp(m, g, w1, small_w1))), nt);
         store(m_out + i, lerp(m, g, w2, small_w2), nt);
@@ -335,7 +344,7 @@ static void sfadamw(const double *hp, float *const *ptr, int64_t lo, int64_t hi,
     const float lr_t = (float)hp[12];
     const float *y_in = ptr[0], *g_in = ptr[1], *z_in = ptr[2], *v_in = ptr[3];
     float *y_out = ptr[4], *z_out = ptr[5], *v_out = ptr[6];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf y = load(y_in + i), g = grad_in(&f, load(g_in + i), y), z = load(z_in + i);
         const vf v = load(v_in + i) * beta2 + one_minus_beta2 * g * g;
         vf normalized = g / (vsqrt(v / bc2) + eps);
@@ -371,7 +380,7 @@ static void adadelta(const double *hp, float *const *ptr, int64_t lo, int64_t hi
     const float rho = (float)hp[5], one_minus_rho = (float)hp[6], eps = (float)hp[7];
     const float *p_in = ptr[0], *g_in = ptr[1], *sq_in = ptr[2], *acc_in = ptr[3];
     float *p_out = ptr[4], *sq_out = ptr[5], *acc_out = ptr[6];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p), acc = load(acc_in + i);
         const vf square_avg = load(sq_in + i) * rho + one_minus_rho * g * g;
         const vf delta = vsqrt(acc + eps) / vsqrt(square_avg + eps) * g;
@@ -389,7 +398,7 @@ static void asgd(const double *hp, float *const *ptr, int64_t lo, int64_t hi, in
     const int copy = hp[8] != 0.0;
     const float *p_in = ptr[0], *g_in = ptr[1], *ax_in = ptr[2];
     float *p_out = ptr[3], *ax_out = ptr[4];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
         const vf new_p = param_out(&f, p, (g + p * lambd) * neg_eta);
         vf ax = new_p;
@@ -414,7 +423,7 @@ static void rprop(const double *hp, float *const *ptr, int64_t lo, int64_t hi, i
     const vf low = zero + smallest, high = zero + largest;
     const float *p_in = ptr[0], *g_in = ptr[1], *prev_in = ptr[2], *size_in = ptr[3];
     float *p_out = ptr[4], *prev_out = ptr[5], *size_out = ptr[6];
-    for (int64_t i = lo; i < hi; i += W) {
+    UNROLL for (int64_t i = lo; i < hi; i += W) {
         const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
         const vf sign = vsign(g * load(prev_in + i));
         const i8 grows = sign > zero, shrinks = sign < zero;
