@@ -236,17 +236,19 @@ LAYOUTS = [((4, 3), torch.float32), ((3, 4), torch.float32), ((12,), torch.float
            ((4, 3), torch.float64), ((0,), torch.float32)]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, len(LAYOUTS) - 1), min_size=1, max_size=6),
-                          st.lists(st.booleans(), min_size=6, max_size=6),
+                          st.lists(st.sampled_from(["drop", "tensor", "view", "storage"]),
+                                   min_size=6, max_size=6),
                           st.booleans()),
                 min_size=1, max_size=6))
 def test_hypothesis_the_pool_never_hands_out_memory_someone_holds(updates):
     """Each update asks for buffers like a random run of leaves (one call or one at a time) and
-    keeps a random subset; no buffer handed out may share storage with another one of the same
-    update or with any tensor still held, and each has its like's shape, strides and dtype."""
+    keeps a random subset (the tensor, a view of it, or only its storage object); no buffer
+    handed out may share storage with another one of the same update or with anything still
+    held, and each has its like's shape, strides and dtype."""
     pool = mt.optim.base.BufferPool()
-    held: list[torch.Tensor] = []
+    held: list = []
     for picks, keep, batched in updates:
         likes = [torch.empty(LAYOUTS[i][0], dtype=LAYOUTS[i][1]) for i in picks]
         pool.begin_update()
@@ -255,9 +257,15 @@ def test_hypothesis_the_pool_never_hands_out_memory_someone_holds(updates):
             assert (t.shape, t.stride(), t.dtype) == (like.shape, like.stride(), like.dtype)
         storages = [t.untyped_storage().data_ptr() for t in out if t.numel()]
         assert len(set(storages)) == len(storages)
-        held_storages = {t.untyped_storage().data_ptr() for t in held if t.numel()}
+        held_storages = {s.data_ptr() for s in (
+            h if isinstance(h, torch.UntypedStorage) else h.untyped_storage() for h in held)
+            if s.nbytes()}
         assert not held_storages & set(storages)
-        held = [t for t, k in zip(out, keep, strict=False) if k] + held[:len(held) // 2]
+        kept = {"tensor": lambda t: t, "view": lambda t: t.view(-1)[:1],
+                "storage": lambda t: t.untyped_storage()}
+        held = [kept[k](t) for t, k in zip(out, keep, strict=False) if k != "drop"] + \
+            held[:len(held) // 2]
+        del out
 
 
 @pytest.mark.parametrize("shrunk", ["param", "grad", "state"])

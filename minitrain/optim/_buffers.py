@@ -4,6 +4,7 @@ clearable, and counted in :func:`buffer_pool_bytes`)."""
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 
@@ -93,6 +94,10 @@ class BufferPool:
         demand = self._demand[key] = self._demand.get(key, 0) + 1
         while free:
             alias = free.pop()
+            if _storage_refs(alias) > _storage_refs_alone():
+                # No tensor holds it, but someone holds its storage object (a tensor's
+                # ``untyped_storage()``, kept after the tensor was dropped): not free.
+                continue
             if alias.untyped_storage().nbytes() >= self._nbytes[key]:
                 return alias.detach()
             # Its storage was resized by hand (``resize_``): an op writing ``out=`` it would
@@ -145,6 +150,19 @@ def _alone() -> int:
     """The use count of a storage held by one tensor (measured on first use, not at import:
     the module may first be imported under a functorch transform, whose tensors have none)."""
     return _storage_uses(torch.empty(1))
+
+
+def _storage_refs(t: Tensor) -> int:
+    """References to the Python object of ``t``'s storage (torch keeps one per storage once
+    asked for, and ``untyped_storage()`` hands out that one)."""
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage)
+
+
+@functools.cache
+def _storage_refs_alone() -> int:
+    """:func:`_storage_refs` of a storage whose object nobody else holds."""
+    return _storage_refs(torch.empty(1))
 
 
 def _only_alias_left(alias: Tensor) -> bool:
