@@ -94,11 +94,12 @@ class BufferPool:
         demand = self._demand[key] = self._demand.get(key, 0) + 1
         while free:
             alias = free.pop()
-            if _storage_refs(alias) > _storage_refs_alone():
+            storage = alias.untyped_storage()
+            if sys.getrefcount(storage) > _storage_refs_alone():
                 # No tensor holds it, but someone holds its storage object (a tensor's
                 # ``untyped_storage()``, kept after the tensor was dropped): not free.
                 continue
-            if alias.untyped_storage().nbytes() >= self._nbytes[key]:
+            if storage.nbytes() >= self._nbytes[key]:
                 return alias.detach()
             # Its storage was resized by hand (``resize_``): an op writing ``out=`` it would
             # write past the end. Forget it.
@@ -154,7 +155,8 @@ def _alone() -> int:
 
 def _storage_refs(t: Tensor) -> int:
     """References to the Python object of ``t``'s storage (torch keeps one per storage once
-    asked for, and ``untyped_storage()`` hands out that one)."""
+    asked for, and ``untyped_storage()`` hands out that one), counted as ``_take`` counts them:
+    one local name and the call's argument."""
     storage = t.untyped_storage()
     return sys.getrefcount(storage)
 
