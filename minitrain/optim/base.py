@@ -453,12 +453,23 @@ def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, 
                 decay_value if layout.decays[batch[0]] else 0.0,
                 pool,
             )
-            for position, index in enumerate(batch):
-                new_params[index] = batch_params[position]
-                for name, leaves in batch_buffers.items():
-                    new_buffers[name][index] = leaves[position]
-        new_count = count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
+            _scatter(batch, batch_params, batch_buffers, new_params, new_buffers)
+        new_count = _next_count(count, done, donate)
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
+
+
+def _scatter(batch: list[int], batch_params: list, batch_buffers: dict[str, list],
+             new_params: list, new_buffers: dict[str, list]) -> None:
+    """Put a batch's results back at its leaves' positions."""
+    for position, index in enumerate(batch):
+        new_params[index] = batch_params[position]
+        for name, leaves in batch_buffers.items():
+            new_buffers[name][index] = leaves[position]
+
+
+def _next_count(count: Tensor, done: int, donate: bool) -> Tensor:
+    """The state's new update count: the donated count incremented in place, else a new one."""
+    return count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
 
 
 def _streams(rule: Rule, params: list[Tensor]) -> bool:
@@ -503,13 +514,9 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
                  *[None if name is None else [buffers[name][i] for i in batch] for name in names]]
         batch_params, *batch_buffers = streaming.update(kernel, hyperparameters, slots, pool,
                                                         verified=True)
-        for position, index in enumerate(batch):
-            new_params[index] = batch_params[position]
-            for name, leaves in zip(names, batch_buffers, strict=True):
-                if name is not None:
-                    new_buffers[name][index] = leaves[position]
-    new_count = count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
-    return new_params, new_buffers, new_count, _lr_tensor(step_lr)
+        _scatter(batch, batch_params, {name: leaves for name, leaves in zip(
+            names, batch_buffers, strict=True) if name is not None}, new_params, new_buffers)
+    return new_params, new_buffers, _next_count(count, done, donate), _lr_tensor(step_lr)
 
 
 def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any) -> tuple[int, Any, Any]:
