@@ -38,7 +38,6 @@ import array
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import platform
 import subprocess
@@ -462,23 +461,26 @@ def global_norm(leaves: Sequence[Tensor]) -> Tensor:
     ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
     sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
     those norms (torch's ``vector_norm``). Each leaf's sum of squares is accumulated in float64
-    (torch accumulates in float32, so the two differ by float32 rounding). The leaf norms are
-    Python floats rounded to float32 (:func:`float32`; a square root rounded once is float32's
-    own), so after the one pass only two torch ops run. Call :func:`usable` first.
+    (torch accumulates in float32, so the two differ by float32 rounding). The square roots
+    stay torch's: its float32 ``sqrt`` on the CPU is not always the correctly rounded one
+    (191698560 gives 13845.5244140625 where the nearest float32 is 13845.525390625), so Python's
+    would round some leaf norms apart from ``clip_grad_norm_``'s. Call :func:`usable` first.
 
     >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
     >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
     tensor(5.)
     """
-    norms = [float32(math.sqrt(float32(total))) for total in sum_of_squares(leaves)]
-    return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32))
+    squares = torch.tensor(sum_of_squares(leaves), dtype=torch.float64)
+    return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)
 
 
 def float32(value: float) -> float:
     """``value`` rounded to float32 (to nearest, ties to even; beyond its range, ``inf``), as
     ``torch.tensor(value, dtype=torch.float32)`` holds it. Each float32 operation done in
-    float64 and rounded once with this gives float32's own result for +, -, *, / and sqrt
-    (float64 has 53 >= 2 * 24 + 2 bits: Figueroa, "When is double rounding innocuous?", 1995).
+    float64 and rounded once with this gives the correctly rounded float32 result for +, -, *,
+    / and sqrt (float64 has 53 >= 2 * 24 + 2 bits: Figueroa, "When is double rounding
+    innocuous?", 1995); torch's CPU ``sqrt`` is not always correctly rounded (see
+    :func:`global_norm`), its +, * and reciprocal are.
 
     >>> float32(0.1), float32(1e39), float32(2.0**-149)
     (0.10000000149011612, inf, 1.401298464324817e-45)
