@@ -118,18 +118,17 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
     if any(len(column) != len(params) for column in columns):
         return False
     for index, p in enumerate(params):
-        if type(p) not in _PLAIN or not _contiguous_cpu(p, wrapped):
+        if type(p) not in _PLAIN:
             return False
         shape, dtype, size = p.shape, p.dtype, p.element_size()
         nbytes = p.numel() * size
+        if not _contiguous_cpu(p, wrapped, size, nbytes):
+            return False
         for column in columns:
             t = column[index]
-            # _contiguous_cpu, with the element count and size of its param (the same shape
-            # and dtype): contiguous, so the storage must hold [offset, offset + numel).
+            # Its param's shape and dtype: its param's element size and byte count too.
             if (type(t) is not Tensor or t.dtype is not dtype or t.shape != shape
-                    or not t.is_cpu or t.requires_grad or not t.is_contiguous() or wrapped(t)
-                    or t.is_neg()
-                    or t.storage_offset() * size + nbytes > t.untyped_storage().nbytes()):
+                    or not _contiguous_cpu(t, wrapped, size, nbytes)):
                 return False
     return True
 
@@ -137,12 +136,13 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _contiguous_cpu(t: Tensor, wrapped) -> bool:
-    # A tensor with the negative bit (torch._neg_view) holds -t in memory: the kernels would
-    # read it raw.
+def _contiguous_cpu(t: Tensor, wrapped, size: int, nbytes: int) -> bool:
+    """A plain CPU tensor of ``nbytes`` bytes of ``size``-byte elements, contiguous, so its
+    storage must hold ``[offset, offset + nbytes)``. A tensor with the negative bit
+    (torch._neg_view) holds -t in memory: the kernels would read it raw."""
     return (t.is_cpu and not t.requires_grad and t.is_contiguous() and not wrapped(t)
-            and not t.is_neg() and (t.storage_offset() + t.numel()) * t.element_size()
-            <= t.untyped_storage().nbytes())
+            and not t.is_neg()
+            and t.storage_offset() * size + nbytes <= t.untyped_storage().nbytes())
 
 
 def _check_storage(t: Tensor, what: str) -> None:

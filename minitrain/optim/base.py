@@ -274,9 +274,9 @@ class Rule(NamedTuple):
     step_scalars: Callable[[Any], Any] = lambda step: step
     # The streaming kernel this rule runs on CPU float32 leaves: ``streaming(step, lr,
     # weight_decay) -> (kernel rule, hyperparameters, buffer names in the kernel's slot order
-    # (None for a slot left empty))``, or None where only ``fast_step`` applies (maximize). An
+    # (None for a slot left empty))``; None where only ``fast_step`` applies (maximize). An
     # update whose leaves kernel_ready accepted then calls the kernel directly (_stream_update).
-    streaming: Callable[[int, float, float], tuple[str, list, tuple] | None] | None = None
+    streaming: Callable[[int, float, float], tuple[str, list, tuple]] | None = None
 
 
 def make_optimizer(
@@ -492,9 +492,6 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     batches = layout.donated_batches if donate else layout.batches
     specs = [rule.streaming(done + 1, step_lr, decay_value if layout.decays[batch[0]] else 0.0)
              for batch in batches]
-    if any(spec is None for spec in specs):
-        return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
-                            values)
     plain_values = _plain_values([lr, weight_decay, *(v for spec in specs for v in spec[1])])
     specs = [(kernel, [float(value) for value in hyperparameters], names)
              for kernel, hyperparameters, names in specs]

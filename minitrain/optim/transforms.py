@@ -100,20 +100,14 @@ def _norm_and_scale(grads: Grads, leaves: list, max_norm: Any) -> tuple[Tensor, 
     with a number ``max_norm`` (no torch op after the pass), else a 0-d tensor."""
     # An int converts to float64 exactly up to 2**53 (one rounding to float32, as torch's).
     exact = type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
-    if exact and _kernel_norm(leaves):
-        norm = streaming.global_norm(leaves)
+    # ``tree.global_norm(grads)``; for float32 CPU leaves, one pass of the streaming kernels'
+    # sum of squares over all of them (torch's ``_foreach_norm`` then the norm of the norms, as
+    # in ``clip_grad_norm_``, otherwise).
+    kernel = _kernel_norm(leaves)
+    norm = streaming.global_norm(leaves) if kernel else tree.global_norm(grads)
+    if exact and kernel:
         return norm, clip_factor(float(norm), max_norm)
-    norm = _global_norm(grads, leaves)
     return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-
-
-def _global_norm(grads: Grads, leaves: list) -> Tensor:
-    """``tree.global_norm(grads)``; for float32 CPU leaves, one pass of the streaming kernels'
-    sum of squares over all of them (torch's ``_foreach_norm`` then the norm of the norms, as
-    in ``clip_grad_norm_``, otherwise)."""
-    if _kernel_norm(leaves):
-        return streaming.global_norm(leaves)
-    return tree.global_norm(grads)
 
 
 def _clip(grads: Grads, max_norm: float | int | Tensor) -> tuple[Grads, Tensor]:
