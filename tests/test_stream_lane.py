@@ -185,3 +185,30 @@ def test_a_negative_view_is_read_as_its_values(factory, kwargs, where):
     # The clip's norm of such grads is torch's (float32 sums), not the kernel's pass.
     torch.testing.assert_close(mt.optim.clip_by_global_norm(odd_grads, 1.0)[1],
                                mt.optim.clip_by_global_norm(grads, 1.0)[1], rtol=1e-6, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("impl", ["plain", "fast", "auto"])
+def test_a_schedule_runs_once_per_update_and_the_leaves_are_checked_once(impl, monkeypatch):
+    """The schedule is the caller's code: it runs before the one-pass check, so that check is
+    the last thing before a kernel and never has to run a second time."""
+    from minitrain.optim import _safety
+
+    checks = []
+    original = _safety.kernel_ready
+
+    def counted(*args):
+        checks.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(base, "kernel_ready", counted)
+    counts = []
+
+    def lr(count):
+        counts.append(int(count))
+        return 0.1
+
+    params, grads = _data(2)
+    _run(mt.optim.sgd(lr=lr, momentum=0.9, impl=impl), params, grads, donate=False)
+    assert counts == [0, 0, 1, 2]  # init's lr, then one call per update
+    assert len(checks) == len(grads)

@@ -23,8 +23,8 @@
    p * decay - lr * d with has_lr, else p + d (the rule's d is the whole step).
 
    minitrain_sumsq reduces sum(x * x) per leaf (the global-norm clip's one pass over the
-   grads), walked from the last chunk back to the first, so the lines it reads last are the
-   first ones the update after it reads.
+   grads), its chunks taken from the last back to the first (each chunk read upwards), so the
+   lines it reads last are the first ones the update after it reads.
 */
 #include <math.h>
 #include <stdint.h>
@@ -550,11 +550,13 @@ int minitrain_update(int rule, const double *hp, float *const *ptrs, const int64
 
 #define SUMSQ_BLOCK 4096 /* floats per block: summed in float vectors, then into a double */
 
-/* sum(x * x) over x[lo, hi), blocks taken from hi back to lo. */
+/* sum(x * x) over x[lo, hi), block by block from lo up to hi: an ascending walk keeps the
+   hardware prefetcher's stream going (measured on a 2-core EPYC after a fused AdamW step: 32 MB
+   of grads in 1.05 ms against 1.24-1.50 ms with the blocks taken from hi back to lo). */
 static double sumsq_range(const float *x, int64_t lo, int64_t hi) {
     double total = 0.0;
-    for (int64_t b = hi; b > lo;) {
-        const int64_t a = b - SUMSQ_BLOCK > lo ? b - SUMSQ_BLOCK : lo;
+    for (int64_t a = lo; a < hi;) {
+        const int64_t b = a + SUMSQ_BLOCK < hi ? a + SUMSQ_BLOCK : hi;
         vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
         int64_t i = a;
         for (; i + 4 * W <= b; i += 4 * W) {
@@ -574,7 +576,7 @@ static double sumsq_range(const float *x, int64_t lo, int64_t hi) {
         for (int k = 0; k < W; k++) block += (double)acc[k];
         for (; i < b; i++) block += (double)x[i] * (double)x[i];
         total += block;
-        b = a;
+        a = b;
     }
     return total;
 }

@@ -322,6 +322,9 @@ def make_optimizer(
         # The layout first: building one runs the caller's weight-decay mask, which must not
         # run between the one-pass check below and a kernel.
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
+        # The schedule's value next, once per update, for the same reason (a traced count
+        # leaves it to the plain path).
+        step_lr = lr if is_traced(state.count) else _lr_at(lr, int(state.count))
         ready = kernel_ready(param_leaves, grad_leaves, buffer_leaves)
         if ready:
             plain = use_plain_path(impl, [state.count], traced_candidates)
@@ -335,31 +338,31 @@ def make_optimizer(
             if safe is not None:
                 grad_leaves, buffer_leaves = safe
         if plain:
-            new_params, new_buffers, count, step_lr = _plain_update(
-                rule, param_leaves, grad_leaves, buffer_leaves, layout.decays, state.count, lr,
+            new_params, new_buffers, count, lr_tensor = _plain_update(
+                rule, param_leaves, grad_leaves, buffer_leaves, layout.decays, state.count, step_lr,
                 weight_decay,
             )
         elif compiled_step is not None and not donate:
             with pool.lock:
-                new_params, new_buffers, count, step_lr = _compiled_update(
+                new_params, new_buffers, count, lr_tensor = _compiled_update(
                     compiled_step, param_leaves, grad_leaves, buffer_leaves, layout.decays,
-                    state.count, lr, weight_decay, pool,
+                    state.count, step_lr, weight_decay, pool,
                 )
         elif ready and _streams(rule, param_leaves):
             with pool.lock:
-                new_params, new_buffers, count, step_lr = _stream_update(
-                    rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, lr,
+                new_params, new_buffers, count, lr_tensor = _stream_update(
+                    rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
                     weight_decay, None if donate else pool,
                 )
         else:
             with pool.lock:
-                new_params, new_buffers, count, step_lr = _fast_update(
-                    rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, lr,
+                new_params, new_buffers, count, lr_tensor = _fast_update(
+                    rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
                     weight_decay, None if donate else pool,
                 )
         new_state = state._replace(
             count=count,
-            lr=step_lr,
+            lr=lr_tensor,
             **{name: _flat.unflatten(spec, leaves) for name, leaves in new_buffers.items()},
         )
         return _flat.unflatten(spec, new_params), new_state
@@ -495,10 +498,10 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     plain_values = _plain_values([lr, weight_decay, *(v for spec in specs for v in spec[1])])
     specs = [(kernel, [float(value) for value in hyperparameters], names)
              for kernel, hyperparameters, names in specs]
-    # A schedule, or a hyperparameter of a tensor subclass, ran the caller's code after
-    # kernel_ready accepted the leaves: check them again, or that code could resize a storage
-    # and send the kernel out of bounds. (Failing, the rule's fast step runs, whose kernels
-    # check every leaf themselves.)
+    # A hyperparameter of a tensor subclass (or a schedule, where the caller did not take its
+    # value first) ran the caller's code after kernel_ready accepted the leaves: check them
+    # again, or that code could resize a storage and send the kernel out of bounds. (Failing,
+    # the rule's fast step runs, whose kernels check every leaf themselves.)
     if not plain_values and not kernel_ready(params, grads, buffers):
         return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
                             values)
