@@ -117,9 +117,22 @@ def test_bad_tensor_hyperparameters_are_refused_naming_them():
         mt.optim.adam(betas=(torch.tensor(0.9), 0.999))
 
 
+def _take_lane(lane, monkeypatch):
+    """Send the alias's updates down one lane: the direct kernel call (default), the rule's
+    fast step over the streaming kernel, or over torch's fused kernel."""
+    from minitrain.optim import base, streaming
+
+    if lane != "direct":
+        monkeypatch.setattr(base, "_streams", lambda rule, leaves: False)
+    if lane == "torch_fused":
+        monkeypatch.setattr(streaming, "usable", lambda tensors: False)
+
+
+@pytest.mark.parametrize("lane", ["direct", "fast_step", "torch_fused"])
 @pytest.mark.parametrize("decoupled", [False, True])
-def test_a_leading_clip_folds_into_the_lowered_update(decoupled):
+def test_a_leading_clip_folds_into_the_lowered_update(decoupled, lane, monkeypatch):
     params, grads = _data(3)
+    _take_lane(lane, monkeypatch)
 
     def make():
         return mt.optim.chain(

@@ -150,7 +150,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
     b1, b2 = scalar(beta1), scalar(beta2)
 
     def streaming_spec(step, lr, weight_decay):
-        factor = 1.0 if grad_scale is None else grad_scale.value
+        factor = 1.0 if grad_scale is None else grad_scale  # read by the kernel call, last
         hyperparameters = [
             b1, b2, eps, weight_decay, lr, lr / (1 - b1**step), math.sqrt(1 - b2**step),
             decoupled, amsgrad, factor,
@@ -160,13 +160,13 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
-        factor = 1.0 if grad_scale is None else grad_scale.value
         if streaming.usable([*ps, *gs, *sum(buffers.values(), [])]):
             _, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
             slots = [ps, gs, buffers["exp_avg"], buffers["exp_avg_sq"],
                      buffers.get("max_exp_avg_sq")]
             new_ps, *new_buffers = streaming.update("adam", hyperparameters, slots, outputs)
             return new_ps, dict(zip(buffers, new_buffers, strict=False))
+        factor = 1.0 if grad_scale is None else grad_scale.value
         if factor != 1.0:
             gs = torch._foreach_mul(gs, factor)
         ps = owned(ps, outputs)

@@ -20,7 +20,7 @@ from torch import Tensor
 from minitrain.optim import _flat
 from minitrain.optim._core import GradientTransformation, spec
 from minitrain.optim._transforms_rules import decayed
-from minitrain.optim.base import use_plain_path
+from minitrain.optim.base import LateScalar, use_plain_path
 
 __all__ = ["leaf_step", "maximized", "chain_lowering", "register_alias", "GradScale"]
 
@@ -130,11 +130,45 @@ def spec_tensors(tx: GradientTransformation) -> list[Tensor]:
     return found
 
 
-class GradScale(threading.local):
+class GradScale(threading.local, LateScalar):
     """A factor a lowered chain hands to an alias's fast step for this call only (per thread):
-    a global-norm clip's scale, multiplied into the grads inside the update's one pass."""
+    a global-norm clip's scale, multiplied into the grads inside the update's one pass.
 
-    value: float = 1.0
+    The chain :meth:`defer` s the scale; the update takes it when it first reads it (as the
+    kernel's last hyperparameter, after its checks, layout, buffers and pointer table): the
+    pass over the grads then runs right before the kernel that reads them again, with no
+    Python between the two that could run before either.
+
+    >>> scale = GradScale()
+    >>> scale.defer(lambda: 0.5)
+    >>> scale.value, scale.value, scale.pending
+    (0.5, 0.5, False)
+    """
+
+    def __init__(self) -> None:
+        self._value = 1.0
+        self._compute: Callable[[], float] | None = None
+
+    def defer(self, compute: Callable[[], float]) -> None:
+        self._value, self._compute = 1.0, compute
+
+    def reset(self) -> None:
+        self._value, self._compute = 1.0, None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the deferred scale was never read (so never applied)."""
+        return self._compute is not None
+
+    @property
+    def value(self) -> float:
+        if self._compute is not None:
+            compute, self._compute = self._compute, None
+            self._value = compute()
+        return self._value
+
+    def __float__(self) -> float:
+        return self.value
 
 
 def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type, core: str,
@@ -153,11 +187,14 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
         if use_plain_path("auto", [*leaves, *_flat.flatten(grads)[0]], hyperparameters):
             return None
         if clip_norm is not None and fold_clip is not None:
-            fold_clip.value = clip_scale(grads, clip_norm)
+            fold_clip.defer(lambda: clip_scale(grads, clip_norm))
             try:
-                return _update(grads, state, params, donate)
+                result = _update(grads, state, params, donate)
+                if fold_clip.pending:  # every path of the alias reads it; a new one must too
+                    raise RuntimeError("the lowered update never applied the clip's scale")
+                return result
             finally:
-                fold_clip.value = 1.0
+                fold_clip.reset()
         if clip_norm is not None:
             grads, _ = clip_by_global_norm(grads, clip_norm)
         return _update(grads, state, params, donate)

@@ -495,9 +495,10 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     batches = layout.donated_batches if donate else layout.batches
     specs = [rule.streaming(done + 1, step_lr, decay_value if layout.decays[batch[0]] else 0.0)
              for batch in batches]
-    plain_values = _plain_values([lr, weight_decay, *(v for spec in specs for v in spec[1])])
-    specs = [(kernel, [float(value) for value in hyperparameters], names)
-             for kernel, hyperparameters, names in specs]
+    plain_values = _plain_values([lr, weight_decay, *(
+        v for spec in specs for v in spec[1] if not isinstance(v, LateScalar))])
+    specs = [(kernel, [v if isinstance(v, LateScalar) else float(v) for v in hyperparameters],
+              names) for kernel, hyperparameters, names in specs]
     # A hyperparameter of a tensor subclass (or a schedule, where the caller did not take its
     # value first) ran the caller's code after kernel_ready accepted the leaves: check them
     # again, or that code could resize a storage and send the kernel out of bounds. (Failing,
@@ -524,6 +525,15 @@ def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any) -> tupl
     Python numbers where they are concrete."""
     done = int(count)
     return done, scalar(_lr_at(lr, done)), scalar(weight_decay)
+
+
+class LateScalar:
+    """A hyperparameter that minitrain's own code computes as a kernel is about to run (a
+    lowered chain's clip scale, from a pass over the grads): the kernel call takes its
+    ``float()`` last, after its buffers and pointer table are ready."""
+
+    def __float__(self) -> float:
+        raise NotImplementedError
 
 
 def _plain_values(values: list) -> bool:

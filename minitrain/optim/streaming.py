@@ -45,6 +45,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import SupportsFloat
 
 import torch
 import torch.utils._python_dispatch as _python_dispatch
@@ -336,7 +337,7 @@ def usable(tensors: Sequence[Tensor]) -> bool:
 
 def update(
     rule: str,
-    hyperparameters: Sequence[float | bool],
+    hyperparameters: Sequence[SupportsFloat],
     slots: Sequence[list[Tensor] | None],
     outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
     *,
@@ -346,7 +347,8 @@ def update(
     """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
-    rule, ``None`` for a buffer the rule does not use. The results go into ``outputs(like)``
+    rule, ``None`` for a buffer the rule does not use; each hyperparameter's ``float()`` is taken
+    last, right before the kernel runs. The results go into ``outputs(like)``
     buffers, written with streaming stores when the update touches :data:`STREAMING_BYTES` or
     more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores
