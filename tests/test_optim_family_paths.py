@@ -325,11 +325,31 @@ def test_bench_optim_family_flag_adds_the_family_rows():
     assert "family" not in plain
     assert set(plain["results"]["adamw"]["paired_median_ratios"]) == {"pure", "donate"}
     assert all(entry["paired_median_ratio"] > 0 and entry["donate_over_peer"] > 0
-               for entry in plain["chains"].values())
+               and entry["pure_over_torch_chain"] > 0 for entry in plain["chains"].values())
     text = CliRunner().invoke(optim, [*tiny[:-1], "--family", "--member", "lion"]).output
     ratio_lines = [line for line in text.splitlines() if "x" in line and "/" in line]
     assert len(ratio_lines) == 3 and all("paired" in line for line in ratio_lines), text
     assert plain["cold"] is False
+
+
+def test_the_chain_rows_torch_stepper_runs_the_same_chain():
+    """The chain row's torch side (clip_grad_norm_, the fused step, an LRScheduler) makes the
+    update the hand-built chain makes, over two steps (its grads clipped in place the first
+    time, so the second clip leaves them within 1e-6 of the first's)."""
+    from minitrain.bench import optim as bench
+
+    params = bench.make_params(3, (8, 8), "cpu")
+    grads = bench.make_params(3, (8, 8), "cpu", seed=1)
+    _, cls, kwargs, flag = bench.OPTIMIZERS["adamw"]
+    ours = bench.MinitrainStepper(bench.hand_built_adamw, {}, params, grads, donate=False)
+    theirs = bench.TorchClipStepper(cls, kwargs, flag, params, grads, 1.0,
+                                    bench.hand_built_schedule(kwargs["lr"]))
+    for _ in range(2):
+        ours()
+        theirs()
+    assert not torch.equal(ours.params[0], params[0])
+    for a, b in zip(ours.params, theirs.params, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)
 
 
 def test_bench_optim_cold_flushes_the_cache_before_every_timed_update(monkeypatch):
@@ -354,8 +374,9 @@ def test_bench_optim_cold_flushes_the_cache_before_every_timed_update(monkeypatc
     result = CliRunner().invoke(optim, args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["cold"] is True
-    # 2 rounds x 1 call: sgd's 4 steppers, then the chain's 3 (torch, pure, donated)
-    assert len(flushes) == 2 * 4 + 2 * 3
+    # 2 rounds x 1 call: sgd's 4 steppers, then the chain's 4 (torch, pure, donated, torch's
+    # clip + step)
+    assert len(flushes) == 2 * 4 + 2 * 4
     refused = CliRunner().invoke(optim, [*args[:-1], "--device", "cuda"])
     assert refused.exit_code != 0
 

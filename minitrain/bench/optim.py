@@ -63,6 +63,11 @@ def register(name: str, factory: Callable[..., Any], cls: type, kwargs: dict[str
     OPTIMIZERS[name] = (factory, cls, dict(kwargs), flag)
 
 
+def hand_built_schedule(lr: float = 1e-3) -> Callable[[int], float]:
+    """The hand-built chain's lr schedule: cosine over 10,000 updates after 10 of warmup."""
+    return mt.optim.cosine_schedule(lr, decay_steps=10_000, warmup_steps=10)
+
+
 def hand_built_adamw(lr: float = 1e-3, weight_decay: float = 1e-2, max_norm: float = 1.0,
                      impl: str = "auto") -> mt.optim.Optimizer:
     """A chain built by hand: clip by global norm, Adam, decoupled weight decay, cosine schedule.
@@ -72,7 +77,7 @@ def hand_built_adamw(lr: float = 1e-3, weight_decay: float = 1e-2, max_norm: flo
     ['clip_by_global_norm', 'scale_by_adam', 'add_decayed_weights', 'scale_by_learning_rate']
     """
     del impl  # the chain chooses its path itself
-    schedule = mt.optim.cosine_schedule(lr, decay_steps=10_000, warmup_steps=10)
+    schedule = hand_built_schedule(lr)
     return mt.optim.as_optimizer(mt.optim.chain(
         mt.optim.clip_by_global_norm(max_norm), mt.optim.scale_by_adam(),
         mt.optim.add_decayed_weights(weight_decay), mt.optim.scale_by_learning_rate(schedule),
@@ -103,6 +108,24 @@ class TorchStepper:
 
     def __call__(self) -> None:
         self.optimizer.step()
+
+
+class TorchClipStepper(TorchStepper):
+    """What a torch user runs for a clip + AdamW + schedule chain: ``clip_grad_norm_`` (foreach),
+    the fused ``step()``, then an ``LRScheduler``'s ``step()`` following ``schedule``."""
+
+    def __init__(self, cls: type, kwargs: dict, flag: str, params: list, grads: list,
+                 max_norm: float, schedule: Callable[[int], float]):
+        super().__init__(cls, kwargs, flag, params, grads)
+        self.max_norm = max_norm
+        base_lr = kwargs.get("lr", 1e-3)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: float(schedule(step)) / base_lr)
+
+    def __call__(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        self.optimizer.step()
+        self.scheduler.step()
 
 
 class MinitrainStepper:
@@ -290,11 +313,16 @@ def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: i
             f"torch_{flag}": TorchStepper(cls, kwargs, flag, params, grads),
             "minitrain_pure": MinitrainStepper(factory, {}, params, grads, donate=False),
             "minitrain_donate": MinitrainStepper(factory, {}, params, grads, donate=True),
+            # Not the target's peer: what torch runs for the same chain, for the reader.
+            f"torch_clip_{flag}": TorchClipStepper(cls, kwargs, flag, params, grads, 1.0,
+                                                  hand_built_schedule(kwargs.get("lr", 1e-3))),
         }
         times = time_rounds(steppers, rounds, inner, device, flush)
         seconds = best_rounds(times)
         peer = seconds[f"torch_{flag}"]
         results[name] = {"peer": f"{row} torch_{flag}", "seconds": seconds,
+                         "pure_over_torch_chain": paired_median_ratio(
+                             times, "minitrain_pure", f"torch_clip_{flag}"),
                          "pure_over_peer": seconds["minitrain_pure"] / peer,
                          "donate_over_peer": seconds["minitrain_donate"] / peer,
                          "target": target,

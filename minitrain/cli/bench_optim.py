@@ -84,7 +84,9 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
                    f"(paired {entry['paired_median_ratio']:.2f}x; target <= {entry['target']}x)"
                    f"   donate: {entry['donate_over_peer']:.2f}x "
-                   f"(paired {entry['paired_median_donate_ratio']:.2f}x)")
+                   f"(paired {entry['paired_median_donate_ratio']:.2f}x)"
+                   f"   pure / torch's clip_grad_norm_ + step: "
+                   f"{entry['pure_over_torch_chain']:.2f}x (paired)")
     for name, entry in result.get("family", {}).items():
         if "skipped" in entry:
             click.echo(f"  {name:13s} skipped: {entry['skipped']}")
