@@ -118,6 +118,9 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
 STACK_BYTES = 32 * 2**20
 # Matrices with a side under this run one at a time (see _newton_schulz_stack).
 STACK_MIN_SIDE = 32
+# Matrices whose sides are all at least this run one at a time with their symmetric products
+# in halves (_newton_schulz_halves), where that gives the same bits, instead of stacked.
+HALVES_MIN_SIDE = 1024
 
 
 def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None
@@ -175,6 +178,9 @@ def _can_compare(matrices: list[Tensor]) -> bool:
 # (shape, dtype, device, stack size, threads, GEMM settings, coefficients, steps, eps) ->
 # whether a batched run gives the same bits as one matrix at a time (_stacking_is_exact).
 _STACK_IS_EXACT: dict[tuple, bool] = {}
+# (shape, dtype, device, threads, GEMM settings, ...) -> whether _newton_schulz_halves gives
+# newton_schulz's bits (_halves_are_exact).
+_HALVES_ARE_EXACT: dict[tuple, bool] = {}
 
 
 def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Scalar, Scalar],
@@ -195,21 +201,33 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
     step predictor traces them) or watched by a dispatch mode (the accounting ``Counter``,
     ``FlopCounterMode``; as the optimizers' streaming kernels give way to torch's ops there):
     nothing is then compared, counted twice, or predicted other than it is measured.
+    Matrices with both sides at least ``HALVES_MIN_SIDE`` run one at a time with their
+    symmetric products in halves instead (:func:`_newton_schulz_halves`), checked the same
+    way (:func:`_halves_are_exact`).
     """
     def alone() -> list[Tensor]:
         return [newton_schulz(m, coefficients, steps, eps) for m in matrices]
 
     first = matrices[0]
-    if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE or torch.compiler.is_compiling() \
+    if min(first.shape) < STACK_MIN_SIDE or torch.compiler.is_compiling() \
             or not all(m.is_contiguous() for m in matrices) \
             or any(torch._C._functorch.is_functorch_wrapped_tensor(m) for m in matrices) \
             or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)) \
             or not _can_compare(matrices):
         return alone()
-    key = (tuple(first.shape), first.dtype, first.device, len(matrices), torch.get_num_threads(),
-           torch.backends.mkldnn.enabled,
-           torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-           tuple(coefficients), steps, eps)
+    settings = (torch.get_num_threads(), torch.backends.mkldnn.enabled,
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                tuple(coefficients), steps, eps)
+    if min(first.shape) >= HALVES_MIN_SIDE:
+        key = (tuple(first.shape), first.dtype, first.device, *settings)
+        exact = _HALVES_ARE_EXACT.get(key)
+        if exact is None:
+            exact = _HALVES_ARE_EXACT[key] = _halves_are_exact(first, coefficients, steps, eps)
+        if exact:
+            return [_newton_schulz_halves(m, coefficients, steps, eps) for m in matrices]
+    if len(matrices) == 1:
+        return alone()
+    key = (tuple(first.shape), first.dtype, first.device, len(matrices), *settings)
     exact = _STACK_IS_EXACT.get(key)
     if exact is None:
         exact = _STACK_IS_EXACT[key] = _stacking_is_exact(first, len(matrices), coefficients,
@@ -217,6 +235,44 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
     if not exact:
         return alone()
     return list(newton_schulz(_bf16_stack(matrices), coefficients, steps, eps).unbind(0))
+
+
+def _newton_schulz_halves(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar], steps: int,
+                          eps: Scalar) -> Tensor:
+    """:func:`newton_schulz` of one matrix with the symmetric products in halves: the Gram
+    matrix ``X X^T`` and its update ``b G + c G G`` are symmetric, so the rows of ``X`` split
+    in two give three of their four blocks (``X1 X1^T``, ``X1 X2^T``, ``X2 X2^T``) and the
+    fourth is a transpose. Those two GEMMs of the step's three cost 3/4: a sixth of the step's
+    FLOPs saved (measured on a 2-core EPYC, 1024 x 1024: 12% faster; 768: 3%; 512: 10%
+    slower, hence :data:`HALVES_MIN_SIDE`). Each element is the same dot product as in the
+    whole GEMM; :func:`_halves_are_exact` checks that the kernels sum it alike."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm().clamp(min=eps)
+    h = x.size(0) // 2
+    for _ in range(steps):
+        x1, x2 = x[:h], x[h:]
+        g11, g12, g22 = x1 @ x1.mT, x1 @ x2.mT, x2 @ x2.mT
+        g1, g2 = torch.cat([g11, g12], 1), torch.cat([g12.mT, g22], 1)  # the Gram's rows
+        u11 = torch.addmm(g11, g1, g1.mT, beta=b, alpha=c)
+        u12 = torch.addmm(g12, g1, g2.mT, beta=b, alpha=c)
+        u22 = torch.addmm(g22, g2, g2.mT, beta=b, alpha=c)
+        update = torch.cat([torch.cat([u11, u12], 1), torch.cat([u12.mT, u22], 1)], 0)
+        x = torch.addmm(x, update, x, beta=a)
+    return x.mT if tall else x
+
+
+def _halves_are_exact(like: Tensor, coefficients: tuple[Scalar, Scalar, Scalar], steps: int,
+                      eps: Scalar) -> bool:
+    """Whether a random matrix shaped like ``like`` gets the same bits from
+    :func:`_newton_schulz_halves` as from :func:`newton_schulz` (a fixed seed)."""
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(like.shape, generator=generator).to(like.device, like.dtype)
+    return torch.equal(_newton_schulz_halves(probe, coefficients, steps, eps),
+                       newton_schulz(probe, coefficients, steps, eps))
 
 
 def _bf16_stack(matrices: list[Tensor]) -> Tensor:

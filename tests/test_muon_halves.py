@@ -1,0 +1,77 @@
+"""Muon's Newton-Schulz with its symmetric products in halves (large matrices): torch's bits,
+taken only where a check on random matrices proved them equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+import minitrain as mt
+from minitrain.optim import _muon
+
+COEFFICIENTS = _muon.NS_COEFFICIENTS
+
+
+def _against_torch(shapes, steps=2, seed=7):
+    """Muon's fast path and torch.optim.Muon side by side: equal params every step."""
+    g = torch.Generator().manual_seed(seed)
+    params = {f"m{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+    ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    torch_opt = torch.optim.Muon(list(ref.values()), lr=0.02)
+    opt = mt.optim.muon(lr=0.02)
+    ours, state = params, opt.init(params)
+    for _ in range(steps):
+        grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        ours, state = opt.update(grads, state, ours)
+        for k, p in ref.items():
+            assert torch.equal(ours[k], p.detach()), k
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (65, 48), (48, 97), (33, 33)])
+@pytest.mark.parametrize("steps", [5, 2])
+def test_halves_compute_torchs_newton_schulz_where_the_check_says_so(shape, steps):
+    """Whatever this machine's GEMMs do, the check's verdict is right for its probe, and
+    where it says exact the halves give torch's own function's bits on other data too."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    exact = _muon._halves_are_exact(x, COEFFICIENTS, steps, _muon.EPS)
+    probe = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    same = torch.equal(_muon._newton_schulz_halves(probe, COEFFICIENTS, steps, _muon.EPS),
+                       _zeropower_via_newtonschulz(probe, COEFFICIENTS, steps, _muon.EPS))
+    assert exact == same
+    if exact:
+        assert torch.equal(_muon._newton_schulz_halves(x, COEFFICIENTS, steps, _muon.EPS),
+                           _zeropower_via_newtonschulz(x, COEFFICIENTS, steps, _muon.EPS))
+
+
+def test_large_matrices_take_the_halves_and_keep_torchs_bits(monkeypatch):
+    monkeypatch.setattr(_muon, "HALVES_MIN_SIDE", 64)
+    monkeypatch.setattr(_muon, "_HALVES_ARE_EXACT", {})
+    taken = []
+    halves = _muon._newton_schulz_halves
+    monkeypatch.setattr(_muon, "_newton_schulz_halves",
+                        lambda g, *a: taken.append(tuple(g.shape)) or halves(g, *a))
+    _against_torch([(64, 80)] * 3 + [(96, 64), (40, 48)])
+    checked = list(_muon._HALVES_ARE_EXACT.values())
+    assert len(checked) == 2  # one check per shape of 64 or more on both sides
+    if all(checked):  # 2 steps x (3 + 1) matrices, plus one probe per shape
+        assert len(taken) == 2 * 4 + 2 and (40, 48) not in taken
+
+
+def test_halves_that_round_differently_are_never_taken(monkeypatch):
+    """A GEMM library whose half-size products round differently costs the saving, never the
+    bits: the check refuses them and the result stays torch's."""
+    monkeypatch.setattr(_muon, "HALVES_MIN_SIDE", 64)
+    monkeypatch.setattr(_muon, "_HALVES_ARE_EXACT", {})
+    halves = _muon._newton_schulz_halves
+    monkeypatch.setattr(_muon, "_newton_schulz_halves", lambda g, *a: halves(g, *a) + 2**-8)
+    _against_torch([(64, 80)] * 2)
+    assert list(_muon._HALVES_ARE_EXACT.values()) == [False]
+
+
+def test_a_1024_matrix_equals_torch_optim_muon():
+    """The size the halves are for (HALVES_MIN_SIDE), with the real threshold."""
+    _against_torch([(1024, 1024)], steps=1)
