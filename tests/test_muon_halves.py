@@ -57,8 +57,8 @@ def test_large_matrices_take_the_halves_and_keep_torchs_bits(monkeypatch):
     _against_torch([(64, 80)] * 3 + [(96, 64), (40, 48)])
     checked = list(_muon._HALVES_ARE_EXACT.values())
     assert len(checked) == 2  # one check per shape of 64 or more on both sides
-    if all(checked):  # 2 steps x (3 + 1) matrices, plus one probe per shape
-        assert len(taken) == 2 * 4 + 2 and (40, 48) not in taken
+    if all(checked):  # 2 steps x (3 + 1) matrices, plus two probes per shape
+        assert len(taken) == 2 * 4 + 2 * 2 and (40, 48) not in taken
 
 
 def test_halves_that_round_differently_are_never_taken(monkeypatch):

@@ -4,8 +4,9 @@ Every optimizer updates 8 fp32 params of 1024×1024 with fixed random grads. The
 registry ``OPTIMIZERS`` (add one with :func:`register`); ``CHAINS`` holds chains of
 transformations built by hand, each timed against an aliased row's peer (the hand-built
 clip + Adam + weight decay + schedule chain against fused AdamW, target 1.5x), pure and donated
-as the aliases are. The command line
-is ``minitrain bench optim`` (``minitrain.cli.bench_optim``).
+as the aliases are, and against what torch runs for the same chain (``clip_grad_norm_``, the
+fused step, an ``LRScheduler``). The command line is ``minitrain bench optim``
+(``minitrain.cli.bench_optim``).
 Per optimizer, one process times, round by round interleaved (so all see the same machine
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
 no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation

@@ -134,26 +134,35 @@ class GradScale(threading.local, LateScalar):
     """A factor a lowered chain hands to an alias's fast step for this call only (per thread):
     a global-norm clip's scale, multiplied into the grads inside the update's one pass.
 
-    The chain :meth:`defer` s the scale; the update takes it when it first reads it (as the
-    kernel's last hyperparameter, after its checks, layout, buffers and pointer table): the
-    pass over the grads then runs right before the kernel that reads them again, with no
-    Python between the two that could run before either.
+    The chain sets it with :meth:`defer`: a float, or a function computing it that runs none
+    of the caller's code (:func:`~minitrain.optim.transforms.clip_scale_later`), which the update
+    calls when it first reads the scale (as the kernel's last hyperparameter, after its checks,
+    layout, buffers and pointer table): the pass over the grads then runs right before the
+    kernel that reads them again. :meth:`restore` puts back what an enclosing call had set (an
+    update of the same chain inside a schedule has its own).
 
     >>> scale = GradScale()
-    >>> scale.defer(lambda: 0.5)
+    >>> before = scale.defer(lambda: 0.5)
     >>> scale.value, scale.value, scale.pending
     (0.5, 0.5, False)
+    >>> scale.restore(before); scale.value
+    1.0
     """
 
     def __init__(self) -> None:
         self._value = 1.0
         self._compute: Callable[[], float] | None = None
 
-    def defer(self, compute: Callable[[], float]) -> None:
-        self._value, self._compute = 1.0, compute
+    def defer(self, scale: float | Callable[[], float]) -> tuple[float, Any]:
+        previous = (self._value, self._compute)
+        if callable(scale):
+            self._value, self._compute = 1.0, scale
+        else:
+            self._value, self._compute = scale, None
+        return previous
 
-    def reset(self) -> None:
-        self._value, self._compute = 1.0, None
+    def restore(self, previous: tuple[float, Any]) -> None:
+        self._value, self._compute = previous
 
     @property
     def pending(self) -> bool:
@@ -178,23 +187,27 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
     read into ``state_type`` (fields ``count``, ``lr`` and buffers) and written back. With
     ``fold_clip``, a leading ``clip_by_global_norm`` computes only its scale and ``optimizer``
     multiplies the grads by it (the same float32 products as clipping first)."""
-    from minitrain.optim.transforms import clip_by_global_norm, clip_scale
+    from minitrain.optim._safety import _dense
+    from minitrain.optim.transforms import clip_by_global_norm, clip_scale_later
 
     hyperparameters = spec_tensors(tx)
 
     def lowered(grads, state, params, donate):
         leaves = _flat.flatten(params)[0]
-        if use_plain_path("auto", [*leaves, *_flat.flatten(grads)[0]], hyperparameters):
+        grad_leaves = _flat.flatten(grads)[0]
+        if use_plain_path("auto", [*leaves, *grad_leaves], hyperparameters):
             return None
         if clip_norm is not None and fold_clip is not None:
-            fold_clip.defer(lambda: clip_scale(grads, clip_norm))
+            if not all(_dense(p) for p in leaves):
+                return None  # the alias would take its plain path, which has no fold
+            previous = fold_clip.defer(clip_scale_later(grads, grad_leaves, clip_norm))
             try:
                 result = _update(grads, state, params, donate)
-                if fold_clip.pending:  # every path of the alias reads it; a new one must too
+                if fold_clip.pending:  # every fast path of the alias reads it
                     raise RuntimeError("the lowered update never applied the clip's scale")
                 return result
             finally:
-                fold_clip.reset()
+                fold_clip.restore(previous)
         if clip_norm is not None:
             grads, _ = clip_by_global_norm(grads, clip_norm)
         return _update(grads, state, params, donate)

@@ -24,7 +24,7 @@
 
    minitrain_sumsq reduces sum(x * x) per leaf (the global-norm clip's one pass over the
    grads), its chunks taken from the last back to the first (each chunk read upwards), so the
-   lines it reads last are the first ones the update after it reads.
+   last chunks it reads are the first ones the update after it reads.
 */
 #include <math.h>
 #include <stdint.h>
@@ -583,7 +583,7 @@ static double sumsq_range(const float *x, int64_t lo, int64_t hi) {
 
 /* out[leaf] = sum of x * x over leaf `leaf` (float32, sizes[leaf] elements), accumulated in
    double, on up to n_threads threads. Chunks are taken from the last to the first, so the
-   lines read last are the first ones an update after it reads; each chunk's sum is kept and
+   chunks read last are the first ones an update after it reads; each chunk's sum is kept and
    a leaf's chunks are added in order, so the result does not depend on the threads. Returns
    0, or -2 when out of memory. */
 int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_leaves,

@@ -325,7 +325,9 @@ def make_optimizer(
         # The schedule's value next, once per update, for the same reason (a traced count
         # leaves it to the plain path).
         step_lr = lr if is_traced(state.count) else _lr_at(lr, int(state.count))
-        ready = kernel_ready(param_leaves, grad_leaves, buffer_leaves)
+        # A count of a tensor subclass would run the caller's code again when read below.
+        ready = type(state.count) is Tensor and kernel_ready(param_leaves, grad_leaves,
+                                                             buffer_leaves)
         if ready:
             plain = use_plain_path(impl, [state.count], traced_candidates)
         else:
@@ -528,9 +530,9 @@ def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any) -> tupl
 
 
 class LateScalar:
-    """A hyperparameter that minitrain's own code computes as a kernel is about to run (a
-    lowered chain's clip scale, from a pass over the grads): the kernel call takes its
-    ``float()`` last, after its buffers and pointer table are ready."""
+    """A hyperparameter computed as a kernel is about to run, by code that runs none of the
+    caller's (a lowered chain's clip scale, from a pass over the grads): the kernel call takes
+    its ``float()`` last, after its buffers and pointer table are ready."""
 
     def __float__(self) -> float:
         raise NotImplementedError

@@ -50,6 +50,7 @@ from typing import SupportsFloat
 import torch
 import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
+from torch.utils._device import DeviceContext
 
 __all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
            "decode_div", "float32", "fresh", "global_norm", "sum_of_squares", "usable", "update"]
@@ -289,6 +290,14 @@ def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
                 and (n == 0 or (t.storage_offset() + n) * 4 <= t.untyped_storage().nbytes())
             ):
                 p = slots[0][leaf]
+                held = t.untyped_storage().nbytes()
+                if t.dtype is float32 and t.is_contiguous() and t.numel() == n and \
+                        (t.storage_offset() + n) * 4 > held:
+                    raise ValueError(
+                        f"streaming slot {index} leaf {leaf}: a {tuple(t.shape)} tensor whose "
+                        f"storage holds {held} bytes (was it resized?); pass tensors whose "
+                        f"storage holds them"
+                    )
                 raise ValueError(
                     f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} "
                     f"{t.device} stride {t.stride()} does not match its param "
@@ -318,20 +327,36 @@ def available() -> bool:
     return _library() is not None
 
 
+def watched() -> bool:
+    """Whether a ``TorchFunctionMode`` other than torch's default-device one is active: it would
+    see (and could act on) the torch calls an update makes between its checks and a kernel
+    (the buffers' allocation, the pointers), so the kernels give way to torch's ops.
+
+    >>> watched()
+    False
+    """
+    if not torch._C._is_torch_function_mode_enabled():
+        return False
+    return any(not isinstance(mode, DeviceContext)
+               for mode in torch.overrides._get_current_function_mode_stack())
+
+
 def usable(tensors: Sequence[Tensor]) -> bool:
-    """Whether an update over these tensors can run here: all CPU, float32, contiguous, and no
-    ``TorchDispatchMode`` watching (the accounting ``Counter`` and ``FlopCounterMode`` count
-    aten ops, which a C kernel would hide from them; torch's kernels run instead).
+    """Whether an update over these tensors can run here: all plain (not subclassed) CPU,
+    float32, contiguous tensors, and no ``TorchDispatchMode`` watching (the accounting
+    ``Counter`` and ``FlopCounterMode`` count aten ops, which a C kernel would hide from them;
+    torch's kernels run instead), nor a ``TorchFunctionMode`` (:func:`watched`).
 
     >>> usable([torch.ones(2, dtype=torch.bfloat16)])
     False
     """
-    if _python_dispatch._get_current_dispatch_mode() is not None or not available():
+    if _python_dispatch._get_current_dispatch_mode() is not None or watched() \
+            or not available():
         return False
-    float32 = torch.float32
+    float32, plain = torch.float32, (Tensor, torch.nn.Parameter)
     return all(
-        t.dtype is float32 and t.is_cpu and not t.requires_grad and t.is_contiguous()
-        and not t.is_neg() for t in tensors
+        type(t) in plain and t.dtype is float32 and t.is_cpu and not t.requires_grad
+        and t.is_contiguous() and not t.is_neg() for t in tensors
     )
 
 
@@ -348,7 +373,8 @@ def update(
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
     rule, ``None`` for a buffer the rule does not use; each hyperparameter's ``float()`` is taken
-    last, right before the kernel runs. The results go into ``outputs(like)``
+    last, right before the kernel runs (so it must run none of the caller's code:
+    ``base.LateScalar``). The results go into ``outputs(like)``
     buffers, written with streaming stores when the update touches :data:`STREAMING_BYTES` or
     more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores

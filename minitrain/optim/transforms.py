@@ -8,6 +8,7 @@ clipping and is the public index of them all.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,32 @@ def clip_scale(grads: Grads, max_norm: float | int | Tensor) -> float:
     leaves = _flat.flatten(grads)[0]
     scale_ = _norm_and_scale(grads, leaves, max_norm)[1]
     return scale_ if isinstance(scale_, float) else float(scale_)
+
+
+def clip_scale_later(grads: Grads, leaves: list, max_norm: float | int | Tensor
+                     ) -> float | Callable[[], float]:
+    """:func:`clip_scale` of ``grads`` (flattened: ``leaves``), or a function that computes it
+    when called, where that runs none of the caller's code: a Python-number ``max_norm``, and
+    plain float32 CPU leaves that the kernels' pass takes, with no torch mode active. A lowered
+    chain calls it after the update's checks, as the kernel is about to run (the pass re-checks
+    the leaves' storage; a torch mode entered meanwhile is refused).
+
+    >>> later = clip_scale_later(None, [torch.tensor([3.0, 4.0])], 1.0)
+    >>> later() if callable(later) else later
+    0.19999995827674866
+    """
+    check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
+    exact = type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
+    if not (exact and _kernel_norm(leaves)):
+        return clip_scale(grads, max_norm)
+
+    def later() -> float:
+        if not streaming.usable(()):
+            raise RuntimeError("a torch mode was entered during an update with a clip; enter it "
+                               "before the update instead")
+        return clip_factor(float(streaming.global_norm(leaves)), max_norm)
+
+    return later
 
 
 def clip_factor(norm: float, max_norm: float | int) -> float:

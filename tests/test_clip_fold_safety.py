@@ -1,0 +1,139 @@
+"""A lowered chain's clip scale, computed as the kernel is about to run: never from the
+caller's code (a tensor-subclass max_norm, a torch mode), never dropped (non-dense params, an
+update nested in a schedule), and an optimizer's count of a tensor subclass read before the
+leaves are checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import minitrain as mt
+from minitrain.optim import streaming
+
+needs_kernels = pytest.mark.skipif(
+    not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
+)
+
+# Frees the param's and grad's storage from the caller's code at a chosen moment of an update.
+SHRINKERS = {
+    "max-norm-subclass": """
+victim = []
+class Evil(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if victim and getattr(func, "__name__", "") in ("__rtruediv__", "__truediv__", "div"):
+            for t in victim: t.untyped_storage().resize_(0)
+            victim.clear()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+opt = mt.optim.as_optimizer(mt.optim.chain(
+    mt.optim.clip_by_global_norm(torch.tensor(1.0).as_subclass(Evil)), mt.optim.scale_by_adam(),
+    mt.optim.scale_by_learning_rate(1e-3)))
+p, g = {"w": torch.randn(1 << 22)}, {"w": torch.randn(1 << 22)}
+state = opt.init(p); victim += [p["w"], g["w"]]
+opt.update(g, state, p, donate=DONATE)
+""",
+    "count-subclass": """
+victim, seen = [], []
+class EvilCount(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__int__", "__index__", "item"):
+            seen.append(1)
+            if victim and len(seen) == 2:
+                for t in victim: t.untyped_storage().resize_(0)
+                victim.clear()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+opt = mt.optim.adamw(lr=1e-3)
+p, g = {"w": torch.randn(1 << 22)}, {"w": torch.randn(1 << 22)}
+state = opt.init(p)
+state = state._replace(count=state.count.as_subclass(EvilCount)); victim += [p["w"], g["w"]]
+opt.update(g, state, p, donate=DONATE)
+""",
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", SHRINKERS)
+def test_the_callers_code_cannot_shrink_a_storage_the_kernel_reads(case, donate):
+    code = "import torch, minitrain as mt\n" + SHRINKERS[case].replace("DONATE", str(donate))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "MINITRAIN_TYPECHECK": "0"})
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])  # not a signal
+    last = out.stderr.strip().splitlines()[-1]
+    # named by the leaf's name, or by its slot in the kernel's last guard
+    assert last.startswith("ValueError") and ("'w'" in last or "resized" in last), last
+
+
+def _chain(lr=0.1):
+    return mt.optim.chain(mt.optim.clip_by_global_norm(0.1), mt.optim.scale_by_adam(eps=1.0),
+                          mt.optim.scale_by_learning_rate(lr))
+
+
+def _by_the_chain(params, grads):
+    tx = _chain()
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return mt.optim.apply_updates(params, updates)
+
+
+def test_non_dense_params_keep_the_clip():
+    params = {"w": torch.ones(4, 8)[:, ::2]}
+    grads = {"w": torch.full((4, 4), 10.0)}
+    opt = mt.optim.as_optimizer(_chain())
+    new, _ = opt.update(grads, opt.init(params), params)
+    torch.testing.assert_close(new["w"], _by_the_chain(params, grads)["w"])
+
+
+def test_an_update_inside_a_schedule_keeps_the_outer_updates_clip():
+    box = {}
+
+    def schedule(count):
+        if "opt" in box and not box.get("done"):
+            box["done"] = True
+            inner = {"w": torch.ones(4)}
+            box["opt"].update({"w": torch.ones(4)}, box["opt"].init(inner), inner)
+        return 0.1
+
+    opt = box["opt"] = mt.optim.as_optimizer(_chain(schedule))
+    params, grads = {"w": torch.ones(8)}, {"w": torch.full((8,), 10.0)}
+    new, _ = opt.update(grads, opt.init(params), params)
+    assert box["done"]
+    torch.testing.assert_close(new["w"], _by_the_chain(params, grads)["w"])
+
+
+class _Watching(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@needs_kernels
+def test_a_torch_function_mode_sees_torchs_ops_not_a_kernel(monkeypatch):
+    """A function mode (the caller's code) would see the calls between the checks and a
+    kernel: the kernels give way to torch's ops, as under a dispatch mode."""
+    calls = []
+    original = streaming.update
+    monkeypatch.setattr(streaming, "update", lambda *a, **k: calls.append(1) or original(*a, **k))
+    params, grads = {"w": torch.randn(300)}, {"w": torch.randn(300)}
+    opt = mt.optim.as_optimizer(_chain())
+    want, _ = opt.update(grads, opt.init(params), params)
+    assert calls
+    calls.clear()
+    with _Watching() as mode:
+        got, _ = opt.update(grads, opt.init(params), params)
+    assert not calls and mode.calls > 0
+    torch.testing.assert_close(got["w"], want["w"])
+    with torch.device("cpu"):  # torch's default-device mode is not the caller's code
+        assert streaming.usable([params["w"]])
