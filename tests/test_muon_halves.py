@@ -7,28 +7,14 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-import minitrain as mt
 from minitrain.optim import _muon
+from tests.muon_harness import muon_run_against_torch
 
 COEFFICIENTS = _muon.NS_COEFFICIENTS
 
 
-def _against_torch(shapes, steps=2, seed=7):
-    """Muon's fast path and torch.optim.Muon side by side: equal params every step."""
-    g = torch.Generator().manual_seed(seed)
-    params = {f"m{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
-    ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
-    torch_opt = torch.optim.Muon(list(ref.values()), lr=0.02)
-    opt = mt.optim.muon(lr=0.02)
-    ours, state = params, opt.init(params)
-    for _ in range(steps):
-        grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
-        for k, p in ref.items():
-            p.grad = grads[k].clone()
-        torch_opt.step()
-        ours, state = opt.update(grads, state, ours)
-        for k, p in ref.items():
-            assert torch.equal(ours[k], p.detach()), k
+def _against_torch(shapes, steps=2):
+    muon_run_against_torch(steps=steps, shapes=shapes)
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (65, 48), (48, 97), (33, 33)])

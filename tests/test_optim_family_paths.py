@@ -13,6 +13,7 @@ from lion_pytorch import Lion
 from schedulefree import AdamWScheduleFree
 
 import minitrain as mt
+from tests.muon_harness import muon_run_against_torch
 
 ALIASES = {
     "adadelta": (mt.optim.adadelta, dict(weight_decay=0.1, maximize=True)),
@@ -476,24 +477,7 @@ def test_muon_fast_path_is_torch_optim_muon_bit_for_bit(kwargs, donate, stack_by
     assert int(state[0][0].count) == int(state[-1].count) == len(grads_seq)
 
 
-def _muon_run_against_torch(steps=3, shapes=((40, 48),) * 4, zero_first=False):
-    """Muon's fast path and torch.optim.Muon side by side; asserts equal params each step
-    (``zero_first``: the first grads are zeros, as for a zero-initialised projection)."""
-    g = torch.Generator().manual_seed(5)
-    params = {f"m{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
-    ref = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
-    torch_opt = torch.optim.Muon(list(ref.values()), lr=0.02)
-    opt = mt.optim.muon(lr=0.02)
-    ours, state = params, opt.init(params)
-    for step in range(steps):
-        grads = {k: torch.randn(p.shape, generator=g) * (step > 0 or not zero_first)
-                 for k, p in params.items()}
-        for k, p in ref.items():
-            p.grad = grads[k].clone()
-        torch_opt.step()
-        ours, state = opt.update(grads, state, ours)
-        for k, p in ref.items():
-            assert torch.equal(ours[k], p.detach()), k
+_muon_run_against_torch = muon_run_against_torch
 
 
 def _counting_newton_schulz(monkeypatch, batched_result):

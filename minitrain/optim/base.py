@@ -532,10 +532,8 @@ def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any) -> tupl
 class LateScalar:
     """A hyperparameter computed as a kernel is about to run, by code that runs none of the
     caller's (a lowered chain's clip scale, from a pass over the grads): the kernel call takes
-    its ``float()`` last, after its buffers and pointer table are ready."""
-
-    def __float__(self) -> float:
-        raise NotImplementedError
+    its ``float()`` (which a subclass defines) last, after its buffers and pointer table are
+    ready."""
 
 
 def _plain_values(values: list) -> bool:
