@@ -69,7 +69,10 @@ def clip_scale(grads: Grads, max_norm: float | int | Tensor) -> float:
     0.19999995827674866
     """
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
-    leaves = _flat.flatten(grads)[0]
+    return _scale_of(grads, _flat.flatten(grads)[0], max_norm)
+
+
+def _scale_of(grads: Grads, leaves: list, max_norm: Any) -> float:
     scale_ = _norm_and_scale(grads, leaves, max_norm)[1]
     return scale_ if isinstance(scale_, float) else float(scale_)
 
@@ -87,9 +90,8 @@ def clip_scale_later(grads: Grads, leaves: list, max_norm: float | int | Tensor
     0.19999995827674866
     """
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
-    exact = type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
-    if not (exact and _kernel_norm(leaves)):
-        return clip_scale(grads, max_norm)
+    if not (_exact_number(max_norm) and _kernel_norm(leaves)):
+        return _scale_of(grads, leaves, max_norm)
 
     def later() -> float:
         if not streaming.usable(()):
@@ -122,17 +124,21 @@ def _kernel_norm(leaves: list) -> bool:
         streaming.usable(leaves) and all(streaming._storage_holds(g) for g in leaves)
 
 
+def _exact_number(max_norm: Any) -> bool:
+    """Whether ``max_norm`` is a Python number :func:`clip_factor` takes exactly: a float, or an
+    int up to 2**53 (which converts to float64 exactly: one rounding to float32, as torch's)."""
+    return type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
+
+
 def _norm_and_scale(grads: Grads, leaves: list, max_norm: Any) -> tuple[Tensor, Tensor | float]:
     """The global norm of ``grads`` and the clip's factor: a Python float on the kernels' path
     with a number ``max_norm`` (no torch op after the pass), else a 0-d tensor."""
-    # An int converts to float64 exactly up to 2**53 (one rounding to float32, as torch's).
-    exact = type(max_norm) is float or type(max_norm) is int and abs(max_norm) <= 2**53
     # ``tree.global_norm(grads)``; for float32 CPU leaves, one pass of the streaming kernels'
     # sum of squares over all of them (torch's ``_foreach_norm`` then the norm of the norms, as
     # in ``clip_grad_norm_``, otherwise).
     kernel = _kernel_norm(leaves)
     norm = streaming.global_norm(leaves) if kernel else tree.global_norm(grads)
-    if exact and kernel:
+    if kernel and _exact_number(max_norm):
         return norm, clip_factor(float(norm), max_norm)
     return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
