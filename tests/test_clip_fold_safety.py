@@ -46,7 +46,7 @@ class EvilCount(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in ("__int__", "__index__", "item"):
             seen.append(1)
-            if victim and len(seen) == 2:
+            if victim and len(seen) == NTH:  # at the NTH read of the count
                 for t in victim: t.untyped_storage().resize_(0)
                 victim.clear()
         with torch._C.DisableTorchFunctionSubclass():
@@ -60,17 +60,37 @@ opt.update(g, state, p, donate=DONATE)
 }
 
 
-@needs_kernels
-@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
-@pytest.mark.parametrize("case", SHRINKERS)
-def test_the_callers_code_cannot_shrink_a_storage_the_kernel_reads(case, donate):
-    code = "import torch, minitrain as mt\n" + SHRINKERS[case].replace("DONATE", str(donate))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "MINITRAIN_TYPECHECK": "0"})
+def _run_shrinker(case: str, donate: bool, nth: int = 1) -> subprocess.CompletedProcess:
+    code = "import torch, minitrain as mt\n" + SHRINKERS[case].replace(
+        "DONATE", str(donate)).replace("NTH", str(nth)) + "print('intact' if victim else 'shrunk')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MINITRAIN_TYPECHECK": "0"})
+
+
+def _assert_named_error(out: subprocess.CompletedProcess) -> None:
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])  # not a signal
     last = out.stderr.strip().splitlines()[-1]
     # named by the leaf's name, or by its slot in the kernel's last guard
     assert last.startswith("ValueError") and ("'w'" in last or "resized" in last), last
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", SHRINKERS)
+def test_the_callers_code_cannot_shrink_a_storage_the_kernel_reads(case, donate):
+    _assert_named_error(_run_shrinker(case, donate))
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_a_later_read_of_a_subclass_count_is_checked_too(donate):
+    # An update may read the count once (then no shrink comes) or again: any later read must
+    # come before the leaves are checked, so a shrink there is a named error, not a signal.
+    out = _run_shrinker("count-subclass", donate, nth=2)
+    if out.returncode == 0:
+        assert out.stdout.strip() == "intact", out.stdout
+    else:
+        _assert_named_error(out)
 
 
 def _chain(lr=0.1):

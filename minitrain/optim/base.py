@@ -324,7 +324,8 @@ def make_optimizer(
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         # The schedule's value next, once per update, for the same reason (a traced count
         # leaves it to the plain path).
-        step_lr = lr if is_traced(state.count) else _lr_at(lr, int(state.count))
+        done = None if is_traced(state.count) else int(state.count)
+        step_lr = lr if done is None else _lr_at(lr, done)
         # A count of a tensor subclass would run the caller's code again when read below.
         ready = type(state.count) is Tensor and kernel_ready(param_leaves, grad_leaves,
                                                              buffer_leaves)
@@ -354,13 +355,13 @@ def make_optimizer(
             with pool.lock:
                 new_params, new_buffers, count, lr_tensor = _stream_update(
                     rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
-                    weight_decay, None if donate else pool,
+                    weight_decay, None if donate else pool, done,
                 )
         else:
             with pool.lock:
                 new_params, new_buffers, count, lr_tensor = _fast_update(
                     rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
-                    weight_decay, None if donate else pool,
+                    weight_decay, None if donate else pool, done=done,
                 )
         new_state = state._replace(
             count=count,
@@ -438,13 +439,13 @@ def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay)
 
 
 def _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
-                 values=None):
+                 values=None, done=None):
     """The rule's batched fast step over each batch; ``values``: :func:`_step_values` already
-    taken (so a schedule runs once per update)."""
+    taken (so a schedule runs once per update); ``done``: ``int(count)`` already read."""
     donate = pool is None
     if pool is not None:
         pool.begin_update()
-    done, step_lr, decay_value = values or _step_values(count, lr, weight_decay)
+    done, step_lr, decay_value = values or _step_values(count, lr, weight_decay, done)
     new_params = list(params)
     new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
     with torch.no_grad():
@@ -487,12 +488,13 @@ def _streams(rule: Rule, params: list[Tensor]) -> bool:
     return all(p.dtype is float32 for p in params)
 
 
-def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool):
+def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
+                   done=None):
     """:func:`_fast_update` for leaves the streaming kernels take as they are: each batch is one
     kernel call, with no per-leaf checks beyond kernel_ready's (its outputs come from the pool,
     which hands out buffers of each param's shape, or are the donated inputs themselves)."""
     donate = pool is None
-    values = _step_values(count, lr, weight_decay)
+    values = _step_values(count, lr, weight_decay, done)
     done, step_lr, decay_value = values
     batches = layout.donated_batches if donate else layout.batches
     specs = [rule.streaming(done + 1, step_lr, decay_value if layout.decays[batch[0]] else 0.0)
@@ -522,10 +524,12 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     return new_params, new_buffers, _next_count(count, done, donate), _lr_tensor(step_lr)
 
 
-def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any) -> tuple[int, Any, Any]:
-    """The updates done so far, this update's lr (the schedule's value) and weight decay, as
-    Python numbers where they are concrete."""
-    done = int(count)
+def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any,
+                 done: int | None = None) -> tuple[int, Any, Any]:
+    """The updates done so far (``done``, where ``int(count)`` was read already: on a cache
+    swept by the last update each ``item()`` costs tens of microseconds), this update's lr (the
+    schedule's value) and weight decay, as Python numbers where they are concrete."""
+    done = int(count) if done is None else done
     return done, scalar(_lr_at(lr, done)), scalar(weight_decay)
 
 
