@@ -30,6 +30,7 @@ from minitrain.optim.base import (
     is_traced,
     scalar,
     use_plain_path,
+    zero_count,
 )
 from minitrain.tree import Params
 
@@ -129,7 +130,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         spec = tree.structure(params)
         columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True))
         first_lr = lr(0) if schedule else lr
-        return ScaleByAdafactorState(torch.zeros((), dtype=torch.int64), _f32(first_lr),
+        return ScaleByAdafactorState(zero_count(), _f32(first_lr),
                                      *(tree.unflatten(spec, list(c)) for c in columns))
 
     def update(updates, state, params=None):
@@ -164,7 +165,9 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
 
 
 def _f32(value: Any) -> Tensor:
-    return torch.as_tensor(value, dtype=torch.float32).detach().clone()
+    if isinstance(value, Tensor):
+        return value.detach().to(torch.float32).clone()
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
 
 
 def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:
@@ -320,7 +323,7 @@ def _kernel_step(g, p, row_var, col_var, step, sign, h, out, nontemporal):
     rho = min(h["lr"], 1 / math.sqrt(step))
     row_sums, col_sums, p_sumsq = streaming.adafactor_stats(g, p)
     root_numel = math.sqrt(p.numel())
-    p_norm = torch.tensor(p_sumsq, dtype=torch.float64).sqrt().to(torch.float32)
+    p_norm = torch.tensor(p_sumsq, dtype=torch.float64, device="cpu").sqrt().to(torch.float32)
     alpha = torch.clamp(p_norm / root_numel, min=h["eps2"]) * rho
     # vector_norm(g, dim=-1).square() / n: here from float64 sums of squares
     row_var = torch.lerp(row_var, (row_sums / n).to(torch.float32).reshape(m, 1),
@@ -331,7 +334,8 @@ def _kernel_step(g, p, row_var, col_var, step, sign, h, out, nontemporal):
     rows, cols = row_var.reshape(m), col_var.reshape(n)
     hp = [denom, eps1 * eps1, sign, 0.0, 0.0]
     scaled_sumsq = streaming.adafactor_apply(g, p, rows, cols, hp)
-    scaled_norm = torch.tensor(scaled_sumsq, dtype=torch.float64).sqrt().to(torch.float32)
+    scaled_norm = torch.tensor(scaled_sumsq, dtype=torch.float64, device="cpu").sqrt().to(
+        torch.float32)
     clip = torch.clamp(scaled_norm / (root_numel * h["d"]), min=1)
     coef = float(-alpha / clip)
     lr_wd = h["lr"] * h["weight_decay"] if h["weight_decay"] != 0 else 0.0

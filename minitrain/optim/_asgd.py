@@ -82,7 +82,9 @@ def asgd_kernel(step, hyper, per_step):
 
 
 def _f32(value: Any) -> Tensor:
-    return torch.as_tensor(value, dtype=torch.float32).clone()
+    if isinstance(value, Tensor):
+        return value.to(torch.float32).clone()
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
 
 
 def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4,

@@ -104,7 +104,9 @@ class BufferPool:
             # Its storage was resized by hand (``resize_``): an op writing ``out=`` it would
             # write past the end. Forget it.
             self._held[key] = [held for held in self._held[key] if held[0] is not alias]
-        buffer = torch.empty_strided(key[0], key[1], dtype=key[2])
+        # CPU by name: under torch.set_default_device('cuda' or 'meta') a kernel would get a
+        # pointer it cannot write.
+        buffer = torch.empty_strided(key[0], key[1], dtype=key[2], device="cpu")
         self._nbytes.setdefault(key, buffer.untyped_storage().nbytes())
         held = self._held.setdefault(key, [])
         # Two generations (inputs and outputs) at most: a caller that keeps older generations
@@ -150,7 +152,7 @@ def _storage_uses(t: Tensor) -> int:
 def _alone() -> int:
     """The use count of a storage held by one tensor (measured on first use, not at import:
     the module may first be imported under a functorch transform, whose tensors have none)."""
-    return _storage_uses(torch.empty(1))
+    return _storage_uses(torch.empty(1, device="cpu"))
 
 
 def _storage_refs(t: Tensor) -> int:
@@ -164,7 +166,7 @@ def _storage_refs(t: Tensor) -> int:
 @functools.cache
 def _storage_refs_alone() -> int:
     """:func:`_storage_refs` of a storage whose object nobody else holds."""
-    return _storage_refs(torch.empty(1))
+    return _storage_refs(torch.empty(1, device="cpu"))
 
 
 def _only_alias_left(alias: Tensor) -> bool:

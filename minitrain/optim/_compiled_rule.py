@@ -18,11 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from minitrain.optim.base import host_tensor
+
 __all__ = ["CompiledChain"]
 
 
 def _scalar(value: Any, dtype: torch.dtype) -> Tensor:
-    return torch.as_tensor(value, dtype=dtype).detach().reshape(())
+    return host_tensor(value, dtype).detach().reshape(())
 
 
 class CompiledChain:

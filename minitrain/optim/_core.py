@@ -72,6 +72,7 @@ from minitrain.optim.base import (
     is_traced,
     scalar,
     use_plain_path,
+    zero_count,
 )
 from minitrain.tree import Grads, OptState, Params
 
@@ -340,7 +341,7 @@ def leafwise(
     """
     hyper = {key: hyperparameter(key, value) for key, value in (hyperparams or {}).items()}
     if state_type is None:
-        buffers = tuple(init_leaf(torch.zeros(1)))
+        buffers = tuple(init_leaf(torch.zeros(1, device="cpu")))
         state_type = _state_type(name, buffers)
     else:
         fields = tuple(state_type._fields)
@@ -357,7 +358,7 @@ def leafwise(
                     f"{name}: init_leaf returned buffers {tuple(leaf_buffers)}, expected {buffers}"
                 )
         return state_type(
-            torch.zeros((), dtype=torch.int64),
+            zero_count(),
             *(() if unused(per_leaf, key) else
               _pytree.tree_unflatten([b[key] for b in per_leaf], treespec) for key in buffers),
         )
@@ -391,7 +392,7 @@ def leafwise(
                 new_u, new_buffers = _batched(
                     update_leaf, g_leaves, p_leaves, buffer_leaves, step, numbers
                 )
-            count = torch.tensor(step, dtype=torch.int64)
+            count = torch.tensor(step, dtype=torch.int64, device="cpu")
         return _pytree.tree_unflatten(new_u, treespec), state_type(
             count, *(() if _empty(getattr(state, key)) else
                      _pytree.tree_unflatten(new_buffers[key], treespec) for key in buffers)

@@ -394,7 +394,7 @@ class _Plan:
         new_fields = {f: _pytree.tree_unflatten(new_buffers[f], spec) if f in new_buffers
                       else getattr(inner, f) for f in self.buffers()}
         new_state[self.rule_index] = self.rule.state_type(
-            torch.tensor(step, dtype=torch.int64), **kept, **new_fields)
+            torch.tensor(step, dtype=torch.int64, device="cpu"), **kept, **new_fields)
         return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
 
     def buffers(self) -> tuple[str, ...]:
@@ -468,7 +468,7 @@ class _Plan:
             _pytree.tree_unflatten(list(new_buffers[field]), spec)
             for field in self.buffers()
         }
-        count = torch.tensor(step, dtype=torch.int64)
+        count = torch.tensor(step, dtype=torch.int64, device="cpu")
         return out, rule.state_type(count, **kept, **fields)
 
     def advance(self, inner, step: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -487,7 +487,7 @@ class _Plan:
         if self.schedule:
             check_hyperparameter("lr (from the schedule)", lr, 0.0)
         lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
-            float(lr), dtype=torch.float32)
+            float(lr), dtype=torch.float32, device="cpu")
         new_state[-1] = type(lr_state)(lr_state.count + 1, lr_tensor)
         return scalar(lr)
 
@@ -513,6 +513,6 @@ class _Plan:
                      flags, ps_out, buffers_out)
         fields = {f: () if f not in buffers_out else _pytree.tree_unflatten(buffers_out[f], spec)
                   for f in self.buffers()}
-        new_state[self.rule_index] = rule.state_type(torch.tensor(step, dtype=torch.int64),
-                                                     **kept, **fields)
+        new_state[self.rule_index] = rule.state_type(
+            torch.tensor(step, dtype=torch.int64, device="cpu"), **kept, **fields)
         return _pytree.tree_unflatten(ps_out, spec), tuple(new_state)

@@ -77,7 +77,7 @@ def _rule(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
     return Rule("scale_by_nadam", ScaleByNadamState,
                 lambda p: {"exp_avg": zeros(p), "exp_avg_sq": zeros(p)}, nadam_leaf,
                 dict(beta1=beta1, beta2=beta2, eps=eps),
-                scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32)},
+                scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
                 advance=advance, kernel=nadam_kernel)
 
 
@@ -105,7 +105,7 @@ def scale_by_nadam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
 def _float32(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.to(torch.float32).to(value.dtype)
-    return float(torch.tensor(value, dtype=torch.float32))
+    return float(torch.tensor(value, dtype=torch.float32, device="cpu"))
 
 
 def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,

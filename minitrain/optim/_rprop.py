@@ -15,7 +15,7 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
-from minitrain.optim.base import Optimizer, scalar
+from minitrain.optim.base import Optimizer, host_tensor, scalar
 from minitrain.tree import Params
 
 __all__ = ["rprop", "scale_by_rprop", "ScaleByRpropState"]
@@ -58,7 +58,7 @@ def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
     check_range("step_sizes[1]", largest, scalar(smallest))
     init_leaf = lambda p: {"prev": zeros(p), "step_size": torch.full_like(  # noqa: E731
         p, scalar(lr), memory_format=torch.preserve_format)}
-    initial = torch.as_tensor(lr, dtype=torch.float32)
+    initial = host_tensor(lr, torch.float32)
     return Rule("scale_by_rprop", ScaleByRpropState, init_leaf, rprop_leaf,
                 dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
                      step_size_max=largest),

@@ -26,7 +26,7 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
-from minitrain.optim.base import Optimizer, check_hyperparameter
+from minitrain.optim.base import Optimizer, check_hyperparameter, host_tensor
 from minitrain.tree import Params
 
 __all__ = [
@@ -76,7 +76,7 @@ def _weights(step, lr, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_m
     else:
         sched = (k + 1) / warmup_steps if k < warmup_steps else 1.0
     lr_t = lr * sched
-    lr_max = torch.maximum(torch.as_tensor(lr_t, dtype=torch.float64), lr_max) if traced or \
+    lr_max = torch.maximum(host_tensor(lr_t, torch.float64), lr_max) if traced or \
         isinstance(lr_t, Tensor) else max(lr_t, lr_max)
     weight = (k + 1) ** r * lr_max**weight_lr_power
     weight_sum = weight_sum + weight
@@ -113,7 +113,7 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
     first_lr = lr / warmup_steps if warmup_steps else lr
 
     def f64(value: Any):
-        return lambda: torch.tensor(float(value), dtype=torch.float64)
+        return lambda: torch.tensor(float(value), dtype=torch.float64, device="cpu")
 
     return Rule(
         "scale_by_schedule_free_adamw", ScheduleFreeAdamwState,
@@ -121,9 +121,9 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
                    "exp_avg_sq": zeros(p)},
         schedule_free_leaf,
         dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
-        scalars={"b1": lambda: torch.as_tensor(beta1, dtype=torch.float64).clone(),
+        scalars={"b1": lambda: host_tensor(beta1, torch.float64).clone(),
                  "weight_sum": f64(0.0), "lr_max": f64(-1.0),
-                 "lr": lambda: torch.as_tensor(first_lr, dtype=torch.float32).clone()},
+                 "lr": lambda: host_tensor(first_lr, torch.float32).clone()},
         advance=advance, needs_params=True, kernel=schedule_free_kernel,
     )
 

@@ -33,6 +33,7 @@ from minitrain.optim.base import (
     is_traced,
     scalar,
     use_plain_path,
+    zero_count,
 )
 from minitrain.tree import Params
 
@@ -140,7 +141,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
         return learning_rate
 
     def init(params):
-        return ScaleByLearningRateState(torch.zeros((), dtype=torch.int64), _f32(lr_at(0)))
+        return ScaleByLearningRateState(zero_count(), _f32(lr_at(0)))
 
     def update(updates, state, params=None):
         lr = lr_at(state.count)
@@ -154,7 +155,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
 def _f32(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from minitrain.optim._core import (
     select_extra_args,
     tagged,
 )
-from minitrain.optim.base import is_traced
+from minitrain.optim.base import is_traced, zero_count
 from minitrain.tree import Params
 
 __all__ = [
@@ -191,7 +191,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         raise ValueError(f"invalid every_k={every_k!r}: pass a positive int")
 
     def init(params):
-        zero = torch.zeros((), dtype=torch.int64)
+        zero = zero_count()
         return MultiStepsState(zero, zero.clone(), inner.init(params), tree.zeros_like(params))
 
     def update(updates, state, params=None, **extra):
@@ -211,7 +211,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
             zeros = tree.map(torch.zeros_like, updates)
             return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
         new, inner_state = inner.update(acc, state.inner_state, params, **extra)
-        return new, MultiStepsState(torch.zeros((), dtype=torch.int64), state.gradient_step + 1,
+        return new, MultiStepsState(zero_count(), state.gradient_step + 1,
                                     inner_state, tree.map(torch.zeros_like, acc))
 
     forwards_extra_args(update, [inner])
@@ -248,19 +248,20 @@ def apply_if_finite(inner: GradientTransformation,
     """
 
     def init(params):
-        zero = torch.zeros((), dtype=torch.int64)
-        return ApplyIfFiniteState(zero, torch.tensor(True), zero.clone(), inner.init(params))
+        zero = zero_count()
+        return ApplyIfFiniteState(zero, torch.tensor(True, device="cpu"), zero.clone(),
+                                  inner.init(params))
 
     def update(updates, state, params=None, **extra):
         check_extra_args("apply_if_finite", update.extra_args, extra)
         new, inner_state = inner.update(updates, state.inner_state, params, **extra)
         leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
-            torch.tensor(True))
+            torch.tensor(True, device="cpu"))
         if max_consecutive_errors is not None:
             finite = finite | (state.notfinite_count >= max_consecutive_errors)
         if not is_traced(finite) and bool(finite):
-            return new, ApplyIfFiniteState(torch.zeros((), dtype=torch.int64), finite,
+            return new, ApplyIfFiniteState(zero_count(), finite,
                                            state.total_notfinite, inner_state)
         if not is_traced(finite):
             return tree.map(torch.zeros_like, new), ApplyIfFiniteState(
@@ -301,7 +302,7 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
     decay = hyperparameter("decay", decay)
 
     def init(params):
-        return EmaState(torch.zeros((), dtype=torch.int64), tree.map(torch.clone, params))
+        return EmaState(zero_count(), tree.map(torch.clone, params))
 
     def update(updates, state, params=None):
         if params is None:
@@ -359,7 +360,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
             return out
 
         def init(params):
-            count = torch.zeros((), dtype=torch.int64)
+            count = zero_count()
             hyper = values(count)
             return InjectHyperparamsState(count, hyper, factory(**static, **hyper).init(params))
 
@@ -382,4 +383,4 @@ def _hyper_tensor(name: str, value: Any) -> Tensor:
     value = hyperparameter(name, value)
     if isinstance(value, Tensor):
         return value if value.is_floating_point() else value.to(torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu")

@@ -307,7 +307,7 @@ def make_optimizer(
             for name in rule.buffers
         }
         unused = {field: () for field in state_type._fields[2:] if field not in buffers}
-        count = torch.zeros((), dtype=torch.int64)
+        count = zero_count()
         return state_type(count=count, lr=_lr_tensor(_lr_at(lr, 0)), **buffers, **unused)
 
     def update(
@@ -399,6 +399,27 @@ def _lr_at(lr: ScalarOrSchedule, count: Any) -> Any:
     return lr
 
 
+def zero_count() -> Tensor:
+    """A state's update count, 0-d int64 on the host: counts, lrs and flags of a state stay
+    on the CPU (as with no default device set) under ``torch.set_default_device``.
+
+    >>> zero_count()
+    tensor(0)
+    """
+    return torch.zeros((), dtype=torch.int64, device="cpu")
+
+
+def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
+    """``torch.as_tensor(value, dtype=dtype)``, a Python number made on the CPU whatever
+    ``torch.set_default_device`` says (a tensor stays on its device).
+
+    >>> host_tensor(0.5, torch.float64)
+    tensor(0.5000, dtype=torch.float64)
+    """
+    return torch.as_tensor(value, dtype=dtype,
+                           device=value.device if isinstance(value, Tensor) else "cpu")
+
+
 def _lr_tensor(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(torch.float32)
@@ -406,8 +427,8 @@ def _lr_tensor(value: Any) -> Tensor:
     if abs(value) <= _FLOAT32_MAX:
         # torch.tensor's value on a shorter path (half the time an update starts with cold
         # caches); scalar_tensor refuses what float32 cannot hold, which torch.tensor makes inf.
-        return torch.scalar_tensor(value, dtype=torch.float32)
-    return torch.tensor(value, dtype=torch.float32)
+        return torch.scalar_tensor(value, dtype=torch.float32, device="cpu")
+    return torch.tensor(value, dtype=torch.float32, device="cpu")
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -475,7 +496,9 @@ def _scatter(batch: list[int], batch_params: list, batch_buffers: dict[str, list
 
 def _next_count(count: Tensor, done: int, donate: bool) -> Tensor:
     """The state's new update count: the donated count incremented in place, else a new one."""
-    return count.add_(1) if donate else torch.scalar_tensor(done + 1, dtype=torch.int64)
+    if donate:
+        return count.add_(1)
+    return torch.scalar_tensor(done + 1, dtype=torch.int64, device="cpu")
 
 
 def _streams(rule: Rule, params: list[Tensor]) -> bool:
@@ -584,17 +607,17 @@ def _compiled_update(kernel, params, grads, buffers, decays, count, lr, weight_d
     done = int(count)
     step_lr = scalar(_lr_at(lr, done))
     # 0-d tensors, not Python numbers, so that a new step or lr does not trigger a recompile.
-    step = torch.tensor(done + 1, dtype=torch.float64)
-    lr_tensor = torch.tensor(step_lr, dtype=torch.float64)
-    decay_tensor = torch.tensor(scalar(weight_decay), dtype=torch.float64)
-    no_decay = torch.zeros((), dtype=torch.float64)
+    step = torch.tensor(done + 1, dtype=torch.float64, device="cpu")
+    lr_tensor = torch.tensor(step_lr, dtype=torch.float64, device="cpu")
+    decay_tensor = torch.tensor(scalar(weight_decay), dtype=torch.float64, device="cpu")
+    no_decay = torch.zeros((), dtype=torch.float64, device="cpu")
     new_params = [pool.empty_like(p) for p in params]
     new_buffers = {name: [pool.empty_like(b) for b in leaves] for name, leaves in buffers.items()}
     with torch.no_grad():
         kernel(params, grads, buffers, step, lr_tensor,
                [decay_tensor if decay else no_decay for decay in decays],
                new_params, new_buffers)
-    new_count = torch.tensor(done + 1, dtype=torch.int64)
+    new_count = torch.tensor(done + 1, dtype=torch.int64, device="cpu")
     return new_params, new_buffers, new_count, _lr_tensor(step_lr)
 
 

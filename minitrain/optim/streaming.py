@@ -474,7 +474,7 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
     if isinstance(scale, Tensor) and (type(scale) is not Tensor or scale.numel() != 1
                                       or scale.device.type != "cpu"):
         return None
-    out = torch.empty(codes.shape, dtype=torch.float32)
+    out = torch.empty(codes.shape, dtype=torch.float32, device="cpu")
     status = library.minitrain_decode_div(
         codes.data_ptr(), table.data_ptr(), float(scale), out.data_ptr(), codes.numel(),
         max(1, torch.get_num_threads()),
@@ -502,7 +502,8 @@ def global_norm(leaves: Sequence[Tensor]) -> Tensor:
     # one tensor op fewer than building a float64 tensor and casting it, and on a cache swept by
     # the pass each torch op costs tens of microseconds (measured: 160 us against 246 us).
     squares = array.array("f", sum_of_squares(leaves))
-    norms = torch.frombuffer(squares, dtype=torch.float32) if squares else torch.zeros(0)
+    norms = torch.frombuffer(squares, dtype=torch.float32) if squares else \
+        torch.zeros(0, device="cpu")
     return torch.linalg.vector_norm(norms.sqrt(), 2)
 
 
@@ -556,10 +557,10 @@ def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
     """
     library, (m, n) = _adafactor_leaf(g, p)
     threads = max(1, torch.get_num_threads())
-    rows = torch.empty(m, dtype=torch.float64)
-    cols = torch.empty(n, dtype=torch.float64)
+    rows = torch.empty(m, dtype=torch.float64, device="cpu")
+    cols = torch.empty(n, dtype=torch.float64, device="cpu")
     out = array.array("d", [0.0])
-    scratch = torch.empty(threads * (n + 1), dtype=torch.float64)
+    scratch = torch.empty(threads * (n + 1), dtype=torch.float64, device="cpu")
     status = library.minitrain_adafactor_stats(
         g.data_ptr(), p.data_ptr(), m, n, threads, rows.data_ptr(), cols.data_ptr(),
         out.buffer_info()[0], scratch.data_ptr())
