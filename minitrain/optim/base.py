@@ -526,6 +526,10 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
         v for spec in specs for v in spec[1] if not isinstance(v, LateScalar))])
     specs = [(kernel, [v if isinstance(v, LateScalar) else float(v) for v in hyperparameters],
               names) for kernel, hyperparameters, names in specs]
+    # The state's new lr and count are made before the kernels, not after: the first torch ops
+    # after a pass that swept the caches cost about 0.1 ms more (the lr first: a tensor lr's
+    # cast may run the caller's code, which the check below covers).
+    lr_tensor = _lr_tensor(step_lr)
     # A hyperparameter of a tensor subclass (or a schedule, where the caller did not take its
     # value first) ran the caller's code after kernel_ready accepted the leaves: check them
     # again, or that code could resize a storage and send the kernel out of bounds. (Failing,
@@ -533,6 +537,7 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     if not plain_values and not kernel_ready(params, grads, buffers):
         return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
                             values)
+    new_count = _next_count(count, done, donate)
     if pool is not None:
         pool.begin_update()
     new_params = list(params)
@@ -544,7 +549,7 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
                                                         verified=True)
         _scatter(batch, batch_params, {name: leaves for name, leaves in zip(
             names, batch_buffers, strict=True) if name is not None}, new_params, new_buffers)
-    return new_params, new_buffers, _next_count(count, done, donate), _lr_tensor(step_lr)
+    return new_params, new_buffers, new_count, lr_tensor
 
 
 def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any,
