@@ -598,3 +598,15 @@ def test_muon_fast_path_with_a_schedule_equals_its_chain():
         for k in params:
             torch.testing.assert_close(fast[k], plain[k], rtol=1e-6, atol=1e-7)
     assert float(fast_state[-1].lr) == float(plain_state[-1].lr)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_stacking_check_is_redone_for_another_cuda_gemm_library(monkeypatch):
+    """cuBLAS and cuBLASLt may round a batched run differently: the check's cache key holds
+    the GEMM library torch prefers."""
+    _, _muon = _counting_newton_schulz(monkeypatch, lambda stack, alone: alone)
+    matrices = [torch.randn(64, 64, device="cuda") for _ in range(2)]
+    for library in ("cublas", "cublaslt"):
+        monkeypatch.setattr(_muon, "_blas_library", lambda library=library: library)
+        _muon.newton_schulz_each(matrices)
+    assert len(_muon._STACK_IS_EXACT) == 2

@@ -165,6 +165,13 @@ def newton_schulz_each(matrices: list[Tensor], coefficients: tuple[Scalar, Scala
     return out
 
 
+def _blas_library() -> str:
+    """The CUDA GEMM library torch prefers now (cuBLAS, cuBLASLt, ...): a batched and a
+    one-at-a-time run may round alike with one and not with another, so it is in the keys of
+    the checks' caches."""
+    return str(torch.backends.cuda.preferred_blas_library())
+
+
 def _can_compare(matrices: list[Tensor]) -> bool:
     """Whether two results can be computed and compared here: real data, no dispatch mode
     that would count (or fake) the check, and no CUDA graph being captured."""
@@ -217,7 +224,7 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
         return alone()
     settings = (torch.get_num_threads(), torch.backends.mkldnn.enabled,
                 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-                tuple(coefficients), steps, eps)
+                _blas_library() if first.is_cuda else None, tuple(coefficients), steps, eps)
     if min(first.shape) >= HALVES_MIN_SIDE and first.device.type == "cpu" \
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled \
             and all(type(m) in (Tensor, torch.nn.Parameter) for m in matrices):
