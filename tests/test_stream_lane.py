@@ -212,3 +212,27 @@ def test_a_schedule_runs_once_per_update_and_the_leaves_are_checked_once(impl, m
     _run(mt.optim.sgd(lr=lr, momentum=0.9, impl=impl), params, grads, donate=False)
     assert counts == [0, 0, 1, 2]  # init's lr, then one call per update
     assert len(checks) == len(grads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_a_kernel_that_fails_leaves_the_state_it_was_given(monkeypatch, donate):
+    """The new count and lr are made before the kernel runs; a kernel that fails (out of
+    memory: status -2) raises, and the state passed in keeps its count and its params."""
+    opt = mt.optim.adamw(lr=1e-3)
+    params, grads = {"w": torch.randn(1 << 16)}, {"w": torch.randn(1 << 16)}
+    state = opt.init(params)
+    params, state = opt.update(grads, state, params, donate=donate)
+    before = params["w"].clone()
+    library = streaming._library()
+
+    class Failing:
+        def __getattr__(self, name):
+            if name == "minitrain_update":
+                return lambda *arguments: -2
+            return getattr(library, name)
+
+    monkeypatch.setattr(streaming, "_library", Failing)
+    with pytest.raises(RuntimeError, match="failed with status -2"):
+        opt.update(grads, state, params, donate=donate)
+    assert int(state.count) == 1 and torch.equal(params["w"], before)
