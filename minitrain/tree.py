@@ -141,8 +141,8 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     tensor(5.)
     """
     tensors = [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
-    if not tensors:
-        return torch.tensor(0.0)
+    if not tensors:  # float32 on the CPU whatever torch's default dtype and device
+        return torch.zeros((), dtype=torch.float32, device="cpu")
     if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         # Under vmap/grad: _foreach_norm has no batching rule, so one norm per leaf.
         norms = [torch.linalg.vector_norm(_at_least_fp32(t), 2) for t in tensors]

@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import minitrain as mt
-from minitrain.optim import streaming
+from minitrain.optim import base, streaming
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
@@ -91,6 +91,70 @@ def test_a_later_read_of_a_subclass_count_is_checked_too(donate):
         assert out.stdout.strip() == "intact", out.stdout
     else:
         _assert_named_error(out)
+
+
+class _CountingCount(torch.Tensor):
+    """A count of a tensor subclass that counts the reads of its value (the caller's code)."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__int__", "__index__", "item"):
+            _CountingCount.reads += 1
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("impl", ["auto", "fast", "plain", "compiled"])
+def test_an_update_reads_a_subclass_count_once_before_its_checks(monkeypatch, impl):
+    """Each read runs the caller's code; a second read, after the leaves were checked, could
+    free a storage an op is about to read (it did on the plain and compiled paths)."""
+    if impl == "compiled":  # the reads are the Python around the graph: skip compiling it
+        monkeypatch.setattr(base.CompiledStep, "__call__", lambda self, *arguments: None)
+    opt = mt.optim.adamw(lr=1e-3, impl=impl)
+    params, grads = {"w": torch.randn(64)}, {"w": torch.randn(64)}
+    state = opt.init(params)
+    state = state._replace(count=state.count.as_subclass(_CountingCount))
+    monkeypatch.setattr(_CountingCount, "reads", 0)
+    opt.update(grads, state, params)
+    assert _CountingCount.reads == 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_a_mode_the_callers_lr_enters_keeps_the_kernel_from_running(monkeypatch, donate):
+    """A tensor-subclass lr is read after the one-pass check; a torch mode its code enters
+    would see (and could act on) the calls made before the kernel: the update then takes
+    torch's ops."""
+    armed, entered = [], []
+
+    class EnteringLr(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if armed and not entered and getattr(func, "__name__", "") == "detach":
+                entered.append(_Watching())
+                entered[0].__enter__()
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    calls = []
+    original = streaming.update
+    monkeypatch.setattr(streaming, "update", lambda *a, **k: calls.append(1) or original(*a, **k))
+    params, grads = {"w": torch.randn(300)}, {"w": torch.randn(300)}
+    want, _ = mt.optim.adamw(lr=1e-3).update(grads, mt.optim.adamw(lr=1e-3).init(params),
+                                              {"w": params["w"].clone()})
+    calls.clear()
+    opt = mt.optim.adamw(lr=torch.tensor(1e-3).as_subclass(EnteringLr))
+    state = opt.init(params)
+    armed.append(1)  # from here on: inside the update, after its first checks
+    try:
+        got, _ = opt.update(grads, state, params, donate=donate)
+    finally:
+        for mode in entered:
+            mode.__exit__(None, None, None)
+    assert entered and entered[0].calls > 0 and not calls
+    torch.testing.assert_close(got["w"], want["w"])
 
 
 def _chain(lr=0.1):

@@ -605,6 +605,7 @@ def test_the_stacking_check_is_redone_for_another_cuda_gemm_library(monkeypatch)
     """cuBLAS and cuBLASLt may round a batched run differently: the check's cache key holds
     the GEMM library torch prefers."""
     _, _muon = _counting_newton_schulz(monkeypatch, lambda stack, alone: alone)
+    assert "cublas" in _muon._blas_library().lower()  # the real query, before it is replaced
     matrices = [torch.randn(64, 64, device="cuda") for _ in range(2)]
     for library in ("cublas", "cublaslt"):
         monkeypatch.setattr(_muon, "_blas_library", lambda library=library: library)

@@ -217,8 +217,10 @@ def test_a_schedule_runs_once_per_update_and_the_leaves_are_checked_once(impl, m
 @needs_kernels
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 def test_a_kernel_that_fails_leaves_the_state_it_was_given(monkeypatch, donate):
-    """The new count and lr are made before the kernel runs; a kernel that fails (out of
-    memory: status -2) raises, and the state passed in keeps its count and its params."""
+    """The new count and lr are made before the kernel runs; a kernel that fails before it
+    writes (out of memory: status -2) raises, and the state passed in keeps its count and its
+    params. (A donated update of several batches that fails in a later one has written the
+    earlier ones: donated buffers are not to be read after the call, as JAX's.)"""
     opt = mt.optim.adamw(lr=1e-3)
     params, grads = {"w": torch.randn(1 << 16)}, {"w": torch.randn(1 << 16)}
     state = opt.init(params)

@@ -284,7 +284,8 @@ def _halves_are_exact(like: Tensor, coefficients: tuple[Scalar, Scalar, Scalar],
     shapes and differ on other data."""
     generator = torch.Generator().manual_seed(0)
     for scale in (1.0, 1e3):
-        probe = (torch.randn(like.shape, generator=generator) * scale).to(like.device, like.dtype)
+        probe = (torch.randn(like.shape, generator=generator, device="cpu") * scale).to(
+            like.device, like.dtype)
         if not torch.equal(_newton_schulz_halves(probe, coefficients, steps, eps),
                            newton_schulz(probe, coefficients, steps, eps)):
             return False
@@ -307,7 +308,8 @@ def _stacking_is_exact(like: Tensor, count: int, coefficients: tuple[Scalar, Sca
     batched Newton-Schulz run as from one run each (a fixed seed: the same answer every time
     for the same kernels)."""
     generator = torch.Generator().manual_seed(0)
-    probe = [torch.randn(like.shape, generator=generator).to(like.device, like.dtype)
+    probe = [torch.randn(like.shape, generator=generator, device="cpu").to(like.device,
+                                                                        like.dtype)
              for _ in range(count)]
     together = newton_schulz(_bf16_stack(probe), coefficients, steps, eps).unbind(0)
     return all(torch.equal(newton_schulz(m, coefficients, steps, eps), q)

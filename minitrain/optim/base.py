@@ -343,13 +343,13 @@ def make_optimizer(
         if plain:
             new_params, new_buffers, count, lr_tensor = _plain_update(
                 rule, param_leaves, grad_leaves, buffer_leaves, layout.decays, state.count, step_lr,
-                weight_decay,
+                weight_decay, done,
             )
         elif compiled_step is not None and not donate:
             with pool.lock:
                 new_params, new_buffers, count, lr_tensor = _compiled_update(
                     compiled_step, param_leaves, grad_leaves, buffer_leaves, layout.decays,
-                    state.count, step_lr, weight_decay, pool,
+                    state.count, step_lr, weight_decay, pool, done,
                 )
         elif ready and _streams(rule, param_leaves):
             with pool.lock:
@@ -442,9 +442,13 @@ def step_number(count: Tensor) -> Any:
     return int(count) + 1
 
 
-def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay):
-    step_lr = _lr_at(lr, count if is_traced(count) else int(count))
-    step = rule.step_scalars(step_number(count))
+def _plain_update(rule, params, grads, buffers, decays, count, lr, weight_decay, done=None):
+    """``done``: ``int(count)`` as the update read it (None where the count is traced): read
+    again here, a count of a tensor subclass would run the caller's code after the checks."""
+    if done is None and not is_traced(count):
+        done = int(count)
+    step_lr = _lr_at(lr, count if done is None else done)
+    step = rule.step_scalars(step_number(count) if done is None else done + 1)
     new_params = []
     new_buffers: dict[str, list[Tensor]] = {name: [] for name in rule.buffers}
     for index, (p, g, decay) in enumerate(zip(params, grads, decays, strict=True)):
@@ -533,9 +537,11 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     lr_tensor = _lr_tensor(step_lr)
     # A hyperparameter of a tensor subclass (or a schedule, where the caller did not take its
     # value first) ran the caller's code after kernel_ready accepted the leaves: check them
-    # again, or that code could resize a storage and send the kernel out of bounds. (Failing,
-    # the rule's fast step runs, whose kernels check every leaf themselves.)
-    if not plain_values and not kernel_ready(params, grads, buffers):
+    # again, or that code could resize a storage and send the kernel out of bounds, and refuse
+    # a torch mode that code entered, which would see (and could act on) the torch calls made
+    # before the kernel. (Failing, the rule's fast step runs, whose kernels check every leaf
+    # themselves.)
+    if not plain_values and not (streaming.usable(()) and kernel_ready(params, grads, buffers)):
         return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
                             values)
     # A new tensor even when donated: should the kernel fail (out of memory), the state it was
@@ -610,9 +616,10 @@ class CompiledStep:
                 buffers_out[name][index].copy_(value)
 
 
-def _compiled_update(kernel, params, grads, buffers, decays, count, lr, weight_decay, pool):
+def _compiled_update(kernel, params, grads, buffers, decays, count, lr, weight_decay, pool,
+                     done=None):
     pool.begin_update()
-    done = int(count)
+    done = int(count) if done is None else done
     step_lr = scalar(_lr_at(lr, done))
     # 0-d tensors, not Python numbers, so that a new step or lr does not trigger a recompile.
     step = torch.tensor(done + 1, dtype=torch.float64, device="cpu")
