@@ -22,6 +22,7 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._family import Scalar, check_range, descent_prefix, step_of
+from minitrain.optim._host import zero_count
 from minitrain.optim.base import (
     BufferPool,
     Optimizer,
@@ -30,7 +31,6 @@ from minitrain.optim.base import (
     is_traced,
     scalar,
     use_plain_path,
-    zero_count,
 )
 from minitrain.tree import Params
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from minitrain.optim.base import host_tensor
+from minitrain.optim._host import host_tensor
 
 __all__ = ["CompiledChain"]
 

@@ -64,6 +64,7 @@ import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
+from minitrain.optim._host import zero_count
 from minitrain.optim._leafbatch import LeafBatch
 from minitrain.optim._safety import distinct_storages
 from minitrain.optim.base import (
@@ -72,7 +73,6 @@ from minitrain.optim.base import (
     is_traced,
     scalar,
     use_plain_path,
-    zero_count,
 )
 from minitrain.tree import Grads, OptState, Params
 

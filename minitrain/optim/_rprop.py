@@ -15,7 +15,8 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
-from minitrain.optim.base import Optimizer, host_tensor, scalar
+from minitrain.optim._host import host_tensor
+from minitrain.optim.base import Optimizer, scalar
 from minitrain.tree import Params
 
 __all__ = ["rprop", "scale_by_rprop", "ScaleByRpropState"]

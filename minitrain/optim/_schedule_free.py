@@ -26,7 +26,8 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
-from minitrain.optim.base import Optimizer, check_hyperparameter, host_tensor
+from minitrain.optim._host import host_tensor
+from minitrain.optim.base import Optimizer, check_hyperparameter
 from minitrain.tree import Params
 
 __all__ = [

@@ -24,6 +24,7 @@ from minitrain.optim._core import (
     leafwise,
     tagged,
 )
+from minitrain.optim._host import zero_count
 from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
@@ -33,7 +34,6 @@ from minitrain.optim.base import (
     is_traced,
     scalar,
     use_plain_path,
-    zero_count,
 )
 from minitrain.tree import Params
 

@@ -20,7 +20,8 @@ from minitrain.optim._core import (
     select_extra_args,
     tagged,
 )
-from minitrain.optim.base import is_traced, zero_count
+from minitrain.optim._host import zero_count
+from minitrain.optim.base import is_traced
 from minitrain.tree import Params
 
 __all__ = [

@@ -45,6 +45,7 @@ from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-ex
     buffer_pool_bytes,
     clear_buffer_pools,
 )
+from minitrain.optim._host import zero_count
 from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimizer modules)
     CACHE_BATCH_BYTES,
     Layout,
@@ -397,27 +398,6 @@ def _lr_at(lr: ScalarOrSchedule, count: Any) -> Any:
         check_hyperparameter("lr (from the schedule)", value, 0.0)
         return value
     return lr
-
-
-def zero_count() -> Tensor:
-    """A state's update count, 0-d int64 on the host: counts, lrs and flags of a state stay
-    on the CPU (as with no default device set) under ``torch.set_default_device``.
-
-    >>> zero_count()
-    tensor(0)
-    """
-    return torch.zeros((), dtype=torch.int64, device="cpu")
-
-
-def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
-    """``torch.as_tensor(value, dtype=dtype)``, a Python number made on the CPU whatever
-    ``torch.set_default_device`` says (a tensor stays on its device).
-
-    >>> host_tensor(0.5, torch.float64)
-    tensor(0.5000, dtype=torch.float64)
-    """
-    return torch.as_tensor(value, dtype=dtype,
-                           device=value.device if isinstance(value, Tensor) else "cpu")
 
 
 def _lr_tensor(value: Any) -> Tensor:
