@@ -22,7 +22,7 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._family import Scalar, check_range, descent_prefix, step_of
-from minitrain.optim._host import zero_count
+from minitrain.optim._host import host_tensor, zero_count
 from minitrain.optim.base import (
     BufferPool,
     Optimizer,
@@ -165,9 +165,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
 
 
 def _f32(value: Any) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.detach().to(torch.float32).clone()
-    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
+    return host_tensor(value, torch.float32).detach().clone()
 
 
 def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:

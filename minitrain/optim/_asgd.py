@@ -17,6 +17,7 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
+from minitrain.optim._host import host_tensor
 from minitrain.optim.base import Optimizer, WeightDecayMask
 from minitrain.tree import Params
 
@@ -82,9 +83,7 @@ def asgd_kernel(step, hyper, per_step):
 
 
 def _f32(value: Any) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.to(torch.float32).clone()
-    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
+    return host_tensor(value, torch.float32).clone()
 
 
 def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4,
