@@ -24,7 +24,7 @@ from minitrain.optim._core import (
     leafwise,
     tagged,
 )
-from minitrain.optim._host import zero_count
+from minitrain.optim._host import host_tensor, zero_count
 from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
@@ -153,9 +153,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
 
 
 def _f32(value: Any) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.to(torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
+    return host_tensor(value, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

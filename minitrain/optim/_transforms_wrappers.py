@@ -20,7 +20,7 @@ from minitrain.optim._core import (
     select_extra_args,
     tagged,
 )
-from minitrain.optim._host import zero_count
+from minitrain.optim._host import host_tensor, zero_count
 from minitrain.optim.base import is_traced
 from minitrain.tree import Params
 
@@ -382,6 +382,6 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
 
 def _hyper_tensor(name: str, value: Any) -> Tensor:
     value = hyperparameter(name, value)
-    if isinstance(value, Tensor):
-        return value if value.is_floating_point() else value.to(torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32, device="cpu")
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return value
+    return host_tensor(value, torch.float32)
