@@ -526,7 +526,7 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
                             values)
     # A new tensor even when donated: should the kernel fail (out of memory), the state it was
     # given keeps its count.
-    new_count = torch.scalar_tensor(done + 1, dtype=torch.int64, device="cpu")
+    new_count = _next_count(count, done, donate=False)
     if pool is not None:
         pool.begin_update()
     new_params = list(params)
