@@ -139,8 +139,8 @@ def test_a_mode_the_callers_lr_enters_keeps_the_kernel_from_running(monkeypatch,
                 return func(*args, **(kwargs or {}))
 
     calls = []
-    original = streaming.update
-    monkeypatch.setattr(streaming, "update", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = streaming.prepare  # every streaming kernel is prepared here, then launched
+    monkeypatch.setattr(streaming, "prepare", lambda *a, **k: calls.append(1) or original(*a, **k))
     params, grads = {"w": torch.randn(300)}, {"w": torch.randn(300)}
     want, _ = mt.optim.adamw(lr=1e-3).update(grads, mt.optim.adamw(lr=1e-3).init(params),
                                               {"w": params["w"].clone()})
@@ -208,8 +208,8 @@ def test_a_torch_function_mode_sees_torchs_ops_not_a_kernel(monkeypatch):
     """A function mode (the caller's code) would see the calls between the checks and a
     kernel: the kernels give way to torch's ops, as under a dispatch mode."""
     calls = []
-    original = streaming.update
-    monkeypatch.setattr(streaming, "update", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = streaming.prepare  # every streaming kernel is prepared here, then launched
+    monkeypatch.setattr(streaming, "prepare", lambda *a, **k: calls.append(1) or original(*a, **k))
     params, grads = {"w": torch.randn(300)}, {"w": torch.randn(300)}
     opt = mt.optim.as_optimizer(_chain())
     want, _ = opt.update(grads, opt.init(params), params)

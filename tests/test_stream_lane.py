@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -238,3 +239,88 @@ def test_a_kernel_that_fails_leaves_the_state_it_was_given(monkeypatch, donate):
     with pytest.raises(RuntimeError, match="failed with status -2"):
         opt.update(grads, state, params, donate=donate)
     assert int(state.count) == 1 and torch.equal(params["w"], before)
+
+
+class _Key(str):
+    """A dict key whose hashing is the caller's code (it could resize a storage)."""
+
+    def __hash__(self):
+        _EVENTS.append("caller")
+        return str.__hash__(self)
+
+
+class _Pair(NamedTuple):
+    w: torch.Tensor
+    b: torch.Tensor
+
+
+class _WatchedPair(_Pair):
+    """A params node whose construction is the caller's code."""
+
+    def __new__(cls, *args, **kwargs):
+        _EVENTS.append("caller")
+        return super().__new__(cls, *args, **kwargs)
+
+
+_EVENTS: list[str] = []
+
+
+def _record_kernels(monkeypatch):
+    original = streaming.prepare
+
+    def prepare(*args, **kwargs):
+        results, launch = original(*args, **kwargs)
+        _EVENTS.append("prepared")
+
+        def recorded():
+            _EVENTS.append("launched")
+            launch()
+
+        return results, recorded
+
+    monkeypatch.setattr(streaming, "prepare", prepare)
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("kind", ["dict", "str-subclass key", "namedtuple subclass",
+                                  "state subclass"])
+def test_no_callers_code_runs_between_a_kernels_pointers_and_its_launch(monkeypatch, kind,
+                                                                        donate):
+    """The new params and state are built before the kernel where building them runs none of
+    the caller's code; where it would (a key's ``__hash__``, a node's constructor), the kernel
+    runs first. Either way the result equals torch's ops."""
+    w, b = torch.randn(6, 5), torch.randn(5)
+    tree = {
+        "dict": lambda w, b: {"w": w, "b": b},
+        "str-subclass key": lambda w, b: {"w": w, _Key("b"): b},
+        "namedtuple subclass": _WatchedPair,
+        "state subclass": lambda w, b: {"w": w, "b": b},
+    }[kind]
+    opt = mt.optim.adamw(lr=0.1, weight_decay=0.1)
+    params, grads = tree(w.clone(), b.clone()), tree(torch.ones(6, 5), torch.full((5,), 2.0))
+    state = opt.init(params)
+    if kind == "state subclass":
+        own = type(state)
+
+        class WatchedState(own):
+            def _replace(self, **fields):  # the caller's code
+                _EVENTS.append("caller")
+                return own._replace(self, **fields)
+
+        state = WatchedState(*state)
+    want, _ = mt.optim.adamw(lr=0.1, weight_decay=0.1, impl="plain").update(
+        grads, state, tree(w.clone(), b.clone()))
+    _record_kernels(monkeypatch)
+    _EVENTS.clear()
+    got, new_state = opt.update(grads, state, params, donate=donate)
+    assert "prepared" in _EVENTS and "launched" in _EVENTS
+    between = _EVENTS[_EVENTS.index("prepared"):_EVENTS.index("launched")]
+    assert "caller" not in between, _EVENTS
+    if kind != "dict":
+        assert "caller" in _EVENTS[_EVENTS.index("launched"):]  # the rebuild, after the kernel
+    for name in ("w", "b"):
+        got_leaf = got[name] if isinstance(got, dict) else getattr(got, name)
+        want_leaf = want[name] if isinstance(want, dict) else getattr(want, name)
+        torch.testing.assert_close(got_leaf, want_leaf)
+    assert int(new_state.count) == 1

@@ -40,15 +40,21 @@ IDS = [f"{name}-{i}" for i, (name, *_) in enumerate(CONFIGS)]
 
 
 def spy_rules(monkeypatch) -> list[str]:
-    """Record the rule of every streaming update from now on."""
+    """Record the rule of every streaming kernel run from now on (``streaming.update`` and the
+    optimizers' fast path both go through ``prepare``, whose ``launch()`` runs the kernel)."""
     calls: list[str] = []
-    original = streaming.update
+    original = streaming.prepare
 
     def recording(rule, *args, **kwargs):
-        calls.append(rule)
-        return original(rule, *args, **kwargs)
+        results, launch = original(rule, *args, **kwargs)
 
-    monkeypatch.setattr(streaming, "update", recording)
+        def recorded_launch():
+            calls.append(rule)
+            launch()
+
+        return results, recorded_launch
+
+    monkeypatch.setattr(streaming, "prepare", recording)
     return calls
 
 

@@ -75,3 +75,25 @@ def _build(structure: Any, given: Any) -> Any:
                         strict=True))
     children = [_build(child, given) for child in structure[1]]
     return children if structure[0] == _LIST else tuple(children)
+
+
+def plain(structure: Any) -> bool:
+    """Whether :func:`unflatten` rebuilds ``structure`` without running any of the caller's
+    code: dicts, lists and tuples this module walked, with ``str`` or ``int`` dict keys (whose
+    hashing runs no ``__hash__`` of the caller's), not a ``_pytree`` spec (whose registered
+    nodes and namedtuple classes are the caller's code).
+
+    >>> plain(flatten({"w": torch.ones(1), "b": [torch.ones(1)]})[1])
+    True
+    >>> from collections import OrderedDict
+    >>> plain(flatten(OrderedDict(w=torch.ones(1)))[1])  # a _pytree spec
+    False
+    """
+    if structure is None:
+        return True
+    if type(structure) is not tuple:
+        return False
+    if structure[0] == _DICT:
+        return all(type(key) is str or type(key) is int for key in structure[1]) and \
+            all(map(plain, structure[2]))
+    return all(map(plain, structure[1]))

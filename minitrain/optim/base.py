@@ -354,24 +354,35 @@ def make_optimizer(
                 )
         elif ready and _streams(rule, param_leaves):
             with pool.lock:
-                new_params, new_buffers, count, lr_tensor = _stream_update(
+                new_params, new_buffers, count, lr_tensor, launches = _stream_update(
                     rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
                     weight_decay, None if donate else pool, done,
                 )
+                # The results are built before the kernels run where that runs none of the
+                # caller's code (this optimizer's own state type, containers _flat rebuilds),
+                # which could change a buffer the kernels point into: after a pass that swept
+                # the caches the same Python takes longer.
+                built = type(state) is state_type and _flat.plain(spec)
+                out = _results(state, spec, new_params, new_buffers, count, lr_tensor) \
+                    if built else None
+                for launch in launches:
+                    launch()
+                if built:
+                    return out
         else:
             with pool.lock:
                 new_params, new_buffers, count, lr_tensor = _fast_update(
                     rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
                     weight_decay, None if donate else pool, done=done,
                 )
-        new_state = state._replace(
-            count=count,
-            lr=lr_tensor,
-            **{name: _flat.unflatten(spec, leaves) for name, leaves in new_buffers.items()},
-        )
-        return _flat.unflatten(spec, new_params), new_state
+        return _results(state, spec, new_params, new_buffers, count, lr_tensor)
 
     return Optimizer(init, update)
+
+
+def _results(state, spec, params, buffers, count, lr) -> tuple[Params, OptState]:
+    trees = {name: _flat.unflatten(spec, leaves) for name, leaves in buffers.items()}
+    return _flat.unflatten(spec, params), state._replace(count=count, lr=lr, **trees)
 
 
 def _check_state_type(state: Any, state_type: type) -> None:
@@ -522,8 +533,8 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
     # before the kernel. (Failing, the rule's fast step runs, whose kernels check every leaf
     # themselves.)
     if not plain_values and not (streaming.usable(()) and kernel_ready(params, grads, buffers)):
-        return _fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
-                            values)
+        return (*_fast_update(rule, params, grads, buffers, layout, count, lr, weight_decay, pool,
+                              values), [])
     # A new tensor even when donated: should the kernel fail (out of memory), the state it was
     # given keeps its count.
     new_count = _next_count(count, done, donate=False)
@@ -531,14 +542,16 @@ def _stream_update(rule, params, grads, buffers, layout, count, lr, weight_decay
         pool.begin_update()
     new_params = list(params)
     new_buffers = {name: list(leaves) for name, leaves in buffers.items()}
+    launches = []
     for batch, (kernel, hyperparameters, names) in zip(batches, specs, strict=True):
         slots = [[params[i] for i in batch], [grads[i] for i in batch],
                  *[None if name is None else [buffers[name][i] for i in batch] for name in names]]
-        batch_params, *batch_buffers = streaming.update(kernel, hyperparameters, slots, pool,
-                                                        verified=True)
+        (batch_params, *batch_buffers), launch = streaming.prepare(
+            kernel, hyperparameters, slots, pool, verified=True)
+        launches.append(launch)
         _scatter(batch, batch_params, {name: leaves for name, leaves in zip(
             names, batch_buffers, strict=True) if name is not None}, new_params, new_buffers)
-    return new_params, new_buffers, new_count, lr_tensor
+    return new_params, new_buffers, new_count, lr_tensor, launches
 
 
 def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any,

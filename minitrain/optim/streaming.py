@@ -360,7 +360,7 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     )
 
 
-def update(
+def prepare(
     rule: str,
     hyperparameters: Sequence[SupportsFloat],
     slots: Sequence[list[Tensor] | None],
@@ -368,8 +368,13 @@ def update(
     *,
     nontemporal: bool | None = None,
     verified: bool = False,
-) -> list[list[Tensor] | None]:
-    """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
+) -> tuple[list[list[Tensor] | None], Callable[[], None]]:
+    """Everything of one :func:`update` but the kernel: returns the new ``[params, *buffers]``
+    (not written yet) and ``launch()``, which runs the kernel (raising if it fails). Between the
+    two the caller may only run code of its own (no caller-supplied code: it could resize a
+    storage the pointer table points into).
+
+    One update of ``rule`` over lists of leaves:
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
     rule, ``None`` for a buffer the rule does not use; each hyperparameter's ``float()`` is taken
@@ -406,22 +411,48 @@ def update(
         0 if row is None else row[leaf].data_ptr() for leaf in range(n_leaves) for row in rows
     ])
     sizes = array.array("q", [p.numel() for p in slots[0]])
-    hp = array.array("d", map(float, hyperparameters))
     if nontemporal is None:
         touched = 4 * sum(sizes) * (len(rows) - rows.count(None))
         nontemporal = outputs is not None and streams(touched)
-    arguments = (
-        RULES[rule], hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0],
-        n_leaves, len(rows), torch.get_num_threads(), int(nontemporal),
-    )
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(f"minitrain::streaming_{rule}"):  # named in traces
+    n_rows, threads = len(rows), torch.get_num_threads()
+
+    def launch() -> None:
+        # The hyperparameters' float() last: a lowered clip's scale runs its pass over the
+        # grads here, right before the kernel reads them again. ``pointers`` and ``sizes`` stay
+        # referenced by this closure until the call returns.
+        hp = array.array("d", map(float, hyperparameters))
+        arguments = (
+            RULES[rule], hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0],
+            n_leaves, n_rows, threads, int(nontemporal),
+        )
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(f"minitrain::streaming_{rule}"):  # in traces
+                status = library.minitrain_update(*arguments)
+        else:
             status = library.minitrain_update(*arguments)
-    else:
-        status = library.minitrain_update(*arguments)
-    if status != 0:
-        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+        if status != 0:
+            raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+
+    return results, launch
+
+
+def update(
+    rule: str,
+    hyperparameters: Sequence[SupportsFloat],
+    slots: Sequence[list[Tensor] | None],
+    outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
+    *,
+    nontemporal: bool | None = None,
+    verified: bool = False,
+) -> list[list[Tensor] | None]:
+    """One update of ``rule`` over lists of leaves (:func:`prepare`, then its kernel); returns
+    the new ``[params, *buffers]``."""
+    results, launch = prepare(rule, hyperparameters, slots, outputs, nontemporal=nontemporal,
+                              verified=verified)
+    launch()
     return results
+
+
 
 
 def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
