@@ -488,3 +488,22 @@ def test_the_16_float_kernels_give_the_8_float_kernels_bits(rule, size, nontempo
         results.append(outs)
     for wide, narrow in zip(*results, strict=True):
         assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_prepare_writes_nothing_until_its_launch(donate):
+    """``prepare`` takes the outputs and builds the pointer table; only ``launch()`` runs the
+    kernel, and then gives what ``update`` gives."""
+    g = torch.Generator().manual_seed(0)
+    p, grad, buf = (torch.randn(3000, generator=g) for _ in range(3))
+    hp = [0.1, 0.9, 0.0, 0.01, False, False, True]  # lr, momentum, dampening, wd, nesterov, ...
+    want_p, want_buf = streaming.update("sgd", hp, [[p.clone()], [grad], [buf.clone()]],
+                                        streaming.fresh)
+    before = p.clone(), buf.clone()
+    (new_p, new_buf), launch = streaming.prepare(
+        "sgd", hp, [[p], [grad], [buf]], None if donate else streaming.fresh)
+    assert torch.equal(p, before[0]) and torch.equal(buf, before[1])
+    launch()
+    assert torch.equal(new_p[0], want_p[0]) and torch.equal(new_buf[0], want_buf[0])
+    assert (new_p[0] is p) == donate and torch.equal(p, want_p[0] if donate else before[0])

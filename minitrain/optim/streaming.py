@@ -53,7 +53,8 @@ from torch import Tensor
 from torch.utils._device import DeviceContext
 
 __all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
-           "decode_div", "float32", "fresh", "global_norm", "sum_of_squares", "usable", "update"]
+           "decode_div", "float32", "fresh", "global_norm", "prepare", "sum_of_squares", "usable",
+           "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
          "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
