@@ -437,23 +437,16 @@ def prepare(
     return results, launch
 
 
-def update(
-    rule: str,
-    hyperparameters: Sequence[SupportsFloat],
-    slots: Sequence[list[Tensor] | None],
-    outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
-    *,
-    nontemporal: bool | None = None,
-    verified: bool = False,
-) -> list[list[Tensor] | None]:
-    """One update of ``rule`` over lists of leaves (:func:`prepare`, then its kernel); returns
-    the new ``[params, *buffers]``."""
-    results, launch = prepare(rule, hyperparameters, slots, outputs, nontemporal=nontemporal,
-                              verified=verified)
+def update(rule: str, hyperparameters: Sequence[SupportsFloat],
+           slots: Sequence[list[Tensor] | None],
+           outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
+           **options: bool | None) -> list[list[Tensor] | None]:
+    """One update of ``rule`` over lists of leaves: :func:`prepare` (same arguments; ``options``
+    its ``nontemporal`` and ``verified``), then its kernel; returns the new
+    ``[params, *buffers]``."""
+    results, launch = prepare(rule, hyperparameters, slots, outputs, **options)
     launch()
     return results
-
-
 
 
 def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
