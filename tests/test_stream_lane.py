@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain.optim import base, streaming
+from minitrain.optim import _flat, _layout, base, streaming
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
@@ -282,14 +282,21 @@ def _record_kernels(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("swept", [True, False], ids=["large", "small"])
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("kind", ["dict", "str-subclass key", "namedtuple subclass",
                                   "state subclass"])
 def test_no_callers_code_runs_between_a_kernels_pointers_and_its_launch(monkeypatch, kind,
-                                                                        donate):
-    """The new params and state are built before the kernel where building them runs none of
-    the caller's code; where it would (a key's ``__hash__``, a node's constructor), the kernel
-    runs first. Either way the result equals torch's ops."""
+                                                                        donate, swept):
+    """The new params and state of an update large enough to sweep the caches are built before
+    the kernel where building them runs none of the caller's code; where it would (a key's
+    ``__hash__``, a node's constructor, a state's ``_replace``), and for small updates, the
+    kernel runs first. Either way the result equals torch's ops."""
+    if swept:  # these params stand for ones of SWEPT_BYTES or more
+        monkeypatch.setattr(_layout, "SWEPT_BYTES", 0)
+    original_unflatten = _flat.unflatten
+    monkeypatch.setattr(_flat, "unflatten",
+                        lambda *a: _EVENTS.append("built") or original_unflatten(*a))
     w, b = torch.randn(6, 5), torch.randn(5)
     tree = {
         "dict": lambda w, b: {"w": w, "b": b},
@@ -317,8 +324,11 @@ def test_no_callers_code_runs_between_a_kernels_pointers_and_its_launch(monkeypa
     assert "prepared" in _EVENTS and "launched" in _EVENTS
     between = _EVENTS[_EVENTS.index("prepared"):_EVENTS.index("launched")]
     assert "caller" not in between, _EVENTS
+    after = _EVENTS[_EVENTS.index("launched"):]
     if kind != "dict":
-        assert "caller" in _EVENTS[_EVENTS.index("launched"):]  # the rebuild, after the kernel
+        assert "caller" in after  # the rebuild, after the kernel
+    first = swept and kind == "dict"  # built before the kernel
+    assert ("built" in between) == first and ("built" in after) != first, _EVENTS
     for name in ("w", "b"):
         got_leaf = got[name] if isinstance(got, dict) else getattr(got, name)
         want_leaf = want[name] if isinstance(want, dict) else getattr(want, name)

@@ -13,11 +13,15 @@ from minitrain import tree
 from minitrain.optim import streaming
 from minitrain.tree import Grads, Params
 
-__all__ = ["CACHE_BATCH_BYTES", "Layout", "LayoutCache", "WeightDecayMask", "check_grads",
-           "check_params", "decay_flags", "fast_batches"]
+__all__ = ["CACHE_BATCH_BYTES", "SWEPT_BYTES", "Layout", "LayoutCache", "WeightDecayMask",
+           "check_grads", "check_params", "decay_flags", "fast_batches"]
 
 WeightDecayMask = Params | Callable[[str, Tensor], bool] | None
 """Which leaves get weight decay: a pytree of bools like params, or ``fn(name, leaf) -> bool``."""
+
+# Params of this many bytes or more (several times as many pass through an update's kernels,
+# with their grads and state) leave the caches cold for the Python after the kernels.
+SWEPT_BYTES = 8 * 2**20
 
 # Fast-path batches stay under this many bytes of touched buffers, so that the several passes
 # an update makes over one batch hit the last-level cache instead of DRAM.
@@ -114,6 +118,7 @@ class Layout(NamedTuple):
     decays: list[bool]  # per leaf: whether weight decay applies
     batches: list[list[int]]  # leaf indices per fast-path kernel call, pure updates
     donated_batches: list[list[int]]  # the same for donated updates
+    sweeps_caches: bool = False  # params of SWEPT_BYTES or more (see there)
 
 
 def _signature(leaf: Any) -> Any:
@@ -171,6 +176,7 @@ class LayoutCache:
                          split=lambda leaf: multi_pass(leaf, donated=False)),
             fast_batches(param_leaves, decays, self.buffers_per_leaf,
                          split=lambda leaf: multi_pass(leaf, donated=True)),
+            sum(leaf.numel() * leaf.element_size() for leaf in param_leaves) >= SWEPT_BYTES,
         )
 
 

@@ -358,13 +358,11 @@ def make_optimizer(
                     rule, param_leaves, grad_leaves, buffer_leaves, layout, state.count, step_lr,
                     weight_decay, None if donate else pool, done,
                 )
-                # The results are built before the kernels run where that runs none of the
-                # caller's code (this optimizer's own state type, containers _flat rebuilds),
-                # which could change a buffer the kernels point into: after a pass that swept
-                # the caches the same Python takes longer.
-                built = type(state) is state_type and _flat.plain(spec)
-                out = _results(state, spec, new_params, new_buffers, count, lr_tensor) \
-                    if built else None
+                # Built before kernels that sweep the caches (after them the same Python takes
+                # longer) where that runs none of the caller's code, which could change a buffer
+                # the kernels point into: this optimizer's state type, containers _flat rebuilds.
+                built = layout.sweeps_caches and type(state) is state_type and _flat.plain(spec)
+                out = built and _results(state, spec, new_params, new_buffers, count, lr_tensor)
                 for launch in launches:
                     launch()
                 if built:
