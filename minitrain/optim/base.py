@@ -45,6 +45,7 @@ from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-ex
     buffer_pool_bytes,
     clear_buffer_pools,
 )
+from minitrain.optim._collection import holding_collection
 from minitrain.optim._host import zero_count
 from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimizer modules)
     CACHE_BATCH_BYTES,
@@ -375,7 +376,7 @@ def make_optimizer(
                 )
         return _results(state, spec, new_params, new_buffers, count, lr_tensor)
 
-    return Optimizer(init, update)
+    return Optimizer(init, holding_collection(update))
 
 
 def _results(state, spec, params, buffers, count, lr) -> tuple[Params, OptState]:

@@ -52,6 +52,8 @@ import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 from torch.utils._device import DeviceContext
 
+from minitrain.optim._collection import holding_collection
+
 __all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
            "decode_div", "float32", "fresh", "global_norm", "prepare", "sum_of_squares", "usable",
            "update"]
@@ -373,7 +375,9 @@ def prepare(
     """Everything of one :func:`update` but the kernel: returns the new ``[params, *buffers]``
     (not written yet) and ``launch()``, which runs the kernel (raising if it fails). Between the
     two the caller may only run code of its own (no caller-supplied code: it could resize a
-    storage the pointer table points into).
+    storage the pointer table points into), with collection held (``_collection``'s
+    ``COLLECTION_HELD``, as :func:`update` and the optimizers hold it: a collection runs
+    finalizers, the caller's code).
 
     One update of ``rule`` over lists of leaves:
 
@@ -437,6 +441,7 @@ def prepare(
     return results, launch
 
 
+@holding_collection
 def update(rule: str, hyperparameters: Sequence[SupportsFloat],
            slots: Sequence[list[Tensor] | None],
            outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
@@ -449,6 +454,7 @@ def update(rule: str, hyperparameters: Sequence[SupportsFloat],
     return results
 
 
+@holding_collection
 def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
     """``sum(x * x)`` of each leaf, accumulated in float64 by one pass over all leaves (on the
     kernels' threads, the same for any number of threads). Call :func:`usable` first.
@@ -474,6 +480,7 @@ def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
     return list(out)
 
 
+@holding_collection
 def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
     """``table[codes] / scale`` in float32 for a contiguous CPU tensor of one-byte fp8 codes
     (``torch.float8_*`` or ``uint8``) and its format's 256-entry float32 ``table``: what
@@ -568,6 +575,7 @@ def _adafactor_leaf(g: Tensor, p: Tensor) -> tuple[ctypes.CDLL, tuple[int, int]]
     return library, (m, n)
 
 
+@holding_collection
 def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
     """One pass over an ``(m, n)`` grad and its param: the float64 sums of ``g**2`` over each
     row ``(m,)`` and each column ``(n,)``, and ``sum(p**2)``. Call :func:`usable` first.
@@ -594,6 +602,7 @@ def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
     return rows, cols, out[0]
 
 
+@holding_collection
 def adafactor_apply(g: Tensor, p: Tensor, row_var: Tensor, col_var: Tensor,
                     hyperparameters: Sequence[float], out: Tensor | None = None,
                     nontemporal: bool = False) -> float:
