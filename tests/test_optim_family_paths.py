@@ -325,6 +325,9 @@ def test_bench_optim_family_flag_adds_the_family_rows():
     plain = json.loads(CliRunner().invoke(optim, tiny).output)
     assert "family" not in plain
     assert set(plain["results"]["adamw"]["paired_median_ratios"]) == {"pure", "donate"}
+    # one round: too few for a 95% interval of the median
+    assert plain["results"]["adamw"]["paired_intervals"] == {"pure": None, "donate": None}
+    assert family["lion"]["paired_interval"] is None
     assert all(entry["paired_median_ratio"] > 0 and entry["donate_over_peer"] > 0
                and entry["pure_over_torch_chain"] > 0 for entry in plain["chains"].values())
     text = CliRunner().invoke(optim, [*tiny[:-1], "--family", "--member", "lion"]).output

@@ -26,6 +26,7 @@ faults).
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -253,6 +254,34 @@ def paired_median_ratio(times: dict[str, list[float]], name: str, peer: str) -> 
     return statistics.median(a / b for a, b in zip(times[name], times[peer], strict=True))
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free ``confidence`` interval for the median of what ``values`` sample: the
+    ``k``-th smallest and ``k``-th largest value, ``k`` the largest with P(Binomial(n, 1/2) < k)
+    <= (1 - confidence) / 2 (the sign test's interval: Conover, *Practical Nonparametric
+    Statistics*, 3rd ed., 3.2). None when ``n`` is too small for any (under 6 at 95%).
+
+    >>> median_interval([float(v) for v in range(1, 16)])  # n = 15: the 4th and the 12th
+    (4.0, 12.0)
+    >>> median_interval([1.0, 2.0, 3.0]) is None
+    True
+    """
+    n, tail = len(values), (1 - confidence) / 2
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k)
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def paired_ratio_interval(times: dict[str, list[float]], name: str,
+                          peer: str) -> tuple[float, float] | None:
+    """The 95% interval (:func:`median_interval`) of :func:`paired_median_ratio`'s median."""
+    return median_interval([a / b for a, b in zip(times[name], times[peer], strict=True)])
+
+
 def measure(
     names: list[str], count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5,
     device: str = "cpu", compiled: bool = False, cold: bool = False,
@@ -286,6 +315,10 @@ def measure(
             "donate_over_peer": seconds["minitrain_donate"] / peer,
             "paired_median_ratios": {
                 side: paired_median_ratio(times, f"minitrain_{side}", f"torch_{flag}")
+                for side in ("pure", "donate")
+            },
+            "paired_intervals": {
+                side: paired_ratio_interval(times, f"minitrain_{side}", f"torch_{flag}")
                 for side in ("pure", "donate")
             },
         }
@@ -330,6 +363,10 @@ def measure_chains(names: list[str], count: int = 8, size: int = 1024, rounds: i
                          "paired_median_ratio": paired_median_ratio(
                              times, "minitrain_pure", f"torch_{flag}"),
                          "paired_median_donate_ratio": paired_median_ratio(
+                             times, "minitrain_donate", f"torch_{flag}"),
+                         "paired_interval": paired_ratio_interval(
+                             times, "minitrain_pure", f"torch_{flag}"),
+                         "paired_donate_interval": paired_ratio_interval(
                              times, "minitrain_donate", f"torch_{flag}")}
         del steppers
     return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}

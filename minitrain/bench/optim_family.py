@@ -22,6 +22,7 @@ from minitrain.bench.optim import (
     best_rounds,
     cache_flusher,
     paired_median_ratio,
+    paired_ratio_interval,
     time_rounds,
 )
 
@@ -132,6 +133,7 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
             "seconds": seconds,
             "pure_over_reference": seconds["minitrain_pure"] / seconds["reference"],
             "paired_median_ratio": paired_median_ratio(times, "minitrain_pure", "reference"),
+            "paired_interval": paired_ratio_interval(times, "minitrain_pure", "reference"),
         }
         if "minitrain_compiled" in seconds:
             rows[name]["compiled_over_reference"] = (

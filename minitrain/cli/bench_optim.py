@@ -65,26 +65,28 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"update of {result['params']} on {device} (best of {rounds} interleaved "
-               f"rounds x {inner}; paired: median of the rounds' own ratios"
+               f"rounds x {inner}; paired: median of the rounds' own ratios, with its "
+               "distribution-free 95% interval"
                + ("; cold: the last-level cache flushed before every update)" if cold else ")"))
     for name, entry in result["results"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
-        paired = entry["paired_median_ratios"]
+        paired, intervals = entry["paired_median_ratios"], entry["paired_intervals"]
         ratios = f"pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
-        ratios += f"(paired {paired['pure']:.2f}x)   "
+        ratios += f"({_paired(paired['pure'], intervals['pure'])})   "
         ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x "
-        ratios += f"(paired {paired['donate']:.2f}x)"
+        ratios += f"({_paired(paired['donate'], intervals['donate'])})"
         if "compiled_over_peer" in entry:
             ratios += f"   compiled / {entry['peer']}: {entry['compiled_over_peer']:.2f}x"
         click.echo(f"  {'':13s} {ratios}")
     for name, entry in result["chains"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name}  {times}")
+        pure = _paired(entry["paired_median_ratio"], entry["paired_interval"])
+        donate = _paired(entry["paired_median_donate_ratio"], entry["paired_donate_interval"])
         click.echo(f"  {'':13s} pure / {entry['peer']}: {entry['pure_over_peer']:.2f}x "
-                   f"(paired {entry['paired_median_ratio']:.2f}x; target <= {entry['target']}x)"
-                   f"   donate: {entry['donate_over_peer']:.2f}x "
-                   f"(paired {entry['paired_median_donate_ratio']:.2f}x)"
+                   f"({pure}; target <= {entry['target']}x)   "
+                   f"donate: {entry['donate_over_peer']:.2f}x ({donate})"
                    f"   pure / torch's clip_grad_norm_ + step: "
                    f"{entry['pure_over_torch_chain']:.2f}x (paired)")
     for name, entry in result.get("family", {}).items():
@@ -94,7 +96,8 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
         click.echo(f"  {name:13s} {times}")
         ratios = (f"pure / {entry['reference']}: {entry['pure_over_reference']:.2f}x "
-                  f"(paired {entry['paired_median_ratio']:.2f}x; target <= 1.0x)")
+                  f"({_paired(entry['paired_median_ratio'], entry['paired_interval'])}; "
+                  "target <= 1.0x)")
         if "compiled_over_reference" in entry:
             ratios += f"   compiled: {entry['compiled_over_reference']:.2f}x"
         click.echo(f"  {'':13s} {ratios}")
@@ -104,3 +107,14 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         for name, seconds in parts["seconds"].items():
             faults = parts["minor_page_faults_per_call"][name]
             click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")
+
+
+def _paired(ratio: float, interval: list[float] | tuple[float, float] | None) -> str:
+    """``paired 1.09x [1.02, 1.15]``: the paired median ratio and its 95% interval (none under
+    6 rounds).
+
+    >>> _paired(1.094, (1.02, 1.151)), _paired(1.0, None)
+    ('paired 1.09x [1.02, 1.15]', 'paired 1.00x')
+    """
+    text = f"paired {ratio:.2f}x"
+    return text if interval is None else f"{text} [{interval[0]:.2f}, {interval[1]:.2f}]"
