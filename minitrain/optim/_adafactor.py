@@ -130,6 +130,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         spec = tree.structure(params)
         columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True))
         first_lr = lr(0) if schedule else lr
+        check_hyperparameter("lr (from the schedule)", first_lr, 0.0)
         return ScaleByAdafactorState(zero_count(), _f32(first_lr),
                                      *(tree.unflatten(spec, list(c)) for c in columns))
 

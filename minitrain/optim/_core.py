@@ -66,7 +66,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import distinct_storages
+from minitrain.optim._safety import donatable
 from minitrain.optim.base import (
     Optimizer,
     check_hyperparameter,
@@ -514,7 +514,9 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
-        donate = donate and distinct_storages(params)
+        # In place only where no grad is another leaf's param (a lowered update checks its
+        # state too).
+        donate = donate and donatable(tree.leaves(params), tree.leaves(grads), [])
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             check_extra_args("as_optimizer", extra_args(tx), extra)
         elif lowered is not None:
@@ -526,7 +528,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
         u_leaves = tree.leaves(updates)
         if donate and not use_plain_path("auto", [*leaves, *u_leaves], []) and all(
             isinstance(p, Tensor) for p in (*leaves, *u_leaves)
-        ):
+        ) and donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
             if len(u_leaves) == len(leaves) and all(
                 u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)
             ):

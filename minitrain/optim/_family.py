@@ -24,13 +24,14 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._pooled import PooledLeaves, _run
-from minitrain.optim._safety import distinct_storages
+from minitrain.optim._safety import distinct_storages, donatable
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     BufferPool,
     Optimizer,
     WeightDecayMask,
     check_hyperparameter,
+    check_params,
     decay_flags,
     is_traced,
     scalar,
@@ -291,10 +292,15 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                 if compiled is None and plan.kernel_takes(grads, state, params):
                     return plan.run_kernel(grads, state, params, pool, donate)
                 return plan.run(grads, state, params, pool, compiled)
+        check_params(params)  # complex params, say: the rules are written for real ones
         return slow.update(grads, state, params, donate=donate)
 
+    def init(params):
+        check_params(params)
+        return tx.init(params)
+
     update.transformation = tx  # type: ignore[attr-defined]
-    return Optimizer(tx.init, update)
+    return Optimizer(init, update)
 
 
 class _Plan:
@@ -317,7 +323,7 @@ class _Plan:
         if g_spec != spec or not p_leaves or not isinstance(state, tuple):
             return False
         if not all(isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                   for t in (*p_leaves, *g_leaves)):
+                   and t.is_floating_point() for t in (*p_leaves, *g_leaves)):
             return False
         if use_plain_path("auto", [*p_leaves, *g_leaves], hyper):
             return False
@@ -357,12 +363,14 @@ class _Plan:
         """The update as one streaming-kernel pass per decay group: the frame of the chain
         (``-g`` for maximize, L2 decay, ``-lr`` and decoupled decay) and the rule's step in
         the same loop, into recycled buffers, or in place when ``donate``."""
-        if not donate:
-            pool.begin_update()
         p_leaves, spec = _pytree.tree_flatten(params)
         g_leaves = _pytree.tree_leaves(grads)
         new_state = list(state)
         inner = state[self.rule_index]
+        donate = donate and donatable(p_leaves, g_leaves, [
+            _pytree.tree_leaves(getattr(inner, f)) for f in self.buffers()])
+        if not donate:
+            pool.begin_update()
         step = int(inner.count) + 1
         per_step, kept = self.advance(inner, step)
         lr = self.step_lr(state, new_state) if self.lr is not None else None

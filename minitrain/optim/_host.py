@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["zero_count", "host_tensor"]
+__all__ = ["zero_count", "host_tensor", "is_traced", "updates_done"]
 
 
 def zero_count() -> Tensor:
@@ -30,3 +30,47 @@ def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
     """
     return torch.as_tensor(value, dtype=dtype,
                            device=value.device if isinstance(value, Tensor) else "cpu")
+
+
+def is_traced(value: Any) -> bool:
+    """True for a tensor seen through vmap / grad transforms or by a compiler's tracer."""
+    if not isinstance(value, Tensor):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    if type(value) in _PLAIN_TENSOR_TYPES:  # fast path: no subclass, so not fake
+        return torch._C._functorch.is_functorch_wrapped_tensor(value)
+    if torch._C._functorch.is_functorch_wrapped_tensor(value):
+        return True
+    return isinstance(value, torch._subclasses.FakeTensor) or not _has_storage(value)
+
+
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _has_storage(value: Tensor) -> bool:
+    try:
+        value.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def updates_done(count: Any) -> int | None:
+    """``int(count)``, None where the count is traced; ``ValueError`` for a count that is not
+    a one-element real tensor holding a value >= 0 (a state edited by hand).
+
+    >>> updates_done(zero_count() + 3)
+    3
+    """
+    if not isinstance(count, Tensor) or count.numel() != 1 or count.is_meta or \
+            count.is_complex():
+        raise ValueError(f"state.count is {count!r}, not a one-element tensor; pass the state "
+                         f"returned by opt.init(params) or opt.update")
+    if is_traced(count):
+        return None
+    done = int(count)
+    if done < 0:
+        raise ValueError(f"state.count is {done}, but a count of updates is >= 0; pass the "
+                         f"state returned by opt.init(params) or opt.update")
+    return done

@@ -7,6 +7,8 @@ the wrong order. These checks run before any of them (and name the leaf when the
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,7 +19,8 @@ from minitrain import tree
 from minitrain.optim import _flat
 from minitrain.tree import Params
 
-__all__ = ["check_state_shapes", "distinct_storages", "fast_path_inputs", "kernel_ready"]
+__all__ = ["check_state_shapes", "distinct_storages", "donatable", "fast_path_inputs",
+           "kernel_ready"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -84,31 +87,62 @@ def distinct_storages(params: Any) -> bool:
     >>> distinct_storages({"a": w, "b": w.clone()}), distinct_storages({"a": w, "b": w[:2]})
     (True, False)
     """
-    seen = set()
-    for t in params if type(params) is list else _flat.flatten(params)[0]:
-        if not isinstance(t, Tensor) or t.numel() == 0:
-            continue
-        try:
-            storage = t.untyped_storage()._cdata  # the StorageImpl: meta and fake ones too
-        except (RuntimeError, NotImplementedError):
+    return donatable(params if type(params) is list else _flat.flatten(params)[0], [], [])
+
+
+def donatable(params: list, grads: list, buffers: Iterable[list]) -> bool:
+    """Whether an update may write ``params`` and the state ``buffers`` (lists of leaves) in
+    place: no two of those non-empty tensors share a storage (one passed twice would be updated
+    twice), and no grad shares one with any of them (a grad that is another leaf's param, or a
+    hand-edited state leaf that is its param, would be read after a write changed it). Grads
+    may share storages with each other: they are only read. False also where a leaf has no
+    storage to compare (a functorch tensor).
+
+    >>> w, g = torch.ones(3), torch.ones(3)
+    >>> donatable([w], [g], [[torch.zeros(3)]]), donatable([w, g], [g, w], [])
+    (True, False)
+    """
+    written: set[int] = set()
+    for t in itertools.chain(params, *buffers):
+        storage = _storage_id(t)
+        if storage is False or storage in written:
             return False
-        if storage in seen:
+        if storage is not None:
+            written.add(storage)
+    for t in grads:
+        storage = _storage_id(t)
+        if storage is False or storage in written:
             return False
-        seen.add(storage)
     return True
 
 
-def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list]) -> bool:
+def _storage_id(t: Any) -> int | None | bool:
+    """The address of ``t``'s StorageImpl (meta and fake tensors have one too); None for an
+    empty tensor or a non-tensor, which nothing can alias; False where it has none."""
+    if not isinstance(t, Tensor) or t.numel() == 0:
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
+                 donated: bool = False) -> bool:
     """Whether every param, grad and state leaf is a plain CPU tensor, contiguous within its
     storage, not requiring grad, and every grad and state leaf has its param's shape and dtype:
-    the common case, accepted in one pass (never under a compiler). False sends the update
-    through the full checks (:func:`check_state_shapes`, ``use_plain_path``,
-    :func:`fast_path_inputs`), which name a mismatch or copy what the kernels cannot read.
+    the common case, accepted in one pass (never under a compiler). ``donated``: and the update
+    may write params and state in place (:func:`donatable`, from the same storages). False
+    sends the update through the full checks (:func:`check_state_shapes`, ``use_plain_path``,
+    :func:`fast_path_inputs`, :func:`donatable`), which name a mismatch or copy what the
+    kernels cannot read.
 
     >>> p = [torch.zeros(3)]
     >>> kernel_ready(p, [torch.ones(3)], {"m": [torch.zeros(3)]})
     True
     >>> kernel_ready(p, [torch.ones(1).expand(3)], {})  # stride 0: the full checks copy it
+    False
+    >>> kernel_ready(p, p, {}, donated=True)  # the grad is the param: not in place
     False
     """
     if torch.compiler.is_compiling():
@@ -117,32 +151,44 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
     columns = [grads, *buffers.values()]
     if any(len(column) != len(params) for column in columns):
         return False
+    read: list[int] | None = [] if donated else None
+    written: list[int] | None = [] if donated else None
+    sinks = [read, *[written] * len(buffers)]
     for index, p in enumerate(params):
         if type(p) not in _PLAIN:
             return False
         shape, dtype, size = p.shape, p.dtype, p.element_size()
         nbytes = p.numel() * size
-        if not _contiguous_cpu(p, wrapped, size, nbytes):
+        if not _contiguous_cpu(p, wrapped, size, nbytes, written):
             return False
-        for column in columns:
+        for column, sink in zip(columns, sinks, strict=True):
             t = column[index]
             # Its param's shape and dtype: its param's element size and byte count too.
             if (type(t) is not Tensor or t.dtype is not dtype or t.shape != shape
-                    or not _contiguous_cpu(t, wrapped, size, nbytes)):
+                    or not _contiguous_cpu(t, wrapped, size, nbytes, sink)):
                 return False
+    if written is not None and (len(set(written)) != len(written)
+                                or not set(written).isdisjoint(read)):
+        return False
     return True
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _contiguous_cpu(t: Tensor, wrapped, size: int, nbytes: int) -> bool:
+def _contiguous_cpu(t: Tensor, wrapped, size: int, nbytes: int,
+                    storages: list[int] | None = None) -> bool:
     """A plain CPU tensor of ``nbytes`` bytes of ``size``-byte elements, contiguous, so its
     storage must hold ``[offset, offset + nbytes)``. A tensor with the negative bit
-    (torch._neg_view) holds -t in memory: the kernels would read it raw."""
-    return (t.is_cpu and not t.requires_grad and t.is_contiguous() and not wrapped(t)
-            and not t.is_neg()
-            and t.storage_offset() * size + nbytes <= t.untyped_storage().nbytes())
+    (torch._neg_view) holds -t in memory: the kernels would read it raw. Its storage's address
+    goes into ``storages`` (where given) unless it is empty."""
+    if not (t.is_cpu and not t.requires_grad and t.is_contiguous() and not wrapped(t)
+            and not t.is_neg()):
+        return False
+    storage = t.untyped_storage()
+    if storages is not None and nbytes:
+        storages.append(storage._cdata)
+    return t.storage_offset() * size + nbytes <= storage.nbytes()
 
 
 def _check_storage(t: Tensor, what: str) -> None:

@@ -46,7 +46,7 @@ from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-ex
     clear_buffer_pools,
 )
 from minitrain.optim._collection import holding_collection
-from minitrain.optim._host import zero_count
+from minitrain.optim._host import _PLAIN_TENSOR_TYPES, is_traced, updates_done, zero_count
 from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimizer modules)
     CACHE_BATCH_BYTES,
     Layout,
@@ -59,10 +59,11 @@ from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimi
 )
 from minitrain.optim._safety import (
     check_state_shapes,
-    distinct_storages,
+    donatable,
     fast_path_inputs,
     kernel_ready,
 )
+from minitrain.optim.streaming import LateScalar
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
@@ -150,7 +151,7 @@ def check_hyperparameter(name: str, value: Any, low: float, high: float = math.i
 
     Values that cannot be read without tracing (vmapped or compiled tensors) are not checked.
     """
-    number = _concrete_number(value)
+    number = _concrete_number(name, value)
     if number is None:
         return
     too_low = number <= low if low_open else number < low
@@ -164,18 +165,21 @@ def check_hyperparameter(name: str, value: Any, low: float, high: float = math.i
         )
 
 
-def _concrete_number(value: Any) -> float | None:
+def _concrete_number(name: str, value: Any) -> float | None:
+    """``value`` as a float; None where it cannot be read without tracing (and for a tensor
+    subclass of several elements, such as a sweep's per-member values)."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, Tensor):
-        if value.numel() != 1 or is_traced(value):
+        if is_traced(value) or value.numel() != 1 and type(value) is not Tensor:
             return None
+        if value.numel() != 1:
+            raise ValueError(f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a "
+                             f"number or a one-element tensor")
         return float(value.detach().reshape(()).item())
-    raise ValueError(
-        f"expected a number or a 0-d tensor for a hyperparameter, got {type(value).__name__}"
-    )
+    raise ValueError(f"invalid {name}={value!r}: pass a number or a one-element tensor")
 
 
 def check_lr(lr: ScalarOrSchedule) -> None:
@@ -194,30 +198,6 @@ def check_impl(impl: str) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Path choice
-
-
-def is_traced(value: Any) -> bool:
-    """True for a tensor seen through vmap / grad transforms or by a compiler's tracer."""
-    if not isinstance(value, Tensor):
-        return False
-    if torch.compiler.is_compiling():
-        return True
-    if type(value) in _PLAIN_TENSOR_TYPES:  # fast path: no subclass, so not fake
-        return torch._C._functorch.is_functorch_wrapped_tensor(value)
-    if torch._C._functorch.is_functorch_wrapped_tensor(value):
-        return True
-    return isinstance(value, torch._subclasses.FakeTensor) or not _has_storage(value)
-
-
-_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
-
-
-def _has_storage(value: Tensor) -> bool:
-    try:
-        value.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 def use_plain_path(impl: str, tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
@@ -319,22 +299,22 @@ def make_optimizer(
         grad_leaves, grad_spec = _flat.flatten(grads)
         _check_state_type(state, state_type)
         buffer_leaves = {name: _flat.flatten(getattr(state, name))[0] for name in rule.buffers}
-        donate = donate and distinct_storages(param_leaves)
         _check_state_leaves(buffer_leaves, len(param_leaves))
         # The layout first: building one runs the caller's weight-decay mask, which must not
         # run between the one-pass check below and a kernel.
         layout = plans.layout(params, spec, param_leaves, grads, grad_spec, grad_leaves)
         # The schedule's value next, once per update, for the same reason (a traced count
         # leaves it to the plain path).
-        done = None if is_traced(state.count) else int(state.count)
+        done = updates_done(state.count)
         step_lr = lr if done is None else _lr_at(lr, done)
-        # A count of a tensor subclass would run the caller's code again when read below.
-        ready = type(state.count) is Tensor and kernel_ready(param_leaves, grad_leaves,
-                                                             buffer_leaves)
-        if ready:
-            plain = use_plain_path(impl, [state.count], traced_candidates)
-        else:
+        # A count (or a tensor hyperparameter) of a tensor subclass runs the caller's code when
+        # read: all of them before the one-pass check (which decides donation too).
+        counted = type(state.count) is Tensor
+        plain = counted and use_plain_path(impl, [state.count], traced_candidates)
+        ready = counted and kernel_ready(param_leaves, grad_leaves, buffer_leaves, donate)
+        if not ready:
             check_state_shapes(buffer_leaves, param_leaves, params)
+            donate = donate and donatable(param_leaves, grad_leaves, buffer_leaves.values())
             tensors = [*param_leaves, *grad_leaves, state.count]
             plain = use_plain_path(impl, tensors, traced_candidates)
         if not plain and not ready:
@@ -560,13 +540,6 @@ def _step_values(count: Tensor, lr: ScalarOrSchedule, weight_decay: Any,
     schedule's value) and weight decay, as Python numbers where they are concrete."""
     done = int(count) if done is None else done
     return done, scalar(_lr_at(lr, done)), scalar(weight_decay)
-
-
-class LateScalar:
-    """A hyperparameter computed as a kernel is about to run, by code that runs none of the
-    caller's (a lowered chain's clip scale, from a pass over the grads): the kernel call takes
-    its ``float()`` (which a subclass defines) last, after its buffers and pointer table are
-    ready."""
 
 
 def _plain_values(values: list) -> bool:

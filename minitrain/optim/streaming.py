@@ -363,6 +363,14 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     )
 
 
+class LateScalar:
+    """A hyperparameter computed as a kernel is about to run, by code that runs none of the
+    caller's (a lowered chain's clip scale, from a pass over the grads): the kernel call takes
+    its ``float()`` (which a subclass defines) last, after its buffers and pointer table are
+    ready. :func:`prepare` takes every other hyperparameter's ``float()`` first, before its
+    checks (that of a ``float`` subclass is the caller's code)."""
+
+
 def prepare(
     rule: str,
     hyperparameters: Sequence[SupportsFloat],
@@ -384,7 +392,7 @@ def prepare(
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
     rule, ``None`` for a buffer the rule does not use; each hyperparameter's ``float()`` is taken
     last, right before the kernel runs (so it must run none of the caller's code:
-    ``base.LateScalar``). The results go into ``outputs(like)``
+    :class:`LateScalar`). The results go into ``outputs(like)``
     buffers, written with streaming stores when the update touches :data:`STREAMING_BYTES` or
     more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores
@@ -398,6 +406,8 @@ def prepare(
             f"streaming rule {rule!r} takes {HYPERPARAMETERS[rule]} hyperparameters, got "
             f"{len(hyperparameters)}; pass them in the order _streaming.c documents"
         )
+    hyperparameters = [v if issubclass(type(v), LateScalar) else float(v)
+                       for v in hyperparameters]
     library = _library()
     if library is None:
         raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
@@ -494,26 +504,34 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
     >>> (out if out is not None else codes.float() / 2.0).tolist()
     [0.5, -1.0, 224.0]
     """
-    library = _library()
-    if (library is None or type(codes) is not Tensor or codes.device.type != "cpu"
-            or codes.element_size() != 1 or codes.is_floating_point() and codes.dtype not in
-            (torch.float8_e4m3fn, torch.float8_e5m2)
-            or _python_dispatch._get_current_dispatch_mode() is not None
-            or not codes.is_contiguous() or not _storage_holds(codes)
-            or table.dtype is not torch.float32 or table.numel() != 256
-            or not table.is_contiguous()):
-        return None
     if isinstance(scale, Tensor) and (type(scale) is not Tensor or scale.numel() != 1
                                       or scale.device.type != "cpu"):
         return None
+    library = _library()
+    if (library is None or _python_dispatch._get_current_dispatch_mode() is not None
+            or type(codes) is not Tensor or type(table) is not Tensor):
+        return None
+    divisor = float(scale)  # before the checks below: a float subclass's is the caller's code
+    if (not _plain_cpu(codes) or codes.element_size() != 1
+            or codes.is_floating_point() and codes.dtype not in
+            (torch.float8_e4m3fn, torch.float8_e5m2)
+            or not _plain_cpu(table) or table.dtype is not torch.float32
+            or table.numel() != 256):
+        return None
     out = torch.empty(codes.shape, dtype=torch.float32, device="cpu")
     status = library.minitrain_decode_div(
-        codes.data_ptr(), table.data_ptr(), float(scale), out.data_ptr(), codes.numel(),
+        codes.data_ptr(), table.data_ptr(), divisor, out.data_ptr(), codes.numel(),
         max(1, torch.get_num_threads()),
     )
     if status != 0:
         raise RuntimeError(f"streaming fp8 decode failed with status {status}")
     return out
+
+
+def _plain_cpu(t: Tensor) -> bool:
+    """A plain contiguous CPU tensor whose storage holds it (what a kernel may read)."""
+    return (type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous()
+            and _storage_holds(t))
 
 
 def global_norm(leaves: Sequence[Tensor]) -> Tensor:
@@ -559,7 +577,8 @@ def _matrix_check(what: str, t: Tensor, shape: tuple[int, ...]) -> None:
             and tuple(t.shape) == shape and _storage_holds(t)):
         raise ValueError(
             f"adafactor kernel {what}: {tuple(t.shape)} {t.dtype} {t.device} stride "
-            f"{t.stride()} is not a contiguous float32 CPU tensor of shape {shape}"
+            f"{t.stride()} is not a contiguous float32 CPU tensor of shape {shape} whose "
+            f"storage holds it (was it resized?)"
         )
 
 
@@ -610,16 +629,16 @@ def adafactor_apply(g: Tensor, p: Tensor, row_var: Tensor, col_var: Tensor,
     denom, eps1**2))`` with ``hyperparameters = [denom, eps1**2, sign, coef, lr * wd]``:
     without ``out``, returns ``sum(s**2)``; with it, writes ``p + coef * s - lr * wd * p``
     there (streaming stores with ``nontemporal``) and returns 0. Call :func:`usable` first."""
+    if len(hyperparameters) != 5:
+        raise ValueError("adafactor_apply takes 5 hyperparameters: denom, eps1**2, sign, coef, "
+                         "lr * weight_decay")
+    hp = array.array("d", map(float, hyperparameters))  # before the checks: the caller's code
     library, (m, n) = _adafactor_leaf(g, p)
     _matrix_check("row_var", row_var, (m,))
     _matrix_check("col_var", col_var, (n,))
     if out is not None:
         _matrix_check("output", out, (m, n))
-    if len(hyperparameters) != 5:
-        raise ValueError("adafactor_apply takes 5 hyperparameters: denom, eps1**2, sign, coef, "
-                         "lr * weight_decay")
     threads = max(1, torch.get_num_threads())
-    hp = array.array("d", map(float, hyperparameters))
     total = array.array("d", [0.0])
     scratch = array.array("d", bytes(8 * threads))
     status = library.minitrain_adafactor_apply(
