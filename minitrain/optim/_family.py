@@ -24,7 +24,7 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._pooled import PooledLeaves, _run
-from minitrain.optim._safety import distinct_storages, donatable
+from minitrain.optim._safety import donatable
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     BufferPool,
@@ -286,7 +286,8 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                              decays and decoupled, lr is not None) if impl == "compiled" else None
 
     def update(grads, state, params, *, donate: bool = False):
-        donate = donate and distinct_storages(params)
+        # Donation is checked where it is used: the kernel path's donatable() (params, grads
+        # and state), the chain's for the rest.
         if plan.takes(grads, state, params):
             with pool.lock:  # two concurrent updates must not share an output buffer
                 if compiled is None and plan.kernel_takes(grads, state, params):
