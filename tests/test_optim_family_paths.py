@@ -268,6 +268,26 @@ def test_updates_vmap_over_an_ensemble(factory):
     torch.testing.assert_close(batched, members, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("factory", [mt.optim.adafactor, mt.optim.nadam, mt.optim.adamw])
+def test_a_batched_state_updates_under_vmap(factory):
+    """A state made by ``vmap(opt.init)`` carries a batched count, so each update's step is
+    traced (Adafactor's lerp weight then follows the leaf's dtype); it updates as each member
+    does on its own."""
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(3, 4, 2, generator=g)}
+    grads = {"w": torch.randn(3, 4, 2, generator=g)}
+    opt = factory()
+    batched, state = params, torch.func.vmap(opt.init)(params)
+    for _ in range(3):
+        batched, state = torch.func.vmap(opt.update)(grads, state, batched)
+    members = []
+    for i in range(3):
+        member, member_state = {"w": params["w"][i]}, opt.init({"w": params["w"][i]})
+        for _ in range(3):
+            member, member_state = opt.update({"w": grads["w"][i]}, member_state, member)
+        members.append(member["w"])
+    torch.testing.assert_close(batched["w"], torch.stack(members), rtol=1e-5, atol=1e-6)
+
 
 COMPILED_UPDATE = """
 import torch, minitrain as mt
