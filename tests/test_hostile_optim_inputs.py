@@ -199,3 +199,11 @@ def test_a_hand_edited_count_is_a_value_error_naming_it(count, words):
     state = opt.init(params)._replace(count=count)
     with pytest.raises(ValueError, match=f"state.count is .*{words}"):
         opt.update({"w": torch.ones(3)}, state, params)
+
+
+@pytest.mark.parametrize("name", ["nadam", "adadelta", "lion"])
+def test_the_family_names_a_grad_of_another_dtype(name):
+    opt = getattr(mt.optim, name)(lr=0.1)
+    params = {"w": torch.ones(4, 3)}
+    with pytest.raises(ValueError, match="grads differ from params at leaf 'w'"):
+        opt.update({"w": torch.ones(4, 3, dtype=torch.float64)}, opt.init(params), params)

@@ -30,6 +30,7 @@ from minitrain.optim.base import (
     BufferPool,
     Optimizer,
     WeightDecayMask,
+    check_grads,
     check_hyperparameter,
     check_params,
     decay_flags,
@@ -294,6 +295,7 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                     return plan.run_kernel(grads, state, params, pool, donate)
                 return plan.run(grads, state, params, pool, compiled)
         check_params(params)  # complex params, say: the rules are written for real ones
+        check_grads(grads, params)  # a grad of another dtype or shape, named
         return slow.update(grads, state, params, donate=donate)
 
     def init(params):
