@@ -16,11 +16,9 @@ import torch._prims_common as _prims_common
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import _flat
 from minitrain.tree import Params
 
-__all__ = ["check_state_shapes", "distinct_storages", "donatable", "fast_path_inputs",
-           "kernel_ready"]
+__all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -77,26 +75,14 @@ def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[st
     return grads, checked
 
 
-def distinct_storages(params: Any) -> bool:
-    """Whether no two non-empty tensor leaves of ``params`` share a storage: a donated update
-    writes each param in place, so a tensor passed twice (tied weights as two leaves) would be
-    updated twice. False also where a leaf has no storage to compare (a functorch tensor).
-    (State may share tensors by design: a chain's transformations hold one step count.)
-
-    >>> w = torch.ones(3)
-    >>> distinct_storages({"a": w, "b": w.clone()}), distinct_storages({"a": w, "b": w[:2]})
-    (True, False)
-    """
-    return donatable(params if type(params) is list else _flat.flatten(params)[0], [], [])
-
-
 def donatable(params: list, grads: list, buffers: Iterable[list]) -> bool:
     """Whether an update may write ``params`` and the state ``buffers`` (lists of leaves) in
     place: no two of those non-empty tensors share a storage (one passed twice would be updated
-    twice), and no grad shares one with any of them (a grad that is another leaf's param, or a
-    hand-edited state leaf that is its param, would be read after a write changed it). Grads
-    may share storages with each other: they are only read. False also where a leaf has no
-    storage to compare (a functorch tensor).
+    twice, as tied weights passed as two leaves would be), and no grad shares one with any of
+    them (a grad that is another leaf's param, or a hand-edited state leaf that is its param,
+    would be read after a write changed it). Grads may share storages with each other: they are
+    only read. False also where a leaf has no storage to compare (a functorch tensor). (State
+    outside ``buffers`` may share tensors by design: a chain's transformations hold one count.)
 
     >>> w, g = torch.ones(3), torch.ones(3)
     >>> donatable([w], [g], [[torch.zeros(3)]]), donatable([w, g], [g, w], [])

@@ -391,8 +391,8 @@ def prepare(
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
     rule, ``None`` for a buffer the rule does not use; each hyperparameter's ``float()`` is taken
-    last, right before the kernel runs (so it must run none of the caller's code:
-    :class:`LateScalar`). The results go into ``outputs(like)``
+    before the checks, but a :class:`LateScalar`'s, taken right before the kernel runs (so it
+    must run none of the caller's code). The results go into ``outputs(like)``
     buffers, written with streaming stores when the update touches :data:`STREAMING_BYTES` or
     more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores
