@@ -160,6 +160,23 @@ def test_donating_a_state_leaf_that_is_its_param_gives_the_pure_result():
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
 
 
+def test_donating_a_muon_momentum_that_is_its_param_gives_the_pure_result():
+    def run(donate):
+        torch.manual_seed(2)
+        params = {"a": torch.randn(16, 8), "b": torch.randn(8, 16)}
+        opt = mt.optim.muon(lr=0.1)
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        params, state = opt.update(grads, opt.init(params), params)
+        (momentum, ortho), decay, lr = state
+        momentum = momentum._replace(momentum_buffer={  # edited by hand: "a"'s is its param
+            "a": params["a"], "b": momentum.momentum_buffer["b"]})
+        return opt.update(grads, ((momentum, ortho), decay, lr), params, donate=donate)[0]
+
+    pure, donated = run(False), run(True)
+    for key in pure:
+        torch.testing.assert_close(donated[key], pure[key], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["nadam", "radam", "adamax", "adadelta", "asgd", "rprop"])
 def test_the_family_refuses_complex_params_naming_them(name):
     opt = getattr(mt.optim, name)(lr=0.1)
@@ -193,12 +210,58 @@ def test_a_schedules_bad_value_names_the_schedule(factory, value):
     (torch.tensor([1, 2]), "not a one-element tensor"),
     (torch.tensor(-5), "a count of updates is >= 0"),
 ], ids=["int", "meta", "two-elements", "negative"])
-def test_a_hand_edited_count_is_a_value_error_naming_it(count, words):
-    opt = mt.optim.adam(lr=0.1)
-    params = {"w": torch.ones(3)}
-    state = opt.init(params)._replace(count=count)
+@pytest.mark.parametrize("name", [
+    "adam", "nadam", "radam", "adamax", "adadelta", "asgd", "rprop", "adafactor", "muon", "lion",
+    "schedule_free_adamw", "scheduled-chain", "ema-chain", "injected"])
+def test_a_hand_edited_count_is_a_value_error_naming_it(name, count, words):
+    opt = _counted_optimizer(name)
+    params = {"w": torch.ones(4, 3)}
+    state = _with_counts(opt.init(params), count)
     with pytest.raises(ValueError, match=f"state.count is .*{words}"):
-        opt.update({"w": torch.ones(3)}, state, params)
+        opt.update({"w": torch.ones(4, 3)}, state, params)
+
+
+def _counted_optimizer(name):
+    tx = mt.optim
+    if name == "scheduled-chain":
+        return tx.as_optimizer(tx.chain(tx.scale_by_adam(), tx.scale_by_learning_rate(
+            tx.cosine_schedule(0.1, decay_steps=10))))
+    if name == "ema-chain":
+        return tx.as_optimizer(tx.chain(tx.scale_by_learning_rate(0.1), tx.ema(0.9)))
+    if name == "injected":
+        return tx.as_optimizer(tx.inject_hyperparams(tx.sgd)(
+            lr=tx.cosine_schedule(0.1, decay_steps=10)))
+    return getattr(tx, name)(lr=0.1)
+
+
+def _with_counts(state, count):
+    """``state`` with every ``count`` field, at any depth, replaced by ``count``."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        fields = {f: _with_counts(getattr(state, f), count) for f in state._fields}
+        if "count" in fields:
+            fields["count"] = count
+        return type(state)(**fields)
+    if isinstance(state, tuple):
+        return type(state)(_with_counts(s, count) for s in state)
+    return state
+
+
+@pytest.mark.parametrize("name", [
+    "sgd", "adamw", "adagrad", "rmsprop", "nadam", "rprop", "lion", "adafactor", "muon",
+    "clip-chain"])
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's, on making one
+def test_a_sparse_grad_is_a_value_error_naming_its_leaf(name, layout):
+    tx = mt.optim
+    opt = tx.as_optimizer(tx.chain(tx.clip_by_global_norm(1.0), tx.scale_by_adam(),
+                                   tx.scale_by_learning_rate(0.1))) \
+        if name == "clip-chain" else getattr(tx, name)(lr=0.1)
+    params = {"emb": torch.ones(4, 3)}
+    dense = torch.zeros(4, 3)
+    dense[1] = 1.0  # an embedding's grad: the rows looked up
+    grad = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    with pytest.raises(ValueError, match="grad of 'emb' is a torch.sparse_.* dense grads"):
+        opt.update({"emb": grad}, opt.init(params), params)
 
 
 @pytest.mark.parametrize("name", ["nadam", "adadelta", "lion"])

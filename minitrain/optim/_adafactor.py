@@ -21,14 +21,19 @@ from minitrain.optim._core import (
     spec,
     tagged,
 )
-from minitrain.optim._family import Scalar, check_range, descent_prefix, step_of
-from minitrain.optim._host import host_tensor, zero_count
+from minitrain.optim._family import Scalar, check_range, descent_prefix
+from minitrain.optim._host import (
+    host_tensor,
+    next_step,
+    schedule_count,
+    updates_done,
+    zero_count,
+)
 from minitrain.optim.base import (
     BufferPool,
     Optimizer,
     ScalarOrSchedule,
     check_hyperparameter,
-    is_traced,
     scalar,
     use_plain_path,
 )
@@ -149,10 +154,10 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         buffers = [_entries(getattr(state, f), spec, f)
                    for f in ("row_var", "col_var", "variance")]
         _check_shapes(buffers, g_leaves, updates)
-        step = step_of(state.count)
+        step = next_step(state.count)
         step_lr = lr
         if schedule:
-            step_lr = lr(state.count if is_traced(state.count) else int(state.count))
+            step_lr = lr(schedule_count(state.count))
             check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
         rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay)
                 for g, p, *b in zip(g_leaves, p_leaves, *buffers, strict=True)]
@@ -258,6 +263,7 @@ def _match(tx: GradientTransformation):
         if any(p.shape != g.shape for p, g in zip(p_leaves, g_leaves, strict=True)):
             return None
         inner_state = state[-1]
+        updates_done(inner_state.count)  # a count edited by hand is named before it is used
         if use_plain_path("auto", [*p_leaves, *g_leaves, inner_state.count], hyper_tensors):
             return None
         if not streaming.usable([*p_leaves, *g_leaves]):
@@ -272,10 +278,10 @@ def _match(tx: GradientTransformation):
                    for f in ("row_var", "col_var", "variance")]
         _check_shapes(buffers, g_leaves, grads)
         lr, schedule = args["lr"], callable(args["lr"]) and not isinstance(args["lr"], Tensor)
-        step = int(inner_state.count) + 1
+        step = next_step(inner_state.count)
         step_lr = lr
         if schedule:
-            step_lr = lr(int(inner_state.count))
+            step_lr = lr(step - 1)
             check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
         numbers = dict(lr=scalar(step_lr), beta2_decay=scalar(args["beta2_decay"]),
                        eps1=scalar(args["eps"][0]), eps2=scalar(args["eps"][1]),

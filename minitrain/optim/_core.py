@@ -64,13 +64,12 @@ import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._host import zero_count
+from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import donatable
+from minitrain.optim._safety import donatable, naming_sparse_grads
 from minitrain.optim.base import (
     Optimizer,
     check_hyperparameter,
-    is_traced,
     scalar,
     use_plain_path,
 )
@@ -237,6 +236,7 @@ def chain(*transforms: Any) -> GradientTransformation:
             new_state.append(inner)
         return updates, tuple(new_state)
 
+    update = naming_sparse_grads(update)
     forwards_extra_args(update, transforms)
     return tagged("chain", GradientTransformation(init, update), transforms=transforms)
 
@@ -381,7 +381,7 @@ def leafwise(
             for key in buffers
         }
         tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
-        step = _step(state.count)
+        step = next_step(state.count)
         if use_plain_path("auto", tensors, list(hyper.values())):
             new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper)
             count = state.count + 1
@@ -409,12 +409,6 @@ def unused(per_leaf: list[dict[str, Any]], key: str) -> bool:
 
 def _empty(value: Any) -> bool:
     return type(value) is tuple and len(value) == 0
-
-
-def _step(count: Tensor) -> Any:
-    if is_traced(count):
-        return count.to(torch.float64) + 1
-    return int(count) + 1
 
 
 def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str) -> list[Any]:
@@ -538,6 +532,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
                 return params, state
         return apply_updates(params, updates), state
 
+    update = naming_sparse_grads(update)
     optimizer = Optimizer(tx.init, update)
     update.transformation = tx  # type: ignore[attr-defined]
     return optimizer

@@ -23,8 +23,9 @@ from minitrain.optim._core import (
     leafwise,
     tagged,
 )
+from minitrain.optim._host import next_step, schedule_count
 from minitrain.optim._pooled import PooledLeaves, _run
-from minitrain.optim._safety import donatable
+from minitrain.optim._safety import donatable, naming_sparse_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     BufferPool,
@@ -44,7 +45,6 @@ __all__ = [
     "Scalar",
     "add_scaled",
     "descent_prefix",
-    "step_of",
     "leafwise_with_scalars",
     "zeros",
     "check_range",
@@ -149,14 +149,6 @@ def descent_prefix(maximize: bool, weight_decay: Any = 0.0,
     return prefix
 
 
-def step_of(count: Tensor) -> Any:
-    """The 1-based number of the update after ``count`` updates: an int, or a float64 0-d
-    tensor when ``count`` is traced (vmap, compile)."""
-    if is_traced(count):
-        return count.to(torch.float64) + 1
-    return int(count) + 1
-
-
 def leafwise_with_scalars(
     name: str,
     state_type: type,
@@ -198,7 +190,7 @@ def leafwise_with_scalars(
             )
         old = {key: getattr(state, key) for key in names}
         traced = is_traced(state.count) or any(is_traced(v) for v in old.values())
-        step = step_of(state.count)
+        step = next_step(state.count)
         values = old if traced else {key: scalar(v) for key, v in old.items()}
         new_scalars, per_step = advance(step, **values)
         rule = leafwise(name, init_leaf, update_leaf, leaf_state, {**hyper, **per_step},
@@ -302,6 +294,7 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
         check_params(params)
         return tx.init(params)
 
+    update = naming_sparse_grads(update)
     update.transformation = tx  # type: ignore[attr-defined]
     return Optimizer(init, update)
 
@@ -374,7 +367,7 @@ class _Plan:
             _pytree.tree_leaves(getattr(inner, f)) for f in self.buffers()])
         if not donate:
             pool.begin_update()
-        step = int(inner.count) + 1
+        step = next_step(inner.count)
         per_step, kept = self.advance(inner, step)
         lr = self.step_lr(state, new_state) if self.lr is not None else None
         name, rule_hp, fields = self.rule.kernel(
@@ -465,7 +458,7 @@ class _Plan:
 
     def run_rule(self, u, p, inner, spec, pool):
         rule = self.rule
-        step = int(inner.count) + 1
+        step = next_step(inner.count)
         per_step, kept = self.advance(inner, step)
         per_step = {k: hyperparameter(k, v) for k, v in per_step.items()}
         buffers = {
@@ -494,7 +487,7 @@ class _Plan:
     def step_lr(self, state, new_state):
         """The lr of this update, recorded in the chain's last state."""
         lr_state = state[-1]
-        lr = self.lr(int(lr_state.count)) if self.schedule else self.lr
+        lr = self.lr(schedule_count(lr_state.count)) if self.schedule else self.lr
         if self.schedule:
             check_hyperparameter("lr (from the schedule)", lr, 0.0)
         lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
@@ -508,7 +501,7 @@ class _Plan:
         p_leaves, spec = _pytree.tree_flatten(params)
         new_state = list(state)
         inner = state[self.rule_index]
-        step = int(inner.count) + 1
+        step = next_step(inner.count)
         per_step, kept = self.advance(inner, step)
         lr = self.step_lr(state, new_state) if self.lr is not None else 0.0
         flags = self.decay_flags(params)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["zero_count", "host_tensor", "is_traced", "updates_done"]
+__all__ = ["zero_count", "host_tensor", "is_traced", "next_step", "schedule_count", "updates_done"]
 
 
 def zero_count() -> Tensor:
@@ -74,3 +74,26 @@ def updates_done(count: Any) -> int | None:
         raise ValueError(f"state.count is {done}, but a count of updates is >= 0; pass the "
                          f"state returned by opt.init(params) or opt.update")
     return done
+
+
+def next_step(count: Any) -> Any:
+    """The 1-based number of the update after ``count`` updates: an int, or a float64 0-d
+    tensor where ``count`` is traced (vmap, compile); a hand-edited count is refused as by
+    :func:`updates_done`.
+
+    >>> next_step(zero_count() + 3)
+    4
+    """
+    done = updates_done(count)
+    return count.to(torch.float64) + 1 if done is None else done + 1
+
+
+def schedule_count(count: Any) -> Any:
+    """What a schedule ``step -> value`` is called with: the number of updates done as an int,
+    or ``count`` itself where it is traced (checked as by :func:`updates_done`).
+
+    >>> schedule_count(zero_count() + 2)
+    2
+    """
+    done = updates_done(count)
+    return count if done is None else done

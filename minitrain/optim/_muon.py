@@ -28,7 +28,9 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._family import Scalar, check_range, descent_prefix, zeros
+from minitrain.optim._host import updates_done
 from minitrain.optim._lowering import chain_lowering, spec_tensors
+from minitrain.optim._safety import donatable
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, use_plain_path
 from minitrain.tree import Params
@@ -460,6 +462,9 @@ def _match(tx: GradientTransformation):
             for b, p, g in zip(buffers, p_leaves, g_leaves, strict=False)
         ):
             return None  # the plain chain names what does not fit
+        updates_done(momentum_state.count)  # a count edited by hand is named, not carried
+        # In place only where no momentum buffer (a state edited by hand) is a param or grad.
+        donate = donate and donatable(p_leaves, g_leaves, [buffers])
         new_params: list[Tensor] = [None] * len(p_leaves)  # type: ignore[list-item]
         new_buffers: list[Tensor] = [None] * len(p_leaves)  # type: ignore[list-item]
         with pool.lock:

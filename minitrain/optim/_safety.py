@@ -7,8 +7,9 @@ the wrong order. These checks run before any of them (and name the leaf when the
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.tree import Params
 
-__all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready"]
+__all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready",
+           "naming_sparse_grads", "sparse_grad_error"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -36,6 +38,39 @@ def check_state_shapes(buffers: dict[str, list], params: list[Tensor], tree_: Pa
                     f"state.{name} leaf {_leaf_name(tree_, index)!r} is {shape} but its param is "
                     f"{tuple(p.shape)}; create the state with opt.init(params) for these params"
                 )
+
+
+def sparse_grad_error(grads: Any) -> ValueError | None:
+    """The error naming the first grad that is not a dense (strided) tensor, e.g. the sparse
+    grad of ``nn.Embedding(sparse=True)``; None when all are dense. The optimizers take dense
+    grads, as torch.optim's Adam does.
+
+    >>> sparse_grad_error({"w": torch.ones(2)}) is None
+    True
+    """
+    for name, g in tree.named_leaves(grads):
+        if isinstance(g, Tensor) and g.layout is not torch.strided:
+            return ValueError(
+                f"the grad of {name!r} is a {g.layout} tensor, but the optimizers take dense "
+                f"grads; pass grad.to_dense() (or build the embedding with sparse=False)"
+            )
+    return None
+
+
+def naming_sparse_grads(update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update(grads, ...)`` whose error from torch over a sparse grad (an op with no sparse
+    kernel, a layout check) is re-raised as :func:`sparse_grad_error`'s ``ValueError``."""
+
+    @functools.wraps(update)
+    def checked(grads: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return update(grads, *args, **kwargs)
+        except (NotImplementedError, RuntimeError) as error:
+            if (named := sparse_grad_error(grads)) is not None:
+                raise named from error
+            raise
+
+    return checked
 
 
 def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],

@@ -24,14 +24,13 @@ from minitrain.optim._core import (
     leafwise,
     tagged,
 )
-from minitrain.optim._host import host_tensor, zero_count
+from minitrain.optim._host import host_tensor, schedule_count, zero_count
 from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
     check_hyperparameter,
     check_lr,
     decay_flags,
-    is_traced,
     scalar,
     use_plain_path,
 )
@@ -135,7 +134,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
 
     def lr_at(count):
         if is_schedule:
-            value = learning_rate(count if is_traced(count) else int(count))
+            value = learning_rate(count if isinstance(count, int) else schedule_count(count))
             check_hyperparameter("lr (from the schedule)", value, 0.0)
             return value
         return learning_rate

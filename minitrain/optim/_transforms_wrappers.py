@@ -20,7 +20,7 @@ from minitrain.optim._core import (
     select_extra_args,
     tagged,
 )
-from minitrain.optim._host import host_tensor, zero_count
+from minitrain.optim._host import host_tensor, schedule_count, updates_done, zero_count
 from minitrain.optim.base import is_traced
 from minitrain.tree import Params
 
@@ -309,8 +309,9 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
         if params is None:
             raise ValueError("ema needs params: call update(updates, state, params)")
         new_params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
-        if not is_traced(state.count):
-            if int(state.count) == 0:
+        done = updates_done(state.count)
+        if done is not None:
+            if done == 0:
                 average = tree.map(lambda p: p.detach().clone(), new_params)
             else:
                 average = tree.map(lambda a, p: torch.lerp(a, p.detach(), 1 - decay),
@@ -367,9 +368,8 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
 
         def update(updates, state, params=None):
             hyper = dict(state.hyperparams)
-            hyper.update({k: _hyper_tensor(k, fn(state.count if is_traced(state.count)
-                                                 else int(state.count)))
-                          for k, fn in schedules.items()})
+            count = schedule_count(state.count)
+            hyper.update({k: _hyper_tensor(k, fn(count)) for k, fn in schedules.items()})
             inner = factory(**static, **hyper)
             updates, inner_state = inner.update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyper, inner_state)
