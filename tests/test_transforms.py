@@ -239,8 +239,13 @@ def test_clip_by_global_norm_has_both_forms_and_matches_torch():
 def test_hyperparameters_are_checked_like_torch_optim():
     with pytest.raises(ValueError, match="lr"):
         scale_by_learning_rate(torch.tensor([0.1, 0.2]))
-    with pytest.raises(ValueError, match="betas"):
-        scale_by_adam(0.9, torch.tensor(0.99))
+    with pytest.raises(ValueError, match="betas"):  # torch.optim.Adam refuses the mix
+        mt.optim.adam(betas=(0.9, torch.tensor(0.99)))
+    # The transform takes it (inject_hyperparams makes one beta a tensor), as optax does.
+    mixed, plain = scale_by_adam(0.9, torch.tensor(0.99)), scale_by_adam(0.9, 0.99)
+    grads = [torch.tensor([1.0, -2.0])]
+    torch.testing.assert_close(mixed.update(grads, mixed.init(grads))[0][0],  # a float32 beta
+                               plain.update(grads, plain.init(grads))[0][0])
     with pytest.raises(ValueError, match="betas"):
         scale_by_adam(1.5)
     tx = scale_by_adam(torch.tensor([[[0.9]]]), torch.tensor([[0.999]]))

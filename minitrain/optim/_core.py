@@ -66,7 +66,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import donatable, naming_sparse_grads
+from minitrain.optim._safety import donatable, naming_bad_grads
 from minitrain.optim.base import (
     Optimizer,
     check_hyperparameter,
@@ -126,9 +126,11 @@ def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:
 
 
 def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientTransformation:
-    """``tx`` with ``(name, arguments)`` attached to its update function (see :func:`spec`)."""
-    tx.update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
-    return tx
+    """``tx`` with ``(name, arguments)`` attached to its update function (see :func:`spec`),
+    which names a None or sparse grad (:func:`~minitrain.optim._safety.naming_bad_grads`)."""
+    update = naming_bad_grads(tx.update)
+    update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
+    return GradientTransformation(tx.init, update)
 
 
 def identity() -> GradientTransformation:
@@ -236,7 +238,7 @@ def chain(*transforms: Any) -> GradientTransformation:
             new_state.append(inner)
         return updates, tuple(new_state)
 
-    update = naming_sparse_grads(update)
+    update = naming_bad_grads(update)
     forwards_extra_args(update, transforms)
     return tagged("chain", GradientTransformation(init, update), transforms=transforms)
 
@@ -427,6 +429,13 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str) -
                 f"{what} leaf {_pytree.keystr(path)!r} has shape {tuple(leaf.shape)} but its "
                 f"update has {tuple(g.shape)}; create the state with init(params)"
             )
+        if isinstance(leaf, Tensor) and isinstance(g, Tensor) and leaf.dtype != g.dtype \
+                and what != "params":  # a state in another dtype than its update: named
+            raise ValueError(
+                f"{what} leaf {_pytree.keystr(path)!r} is {leaf.dtype} but its update is "
+                f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
+                f"create the state with init(params) for params of the updates' dtype"
+            )
     return leaves
 
 
@@ -532,7 +541,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
                 return params, state
         return apply_updates(params, updates), state
 
-    update = naming_sparse_grads(update)
+    update = naming_bad_grads(update)
     optimizer = Optimizer(tx.init, update)
     update.transformation = tx  # type: ignore[attr-defined]
     return optimizer

@@ -25,7 +25,7 @@ from minitrain.optim._core import (
 )
 from minitrain.optim._host import next_step, schedule_count
 from minitrain.optim._pooled import PooledLeaves, _run
-from minitrain.optim._safety import donatable, naming_sparse_grads
+from minitrain.optim._safety import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     BufferPool,
@@ -294,7 +294,7 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
         check_params(params)
         return tx.init(params)
 
-    update = naming_sparse_grads(update)
+    update = naming_bad_grads(update)
     update.transformation = tx  # type: ignore[attr-defined]
     return Optimizer(init, update)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim import streaming
-from minitrain.optim._safety import sparse_grad_error
+from minitrain.optim._safety import grad_leaf_error
 from minitrain.tree import Grads, Params
 
 __all__ = ["CACHE_BATCH_BYTES", "SWEPT_BYTES", "Layout", "LayoutCache", "WeightDecayMask",
@@ -46,7 +46,7 @@ def check_params(params: Params) -> list[Tensor]:
 def check_grads(grads: Grads, params: Params) -> list[Tensor]:
     """The leaves of ``grads``, checked to match ``params`` leaf by leaf (structure, shape,
     dtype) and to be dense."""
-    if (error := sparse_grad_error(grads)) is not None:
+    if (error := grad_leaf_error(grads)) is not None:
         raise error
     tree.assert_same_structure(params, grads, names=("params", "grads"), check_shapes=True)
     grad_leaves = tree.leaves(grads)

@@ -20,7 +20,7 @@ from minitrain import tree
 from minitrain.tree import Params
 
 __all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready",
-           "naming_sparse_grads", "sparse_grad_error"]
+           "grad_leaf_error", "naming_bad_grads"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -40,15 +40,22 @@ def check_state_shapes(buffers: dict[str, list], params: list[Tensor], tree_: Pa
                 )
 
 
-def sparse_grad_error(grads: Any) -> ValueError | None:
-    """The error naming the first grad that is not a dense (strided) tensor, e.g. the sparse
-    grad of ``nn.Embedding(sparse=True)``; None when all are dense. The optimizers take dense
-    grads, as torch.optim's Adam does.
+def grad_leaf_error(grads: Any) -> ValueError | None:
+    """The error naming the first grad that is None (the ``.grad`` of a param the loss does
+    not use) or not a dense (strided) tensor (the sparse grad of ``nn.Embedding(sparse=True)``);
+    None when all are dense tensors. The optimizers take dense grads, as torch.optim's Adam does.
 
-    >>> sparse_grad_error({"w": torch.ones(2)}) is None
+    >>> grad_leaf_error({"w": torch.ones(2)}) is None
     True
+    >>> str(grad_leaf_error({"w": None})).split(";")[0]
+    "the grad of 'w' is None (a param the loss does not use?)"
     """
     for name, g in tree.named_leaves(grads):
+        if g is None:
+            return ValueError(
+                f"the grad of {name!r} is None (a param the loss does not use?); pass "
+                f"torch.zeros_like(param) for it, or leave the param out"
+            )
         if isinstance(g, Tensor) and g.layout is not torch.strided:
             return ValueError(
                 f"the grad of {name!r} is a {g.layout} tensor, but the optimizers take dense "
@@ -57,17 +64,18 @@ def sparse_grad_error(grads: Any) -> ValueError | None:
     return None
 
 
-def naming_sparse_grads(update: Callable[..., Any]) -> Callable[..., Any]:
-    """``update(grads, ...)`` whose error from torch over a sparse grad (an op with no sparse
-    kernel, a layout check) is re-raised as :func:`sparse_grad_error`'s ``ValueError``."""
+def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update(grads, ...)`` whose error over a None or sparse grad (torch's, from an op with
+    no sparse kernel; or an attribute a None lacks) is re-raised as :func:`grad_leaf_error`'s
+    ``ValueError``. Costs nothing until something raises."""
 
     @functools.wraps(update)
     def checked(grads: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return update(grads, *args, **kwargs)
-        except (NotImplementedError, RuntimeError) as error:
-            if (named := sparse_grad_error(grads)) is not None:
-                raise named from error
+        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
+            if (named := grad_leaf_error(grads)) is not None:
+                raise named from None  # the one line; our frames would only hide it
             raise
 
     return checked

@@ -19,12 +19,12 @@ from minitrain import tree
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
-    check_pair,
     hyperparameter,
     leafwise,
     tagged,
 )
 from minitrain.optim._host import host_tensor, schedule_count, zero_count
+from minitrain.optim._safety import grad_leaf_error
 from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
@@ -136,7 +136,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
         if is_schedule:
             value = learning_rate(count if isinstance(count, int) else schedule_count(count))
             check_hyperparameter("lr (from the schedule)", value, 0.0)
-            return value
+            return hyperparameter("lr (from the schedule)", value)  # a (1,) tensor as 0-d
         return learning_rate
 
     def init(params):
@@ -193,7 +193,9 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999, eps: flo
     >>> tx.update([torch.tensor([5.0, -0.01])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1.0000, -1.0000])]
     """
-    beta1, beta2 = check_pair("betas", (b1, b2))
+    # A float and a tensor may mix here (inject_hyperparams makes one a tensor); the aliases
+    # refuse the mix as torch.optim.Adam does.
+    beta1, beta2 = hyperparameter("betas[0]", b1), hyperparameter("betas[1]", b2)
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
     check_hyperparameter("eps", eps, 0.0)
@@ -304,14 +306,21 @@ class TraceState(NamedTuple):
 
 
 def trace_leaf(g, buffers, p, step, momentum, dampening, nesterov):
-    """torch.optim.SGD's momentum: ``b = g`` on the first step, then ``b = momentum * b +
-    (1 - dampening) * g``; the update is ``g + momentum * b`` (Nesterov) or ``b``."""
+    """torch.optim.SGD's momentum: ``b = g`` on the first step (a copy, as torch's
+    ``clone(grad)``: the state must not be the caller's grad, which it may reuse), then ``b =
+    momentum * b + (1 - dampening) * g``; the update is ``g + momentum * b`` (Nesterov) or ``b``.
+    With ``momentum == 0`` torch keeps no buffer and steps by ``g``, whatever the dampening."""
+    if _concrete(momentum) == 0:
+        return g, {"momentum_buffer": buffers["momentum_buffer"]}
     later = momentum * buffers["momentum_buffer"] + (1 - dampening) * g
     if isinstance(step, int):
-        buf = g if step == 1 else later
+        buf = g.clone() if step == 1 else later
     else:
         buf = torch.where(step == 1, g, later)
-    return (g + momentum * buf if nesterov else buf), {"momentum_buffer": buf}
+    out = g + momentum * buf if nesterov else buf
+    if isinstance(momentum, Tensor) and _concrete(momentum) is None:  # traced: per member
+        out = torch.where(momentum == 0, g, out)
+    return out, {"momentum_buffer": buf}
 
 
 def trace(momentum: float | Tensor = 0.9, dampening: float = 0.0,
@@ -372,8 +381,17 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
                 f"updates have {len(u_leaves)} leaves but params {len(p_leaves)}; "
                 f"pass the params the updates are for"
             )
+        if any(not isinstance(u, Tensor) or u.shape != p.shape
+               for u, p in zip(u_leaves, p_leaves, strict=True)) or \
+                tree.structure(updates) != tree.structure(params):
+            if (error := grad_leaf_error(updates)) is not None:
+                raise error
+            tree.assert_same_structure(params, updates, names=("params", "updates"),
+                                       check_shapes=True)  # names the leaf
+        on = [i for i, flag in enumerate(flags) if flag]
+        if not on:  # the mask selects no leaf (say, a model of biases and norms only)
+            return updates, state
         if not use_plain_path("auto", [*u_leaves, *p_leaves], [weight_decay]):
-            on = [i for i, flag in enumerate(flags) if flag]
             with torch.no_grad():
                 moved = torch._foreach_add([u_leaves[i] for i in on], [p_leaves[i] for i in on],
                                            alpha=scalar(weight_decay))

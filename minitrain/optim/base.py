@@ -62,7 +62,7 @@ from minitrain.optim._safety import (
     donatable,
     fast_path_inputs,
     kernel_ready,
-    naming_sparse_grads,
+    naming_bad_grads,
 )
 from minitrain.optim.streaming import LateScalar
 from minitrain.tree import Grads, OptState, Params
@@ -357,7 +357,7 @@ def make_optimizer(
                 )
         return _results(state, spec, new_params, new_buffers, count, lr_tensor)
 
-    return Optimizer(init, naming_sparse_grads(holding_collection(update)))
+    return Optimizer(init, naming_bad_grads(holding_collection(update)))
 
 
 def _results(state, spec, params, buffers, count, lr) -> tuple[Params, OptState]:

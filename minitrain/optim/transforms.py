@@ -29,13 +29,19 @@ __all__ = ["clip_by_global_norm", "ClipByGlobalNormState", *_rules, *_wrappers]
 ClipByGlobalNormState = EmptyState
 
 
-def clip_by_global_norm(grads_or_max_norm: Any, max_norm: Any = None) -> Any:
+_NOT_GIVEN = object()
+
+
+def clip_by_global_norm(grads_or_max_norm: Any = _NOT_GIVEN, max_norm: Any = None) -> Any:
     """Scale updates so that their joint L2 norm is at most ``max_norm``.
 
     Two forms (optax's and minitrain's earlier function): ``clip_by_global_norm(max_norm)``
     returns the transformation; ``clip_by_global_norm(grads, max_norm)`` returns the clipped
-    grads and the norm before clipping. The scale is ``min(1, max_norm / (norm + 1e-6))``, as
-    ``torch.nn.utils.clip_grad_norm_``.
+    grads and the norm before clipping (``clip_by_global_norm(max_norm=1.0)`` is the first).
+    The scale is ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``;
+    empty grads pass through with a norm of 0, as there. A tensor ``max_norm`` that requires
+    grad, or is traced (``vmap`` over it), takes tensor ops, so the update stays differentiable
+    in it.
 
     >>> import torch
     >>> grads, norm = clip_by_global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, 1.0)
@@ -45,6 +51,10 @@ def clip_by_global_norm(grads_or_max_norm: Any, max_norm: Any = None) -> Any:
     >>> tx.update([torch.tensor([3.0, 4.0])], tx.init([torch.zeros(2)]))[0]
     [tensor([0.6000, 0.8000])]
     """
+    if grads_or_max_norm is _NOT_GIVEN:
+        if max_norm is None:
+            raise ValueError("clip_by_global_norm needs max_norm: clip_by_global_norm(1.0)")
+        return _clip_transform(max_norm)
     if max_norm is None:
         return _clip_transform(grads_or_max_norm)
     return _clip(grads_or_max_norm, max_norm)
@@ -146,16 +156,18 @@ def _norm_and_scale(grads: Grads, leaves: list, max_norm: Any) -> tuple[Tensor, 
 def _clip(grads: Grads, max_norm: float | int | Tensor) -> tuple[Grads, Tensor]:
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
     leaves = tree.leaves(grads)
-    if not leaves:
-        raise ValueError("grads has no leaves; pass a pytree of tensors")
-    if any(is_traced(g) for g in leaves) or torch.compiler.is_compiling():
+    if not leaves:  # a group of multi_transform or masked that holds no leaf
+        return grads, torch.zeros(())
+    if any(is_traced(g) for g in leaves) or is_traced(max_norm) or \
+            torch.compiler.is_compiling():
         norm = torch.linalg.vector_norm(torch.stack([
             (g if g.dtype == torch.float64 else g.float()).norm() for g in leaves]))
         scale_ = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
     norm, scale_ = _norm_and_scale(grads, leaves, max_norm)
-    if isinstance(scale_, Tensor) and any(g.requires_grad for g in leaves) \
-            and torch.is_grad_enabled():
+    if isinstance(scale_, Tensor) and torch.is_grad_enabled() and (
+            any(g.requires_grad for g in leaves)
+            or isinstance(max_norm, Tensor) and max_norm.requires_grad):
         return tree.map(lambda g: g * scale_.to(g.dtype), grads), norm
     on_cpu = not isinstance(scale_, Tensor) or scale_.is_cpu
     if on_cpu and float(scale_) == 1.0:  # within the bound: multiplying by 1 is exact
