@@ -5,7 +5,8 @@ hyperparameters kept in the state (optax ``_src/wrappers.py``, ``combine.py``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +54,26 @@ def _select(leaves: list[Any], indices: list[int]) -> list[Any]:
     return [leaves[i] for i in indices]
 
 
+def _check_state(name: str, state_type: type, state: Any) -> None:
+    """``ValueError`` unless ``state`` is the ``state_type`` that ``name``'s init returns."""
+    if not isinstance(state, state_type):
+        raise ValueError(
+            f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
+            f"pass the state returned by its init(params)"
+        )
+
+
+def _check_like(a: Any, b: Any, names: tuple[str, str]) -> None:
+    """``ValueError`` naming the first leaf where ``a`` and ``b`` differ in structure or shape
+    (a cheap pass over the leaves first; the named check only on a mismatch)."""
+    leaves_a, leaves_b = tree.leaves(a), tree.leaves(b)
+    if len(leaves_a) != len(leaves_b) or any(
+        getattr(x, "shape", ()) != getattr(y, "shape", ())
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    ) or tree.structure(a) != tree.structure(b):
+        tree.assert_same_structure(a, b, names=names, check_shapes=True)
+
+
 class MaskedState(NamedTuple):
     """The inner transformation's state over the masked-in leaves (a list pytree)."""
 
@@ -84,6 +105,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
     def update(updates, state, params=None, **extra):
         check_extra_args("masked", update.extra_args, extra)
+        _check_state("masked", MaskedState, state)
         indices = chosen(updates if params is None else params)
         leaves = tree.leaves(updates)
         inner_params = None if params is None else _select(tree.leaves(params), indices)
@@ -144,6 +166,12 @@ def multi_transform(transforms: dict[str, GradientTransformation],
 
     def update(updates, state, params=None, **extra):
         check_extra_args("multi_transform", update.extra_args, extra)
+        _check_state("multi_transform", MultiTransformState, state)
+        if not isinstance(state.inner_states, dict) or set(state.inner_states) != set(transforms):
+            raise ValueError(
+                f"multi_transform with labels {sorted(transforms)} got a state for other "
+                f"labels; pass the state returned by its init(params)"
+            )
         leaves = tree.leaves(updates)
         p_leaves = None if params is None else tree.leaves(params)
         out = list(leaves)
@@ -197,6 +225,8 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
 
     def update(updates, state, params=None, **extra):
         check_extra_args("MultiSteps", update.extra_args, extra)
+        _check_state("MultiSteps", MultiStepsState, state)
+        _check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
         mini_step = state.mini_step + 1
         if is_traced(mini_step):
@@ -221,8 +251,9 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
 
 
 class ApplyIfFiniteState(NamedTuple):
-    """``notfinite_count`` consecutive skipped updates, ``last_finite`` (bool),
-    ``total_notfinite`` skipped in all, and the inner state."""
+    """As optax's: ``notfinite_count`` non-finite updates in a row (0 after a finite one),
+    ``last_finite`` (bool: whether the last update was finite), ``total_notfinite`` non-finite
+    updates in all (skipped or let through), and the inner state."""
 
     notfinite_count: Tensor
     last_finite: Tensor
@@ -233,19 +264,24 @@ class ApplyIfFiniteState(NamedTuple):
 def apply_if_finite(inner: GradientTransformation,
                     max_consecutive_errors: int | None = None) -> GradientTransformation:
     """Skip (zero) an update whose incoming updates or whose result from ``inner`` has a NaN or
-    inf, keep ``inner``'s old state, and count the skips.
+    inf, keep ``inner``'s old state, and count the non-finite updates (optax
+    ``apply_if_finite``).
 
     The incoming updates are checked too (as optax does), so that around ``MultiSteps`` a
     non-finite micro-batch is dropped instead of poisoning the accumulated sum (whose zero
-    updates between inner steps are finite). After ``max_consecutive_errors`` skips in a row
-    the next non-finite update goes through (None: never).
+    updates between inner steps are finite). A non-finite update goes through once more than
+    ``max_consecutive_errors`` come in a row (None: never); as in optax, letting it through
+    resets no count: ``notfinite_count`` goes back to 0 only on a finite update.
 
     >>> import torch, minitrain as mt
-    >>> tx = apply_if_finite(mt.optim.scale(-1.0))
+    >>> tx = apply_if_finite(mt.optim.scale(-1.0), max_consecutive_errors=1)
     >>> state = tx.init([torch.zeros(1)])
     >>> updates, state = tx.update([torch.tensor([float("nan")])], state)
-    >>> updates, int(state.total_notfinite)
-    ([tensor([0.])], 1)
+    >>> updates, int(state.notfinite_count), int(state.total_notfinite)
+    ([tensor([0.])], 1, 1)
+    >>> updates, state = tx.update([torch.tensor([float("inf")])], state)  # the 2nd goes through
+    >>> updates, bool(state.last_finite), int(state.notfinite_count), int(state.total_notfinite)
+    ([tensor([-inf])], False, 2, 2)
     """
 
     def init(params):
@@ -255,23 +291,27 @@ def apply_if_finite(inner: GradientTransformation,
 
     def update(updates, state, params=None, **extra):
         check_extra_args("apply_if_finite", update.extra_args, extra)
+        _check_state("apply_if_finite", ApplyIfFiniteState, state)
         new, inner_state = inner.update(updates, state.inner_state, params, **extra)
         leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
             torch.tensor(True, device="cpu"))
-        if max_consecutive_errors is not None:
-            finite = finite | (state.notfinite_count >= max_consecutive_errors)
-        if not is_traced(finite) and bool(finite):
-            return new, ApplyIfFiniteState(zero_count(), finite,
-                                           state.total_notfinite, inner_state)
-        if not is_traced(finite):
+        if not is_traced(finite) and not is_traced(state.notfinite_count):
+            ok = bool(finite)
+            count = zero_count() if ok else state.notfinite_count + 1
+            total = state.total_notfinite + (0 if ok else 1)
+            flag = torch.tensor(ok, device="cpu")
+            if ok or (max_consecutive_errors is not None and int(count) > max_consecutive_errors):
+                return new, ApplyIfFiniteState(count, flag, total, inner_state)
             return tree.map(torch.zeros_like, new), ApplyIfFiniteState(
-                state.notfinite_count + 1, finite, state.total_notfinite + 1, state.inner_state)
-        keep = tree.map(lambda n, o: torch.where(finite, n, o), inner_state, state.inner_state)
-        out = tree.map(lambda u: torch.where(finite, u, torch.zeros_like(u)), new)
+                count, flag, total, state.inner_state)
         bad = (~finite).long()
-        return out, ApplyIfFiniteState((state.notfinite_count + bad) * bad, finite,
-                                       state.total_notfinite + bad, keep)
+        count = (state.notfinite_count + bad) * bad
+        apply = finite if max_consecutive_errors is None else (
+            finite | (count > max_consecutive_errors))
+        keep = tree.map(lambda n, o: torch.where(apply, n, o), inner_state, state.inner_state)
+        out = tree.map(lambda u: torch.where(apply, u, torch.zeros_like(u)), new)
+        return out, ApplyIfFiniteState(count, finite, state.total_notfinite + bad, keep)
 
     forwards_extra_args(update, [inner])
     return tagged("apply_if_finite", GradientTransformation(init, update), inner=inner)
@@ -306,8 +346,11 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
         return EmaState(zero_count(), tree.map(torch.clone, params))
 
     def update(updates, state, params=None):
+        _check_state("ema", EmaState, state)
         if params is None:
             raise ValueError("ema needs params: call update(updates, state, params)")
+        _check_like(params, updates, ("params", "updates"))
+        _check_like(params, state.ema, ("params", "state.ema"))
         new_params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
         done = updates_done(state.count)
         if done is not None:
@@ -334,10 +377,15 @@ class InjectHyperparamsState(NamedTuple):
 
 
 def inject_hyperparams(factory: Callable[..., GradientTransformation],
+                       static_args: str | Iterable[str] = (),
                        ) -> Callable[..., GradientTransformation]:
     """``inject_hyperparams(factory)(**kwargs)``: ``factory(**kwargs)`` with its numeric
     arguments kept in the state as 0-d tensors (schedules are evaluated at each update's
     count and stored), so they can be read, changed during a run, or swept.
+
+    As in optax, every callable argument is taken for a schedule ``step -> value``, except
+    those named in ``static_args`` (e.g. ``static_args="mask"`` for a mask function), which
+    go to ``factory`` as they are, like bools, strings, None and other non-numbers.
 
     >>> import torch, minitrain as mt
     >>> tx = inject_hyperparams(mt.optim.scale_by_learning_rate)(learning_rate=0.1)
@@ -346,19 +394,31 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
     >>> tx.update([torch.ones(1)], state)[0]
     [tensor([-0.5000])]
     """
+    static_names = {static_args} if isinstance(static_args, str) else set(static_args)
+    try:
+        accepted = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check against
+        accepted = None
+    if accepted is not None and not any(p.kind is p.VAR_KEYWORD for p in accepted):
+        unknown = static_names - {p.name for p in accepted}
+        if unknown:
+            raise ValueError(
+                f"inject_hyperparams: static_args {sorted(unknown)} are not arguments of "
+                f"{getattr(factory, '__name__', factory)!r}; pass names among "
+                f"{sorted(p.name for p in accepted)}"
+            )
 
     def build(**kwargs: Any) -> GradientTransformation:
-        numeric = {k: v for k, v in kwargs.items()
-                   if isinstance(v, Tensor) or isinstance(v, int | float)
-                   and not isinstance(v, bool)}
-        schedules = {k: v for k, v in kwargs.items()
-                     if callable(v) and not isinstance(v, Tensor)}
+        numeric = {k: v for k, v in kwargs.items() if k not in static_names and (
+            isinstance(v, Tensor) or isinstance(v, int | float) and not isinstance(v, bool))}
+        schedules = {k: v for k, v in kwargs.items() if k not in static_names
+                     and callable(v) and not isinstance(v, Tensor)}
         static = {k: v for k, v in kwargs.items() if k not in numeric and k not in schedules}
 
         def values(count: Any) -> dict[str, Tensor]:
             out = {k: _hyper_tensor(k, v) for k, v in numeric.items()}
             step = count if is_traced(count) else int(count)
-            out.update({k: _hyper_tensor(k, fn(step)) for k, fn in schedules.items()})
+            out.update({k: _scheduled(k, fn, step) for k, fn in schedules.items()})
             return out
 
         def init(params):
@@ -367,9 +427,10 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
             return InjectHyperparamsState(count, hyper, factory(**static, **hyper).init(params))
 
         def update(updates, state, params=None):
+            _check_state("inject_hyperparams", InjectHyperparamsState, state)
             hyper = dict(state.hyperparams)
             count = schedule_count(state.count)
-            hyper.update({k: _hyper_tensor(k, fn(count)) for k, fn in schedules.items()})
+            hyper.update({k: _scheduled(k, fn, count) for k, fn in schedules.items()})
             inner = factory(**static, **hyper)
             updates, inner_state = inner.update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyper, inner_state)
@@ -385,3 +446,16 @@ def _hyper_tensor(name: str, value: Any) -> Tensor:
     if isinstance(value, Tensor) and value.is_floating_point():
         return value
     return host_tensor(value, torch.float32)
+
+
+def _scheduled(name: str, schedule: Callable[[Any], Any], step: Any) -> Tensor:
+    """``schedule(step)`` as a hyperparameter tensor; a ``ValueError`` hinting at
+    ``static_args`` where the callable is no schedule ``step -> number``."""
+    try:
+        return _hyper_tensor(name, schedule(step))
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"inject_hyperparams calls {name}={schedule!r} as a schedule step -> number, and "
+            f"that failed ({err}); if {name} is no schedule, pass "
+            f"inject_hyperparams(factory, static_args=({name!r},))"
+        ) from err
