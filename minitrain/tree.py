@@ -134,7 +134,9 @@ def nbytes(tree: PyTree) -> int:
 
 def global_norm(tree: PyTree) -> torch.Tensor:
     """The L2 norm of all leaves taken together, as a 0-d fp32 tensor (fp64 when a leaf is
-    fp64: each leaf's norm in its dtype, at least fp32, as ``torch.nn.utils.clip_grad_norm_``).
+    fp64), in ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm, then the norm of
+    those. A leaf's norm is taken in fp32 at least, where torch takes a bf16 or fp16 leaf's in
+    its own dtype: for those the two can differ in the last bf16/fp16 bit (fp32 and fp64 agree).
 
     >>> import torch
     >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
