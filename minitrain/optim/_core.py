@@ -86,6 +86,7 @@ __all__ = [
     "leafwise",
     "LeafBatch",
     "hyperparameter",
+    "check_like",
     "check_pair",
     "as_optimizer",
     "register_lowering",
@@ -131,6 +132,24 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
     update = naming_bad_grads(tx.update)
     update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
     return GradientTransformation(tx.init, update)
+
+
+def check_like(a: Any, b: Any, names: tuple[str, str]) -> None:
+    """``ValueError`` naming the first leaf where ``a`` and ``b`` differ in structure or where
+    two tensors differ in shape (a cheap pass over the leaves first; the named check only on a
+    mismatch). Other leaves (a None grad, say) are left to the update, whose error names them.
+
+    >>> check_like({"w": torch.ones(3)}, {"w": torch.ones(4)}, ("params", "updates"))
+    Traceback (most recent call last):
+    ...
+    ValueError: params and updates differ at leaf 'w': shape (3,) vs (4,); pass trees ...
+    """
+    leaves_a, leaves_b = tree.leaves(a), tree.leaves(b)
+    if len(leaves_a) != len(leaves_b) or any(
+        isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape != y.shape
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    ) or tree.structure(a) != tree.structure(b):
+        tree.assert_same_structure(a, b, names=names, check_shapes=True)
 
 
 def identity() -> GradientTransformation:

@@ -19,12 +19,12 @@ from minitrain import tree
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
+    check_like,
     hyperparameter,
     leafwise,
     tagged,
 )
 from minitrain.optim._host import host_tensor, schedule_count, zero_count
-from minitrain.optim._safety import grad_leaf_error
 from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
@@ -381,13 +381,7 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
                 f"updates have {len(u_leaves)} leaves but params {len(p_leaves)}; "
                 f"pass the params the updates are for"
             )
-        if any(not isinstance(u, Tensor) or u.shape != p.shape
-               for u, p in zip(u_leaves, p_leaves, strict=True)) or \
-                tree.structure(updates) != tree.structure(params):
-            if (error := grad_leaf_error(updates)) is not None:
-                raise error
-            tree.assert_same_structure(params, updates, names=("params", "updates"),
-                                       check_shapes=True)  # names the leaf
+        check_like(params, updates, ("params", "updates"))
         on = [i for i, flag in enumerate(flags) if flag]
         if not on:  # the mask selects no leaf (say, a model of biases and norms only)
             return updates, state

@@ -16,6 +16,7 @@ from minitrain import tree
 from minitrain.optim._core import (
     GradientTransformation,
     check_extra_args,
+    check_like,
     forwards_extra_args,
     hyperparameter,
     select_extra_args,
@@ -61,17 +62,6 @@ def _check_state(name: str, state_type: type, state: Any) -> None:
             f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
             f"pass the state returned by its init(params)"
         )
-
-
-def _check_like(a: Any, b: Any, names: tuple[str, str]) -> None:
-    """``ValueError`` naming the first leaf where ``a`` and ``b`` differ in structure or shape
-    (a cheap pass over the leaves first; the named check only on a mismatch)."""
-    leaves_a, leaves_b = tree.leaves(a), tree.leaves(b)
-    if len(leaves_a) != len(leaves_b) or any(
-        getattr(x, "shape", ()) != getattr(y, "shape", ())
-        for x, y in zip(leaves_a, leaves_b, strict=True)
-    ) or tree.structure(a) != tree.structure(b):
-        tree.assert_same_structure(a, b, names=names, check_shapes=True)
 
 
 class MaskedState(NamedTuple):
@@ -226,7 +216,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
     def update(updates, state, params=None, **extra):
         check_extra_args("MultiSteps", update.extra_args, extra)
         _check_state("MultiSteps", MultiStepsState, state)
-        _check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
+        check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
         mini_step = state.mini_step + 1
         if is_traced(mini_step):
@@ -349,8 +339,8 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
         _check_state("ema", EmaState, state)
         if params is None:
             raise ValueError("ema needs params: call update(updates, state, params)")
-        _check_like(params, updates, ("params", "updates"))
-        _check_like(params, state.ema, ("params", "state.ema"))
+        check_like(params, updates, ("params", "updates"))
+        check_like(params, state.ema, ("params", "state.ema"))
         new_params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
         done = updates_done(state.count)
         if done is not None:
