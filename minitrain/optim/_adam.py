@@ -72,8 +72,10 @@ def adam(
     maximize: bool = False,
     mask: WeightDecayMask = None,
     impl: str = "auto",
+    decoupled_weight_decay: bool = False,
 ) -> Optimizer:
-    """Adam with L2 weight decay, with ``torch.optim.Adam``'s arguments and defaults.
+    """Adam with L2 weight decay, with ``torch.optim.Adam``'s arguments and defaults;
+    ``decoupled_weight_decay=True`` makes it AdamW (as torch's Adam then is).
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.adam(lr=0.1)
@@ -83,7 +85,8 @@ def adam(
     >>> params["w"]  # the first step moves each coordinate by about lr
     tensor([0.9000, 1.1000])
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl,
+                 decoupled=bool(decoupled_weight_decay))
 
 
 def adamw(

@@ -27,12 +27,12 @@ from minitrain.optim._core import (
     spec,
     tagged,
 )
-from minitrain.optim._family import Scalar, check_range, descent_prefix, zeros
+from minitrain.optim._family import Scalar, add_scaled, check_range, descent_prefix, zeros
 from minitrain.optim._host import updates_done
 from minitrain.optim._lowering import chain_lowering, spec_tensors
-from minitrain.optim._safety import donatable
+from minitrain.optim._safety import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, use_plain_path
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, is_traced, use_plain_path
 from minitrain.tree import Params
 
 __all__ = [
@@ -348,6 +348,14 @@ def _check_matrices(params: Params) -> None:
             raise ValueError(f"Muon does not support complex params ({name!r}); pass real ones")
 
 
+def _check_updates(leaves: list[Tensor]) -> None:
+    for u in leaves:
+        if u.dim() != 2:
+            raise ValueError(
+                f"Muon updates 2-D params only, got an update of shape {tuple(u.shape)}"
+            )
+
+
 def orthogonalize_by_newton_schulz(
     ns_coefficients: tuple[Scalar, Scalar, Scalar] = NS_COEFFICIENTS, ns_steps: int = NS_STEPS,
     eps: Scalar = EPS, adjust_lr_fn: str | None = None,
@@ -378,11 +386,7 @@ def orthogonalize_by_newton_schulz(
 
     def update(updates, state, params=None):
         leaves = tree.leaves(updates)
-        for u in leaves:
-            if u.dim() != 2:
-                raise ValueError(
-                    f"Muon updates 2-D params only, got an update of shape {tuple(u.shape)}"
-                )
+        _check_updates(leaves)
         ortho = newton_schulz_each(leaves, coefficients, ns_steps, eps)
         new = [q.to(u.dtype) * muon_lr_ratio(tuple(u.shape), adjust_lr_fn)
                for q, u in zip(ortho, leaves, strict=True)]
@@ -416,10 +420,67 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
     -0.014
     """
     weight_decay = check_range("weight_decay", weight_decay, 0.0)
-    return as_optimizer(chain(*descent_prefix(maximize),
-                              scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps,
-                                            adjust_lr_fn),
-                              add_decayed_weights(weight_decay), scale_by_learning_rate(lr)))
+    prefix = descent_prefix(maximize)
+    momentum_tx = muon_momentum(momentum, nesterov)
+    ortho = orthogonalize_by_newton_schulz(ns_coefficients, ns_steps, eps, adjust_lr_fn)
+    lr_tx = scale_by_learning_rate(lr)
+    tx = chain(*prefix, chain(momentum_tx, ortho), add_decayed_weights(weight_decay), lr_tx)
+    chained = as_optimizer(tx)
+    lowered = _match(tx)
+    ns = spec(ortho)[1]
+
+    def update(grads, state, params, *, donate: bool = False, **extra):
+        if extra or not isinstance(state, tuple) or len(state) != len(prefix) + 3 \
+                or not isinstance(state[len(prefix)], tuple) or len(state[len(prefix)]) != 2:
+            return chained.update(grads, state, params, donate=donate, **extra)  # its errors
+        donate = donate and donatable(tree.leaves(params), tree.leaves(grads), [])
+        if lowered is not None:
+            result = lowered(grads, state, params, donate)
+            if result is not None:
+                return result
+        return _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr,
+                               weight_decay, ns)
+
+    update = naming_bad_grads(update)
+    update.transformation = tx  # type: ignore[attr-defined]
+    return Optimizer(chained.init, update)
+
+
+def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr, weight_decay,
+                    ns):
+    """:func:`muon`'s update where its lowering does not run (autograd, ``vmap``, maximize):
+    the chain's transformations up to the momentum, then torch's ``p.mul_(1 - lr wd)`` and
+    ``p.add_(NS(update), alpha=-lr ratio)`` as out-of-place ops (the chain would fold the decay
+    into the update, ``p - lr (ratio NS + wd p)``, which rounds otherwise in bf16/fp16)."""
+    n = len(prefix)
+    states = list(state)
+    u = grads
+    for i, t in enumerate(prefix):
+        u, states[i] = t.update(u, states[i], params)
+    momentum_state, ortho_state = states[n]
+    u, momentum_state = momentum_tx.update(u, momentum_state, params)
+    states[n] = (momentum_state, ortho_state)
+    leaves = tree.leaves(u)
+    _check_updates(leaves)
+    tree.assert_same_structure(params, u, names=("params", "updates"), check_shapes=True)
+    _, states[n + 2] = lr_tx.update([], states[n + 2])
+    step_lr = states[n + 2].lr  # a schedule's value in float32, as the lowering reads it
+    step_lr = lr if isinstance(lr, int | float) else (
+        step_lr if is_traced(step_lr) else float(step_lr))
+    orthos = newton_schulz_each(leaves, ns["ns_coefficients"], ns["ns_steps"], ns["eps"])
+    decay = 1 - step_lr * weight_decay
+    p_leaves = tree.leaves(params)
+    new = []
+    for p, q in zip(p_leaves, orthos, strict=True):
+        alpha = -step_lr * muon_lr_ratio(tuple(p.shape), ns["adjust_lr_fn"])
+        shrunk = p if isinstance(decay, int | float) and decay == 1 else p * decay
+        new.append(add_scaled(shrunk, q, alpha).to(p.dtype))
+    if donate and not use_plain_path("auto", [*p_leaves, *new], []) \
+            and donatable(p_leaves, tree.leaves(states), []):
+        with torch.no_grad():
+            torch._foreach_copy_(p_leaves, new)
+        return params, tuple(states)
+    return tree.unflatten(tree.structure(params), new), tuple(states)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
+from minitrain.optim._host import is_traced
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -45,12 +46,21 @@ def momentum_cache(beta1: Any, momentum_decay: Any, step: Any) -> Any:
     return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
 
 
+def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
+    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
+    ``beta2`` (``vmap`` over betas), whose ``1 - beta2`` cannot be ``addcmul``'s number, the
+    same products in the kernel's order, ``beta2 v + ((1 - beta2) g) g``."""
+    if is_traced(beta2):
+        return beta2 * exp_avg_sq + (1 - beta2) * g * g
+    return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
+
+
 def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
     """torch's ``_single_tensor_nadam``: ``(grad_coef * g + avg_coef * m) / (sqrt(v_hat) + eps)``
     with ``grad_coef = (1 - mu_t) / (1 - prod mu)`` and ``avg_coef = mu_{t+1} / (1 - prod
     mu * mu_{t+1})`` (before ``-lr``)."""
     exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
-    exp_avg_sq = torch.addcmul(beta2 * buffers["exp_avg_sq"], g, g, value=1 - beta2)
+    exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): the 1 / sqrt(bc2) moves
     # into the two coefficients, a pass less over v.
     root = _sqrt(1 - beta2**step)

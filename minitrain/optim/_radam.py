@@ -16,6 +16,7 @@ from minitrain.optim._family import (
     moments_rule,
     rule_transform,
 )
+from minitrain.optim._nadam import second_moment
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -39,7 +40,7 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
     the approximated SMA ``rho_t`` is at most 5 the step is the bias-corrected momentum;
     after, it is rectified by ``r_t`` and divided by ``sqrt(v_t) + eps`` (before ``-lr``)."""
     exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
-    exp_avg_sq = torch.addcmul(beta2 * buffers["exp_avg_sq"], g, g, value=1 - beta2)
+    exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step

@@ -37,10 +37,22 @@ def rprop_leaf(g, buffers, p, step, etaminus, etaplus, step_size_min, step_size_
     kept its sign, shrink it by ``etaminus`` (and skip the step) where it flipped; the update
     is ``-sign(g) * step_size``."""
     sign = torch.sign(g * buffers["prev"])
-    factor = torch.where(sign > 0, etaplus, torch.where(sign < 0, etaminus, 1.0))
+    # The factors in the leaf's dtype, as torch writes them into its ``sign`` tensor (Python
+    # numbers alone would make a float32 ``where``: float32 etas for float64 leaves, a float32
+    # step size for bf16 / fp16 ones).
+    factor = torch.where(sign > 0, etaplus,
+                         torch.where(sign < 0, etaminus, torch.ones_like(sign)))
     step_size = torch.clamp(buffers["step_size"] * factor, step_size_min, step_size_max)
     kept = torch.where(sign < 0, 0.0, g)
     return -torch.sign(kept) * step_size, {"prev": kept, "step_size": step_size}
+
+
+def _initial_step_size(p: Tensor, lr: Any) -> Tensor:
+    """torch's ``full_like(grad, lr)``; a tensor lr (traced under ``vmap``, say) is added to
+    zeros, which needs no ``item()``."""
+    if isinstance(lr, Tensor):
+        return zeros(p) + lr
+    return torch.full_like(p, lr, memory_format=torch.preserve_format)
 
 
 def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
@@ -57,8 +69,8 @@ def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
     smallest, largest = check_pair("step_sizes", step_sizes)
     check_range("step_sizes[0]", smallest, 0.0)
     check_range("step_sizes[1]", largest, scalar(smallest))
-    init_leaf = lambda p: {"prev": zeros(p), "step_size": torch.full_like(  # noqa: E731
-        p, scalar(lr), memory_format=torch.preserve_format)}
+    init_leaf = lambda p: {"prev": zeros(p),  # noqa: E731
+                           "step_size": _initial_step_size(p, lr)}
     initial = host_tensor(lr, torch.float32)
     return Rule("scale_by_rprop", ScaleByRpropState, init_leaf, rprop_leaf,
                 dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,

@@ -40,6 +40,8 @@ from minitrain.tree import Params
 
 __all__ = ["SGDState", "sgd", "sgd_chain"]
 
+_HALVES = (torch.bfloat16, torch.float16)
+
 
 class SGDState(NamedTuple):
     """``count`` updates done, the last ``lr``, ``momentum_buffer`` (``()`` without momentum)."""
@@ -101,6 +103,8 @@ def sgd(
             name, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
             new_ps, bufs = streaming.update(name, hyperparameters, [ps, gs, old], outputs)
             return new_ps, ({"momentum_buffer": bufs} if has_momentum else {})
+        if ps[0].dtype in _HALVES:
+            return loop_step(ps, gs, old, step, lr, weight_decay, outputs)
         ps = owned(ps, outputs)
         bufs = []
         if has_momentum:
@@ -112,6 +116,27 @@ def sgd(
             dampening=float(dampening), nesterov=nesterov, maximize=False,
             is_first_step=step == 1,
         )
+        return ps, ({"momentum_buffer": bufs} if has_momentum else {})
+
+    def loop_step(ps, gs, old, step, lr, weight_decay, outputs):
+        # torch.optim.SGD's default path on CPU (``_single_tensor_sgd``), op for op: on CPU
+        # ``_fused_sgd_`` skips bf16/fp16 elements in whole SIMD blocks, and torch's foreach
+        # ops round a bf16/fp16 ``mul_`` by a number otherwise than ``Tensor.mul_``.
+        ps = owned(ps, outputs)
+        bufs = []
+        if has_momentum:  # written whole on the first step: no copy of the old ones
+            bufs = (old if outputs is None else outputs(old)) if step == 1 else \
+                owned(old, outputs)
+        for i, (p, g) in enumerate(zip(ps, gs, strict=True)):
+            if weight_decay != 0:
+                g = g.add(p, alpha=weight_decay)
+            if has_momentum:
+                if step == 1:  # torch's buffer starts as a copy of the grad
+                    bufs[i].copy_(g)
+                else:
+                    bufs[i].mul_(float(mu)).add_(g, alpha=1 - dampening)
+                g = g.add(bufs[i], alpha=float(mu)) if nesterov else bufs[i]
+            p.add_(g, alpha=-lr)
         return ps, ({"momentum_buffer": bufs} if has_momentum else {})
 
     rule = Rule(
