@@ -229,3 +229,44 @@ def test_vmap_over_betas_matches_torch_per_member(name):
         theirs, _ = _torch_steps(getattr(torch.optim, name), p0, grads, lr=0.01, betas=member,
                                  foreach=False)
         torch.testing.assert_close(params["w"][i], theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_over_adadelta_rho_matches_torch_per_member():
+    rhos = [0.5, 0.9, 0.99]
+    p0, grads = _data(0, torch.float32, steps=8, shape=(4, 3))
+
+    def init(rho, params):
+        return mt.optim.adadelta(lr=1.0, rho=rho).init(params)
+
+    def update(rho, params, state, g):
+        return mt.optim.adadelta(lr=1.0, rho=rho).update(g, state, params)
+
+    rho = torch.tensor(rhos)
+    params = {"w": p0.expand(3, 4, 3).clone()}
+    state = torch.func.vmap(init)(rho, params)
+    for g in grads:
+        params, state = torch.func.vmap(update)(rho, params, state,
+                                                {"w": g.expand(3, 4, 3).clone()})
+    for i, member in enumerate(rhos):
+        theirs, _ = _torch_steps(torch.optim.Adadelta, p0, grads, lr=1.0, rho=member,
+                                 foreach=False)
+        torch.testing.assert_close(params["w"][i], theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_over_schedule_free_beta2_matches_each_member():
+    beta2s = [0.9, 0.99, 0.999]
+    p0, grads = _data(0, torch.float32, steps=8, shape=(4, 3))
+
+    def make(beta2):
+        return mt.optim.schedule_free_adamw(lr=0.01, betas=(torch.tensor(0.9), beta2))
+
+    def run(beta2):
+        opt, params = make(beta2), {"w": p0.clone()}
+        state = opt.init(params)
+        for g in grads:
+            params, state = opt.update({"w": g.clone()}, state, params)
+        return params["w"]
+
+    batched = torch.func.vmap(run)(torch.tensor(beta2s))
+    for i, member in enumerate(beta2s):
+        torch.testing.assert_close(batched[i], run(torch.tensor(member)), rtol=1e-6, atol=1e-7)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from minitrain.optim._family import (
@@ -13,6 +12,7 @@ from minitrain.optim._family import (
     check_range,
     family_optimizer,
     rule_transform,
+    second_moment,
     zeros,
 )
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
@@ -32,10 +32,10 @@ class ScaleByAdadeltaState(NamedTuple):
 def adadelta_leaf(g, buffers, p, step, rho, eps):
     """Zeiler 2012, Algorithm 1 (torch's ``_single_tensor_adadelta``): the step is
     ``sqrt(E[Δx²] + eps) / sqrt(E[g²] + eps) * g``, before ``-lr``."""
-    square_avg = torch.addcmul(rho * buffers["square_avg"], g, g, value=1 - rho)
+    square_avg = second_moment(buffers["square_avg"], g, rho)
     std = (square_avg + eps).sqrt()
     delta = (buffers["acc_delta"] + eps).sqrt() / std * g
-    acc_delta = torch.addcmul(rho * buffers["acc_delta"], delta, delta, value=1 - rho)
+    acc_delta = second_moment(buffers["acc_delta"], delta, rho)
     return delta, {"square_avg": square_avg, "acc_delta": acc_delta}
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "descent_prefix",
     "leafwise_with_scalars",
     "zeros",
+    "second_moment",
     "check_range",
     "check_betas",
     "find_state",
@@ -72,6 +73,15 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
 
 def zeros(p: Tensor) -> Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
+    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
+    ``beta2`` (``vmap`` over betas), whose ``1 - beta2`` cannot be ``addcmul``'s number, the
+    same products in the kernel's order, ``beta2 v + ((1 - beta2) g) g``."""
+    if is_traced(beta2):
+        return beta2 * exp_avg_sq + (1 - beta2) * g * g
+    return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
 
 
 def check_range(name: str, value: Any, low: float, high: float = float("inf"), **open_ends):

@@ -18,9 +18,9 @@ from minitrain.optim._family import (
     check_range,
     family_optimizer,
     rule_transform,
+    second_moment,
     zeros,
 )
-from minitrain.optim._host import is_traced
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -44,15 +44,6 @@ def _sqrt(value: Any) -> Any:
 def momentum_cache(beta1: Any, momentum_decay: Any, step: Any) -> Any:
     """Dozat 2016's momentum schedule ``mu_t = beta1 (1 - 0.5 * 0.96^(t * psi))``."""
     return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
-
-
-def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
-    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
-    ``beta2`` (``vmap`` over betas), whose ``1 - beta2`` cannot be ``addcmul``'s number, the
-    same products in the kernel's order, ``beta2 v + ((1 - beta2) g) g``."""
-    if is_traced(beta2):
-        return beta2 * exp_avg_sq + (1 - beta2) * g * g
-    return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
 
 
 def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):

@@ -15,8 +15,8 @@ from minitrain.optim._family import (
     family_optimizer,
     moments_rule,
     rule_transform,
+    second_moment,
 )
-from minitrain.optim._nadam import second_moment
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 

@@ -24,6 +24,7 @@ from minitrain.optim._family import (
     family_optimizer,
     find_state,
     rule_transform,
+    second_moment,
     zeros,
 )
 from minitrain.optim._host import host_tensor
@@ -58,7 +59,7 @@ def schedule_free_leaf(g, buffers, y, step, beta1, beta2, eps, weight_decay, lr_
     ``y <- lerp(y, z, c) + lr (beta1 (1 - c) - 1) g'``; ``z <- z - lr g'``. The update is the
     change of ``y``."""
     z = buffers["z"]
-    exp_avg_sq = torch.addcmul(beta2 * buffers["exp_avg_sq"], g, g, value=1 - beta2)
+    exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     normalized = g / ((exp_avg_sq / bias_correction2).sqrt() + eps)
     if not (isinstance(weight_decay, int | float) and weight_decay == 0):
         normalized = add_scaled(normalized, y, weight_decay)
