@@ -394,7 +394,7 @@ def leafwise(
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
         g_leaves, treespec = _pytree.tree_flatten(updates)
         p_leaves = [None] * len(g_leaves) if params is None else _leaves_like(
-            params, g_leaves, treespec, "params"
+            params, g_leaves, treespec, "params", same_dtype=False
         )
         buffer_leaves = {
             key: [()] * len(g_leaves) if _empty(getattr(state, key)) else
@@ -432,7 +432,8 @@ def _empty(value: Any) -> bool:
     return type(value) is tuple and len(value) == 0
 
 
-def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str) -> list[Any]:
+def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
+                 same_dtype: bool = True) -> list[Any]:
     leaves, value_spec = _pytree.tree_flatten(value)
     if value_spec != treespec:
         if len(leaves) != len(g_leaves):
@@ -448,8 +449,8 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str) -
                 f"{what} leaf {_pytree.keystr(path)!r} has shape {tuple(leaf.shape)} but its "
                 f"update has {tuple(g.shape)}; create the state with init(params)"
             )
-        if isinstance(leaf, Tensor) and isinstance(g, Tensor) and leaf.dtype != g.dtype \
-                and what != "params":  # a state in another dtype than its update: named
+        if same_dtype and isinstance(leaf, Tensor) and isinstance(g, Tensor) and \
+                leaf.dtype != g.dtype:  # a state in another dtype than its update: named
             raise ValueError(
                 f"{what} leaf {_pytree.keystr(path)!r} is {leaf.dtype} but its update is "
                 f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "

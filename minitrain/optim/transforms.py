@@ -157,7 +157,7 @@ def _clip(grads: Grads, max_norm: float | int | Tensor) -> tuple[Grads, Tensor]:
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
     leaves = tree.leaves(grads)
     if not leaves:  # a group of multi_transform or masked that holds no leaf
-        return grads, torch.zeros(())
+        return grads, tree.global_norm(grads)  # 0, float32 on the CPU
     if any(is_traced(g) for g in leaves) or is_traced(max_norm) or \
             torch.compiler.is_compiling():
         norm = torch.linalg.vector_norm(torch.stack([
