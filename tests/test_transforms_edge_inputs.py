@@ -166,6 +166,13 @@ def test_a_none_grad_is_a_value_error_naming_its_leaf(name):
         tx.update(grads, tx.init(params), params)
 
 
+@pytest.mark.parametrize("name", ["scale_by_adam", "trace", "scale_by_rms", "ema"])
+def test_a_none_param_at_init_is_a_value_error_naming_it(name):
+    tx = optim.ema(0.9) if name == "ema" else getattr(optim, name)()
+    with pytest.raises(ValueError, match="param 'a' is None"):
+        tx.init({"a": None, "b": torch.ones(2)})
+
+
 def test_a_state_in_another_dtype_than_its_update_is_named():
     params = {"w": torch.ones(3)}
     tx = optim.scale_by_adam()

@@ -66,7 +66,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import donatable, naming_bad_grads
+from minitrain.optim._safety import donatable, naming_bad_grads, naming_none_params
 from minitrain.optim.base import (
     Optimizer,
     check_hyperparameter,
@@ -128,10 +128,11 @@ def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:
 
 def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientTransformation:
     """``tx`` with ``(name, arguments)`` attached to its update function (see :func:`spec`),
-    which names a None or sparse grad (:func:`~minitrain.optim._safety.naming_bad_grads`)."""
+    which names a None or sparse grad (:func:`~minitrain.optim._safety.naming_bad_grads`), and
+    an init that names a None param."""
     update = naming_bad_grads(tx.update)
     update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
-    return GradientTransformation(tx.init, update)
+    return GradientTransformation(naming_none_params(tx.init), update)
 
 
 def check_like(a: Any, b: Any, names: tuple[str, str]) -> None:

@@ -20,7 +20,7 @@ from minitrain import tree
 from minitrain.tree import Params
 
 __all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready",
-           "grad_leaf_error", "naming_bad_grads"]
+           "grad_leaf_error", "naming_bad_grads", "naming_none_params"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -76,6 +76,24 @@ def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
         except (NotImplementedError, RuntimeError, AttributeError, TypeError):
             if (named := grad_leaf_error(grads)) is not None:
                 raise named from None  # the one line; our frames would only hide it
+            raise
+
+    return checked
+
+
+def naming_none_params(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``init(params)`` whose error over a None param leaf is re-raised as a ``ValueError``
+    naming it (the aliases' ``check_params`` does so up front)."""
+
+    @functools.wraps(init)
+    def checked(params: Any) -> Any:
+        try:
+            return init(params)
+        except (AttributeError, TypeError):
+            for name, p in tree.named_leaves(params):
+                if p is None:
+                    raise ValueError(f"param {name!r} is None; pass a tensor for every param, "
+                                     f"or leave it out") from None
             raise
 
     return checked
