@@ -87,6 +87,7 @@ __all__ = [
     "LeafBatch",
     "hyperparameter",
     "check_like",
+    "check_state_type",
     "check_pair",
     "as_optimizer",
     "register_lowering",
@@ -133,6 +134,15 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
     update = naming_bad_grads(tx.update)
     update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
     return GradientTransformation(naming_none_params(tx.init), update)
+
+
+def check_state_type(name: str, state_type: type, state: Any) -> None:
+    """``ValueError`` unless ``state`` is the ``state_type`` that ``name``'s init returns."""
+    if not isinstance(state, state_type):
+        raise ValueError(
+            f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
+            f"pass the state returned by its init(params)"
+        )
 
 
 def check_like(a: Any, b: Any, names: tuple[str, str]) -> None:
@@ -386,11 +396,7 @@ def leafwise(
         )
 
     def update(updates: Updates, state: OptState, params: Params | None = None):
-        if not isinstance(state, state_type):
-            raise ValueError(
-                f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
-                f"pass the state returned by its init(params)"
-            )
+        check_state_type(name, state_type, state)
         if needs_params and params is None:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
         g_leaves, treespec = _pytree.tree_flatten(updates)

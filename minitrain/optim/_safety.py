@@ -64,39 +64,43 @@ def grad_leaf_error(grads: Any) -> ValueError | None:
     return None
 
 
-def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
-    """``update(grads, ...)`` whose error over a None or sparse grad (torch's, from an op with
-    no sparse kernel; or an attribute a None lacks) is re-raised as :func:`grad_leaf_error`'s
-    ``ValueError``. Costs nothing until something raises."""
+def _explaining(fn: Callable[..., Any], explain: Callable[[Any], ValueError | None],
+                caught: tuple[type[Exception], ...]) -> Callable[..., Any]:
+    """``fn(first, ...)`` whose ``caught`` error, where ``explain(first)`` finds the input to
+    blame, is re-raised as that one-line ``ValueError`` (our frames would only hide it). Costs
+    nothing until something raises."""
 
-    @functools.wraps(update)
-    def checked(grads: Any, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(fn)
+    def checked(first: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return update(grads, *args, **kwargs)
-        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
-            if (named := grad_leaf_error(grads)) is not None:
-                raise named from None  # the one line; our frames would only hide it
+            return fn(first, *args, **kwargs)
+        except caught:
+            if (named := explain(first)) is not None:
+                raise named from None
             raise
 
     return checked
+
+
+def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update(grads, ...)`` whose error over a None or sparse grad (torch's, from an op with
+    no sparse kernel; or an attribute a None lacks) is :func:`grad_leaf_error`'s."""
+    return _explaining(update, grad_leaf_error,
+                       (NotImplementedError, RuntimeError, AttributeError, TypeError))
+
+
+def _none_param_error(params: Any) -> ValueError | None:
+    for name, p in tree.named_leaves(params):
+        if p is None:
+            return ValueError(f"param {name!r} is None; pass a tensor for every param, or "
+                              f"leave it out")
+    return None
 
 
 def naming_none_params(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``init(params)`` whose error over a None param leaf is re-raised as a ``ValueError``
-    naming it (the aliases' ``check_params`` does so up front)."""
-
-    @functools.wraps(init)
-    def checked(params: Any) -> Any:
-        try:
-            return init(params)
-        except (AttributeError, TypeError):
-            for name, p in tree.named_leaves(params):
-                if p is None:
-                    raise ValueError(f"param {name!r} is None; pass a tensor for every param, "
-                                     f"or leave it out") from None
-            raise
-
-    return checked
+    """``init(params)`` whose error over a None param leaf names it (the aliases'
+    ``check_params`` does so up front)."""
+    return _explaining(init, _none_param_error, (AttributeError, TypeError))
 
 
 def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],

@@ -17,6 +17,7 @@ from minitrain.optim._core import (
     GradientTransformation,
     check_extra_args,
     check_like,
+    check_state_type,
     forwards_extra_args,
     hyperparameter,
     select_extra_args,
@@ -55,15 +56,6 @@ def _select(leaves: list[Any], indices: list[int]) -> list[Any]:
     return [leaves[i] for i in indices]
 
 
-def _check_state(name: str, state_type: type, state: Any) -> None:
-    """``ValueError`` unless ``state`` is the ``state_type`` that ``name``'s init returns."""
-    if not isinstance(state, state_type):
-        raise ValueError(
-            f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
-            f"pass the state returned by its init(params)"
-        )
-
-
 class MaskedState(NamedTuple):
     """The inner transformation's state over the masked-in leaves (a list pytree)."""
 
@@ -95,7 +87,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
     def update(updates, state, params=None, **extra):
         check_extra_args("masked", update.extra_args, extra)
-        _check_state("masked", MaskedState, state)
+        check_state_type("masked", MaskedState, state)
         indices = chosen(updates if params is None else params)
         leaves = tree.leaves(updates)
         inner_params = None if params is None else _select(tree.leaves(params), indices)
@@ -156,7 +148,7 @@ def multi_transform(transforms: dict[str, GradientTransformation],
 
     def update(updates, state, params=None, **extra):
         check_extra_args("multi_transform", update.extra_args, extra)
-        _check_state("multi_transform", MultiTransformState, state)
+        check_state_type("multi_transform", MultiTransformState, state)
         if not isinstance(state.inner_states, dict) or set(state.inner_states) != set(transforms):
             raise ValueError(
                 f"multi_transform with labels {sorted(transforms)} got a state for other "
@@ -215,7 +207,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
 
     def update(updates, state, params=None, **extra):
         check_extra_args("MultiSteps", update.extra_args, extra)
-        _check_state("MultiSteps", MultiStepsState, state)
+        check_state_type("MultiSteps", MultiStepsState, state)
         check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
         mini_step = state.mini_step + 1
@@ -281,7 +273,7 @@ def apply_if_finite(inner: GradientTransformation,
 
     def update(updates, state, params=None, **extra):
         check_extra_args("apply_if_finite", update.extra_args, extra)
-        _check_state("apply_if_finite", ApplyIfFiniteState, state)
+        check_state_type("apply_if_finite", ApplyIfFiniteState, state)
         new, inner_state = inner.update(updates, state.inner_state, params, **extra)
         leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
@@ -336,7 +328,7 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
         return EmaState(zero_count(), tree.map(torch.clone, params))
 
     def update(updates, state, params=None):
-        _check_state("ema", EmaState, state)
+        check_state_type("ema", EmaState, state)
         if params is None:
             raise ValueError("ema needs params: call update(updates, state, params)")
         check_like(params, updates, ("params", "updates"))
@@ -417,7 +409,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
             return InjectHyperparamsState(count, hyper, factory(**static, **hyper).init(params))
 
         def update(updates, state, params=None):
-            _check_state("inject_hyperparams", InjectHyperparamsState, state)
+            check_state_type("inject_hyperparams", InjectHyperparamsState, state)
             hyper = dict(state.hyperparams)
             count = schedule_count(state.count)
             hyper.update({k: _scheduled(k, fn, count) for k, fn in schedules.items()})
