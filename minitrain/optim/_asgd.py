@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -14,11 +15,13 @@ from minitrain.optim._family import (
     check_range,
     family_optimizer,
     find_state,
+    hyperparameter,
     rule_transform,
     zeros,
 )
 from minitrain.optim._host import host_tensor
-from minitrain.optim.base import Optimizer, WeightDecayMask
+from minitrain.optim.base import Optimizer, WeightDecayMask, check_hyperparameter
+from minitrain.optim.streaming import float32
 from minitrain.tree import Params
 
 __all__ = ["asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average"]
@@ -36,13 +39,25 @@ class ScaleByAsgdState(NamedTuple):
 def asgd_step_sizes(step: Any, lr: Any, lambd: Any, alpha: Any, t0: Any) -> tuple[Any, Any]:
     """``(eta_t, mu_t)`` of update ``t``: torch sets them after update ``t - 1`` to
     ``eta = lr / (1 + lambd * lr * (t - 1))^alpha`` and ``mu = 1 / max(1, t - 1 - t0)``
-    (both start at ``lr`` and 1)."""
+    (both start at ``lr`` and 1), each held in a float32 tensor (``torch.as_tensor``), so
+    rounded to float32 whatever the params' dtype.
+
+    >>> asgd_step_sizes(2, 0.1, 1.0, 1.0, 1e6)  # 0.1 / 1.1 in float32, and 1
+    (0.09090909361839294, 1.0)
+    """
     eta = lr / (1 + lambd * lr * (step - 1)) ** alpha
     if isinstance(step, Tensor):
         mu = torch.where(step == 1, 1.0, 1 / torch.clamp(step - 1 - t0, min=1.0))
-    else:
-        mu = 1.0 if step == 1 else 1 / max(1.0, step - 1 - t0)
-    return eta, mu
+        return _rounded(eta), mu.to(torch.float32).to(step.dtype)
+    mu = 1.0 if step == 1 else 1 / max(1.0, step - 1 - t0)
+    return _rounded(eta), float32(mu)
+
+
+def _rounded(value: Any) -> Any:
+    """``value`` rounded to float32 (a tensor keeps its dtype, a number stays a float)."""
+    if isinstance(value, Tensor):
+        return value.to(torch.float32).to(value.dtype) if value.is_floating_point() else value
+    return float32(value)
 
 
 def asgd_leaf(g, buffers, p, step, lambd, eta, mu):
@@ -60,20 +75,36 @@ def asgd_leaf(g, buffers, p, step, lambd, eta, mu):
 
 
 def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
-    if callable(lr) and not isinstance(lr, Tensor):
-        raise ValueError("invalid lr: ASGD decays its own step size from lr; pass a number")
-    initial = check_range("lr", lr, 0.0)
+    lr_after = _lr_after(lr)
     lambd = check_range("lambd", lambd, 0.0)
     alpha = check_range("alpha", alpha, 0.0)
     t0 = check_range("t0", t0, -float("inf"))
 
     def advance(step, lr):  # lr: eta of the last update (kept for learning_rate(state))
-        eta, mu = asgd_step_sizes(step, initial, lambd, alpha, t0)
+        # eta_t is set at the end of update t - 1 from the lr of that update, as torch's ASGD
+        # does under an LRScheduler (its group lr then is the schedule's value after t - 2).
+        done = torch.clamp(step - 2, min=0) if isinstance(step, Tensor) else max(step - 2, 0)
+        eta, mu = asgd_step_sizes(step, lr_after(done), lambd, alpha, t0)
         return {"lr": eta}, {"eta": eta, "mu": mu}
 
     return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
-                dict(lambd=lambd), scalars={"lr": lambda: _f32(initial)}, advance=advance,
+                dict(lambd=lambd), scalars={"lr": lambda: _f32(lr_after(0))}, advance=advance,
                 needs_params=True, kernel=asgd_kernel)
+
+
+def _lr_after(lr: Any) -> Callable[[Any], Any]:
+    """``done -> lr``: the lr of the update after ``done`` updates, a constant or a schedule's
+    value (checked >= 0, as torch's group lr)."""
+    if not callable(lr) or isinstance(lr, Tensor):
+        constant = check_range("lr", lr, 0.0)
+        return lambda done: constant
+
+    def scheduled(done: Any) -> Any:
+        value = lr(done)
+        check_hyperparameter("lr (from the schedule)", value, 0.0)
+        return hyperparameter("lr (from the schedule)", value)
+
+    return scheduled
 
 
 def asgd_kernel(step, hyper, per_step):
