@@ -15,6 +15,7 @@ metric after that to take the same steps.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -73,7 +74,7 @@ def reduce_on_plateau(
         raise ValueError(f"invalid mode={mode!r}: choose 'min' or 'max'")
     if threshold_mode not in ("rel", "abs"):
         raise ValueError(f"invalid threshold_mode={threshold_mode!r}: choose 'rel' or 'abs'")
-    check_hyperparameter("lr", lr, 0.0, low_open=True)
+    check_hyperparameter("lr", lr, 0.0, low_open=True, high_open=True)
     check_hyperparameter("factor", factor, 0.0, 1.0, high_open=True)
     check_hyperparameter("threshold", threshold, 0.0)
     check_hyperparameter("min_lr", min_lr, 0.0)
@@ -149,8 +150,13 @@ def _metric(value: Any, like: Tensor) -> Tensor:
                 f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one number "
                 "(e.g. the mean validation loss)"
             )
+        if value.is_complex() or value.is_meta:
+            raise ValueError(
+                f"reduce_on_plateau value is a {value.dtype} tensor on {value.device}; pass a "
+                "real number"
+            )
         return value.detach().reshape(()).to(dtype=torch.float64, device=like.device)
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(
             f"reduce_on_plateau value is {type(value).__name__}; pass a float or 0-d tensor"
         )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -113,7 +114,7 @@ def step_schedule(init_value: Value, step_size: int, gamma: Value = 0.1) -> Sche
     _check_value("gamma", gamma)
     _check_count("step_size", step_size, 1)
     # torch StepLR._get_closed_form_lr
-    return _tensor_friendly(lambda t: init_value * gamma ** (t // step_size))
+    return _tensor_friendly(lambda t: _decay(init_value, gamma, t // step_size))
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def multistep_schedule(
     _check_value("gamma", gamma)
     bounds = sorted(_check_steps("milestones", milestones))
     # torch MultiStepLR._get_closed_form_lr: base_lr * gamma ** bisect_right(milestones, epoch)
-    return _tensor_friendly(lambda t: init_value * gamma ** _passed(t, bounds))
+    return _tensor_friendly(lambda t: _decay(init_value, gamma, _passed(t, bounds)))
 
 
 def exponential_schedule(init_value: Value, gamma: Value) -> Schedule:
@@ -154,7 +155,7 @@ def exponential_schedule(init_value: Value, gamma: Value) -> Schedule:
     """
     _check_value("init_value", init_value)
     _check_value("gamma", gamma)
-    return _tensor_friendly(lambda t: init_value * gamma**t)
+    return _tensor_friendly(lambda t: _decay(init_value, gamma, t))
 
 
 def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.0) -> Schedule:
@@ -269,14 +270,15 @@ def constant_factor_schedule(
     (``torch.optim.lr_scheduler.ConstantLR``).
 
     ``total_iters`` must be at least 1 (with 0, torch's stepped scheduler keeps ``factor`` while
-    its closed form gives ``init_value``; use :func:`constant_schedule`).
+    its closed form gives ``init_value``; use :func:`constant_schedule`), and ``factor`` above 0
+    (torch divides by it at ``total_iters``).
 
     >>> schedule = constant_factor_schedule(1.0, factor=0.5, total_iters=2)
     >>> [schedule(step) for step in range(4)]
     [0.5, 0.5, 1.0, 1.0]
     """
     _check_value("init_value", init_value)
-    _check_value("factor", factor, 0.0, 1.0)
+    _check_value("factor", factor, 0.0, 1.0, low_open=True)
     _check_count("total_iters", total_iters, 1)
     # torch ConstantLR._get_closed_form_lr
     return _tensor_friendly(
@@ -299,7 +301,8 @@ def one_cycle_schedule(
     down to ``max_lr / div_factor / final_div_factor`` (``three_phase``: back down to the start
     first, symmetrically, then to the minimum). ``anneal_strategy`` is ``"cos"`` or
     ``"linear"``. Only the lr: torch's momentum cycling is not part of a schedule. Like torch, a
-    step past ``total_steps`` raises (tensor steps extrapolate the last phase instead).
+    step past ``total_steps`` raises (tensor steps extrapolate the last phase instead), and so
+    does a ``pct_start`` that leaves a phase without steps (torch divides by zero there).
 
     >>> schedule = one_cycle_schedule(1.0, total_steps=5, pct_start=0.4, anneal_strategy="linear",
     ...                               div_factor=10.0, final_div_factor=1.0)
@@ -315,6 +318,8 @@ def one_cycle_schedule(
         )
     _check_value("div_factor", div_factor, 0.0, low_open=True)
     _check_value("final_div_factor", final_div_factor, 0.0, low_open=True)
+    if not isinstance(three_phase, bool):
+        raise ValueError(f"invalid three_phase={three_phase!r}: pass True or False")
     initial_lr = max_lr / div_factor
     min_lr = initial_lr / final_div_factor
     # torch OneCycleLR.__init__: (end_step, start lr, end lr) per phase
@@ -330,6 +335,11 @@ def one_cycle_schedule(
             (total_steps - 1, max_lr, min_lr),
         ]
     starts = [0.0] + [end for end, _, _ in phases[:-1]]
+    if any(end == start for (end, _, _), start in zip(phases, starts, strict=True)):
+        raise ValueError(
+            f"invalid pct_start={pct_start!r}: with total_steps={total_steps} a phase has no "
+            "steps (torch's OneCycleLR divides by zero); pick another pct_start"
+        )
 
     def anneal(start: Any, end: Any, pct: Any) -> Any:  # torch OneCycleLR._annealing_*
         if anneal_strategy == "cos":
@@ -338,9 +348,7 @@ def one_cycle_schedule(
 
     def phase_value(t: Any, index: int) -> Any:
         end_step, start_lr, end_lr = phases[index]
-        length = end_step - starts[index]
-        # Torch divides by zero here (ZeroDivisionError); a zero-length phase holds its start.
-        return anneal(start_lr, end_lr, (t - starts[index]) / (length if length != 0 else 1.0))
+        return anneal(start_lr, end_lr, (t - starts[index]) / (end_step - starts[index]))
 
     def schedule(t: Any) -> Any:
         if not isinstance(t, Tensor):
@@ -389,12 +397,16 @@ def cyclic_schedule(
     _check_count("step_size_up", step_size_up, 1)
     down = step_size_up if step_size_down is None else step_size_down
     _check_count("step_size_down", down, 0)
+    if scale_fn is not None and not callable(scale_fn):
+        raise ValueError(f"invalid scale_fn={scale_fn!r}: pass a function of the cycle or step")
     if scale_fn is None:
         # torch CyclicLR._init_scale_fn: the modes set their own scale_mode
         if mode == "triangular":
             scale_fn, scale_mode = (lambda x: 1.0), "cycle"
         elif mode == "triangular2":
-            scale_fn, scale_mode = (lambda x: 1 / (2.0 ** (x - 1))), "cycle"
+            # torch: 1 / (2.0 ** (x - 1)), the same powers of two, but it overflows (raises)
+            # after 1025 cycles where this one underflows to 0.
+            scale_fn, scale_mode = (lambda x: 0.5 ** (x - 1)), "cycle"
         elif mode == "exp_range":
             scale_fn, scale_mode = (lambda x: gamma**x), "iterations"
         else:
@@ -430,7 +442,7 @@ def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]
     >>> [schedule(step) for step in range(6)]
     [0.5, 0.75, 1.0, 1.0, 0.5, 0.25]
     """
-    schedules = list(schedules)
+    schedules = list(schedules) if isinstance(schedules, Iterable) else []
     bounds = _check_steps("milestones", milestones)
     if not schedules or not all(callable(s) for s in schedules):
         raise ValueError("sequential_schedule needs a non-empty list of schedules (step -> lr)")
@@ -445,8 +457,10 @@ def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]
 
     def schedule(step: Any) -> Any:
         if not isinstance(step, Tensor):
+            step = _check_step(step)
             index = bisect.bisect_right(bounds, step)  # torch SequentialLR.step
             return schedules[index](step - offsets[index])
+        _check_step_dtype(step)
         value = _float64(schedules[0](step), step)
         for index in range(1, len(schedules)):
             start = offsets[index]
@@ -467,12 +481,35 @@ def _tensor_friendly(formula: Callable[[Any], Any]) -> Schedule:
 
     def schedule(step: Any) -> Any:
         if isinstance(step, Tensor):
+            _check_step_dtype(step)
             return _float64(formula(step.to(torch.float64)), step)
-        if step < 0:
-            raise ValueError(f"invalid step={step}: a schedule counts updates from 0")
-        return formula(step)
+        return formula(_check_step(step))
 
     return schedule
+
+
+def _check_step(step: Any) -> int:
+    """``step`` as an int: a schedule counts updates from 0 (``numbers.Integral``, not bool)."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0:
+        return int(step)
+    raise ValueError(f"invalid step={step!r}: pass the number of updates done, an int >= 0")
+
+
+def _check_step_dtype(step: Tensor) -> None:
+    """A tensor step must hold integers (its sign is not read: that would wait on the device)."""
+    if step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
+        raise ValueError(f"invalid step of dtype {step.dtype}: pass an integer tensor")
+
+
+def _decay(init_value: Any, gamma: Any, count: Any) -> Any:
+    """``init_value * gamma ** count`` in two halves (the same on int and tensor steps): past
+    the float range it is inf, as torch's recursive lr, where a Python ``gamma ** count``
+    raises even while the product still fits."""
+    half = count // 2
+    try:
+        return init_value * gamma**half * gamma ** (count - half)
+    except OverflowError:  # gamma ** half alone is past the range, so the product is too
+        return _where(init_value == 0, 0.0, init_value * math.inf)
 
 
 def _float64(value: Any, like: Tensor) -> Tensor:
@@ -511,11 +548,13 @@ def _check_count(name: str, value: Any, low: int) -> None:
 
 
 def _check_steps(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, str | bytes | Tensor) or not isinstance(values, Iterable):
+        raise ValueError(f"invalid {name}={values!r}: pass a list of ints >= 0")
     values = list(values)
     for value in values:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
             raise ValueError(f"invalid {name}={values!r}: each must be an int >= 0")
-    return values
+    return [int(value) for value in values]
 
 
 def _check_common(peak_value: float, warmup_steps: int, init_value: float) -> None:
