@@ -11,6 +11,7 @@ grads, optimizer state (plus fp32 master weights under mixed precision) and acti
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from minitrain.accounting.flops import Number
@@ -29,6 +30,8 @@ __all__ = [
     "cruncher_memory",
     "cruncher_params",
     "max_params",
+    "STATE_OPTIONS",
+    "optimizer_key",
     "optimizer_state_elements",
     "optimizer_states",
     "per_device_bytes_per_param",
@@ -71,6 +74,13 @@ _SCALAR_STATES: dict[str, int] = dict.fromkeys(OPTIMIZER_STATES, 1) | {
     "sgd": 0, "momentum": 0, "lion": 0, "muon": 0, "nadam": 2, "asgd": 3,
     "schedule_free_adamw": 0,  # its step count and weight sum live in the param group
 }
+# Options that add one parameter-sized tensor, and the optimizers that take each: Adam(W)'s
+# "max_exp_avg_sq", SGD's and RMSprop's "momentum_buffer", RMSprop's "grad_avg".
+STATE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "amsgrad": ("adam", "adamw"),
+    "momentum": ("sgd", "momentum", "rmsprop"),
+    "centered": ("rmsprop",),
+}
 
 
 class Precision(NamedTuple):
@@ -102,18 +112,42 @@ _PRECISION_ALIASES = {"mixed": "bf16-mixed", "float32": "fp32", "bfloat16": "bf1
 RECOMPUTE = ("none", "selective", "full")
 
 
-def optimizer_states(optimizer: str) -> int:
-    """Optimizer-state tensors per parameter tensor (``adamw`` → 2).
+def optimizer_key(optimizer: str) -> str:
+    """``optimizer`` as :data:`OPTIMIZER_STATES` names it (case, spaces and ``-`` aside).
 
-    >>> optimizer_states("momentum")
-    1
+    >>> optimizer_key(" Schedule-Free-AdamW ")
+    'schedule_free_adamw'
     """
-    key = optimizer.strip().lower()
+    key = optimizer.strip().lower().replace("-", "_") if isinstance(optimizer, str) else None
     if key not in OPTIMIZER_STATES:
         raise ValueError(
             f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}"
         )
-    return OPTIMIZER_STATES[key]
+    return key
+
+
+def _check_options(key: str, options: dict[str, bool]) -> None:
+    for name, value in options.items():
+        if value and key not in STATE_OPTIONS[name]:
+            takers = " and ".join(STATE_OPTIONS[name])
+            raise ValueError(f"{name} does not apply to {key}; it is an option of {takers} only")
+
+
+def optimizer_states(
+    optimizer: str, *, amsgrad: bool = False, momentum: bool = False, centered: bool = False
+) -> int:
+    """Optimizer-state tensors per parameter tensor (``adamw`` → 2); ``amsgrad`` (Adam(W)),
+    ``momentum`` (SGD, RMSprop) and ``centered`` (RMSprop) add one each (:data:`STATE_OPTIONS`).
+
+    >>> optimizer_states("momentum"), optimizer_states("sgd", momentum=True)
+    (1, 1)
+    >>> optimizer_states("rmsprop", momentum=True, centered=True)
+    3
+    """
+    key = optimizer_key(optimizer)
+    _check_options(key, dict(amsgrad=amsgrad, momentum=momentum, centered=centered))
+    extra = bool(amsgrad) + bool(centered) + bool(momentum and key != "momentum")
+    return OPTIMIZER_STATES[key] + extra
 
 
 def optimizer_state_elements(
@@ -128,33 +162,34 @@ def optimizer_state_elements(
     """Elements of optimizer state torch keeps for one parameter of ``shape`` (torch's layouts,
     see :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``.
 
-    ``amsgrad`` adds Adam(W)'s "max_exp_avg_sq"; RMSprop's ``momentum`` adds a
-    "momentum_buffer" and ``centered`` a "grad_avg". Adafactor keeps ``prod(shape[:-1])`` row
-    and ``prod(shape[:-2])·shape[-1]`` column elements for a matrix (or a stack of them).
+    ``amsgrad`` adds Adam(W)'s "max_exp_avg_sq"; ``momentum`` SGD's or RMSprop's
+    "momentum_buffer" and ``centered`` RMSprop's "grad_avg". Adafactor keeps
+    ``prod(shape[:-1])`` row and ``prod(shape[:-2])·shape[-1]`` column elements for a matrix
+    (or a stack of them). Muon takes matrices only: any other param falls back to AdamW
+    ("exp_avg", "exp_avg_sq" and its "step"), as Muon is used (Jordan et al. 2024).
 
     >>> optimizer_state_elements("adamw", (768, 3072))    # two moments and the step
     4718593
     >>> optimizer_state_elements("adafactor", (768, 3072))    # rows + columns + step
     3841
+    >>> optimizer_state_elements("muon", (768,))    # AdamW's two moments and its step
+    1537
     """
-    key = optimizer.strip().lower()
-    full = optimizer_states(key)
-    if any(not isinstance(n, int) or n < 0 for n in shape):
+    key = optimizer_key(optimizer)
+    full = optimizer_states(key, amsgrad=amsgrad, momentum=momentum, centered=centered)
+    if not isinstance(shape, tuple | list) or any(
+        not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in shape
+    ):
         raise ValueError(f"shape must be a tuple of sizes >= 0, got {shape!r}")
-    numel = 1
-    for n in shape:
-        numel *= n
-    if key in ("adam", "adamw"):
-        full += bool(amsgrad)
-    if key == "rmsprop":
-        full += bool(momentum) + bool(centered)
-    elements = full * numel
-    if key == "adafactor":
-        if len(shape) >= 2:
-            elements = numel // shape[-1] + numel // shape[-2] if numel else 0
-        else:
-            elements = numel
-    return elements + (_SCALAR_STATES[key] if scalars else 0)
+    scalar = _SCALAR_STATES[key]
+    if key == "muon" and len(shape) != 2:
+        full, scalar = OPTIMIZER_STATES["adamw"], _SCALAR_STATES["adamw"]
+    elements = full * math.prod(shape)
+    if key == "adafactor" and len(shape) >= 2:
+        elements = math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+    elif key == "adafactor":
+        elements = math.prod(shape)
+    return elements + (scalar if scalars else 0)
 
 
 def precision(name: str) -> Precision:
@@ -182,19 +217,24 @@ class BytesPerParam(NamedTuple):
         return self.params + self.grads + self.optimizer_state + self.master_weights
 
 
-def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32") -> BytesPerParam:
-    """Bytes per parameter for ``optimizer`` under a precision recipe (see ``PRECISIONS``).
+def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32", *,
+                    amsgrad: bool = False, momentum: bool = False,
+                    centered: bool = False) -> BytesPerParam:
+    """Bytes per parameter for ``optimizer`` under a precision recipe (see ``PRECISIONS``);
+    ``amsgrad``, ``momentum`` and ``centered`` as in :func:`optimizer_states`. Adafactor counts
+    0 (its factored moments vanish for large matrices) and Muon 1 (matrices).
 
     >>> bytes_per_param("adamw", "bf16-mixed")   # ZeRO paper: 2 + 2 + (4 + 8) = 16
     BytesPerParam(params=2, grads=2, optimizer_state=8, master_weights=4)
-    >>> bytes_per_param("sgd", "fp32").total
-    8
+    >>> bytes_per_param("sgd", "fp32").total, bytes_per_param("adam", amsgrad=True).total
+    (8, 20)
     """
     recipe = precision(precision_name)
+    states = optimizer_states(optimizer, amsgrad=amsgrad, momentum=momentum, centered=centered)
     return BytesPerParam(
         params=recipe.params,
         grads=recipe.grads,
-        optimizer_state=optimizer_states(optimizer) * recipe.optimizer_state,
+        optimizer_state=states * recipe.optimizer_state,
         master_weights=recipe.master_weights,
     )
 
@@ -235,12 +275,14 @@ def max_params(
     gpus: int = 1,
     zero_stage: int = 3,
     reserved_bytes: Number = 0,
+    **state_options: bool,
 ) -> float:
     """The most parameters that fit: per-device memory over per-device bytes per parameter.
 
     ``memory`` is bytes per device (or a hardware name). The default ``zero_stage=3`` spreads
     every byte evenly over the devices, the chapter's assumption in 3.1.2 (640 GB / 16 B);
     ``reserved_bytes`` (e.g. activations) is set aside on each device first.
+    ``state_options`` (``amsgrad``, ``momentum``, ``centered``) go to :func:`bytes_per_param`.
 
     >>> max_params("h100", gpus=8, zero_stage=0) / 1e9    # replicated: one device's 80 GB / 16
     5.0
@@ -248,8 +290,8 @@ def max_params(
     free = _memory_bytes(memory) - reserved_bytes
     if free <= 0:
         raise ValueError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
-    per_param = per_device_bytes_per_param(bytes_per_param(optimizer, precision), gpus, zero_stage)
-    return free / per_param
+    per_param = bytes_per_param(optimizer, precision, **state_options)
+    return free / per_device_bytes_per_param(per_param, gpus, zero_stage)
 
 
 class MemoryBreakdown(NamedTuple):

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from minitrain.accounting.counter import Counter
-from minitrain.accounting.memory import optimizer_states
 from minitrain.accounting.predict import PredictionError, predict_call, predict_step
 from minitrain.tree import leaves, nbytes, size
 
@@ -208,8 +207,8 @@ def resource_report(
     if prediction is not None:
         predicted = _traced_memory(prediction, donate) | {"source": source}
     else:
-        predicted = _formula_memory(optimizer, params_bytes, state_bytes, batch_bytes,
-                                    activation_bytes, donate)
+        predicted = _formula_memory(_formula_state_bytes(optimizer, params, state_bytes),
+                                    params_bytes, batch_bytes, activation_bytes, donate)
     resident = params_bytes + state_bytes + batch_bytes
     measured_activations = (
         counter.backward_start_live_bytes - resident
@@ -313,11 +312,18 @@ def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
     }
 
 
-def _formula_memory(optimizer: Any, params_bytes: int, state_bytes: int, batch_bytes: int,
+def _formula_state_bytes(optimizer: Any, params: Any, state_bytes: int) -> int:
+    """The state an optimizer named ``optimizer`` keeps for ``params`` (shape by shape: Adafactor
+    factors matrices, Muon's other leaves fall back to AdamW); else the state as passed."""
+    if not isinstance(optimizer, str):
+        return state_bytes
+    from minitrain.optim import state_bytes as optimizer_state_bytes
+
+    return optimizer_state_bytes(optimizer, params)
+
+
+def _formula_memory(predicted_state: int, params_bytes: int, batch_bytes: int,
                     activation_bytes: int | None, donate: bool) -> dict[str, Any]:
-    predicted_state = (
-        optimizer_states(optimizer) * params_bytes if isinstance(optimizer, str) else state_bytes
-    )
     peaks = predicted_peak_bytes(
         params=params_bytes, optimizer_state=predicted_state, batch=batch_bytes,
         activations=activation_bytes or 0, donate=donate,

@@ -170,35 +170,43 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 @click.option("--optimizer", default="adamw",
               help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, radam, "
                    "asgd, rprop, adafactor, lion, muon, schedule_free_adamw.")
+@click.option("--amsgrad", is_flag=True, help="Adam(W) with amsgrad: one more state tensor.")
+@click.option("--momentum", is_flag=True,
+              help="SGD or RMSprop with momentum: one more state tensor (the buffer).")
+@click.option("--centered", is_flag=True, help="Centered RMSprop: one more state tensor.")
 @click.option("--precision", default="fp32", help="fp32, bf16-mixed, amp, bf16.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
                    "assumption).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def memory(hardware_name: str, gpus: int, optimizer: str, precision: str, zero_stage: int,
-           as_json: bool) -> None:
+def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentum: bool,
+           centered: bool, precision: str, zero_stage: int, as_json: bool) -> None:
     """Bytes per parameter and the largest model that fits (chapter 3.1.2)."""
     from minitrain import accounting as acc
+    from minitrain.accounting.memory import optimizer_key
 
     spec = _accounting_call(acc.hardware, hardware_name)
-    chosen = _accounting_call(acc.bytes_per_param, optimizer, precision)
+    options = {"amsgrad": amsgrad, "momentum": momentum, "centered": centered}
+    key = _accounting_call(optimizer_key, optimizer)
+    chosen = _accounting_call(acc.bytes_per_param, key, precision, **options)
     table = {
-        name: acc.bytes_per_param(name, precision)._asdict() | {
-            "total": acc.bytes_per_param(name, precision).total
-        }
+        name: row._asdict() | {"total": row.total}
         for name in acc.OPTIMIZER_STATES
+        for row in [chosen if name == key else acc.bytes_per_param(name, precision)]
     }
     by_stage = {
-        stage: acc.max_params(spec, optimizer=optimizer, precision=precision, gpus=gpus,
-                              zero_stage=stage)
+        stage: acc.max_params(spec, optimizer=key, precision=precision, gpus=gpus,
+                              zero_stage=stage, **options)
         for stage in range(4)
     }
+    label = "+".join([key, *(name for name, on in options.items() if on)])
     result = {
         "hardware": spec.name,
         "gpus": gpus,
         "memory_bytes_per_gpu": spec.memory_bytes,
         "total_memory_bytes": spec.memory_bytes * gpus,
-        "optimizer": optimizer,
+        "optimizer": key,
+        "state_options": options,
         "precision": precision,
         "zero_stage": zero_stage,
         "bytes_per_param": chosen._asdict() | {"total": chosen.total},
@@ -206,18 +214,19 @@ def memory(hardware_name: str, gpus: int, optimizer: str, precision: str, zero_s
         "max_params": by_stage[zero_stage],
         "max_params_by_zero_stage": {str(stage): n for stage, n in by_stage.items()},
     }
-    header = f"{'optimizer':<10}{'params':>8}{'grads':>8}{'state':>8}{'master':>8}{'total':>8}"
+    width = max(map(len, table)) + 2
+    header = f"{'optimizer':<{width}}{'params':>8}{'grads':>8}{'state':>8}{'master':>8}{'total':>8}"
     lines = [f"bytes per parameter, precision {precision}:", header]
     for name, row in table.items():
-        mark = " <" if name == optimizer.lower() else ""
+        mark = f" < {label}" if name == key and label != key else " <" if name == key else ""
         lines.append(
-            f"{name:<10}{row['params']:>8}{row['grads']:>8}{row['optimizer_state']:>8}"
+            f"{name:<{width}}{row['params']:>8}{row['grads']:>8}{row['optimizer_state']:>8}"
             f"{row['master_weights']:>8}{row['total']:>8}{mark}"
         )
     lines += [
         "",
         f"{gpus} × {spec.description}: {_si(spec.memory_bytes * gpus, 'B')} in all",
-        f"largest model ({optimizer}, ZeRO stage {zero_stage}): "
+        f"largest model ({label}, ZeRO stage {zero_stage}): "
         f"{_si(by_stage[zero_stage])} params (activations not included)",
         "by ZeRO stage: " + ", ".join(f"{s}: {_si(n)}" for s, n in by_stage.items()),
     ]
