@@ -135,7 +135,8 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                 raise ValueError(f"Adafactor does not support complex params ({name!r}); "
                                  f"pass real ones (e.g. torch.view_as_real)")
         spec = tree.structure(params)
-        columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True))
+        columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True)) \
+            or [[], [], []]  # no leaves (a group that multi_transform routes nothing to)
         first_lr = lr(0) if schedule else lr
         check_hyperparameter("lr (from the schedule)", first_lr, 0.0)
         return ScaleByAdafactorState(zero_count(), _f32(first_lr),
@@ -161,7 +162,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
         rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay)
                 for g, p, *b in zip(g_leaves, p_leaves, *buffers, strict=True)]
-        out, new_rows, new_cols, new_vars = zip(*rows, strict=True)
+        out, new_rows, new_cols, new_vars = zip(*rows, strict=True) if rows else [()] * 4
         columns = (new_rows, new_cols, new_vars)
         new_state = ScaleByAdafactorState(
             state.count + 1, _f32(step_lr), *(tree.unflatten(spec, list(c)) for c in columns)

@@ -91,23 +91,27 @@ def sgd(
     rules = [(trace_leaf, dict(momentum=momentum, dampening=dampening, nesterov=nesterov))]
     plain_step = leaf_step(rules if has_momentum else [], maximize=maximize)
     mu = scalar(momentum)
+    # A tensor momentum holding 0 keeps its buffer, as the chain's trace does, unused: the
+    # step is g whatever the dampening, as torch's, and the buffer is passed on as it was.
+    momentum_on = has_momentum and mu != 0
 
     def streaming_spec(step, lr, weight_decay):
-        hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, has_momentum]
-        return "sgd", hyperparameters, ("momentum_buffer" if has_momentum else None,)
+        hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, momentum_on]
+        return "sgd", hyperparameters, ("momentum_buffer" if momentum_on else None,)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
         old = buffers.get("momentum_buffer")
         if streaming.usable([*ps, *gs, *(old or [])]):
             name, hyperparameters, _ = streaming_spec(step, lr, weight_decay)
-            new_ps, bufs = streaming.update(name, hyperparameters, [ps, gs, old], outputs)
-            return new_ps, ({"momentum_buffer": bufs} if has_momentum else {})
+            new_ps, bufs = streaming.update(name, hyperparameters,
+                                            [ps, gs, old if momentum_on else None], outputs)
+            return new_ps, kept(bufs, old)
         if ps[0].dtype in _HALVES:
             return loop_step(ps, gs, old, step, lr, weight_decay, outputs)
         ps = owned(ps, outputs)
         bufs = []
-        if has_momentum:
+        if momentum_on:
             # The kernel overwrites the buffers on the first step, so they need no copy.
             fresh = step == 1 and outputs is not None
             bufs = outputs(old) if fresh else owned(old, outputs)
@@ -116,7 +120,7 @@ def sgd(
             dampening=float(dampening), nesterov=nesterov, maximize=False,
             is_first_step=step == 1,
         )
-        return ps, ({"momentum_buffer": bufs} if has_momentum else {})
+        return ps, kept(bufs, old)
 
     def loop_step(ps, gs, old, step, lr, weight_decay, outputs):
         # torch.optim.SGD's default path on CPU (``_single_tensor_sgd``), op for op: on CPU
@@ -124,27 +128,32 @@ def sgd(
         # ops round a bf16/fp16 ``mul_`` by a number otherwise than ``Tensor.mul_``.
         ps = owned(ps, outputs)
         bufs = []
-        if has_momentum:  # written whole on the first step: no copy of the old ones
+        if momentum_on:  # written whole on the first step: no copy of the old ones
             bufs = (old if outputs is None else outputs(old)) if step == 1 else \
                 owned(old, outputs)
         for i, (p, g) in enumerate(zip(ps, gs, strict=True)):
             if weight_decay != 0:
                 g = g.add(p, alpha=weight_decay)
-            if has_momentum:
+            if momentum_on:
                 if step == 1:  # torch's buffer starts as a copy of the grad
                     bufs[i].copy_(g)
                 else:
                     bufs[i].mul_(float(mu)).add_(g, alpha=1 - dampening)
                 g = g.add(bufs[i], alpha=float(mu)) if nesterov else bufs[i]
             p.add_(g, alpha=-lr)
-        return ps, ({"momentum_buffer": bufs} if has_momentum else {})
+        return ps, kept(bufs, old)
+
+    def kept(bufs, old):
+        if momentum_on:
+            return {"momentum_buffer": bufs}
+        return {"momentum_buffer": old} if has_momentum else {}
 
     rule = Rule(
         buffers=("momentum_buffer",) if has_momentum else (),
         init_buffer=lambda name, p: torch.zeros_like(p, memory_format=torch.preserve_format),
         plain_step=plain_step,
         fast_step=fast_step,
-        streaming=None if maximize else streaming_spec,
+        streaming=None if maximize or momentum_on != has_momentum else streaming_spec,
     )
     lr = lr if callable(lr) else hyperparameter("lr", lr)
     return make_optimizer(SGDState, rule, lr, weight_decay, mask, impl, (momentum, dampening))
