@@ -9,6 +9,7 @@ import threading
 import weakref
 
 import torch
+import torch._prims_common as _prims_common
 from torch import Tensor
 
 __all__ = ["BufferPool", "clear_buffer_pools", "buffer_pool_bytes"]
@@ -77,17 +78,17 @@ class BufferPool:
                 continue
             shape, stride, dtype = t.shape, t.stride(), t.dtype
             if key is None or key[0] != shape or key[1] != stride or key[2] is not dtype:
-                key = (shape, stride, dtype)
+                key = _key(t)
                 free = self._free.get(key)
             out.append(self._take(key, free))
         return out
 
     def empty_like(self, t: Tensor) -> Tensor:
-        """An uninitialized buffer of ``t``'s shape, strides and dtype (recycled when one is
-        free)."""
+        """An uninitialized buffer of ``t``'s shape, dtype and strides (recycled when one is
+        free); contiguous where ``t`` is not dense (as ``torch.empty_like``)."""
         if not t.is_cpu or not _CAN_COUNT_STORAGE_USES:
             return torch.empty_like(t, memory_format=torch.preserve_format)
-        key = (t.shape, t.stride(), t.dtype)
+        key = _key(t)
         return self._take(key, self._free.get(key))
 
     def _take(self, key: tuple, free: list[Tensor] | None) -> Tensor:
@@ -114,6 +115,19 @@ class BufferPool:
         if len(held) < 2 * demand:
             held.append((buffer, buffer.untyped_storage()._cdata))
         return buffer.detach()
+
+
+def _key(t: Tensor) -> tuple:
+    """``(shape, strides, dtype)`` of a buffer for ``t``: ``t``'s strides where it is dense
+    and no two of its elements share an address, else contiguous ones (a buffer with ``t``'s
+    stride 0 would write every element of a row to one address; as ``torch.empty_like``).
+
+    >>> _key(torch.ones(3, 2).t())[1], _key(torch.ones(2).expand(3, 2))[1]
+    ((1, 2), (2, 1))
+    """
+    if t.is_contiguous() or _prims_common.is_non_overlapping_and_dense_or_false(t):
+        return t.shape, t.stride(), t.dtype
+    return t.shape, _prims_common.make_contiguous_strides_for(t.shape), t.dtype
 
 
 _POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()

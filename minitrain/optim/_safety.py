@@ -142,40 +142,88 @@ def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[st
 
 def donatable(params: list, grads: list, buffers: Iterable[list]) -> bool:
     """Whether an update may write ``params`` and the state ``buffers`` (lists of leaves) in
-    place: no two of those non-empty tensors share a storage (one passed twice would be updated
-    twice, as tied weights passed as two leaves would be), and no grad shares one with any of
-    them (a grad that is another leaf's param, or a hand-edited state leaf that is its param,
-    would be read after a write changed it). Grads may share storages with each other: they are
-    only read. False also where a leaf has no storage to compare (a functorch tensor). (State
-    outside ``buffers`` may share tensors by design: a chain's transformations hold one count.)
+    place: no two of those non-empty tensors share memory (one passed twice would be updated
+    twice, as tied weights passed as two leaves would be; so would two tensors over one memory
+    with storages of their own, from ``torch.from_dlpack`` or ``torch.from_numpy``), none of
+    them has two elements at one address (stride 0, or strides that interleave), and no grad
+    shares memory with any of them (a grad that is another leaf's param, or a hand-edited state
+    leaf that is its param, would be read after a write changed it). Grads may share memory
+    with each other: they are only read. False also where a leaf has no storage to compare (a
+    functorch tensor). (State outside ``buffers`` may share tensors by design: a chain's
+    transformations hold one count.)
 
     >>> w, g = torch.ones(3), torch.ones(3)
     >>> donatable([w], [g], [[torch.zeros(3)]]), donatable([w, g], [g, w], [])
     (True, False)
+    >>> donatable([w, torch.from_dlpack(w)], [g, g], []), donatable([w.expand(2, 3)], [g], [])
+    (False, False)
     """
-    written: set[int] = set()
-    for t in itertools.chain(params, *buffers):
-        storage = _storage_id(t)
-        if storage is False or storage in written:
-            return False
-        if storage is not None:
-            written.add(storage)
-    for t in grads:
-        storage = _storage_id(t)
-        if storage is False or storage in written:
-            return False
-    return True
+    written = _memory(itertools.chain(params, *buffers), written=True)
+    read = _memory(grads, written=False)
+    return written is not None and read is not None and not _overlapping(written, read)
 
 
-def _storage_id(t: Any) -> int | None | bool:
-    """The address of ``t``'s StorageImpl (meta and fake tensors have one too); None for an
-    empty tensor or a non-tensor, which nothing can alias; False where it has none."""
-    if not isinstance(t, Tensor) or t.numel() == 0:
-        return None
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return False
+def _memory(tensors: Iterable[Any], written: bool) -> list[tuple[int, int]] | None:
+    """The ``[start, end)`` addresses of each tensor's storage (empty tensors and non-tensors,
+    which nothing can alias, left out); for a storage without memory (meta, fake, freed by
+    hand), its StorageImpl's address, which only that storage meets. None where a tensor has
+    no storage (a functorch tensor) or, ``written``, may overlap itself."""
+    spans = []
+    for t in tensors:
+        if not isinstance(t, Tensor) or t.numel() == 0:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        if written and not t.is_contiguous() and _overlaps_itself(t):
+            return None
+        # A fake tensor (a subclass) has a meta storage, whose data_ptr warns (and is 0).
+        start = storage.data_ptr() if type(t) in _PLAIN or storage.device.type != "meta" else 0
+        if start:
+            spans.append((start, start + (storage.nbytes() or 1)))
+        else:
+            spans.append((storage._cdata, storage._cdata + 1))
+    return spans
+
+
+def _overlaps_itself(t: Tensor) -> bool:
+    """Whether two elements of ``t`` may share an address (a stride 0, or strides that
+    interleave): an in-place write to it is no elementwise update.
+
+    >>> _overlaps_itself(torch.ones(4, 4)[:, ::2]), _overlaps_itself(torch.ones(4).expand(2, 4))
+    (False, True)
+    """
+    extent = 1  # the elements that the dims of smaller strides span
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True)
+                               if n > 1):
+        if stride < extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+def _overlapping(written: list[tuple[int, int]], read: list[tuple[int, int]]) -> bool:
+    """Whether two ``written`` ``[start, end)`` ranges meet, or a ``read`` one meets a written
+    one (read ranges may meet each other).
+
+    >>> _overlapping([(0, 4), (4, 8)], [(8, 9), (8, 12)]), _overlapping([(0, 4)], [(3, 5)])
+    (False, True)
+    """
+    written = sorted(written)
+    end = 0
+    for start, stop in written:
+        if start < end:
+            return True
+        end = stop
+    # Written ranges are disjoint and sorted: walk them beside the read ranges, by start.
+    index, n = 0, len(written)
+    for start, stop in sorted(read):
+        while index < n and written[index][1] <= start:
+            index += 1
+        if index < n and written[index][0] < stop:
+            return True
+    return False
 
 
 def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
@@ -183,7 +231,7 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
     """Whether every param, grad and state leaf is a plain CPU tensor, contiguous within its
     storage, not requiring grad, and every grad and state leaf has its param's shape and dtype:
     the common case, accepted in one pass (never under a compiler). ``donated``: and the update
-    may write params and state in place (:func:`donatable`, from the same storages). False
+    may write params and state in place (:func:`donatable`, from the same addresses). False
     sends the update through the full checks (:func:`check_state_shapes`, ``use_plain_path``,
     :func:`fast_path_inputs`, :func:`donatable`), which name a mismatch or copy what the
     kernels cannot read.
@@ -202,8 +250,8 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
     columns = [grads, *buffers.values()]
     if any(len(column) != len(params) for column in columns):
         return False
-    read: list[int] | None = [] if donated else None
-    written: list[int] | None = [] if donated else None
+    read: list[tuple[int, int]] | None = [] if donated else None
+    written: list[tuple[int, int]] | None = [] if donated else None
     sinks = [read, *[written] * len(buffers)]
     for index, p in enumerate(params):
         if type(p) not in _PLAIN:
@@ -218,28 +266,28 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
             if (type(t) is not Tensor or t.dtype is not dtype or t.shape != shape
                     or not _contiguous_cpu(t, wrapped, size, nbytes, sink)):
                 return False
-    if written is not None and (len(set(written)) != len(written)
-                                or not set(written).isdisjoint(read)):
-        return False
-    return True
+    return written is None or not _overlapping(written, read)
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _contiguous_cpu(t: Tensor, wrapped, size: int, nbytes: int,
-                    storages: list[int] | None = None) -> bool:
+                    storages: list[tuple[int, int]] | None = None) -> bool:
     """A plain CPU tensor of ``nbytes`` bytes of ``size``-byte elements, contiguous, so its
     storage must hold ``[offset, offset + nbytes)``. A tensor with the negative bit
-    (torch._neg_view) holds -t in memory: the kernels would read it raw. Its storage's address
-    goes into ``storages`` (where given) unless it is empty."""
+    (torch._neg_view) holds -t in memory: the kernels would read it raw. Its storage's memory,
+    ``[start, end)``, goes into ``storages`` (where given) unless the tensor is empty (two
+    storages may share memory: ``torch.from_dlpack``, ``torch.from_numpy``)."""
     if not (t.is_cpu and not t.requires_grad and t.is_contiguous() and not wrapped(t)
             and not t.is_neg()):
         return False
     storage = t.untyped_storage()
+    held = storage.nbytes()
     if storages is not None and nbytes:
-        storages.append(storage._cdata)
-    return t.storage_offset() * size + nbytes <= storage.nbytes()
+        start = storage.data_ptr()
+        storages.append((start, start + held))
+    return t.storage_offset() * size + nbytes <= held
 
 
 def _check_storage(t: Tensor, what: str) -> None:
