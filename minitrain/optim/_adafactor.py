@@ -29,6 +29,7 @@ from minitrain.optim._host import (
     updates_done,
     zero_count,
 )
+from minitrain.optim._safety import donatable
 from minitrain.optim.base import (
     BufferPool,
     Optimizer,
@@ -278,6 +279,10 @@ def _match(tx: GradientTransformation):
         buffers = [_entries(getattr(inner_state, f), tree_spec, f)
                    for f in ("row_var", "col_var", "variance")]
         _check_shapes(buffers, g_leaves, grads)
+        # In place only where no moment (a state edited by hand) lies in a param's memory: a
+        # leaf updated first would change what a later leaf reads.
+        donate = donate and donatable(p_leaves, [*g_leaves, *(b for bs in buffers for b in bs)],
+                                      [])
         lr, schedule = args["lr"], callable(args["lr"]) and not isinstance(args["lr"], Tensor)
         step = next_step(inner_state.count)
         step_lr = lr
