@@ -108,3 +108,26 @@ def test_scale_by_asgd_takes_a_schedule_in_a_chain():
         updates, state = tx.update([torch.ones(2)], state, params)
         steps.append(float(updates[0][0]))
     assert steps == [-0.5, -0.5, -0.25]  # eta_1 = lr(0), eta_2 = lr(0), eta_3 = lr(1)
+
+
+def test_a_scheduled_asgd_under_vmap_over_states_equals_the_loop():
+    """A traced count (vmap over states at different steps) calls the schedule with an integer
+    tensor, as an int count does."""
+    opt = mt.optim.asgd(lr=mt.optim.step_schedule(0.05, step_size=2, gamma=0.5), lambd=0.1,
+                        t0=2)
+    params = [torch.ones(5, dtype=torch.float64)]
+    state = opt.init(params)
+    seen = []
+    for _ in range(4):
+        seen.append((params, state))
+        params, state = opt.update([params[0] * 0.3 + 1.0], state, params)
+    state_type = type(state[0])
+
+    def step(count, lr, ax, p):
+        return opt.update([p * 0.3 + 1.0], (state_type(count, lr, [ax]),), [p])[0][0]
+
+    columns = [torch.stack(c) for c in zip(*[(s[0].count, s[0].lr, s[0].ax[0], p[0])
+                                             for p, s in seen], strict=True)]
+    batched = torch.func.vmap(step)(*columns)
+    loop = torch.stack([opt.update([p[0] * 0.3 + 1.0], s, p)[0][0] for p, s in seen])
+    assert torch.equal(batched, loop)

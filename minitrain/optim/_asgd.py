@@ -83,7 +83,8 @@ def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
     def advance(step, lr):  # lr: eta of the last update (kept for learning_rate(state))
         # eta_t is set at the end of update t - 1 from the lr of that update, as torch's ASGD
         # does under an LRScheduler (its group lr then is the schedule's value after t - 2).
-        done = torch.clamp(step - 2, min=0) if isinstance(step, Tensor) else max(step - 2, 0)
+        done = torch.clamp(step - 2, min=0).to(torch.int64) if isinstance(step, Tensor) \
+            else max(step - 2, 0)  # a traced step is a float64 tensor; counts are ints
         eta, mu = asgd_step_sizes(step, lr_after(done), lambd, alpha, t0)
         return {"lr": eta}, {"eta": eta, "mu": mu}
 
