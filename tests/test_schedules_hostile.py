@@ -499,3 +499,20 @@ def test_a_wrong_type_is_a_one_line_value_error(wrong_types, case, name):
 def test_numpy_milestones_are_taken_like_torch(wrong_types):
     """torch's MultiStepLR takes numpy integers; they were refused."""
     assert wrong_types["numpy milestones"] is True
+
+
+@pytest.mark.parametrize("schedule", [
+    S.cosine_schedule(1e-3, decay_steps=37, warmup_steps=5, init_value=1e-5, end_value=1e-6),
+    S.cosine_schedule(0.3, decay_steps=11),
+    S.linear_warmup_schedule(0.7, warmup_steps=9, init_value=0.1),
+], ids=["cosine-warmup", "cosine", "linear-warmup"])
+def test_optax_style_schedules_take_tensor_steps_in_float64_and_check_int_steps(schedule):
+    """A tensor step was computed in float32 (values off the int path by float32 rounding)
+    and a negative or fractional int step was extrapolated."""
+    steps = torch.arange(60)
+    traced = torch.stack([schedule(step) for step in steps])
+    assert traced.dtype == torch.float64
+    assert traced.tolist() == [schedule(int(step)) for step in steps]
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="invalid step"):
+            schedule(bad)

@@ -61,11 +61,7 @@ def linear_warmup_schedule(
     [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
     _check_common(peak_value, warmup_steps, init_value)
-
-    def schedule(step: Any) -> Any:
-        return _warmup(step, peak_value, warmup_steps, init_value)
-
-    return schedule
+    return _tensor_friendly(lambda step: _warmup(step, peak_value, warmup_steps, init_value))
 
 
 def cosine_schedule(
@@ -100,7 +96,7 @@ def cosine_schedule(
         warm = _warmup(step, peak_value, warmup_steps, init_value)
         return _where(step < warmup_steps, warm, decayed)
 
-    return schedule
+    return _tensor_friendly(schedule)
 
 
 def step_schedule(init_value: Value, step_size: int, gamma: Value = 0.1) -> Schedule:
