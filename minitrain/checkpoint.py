@@ -6,7 +6,8 @@ file. Here a checkpoint is a directory ``<run>/checkpoints/step-NNNNNNNN/`` (at 
 up to 19 for steps below 2**63) holding
 
 - ``params.safetensors`` and ``opt_state.safetensors``: the tensor leaves, keyed by their
-  :func:`minitrain.tree.named_leaves` names;
+  :func:`minitrain.tree.named_leaves` names, and in the header the NamedTuple type of each node
+  of the pytree (``AdamState``...), which :func:`load` compares with the template's;
 - ``state.json``: the step, the caller's ``meta`` (config, backend...), the RNG states of torch,
   numpy and ``random`` and of the data sampler's generator, library versions, the non-tensor
   leaves of the pytrees, the size and SHA-256 of each file, and a checksum of itself.
@@ -56,7 +57,15 @@ import torch
 import minitrain
 from minitrain import rng, tree
 from minitrain.atomic_io import fsync_dir, remove_stale_staging, replace_dir, write_new_file
-from minitrain.checkpoint_state import MAX_STEP, check_state_fields, pickle_kind
+from minitrain.checkpoint_state import (
+    MAX_STEP,
+    NAMEDTUPLES_KEY,
+    check_state_fields,
+    namedtuple_mismatch,
+    namedtuple_types,
+    pickle_kind,
+    recorded_namedtuples,
+)
 from minitrain.errors import StorageError, os_cause
 
 __all__ = [
@@ -209,8 +218,9 @@ def save(
         staging = Path(
             tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent)
         )
-        for name, tensors in ((PARAMS_FILE, params_tensors), (OPT_STATE_FILE, opt_tensors)):
-            _save_tensors(tensors, staging / name)
+        for name, tensors, pytree in ((PARAMS_FILE, params_tensors, params),
+                                      (OPT_STATE_FILE, opt_tensors, opt_state)):
+            _save_tensors(tensors, staging / name, _namedtuple_metadata(pytree))
             body["files"][name] = _fsync_and_describe(staging / name)
         record = {**body, "checksum": _checksum(body)}
         write_new_file(staging / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
@@ -296,11 +306,16 @@ def _checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _namedtuple_metadata(pytree: tree.PyTree) -> dict[str, str]:
+    """The safetensors metadata recording the NamedTuple type of each node of ``pytree``."""
+    return {NAMEDTUPLES_KEY: json.dumps(namedtuple_types(pytree), sort_keys=True)}
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """``safetensors.torch.save_file`` (written by its Rust core, straight from the tensors'
     memory); an I/O failure there comes back as an ``OSError`` with its errno."""
     try:
-        safetensors.torch.save_file(tensors, path)
+        safetensors.torch.save_file(tensors, path, metadata=metadata)
     except safetensors.SafetensorError as exc:
         # Rust's io::Error ends its message with "(os error N)".
         match = re.search(r"\(os error (\d+)\)", str(exc))
@@ -383,7 +398,7 @@ def latest_valid(
     >>> newer = save(run, 2, {"w": torch.ones(1)}, {})
     >>> _ = (newer / "params.safetensors").write_bytes(b"torn")
     >>> latest_valid(run, on_skip=lambda path, reason: print(reason)).name
-    params.safetensors is 4 bytes where 68 were written (truncated or replaced)
+    params.safetensors is 4 bytes where 116 were written (truncated or replaced)
     'step-00000001'
     """
     report = on_skip or _log_skip
@@ -576,7 +591,21 @@ def _rebuild(
         _restore_leaf(name, leaf, tensors, scalars, label)
         for name, leaf in tree.named_leaves(template)
     ]
+    _check_namedtuples(template, blob, label)
     return tree.unflatten(tree.structure(template), leaves)
+
+
+def _check_namedtuples(template: tree.PyTree, blob: bytes, label: str) -> None:
+    """Refuse a checkpoint whose NamedTuple nodes (``ScaleByRadamState``...) differ from the
+    template's, though its leaves fit (another optimizer with the same buffers)."""
+    try:
+        mismatch = namedtuple_mismatch(recorded_namedtuples(blob), namedtuple_types(template))
+    except ValueError as exc:
+        raise CheckpointError(f"{label} file: {exc}") from None
+    if mismatch is not None:
+        raise CheckpointError(
+            f"{label} {mismatch}; load with the model and optimizer the checkpoint was saved from"
+        )
 
 
 def _restore_leaf(

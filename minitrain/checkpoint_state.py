@@ -6,6 +6,11 @@ missing, a wrong type, a garbage RNG state) is refused with a reason and skipped
 corrupt checkpoint instead of failing halfway through a resume. The RNG states are checked by
 :mod:`minitrain.rng` on scratch generators (sizes, ranges, and torch's own validation).
 
+Each tensor file's header also records the NamedTuple type of every node of its pytree
+(:func:`namedtuple_types`), so that a checkpoint of one optimizer whose leaves happen to have
+the names, shapes and dtypes of another's (RAdam's and Adam's moments, Muon's momentum and
+SGD's) is refused on load instead of resuming with the wrong state.
+
 >>> check_state_fields({"format": "minitrain-checkpoint"}, ("params.safetensors",))
 Traceback (most recent call last):
 ...
@@ -14,6 +19,7 @@ ValueError: lacks ['checksum', 'data_generator', 'files', 'meta', 'rng', 'saved_
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -21,7 +27,10 @@ from typing import Any
 
 from minitrain import rng
 
-__all__ = ["MAX_STEP", "STATE_FIELDS", "check_state_fields", "pickle_kind"]
+__all__ = [
+    "MAX_STEP", "NAMEDTUPLES_KEY", "STATE_FIELDS", "check_state_fields", "namedtuple_mismatch",
+    "namedtuple_types", "pickle_kind", "recorded_namedtuples",
+]
 
 MAX_STEP = 2**63 - 1
 """The largest step a checkpoint can be named for: ``step-`` and up to 19 digits."""
@@ -31,6 +40,9 @@ STATE_FIELDS = frozenset({
     "scalars", "files", "checksum",
 })
 """The fields of ``state.json``, no more and no fewer."""
+
+NAMEDTUPLES_KEY = "minitrain.namedtuples"
+"""The key, in a tensor file's safetensors metadata, of its :func:`namedtuple_types` (JSON)."""
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SCALAR_TYPES = (bool, int, float, str, type(None))
@@ -117,3 +129,74 @@ def pickle_kind(head: bytes) -> str | None:
     if head[:4] == b"PK\x03\x04":
         return "a zip archive (torch.save format)"
     return None
+
+
+def namedtuple_types(tree: Any, prefix: str = "") -> dict[str, str]:
+    """The class name of every NamedTuple node of ``tree``, by its dotted path (named as
+    :func:`minitrain.tree.named_leaves` names leaves; ``""`` is the root).
+
+    >>> from collections import namedtuple
+    >>> State = namedtuple("State", ["count", "mu"])
+    >>> namedtuple_types((State(0, {"w": State(1, 2)}), [3]))
+    {'0': 'State', '0.mu.w': 'State'}
+    """
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        found, children = {prefix: type(tree).__qualname__}, zip(tree._fields, tree, strict=True)
+    elif isinstance(tree, dict):
+        found, children = {}, tree.items()
+    elif isinstance(tree, list | tuple):
+        found, children = {}, enumerate(tree)
+    else:
+        return {}
+    for key, child in children:
+        found.update(namedtuple_types(child, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
+def recorded_namedtuples(blob: bytes) -> dict[str, str] | None:
+    """The :func:`namedtuple_types` recorded in the header of a safetensors file (its bytes,
+    already parsed by safetensors), or None for a file written before they were recorded.
+    Raises ``ValueError`` for a record that is not a map of paths to class names.
+
+    >>> import safetensors.torch
+    >>> recorded_namedtuples(safetensors.torch.save({}, {NAMEDTUPLES_KEY: '{"": "State"}'}))
+    {'': 'State'}
+    >>> recorded_namedtuples(safetensors.torch.save({})) is None
+    True
+    """
+    length = int.from_bytes(blob[:8], "little")
+    metadata = json.loads(blob[8:8 + length]).get("__metadata__") or {}
+    if NAMEDTUPLES_KEY not in metadata:
+        return None
+    try:
+        record = json.loads(metadata[NAMEDTUPLES_KEY])
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not all(
+        isinstance(path, str) and isinstance(name, str) for path, name in record.items()
+    ):
+        raise ValueError("its record of NamedTuple types is not a map of paths to class names")
+    return record
+
+
+def namedtuple_mismatch(saved: dict[str, str] | None, template: dict[str, str]) -> str | None:
+    """The first node whose NamedTuple type differs between a checkpoint's record and the
+    template's, in words; None where they agree or the checkpoint recorded none.
+
+    >>> namedtuple_mismatch({"0": "ScaleByRadamState"}, {"0": "ScaleByAdamState"})
+    "node '0' is a ScaleByRadamState in the checkpoint but a ScaleByAdamState in the template"
+    >>> namedtuple_mismatch({"": "SGDState"}, {})
+    'root is a SGDState in the checkpoint but no NamedTuple in the template'
+    """
+    if saved is None:
+        return None
+    for path in sorted(saved.keys() | template.keys()):
+        if saved.get(path) != template.get(path):
+            where = f"node {path!r}" if path else "root"
+            return (f"{where} is {_kind(saved.get(path))} in the checkpoint but "
+                    f"{_kind(template.get(path))} in the template")
+    return None
+
+
+def _kind(name: str | None) -> str:
+    return f"a {name}" if name else "no NamedTuple"

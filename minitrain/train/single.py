@@ -233,7 +233,7 @@ class SingleRun:
             aux = {key: float(value) for key, value in out.aux.items()}
         record = {
             "loss": self._loss,
-            "lr": learning_rate(out.opt_state),
+            "lr": logged_lr(out.opt_state),
             "grad_norm": float(out.grad_norm),
             **aux,
             **carry_metrics(out.carry),
@@ -353,6 +353,22 @@ class SingleRun:
     def result(self, summary: dict[str, Any]) -> FitResult:
         return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary,
                          getattr(self, "carry", None))
+
+
+def logged_lr(opt_state: Any) -> float | None:
+    """The lr of the last update, or None for a state that holds none (a chain that ends in
+    ``scale(-lr)`` instead of ``scale_by_learning_rate``), as a sweep logs it.
+
+    >>> import torch, minitrain as mt
+    >>> params = {"w": torch.ones(1)}
+    >>> opt = mt.optim.as_optimizer(mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale(-0.1)))
+    >>> logged_lr(opt.init(params)), logged_lr(mt.optim.sgd(0.5).init(params))
+    (None, 0.5)
+    """
+    try:
+        return learning_rate(opt_state)
+    except ValueError:  # no lr field anywhere in the state
+        return None
 
 
 class _first_step_mistakes:
