@@ -90,9 +90,15 @@ def unroll(
 
 def _differentiable(params: Params) -> Params:
     """``params`` with every plain floating leaf requiring grad (an alias where it did not),
-    when grad mode is on: the optimizers' automatic path choice looks at the leaves only."""
+    when grad mode is on: the optimizers' automatic path choice looks at the leaves and at the
+    hyperparameters each one lists, and a hyperparameter it does not list (eps, a value kept
+    only in its state) would otherwise reach the fast path, detached."""
     if not torch.is_grad_enabled() or _inside_functorch_transform():
-        return params  # no autograd, or torch.func's: the optimizers see traced tensors
+        # No autograd; or torch.func's, where the optimizers take the plain path on traced
+        # leaves or listed hyperparameters. Under vmap over a hyperparameter alone the params
+        # stay untraced, so one the optimizer does not list reaches its fast path (an error,
+        # tests/test_unrolled_every_optimizer.py); that is the optimizer's to fix.
+        return params
 
     def leaf(p: Any) -> Any:
         if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
