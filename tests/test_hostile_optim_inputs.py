@@ -229,8 +229,8 @@ def _counted_optimizer(name):
     if name == "ema-chain":
         return tx.as_optimizer(tx.chain(tx.scale_by_learning_rate(0.1), tx.ema(0.9)))
     if name == "injected":
-        return tx.as_optimizer(tx.inject_hyperparams(tx.sgd)(
-            lr=tx.cosine_schedule(0.1, decay_steps=10)))
+        return tx.as_optimizer(tx.inject_hyperparams(tx.scale_by_learning_rate)(
+            learning_rate=tx.cosine_schedule(0.1, decay_steps=10)))
     return getattr(tx, name)(lr=0.1)
 
 

@@ -235,6 +235,24 @@ class ChainState(tuple):
     """The state of :func:`chain`: a tuple of the inner transformations' states."""
 
 
+def check_transformation(tx: Any, what: str) -> None:
+    """A one-line ``ValueError`` where ``tx`` is no :class:`GradientTransformation` (an
+    Optimizer, whose update returns new params, would be added to the params as updates).
+
+    >>> import minitrain as mt
+    >>> check_transformation(mt.optim.sgd(), "MultiSteps' inner")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: MultiSteps' inner is an Optimizer; pass a GradientTransformation (...)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise ValueError(
+            f"{what} is {'an' if type(tx).__name__[0] in 'AEIOU' else 'a'} "
+            f"{type(tx).__name__}; pass a GradientTransformation (an Optimizer returns new "
+            f"params, not updates: use a transformation, e.g. mt.optim.scale_by_adam)"
+        )
+
+
 def chain(*transforms: Any) -> GradientTransformation:
     """Apply ``transforms`` in order; the state is the tuple of their states.
 
@@ -246,11 +264,7 @@ def chain(*transforms: Any) -> GradientTransformation:
     tensor([-0.1000,  0.0500])
     """
     for index, tx in enumerate(transforms):
-        if not isinstance(tx, GradientTransformation):
-            raise ValueError(
-                f"chain argument {index} is {type(tx).__name__}; pass GradientTransformations "
-                f"(an Optimizer is not one: use its transformation, e.g. mt.optim.scale_by_adam)"
-            )
+        check_transformation(tx, f"chain argument {index}")
 
     def init(params):
         return tuple(tx.init(params) for tx in transforms)
@@ -540,6 +554,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     >>> params["w"]
     tensor([0.5000, 1.5000])
     """
+    check_transformation(tx, "as_optimizer's argument")
     lowered = next((low for match in _LOWERINGS if (low := match(tx)) is not None), None)
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,

@@ -18,6 +18,7 @@ from minitrain.optim._core import (
     check_extra_args,
     check_like,
     check_state_type,
+    check_transformation,
     forwards_extra_args,
     hyperparameter,
     select_extra_args,
@@ -74,6 +75,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     >>> tx.update(params, tx.init(params), params)[0]
     {'w': tensor([[0.]]), 'b': tensor([1.])}
     """
+    check_transformation(inner, "masked's inner")
 
     def chosen(params: Params) -> list[int]:
         flags = _labels(mask, params, "mask")
@@ -124,6 +126,8 @@ def multi_transform(transforms: dict[str, GradientTransformation],
     """
     if not transforms:
         raise ValueError("multi_transform needs at least one labelled transformation")
+    for label, tx in transforms.items():
+        check_transformation(tx, f"multi_transform's {label!r}")
 
     def groups(params: Params) -> dict[str, list[int]]:
         found: dict[str, list[int]] = {label: [] for label in transforms}
@@ -198,6 +202,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
     >>> first, second
     ([tensor([0.])], [tensor([-3.])])
     """
+    check_transformation(inner, "MultiSteps' inner")
     if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
         raise ValueError(f"invalid every_k={every_k!r}: pass a positive int")
 
@@ -265,6 +270,7 @@ def apply_if_finite(inner: GradientTransformation,
     >>> updates, bool(state.last_finite), int(state.notfinite_count), int(state.total_notfinite)
     ([tensor([-inf])], False, 2, 2)
     """
+    check_transformation(inner, "apply_if_finite's inner")
 
     def init(params):
         zero = zero_count()
@@ -406,7 +412,9 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
         def init(params):
             count = zero_count()
             hyper = values(count)
-            return InjectHyperparamsState(count, hyper, factory(**static, **hyper).init(params))
+            inner = factory(**static, **hyper)
+            check_transformation(inner, f"what inject_hyperparams({_name(factory)}) built")
+            return InjectHyperparamsState(count, hyper, inner.init(params))
 
         def update(updates, state, params=None):
             check_state_type("inject_hyperparams", InjectHyperparamsState, state)
@@ -421,6 +429,10 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
                       factory=factory, **kwargs)
 
     return build
+
+
+def _name(factory: Any) -> str:
+    return getattr(factory, "__name__", type(factory).__name__)
 
 
 def _hyper_tensor(name: str, value: Any) -> Tensor:
