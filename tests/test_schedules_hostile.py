@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from torch.optim import lr_scheduler
 
 import minitrain as mt
+from tests.test_schedules import torch_plateau_lrs
 
 S = mt.optim
 RTOL = 1e-9
@@ -344,18 +345,6 @@ def test_regression_guard_nested_sequential_equals_the_flat_torch_schedule():
 
 # ------------------------------------------------------------------------------------------------
 # reduce_on_plateau
-
-
-def torch_plateau_lrs(metrics, lr, **kwargs):
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=lr)
-    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **kwargs)
-    lrs = []
-    for metric in metrics:
-        optimizer.step()
-        scheduler.step(metric)
-        lrs.append(float(optimizer.param_groups[0]["lr"]))
-    return lrs
 
 
 def plateau_lrs(metrics, lr, **kwargs):
