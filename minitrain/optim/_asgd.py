@@ -90,7 +90,8 @@ def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
 
     return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
                 dict(lambd=lambd), scalars={"lr": lambda: _f32(lr_after(0))}, advance=advance,
-                needs_params=True, kernel=asgd_kernel)
+                needs_params=True, kernel=asgd_kernel,
+                state_hyperparams=(lr, alpha, t0))
 
 
 def _lr_after(lr: Any) -> Callable[[Any], Any]:

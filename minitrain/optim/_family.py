@@ -77,9 +77,10 @@ def zeros(p: Tensor) -> Tensor:
 
 def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
     """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
-    ``beta2`` (``vmap`` over betas), whose ``1 - beta2`` cannot be ``addcmul``'s number, the
-    same products in the kernel's order, ``beta2 v + ((1 - beta2) g) g``."""
-    if is_traced(beta2):
+    ``beta2`` (``vmap`` over betas) or one that requires grad, whose ``1 - beta2`` cannot be
+    ``addcmul``'s number, the same products in the kernel's order, ``beta2 v + ((1 - beta2) g)
+    g`` (differentiable in ``beta2``)."""
+    if is_traced(beta2) or (isinstance(beta2, Tensor) and beta2.requires_grad):
         return beta2 * exp_avg_sq + (1 - beta2) * g * g
     return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
 
@@ -175,7 +176,8 @@ def leafwise_with_scalars(
     ``state_type`` has fields ``count``, then the names in ``scalars`` (each made by its
     function at init), then the buffers of ``init_leaf``. Per update,
     ``advance(step, **scalars) -> (new_scalars, per_step)`` gives the next scalars and extra
-    keyword arguments for ``update_leaf`` (plain numbers, or 0-d tensors when traced).
+    keyword arguments for ``update_leaf``; the scalars come as plain numbers, or as 0-d
+    tensors when traced or when they require grad.
     """
     fields = state_type._fields
     names = tuple(scalars)
@@ -201,9 +203,18 @@ def leafwise_with_scalars(
         old = {key: getattr(state, key) for key in names}
         traced = is_traced(state.count) or any(is_traced(v) for v in old.values())
         step = next_step(state.count)
-        values = old if traced else {key: scalar(v) for key, v in old.items()}
+        # A scalar that requires grad stays a tensor: its history (NAdam's mu_product as a
+        # function of beta1) is part of the hypergradient.
+        values = old if traced else {key: v if _requires_grad(v) else scalar(v)
+                                     for key, v in old.items()}
         new_scalars, per_step = advance(step, **values)
-        rule = leafwise(name, init_leaf, update_leaf, leaf_state, {**hyper, **per_step},
+        # A traced scalar, or one that requires grad, may carry into the buffers a
+        # hyperparameter that update_leaf never sees (Rprop's lr, its initial step sizes):
+        # it joins the rule's hyperparameters, unused, so that the plain path runs.
+        carried = {f"_carried_{key}": v for key, v in old.items()
+                   if is_traced(v) or _requires_grad(v)}
+        rule = leafwise(name, init_leaf, _ignoring(update_leaf, carried) if carried else
+                        update_leaf, leaf_state, {**hyper, **per_step, **carried},
                         needs_params=needs_params)
         inner = leaf_state(state.count, *(getattr(state, b) for b in buffers))
         updates, inner = rule.update(updates, inner, params)
@@ -212,6 +223,17 @@ def leafwise_with_scalars(
                                    **{b: getattr(inner, b) for b in buffers})
 
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper)
+
+
+def _ignoring(update_leaf: Callable[..., Any], names: dict[str, Any]) -> Callable[..., Any]:
+    """``update_leaf`` taking, and dropping, the keyword arguments ``names``."""
+    def leaf(*args, **kwargs):
+        return update_leaf(*args, **{k: v for k, v in kwargs.items() if k not in names})
+    return leaf
+
+
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
 
 
 def _like(value: Any, old: Tensor) -> Tensor:
@@ -242,6 +264,10 @@ class Rule(NamedTuple):
     # leaves, the rule's part of its hyperparameters (after the family's frame), and the
     # state fields it reads and writes in its slot order. Numbers in, numbers out.
     kernel: Callable[..., tuple[str, list[float], tuple[str, ...]]] | None = None
+    # The hyperparameters that reach the rule only through ``advance`` or its initial state
+    # (ASGD's lr and alpha, NAdam's momentum_decay): a traced one, or one that requires grad,
+    # keeps the update off the fast path, as one of ``hyperparams`` does.
+    state_hyperparams: tuple[Any, ...] = ()
 
 
 def moments_rule(name: str, state_type: type, update_leaf: Callable[..., Any], b1: Any, b2: Any,
@@ -316,6 +342,10 @@ class _Plan:
         self.rule, self.maximize, self.weight_decay = rule, maximize, weight_decay
         self.mask, self.decoupled, self.lr = mask, decoupled, lr
         self.hyper = {k: hyperparameter(k, v) for k, v in rule.hyperparams.items()}
+        # every tensor hyperparameter the chain was built with, for takes()
+        self.tensors = [v for v in (*self.hyper.values(), *rule.state_hyperparams, lr,
+                                    weight_decay) if isinstance(v, Tensor)]
+        self.scalar_names = tuple(rule.scalars or ())
         self.schedule = callable(lr) and not isinstance(lr, Tensor)
         self.rule_index = int(maximize) + int(weight_decay is not None and not decoupled)
         self.flags: dict[Any, list[bool]] = {}
@@ -325,9 +355,15 @@ class _Plan:
         inputs whose layout matches (anything else takes the chain, which explains errors)."""
         p_leaves, spec = _pytree.tree_flatten(params)
         g_leaves, g_spec = _pytree.tree_flatten(grads)
-        hyper = [*self.hyper.values(), self.lr, self.weight_decay]
         if g_spec != spec or not p_leaves or not isinstance(state, tuple):
             return False
+        inner = state[self.rule_index] if len(state) > self.rule_index else None
+        if not isinstance(inner, self.rule.state_type) or is_traced(inner.count):
+            return False
+        # The hyperparameters and the rule's state scalars (which carry those it was built
+        # with through its updates, e.g. a traced or differentiable lr): a traced one, or one
+        # that requires grad, takes the chain (the pooled ops would raise or detach it).
+        hyper = [*self.tensors, *(getattr(inner, k) for k in self.scalar_names)]
         if not all(isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous()
                    and t.is_floating_point() for t in (*p_leaves, *g_leaves)):
             return False
@@ -335,9 +371,6 @@ class _Plan:
             return False
         if any(g.shape != p.shape or g.dtype != p.dtype
                for g, p in zip(g_leaves, p_leaves, strict=True)):
-            return False
-        inner = state[self.rule_index] if len(state) > self.rule_index else None
-        if not isinstance(inner, self.rule.state_type) or is_traced(inner.count):
             return False
         for field in self.buffers():
             leaves, buffer_spec = _pytree.tree_flatten(getattr(inner, field))
@@ -470,7 +503,9 @@ class _Plan:
         rule = self.rule
         step = next_step(inner.count)
         per_step, kept = self.advance(inner, step)
-        per_step = {k: hyperparameter(k, v) for k, v in per_step.items()}
+        # numbers, as the chain's batched path passes them (takes() saw nothing traced and
+        # nothing that requires grad): a tensor lr gives the chain's ops, bit for bit
+        per_step = {k: scalar(hyperparameter(k, v)) for k, v in per_step.items()}
         buffers = {
             field: () if getattr(inner, field) == () else
             PooledLeaves(_pytree.tree_leaves(getattr(inner, field)), pool)

@@ -79,7 +79,7 @@ def _rule(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
                 lambda p: {"exp_avg": zeros(p), "exp_avg_sq": zeros(p)}, nadam_leaf,
                 dict(beta1=beta1, beta2=beta2, eps=eps),
                 scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
-                advance=advance, kernel=nadam_kernel)
+                advance=advance, kernel=nadam_kernel, state_hyperparams=(momentum_decay,))
 
 
 def nadam_kernel(step, hyper, per_step):

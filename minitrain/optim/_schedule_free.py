@@ -78,8 +78,13 @@ def _weights(step, lr, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_m
     else:
         sched = (k + 1) / warmup_steps if k < warmup_steps else 1.0
     lr_t = lr * sched
-    lr_max = torch.maximum(host_tensor(lr_t, torch.float64), lr_max) if traced or \
-        isinstance(lr_t, Tensor) else max(lr_t, lr_max)
+    if isinstance(lr_t, Tensor) or isinstance(lr_max, Tensor):
+        # either may be a number (a float lr; a state scalar read as a float)
+        device = (lr_t if isinstance(lr_t, Tensor) else lr_max).device
+        lr_max = torch.maximum(torch.as_tensor(lr_t, dtype=torch.float64, device=device),
+                               torch.as_tensor(lr_max, dtype=torch.float64, device=device))
+    else:
+        lr_max = max(lr_t, lr_max)
     weight = (k + 1) ** r * lr_max**weight_lr_power
     weight_sum = weight_sum + weight
     if isinstance(weight_sum, Tensor):
@@ -119,7 +124,9 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
 
     return Rule(
         "scale_by_schedule_free_adamw", ScheduleFreeAdamwState,
-        lambda p: {"z": p.detach().clone(memory_format=torch.preserve_format),
+        # a clone, not a detached one: z keeps the gradient with respect to the initial
+        # params (differentiating through unrolled updates, MAML)
+        lambda p: {"z": p.clone(memory_format=torch.preserve_format),
                    "exp_avg_sq": zeros(p)},
         schedule_free_leaf,
         dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
@@ -127,6 +134,7 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
                  "weight_sum": f64(0.0), "lr_max": f64(-1.0),
                  "lr": lambda: host_tensor(first_lr, torch.float32).clone()},
         advance=advance, needs_params=True, kernel=schedule_free_kernel,
+        state_hyperparams=(lr, r, weight_lr_power),
     )
 
 
