@@ -8,8 +8,7 @@ initialization (MAML) against finite differences along random directions.
 
 Every optimizer of ``mt.optim.__init__``'s family is here (NAdam and RAdam in both weight-decay
 modes), with a hand-built chain (global-norm clip, Adam, decay, a schedule) and
-``inject_hyperparams``. The defects found are ``xfail(strict=True)`` with the place they live
-(``*_XFAIL`` below); a fix flips them. Exceptions to "K=3, float64 finite differences at rtol
+``inject_hyperparams``. Exceptions to "K=3, float64 finite differences at rtol
 1e-5": RAdam takes 7 updates (its rectified branch starts at update 6); ASGD's eta and NAdam's
 mu_product are held in float32 as torch holds them, so their finite differences take a larger
 step and rtol 2e-3; Muon orthogonalizes in bfloat16 (as torch.optim.Muon), so its
@@ -195,70 +194,13 @@ SIGN_BASED_ZERO = {("lion", "beta1"), ("lion", "beta2")}  # sign(...) of them: d
 BELOW_ONE = ("beta1", "beta2", "rho", "momentum")
 
 
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
-SECOND_MOMENT = xfail("_family.second_moment: addcmul(value=1 - beta2) with a beta2 that "
-                      "requires grad raises TypeError")
-SCALARS_DETACHED = xfail("_family.leafwise_with_scalars: scalar() turns state scalars into "
-                         "floats under autograd, cutting their dependence on this "
-                         "hyperparameter (wrong hypergradient)")
-AUTOGRAD_XFAIL = {
-    ("adadelta", "rho"): SECOND_MOMENT,
-    ("nadam", "beta2"): SECOND_MOMENT,
-    ("radam", "beta2"): SECOND_MOMENT,
-    ("radam-decoupled", "beta2"): SECOND_MOMENT,
-    ("schedule_free_adamw", "beta2"): SECOND_MOMENT,
-    ("nadam", "beta1"): SCALARS_DETACHED,
-    ("nadam", "momentum_decay"): SCALARS_DETACHED,
-    ("nadam-decoupled", "beta1"): SCALARS_DETACHED,
-    ("schedule_free_adamw", "r"): SCALARS_DETACHED,
-    ("schedule_free_adamw", "weight_lr_power"): SCALARS_DETACHED,
-    ("schedule_free_adamw", "lr"): xfail(
-        "_schedule_free._weights: torch.maximum(tensor lr_t, float lr_max) raises TypeError "
-        "for any concrete tensor lr"),
-    ("muon", "lr"): xfail("_muon._in_torch_order: float(step_lr) detaches an lr that "
-                          "requires grad (lr unused in the graph)"),
-}
-FUNC_GRAD_XFAIL = {
-    ("rprop", "step_size_max"): xfail(
-        "_rprop._rule passes scalar(step_sizes[0]), a traced tensor under torch.func, to "
-        "check_range(low: float): the suite's type checker raises"),
-    ("muon", "lr"): xfail("_muon._in_torch_order: a tensor lr times the bfloat16 "
-                          "Newton-Schulz output rounds the step to bfloat16 (0.4% off)"),
-}
-PLAN_TAKES = xfail("_family._Plan.takes: a vmapped value that reaches the rule only through "
-                   "its state or per-step scalars is not seen; the pooled out= ops raise")
-VMAP_XFAIL = {
-    ("sgd", "momentum"): xfail("_sgd.sgd: Python bool of a traced momentum (nesterov check, "
-                               "momentum_on) raises vmap's data-dependent control flow error"),
-    ("adafactor", "lr"): xfail("_adafactor.adafactor_leaf: min(lr, 1/sqrt(step)) on a traced "
-                               "lr raises vmap's data-dependent control flow error"),
-    ("asgd", "lr"): PLAN_TAKES,
-    ("asgd", "alpha"): PLAN_TAKES,
-    ("nadam", "momentum_decay"): PLAN_TAKES,
-    ("rprop", "lr"): PLAN_TAKES,
-    ("schedule_free_adamw", "r"): PLAN_TAKES,
-    ("schedule_free_adamw", "weight_lr_power"): PLAN_TAKES,
-    ("schedule_free_adamw", "lr"): xfail(
-        "_schedule_free._weights: torch.maximum(traced lr_t, float lr_max) raises TypeError"),
-    ("rprop", "etaminus"): xfail("_rprop._rule: the etas range check compares traced etas in "
-                                 "Python (data-dependent control flow)"),
-    ("rprop", "etaplus"): xfail("_rprop._rule: the etas range check compares traced etas in "
-                                "Python (data-dependent control flow)"),
-}
-INIT_XFAIL = {
-    "schedule_free_adamw": xfail("_schedule_free: init sets z = p.detach(), cutting the "
-                                 "gradient with respect to the initialization"),
-}
 # vmap of Newton-Schulz's bfloat16 addmm rounds otherwise than addmm (torch's batching rule),
 # and the iteration amplifies it: Muon's members match their runs to bfloat16 rounding only.
 VMAP_TOLERANCE = {"muon": dict(rtol=2e-2, atol=2e-2)}
 
 
-def cases(marks: dict) -> list:
-    return [pytest.param(name, hp, id=f"{name}-{hp}", marks=marks.get((name, hp), ()))
+def cases() -> list:
+    return [pytest.param(name, hp, id=f"{name}-{hp}")
             for name, opt in OPTIMIZERS.items() for hp in opt.defaults]
 
 
@@ -267,13 +209,11 @@ def finite_difference(name: str, hp: str) -> float:
     opt = OPTIMIZERS[name]
     value = opt.defaults[hp]
     rel, _ = FD.get((name, hp), (1e-4, 1e-5))
-    # float64 tensors (inject_hyperparams would hold a Python float in float32), except where
-    # a concrete tensor is refused (see AUTOGRAD_XFAIL)
-    as_float = (name, hp) == ("schedule_free_adamw", "lr")
+    # float64 tensors (inject_hyperparams would hold a Python float in float32)
     # a beta's scale is its distance to 1 as well (RAdam's rho_inf = 2 / (1 - beta2) - 1)
     scale = min(value, 1 - value) if hp in BELOW_ONE else abs(value)
     return five_point(lambda v: validation(
-        name, {hp: v if as_float else torch.tensor(v, dtype=F64)}, steps=opt.hyper_steps),
+        name, {hp: torch.tensor(v, dtype=F64)}, steps=opt.hyper_steps),
         value, rel * scale)
 
 
@@ -305,13 +245,13 @@ def func_hypergradient(name: str, hp: str) -> Tensor:
 # 1. Hypergradients
 
 
-@pytest.mark.parametrize(("name", "hp"), cases(AUTOGRAD_XFAIL))
+@pytest.mark.parametrize(("name", "hp"), cases())
 def test_hypergradient_by_autograd(name, hp):
     check_hypergradient(name, hp, autograd_hypergradient(name, hp),
                         lambda: func_hypergradient(name, hp))
 
 
-@pytest.mark.parametrize(("name", "hp"), cases(FUNC_GRAD_XFAIL))
+@pytest.mark.parametrize(("name", "hp"), cases())
 def test_hypergradient_by_torch_func_grad(name, hp):
     check_hypergradient(name, hp, func_hypergradient(name, hp),
                         lambda: autograd_hypergradient(name, hp))
@@ -325,10 +265,12 @@ def sweep_values(hp: str, value: float) -> list[float]:
     step = (1 - value) / 2 if hp in BELOW_ONE else 0.2 * abs(value)
     if hp == "d":  # Adafactor's clipping threshold must stay >= 1
         step = 0.005
+    if hp == "etaplus":  # Rprop's etaplus must stay > 1
+        step = 0.1
     return [value - step, value, value + step]
 
 
-@pytest.mark.parametrize(("name", "hp"), cases(VMAP_XFAIL))
+@pytest.mark.parametrize(("name", "hp"), cases())
 def test_vmap_over_a_hyperparameter_equals_separate_runs(name, hp):
     opt = OPTIMIZERS[name]
     problem(opt.matrix_only, opt.steps)  # made outside vmap
@@ -350,8 +292,7 @@ def test_vmap_over_a_hyperparameter_equals_separate_runs(name, hp):
 # 3. The gradient with respect to the initialization (MAML)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=INIT_XFAIL.get(n, ()))
-                                  for n in OPTIMIZERS])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_gradient_with_respect_to_the_initialization(name):
     opt = OPTIMIZERS[name]
     init, _, _ = problem(opt.matrix_only, opt.steps)

@@ -85,7 +85,12 @@ def adafactor_leaf(g, row_var, col_var, variance, p, step, lr, beta2_decay, eps1
     one_minus_beta2 = step**beta2_decay
     if traced:  # lerp wants its weight in the leaf's dtype (torch rounds a Python one so too)
         one_minus_beta2 = one_minus_beta2.to(p.dtype)
-    rho = torch.clamp(1 / step.sqrt(), max=lr) if traced else min(lr, 1 / math.sqrt(step))
+    if traced:
+        rho = torch.clamp(1 / step.sqrt(), max=lr)
+    elif isinstance(lr, Tensor):  # a tensor lr (vmap's traced one too): no Python comparison
+        rho = torch.clamp(lr, max=1 / math.sqrt(step))
+    else:
+        rho = min(lr, 1 / math.sqrt(step))
     alpha = torch.clamp(torch.linalg.vector_norm(p) / math.sqrt(p.numel()), min=eps2) * rho
     if g.dim() > 1:
         row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)

@@ -465,15 +465,20 @@ def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr
     tree.assert_same_structure(params, u, names=("params", "updates"), check_shapes=True)
     _, states[n + 2] = lr_tx.update([], states[n + 2])
     step_lr = states[n + 2].lr  # a schedule's value in float32, as the lowering reads it
-    step_lr = lr if isinstance(lr, int | float) else (
-        step_lr if is_traced(step_lr) else float(step_lr))
+    step_lr = lr if isinstance(lr, int | float) else (  # a tensor lr kept for its gradient
+        step_lr if step_lr.requires_grad or is_traced(step_lr) else float(step_lr))
     orthos = newton_schulz_each(leaves, ns["ns_coefficients"], ns["ns_steps"], ns["eps"])
-    decay = 1 - step_lr * weight_decay
     p_leaves = tree.leaves(params)
     new = []
     for p, q in zip(p_leaves, orthos, strict=True):
-        alpha = -step_lr * muon_lr_ratio(tuple(p.shape), ns["adjust_lr_fn"])
+        lr_p = step_lr  # a tensor lr in float64 for float64 params, as the float lr would be
+        if isinstance(step_lr, Tensor):
+            lr_p = step_lr.to(torch.promote_types(step_lr.dtype, p.dtype))
+        decay = 1 - lr_p * weight_decay
+        alpha = -lr_p * muon_lr_ratio(tuple(p.shape), ns["adjust_lr_fn"])
         shrunk = p if isinstance(decay, int | float) and decay == 1 else p * decay
+        if isinstance(alpha, Tensor):  # a 0-d alpha would keep alpha q in q's bfloat16
+            q = q.to(torch.promote_types(p.dtype, q.dtype))
         new.append(add_scaled(shrunk, q, alpha).to(p.dtype))
     if donate and not use_plain_path("auto", [*p_leaves, *new], []) \
             and donatable(p_leaves, tree.leaves(states), []):

@@ -60,15 +60,17 @@ def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
         raise ValueError("invalid lr: Rprop's lr is its initial step size; pass a number")
     lr = check_range("lr", lr, 0.0)
     etaminus, etaplus = check_pair("etas", etas)
-    low, high = scalar(etaminus), scalar(etaplus)
-    if not 0.0 < low < 1.0 < high:
+    low, high = scalar(etaminus), scalar(etaplus)  # traced ones (vmap) stay unchecked
+    if isinstance(low, int | float) and not 0.0 < low < 1.0 \
+            or isinstance(high, int | float) and not 1.0 < high:
         raise ValueError(
             f"invalid etas=({low}, {high}): they must satisfy 0 < etas[0] < 1 < etas[1]; "
             f"pass e.g. (0.5, 1.2)"
         )
     smallest, largest = check_pair("step_sizes", step_sizes)
     check_range("step_sizes[0]", smallest, 0.0)
-    check_range("step_sizes[1]", largest, scalar(smallest))
+    floor = scalar(smallest)  # a traced one (torch.func) bounds step_sizes[1] by 0 alone
+    check_range("step_sizes[1]", largest, floor if isinstance(floor, int | float) else 0.0)
     init_leaf = lambda p: {"prev": zeros(p),  # noqa: E731
                            "step_size": _initial_step_size(p, lr)}
     initial = host_tensor(lr, torch.float32)

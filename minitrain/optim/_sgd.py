@@ -32,6 +32,7 @@ from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
     check_hyperparameter,
+    is_traced,
     make_optimizer,
     owned,
     scalar,
@@ -82,7 +83,8 @@ def sgd(
     check_hyperparameter("dampening", dampening, 0.0)
     weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
-    if nesterov and (scalar(momentum) == 0 or scalar(dampening) != 0):
+    mu, damp = scalar(momentum), scalar(dampening)  # traced ones (vmap) are checked per use
+    if nesterov and (not is_traced(mu) and mu == 0 or not is_traced(damp) and damp != 0):
         raise ValueError(
             "invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
             "set momentum or turn nesterov off"
@@ -90,10 +92,10 @@ def sgd(
     has_momentum = _has_momentum(momentum)
     rules = [(trace_leaf, dict(momentum=momentum, dampening=dampening, nesterov=nesterov))]
     plain_step = leaf_step(rules if has_momentum else [], maximize=maximize)
-    mu = scalar(momentum)
     # A tensor momentum holding 0 keeps its buffer, as the chain's trace does, unused: the
     # step is g whatever the dampening, as torch's, and the buffer is passed on as it was.
-    momentum_on = has_momentum and mu != 0
+    # A traced one (vmap) runs the plain path, whose trace_leaf takes each member's 0 there.
+    momentum_on = has_momentum and (is_traced(mu) or mu != 0)
 
     def streaming_spec(step, lr, weight_decay):
         hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, momentum_on]
