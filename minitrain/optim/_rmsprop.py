@@ -25,6 +25,7 @@ from minitrain.optim._family import torch_order
 from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
 from minitrain.optim._transforms_rules import (
     add_decayed_weights,
+    keeps_momentum_buffer,
     rms_leaf,
     scale_by_rms,
     trace,
@@ -82,7 +83,7 @@ def rmsprop(
     check_hyperparameter("weight_decay", weight_decay, 0.0)
     momentum = hyperparameter("momentum", momentum)
     check_hyperparameter("momentum", momentum, 0.0)
-    has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
+    has_momentum = keeps_momentum_buffer(momentum)
     buffers = ("square_avg",) + (("momentum_buffer",) if has_momentum else ()) + (
         ("grad_avg",) if centered else ()
     )
@@ -157,7 +158,7 @@ def rmsprop_chain(
     >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
     ['add_decayed_weights', 'scale_by_rms', 'trace', 'scale_by_learning_rate']
     """
-    has_momentum = not (isinstance(momentum, int | float) and momentum == 0)
+    has_momentum = keeps_momentum_buffer(momentum)
     rule = [scale_by_rms(alpha, eps, centered), *([trace(momentum)] if has_momentum else [])]
     return torch_order(rule, lr, maximize=maximize, decay=add_decayed_weights(weight_decay, mask))
 

@@ -23,6 +23,7 @@ from minitrain.optim._family import torch_order
 from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, register_alias
 from minitrain.optim._transforms_rules import (
     add_decayed_weights,
+    keeps_momentum_buffer,
     trace,
     trace_leaf,
 )
@@ -50,10 +51,6 @@ class SGDState(NamedTuple):
     count: Tensor
     lr: Tensor
     momentum_buffer: Params
-
-
-def _has_momentum(momentum) -> bool:
-    return not (isinstance(momentum, int | float) and momentum == 0)
 
 
 def sgd(
@@ -89,7 +86,7 @@ def sgd(
             "invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
             "set momentum or turn nesterov off"
         )
-    has_momentum = _has_momentum(momentum)
+    has_momentum = keeps_momentum_buffer(momentum)
     rules = [(trace_leaf, dict(momentum=momentum, dampening=dampening, nesterov=nesterov))]
     plain_step = leaf_step(rules if has_momentum else [], maximize=maximize)
     # A tensor momentum holding 0 keeps its buffer, as the chain's trace does, unused: the
@@ -178,7 +175,8 @@ def sgd_chain(
     >>> [name for name, _ in map(mt.optim.spec, mt.optim.spec(tx)[1]["transforms"])]
     ['add_decayed_weights', 'trace', 'scale_by_learning_rate']
     """
-    momentum_part = [trace(momentum, dampening, nesterov)] if _has_momentum(momentum) else []
+    keeps = keeps_momentum_buffer(momentum)
+    momentum_part = [trace(momentum, dampening, nesterov)] if keeps else []
     return torch_order(momentum_part, lr, maximize=maximize,
                        decay=add_decayed_weights(weight_decay, mask))
 

@@ -21,18 +21,13 @@ from torch import Tensor
 from torch.utils import _pytree
 
 from minitrain.optim._adafactor import factored_shapes
+from minitrain.optim._transforms_rules import keeps_momentum_buffer
 
 __all__ = ["state_bytes", "state_buffers", "STATE_BUFFERS"]
 
 
-def _keeps_momentum(momentum: Any) -> bool:
-    # mt.optim.sgd and rmsprop keep a buffer unless momentum is a plain number 0 (a tensor
-    # may change later, so it keeps one even when it holds 0).
-    return not (isinstance(momentum, int | float) and momentum == 0)
-
-
 def _sgd(momentum: Any = 0.0, **_: Any) -> int:
-    return int(_keeps_momentum(momentum))
+    return int(keeps_momentum_buffer(momentum))
 
 
 def _adam(amsgrad: bool = False, **_: Any) -> int:
@@ -40,7 +35,7 @@ def _adam(amsgrad: bool = False, **_: Any) -> int:
 
 
 def _rmsprop(momentum: Any = 0.0, centered: bool = False, **_: Any) -> int:
-    return 1 + _keeps_momentum(momentum) + bool(centered)
+    return 1 + keeps_momentum_buffer(momentum) + bool(centered)
 
 
 def _fixed(count: int) -> Callable[..., int]:

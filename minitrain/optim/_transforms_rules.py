@@ -305,6 +305,16 @@ class TraceState(NamedTuple):
     momentum_buffer: Params
 
 
+def keeps_momentum_buffer(momentum: Any) -> bool:
+    """Whether SGD or RMSprop keeps a momentum buffer: unless ``momentum`` is a plain number 0
+    (a tensor may hold other values later, or per member under ``vmap``).
+
+    >>> keeps_momentum_buffer(0.0), keeps_momentum_buffer(torch.tensor(0.0))
+    (False, True)
+    """
+    return not (isinstance(momentum, int | float) and momentum == 0)
+
+
 def trace_leaf(g, buffers, p, step, momentum, dampening, nesterov):
     """torch.optim.SGD's momentum: ``b = g`` on the first step (a copy, as torch's
     ``clone(grad)``: the state must not be the caller's grad, which it may reuse), then ``b =
