@@ -368,6 +368,7 @@ def leafwise(
     hyperparams: dict[str, Any] | None = None,
     *,
     needs_params: bool = False,
+    also_watch: tuple[Any, ...] = (),
 ) -> GradientTransformation:
     """A transformation from a per-leaf rule (see the module docstring for the contract).
 
@@ -379,6 +380,8 @@ def leafwise(
             ``name`` (``scale_by_foo`` -> ``ScaleByFooState``) when None.
         hyperparams: keyword arguments for ``update_leaf``, checked by :func:`hyperparameter`.
         needs_params: whether ``update`` must be given params.
+        also_watch: values ``update_leaf`` does not take that still choose the plain path
+            when traced or requiring grad (a hyperparameter carried in the buffers).
 
     >>> import torch
     >>> tx = leafwise("double", lambda p: {}, lambda g, b, p, step: (2 * g, b))
@@ -424,7 +427,7 @@ def leafwise(
         }
         tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
         step = next_step(state.count)
-        if use_plain_path("auto", tensors, list(hyper.values())):
+        if use_plain_path("auto", tensors, [*hyper.values(), *also_watch]):
             new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper)
             count = state.count + 1
         else:

@@ -210,12 +210,9 @@ def leafwise_with_scalars(
         new_scalars, per_step = advance(step, **values)
         # A traced scalar, or one that requires grad, may carry into the buffers a
         # hyperparameter that update_leaf never sees (Rprop's lr, its initial step sizes):
-        # it joins the rule's hyperparameters, unused, so that the plain path runs.
-        carried = {f"_carried_{key}": v for key, v in old.items()
-                   if is_traced(v) or _requires_grad(v)}
-        rule = leafwise(name, init_leaf, _ignoring(update_leaf, carried) if carried else
-                        update_leaf, leaf_state, {**hyper, **per_step, **carried},
-                        needs_params=needs_params)
+        # leafwise watches them too, so that the plain path runs.
+        rule = leafwise(name, init_leaf, update_leaf, leaf_state, {**hyper, **per_step},
+                        needs_params=needs_params, also_watch=tuple(old.values()))
         inner = leaf_state(state.count, *(getattr(state, b) for b in buffers))
         updates, inner = rule.update(updates, inner, params)
         kept = {key: _like(new_scalars[key], old[key]) for key in names}
@@ -223,13 +220,6 @@ def leafwise_with_scalars(
                                    **{b: getattr(inner, b) for b in buffers})
 
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper)
-
-
-def _ignoring(update_leaf: Callable[..., Any], names: dict[str, Any]) -> Callable[..., Any]:
-    """``update_leaf`` taking, and dropping, the keyword arguments ``names``."""
-    def leaf(*args, **kwargs):
-        return update_leaf(*args, **{k: v for k, v in kwargs.items() if k not in names})
-    return leaf
 
 
 def _requires_grad(value: Any) -> bool:
