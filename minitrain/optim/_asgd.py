@@ -15,12 +15,11 @@ from minitrain.optim._family import (
     check_range,
     family_optimizer,
     find_state,
-    hyperparameter,
     rule_transform,
     zeros,
 )
 from minitrain.optim._host import host_tensor
-from minitrain.optim.base import Optimizer, WeightDecayMask, check_hyperparameter
+from minitrain.optim.base import Optimizer, WeightDecayMask
 from minitrain.optim.streaming import float32
 from minitrain.tree import Params
 
@@ -100,13 +99,7 @@ def _lr_after(lr: Any) -> Callable[[Any], Any]:
     if not callable(lr) or isinstance(lr, Tensor):
         constant = check_range("lr", lr, 0.0)
         return lambda done: constant
-
-    def scheduled(done: Any) -> Any:
-        value = lr(done)
-        check_hyperparameter("lr (from the schedule)", value, 0.0)
-        return hyperparameter("lr (from the schedule)", value)
-
-    return scheduled
+    return lambda done: check_range("lr (from the schedule)", lr(done), 0.0)
 
 
 def asgd_kernel(step, hyper, per_step):
