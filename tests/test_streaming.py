@@ -507,3 +507,28 @@ def test_prepare_writes_nothing_until_its_launch(donate):
     launch()
     assert torch.equal(new_p[0], want_p[0]) and torch.equal(new_buf[0], want_buf[0])
     assert (new_p[0] is p) == donate and torch.equal(p, want_p[0] if donate else before[0])
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.one_of(st.integers(0, 200), st.integers(32700, 70000)),
+                      min_size=1, max_size=6),
+       offset=st.integers(0, 17), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_sum_of_squares_equals_float64_sums_for_any_sizes_offsets_and_threads(
+        sizes, offset, threads, seed):
+    # Leaves that start off a vector boundary, chunks with ragged ends, leaves shorter than one
+    # vector per sub-range: each sum within float32 rounding of the float64 sum, and the same
+    # bits on any number of threads.
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(n + offset, generator=g)[offset:] for n in sizes]
+    want = [float((leaf.double() ** 2).sum()) for leaf in leaves]
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = streaming.sum_of_squares(leaves)
+        torch.set_num_threads(1)
+        assert streaming.sum_of_squares(leaves) == got
+    finally:
+        torch.set_num_threads(previous)
+    for ours, exact in zip(got, want, strict=True):
+        assert ours == pytest.approx(exact, rel=1e-6, abs=0.0)

@@ -550,34 +550,34 @@ int minitrain_update(int rule, const double *hp, float *const *ptrs, const int64
 
 #define SUMSQ_BLOCK 4096 /* floats per block: summed in float vectors, then into a double */
 
-/* sum(x * x) over x[lo, hi), block by block from lo up to hi: an ascending walk keeps the
-   hardware prefetcher's stream going (measured on a 2-core EPYC after a fused AdamW step: 32 MB
-   of grads in 1.05 ms against 1.24-1.50 ms with the blocks taken from hi back to lo). */
+#define SUMSQ_STREAMS 4 /* sub-ranges of a chunk read side by side */
+
+/* sum(x * x) over x[lo, hi): SUMSQ_STREAMS equal sub-ranges read side by side, block by block
+   upwards, then the ragged end. One ascending stream per core keeps too few lines in flight to
+   fill the memory bus; four streams give the hardware prefetcher four to run ahead on, as the
+   update kernels' four inputs do (measured on a 2-core EPYC after a fused AdamW step: 32 MB of
+   grads in 0.93-1.13 ms against 1.06-1.50 ms with one stream; 16 KiB blocks taken downwards
+   were slower still). Each block's float vectors go into one double. */
 static double sumsq_range(const float *x, int64_t lo, int64_t hi) {
+    enum { S = SUMSQ_STREAMS, STEP = SUMSQ_BLOCK / SUMSQ_STREAMS };
+    const int64_t quarter = (hi - lo) / (S * W) * W; /* whole vectors per sub-range */
     double total = 0.0;
-    for (int64_t a = lo; a < hi;) {
-        const int64_t b = a + SUMSQ_BLOCK < hi ? a + SUMSQ_BLOCK : hi;
-        vf acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
-        int64_t i = a;
-        for (; i + 4 * W <= b; i += 4 * W) {
-            const vf x0 = load(x + i), x1 = load(x + i + W);
-            const vf x2 = load(x + i + 2 * W), x3 = load(x + i + 3 * W);
-            acc0 += x0 * x0;
-            acc1 += x1 * x1;
-            acc2 += x2 * x2;
-            acc3 += x3 * x3;
-        }
-        for (; i + W <= b; i += W) {
-            const vf x0 = load(x + i);
-            acc0 += x0 * x0;
-        }
-        const vf acc = (acc0 + acc1) + (acc2 + acc3);
+    for (int64_t a = 0; a < quarter; a += STEP) {
+        const int64_t b = a + STEP < quarter ? a + STEP : quarter;
+        vf acc[S];
+        for (int s = 0; s < S; s++) acc[s] = (vf){0};
+        for (int64_t i = a; i < b; i += W)
+            for (int s = 0; s < S; s++) {
+                const vf v = load(x + lo + s * quarter + i);
+                acc[s] += v * v;
+            }
+        vf sum = acc[0];
+        for (int s = 1; s < S; s++) sum += acc[s];
         double block = 0.0;
-        for (int k = 0; k < W; k++) block += (double)acc[k];
-        for (; i < b; i++) block += (double)x[i] * (double)x[i];
+        for (int k = 0; k < W; k++) block += (double)sum[k];
         total += block;
-        a = b;
     }
+    for (int64_t i = lo + S * quarter; i < hi; i++) total += (double)x[i] * (double)x[i];
     return total;
 }
 
