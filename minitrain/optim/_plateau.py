@@ -10,19 +10,28 @@ leaves the state as it is. Apply it after ``scale_by_learning_rate`` (or after a
 whose updates carry the lr). A torch loop steps the scheduler after the optimizer, so its update
 ``t`` uses the metrics before ``t``: pass ``value=None`` on the first update and the previous
 metric after that to take the same steps.
+
+The updates must be tensors (a number leaf is refused: pass ``torch.tensor(x)``). A
+floating-point or complex update keeps its dtype; an integer or bool update is promoted as
+``int_tensor * 0.5`` is in torch (and as optax's ``tree_scale`` promotes in JAX), to the default
+float dtype, since a scaled step does not fit in an integer. A hand-edited state may hold
+numbers, other dtypes or one-element tensors: each field is read as init returns it (float64
+``lr`` and ``best``, int64 counters, 0-d), so that its steps are torch's.
 """
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import GradientTransformation
+from minitrain.optim._core import GradientTransformation, hyperparameter
 from minitrain.optim.base import check_hyperparameter
 from minitrain.tree import Params
 
@@ -42,15 +51,15 @@ class ReduceLROnPlateauState(NamedTuple):
 
 
 def reduce_on_plateau(
-    lr: float = 1.0,
+    lr: float | Tensor = 1.0,
     mode: str = "min",
-    factor: float = 0.1,
-    patience: int = 10,
-    threshold: float = 1e-4,
+    factor: float | Tensor = 0.1,
+    patience: int | np.integer = 10,
+    threshold: float | Tensor = 1e-4,
     threshold_mode: str = "rel",
-    cooldown: int = 0,
-    min_lr: float = 0.0,
-    eps: float = 1e-8,
+    cooldown: int | np.integer = 0,
+    min_lr: float | Tensor = 0.0,
+    eps: float | Tensor = 1e-8,
 ) -> GradientTransformation:
     """``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a transformation fed the metric.
 
@@ -59,7 +68,8 @@ def reduce_on_plateau(
     scale is the lr factor itself. The other arguments are torch's, with its defaults: after
     more than ``patience`` metrics without an improvement (by ``threshold``, relative or
     absolute) the lr is multiplied by ``factor`` (not below ``min_lr``; a change smaller than
-    ``eps`` is skipped), then ``cooldown`` metrics are ignored.
+    ``eps`` is skipped), then ``cooldown`` metrics are ignored. A float argument may be a
+    one-element tensor, ``patience`` and ``cooldown`` numpy integers, as torch takes them.
 
     >>> import torch
     >>> tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=1)
@@ -74,14 +84,17 @@ def reduce_on_plateau(
         raise ValueError(f"invalid mode={mode!r}: choose 'min' or 'max'")
     if threshold_mode not in ("rel", "abs"):
         raise ValueError(f"invalid threshold_mode={threshold_mode!r}: choose 'rel' or 'abs'")
+    # one-element tensors as 0-d, so that the state stays 0-d
+    lr, factor, threshold, min_lr, eps = (
+        hyperparameter(name, value) for name, value in (
+            ("lr", lr), ("factor", factor), ("threshold", threshold), ("min_lr", min_lr),
+            ("eps", eps)))
     check_hyperparameter("lr", lr, 0.0, low_open=True, high_open=True)
     check_hyperparameter("factor", factor, 0.0, 1.0, high_open=True)
     check_hyperparameter("threshold", threshold, 0.0)
     check_hyperparameter("min_lr", min_lr, 0.0)
     check_hyperparameter("eps", eps, 0.0)
-    for name, count in (("patience", patience), ("cooldown", cooldown)):
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"invalid {name}={count!r}: it must be an int >= 0")
+    patience, cooldown = _count("patience", patience), _count("cooldown", cooldown)
     worst = math.inf if mode == "min" else -math.inf  # torch _init_is_better: mode_worse
 
     def is_better(a: Tensor, best: Tensor) -> Tensor:  # torch ReduceLROnPlateau._is_better
@@ -94,11 +107,11 @@ def reduce_on_plateau(
         return a > best + threshold
 
     def init(params: Params) -> ReduceLROnPlateauState:
-        leaves = tree.leaves(params)
-        device = leaves[0].device if leaves and isinstance(leaves[0], Tensor) else None
+        leaves = _tensor_leaves(params, "params")
+        device = leaves[0].device if leaves else None
 
         def scalar(value: Any, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(value, dtype=dtype, device=device)
+            return torch.as_tensor(value, dtype=dtype, device=device)
 
         zero = scalar(0, torch.int64)
         return ReduceLROnPlateauState(
@@ -114,6 +127,8 @@ def reduce_on_plateau(
                 f"reduce_on_plateau got a state of {type(state).__name__}; pass the state "
                 "returned by its init(params)"
             )
+        _tensor_leaves(updates, "updates")
+        state = _coerced(state)
         if value is None:  # no new metric: scale by the current lr
             return _scaled(updates, state.lr / lr), state
         current = _metric(value, state.best)
@@ -137,27 +152,108 @@ def reduce_on_plateau(
     return GradientTransformation(init, update)
 
 
+def _count(name: str, value: Any) -> int:
+    """``patience`` or ``cooldown`` as an int (a numpy integer too, as torch takes it)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"invalid {name}={value!r}: it must be an int >= 0")
+    return int(value)
+
+
+def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
+    """The leaves of ``values``, refused with the first leaf's name unless all are tensors."""
+    leaves = tree.leaves(values)
+    if all(isinstance(leaf, Tensor) for leaf in leaves):
+        return leaves
+    name, leaf = next((n, v) for n, v in tree.named_leaves(values) if not isinstance(v, Tensor))
+    raise ValueError(
+        f"reduce_on_plateau {what} leaf {name!r} is {type(leaf).__name__}; pass a tree of "
+        "tensors (e.g. torch.tensor(2.0) for a number)"
+    )
+
+
 def _scaled(updates: Any, scale: Tensor) -> Any:
-    return tree.map(lambda u: u * scale.to(u.dtype), updates)
+    """``updates * scale`` leaf by leaf: a float or complex leaf keeps its dtype, an integer or
+    bool leaf is promoted to the default float dtype (torch's ``int_tensor * 0.5``)."""
+    def leaf(u: Tensor) -> Tensor:
+        keep = u.is_floating_point() or u.is_complex()
+        dtype = u.dtype if keep else torch.get_default_dtype()
+        return u.to(dtype) * scale.to(dtype)
+
+    return tree.map(leaf, updates)
+
+
+def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
+    """``state`` with each field a 0-d tensor of init's dtype (float64 ``lr`` and ``best``,
+    int64 counters) on the device of its first tensor field."""
+    device = next((field.device for field in state if isinstance(field, Tensor)), None)
+    return ReduceLROnPlateauState(*(
+        _field(name, value, name in ("lr", "best"), device)
+        for name, value in zip(state._fields, state, strict=True)
+    ))
+
+
+def _field(name: str, value: Any, real: bool, device: torch.device | None) -> Tensor:
+    """One state field as a 0-d float64 (``real``) or int64 tensor; refused when it is not a
+    real number (``real``) or an integer, or has more than one element."""
+    dtype = torch.float64 if real else torch.int64
+    if isinstance(value, Tensor):
+        ok = value.numel() == 1 and value.dtype != torch.bool and not value.is_complex() and (
+            real or not value.is_floating_point())
+        kind = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    else:
+        ok = not isinstance(value, bool) and isinstance(
+            value, numbers.Real if real else numbers.Integral)
+        kind = type(value).__name__
+    if not ok:
+        number = "a real number" if real else "an integer"
+        raise ValueError(
+            f"reduce_on_plateau state.{name} is {kind}; pass {number} or a one-element tensor "
+            f"of one, as init returns ({dtype}, 0-d)"
+        )
+    if not isinstance(value, Tensor):
+        return torch.tensor(value, dtype=dtype, device=device)
+    return (value.reshape(()) if value.dim() else value).to(dtype)
 
 
 def _metric(value: Any, like: Tensor) -> Tensor:
-    """The metric as a float64 0-d tensor on the state's device (torch takes ``float(metrics)``;
-    the metric is not differentiated through)."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
+    """The metric as a float64 0-d tensor on the state's device (torch takes ``float(metrics)``:
+    a number, a 0-d numpy array, a one-element tensor; the metric is not differentiated
+    through)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim:
             raise ValueError(
-                f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one number "
+                f"reduce_on_plateau value is an array of shape {value.shape}; pass one number "
                 "(e.g. the mean validation loss)"
             )
-        if value.is_complex() or value.is_meta:
-            raise ValueError(
-                f"reduce_on_plateau value is a {value.dtype} tensor on {value.device}; pass a "
-                "real number"
-            )
-        return value.detach().reshape(()).to(dtype=torch.float64, device=like.device)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        value = value[()]
+    if isinstance(value, Tensor):
+        return _tensor_metric(value).to(dtype=torch.float64, device=like.device)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | decimal.Decimal):
         raise ValueError(
             f"reduce_on_plateau value is {type(value).__name__}; pass a float or 0-d tensor"
         )
-    return torch.tensor(float(value), dtype=torch.float64, device=like.device)
+    try:
+        number = float(value)
+    except (OverflowError, ValueError) as error:
+        raise ValueError(
+            f"reduce_on_plateau value of type {type(value).__name__} is no float ({error}); "
+            "pass a float"
+        ) from None
+    return torch.tensor(number, dtype=torch.float64, device=like.device)
+
+
+def _tensor_metric(value: Tensor) -> Tensor:
+    """A one-element real tensor metric, detached, 0-d and dense."""
+    if value.numel() != 1:
+        raise ValueError(
+            f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one number "
+            "(e.g. the mean validation loss)"
+        )
+    if value.is_complex() or value.dtype == torch.bool or value.is_meta:
+        raise ValueError(
+            f"reduce_on_plateau value is a {value.dtype} tensor on {value.device}; pass a "
+            "real number"
+        )
+    if value.layout != torch.strided:
+        value = value.to_dense()
+    return value.detach().reshape(())

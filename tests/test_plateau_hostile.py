@@ -1,0 +1,361 @@
+"""Hostile review of ``mt.optim.reduce_on_plateau``, held against torch's ``ReduceLROnPlateau``.
+
+The reference is ``torch.optim.lr_scheduler.ReduceLROnPlateau`` on a real ``torch.optim.SGD``,
+stepped as a training loop steps it (``optimizer.step()`` then ``scheduler.step(metric)``). Its
+lr, ``best``, ``num_bad_epochs``, ``cooldown_counter`` and ``last_epoch`` are compared exactly
+with the state's fields: both take the same float64 operations in the same order.
+
+Tests named ``test_regression_guard_...`` pass on the code before this file's fixes and pin
+behaviour this review found correct; every other test fails on that code.
+"""
+
+import decimal
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.optim import lr_scheduler
+
+import minitrain as mt
+
+plateau = mt.optim.reduce_on_plateau
+FIELDS = ("lr", "best", "num_bad_epochs", "cooldown_counter", "count")
+
+
+def torch_states(metrics, lr, edit=None, **kwargs):
+    """torch's ``(lr, best, num_bad_epochs, cooldown_counter, last_epoch)`` after each step;
+    ``edit(scheduler)`` edits it by hand first."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=lr)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **kwargs)
+    if edit is not None:
+        edit(scheduler)
+    states = []
+    for metric in metrics:
+        optimizer.step()
+        scheduler.step(metric)
+        states.append((float(optimizer.param_groups[0]["lr"]), float(scheduler.best),
+                       scheduler.num_bad_epochs, scheduler.cooldown_counter,
+                       scheduler.last_epoch))
+    return states
+
+
+def our_states(metrics, lr, state=None, updates=None, **kwargs):
+    """Ours, as ``torch_states``; ``state`` (from the transformation's init unless given) may
+    be edited by hand. Each field comes back in init's dtype and shape."""
+    tx = plateau(lr=lr, **kwargs)
+    updates = {"w": torch.ones(2, dtype=torch.float64)} if updates is None else updates
+    state = tx.init(updates) if state is None else state
+    states = []
+    for metric in metrics:
+        _, state = tx.update(updates, state, value=metric)
+        for name, field in zip(FIELDS, state, strict=True):
+            expected = torch.float64 if name in ("lr", "best") else torch.int64
+            assert field.dtype == expected and field.shape == (), (name, field)
+        states.append((float(state.lr), float(state.best), int(state.num_bad_epochs),
+                       int(state.cooldown_counter), int(state.count)))
+    return states
+
+
+def assert_one_line_error(build, *words):
+    with pytest.raises(ValueError) as info:
+        build()
+    message = str(info.value)
+    assert "\n" not in message and all(word in message for word in words), message
+
+
+LOSSES = [1.0, 0.9, 0.95, 0.97, 0.99, 0.5, 0.6, 0.7, 0.8, 0.85]
+SETTINGS = {"factor": 0.5, "patience": 1, "threshold": 0.05, "cooldown": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# Updates: integer, bool and non-tensor leaves
+
+
+@pytest.mark.parametrize("value", [None, 1.0], ids=["value-omitted", "value-given"])
+def test_integer_and_bool_updates_are_promoted_as_torch_promotes(value):
+    """An int update came back truncated (``[4, 6] * 0.25 -> [0, 0]``) and a bool one as
+    ``True``; now each is promoted as ``int_tensor * 0.25`` is in torch (optax's
+    ``tree_scale`` promotes in JAX), to the default float dtype."""
+    tx = plateau(lr=0.5)
+    updates = {"i": torch.tensor([4, 6]), "b": torch.tensor([True, False]),
+               "u8": torch.tensor([3], dtype=torch.uint8)}
+    state = tx.init(updates)._replace(lr=torch.tensor(0.125, dtype=torch.float64))
+    scaled, _ = tx.update(updates, state, value=value)
+    for name, leaf in updates.items():
+        expected = leaf * 0.25
+        assert scaled[name].dtype == expected.dtype == torch.get_default_dtype(), name
+        assert torch.equal(scaled[name], expected), (name, scaled[name])
+
+
+def test_regression_guard_float_and_complex_updates_keep_their_dtype():
+    tx = plateau(lr=2.0)
+    updates = {dtype: torch.full((2,), 3.0, dtype=dtype) for dtype in (
+        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64)}
+    updates["0-d"] = torch.tensor(3.0)
+    state = tx.init(updates)._replace(lr=torch.tensor(0.5, dtype=torch.float64))
+    scaled, _ = tx.update(updates, state)
+    for name, leaf in updates.items():
+        assert scaled[name].dtype == leaf.dtype and scaled[name].shape == leaf.shape, name
+        assert torch.equal(scaled[name], leaf * 0.25), name
+
+
+@pytest.mark.parametrize("leaf", [3.0, 2, None, np.float32(1.0)],
+                         ids=["float", "int", "None", "np.float32"])
+def test_a_number_leaf_is_a_one_line_error_naming_it(leaf):
+    """A float leaf raised ``AttributeError: 'float' object has no attribute 'dtype'`` from
+    update (init took it). Now init and update refuse it by name, as the optimizers refuse a
+    non-tensor param; every other leaf is a tensor, as in torch."""
+    tx = plateau()
+    tree = {"w": torch.ones(1), "a": leaf}
+    assert_one_line_error(lambda: tx.init(tree), "'a'", "params", "torch.tensor")
+    state = tx.init({"w": torch.ones(1), "a": torch.ones(1)})
+    for value in (None, 1.0):
+        assert_one_line_error(lambda v=value: tx.update(tree, state, value=v), "'a'",
+                              "updates", "torch.tensor")
+    assert_one_line_error(lambda: tx.init(3.0), "params", "torch.tensor")
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics
+
+
+@pytest.mark.parametrize("kind", [
+    np.array, decimal.Decimal, lambda v: torch.tensor([v]).to_sparse(),
+], ids=["numpy-0d", "Decimal", "sparse-tensor"])
+def test_any_metric_torch_takes_as_a_float_is_taken(kind):
+    """torch takes ``float(metric)``: a 0-d numpy array (what ``np.mean`` of an array gives
+    after some ops), a Decimal and a sparse one-element tensor. They were refused (the sparse
+    tensor by a RuntimeError from reshape)."""
+    metrics = [kind(str(v)) if kind is decimal.Decimal else kind(v) for v in LOSSES]
+    assert our_states(metrics, 0.1, **SETTINGS) == torch_states(metrics, 0.1, **SETTINGS)
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    (torch.tensor(True), ("value", "torch.bool")),
+    (10**400, ("value", "int", "float")),
+], ids=["bool-tensor", "huge-int"])
+def test_a_metric_that_is_no_real_number_is_a_one_line_error(value, words):
+    """A bool tensor was taken as 1.0 where ``True`` is refused (torch takes both as 1.0); a
+    huge int raised an OverflowError from our code (torch raises it too)."""
+    tx = plateau()
+    updates = {"w": torch.ones(1)}
+    assert_one_line_error(lambda: tx.update(updates, tx.init(updates), value=value), *words)
+
+
+@pytest.mark.parametrize("value", [np.array(True), np.array([0.5]), decimal.Decimal("sNaN")],
+                         ids=["numpy-bool", "numpy-shape-1", "signaling-nan"])
+def test_regression_guard_other_metrics_that_are_no_float_stay_refused(value):
+    """torch refuses the array of shape (1,) and the signaling NaN too (TypeError, ValueError)
+    and takes ``np.array(True)`` as 1.0, as ``True`` is refused here."""
+    tx = plateau()
+    updates = {"w": torch.ones(1)}
+    assert_one_line_error(lambda: tx.update(updates, tx.init(updates), value=value), "value")
+
+
+def test_regression_guard_a_metric_that_requires_grad_is_detached_without_a_warning():
+    """torch warns on ``float()`` of such a tensor; ours is detached, and nothing is traced."""
+    metrics = [torch.tensor(v, requires_grad=True) * 2 for v in LOSSES]
+    plain = [float(m.detach()) for m in metrics]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert our_states(metrics, 0.1, **SETTINGS) == our_states(plain, 0.1, **SETTINGS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hyperparameters
+
+
+def test_tensor_hyperparameters_are_taken_as_their_values():
+    """``lr=torch.tensor(0.1)`` raised a UserWarning (an error in this suite) from
+    ``torch.tensor(tensor)`` in init, and a one-element ``factor`` made the state and every 0-d
+    update of shape (1,)."""
+    tensors = {"lr": torch.tensor([0.1], dtype=torch.float64),
+               "factor": torch.tensor([0.5], dtype=torch.float64),
+               "min_lr": torch.tensor(0.01, dtype=torch.float64)}
+    updates = {"w": torch.ones(()), "v": torch.ones(3)}
+    ours = our_states(LOSSES, updates=updates, patience=1, **tensors)
+    assert ours == torch_states(LOSSES, 0.1, factor=0.5, min_lr=0.01, patience=1)
+    tx = plateau(**tensors, patience=0)
+    scaled, _ = tx.update(updates, tx.init(updates), value=1.0)
+    assert scaled["w"].shape == () and scaled["v"].shape == (3,)
+
+
+def test_numpy_integer_patience_and_cooldown_are_taken_like_torch():
+    """torch takes ``patience=np.int64(1)`` (e.g. from a config array); it was refused."""
+    kwargs = {"factor": 0.5, "threshold": 0.05}
+    ours = our_states(LOSSES, 0.1, patience=np.int64(1), cooldown=np.int32(1), **kwargs)
+    assert ours == torch_states(LOSSES, 0.1, patience=1, cooldown=1, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# State edited by hand
+
+
+def test_a_float32_lr_and_int32_counters_step_in_init_dtypes():
+    """A state whose lr was stored as float32 (e.g. by a checkpoint in float32) stepped in
+    float32, off torch's float64 lrs, and kept its float32 / int32 fields. Now each field is
+    read in init's dtype: torch's steps from the same (float32-rounded) lr."""
+    lr32 = torch.tensor(0.1, dtype=torch.float32)
+    tx = plateau(lr=0.1)
+    state = tx.init({"w": torch.ones(1)})
+    state = state._replace(lr=lr32, num_bad_epochs=torch.tensor(0, dtype=torch.int32),
+                           count=torch.tensor(0, dtype=torch.int16))
+    kwargs = {"factor": 0.3, "patience": 0, "min_lr": 1e-9}
+    metrics = [1.0] * 12
+    ours = our_states(metrics, 0.1, state=state, **kwargs)
+    assert ours == torch_states(metrics, float(lr32), **kwargs)
+
+
+def test_a_state_of_plain_numbers_steps_like_torch():
+    """torch keeps its counters as Python numbers; such a state (e.g. read back from JSON)
+    raised a TypeError from ``torch.where`` or an AttributeError."""
+    tx = plateau(lr=0.1, **SETTINGS)
+    state = mt.optim.ReduceLROnPlateauState(0.1, math.inf, 0, 0, 0)
+    assert our_states(LOSSES, 0.1, state=state, **SETTINGS) == torch_states(LOSSES, 0.1,
+                                                                            **SETTINGS)
+    _, state = tx.update({"w": torch.ones(1)}, mt.optim.ReduceLROnPlateauState(0.1, 1.0, 0, 0, 0))
+    assert isinstance(state.lr, torch.Tensor) and state.lr.dtype == torch.float64
+
+
+def test_a_one_element_state_field_keeps_updates_0d():
+    """A (1,)-shaped lr (e.g. a loader that stores scalars as 1-element arrays) made every
+    0-d update of shape (1,)."""
+    tx = plateau(lr=0.1)
+    updates = {"w": torch.ones(())}
+    state = tx.init(updates)._replace(lr=torch.tensor([0.05], dtype=torch.float64))
+    for value in (None, 1.0):
+        scaled, new_state = tx.update(updates, state, value=value)
+        assert scaled["w"].shape == () and new_state.lr.shape == (), value
+        assert float(scaled["w"]) == 0.5
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("num_bad_epochs", torch.tensor(1.5), ("num_bad_epochs", "torch.float32", "integer")),
+    ("cooldown_counter", torch.tensor(True), ("cooldown_counter", "torch.bool", "integer")),
+    ("count", 2.0, ("count", "float", "integer")),
+    ("lr", torch.tensor(0.1 + 0j), ("lr", "complex", "real number")),
+    ("best", torch.ones(2, dtype=torch.float64), ("best", "(2,)", "0-d")),
+])
+def test_a_state_field_that_cannot_be_read_is_a_one_line_error(field, value, words):
+    """A float counter was taken and turned the state's counter into a float (a bool one raised
+    a RuntimeError, a complex lr or a two-element best were taken and broadcast)."""
+    tx = plateau(lr=0.1)
+    updates = {"w": torch.ones(())}
+    state = tx.init(updates)._replace(**{field: value})
+    for metric in (None, 1.0):
+        assert_one_line_error(lambda m=metric: tx.update(updates, state, value=m), *words)
+
+
+@pytest.mark.parametrize(("bad", "cooldown"), [(-3, 0), (0, -2), (-1, 2), (5, 0), (7, 3)])
+def test_regression_guard_counters_edited_by_hand_step_like_torch(bad, cooldown):
+    """Negative or too-large counters, set on both, give the same steps (torch checks none)."""
+    def edit(scheduler):
+        scheduler.num_bad_epochs, scheduler.cooldown_counter = bad, cooldown
+
+    tx = plateau(lr=1.0, **SETTINGS)
+    state = tx.init({"w": torch.ones(1)})
+    state = state._replace(num_bad_epochs=torch.tensor(bad),
+                           cooldown_counter=torch.tensor(cooldown))
+    assert our_states(LOSSES, 1.0, state=state, **SETTINGS) == torch_states(LOSSES, 1.0, edit,
+                                                                            **SETTINGS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Long runs against torch, value omitted
+
+
+METRIC = st.one_of(st.sampled_from([0.0, 1.0, 1.00001, 0.99999, 2.0, -1.0, math.nan]),
+                   st.floats(allow_nan=True, allow_infinity=True),
+                   st.floats(-10.0, 10.0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(metrics=st.lists(METRIC, min_size=1, max_size=120),
+       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
+       threshold=st.one_of(st.sampled_from([0.0, 1e-4, 1.0]), st.floats(0.0, 3.0)),
+       factor=st.floats(0.0, 0.99), patience=st.integers(0, 5), cooldown=st.integers(0, 5),
+       min_lr=st.sampled_from([0.0, 1e-3, 0.05, 2.0]), eps=st.sampled_from([0.0, 1e-8, 1e-3]),
+       lr=st.sampled_from([1.0, 0.1, 3.0]))
+def test_regression_guard_every_field_equals_torch_over_long_random_runs(metrics, lr, **kwargs):
+    """lr, best, num_bad_epochs, cooldown_counter and count (torch's last_epoch), exactly."""
+    assert our_states(metrics, lr, **kwargs) == torch_states(metrics, lr, **kwargs)
+
+
+def test_regression_guard_value_omitted_scales_by_the_current_lr_and_keeps_the_state():
+    tx = plateau(lr=0.1, **SETTINGS)
+    updates = {"w": torch.full((2,), 0.1)}
+    state = tx.init(updates)
+    for metric in LOSSES:
+        _, state = tx.update(updates, state, value=metric)
+    scaled, kept = tx.update(updates, state)
+    assert all(a is b for a, b in zip(kept, state, strict=True))
+    torch.testing.assert_close(scaled["w"], updates["w"] * (float(state.lr) / 0.1))
+
+
+# ------------------------------------------------------------------------------------------------
+# In a fresh interpreter without type checks: wrong types (the suite's jaxtyping import hook
+# refuses them by their annotations before minitrain's checks run) and torch.compile (dynamo
+# cannot trace the hook's wrappers).
+
+FRESH = r"""
+import json, torch
+import minitrain as mt
+P = mt.optim.reduce_on_plateau
+cases = {
+    "lr='0.1'": lambda: P(lr="0.1"),
+    "patience=2.0": lambda: P(patience=2.0),
+    "cooldown=True": lambda: P(cooldown=True),
+    "factor=None": lambda: P(factor=None),
+    "state=tuple": lambda: P().update({}, tuple(P().init({})), value=1.0),
+}
+out = {}
+for name, build in cases.items():
+    try:
+        build()
+        out[name] = "accepted"
+    except Exception as err:
+        out[name] = type(err).__name__ + ": " + str(err)
+tx = P(lr=0.1, factor=0.5, patience=0)
+updates = {"w": torch.ones(3), "i": torch.tensor([4, 6])}
+state = tx.init(updates)
+step = torch.compile(lambda u, s, v: tx.update(u, s, value=v), fullgraph=True, backend="eager")
+same = []
+for value in (1.0, 2.0, 3.0):
+    scaled, new_state = step(updates, state, torch.tensor(value))
+    expected, state = tx.update(updates, state, value=torch.tensor(value))
+    same.append(all(torch.equal(scaled[k], expected[k]) for k in updates)
+                and all(torch.equal(a, b) for a, b in zip(new_state, state)))
+print(json.dumps({"wrong types": out, "compiled": same, "lr": float(state.lr)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MINITRAIN_TYPECHECK": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_regression_guard_a_wrong_type_is_a_one_line_value_error(fresh):
+    for case, message in fresh["wrong types"].items():
+        name = case.split("=")[0]
+        assert message.startswith("ValueError: ") and name in message, (case, message)
+        assert "\n" not in message, case
+
+
+def test_regression_guard_the_update_compiles_without_a_graph_break(fresh):
+    """Dynamo traces the whole update (tensor metric, state, an int leaf) as one graph, and
+    the compiled update equals the eager one."""
+    assert fresh["compiled"] == [True, True, True] and fresh["lr"] == 0.025
