@@ -316,13 +316,20 @@ def training_memory(
     activation_bytes: Number = 0,
     gpus: int = 1,
     zero_stage: int = 0,
+    amsgrad: bool = False,
+    momentum: bool = False,
+    centered: bool = False,
 ) -> MemoryBreakdown:
-    """Bytes on one device to train ``params`` parameters (activations given per device).
+    """Bytes on one device to train ``params`` parameters (activations given per device);
+    ``amsgrad``, ``momentum`` and ``centered`` as in :func:`optimizer_states`.
 
     >>> training_memory(1e9, optimizer="adamw", precision="fp32").total / 1e9
     16.0
+    >>> training_memory(1e9, optimizer="adam", precision="fp32", amsgrad=True).total / 1e9
+    20.0
     """
-    per_param = bytes_per_param(optimizer, precision)
+    per_param = bytes_per_param(optimizer, precision, amsgrad=amsgrad, momentum=momentum,
+                                centered=centered)
     shard = {
         "optimizer_state": zero_stage >= 1,
         "master_weights": zero_stage >= 1,

@@ -179,6 +179,9 @@ def transformer_memory(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     attention: str = "eager",
+    amsgrad: bool = False,
+    momentum: bool = False,
+    centered: bool = False,
 ) -> MemoryBreakdown:
     """Bytes per device to train ``config`` with ``batch`` sequences per device.
 
@@ -186,7 +189,9 @@ def transformer_memory(
     statistics (see :func:`transformer_activation_terms`).
 
     Params, grads and optimizer state from :func:`training_memory` (sharded by ZeRO stage over
-    ``gpus``, or split by tensor parallelism); activations by Korthikanti et al. 2022.
+    ``gpus``, or split by tensor parallelism; ``amsgrad``, ``momentum`` and ``centered`` each
+    add the optimizer state tensor they add in torch.optim); activations by Korthikanti et al.
+    2022.
 
     >>> m = transformer_memory(preset("gpt2-xl"), batch=1, precision_name="bf16-mixed")
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
@@ -202,6 +207,7 @@ def transformer_memory(
     return training_memory(
         transformer_params(config) / tensor_parallel, optimizer=optimizer,
         precision=precision_name, activation_bytes=activations, gpus=gpus, zero_stage=zero_stage,
+        amsgrad=amsgrad, momentum=momentum, centered=centered,
     )
 
 

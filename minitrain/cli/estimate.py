@@ -54,6 +54,35 @@ def _accounting_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise UserError(str(exc)) from None
 
 
+def _optimizer_options(command: Any) -> Any:
+    """``--optimizer`` and the flags that add one state tensor (``--amsgrad``, ``--momentum``,
+    ``--centered``), as ``estimate memory`` and ``estimate transformer`` take them."""
+    options = [
+        click.option("--optimizer", default="adamw",
+                     help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, "
+                          "radam, asgd, rprop, adafactor, lion, muon, schedule_free_adamw."),
+        click.option("--amsgrad", is_flag=True,
+                     help="Adam(W) with amsgrad: one more state tensor."),
+        click.option("--momentum", is_flag=True,
+                     help="SGD or RMSprop with momentum: one more state tensor (the buffer)."),
+        click.option("--centered", is_flag=True, help="Centered RMSprop: one more state tensor."),
+    ]
+    for option in reversed(options):  # listed in --help in this order
+        command = option(command)
+    return command
+
+
+def _optimizer_choice(optimizer: str, amsgrad: bool, momentum: bool,
+                      centered: bool) -> tuple[str, dict[str, bool], str]:
+    """The optimizer's key, its state options and a label for them (``adam+amsgrad``); an
+    option the optimizer does not take is refused where the bytes are counted."""
+    from minitrain.accounting.memory import optimizer_key
+
+    key = _accounting_call(optimizer_key, optimizer)
+    options = {"amsgrad": amsgrad, "momentum": momentum, "centered": centered}
+    return key, options, "+".join([key, *(name for name, on in options.items() if on)])
+
+
 @click.group()
 def estimate() -> None:
     """Napkin math: time to train, memory and max params, transformer presets; one training
@@ -167,13 +196,7 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 @estimate.command("memory")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
 @click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
-@click.option("--optimizer", default="adamw",
-              help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, radam, "
-                   "asgd, rprop, adafactor, lion, muon, schedule_free_adamw.")
-@click.option("--amsgrad", is_flag=True, help="Adam(W) with amsgrad: one more state tensor.")
-@click.option("--momentum", is_flag=True,
-              help="SGD or RMSprop with momentum: one more state tensor (the buffer).")
-@click.option("--centered", is_flag=True, help="Centered RMSprop: one more state tensor.")
+@_optimizer_options
 @click.option("--precision", default="fp32", help="fp32, bf16-mixed, amp, bf16.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
@@ -183,11 +206,9 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
            centered: bool, precision: str, zero_stage: int, as_json: bool) -> None:
     """Bytes per parameter and the largest model that fits (chapter 3.1.2)."""
     from minitrain import accounting as acc
-    from minitrain.accounting.memory import optimizer_key
 
     spec = _accounting_call(acc.hardware, hardware_name)
-    options = {"amsgrad": amsgrad, "momentum": momentum, "centered": centered}
-    key = _accounting_call(optimizer_key, optimizer)
+    key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
     chosen = _accounting_call(acc.bytes_per_param, key, precision, **options)
     table = {
         name: row._asdict() | {"total": row.total}
@@ -199,7 +220,6 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
                               zero_stage=stage, **options)
         for stage in range(4)
     }
-    label = "+".join([key, *(name for name, on in options.items() if on)])
     result = {
         "hardware": spec.name,
         "gpus": gpus,
@@ -240,9 +260,7 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
 @click.option("--seq-len", type=click.IntRange(min=1), default=None,
               help="Context length (default: the preset's).")
 @click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
-@click.option("--optimizer", default="adamw",
-              help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, radam, "
-                   "asgd, rprop, adafactor, lion, muon, schedule_free_adamw.")
+@_optimizer_options
 @click.option("--precision", default="bf16-mixed", help="fp32, bf16-mixed, amp, bf16.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
@@ -254,20 +272,22 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
 @click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5, help="For time.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float | None,
-                optimizer: str, precision: str, gpus: int, zero_stage: int, recompute: str,
-                attention: str, hardware_name: str, mfu: float, as_json: bool) -> None:
+                optimizer: str, amsgrad: bool, momentum: bool, centered: bool, precision: str,
+                gpus: int, zero_stage: int, recompute: str, attention: str, hardware_name: str,
+                mfu: float, as_json: bool) -> None:
     """Params, FLOPs per token and per step, and memory per device of a transformer preset."""
     from minitrain import accounting as acc
 
     config = _accounting_call(acc.preset, preset_name)
     spec = _accounting_call(acc.hardware, hardware_name)
+    key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
     context = seq_len or config.seq_len
     n_params = acc.transformer_params(config)
     per_token = acc.transformer_flops_per_token(config, seq_len=context)
     mem = _accounting_call(
-        acc.transformer_memory, config, batch=batch, seq_len=context, optimizer=optimizer,
+        acc.transformer_memory, config, batch=batch, seq_len=context, optimizer=key,
         precision_name=precision, gpus=gpus, zero_stage=zero_stage, recompute=recompute,
-        attention=attention,
+        attention=attention, **options,
     )
     result: dict[str, Any] = {
         "preset": config.name,
@@ -278,6 +298,8 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
         "flops_per_token_6n": 6.0 * n_params,
         "flops_per_token": per_token,
         "flops_per_step": per_token * batch * context * gpus,
+        "optimizer": key,
+        "state_options": options,
         "memory_per_gpu": mem._asdict() | {"total": mem.total},
         "activations_per_layer": mem.activations / config.num_layers,
         "recompute": recompute,
@@ -294,8 +316,9 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
         f"FLOPs per step      {result['flops_per_step']:.3g} "
         f"({batch} × {context} tokens × {gpus} GPUs)",
         f"memory per GPU      {_si(mem.total, 'B')}: params {_si(mem.params, 'B')}, grads "
-        f"{_si(mem.grads, 'B')}, optimizer {_si(mem.optimizer_state + mem.master_weights, 'B')}, "
-        f"activations {_si(mem.activations, 'B')} (recompute {recompute}, {attention} "
+        f"{_si(mem.grads, 'B')}, optimizer state ({label}) {_si(mem.optimizer_state, 'B')}, "
+        + (f"master weights {_si(mem.master_weights, 'B')}, " if mem.master_weights else "")
+        + f"activations {_si(mem.activations, 'B')} (recompute {recompute}, {attention} "
         f"attention; {_si(mem.activations / config.num_layers, 'B')} per layer)",
         f"fits on {spec.name}      {'yes' if result['fits'] else 'no'} "
         f"({_si(spec.memory_bytes, 'B')})",
