@@ -20,8 +20,10 @@ from minitrain.optim._buffers import BufferPool
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
-    as_optimizer,
+    apply_updates,
     chain,
+    check_extra_args,
+    extra_args,
     leafwise,
     register_lowering,
     spec,
@@ -425,14 +427,17 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
     ortho = orthogonalize_by_newton_schulz(ns_coefficients, ns_steps, eps, adjust_lr_fn)
     lr_tx = scale_by_learning_rate(lr)
     tx = chain(*prefix, chain(momentum_tx, ortho), add_decayed_weights(weight_decay), lr_tx)
-    chained = as_optimizer(tx)
-    lowered = _match(tx)
+    lowered = _match(tx)  # the one lowering (as_optimizer(tx) would build one more)
     ns = spec(ortho)[1]
 
     def update(grads, state, params, *, donate: bool = False, **extra):
         if extra or not isinstance(state, tuple) or len(state) != len(prefix) + 3 \
                 or not isinstance(state[len(prefix)], tuple) or len(state[len(prefix)]) != 2:
-            return chained.update(grads, state, params, donate=donate, **extra)  # its errors
+            # keyword arguments, or a state init did not return: the chain's own update
+            # names what is wrong
+            check_extra_args("muon", extra_args(tx), extra)
+            updates, state = tx.update(grads, state, params, **extra)
+            return apply_updates(params, updates), state
         donate = donate and donatable(tree.leaves(params), tree.leaves(grads), [])
         if lowered is not None:
             result = lowered(grads, state, params, donate)
@@ -443,7 +448,7 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
 
     update = naming_bad_grads(update)
     update.transformation = tx  # type: ignore[attr-defined]
-    return Optimizer(chained.init, update)
+    return Optimizer(tx.init, update)
 
 
 def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr, weight_decay,
@@ -514,11 +519,11 @@ def _match(tx: GradientTransformation):
 
     def lowered(grads, state, params, donate):
         p_leaves, g_leaves = tree.leaves(params), tree.leaves(grads)
-        if (len(p_leaves) != len(g_leaves) or use_plain_path(
+        if (len(p_leaves) != len(g_leaves) or not _is_muon_state(state) or use_plain_path(
                 "auto", [*p_leaves, *g_leaves], hyperparameters)
                 or not all(isinstance(t, Tensor) and t.dim() == 2
                            for t in (*p_leaves, *g_leaves))):
-            return None
+            return None  # the plain chain runs (and names a state init did not return)
         (momentum_state, ortho_state), decay_state, lr_state = state
         _, new_lr_state = lr_tx.update([], lr_state)  # the lr of this step, and its count
         step_lr = lr if isinstance(lr, int | float) else float(new_lr_state.lr)
@@ -549,6 +554,12 @@ def _match(tx: GradientTransformation):
         return tree.unflatten(tree.structure(params), new_params), new_state
 
     return lowered
+
+
+def _is_muon_state(state: Any) -> bool:
+    """Whether ``state`` is laid out as the init of :func:`_match`'s chain returns it."""
+    return (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], tuple)
+            and len(state[0]) == 2 and isinstance(state[0][0], MuonMomentumState))
 
 
 def _muon_stack(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor], lr: float,
