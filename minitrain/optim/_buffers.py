@@ -11,6 +11,7 @@ import weakref
 import torch
 import torch._prims_common as _prims_common
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["BufferPool", "clear_buffer_pools", "buffer_pool_bytes"]
 
@@ -162,11 +163,19 @@ def _storage_uses(t: Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def _probe() -> Tensor:
+    """A plain one-element CPU tensor, made outside any dispatch mode: a probe is not part of
+    the update a mode (the accounting ``Counter``) is watching, so its first use must not
+    count one allocation more than later ones."""
+    with _disable_current_modes():
+        return torch.empty(1, device="cpu")
+
+
 @functools.cache
 def _alone() -> int:
     """The use count of a storage held by one tensor (measured on first use, not at import:
     the module may first be imported under a functorch transform, whose tensors have none)."""
-    return _storage_uses(torch.empty(1, device="cpu"))
+    return _storage_uses(_probe())
 
 
 def _storage_refs(t: Tensor) -> int:
@@ -180,7 +189,7 @@ def _storage_refs(t: Tensor) -> int:
 @functools.cache
 def _storage_refs_alone() -> int:
     """:func:`_storage_refs` of a storage whose object nobody else holds."""
-    return _storage_refs(torch.empty(1, device="cpu"))
+    return _storage_refs(_probe())
 
 
 def _only_alias_left(alias: Tensor) -> bool:
