@@ -7,11 +7,13 @@ against a loop of separate runs; and, per optimizer, the gradient with respect t
 initialization (MAML) against finite differences along random directions.
 
 Every optimizer of ``mt.optim.__init__``'s family is here (NAdam and RAdam in both weight-decay
-modes), with a hand-built chain (global-norm clip, Adam, decay, a schedule) and
-``inject_hyperparams``. Exceptions to "K=3, float64 finite differences at rtol
-1e-5": RAdam takes 7 updates (its rectified branch starts at update 6); ASGD's eta and NAdam's
-mu_product are held in float32 as torch holds them, so their finite differences take a larger
-step and rtol 2e-3; Muon orthogonalizes in bfloat16 (as torch.optim.Muon), so its
+modes), with a hand-built chain (global-norm clip, Adam, decay, a schedule),
+``inject_hyperparams``, and the chains of SGD, AdaGrad and RMSprop through ``as_optimizer``
+(their transformations' hyperparameters: trace's dampening, scale_by_adagrad's and
+scale_by_rms's). Exceptions to "K=3, float64 finite differences at rtol 1e-5": RAdam
+takes 7 updates (its rectified branch starts at update 6); ASGD's eta and NAdam's mu_product
+are held in float32 as torch holds them, so their finite differences take a larger step and
+rtol 2e-3; Muon orthogonalizes in bfloat16 (as torch.optim.Muon), so its
 hypergradients are checked over one update (lr, weight_decay), or against each other only
 (momentum, the initialization), and its vmap members to bfloat16 rounding.
 """
@@ -47,10 +49,10 @@ class Opt(NamedTuple):
     hyper_steps: int | None = None  # updates for the hypergradient checks (default: steps)
 
 
-def _chain(lr, max_norm, beta1, beta2, weight_decay, gamma):
+def _chain(lr, max_norm, beta1, beta2, eps, weight_decay, gamma):
     # eps=0.1: with Adam's default 1e-8 its direction is invariant to the clip's scale
     return optim.chain(
-        optim.clip_by_global_norm(max_norm), optim.scale_by_adam(beta1, beta2, eps=0.1),
+        optim.clip_by_global_norm(max_norm), optim.scale_by_adam(beta1, beta2, eps=eps),
         optim.add_decayed_weights(weight_decay),
         optim.scale_by_learning_rate(optim.exponential_schedule(lr, gamma=gamma)))
 
@@ -64,29 +66,43 @@ OPTIMIZERS: dict[str, Opt] = {
     "sgd": Opt(lambda lr, momentum, weight_decay: optim.sgd(
         lr=lr, momentum=momentum, nesterov=True, weight_decay=weight_decay),
         dict(lr=0.1, momentum=0.9, weight_decay=0.05)),
-    # eps of adam, adamw, adagrad and rmsprop (and rmsprop's alpha) are annotated float: not
-    # tensor hyperparameters (the suite's type checker refuses a tensor there)
-    "adam": Opt(lambda lr, beta1, beta2, weight_decay: optim.adam(
-        lr=lr, betas=pair(beta1, beta2), eps=1e-2, weight_decay=weight_decay),
-        dict(lr=0.05, beta1=0.8, beta2=0.9, weight_decay=0.05)),
-    "adam-amsgrad": Opt(lambda lr, beta2: optim.adam(lr=lr, betas=pair(0.8, beta2), eps=1e-2,
-                                                     amsgrad=True),
-                        dict(lr=0.05, beta2=0.9)),
-    "adamw": Opt(lambda lr, beta1, beta2, weight_decay: optim.adamw(
-        lr=lr, betas=pair(beta1, beta2), eps=1e-2, weight_decay=weight_decay),
-        dict(lr=0.05, beta1=0.8, beta2=0.9, weight_decay=0.2)),
-    "adagrad": Opt(lambda lr, weight_decay: optim.adagrad(
-        lr=lr, lr_decay=0.1, weight_decay=weight_decay, initial_accumulator_value=0.1,
-        eps=1e-2), dict(lr=0.1, weight_decay=0.05)),
-    "rmsprop": Opt(lambda lr, weight_decay, momentum: optim.rmsprop(
-        lr=lr, alpha=0.9, eps=1e-2, weight_decay=weight_decay, momentum=momentum,
-        centered=True), dict(lr=0.01, weight_decay=0.05, momentum=0.5)),
+    "sgd-dampening": Opt(lambda dampening: optim.sgd(  # nesterov takes no dampening
+        lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.05), dict(dampening=0.3)),
+    "sgd_chain": Opt(lambda dampening: optim.as_optimizer(optim.sgd_chain(  # trace's dampening
+        lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.05)), dict(dampening=0.3)),
+    "adam": Opt(lambda lr, beta1, beta2, eps, weight_decay: optim.adam(
+        lr=lr, betas=pair(beta1, beta2), eps=eps, weight_decay=weight_decay),
+        dict(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-2, weight_decay=0.05)),
+    "adam-amsgrad": Opt(lambda lr, beta2, eps: optim.adam(lr=lr, betas=pair(0.8, beta2), eps=eps,
+                                                          amsgrad=True),
+                        dict(lr=0.05, beta2=0.9, eps=1e-2)),
+    "adamw": Opt(lambda lr, beta1, beta2, eps, weight_decay: optim.adamw(
+        lr=lr, betas=pair(beta1, beta2), eps=eps, weight_decay=weight_decay),
+        dict(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-2, weight_decay=0.2)),
+    "adagrad": Opt(lambda lr, lr_decay, weight_decay, initial_accumulator_value, eps: optim.adagrad(
+        lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+        initial_accumulator_value=initial_accumulator_value, eps=eps),
+        dict(lr=0.1, lr_decay=0.1, weight_decay=0.05, initial_accumulator_value=0.1, eps=1e-2)),
+    # scale_by_adagrad (the chain's plain path; its lowering for concrete values)
+    "adagrad_chain": Opt(lambda lr_decay, initial_accumulator_value, eps: optim.as_optimizer(
+        optim.adagrad_chain(lr=0.1, lr_decay=lr_decay, weight_decay=0.05,
+                            initial_accumulator_value=initial_accumulator_value, eps=eps)),
+        dict(lr_decay=0.1, initial_accumulator_value=0.1, eps=1e-2)),
+    "rmsprop": Opt(lambda lr, alpha, eps, weight_decay, momentum: optim.rmsprop(
+        lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+        centered=True), dict(lr=0.01, alpha=0.9, eps=1e-2, weight_decay=0.05, momentum=0.5)),
+    "rmsprop_chain": Opt(lambda alpha, eps: optim.as_optimizer(optim.rmsprop_chain(  # scale_by_rms
+        lr=0.01, alpha=alpha, eps=eps, weight_decay=0.05, momentum=0.5, centered=True)),
+        dict(alpha=0.9, eps=1e-2)),
     "adadelta": Opt(lambda lr, rho, eps, weight_decay: optim.adadelta(
         lr=lr, rho=rho, eps=eps, weight_decay=weight_decay),
         dict(lr=1.0, rho=0.9, eps=1e-3, weight_decay=0.05)),
     "adafactor": Opt(lambda lr, beta2_decay, eps2, d, weight_decay: optim.adafactor(
         lr=lr, beta2_decay=beta2_decay, eps=(None, eps2), d=d, weight_decay=weight_decay),
         dict(lr=0.05, beta2_decay=-0.8, eps2=1e-3, d=1.01, weight_decay=0.1)),
+    # eps1 = 1: the clamps it sets bind here (at 1e-3 the loss does not depend on it)
+    "adafactor-eps1": Opt(lambda eps1: optim.adafactor(
+        lr=0.05, eps=(eps1, 1e-3), d=1.01, weight_decay=0.1), dict(eps1=1.0)),
     "adamax": Opt(lambda lr, beta1, beta2, eps, weight_decay: optim.adamax(
         lr=lr, betas=pair(beta1, beta2), eps=eps, weight_decay=weight_decay),
         dict(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-2, weight_decay=0.05)),
@@ -126,8 +142,8 @@ OPTIMIZERS: dict[str, Opt] = {
             warmup_steps=2, r=r, weight_lr_power=weight_lr_power),
         dict(lr=0.05, beta1=0.9, beta2=0.9, eps=1e-2, weight_decay=0.05, r=0.5,
              weight_lr_power=2.0)),
-    "chain": Opt(_chain, dict(lr=0.05, max_norm=0.5, beta1=0.8, beta2=0.9, weight_decay=0.05,
-                              gamma=0.7)),
+    "chain": Opt(_chain, dict(lr=0.05, max_norm=0.5, beta1=0.8, beta2=0.9, eps=0.1,
+                              weight_decay=0.05, gamma=0.7)),
     "inject_hyperparams": Opt(_injected, dict(lr=0.05, weight_decay=0.05)),
 }
 
@@ -267,6 +283,8 @@ def sweep_values(hp: str, value: float) -> list[float]:
         step = 0.005
     if hp == "etaplus":  # Rprop's etaplus must stay > 1
         step = 0.1
+    if hp == "alpha" and value + step > 1:  # RMSprop's alpha must stay <= 1
+        step = (1 - value) / 2
     return [value - step, value, value + step]
 
 

@@ -24,6 +24,7 @@ from minitrain.optim._lowering import chain_lowering, leaf_step, maximized, regi
 from minitrain.optim._transforms_rules import (
     adagrad_leaf,
     add_decayed_weights,
+    filled,
     scale_by_adagrad,
 )
 from minitrain.optim.base import (
@@ -34,6 +35,7 @@ from minitrain.optim.base import (
     check_hyperparameter,
     make_optimizer,
     owned,
+    scalar,
     step_tensors,
 )
 from minitrain.tree import Params
@@ -51,10 +53,10 @@ class AdagradState(NamedTuple):
 
 def adagrad(
     lr: ScalarOrSchedule = 1e-2,
-    lr_decay: float = 0.0,
+    lr_decay: float | Tensor = 0.0,
     weight_decay: float | Tensor = 0.0,
-    initial_accumulator_value: float = 0.0,
-    eps: float = 1e-10,
+    initial_accumulator_value: float | Tensor = 0.0,
+    eps: float | Tensor = 1e-10,
     *,
     maximize: bool = False,
     mask: WeightDecayMask = None,
@@ -70,15 +72,18 @@ def adagrad(
     >>> params["w"]  # each coordinate moves by lr on the first step
     tensor([0.9000, 1.1000])
     """
+    lr_decay, eps = hyperparameter("lr_decay", lr_decay), hyperparameter("eps", eps)
     check_hyperparameter("lr_decay", lr_decay, 0.0)
     weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
-    check_hyperparameter("initial_accumulator_value", initial_accumulator_value, 0.0)
+    initial = hyperparameter("initial_accumulator_value", initial_accumulator_value)
+    check_hyperparameter("initial_accumulator_value", initial, 0.0)
     check_hyperparameter("eps", eps, 0.0)
     plain_step = leaf_step(adagrad_leaf, dict(lr_decay=lr_decay, eps=eps), maximize=maximize)
+    decay, e = scalar(lr_decay), scalar(eps)
 
     def streaming_spec(step, lr, weight_decay):
-        return "adagrad", [lr / (1 + (step - 1) * lr_decay), weight_decay, eps], ("sum",)
+        return "adagrad", [lr / (1 + (step - 1) * decay), weight_decay, e], ("sum",)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
         gs = maximized(gs, maximize)
@@ -89,28 +94,25 @@ def adagrad(
             return new_ps, {"sum": sums}
         ps, sums = owned(ps, outputs), owned(buffers["sum"], outputs)
         torch._fused_adagrad_(
-            ps, gs, sums, step_tensors(step, ps), lr=lr, lr_decay=float(lr_decay),
-            weight_decay=weight_decay, eps=float(eps), maximize=False,
+            ps, gs, sums, step_tensors(step, ps), lr=lr, lr_decay=float(decay),
+            weight_decay=weight_decay, eps=float(e), maximize=False,
         )
         return ps, {"sum": sums}
 
-    def init_buffer(name: str, p: Tensor) -> Tensor:
-        return torch.full_like(
-            p, initial_accumulator_value, memory_format=torch.preserve_format
-        )
-
-    rule = Rule(("sum",), init_buffer, plain_step, fast_step,
+    rule = Rule(("sum",), lambda name, p: filled(p, initial), plain_step, fast_step,
                 streaming=None if maximize else streaming_spec)
     lr = lr if callable(lr) else hyperparameter("lr", lr)
-    return make_optimizer(AdagradState, rule, lr, weight_decay, mask, impl)
+    # The initial value reaches the update through the state only: watched all the same.
+    return make_optimizer(AdagradState, rule, lr, weight_decay, mask, impl,
+                          (lr_decay, eps, initial))
 
 
 def adagrad_chain(
     lr: ScalarOrSchedule = 1e-2,
-    lr_decay: float = 0.0,
+    lr_decay: float | Tensor = 0.0,
     weight_decay: float | Tensor = 0.0,
-    initial_accumulator_value: float = 0.0,
-    eps: float = 1e-10,
+    initial_accumulator_value: float | Tensor = 0.0,
+    eps: float | Tensor = 1e-10,
     *,
     maximize: bool = False,
     mask: WeightDecayMask = None,

@@ -65,7 +65,7 @@ class AdamState(NamedTuple):
 def adam(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: float | Tensor = 1e-8,
     weight_decay: float | int | Tensor = 0.0,
     amsgrad: bool = False,
     *,
@@ -92,7 +92,7 @@ def adam(
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: float | Tensor = 1e-8,
     weight_decay: float | int | Tensor = 1e-2,
     amsgrad: bool = False,
     *,
@@ -117,7 +117,7 @@ def adamw(
 def adam_chain(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: float | Tensor = 1e-8,
     weight_decay: float | int | Tensor = 0.0,
     amsgrad: bool = False,
     *,
@@ -143,6 +143,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
     beta1, beta2 = check_pair("betas", betas)
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
+    eps = hyperparameter("eps", eps)
     check_hyperparameter("eps", eps, 0.0)
     weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
@@ -150,12 +151,12 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
     hyper = dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad)
     plain_step = leaf_step(adam_leaf, hyper, decoupled=decoupled, maximize=maximize,
                            unused=() if amsgrad else ("max_exp_avg_sq",))
-    b1, b2 = scalar(beta1), scalar(beta2)
+    b1, b2, e = scalar(beta1), scalar(beta2), scalar(eps)
 
     def streaming_spec(step, lr, weight_decay):
         factor = 1.0 if grad_scale is None else grad_scale  # read by the kernel call, last
         hyperparameters = [
-            b1, b2, eps, weight_decay, lr, lr / (1 - b1**step), math.sqrt(1 - b2**step),
+            b1, b2, e, weight_decay, lr, lr / (1 - b1**step), math.sqrt(1 - b2**step),
             decoupled, amsgrad, factor,
         ]
         return "adam", hyperparameters, ("exp_avg", "exp_avg_sq",
@@ -178,7 +179,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
         kernel(
             ps, gs, new["exp_avg"], new["exp_avg_sq"], new.get("max_exp_avg_sq", []),
             step_tensors(step, ps), lr=lr, beta1=float(b1), beta2=float(b2),
-            weight_decay=weight_decay, eps=float(eps), amsgrad=amsgrad, maximize=False,
+            weight_decay=weight_decay, eps=float(e), amsgrad=amsgrad, maximize=False,
         )
         return ps, new
 
@@ -190,7 +191,7 @@ def _adam(lr, betas, eps, weight_decay, amsgrad, maximize, mask, impl, *, decoup
         streaming=None if maximize else streaming_spec,
     )
     return make_optimizer(AdamState, rule, hyperparameter("lr", lr) if not callable(lr) else lr,
-                          weight_decay, mask, impl, (beta1, beta2))
+                          weight_decay, mask, impl, (beta1, beta2, eps))
 
 
 def _match(tx: GradientTransformation):

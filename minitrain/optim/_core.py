@@ -443,7 +443,9 @@ def leafwise(
                      _pytree.tree_unflatten(new_buffers[key], treespec) for key in buffers)
         )
 
-    return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper)
+    watched = {"also_watch": also_watch} if also_watch else {}  # a lowering watches them too
+    return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper,
+                  **watched)
 
 
 def unused(per_leaf: list[dict[str, Any]], key: str) -> bool:

@@ -57,8 +57,8 @@ class RMSpropState(NamedTuple):
 
 def rmsprop(
     lr: ScalarOrSchedule = 1e-2,
-    alpha: float = 0.99,
-    eps: float = 1e-8,
+    alpha: float | Tensor = 0.99,
+    eps: float | Tensor = 1e-8,
     weight_decay: float | Tensor = 0.0,
     momentum: float | Tensor = 0.0,
     centered: bool = False,
@@ -77,6 +77,7 @@ def rmsprop(
     >>> params["w"]  # alpha=0: v = g * g, so the step is lr * sign(g)
     tensor([0.9900])
     """
+    alpha, eps = hyperparameter("alpha", alpha), hyperparameter("eps", eps)
     check_hyperparameter("alpha", alpha, 0.0, 1.0)
     check_hyperparameter("eps", eps, 0.0)
     weight_decay = hyperparameter("weight_decay", weight_decay)
@@ -91,10 +92,10 @@ def rmsprop(
     if has_momentum:
         rules.append((trace_leaf, dict(momentum=momentum, dampening=0.0, nesterov=False)))
     plain_step = leaf_step(rules, maximize=maximize)
-    mu = scalar(momentum)
+    mu, a, e = scalar(momentum), scalar(alpha), scalar(eps)
 
     def streaming_spec(step, lr, weight_decay):
-        hyperparameters = [lr, alpha, eps, weight_decay, mu, centered, has_momentum]
+        hyperparameters = [lr, a, e, weight_decay, mu, centered, has_momentum]
         return "rmsprop", hyperparameters, ("square_avg", "momentum_buffer" if has_momentum
                                             else None, "grad_avg" if centered else None)
 
@@ -110,17 +111,17 @@ def rmsprop(
             return new_ps, {n: t for n, t in zip(names, new_state, strict=True) if t is not None}
         if weight_decay != 0:
             gs = torch._foreach_add(gs, ps, alpha=weight_decay)
-        square_avg = _apply(torch.mul, buffers["square_avg"], (alpha,), {}, outputs)
-        torch._foreach_addcmul_(square_avg, gs, gs, value=1 - alpha)
+        square_avg = _apply(torch.mul, buffers["square_avg"], (a,), {}, outputs)
+        torch._foreach_addcmul_(square_avg, gs, gs, value=1 - a)
         new = {"square_avg": square_avg}
         if centered:
-            grad_avg = _apply(torch.lerp, buffers["grad_avg"], (gs, 1 - alpha), {}, outputs)
+            grad_avg = _apply(torch.lerp, buffers["grad_avg"], (gs, 1 - a), {}, outputs)
             new["grad_avg"] = grad_avg
             avg = torch._foreach_addcmul(square_avg, grad_avg, grad_avg, value=-1)
             torch._foreach_sqrt_(avg)
         else:
             avg = torch._foreach_sqrt(square_avg)
-        torch._foreach_add_(avg, eps)
+        torch._foreach_add_(avg, e)
         if has_momentum:
             buf = _apply(torch.mul, buffers["momentum_buffer"], (mu,), {}, outputs)
             torch._foreach_addcdiv_(buf, gs, avg)
@@ -137,13 +138,14 @@ def rmsprop(
         streaming=None if maximize else streaming_spec,
     )
     lr = lr if callable(lr) else hyperparameter("lr", lr)
-    return make_optimizer(RMSpropState, rule, lr, weight_decay, mask, impl, (alpha, momentum))
+    return make_optimizer(RMSpropState, rule, lr, weight_decay, mask, impl,
+                          (alpha, momentum, eps))
 
 
 def rmsprop_chain(
     lr: ScalarOrSchedule = 1e-2,
-    alpha: float = 0.99,
-    eps: float = 1e-8,
+    alpha: float | Tensor = 0.99,
+    eps: float | Tensor = 1e-8,
     weight_decay: float | Tensor = 0.0,
     momentum: float | Tensor = 0.0,
     centered: bool = False,

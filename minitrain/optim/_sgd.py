@@ -56,7 +56,7 @@ class SGDState(NamedTuple):
 def sgd(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float | Tensor = 0.0,
-    dampening: float = 0.0,
+    dampening: float | Tensor = 0.0,
     nesterov: bool = False,
     weight_decay: float | Tensor = 0.0,
     *,
@@ -77,6 +77,7 @@ def sgd(
     """
     momentum = hyperparameter("momentum", momentum)
     check_hyperparameter("momentum", momentum, 0.0)
+    dampening = hyperparameter("dampening", dampening)
     check_hyperparameter("dampening", dampening, 0.0)
     weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
@@ -95,7 +96,7 @@ def sgd(
     momentum_on = has_momentum and (is_traced(mu) or mu != 0)
 
     def streaming_spec(step, lr, weight_decay):
-        hyperparameters = [lr, mu, dampening, weight_decay, nesterov, step == 1, momentum_on]
+        hyperparameters = [lr, mu, damp, weight_decay, nesterov, step == 1, momentum_on]
         return "sgd", hyperparameters, ("momentum_buffer" if momentum_on else None,)
 
     def fast_step(ps, gs, buffers, step, lr, weight_decay, outputs):
@@ -116,7 +117,7 @@ def sgd(
             bufs = outputs(old) if fresh else owned(old, outputs)
         torch._fused_sgd_(
             ps, gs, bufs, weight_decay=weight_decay, momentum=float(mu), lr=lr,
-            dampening=float(dampening), nesterov=nesterov, maximize=False,
+            dampening=float(damp), nesterov=nesterov, maximize=False,
             is_first_step=step == 1,
         )
         return ps, kept(bufs, old)
@@ -137,7 +138,7 @@ def sgd(
                 if step == 1:  # torch's buffer starts as a copy of the grad
                     bufs[i].copy_(g)
                 else:
-                    bufs[i].mul_(float(mu)).add_(g, alpha=1 - dampening)
+                    bufs[i].mul_(float(mu)).add_(g, alpha=1 - damp)
                 g = g.add(bufs[i], alpha=float(mu)) if nesterov else bufs[i]
             p.add_(g, alpha=-lr)
         return ps, kept(bufs, old)
@@ -161,7 +162,7 @@ def sgd(
 def sgd_chain(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float | Tensor = 0.0,
-    dampening: float = 0.0,
+    dampening: float | Tensor = 0.0,
     nesterov: bool = False,
     weight_decay: float | Tensor = 0.0,
     *,

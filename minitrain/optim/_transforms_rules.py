@@ -184,8 +184,8 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad):
     return (exp_avg / denom) / bias_correction1, new
 
 
-def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999, eps: float = 1e-8,
-                  amsgrad: bool = False) -> GradientTransformation:
+def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
+                  eps: float | Tensor = 1e-8, amsgrad: bool = False) -> GradientTransformation:
     """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad.
 
     >>> import torch
@@ -228,7 +228,7 @@ def rms_leaf(g, buffers, p, step, alpha, eps, centered):
     return g / avg, new
 
 
-def scale_by_rms(alpha: float | Tensor = 0.99, eps: float = 1e-8,
+def scale_by_rms(alpha: float | Tensor = 0.99, eps: float | Tensor = 1e-8,
                  centered: bool = False) -> GradientTransformation:
     """Divide by the root of a running mean of squares, as torch.optim.RMSprop.
 
@@ -261,8 +261,9 @@ def adagrad_leaf(g, buffers, p, step, lr_decay, eps):
     return (g / std) / (1 + (step - 1) * lr_decay), {"sum": total}
 
 
-def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0.0,
-                     eps: float = 1e-10) -> GradientTransformation:
+def scale_by_adagrad(lr_decay: float | Tensor = 0.0,
+                     initial_accumulator_value: float | Tensor = 0.0,
+                     eps: float | Tensor = 1e-10) -> GradientTransformation:
     """Divide by the root of the sum of squares so far, as torch.optim.Adagrad.
 
     >>> import torch
@@ -273,13 +274,23 @@ def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0
     check_hyperparameter("lr_decay", lr_decay, 0.0)
     check_hyperparameter("initial_accumulator_value", initial_accumulator_value, 0.0)
     check_hyperparameter("eps", eps, 0.0)
+    initial = hyperparameter("initial_accumulator_value", initial_accumulator_value)
 
     def init_leaf(p):
-        return {"sum": torch.full_like(p, initial_accumulator_value,
-                                       memory_format=torch.preserve_format)}
+        return {"sum": filled(p, initial)}
 
     return leafwise("scale_by_adagrad", init_leaf, adagrad_leaf, ScaleByAdagradState,
-                    dict(lr_decay=lr_decay, eps=eps))
+                    dict(lr_decay=lr_decay, eps=eps),
+                    also_watch=(initial,) if isinstance(initial, Tensor) else ())
+
+
+def filled(p: Tensor, value: Any) -> Tensor:
+    """A tensor like ``p`` holding ``value``: ``full_like`` for a number or a concrete tensor
+    that needs no grad, else ``zeros + value`` (traced, or differentiable in ``value``)."""
+    number = scalar(value)
+    if isinstance(number, Tensor) or isinstance(value, Tensor) and value.requires_grad:
+        return _zeros(p) + value.to(p.dtype)
+    return torch.full_like(p, number, memory_format=torch.preserve_format)
 
 
 def sign_leaf(g, buffers, p, step):
@@ -333,7 +344,7 @@ def trace_leaf(g, buffers, p, step, momentum, dampening, nesterov):
     return out, {"momentum_buffer": buf}
 
 
-def trace(momentum: float | Tensor = 0.9, dampening: float = 0.0,
+def trace(momentum: float | Tensor = 0.9, dampening: float | Tensor = 0.0,
           nesterov: bool = False) -> GradientTransformation:
     """Momentum as torch.optim.SGD has it (first step ``b = g``, dampening, Nesterov).
 

@@ -179,6 +179,9 @@ def _concrete_number(name: str, value: Any) -> float | None:
         if value.numel() != 1:
             raise ValueError(f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a "
                              f"number or a one-element tensor")
+        if value.is_complex() or value.is_meta:  # no real value to read
+            raise ValueError(f"invalid {name}: a {value.dtype} tensor on {value.device.type}; "
+                             f"pass a real number or a one-element real tensor holding data")
         return float(value.detach().reshape(()).item())
     raise ValueError(f"invalid {name}={value!r}: pass a number or a one-element tensor")
 
