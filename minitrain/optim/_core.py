@@ -54,7 +54,9 @@ tensor([ 0.9000, -1.1000])
 
 from __future__ import annotations
 
+import functools
 import inspect
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -66,33 +68,14 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import donatable, naming_bad_grads, naming_none_params
-from minitrain.optim.base import (
-    Optimizer,
-    check_hyperparameter,
-    scalar,
-    use_plain_path,
-)
+from minitrain.optim._safety import donatable, grad_leaf_error, naming_bad_grads
+from minitrain.optim.base import Optimizer, scalar, use_plain_path
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
-    "GradientTransformation",
-    "EmptyState",
-    "Updates",
-    "identity",
-    "chain",
-    "ChainState",
-    "apply_updates",
-    "leafwise",
-    "LeafBatch",
-    "hyperparameter",
-    "check_like",
-    "check_state_type",
-    "check_pair",
-    "as_optimizer",
-    "register_lowering",
-    "spec",
-    "extra_args",
+    "GradientTransformation", "EmptyState", "Updates", "identity", "chain", "ChainState",
+    "apply_updates", "leafwise", "LeafBatch", "hyperparameter", "check_like", "check_state_type",
+    "check_pair", "as_optimizer", "register_lowering", "spec", "extra_args",
 ]
 
 Updates = Grads
@@ -129,11 +112,80 @@ def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:
 
 def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientTransformation:
     """``tx`` with ``(name, arguments)`` attached to its update function (see :func:`spec`),
-    which names a None or sparse grad (:func:`~minitrain.optim._safety.naming_bad_grads`), and
-    an init that names a None param."""
-    update = naming_bad_grads(tx.update)
+    taking tensor leaves only (:func:`tensor_leaves`); its update promotes integer updates
+    (:func:`floating_updates`) and names a sparse grad (:func:`naming_bad_grads`)."""
+    inner = naming_bad_grads(tx.update)
+
+    @functools.wraps(inner)
+    def update(updates, state, params=None, **extra):
+        if params is not None:
+            tensor_leaves(name, params, "param")
+        return inner(floating_updates(name, updates, params), state, params, **extra)
+
+    @functools.wraps(tx.init)
+    def init(params):
+        tensor_leaves(name, params, "param")
+        return tx.init(params)
+
     update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
-    return GradientTransformation(naming_none_params(tx.init), update)
+    return GradientTransformation(init, update)
+
+
+def tensor_leaves(name: str, values: Any, what: str, floating: bool = False) -> list[Tensor]:
+    """The leaves of ``values`` (``what``: "updates leaf", "grads leaf", "param"), refused in
+    one line naming the first that is no tensor (``floating``: no floating or complex tensor).
+
+    >>> tensor_leaves("scale", {"a": 2.0}, "updates leaf")
+    Traceback (most recent call last):
+    ...
+    ValueError: scale: updates leaf 'a' is of type float, not a tensor; pass torch.tensor(2.0)
+    """
+    leaves = _pytree.tree_leaves(values)
+    if all(isinstance(x, Tensor) and (not floating or _inexact(x)) for x in leaves):
+        return leaves
+    at, leaf = next((n, x) for n, x in tree.named_leaves(values)
+                    if not isinstance(x, Tensor) or floating and not _inexact(x))
+    if leaf is None:
+        raise grad_leaf_error(values) if what != "param" else ValueError(
+            f"param {at!r} is None; pass a tensor for every param, or leave it out")
+    if isinstance(leaf, Tensor):
+        raise ValueError(f"{name} keeps state like each param, and param {at!r} is {leaf.dtype};"
+                         f" pass floating-point params (optimizers update those only)")
+    raise ValueError(f"{name}: {what} {at!r} is of type {type(leaf).__name__}, not a "
+                     f"tensor; pass {_tensor_hint(leaf)}")
+
+
+def _tensor_hint(leaf: Any) -> str:
+    """How to pass ``leaf`` as a tensor: ``torch.tensor(2.0)`` for a number (numpy's too).
+
+    >>> _tensor_hint(2), _tensor_hint(1j), _tensor_hint("x")
+    ('torch.tensor(2.0)', 'torch.tensor(1j)', 'a tensor (torch.as_tensor)')
+    """
+    try:
+        value = complex(leaf) if isinstance(leaf, numbers.Number) else None
+    except (OverflowError, TypeError, ValueError):  # an int beyond float, say
+        value = None
+    if value is None:
+        return "a tensor (torch.as_tensor)"
+    return f"torch.tensor({value if value.imag else value.real!r})"
+
+
+def _inexact(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def floating_updates(name: str, updates: Any, params: Any = None) -> Any:
+    """``updates`` (checked by :func:`tensor_leaves`) with each integer or bool leaf promoted
+    to its param's floating dtype, else (no params, an integer param) the default float dtype:
+    torch's promotion of ``int_tensor + param`` and of ``int_tensor * 0.5``."""
+    leaves = tensor_leaves(name, updates, "updates leaf")
+    if all(_inexact(u) for u in leaves):
+        return updates
+    p_leaves = [] if params is None else _pytree.tree_leaves(params)  # a mismatch: named later
+    p_leaves = p_leaves if len(p_leaves) == len(leaves) else [None] * len(leaves)
+    return _pytree.tree_unflatten([u if _inexact(u) else u.to(
+        p.dtype if isinstance(p, Tensor) and _inexact(p) else torch.get_default_dtype())
+        for u, p in zip(leaves, p_leaves, strict=True)], _pytree.tree_structure(updates))
 
 
 def check_state_type(name: str, state_type: type, state: Any) -> None:
@@ -399,6 +451,7 @@ def leafwise(
         buffers = fields[1:]
 
     def init(params: Params) -> OptState:
+        tensor_leaves(name, params, "param", floating=bool(buffers))  # state in params' dtypes
         leaves, treespec = _pytree.tree_flatten(params)
         per_leaf = [init_leaf(p) for p in leaves]
         for leaf_buffers in per_leaf:
@@ -592,8 +645,3 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     optimizer = Optimizer(tx.init, update)
     update.transformation = tx  # type: ignore[attr-defined]
     return optimizer
-
-
-def check_nonnegative(name: str, value: Any) -> None:
-    """``ValueError`` naming ``name`` unless ``value >= 0`` (skipped for traced values)."""
-    check_hyperparameter(name, value, 0.0)

@@ -180,6 +180,10 @@ class GradScale(threading.local, LateScalar):
         return self.value
 
 
+def _float_tensor(t: Any) -> bool:
+    return isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+
+
 def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type, core: str,
                    buffers: Sequence[str], before: int, clip_norm: Any,
                    fold_clip: GradScale | None = None) -> Callable[..., Any]:
@@ -195,6 +199,8 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
     def lowered(grads, state, params, donate):
         leaves = _flat.flatten(params)[0]
         grad_leaves = _flat.flatten(grads)[0]
+        if not all(_float_tensor(t) for t in (*leaves, *grad_leaves)):
+            return None  # the chain itself names a number leaf, promotes an integer grad
         if use_plain_path("auto", [*leaves, *grad_leaves], hyperparameters):
             return None
         if clip_norm is not None and fold_clip is not None:

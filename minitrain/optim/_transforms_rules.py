@@ -4,7 +4,8 @@ Each rule is one per-leaf function made into a transformation by :func:`leafwise
 lives here once: the aliases (``sgd``, ``adam``, ...) are chains of these, and their fused
 kernels are lowerings tested equal to them. Where optax and ``torch.optim`` differ (RMSprop's
 eps outside the sqrt, Adam's eps after the bias correction, SGD's first momentum step), torch
-wins.
+wins. Each rule sees tensor updates of a floating dtype: integer and bool ones are promoted
+first, other leaves refused (see :mod:`minitrain.optim.transforms`).
 """
 
 from __future__ import annotations
@@ -358,7 +359,8 @@ def trace(momentum: float | Tensor = 0.9, dampening: float | Tensor = 0.0,
     """
     check_hyperparameter("momentum", momentum, 0.0)
     check_hyperparameter("dampening", dampening, 0.0)
-    if nesterov and (_concrete(momentum) == 0 or _concrete(dampening) != 0):
+    # As sgd: a traced momentum or dampening (vmap, torch.func.grad) is not checked here.
+    if nesterov and (_concrete(momentum) == 0 or _concrete(dampening) not in (None, 0)):
         raise ValueError(
             "invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
             "set momentum or turn nesterov off"

@@ -23,6 +23,7 @@ from minitrain.optim._core import (
     hyperparameter,
     select_extra_args,
     tagged,
+    tensor_leaves,
 )
 from minitrain.optim._host import host_tensor, schedule_count, updates_done, zero_count
 from minitrain.optim.base import is_traced
@@ -207,6 +208,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         raise ValueError(f"invalid every_k={every_k!r}: pass a positive int")
 
     def init(params):
+        tensor_leaves("MultiSteps", params, "param", floating=True)  # the sum is like params
         zero = zero_count()
         return MultiStepsState(zero, zero.clone(), inner.init(params), tree.zeros_like(params))
 
@@ -331,6 +333,7 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
     decay = hyperparameter("decay", decay)
 
     def init(params):
+        tensor_leaves("ema", params, "param", floating=True)  # an integer average would truncate
         return EmaState(zero_count(), tree.map(torch.clone, params))
 
     def update(updates, state, params=None):

@@ -3,6 +3,20 @@
 The rules live in ``_transforms_rules`` (per-leaf math) and ``_transforms_wrappers`` (routing,
 accumulation, skipping, averaging, injected hyperparameters); this module adds global-norm
 clipping and is the public index of them all.
+
+Leaves. Every transformation (and wrapper) takes trees of tensors: a leaf that is no tensor, in
+the updates or the params (a Python or numpy number, None, a string), is a one-line
+``ValueError`` naming the leaf and how to pass it (``torch.tensor(2.0)``), at init and at update
+alike (``_core.tagged`` checks it once for all, before the transformation runs). An integer or
+bool update is promoted to a floating dtype before any transformation sees it: its param's
+dtype where params are given and that param is floating-point or complex (torch's promotion of
+``int_tensor + param``; optax's JAX promotion with the state in the params' dtype), else the
+default float dtype (torch's ``int_tensor * 0.5``, as :func:`reduce_on_plateau` does). So
+``scale_by_adam``, ``trace``, ``scale_by_sign`` or ``clip`` of an integer update equal their
+result on the promoted float update, and the updates that come out are floating-point.
+A transformation that keeps a state like each param (the per-leaf rules with buffers,
+``MultiSteps``' sum, ``ema``'s average) refuses integer and bool params at init in one line,
+as the optimizers do: such a state would truncate, and ``torch.lerp`` has no integer kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +30,14 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim import _flat, streaming
-from minitrain.optim._core import EmptyState, GradientTransformation, hyperparameter, tagged
+from minitrain.optim._core import (
+    EmptyState,
+    GradientTransformation,
+    floating_updates,
+    hyperparameter,
+    tagged,
+    tensor_leaves,
+)
 from minitrain.optim._transforms_rules import *  # noqa: F403  (listed in __all__)
 from minitrain.optim._transforms_rules import __all__ as _rules
 from minitrain.optim._transforms_wrappers import *  # noqa: F403  (listed in __all__)
@@ -57,7 +78,8 @@ def clip_by_global_norm(grads_or_max_norm: Any = _NOT_GIVEN, max_norm: Any = Non
         return _clip_transform(max_norm)
     if max_norm is None:
         return _clip_transform(grads_or_max_norm)
-    return _clip(grads_or_max_norm, max_norm)
+    tensor_leaves("clip_by_global_norm", grads_or_max_norm, "grads leaf")
+    return _clip(floating_updates("clip_by_global_norm", grads_or_max_norm), max_norm)
 
 
 def _clip_transform(max_norm: Any) -> GradientTransformation:

@@ -1,0 +1,310 @@
+"""Leaves of other types than floating-point tensors, through every gradient transformation.
+
+* A leaf that is no tensor (a Python or numpy number, None, a string) in the updates or the
+  params is a one-line ``ValueError`` naming the leaf and how to pass it (``torch.tensor(2.0)``),
+  from every transformation and wrapper, at init and at update.
+* An integer or bool update is promoted to its param's floating dtype (the default float dtype
+  without params), as torch promotes ``int_tensor + param`` and ``int_tensor * 0.5``, and as
+  optax's JAX promotion does: every transformation gives what it gives for the promoted update.
+  Params of a transformation that keeps state like them must be floating-point.
+* ``trace(momentum, dampening=<traced tensor>, nesterov=True)`` is taken as ``sgd`` takes it:
+  its hypergradient by ``torch.func.grad`` equals autograd's and the closed form, its ``vmap``
+  over dampening equals ``sgd``'s and separate runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minitrain as mt
+
+optim = mt.optim
+F64 = torch.float64
+
+# Every transformation and wrapper, on params {"w": (3, 2), "b": (2,)} (Muon's need matrices).
+FACTORIES = {
+    "identity": optim.identity,
+    "chain": lambda: optim.chain(optim.scale_by_adam(), optim.scale(-0.1)),
+    "scale": lambda: optim.scale(0.5),
+    "scale_by_learning_rate": lambda: optim.scale_by_learning_rate(0.1),
+    "scale_by_adam": optim.scale_by_adam,
+    "scale_by_adam-amsgrad": lambda: optim.scale_by_adam(amsgrad=True),
+    "scale_by_rms": lambda: optim.scale_by_rms(centered=True),
+    "scale_by_adagrad": optim.scale_by_adagrad,
+    "scale_by_sign": optim.scale_by_sign,
+    "trace": lambda: optim.trace(0.9),
+    "trace-nesterov": lambda: optim.trace(0.9, nesterov=True),
+    "add_decayed_weights": lambda: optim.add_decayed_weights(0.1),
+    "add_decayed_weights-off": lambda: optim.add_decayed_weights(0.0),
+    "clip": lambda: optim.clip(1.5),
+    "clip_by_global_norm": lambda: optim.clip_by_global_norm(1.0),
+    "masked": lambda: optim.masked(optim.scale_by_adam(), {"w": True, "b": False}),
+    "multi_transform": lambda: optim.multi_transform(
+        {"m": optim.trace(0.9), "s": optim.scale_by_sign()}, {"w": "m", "b": "s"}),
+    "MultiSteps": lambda: optim.MultiSteps(optim.scale_by_adam(), every_k=1),
+    "apply_if_finite": lambda: optim.apply_if_finite(optim.scale_by_rms()),
+    "ema": lambda: optim.ema(0.9),
+    "inject_hyperparams": lambda: optim.inject_hyperparams(optim.scale_by_adam)(b1=0.8),
+    "sgd_chain": lambda: optim.sgd_chain(lr=0.1, momentum=0.9, weight_decay=0.1),
+    "adam_chain": lambda: optim.adam_chain(lr=0.1, weight_decay=0.1),
+    "scale_by_lion": optim.scale_by_lion,
+    "scale_by_adamax": optim.scale_by_adamax,
+    "scale_by_nadam": optim.scale_by_nadam,
+    "scale_by_rprop": optim.scale_by_rprop,
+    "scale_by_asgd": optim.scale_by_asgd,
+    "scale_by_adadelta": optim.scale_by_adadelta,
+}
+# Those that keep a state like each param.
+STATEFUL = ["chain", "scale_by_adam", "scale_by_rms", "scale_by_adagrad", "trace", "MultiSteps",
+            "ema", "scale_by_lion", "scale_by_adamax", "scale_by_rprop", "adam_chain"]
+
+
+def _params(dtype=torch.float32):
+    return {"w": torch.ones(3, 2, dtype=dtype), "b": torch.full((2,), 0.5, dtype=dtype)}
+
+
+def _grads(dtype=torch.float32):
+    return {"w": torch.tensor([[1, -2], [3, 0], [5, -1]], dtype=dtype),
+            "b": torch.tensor([2, -3], dtype=dtype)}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Leaves that are no tensors: one line naming the leaf
+
+
+NON_TENSORS = st.sampled_from([2.0, 2, True, np.float32(2.0), np.int64(2), -0.5, 1e300])
+
+
+def _one_line_naming(info, leaf):
+    message = str(info.value)
+    assert "\n" not in message and f"'{leaf}'" in message, message
+    return message
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(FACTORIES)), leaf=st.sampled_from(["w", "b"]),
+       value=NON_TENSORS, with_params=st.booleans())
+def test_hypothesis_a_number_update_is_a_value_error_naming_its_leaf(name, leaf, value,
+                                                                      with_params):
+    tx = FACTORIES[name]()
+    params = _params()
+    updates = {**_grads(torch.float32), leaf: value}
+    with_params = with_params or name in ("add_decayed_weights", "ema")  # these need params
+    with pytest.raises(ValueError, match=r"pass torch\.tensor\(") as info:
+        tx.update(updates, tx.init(params), params if with_params else None)
+    message = _one_line_naming(info, leaf)
+    assert f"torch.tensor({float(value)!r})" in message
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("value", [2.0, np.float64(2.0), "x"], ids=["float", "numpy", "str"])
+def test_a_non_tensor_param_at_init_is_a_value_error_naming_it(name, value):
+    tx = FACTORIES[name]()
+    with pytest.raises(ValueError, match=r"param 'b'.* not a tensor; pass ") as info:
+        tx.init({"w": torch.ones(3, 2), "b": value})
+    _one_line_naming(info, "b")
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_a_non_tensor_param_at_update_is_a_value_error_naming_it(name):
+    tx = FACTORIES[name]()
+    state = tx.init(_params())
+    with pytest.raises(ValueError, match=r"param 'b'.* not a tensor; pass torch\.tensor\(0\.5\)"):
+        tx.update(_grads(), state, {"w": torch.ones(3, 2), "b": 0.5})
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_a_none_update_is_named_by_its_own_leaf_name(name):
+    # masked and multi_transform named the leaf by its index in the inner list ('0')
+    tx = FACTORIES[name]()
+    params = _params()
+    with pytest.raises(ValueError, match=r"^the grad of 'w' is None"):
+        tx.update({"w": None, "b": torch.ones(2)}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("value", [2.0, None, np.float32(1.0)])
+def test_clip_by_global_norms_function_form_names_a_non_tensor_grad(value):
+    with pytest.raises(ValueError, match=r"'a'") as info:
+        optim.clip_by_global_norm({"a": value, "b": torch.ones(2)}, 1.0)
+    _one_line_naming(info, "a")
+
+
+def test_the_hint_is_a_tensor_the_transformation_then_takes():
+    tx = optim.scale(0.5)
+    with pytest.raises(ValueError, match=r"pass torch\.tensor\(2\.0\)$"):
+        tx.update({"a": 2.0}, tx.init({"a": torch.tensor(0.0)}))
+    updates, _ = tx.update({"a": torch.tensor(2.0)}, tx.init({"a": torch.tensor(0.0)}))
+    assert updates["a"].item() == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Integer and bool updates: promoted as torch promotes them
+
+
+INT_DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
+
+
+def _int_grads(dtype, values):
+    g = torch.tensor(values).reshape(4, 2)
+    if dtype is torch.bool:
+        g = g != 0
+    elif not dtype.is_signed:
+        g = g.abs()
+    return {"w": g[:3].to(dtype), "b": g[3].to(dtype)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(FACTORIES)), dtype=st.sampled_from(INT_DTYPES),
+       param_dtype=st.sampled_from([torch.float32, F64]),
+       values=st.lists(st.integers(-100, 100), min_size=8, max_size=8))
+def test_hypothesis_an_integer_update_gives_what_its_promotion_gives(name, dtype, param_dtype,
+                                                                     values):
+    params = _params(param_dtype)
+    grads = _int_grads(dtype, values)
+    promoted = {k: v.to(param_dtype) for k, v in grads.items()}  # torch's int + param
+    tx = FACTORIES[name]()
+    state = tx.init(params)
+    got, got_state = tx.update(grads, state, params)
+    want, want_state = tx.update(promoted, state, params)
+    for g, w in zip(mt.tree.leaves((got, got_state)), mt.tree.leaves((want, want_state)),
+                    strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    assert all(u.dtype == param_dtype for u in mt.tree.leaves(got))
+
+
+@pytest.mark.parametrize("name", ["scale", "scale_by_sign", "scale_by_adam", "trace", "clip",
+                                  "clip_by_global_norm", "identity", "scale_by_rms"])
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+def test_without_params_an_integer_update_takes_the_default_float_dtype(name, dtype):
+    grads = _int_grads(dtype, [1, -2, 3, 0, 5, -1, 2, -3])
+    tx = FACTORIES[name]()
+    state = tx.init(_params())
+    got, _ = tx.update(grads, state)
+    want, _ = tx.update({k: v.to(torch.get_default_dtype()) for k, v in grads.items()}, state)
+    for g, w in zip(mt.tree.leaves(got), mt.tree.leaves(want), strict=True):
+        assert g.dtype == torch.get_default_dtype()
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_the_promotion_is_reduce_on_plateaus_and_torchs():
+    g = torch.tensor([3, -1])
+    plateau = optim.reduce_on_plateau(lr=1.0)
+    by_plateau, _ = plateau.update({"a": g}, plateau.init({"a": g}))
+    by_scale, _ = optim.scale(0.5).update({"a": g}, optim.EmptyState())
+    assert by_plateau["a"].dtype == by_scale["a"].dtype == (g * 0.5).dtype
+    torch.testing.assert_close(by_scale["a"], g * 0.5, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_params_of_a_stateful_transformation_are_refused_in_one_line(name, dtype):
+    tx = FACTORIES[name]()
+    with pytest.raises(ValueError, match=rf"param 'w' is {dtype}; pass floating-point params"):
+        tx.init({"w": torch.ones(3, 2, dtype=dtype), "b": torch.ones(2)})
+
+
+def test_a_clip_by_global_norm_of_integer_grads_is_the_float_clip():
+    grads = {"a": torch.tensor([3, 0]), "b": torch.tensor([4])}
+    clipped, norm = optim.clip_by_global_norm(grads, 1.0)
+    want, want_norm = optim.clip_by_global_norm({k: v.float() for k, v in grads.items()}, 1.0)
+    torch.testing.assert_close(norm, want_norm)
+    torch.testing.assert_close(clipped, want, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. trace with a traced dampening and Nesterov, as sgd
+
+
+GRADS = [torch.tensor([1.0, -2.0], dtype=F64), torch.tensor([0.5, 3.0], dtype=F64)]
+
+
+def _trace_loss(dampening, momentum=0.9):
+    """The sum of trace's second update (Nesterov) from GRADS."""
+    tx = optim.trace(momentum, dampening=dampening, nesterov=True)
+    state = tx.init([torch.zeros(2, dtype=F64)])
+    for g in GRADS:
+        out, state = tx.update([g], state)
+    return out[0].sum()
+
+
+def _sgd_params(make, dampening):
+    opt = make(dampening)
+    params = {"w": torch.zeros(2, dtype=F64)}
+    state = opt.init(params)
+    for g in GRADS:
+        params, state = opt.update({"w": g}, state, params)
+    return params["w"]
+
+
+SGD = {
+    "sgd": lambda d: optim.sgd(lr=0.1, momentum=0.9, dampening=d, nesterov=True),
+    "sgd_chain": lambda d: optim.as_optimizer(
+        optim.sgd_chain(lr=0.1, momentum=0.9, dampening=d, nesterov=True)),
+}
+
+
+def test_traces_hypergradient_in_a_traced_dampening_under_nesterov():
+    zero = torch.tensor(0.0, dtype=F64)
+    by_func = torch.func.grad(_trace_loss)(zero)  # traced: refused before
+    leaf = zero.clone().requires_grad_()
+    (by_autograd,) = torch.autograd.grad(_trace_loss(leaf), leaf)
+    # second update g2 + m (m g1 + (1 - d) g2): d/dd = -m sum(g2)
+    closed_form = -0.9 * GRADS[1].sum()
+    torch.testing.assert_close(by_func, by_autograd, rtol=1e-12, atol=0)
+    torch.testing.assert_close(by_func, closed_form, rtol=1e-12, atol=0)
+
+
+def test_sgd_and_its_chain_agree_on_the_hypergradient_in_dampening_under_nesterov():
+    zero = torch.tensor(0.0, dtype=F64)
+    grads = [torch.func.grad(lambda d, m=make: _sgd_params(m, d).sum())(zero)
+             for make in SGD.values()]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=0)
+    torch.testing.assert_close(grads[0], 0.1 * 0.9 * GRADS[1].sum(), rtol=1e-12, atol=0)
+
+
+def test_a_vmapped_dampening_under_nesterov_matches_separate_runs_and_sgd():
+    values = torch.tensor([0.0, 0.0, 0.3], dtype=F64)
+    batched = {name: torch.func.vmap(lambda d, m=make: _sgd_params(m, d))(values)
+               for name, make in SGD.items()}
+    torch.testing.assert_close(batched["sgd_chain"], batched["sgd"], rtol=1e-12, atol=1e-15)
+    separate = _sgd_params(SGD["sgd_chain"], 0.0)  # a float dampening 0: a concrete check
+    for i in (0, 1):
+        torch.testing.assert_close(batched["sgd_chain"][i], separate, rtol=1e-12, atol=0)
+    traced = torch.func.vmap(_trace_loss)(values)
+    torch.testing.assert_close(traced[:2], _trace_loss(0.0).expand(2), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("make", [lambda: optim.trace(0.9, dampening=0.1, nesterov=True),
+                                  lambda: optim.trace(0.9, torch.tensor(0.1), nesterov=True),
+                                  lambda: optim.sgd(momentum=0.9, dampening=0.1, nesterov=True)])
+def test_a_concrete_dampening_under_nesterov_is_still_refused(make):
+    with pytest.raises(ValueError, match="nesterov=True: it requires momentum > 0 and dampening"):
+        make()
+
+
+LOWERED_CHAINS = ["adam_chain", "sgd_chain", "adagrad_chain", "rmsprop_chain"]
+
+
+@pytest.mark.parametrize("name", LOWERED_CHAINS)
+def test_a_lowered_chain_names_a_number_update_in_one_line(name):
+    # as_optimizer(chain) takes an alias's fast path; a number leaf falls back to the chain,
+    # which names it (it raised AttributeError from the path choice before)
+    opt = mt.optim.as_optimizer(getattr(mt.optim, name)())
+    params = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"updates leaf 'w' is of type float.*torch.tensor"):
+        opt.update({"w": 2.0}, opt.init(params), params)
+
+
+@pytest.mark.parametrize("name", LOWERED_CHAINS)
+def test_a_lowered_chain_promotes_an_integer_grad_as_the_plain_chain_does(name):
+    params = {"w": torch.linspace(-1.0, 1.0, 5)}
+    lowered = mt.optim.as_optimizer(getattr(mt.optim, name)())
+    chain = getattr(mt.optim, name)()
+    got, _ = lowered.update({"w": torch.arange(5)}, lowered.init(params), params)
+    updates, _ = chain.update({"w": torch.arange(5.0)}, chain.init(params), params)
+    assert torch.equal(got["w"], mt.optim.apply_updates(params, updates)["w"])
