@@ -308,3 +308,11 @@ def test_a_lowered_chain_promotes_an_integer_grad_as_the_plain_chain_does(name):
     got, _ = lowered.update({"w": torch.arange(5)}, lowered.init(params), params)
     updates, _ = chain.update({"w": torch.arange(5.0)}, chain.init(params), params)
     assert torch.equal(got["w"], mt.optim.apply_updates(params, updates)["w"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_adafactor_refuses_integer_params_in_one_line(dtype):
+    # it raised TypeError from torch.finfo at the first update
+    tx = mt.optim.scale_by_adafactor()
+    with pytest.raises(ValueError, match=r"param 'w' is torch\.(int64|bool); pass floating"):
+        tx.init({"w": torch.ones(2, 2, dtype=dtype)})

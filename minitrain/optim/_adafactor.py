@@ -20,6 +20,7 @@ from minitrain.optim._core import (
     register_lowering,
     spec,
     tagged,
+    tensor_leaves,
 )
 from minitrain.optim._family import Scalar, check_range, descent_prefix
 from minitrain.optim._host import (
@@ -136,6 +137,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     weight_decay = check_range("weight_decay", weight_decay, 0.0)
 
     def init(params: Params) -> ScaleByAdafactorState:
+        tensor_leaves("scale_by_adafactor", params, "param", floating=True)
         for name, leaf in tree.named_leaves(params):
             if leaf.is_complex():
                 raise ValueError(f"Adafactor does not support complex params ({name!r}); "
