@@ -24,6 +24,7 @@ from minitrain.optim._core import (
     chain,
     check_extra_args,
     extra_args,
+    hyperparameter,
     leafwise,
     register_lowering,
     spec,
@@ -61,11 +62,29 @@ class MuonMomentumState(NamedTuple):
     momentum_buffer: Params
 
 
+def _number(value: Any) -> Any:
+    """A concrete tensor hyperparameter as its float (so it gives the float's bits on every
+    path, and a float in the checks' cache keys); one that is traced, or carries a gradient
+    under grad mode, unchanged."""
+    if isinstance(value, Tensor) and not is_traced(value) \
+            and not (value.requires_grad and torch.is_grad_enabled()):
+        return float(value.detach().reshape(()).item())
+    return value
+
+
 def muon_momentum_leaf(g, buffers, p, step, momentum, nesterov):
     """torch's ``_single_tensor_muon``: ``B = lerp(B, g, 1 - mu)``; Nesterov uses
     ``lerp(g, B, mu)``, else ``B``."""
-    buf = torch.lerp(buffers["momentum_buffer"], g, 1 - momentum)
-    return (torch.lerp(g, buf, momentum) if nesterov else buf), {"momentum_buffer": buf}
+    momentum, old = _number(momentum), buffers["momentum_buffer"]
+    if not isinstance(momentum, Tensor):  # a number, or a concrete tensor's float
+        buf = torch.lerp(old, g, 1 - momentum)
+        return (torch.lerp(g, buf, momentum) if nesterov else buf), {"momentum_buffer": buf}
+    # traced or differentiable: a tensor weight must have the leaf's dtype (vmap batches it),
+    # so lerp in float32 (bfloat16 leaves) as the kernel does with a number weight
+    wide = torch.promote_types(old.dtype, torch.float32)
+    buf = torch.lerp(old.to(wide), g.to(wide), (1 - momentum).to(wide)).to(old.dtype)
+    out = torch.lerp(g.to(wide), buf.to(wide), momentum.to(wide)).to(g.dtype) if nesterov else buf
+    return out, {"momentum_buffer": buf}
 
 
 def muon_momentum(momentum: Scalar = 0.95, nesterov: bool = True) -> GradientTransformation:
@@ -77,6 +96,10 @@ def muon_momentum(momentum: Scalar = 0.95, nesterov: bool = True) -> GradientTra
     [tensor([0.5000])]
     """
     momentum = check_range("momentum", momentum, 0.0)
+    if isinstance(nesterov, Tensor) and (  # it picks a branch: one value, read now
+            is_traced(nesterov) or nesterov.numel() != 1 or nesterov.is_meta):
+        raise ValueError("invalid nesterov: a traced tensor, or one without one value, cannot "
+                         "pick Nesterov's branch; pass True or False")
     return leafwise("muon_momentum", lambda p: {"momentum_buffer": zeros(p)}, muon_momentum_leaf,
                     MuonMomentumState, dict(momentum=momentum, nesterov=bool(nesterov)))
 
@@ -88,7 +111,10 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
     returned in bfloat16. ``g`` is one matrix ``(m, n)`` or a stack ``(k, m, n)`` of matrices,
     each orthogonalized on its own with ``bmm``/``baddbmm``: ``3 steps`` larger GEMMs instead
     of ``3 k steps`` small ones, which need not round as they do (:func:`newton_schulz_each`
-    stacks only where they were checked to).
+    stacks only where they were checked to). Tensor ``coefficients`` and ``eps`` that are
+    traced (``vmap``) or carry a gradient stay in the graph (the coefficients then scale
+    float32 products, rounded to bfloat16 once per step as ``addmm`` rounds); concrete ones
+    give their floats' bits.
 
     >>> import torch
     >>> q = newton_schulz(torch.diag(torch.tensor([3.0, 0.5])))
@@ -98,7 +124,10 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
     ...             newton_schulz(torch.ones(2, 2)))
     True
     """
-    a, b, c = coefficients
+    a, b, c = (_number(v) for v in coefficients)
+    eps = _number(eps)
+    if isinstance(eps, Tensor):  # clamp reads a number min in the input's dtype: so does this
+        eps = eps.to(torch.bfloat16)
     x = g.bfloat16()
     tall = g.size(-2) > g.size(-1)
     if tall:
@@ -111,6 +140,10 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
         # contiguous: oneDNN's batched GEMM of transposed matrices rounds differently
         x = (x / norms[:, None, None]).contiguous()
         matmul, addmatmul = torch.bmm, torch.baddbmm
+    if any(isinstance(v, Tensor) for v in (a, b, c)):
+        def addmatmul(x, m1, m2, beta, alpha=1):  # addmm's beta and alpha must be numbers:
+            # bfloat16 products are exact in float32, summed there as the GEMMs sum, rounded once
+            return (beta * x.float() + alpha * (m1.float() @ m2.float())).bfloat16()
     for _ in range(steps):
         gram = matmul(x, x.mT)
         x = addmatmul(x, addmatmul(gram, gram, gram, beta=b, alpha=c), x, beta=a)
@@ -214,13 +247,19 @@ def _newton_schulz_stack(matrices: list[Tensor], coefficients: tuple[Scalar, Sca
     nothing is then compared, counted twice, or predicted other than it is measured.
     Matrices with both sides at least ``HALVES_MIN_SIDE`` run one at a time with their
     symmetric products in halves instead (:func:`_newton_schulz_halves`; CPU tensors with
-    oneDNN's GEMMs), checked the same way (:func:`_halves_are_exact`).
+    oneDNN's GEMMs), checked the same way (:func:`_halves_are_exact`). Concrete tensor
+    ``coefficients`` and ``eps`` are read as floats (the caches' keys); traced ones, or ones
+    carrying a gradient, run one matrix at a time.
     """
+    coefficients = tuple(_number(v) for v in coefficients)  # type: ignore[assignment]
+    eps = _number(eps)
+
     def alone() -> list[Tensor]:
         return [newton_schulz(m, coefficients, steps, eps) for m in matrices]
 
     first = matrices[0]
     if min(first.shape) < STACK_MIN_SIDE or torch.compiler.is_compiling() \
+            or any(isinstance(v, Tensor) for v in (*coefficients, eps)) \
             or not all(m.is_contiguous() for m in matrices) \
             or any(torch._C._functorch.is_functorch_wrapped_tensor(m) for m in matrices) \
             or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)) \
@@ -329,13 +368,12 @@ def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> fl
     (2.0, 6.4)
     """
     rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
+    if adjust_lr_fn is None or isinstance(adjust_lr_fn, str) and adjust_lr_fn == "original":
         return math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
+    if isinstance(adjust_lr_fn, str) and adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(
-        f"invalid adjust_lr_fn={adjust_lr_fn!r}: choose None, 'original' or 'match_rms_adamw'"
-    )
+    shown = repr(adjust_lr_fn) if isinstance(adjust_lr_fn, str) else type(adjust_lr_fn).__name__
+    raise ValueError(f"invalid adjust_lr_fn={shown}: choose None, 'original' or 'match_rms_adamw'")
 
 
 def _check_matrices(params: Params) -> None:
@@ -373,13 +411,19 @@ def orthogonalize_by_newton_schulz(
     tensor([[0.6875, 0.6875, 0.6875, 0.6875]])
     """
     if not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
-        raise ValueError(f"invalid ns_steps={ns_steps!r}: pass an int in [0, 100)")
+        shown = repr(ns_steps) if isinstance(ns_steps, int | float) else type(ns_steps).__name__
+        raise ValueError(f"invalid ns_steps={shown}: pass an int in [0, 100)")
     if not isinstance(ns_coefficients, tuple | list) or len(ns_coefficients) != 3:
+        shown = (f"{len(ns_coefficients)} values" if isinstance(ns_coefficients, tuple | list)
+                 else f"a {type(ns_coefficients).__name__}")
         raise ValueError(
-            f"invalid ns_coefficients={ns_coefficients!r}: pass three numbers (a, b, c)"
+            f"invalid ns_coefficients: {shown}; pass three numbers or 0-d tensors (a, b, c)"
         )
-    coefficients = tuple(float(v) for v in ns_coefficients)
-    eps = float(check_range("eps", eps, 0.0))
+    # 0-d tensors kept (differentiable, vmappable: see newton_schulz), numbers as floats
+    checked = [check_range(f"ns_coefficients[{i}]", v, -math.inf)
+               for i, v in enumerate(ns_coefficients)] + [check_range("eps", eps, 0.0)]
+    a, b, c, eps = (v if isinstance(v, Tensor) else float(v) for v in checked)
+    coefficients = (a, b, c)
     muon_lr_ratio((1, 1), adjust_lr_fn)  # reject an unknown adjust_lr_fn now
 
     def init(params: Params) -> EmptyState:
@@ -422,6 +466,8 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
     -0.014
     """
     weight_decay = check_range("weight_decay", weight_decay, 0.0)
+    if isinstance(lr, Tensor):  # a constant tensor lr, 0-d (a schedule is read per update)
+        lr = hyperparameter("lr", lr)
     prefix = descent_prefix(maximize)
     momentum_tx = muon_momentum(momentum, nesterov)
     ortho = orthogonalize_by_newton_schulz(ns_coefficients, ns_steps, eps, adjust_lr_fn)
@@ -469,17 +515,17 @@ def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr
     _check_updates(leaves)
     tree.assert_same_structure(params, u, names=("params", "updates"), check_shapes=True)
     _, states[n + 2] = lr_tx.update([], states[n + 2])
-    step_lr = states[n + 2].lr  # a schedule's value in float32, as the lowering reads it
-    step_lr = lr if isinstance(lr, int | float) else (  # a tensor lr kept for its gradient
-        step_lr if step_lr.requires_grad or is_traced(step_lr) else float(step_lr))
+    # a constant lr as given (see _number), a schedule's in float32 as the lowering reads it
+    step_lr = lr if isinstance(lr, int | float | Tensor) else states[n + 2].lr
+    step_lr, weight_decay = _number(step_lr), _number(weight_decay)
     orthos = newton_schulz_each(leaves, ns["ns_coefficients"], ns["ns_steps"], ns["eps"])
     p_leaves = tree.leaves(params)
     new = []
     for p, q in zip(p_leaves, orthos, strict=True):
-        lr_p = step_lr  # a tensor lr in float64 for float64 params, as the float lr would be
-        if isinstance(step_lr, Tensor):
-            lr_p = step_lr.to(torch.promote_types(step_lr.dtype, p.dtype))
-        decay = 1 - lr_p * weight_decay
+        # tensors in float64 for float64 params, as the floats would be
+        lr_p, decay_p = (v.to(torch.promote_types(v.dtype, p.dtype)) if isinstance(v, Tensor)
+                         else v for v in (step_lr, weight_decay))
+        decay = 1 - lr_p * decay_p
         alpha = -lr_p * muon_lr_ratio(tuple(p.shape), ns["adjust_lr_fn"])
         shrunk = p if isinstance(decay, int | float) and decay == 1 else p * decay
         if isinstance(alpha, Tensor):  # a 0-d alpha would keep alpha q in q's bfloat16
@@ -526,7 +572,8 @@ def _match(tx: GradientTransformation):
             return None  # the plain chain runs (and names a state init did not return)
         (momentum_state, ortho_state), decay_state, lr_state = state
         _, new_lr_state = lr_tx.update([], lr_state)  # the lr of this step, and its count
-        step_lr = lr if isinstance(lr, int | float) else float(new_lr_state.lr)
+        # a constant tensor lr as its float, a schedule's value as the state holds it
+        step_lr = float(lr if isinstance(lr, int | float | Tensor) else new_lr_state.lr)
         buffers = tree.leaves(momentum_state.momentum_buffer)
         if len(buffers) != len(p_leaves) or any(
             not isinstance(b, Tensor) or b.shape != p.shape or b.dtype != g.dtype
@@ -542,7 +589,7 @@ def _match(tx: GradientTransformation):
             pool.begin_update()
             for stack in same_shape_stacks(p_leaves):
                 ps, bs = _muon_stack([p_leaves[i] for i in stack], [g_leaves[i] for i in stack],
-                                     [buffers[i] for i in stack], step_lr, weight_decay,
+                                     [buffers[i] for i in stack], step_lr, _number(weight_decay),
                                      momentum, ns, None if donate else pool)
                 for i, p, buf in zip(stack, ps, bs, strict=True):
                     new_params[i], new_buffers[i] = p, buf
@@ -570,8 +617,8 @@ def _muon_stack(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor], lr: floa
     gives the same bits, see :func:`_newton_schulz_stack`), then
     ``p <- p (1 - lr wd) - lr ratio update`` (the bfloat16 update added without a float32
     copy). Without a ``pool`` (donated), ``p`` and ``B`` are written in place; with one, into
-    its recycled buffers."""
-    mu = momentum["momentum"]
+    its recycled buffers. Tensor hyperparameters arrive concrete (read as floats)."""
+    mu = _number(momentum["momentum"])  # a concrete tensor: its float's bits
     with torch.no_grad():
         if pool is None:
             bufs = [buf.lerp_(g, 1 - mu) for buf, g in zip(bufs, gs, strict=True)]
