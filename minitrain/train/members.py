@@ -291,8 +291,9 @@ def build_ensemble(
             raise MemberMismatch(
                 f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
                 f"({type(exc).__name__}: {reason}); pass swept keys only to arguments that "
-                "accept tensors (mt.optim's lr and weight_decay, max_grad_norm) or use them in "
-                "tensor arithmetic"
+                "accept 0-d tensors (max_grad_norm, mt.optim's lr, weight_decay, eps, momentum, "
+                "dampening, alpha and the like; both betas or neither) or use them in tensor "
+                "arithmetic"
             ) from exc
         template = dataclasses.replace(template, name=experiments[0].name)
     return Ensemble(members, experiments, template, binding, swept)
