@@ -68,7 +68,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import donatable, grad_leaf_error, naming_bad_grads
+from minitrain.optim._safety import donatable, grad_leaf_error, naming_bad_grads, none_param_error
 from minitrain.optim.base import Optimizer, scalar, use_plain_path
 from minitrain.tree import Grads, OptState, Params
 
@@ -146,8 +146,7 @@ def tensor_leaves(name: str, values: Any, what: str, floating: bool = False) -> 
     at, leaf = next((n, x) for n, x in tree.named_leaves(values)
                     if not isinstance(x, Tensor) or floating and not _inexact(x))
     if leaf is None:
-        raise grad_leaf_error(values) if what != "param" else ValueError(
-            f"param {at!r} is None; pass a tensor for every param, or leave it out")
+        raise grad_leaf_error(values) if what != "param" else none_param_error(values)
     if isinstance(leaf, Tensor):
         raise ValueError(f"{name} keeps state like each param, and param {at!r} is {leaf.dtype};"
                          f" pass floating-point params (optimizers update those only)")

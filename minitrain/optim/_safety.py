@@ -20,7 +20,7 @@ from minitrain import tree
 from minitrain.tree import Params
 
 __all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready",
-           "grad_leaf_error", "naming_bad_grads", "naming_none_params"]
+           "grad_leaf_error", "naming_bad_grads", "none_param_error"]
 
 
 def _leaf_name(params: Params, index: int) -> str:
@@ -89,18 +89,12 @@ def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
                        (NotImplementedError, RuntimeError, AttributeError, TypeError))
 
 
-def _none_param_error(params: Any) -> ValueError | None:
+def none_param_error(params: Any) -> ValueError | None:
     for name, p in tree.named_leaves(params):
         if p is None:
             return ValueError(f"param {name!r} is None; pass a tensor for every param, or "
                               f"leave it out")
     return None
-
-
-def naming_none_params(init: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``init(params)`` whose error over a None param leaf names it (the aliases'
-    ``check_params`` does so up front)."""
-    return _explaining(init, _none_param_error, (AttributeError, TypeError))
 
 
 def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
