@@ -15,6 +15,7 @@ from minitrain.optim._family import (
     moments_rule,
     rule_transform,
 )
+from minitrain.optim._host import lerp_weight
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -32,7 +33,7 @@ class ScaleByAdamaxState(NamedTuple):
 def adamax_leaf(g, buffers, p, step, beta1, beta2, eps):
     """Kingma & Ba 2015, Algorithm 2, with torch's eps inside the max:
     ``u = max(beta2 * u, |g| + eps)``; the step is ``m / u / (1 - beta1^t)``."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
     exp_inf = torch.maximum(beta2 * buffers["exp_inf"], g.abs() + eps)
     bias_correction = 1 - beta1**step
     return exp_avg / exp_inf / bias_correction, {"exp_avg": exp_avg, "exp_inf": exp_inf}

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["zero_count", "host_tensor", "is_traced", "next_step", "schedule_count", "updates_done"]
+__all__ = ["zero_count", "host_tensor", "is_traced", "lerp_weight", "next_step", "schedule_count",
+           "updates_done"]
 
 
 def zero_count() -> Tensor:
@@ -46,6 +47,19 @@ def is_traced(value: Any) -> bool:
 
 
 _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def lerp_weight(weight: Any, like: Any) -> Any:
+    """``torch.lerp``'s weight for a leaf like ``like``: a traced tensor (a vmapped beta, one
+    member's value per row) in ``like``'s dtype, which lerp requires of a batched weight (a
+    float64 sweep value on float32 params); anything else (a batch of leaves too) as it is.
+
+    >>> lerp_weight(0.1, torch.ones(1)), lerp_weight(torch.tensor(0.1), torch.ones(1)).dtype
+    (0.1, torch.float32)
+    """
+    if is_traced(weight) and isinstance(like, Tensor) and weight.dtype != like.dtype:
+        return weight.to(like.dtype)
+    return weight
 
 
 def _has_storage(value: Tensor) -> bool:

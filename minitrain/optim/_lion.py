@@ -16,6 +16,7 @@ from minitrain.optim._family import (
     rule_transform,
     zeros,
 )
+from minitrain.optim._host import lerp_weight
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -33,7 +34,8 @@ def lion_leaf(g, buffers, p, step, beta1, beta2):
     """Chen et al. 2023, Algorithm 2: the step is ``sign(beta1 m + (1 - beta1) g)``; then
     ``m <- beta2 m + (1 - beta2) g``."""
     m = buffers["exp_avg"]
-    return torch.sign(torch.lerp(m, g, 1 - beta1)), {"exp_avg": torch.lerp(m, g, 1 - beta2)}
+    return (torch.sign(torch.lerp(m, g, lerp_weight(1 - beta1, m))),
+            {"exp_avg": torch.lerp(m, g, lerp_weight(1 - beta2, m))})
 
 
 def _rule(b1: Any, b2: Any) -> Rule:

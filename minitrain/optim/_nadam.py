@@ -21,6 +21,7 @@ from minitrain.optim._family import (
     second_moment,
     zeros,
 )
+from minitrain.optim._host import lerp_weight
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -50,7 +51,7 @@ def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
     """torch's ``_single_tensor_nadam``: ``(grad_coef * g + avg_coef * m) / (sqrt(v_hat) + eps)``
     with ``grad_coef = (1 - mu_t) / (1 - prod mu)`` and ``avg_coef = mu_{t+1} / (1 - prod
     mu * mu_{t+1})`` (before ``-lr``)."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): the 1 / sqrt(bc2) moves
     # into the two coefficients, a pass less over v.

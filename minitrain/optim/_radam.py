@@ -17,6 +17,7 @@ from minitrain.optim._family import (
     rule_transform,
     second_moment,
 )
+from minitrain.optim._host import lerp_weight
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
 from minitrain.tree import Params
 
@@ -39,7 +40,7 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
     """Liu et al. 2020, Algorithm 2 (torch's ``_single_tensor_radam``): while the length of
     the approximated SMA ``rho_t`` is at most 5 the step is the bias-corrected momentum;
     after, it is rectified by ``r_t`` and divided by ``sqrt(v_t) + eps`` (before ``-lr``)."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     bias_correction1 = 1 - beta1**step

@@ -25,7 +25,7 @@ from minitrain.optim._core import (
     leafwise,
     tagged,
 )
-from minitrain.optim._host import host_tensor, schedule_count, zero_count
+from minitrain.optim._host import host_tensor, lerp_weight, schedule_count, zero_count
 from minitrain.optim.base import (
     ScalarOrSchedule,
     WeightDecayMask,
@@ -173,7 +173,7 @@ class ScaleByAdamState(NamedTuple):
 def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad):
     """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
     torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2))."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, 1 - beta1)
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
     exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": ()}
     second = exp_avg_sq
@@ -222,7 +222,8 @@ def rms_leaf(g, buffers, p, step, alpha, eps, centered):
     square_avg = alpha * buffers["square_avg"] + (1 - alpha) * (g * g)
     new = {"square_avg": square_avg, "grad_avg": ()}
     if centered:
-        grad_avg = new["grad_avg"] = torch.lerp(buffers["grad_avg"], g, 1 - alpha)
+        old = buffers["grad_avg"]
+        grad_avg = new["grad_avg"] = torch.lerp(old, g, lerp_weight(1 - alpha, old))
         avg = (square_avg - grad_avg * grad_avg).sqrt() + eps
     else:
         avg = square_avg.sqrt() + eps
