@@ -92,3 +92,22 @@ def test_muon_members_train_with_their_own_values_without_the_check(tmp_path, sw
     for got, want in zip(swept_params, runs, strict=True):  # to bfloat16 rounding under vmap
         assert float((got - want).norm()) < apart / 4
     assert not torch.equal(swept_params[0], swept_params[1])
+
+
+BETAS = ADAM.replace('"beta1": 0.9,', '"beta1": 0.9, "beta2": 0.999, "alpha": 0.99,')
+
+
+@pytest.mark.parametrize("optimizer, swept", [
+    ("adam(lr=0.01, betas=(config['beta1'], config['beta2']))", ["beta1=0.5,0.9",
+                                                                 "beta2=0.99,0.999"]),
+    ("rmsprop(lr=0.01, alpha=config['alpha'], centered=True)", ["alpha=0.9,0.99"]),
+])
+def test_both_betas_and_a_centered_alpha_sweep_past_the_first_step_check(
+        tmp_path, optimizer, swept):
+    # float64 per-member values as lerp weights on float32 params raised a dtype error
+    path = tmp_path / "swept.py"
+    path.write_text(BETAS.replace("adam(lr=0.01, betas=(config[\"beta1\"], 0.999))", optimizer))
+    assert optimizer in path.read_text()
+    ensemble = load_sweep(str(path), swept, steps=3)
+    result = fit_sweep(ensemble, get_backend("cpu"), progress=False)
+    assert result is not None

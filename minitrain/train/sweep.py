@@ -17,26 +17,24 @@ on one probe draw of the template experiment), members with the same seed would 
 batches, so one draw per seed serves them all.
 
 **Swept hyperparameters.** Only float ``CONFIG`` keys may differ between members (members must
-share shapes and code paths). The script's ``experiment(config)`` is called once per member
-(for init, data, evaluation and the first-step check) and once more with each swept key given
-as a :class:`SweptValue`: a 0-d float64 tensor that holds member 0's value outside the step
-and, inside the vmapped step, each member's own value. The experiment built from it therefore
-applies per-member values of ``max_grad_norm`` and of the hyperparameters ``mt.optim``'s
-optimizers take as 0-d tensors: lr and weight_decay, eps, momentum and dampening, RMSprop's
-alpha, AdaGrad's lr_decay and initial_accumulator_value (each member's optimizer state is made
-by its own run's optimizer), Adadelta's rho and the like, provided the script only does tensor
-arithmetic with the value or passes it to an ``mt.optim`` optimizer or schedule (no
-``float()``, ``int()`` or ``if`` on it). Exceptions: a pair (``betas``, Rprop's ``etas`` and
-``step_sizes``) takes tensors only as both of its values, so one swept beta is refused; with
-float32 params, swept betas and a centered RMSprop's alpha fail at the first step (a per-member
-``lerp`` weight in float64). The first step checks every member against the step its single
-run would take and stops with a one-line error if they differ. Muon's members usually fail that
-check whatever is swept, seeds included: under ``vmap`` its bfloat16 Newton-Schulz products
-round otherwise than in a single run (``check=False``, ``--no-check``, trains them anyway, each
-with its own values to that rounding). Arguments annotated as plain ``float`` (the values of
-``mt.optim``'s constant, linear-warmup and cosine schedules, one-cycle's ``pct_start``) work
-with the swept tensor at run time but refuse it wherever annotations are enforced (jaxtyping's
-import hook in the test suite).
+share shapes and code paths). The script's ``experiment(config)`` is called once per member (for
+init, data, evaluation and the first-step check) and once more with each swept key given as a
+:class:`SweptValue`: a 0-d float64 tensor that holds member 0's value outside the step and, inside
+the vmapped step, each member's own value. The experiment built from it therefore applies
+per-member values of ``max_grad_norm`` and of the hyperparameters ``mt.optim``'s optimizers take as
+0-d tensors: lr and weight_decay, eps, momentum and dampening, RMSprop's alpha, AdaGrad's lr_decay
+and initial_accumulator_value (each member's optimizer state is made by its own run's optimizer),
+Adadelta's rho and the like, provided the script only does tensor arithmetic with the value or
+passes it to an ``mt.optim`` optimizer or schedule (no ``float()``, ``int()`` or ``if`` on it).
+Exceptions: a pair (``betas``, Rprop's ``etas`` and ``step_sizes``) takes tensors only as both of
+its values, so one swept beta is refused (both betas, and a centered RMSprop's alpha, train as any
+other swept value). The first step checks every member against the step its single run would take
+and stops with a one-line error if they differ. Muon's members usually fail that check whatever is
+swept, seeds included: under ``vmap`` its bfloat16 Newton-Schulz products round otherwise than in a
+single run (``check=False``, ``--no-check``, trains them anyway, each with its own values to that
+rounding). Arguments annotated as plain ``float`` (the values of ``mt.optim``'s constant,
+linear-warmup and cosine schedules, one-cycle's ``pct_start``) work with the swept tensor at run
+time but refuse it wherever annotations are enforced (jaxtyping's import hook in the test suite).
 
 **Randomness.** Random ops inside the step draw different numbers for each member (``vmap(...,
 randomness="different")``) from the global RNG, seeded with the first member's seed and saved in
