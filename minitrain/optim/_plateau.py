@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import GradientTransformation, hyperparameter
+from minitrain.optim._core import GradientTransformation, floating_updates, hyperparameter
 from minitrain.optim.base import check_hyperparameter
 from minitrain.tree import Params
 
@@ -172,14 +172,11 @@ def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
 
 
 def _scaled(updates: Any, scale: Tensor) -> Any:
-    """``updates * scale`` leaf by leaf: a float or complex leaf keeps its dtype, an integer or
-    bool leaf is promoted to the default float dtype (torch's ``int_tensor * 0.5``)."""
-    def leaf(u: Tensor) -> Tensor:
-        keep = u.is_floating_point() or u.is_complex()
-        dtype = u.dtype if keep else torch.get_default_dtype()
-        return u.to(dtype) * scale.to(dtype)
-
-    return tree.map(leaf, updates)
+    """``updates * scale`` leaf by leaf, integer and bool leaves promoted first as every
+    transformation promotes them (:func:`~minitrain.optim._core.floating_updates`: to the
+    default float dtype, torch's ``int_tensor * 0.5``)."""
+    floating = floating_updates("reduce_on_plateau", updates)
+    return tree.map(lambda u: u * scale.to(u.dtype), floating)
 
 
 def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
