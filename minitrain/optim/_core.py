@@ -345,6 +345,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
     {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
     """
+    tensor_leaves("apply_updates", params, "param")
+    tensor_leaves("apply_updates", updates, "updates leaf")
     tree.assert_same_structure(params, updates, names=("params", "updates"), check_shapes=True)
     return tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
 
