@@ -26,4 +26,5 @@ def test_tensor_leaves_still_add_in_the_params_dtype():
     params = {"w": torch.ones(2, dtype=torch.bfloat16), "i": torch.tensor([3])}
     out = apply_updates(params, {"w": torch.full((2,), 0.5), "i": torch.tensor([1.7])})
     assert out["w"].dtype == torch.bfloat16 and out["w"].tolist() == [1.5, 1.5]
-    assert out["i"].dtype == torch.int64 and out["i"].tolist() == [4]  # (3 + 1.7) cast as torch casts
+    # (3 + 1.7) cast to int64 as torch casts
+    assert out["i"].dtype == torch.int64 and out["i"].tolist() == [4]

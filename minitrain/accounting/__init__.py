@@ -68,7 +68,9 @@ from minitrain.accounting.transformer import (
     transformer_layer_activation_bytes,
     transformer_matmul_params,
     transformer_memory,
+    transformer_optimizer_state_elements,
     transformer_params,
+    transformer_tensors,
 )
 
 # Names that need torch, imported on first access (PEP 562).
@@ -126,7 +128,9 @@ __all__ = [
     "transformer_layer_activation_bytes",
     "transformer_matmul_params",
     "transformer_memory",
+    "transformer_optimizer_state_elements",
     "transformer_params",
+    "transformer_tensors",
     *_LAZY,
     *_LAZY_SUBMODULES,
 ]

@@ -18,6 +18,8 @@ from typing import Any
 
 from minitrain.accounting.memory import (
     MemoryBreakdown,
+    optimizer_key,
+    optimizer_state_elements,
     precision,
     training_memory,
     transformer_activation_bytes,
@@ -33,7 +35,9 @@ __all__ = [
     "transformer_layer_activation_bytes",
     "transformer_matmul_params",
     "transformer_memory",
+    "transformer_optimizer_state_elements",
     "transformer_params",
+    "transformer_tensors",
 ]
 
 
@@ -58,6 +62,7 @@ class TransformerConfig:
     learned_positions: bool = True
     biases: bool = True
     norm_params: int = 2  # per norm per channel: LayerNorm has weight and bias, RMSNorm weight
+    fused_qkv: bool = False  # one d×(q+k+v) matrix (GPT-2's c_attn) instead of three
     source: str = ""
 
     def with_(self, **changes: Any) -> TransformerConfig:
@@ -68,7 +73,7 @@ class TransformerConfig:
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> TransformerConfig:
     return TransformerConfig(
         name, layers, hidden, heads, vocab=50257, seq_len=1024, ffn=4 * hidden, kv_heads=heads,
-        source="Radford et al. 2019, GPT-2 (Hugging Face config)",
+        fused_qkv=True, source="Radford et al. 2019, GPT-2 (Hugging Face config)",
     )
 
 
@@ -89,7 +94,7 @@ PRESETS: dict[str, TransformerConfig] = {
         _gpt2("gpt2-xl", 48, 1600, 25),
         TransformerConfig(
             "gpt3-175b", 96, 12288, 96, vocab=50257, seq_len=2048, ffn=4 * 12288, kv_heads=96,
-            source="Brown et al. 2020, GPT-3, table 2.1",
+            fused_qkv=True, source="Brown et al. 2020, GPT-3, table 2.1",
         ),
         _llama3("llama3-8b", 32, 4096, 32, 14336),
         _llama3("llama3-70b", 80, 8192, 64, 28672),
@@ -134,6 +139,60 @@ def transformer_params(config: TransformerConfig) -> int:
     layers = c.num_layers * (_layer_matmul_params(c) + _layer_other_params(c))
     head = 0 if c.tied_embeddings else c.vocab * c.hidden
     return embeddings + layers + c.norm_params * c.hidden + head
+
+
+def transformer_tensors(config: TransformerConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Each parameter tensor's ``(role, shape)``: ``"hidden"`` for a layer's matrices, else
+    ``"embedding"``, ``"head"``, ``"bias"`` or ``"norm"`` (shapes as Hugging Face's models keep
+    them, up to a transpose; a LayerNorm's weight and bias count as two ``"norm"`` tensors).
+
+    >>> import math
+    >>> tensors = transformer_tensors(preset("gpt2"))
+    >>> sum(math.prod(shape) for _, shape in tensors) == transformer_params(preset("gpt2"))
+    True
+    >>> sorted({shape for role, shape in tensors if role == "hidden"})
+    [(768, 768), (768, 2304), (768, 3072), (3072, 768)]
+    """
+    c = config
+    d, kv = c.hidden, c.hidden * c.kv_heads // c.heads
+    tensors = [("embedding", (c.vocab, d))]
+    if c.learned_positions:
+        tensors.append(("embedding", (c.seq_len, d)))
+    attention = [(d, d + 2 * kv)] if c.fused_qkv else [(d, d), (kv, d), (kv, d)]
+    mlp = [(c.ffn, d)] * (2 if c.gated_mlp else 1) + [(d, c.ffn)]
+    biases = [(d + 2 * kv,), (d,), (c.ffn,), (d,)] if c.biases else []
+    norms = [(d,)] * (2 * c.norm_params)
+    layer = ([("hidden", shape) for shape in attention + [(d, d)] + mlp]
+             + [("bias", shape) for shape in biases] + [("norm", shape) for shape in norms])
+    tensors += layer * c.num_layers + [("norm", (d,))] * c.norm_params
+    if not c.tied_embeddings:
+        tensors.append(("head", (c.vocab, d)))
+    return tensors
+
+
+def transformer_optimizer_state_elements(
+    config: TransformerConfig, optimizer: str = "adamw", *, amsgrad: bool = False,
+    momentum: bool = False, centered: bool = False,
+) -> int:
+    """Elements of parameter-sized optimizer state torch.optim keeps for ``config``, tensor by
+    tensor (:func:`optimizer_state_elements`, 0-d step counters aside): Adafactor's factored
+    moments, and Muon used as it is meant, for the layers' matrices only, with AdamW for the
+    embeddings, the head, biases and norms (Jordan et al. 2024; ``torch.optim.Muon``).
+
+    >>> c = preset("gpt2")
+    >>> transformer_optimizer_state_elements(c, "adamw") == 2 * transformer_params(c)
+    True
+    >>> muon = transformer_optimizer_state_elements(c, "muon")
+    >>> muon == 2 * transformer_params(c) - 12 * _layer_matmul_params(c)
+    True
+    """
+    key = optimizer_key(optimizer)
+    flags = dict(amsgrad=amsgrad, momentum=momentum, centered=centered)
+    return sum(
+        optimizer_state_elements("adamw" if key == "muon" and role != "hidden" else key, shape,
+                                 scalars=False, **(flags if key != "muon" else {}))
+        for role, shape in transformer_tensors(config)
+    )
 
 
 def transformer_matmul_params(config: TransformerConfig) -> int:
@@ -188,10 +247,11 @@ def transformer_memory(
     ``attention="flash"`` (a fused attention kernel) saves no ``s²`` terms, only the softmax
     statistics (see :func:`transformer_activation_terms`).
 
-    Params, grads and optimizer state from :func:`training_memory` (sharded by ZeRO stage over
-    ``gpus``, or split by tensor parallelism; ``amsgrad``, ``momentum`` and ``centered`` each
-    add the optimizer state tensor they add in torch.optim); activations by Korthikanti et al.
-    2022.
+    Params and grads from :func:`training_memory` (sharded by ZeRO stage over ``gpus``, or
+    split by tensor parallelism), the optimizer state tensor by tensor
+    (:func:`transformer_optimizer_state_elements`: ``amsgrad``, ``momentum`` and ``centered``
+    each add the state tensor they add in torch.optim), sharded the same way; activations by
+    Korthikanti et al. 2022.
 
     >>> m = transformer_memory(preset("gpt2-xl"), batch=1, precision_name="bf16-mixed")
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
@@ -204,11 +264,16 @@ def transformer_memory(
         sequence_parallel=sequence_parallel,
         bytes_per_element=precision(precision_name).activations, attention=attention,
     )
-    return training_memory(
+    memory = training_memory(
         transformer_params(config) / tensor_parallel, optimizer=optimizer,
         precision=precision_name, activation_bytes=activations, gpus=gpus, zero_stage=zero_stage,
         amsgrad=amsgrad, momentum=momentum, centered=centered,
     )
+    state = transformer_optimizer_state_elements(config, optimizer, amsgrad=amsgrad,
+                                                 momentum=momentum, centered=centered)
+    shards = tensor_parallel * (gpus if zero_stage >= 1 else 1)
+    return memory._replace(
+        optimizer_state=float(state * precision(precision_name).optimizer_state / shards))
 
 
 ATTENTION = ("eager", "selective", "flash")

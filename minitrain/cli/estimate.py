@@ -281,6 +281,8 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
     config = _accounting_call(acc.preset, preset_name)
     spec = _accounting_call(acc.hardware, hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
+    if key == "muon":
+        label = "muon for the layers' matrices, adamw for the rest"
     context = seq_len or config.seq_len
     n_params = acc.transformer_params(config)
     per_token = acc.transformer_flops_per_token(config, seq_len=context)
