@@ -97,16 +97,19 @@ def test_swept_value_is_member_zero_outside_and_each_member_inside_vmap():
     binding = SweepBinding()
     lr = SweptValue(0.1, "lr", binding)
     assert float(lr) == 0.1 and bool(lr > 0) and f"{float(lr):g}" == "0.1"
-    assert type(lr * 2) is torch.Tensor  # results are plain tensors
+    derived = lr * 2  # built outside the step: redone on each member's value inside it
+    assert isinstance(derived, SweptValue) and float(derived) == 0.2
 
     def per_member(values, x):
         with binding.bind({"lr": values}):
-            return x * lr + torch.stack([lr, lr]).sum()
+            out = x * lr + torch.stack([lr, lr]).sum() + derived
+            assert type(out) is not SweptValue  # inside the step, results are plain tensors
+            return out
 
     values = torch.tensor([0.5, 2.0], dtype=torch.float64)
     x = torch.ones(2, 3)
     out = torch.func.vmap(per_member)(values, x)
-    expected = torch.stack([x[k] * values[k] + 2 * values[k] for k in range(2)])
+    expected = torch.stack([x[k] * values[k] + 4 * values[k] for k in range(2)])
     torch.testing.assert_close(out, expected)
     assert float(lr) == 0.1  # unbound again afterwards
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["zero_count", "host_tensor", "is_traced", "lerp_weight", "next_step", "schedule_count",
-           "updates_done"]
+__all__ = ["zero_count", "host_tensor", "is_batched", "is_traced", "lerp_weight", "next_step",
+           "schedule_count", "updates_done"]
 
 
 def zero_count() -> Tensor:
@@ -47,6 +47,21 @@ def is_traced(value: Any) -> bool:
 
 
 _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def is_batched(value: Tensor) -> bool:
+    """True for a tensor batched by ``vmap``, at any level of torch.func transforms (under
+    ``grad`` alone, False).
+
+    >>> torch.func.vmap(lambda row: torch.tensor(is_batched(row)))(torch.ones(2, 3)).tolist()
+    [True, True]
+    """
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(value):
+        if functorch.is_batchedtensor(value):
+            return True
+        value = functorch.get_unwrapped(value)
+    return False
 
 
 def lerp_weight(weight: Any, like: Any) -> Any:

@@ -31,8 +31,9 @@ from minitrain.optim._core import (
     tagged,
 )
 from minitrain.optim._family import Scalar, add_scaled, check_range, descent_prefix, zeros
-from minitrain.optim._host import updates_done
+from minitrain.optim._host import is_batched, updates_done
 from minitrain.optim._lowering import chain_lowering, spec_tensors
+from minitrain.optim._muon_vmap import newton_schulz_per_matrix, takes_per_matrix_op
 from minitrain.optim._safety import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, is_traced, use_plain_path
@@ -126,12 +127,12 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
     """
     a, b, c = (_number(v) for v in coefficients)
     eps = _number(eps)
+    if takes_per_matrix_op(g, a, b, c, eps):  # each matrix under vmap as in its own run
+        return newton_schulz_per_matrix(g, float(a), float(b), float(c), steps, float(eps))
     if isinstance(eps, Tensor):  # clamp reads a number min in the input's dtype: so does this
         eps = eps.to(torch.bfloat16)
-    x = g.bfloat16()
     tall = g.size(-2) > g.size(-1)
-    if tall:
-        x = x.mT
+    x = g.bfloat16().mT if tall else g.bfloat16()
     if x.dim() == 2:
         x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
         matmul, addmatmul = torch.mm, torch.addmm
@@ -140,10 +141,14 @@ def newton_schulz(g: Tensor, coefficients: tuple[Scalar, Scalar, Scalar] = NS_CO
         # contiguous: oneDNN's batched GEMM of transposed matrices rounds differently
         x = (x / norms[:, None, None]).contiguous()
         matmul, addmatmul = torch.bmm, torch.baddbmm
-    if any(isinstance(v, Tensor) for v in (a, b, c)):
-        def addmatmul(x, m1, m2, beta, alpha=1):  # addmm's beta and alpha must be numbers:
-            # bfloat16 products are exact in float32, summed there as the GEMMs sum, rounded once
+    batched = is_batched(g)  # here with tensor hyperparameters, which the op cannot take
+    if any(isinstance(v, Tensor) for v in (a, b, c)) or batched:
+        # addmm takes number beta/alpha, and vmap splits it into a bfloat16 bmm, scale and
+        # add, each rounded: bfloat16 products are exact in float32, summed there, rounded once
+        def addmatmul(x, m1, m2, beta, alpha=1):
             return (beta * x.float() + alpha * (m1.float() @ m2.float())).bfloat16()
+        if batched:  # a bmm may sum in another order than mm
+            matmul = lambda m1, m2: (m1.float() @ m2.float()).bfloat16()  # noqa: E731
     for _ in range(steps):
         gram = matmul(x, x.mT)
         x = addmatmul(x, addmatmul(gram, gram, gram, beta=b, alpha=c), x, beta=a)

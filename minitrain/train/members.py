@@ -65,26 +65,35 @@ class SweptValue(torch.Tensor):
     Outside its binding it is a plain tensor holding ``value`` (member 0's). While
     ``binding.bind({name: values})`` is active, every torch op that receives it uses
     ``values[name]`` instead (through ``__torch_function__``); inside ``vmap`` that is each
-    member's own value. Scripts receive these in ``config`` for swept keys.
+    member's own value. Scripts receive these in ``config`` for swept keys. Arithmetic on it
+    outside the binding (``config["muon_lr"] / config["lr"]`` while the experiment is built)
+    gives another ``SweptValue`` that remembers the op and redoes it on the bound values, so a
+    value derived at build time is still each member's own in the step.
 
     >>> binding = SweptValue.binding_type()
     >>> lr = SweptValue(0.1, "lr", binding)
-    >>> float(lr * 2)
-    0.2
+    >>> half = lr / 2    # built outside the step
+    >>> float(half)
+    0.05
     >>> def doubled(values):
     ...     with binding.bind({"lr": values}):
-    ...         return lr * 2
+    ...         return lr * 2 + half
     >>> torch.func.vmap(doubled)(torch.tensor([0.1, 0.3], dtype=torch.float64))
-    tensor([0.2000, 0.6000], dtype=torch.float64)
+    tensor([0.2500, 0.7500], dtype=torch.float64)
     """
 
     binding_type = SweepBinding
 
     @staticmethod
     def __new__(cls, value: float, name: str, binding: SweepBinding) -> SweptValue:
-        plain = torch.tensor(float(value), dtype=torch.float64)
+        return cls._wrap(torch.tensor(float(value), dtype=torch.float64), binding, name=name)
+
+    @classmethod
+    def _wrap(cls, plain: torch.Tensor, binding: SweepBinding, name: str | None = None,
+              recipe: tuple | None = None) -> SweptValue:
         swept = torch.Tensor._make_subclass(cls, plain)
-        swept.swept_name = name
+        swept.swept_name = name  # a swept key, or None for a value derived from one
+        swept.swept_recipe = recipe  # (func, args, kwargs) that derived it
         swept.swept_binding = binding
         swept.swept_plain = plain
         return swept
@@ -93,13 +102,48 @@ class SweptValue(torch.Tensor):
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        kwargs = {key: _resolve(value) for key, value in kwargs.items()} if kwargs else {}
-        return func(*(_resolve(arg) for arg in args), **kwargs)
+        kwargs = kwargs or {}
+        result = func(*(_resolve(arg) for arg in args),
+                      **{key: _resolve(value) for key, value in kwargs.items()})
+        binding = _unbound_binding((*args, *kwargs.values()))
+        if (binding is not None and isinstance(result, torch.Tensor) and result.dim() == 0
+                and not _in_place(func)):
+            return cls._wrap(result, binding, recipe=(func, args, kwargs))
+        return result
+
+
+_IN_PLACE_DUNDERS = {f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+    "lshift", "rshift")} | {"__setitem__"}
+
+
+def _in_place(func: Callable[..., Any]) -> bool:
+    """``add_``, ``copy_``, ``__iadd__``, ``__setitem__``: ops that write into an input."""
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_DUNDERS or name.endswith("_") and not name.endswith("__")
+
+
+def _unbound_binding(values: tuple) -> SweepBinding | None:
+    """The binding of the first swept value among ``values`` (lists and tuples searched),
+    when no step has bound it: an op run while the experiment is built."""
+    for value in values:
+        if isinstance(value, list | tuple):
+            found = _unbound_binding(tuple(value))
+            if found is not None:
+                return found
+        elif isinstance(value, SweptValue):
+            return value.swept_binding if value.swept_binding.values is None else None
+    return None
 
 
 def _resolve(value: Any) -> Any:
-    """A swept value's current tensor; lists and tuples (``torch.stack([...])``) are searched."""
+    """A swept value's current tensor; lists and tuples (``torch.stack([...])``) are searched.
+    A derived value redoes its op on its inputs' current tensors."""
     if isinstance(value, SweptValue):
+        if value.swept_recipe is not None:
+            func, args, kwargs = value.swept_recipe
+            return func(*(_resolve(arg) for arg in args),
+                        **{key: _resolve(v) for key, v in kwargs.items()})
         value.swept_binding.reads += 1
         bound = value.swept_binding.values
         if bound is not None and value.swept_name in bound:

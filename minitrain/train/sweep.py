@@ -28,13 +28,16 @@ Adadelta's rho and the like, provided the script only does tensor arithmetic wit
 passes it to an ``mt.optim`` optimizer or schedule (no ``float()``, ``int()`` or ``if`` on it).
 Exceptions: a pair (``betas``, Rprop's ``etas`` and ``step_sizes``) takes tensors only as both of
 its values, so one swept beta is refused (both betas, and a centered RMSprop's alpha, train as any
-other swept value). The first step checks every member against the step its single run would take
-and stops with a one-line error if they differ. Muon's members usually fail that check whatever is
-swept, seeds included: under ``vmap`` its bfloat16 Newton-Schulz products round otherwise than in a
-single run (``check=False``, ``--no-check``, trains them anyway, each with its own values to that
-rounding). Arguments annotated as plain ``float`` (the values of ``mt.optim``'s constant,
-linear-warmup and cosine schedules, one-cycle's ``pct_start``) work with the swept tensor at run
-time but refuse it wherever annotations are enforced (jaxtyping's import hook in the test suite).
+other swept value). A value derived from a swept one while the experiment is built
+(``config["muon_lr"] / config["lr"]``) is a :class:`SweptValue` too, redone on each member's
+values in the step. The first step that moves the params (a warmup from lr 0 moves none at its
+first) checks every member against the step its single run would take, to 5% of each
+leaf's update in norm (rounding, even in Muon's bfloat16 Newton-Schulz, stays far below; a
+member trained with member 0's value is off by the values' ratio), and stops with a one-line
+error if they differ. Arguments annotated as plain
+``float`` (the values of ``mt.optim``'s constant, linear-warmup and cosine schedules, one-cycle's
+``pct_start``) work with the swept tensor at run time but refuse it wherever annotations are
+enforced (jaxtyping's import hook in the test suite).
 
 **Randomness.** Random ops inside the step draw different numbers for each member (``vmap(...,
 randomness="different")``) from the global RNG, seeded with the first member's seed and saved in
@@ -130,6 +133,9 @@ __all__ = [
 ]
 
 RECENT_LOSSES = 10  # the ranking's smoothed loss: the mean of this many last logged losses
+# The members are checked against their single runs on the first step that moves the params
+# (a warmup's first step at lr 0 moves none), within this many first steps.
+CHECKED_STEPS = 5
 
 SweepResult = FitResult
 """What :func:`fit_sweep` returns: stacked params and optimizer state, and the summary."""
@@ -162,6 +168,7 @@ class SweepRun:
         self.logs = [_MemberLog() for _ in ensemble.members]
         self._examples = ensemble.template.tokens_per_batch
         self._out: EnsembleStepOutput | None = None
+        self._unchecked_steps = CHECKED_STEPS
         self._batch: Any = None
         self._run_dir: Path | None = None
 
@@ -258,9 +265,10 @@ class SweepRun:
         with script_call("the train step (loss)", step):
             out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
                                self.diverged_at, step, self.fp8_history)
-        if self.check and self._out is None:
-            check_members(ensemble, self.backend, self.params, self.opt_state, batch, out,
-                          fp8_history=self.fp8_history)
+        if self.check and self._unchecked_steps > 0:  # until a step moves the params
+            moved = check_members(ensemble, self.backend, self.params, self.opt_state, batch,
+                                  out, fp8_history=self.fp8_history)
+            self._unchecked_steps = 0 if moved else self._unchecked_steps - 1
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
         self.fp8_history = out.fp8_history
         self._out, self._batch, self.current_step = out, batch, step
@@ -365,7 +373,8 @@ def fit_sweep(
     Arguments are :func:`~minitrain.train.fit`'s. ``out_dir`` receives ``metrics.jsonl`` (one
     line per logged step per member, with ``member``, ``seed`` and the swept ``config``),
     checkpoints of the whole ensemble and ``summary.json`` (the ranking). ``check`` compares
-    the first step with each member's own single-run step (:func:`check_members`).
+    the first step that moves the params (within :data:`CHECKED_STEPS`) with each member's own
+    single-run step (:func:`check_members`).
     """
     stepper = SweepRun(ensemble, backend, check=check, say=say)
     return run_loop(
