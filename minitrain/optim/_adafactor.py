@@ -30,6 +30,7 @@ from minitrain.optim._host import (
     updates_done,
     zero_count,
 )
+from minitrain.optim._lowering import differentiable
 from minitrain.optim._safety import donatable
 from minitrain.optim.base import (
     BufferPool,
@@ -296,6 +297,8 @@ def _match(tx: GradientTransformation):
         if schedule:
             step_lr = lr(step - 1)
             check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
+            if differentiable(step_lr):
+                return None  # the transformation's ops keep the lr's gradient
         numbers = dict(lr=scalar(step_lr), beta2_decay=scalar(args["beta2_decay"]),
                        eps1=scalar(args["eps"][0]), eps2=scalar(args["eps"][1]),
                        d=scalar(args["d"]), weight_decay=scalar(args["weight_decay"]))

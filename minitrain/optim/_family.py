@@ -354,6 +354,8 @@ class _Plan:
         # with through its updates, e.g. a traced or differentiable lr): a traced one, or one
         # that requires grad, takes the chain (the pooled ops would raise or detach it).
         hyper = [*self.tensors, *(getattr(inner, k) for k in self.scalar_names)]
+        if self.schedule and torch.is_grad_enabled():  # its value may need its grad
+            hyper.append(self.lr(schedule_count(state[-1].count)))
         if not all(isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous()
                    and t.is_floating_point() for t in (*p_leaves, *g_leaves)):
             return False

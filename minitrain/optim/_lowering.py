@@ -19,6 +19,7 @@ from torch import Tensor
 
 from minitrain.optim import _flat
 from minitrain.optim._core import GradientTransformation, spec
+from minitrain.optim._host import schedule_count
 from minitrain.optim._transforms_rules import decayed
 from minitrain.optim.base import LateScalar, use_plain_path
 
@@ -180,6 +181,22 @@ class GradScale(threading.local, LateScalar):
         return self.value
 
 
+def differentiable(value: Any) -> bool:
+    """Whether ``value`` is a tensor that carries a gradient here (grad mode on): an lr the
+    fast paths would detach."""
+    return isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled()
+
+
+def schedule_needs_grad(tx: GradientTransformation, state: Any) -> bool:
+    """Whether chain ``tx``'s lr schedule gives this update a :func:`differentiable` lr (read
+    at the count in its last state; a state without one is left to the chain to name)."""
+    lr = spec(spec(tx)[1]["transforms"][-1])[1]["learning_rate"]
+    if not callable(lr) or isinstance(lr, Tensor) or not torch.is_grad_enabled():
+        return False
+    count = getattr(state[-1], "count", None) if isinstance(state, tuple) and state else None
+    return isinstance(count, Tensor) and differentiable(lr(schedule_count(count)))
+
+
 def _float_tensor(t: Any) -> bool:
     return isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
 
@@ -201,7 +218,8 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
         grad_leaves = _flat.flatten(grads)[0]
         if not all(_float_tensor(t) for t in (*leaves, *grad_leaves)):
             return None  # the chain itself names a number leaf, promotes an integer grad
-        if use_plain_path("auto", [*leaves, *grad_leaves], hyperparameters):
+        if use_plain_path("auto", [*leaves, *grad_leaves], hyperparameters) \
+                or schedule_needs_grad(tx, state):
             return None
         if clip_norm is not None and fold_clip is not None:
             if not all(_dense(p) for p in leaves):

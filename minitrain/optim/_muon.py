@@ -32,7 +32,7 @@ from minitrain.optim._core import (
 )
 from minitrain.optim._family import Scalar, add_scaled, check_range, descent_prefix, zeros
 from minitrain.optim._host import is_batched, updates_done
-from minitrain.optim._lowering import chain_lowering, spec_tensors
+from minitrain.optim._lowering import chain_lowering, differentiable, spec_tensors
 from minitrain.optim._muon_vmap import newton_schulz_per_matrix, takes_per_matrix_op
 from minitrain.optim._safety import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
@@ -165,8 +165,7 @@ STACK_MIN_SIDE = 32
 HALVES_MIN_SIDE = 1024
 
 
-def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None
-                      ) -> list[list[int]]:
+def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None) -> list[list[int]]:
     """The indices of ``matrices`` grouped by shape, dtype and device, in order of first
     appearance, each group cut into stacks of at most ``stack_bytes`` (default
     :data:`STACK_BYTES`) in bfloat16.
@@ -189,8 +188,7 @@ def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None
 
 
 def newton_schulz_each(matrices: list[Tensor], coefficients: tuple[Scalar, Scalar, Scalar]
-                       = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: Scalar = EPS
-                       ) -> list[Tensor]:
+                       = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: Scalar = EPS) -> list[Tensor]:
     """:func:`newton_schulz` of each matrix, bit for bit, with matrices of one shape stacked
     into batched GEMMs where that gives the same bits (see :func:`_newton_schulz_stack`).
 
@@ -577,6 +575,8 @@ def _match(tx: GradientTransformation):
             return None  # the plain chain runs (and names a state init did not return)
         (momentum_state, ortho_state), decay_state, lr_state = state
         _, new_lr_state = lr_tx.update([], lr_state)  # the lr of this step, and its count
+        if differentiable(new_lr_state.lr):
+            return None  # a schedule's lr that carries a gradient: the chain keeps it
         # a constant tensor lr as its float, a schedule's value as the state holds it
         step_lr = float(lr if isinstance(lr, int | float | Tensor) else new_lr_state.lr)
         buffers = tree.leaves(momentum_state.momentum_buffer)

@@ -314,13 +314,14 @@ def make_optimizer(
         # A count (or a tensor hyperparameter) of a tensor subclass runs the caller's code when
         # read: all of them before the one-pass check (which decides donation too).
         counted = type(state.count) is Tensor
-        plain = counted and use_plain_path(impl, [state.count], traced_candidates)
+        candidates = [step_lr, *traced_candidates]  # a schedule's value may need its grad
+        plain = counted and use_plain_path(impl, [state.count], candidates)
         ready = counted and kernel_ready(param_leaves, grad_leaves, buffer_leaves, donate)
         if not ready:
             check_state_shapes(buffer_leaves, param_leaves, params)
             donate = donate and donatable(param_leaves, grad_leaves, buffer_leaves.values())
             tensors = [*param_leaves, *grad_leaves, state.count]
-            plain = use_plain_path(impl, tensors, traced_candidates)
+            plain = use_plain_path(impl, tensors, candidates)
         if not plain and not ready:
             safe = fast_path_inputs(param_leaves, grad_leaves, buffer_leaves, params)
             plain = safe is None  # params the kernels cannot address: ordinary tensor ops
