@@ -267,7 +267,8 @@ def check_members(
     naming the first member and leaf that differ (e.g. a script that turned a swept value into
     a Python float).
     """
-    singles = zip(unstack(params), unstack(opt_state), unstack(batch), strict=True)
+    singles = zip(*(_members(tree, ensemble.size) for tree in (params, opt_state, batch)),
+                  strict=True)
     new_params = unstack(out.params)
     moved = False
     for k, (member_params, member_state, member_batch) in enumerate(singles):
@@ -293,9 +294,15 @@ def check_members(
                     f"member {k} ({member_label(member)}) after one vmapped step differs from "
                     f"its own run at param {name!r} (by {off:.3g} in norm, its update by "
                     f"{update:.3g}); use swept keys ({', '.join(ensemble.swept) or 'none'}) only "
-                    "in tensor arithmetic or as mt.optim arguments (no float(), int() or if on "
-                    "them)"
+                    "in tensor arithmetic or as mt.optim arguments (float(), .item(), "
+                    "torch.tensor() or torch.as_tensor() with a dtype keep member 0's value)"
                 )
     return moved
 
 
+def _members(stacked: PyTree, count: int) -> list[PyTree]:
+    """Each member's tree of a stacked one; a tree without tensors (the state of a stateless
+    optimizer such as ``as_optimizer(scale(-lr))``) is every member's as it is."""
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(stacked)):
+        return [stacked] * count
+    return unstack(stacked)

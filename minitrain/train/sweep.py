@@ -25,16 +25,23 @@ per-member values of ``max_grad_norm`` and of the hyperparameters ``mt.optim``'s
 0-d tensors: lr and weight_decay, eps, momentum and dampening, RMSprop's alpha, AdaGrad's lr_decay
 and initial_accumulator_value (each member's optimizer state is made by its own run's optimizer),
 Adadelta's rho and the like, provided the script only does tensor arithmetic with the value or
-passes it to an ``mt.optim`` optimizer or schedule (no ``float()``, ``int()`` or ``if`` on it).
+passes it to an ``mt.optim`` optimizer or schedule (no ``float()``, ``.item()`` or
+``torch.tensor()`` of it).
 Exceptions: a pair (``betas``, Rprop's ``etas`` and ``step_sizes``) takes tensors only as both of
 its values, so one swept beta is refused (both betas, and a centered RMSprop's alpha, train as any
-other swept value). A value derived from a swept one while the experiment is built
-(``config["muon_lr"] / config["lr"]``) is a :class:`SweptValue` too, redone on each member's
-values in the step. The first step that moves the params (a warmup from lr 0 moves none at its
-first) checks every member against the step its single run would take, to 5% of each
-leaf's update in norm (rounding, even in Muon's bfloat16 Newton-Schulz, stays far below; a
-member trained with member 0's value is off by the values' ratio), and stops with a one-line
-error if they differ. Arguments annotated as plain
+other swept value). A tensor derived from a swept one while the experiment is built
+(``config["muon_lr"] / config["lr"]``, ``torch.stack([lr, wd])``, ``weights * config["w"]``) is
+a :class:`SweptValue` too, redone on each member's values in the step; ``lr *= 2`` rebinds as on
+a float. What the step cannot redo per member is refused in one line while the template is
+built: an in-place write of a swept value into a tensor, a random draw from one, and a Python
+bool or int of one (an ``if``, a comparison, ``int()``) that differs between members (an ``if``
+that every member takes alike is fine). The first step that moves the params (a warmup from
+lr 0 moves none at its first; each of the first :data:`CHECKED_STEPS` steps, then steps 8, 16,
+32, ... are tried until one moves) checks every member against the step its single run would
+take, to 5% of each leaf's update in norm (rounding, even in Muon's bfloat16 Newton-Schulz,
+stays far below; a member trained with member 0's value is off by the values' ratio), and stops
+with a one-line error if they differ. A ``float()`` that only sets a length (a schedule's
+``decay_steps=round(float(lr) * 1000)``) can escape it. Arguments annotated as plain
 ``float`` (the values of ``mt.optim``'s constant, linear-warmup and cosine schedules, one-cycle's
 ``pct_start``) work with the swept tensor at run time but refuse it wherever annotations are
 enforced (jaxtyping's import hook in the test suite).
@@ -134,7 +141,8 @@ __all__ = [
 
 RECENT_LOSSES = 10  # the ranking's smoothed loss: the mean of this many last logged losses
 # The members are checked against their single runs on the first step that moves the params
-# (a warmup's first step at lr 0 moves none), within this many first steps.
+# (a warmup's first step at lr 0 moves none): each of this many first steps, then steps 8, 16,
+# 32, ... until one moves (an lr held at 0 longer still hides a value frozen by float()).
 CHECKED_STEPS = 5
 
 SweepResult = FitResult
@@ -168,7 +176,8 @@ class SweepRun:
         self.logs = [_MemberLog() for _ in ensemble.members]
         self._examples = ensemble.template.tokens_per_batch
         self._out: EnsembleStepOutput | None = None
-        self._unchecked_steps = CHECKED_STEPS
+        self._checked = False  # whether a checked step moved the params
+        self._steps_taken = 0  # by this process (a resumed sweep is checked again)
         self._batch: Any = None
         self._run_dir: Path | None = None
 
@@ -188,10 +197,10 @@ class SweepRun:
             check_params(params)
             member_params.append(to_backend(params, self.backend))
         self.params = _stacked(member_params, "params")
-        self.opt_state = _stacked(
-            [e.optimizer.init(p) for e, p in zip(ensemble.experiments, member_params, strict=True)],
-            "optimizer states",
-        )
+        with script_call("optimizer.init(params)"):
+            states = [e.optimizer.init(p)
+                      for e, p in zip(ensemble.experiments, member_params, strict=True)]
+        self.opt_state = _stacked(states, "optimizer states")
         self.diverged_at = torch.zeros(ensemble.size, dtype=torch.int64, device=self.backend.device)
         self.hyperparameters = ensemble.hyperparameters(self.backend.device)
         self.fp8_history = self._fp8_histories(member_params[0])
@@ -265,10 +274,12 @@ class SweepRun:
         with script_call("the train step (loss)", step):
             out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
                                self.diverged_at, step, self.fp8_history)
-        if self.check and self._unchecked_steps > 0:  # until a step moves the params
-            moved = check_members(ensemble, self.backend, self.params, self.opt_state, batch,
-                                  out, fp8_history=self.fp8_history)
-            self._unchecked_steps = 0 if moved else self._unchecked_steps - 1
+        self._steps_taken += 1
+        if self.check and not self._checked and _checks(self._steps_taken):
+            with script_call("the train step (loss)", step):  # each member's own run's step
+                self._checked = check_members(ensemble, self.backend, self.params,
+                                              self.opt_state, batch, out,
+                                              fp8_history=self.fp8_history)
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
         self.fp8_history = out.fp8_history
         self._out, self._batch, self.current_step = out, batch, step
@@ -373,7 +384,7 @@ def fit_sweep(
     Arguments are :func:`~minitrain.train.fit`'s. ``out_dir`` receives ``metrics.jsonl`` (one
     line per logged step per member, with ``member``, ``seed`` and the swept ``config``),
     checkpoints of the whole ensemble and ``summary.json`` (the ranking). ``check`` compares
-    the first step that moves the params (within :data:`CHECKED_STEPS`) with each member's own
+    the first step that moves the params (see :func:`_checks`) with each member's own
     single-run step (:func:`check_members`).
     """
     stepper = SweepRun(ensemble, backend, check=check, say=say)
@@ -381,6 +392,17 @@ def fit_sweep(
         stepper, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
         keep=keep, resume=resume, overwrite=overwrite, progress=progress, report=report, say=say,
     )
+
+
+def _checks(steps_taken: int) -> bool:
+    """Whether the ``steps_taken``-th step of this process is checked (while none has moved
+    the params): each of the first :data:`CHECKED_STEPS`, then each power of two, so an lr held
+    at 0 for long costs a few checks, not one per step.
+
+    >>> [n for n in range(1, 40) if _checks(n)]
+    [1, 2, 3, 4, 5, 8, 16, 32]
+    """
+    return steps_taken <= CHECKED_STEPS or steps_taken & (steps_taken - 1) == 0
 
 
 def _stacked(trees: list[PyTree], what: str) -> PyTree:
