@@ -126,3 +126,37 @@ def test_bytelm_muon_sweeps_muon_lr_past_the_check():
     name = "blocks.0.attn.qkv.weight"
     leaves = [dict(mt.tree.named_leaves(p))[name] for p in swept]
     assert not torch.allclose(leaves[0], leaves[1], rtol=1e-3)
+
+
+WEIGHT_DECAY = """
+import torch
+import minitrain as mt
+
+CONFIG = {"weight_decay": 0.0, "steps": 2}
+
+
+def experiment(config):
+    return mt.Experiment(
+        name="decayed",
+        init=lambda g: {"w": torch.randn(4, 3, generator=g)},
+        loss=lambda p, x: ((x @ p["w"]) ** 2).mean(),
+        next_batch=lambda g: torch.randn(8, 4, generator=g),
+        optimizer=mt.optim.NAME(weight_decay=config["weight_decay"]),
+        steps=config["steps"],
+    )
+"""
+
+
+@pytest.mark.parametrize("name", ["adadelta", "adamax", "asgd", "lion", "nadam", "radam"])
+def test_a_weight_decay_of_zero_beside_others_names_the_members_and_a_way_out(tmp_path, name):
+    # these leave the decay step out at 0, as torch.optim does; the states cannot stack
+    path = tmp_path / "decayed.py"
+    path.write_text(WEIGHT_DECAY.replace("NAME", name))
+    ensemble = load_sweep(str(path), ["weight_decay=0.0,0.1"], steps=2)
+    with pytest.raises(MemberMismatch) as info:
+        fit_sweep(ensemble, CPU, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and "differ in layout" in message
+    assert "member 0 (weight_decay=0 seed=0) and member 1 (weight_decay=0.1 seed=0)" in message
+    ensemble = load_sweep(str(path), ["weight_decay=1e-8,0.1"], steps=2)  # the way out trains
+    assert fit_sweep(ensemble, CPU, progress=False).params["w"].shape == (2, 4, 3)

@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as _pytree
 
 from minitrain import checkpoint, rng
 from minitrain.backend import Backend
@@ -200,6 +201,7 @@ class SweepRun:
         with script_call("optimizer.init(params)"):
             states = [e.optimizer.init(p)
                       for e, p in zip(ensemble.experiments, member_params, strict=True)]
+        _check_same_state_layout(ensemble, states)
         self.opt_state = _stacked(states, "optimizer states")
         self.diverged_at = torch.zeros(ensemble.size, dtype=torch.int64, device=self.backend.device)
         self.hyperparameters = ensemble.hyperparameters(self.backend.device)
@@ -392,6 +394,23 @@ def fit_sweep(
         stepper, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
         keep=keep, resume=resume, overwrite=overwrite, progress=progress, report=report, say=say,
     )
+
+
+def _check_same_state_layout(ensemble: Ensemble, states: list[PyTree]) -> None:
+    """Refuse, in one line naming two members, optimizer states laid out otherwise: their
+    optimizers differ in more than values (adadelta, adamax, asgd, lion, nadam and radam leave
+    their weight-decay step out at weight_decay=0, as torch.optim does)."""
+    layouts = [_pytree.tree_structure(state) for state in states]
+    for k, layout in enumerate(layouts):
+        if layout != layouts[0]:
+            first, other = (member_label(ensemble.members[i]) for i in (0, k))
+            raise MemberMismatch(
+                f"member 0 ({first}) and member {k} ({other}) build optimizers whose states "
+                "differ in layout, so one vmapped step cannot update both: a swept value picks "
+                "a step in or out (adadelta, adamax, asgd, lion, nadam and radam leave out "
+                "weight decay at weight_decay=0); sweep values that all build the same steps "
+                "(weight_decay=1e-8 for none)"
+            )
 
 
 def _checks(steps_taken: int) -> bool:
