@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["zero_count", "host_tensor", "is_batched", "is_traced", "lerp_weight", "next_step",
-           "schedule_count", "updates_done"]
+__all__ = ["zero_count", "host_tensor", "functorch_wrappers", "is_batched", "is_traced",
+           "lerp_weight", "next_step", "schedule_count", "updates_done"]
 
 
 def zero_count() -> Tensor:
@@ -56,12 +56,23 @@ def is_batched(value: Tensor) -> bool:
     >>> torch.func.vmap(lambda row: torch.tensor(is_batched(row)))(torch.ones(2, 3)).tolist()
     [True, True]
     """
-    functorch = torch._C._functorch
+    return "batched" in functorch_wrappers(value)
+
+
+def functorch_wrappers(value: Tensor) -> list[str]:
+    """The torch.func wrappers around ``value``, outermost first: ``"batched"`` (``vmap``),
+    ``"grad"`` (``grad``, ``jvp``) or ``"other"``.
+
+    >>> torch.func.vmap(lambda row: torch.func.grad(lambda r: r.sum() + float(
+    ...     functorch_wrappers(r) == ["grad", "batched"]))(row))(torch.ones(2, 3)).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    functorch, kinds = torch._C._functorch, []
     while functorch.is_functorch_wrapped_tensor(value):
-        if functorch.is_batchedtensor(value):
-            return True
+        kinds.append("batched" if functorch.is_batchedtensor(value) else
+                     "grad" if functorch.is_gradtrackingtensor(value) else "other")
         value = functorch.get_unwrapped(value)
-    return False
+    return kinds
 
 
 def lerp_weight(weight: Any, like: Any) -> Any:

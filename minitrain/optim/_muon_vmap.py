@@ -12,6 +12,8 @@ the member's own.
 import torch
 from torch import Tensor
 
+from minitrain.optim._host import functorch_wrappers
+
 __all__ = ["newton_schulz_per_matrix", "takes_per_matrix_op"]
 
 
@@ -48,10 +50,5 @@ def takes_per_matrix_op(g: Tensor, *hyperparameters: object) -> bool:
     if not _HAS_VMAP_RULES or g.requires_grad or any(
             isinstance(v, Tensor) for v in hyperparameters):
         return False
-    functorch, batched = torch._C._functorch, False
-    while functorch.is_functorch_wrapped_tensor(g):
-        if functorch.is_gradtrackingtensor(g):
-            return False
-        batched = batched or functorch.is_batchedtensor(g)
-        g = functorch.get_unwrapped(g)
-    return batched
+    wrappers = functorch_wrappers(g)
+    return "batched" in wrappers and "grad" not in wrappers
