@@ -13,15 +13,12 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain.backend import get_backend
 from minitrain.errors import ScriptError
-from minitrain.train import fit, load_experiment
 from minitrain.train.ensemble_step import batches_ignore_swept_values
 from minitrain.train.members import MemberMismatch
 from minitrain.train.sweep import fit_sweep, load_sweep
 from minitrain.tree import leaves
-
-CPU = get_backend("cpu")
+from tests.sweep_harness import CPU, separate_runs
 
 # A 6x3 least-squares problem; ``setup`` runs inside experiment(config) with ``lr`` and ``wd``
 # taken from config, and may set ``optimizer``, ``weights`` (the loss's per-column weights),
@@ -69,15 +66,6 @@ def write(tmp_path, setup):
     path = tmp_path / "hostile.py"
     path.write_text(SCRIPT.format(setup=textwrap.indent(textwrap.dedent(setup), "    ")))
     return str(path)
-
-
-def separate_runs(path, ensemble, steps):
-    runs = []
-    for member in ensemble.members:
-        overrides = {key: str(value) for key, value in member.config.items()}
-        experiment, config = load_experiment(path, overrides, steps=steps)
-        runs.append(fit(experiment, CPU, seed=member.seed, progress=False, config=config).params)
-    return runs
 
 
 def assert_sweep_equals_single_runs(path, items, steps=4):

@@ -11,12 +11,9 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain.backend import get_backend
-from minitrain.train import fit, load_experiment
 from minitrain.train.members import MemberMismatch
 from minitrain.train.sweep import fit_sweep, load_sweep
-
-CPU = get_backend("cpu")
+from tests.sweep_harness import CPU, separate_runs
 
 # Muon for the matrix and Adam for the bias, one warmup from lr 0, and Muon's lr as a ratio to
 # the shared one (as examples/bytelm_muon.py does).
@@ -77,15 +74,6 @@ def experiment(config):
         steps=config["steps"],
     )
 """
-
-
-def separate_runs(path, ensemble, steps):
-    runs = []
-    for member in ensemble.members:
-        overrides = {key: str(value) for key, value in member.config.items()}
-        experiment, config = load_experiment(str(path), overrides, steps=steps)
-        runs.append(fit(experiment, CPU, seed=member.seed, progress=False, config=config).params)
-    return runs
 
 
 def test_a_value_derived_at_build_time_is_each_members_own(tmp_path):
