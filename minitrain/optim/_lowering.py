@@ -187,10 +187,10 @@ def differentiable(value: Any) -> bool:
     return isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled()
 
 
-def schedule_needs_grad(tx: GradientTransformation, state: Any) -> bool:
-    """Whether chain ``tx``'s lr schedule gives this update a :func:`differentiable` lr (read
-    at the count in its last state; a state without one is left to the chain to name)."""
-    lr = spec(spec(tx)[1]["transforms"][-1])[1]["learning_rate"]
+def schedule_needs_grad(lr: Any, state: Any) -> bool:
+    """Whether a chain's ``lr`` (its last transformation's learning_rate), if a schedule, gives
+    this update a :func:`differentiable` lr (read at the count in the chain's last state; a
+    state without one is left to the chain to name)."""
     if not callable(lr) or isinstance(lr, Tensor) or not torch.is_grad_enabled():
         return False
     count = getattr(state[-1], "count", None) if isinstance(state, tuple) and state else None
@@ -212,6 +212,7 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
     from minitrain.optim.transforms import clip_by_global_norm, clip_scale_later
 
     hyperparameters = spec_tensors(tx)
+    lr = spec(spec(tx)[1]["transforms"][-1])[1]["learning_rate"]
 
     def lowered(grads, state, params, donate):
         leaves = _flat.flatten(params)[0]
@@ -219,7 +220,7 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
         if not all(_float_tensor(t) for t in (*leaves, *grad_leaves)):
             return None  # the chain itself names a number leaf, promotes an integer grad
         if use_plain_path("auto", [*leaves, *grad_leaves], hyperparameters) \
-                or schedule_needs_grad(tx, state):
+                or schedule_needs_grad(lr, state):
             return None
         if clip_norm is not None and fold_clip is not None:
             if not all(_dense(p) for p in leaves):
