@@ -67,6 +67,7 @@ from minitrain.checkpoint_state import (
     recorded_namedtuples,
 )
 from minitrain.errors import StorageError, os_cause
+from minitrain.optim import _groups as groups
 
 __all__ = [
     "CheckpointError",
@@ -581,6 +582,9 @@ def _rebuild(
     except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
     template_names = {name for name, _ in tree.named_leaves(template)}
+    legacy = groups.legacy_template(template, template_names, [*tensors, *scalars])
+    if legacy is not None:
+        return groups.like(template, _rebuild(legacy, blob, scalars, label))
     for name in [*tensors, *scalars]:
         if name not in template_names:
             raise CheckpointError(

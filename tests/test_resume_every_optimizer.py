@@ -487,10 +487,6 @@ def test_a_malformed_namedtuple_record_is_a_one_line_error(tmp_path, record):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "multi_transform and masked keep each group's state as a list by position, not by param "
-    "name: a checkpoint resumed with other labels over leaves of the same shapes loads each "
-    "leaf's state into another param (minitrain/optim/_transforms_wrappers.py)"))
 def test_a_checkpoint_resumed_with_other_labels_is_refused(tmp_path):
     params = {"a": torch.ones(3, 3), "b": torch.full((3, 3), 2.0)}
 

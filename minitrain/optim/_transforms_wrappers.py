@@ -25,6 +25,7 @@ from minitrain.optim._core import (
     tagged,
     tensor_leaves,
 )
+from minitrain.optim._groups import LeafGroup, group
 from minitrain.optim._host import host_tensor, schedule_count, updates_done, zero_count
 from minitrain.optim.base import is_traced
 from minitrain.tree import Params
@@ -54,12 +55,31 @@ def _labels(labels: Any, params: Params, what: str) -> list[Any]:
     return tree.leaves(labels)
 
 
-def _select(leaves: list[Any], indices: list[int]) -> list[Any]:
-    return [leaves[i] for i in indices]
+def _select(names: list[str], leaves: list[Any], indices: list[int]) -> LeafGroup:
+    """The leaves at ``indices``, keyed by their names in the whole params."""
+    return group([(names[i], leaves[i]) for i in indices])
+
+
+def _names(params: Params) -> list[str]:
+    return [name for name, _ in tree.named_leaves(params)]
+
+
+def _scatter(out: list[Any], names: list[str], indices: list[int], new: Any, what: str) -> None:
+    """Write ``new``, the inner transformation's updates (a dict like the :class:`LeafGroup` it
+    was given, or a list of as many leaves), into ``out`` at ``indices``."""
+    if isinstance(new, dict) and list(new) == [names[i] for i in indices]:
+        new = list(new.values())
+    if not isinstance(new, list | tuple) or len(new) != len(indices):
+        raise ValueError(
+            f"{what}'s inner transformation returned a {type(new).__name__} for a dict of "
+            f"{len(indices)} leaves; return updates shaped like the ones it was given "
+            "(tree.map over them)")
+    for i, value in zip(indices, new, strict=True):
+        out[i] = value
 
 
 class MaskedState(NamedTuple):
-    """The inner transformation's state over the masked-in leaves (a list pytree)."""
+    """The inner transformation's state over the masked-in leaves (keyed by their names)."""
 
     inner_state: Any
 
@@ -68,7 +88,8 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through.
 
     ``mask`` is a pytree of bools like params or ``fn(name, leaf) -> bool``. ``inner`` sees a
-    list of the selected leaves.
+    dict of the selected leaves keyed by their names in params (a ``LeafGroup``), so its state
+    is named after them.
 
     >>> import torch, minitrain as mt
     >>> tx = masked(mt.optim.scale(0.0), lambda name, leaf: leaf.ndim >= 2)
@@ -86,19 +107,19 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         return [i for i, flag in enumerate(flags) if flag]
 
     def init(params):
-        return MaskedState(inner.init(_select(tree.leaves(params), chosen(params))))
+        return MaskedState(inner.init(_select(_names(params), tree.leaves(params),
+                                              chosen(params))))
 
     def update(updates, state, params=None, **extra):
         check_extra_args("masked", update.extra_args, extra)
         check_state_type("masked", MaskedState, state)
         indices = chosen(updates if params is None else params)
-        leaves = tree.leaves(updates)
-        inner_params = None if params is None else _select(tree.leaves(params), indices)
-        new, inner_state = inner.update(_select(leaves, indices), state.inner_state, inner_params,
-                                        **extra)
+        names, leaves = _names(updates), tree.leaves(updates)
+        inner_params = None if params is None else _select(names, tree.leaves(params), indices)
+        new, inner_state = inner.update(_select(names, leaves, indices), state.inner_state,
+                                        inner_params, **extra)
         out = list(leaves)
-        for i, value in zip(indices, new, strict=True):
-            out[i] = value
+        _scatter(out, names, indices, new, "masked")
         return tree.unflatten(tree.structure(updates), out), MaskedState(inner_state)
 
     forwards_extra_args(update, [inner])
@@ -106,7 +127,8 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
 
 class MultiTransformState(NamedTuple):
-    """Per label, the state of its transformation over the leaves with that label."""
+    """Per label, the state of its transformation over the leaves with that label (keyed by
+    their names)."""
 
     inner_states: dict[str, Any]
 
@@ -116,7 +138,9 @@ def multi_transform(transforms: dict[str, GradientTransformation],
     """Route each leaf to the transformation of its label (optax ``multi_transform``).
 
     ``labels`` is a pytree of label strings like params or ``fn(name, leaf) -> label``. Each
-    transformation sees a list of its leaves (and their params).
+    transformation sees a dict of its leaves (and their params) keyed by their names in params
+    (a ``LeafGroup``), so its state is named after them: a checkpoint resumed with other labels
+    is refused instead of loading one param's moments into another.
 
     >>> import torch, minitrain as mt
     >>> tx = multi_transform({"matrix": mt.optim.scale(-1.0), "other": mt.optim.scale(0.0)},
@@ -145,9 +169,9 @@ def multi_transform(transforms: dict[str, GradientTransformation],
         return found
 
     def init(params):
-        leaves = tree.leaves(params)
+        names, leaves = _names(params), tree.leaves(params)
         return MultiTransformState({
-            label: transforms[label].init(_select(leaves, indices))
+            label: transforms[label].init(_select(names, leaves, indices))
             for label, indices in groups(params).items()
         })
 
@@ -159,18 +183,17 @@ def multi_transform(transforms: dict[str, GradientTransformation],
                 f"multi_transform with labels {sorted(transforms)} got a state for other "
                 f"labels; pass the state returned by its init(params)"
             )
-        leaves = tree.leaves(updates)
+        names, leaves = _names(updates), tree.leaves(updates)
         p_leaves = None if params is None else tree.leaves(params)
         out = list(leaves)
         new_states = {}
         for label, indices in groups(updates if params is None else params).items():
             new, new_states[label] = transforms[label].update(
-                _select(leaves, indices), state.inner_states[label],
-                None if p_leaves is None else _select(p_leaves, indices),
+                _select(names, leaves, indices), state.inner_states[label],
+                None if p_leaves is None else _select(names, p_leaves, indices),
                 **select_extra_args(transforms[label], extra),
             )
-            for i, value in zip(indices, new, strict=True):
-                out[i] = value
+            _scatter(out, names, indices, new, f"multi_transform's {label!r}")
         return tree.unflatten(tree.structure(updates), out), MultiTransformState(new_states)
 
     forwards_extra_args(update, list(transforms.values()))
