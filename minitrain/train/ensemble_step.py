@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -15,6 +16,7 @@ from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
 from minitrain.train.experiment import Experiment
 from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
+from minitrain.train.script_errors import raised_at
 from minitrain.train.step import (
     Carry,
     StepOutput,
@@ -202,7 +204,7 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
         step_number: int,
         fp8_history: torch.Tensor | None = None,
     ) -> EnsembleStepOutput:
-        with attention():
+        with attention(), _vmap_errors(step_number):
             out = vmapped(params, opt_state, batch, hyperparameters, fp8_history)
         alive = diverged_at == 0
         healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
@@ -218,6 +220,41 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
         )
 
     return ensemble_step
+
+
+# What torch.func says when the script does what one vmapped step cannot, and what to write
+_UNBATCHABLE = (
+    (("data-dependent control flow", "calling .item() on a Tensor"),
+     "turns a tensor that differs between members (the step count, a batch value, a swept "
+     "value) into a Python bool or number (an if, while, and/or, float() or .item()); one step "
+     "runs every member at once, so compute with tensor ops instead: torch.where(step > 10, a, "
+     "b) or a 0/1 mask, not if; tensors, not float() or .item()"),
+    (("mutate a captured Tensor",),
+     "writes in place into a tensor the loss did not make (one made by experiment(config), or "
+     "torch.as_tensor() of a swept value, which holds member 0's value there), which every "
+     "member's step shares; compute a new tensor from the value itself instead (y = x * 2, not "
+     "x.mul_(2); config[\"lr\"] * 2, not torch.as_tensor(config[\"lr\"]).mul_(2))"),
+    (("inplace arithmetic(self, *extra_args) is not possible",),
+     "writes a value that differs between members in place into a tensor they share; compute "
+     "a new tensor instead (y = x + lr, not x.add_(lr))"),
+)
+
+
+@contextlib.contextmanager
+def _vmap_errors(step: int) -> Iterator[None]:
+    """Refuse, in one line naming the script's line, what the vmapped step cannot run."""
+    try:
+        yield
+    except RuntimeError as exc:
+        for patterns, message in _UNBATCHABLE:
+            if any(pattern in str(exc) for pattern in patterns):
+                frame = raised_at(exc)
+                where = "" if frame is None else (
+                    f" ({Path(frame.filename).name} line {frame.lineno}, in {frame.name})")
+                raise MemberMismatch(
+                    f"the vmapped train step at step {step}{where} {message}"
+                ) from exc
+        raise
 
 
 def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:

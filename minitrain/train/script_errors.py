@@ -25,7 +25,7 @@ from pathlib import Path
 
 from minitrain.errors import MinitrainError, ScriptError
 
-__all__ = ["ScriptError", "raised_at", "script_call", "user_frames"]
+__all__ = ["ScriptError", "is_user_file", "raised_at", "script_call", "user_frames"]
 
 _OURS = Path(__file__).resolve().parents[1]  # minitrain/
 
@@ -44,12 +44,16 @@ def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The traceback frames of ``exc`` that lie in the user's files (not in libraries)."""
     roots = _library_roots()
     frames = traceback.extract_tb(exc.__traceback__)
-    return [
-        frame
-        for frame in frames
-        if not str(Path(frame.filename).resolve()).startswith(roots)
-        and not frame.filename.startswith("<")
-    ]
+    return [frame for frame in frames if _in_user_file(frame.filename, roots)]
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether code of ``filename`` is the user's own (not minitrain's, torch's or Python's)."""
+    return _in_user_file(filename, _library_roots())
+
+
+def _in_user_file(filename: str, roots: tuple[str, ...]) -> bool:
+    return not filename.startswith("<") and not str(Path(filename).resolve()).startswith(roots)
 
 
 def raised_at(exc: BaseException) -> traceback.FrameSummary | None:

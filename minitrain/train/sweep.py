@@ -35,13 +35,19 @@ a :class:`SweptValue` too, redone on each member's values in the step; ``lr *= 2
 a float. What the step cannot redo per member is refused in one line while the template is
 built: an in-place write of a swept value into a tensor, a random draw from one, and a Python
 bool or int of one (an ``if``, a comparison, ``int()``) that differs between members (an ``if``
-that every member takes alike is fine). The first step that moves the params (a warmup from
+that every member takes alike is fine; one that only picks the name is refused too). A size or
+count made through ``float()`` (a schedule's ``decay_steps=round(float(lr) * 1000)``, a tensor's
+length) is a plain number there: the init, loss and optimizer each member builds are compared,
+and an int, bool or tensor shape that differs is refused in one line
+(:mod:`~minitrain.train.member_checks`). ``json.dumps(config)`` writes member 0's values while
+the template is built. Inside the step, Python control flow on a per-member tensor (``if step >
+10``) and an in-place write into a tensor the loss did not make are refused in one line naming
+the script's line. The first step that moves the params (a warmup from
 lr 0 moves none at its first; each of the first :data:`CHECKED_STEPS` steps, then steps 8, 16,
 32, ... are tried until one moves) checks every member against the step its single run would
 take, to 5% of each leaf's update in norm (rounding, even in Muon's bfloat16 Newton-Schulz,
 stays far below; a member trained with member 0's value is off by the values' ratio), and stops
-with a one-line error if they differ. A ``float()`` that only sets a length (a schedule's
-``decay_steps=round(float(lr) * 1000)``) can escape it. Arguments annotated as plain
+with a one-line error if they differ. Arguments annotated as plain
 ``float`` (the values of ``mt.optim``'s constant, linear-warmup and cosine schedules, one-cycle's
 ``pct_start``) work with the swept tensor at run time but refuse it wherever annotations are
 enforced (jaxtyping's import hook in the test suite).

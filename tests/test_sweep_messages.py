@@ -1,0 +1,219 @@
+"""What ``minitrain sweep`` says about a script the vmapped step cannot train as its members'
+single runs: one line that names the script's line and how to write it instead, or the
+members' own results. Sizes and counts taken from a swept value through ``float()``, an ``if``
+on a swept value that only picks a name, in-place writes and Python control flow on per-member
+tensors inside the step, and ``json.dumps(config)``."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minitrain as mt
+from minitrain.cli import main
+from minitrain.train.members import MemberMismatch
+from minitrain.train.sweep import fit_sweep, load_sweep
+from tests.sweep_harness import CPU, separate_runs
+
+# A least-squares problem; ``setup`` runs inside experiment(config) (after ``lr``, ``width``,
+# ``name``, ``schedule`` and ``weights`` are set), ``in_loss`` at the start of the loss.
+SCRIPT = '''
+import json
+
+import torch
+import minitrain as mt
+
+CONFIG = {{"lr": 0.05, "x": 2.0, "steps": 4}}
+
+
+def experiment(config):
+    true_w = torch.linspace(-1.0, 1.0, 6)
+    lr = config["lr"]
+    width = 3
+    name = "messages"
+    schedule = None
+    seen = {{"n": 0}}
+
+{setup}
+    def next_batch(generator):
+        seen["n"] += 1
+        x = torch.randn(8, 6, generator=generator)
+        return x, x @ true_w, torch.tensor(seen["n"])
+
+    def loss(params, batch):
+        x, y, step = batch
+{in_loss}
+        return ((x @ params["w"] - y) ** 2).mean() + 0.0 * params["h"].sum()
+
+    return mt.Experiment(
+        name=name,
+        init=lambda g: {{"w": 0.1 * torch.randn(6, generator=g), "h": torch.zeros(width)}},
+        loss=loss,
+        next_batch=next_batch,
+        optimizer=mt.optim.sgd(lr=lr if schedule is None else schedule),
+        steps=config["steps"],
+    )
+'''
+
+
+def write(tmp_path, setup="", in_loss=""):
+    path = tmp_path / "messages.py"
+    path.write_text(SCRIPT.format(setup=textwrap.indent(textwrap.dedent(setup), "    "),
+                                  in_loss=textwrap.indent(textwrap.dedent(in_loss), "        ")))
+    return str(path)
+
+
+def line_of(path, text):
+    """The line number of the first line of ``path`` that holds ``text``."""
+    lines = Path(path).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, start=1) if text in line)
+
+
+def refused(path, items, steps=4):
+    with pytest.raises(MemberMismatch) as info:
+        fit_sweep(load_sweep(path, items, steps=steps), CPU, progress=False)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def assert_members_equal_single_runs(path, items, steps=4):
+    ensemble = load_sweep(path, items, steps=steps)
+    result = fit_sweep(ensemble, CPU, progress=False)
+    for got, want in zip(mt.tree.unstack(result.params), separate_runs(path, ensemble, steps),
+                         strict=True):
+        torch.testing.assert_close(got["w"], want["w"], rtol=1e-5, atol=1e-6)
+
+
+def cli(capsys, path, *items):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", path, *(f"--set={item}" for item in items), "--steps", "4", "--no-report",
+              "--json"])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- sizes and counts
+
+
+def test_a_schedule_length_from_float_of_a_swept_value_is_refused(tmp_path):
+    # member 1's cosine decay is 15 steps long, member 0's 10: both trained with 10, silently
+    path = write(tmp_path, """
+        steps_of_decay = int(float(config["x"]) * 5)
+        schedule = mt.optim.cosine_schedule(0.05, decay_steps=steps_of_decay)
+        """)
+    message = refused(path, ["x=2.0,3.0"], steps=10)
+    assert message.startswith("member 1 (x=3 seed=0) builds an optimizer whose decay_steps")
+    assert "is 15 where member 0's is 10" in message
+    assert "own minitrain run --set key=value" in message
+
+
+def test_a_tensor_length_from_float_of_a_swept_value_names_the_size_and_the_script(tmp_path):
+    path = write(tmp_path, 'width = int(float(config["x"]) * 2)')
+    message = refused(path, ["x=2.0,3.0"])
+    assert message.startswith("member 1 (x=3 seed=0) builds an init whose width (held by the "
+                              "function at messages.py line ")
+    assert "is 6 where member 0's is 4; the members of one vmapped step share" in message
+    # a size every member shares trains
+    shared = write(tmp_path, """
+        width = int(float(config["x"]))
+        lr = lr * config["x"]
+        """)
+    assert_members_equal_single_runs(shared, ["x=2.0,2.5"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 1000), st.integers(1, 1000), st.sampled_from(["list", "tensor", "int"]))
+def test_sizes_held_by_a_loss_are_compared_between_members(first, second, kind):
+    from minitrain.train.member_checks import check_same_sizes
+
+    def loss_holding(n):
+        held = {"list": [0.0] * n, "tensor": torch.zeros(n), "int": n}[kind]
+        return lambda params, batch: held
+
+    parts = [{"loss": loss_holding(n)} for n in (first, second)]
+    if first == second:
+        check_same_sizes(parts, ["x=1", "x=2"])
+    else:
+        with pytest.raises(MemberMismatch, match=r"^member 1 \(x=2\) builds a loss whose "):
+            check_same_sizes(parts, ["x=1", "x=2"])
+
+
+# --------------------------------------------------------------------------- branches
+
+
+def test_an_if_that_only_picks_the_name_is_refused_with_what_to_write(tmp_path, capsys):
+    path = write(tmp_path, """
+        if config["lr"] > 0.1:
+            name = "fast"
+        """)
+    message = refused(path, ["lr=0.05,0.2"])
+    assert "False for member 0 (lr=0.05 seed=0), True for member 1 (lr=0.2 seed=0)" in message
+    assert "even a branch that only sets a name" in message
+    assert 'f"lr={lr:g}" for a name' in message
+    assert message.endswith(f"(messages.py line {line_of(path, 'if config')})")
+    code, err = cli(capsys, path, "lr=0.05,0.2")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- inside the step
+
+
+@pytest.mark.parametrize("in_loss, expected", [
+    ('scaled = torch.as_tensor(config["lr"]).mul_(2)',
+     "writes in place into a tensor the loss did not make"),
+    ("if step > 2:\n    y = y * 2", "torch.where(step > 10, a, b)"),
+    ('if float(config["lr"]) > 0.1:\n    y = y * 2', "not float() or .item()"),
+], ids=["in-place-on-a-swept-value", "if-on-the-step-count", "float-of-a-swept-value"])
+def test_what_the_vmapped_step_cannot_run_is_one_line_naming_the_script(
+        tmp_path, capsys, in_loss, expected):
+    path = write(tmp_path, in_loss=in_loss)
+    line = line_of(path, in_loss.splitlines()[0])
+    message = refused(path, ["lr=0.05,0.2"])
+    assert message.startswith(f"the vmapped train step at step 1 (messages.py line {line}, in "
+                              "loss) ")
+    assert expected in message and "vmap" not in message.replace("vmapped", "")
+    code, err = cli(capsys, path, "lr=0.05,0.2")
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_an_if_on_the_step_count_in_a_schedule_is_one_line(tmp_path):
+    path = write(tmp_path, """
+        peak = lr
+        schedule = lambda count: peak * (0.5 if count > 2 else 1.0)
+        """)
+    message = refused(path, ["lr=0.05,0.2"])
+    assert message.startswith(f"the vmapped train step at step 1 (messages.py line "
+                              f"{line_of(path, 'count > 2')}, in <lambda>) turns a tensor "
+                              "that differs")
+
+
+# --------------------------------------------------------------------------- json
+
+
+def test_json_dumps_of_the_config_trains_as_single_runs(tmp_path, capsys):
+    path = write(tmp_path, 'name = "messages " + json.dumps(config, sort_keys=True)')
+    assert_members_equal_single_runs(path, ["lr=0.05,0.2"])
+
+
+def test_json_dumps_writes_member_zeros_values_while_the_template_is_built(tmp_path):
+    path = write(tmp_path, """
+        with open(config["log"], "a") as log:
+            log.write(json.dumps({"lr": config["lr"], "half": config["lr"] / 2}) + "\\n")
+        """)
+    log = tmp_path / "config.jsonl"
+    script = Path(path)
+    logged = f'"steps": 4, "log": {str(log)!r}}}'
+    script.write_text(script.read_text().replace('"steps": 4}', logged))
+    load_sweep(path, ["lr=0.05,0.2"], steps=2)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    # member 0, member 1, then the shared experiment, which writes member 0's values
+    assert lines == [{"lr": 0.05, "half": 0.025}, {"lr": 0.2, "half": 0.1},
+                     {"lr": 0.05, "half": 0.025}]
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        json.dumps(torch.tensor(1.0))  # outside a build, json is as it was
