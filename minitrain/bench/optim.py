@@ -154,11 +154,11 @@ def _sync(device: str) -> None:
 
 def time_rounds(
     steppers: dict[str, Callable[[], None]], rounds: int, inner: int, device: str,
-    before_call: Callable[[], None] | None = None,
+    before_call: Callable[[], None] | None = None, warmup: int = 3,
 ) -> dict[str, list[float]]:
     """Each round's seconds per call of each stepper, over ``rounds`` interleaved rounds (in a
-    round the steppers run one after another, in order). ``before_call`` (e.g.
-    :func:`cache_flusher`) runs untimed before every timed call.
+    round the steppers run one after another, in order), after ``warmup`` untimed calls of
+    each. ``before_call`` (e.g. :func:`cache_flusher`) runs untimed before every timed call.
 
     >>> flushes = []
     >>> times = time_rounds({"a": lambda: None}, 2, 3, "cpu", lambda: flushes.append(1))
@@ -166,7 +166,7 @@ def time_rounds(
     (2, 6)
     """
     for stepper in steppers.values():  # warm-up: first-step branches, allocator, caches
-        for _ in range(3):
+        for _ in range(warmup):
             stepper()
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(rounds):

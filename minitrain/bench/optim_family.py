@@ -12,6 +12,7 @@ into them). The ratio is best-round time over the peer's; the target is at most 
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -97,15 +98,53 @@ COMPILED = {"adadelta", "adamax", "asgd", "nadam", "nadam_decoupled", "radam", "
             "schedule_free_adamw"}
 
 
+MIN_ROUNDS = 6  # the fewest rounds whose paired median has a 95% interval
+
+
+def fitted_rounds(seconds_per_call: float, calls_per_round: int, rounds: int, inner: int,
+                  budget: float) -> tuple[int, int]:
+    """``(rounds, inner)`` cut down, inner first, until timing them fits ``budget`` seconds,
+    but not below :data:`MIN_ROUNDS` rounds of one update (Muon's bfloat16 GEMMs, emulated on
+    a CPU without native bfloat16, take seconds per update).
+
+    >>> fitted_rounds(0.01, 2, 10, 3, 60.0)
+    (10, 3)
+    >>> fitted_rounds(15.0, 2, 10, 3, 300.0)
+    (10, 1)
+    >>> fitted_rounds(15.0, 2, 10, 3, 60.0)
+    (6, 1)
+    """
+    def cost(r: int, i: int) -> float:
+        return seconds_per_call * calls_per_round * r * i
+
+    while inner > 1 and cost(rounds, inner) > budget:
+        inner -= 1
+    while rounds > MIN_ROUNDS and cost(rounds, inner) > budget:
+        rounds -= 1
+    return rounds, inner
+
+
+def _first_call_seconds(steppers: dict[str, Callable[[], None]]) -> float:
+    """The slowest stepper's first call (it also warms them up)."""
+    slowest = 0.0
+    for stepper in steppers.values():
+        start = time.perf_counter()
+        stepper()
+        slowest = max(slowest, time.perf_counter() - start)
+    return slowest
+
+
 def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 1024,
                   rounds: int = 10, inner: int = 3, compiled: bool = False,
-                  cold: bool = False) -> dict[str, Any]:
+                  cold: bool = False, budget: float = 120.0) -> dict[str, Any]:
     """Seconds per update (reference, minitrain pure) and their ratio for each optimizer;
     with ``compiled``, also the pure update with ``impl="compiled"`` (compiles first, seconds).
 
     A reference that is not installed (``lion-pytorch``, ``schedulefree``) gives a row with
     ``"skipped"`` and the reason instead of numbers. ``cold`` flushes the last-level cache
-    before every update (:func:`minitrain.bench.optim.cache_flusher`).
+    before every update (:func:`minitrain.bench.optim.cache_flusher`). A row whose first
+    updates show it would take more than ``budget`` seconds times fewer updates
+    (:func:`fitted_rounds`); its ``"rounds"`` and ``"inner"`` say how many.
     """
     params = make_params(count, (size, size))
     grads = make_params(count, (size, size), seed=1)
@@ -126,10 +165,14 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
         if compiled and name in COMPILED:
             steppers["minitrain_compiled"] = _Pure(factory, {**shared, "impl": "compiled"},
                                                    params, grads)
-        times = time_rounds(steppers, rounds, inner, "cpu", flush)
+        row_rounds, row_inner = fitted_rounds(_first_call_seconds(steppers), len(steppers),
+                                              rounds, inner, budget)
+        times = time_rounds(steppers, row_rounds, row_inner, "cpu", flush, warmup=2)
         seconds = best_rounds(times)
         rows[name] = {
             "reference": reference,
+            "rounds": row_rounds,
+            "inner": row_inner,
             "seconds": seconds,
             "pure_over_reference": seconds["minitrain_pure"] / seconds["reference"],
             "paired_median_ratio": paired_median_ratio(times, "minitrain_pure", "reference"),

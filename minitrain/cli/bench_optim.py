@@ -36,10 +36,14 @@ __all__ = ["optim"]
 @click.option("--cold", is_flag=True,
               help="Flush the last-level cache before every timed update, as a training "
                    "loop's forward and backward pass do (CPU).")
+@click.option("--budget", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="With --family: seconds a member's row may take; a slower one (Muon's "
+                   "bfloat16 GEMMs on a CPU without native bfloat16) times fewer updates, "
+                   "down to 6 rounds of 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
           with_breakdown: bool, compiled: bool, chains: tuple[str, ...], with_family: bool,
-          members: tuple[str, ...], cold: bool, as_json: bool) -> None:
+          members: tuple[str, ...], cold: bool, budget: float, as_json: bool) -> None:
     """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated;
     chains built by hand over fused AdamW; with --family, every other optimizer's pure update
     over its reference (target <= 1.0x)."""
@@ -60,7 +64,7 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
                                       device, cold)["results"]
     if with_family:
         result["family"] = family_ratios(list(members) or None, count, size, rounds, inner,
-                                         compiled, cold)["results"]
+                                         compiled, cold, budget)["results"]
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -100,6 +104,9 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
                   "target <= 1.0x)")
         if "compiled_over_reference" in entry:
             ratios += f"   compiled: {entry['compiled_over_reference']:.2f}x"
+        if (entry["rounds"], entry["inner"]) != (rounds, inner):
+            ratios += (f"   ({entry['rounds']} rounds x {entry['inner']}: a slow update, "
+                       "cut to --budget)")
         click.echo(f"  {'':13s} {ratios}")
     if with_breakdown:
         click.echo("pure AdamW update, by part:")
