@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 
 import pytest
@@ -175,9 +176,10 @@ def test_gpt_benchmark_compares_the_same_model():
     small = {"d_model": 32, "n_layers": 1, "seq_len": 32, "batch_size": 2}
     result = gpt_step.gpt_step_ratios(small, rounds=1, inner=1)
     assert set(result["ratios"]) == {"fp32", "bf16", "fp8/fp32"}
-    assert all(0 < r < 100 for r in result["ratios"].values())
+    # timing stays out of pass/fail: one round on a busy machine can put a ratio anywhere
+    assert all(r > 0 and math.isfinite(r) for r in result["ratios"].values())
     assert set(result["paired_median_ratios"]) == set(result["ratios"])
-    assert all(0 < r < 100 for r in result["paired_median_ratios"].values())
+    assert all(r > 0 and math.isfinite(r) for r in result["paired_median_ratios"].values())
 
 
 # ---------------------------------------------------------------------------------------------
