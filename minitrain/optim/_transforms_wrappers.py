@@ -46,9 +46,11 @@ __all__ = [
 ]
 
 
-def _labels(labels: Any, params: Params, what: str) -> list[Any]:
-    """Per leaf of ``params``: its label from a pytree like params or ``fn(name, leaf)``."""
-    named = tree.named_leaves(params)
+def _labels(labels: Any, params: Params, what: str,
+            named: list[tuple[str, Any]] | None = None) -> list[Any]:
+    """Per leaf of ``params`` (``named``: its named leaves, if walked already): its label from a
+    pytree like params or ``fn(name, leaf)``."""
+    named = tree.named_leaves(params) if named is None else named
     if callable(labels):
         return [labels(name, leaf) for name, leaf in named]
     tree.assert_same_structure(params, labels, names=("params", what))
@@ -60,8 +62,13 @@ def _select(names: list[str], leaves: list[Any], indices: list[int]) -> LeafGrou
     return group([(names[i], leaves[i]) for i in indices])
 
 
-def _names(params: Params) -> list[str]:
-    return [name for name, _ in tree.named_leaves(params)]
+def _unzip(named: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
+    """The names and the leaves of :func:`tree.named_leaves`'s pairs.
+
+    >>> _unzip([("a", 1), ("b", 2)])
+    (['a', 'b'], [1, 2])
+    """
+    return [name for name, _ in named], [leaf for _, leaf in named]
 
 
 def _scatter(out: list[Any], names: list[str], indices: list[int], new: Any, what: str) -> None:
@@ -99,23 +106,26 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     """
     check_transformation(inner, "masked's inner")
 
-    def chosen(params: Params) -> list[int]:
-        flags = _labels(mask, params, "mask")
-        for (name, _), flag in zip(tree.named_leaves(params), flags, strict=True):
+    def chosen(params: Params, named: list[tuple[str, Any]]) -> list[int]:
+        flags = _labels(mask, params, "mask", named)
+        for (name, _), flag in zip(named, flags, strict=True):
             if not isinstance(flag, bool):
                 raise ValueError(f"mask leaf {name!r} is {type(flag).__name__}; use True or False")
         return [i for i, flag in enumerate(flags) if flag]
 
     def init(params):
-        return MaskedState(inner.init(_select(_names(params), tree.leaves(params),
-                                              chosen(params))))
+        named = tree.named_leaves(params)
+        return MaskedState(inner.init(_select(*_unzip(named), chosen(params, named))))
 
     def update(updates, state, params=None, **extra):
         check_extra_args("masked", update.extra_args, extra)
         check_state_type("masked", MaskedState, state)
-        indices = chosen(updates if params is None else params)
-        names, leaves = _names(updates), tree.leaves(updates)
-        inner_params = None if params is None else _select(names, tree.leaves(params), indices)
+        named = tree.named_leaves(updates)
+        names, leaves = _unzip(named)
+        named_params = named if params is None else tree.named_leaves(params)
+        indices = chosen(updates if params is None else params, named_params)
+        inner_params = None if params is None else _select(names, _unzip(named_params)[1],
+                                                            indices)
         new, inner_state = inner.update(_select(names, leaves, indices), state.inner_state,
                                         inner_params, **extra)
         out = list(leaves)
@@ -154,11 +164,10 @@ def multi_transform(transforms: dict[str, GradientTransformation],
     for label, tx in transforms.items():
         check_transformation(tx, f"multi_transform's {label!r}")
 
-    def groups(params: Params) -> dict[str, list[int]]:
+    def groups(params: Params, named: list[tuple[str, Any]]) -> dict[str, list[int]]:
         found: dict[str, list[int]] = {label: [] for label in transforms}
-        named = tree.named_leaves(params)
         for index, ((name, _), label) in enumerate(
-            zip(named, _labels(labels, params, "labels"), strict=True)
+            zip(named, _labels(labels, params, "labels", named), strict=True)
         ):
             if label not in transforms:
                 raise ValueError(
@@ -169,10 +178,11 @@ def multi_transform(transforms: dict[str, GradientTransformation],
         return found
 
     def init(params):
-        names, leaves = _names(params), tree.leaves(params)
+        named = tree.named_leaves(params)
+        names, leaves = _unzip(named)
         return MultiTransformState({
             label: transforms[label].init(_select(names, leaves, indices))
-            for label, indices in groups(params).items()
+            for label, indices in groups(params, named).items()
         })
 
     def update(updates, state, params=None, **extra):
@@ -183,11 +193,14 @@ def multi_transform(transforms: dict[str, GradientTransformation],
                 f"multi_transform with labels {sorted(transforms)} got a state for other "
                 f"labels; pass the state returned by its init(params)"
             )
-        names, leaves = _names(updates), tree.leaves(updates)
-        p_leaves = None if params is None else tree.leaves(params)
+        named = tree.named_leaves(updates)
+        names, leaves = _unzip(named)
+        named_params = named if params is None else tree.named_leaves(params)
+        p_leaves = None if params is None else _unzip(named_params)[1]
         out = list(leaves)
         new_states = {}
-        for label, indices in groups(updates if params is None else params).items():
+        for label, indices in groups(updates if params is None else params,
+                                     named_params).items():
             new, new_states[label] = transforms[label].update(
                 _select(names, leaves, indices), state.inner_states[label],
                 None if p_leaves is None else _select(names, p_leaves, indices),
