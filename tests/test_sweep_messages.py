@@ -127,6 +127,23 @@ def test_a_tensor_length_from_float_of_a_swept_value_names_the_size_and_the_scri
     assert_members_equal_single_runs(shared, ["x=2.0,2.5"])
 
 
+def test_an_int_that_differs_between_builds_of_one_member_is_no_size(tmp_path):
+    # a timestamp the loss holds differs between any two builds, swept value or not: member 0
+    # built again tells it from a size taken from a swept value
+    path = write(tmp_path, """
+        import time
+        started = time.perf_counter_ns()
+        """, in_loss="assert started > 0")
+    assert_members_equal_single_runs(path, ["lr=0.05,0.2"])
+    # a size from a swept value next to it is still refused
+    sized = write(tmp_path, """
+        import time
+        started = time.perf_counter_ns()
+        width = int(float(config["x"]) * 2)
+        """, in_loss="assert started > 0")
+    assert "is 6 where member 0's is 4" in refused(sized, ["x=2.0,3.0"])
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 1000), st.integers(1, 1000), st.sampled_from(["list", "tensor", "int"]))
 def test_sizes_held_by_a_loss_are_compared_between_members(first, second, kind):

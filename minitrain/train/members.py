@@ -435,10 +435,15 @@ def build_ensemble(
                 "arithmetic"
             ) from exc
         template = dataclasses.replace(template, name=experiments[0].name)
-        check_same_sizes([{"init": e.init, "loss": e.loss, "optimizer": e.optimizer}
-                          for e in experiments],
-                         [member_label(member) for member in members])
+        check_same_sizes([_parts(e) for e in experiments],
+                         [member_label(member) for member in members],
+                         lambda: _parts(_built(build, members[0].config)))
     return Ensemble(members, experiments, template, binding, swept)
+
+
+def _parts(experiment: Experiment) -> dict[str, Any]:
+    """What :func:`check_same_sizes` compares between members."""
+    return {"init": experiment.init, "loss": experiment.loss, "optimizer": experiment.optimizer}
 
 
 def _script_line(exc: BaseException) -> str:
