@@ -234,3 +234,26 @@ def test_json_dumps_writes_member_zeros_values_while_the_template_is_built(tmp_p
                      {"lr": 0.05, "half": 0.025}]
     with pytest.raises(TypeError, match="not JSON serializable"):
         json.dumps(torch.tensor(1.0))  # outside a build, json is as it was
+
+
+def test_json_in_another_thread_during_a_build_behaves_as_ever():
+    import threading
+
+    from minitrain.train.member_checks import json_writes_member_zero
+    from minitrain.train.members import SweptValue
+
+    lr = SweptValue(0.1, "lr", SweptValue.binding_type())
+    seen = []
+
+    def elsewhere():
+        try:
+            seen.append(json.dumps(lr))
+        except TypeError as exc:
+            seen.append(type(exc))
+
+    with json_writes_member_zero():
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        here = json.dumps(lr)
+    assert seen == [TypeError] and json.loads(here) == 0.1

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -211,12 +212,15 @@ def _contents(cell: Any) -> Any:
 @contextlib.contextmanager
 def json_writes_member_zero() -> Iterator[None]:
     """While the template is built, ``json.dumps(config)`` writes each swept value as member 0's
-    number (or list of numbers), as ``print(config)`` shows member 0's value."""
+    number (or list of numbers), as ``print(config)`` shows member 0's value. Only in the thread
+    that builds it: json in other threads meanwhile behaves as ever."""
     original = json.JSONEncoder.default
+    builder = threading.get_ident()
 
     def default(encoder: json.JSONEncoder, value: Any) -> Any:
         plain = getattr(value, "swept_plain", None)
-        if plain is not None and getattr(value, "swept_binding", None) is not None:
+        if plain is not None and getattr(value, "swept_binding", None) is not None \
+                and threading.get_ident() == builder:
             return plain.tolist()
         return original(encoder, value)
 
