@@ -133,10 +133,10 @@ def _from_the_heap(nbytes: int) -> None:
 
     The pool keeps its buffers, so in a new process nothing of their size may have been freed
     yet: each would be its own mmap, and every fresh mmap puts its data at the same offset in
-    a page, so all of an update's input and output streams would share that offset. Measured
-    on a 2-core AVX2 EPYC, the first pure AdamW update timed in a process took 1.43-1.82x
-    torch's fused one with such buffers, and 1.13-1.19x from the heap (three processes each,
-    8 x 1024² fp32). Once per size; elsewhere than glibc, one spare allocation.
+    a page. Measured on a 2-core AVX2 EPYC, the first pure AdamW update timed in a process
+    took 1.41-1.82x torch's fused one with such buffers, and 1.13-1.21x from the heap (six
+    processes each, 8 x 1024² fp32; the README's optimizer benchmark notes have the rest).
+    Once per size; elsewhere than glibc, one spare allocation.
     """
     if nbytes in _HEAP_SIZES or not _MMAP_THRESHOLD <= nbytes <= _MMAP_THRESHOLD_MAX:
         return
