@@ -257,3 +257,52 @@ def test_json_in_another_thread_during_a_build_behaves_as_ever():
         thread.join()
         here = json.dumps(lr)
     assert seen == [TypeError] and json.loads(here) == 0.1
+
+
+def test_builds_in_two_threads_ending_in_either_order_leave_json_as_it_was():
+    import threading
+
+    from minitrain.train.member_checks import json_writes_member_zero
+    from minitrain.train.members import SweptValue
+
+    lr = SweptValue(0.1, "lr", SweptValue.binding_type())
+    original = json.JSONEncoder.default
+    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+    written = {}
+
+    def build_a():
+        with json_writes_member_zero():
+            a_inside.set()
+            b_inside.wait()
+        a_done.set()
+
+    def build_b():
+        a_inside.wait()
+        with json_writes_member_zero():
+            b_inside.set()
+            a_done.wait()  # a's build ended first, b's goes on
+            written["b"] = json.dumps(lr)
+
+    threads = [threading.Thread(target=build_a), threading.Thread(target=build_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert json.loads(written["b"]) == 0.1
+    assert json.JSONEncoder.default is original
+
+
+def test_a_walk_that_grows_between_builds_hides_no_size():
+    # a list every build appends to shifts the rebuilt walk: it proves nothing about decay_steps
+    from minitrain.train.member_checks import check_same_sizes
+
+    builds = []
+
+    def build(x):
+        builds.append(1)
+        decay_steps = int(float(x) * 5)
+        return {"loss": lambda: (builds, decay_steps)}
+
+    parts = [build(2.0), build(3.0)]
+    with pytest.raises(MemberMismatch, match=r"decay_steps.* is 15 where member 0's is 10"):
+        check_same_sizes(parts, ["x=2", "x=3"], lambda: build(2.0))

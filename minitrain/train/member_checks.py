@@ -115,8 +115,21 @@ def check_same_sizes(parts: Sequence[dict[str, Any]], labels: Sequence[str],
 
 def _unstable(again: list[tuple[str, str, Any]], first: list[tuple[str, str, Any]],
               at: int) -> bool:
-    """Whether entry ``at`` of member 0's sizes differs between two builds of it."""
-    return at >= len(again) or again[at] != first[at]
+    """Whether entry ``at`` of member 0's sizes differs between two builds of it that agree on
+    every entry's name and place: a value that changes between any two builds (a timestamp).
+    Builds that walk differently (a container that grows with each build) prove nothing.
+
+    >>> first = [("n", "", 10), ("t", "", 1)]
+    >>> _unstable([("n", "", 10), ("t", "", 2)], first, 1), _unstable(first, first, 1)
+    (True, False)
+    >>> _unstable([("n", "", 10), ("extra", "", 0), ("t", "", 2)], first, 1)
+    False
+    """
+    if len(again) != len(first) or any(
+            (path, where) != (path_0, where_0)
+            for (path, where, _), (path_0, where_0, _) in zip(again, first, strict=True)):
+        return False
+    return again[at][2] != first[at][2]
 
 
 def _article(what: str) -> str:
@@ -209,23 +222,41 @@ def _contents(cell: Any) -> Any:
         return None
 
 
+class _JsonBuilds(threading.local):
+    depth = 0  # builds under way in this thread
+
+
+_BUILDS = _JsonBuilds()
+_JSON_LOCK = threading.Lock()
+_json_users = 0  # builds under way in all threads: the default is installed while any is
+_json_default_before: Any = None
+
+
+def _member_zero_default(encoder: json.JSONEncoder, value: Any) -> Any:
+    plain = getattr(value, "swept_plain", None)
+    if _BUILDS.depth and plain is not None and getattr(value, "swept_binding", None) is not None:
+        return plain.tolist()
+    return _json_default_before(encoder, value)
+
+
 @contextlib.contextmanager
 def json_writes_member_zero() -> Iterator[None]:
     """While the template is built, ``json.dumps(config)`` writes each swept value as member 0's
     number (or list of numbers), as ``print(config)`` shows member 0's value. Only in the thread
-    that builds it: json in other threads meanwhile behaves as ever."""
-    original = json.JSONEncoder.default
-    builder = threading.get_ident()
-
-    def default(encoder: json.JSONEncoder, value: Any) -> Any:
-        plain = getattr(value, "swept_plain", None)
-        if plain is not None and getattr(value, "swept_binding", None) is not None \
-                and threading.get_ident() == builder:
-            return plain.tolist()
-        return original(encoder, value)
-
-    json.JSONEncoder.default = default
+    that builds it: json in other threads meanwhile behaves as ever, and builds in several
+    threads, ending in any order, put json back as it was once the last one ends."""
+    global _json_users, _json_default_before
+    with _JSON_LOCK:
+        if _json_users == 0:
+            _json_default_before = json.JSONEncoder.default
+            json.JSONEncoder.default = _member_zero_default
+        _json_users += 1
+    _BUILDS.depth += 1
     try:
         yield
     finally:
-        json.JSONEncoder.default = original
+        _BUILDS.depth -= 1
+        with _JSON_LOCK:
+            _json_users -= 1
+            if _json_users == 0 and json.JSONEncoder.default is _member_zero_default:
+                json.JSONEncoder.default = _json_default_before
