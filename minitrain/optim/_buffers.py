@@ -3,6 +3,7 @@ clearable, and counted in :func:`buffer_pool_bytes`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import sys
 import threading
@@ -120,29 +121,58 @@ class BufferPool:
 
 
 # glibc's malloc serves a request of at least its mmap threshold (128 KiB at first) with a
-# fresh mmap, and raises the threshold to the size of such a chunk when one is freed, up to
-# 32 MiB (mallopt(3), M_MMAP_THRESHOLD).
+# fresh mmap, and raises the threshold to the size of such a chunk when one is freed, if the
+# chunk (the request, its header and alignment, in whole pages) is at most 32 MiB (mallopt(3),
+# M_MMAP_THRESHOLD).
 _MMAP_THRESHOLD = 128 * 1024
 _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+_PAGE = 4096
+_ALIGNMENT = 64  # c10's alignment for CPU tensors (posix_memalign)
 _HEAP_SIZES: set[int] = set()
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library when it is glibc, whose malloc torch's CPU tensors use."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    if not all(hasattr(libc, name) for name in
+               ("gnu_get_libc_version", "posix_memalign", "free", "malloc_trim")):
+        return None
+    libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                    ctypes.c_size_t]
+    libc.posix_memalign.restype = ctypes.c_int
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free.restype = None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return libc
 
 
 def _from_the_heap(nbytes: int) -> None:
     """Let buffers of ``nbytes`` come from malloc's heap, not from fresh mmaps, by freeing one
-    mmapped block of that size first (what glibc's own rule does after the first such free).
+    mmapped block of that size first (what glibc's own rule does after the first such free);
+    buffers within a page of 32 MiB or larger stay mmapped, as glibc keeps them.
 
     The pool keeps its buffers, so in a new process nothing of their size may have been freed
     yet: each would be its own mmap, and every fresh mmap puts its data at the same offset in
     a page. Measured on a 2-core AVX2 EPYC, the first pure AdamW update timed in a process
     took 1.41-1.82x torch's fused one with such buffers, and 1.13-1.21x from the heap (six
     processes each, 8 x 1024² fp32; the README's optimizer benchmark notes have the rest).
-    Once per size; elsewhere than glibc, one spare allocation.
+    Once per size, on glibc only; the block is malloc's own (no torch allocation, so no
+    dispatch mode, custom allocator or deterministic fill sees it) and is never touched.
     """
-    if nbytes in _HEAP_SIZES or not _MMAP_THRESHOLD <= nbytes <= _MMAP_THRESHOLD_MAX:
+    if nbytes in _HEAP_SIZES or not _MMAP_THRESHOLD <= nbytes <= _MMAP_THRESHOLD_MAX - _PAGE:
         return
     _HEAP_SIZES.add(nbytes)
-    with _disable_current_modes():
-        torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # unused, freed at once
+    libc = _glibc()
+    if libc is None:
+        return
+    block = ctypes.c_void_p()
+    if libc.posix_memalign(ctypes.byref(block), _ALIGNMENT, nbytes) == 0:
+        libc.free(block)
 
 
 def _storage_nbytes(key: tuple) -> int:
@@ -175,13 +205,18 @@ _POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()
 
 def clear_buffer_pools() -> None:
     """Release the recycled buffers of every optimizer's pool (e.g. before measuring memory, or
-    when a run ends and the optimizer lives on).
+    when a run ends and the optimizer lives on), and on glibc hand the heap's free pages back
+    to the system (``malloc_trim``: the buffers live in the heap, whose free pages glibc keeps
+    otherwise).
 
     >>> clear_buffer_pools(); buffer_pool_bytes()
     0
     """
     for pool in list(_POOLS):
         pool.clear()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def buffer_pool_bytes() -> int:
