@@ -159,8 +159,9 @@ def _from_the_heap(nbytes: int) -> None:
     The pool keeps its buffers, so in a new process nothing of their size may have been freed
     yet: each would be its own mmap, and every fresh mmap puts its data at the same offset in
     a page. Measured on a 2-core AVX2 EPYC, the first pure AdamW update timed in a process
-    took 1.41-1.82x torch's fused one with such buffers, and 1.13-1.21x from the heap (six
-    processes each, 8 x 1024² fp32; the README's optimizer benchmark notes have the rest).
+    took 1.39-1.83x torch's fused one with such buffers (median 1.58, ten processes), and
+    1.13-1.41x from the heap (median 1.20, 22 processes; 8 x 1024² fp32; the README's
+    optimizer benchmark notes have the rest).
     Once per size, on glibc only; the block is malloc's own (no torch allocation, so no
     dispatch mode, custom allocator or deterministic fill sees it) and is never touched.
     """
