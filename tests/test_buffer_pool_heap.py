@@ -60,6 +60,8 @@ print(before - resident_bytes(), float(above.sum()))
 
 
 def _glibc_with_mallinfo2() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
     libc = ctypes.CDLL(None)
     return hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallinfo2")
 

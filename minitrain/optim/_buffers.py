@@ -134,6 +134,8 @@ _HEAP_SIZES: set[int] = set()
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """The process's C library when it is glibc, whose malloc torch's CPU tensors use."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(None)
     except OSError:
