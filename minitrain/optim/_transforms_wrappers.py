@@ -46,11 +46,9 @@ __all__ = [
 ]
 
 
-def _labels(labels: Any, params: Params, what: str,
-            named: list[tuple[str, Any]] | None = None) -> list[Any]:
-    """Per leaf of ``params`` (``named``: its named leaves, if walked already): its label from a
-    pytree like params or ``fn(name, leaf)``."""
-    named = tree.named_leaves(params) if named is None else named
+def _labels(labels: Any, params: Params, what: str, named: list[tuple[str, Any]]) -> list[Any]:
+    """Per leaf of ``params`` (``named``: its named leaves): its label from a pytree like params
+    or ``fn(name, leaf)``."""
     if callable(labels):
         return [labels(name, leaf) for name, leaf in named]
     tree.assert_same_structure(params, labels, names=("params", what))
