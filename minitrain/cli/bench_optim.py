@@ -9,6 +9,7 @@ import torch
 
 from minitrain.bench.optim import CHAINS, OPTIMIZERS, breakdown, measure, measure_chains
 from minitrain.bench.optim_family import FAMILY, family_ratios
+from minitrain.bench.optim_processes import ChildFailed, run_children, summarize
 from minitrain.cli.errors import UserError
 
 __all__ = ["optim"]
@@ -40,10 +41,15 @@ __all__ = ["optim"]
               help="With --family: seconds a member's row may take; a slower one (Muon's "
                    "bfloat16 GEMMs on a CPU without native bfloat16) times fewer updates, "
                    "down to 6 rounds of 1.")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the whole measurement in this many fresh processes, one after "
+                   "another, and give each figure's median across them (with a 95% interval "
+                   "from 6 on): where the allocator puts buffers differs between processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
           with_breakdown: bool, compiled: bool, chains: tuple[str, ...], with_family: bool,
-          members: tuple[str, ...], cold: bool, budget: float, as_json: bool) -> None:
+          members: tuple[str, ...], cold: bool, budget: float, processes: int,
+          as_json: bool) -> None:
     """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated;
     chains built by hand over fused AdamW; with --family, every other optimizer's pure update
     over its reference (target <= 1.0x)."""
@@ -55,6 +61,12 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         raise UserError("--device cuda needs a CUDA GPU; none is available, use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
+    if processes > 1:
+        if with_breakdown:
+            raise UserError("--breakdown is one process's; drop --breakdown or --processes")
+        options = _child_options(click.get_current_context().params)
+        _across_processes(options, processes, as_json)
+        return
     result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled,
                      cold)
     result["cold"] = cold
@@ -114,6 +126,54 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         for name, seconds in parts["seconds"].items():
             faults = parts["minor_page_faults_per_call"][name]
             click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")
+
+
+def _child_options(params: dict) -> list[str]:
+    """The options of one child process: this command's, less ``--processes`` and ``--json``.
+
+    >>> _child_options({"names": ("adam",), "count": 2, "cold": True, "with_family": False})
+    ['--optimizer', 'adam', '--count', '2', '--cold']
+    """
+    options: list[str] = []
+    repeated = {"names": "--optimizer", "chains": "--chain", "members": "--member"}
+    flags = {"compiled": "--compiled", "with_family": "--family", "cold": "--cold"}
+    for key, value in params.items():
+        if key in repeated:
+            for item in value:
+                options += [repeated[key], item]
+        elif key in flags:
+            options += [flags[key]] if value else []
+        elif key in ("count", "size", "rounds", "inner", "device", "budget"):
+            options += [f"--{key}", str(value)]
+    return options
+
+
+def _across_processes(options: list[str], processes: int, as_json: bool) -> None:
+    """Run ``processes`` children with ``options`` and print each figure's median across them."""
+    def progress(done: int) -> None:
+        click.echo(f"process {done} of {processes} done", err=True)
+
+    try:
+        results = run_children(options, processes, progress=progress)
+    except ChildFailed as exc:
+        raise UserError(str(exc)) from None
+    rows = summarize(results)
+    if as_json:
+        click.echo(json.dumps({"processes": results, "summary": rows}, indent=2))
+        return
+    first = results[0]
+    click.echo(f"update of {first['params']} on {first['device']}, {processes} processes one "
+               "after another (each: the paired median ratio over its interleaved rounds); "
+               "per figure: the median across processes [its 95% interval], how many "
+               "processes were over the target, and each process's ratio")
+    width = max(len(row["figure"]) for row in rows)
+    for row in rows:
+        interval = "" if row["interval"] is None else \
+            f" [{row['interval'][0]:.2f}, {row['interval'][1]:.2f}]"
+        target = "" if row["target"] is None else \
+            f"  target <= {row['target']}x: {row['over_target']} of {processes} over"
+        each = " ".join(f"{r:.2f}" for r in row["ratios"])
+        click.echo(f"  {row['figure']:{width}s}  {row['median']:.2f}x{interval}{target}  ({each})")
 
 
 def _paired(ratio: float, interval: list[float] | tuple[float, float] | None) -> str:

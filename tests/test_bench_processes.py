@@ -1,0 +1,103 @@
+"""``minitrain bench optim --processes N``: the measurement repeated in fresh processes, each
+figure summarized by its median across them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+import minitrain.cli.bench_optim as bench_optim_cli
+from minitrain.bench.optim import median_interval
+from minitrain.bench.optim_processes import ChildFailed, child_command, run_children, summarize
+from minitrain.cli.bench_optim import optim
+
+
+def _result(pure: float, donate: float, chain: float, lion: float) -> dict:
+    return {
+        "params": "8 x 1024x1024 fp32", "device": "cpu",
+        "results": {"adam": {"peer": "torch_fused",
+                             "paired_median_ratios": {"pure": pure, "donate": donate}}},
+        "chains": {"chain": {"peer": "adamw torch_fused", "target": 1.5,
+                             "paired_median_ratio": chain, "paired_median_donate_ratio": 1.2}},
+        "family": {"lion": {"reference": "lion_pytorch:Lion", "paired_median_ratio": lion},
+                   "schedule_free_adamw": {"skipped": "schedulefree is not installed"}},
+    }
+
+
+def test_each_figure_is_summarized_by_its_median_interval_and_count_over_target():
+    pures = [1.1, 1.4, 1.2, 1.3, 1.36, 1.0, 1.25]
+    donates = [1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06]
+    chains = [1.4, 1.45, 1.5, 1.55, 1.6, 1.65, 1.7]
+    results = [_result(*figures, 0.8) for figures in zip(pures, donates, chains, strict=True)]
+    rows = {row["figure"]: row for row in summarize(results)}
+    assert list(rows) == ["adam pure / torch_fused", "adam donate / torch_fused",
+                          "chain pure / adamw torch_fused", "chain donate / adamw torch_fused",
+                          "lion pure / lion_pytorch:Lion"]  # the skipped member has none
+    pure = rows["adam pure / torch_fused"]
+    assert pure["ratios"] == pures and pure["median"] == 1.25
+    assert pure["interval"] == median_interval(pures) == (1.0, 1.4)
+    assert pure["over_target"] == 2 and pure["target"] == 1.35  # 1.4 and 1.36
+    assert rows["adam donate / torch_fused"]["over_target"] == 1  # 1.06 only
+    chain = rows["chain pure / adamw torch_fused"]
+    assert chain["over_target"] == 4 and chain["target"] == 1.5  # a ratio equal to its target is within it
+    assert rows["chain donate / adamw torch_fused"]["over_target"] is None
+    assert rows["lion pure / lion_pytorch:Lion"]["over_target"] == 0
+    assert summarize(results[:5])[0]["interval"] is None  # under six processes
+
+
+def test_children_run_one_after_another_and_a_failure_names_its_last_line():
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append(command)
+        if len(calls) == 3:
+            return subprocess.CompletedProcess(command, 2, "", "Traceback\nValueError: bad\n")
+        return subprocess.CompletedProcess(command, 0, json.dumps({"n": len(calls)}), "")
+
+    assert run_children(["--count", "1"], 2, run) == [{"n": 1}, {"n": 2}]
+    assert calls[0] == child_command(["--count", "1"])
+    with pytest.raises(ChildFailed, match=r"process 1 of 1 exited with status 2: ValueError: bad"):
+        run_children([], 1, run)
+
+
+def test_a_child_gets_every_option_of_the_command_but_processes_and_json(monkeypatch):
+    seen = []
+
+    def fake_children(options, processes, progress=None):
+        seen.append(options)
+        return [_result(1.1, 1.0, 1.3, 0.9)] * processes
+
+    monkeypatch.setattr(bench_optim_cli, "run_children", fake_children)
+    args = ["--optimizer", "adam", "--optimizer", "sgd_momentum", "--count", "3", "--size", "5",
+            "--rounds", "7", "--inner", "2", "--compiled", "--chain",
+            "chain_clip_adam_decay_schedule", "--family", "--member", "lion", "--cold",
+            "--budget", "9.5"]
+    out = CliRunner().invoke(optim, [*args, "--processes", "6", "--json"])
+    assert out.exit_code == 0, out.output
+    parsed = optim.make_context("optim", list(seen[0])).params
+    asked = optim.make_context("optim", list(args)).params
+    assert parsed == asked
+    assert len(json.loads(out.output)["processes"]) == 6
+    text = CliRunner().invoke(optim, ["--processes", "6"]).output
+    assert "1.10x [1.10, 1.10]  target <= 1.35x: 0 of 6 over" in text, text
+
+
+def test_breakdown_with_processes_is_a_one_line_error():
+    out = CliRunner().invoke(optim, ["--breakdown", "--processes", "2"])
+    assert out.exit_code == 2 and "drop --breakdown or --processes" in out.output
+    assert "Traceback" not in out.output
+
+
+def test_real_children_measure_and_are_summarized():
+    args = ["--optimizer", "sgd_momentum", "--count", "1", "--size", "8", "--rounds", "2",
+            "--inner", "1", "--processes", "2", "--json"]
+    out = CliRunner().invoke(optim, args)
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)  # the progress lines go to stderr
+    assert [r["params"] for r in result["processes"]] == ["1 x 8x8 fp32"] * 2
+    pure = result["summary"][0]
+    assert pure["figure"] == "sgd_momentum pure / torch_fused"
+    assert len(pure["ratios"]) == 2 and all(r > 0 for r in pure["ratios"])
