@@ -6,23 +6,27 @@ from __future__ import annotations
 import json
 import subprocess
 
+import click
 import pytest
 from click.testing import CliRunner
 
 import minitrain.cli.bench_optim as bench_optim_cli
-from minitrain.bench.optim import median_interval
+from minitrain.bench.optim import ALIAS_TARGETS, median_interval
+from minitrain.bench.optim_family import FAMILY_TARGET
 from minitrain.bench.optim_processes import ChildFailed, child_command, run_children, summarize
-from minitrain.cli.bench_optim import optim
+from minitrain.cli.bench_optim import NOT_FORWARDED, optim
+from minitrain.cli.errors import EXIT_FAILED, EXIT_USAGE, run_cli
 
 
 def _result(pure: float, donate: float, chain: float, lion: float) -> dict:
     return {
         "params": "8 x 1024x1024 fp32", "device": "cpu",
-        "results": {"adam": {"peer": "torch_fused",
+        "results": {"adam": {"peer": "torch_fused", "targets": dict(ALIAS_TARGETS),
                              "paired_median_ratios": {"pure": pure, "donate": donate}}},
         "chains": {"chain": {"peer": "adamw torch_fused", "target": 1.5,
                              "paired_median_ratio": chain, "paired_median_donate_ratio": 1.2}},
-        "family": {"lion": {"reference": "lion_pytorch:Lion", "paired_median_ratio": lion},
+        "family": {"lion": {"reference": "lion_pytorch:Lion", "target": FAMILY_TARGET,
+                            "paired_median_ratio": lion},
                    "schedule_free_adamw": {"skipped": "schedulefree is not installed"}},
     }
 
@@ -42,25 +46,54 @@ def test_each_figure_is_summarized_by_its_median_interval_and_count_over_target(
     assert pure["over_target"] == 2 and pure["target"] == 1.35  # 1.4 and 1.36
     assert rows["adam donate / torch_fused"]["over_target"] == 1  # 1.06 only
     chain = rows["chain pure / adamw torch_fused"]
-    assert chain["over_target"] == 4 and chain["target"] == 1.5  # a ratio equal to its target is within it
+    assert chain["over_target"] == 4 and chain["target"] == 1.5  # equal to it is within it
     assert rows["chain donate / adamw torch_fused"]["over_target"] is None
     assert rows["lion pure / lion_pytorch:Lion"]["over_target"] == 0
     assert summarize(results[:5])[0]["interval"] is None  # under six processes
 
 
-def test_children_run_one_after_another_and_a_failure_names_its_last_line():
+def test_processes_that_measured_other_figures_are_not_pooled():
+    other = _result(1.1, 1.0, 1.3, 0.9)
+    del other["family"]["lion"]
+    with pytest.raises(ValueError, match=r"process 2 .*lion pure / lion_pytorch:Lion"):
+        summarize([_result(1.1, 1.0, 1.3, 0.9), other])
+
+
+def _completed(returncode: int, stdout: str = "", stderr: str = ""):
+    return lambda command, **kwargs: subprocess.CompletedProcess(command, returncode, stdout,
+                                                                 stderr)
+
+
+def test_children_run_one_after_another_and_each_failure_is_named():
     calls = []
 
     def run(command, **kwargs):
         calls.append(command)
-        if len(calls) == 3:
-            return subprocess.CompletedProcess(command, 2, "", "Traceback\nValueError: bad\n")
         return subprocess.CompletedProcess(command, 0, json.dumps({"n": len(calls)}), "")
 
     assert run_children(["--count", "1"], 2, run) == [{"n": 1}, {"n": 2}]
-    assert calls[0] == child_command(["--count", "1"])
-    with pytest.raises(ChildFailed, match=r"process 1 of 1 exited with status 2: ValueError: bad"):
-        run_children([], 1, run)
+    assert calls == [child_command(["--count", "1"])] * 2
+    failures = {
+        "exited with status 2: bad": _completed(2, stderr="Traceback\nerror: bad\n"),
+        "was killed by SIGKILL: no output on stderr": _completed(-9),
+        "printed no JSON result; its output began: a warning": _completed(0, "a warning\n{}"),
+        "printed no JSON result; its output began: nothing": _completed(0, ""),
+    }
+    for message, run in failures.items():
+        with pytest.raises(ChildFailed, match=f"^benchmark process 1 of 1 {message}$"):
+            run_children([], 1, run)
+
+
+def test_a_failed_child_is_one_line_and_exit_code_1(monkeypatch, capsys):
+    monkeypatch.setattr(bench_optim_cli, "run_children",
+                        lambda options, processes, progress=None: run_children(
+                            options, processes, _completed(1, stderr="error: out of memory")))
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(optim, ["--processes", "2"])
+    assert exit_info.value.code == EXIT_FAILED
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        "error: benchmark process 1 of 2 exited with status 1: out of memory"], err
 
 
 def test_a_child_gets_every_option_of_the_command_but_processes_and_json(monkeypatch):
@@ -72,26 +105,37 @@ def test_a_child_gets_every_option_of_the_command_but_processes_and_json(monkeyp
 
     monkeypatch.setattr(bench_optim_cli, "run_children", fake_children)
     args = ["--optimizer", "adam", "--optimizer", "sgd_momentum", "--count", "3", "--size", "5",
-            "--rounds", "7", "--inner", "2", "--compiled", "--chain",
-            "chain_clip_adam_decay_schedule", "--family", "--member", "lion", "--cold",
-            "--budget", "9.5"]
+            "--rounds", "7", "--inner", "2", "--chain", "chain_clip_adam_decay_schedule",
+            "--family", "--member", "lion", "--cold", "--budget", "9.5"]
     out = CliRunner().invoke(optim, [*args, "--processes", "6", "--json"])
     assert out.exit_code == 0, out.output
-    parsed = optim.make_context("optim", list(seen[0])).params
     asked = optim.make_context("optim", list(args)).params
-    assert parsed == asked
+    assert optim.make_context("optim", list(seen[0])).params == asked
     assert len(json.loads(out.output)["processes"]) == 6
-    text = CliRunner().invoke(optim, ["--processes", "6"]).output
-    assert "1.10x [1.10, 1.10]  target <= 1.35x: 0 of 6 over" in text, text
+    # Every option of the command reaches a child unless it is listed as not forwarded: an
+    # option added later cannot be dropped silently.
+    names = {param.name for param in optim.params if isinstance(param, click.Option)}
+    assert NOT_FORWARDED < names
+    for param in optim.params:
+        if param.name not in NOT_FORWARDED and not param.is_flag:
+            assert param.opts[0] in seen[0], param.opts[0]
+    text = CliRunner().invoke(optim, ["--processes", "6", "--cold"]).output
+    assert "the cache flushed before every update" in text, text
+    assert "1.10x [1.10, 1.10]  target <= 1.35x: 0 of 6 over  (1.100 " in text, text
 
 
-def test_breakdown_with_processes_is_a_one_line_error():
-    out = CliRunner().invoke(optim, ["--breakdown", "--processes", "2"])
-    assert out.exit_code == 2 and "drop --breakdown or --processes" in out.output
-    assert "Traceback" not in out.output
+@pytest.mark.parametrize("flag", ["--breakdown", "--compiled"])
+def test_a_figure_not_summarized_with_processes_is_a_one_line_usage_error(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(optim, [flag, "--processes", "2"])
+    assert exit_info.value.code == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        f"error: {flag} is not summarized across processes; drop {flag} or --processes"], err
 
 
-def test_real_children_measure_and_are_summarized():
+def test_real_children_measure_and_are_summarized(monkeypatch):
+    monkeypatch.setenv("PYTHONWARNINGS", "error")  # the children's warnings are errors too
     args = ["--optimizer", "sgd_momentum", "--count", "1", "--size", "8", "--rounds", "2",
             "--inner", "1", "--processes", "2", "--json"]
     out = CliRunner().invoke(optim, args)

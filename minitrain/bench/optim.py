@@ -86,6 +86,10 @@ def hand_built_adamw(lr: float = 1e-3, weight_decay: float = 1e-2, max_norm: flo
     ))
 
 
+ALIAS_TARGETS = {"pure": 1.35, "donate": 1.05}
+"""The aliases' targets over their torch peer (fused, or foreach for RMSprop): the most a pure
+and a donated update may take, as ratios."""
+
 # Chains of transformations timed against an aliased row's torch peer:
 # name -> (factory taking ``impl``, the OPTIMIZERS row whose peer it is held to, target ratio).
 CHAINS: dict[str, tuple[Callable[..., Any], str, float]] = {
@@ -310,6 +314,7 @@ def measure(
         peer = seconds[f"torch_{flag}"]
         results[name] = {
             "peer": f"torch_{flag}",
+            "targets": dict(ALIAS_TARGETS),
             "seconds": seconds,
             "pure_over_peer": seconds["minitrain_pure"] / peer,
             "donate_over_peer": seconds["minitrain_donate"] / peer,

@@ -27,7 +27,7 @@ from minitrain.bench.optim import (
     time_rounds,
 )
 
-__all__ = ["FAMILY", "family_ratios"]
+__all__ = ["FAMILY", "FAMILY_TARGET", "family_ratios"]
 
 # name -> (minitrain factory, reference "module:Class", shared kwargs, reference-only kwargs)
 FAMILY: dict[str, tuple[Callable[..., Any], str, dict[str, Any], dict[str, Any]]] = {
@@ -56,6 +56,9 @@ def _reference_class(path: str) -> type:
     module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
 
+
+FAMILY_TARGET = 1.0
+"""The most each member's pure update may take over its reference's fastest path."""
 
 # References whose step writes into p.grad (schedulefree divides it by the denominator in
 # place): their grads are restored before each step. The others keep the grads set once, as
@@ -171,6 +174,7 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
         seconds = best_rounds(times)
         rows[name] = {
             "reference": reference,
+            "target": FAMILY_TARGET,
             "rounds": row_rounds,
             "inner": row_inner,
             "seconds": seconds,

@@ -7,16 +7,19 @@ where the allocator puts the tensors and the pool's buffers (page offsets, heap 
 mmap), which no round within a process samples. On a 2-core AVX2 EPYC the pure chain's paired
 ratio ranged 1.30-1.53x over seven processes whose own intervals were +-0.05 wide (README,
 runs 28-34). Each process still times the peers interleaved and paired, as one run does.
+Results saved with ``--json`` pool by passing their ``"processes"`` lists, joined, to
+:func:`summarize`.
 
->>> one = {"results": {"adam": {"peer": "torch_fused",
-...        "paired_median_ratios": {"pure": 1.2, "donate": 1.0}}}}
+>>> one = {"results": {"adam": {"peer": "torch_fused", "targets": {"pure": 1.35},
+...        "paired_median_ratios": {"pure": 1.2}}}}
 >>> [(row["figure"], row["median"], row["over_target"]) for row in summarize([one, one])]
-[('adam pure / torch_fused', 1.2, 0), ('adam donate / torch_fused', 1.0, 0)]
+[('adam pure / torch_fused', 1.2, 0)]
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,19 +27,14 @@ from collections.abc import Callable
 from typing import Any
 
 from minitrain.bench.optim import median_interval
+from minitrain.errors import RunFailed
 
-__all__ = ["ALIAS_TARGETS", "ChildFailed", "child_command", "figures", "run_children",
-           "summarize"]
-
-ALIAS_TARGETS = {"pure": 1.35, "donate": 1.05}
-"""The aliases' targets over torch's fastest path: pure and donated updates."""
-
-FAMILY_TARGET = 1.0
-"""Every other optimizer's pure update over its reference's fastest path."""
+__all__ = ["ChildFailed", "child_command", "figures", "run_children", "summarize"]
 
 
-class ChildFailed(RuntimeError):
-    """A child benchmark process exited with an error."""
+class ChildFailed(RunFailed):
+    """A child benchmark process failed (exit code 1): it exited with an error or printed no
+    JSON result."""
 
 
 def child_command(options: list[str]) -> list[str]:
@@ -48,19 +46,39 @@ def child_command(options: list[str]) -> list[str]:
     return [sys.executable, "-m", "minitrain", "bench", "optim", *options, "--json"]
 
 
+def _why(done: subprocess.CompletedProcess) -> str:
+    """How a child ended badly, in a few words: its signal or exit status, and its last line on
+    stderr (less the command line's ``error:`` prefix)."""
+    if done.returncode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-done.returncode).name}"
+        except ValueError:
+            how = f"was killed by signal {-done.returncode}"
+    else:
+        how = f"exited with status {done.returncode}"
+    lines = (done.stderr or "").strip().splitlines()
+    last = lines[-1].removeprefix("error: ") if lines else "no output on stderr"
+    return f"{how}: {last}"
+
+
 def run_children(options: list[str], processes: int,
                  run: Callable[..., Any] = subprocess.run,
                  progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Each child's ``--json`` result, the children run one after another (two at once would
-    share the memory bus each one measures); ``progress(i)`` after the ``i``-th."""
+    share the memory bus each one measures); ``progress(i)`` after the ``i``-th. Raises
+    :class:`ChildFailed` for a child that fails or prints no JSON."""
     results = []
     for index in range(processes):
         done = run(child_command(options), capture_output=True, text=True)
+        which = f"benchmark process {index + 1} of {processes}"
         if done.returncode != 0:
-            lines = (done.stderr or "").strip().splitlines()
-            raise ChildFailed(f"benchmark process {index + 1} of {processes} exited with "
-                              f"status {done.returncode}: {lines[-1] if lines else 'no output'}")
-        results.append(json.loads(done.stdout))
+            raise ChildFailed(f"{which} {_why(done)}")
+        try:
+            results.append(json.loads(done.stdout))
+        except json.JSONDecodeError:
+            first = (done.stdout or "").strip().splitlines()[:1] or ["nothing"]
+            raise ChildFailed(f"{which} printed no JSON result; its output began: "
+                              f"{first[0][:200]}") from None
         if progress is not None:
             progress(index + 1)
     return results
@@ -69,30 +87,36 @@ def run_children(options: list[str], processes: int,
 def figures(result: dict[str, Any]) -> dict[str, tuple[float, float | None]]:
     """Figure name -> (paired median ratio, target or None) of one process's ``--json`` result:
     each alias pure and donated, each chain pure (its target) and donated, each family member
-    timed (a skipped member has none)."""
+    timed (a skipped member has none). The targets are the ones the measurement reports."""
     rows: dict[str, tuple[float, float | None]] = {}
     for name, entry in result["results"].items():
-        for side, target in ALIAS_TARGETS.items():
-            rows[f"{name} {side} / {entry['peer']}"] = (
-                entry["paired_median_ratios"][side], target)
+        for side, ratio in entry["paired_median_ratios"].items():
+            rows[f"{name} {side} / {entry['peer']}"] = (ratio, entry["targets"].get(side))
     for name, entry in result.get("chains", {}).items():
         rows[f"{name} pure / {entry['peer']}"] = (entry["paired_median_ratio"], entry["target"])
         rows[f"{name} donate / {entry['peer']}"] = (entry["paired_median_donate_ratio"], None)
     for name, entry in result.get("family", {}).items():
         if "skipped" not in entry:
             rows[f"{name} pure / {entry['reference']}"] = (entry["paired_median_ratio"],
-                                                           FAMILY_TARGET)
+                                                           entry["target"])
     return rows
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per figure, in the first result's order: every process's ratio, their median, its
-    distribution-free 95% interval (None under six processes), and how many processes were
-    over the target (None without one)."""
+    """Per figure: every process's ratio, their median, its distribution-free 95% interval
+    (None under six ratios), and how many were over the target (None without one). Raises
+    ``ValueError`` when the processes did not all measure the same figures."""
     per_process = [figures(result) for result in results]
+    names = list(per_process[0])
+    for index, figures_of in enumerate(per_process[1:], start=2):
+        if set(figures_of) != set(names):
+            differ = sorted(set(figures_of) ^ set(names))
+            raise ValueError(f"process {index} measured other figures than process 1 "
+                             f"({', '.join(differ)}); summarize runs of the same options")
     rows = []
-    for name, (_, target) in per_process[0].items():
-        ratios = [figures_of[name][0] for figures_of in per_process if name in figures_of]
+    for name in names:
+        ratios = [figures_of[name][0] for figures_of in per_process]
+        target = per_process[0][name][1]
         rows.append({
             "figure": name,
             "target": target,

@@ -9,7 +9,7 @@ import torch
 
 from minitrain.bench.optim import CHAINS, OPTIMIZERS, breakdown, measure, measure_chains
 from minitrain.bench.optim_family import FAMILY, family_ratios
-from minitrain.bench.optim_processes import ChildFailed, run_children, summarize
+from minitrain.bench.optim_processes import run_children, summarize
 from minitrain.cli.errors import UserError
 
 __all__ = ["optim"]
@@ -62,10 +62,13 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
     if processes > 1:
-        if with_breakdown:
-            raise UserError("--breakdown is one process's; drop --breakdown or --processes")
-        options = _child_options(click.get_current_context().params)
-        _across_processes(options, processes, as_json)
+        if with_breakdown or compiled:
+            flag = "--breakdown" if with_breakdown else "--compiled"
+            raise UserError(f"{flag} is not summarized across processes; drop {flag} or "
+                            "--processes")
+        context = click.get_current_context()
+        _across_processes(_child_options(context.command, context.params), processes, cold,
+                          as_json)
         return
     result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled,
                      cold)
@@ -113,7 +116,7 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         click.echo(f"  {name:13s} {times}")
         ratios = (f"pure / {entry['reference']}: {entry['pure_over_reference']:.2f}x "
                   f"({_paired(entry['paired_median_ratio'], entry['paired_interval'])}; "
-                  "target <= 1.0x)")
+                  f"target <= {entry['target']}x)")
         if "compiled_over_reference" in entry:
             ratios += f"   compiled: {entry['compiled_over_reference']:.2f}x"
         if (entry["rounds"], entry["inner"]) != (rounds, inner):
@@ -128,51 +131,57 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
             click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")
 
 
-def _child_options(params: dict) -> list[str]:
-    """The options of one child process: this command's, less ``--processes`` and ``--json``.
+NOT_FORWARDED = {"processes", "as_json"}
+"""Options a child process does not get: it runs once and prints JSON."""
 
-    >>> _child_options({"names": ("adam",), "count": 2, "cold": True, "with_family": False})
-    ['--optimizer', 'adam', '--count', '2', '--cold']
+
+def _child_options(command: click.Command, params: dict) -> list[str]:
+    """The options of one child process: every option of ``command`` as ``params`` holds it
+    (defaults too), less :data:`NOT_FORWARDED`.
+
+    >>> _child_options(optim, optim.make_context("optim", ["--optimizer", "adam",
+    ...     "--cold"]).params)[:6]
+    ['--optimizer', 'adam', '--count', '8', '--size', '1024']
     """
     options: list[str] = []
-    repeated = {"names": "--optimizer", "chains": "--chain", "members": "--member"}
-    flags = {"compiled": "--compiled", "with_family": "--family", "cold": "--cold"}
-    for key, value in params.items():
-        if key in repeated:
+    for param in command.params:
+        if param.name in NOT_FORWARDED or not isinstance(param, click.Option):
+            continue
+        flag, value = param.opts[0], params[param.name]
+        if param.is_flag:
+            options += [flag] if value else []
+        elif param.multiple:
             for item in value:
-                options += [repeated[key], item]
-        elif key in flags:
-            options += [flags[key]] if value else []
-        elif key in ("count", "size", "rounds", "inner", "device", "budget"):
-            options += [f"--{key}", str(value)]
+                options += [flag, str(item)]
+        else:
+            options += [flag, str(value)]
     return options
 
 
-def _across_processes(options: list[str], processes: int, as_json: bool) -> None:
+def _across_processes(options: list[str], processes: int, cold: bool, as_json: bool) -> None:
     """Run ``processes`` children with ``options`` and print each figure's median across them."""
     def progress(done: int) -> None:
         click.echo(f"process {done} of {processes} done", err=True)
 
-    try:
-        results = run_children(options, processes, progress=progress)
-    except ChildFailed as exc:
-        raise UserError(str(exc)) from None
+    results = run_children(options, processes, progress=progress)
     rows = summarize(results)
     if as_json:
         click.echo(json.dumps({"processes": results, "summary": rows}, indent=2))
         return
     first = results[0]
-    click.echo(f"update of {first['params']} on {first['device']}, {processes} processes one "
-               "after another (each: the paired median ratio over its interleaved rounds); "
-               "per figure: the median across processes [its 95% interval], how many "
-               "processes were over the target, and each process's ratio")
+    click.echo(f"update of {first['params']} on {first['device']}"
+               + (", the cache flushed before every update" if cold else "")
+               + f"; {processes} processes one after another, each giving the paired median "
+               "ratio over its interleaved rounds. Per figure: the median across processes "
+               "[its 95% interval], how many processes were over the target, each process's "
+               "ratio")
     width = max(len(row["figure"]) for row in rows)
     for row in rows:
         interval = "" if row["interval"] is None else \
             f" [{row['interval'][0]:.2f}, {row['interval'][1]:.2f}]"
         target = "" if row["target"] is None else \
-            f"  target <= {row['target']}x: {row['over_target']} of {processes} over"
-        each = " ".join(f"{r:.2f}" for r in row["ratios"])
+            f"  target <= {row['target']}x: {row['over_target']} of {len(row['ratios'])} over"
+        each = " ".join(f"{r:.3f}" for r in row["ratios"])
         click.echo(f"  {row['figure']:{width}s}  {row['median']:.2f}x{interval}{target}  ({each})")
 
 
