@@ -218,12 +218,21 @@ def check_clean(err: str, *names: str, script: Path | None = None, error: bool =
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
-    """Every file under ``out/checkpoints`` and ``out/metrics.jsonl``, by relative path."""
+    """Every file under ``out/checkpoints`` and ``out/metrics.jsonl``, by relative path. ``out``
+    may belong to a live run: a directory or file that goes away during the walk (a checkpoint's
+    temporary directory renamed, an old checkpoint pruned) is left out, not an error."""
     files = {}
-    for path in sorted(Path(out).rglob("*")) if Path(out).is_dir() else []:
-        rel = path.relative_to(out).as_posix()
-        if path.is_file() and (rel.startswith("checkpoints/step-") or rel == "metrics.jsonl"):
-            files[rel] = path.read_bytes()
+    # os.walk skips a directory that vanishes before it is listed (its onerror is None).
+    for root, dirs, names in os.walk(out):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            rel = path.relative_to(out).as_posix()
+            if rel.startswith("checkpoints/step-") or rel == "metrics.jsonl":
+                try:
+                    files[rel] = path.read_bytes()
+                except (FileNotFoundError, IsADirectoryError):
+                    continue
     return files
 
 
