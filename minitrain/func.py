@@ -72,7 +72,7 @@ def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
     one, and the accounting counter's record of what autograd saves. Inside ``fn`` they are
     allowed again (``torch.autograd.graph.disable_saved_tensors_hooks`` lifted); the transform
     restores the refusal when it returns, after its backward pass. Checkpointed losses give
-    the gradients of the same loss without checkpointing (tests/test_accounting_counter.py).
+    the gradients of the same loss without checkpointing (tests/accounting/test_accounting_counter.py).
     """
 
     @functools.wraps(fn)

@@ -1,4 +1,4 @@
-"""Fixtures shared by the hostile-input corpus (tests/test_hostile_*.py)."""
+"""Fixtures shared by the hostile-input corpus (tests/*/test_hostile_*.py)."""
 
 from __future__ import annotations
 

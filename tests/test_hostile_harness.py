@@ -1,4 +1,4 @@
-"""Shared tools for the hostile-input corpus (tests/test_hostile_*.py); holds no tests itself.
+"""Shared tools for the hostile-input corpus (tests/*/test_hostile_*.py); holds no tests itself.
 
 Each case runs ``minitrain`` the way a hostile user would (in-process through the CLI entry
 point where it can, in a subprocess where it needs real signals or resource limits) and checks

@@ -6,7 +6,7 @@ arguments by their schema names. :class:`~minitrain.accounting.Counter` uses the
 ``torch.utils.flop_counter`` has no formula for: the CPU attention kernels (with the formulas
 of their CUDA twins), normalization and pooling kernels and their backward passes, losses,
 embedding gradients, and torch's fused optimizer kernels (by their hyperparameters). Each
-fused kernel is counted as the elementary ops it replaces would be (tests/test_counter_ops.py
+fused kernel is counted as the elementary ops it replaces would be (tests/accounting/test_counter_ops.py
 checks both give torch's values and the same count).
 """
 

@@ -97,7 +97,7 @@ def _differentiable(params: Params) -> Params:
         # No autograd; or torch.func's, where the optimizers take the plain path on traced
         # leaves or listed hyperparameters. Under vmap over a hyperparameter alone the params
         # stay untraced, so one the optimizer does not list reaches its fast path (an error,
-        # tests/test_unrolled_every_optimizer.py); that is the optimizer's to fix.
+        # tests/optim/test_unrolled_every_optimizer.py); that is the optimizer's to fix.
         return params
 
     def leaf(p: Any) -> Any:

@@ -1,7 +1,7 @@
 """Hostile cases of ``--nproc`` and ``--out``: one error line for a dead worker, and a run
 directory removed (or moved) while the run trains.
 
-The real kill of a worker under ``--nproc 2`` is tests/test_distributed.py's
+The real kill of a worker under ``--nproc 2`` is tests/train/test_distributed.py's
 ``test_a_killed_worker_ends_the_job_naming_its_rank``; here the worker and launcher sides are
 checked in-process.
 """

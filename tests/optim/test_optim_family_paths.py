@@ -169,7 +169,7 @@ def test_muon_for_matrices_and_adamw_for_the_rest_equals_two_torch_optimizers():
 def _load_example(name: str):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -205,7 +205,7 @@ def test_bytelm_muon_reports_its_learning_rate_in_the_run_loop(tmp_path):
     sets = ["d_model=32", "n_layers=1", "n_heads=2", "seq_len=32", "batch_size=4",
             "eval_every=0", "eval_batches=1", "lr=0.01", "warmup_steps=2",
             f"source_dir={source}", f"data_dir={tmp_path / 'data'}"]
-    script = str(Path(__file__).resolve().parents[1] / "examples" / "bytelm_muon.py")
+    script = str(Path(__file__).resolve().parents[2] / "examples" / "bytelm_muon.py")
     done = subprocess.run(
         [sys.executable, "-m", "minitrain", "run", script, "--steps", "3", "--log-every", "1",
          "--out", str(tmp_path / "run"), "--json", *(a for s in sets for a in ("--set", s))],
@@ -312,7 +312,7 @@ print("ok")
 
 def test_compiled_update_equals_the_fast_path():
     # A fresh interpreter: under pytest the jaxtyping import hook wraps every function in
-    # checks that dynamo cannot trace (as tests/test_optim.py does for the aliases).
+    # checks that dynamo cannot trace (as tests/optim/test_optim.py does for the aliases).
     import os
     import subprocess
     import sys

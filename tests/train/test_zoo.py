@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the test extra instal
 
 # Ops the Counter has no FLOP formula for (each named in the README); nothing else may be.
 WITHOUT_FORMULA: set[str] = set()
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VOCAB, SEQ, BATCH = 128, 16, 4
 
 

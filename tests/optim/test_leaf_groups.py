@@ -16,7 +16,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.optim._groups import LeafGroup, as_lists
 from tests.legacy_groups_spec import build, grads, params0
 
-LEGACY = Path(__file__).parent / "data" / "legacy_groups"
+LEGACY = Path(__file__).parents[1] / "data" / "legacy_groups"
 HINT = "load with the model and optimizer the checkpoint was saved from"
 
 

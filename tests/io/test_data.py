@@ -442,7 +442,7 @@ def test_bench_data_runs_all_three_loaders():
 
 # --------------------------------------------------------------------------- examples/bytelm.py
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "bytelm.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bytelm.py"
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16, "batch_size": 3}
 
 

@@ -97,7 +97,7 @@ def test_user_mistakes_are_one_line_and_exit_2(capsys, args, message):
 
 # -- estimate step ------------------------------------------------------------------------------
 
-EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
 
 DATA_DEPENDENT = '''
 import torch

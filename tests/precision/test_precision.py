@@ -22,7 +22,7 @@ from minitrain.precision import (
     select_tree,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_policy_casts_float_leaves_only_and_never_mutates():

@@ -16,7 +16,7 @@ from minitrain.cli.profile import profile
 from minitrain.train import load_experiment, make_train_step
 from minitrain.train.loop import run_generators, to_backend
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LINREG = EXAMPLES / "linreg.py"
 BYTELM = EXAMPLES / "bytelm.py"
 # The ops FlopCounterMode has a formula for, as the profile names them ("aten.mm (forward)").

@@ -20,7 +20,7 @@ from minitrain.train import NonFiniteLoss, ResumeError, fit, load_experiment
 from minitrain.train.sweep import MemberMismatch, fit_sweep, load_sweep, plot_sweep
 from minitrain.tree import leaves, named_leaves, unstack
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINREG = str(ROOT / "examples" / "linreg.py")
 BYTELM = str(ROOT / "examples" / "bytelm.py")
 CPU = get_backend("cpu")

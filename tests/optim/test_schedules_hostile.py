@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from torch.optim import lr_scheduler
 
 import minitrain as mt
-from tests.test_schedules import torch_plateau_lrs
+from test_schedules import torch_plateau_lrs
 
 S = mt.optim
 RTOL = 1e-9

@@ -107,7 +107,7 @@ def test_a_swept_value_turned_into_a_float_is_caught(tmp_path, script, swept):
 def test_bytelm_muon_sweeps_muon_lr_past_the_check():
     # muon_lr reaches Muon's updates as muon_lr / lr, derived at build time: every member
     # trained with member 0's before, and the check, at a warmup's lr 0, could not tell
-    path = str(Path(__file__).resolve().parents[1] / "examples" / "bytelm_muon.py")
+    path = str(Path(__file__).resolve().parents[2] / "examples" / "bytelm_muon.py")
     ensemble = load_sweep(path, ["muon_lr=0.01,0.05"], steps=3)
     result = fit_sweep(ensemble, CPU, progress=False)  # checks step 1, the first that moves
     swept = mt.tree.unstack(result.params)

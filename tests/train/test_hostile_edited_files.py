@@ -308,7 +308,7 @@ def test_resume_of_meta_edited_to_another_lr_is_refused(capsys, used):
 
 # --------------------------------------------------------------------------- prepared corpus
 
-BYTELM = Path(__file__).resolve().parents[1] / "examples" / "bytelm.py"
+BYTELM = Path(__file__).resolve().parents[2] / "examples" / "bytelm.py"
 TINY = ("--set", "d_model=16", "--set", "n_layers=1", "--set", "n_heads=2", "--set", "seq_len=8",
         "--set", "batch_size=2", "--set", "eval_batches=1", "--set", "warmup_steps=0")
 

@@ -11,7 +11,7 @@ import minitrain as mt
 from minitrain.cli import main
 from minitrain.train.experiment import load_experiment
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "maml_sine.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "maml_sine.py")
 SMALL = {"tasks": "5", "inner_steps": "2", "inner_lr": "0.02", "lr": "0.01"}
 
 

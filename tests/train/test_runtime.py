@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from minitrain import checkpoint
 from minitrain.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINREG = str(ROOT / "examples" / "linreg.py")
 BYTELM = str(ROOT / "examples" / "bytelm.py")
 

@@ -351,7 +351,7 @@ def test_plot_of_a_sweep_draws_each_member_and_refuses_to_overlay_it(tmp_path):
     from minitrain.backend import get_backend
     from minitrain.train.sweep import fit_sweep, load_sweep
 
-    linreg = str(Path(__file__).resolve().parents[1] / "examples" / "linreg.py")
+    linreg = str(Path(__file__).resolve().parents[2] / "examples" / "linreg.py")
     sweep = tmp_path / "sweep"
     fit_sweep(load_sweep(linreg, ["lr=0.01,0.1"], steps=5), get_backend("cpu"),
               out_dir=sweep, progress=False)

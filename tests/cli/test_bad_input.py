@@ -9,7 +9,7 @@ import torch
 
 from minitrain.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINREG = str(ROOT / "examples" / "linreg.py")
 BYTELM = str(ROOT / "examples" / "bytelm.py")
 

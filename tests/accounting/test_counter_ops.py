@@ -24,7 +24,7 @@ from minitrain.train import load_experiment, make_train_step
 from minitrain.train.loop import run_generators, to_backend
 
 aten = torch.ops.aten
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def count(fn, *args):

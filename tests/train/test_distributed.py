@@ -29,7 +29,7 @@ from minitrain.cli import launch
 from minitrain.train import fit, load_experiment
 from minitrain.train.setup import run_generators
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINREG = str(ROOT / "examples" / "linreg.py")
 BYTELM = str(ROOT / "examples" / "bytelm.py")
 BYTELM_SETS = {
