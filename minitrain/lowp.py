@@ -186,7 +186,7 @@ def _decode_div(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Ten
     if (codes.numel() < _FAST_DECODE_MIN or functorch.is_functorch_wrapped_tensor(codes)
             or functorch.is_functorch_wrapped_tensor(scale)):
         return None
-    from minitrain.optim import streaming
+    from minitrain.optim.kernels import streaming
 
     return streaming.decode_div(codes, _decode_table(fmt), scale)
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import minitrain as mt
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 
 # The registry of rows: name -> (minitrain factory, torch.optim class, kwargs shared by both,
 # the peer's fast flag: "fused" or "foreach"). The factory takes the kwargs and ``impl``; more

@@ -12,7 +12,7 @@ import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
@@ -31,7 +31,7 @@ from minitrain.optim._host import (
     zero_count,
 )
 from minitrain.optim._lowering import differentiable
-from minitrain.optim._safety import donatable
+from minitrain.optim.kernels.checks import donatable
 from minitrain.optim.base import (
     BufferPool,
     Optimizer,

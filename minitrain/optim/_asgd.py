@@ -20,7 +20,7 @@ from minitrain.optim._family import (
 )
 from minitrain.optim._host import host_tensor
 from minitrain.optim.base import Optimizer, WeightDecayMask
-from minitrain.optim.streaming import float32
+from minitrain.optim.kernels.streaming import float32
 from minitrain.tree import Params
 
 __all__ = ["asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average"]

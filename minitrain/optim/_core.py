@@ -68,7 +68,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim._safety import donatable, grad_leaf_error, naming_bad_grads, none_param_error
+from minitrain.optim.kernels.checks import donatable, grad_leaf_error, naming_bad_grads, none_param_error
 from minitrain.optim.base import Optimizer, scalar, use_plain_path
 from minitrain.tree import Grads, OptState, Params
 

@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as _pytree
 from torch import Tensor
 
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 from minitrain.optim._compiled_rule import CompiledChain
 from minitrain.optim._core import (
     GradientTransformation,
@@ -25,7 +25,7 @@ from minitrain.optim._core import (
 )
 from minitrain.optim._host import next_step, schedule_count
 from minitrain.optim._pooled import PooledLeaves, _run
-from minitrain.optim._safety import donatable, naming_bad_grads
+from minitrain.optim.kernels.checks import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     BufferPool,

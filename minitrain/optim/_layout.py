@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import streaming
-from minitrain.optim._safety import grad_leaf_error
+from minitrain.optim.kernels import streaming
+from minitrain.optim.kernels.checks import grad_leaf_error
 from minitrain.tree import Grads, Params
 
 __all__ = ["CACHE_BATCH_BYTES", "SWEPT_BYTES", "Layout", "LayoutCache", "WeightDecayMask",

@@ -208,7 +208,7 @@ def register_alias(tx: GradientTransformation, optimizer: Any, state_type: type,
     read into ``state_type`` (fields ``count``, ``lr`` and buffers) and written back. With
     ``fold_clip``, a leading ``clip_by_global_norm`` computes only its scale and ``optimizer``
     multiplies the grads by it (the same float32 products as clipping first)."""
-    from minitrain.optim._safety import _dense
+    from minitrain.optim.kernels.checks import _dense
     from minitrain.optim.transforms import clip_by_global_norm, clip_scale_later
 
     hyperparameters = spec_tensors(tx)

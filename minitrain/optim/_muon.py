@@ -16,7 +16,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from minitrain import tree
-from minitrain.optim._buffers import BufferPool
+from minitrain.optim.kernels.pool import BufferPool
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
@@ -34,7 +34,7 @@ from minitrain.optim._family import Scalar, add_scaled, check_range, descent_pre
 from minitrain.optim._host import is_batched, updates_done
 from minitrain.optim._lowering import chain_lowering, differentiable, spec_tensors
 from minitrain.optim._muon_vmap import newton_schulz_per_matrix, takes_per_matrix_op
-from minitrain.optim._safety import donatable, naming_bad_grads
+from minitrain.optim.kernels.checks import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, is_traced, use_plain_path
 from minitrain.tree import Params

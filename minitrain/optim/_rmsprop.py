@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 from minitrain.optim._core import (
     GradientTransformation,
     hyperparameter,

@@ -7,7 +7,7 @@ optimizer module supplies its math twice over the same state layout:
 * a **fast path** over lists of leaves grouped by ``(device, dtype, decays)``, written with
   ``torch._fused_*`` / ``torch._foreach_*`` kernels that update buffers in place. Without
   donation it runs on fresh copies, so the inputs are never touched. CPU float32 leaves take
-  :mod:`minitrain.optim.streaming` instead where it builds: one pass that writes the new values
+  :mod:`minitrain.optim.kernels.streaming` instead where it builds: one pass that writes the new values
   into recycled buffers with streaming stores, or in place when donated (the same kernel, so
   pure and donated updates agree bit for bit);
 * a **plain path**, per leaf with ordinary tensor ops and no in-place writes, which works under
@@ -38,8 +38,9 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import _flat, streaming
-from minitrain.optim._buffers import (  # noqa: F401  (BufferPool's names, re-exported)
+from minitrain.optim import _flat
+from minitrain.optim.kernels import streaming
+from minitrain.optim.kernels.pool import (  # noqa: F401  (BufferPool's names, re-exported)
     _CAN_COUNT_STORAGE_USES,
     BufferPool,
     buffer_pool_bytes,
@@ -57,14 +58,14 @@ from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimi
     decay_flags,
     fast_batches,
 )
-from minitrain.optim._safety import (
+from minitrain.optim.kernels.checks import (
     check_state_shapes,
     donatable,
     fast_path_inputs,
     kernel_ready,
     naming_bad_grads,
 )
-from minitrain.optim.streaming import LateScalar
+from minitrain.optim.kernels.streaming import LateScalar
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [

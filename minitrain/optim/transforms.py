@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim import _flat, streaming
+from minitrain.optim import _flat
+from minitrain.optim.kernels import streaming
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
@@ -139,7 +140,7 @@ def clip_factor(norm: float, max_norm: float | int) -> float:
     tensor) and a Python number ``max_norm``, in plain Python: torch's float32 ops (``t +
     1e-6``; ``max_norm / t``, which torch runs as ``t.reciprocal() * max_norm``; the clamp, NaN
     passing through), each done in float64 and rounded to float32 once, which gives float32's
-    own results (:func:`~minitrain.optim.streaming.float32`).
+    own results (:func:`~minitrain.optim.kernels.streaming.float32`).
 
     >>> clip_factor(5.0, 1.0), clip_factor(0.5, 1.0)
     (0.19999995827674866, 1.0)

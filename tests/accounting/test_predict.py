@@ -274,7 +274,7 @@ def test_the_first_pure_update_in_a_process_counts_what_later_ones_count():
     # they counted one 4-byte allocation more in the first update of a process than in the
     # first update of another optimizer later (real-tensor predictions were 4 bytes above
     # meta ones when run first).
-    from minitrain.optim import _buffers
+    from minitrain.optim.kernels import pool as _buffers
 
     _buffers._alone.cache_clear()
     _buffers._storage_refs_alone.cache_clear()

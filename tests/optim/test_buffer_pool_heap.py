@@ -14,7 +14,7 @@ import pytest
 
 MALLINFO = """
 import ctypes, sys, torch
-from minitrain.optim import _buffers
+from minitrain.optim.kernels import pool as _buffers
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd "
@@ -38,7 +38,7 @@ print(libc.mallinfo2().hblkhd - before, buffer.shape == like.shape, float(buffer
 
 CLEARED = """
 import sys, torch
-from minitrain.optim import _buffers
+from minitrain.optim.kernels import pool as _buffers
 
 def resident_bytes():
     with open("/proc/self/statm") as statm:

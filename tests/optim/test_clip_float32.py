@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 from minitrain.optim.transforms import clip_factor
 
 needs_kernels = pytest.mark.skipif(

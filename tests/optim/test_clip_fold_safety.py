@@ -14,7 +14,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import minitrain as mt
-from minitrain.optim import base, streaming
+from minitrain.optim import base
+from minitrain.optim.kernels import streaming
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain.optim import _collection, base, streaming
+from minitrain.optim import _collection, base
+from minitrain.optim.kernels import streaming
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import minitrain as mt
 from minitrain import tree
-from minitrain.optim import _buffers, _safety
+from minitrain.optim.kernels import checks as _safety
+from minitrain.optim.kernels import pool as _buffers
 
 OPTS = {
     "sgd": lambda: mt.optim.sgd(lr=0.1),

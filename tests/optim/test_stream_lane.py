@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain.optim import _flat, _layout, base, streaming
+from minitrain.optim import _flat, _layout, base
+from minitrain.optim.kernels import streaming
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
@@ -193,7 +194,7 @@ def test_a_negative_view_is_read_as_its_values(factory, kwargs, where):
 def test_a_schedule_runs_once_per_update_and_the_leaves_are_checked_once(impl, monkeypatch):
     """The schedule is the caller's code: it runs before the one-pass check, so that check is
     the last thing before a kernel and never has to run a second time."""
-    from minitrain.optim import _safety
+    from minitrain.optim.kernels import checks as _safety
 
     checks = []
     original = _safety.kernel_ready

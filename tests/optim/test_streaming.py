@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
@@ -177,7 +177,7 @@ def test_donated_rmsprop_updates_in_place_with_the_streaming_kernel(monkeypatch)
 
 
 def test_the_environment_switch_turns_the_kernels_off():
-    code = "from minitrain.optim import streaming; print(streaming.available())"
+    code = "from minitrain.optim.kernels import streaming; print(streaming.available())"
     env = {**os.environ, "MINITRAIN_STREAMING": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
@@ -186,7 +186,7 @@ def test_the_environment_switch_turns_the_kernels_off():
 
 WITHOUT_COMPILER = """
 import torch, minitrain as mt
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 assert not streaming.available()
 params = [torch.randn(300, 7, generator=torch.Generator().manual_seed(0))]
 grads = [torch.ones(300, 7)]

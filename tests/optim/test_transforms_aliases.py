@@ -120,7 +120,8 @@ def test_bad_tensor_hyperparameters_are_refused_naming_them():
 def _take_lane(lane, monkeypatch):
     """Send the alias's updates down one lane: the direct kernel call (default), the rule's
     fast step over the streaming kernel, or over torch's fused kernel."""
-    from minitrain.optim import base, streaming
+    from minitrain.optim import base
+    from minitrain.optim.kernels import streaming
 
     if lane != "direct":
         monkeypatch.setattr(base, "_streams", lambda rule, leaves: False)

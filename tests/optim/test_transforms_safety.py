@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 
 FACTORIES = {
     "sgd": lambda **k: mt.optim.sgd(lr=0.1, momentum=0.9, **k),
@@ -153,7 +153,7 @@ def test_require_turns_a_failed_build_into_an_error_with_the_compiler_output(tmp
     compiler.chmod(0o755)
     env = {"CC": str(compiler), "MINITRAIN_CACHE_DIR": str(tmp_path / "cache"),
            "MINITRAIN_STREAMING": "require"}
-    out = _python("from minitrain.optim import streaming; streaming.available()", env)
+    out = _python("from minitrain.optim.kernels import streaming; streaming.available()", env)
     assert out.returncode != 0
     assert "BuildError" in out.stderr and "the compiler says no" in out.stderr
 
@@ -161,7 +161,7 @@ def test_require_turns_a_failed_build_into_an_error_with_the_compiler_output(tmp
 @pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
 def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
     env = {"MINITRAIN_CACHE_DIR": str(tmp_path), "MINITRAIN_STREAMING": "require"}
-    code = ("from minitrain.optim import streaming; assert streaming.available(); "
+    code = ("from minitrain.optim.kernels import streaming; assert streaming.available(); "
             "print(streaming._build(streaming.os.environ.get('CC', 'cc'), streaming._flags()))")
     first = _python(code, env)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -202,7 +202,7 @@ def test_as_optimizer_of_an_unlowered_chain_donates_or_not_alike(donate):
 
 FOREIGN_OPENMP = """
 import torch
-from minitrain.optim import streaming
+from minitrain.optim.kernels import streaming
 real, built, loads = streaming._openmp_runtimes, [], []
 def runtimes():  # the first library loaded brings a second OpenMP runtime in
     loads.append(1)

@@ -205,7 +205,7 @@ def _same_bits(a, b):
 @given(seed=st.integers(0, 2**16), fmt=st.sampled_from(["fp8_e4m3", "fp8_e5m2"]),
        magnitude=st.integers(-30, 30), scale_magnitude=st.integers(-20, 20))
 def test_fast_decode_is_torchs_cast_and_div_bit_for_bit(seed, fmt, magnitude, scale_magnitude):
-    from minitrain.optim import streaming
+    from minitrain.optim.kernels import streaming
 
     assert streaming.available()  # CI builds the kernels (MINITRAIN_STREAMING=require)
     g = torch.Generator().manual_seed(seed)

@@ -21,7 +21,7 @@ the compiler's output. The cached library is verified against its recorded size 
 before it is loaded, and the OpenMP runtime it runs on must be the one torch has loaded.
 
 >>> import torch
->>> from minitrain.optim import streaming
+>>> from minitrain.optim.kernels import streaming
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
 >>> if streaming.usable([*params, *grads]):
@@ -397,7 +397,7 @@ def prepare(
     more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores
     into fresh buffers (to measure what streaming saves). ``verified=True`` skips the per-leaf
-    checks (:func:`_check_slots`): only for inputs ``minitrain.optim._safety.kernel_ready``
+    checks (:func:`_check_slots`): only for inputs ``minitrain.optim.kernels.checks.kernel_ready``
     accepted, of float32, and ``outputs`` None or a ``BufferPool`` (whose buffers take each
     input's shape and strides).
     """
