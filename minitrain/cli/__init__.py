@@ -17,7 +17,6 @@ from minitrain.cli.errors import run_cli
 COMMANDS: dict[str, str] = {
     "run": "minitrain.cli.run:run",
     "backends": "minitrain.cli.run:backends",
-    "bench": "minitrain.cli.bench:bench",
     "estimate": "minitrain.cli.estimate:estimate",
     "hardware": "minitrain.cli.hardware:hardware",
     "prepare": "minitrain.cli.prepare:prepare",

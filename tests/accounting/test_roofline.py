@@ -154,15 +154,3 @@ def test_roofline_command_unknown_hardware_is_a_one_line_error():
     assert result.output.startswith("error: unknown hardware 'tpu'")
     assert result.output.count("\n") == 1
 
-
-def test_bench_hardware_measures_a_ridge_point():
-    from minitrain.cli.bench_hardware import hardware as bench_hardware
-
-    args = ["--n", "128", "--copy-mib", "4", "--rounds", "1", "--json"]
-    result = CliRunner().invoke(bench_hardware, args)
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    rates = record["rates"]
-    assert all(rate > 0 for rate in rates.values())
-    assert record["ridge_fp32"] == rates["torch fp32 matmul"] / rates["torch copy"]
-    assert set(record["ratio_vs_numpy"]) == {"fp32 matmul", "copy"}
