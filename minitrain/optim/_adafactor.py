@@ -12,37 +12,22 @@ import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim.kernels import streaming
 from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
     chain,
-    register_lowering,
-    spec,
+    hyperparameter,
     tagged,
     tensor_leaves,
 )
-from minitrain.optim._family import Scalar, check_range, descent_prefix
-from minitrain.optim._host import (
-    host_tensor,
-    next_step,
-    schedule_count,
-    updates_done,
-    zero_count,
-)
-from minitrain.optim._lowering import differentiable
-from minitrain.optim.kernels.checks import donatable
-from minitrain.optim.base import (
-    BufferPool,
-    Optimizer,
-    ScalarOrSchedule,
-    check_hyperparameter,
-    scalar,
-    use_plain_path,
-)
+from minitrain.optim._host import host_tensor, next_step, schedule_count, zero_count
+from minitrain.optim._transforms_rules import scale
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, check_hyperparameter
 from minitrain.tree import Params
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]
+
+Scalar = int | float | Tensor
 
 
 class ScaleByAdafactorState(NamedTuple):
@@ -66,6 +51,14 @@ def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     if len(shape) > 1:
         return [(*shape[:-1], 1), (*shape[:-2], 1, shape[-1])]
     return [tuple(shape)]
+
+
+def _checked(name: str, value: Any, low: float, high: float = math.inf) -> Any:
+    """``value`` as torch.optim takes it (a number, or a one-element tensor as 0-d), checked
+    to lie in ``[low, high]``."""
+    value = hyperparameter(name, value)
+    check_hyperparameter(name, value, low, high)
+    return value
 
 
 def _init_leaf(p: Tensor) -> tuple[Any, Any, Any]:
@@ -128,14 +121,14 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     """
     schedule = callable(lr) and not isinstance(lr, Tensor)
     if not schedule:
-        lr = check_range("lr", lr, 0.0)
-    beta2_decay = check_range("beta2_decay", beta2_decay, -float("inf"), 0.0)
+        lr = _checked("lr", lr, 0.0)
+    beta2_decay = _checked("beta2_decay", beta2_decay, -float("inf"), 0.0)
     if not isinstance(eps, tuple | list) or len(eps) != 2:
         raise ValueError(f"invalid eps={eps!r}: pass a pair (eps1 or None, eps2)")
-    eps1 = None if eps[0] is None else check_range("eps[0] (epsilon1)", eps[0], 0.0)
-    eps2 = check_range("eps[1] (epsilon2)", eps[1], 0.0)
-    d = check_range("d (clipping threshold)", d, 1.0)
-    weight_decay = check_range("weight_decay", weight_decay, 0.0)
+    eps1 = None if eps[0] is None else _checked("eps[0] (epsilon1)", eps[0], 0.0)
+    eps2 = _checked("eps[1] (epsilon2)", eps[1], 0.0)
+    d = _checked("d (clipping threshold)", d, 1.0)
+    weight_decay = _checked("weight_decay", weight_decay, 0.0)
 
     def init(params: Params) -> ScaleByAdafactorState:
         tensor_leaves("scale_by_adafactor", params, "param", floating=True)
@@ -219,7 +212,17 @@ def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
               eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
               weight_decay: Scalar = 0.0, *, maximize: bool = False) -> Optimizer:
-    """torch.optim.Adafactor (its defaults; ``eps[0]=None`` means the dtype's machine eps).
+    """torch.optim.Adafactor: ``scale_by_adafactor`` (after ``scale(-1)`` with ``maximize``).
+
+    Args:
+        lr: caps the relative step size ``min(lr, 1/sqrt(t))`` and scales the weight decay;
+            a number, a one-element tensor or a schedule.
+        beta2_decay: the second moments' decay ``1 - t^beta2_decay``.
+        eps: ``(eps1, eps2)``: eps1 floors the second moments (None: the dtype's machine
+            eps), eps2 the param's RMS in the step size.
+        d: clips the update's RMS to at most ``d``.
+        weight_decay: decoupled, ``p <- p - lr wd p``.
+        maximize: ascend instead of descend.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.adafactor()
@@ -229,142 +232,7 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     tensor([[0.9900, 0.9900],
             [0.9900, 0.9900]])
     """
-    return as_optimizer(chain(*descent_prefix(maximize),
+    if not isinstance(maximize, bool):
+        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
+    return as_optimizer(chain(*([scale(-1.0)] if maximize else []),
                               scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)))
-
-
-# --------------------------------------------------------------------------------------------
-# The fast path: 2-D float32 CPU leaves in three passes of the streaming kernels
-
-
-def _match(tx: GradientTransformation):
-    """Lower ``as_optimizer(chain([scale(-1)], scale_by_adafactor(...)))`` (what
-    :func:`adafactor` builds): each contiguous 2-D float32 CPU leaf takes the streaming
-    kernels' three passes (row, column and param sums; the scaled update's sum of squares;
-    the new param), every other leaf :func:`adafactor_leaf` as the chain runs it."""
-    found = spec(tx)
-    if found is None or found[0] != "chain":
-        return None
-    inner = [spec(t) for t in found[1]["transforms"]]
-    if any(s is None for s in inner):
-        return None
-    names = [s[0] for s in inner]
-    if names == ["scale_by_adafactor"]:
-        sign = 1.0
-    elif names == ["scale", "scale_by_adafactor"] and isinstance(
-            inner[0][1]["step_size"], float) and inner[0][1]["step_size"] == -1.0:
-        sign = -1.0
-    else:
-        return None
-    args = inner[-1][1]
-    hyper_tensors = [v for v in (args["lr"], args["beta2_decay"], *args["eps"], args["d"],
-                                 args["weight_decay"]) if isinstance(v, Tensor)]
-    pool = BufferPool()
-
-    def lowered(grads, state, params, donate):
-        if not isinstance(state, tuple) or len(state) != len(names) or not isinstance(
-                state[-1], ScaleByAdafactorState):
-            return None
-        p_leaves, p_spec = _pytree.tree_flatten(params)
-        g_leaves, g_spec = _pytree.tree_flatten(grads)
-        if p_spec != g_spec or not p_leaves or not all(
-                isinstance(t, Tensor) for t in (*p_leaves, *g_leaves)):
-            return None
-        if any(p.shape != g.shape for p, g in zip(p_leaves, g_leaves, strict=True)):
-            return None
-        inner_state = state[-1]
-        updates_done(inner_state.count)  # a count edited by hand is named before it is used
-        if use_plain_path("auto", [*p_leaves, *g_leaves, inner_state.count], hyper_tensors):
-            return None
-        if not streaming.usable([*p_leaves, *g_leaves]):
-            return None
-        with pool.lock:
-            return _update(grads, state, params, donate, p_leaves, g_leaves)
-
-    def _update(grads, state, params, donate, p_leaves, g_leaves):
-        inner_state = state[-1]
-        tree_spec = tree.structure(grads)
-        buffers = [_entries(getattr(inner_state, f), tree_spec, f)
-                   for f in ("row_var", "col_var", "variance")]
-        _check_shapes(buffers, g_leaves, grads)
-        # In place only where no moment (a state edited by hand) lies in a param's memory: a
-        # leaf updated first would change what a later leaf reads.
-        donate = donate and donatable(p_leaves, [*g_leaves, *(b for bs in buffers for b in bs)],
-                                      [])
-        lr, schedule = args["lr"], callable(args["lr"]) and not isinstance(args["lr"], Tensor)
-        step = next_step(inner_state.count)
-        step_lr = lr
-        if schedule:
-            step_lr = lr(step - 1)
-            check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
-            if differentiable(step_lr):
-                return None  # the transformation's ops keep the lr's gradient
-        numbers = dict(lr=scalar(step_lr), beta2_decay=scalar(args["beta2_decay"]),
-                       eps1=scalar(args["eps"][0]), eps2=scalar(args["eps"][1]),
-                       d=scalar(args["d"]), weight_decay=scalar(args["weight_decay"]))
-        if not donate:
-            pool.begin_update()
-        out, rows, cols, variances = [], [], [], []
-        # Streaming stores for a large update (p and g read, the new p written).
-        nontemporal = not donate and streaming.streams(12 * sum(p.numel() for p in p_leaves))
-        for g, p, row, col, var in zip(g_leaves, p_leaves, *buffers, strict=True):
-            if _kernel_leaf(p, g, row, col):
-                new_p, row, col = _kernel_step(g, p, row, col, step, sign, numbers,
-                                               p if donate else pool.empty_like(p), nontemporal)
-            else:  # the chain's own ops for this leaf: -g, adafactor_leaf, apply_updates
-                u, row, col, var = adafactor_leaf(
-                    g * sign if sign != 1.0 else g, row, col, var, p, step, step_lr,
-                    args["beta2_decay"], args["eps"][0], args["eps"][1], args["d"],
-                    args["weight_decay"])
-                new_p = (p + u).to(p.dtype)
-            out.append(new_p)
-            rows.append(row)
-            cols.append(col)
-            variances.append(var)
-        new_inner = ScaleByAdafactorState(
-            inner_state.count + 1, _f32(step_lr),
-            *(tree.unflatten(tree_spec, c) for c in (rows, cols, variances)))
-        return tree.unflatten(tree.structure(params), out), (*state[:-1], new_inner)
-
-    return lowered
-
-
-def _kernel_leaf(p: Tensor, g: Tensor, row: Any, col: Any) -> bool:
-    """Whether a leaf takes the kernels: 2-D, and its moments contiguous float32 tensors."""
-    return (p.dim() == 2 and isinstance(row, Tensor) and isinstance(col, Tensor)
-            and streaming.usable([row, col]) and streaming._storage_holds(p)
-            and streaming._storage_holds(g) and streaming._storage_holds(row)
-            and streaming._storage_holds(col))
-
-
-def _kernel_step(g, p, row_var, col_var, step, sign, h, out, nontemporal):
-    """:func:`adafactor_leaf` for a 2-D leaf, its scalars in float32 as torch computes them,
-    the passes over the leaf in C (``_streaming.c``, ``minitrain_adafactor_*``)."""
-    m, n = p.shape
-    eps1 = torch.finfo(torch.float32).eps if h["eps1"] is None else h["eps1"]
-    one_minus_beta2 = step ** h["beta2_decay"]
-    rho = min(h["lr"], 1 / math.sqrt(step))
-    row_sums, col_sums, p_sumsq = streaming.adafactor_stats(g, p)
-    root_numel = math.sqrt(p.numel())
-    p_norm = torch.tensor(p_sumsq, dtype=torch.float64, device="cpu").sqrt().to(torch.float32)
-    alpha = torch.clamp(p_norm / root_numel, min=h["eps2"]) * rho
-    # vector_norm(g, dim=-1).square() / n: here from float64 sums of squares
-    row_var = torch.lerp(row_var, (row_sums / n).to(torch.float32).reshape(m, 1),
-                         one_minus_beta2)
-    col_var = torch.lerp(col_var, (col_sums / m).to(torch.float32).reshape(1, n),
-                         one_minus_beta2)
-    denom = float(row_var.mean(dim=-2, keepdim=True).clamp(min=eps1))
-    rows, cols = row_var.reshape(m), col_var.reshape(n)
-    hp = [denom, eps1 * eps1, sign, 0.0, 0.0]
-    scaled_sumsq = streaming.adafactor_apply(g, p, rows, cols, hp)
-    scaled_norm = torch.tensor(scaled_sumsq, dtype=torch.float64, device="cpu").sqrt().to(
-        torch.float32)
-    clip = torch.clamp(scaled_norm / (root_numel * h["d"]), min=1)
-    coef = float(-alpha / clip)
-    lr_wd = h["lr"] * h["weight_decay"] if h["weight_decay"] != 0 else 0.0
-    streaming.adafactor_apply(g, p, rows, cols, [denom, eps1 * eps1, sign, coef, lr_wd], out,
-                              nontemporal=nontemporal)
-    return out, row_var, col_var
-
-
-register_lowering(_match)
