@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
+from minitrain import _torch
+from minitrain._torch import TorchDispatchMode, pytree
 from minitrain.accounting.hardware import HardwareError, dtype_name
 from minitrain.accounting.op_formulas import FORMULA_OPS
 from minitrain.accounting.timeline import LiveStorages, Timeline
@@ -197,7 +197,7 @@ def _base_name(packet: Any) -> str:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def _mutated(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -243,7 +243,7 @@ def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         return True
     if mutated or not outputs:
         return False
-    return all(any(torch._C._is_alias_of(out, t) for t in inputs) for out in outputs)
+    return all(any(_torch.is_alias_of(out, t) for t in inputs) for out in outputs)
 
 
 
@@ -422,7 +422,7 @@ class Counter:
         if flops is None:
             self.unknown[name] = self.unknown.get(name, 0) + 1
         moved = not view
-        backward = torch._C._current_autograd_node() is not None
+        backward = _torch.current_autograd_node() is not None
         if backward:
             self._phase = "backward"
         elif self._phase == "backward":

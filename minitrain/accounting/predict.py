@@ -36,16 +36,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import (
+
+from minitrain._torch import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    TorchDispatchMode,
     UnsupportedOperatorException,
+    disable_current_modes,
+    pytree,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
-
 from minitrain.accounting.counter import Counter
 from minitrain.accounting.hardware import Hardware, HardwareError, dtype_name, hardware
 from minitrain.accounting.predict_lifetimes import CATEGORIES, Lifetimes, category, replay
@@ -223,7 +224,7 @@ def _to_meta(x: Any) -> Any:
 
 
 def _find_mode(tree: Any) -> FakeTensorMode | None:
-    leaves, _ = tree_flatten(tree)
+    leaves, _ = pytree.tree_flatten(tree)
     for leaf in leaves:
         if isinstance(leaf, FakeTensor):
             return leaf.fake_mode
@@ -231,7 +232,7 @@ def _find_mode(tree: Any) -> FakeTensorMode | None:
 
 
 def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    return tree_map(fn, tree, is_leaf=_is_spec)
+    return pytree.tree_map(fn, tree, is_leaf=_is_spec)
 
 
 # -- the traced step ---------------------------------------------------------------------------
@@ -243,7 +244,7 @@ class _Metadata(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default:
-            with _disable_current_modes():
+            with disable_current_modes():
                 return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 

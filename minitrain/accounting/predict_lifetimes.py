@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
+
+from minitrain import _torch
+from minitrain._torch import TorchDispatchMode, pytree
 
 __all__ = ["Allocation", "CATEGORIES", "Lifetimes", "Replay", "replay"]
 
@@ -65,7 +66,7 @@ def _storage(t: Any) -> Any:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def _returns_nothing(func: Any) -> bool:
@@ -192,7 +193,7 @@ class Lifetimes(TorchDispatchMode):
     # -- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.backward_started and torch._C._current_autograd_node() is not None:
+        if not self.backward_started and _torch.current_autograd_node() is not None:
             self.mark_saved()
             self.phase = "backward"
         inputs = _tensors((args, kwargs))

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from minitrain import _torch
+
 __all__ = ["CATEGORIES", "LiveStorages", "Timeline", "plot_memory_timeline", "timeline_summary"]
 
 CATEGORIES = (
@@ -71,8 +73,8 @@ class _Life:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The tensor under ``torch.func``'s wrappers (the one the dispatch mode sees)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
+    while _torch.is_functorch_wrapped_tensor(t):
+        t = _torch.get_unwrapped(t)
     return t
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as _pytree
 
 from minitrain import lowp, rng
+from minitrain._torch import pytree as _pytree
 from minitrain.backend import Backend
 from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad

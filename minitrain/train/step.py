@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from minitrain import lowp
+from minitrain._torch import pytree
 from minitrain.backend import Backend
 from minitrain.errors import ExperimentError, ResumeError
 from minitrain.func import value_and_grad
@@ -162,8 +163,8 @@ def stateful_loss(
 
 
 def _check_same_structure(state: PyTree, new_state: PyTree) -> None:
-    old = torch.utils._pytree.tree_structure(state)
-    new = torch.utils._pytree.tree_structure(new_state)
+    old = pytree.tree_structure(state)
+    new = pytree.tree_structure(new_state)
     if old != new:
         raise ExperimentError(
             "the loss's new state is not shaped like the state it was given (init_state's); "

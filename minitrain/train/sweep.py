@@ -86,9 +86,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as _pytree
 
 from minitrain import checkpoint, rng
+from minitrain._torch import pytree as _pytree
 from minitrain.backend import Backend
 from minitrain.errors import NonFiniteLoss, ResumeError
 from minitrain.metrics import METRICS_FILE, read_metrics
