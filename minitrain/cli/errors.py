@@ -70,10 +70,10 @@ class ScriptFailed(RunFailed):
 
 def _user_mistakes() -> tuple[type[BaseException], ...]:
     """Errors raised by modules that predate :mod:`minitrain.errors` (all user mistakes)."""
-    from minitrain.backend import BackendError
     from minitrain.checkpoint import CheckpointError
     from minitrain.data import DataError
     from minitrain.metrics import MetricsError, MissingExtra
+    from minitrain.precision import BackendError
 
     return (CheckpointError, MetricsError, MissingExtra, DataError, BackendError)
 

@@ -490,7 +490,7 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
     import torch
 
     from minitrain import accounting as acc
-    from minitrain.backend import get_backend
+    from minitrain.precision import get_backend
     from minitrain.train.step import init_carry, make_train_step
     from minitrain.tree import size
 

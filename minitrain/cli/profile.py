@@ -51,7 +51,7 @@ def profile_script(
     from minitrain.accounting.counter import Counter
     from minitrain.accounting.hardware import dtype_name
     from minitrain.accounting.roofline import profile_records
-    from minitrain.backend import BackendError, get_backend
+    from minitrain.precision import BackendError, get_backend
     from minitrain.train import ExperimentError, load_experiment, make_train_step
     from minitrain.train.loop import run_generators, to_backend
     from minitrain.train.step import init_carry

@@ -59,7 +59,7 @@ def run(
     nproc: int | None,
 ) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
-    from minitrain.backend import get_backend
+    from minitrain.precision import get_backend
     from minitrain.train import fit, load_experiment
     from minitrain.train.experiment import parse_overrides
     from minitrain.train.loop import dumps_finite
@@ -189,7 +189,7 @@ def _number(value: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def backends(as_json: bool) -> None:
     """List the installed backends and whether each can run on this machine."""
-    from minitrain.backend import backend_statuses
+    from minitrain.precision import backend_statuses
 
     statuses = backend_statuses()
     if as_json:

@@ -49,8 +49,8 @@ def sweep(
 ) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
-    from minitrain.backend import get_backend
     from minitrain.metrics import MissingExtra
+    from minitrain.precision import get_backend
     from minitrain.train.loop import dumps_finite
     from minitrain.train.signals import stop_requests
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep

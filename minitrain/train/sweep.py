@@ -89,9 +89,9 @@ import torch
 
 from minitrain import checkpoint, rng
 from minitrain._torch import pytree as _pytree
-from minitrain.backend import Backend
 from minitrain.errors import NonFiniteLoss, ResumeError
 from minitrain.metrics import METRICS_FILE, read_metrics
+from minitrain.precision import Backend
 from minitrain.train.ensemble_step import (
     EnsembleStepOutput,
     batches_ignore_swept_values,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
-from minitrain import lowp
-from minitrain.formats import quantize
+from minitrain import precision
+from minitrain.precision import matmuls, quantize
 
 
 def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -18,9 +20,9 @@ def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
 
 
 def per_tensor(x: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: TE's scaled saturating cast, with mt.formats.quantize."""
+    """The reference: TE's scaled saturating cast, with mt.precision.quantize."""
     if scale is None:
-        scale = mt.formats.spec(fmt).max / x.abs().amax()
+        scale = mt.precision.spec(fmt).max / x.abs().amax()
     return quantize(x * scale, fmt, saturate=True) / scale
 
 
@@ -30,17 +32,17 @@ def blockwise(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 
 def test_fp8_cast_equals_quantize_with_saturation():
     x = torch.cat([randn(4096, scale=100.0), randn(4096, scale=1e-4), torch.tensor([1e6, -1e6])])
-    for fmt in lowp.PER_TENSOR:
-        assert torch.equal(lowp._cast_fp8(x, fmt), quantize(x, fmt, saturate=True))
+    for fmt in matmuls.PER_TENSOR:
+        assert torch.equal(matmuls._cast_fp8(x, fmt), quantize(x, fmt, saturate=True))
 
 
 @pytest.mark.parametrize("name", ["fp8", "mxfp8", "mxfp4", "nvfp4"])
 def test_forward_and_backward_gemms_are_quantize_then_fp32_matmul(name):
-    r = lowp.RECIPES[name]
+    r = precision.RECIPES[name]
     a = randn(64, 96, seed=1, scale=3.0).requires_grad_()
     b = randn(96, 32, seed=2).requires_grad_()
     g = randn(64, 32, seed=3, scale=1e-3)
-    y = lowp.matmul(a, b, name)
+    y = precision.matmul(a, b, name)
     ga, gb = torch.autograd.grad(y, (a, b), g)
     a, b = a.detach(), b.detach()
     if name == "fp8":
@@ -62,21 +64,21 @@ def test_forward_and_backward_gemms_are_quantize_then_fp32_matmul(name):
 def test_grad_output_is_rounded_to_e5m2_not_e4m3():
     a, b = torch.eye(4).requires_grad_(), torch.eye(4)
     g = torch.tensor([[1.0, 1.125, 1.25, 1.375]] * 4)  # e4m3 values, three of them not e5m2
-    (ga,) = torch.autograd.grad(lowp.matmul(a, b, "fp8"), (a,), g)
+    (ga,) = torch.autograd.grad(precision.matmul(a, b, "fp8"), (a,), g)
     assert torch.equal(ga, per_tensor(g, "fp8_e5m2"))
     assert not torch.equal(ga, g)
 
 
 def test_reduction_dimension_not_a_multiple_of_the_block_is_zero_padded():
     a, b = randn(5, 40, seed=4), randn(40, 3, seed=5)
-    padded = lowp.matmul(F.pad(a, (0, 24)), F.pad(b, (0, 0, 0, 24)), "mxfp8")
-    assert torch.equal(lowp.matmul(a, b, "mxfp8"), padded)
+    padded = precision.matmul(F.pad(a, (0, 24)), F.pad(b, (0, 0, 0, 24)), "mxfp8")
+    assert torch.equal(precision.matmul(a, b, "mxfp8"), padded)
 
 
 def test_mode_routes_linear_matmul_and_at_through_the_recipe():
     x, w, bias = randn(8, 32, seed=6), randn(16, 32, seed=7), randn(16, seed=8)
     expected = per_tensor(x, "fp8_e4m3") @ per_tensor(w.T, "fp8_e4m3") + bias
-    with lowp.simulate("fp8"):
+    with precision.simulate("fp8"):
         outs = [F.linear(x, w, bias), x @ w.T + bias, torch.matmul(x, w.T) + bias]
         outs.append(torch.mm(x, w.T) + bias)
         assert (torch.arange(3) @ torch.arange(3)).item() == 5  # integers pass through
@@ -92,7 +94,7 @@ def test_from_module_model_under_grad_and_vmap():
     x, y = randn(16, 32, seed=9), randn(16, 1, seed=10)
 
     def loss(p, x, y):
-        with lowp.simulate("mxfp8"):
+        with precision.simulate("mxfp8"):
             return F.mse_loss(apply(p, x), y)
 
     grads = mt.grad(loss)(params, x, y)
@@ -111,13 +113,13 @@ def test_delayed_scaling_history_comes_back_as_the_gradient_of_the_state():
     a = randn(8, 32, seed=11, scale=2.0)
     w = randn(32, 16, seed=12).requires_grad_()
     g = randn(8, 16, seed=13)
-    r = lowp.Recipe(history_len=4)
-    state = lowp.init_state(r, lowp.count_matmuls(lambda: a @ w))
+    r = precision.Recipe(history_len=4)
+    state = precision.init_state(r, precision.count_matmuls(lambda: a @ w))
     assert state.shape == (1, 3, 4)
 
     def step(state):
         state = state.requires_grad_()
-        with lowp.simulate(r, state):
+        with precision.simulate(r, state):
             y = a @ w
         gw, new_state = torch.autograd.grad(y, (w, state), g)
         return y, gw, new_state
@@ -131,7 +133,7 @@ def test_delayed_scaling_history_comes_back_as_the_gradient_of_the_state():
     amaxes = torch.stack([a.abs().amax(), w.detach().abs().amax(), g.abs().amax()])
     assert torch.equal(state1[0, :, 0], amaxes) and not state1[0, :, 1:].any()
     y1, _, state2 = step(state1.detach())  # the second step scales by the recorded amaxes
-    s = lowp.delayed_scale(state1[0], "fp8_e4m3")
+    s = precision.delayed_scale(state1[0], "fp8_e4m3")
     want = per_tensor(a, "fp8_e4m3", s[0]) @ per_tensor(w.detach(), "fp8_e4m3", s[1])
     assert torch.equal(y1, want)
     assert torch.equal(state2[0, :, 1], amaxes)
@@ -140,10 +142,10 @@ def test_delayed_scaling_history_comes_back_as_the_gradient_of_the_state():
 def test_delayed_state_under_vmap_is_per_member():
     a = randn(3, 8, 32, seed=14) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
     w = randn(32, 16, seed=15)
-    state = lowp.init_state("fp8", 1)
+    state = precision.init_state("fp8", 1)
 
     def loss(w, state, a):
-        with lowp.simulate("fp8", state):
+        with precision.simulate("fp8", state):
             return (a @ w).sum()
 
     grad = torch.func.grad(loss, argnums=(0, 1))
@@ -155,12 +157,12 @@ def test_delayed_state_under_vmap_is_per_member():
 
 def test_bad_recipe_and_state_errors_say_how_to_fix():
     with pytest.raises(ValueError, match="choose one of"):
-        lowp.recipe("fp7")
+        precision.recipe("fp7")
     with pytest.raises(ValueError, match="state=None"):
-        lowp.init_state("mxfp8", 2)
+        precision.init_state("mxfp8", 2)
     with (
         pytest.raises(ValueError, match="count_matmuls"),
-        lowp.simulate("fp8", torch.zeros(1, 3, 4)),
+        precision.simulate("fp8", torch.zeros(1, 3, 4)),
     ):
         torch.eye(2) @ torch.eye(2) @ torch.eye(2)
 
@@ -170,22 +172,22 @@ def test_scaled_mm_gemms_are_built_from_the_same_fp8_codes():
     a = randn(32, 64, seed=16, scale=3.0).requires_grad_()
     b = randn(64, 48, seed=17).requires_grad_()
     g = randn(32, 48, seed=18, scale=1e-2)
-    y = lowp.matmul(a, b, "fp8-scaled-mm")
+    y = precision.matmul(a, b, "fp8-scaled-mm")
     ga, gb = torch.autograd.grad(y, (a, b), g)
     a, b = a.detach(), b.detach()
     e4, e5 = "fp8_e4m3", "fp8_e5m2"
     sa, sb, sg = (448.0 / a.abs().amax(), 448.0 / b.abs().amax(), 57344.0 / g.abs().amax())
-    a8, b8, ia, ib = lowp.scaled_mm_operands(a, b, (e4, e4), (sa, sb))
+    a8, b8, ia, ib = precision.scaled_mm_operands(a, b, (e4, e4), (sa, sb))
     assert b8.stride() == (1, 64)  # column-major, as cuBLASLt wants it
     assert torch.equal(a8.float(), quantize(a * sa, e4, saturate=True))  # the same codes
     assert torch.equal(b8.float(), quantize(b * sb, e4, saturate=True))
     assert ia == 1 / sa and ib == 1 / sb
     assert torch.equal(y, torch._scaled_mm(a8, b8, scale_a=ia, scale_b=ib, out_dtype=torch.float32))
-    g8, bt8, ig, ib2 = lowp.scaled_mm_operands(g, b.T, (e5, e4), (sg, sb))
+    g8, bt8, ig, ib2 = precision.scaled_mm_operands(g, b.T, (e5, e4), (sg, sb))
     assert g8.dtype == torch.float8_e5m2
     want_ga = torch._scaled_mm(g8, bt8, scale_a=ig, scale_b=ib2, out_dtype=torch.float32)
     assert torch.equal(ga, want_ga)
-    simulated = lowp.matmul(a.requires_grad_(), b.requires_grad_(), "fp8")
+    simulated = precision.matmul(a.requires_grad_(), b.requires_grad_(), "fp8")
     sim_ga, sim_gb = torch.autograd.grad(simulated, (a, b), g)
     for real, sim in ((y, simulated), (ga, sim_ga), (gb, sim_gb)):
         torch.testing.assert_close(real, sim.detach(), rtol=1e-5, atol=1e-5)
@@ -212,9 +214,9 @@ def test_fast_decode_is_torchs_cast_and_div_bit_for_bit(seed, fmt, magnitude, sc
     x = torch.randn(129, 257, generator=g) * 2.0**magnitude
     x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45])
     scale = torch.rand(1, generator=g) * 2.0**scale_magnitude
-    top = lowp.spec(fmt).max
-    codes = (x * scale).clamp(-top, top).to(lowp._TORCH_FP8[fmt])
-    fast = lowp._decode_div(codes, fmt, scale)
+    top = matmuls.spec(fmt).max
+    codes = (x * scale).clamp(-top, top).to(matmuls._TORCH_FP8[fmt])
+    fast = matmuls._decode_div(codes, fmt, scale)
     assert fast is not None and _same_bits(fast, codes.float() / scale)
 
 
@@ -224,11 +226,11 @@ def test_fast_decode_steps_aside_for_counters_fake_tensors_and_vmap():
     codes = torch.randn(256, 256).to(torch.float8_e4m3fn)
     scale = torch.tensor([2.0])
     with mt.accounting.Counter():
-        assert lowp._decode_div(codes, "fp8_e4m3", scale) is None  # its ops must be counted
+        assert matmuls._decode_div(codes, "fp8_e4m3", scale) is None  # its ops must be counted
     with FakeTensorMode() as fake:
-        assert lowp._decode_div(fake.from_tensor(codes), "fp8_e4m3", scale) is None
+        assert matmuls._decode_div(fake.from_tensor(codes), "fp8_e4m3", scale) is None
     seen = []
-    torch.func.vmap(lambda c: seen.append(lowp._decode_div(c, "fp8_e4m3", scale)) or c.float())(
+    torch.func.vmap(lambda c: seen.append(matmuls._decode_div(c, "fp8_e4m3", scale)) or c.float())(
         codes.float().reshape(4, 64, 256).to(torch.float8_e4m3fn))
     assert seen == [None]
 
@@ -236,18 +238,18 @@ def test_fast_decode_steps_aside_for_counters_fake_tensors_and_vmap():
 def test_a_simulated_fp8_step_with_the_fast_decode_equals_torchs_ops(monkeypatch):
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(64, 512, generator=g) * 30, torch.randn(512, 96, generator=g) / 7
-    history = lowp.init_state(lowp.recipe("fp8"), 1)[0]
+    history = precision.init_state(precision.recipe("fp8"), 1)[0]
     history[:, 0] = torch.tensor([50.0, 0.5, 0.01])
 
     def grads():
         return torch.func.grad(
-            lambda a, b: (lowp.matmul(a, b, "fp8", history) ** 2).sum(), argnums=(0, 1)
+            lambda a, b: (precision.matmul(a, b, "fp8", history) ** 2).sum(), argnums=(0, 1)
         )(a, b)
 
-    fast = mt.value_and_grad(lambda a, b: (lowp.matmul(a, b, "fp8", history) ** 2).sum(),
+    fast = mt.value_and_grad(lambda a, b: (precision.matmul(a, b, "fp8", history) ** 2).sum(),
                              argnums=(0, 1))(a, b)
-    monkeypatch.setattr(lowp, "_FAST_DECODE_MIN", 2**62)
-    slow = mt.value_and_grad(lambda a, b: (lowp.matmul(a, b, "fp8", history) ** 2).sum(),
+    monkeypatch.setattr(matmuls, "_FAST_DECODE_MIN", 2**62)
+    slow = mt.value_and_grad(lambda a, b: (precision.matmul(a, b, "fp8", history) ** 2).sum(),
                              argnums=(0, 1))(a, b)
     assert _same_bits(fast[0], slow[0])
     assert all(_same_bits(x, y) for x, y in zip(fast[1], slow[1], strict=True))
@@ -259,7 +261,7 @@ def test_a_simulated_fp8_step_with_the_fast_decode_equals_torchs_ops(monkeypatch
 
 
 def _grads_with_and_without_checkpointing(recipe_name, state, context_fn=None, twice=False):
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
+    from torch.utils.checkpoint import checkpoint
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, generator=g)
@@ -268,10 +270,11 @@ def _grads_with_and_without_checkpointing(recipe_name, state, context_fn=None, t
     results = []
     for checkpointed in (False, True):
         history = None if state is None else state.clone().requires_grad_(True)
-        with lowp.simulate(recipe_name, history):
+        with precision.simulate(recipe_name, history):
             if checkpointed:
                 h = checkpoint(lambda x, w: torch.relu(x @ w) @ w, x, a, use_reentrant=False,
-                               context_fn=context_fn or noop_context_fn)
+                               context_fn=functools.partial(precision.recompute_context,
+                                                            context_fn))
             else:
                 h = torch.relu(x @ a) @ a
             loss = ((h @ b) ** 2).mean()
@@ -287,10 +290,10 @@ def _grads_with_and_without_checkpointing(recipe_name, state, context_fn=None, t
 @pytest.mark.parametrize("name,delayed", [("fp8", True), ("fp8", False), ("mxfp8", False),
                                           ("nvfp4", False)])
 def test_a_checkpointed_region_recomputes_its_simulated_matmuls_bit_for_bit(name, delayed):
-    """torch.utils.checkpoint (non-reentrant) recomputes in the backward pass, outside the
-    simulation: the recomputation replays it from the region's first matmul, so grads and
-    the updated amax histories equal the run without checkpointing."""
-    state = lowp.init_state(name, 3) + torch.tensor([0.5, 2.0, 8.0])[:, None, None] \
+    """torch.utils.checkpoint (non-reentrant) recomputes in the backward pass, after the
+    simulation: with recompute_context the recomputation replays it from the region's first
+    matmul, so grads and the updated amax histories equal the run without checkpointing."""
+    state = precision.init_state(name, 3) + torch.tensor([0.5, 2.0, 8.0])[:, None, None] \
         if delayed else None
     plain, checkpointed = _grads_with_and_without_checkpointing(name, state)
     assert len(plain) == (3 if delayed else 2)
@@ -314,7 +317,7 @@ def test_checkpoint_replay_keeps_a_callers_context_fn_and_recomputes_again():
     def context_fn():
         return Note("forward"), Note("recompute")
 
-    state = lowp.init_state("fp8", 3) + 1.0
+    state = precision.init_state("fp8", 3) + 1.0
     plain, checkpointed = _grads_with_and_without_checkpointing("fp8", state, context_fn,
                                                                 twice=True)
     assert all(torch.equal(u, v) for u, v in zip(plain, checkpointed, strict=True))
@@ -325,8 +328,22 @@ def test_a_reentrant_checkpoint_inside_a_simulation_is_refused_in_one_line():
     from torch.utils.checkpoint import checkpoint
 
     a, x = torch.randn(32, 32, requires_grad=True), torch.randn(4, 32, requires_grad=True)
-    with lowp.simulate("fp8"), pytest.raises(ValueError, match="use_reentrant=False"):
+    with precision.simulate("fp8"), pytest.raises(ValueError, match="use_reentrant=False"):
         checkpoint(lambda x: x @ a, x, use_reentrant=True)
     # outside a simulation, torch's reentrant checkpoint is untouched
     checkpoint(lambda x: x @ a, x, use_reentrant=True).sum().backward()
     assert torch.equal(a.grad, x.detach().sum(0)[:, None].expand(32, 32))
+
+
+def test_a_checkpoint_without_recompute_context_fails_loudly_and_torch_stays_as_it_was():
+    import torch.utils.checkpoint as ckpt
+
+    before = dict(vars(ckpt))
+    g = torch.Generator().manual_seed(0)
+    x, a = torch.randn(4, 32, generator=g), torch.randn(32, 32, generator=g, requires_grad=True)
+    with precision.simulate("fp8"):
+        h = ckpt.checkpoint(lambda x, w: torch.relu(x @ w) @ w, x, a, use_reentrant=False)
+        loss = (h**2).mean()
+    with pytest.raises(ckpt.CheckpointError):  # the recomputation saved other tensors
+        torch.autograd.grad(loss, [a])
+    assert all(vars(ckpt).get(name) is value for name, value in before.items())

@@ -1,42 +1,30 @@
-"""Mixed-precision policies and functional dynamic loss scaling.
+"""Dynamic loss scaling, functional: ``torch.amp.GradScaler`` rewritten as pure functions.
 
-A :class:`Policy` says which dtype params are stored in, which the math runs in, and which the
-outputs come back in (jmp's ``Policy``), plus an optional simulated low-precision matmul format
-(:mod:`minitrain.lowp`) and whether fp16's loss scaling is needed. :func:`compute_context` is
-the one context manager a train step wraps its forward and backward pass in (nanoGPT's
-``nullcontext()`` or ``torch.amp.autocast(...)``, and the simulated fp8 / MX / NVFP4 matmuls).
-
-Loss scaling is ``torch.amp.GradScaler`` rewritten as pure functions over a
-:class:`LossScaleState` of 0-d tensors, equal to it step for step (same scale trajectory, same
-skipped steps), and vmappable: each member of a sweep carries its own scale.
+The state is a :class:`LossScaleState` of 0-d tensors, equal to GradScaler step for step (same
+scale trajectory, same skipped steps), and vmappable: each member of a sweep carries its own
+scale. A step whose grads are not finite is skipped with :func:`select_tree`, which stays pure
+under ``vmap`` where an ``if`` could not.
 
 >>> import torch
->>> p = policy("bf16")
->>> p.cast_to_compute({"w": torch.ones(2), "step": torch.tensor(3)})
-{'w': tensor([1., 1.], dtype=torch.bfloat16), 'step': tensor(3)}
->>> with compute_context(p, "cpu"):
-...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
-torch.bfloat16
+>>> ls = dynamic_loss_scale(init_scale=4.0)
+>>> f = scaled_value_and_grad(lambda p, x: (p["w"] * x).sum(), ls)
+>>> loss, grads, finite, state = f({"w": torch.ones(2)}, ls.init(), torch.tensor([1.0, 2.0]))
+>>> loss, grads, finite, state.scale
+(tensor(3.), {'w': tensor([1., 2.])}, tensor(True), tensor(4.))
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from minitrain import lowp
 from minitrain.tree import Grads, Params, PyTree
+from minitrain.tree import leaves as tree_leaves
+from minitrain.tree import map as tree_map
 
 __all__ = [
-    "Policy",
-    "POLICIES",
-    "policy",
-    "compute_context",
-    "delayed_scaling",
-    "without_matmul_format",
     "LossScaleState",
     "DynamicLossScale",
     "dynamic_loss_scale",
@@ -44,113 +32,6 @@ __all__ = [
     "select_tree",
     "scaled_value_and_grad",
 ]
-
-
-def _cast_floats(tree: PyTree, dtype: torch.dtype) -> PyTree:
-    """Cast the floating-point tensor leaves of ``tree`` to ``dtype``; leave the rest."""
-
-    def cast(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf.to(dtype)
-        return leaf
-
-    return torch.utils._pytree.tree_map(cast, tree)
-
-
-class Policy(NamedTuple):
-    """Where params live, what the math runs in, what outputs come back as (jmp's Policy)."""
-
-    param_dtype: torch.dtype = torch.float32
-    compute_dtype: torch.dtype = torch.float32
-    output_dtype: torch.dtype = torch.float32
-    matmul_format: str | None = None  # a minitrain.lowp recipe: fp8, mxfp8, mxfp4, nvfp4
-    loss_scaling: bool = False  # fp16: scale the loss so small grads do not flush to zero
-
-    def cast_to_compute(self, tree: PyTree) -> PyTree:
-        """Floating-point leaves of ``tree`` in ``compute_dtype``."""
-        return _cast_floats(tree, self.compute_dtype)
-
-    def cast_to_param(self, tree: PyTree) -> PyTree:
-        """Floating-point leaves of ``tree`` in ``param_dtype``."""
-        return _cast_floats(tree, self.param_dtype)
-
-    def cast_to_output(self, tree: PyTree) -> PyTree:
-        """Floating-point leaves of ``tree`` in ``output_dtype``."""
-        return _cast_floats(tree, self.output_dtype)
-
-
-_F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
-POLICIES = {
-    "fp32": Policy(),
-    "bf16": Policy(_F32, _BF16, _F32),  # the chapter's 3.5.9 recipe: no loss scaling needed
-    "fp16": Policy(_F32, _F16, _F32, loss_scaling=True),  # Micikevicius et al. 2018
-    "fp8": Policy(matmul_format="fp8"),  # Transformer Engine: e4m3 forward, e5m2 backward
-    "mxfp8": Policy(matmul_format="mxfp8"),
-    "mxfp4": Policy(matmul_format="mxfp4"),
-    "nvfp4": Policy(matmul_format="nvfp4"),
-}
-
-
-def policy(name: str | Policy) -> Policy:
-    """A preset policy by name: ``fp32``, ``bf16``, ``fp16``, ``fp8``, ``mxfp8``, ``mxfp4``,
-    ``nvfp4`` (fp32 master params in every one).
-
-    >>> policy("fp16").loss_scaling, policy("fp8").matmul_format
-    (True, 'fp8')
-    """
-    if isinstance(name, Policy):
-        return name
-    if name not in POLICIES:
-        raise ValueError(f"unknown precision policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    return POLICIES[name]
-
-
-@contextlib.contextmanager
-def compute_context(
-    p: Policy | str, device: torch.device | str = "cpu", fp8_state: torch.Tensor | None = None
-) -> Iterator[None]:
-    """The context for forward and backward: autocast to ``compute_dtype`` where it differs from
-    ``param_dtype``, and simulated low-precision matmuls where the policy names a format
-    (``fp8_state``: amax histories for delayed fp8 scaling, see :func:`minitrain.lowp.simulate`).
-
-    >>> with compute_context("fp8"):
-    ...     (torch.tensor([[1.0, 3.3]]) @ torch.eye(2)).tolist()
-    [[0.9428570866584778, 3.299999713897705]]
-    """
-    p = policy(p)
-    device_type = torch.device(device).type
-    with contextlib.ExitStack() as stack:
-        if p.compute_dtype != p.param_dtype:
-            stack.enter_context(torch.autocast(device_type=device_type, dtype=p.compute_dtype))
-        if p.matmul_format is not None:
-            stack.enter_context(lowp.simulate(p.matmul_format, fp8_state))
-        yield
-
-
-def delayed_scaling(p: Policy | str) -> lowp.Recipe | None:
-    """The fp8 recipe whose per-tensor scales a training run takes from an amax history
-    (Transformer Engine's ``DelayedScaling``), or None: block formats scale from their blocks,
-    and a policy without a matmul format has nothing to scale.
-
-    >>> delayed_scaling("fp8").history_len, delayed_scaling("mxfp8"), delayed_scaling("bf16")
-    (16, None, None)
-    """
-    p = policy(p)
-    if p.matmul_format is None:
-        return None
-    r = lowp.recipe(p.matmul_format)
-    return r if r.forward in lowp.PER_TENSOR else None
-
-
-def without_matmul_format(p: Policy | str) -> Policy:
-    """The policy with its matmuls left at the compute dtype: the context a train step enters
-    around a forward pass that runs its own :func:`minitrain.lowp.simulate` (delayed scaling
-    needs the amax history as an argument of the differentiated function)."""
-    return policy(p)._replace(matmul_format=None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dynamic loss scaling, functional (torch.amp.GradScaler's arithmetic)
 
 
 class LossScaleState(NamedTuple):
@@ -176,7 +57,7 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     >>> all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])})
     tensor(False)
     """
-    leaves = [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
     if not leaves:
         return torch.tensor(True)
     return torch.stack([torch.isfinite(t).all() for t in leaves]).all()
@@ -194,7 +75,7 @@ def select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
             return torch.where(pred, a, b)
         return a
 
-    return torch.utils._pytree.tree_map(pick, on_true, on_false)
+    return tree_map(pick, on_true, on_false)
 
 
 def dynamic_loss_scale(
@@ -241,7 +122,7 @@ def dynamic_loss_scale(
     ) -> tuple[Grads, torch.Tensor, LossScaleState]:
         finite = all_finite(grads)  # _amp_foreach_non_finite_check_and_unscale_
         inv_scale = state.scale.double().reciprocal().float()  # GradScaler.unscale_
-        grads = torch.utils._pytree.tree_map(lambda g: g * inv_scale, grads)
+        grads = tree_map(lambda g: g * inv_scale, grads)
         # _amp_update_scale_ (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp)
         successful = state.growth_tracker + 1
         grown = (state.scale.double() * growth_factor).float()
