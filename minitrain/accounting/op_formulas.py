@@ -22,16 +22,16 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from minitrain._torch import aten_native_batch_norm_legit_no_training, pytree
 from minitrain.accounting.flops import fused_kernel_flops_per_element
 
-__all__ = ["FORMULA_OPS"]
+__all__ = ["FORMULA_OPS", "elements", "tensors"]
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of ``tree`` (an op's arguments or outputs)."""
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
-def _elements(tensors: list[torch.Tensor]) -> int:
+def elements(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
-
 
 
 def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
@@ -198,7 +198,7 @@ def _fused_optimizer_flops(optimizer: str) -> Callable[[Any, Any, Any], int]:
     # torch's fused kernels by their own hyperparameters (flops.fused_kernel_flops_per_element)
     def flops(func: Any, args: Any, kwargs: Any) -> int:
         named = {a.name: _argument(func, args, kwargs, a.name) for a in func._schema.arguments}
-        return fused_kernel_flops_per_element(optimizer, named) * _elements(_tensors(named["self"]))
+        return fused_kernel_flops_per_element(optimizer, named) * elements(tensors(named["self"]))
 
     return flops
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain.accounting import roofline as R
+from minitrain.accounting.plots import plot
 from minitrain.cli.roofline import roofline as roofline_command
 
 positive = st.floats(1e-3, 1e18, allow_nan=False, allow_infinity=False)
@@ -116,7 +117,7 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     h100 = R.roof("h100")
     placements = [R.place(op, h100) for op in R.chapter_ops()]
-    path = R.plot([h100, R.roof("a100-80gb")], placements, str(tmp_path / "roof.png"))
+    path = plot([h100, R.roof("a100-80gb")], placements, str(tmp_path / "roof.png"))
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -153,4 +154,3 @@ def test_roofline_command_unknown_hardware_is_a_one_line_error():
     assert result.exit_code == 2
     assert result.output.startswith("error: unknown hardware 'tpu'")
     assert result.output.count("\n") == 1
-
