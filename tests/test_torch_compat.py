@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import collections
 import inspect
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,14 @@ def test_every_name_has_its_test_and_is_listed():
     tests = {name for name, value in globals().items() if inspect.isfunction(value)}
     missing = sorted(name for name in names if f"test_{name}" not in tests)
     assert not missing, f"write test_<name> in tests/test_torch_compat.py for: {missing}"
+
+
+def test_pyproject_lower_bound_is_the_oldest_torch_ci_tests():
+    root = Path(__file__).resolve().parents[1]
+    bound = re.search(r'"torch>=([0-9.]+)"', (root / "pyproject.toml").read_text()).group(1)
+    pinned = re.findall(r'"torch==([0-9.]+)"', (root / ".ci" / "run").read_text())
+    assert pinned and all(version.startswith(bound + ".") for version in pinned), (bound, pinned)
+    assert f"torch>={bound}" in (root / "README.md").read_text()
 
 
 # -- pytrees --------------------------------------------------------------------------------------
