@@ -197,7 +197,9 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
 @click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
 @_optimizer_options
-@click.option("--precision", default="fp32", help="fp32, bf16-mixed, amp, bf16.")
+@click.option("--precision", default="fp32",
+              help="A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, "
+              "nvfp4; cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
                    "assumption).")
@@ -261,7 +263,9 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
               help="Context length (default: the preset's).")
 @click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
 @_optimizer_options
-@click.option("--precision", default="bf16-mixed", help="fp32, bf16-mixed, amp, bf16.")
+@click.option("--precision", default="bf16-mixed",
+              help="A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, "
+              "nvfp4; cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
