@@ -11,7 +11,7 @@ import importlib
 
 import click
 
-from minitrain.cli.errors import run_cli
+from minitrain.cli.errors import Group, run_cli
 
 # name -> "module:attribute" of a click command; loaded lazily.
 COMMANDS: dict[str, str] = {
@@ -28,7 +28,7 @@ COMMANDS: dict[str, str] = {
 }
 
 
-class LazyGroup(click.Group):
+class LazyGroup(Group):
     """A click group whose subcommands are imported on first use."""
 
     def __init__(self, *args, lazy_commands: dict[str, str], **kwargs):

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError
+from minitrain.cli.errors import Command, UserError
 from minitrain.cli.roofline import print_table
 
 
@@ -38,7 +38,7 @@ def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
     return error_stats(x if spec(name).signed else x.abs(), name)._asdict()
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--values", "values_of", default=None, metavar="FORMAT", help="List every code.")
 @click.option("--stats", is_flag=True, help="Add error statistics on Gaussian samples.")
 @click.option("--std", type=float, default=1.0, help="Standard deviation of the samples.")
