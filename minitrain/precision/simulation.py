@@ -204,18 +204,17 @@ def recompute_context(context_fn: Callable[[], tuple[Any, Any]] | None = None
     >>> from torch.utils.checkpoint import checkpoint
     >>> w = torch.randn(32, 32, requires_grad=True)
     >>> with simulate("fp8"):
-    ...     y = checkpoint(torch.relu, torch.randn(4, 32) @ w, use_reentrant=False,
+    ...     y = checkpoint(lambda x: torch.relu(x @ w), torch.randn(4, 32), use_reentrant=False,
     ...                    context_fn=recompute_context)
-    >>> y.sum().backward()
+    >>> y.sum().backward()  # recomputes x @ w in fp8, as the forward pass ran it
     """
     if context_fn is None:
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
     else:
         forward, recompute = context_fn()
-    modes = [m for m in _entered() if not m.count_only]
-    if not modes or torch.compiler.is_compiling():
+    if not _entered() or torch.compiler.is_compiling():
         return forward, recompute
-    return forward, _Replay(recompute, modes[-1])
+    return forward, _Replay(recompute, _entered()[-1])
 
 
 def _refuse_reentrant_checkpoint() -> None:
