@@ -90,7 +90,7 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
         return LostPeer(message)
     if isinstance(exc, errors.RunFailed):
         return RunFailed(message)
-    if isinstance(exc, (errors.UserError, *_user_mistakes())):
+    if isinstance(exc, errors.UserError) or isinstance(exc, _user_mistakes()):
         return UserError(message)
     return None
 
@@ -103,8 +103,8 @@ def cli_errors() -> Iterator[None]:
     propagates."""
     try:
         yield
-    except BrokenPipeError:
-        raise  # a closed stdout: run_cli words it
+    except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, BrokenPipeError):
+        raise  # click's own, and a closed stdout (run_cli words it)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         raise RunFailed(f"{where}{errors.os_cause(exc)}") from None

@@ -36,6 +36,8 @@ class Quantity(click.ParamType):
 
 
 QUANTITY = Quantity()
+_PRECISION_HELP = ("A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, nvfp4; "
+                   "cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
 
 
 def _optimizer_options(command: Any) -> Any:
@@ -106,18 +108,10 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
     seconds = flops / throughput
     rounded = acc.round_significant(throughput, 1)
     result = {
-        "params": params,
-        "tokens": tokens,
-        "flops": flops,
-        "hardware": spec.name,
-        "dtype": acc.dtype_name(dtype),
-        "peak_flops_per_gpu": peak,
-        "gpus": gpus,
-        "mfu": mfu,
-        "effective_flops_per_second": throughput,
-        "seconds": seconds,
-        "days": seconds / acc.SECONDS_PER_DAY,
-        "rounded_flops_per_second": rounded,
+        "params": params, "tokens": tokens, "flops": flops, "hardware": spec.name,
+        "dtype": acc.dtype_name(dtype), "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
+        "effective_flops_per_second": throughput, "seconds": seconds,
+        "days": seconds / acc.SECONDS_PER_DAY, "rounded_flops_per_second": rounded,
         "days_at_rounded_throughput": flops / rounded / acc.SECONDS_PER_DAY,
     }
     lines = [
@@ -145,15 +139,11 @@ def _communication(params: float, tokens: float, batch_tokens: float, gpus: int,
     per_step = acc.allreduce_bytes(gradient_bytes, gpus)
     seconds = acc.communication_time(params, tokens, batch_tokens, gpus, bandwidth, grad_bytes)
     return {
-        "interconnect_bandwidth": bandwidth,
-        "batch_tokens": batch_tokens,
-        "steps": tokens / batch_tokens,
-        "gradient_bytes": gradient_bytes,
+        "interconnect_bandwidth": bandwidth, "batch_tokens": batch_tokens,
+        "steps": tokens / batch_tokens, "gradient_bytes": gradient_bytes,
         "allreduce_bytes_per_gpu_per_step": per_step,
-        "allreduce_seconds_per_step": per_step / bandwidth,
-        "seconds": seconds,
-        "days": seconds / acc.SECONDS_PER_DAY,
-        "compute_seconds": compute_seconds,
+        "allreduce_seconds_per_step": per_step / bandwidth, "seconds": seconds,
+        "days": seconds / acc.SECONDS_PER_DAY, "compute_seconds": compute_seconds,
         "days_no_overlap": (compute_seconds + seconds) / acc.SECONDS_PER_DAY,
         "days_full_overlap": max(compute_seconds, seconds) / acc.SECONDS_PER_DAY,
     }
@@ -179,9 +169,7 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
 @click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
 @_optimizer_options
-@click.option("--precision", default="fp32",
-              help="A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, "
-              "nvfp4; cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
+@click.option("--precision", default="fp32", help=_PRECISION_HELP)
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
                    "assumption).")
@@ -205,16 +193,10 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
         for stage in range(4)
     }
     result = {
-        "hardware": spec.name,
-        "gpus": gpus,
-        "memory_bytes_per_gpu": spec.memory_bytes,
-        "total_memory_bytes": spec.memory_bytes * gpus,
-        "optimizer": key,
-        "state_options": options,
-        "precision": precision,
-        "zero_stage": zero_stage,
-        "bytes_per_param": chosen._asdict() | {"total": chosen.total},
-        "table": table,
+        "hardware": spec.name, "gpus": gpus, "memory_bytes_per_gpu": spec.memory_bytes,
+        "total_memory_bytes": spec.memory_bytes * gpus, "optimizer": key,
+        "state_options": options, "precision": precision, "zero_stage": zero_stage,
+        "bytes_per_param": chosen._asdict() | {"total": chosen.total}, "table": table,
         "max_params": by_stage[zero_stage],
         "max_params_by_zero_stage": {str(stage): n for stage, n in by_stage.items()},
     }
@@ -245,9 +227,7 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
               help="Context length (default: the preset's).")
 @click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
 @_optimizer_options
-@click.option("--precision", default="bf16-mixed",
-              help="A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, "
-              "nvfp4; cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
+@click.option("--precision", default="bf16-mixed", help=_PRECISION_HELP)
 @click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
@@ -277,22 +257,13 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
         gpus=gpus, zero_stage=zero_stage, recompute=recompute, attention=attention, **options,
     )
     result: dict[str, Any] = {
-        "preset": config.name,
-        "source": config.source,
-        "params": n_params,
-        "matmul_params": acc.transformer_matmul_params(config),
-        "seq_len": context,
-        "flops_per_token_6n": 6.0 * n_params,
-        "flops_per_token": per_token,
-        "flops_per_step": per_token * batch * context * gpus,
-        "optimizer": key,
-        "state_options": options,
-        "memory_per_gpu": mem._asdict() | {"total": mem.total},
-        "activations_per_layer": mem.activations / config.num_layers,
-        "recompute": recompute,
-        "attention": attention,
-        "fits": mem.total <= spec.memory_bytes,
-        "hardware": spec.name,
+        "preset": config.name, "source": config.source, "params": n_params,
+        "matmul_params": acc.transformer_matmul_params(config), "seq_len": context,
+        "flops_per_token_6n": 6.0 * n_params, "flops_per_token": per_token,
+        "flops_per_step": per_token * batch * context * gpus, "optimizer": key,
+        "state_options": options, "memory_per_gpu": mem._asdict() | {"total": mem.total},
+        "activations_per_layer": mem.activations / config.num_layers, "recompute": recompute,
+        "attention": attention, "fits": mem.total <= spec.memory_bytes, "hardware": spec.name,
     }
     lines = [
         f"{config.name}: {config.num_layers} layers, d={config.hidden}, {config.heads} heads, "

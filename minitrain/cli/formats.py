@@ -21,9 +21,7 @@ def spec_record(name: str) -> dict[str, Any]:
     from minitrain.precision import spec
 
     s = spec(name)
-    record = {k: v for k, v in s.__dict__.items()}
-    record["bits_per_element"] = s.bits_per_element
-    return record
+    return {**s.__dict__, "bits_per_element": s.bits_per_element}
 
 
 def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
@@ -71,17 +69,9 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
     rows = []
     for r in records:
         row = [
-            r["name"],
-            str(r["bits"]),
-            str(r["exponent_bits"]),
-            str(r["mantissa_bits"]),
-            str(r["bias"]),
-            _number(r["max"]),
-            _number(r["min_normal"]),
-            _number(r["min_subnormal"]),
-            _number(r["epsilon"]),
-            "yes" if r["inf"] else "-",
-            "yes" if r["nan"] else "-",
+            r["name"], *(str(r[k]) for k in ("bits", "exponent_bits", "mantissa_bits", "bias")),
+            *(_number(r[k]) for k in ("max", "min_normal", "min_subnormal", "epsilon")),
+            "yes" if r["inf"] else "-", "yes" if r["nan"] else "-",
             f"{r['block_size']} x {r['scale_format']}" if r["block_size"] else "-",
             f"{r['bits_per_element']:g}",
         ]

@@ -89,21 +89,15 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-@contextlib.contextmanager
-def _threads_per_worker(nproc: int) -> Iterator[None]:
+def _threads_per_worker(nproc: int) -> contextlib.AbstractContextManager[None]:
     """Split the cores between the workers (``OMP_NUM_THREADS``) unless the user chose.
 
     torchrun sets 1 thread per worker for the same reason: N workers each running as many
     threads as there are cores oversubscribe the CPU.
     """
     if "OMP_NUM_THREADS" in os.environ:
-        yield
-        return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    try:
-        yield
-    finally:
-        del os.environ["OMP_NUM_THREADS"]
+        return contextlib.nullcontext()
+    return _environment("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
 
 def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> None:
@@ -126,16 +120,11 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
     with tempfile.TemporaryDirectory(prefix="minitrain-elastic-") as log_dir, _quiet_elastic():
         reports = Path(log_dir) / "reports"
         reports.mkdir()
+        # rdzv as `torchrun --standalone`: a TCP store on a free port.
         config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d",  # as `torchrun --standalone`: a TCP store on a free port
-            rdzv_endpoint="localhost:0",
-            max_restarts=0,
-            monitor_interval=monitor_interval,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+            monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
             with _threads_per_worker(nproc), _environment(REPORTS_ENV, str(reports)):

@@ -36,15 +36,8 @@ def time_step(step: Any, params: Any, opt_state: Any, batch: Any, backend: Any, 
 
 
 def profile_script(
-    script: Path,
-    overrides: dict[str, str],
-    backend_name: str,
-    hardware_name: str,
-    dtype: str | None,
-    seed: int,
-    warmup: int,
-    repeats: int,
-    memory: bool = False,
+    script: Path, overrides: dict[str, str], backend_name: str, hardware_name: str,
+    dtype: str | None, seed: int, warmup: int, repeats: int, memory: bool = False,
 ) -> tuple[Any, dict[str, Any], Any, dict[str, Any] | None]:
     """Load ``script``, run its step under the counter and time it; return the profile,
     the experiment's config, the counter and (with ``memory``) the predicted and measured
@@ -120,31 +113,24 @@ def measured_timeline(experiment: Any, backend: Any, params: Any, opt_state: Any
     return counter.timeline()
 
 
-def predicted_timeline(experiment: Any, backend: Any, params: Any, batch: Any,
-                       model_state: Any = None) -> list:
-    """Live memory by category after every op of the step as ``predict_step`` traces it on
-    fake tensors (no data, nothing computed)."""
+def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
+                     batch: Any, carry: Any = None) -> dict[str, Any]:
+    """``{"predicted": timeline or an error line, "measured": timeline}`` of one step: the
+    prediction is ``predict_step``'s on fake tensors (no data, nothing computed)."""
     from minitrain.accounting.predict import predict_step
     from minitrain.train.step import loss_with_aux
 
+    model_state = carry.model_state if carry is not None else None
     if model_state is None:
         loss, has_aux = loss_with_aux(experiment), True
     else:
         loss, has_aux = experiment.loss, experiment.has_aux
-    prediction = predict_step(
-        loss, params, batch, optimizer=experiment.optimizer, has_aux=has_aux,
-        max_grad_norm=experiment.max_grad_norm, autocast=backend.autocast,
-        model_state=model_state,
-    )
-    return prediction.timeline
-
-
-def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
-                     batch: Any, carry: Any = None) -> dict[str, Any]:
-    """``{"predicted": timeline or an error line, "measured": timeline}`` of one step."""
-    model_state = carry.model_state if carry is not None else None
     try:
-        predicted: Any = predicted_timeline(experiment, backend, params, batch, model_state)
+        predicted: Any = predict_step(
+            loss, params, batch, optimizer=experiment.optimizer, has_aux=has_aux,
+            max_grad_norm=experiment.max_grad_norm, autocast=backend.autocast,
+            model_state=model_state,
+        ).timeline
     except ValueError as exc:  # PredictionError: the step needs data (.item(), ...)
         predicted = str(exc).splitlines()[0]
     return {"predicted": predicted,
@@ -165,20 +151,9 @@ def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
 @click.option("--memory", "memory_path", default=None, metavar="FILE.png",
               help="Draw predicted and measured live memory over one step, by category.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def profile(
-    script: Path,
-    hardware_name: str,
-    dtype: str | None,
-    backend_name: str,
-    overrides: tuple[str, ...],
-    seed: int,
-    warmup: int,
-    repeats: int,
-    top: int,
-    plot_path: str | None,
-    memory_path: str | None,
-    as_json: bool,
-) -> None:
+def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: str,
+            overrides: tuple[str, ...], seed: int, warmup: int, repeats: int, top: int,
+            plot_path: str | None, memory_path: str | None, as_json: bool) -> None:
     """Place every op of one training step of SCRIPT on a roofline (see examples/linreg.py)."""
     from minitrain.accounting.plots import plot
     from minitrain.train.experiment import parse_overrides

@@ -17,42 +17,19 @@ from minitrain.cli.options import SEED, check_out, number, print_summary, traini
 @click.argument("script", type=click.Path(path_type=Path))
 @training_options
 @click.option("--seed", type=SEED, default=0, help="Seed for init and data (0 to 2**63-1).")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override a CONFIG key of the script (repeatable), e.g. --set lr=0.1.",
-)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a CONFIG key of the script (repeatable), e.g. --set lr=0.1.")
 @click.option("--tensorboard", is_flag=True, help="Also log to --out/tensorboard (extra).")
 @click.option("--report/--no-report", default=True, help="Add the resource report.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile forward and backward (the update stays eager).")
-@click.option(
-    "--nproc",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Data parallel: start N workers with torch.distributed's elastic agent (as torchrun); "
-    "gloo on CPU, NCCL on CUDA. The global batch stays the same.",
-)
-def run(
-    script: Path,
-    backend: str,
-    steps: int | None,
-    seed: int,
-    overrides: tuple[str, ...],
-    out: Path | None,
-    log_every: int,
-    checkpoint_every: int,
-    keep: int,
-    resume: bool,
-    overwrite: bool,
-    tensorboard: bool,
-    report: bool,
-    compile_: bool,
-    as_json: bool,
-    nproc: int | None,
-) -> None:
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Data parallel: start N workers with torch.distributed's elastic agent (as "
+                   "torchrun); gloo on CPU, NCCL on CUDA. The global batch stays the same.")
+def run(script: Path, backend: str, steps: int | None, seed: int, overrides: tuple[str, ...],
+        out: Path | None, log_every: int, checkpoint_every: int, keep: int, resume: bool,
+        overwrite: bool, tensorboard: bool, report: bool, compile_: bool, as_json: bool,
+        nproc: int | None) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
     from minitrain.precision import get_backend
     from minitrain.train import fit, load_experiment

@@ -14,39 +14,17 @@ from minitrain.cli.options import check_out, number, print_summary, training_opt
 @click.command(cls=Command)
 @click.argument("script", type=click.Path(path_type=Path))
 @training_options
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=V1,V2,...",
-    help="Override a CONFIG key (repeatable); comma-separated values of a float key are swept, "
-    "e.g. --set lr=0.01,0.03,0.1.",
-)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=V1,V2,...",
+              help="Override a CONFIG key (repeatable); comma-separated values of a float key "
+                   "are swept, e.g. --set lr=0.01,0.03,0.1.")
 @click.option("--seeds", default="0", help="Comma-separated seeds; each makes its own members.")
 @click.option("--report/--no-report", default=True, help="Add the resource report of the ensemble.")
 @click.option("--plot/--no-plot", default=True, help="Draw --out/sweep.png (needs matplotlib).")
-@click.option(
-    "--check/--no-check",
-    default=True,
-    help="Compare the first step with each member's own single-run step.",
-)
-def sweep(
-    script: Path,
-    overrides: tuple[str, ...],
-    seeds: str,
-    backend: str,
-    steps: int | None,
-    out: Path | None,
-    log_every: int,
-    checkpoint_every: int,
-    keep: int,
-    resume: bool,
-    overwrite: bool,
-    report: bool,
-    plot: bool,
-    check: bool,
-    as_json: bool,
-) -> None:
+@click.option("--check/--no-check", default=True,
+              help="Compare the first step with each member's own single-run step.")
+def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, steps: int | None,
+          out: Path | None, log_every: int, checkpoint_every: int, keep: int, resume: bool,
+          overwrite: bool, report: bool, plot: bool, check: bool, as_json: bool) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
     from minitrain.metrics import MissingExtra
