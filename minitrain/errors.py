@@ -18,18 +18,8 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "MinitrainError",
-    "UserError",
-    "RunFailed",
-    "Interrupted",
-    "StorageError",
-    "ExperimentError",
-    "ResumeError",
-    "NonFiniteLoss",
-    "ScriptError",
-    "DistributedError",
-    "ShardError",
-    "os_cause",
+    "MinitrainError", "UserError", "RunFailed", "Interrupted", "StorageError", "ExperimentError",
+    "ResumeError", "NonFiniteLoss", "ScriptError", "DistributedError", "ShardError", "os_cause",
 ]
 
 

@@ -25,11 +25,7 @@ from minitrain._torch import pytree
 from minitrain.tree import Params
 
 __all__ = [
-    "value_and_grad",
-    "grad",
-    "vmap",
-    "from_module",
-    "per_example_grads",
+    "value_and_grad", "grad", "vmap", "from_module", "per_example_grads",
     "saved_tensor_hooks_inside",
 ]
 
@@ -97,8 +93,7 @@ def value_and_grad(
     use_reentrant=False)``) works inside ``fn``, though ``torch.func.grad`` alone refuses it.
 
     ``fn`` must return a 0-d tensor (or ``(0-d tensor, aux)`` with ``has_aux``, aux a pytree of
-    tensors). Grads have the
-    structure of the argument(s) named by ``argnums``.
+    tensors). Grads have the structure of the argument(s) named by ``argnums``.
 
     >>> f = lambda p: ((p["w"] ** 2).sum(), {"w_max": p["w"].max()})
     >>> (v, aux), g = value_and_grad(f, has_aux=True)({"w": torch.tensor([1.0, 2.0])})
@@ -127,12 +122,8 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
     if torch.compiler.is_compiling() or _torch.peek_interpreter_stack() is not None:
         return False
     nums = (argnums,) if isinstance(argnums, int) else argnums
-    if not (
-        isinstance(nums, tuple)
-        and nums
-        and len(set(nums)) == len(nums)
-        and all(type(n) is int and 0 <= n < len(args) for n in nums)
-    ):
+    if not (isinstance(nums, tuple) and nums and len(set(nums)) == len(nums)
+            and all(type(n) is int and 0 <= n < len(args) for n in nums)):
         return False  # torch.func words the error
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and (
@@ -145,13 +136,9 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
     )
 
 
-def _autograd_value_and_grad(
-    fn: Callable[..., Any],
-    argnums: int | tuple[int, ...],
-    has_aux: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[Any, Any]:
+def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...],
+                             has_aux: bool, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """``torch.func.grad_and_value``'s result and errors, through ``torch.autograd.grad``.
 
     The arguments named by ``argnums`` are differentiated as fresh leaves (aliases: nothing is
@@ -264,14 +251,11 @@ def from_module(
     (['bias', 'weight'], torch.Size([4, 2]))
 
     With ``with_state=True`` the buffers are explicit state instead (flax's mutable
-    collections, equinox's ``State``): ``params, state, apply = from_module(module,
-    with_state=True)`` and ``apply(params, state, *args, **kwargs) -> (out, new_state)``.
-    ``apply`` is pure: it runs on copies of ``state``, so the buffers a forward pass updates
-    in place (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked`` in train
-    mode) come back in ``new_state`` and ``state`` is never mutated. This is what lets
-    ``torch.func.grad`` differentiate a train-mode BatchNorm model: return ``new_state`` as
-    the loss's aux (``value_and_grad(loss, has_aux=True)``) and carry it to the next step,
-    like the params. Each call copies every buffer (a step pays ``nbytes(state)`` more).
+    collections, equinox's ``State``): ``apply(params, state, *args, **kwargs) -> (out,
+    new_state)`` runs on copies of ``state``, so what a forward pass updates in place
+    (BatchNorm's running statistics in train mode) comes back in ``new_state``: return it as
+    the loss's aux and carry it to the next step, like the params. Each call copies every
+    buffer (a step pays ``nbytes(state)`` more).
 
     >>> bn = torch.nn.BatchNorm1d(2)
     >>> params, state, apply = from_module(bn, with_state=True)
@@ -283,12 +267,10 @@ def from_module(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_module expects a torch.nn.Module, got {type(module).__name__}")
-    params = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
-    frozen = {
-        name: p.detach().clone() for name, p in module.named_parameters() if not p.requires_grad
-    }
+    named = [(name, p.detach().clone(), p.requires_grad) for name, p in module.named_parameters()]
+    params = {name: p for name, p, trained in named if trained}
+    frozen = {name: p for name, p, trained in named if not trained}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-
     if with_state:
         return params, buffers, _stateful_apply(module, frozen, set(buffers))
 

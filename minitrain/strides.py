@@ -24,19 +24,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "Layout",
-    "layout_of",
-    "contiguous",
-    "contiguous_strides",
-    "offset",
-    "is_contiguous",
-    "transpose",
-    "permute",
-    "slice",
-    "expand",
-    "view",
-    "view_strides",
-    "infer_shape",
+    "Layout", "layout_of", "contiguous", "contiguous_strides", "offset", "is_contiguous",
+    "transpose", "permute", "slice", "expand", "view", "view_strides", "infer_shape",
 ]
 
 Shape = tuple[int, ...]

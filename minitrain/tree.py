@@ -27,22 +27,8 @@ from minitrain import _torch
 from minitrain._torch import pytree as _pytree
 
 __all__ = [
-    "PyTree",
-    "Params",
-    "Grads",
-    "OptState",
-    "map",
-    "map_with_name",
-    "leaves",
-    "named_leaves",
-    "structure",
-    "unflatten",
-    "zeros_like",
-    "size",
-    "nbytes",
-    "global_norm",
-    "assert_same_structure",
-    "stack",
+    "PyTree", "Params", "Grads", "OptState", "map", "leaves", "named_leaves", "structure",
+    "unflatten", "zeros_like", "size", "nbytes", "global_norm", "assert_same_structure", "stack",
     "unstack",
 ]
 
@@ -67,16 +53,6 @@ def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa:
         for index, other in enumerate(rest, start=1):
             assert_same_structure(tree, other, names=("tree", f"rest[{index - 1}]"))
     return _pytree.tree_map(fn, tree, *rest)
-
-
-def map_with_name(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    """Like :func:`map`, but ``fn(name, leaf, *others)`` also receives the leaf's dotted name.
-
-    >>> import torch
-    >>> map_with_name(lambda name, x: name, {"a": [torch.ones(1)]})
-    {'a': ['a.0']}
-    """
-    return _pytree.tree_map_with_path(lambda path, *xs: fn(_path_name(path), *xs), tree, *rest)
 
 
 def leaves(tree: PyTree) -> list[Any]:
@@ -176,9 +152,8 @@ def assert_same_structure(
     name_a, name_b = names
     if spec_a != spec_b:
         for (path_a, _), (path_b, _) in zip(flat_a, flat_b, strict=False):
-            if _path_name(path_a) != _path_name(path_b) or _path_kinds(path_a) != _path_kinds(
-                path_b
-            ):
+            if (_path_name(path_a), _path_kinds(path_a)) != (_path_name(path_b),
+                                                              _path_kinds(path_b)):
                 raise ValueError(
                     f"{name_a} and {name_b} differ at leaf {_path_name(path_a)!r}: "
                     f"{name_a} has {_path_name(path_a)!r} where {name_b} has "
@@ -214,17 +189,12 @@ def _path_kinds(path: tuple[Any, ...]) -> tuple[type, ...]:
 
 
 def _path_name(path: tuple[Any, ...]) -> str:
-    parts = []
-    for entry in path:
-        if isinstance(entry, _pytree.MappingKey):
-            parts.append(str(entry.key))
-        elif isinstance(entry, _pytree.SequenceKey):
-            parts.append(str(entry.idx))
-        elif isinstance(entry, _pytree.GetAttrKey):
-            parts.append(entry.name)
-        else:
-            parts.append(str(entry))
-    return ".".join(parts)
+    return ".".join(
+        str(e.key if isinstance(e, _pytree.MappingKey) else e.idx
+            if isinstance(e, _pytree.SequenceKey) else e.name
+            if isinstance(e, _pytree.GetAttrKey) else e)
+        for e in path
+    )
 
 
 def stack(trees: list[PyTree] | tuple[PyTree, ...]) -> PyTree:

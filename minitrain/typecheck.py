@@ -25,23 +25,10 @@ from beartype import beartype
 from jaxtyping import Bool, Float, Int, Integer, Num, Shaped, jaxtyped
 from torch import Tensor
 
-__all__ = [
-    "ENABLED",
-    "Bool",
-    "Float",
-    "Int",
-    "Integer",
-    "Num",
-    "Shaped",
-    "Tensor",
-    "typechecked",
-]
+__all__ = ["ENABLED", "Bool", "Float", "Int", "Integer", "Num", "Shaped", "Tensor", "typechecked"]
 
 ENABLED: bool = os.environ.get("MINITRAIN_TYPECHECK", "1").strip().lower() not in {
-    "0",
-    "false",
-    "no",
-    "off",
+    "0", "false", "no", "off"
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
