@@ -2,25 +2,20 @@
 
 :class:`Counter` is a ``TorchDispatchMode``: it sees each aten op after autograd and
 ``torch.func`` have done their work, so the backward pass and the optimizer update are counted
-like the forward pass. For every op it records
+like the forward pass.
 
-- **FLOPs**: matmuls, convolutions and attention by ``torch.utils.flop_counter``'s formulas (so
-  its matmul FLOPs equal ``FlopCounterMode``'s exactly; CPU attention kernels, which
-  ``FlopCounterMode`` skips, get the same formulas as their CUDA twins), elementwise ops and
-  reductions by the tables below (FLOPs per element; in-place ``_foreach_*`` ops, which return
-  nothing, per element they write), a few ops by formulas of their arguments
-  (:data:`FORMULA_OPS`; torch's fused optimizer kernels by their hyperparameters,
-  :func:`~minitrain.accounting.flops.fused_kernel_flops_per_element`); an op with no formula
-  goes into ``unknown`` (never a silent zero; profiler markers cost nothing);
-- **bytes**: read (every tensor input) and written (every tensor output), from shapes and dtypes;
-  views move nothing: an op whose schema returns an alias of its input (``Tensor(a)``), or one
-  whose outputs all share an input's storage (``_unsafe_view``, whose schema hides it);
-- **live memory**: every storage it sees (plus those passed to :meth:`Counter.track`) counts as
-  live until it is freed; ``peak_bytes`` is the highest total (CPU has no allocator statistics);
-  with ``record_timeline=True``, by category after every op (:mod:`.timeline`).
+- **FLOPs**: matmuls, convolutions and attention by ``torch.utils.flop_counter``'s formulas
+  (its matmul FLOPs equal ``FlopCounterMode``'s exactly), elementwise ops and reductions per
+  element by the tables below, other ops by formulas of their arguments (:data:`FORMULA_OPS`).
+  An op with no formula goes into ``unknown``, never a silent zero.
+- **bytes**: every tensor input read and every output written; views move nothing (a schema
+  that returns an alias, ``Tensor(a)``, or outputs that all share an input's storage).
+- **live memory**: every storage seen (and those given to :meth:`Counter.track`) is live until
+  freed; ``peak_bytes`` is the highest total; with ``record_timeline=True``, by category after
+  every op (:mod:`.timeline`).
 
 Per-module totals follow ``FlopCounterMode``'s naming (``"Global"``, ``"Sequential.0"``...),
-also in the backward pass. Fields of :class:`OpRecord` (one per op call) are documented there.
+also in the backward pass.
 
 >>> import torch
 >>> a, b = torch.ones(64, 32), torch.ones(32, 16)
@@ -50,12 +45,7 @@ from minitrain.accounting.timeline import LiveStorages, Timeline, innermost
 from minitrain.func import saved_tensor_hooks_inside
 
 __all__ = [
-    "Counter",
-    "DATA_MOVEMENT",
-    "FORMULA_OPS",
-    "OpRecord",
-    "OpTotals",
-    "POINTWISE_FLOPS",
+    "Counter", "DATA_MOVEMENT", "FORMULA_OPS", "OpRecord", "OpTotals", "POINTWISE_FLOPS",
     "REDUCTION_FLOPS",
 ]
 
@@ -134,20 +124,11 @@ _METADATA_OPS = frozenset(
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One aten op call as the counter saw it.
-
-    - ``op``: the op without overload (``"aten.mm"``); ``base``: its formula key, with in-place
-      ``_`` and ``_foreach_`` stripped (``"mul"`` for ``aten._foreach_mul_``)
-    - ``module``: innermost module path (``"Global"`` outside any ``nn.Module``)
-    - ``backward``: True when run by the autograd engine (the backward pass)
-    - ``flops``: FLOPs by formula; 0 with ``has_formula=False`` means "no formula", see
-      :attr:`Counter.unknown`
-    - ``bytes_read`` / ``bytes_written``: bytes of tensor inputs / outputs (stride-0
-      broadcast dims counted once; views move nothing)
-    - ``dtype``: dtype name of the first output (or input) tensor, e.g. ``"fp32"``
-    - ``input_shapes``: shapes of the tensor inputs, in order
-    - ``live_bytes``: live bytes tracked right after the op
-    """
+    """One aten op call as the counter saw it: ``op`` (``"aten.mm"``), ``base`` (its formula
+    key: ``"mul"`` for ``aten._foreach_mul_``), the innermost ``module``, whether it ran in the
+    ``backward`` pass, ``flops`` (0 without a formula: ``has_formula``), ``bytes_read`` and
+    ``bytes_written`` (stride-0 broadcast dims once), the ``dtype`` of its first output,
+    ``input_shapes`` and the ``live_bytes`` right after it."""
 
     op: str
     base: str
@@ -273,17 +254,11 @@ class _Mode(TorchDispatchMode):
 class Counter:
     """Context manager counting FLOPs, bytes and live memory of every aten op inside it.
 
-    Args:
-        keep_records: keep one :class:`OpRecord` per call in ``records`` (for rooflines).
-        track_memory: track live storages for ``peak_bytes`` / ``live_bytes``.
-
-    Results: ``flops`` (all ops with a formula), ``matmul_flops`` (the ``FlopCounterMode``
-    subset: ops in ``torch.utils.flop_counter.flop_registry``; the CPU attention kernels are
-    not there, so their FLOPs count in ``flops`` only), ``bytes_read``, ``bytes_written``,
-    ``by_op`` and ``by_module`` (name -> :class:`OpTotals`), ``unknown`` (op -> calls with no
-    FLOP formula), ``records``, ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes``
-    (live bytes when the first backward op ran: params, state, batch and the saved
-    activations).
+    ``keep_records`` keeps one :class:`OpRecord` per call in ``records``; ``track_memory``
+    tracks live storages. Results: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset),
+    ``bytes_read``, ``bytes_written``, ``by_op`` and ``by_module`` (:class:`OpTotals`),
+    ``unknown`` (op -> calls with no FLOP formula), ``peak_bytes``, ``live_bytes`` and
+    ``backward_start_live_bytes`` (live when the first backward op ran).
 
     >>> import torch
     >>> with Counter() as c:
@@ -421,18 +396,12 @@ class Counter:
             self._live.sample(self._phase)
         parents = set(self._tracker.parents) if self._tracker is not None else {"Global"}
         record = OpRecord(
-            op=name,
-            base=base,
-            module=innermost(parents),
-            backward=backward,
-            flops=flops or 0,
+            op=name, base=base, module=innermost(parents), backward=backward, flops=flops or 0,
             bytes_read=sum(map(_unique_bytes, inputs)) if moved else 0,
             bytes_written=sum(map(_unique_bytes, written.values())) if moved else 0,
             dtype=_dtype_label(outputs or inputs),
-            input_shapes=tuple(tuple(t.shape) for t in inputs),
-            has_formula=flops is not None,
-            is_matmul=packet in flop_registry,
-            live_bytes=self._live.live,
+            input_shapes=tuple(tuple(t.shape) for t in inputs), has_formula=flops is not None,
+            is_matmul=packet in flop_registry, live_bytes=self._live.live,
         )
         self.flops += record.flops
         self.bytes_read += record.bytes_read

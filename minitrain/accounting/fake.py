@@ -25,12 +25,7 @@ from minitrain._torch import (
 from minitrain.errors import UserError
 
 __all__ = [
-    "PredictionError",
-    "TensorSpec",
-    "fake_mode",
-    "fake_tree",
-    "find_mode",
-    "meta_tree",
+    "PredictionError", "TensorSpec", "fake_mode", "fake_tree", "find_mode", "meta_tree",
     "one_line_errors",
 ]
 

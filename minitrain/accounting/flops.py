@@ -24,12 +24,8 @@ from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
 __all__ = [
-    "cruncher_flops",
-    "effective_throughput",
-    "fused_kernel_flops_per_element",
-    "optimizer_flops_per_element",
-    "training_flops",
-    "training_time",
+    "cruncher_flops", "effective_throughput", "fused_kernel_flops_per_element",
+    "optimizer_flops_per_element", "training_flops", "training_time",
 ]
 
 

@@ -1,19 +1,9 @@
 """Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse kept apart), memory, bandwidth.
 
 Every published figure names its source. The ``cpu`` entry is measured on the spot (a timed
-matmul in fp32, bf16 and fp16, a timed copy for bandwidth), once per process, and kept on disk under
-the user cache directory so later processes on the same machine and torch build reuse it for a
-week (:func:`measure_cpu`).
-
-Fields of :class:`Hardware` (all rates per device, SI units):
-
-- ``name``: registry key (``"h100"``); ``description``: the product (``"NVIDIA H100 SXM5 80GB"``)
-- ``peak_flops``: dense peak FLOP/s by dtype name (``"fp32"``, ``"tf32"``, ``"bf16"``, ...)
-- ``sparse_flops``: 2:4 structured-sparsity peaks by dtype name (NVIDIA's headline figures,
-  exactly twice the dense ones; never use them for dense training)
-- ``memory_bytes``: device memory in bytes (decimal GB as marketed: 80 GB = 80e9)
-- ``memory_bandwidth``: device memory bandwidth in bytes/s
-- ``source``: where the figures come from; ``measured``: True for on-the-spot figures
+matmul in fp32, bf16 and fp16, a timed copy for bandwidth), once per process, and kept on disk
+under the user cache directory so later processes on the same machine and torch build reuse it
+for a week (:func:`measure_cpu`).
 
 >>> h100 = hardware("h100")
 >>> h100.peak_flops["bf16"], h100.sparse_flops["bf16"]
@@ -38,15 +28,8 @@ from typing import Any
 from minitrain.errors import UserError
 
 __all__ = [
-    "DTYPE_NAMES",
-    "Hardware",
-    "HardwareError",
-    "MAX_AGE_SECONDS",
-    "dtype_name",
-    "hardware",
-    "hardware_for_cuda_device",
-    "hardware_names",
-    "measure_cpu",
+    "DTYPE_NAMES", "Hardware", "HardwareError", "MAX_AGE_SECONDS", "dtype_name", "hardware",
+    "hardware_for_cuda_device", "hardware_names", "measure_cpu",
 ]
 
 # Canonical dtype names and the spellings accepted for each (torch's and numpy's included).
@@ -87,7 +70,13 @@ def _frozen(mapping: Mapping[str, float]) -> Mapping[str, float]:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator's published (or measured) limits; see the module docstring for fields."""
+    """One accelerator's published (or measured) limits, per device in SI units.
+
+    ``peak_flops`` is the dense peak by dtype name (``"fp32"``, ``"bf16"``...); ``sparse_flops``
+    the 2:4 structured-sparsity peaks (NVIDIA's headline figures, twice the dense ones: never
+    for dense training); ``memory_bytes`` decimal as marketed (80 GB = 80e9); ``source`` where
+    the figures come from; ``measured`` True for on-the-spot figures.
+    """
 
     name: str
     description: str
@@ -353,11 +342,6 @@ def _cache_path(key: Mapping[str, Any]) -> Path | None:
     return Path(root) / f"hardware-cpu-{digest}.json"
 
 
-def _age_seconds(spec: Hardware, now: float) -> float | None:
-    measured_at = spec.details.get("measured_unix")
-    return None if measured_at is None else now - float(measured_at)
-
-
 def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
     """Measured on this machine and torch build, at most ``max_age`` seconds ago, with a peak
     for every dtype the probe measures (a record from an older probe is measured again)."""
@@ -365,8 +349,8 @@ def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) 
         return False
     if not set(_MATMUL_SIZE) <= set(spec.peak_flops):
         return False
-    age = _age_seconds(spec, time.time())
-    return age is not None and 0 <= age <= max_age
+    measured_at = spec.details.get("measured_unix")
+    return measured_at is not None and 0 <= time.time() - float(measured_at) <= max_age
 
 
 def _load_cached(path: Path | None) -> Hardware | None:
@@ -380,15 +364,10 @@ def _load_cached(path: Path | None) -> Hardware | None:
 
 def _from_record(record: Mapping[str, Any]) -> Hardware:
     return Hardware(
-        name=record["name"],
-        description=record["description"],
-        peak_flops=_frozen(record["peak_flops"]),
-        sparse_flops=_frozen(record["sparse_flops"]),
-        memory_bytes=int(record["memory_bytes"]),
-        memory_bandwidth=float(record["memory_bandwidth"]),
-        source=record["source"],
-        measured=bool(record["measured"]),
-        details=MappingProxyType(dict(record["details"])),
+        record["name"], record["description"], _frozen(record["peak_flops"]),
+        _frozen(record["sparse_flops"]), int(record["memory_bytes"]),
+        float(record["memory_bandwidth"]), record["source"], bool(record["measured"]),
+        MappingProxyType(dict(record["details"])),
     )
 
 
@@ -405,33 +384,19 @@ def _store(path: Path | None, spec: Hardware) -> None:
 
 
 def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
-    peaks = {
-        name: _matmul_flops_per_second(torch, dtype, _MATMUL_SIZE[name])
-        for name, dtype in (
-            ("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)
-        )
-        if name in _MATMUL_SIZE
-    }
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    peaks = {name: _matmul_flops_per_second(torch, dtypes[name], n)
+             for name, n in _MATMUL_SIZE.items()}
     bandwidth = _copy_bytes_per_second(torch)
     now, load = time.time(), _load_average()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     busy = "" if load is None else f", 1-min load {load:g} on {key['logical_cpus']} CPUs"
-    return Hardware(
-        name="cpu",
-        description=f"{key['cpu']} ({key['threads']} torch threads)",
-        peak_flops=_frozen(peaks),
-        sparse_flops=_frozen({}),
-        memory_bytes=_physical_memory_bytes(),
-        memory_bandwidth=bandwidth,
-        source=(
-            f"measured {stamp} with torch {key['torch']}{busy}: best torch.mm of "
-            f"n={_MATMUL_SIZE} and a {_COPY_BYTES // 2**20} MiB copy (read + write)"
-        ),
-        measured=True,
-        details=MappingProxyType(
-            {"key": dict(key), "measured_at": stamp, "measured_unix": now, "load_average": load}
-        ),
-    )
+    source = (f"measured {stamp} with torch {key['torch']}{busy}: best torch.mm of "
+              f"n={_MATMUL_SIZE} and a {_COPY_BYTES // 2**20} MiB copy (read + write)")
+    details = {"key": dict(key), "measured_at": stamp, "measured_unix": now, "load_average": load}
+    return Hardware("cpu", f"{key['cpu']} ({key['threads']} torch threads)", _frozen(peaks),
+                    _frozen({}), _physical_memory_bytes(), bandwidth, source, True,
+                    MappingProxyType(details))
 
 
 # A week: a measurement taken while the machine was busy does not stick for good.

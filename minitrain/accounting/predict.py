@@ -8,16 +8,10 @@ traced and would take its plain path, while a real step takes torch's fused and 
 kernels; meta tensors take those too). Nothing is computed and nothing model-sized is
 allocated, so a 1.5B-param model predicts on a laptop.
 
-- **FLOPs and bytes**: a :class:`~minitrain.accounting.Counter` watches the traced ops, so
-  the numbers are the ones the counter gives on a real step (same ops, same formulas).
-- **Memory**: :class:`~minitrain.accounting.predict_lifetimes.Lifetimes` follows every
-  storage from the op that makes it to the moment its last reference dies. Categories:
-  ``params``, ``grads``, ``optimizer_state``, ``batch``, ``buffers`` (module buffers and
-  constants), ``activations`` (made by the forward pass and still alive when the backward pass
-  starts: what autograd saved), ``temporaries`` (the rest). The peak and its moment (phase,
-  op, module) are found, not assumed.
-- **Time**: each op on the hardware's roofline, ``max(flops / peak, bytes / bandwidth)``
-  (chapter 3.6.2), summed over the step.
+FLOPs and bytes are what a :class:`~minitrain.accounting.Counter` counts of the traced ops;
+memory is followed storage by storage (:mod:`~minitrain.accounting.predict_lifetimes`), so
+the peak and its moment (phase, op, module) are found, not assumed; time is every op on the
+hardware's roofline, ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2), summed.
 
 >>> import torch, minitrain as mt
 >>> loss = lambda p, x: (x @ p["w"]).tanh().sum()
@@ -56,12 +50,7 @@ from minitrain.func import value_and_grad
 from minitrain.tree import global_norm
 
 __all__ = [
-    "PredictionError",
-    "SavedTensor",
-    "StepPrediction",
-    "TensorSpec",
-    "fake_mode",
-    "predict_call",
+    "PredictionError", "SavedTensor", "StepPrediction", "TensorSpec", "fake_mode", "predict_call",
     "predict_step",
 ]
 
@@ -79,34 +68,19 @@ class SavedTensor(NamedTuple):
 class StepPrediction(NamedTuple):
     """What :func:`predict_step` returns.
 
-    Memory (bytes):
-
-    - ``peak_bytes``; ``peak_phase`` (``"forward"``, ``"backward"``, ``"clip"``, ``"update"``),
-      ``peak_op`` (``"aten.mm"``) and ``peak_module`` (``"transformer.h.3.mlp"``) at the peak;
-    - ``memory``: ``{"at_peak": {category: bytes}, "persistent": {category: bytes},
-      "saved_for_backward": bytes, "largest": {category: bytes}, "end": {category: bytes}}``;
-      categories are
-      ``params, grads, optimizer_state, batch, buffers, activations, temporaries``;
-      ``persistent`` holds what lives across steps (params, optimizer state, batch, buffers),
-      ``largest`` the most each category holds at any moment, ``end`` what is alive after the
-      update (new params and state beside the old ones when the update is pure);
-    - ``saved``: the largest tensors saved for backward, largest first (:class:`SavedTensor`);
-      ``saved_by_module``: saved bytes per innermost module;
-    - ``timeline``: one sample per traced op, ``(op_index, phase, {category: live bytes})``,
-      in order; ``op_index`` counts the aten ops of the step from 0 (``per_op`` names them by
-      op), categories with no live bytes are left out; live bytes right after the op's
-      outputs were allocated (before anything it made obsolete is freed).
+    Memory, in bytes by category (:data:`~minitrain.accounting.timeline.CATEGORIES`):
+    ``peak_bytes`` and its ``peak_phase``, ``peak_op`` and ``peak_module``; ``memory`` holds
+    ``at_peak``, ``persistent`` (what lives across steps), ``largest`` (the most each category
+    holds at any moment), ``end`` (alive after the update) and ``saved_for_backward``;
+    ``saved``, the largest tensors saved for backward, and ``saved_by_module``; ``timeline``,
+    ``(op_index, phase, {category: live bytes})`` right after each op's outputs exist.
 
     Work: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset), ``bytes`` (read plus
-    written), ``bytes_read``, ``bytes_written``; ``per_op`` (op -> ``{"calls", "flops",
-    "bytes", "seconds"}``), ``per_module`` (module path -> ``{"calls", "flops", "bytes"}``,
-    nested modules included in their parents as ``FlopCounterMode`` does), ``unknown_ops``
-    (op -> calls without a FLOP formula).
+    written), ``per_op`` (calls, FLOPs, bytes, seconds), ``per_module`` (nested modules in
+    their parents, as ``FlopCounterMode``), ``unknown_ops`` (ops without a FLOP formula).
 
-    Time on ``hardware`` (a name of :func:`minitrain.accounting.hardware`): ``dtype`` (of the
-    peak FLOP/s used), ``seconds_per_step`` (the roofline time of every op, summed),
-    ``mfu_bound`` (``flops / (seconds_per_step · peak)``: the best MFU the step can reach
-    there), ``fits`` (``peak_bytes <= memory`` of the hardware).
+    Time on ``hardware``: ``seconds_per_step`` (every op's roofline time, with the peak of
+    ``dtype``), ``mfu_bound`` (``flops / (seconds_per_step · peak)``) and ``fits``.
     """
 
     peak_bytes: int
@@ -133,23 +107,11 @@ class StepPrediction(NamedTuple):
 
     def summary(self) -> dict[str, Any]:
         """The totals as plain JSON-serializable values (no timeline, no tables)."""
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_phase": self.peak_phase,
-            "peak_op": self.peak_op,
-            "peak_module": self.peak_module,
-            "memory": self.memory,
-            "saved": [s._asdict() for s in self.saved],
-            "flops": self.flops,
-            "matmul_flops": self.matmul_flops,
-            "bytes": self.bytes,
-            "unknown_ops": dict(self.unknown_ops),
-            "hardware": self.hardware,
-            "dtype": self.dtype,
-            "seconds_per_step": self.seconds_per_step,
-            "mfu_bound": self.mfu_bound,
-            "fits": self.fits,
-        }
+        keys = ("peak_bytes", "peak_phase", "peak_op", "peak_module", "memory", "saved",
+                "flops", "matmul_flops", "bytes", "unknown_ops", "hardware", "dtype",
+                "seconds_per_step", "mfu_bound", "fits")
+        return {key: getattr(self, key) for key in keys} | {
+            "saved": [s._asdict() for s in self.saved], "unknown_ops": dict(self.unknown_ops)}
 
 
 # -- the traced step ---------------------------------------------------------------------------
@@ -199,19 +161,10 @@ class _Trace:
 
 
 def predict_step(
-    loss_fn: Callable[..., Any],
-    params: Any,
-    batch: Any,
-    *,
-    optimizer: Any = None,
-    donate: bool = False,
-    has_aux: bool = False,
-    max_grad_norm: float | None = None,
-    hardware: str | Hardware | None = None,
-    dtype: Any = None,
-    autocast: Callable[[], Any] | None = None,
-    top_saved: int = 10,
-    model_state: Any = None,
+    loss_fn: Callable[..., Any], params: Any, batch: Any, *, optimizer: Any = None,
+    donate: bool = False, has_aux: bool = False, max_grad_norm: float | None = None,
+    hardware: str | Hardware | None = None, dtype: Any = None,
+    autocast: Callable[[], Any] | None = None, top_saved: int = 10, model_state: Any = None,
 ) -> StepPrediction:
     """Predict one training step of ``loss_fn(params, batch)`` (see the module docstring).
 
@@ -221,24 +174,17 @@ def predict_step(
             experiment with ``init_state`` has it, ``value`` what a stateless loss returns.
         params, batch: pytrees of real tensors, fake tensors (from one :func:`fake_mode`),
             meta tensors, :class:`TensorSpec` or ``(shape, dtype)`` tuples.
-        optimizer: an ``mt.optim`` optimizer; its state is made by ``optimizer.init`` (the
-            first step's state). None: forward and backward only.
-        donate: the update writes params and state in place (``update(..., donate=True)``).
-        max_grad_norm: clip grads to this global norm, as the train step does; without it
-            the grad norm is still taken (the train step logs it). Clipping is predicted
-            active (the grads multiplied by the scale): a real step whose norm is already
-            within the bound skips that multiply, one FLOP and one copy of the grads less.
-        hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`) for the time
-            per step and ``fits``; default ``"h100"``.
-        dtype: the dtype of the peak FLOP/s for every op (``"bf16"`` to assume tensor
-            cores); default: each op's own floating dtype.
+        optimizer: an ``mt.optim`` optimizer (its state from ``optimizer.init``); None:
+            forward and backward only. ``donate``: the update writes in place.
+        max_grad_norm: clip grads to this global norm, as the train step does (predicted
+            active); without it the grad norm is still taken (the train step logs it).
+        hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`), default
+            ``"h100"``; ``dtype``: of the peak FLOP/s for every op (default: each op's own).
         autocast: a context manager factory for the forward and backward pass (the backend's
-            ``autocast``), as the train step uses.
-        top_saved: how many of the largest saved tensors to list.
+            ``autocast``). ``top_saved``: how many of the largest saved tensors to list.
         model_state: buffers a forward pass updates (BatchNorm statistics, from
-            ``mt.from_module(module, with_state=True)``), as real, fake or meta tensors or
-            specs. They count as ``buffers``; the new state the loss returns stays alive to
-            the end of the step, as the train step carries it.
+            ``mt.from_module(module, with_state=True)``); they count as ``buffers``, and the
+            new state stays alive to the end of the step, as the train step carries it.
 
     Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
     """

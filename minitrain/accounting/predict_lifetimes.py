@@ -1,17 +1,12 @@
 """Tensor lifetimes of one traced step: what is allocated when, what frees it, the peak.
 
-:class:`Lifetimes` is a ``TorchDispatchMode`` that sits beneath :class:`~minitrain.accounting.
-Counter` (so it sees every op the counter counts, decomposed ones included) and above the fake
-tensor mode. Each storage is allocated once, at the first op that outputs it (its
-``nbytes``), and freed when its last reference dies (a ``weakref.finalize`` on the storage,
-which PyTorch keeps as one Python object per storage). A storage first met as an op *input*
-was made outside the step (module buffers, constants): it counts from then on, as a buffer.
-Several storages may stand for one allocation (:meth:`Lifetimes.alias`: the same tensor seen
-as a fake tensor in the forward pass and as a meta tensor in the update).
-
-Categories are decided at the end (:meth:`Lifetimes.categories`), when it is known which
-tensors were saved for backward and which became grads or new params, then the event log is
-replayed (:func:`replay`) into a timeline and the peak.
+:class:`Lifetimes` is a ``TorchDispatchMode`` beneath the counter (it sees every op the counter
+counts, decomposed ones included) and above the fake tensor mode. A storage is allocated at
+the first op that outputs it and freed when its last reference dies (a ``weakref.finalize``
+on the storage); one first met as an op *input* was made outside the step and counts as a
+buffer. Several storages may stand for one allocation (:meth:`Lifetimes.alias`: a fake tensor
+and its meta twin). Categories are decided at the end, when it is known what was saved for
+backward and what became grads or new params; :func:`replay` then gives the timeline and peak.
 """
 
 from __future__ import annotations

@@ -30,23 +30,9 @@ from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
 __all__ = [
-    "Roof",
-    "Op",
-    "Placement",
-    "roof",
-    "arithmetic_intensity",
-    "accelerator_intensity",
-    "bound",
-    "attainable_flops",
-    "mfu_bound",
-    "predicted_seconds",
-    "chapter_ops",
-    "DTYPE_BYTES",
-    "place",
-    "phases",
-    "profile_records",
-    "StepProfile",
-    "step_time",
+    "DTYPE_BYTES", "Op", "Placement", "Roof", "StepProfile", "accelerator_intensity",
+    "arithmetic_intensity", "attainable_flops", "bound", "chapter_ops", "mfu_bound", "phases",
+    "place", "predicted_seconds", "profile_records", "roof", "step_time",
 ]
 
 MEMORY, COMPUTE = "memory", "compute"
@@ -132,14 +118,7 @@ def predicted_seconds(
 
 # Bytes per element of each dtype name of the hardware registry.
 DTYPE_BYTES: dict[str, float] = {
-    "fp64": 8,
-    "fp32": 4,
-    "tf32": 4,
-    "bf16": 2,
-    "fp16": 2,
-    "fp8": 1,
-    "int8": 1,
-    "fp4": 0.5,
+    "fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp4": 0.5,
 }
 
 
@@ -208,15 +187,9 @@ def place(op: Op, on: Roof) -> Placement:
     if math.isnan(intensity):
         return Placement(op.name, op.flops, op.bytes, op.count, intensity, "none", 0.0, 0.0, 0.0)
     return Placement(
-        name=op.name,
-        flops=op.flops,
-        bytes=op.bytes,
-        count=op.count,
-        intensity=intensity,
-        bound=bound(intensity, on.ridge),
-        attainable_flops=attainable_flops(intensity, on.peak_flops, on.bandwidth),
-        mfu_bound=mfu_bound(intensity, on.ridge),
-        seconds=seconds,
+        op.name, op.flops, op.bytes, op.count, intensity, bound(intensity, on.ridge),
+        attainable_flops(intensity, on.peak_flops, on.bandwidth), mfu_bound(intensity, on.ridge),
+        seconds,
     )
 
 
@@ -313,15 +286,9 @@ def profile_records(
         group = place(Op(name, flops, moved, int(count)), on)
         groups.append(group._replace(seconds=seconds))  # max() is per call: sum the calls
     groups.sort(key=lambda g: -g.seconds)
-    return StepProfile(
-        roof=on,
-        calls=calls,
-        groups=groups,
-        flops=sum(c.flops for c in calls),
-        bytes=sum(c.bytes for c in calls),
-        predicted_seconds=sum(c.seconds for c in calls),
-        measured_seconds=measured_seconds,
-    )
+    return StepProfile(on, calls, groups, sum(c.flops for c in calls),
+                       sum(c.bytes for c in calls), sum(c.seconds for c in calls),
+                       measured_seconds)
 
 
 # -- a counted step on a device's roofline --------------------------------------------------

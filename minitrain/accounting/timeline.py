@@ -1,27 +1,15 @@
 """Live memory over one step, by category: the counter's record of every storage's life.
 
 :class:`LiveStorages` is the counter's ledger of live storages (each counted once, freed when
-its last reference dies). With ``record=True`` it also keeps every storage's life (the op index
-at which it was first seen and the one before which it died), so that after the step
-:meth:`LiveStorages.timeline` gives the live bytes of each category after every op, in the
-format of :attr:`minitrain.accounting.predict.StepPrediction.timeline`:
-``[(op_index, phase, {category: bytes}), ...]``. A storage's category is, in order:
-
-1. the one it was given: ``Counter.track(tree, category=...)`` at the start (params, optimizer
-   state, batch) or ``Counter.categorize(tree, ...)`` later (grads, new params and state);
-2. ``activations`` if autograd saved it for the backward pass: a ``saved_tensors_hooks`` pack
-   hook sees every saved tensor inside :func:`minitrain.value_and_grad` and ``grad`` (a
-   checkpointed region saves nothing but its inputs); where no hook ran (plain autograd),
-   what the forward pass made and is alive when the backward pass starts;
-3. ``grads`` if the backward pass made it and it outlived the backward pass (when no storage
-   was put in ``grads`` by ``categorize``);
-4. ``temporaries`` otherwise.
-
-Phases: ``forward`` until the first op of the backward pass, ``backward`` while the autograd
-engine runs, ``update`` after it, unless named by ``Counter.set_phase`` (``minitrain profile``
-marks ``clip`` and ``update`` as ``predict_step`` does).
-
-:func:`minitrain.accounting.plots.plot_memory_timeline` draws them.
+its last reference dies). With ``record=True`` it keeps each storage's life (the op index at
+which it was first seen and the one before which it died), and :meth:`LiveStorages.timeline`
+gives the live bytes of each category after every op, as ``predict_step``'s timeline does. A
+storage's category is, in order: the one ``Counter.track`` or ``Counter.categorize`` gave it;
+``activations`` if autograd saved it (a pack hook inside :func:`minitrain.value_and_grad`
+sees each; with plain autograd, what the forward pass made and is alive when the backward
+pass starts); ``grads`` if the backward pass made it and it outlived that pass (when nothing
+was categorized as grads); else ``temporaries``. Phases: ``forward``, ``backward`` while the
+autograd engine runs, ``update`` after it, unless ``Counter.set_phase`` names them.
 
 >>> import torch, minitrain as mt
 >>> from minitrain.accounting import Counter
