@@ -1,9 +1,8 @@
 """The exception types minitrain raises on purpose; a leaf module that imports nothing.
 
-Library code raises these; only the command line turns them into messages and exit codes:
-a :class:`UserError` is a mistake the user can fix (exit 2), a :class:`RunFailed` is a run that
-could not go on (exit 1), :class:`Interrupted` is a stop asked for by Ctrl-C or SIGTERM (exit
-130). Each message is one line that says what went wrong and how to fix it.
+Library code raises these; only the command line turns them into exit codes (2, 1 and 130
+for the three kinds below). Each message is one line that says what went wrong and how to
+fix it.
 
 >>> err = StorageError.from_os_error(OSError(28, "No space left on device"), "runs/a/metrics.jsonl",
 ...                                  "write")

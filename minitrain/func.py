@@ -64,13 +64,10 @@ def saved_tensor_hooks_inside(
 def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with saved-tensor hooks allowed while it runs inside a ``torch.func`` transform.
 
-    ``torch.func.grad`` refuses every saved-tensor hook ("don't yet support saved tensor
-    hooks"), and so ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which is
-    one, and the accounting counter's record of what autograd saves. Inside ``fn`` they are
-    allowed again (``torch.autograd.graph.disable_saved_tensors_hooks`` lifted); the transform
-    restores the refusal when it returns, after its backward pass. Checkpointed losses give
-    the gradients of the same loss without checkpointing
-    (tests/accounting/test_accounting_counter.py).
+    ``torch.func.grad`` refuses every saved-tensor hook, and so activation checkpointing
+    (``checkpoint(..., use_reentrant=False)`` is one) and the counter's record of what autograd
+    saves. Inside ``fn`` they are allowed again; the transform restores the refusal when it
+    returns, after its backward pass.
     """
 
     @functools.wraps(fn)

@@ -32,12 +32,8 @@ def fan_in(shape: Shape) -> int:
 
 
 def normal(
-    shape: Shape,
-    *,
-    generator: torch.Generator,
-    std: float = 1.0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
+    shape: Shape, *, generator: torch.Generator, std: float = 1.0,
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Gaussian ``N(0, std²)`` of ``shape``: the chapter's plain ``torch.randn``.
 
@@ -51,10 +47,7 @@ def normal(
 
 
 def xavier_normal(
-    shape: Shape,
-    *,
-    generator: torch.Generator,
-    dtype: torch.dtype = torch.float32,
+    shape: Shape, *, generator: torch.Generator, dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """``randn(shape) / sqrt(fan_in)``: the chapter's Xavier initialization (Glorot & Bengio 2010).
@@ -69,13 +62,8 @@ def xavier_normal(
 
 
 def truncated_normal(
-    shape: Shape,
-    *,
-    generator: torch.Generator,
-    std: float | None = None,
-    bound: float = 3.0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
+    shape: Shape, *, generator: torch.Generator, std: float | None = None, bound: float = 3.0,
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Normal with std ``std`` (default ``1/sqrt(fan_in)``), resampled outside ±``bound``·std.
 

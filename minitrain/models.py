@@ -31,13 +31,8 @@ _INITIALIZERS = {
 
 
 def linear_init(
-    in_dim: int,
-    out_dim: int,
-    *,
-    generator: torch.Generator,
-    init: str = "xavier",
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
+    in_dim: int, out_dim: int, *, generator: torch.Generator, init: str = "xavier",
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
 ) -> dict[str, Tensor]:
     """``{"weight": (in_dim, out_dim)}``, the chapter's ``Linear`` (no bias).
 
@@ -80,13 +75,8 @@ def _matmul(
 
 
 def cruncher_init(
-    dim: int,
-    num_layers: int,
-    *,
-    generator: torch.Generator,
-    init: str = "xavier",
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
+    dim: int, num_layers: int, *, generator: torch.Generator, init: str = "xavier",
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
 ) -> dict:
     """Params of the chapter's Cruncher: ``{"layers": [{"weight": D×D}, ...], "final": {...}}``.
 

@@ -178,10 +178,8 @@ def expand(layout: Layout, shape: Sequence[int]) -> Layout:
     """
     old_shape, old_strides = layout.shape, layout.strides
     if len(shape) < len(old_shape):
-        raise ValueError(
-            f"cannot expand shape {old_shape} to {tuple(shape)}: give at least {len(old_shape)} "
-            "dims"
-        )
+        raise ValueError(f"cannot expand shape {old_shape} to {tuple(shape)}: give at least "
+                         f"{len(old_shape)} dims")
     lead = len(shape) - len(old_shape)
     sizes, strides = [0] * len(shape), [0] * len(shape)
     for i in reversed(range(len(shape))):

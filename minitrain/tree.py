@@ -219,13 +219,12 @@ def stack(trees: list[PyTree] | tuple[PyTree, ...]) -> PyTree:
         raise ValueError("stack() needs at least one tree; pass a non-empty list of pytrees")
     flat = [_pytree.tree_flatten(tree) for tree in trees]
     (first_leaves, spec), others = flat[0], flat[1:]
-    if not all(
-        other_spec == spec and _same_leaves(first_leaves, other_leaves)
-        for other_leaves, other_spec in others
-    ):
+    if not all(other_spec == spec and _same_leaves(first_leaves, other)
+               for other, other_spec in others):
         _explain_unstackable(trees)
     columns = zip(*(tree_leaves for tree_leaves, _ in flat), strict=True)
-    return _pytree.tree_unflatten([_stack_leaf(*column) for column in columns], spec)
+    stacked = [torch.stack(c) if isinstance(c[0], torch.Tensor) else c[0] for c in columns]
+    return _pytree.tree_unflatten(stacked, spec)
 
 
 def _same_leaves(a: list[Any], b: list[Any]) -> bool:
@@ -268,19 +267,9 @@ def unstack(tree: PyTree) -> list[PyTree]:
                 f"leaf {name!r} has shape {tuple(leaf.shape)} but leaf {tensors[0][0]!r} "
                 f"stacks {tensors[0][1].shape[0]} trees; every tensor leaf needs that leading axis"
             )
-    count = tensors[0][1].shape[0]
-    spec = structure(tree)
-    flat = [leaf for _, leaf in named]
-    return [
-        unflatten(spec, [leaf[k] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat])
-        for k in range(count)
-    ]
-
-
-def _stack_leaf(first: Any, *rest: Any) -> Any:
-    if isinstance(first, torch.Tensor):
-        return torch.stack([first, *rest])
-    return first
+    spec, flat = structure(tree), [leaf for _, leaf in named]
+    return [unflatten(spec, [leaf[k] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat])
+            for k in range(tensors[0][1].shape[0])]
 
 
 def _check_stackable(name: str, a: Any, b: Any, index: int) -> None:

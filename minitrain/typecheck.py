@@ -27,9 +27,8 @@ from torch import Tensor
 
 __all__ = ["ENABLED", "Bool", "Float", "Int", "Integer", "Num", "Shaped", "Tensor", "typechecked"]
 
-ENABLED: bool = os.environ.get("MINITRAIN_TYPECHECK", "1").strip().lower() not in {
-    "0", "false", "no", "off"
-}
+_OFF = {"0", "false", "no", "off"}
+ENABLED: bool = os.environ.get("MINITRAIN_TYPECHECK", "1").strip().lower() not in _OFF
 
 F = TypeVar("F", bound=Callable[..., Any])
 
