@@ -1,19 +1,11 @@
 """Predicted vs measured resources of one training step: memory, FLOPs, MFU, time to finish.
 
-:func:`resource_report` predicts the step with :func:`~minitrain.accounting.predict_step` on
-fake tensors (never from the measured step's tensors), then runs the pure train step once
-under a :class:`Counter` (the outputs are thrown away; the global RNG state is restored) and
-sets what it measured beside the prediction:
-
-- **memory**: params, grads, optimizer state, batch and activations saved for backward,
-  predicted, and the peak with its moment; measured: the peak (CUDA:
-  ``torch.cuda.max_memory_allocated`` around one step; CPU: the counter's live storages), the
-  resident categories and, on CPU, what was alive when the backward pass began; and where the
-  memory goes: the largest tensors saved for backward and the module that saved each;
-- **FLOPs per step**: the ``6·B·P`` rule, the exact model formula (when given), predicted and
-  as counted (all ops with a formula, and the matmul subset that ``FlopCounterMode`` counts);
-- **speed**: achieved FLOP/s and MFU against the device's dense peak, and the projected time to
-  finish.
+:func:`resource_report` predicts the step on fake tensors (never from the measured step's
+tensors), then runs it once under a :class:`Counter` (outputs thrown away, the global RNG
+state restored) and sets the measurement beside the prediction: memory by category and its
+peak (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the counter's live storages) and where it
+goes; FLOPs by the ``6·B·P`` rule, the exact formula, predicted and counted; achieved FLOP/s,
+MFU and the time to finish.
 """
 
 from __future__ import annotations
@@ -309,21 +301,15 @@ def format_report(report: dict[str, Any]) -> str:
     """
     memory, flops, speed = report["memory"], report["flops_per_step"], report["speed"]
     predicted, measured = memory["predicted"], memory["measured"]
-    ratio = memory["peak_ratio"]
-    mfu = speed["mfu"]
+    ratio, mfu = memory["peak_ratio"], speed["mfu"]
     moment = (
         f" ({predicted['peak_phase']}, {predicted['peak_op']} in {predicted['peak_module']})"
         if predicted.get("peak_phase") else ""
     )
-    lines = [
-        ("params", f"{report['params']:,}"),
-        (
-            "peak memory",
-            f"predicted {si(predicted['peak'], 'B', 3)}{moment}, "
-            f"measured {si(measured['peak'], 'B', 3)}"
-            + (f" (x{ratio:.2f})" if ratio is not None else ""),
-        ),
-    ]
+    lines = [("params", f"{report['params']:,}"), (
+        "peak memory", f"predicted {si(predicted['peak'], 'B', 3)}{moment}, measured "
+        f"{si(measured['peak'], 'B', 3)}" + (f" (x{ratio:.2f})" if ratio is not None else ""),
+    )]
     both = [key for key in ("params", "optimizer_state", "batch", "activations")
             if predicted.get(key) is not None and measured.get(key) is not None]
     if both:

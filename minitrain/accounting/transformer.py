@@ -261,19 +261,11 @@ def transformer_activation_terms(
     """Bytes one transformer layer saves for the backward pass, term by term.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    section 4.1, with ``p = bytes_per_element`` (2 in the paper) and 1-byte dropout masks:
-    the attention block saves the QKV input (``p·sbh``), Q and K (``2p·sbh``), the softmax
-    output (``p·as²b``), its dropout mask (``as²b``) and output (``p·as²b``), V (``p·sbh``), the
-    output projection's input (``p·sbh``) and its dropout mask (``sbh``); the MLP its input
-    (``p·sbh``), the GeLU input (``4p·sbh``), the second matmul's input (``4p·sbh``) and a
-    dropout mask (``sbh``); the two layer norms their inputs (``2p·sbh``). In all, eq. 1:
-    ``s·b·h·(34 + 5·a·s/h)`` bytes at 16-bit.
-
-    ``attention``: ``"eager"`` (eq. 1); ``"selective"`` recomputes the ``s²`` terms in the
-    backward pass (section 5, eq. 6: ``34·s·b·h``); ``"flash"`` (a fused kernel, Dao et al.
-    2022, "FlashAttention", section 3.1) never forms them either, and saves instead the
-    softmax's log-sum-exp per row and head in fp32 (``4·a·s·b`` bytes). ``dropout=False``
-    drops the masks (and the softmax's dropout output is the softmax output).
+    section 4.1, term by term as the paper lists them, with ``p = bytes_per_element`` (2 in
+    the paper) and ``mask_bytes``-byte dropout masks: in all, eq. 1, ``s·b·h·(34 + 5·a·s/h)``
+    bytes at 16-bit. ``attention="selective"`` recomputes the ``s²`` terms (section 5, eq. 6);
+    ``"flash"`` (Dao et al. 2022, section 3.1) never forms them and saves the softmax's
+    log-sum-exp per row and head in fp32 (``4·a·s·b``). ``dropout=False`` drops the masks.
     ``norm_stats_bytes`` per row and layer norm: PyTorch's ``native_layer_norm`` saves the mean
     and reciprocal std in fp32 (8 bytes), which the paper leaves out. Embeddings, the final
     norm, the logits and the loss are not per layer and not included.
