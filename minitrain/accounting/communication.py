@@ -1,12 +1,9 @@
 """Communication napkin math for data parallelism: the bytes and time of a ring all-reduce.
 
-Data-parallel training all-reduces the gradients every step. A ring all-reduce over ``N``
-ranks is a reduce-scatter followed by an all-gather, each of ``N - 1`` rounds in which every
-rank sends (and receives) ``1/N`` of the buffer: ``2·(N - 1)/N × bytes`` sent per rank, which is
-optimal for bandwidth (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for
-clusters of workstations"). NCCL calls ``bytes / time`` the *algorithm bandwidth* and that
-times ``2·(N - 1)/N`` the *bus bandwidth*, the figure to compare with a link's speed
-(NVIDIA nccl-tests, doc/PERFORMANCE.md). Pure Python; no torch.
+A ring all-reduce over ``N`` ranks (a reduce-scatter, then an all-gather, ``N - 1`` rounds
+each) sends ``2·(N - 1)/N × bytes`` per rank, optimal for bandwidth (Patarasuk & Yuan 2009).
+NCCL calls ``bytes / time`` the algorithm bandwidth and that times ``2·(N - 1)/N`` the bus
+bandwidth, the figure to compare with a link's speed (nccl-tests, doc/PERFORMANCE.md).
 
 >>> allreduce_bytes(gradient_bytes=4e9, ranks=8)   # 1B fp32 grads over 8 ranks
 7000000000.0

@@ -1,9 +1,7 @@
 """FLOP napkin math: total training compute and the time it takes (chapter 3.1.1).
 
-Pure Python; no torch. The rule ``6·N·D`` counts a multiply and an add (2 FLOPs) per parameter
-per token in the forward pass and twice that in the backward pass (gradients with respect to
-the inputs and to the weights): Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
-section 2.1.
+Pure Python. ``6·N·D`` counts a multiply and an add per parameter per token forward, twice
+that backward (gradients of the inputs and of the weights): Kaplan et al. 2020, section 2.1.
 
 >>> flops = training_flops(params=70e9, tokens=15e12)
 >>> flops
@@ -113,14 +111,8 @@ FUSED_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
 
 
 def optimizer_flops_per_element(
-    optimizer: str,
-    *,
-    maximize: bool = False,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
-    nesterov: bool = False,
-    first_step: bool = False,
-    amsgrad: bool = False,
+    optimizer: str, *, maximize: bool = False, weight_decay: float = 0.0, momentum: float = 0.0,
+    nesterov: bool = False, first_step: bool = False, amsgrad: bool = False,
     grad_scale: bool = False,
 ) -> int:
     """FLOPs per parameter element of one update of torch's fused kernels (``_fused_sgd_``,

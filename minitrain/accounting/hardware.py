@@ -154,45 +154,27 @@ _H100_SOURCE = (
     "dense BF16 989.4 TFLOP/s (1979 with sparsity), 80 GB HBM3 at 3.35 TB/s"
 )
 
+_A100_CORES = ("tf32", "bf16", "fp16", "int8")
+# name, product, dense peaks, the dtypes with a 2:4-sparse peak, GB, bytes/s, source
 _REGISTRY: dict[str, Hardware] = {
-    spec.name: spec
-    for spec in (
-        Hardware(
-            "h100", "NVIDIA H100 SXM5 80GB", _H100_SXM,
-            _sparse_twice(_H100_SXM, _TENSOR_CORE), 80 * 10**9, 3.35e12, _H100_SOURCE,
-        ),
-        Hardware(
-            "h100-pcie", "NVIDIA H100 PCIe 80GB", _H100_PCIE,
-            _sparse_twice(_H100_PCIE, _TENSOR_CORE), 80 * 10**9, 2.0e12,
-            "NVIDIA H100 Tensor Core GPU datasheet (2022), PCIe: 80 GB HBM2e at 2.0 TB/s",
-        ),
-        Hardware(
-            "h100-nvl", "NVIDIA H100 NVL 94GB", _H100_NVL,
-            _sparse_twice(_H100_NVL, _TENSOR_CORE), 94 * 10**9, 3.9e12,
-            "NVIDIA H100 Tensor Core GPU datasheet (2023), NVL: 94 GB HBM3 at 3.9 TB/s",
-        ),
-        Hardware(
-            "h200", "NVIDIA H200 SXM 141GB", _H100_SXM,
-            _sparse_twice(_H100_SXM, _TENSOR_CORE), 141 * 10**9, 4.8e12,
-            "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: H100 SXM compute, "
-            "141 GB HBM3e at 4.8 TB/s",
-        ),
-        Hardware(
-            "a100-40gb", "NVIDIA A100 SXM4 40GB", _A100,
-            _sparse_twice(_A100, ("tf32", "bf16", "fp16", "int8")), 40 * 10**9, 1.555e12,
-            "NVIDIA A100 Tensor Core GPU datasheet (2021): 40 GB HBM2 at 1,555 GB/s",
-        ),
-        Hardware(
-            "a100-80gb", "NVIDIA A100 SXM4 80GB", _A100,
-            _sparse_twice(_A100, ("tf32", "bf16", "fp16", "int8")), 80 * 10**9, 2.039e12,
-            "NVIDIA A100 Tensor Core GPU datasheet (2021): 80 GB HBM2e at 2,039 GB/s",
-        ),
-        Hardware(
-            "b200", "NVIDIA B200 (HGX, 1000 W)", _B200,
-            _sparse_twice(_B200, (*_TENSOR_CORE, "fp4")), 180 * 10**9, 8.0e12,
-            "NVIDIA HGX B200 datasheet (2024), per GPU: dense BF16 2.25 PFLOP/s "
-            "(4.5 with sparsity), 180 GB HBM3e at 8 TB/s",
-        ),
+    name: Hardware(name, product, dense, _sparse_twice(dense, sparse), gb * 10**9, bandwidth,
+                   source)
+    for name, product, dense, sparse, gb, bandwidth, source in (
+        ("h100", "NVIDIA H100 SXM5 80GB", _H100_SXM, _TENSOR_CORE, 80, 3.35e12, _H100_SOURCE),
+        ("h100-pcie", "NVIDIA H100 PCIe 80GB", _H100_PCIE, _TENSOR_CORE, 80, 2.0e12,
+         "NVIDIA H100 Tensor Core GPU datasheet (2022), PCIe: 80 GB HBM2e at 2.0 TB/s"),
+        ("h100-nvl", "NVIDIA H100 NVL 94GB", _H100_NVL, _TENSOR_CORE, 94, 3.9e12,
+         "NVIDIA H100 Tensor Core GPU datasheet (2023), NVL: 94 GB HBM3 at 3.9 TB/s"),
+        ("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, _TENSOR_CORE, 141, 4.8e12,
+         "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: H100 SXM compute, "
+         "141 GB HBM3e at 4.8 TB/s"),
+        ("a100-40gb", "NVIDIA A100 SXM4 40GB", _A100, _A100_CORES, 40, 1.555e12,
+         "NVIDIA A100 Tensor Core GPU datasheet (2021): 40 GB HBM2 at 1,555 GB/s"),
+        ("a100-80gb", "NVIDIA A100 SXM4 80GB", _A100, _A100_CORES, 80, 2.039e12,
+         "NVIDIA A100 Tensor Core GPU datasheet (2021): 80 GB HBM2e at 2,039 GB/s"),
+        ("b200", "NVIDIA B200 (HGX, 1000 W)", _B200, (*_TENSOR_CORE, "fp4"), 180, 8.0e12,
+         "NVIDIA HGX B200 datasheet (2024), per GPU: dense BF16 2.25 PFLOP/s "
+         "(4.5 with sparsity), 180 GB HBM3e at 8 TB/s"),
     )
 }
 _ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200"}

@@ -108,13 +108,11 @@ def optimizer_state_elements(
     centered: bool = False, scalars: bool = True,
 ) -> int:
     """Elements of optimizer state torch keeps for one parameter of ``shape`` (torch's layouts,
-    see :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``.
-
-    ``amsgrad`` adds Adam(W)'s "max_exp_avg_sq"; ``momentum`` SGD's or RMSprop's
-    "momentum_buffer" and ``centered`` RMSprop's "grad_avg". Adafactor keeps
-    ``prod(shape[:-1])`` row and ``prod(shape[:-2])·shape[-1]`` column elements for a matrix
-    (or a stack of them). Muon takes matrices only: any other param falls back to AdamW
-    ("exp_avg", "exp_avg_sq" and its "step"), as Muon is used (Jordan et al. 2024).
+    see :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``; the
+    options as in :func:`optimizer_states`. Adafactor keeps ``prod(shape[:-1])`` row and
+    ``prod(shape[:-2])·shape[-1]`` column elements for a matrix (or a stack of them). Muon
+    takes matrices only: any other param falls back to AdamW, as Muon is used (Jordan et al.
+    2024).
 
     >>> optimizer_state_elements("adamw", (768, 3072))    # two moments and the step
     4718593
@@ -198,12 +196,10 @@ def max_params(
     memory: str | Hardware | Number, *, optimizer: str = "adamw", precision: str = "fp32",
     gpus: int = 1, zero_stage: int = 3, reserved_bytes: Number = 0, **state_options: bool,
 ) -> float:
-    """The most parameters that fit: per-device memory over per-device bytes per parameter.
-
-    ``memory`` is bytes per device (or a hardware name). The default ``zero_stage=3`` spreads
-    every byte evenly over the devices, the chapter's assumption in 3.1.2 (640 GB / 16 B);
-    ``reserved_bytes`` (e.g. activations) is set aside on each device first.
-    ``state_options`` (``amsgrad``, ``momentum``, ``centered``) go to :func:`bytes_per_param`.
+    """The most parameters that fit: per-device memory (bytes, or a hardware name) less
+    ``reserved_bytes`` (e.g. activations), over per-device bytes per parameter. The default
+    ``zero_stage=3`` spreads every byte evenly over the devices, the chapter's assumption in
+    3.1.2 (640 GB / 16 B); ``state_options`` go to :func:`bytes_per_param`.
 
     >>> max_params("h100", gpus=8, zero_stage=0) / 1e9    # replicated: one device's 80 GB / 16
     5.0
@@ -261,10 +257,8 @@ def cruncher_params(dim: int, num_layers: int) -> int:
 
 
 def cruncher_activations(batch: int, dim: int, num_layers: int) -> int:
-    """``B·D·num_layers``: activations the Cruncher saves for the backward pass (3.5.6).
-
-    Each D×D layer's output (B×D) is the next layer's saved input; the first layer's input is
-    the batch itself, already in memory.
+    """``B·D·num_layers``: activations the Cruncher saves for the backward pass (3.5.6): each
+    D×D layer's output is the next layer's saved input; the first layer's is the batch itself.
 
     >>> cruncher_activations(256, 1024, 8)
     2097152
@@ -275,10 +269,8 @@ def cruncher_activations(batch: int, dim: int, num_layers: int) -> int:
 def cruncher_memory(
     batch: int, dim: int, num_layers: int, *, optimizer: str = "adagrad", bytes_per_element: int = 4
 ) -> MemoryBreakdown:
-    """The chapter's ``4·(params + activations + grads + optimizer states)`` (3.5.6).
-
-    The chapter's example optimizer is AdaGrad (one state per parameter); others follow
-    :data:`OPTIMIZER_STATES`.
+    """The chapter's ``4·(params + activations + grads + optimizer states)`` (3.5.6), with its
+    AdaGrad by default (one state per parameter).
 
     >>> m = cruncher_memory(256, 1024, 8, optimizer="adagrad")
     >>> m.total == 4 * (3 * cruncher_params(1024, 8) + cruncher_activations(256, 1024, 8))

@@ -1,13 +1,9 @@
 """FLOP formulas of aten ops whose cost depends on more than an element count.
 
-:data:`FORMULA_OPS` maps an op's base name (``aten.native_batch_norm_backward`` ->
-``"native_batch_norm_backward"``) to ``f(func, args, kwargs) -> FLOPs``, read from the op's
-arguments by their schema names. :class:`~minitrain.accounting.Counter` uses them for ops that
-``torch.utils.flop_counter`` has no formula for: the CPU attention kernels (with the formulas
-of their CUDA twins), normalization and pooling kernels and their backward passes, losses,
-embedding gradients, and torch's fused optimizer kernels (by their hyperparameters). Each
-fused kernel is counted as the elementary ops it replaces would be
-(tests/accounting/test_counter_ops.py checks both give torch's values and the same count).
+:data:`FORMULA_OPS` maps an op's base name to ``f(func, args, kwargs) -> FLOPs``, read from
+the op's arguments by their schema names, for ops ``torch.utils.flop_counter`` has no formula
+for: CPU attention (its CUDA twins' formulas), normalization, pooling, losses, embedding
+gradients and torch's fused optimizer kernels (counted as the elementary ops they replace).
 """
 
 from __future__ import annotations
