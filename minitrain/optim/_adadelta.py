@@ -65,7 +65,7 @@ def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6):
 
 
 def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
-             weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+             weight_decay: Any = 0.0, *, maximize: bool = False,
              mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.Adadelta: L2 weight decay, then Adadelta's step, times ``-lr``.
 
@@ -77,4 +77,4 @@ def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
     tensor([0.9990])
     """
     return family_optimizer(_rule(rho, eps), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, impl=impl)
+                            mask=mask)

@@ -12,13 +12,10 @@ import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim.kernels import streaming
 from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
     chain,
-    register_lowering,
-    spec,
     tagged,
     tensor_leaves,
 )
@@ -27,19 +24,14 @@ from minitrain.optim._host import (
     host_tensor,
     next_step,
     schedule_count,
-    updates_done,
     zero_count,
 )
-from minitrain.optim._lowering import differentiable
-from minitrain.optim.kernels.checks import donatable
 from minitrain.optim.base import (
-    BufferPool,
     Optimizer,
     ScalarOrSchedule,
     check_hyperparameter,
-    scalar,
-    use_plain_path,
 )
+from minitrain.optim.kernels import streaming
 from minitrain.tree import Params
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]
@@ -237,98 +229,6 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
 # The fast path: 2-D float32 CPU leaves in three passes of the streaming kernels
 
 
-def _match(tx: GradientTransformation):
-    """Lower ``as_optimizer(chain([scale(-1)], scale_by_adafactor(...)))`` (what
-    :func:`adafactor` builds): each contiguous 2-D float32 CPU leaf takes the streaming
-    kernels' three passes (row, column and param sums; the scaled update's sum of squares;
-    the new param), every other leaf :func:`adafactor_leaf` as the chain runs it."""
-    found = spec(tx)
-    if found is None or found[0] != "chain":
-        return None
-    inner = [spec(t) for t in found[1]["transforms"]]
-    if any(s is None for s in inner):
-        return None
-    names = [s[0] for s in inner]
-    if names == ["scale_by_adafactor"]:
-        sign = 1.0
-    elif names == ["scale", "scale_by_adafactor"] and isinstance(
-            inner[0][1]["step_size"], float) and inner[0][1]["step_size"] == -1.0:
-        sign = -1.0
-    else:
-        return None
-    args = inner[-1][1]
-    hyper_tensors = [v for v in (args["lr"], args["beta2_decay"], *args["eps"], args["d"],
-                                 args["weight_decay"]) if isinstance(v, Tensor)]
-    pool = BufferPool()
-
-    def lowered(grads, state, params, donate):
-        if not isinstance(state, tuple) or len(state) != len(names) or not isinstance(
-                state[-1], ScaleByAdafactorState):
-            return None
-        p_leaves, p_spec = _pytree.tree_flatten(params)
-        g_leaves, g_spec = _pytree.tree_flatten(grads)
-        if p_spec != g_spec or not p_leaves or not all(
-                isinstance(t, Tensor) for t in (*p_leaves, *g_leaves)):
-            return None
-        if any(p.shape != g.shape for p, g in zip(p_leaves, g_leaves, strict=True)):
-            return None
-        inner_state = state[-1]
-        updates_done(inner_state.count)  # a count edited by hand is named before it is used
-        if use_plain_path("auto", [*p_leaves, *g_leaves, inner_state.count], hyper_tensors):
-            return None
-        if not streaming.usable([*p_leaves, *g_leaves]):
-            return None
-        with pool.lock:
-            return _update(grads, state, params, donate, p_leaves, g_leaves)
-
-    def _update(grads, state, params, donate, p_leaves, g_leaves):
-        inner_state = state[-1]
-        tree_spec = tree.structure(grads)
-        buffers = [_entries(getattr(inner_state, f), tree_spec, f)
-                   for f in ("row_var", "col_var", "variance")]
-        _check_shapes(buffers, g_leaves, grads)
-        # In place only where no moment (a state edited by hand) lies in a param's memory: a
-        # leaf updated first would change what a later leaf reads.
-        donate = donate and donatable(p_leaves, [*g_leaves, *(b for bs in buffers for b in bs)],
-                                      [])
-        lr, schedule = args["lr"], callable(args["lr"]) and not isinstance(args["lr"], Tensor)
-        step = next_step(inner_state.count)
-        step_lr = lr
-        if schedule:
-            step_lr = lr(step - 1)
-            check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
-            if differentiable(step_lr):
-                return None  # the transformation's ops keep the lr's gradient
-        numbers = dict(lr=scalar(step_lr), beta2_decay=scalar(args["beta2_decay"]),
-                       eps1=scalar(args["eps"][0]), eps2=scalar(args["eps"][1]),
-                       d=scalar(args["d"]), weight_decay=scalar(args["weight_decay"]))
-        if not donate:
-            pool.begin_update()
-        out, rows, cols, variances = [], [], [], []
-        # Streaming stores for a large update (p and g read, the new p written).
-        nontemporal = not donate and streaming.streams(12 * sum(p.numel() for p in p_leaves))
-        for g, p, row, col, var in zip(g_leaves, p_leaves, *buffers, strict=True):
-            if _kernel_leaf(p, g, row, col):
-                new_p, row, col = _kernel_step(g, p, row, col, step, sign, numbers,
-                                               p if donate else pool.empty_like(p), nontemporal)
-            else:  # the chain's own ops for this leaf: -g, adafactor_leaf, apply_updates
-                u, row, col, var = adafactor_leaf(
-                    g * sign if sign != 1.0 else g, row, col, var, p, step, step_lr,
-                    args["beta2_decay"], args["eps"][0], args["eps"][1], args["d"],
-                    args["weight_decay"])
-                new_p = (p + u).to(p.dtype)
-            out.append(new_p)
-            rows.append(row)
-            cols.append(col)
-            variances.append(var)
-        new_inner = ScaleByAdafactorState(
-            inner_state.count + 1, _f32(step_lr),
-            *(tree.unflatten(tree_spec, c) for c in (rows, cols, variances)))
-        return tree.unflatten(tree.structure(params), out), (*state[:-1], new_inner)
-
-    return lowered
-
-
 def _kernel_leaf(p: Tensor, g: Tensor, row: Any, col: Any) -> bool:
     """Whether a leaf takes the kernels: 2-D, and its moments contiguous float32 tensors."""
     return (p.dim() == 2 and isinstance(row, Tensor) and isinstance(col, Tensor)
@@ -367,4 +267,3 @@ def _kernel_step(g, p, row_var, col_var, step, sign, h, out, nontemporal):
     return out, row_var, col_var
 
 
-register_lowering(_match)

@@ -62,7 +62,7 @@ def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):
 
 
 def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
-           weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+           weight_decay: Any = 0.0, *, maximize: bool = False,
            mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.Adamax: L2 weight decay, then Adamax's step, times ``-lr``.
 
@@ -75,4 +75,4 @@ def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), e
     """
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2, eps), lr, maximize=maximize,
-                            weight_decay=weight_decay, mask=mask, impl=impl)
+                            weight_decay=weight_decay, mask=mask)

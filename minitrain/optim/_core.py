@@ -68,14 +68,20 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim.kernels.checks import donatable, grad_leaf_error, naming_bad_grads, none_param_error
 from minitrain.optim.base import Optimizer, scalar, use_plain_path
+from minitrain.optim.kernels.checks import (
+    donatable,
+    grad_leaf_error,
+    naming_bad_grads,
+    none_param_error,
+)
+from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
     "GradientTransformation", "EmptyState", "Updates", "identity", "chain", "ChainState",
     "apply_updates", "leafwise", "LeafBatch", "hyperparameter", "check_like", "check_state_type",
-    "check_pair", "as_optimizer", "register_lowering", "spec", "extra_args",
+    "check_pair", "as_optimizer", "spec", "extra_args",
 ]
 
 Updates = Grads
@@ -481,7 +487,7 @@ def leafwise(
         }
         tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
         step = next_step(state.count)
-        if use_plain_path("auto", tensors, [*hyper.values(), *also_watch]):
+        if use_plain_path(tensors, [*hyper.values(), *also_watch]):
             new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper)
             count = state.count + 1
         else:
@@ -586,18 +592,6 @@ def _as_leaf(value: Any, position: int, size: int, like: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 # Optimizers from transformations
 
-Lowering = Callable[[Updates, OptState, Params, bool], "tuple[Params, OptState] | None"]
-_LOWERINGS: list[Callable[[GradientTransformation], Lowering | None]] = []
-
-
-def register_lowering(match: Callable[[GradientTransformation], Lowering | None]) -> None:
-    """Add ``match(tx) -> lowered | None``: :func:`as_optimizer` asks each registered match for
-    a fused update of ``tx``. ``lowered(grads, state, params, donate)`` returns ``(params,
-    state)`` with the same state layout as ``tx``, or None when it cannot take this call (the
-    plain transformation runs instead); it must agree with ``tx`` to within rounding."""
-    _LOWERINGS.append(match)
-
-
 def as_optimizer(tx: GradientTransformation) -> Optimizer:
     """An :class:`~minitrain.optim.Optimizer` that applies the updates of ``tx`` to the params.
 
@@ -614,7 +608,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     tensor([0.5000, 1.5000])
     """
     check_transformation(tx, "as_optimizer's argument")
-    lowered = next((low for match in _LOWERINGS if (low := match(tx)) is not None), None)
+    lowered = lower(tx)
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
@@ -630,7 +624,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
         updates, state = tx.update(grads, state, params, **extra)
         leaves = tree.leaves(params)
         u_leaves = tree.leaves(updates)
-        if donate and not use_plain_path("auto", [*leaves, *u_leaves], []) and all(
+        if donate and not use_plain_path([*leaves, *u_leaves], []) and all(
             isinstance(p, Tensor) for p in (*leaves, *u_leaves)
         ) and donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
             if len(u_leaves) == len(leaves) and all(

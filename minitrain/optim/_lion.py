@@ -61,7 +61,7 @@ def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99):
 
 
 def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
-         weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+         weight_decay: Any = 0.0, *, maximize: bool = False,
          mask: WeightDecayMask = None) -> Optimizer:
     """Lion with decoupled weight decay: ``p <- p - lr (sign(...) + wd p)`` (lion-pytorch's
     ``Lion`` defaults; its ``decoupled_weight_decay=True`` is ``weight_decay=wd / lr``).
@@ -75,4 +75,4 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
     """
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, decoupled=True, impl=impl)
+                            mask=mask, decoupled=True)

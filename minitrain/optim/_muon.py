@@ -16,27 +16,22 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from minitrain import tree
-from minitrain.optim.kernels.pool import BufferPool
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
-    apply_updates,
+    as_optimizer,
     chain,
-    check_extra_args,
-    extra_args,
     hyperparameter,
     leafwise,
-    register_lowering,
-    spec,
     tagged,
 )
 from minitrain.optim._family import Scalar, add_scaled, check_range, descent_prefix, zeros
-from minitrain.optim._host import is_batched, updates_done
-from minitrain.optim._lowering import chain_lowering, differentiable, spec_tensors
+from minitrain.optim._host import is_batched
 from minitrain.optim._muon_vmap import newton_schulz_per_matrix, takes_per_matrix_op
-from minitrain.optim.kernels.checks import donatable, naming_bad_grads
 from minitrain.optim._transforms_rules import add_decayed_weights, scale_by_learning_rate
 from minitrain.optim.base import Optimizer, ScalarOrSchedule, is_traced, use_plain_path
+from minitrain.optim.kernels.checks import donatable
+from minitrain.optim.kernels.pool import BufferPool
 from minitrain.tree import Params
 
 __all__ = [
@@ -476,28 +471,7 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Scalar 
     ortho = orthogonalize_by_newton_schulz(ns_coefficients, ns_steps, eps, adjust_lr_fn)
     lr_tx = scale_by_learning_rate(lr)
     tx = chain(*prefix, chain(momentum_tx, ortho), add_decayed_weights(weight_decay), lr_tx)
-    lowered = _match(tx)  # the one lowering (as_optimizer(tx) would build one more)
-    ns = spec(ortho)[1]
-
-    def update(grads, state, params, *, donate: bool = False, **extra):
-        if extra or not isinstance(state, tuple) or len(state) != len(prefix) + 3 \
-                or not isinstance(state[len(prefix)], tuple) or len(state[len(prefix)]) != 2:
-            # keyword arguments, or a state init did not return: the chain's own update
-            # names what is wrong
-            check_extra_args("muon", extra_args(tx), extra)
-            updates, state = tx.update(grads, state, params, **extra)
-            return apply_updates(params, updates), state
-        donate = donate and donatable(tree.leaves(params), tree.leaves(grads), [])
-        if lowered is not None:
-            result = lowered(grads, state, params, donate)
-            if result is not None:
-                return result
-        return _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr,
-                               weight_decay, ns)
-
-    update = naming_bad_grads(update)
-    update.transformation = tx  # type: ignore[attr-defined]
-    return Optimizer(tx.init, update)
+    return as_optimizer(tx)
 
 
 def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr, weight_decay,
@@ -534,7 +508,7 @@ def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr
         if isinstance(alpha, Tensor):  # a 0-d alpha would keep alpha q in q's bfloat16
             q = q.to(torch.promote_types(p.dtype, q.dtype))
         new.append(add_scaled(shrunk, q, alpha).to(p.dtype))
-    if donate and not use_plain_path("auto", [*p_leaves, *new], []) \
+    if donate and not use_plain_path([*p_leaves, *new], []) \
             and donatable(p_leaves, tree.leaves(states), []):
         with torch.no_grad():
             torch._foreach_copy_(p_leaves, new)
@@ -544,68 +518,6 @@ def _in_torch_order(grads, state, params, donate, prefix, momentum_tx, lr_tx, lr
 
 # --------------------------------------------------------------------------------------------
 # The fast path: torch.optim.Muon's per-leaf ops
-
-
-def _match(tx: GradientTransformation):
-    """The lowered update of ``chain(scale_by_muon(...), add_decayed_weights(wd),
-    scale_by_learning_rate(lr))`` (what :func:`muon` builds), or None for another chain."""
-    found = chain_lowering(tx, "chain")
-    if found is None:
-        return None
-    parts, before, _, decoupled, weight_decay, mask, lr = found
-    inner = parts["chain"]["transforms"]
-    inner_specs = [spec(t) for t in inner]
-    names = [s[0] if s else None for s in inner_specs]
-    if before or mask is not None or not decoupled or names != [
-        "muon_momentum", "orthogonalize_by_newton_schulz"
-    ]:
-        return None
-    momentum = inner_specs[0][1]
-    ns = inner_specs[1][1]
-    lr_tx = spec(tx)[1]["transforms"][-1]
-    hyperparameters = spec_tensors(tx)
-    pool = BufferPool()  # a pure update's new params and buffers, recycled
-
-    def lowered(grads, state, params, donate):
-        p_leaves, g_leaves = tree.leaves(params), tree.leaves(grads)
-        if (len(p_leaves) != len(g_leaves) or not _is_muon_state(state) or use_plain_path(
-                "auto", [*p_leaves, *g_leaves], hyperparameters)
-                or not all(isinstance(t, Tensor) and t.dim() == 2
-                           for t in (*p_leaves, *g_leaves))):
-            return None  # the plain chain runs (and names a state init did not return)
-        (momentum_state, ortho_state), decay_state, lr_state = state
-        _, new_lr_state = lr_tx.update([], lr_state)  # the lr of this step, and its count
-        if differentiable(new_lr_state.lr):
-            return None  # a schedule's lr that carries a gradient: the chain keeps it
-        # a constant tensor lr as its float, a schedule's value as the state holds it
-        step_lr = float(lr if isinstance(lr, int | float | Tensor) else new_lr_state.lr)
-        buffers = tree.leaves(momentum_state.momentum_buffer)
-        if len(buffers) != len(p_leaves) or any(
-            not isinstance(b, Tensor) or b.shape != p.shape or b.dtype != g.dtype
-            for b, p, g in zip(buffers, p_leaves, g_leaves, strict=False)
-        ):
-            return None  # the plain chain names what does not fit
-        updates_done(momentum_state.count)  # a count edited by hand is named, not carried
-        # In place only where no momentum buffer (a state edited by hand) is a param or grad.
-        donate = donate and donatable(p_leaves, g_leaves, [buffers])
-        new_params: list[Tensor] = [None] * len(p_leaves)  # type: ignore[list-item]
-        new_buffers: list[Tensor] = [None] * len(p_leaves)  # type: ignore[list-item]
-        with pool.lock:
-            pool.begin_update()
-            for stack in same_shape_stacks(p_leaves):
-                ps, bs = _muon_stack([p_leaves[i] for i in stack], [g_leaves[i] for i in stack],
-                                     [buffers[i] for i in stack], step_lr, _number(weight_decay),
-                                     momentum, ns, None if donate else pool)
-                for i, p, buf in zip(stack, ps, bs, strict=True):
-                    new_params[i], new_buffers[i] = p, buf
-        momentum_state = MuonMomentumState(
-            momentum_state.count + 1,
-            tree.unflatten(tree.structure(momentum_state.momentum_buffer), new_buffers),
-        )
-        new_state = ((momentum_state, ortho_state), decay_state, new_lr_state)
-        return tree.unflatten(tree.structure(params), new_params), new_state
-
-    return lowered
 
 
 def _is_muon_state(state: Any) -> bool:
@@ -647,4 +559,3 @@ def _muon_stack(ps: list[Tensor], gs: list[Tensor], bufs: list[Tensor], lr: floa
         return new_params, bufs
 
 
-register_lowering(_match)

@@ -112,7 +112,7 @@ def _float32(value: Any) -> Any:
 
 def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
           weight_decay: Any = 0.0, momentum_decay: Scalar = 4e-3,
-          decoupled_weight_decay: bool = False, *, maximize: bool = False, impl: str = "auto",
+          decoupled_weight_decay: bool = False, *, maximize: bool = False,
           mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.NAdam: L2 decay before the step, or decoupled decay (``p -= lr * wd * p``).
 
@@ -126,4 +126,4 @@ def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2, eps, momentum_decay), lr, maximize=maximize,
                             weight_decay=weight_decay, mask=mask,
-                            decoupled=bool(decoupled_weight_decay), impl=impl)
+                            decoupled=bool(decoupled_weight_decay))

@@ -99,7 +99,7 @@ def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):
 
 def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
           weight_decay: Any = 0.0, decoupled_weight_decay: bool = False, *,
-          maximize: bool = False, impl: str = "auto", mask: WeightDecayMask = None) -> Optimizer:
+          maximize: bool = False, mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.RAdam: L2 decay before the step, or decoupled decay (``p -= lr * wd * p``).
 
     >>> import torch, minitrain as mt
@@ -111,4 +111,4 @@ def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
     """
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2, eps), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, decoupled=bool(decoupled_weight_decay), impl=impl)
+                            mask=mask, decoupled=bool(decoupled_weight_decay))

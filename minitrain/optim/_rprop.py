@@ -103,8 +103,7 @@ def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
 
 
 def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
-          step_sizes: tuple[Any, Any] = (1e-6, 50), *, maximize: bool = False,
-          impl: str = "auto") -> Optimizer:
+          step_sizes: tuple[Any, Any] = (1e-6, 50), *, maximize: bool = False) -> Optimizer:
     """torch.optim.Rprop.
 
     >>> import torch, minitrain as mt
@@ -114,4 +113,4 @@ def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
     >>> params["w"]
     tensor([0.9000, 1.1000])
     """
-    return family_optimizer(_rule(lr, etas, step_sizes), maximize=maximize, impl=impl)
+    return family_optimizer(_rule(lr, etas, step_sizes), maximize=maximize)

@@ -169,7 +169,7 @@ def scale_by_schedule_free_adamw(
 def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
                         eps: Scalar = 1e-8, weight_decay: Scalar = 0.0,
                         warmup_steps: int = 0, r: Scalar = 0.0, weight_lr_power: Scalar = 2.0,
-                        *, maximize: bool = False, impl: str = "auto") -> Optimizer:
+                        *, maximize: bool = False) -> Optimizer:
     """``schedulefree.AdamWScheduleFree`` (its names and defaults): the params it updates are
     the training point ``y``; evaluate at ``schedule_free_eval_params(state, params)``.
 
@@ -183,8 +183,7 @@ def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
     (tensor([0.7900, 1.2100]), tensor([0.8000, 1.2000]))
     """
     return family_optimizer(
-        _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power), maximize=maximize,
-        impl=impl)
+        _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power), maximize=maximize)
 
 
 def schedule_free_eval_params(state: Any, params: Params) -> Params:
