@@ -94,7 +94,7 @@ def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
 
     return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
                 dict(lambd=lambd), scalars={"lr": lambda: _f32(lr_after(0))}, advance=advance,
-                needs_params=True, kernel=asgd_kernel,
+                needs_params=True,
                 state_hyperparams=(lr, alpha, t0))
 
 
@@ -107,10 +107,6 @@ def _lr_after(lr: Any) -> Callable[[Any], Any]:
     return lambda done: check_range("lr (from the schedule)", lr(done), 0.0)
 
 
-def asgd_kernel(step, hyper, per_step):
-    """:func:`asgd_leaf` as ``_streaming.c``'s ``asgd`` rule (see ``_family.Rule``)."""
-    eta, mu = per_step["eta"], per_step["mu"]
-    return "asgd", [hyper["lambd"], -eta, mu, float(mu == 1)], ("ax",)
 
 
 def _f32(value: Any) -> Tensor:

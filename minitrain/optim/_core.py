@@ -245,6 +245,10 @@ def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
     >>> sorted(extra_args(chain(mt.optim.scale_by_adam(), mt.optim.reduce_on_plateau())))
     ['value']
     """
+    inners = getattr(tx.update, "extra_inners", None)
+    if inners is not None:  # a wrapper: what any of its transformations takes
+        takes = [extra_args(inner) for inner in inners]
+        return None if any(t is None for t in takes) else frozenset().union(*takes)
     declared = getattr(tx.update, "extra_args", False)
     if declared is not False:
         return declared
@@ -262,16 +266,19 @@ def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
 
 
 def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformation]) -> Callable:
-    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes."""
-    takes = [extra_args(tx) for tx in inners]
-    update.extra_args = (  # type: ignore[attr-defined]
-        None if any(t is None for t in takes) else frozenset().union(*takes)
-    )
+    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes (read
+    when a call passes extra arguments: building a chain inspects no signature)."""
+    update.extra_inners = tuple(inners)  # type: ignore[attr-defined]
     return update
 
 
-def check_extra_args(where: str, accepted: frozenset[str] | None, extra: dict[str, Any]) -> None:
-    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`)."""
+def check_extra_args(where: str, accepted: Any, extra: dict[str, Any]) -> None:
+    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`): a
+    set of names, None for any, or a wrapper's update function."""
+    if not extra:
+        return
+    if callable(accepted):
+        accepted = extra_args(GradientTransformation(None, accepted))  # type: ignore[arg-type]
     unknown = sorted(set(extra) - accepted) if accepted is not None else []
     if unknown:
         raise ValueError(
@@ -332,7 +339,7 @@ def chain(*transforms: Any) -> GradientTransformation:
                 f"chain of {len(transforms)} transformations got a state of "
                 f"{type(state).__name__}; pass the state returned by its init(params)"
             )
-        check_extra_args("chain", update.extra_args, extra)
+        check_extra_args("chain", update, extra)
         new_state = []
         for tx, inner in zip(transforms, state, strict=True):
             updates, inner = tx.update(updates, inner, params, **select_extra_args(tx, extra))

@@ -239,11 +239,6 @@ class Rule(NamedTuple):
     scalars: dict[str, Callable[[], Tensor]] | None = None
     advance: Callable[..., Any] | None = None
     needs_params: bool = False
-    # ``kernel(step, hyper, per_step) -> (rule, hyperparameters, buffers)``: the streaming
-    # kernel (``_streaming.c``) that computes the same step in one pass over float32 CPU
-    # leaves, the rule's part of its hyperparameters (after the family's frame), and the
-    # state fields it reads and writes in its slot order. Numbers in, numbers out.
-    kernel: Callable[..., tuple[str, list[float], tuple[str, ...]]] | None = None
     # The hyperparameters that reach the rule only through ``advance`` or its initial state
     # (ASGD's lr and alpha, NAdam's momentum_decay): a traced one, or one that requires grad,
     # keeps the update off the fast path, as one of ``hyperparams`` does.
@@ -251,18 +246,18 @@ class Rule(NamedTuple):
 
 
 def moments_rule(name: str, state_type: type, update_leaf: Callable[..., Any], b1: Any, b2: Any,
-                 eps: Any, kernel: Callable[..., Any] | None = None) -> Rule:
+                 eps: Any) -> Rule:
     """A rule with Adam's hyperparameters (``betas`` in [0, 1), ``eps`` >= 0) whose buffers,
     the fields of ``state_type`` after ``count``, start at zero (Adamax, RAdam)."""
     beta1, beta2 = check_betas((b1, b2))
     eps = check_range("eps", eps, 0.0)
     buffers = state_type._fields[1:]
     return Rule(name, state_type, lambda p: {b: zeros(p) for b in buffers}, update_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=eps), kernel=kernel)
+                dict(beta1=beta1, beta2=beta2, eps=eps))
 
 
 def rule_transform(rule: Rule) -> GradientTransformation:
-    """``rule`` as a transformation (its spec carries the rule, for the kernels' lowering)."""
+    """``rule`` as a transformation (its spec carries the rule: its scalars and ``advance``)."""
     if rule.scalars:
         tx = leafwise_with_scalars(rule.name, rule.state_type, rule.scalars, rule.advance,
                                    rule.init_leaf, rule.update_leaf, rule.hyperparams,

@@ -41,12 +41,9 @@ def lion_leaf(g, buffers, p, step, beta1, beta2):
 def _rule(b1: Any, b2: Any) -> Rule:
     beta1, beta2 = check_betas((b1, b2), high_open=False)
     return Rule("scale_by_lion", ScaleByLionState, lambda p: {"exp_avg": zeros(p)}, lion_leaf,
-                dict(beta1=beta1, beta2=beta2), kernel=lion_kernel)
+                dict(beta1=beta1, beta2=beta2))
 
 
-def lion_kernel(step, hyper, per_step):
-    """:func:`lion_leaf` as ``_streaming.c``'s ``lion`` rule (see ``_family.Rule``)."""
-    return "lion", [1 - hyper["beta1"], 1 - hyper["beta2"]], ("exp_avg",)
 
 
 def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99):

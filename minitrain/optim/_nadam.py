@@ -80,16 +80,9 @@ def _rule(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
                 lambda p: {"exp_avg": zeros(p), "exp_avg_sq": zeros(p)}, nadam_leaf,
                 dict(beta1=beta1, beta2=beta2, eps=eps),
                 scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
-                advance=advance, kernel=nadam_kernel, state_hyperparams=(momentum_decay,))
+                advance=advance, state_hyperparams=(momentum_decay,))
 
 
-def nadam_kernel(step, hyper, per_step):
-    """:func:`nadam_leaf` as ``_streaming.c``'s ``nadam`` rule (see ``_family.Rule``): the
-    same coefficients, with ``sqrt(1 - beta2^t)`` folded into them."""
-    beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
-    root = math.sqrt(1 - beta2**step)
-    return "nadam", [1 - beta1, beta2, 1 - beta2, eps * root, per_step["grad_coef"] * root,
-                     per_step["avg_coef"] * root], ("exp_avg", "exp_avg_sq")
 
 
 def scale_by_nadam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,

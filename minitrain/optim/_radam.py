@@ -63,27 +63,10 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
     return rectified, new
 
 
-def radam_kernel(step, hyper, per_step):
-    """:func:`radam_leaf` as ``_streaming.c``'s ``radam`` rule (see ``_family.Rule``): the
-    same step-dependent scalars, computed here in float64."""
-    beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    rho_inf = 2 / (1 - beta2) - 1
-    rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
-    rectified = rho_t > 5.0
-    factor = 0.0
-    if rectified:
-        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
-                         / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        factor = rect * math.sqrt(bias_correction2) / bias_correction1
-    return "radam", [1 - beta1, beta2, 1 - beta2, eps, float(rectified), bias_correction1,
-                     factor], ("exp_avg", "exp_avg_sq")
 
 
 def _rule(b1: Any, b2: Any, eps: Any) -> Rule:
-    return moments_rule("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2, eps,
-                        kernel=radam_kernel)
+    return moments_rule("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2, eps)
 
 
 def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):

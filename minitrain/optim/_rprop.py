@@ -78,13 +78,9 @@ def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
                 dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
                      step_size_max=largest),
                 scalars={"lr": lambda: initial.clone()},
-                advance=lambda step, lr: ({"lr": lr}, {}), kernel=rprop_kernel)
+                advance=lambda step, lr: ({"lr": lr}, {}))
 
 
-def rprop_kernel(step, hyper, per_step):
-    """:func:`rprop_leaf` as ``_streaming.c``'s ``rprop`` rule (see ``_family.Rule``)."""
-    return "rprop", [hyper["etaminus"], hyper["etaplus"], hyper["step_size_min"],
-                     hyper["step_size_max"]], ("prev", "step_size")
 
 
 def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),

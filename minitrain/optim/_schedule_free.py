@@ -133,20 +133,11 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
         scalars={"b1": lambda: host_tensor(beta1, torch.float64).clone(),
                  "weight_sum": f64(0.0), "lr_max": f64(-1.0),
                  "lr": lambda: host_tensor(first_lr, torch.float32).clone()},
-        advance=advance, needs_params=True, kernel=schedule_free_kernel,
+        advance=advance, needs_params=True,
         state_hyperparams=(lr, r, weight_lr_power),
     )
 
 
-def schedule_free_kernel(step, hyper, per_step):
-    """:func:`schedule_free_leaf` as ``_streaming.c``'s ``schedule_free_adamw`` rule (see
-    ``_family.Rule``); the new ``y`` is ``y`` plus the change."""
-    beta1, beta2 = hyper["beta1"], hyper["beta2"]
-    lr_t, ckp1 = per_step["lr_t"], per_step["ckp1"]
-    return "schedule_free_adamw", [
-        beta2, 1 - beta2, per_step["bias_correction2"], hyper["eps"], hyper["weight_decay"],
-        lr_t * (beta1 * (1 - ckp1) - 1), ckp1, lr_t,
-    ], ("z", "exp_avg_sq")
 
 
 def scale_by_schedule_free_adamw(

@@ -33,6 +33,7 @@ from minitrain import tree
 from minitrain.optim import _flat
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import kernel_ready
+from minitrain.optim.kernels.family import FAMILY
 
 __all__ = ["lower", "RULES"]
 
@@ -96,7 +97,7 @@ def _rmsprop(step, h, per_step, f):
 
 
 def _family(step, h, per_step, f):
-    name, rule_hp, fields = h["rule"].kernel(step, h, per_step)
+    name, rule_hp, fields = FAMILY[h["rule"].name](step, h, per_step)
     has_lr = f.lr is not None
     if f.decoupled and not has_lr:
         return None
@@ -182,7 +183,8 @@ def _recognise(tx: Any) -> Shape | None:
     hyper: dict[str, Any] = {}
     for position in range(i, j):
         hyper.update(specs[position][1])
-    if rule is None and len(rule_names) == 1 and "rule" in hyper and hyper["rule"].kernel:
+    if rule is None and rule_names[:1] == rule_names and rule_names and \
+            rule_names[0] in FAMILY and "rule" in hyper:
         rule = _FAMILY
     if rule is None or (lr is None and rule is not _FAMILY) or \
             (l2 is not None and decoupled is not None):
@@ -271,7 +273,7 @@ def _run(shape, decay_flags, grads, state, params, donate):
         if lr is None or not lr >= 0:
             return None
     buffers, fields = _buffers(shape, rule_states, hyper, per_step, step)
-    if buffers is None or not kernel_ready(p_leaves, g_leaves, {k: v for k, v in enumerate(
+    if buffers is None or not kernel_ready(p_leaves, g_leaves, {str(k): v for k, v in enumerate(
             buffers) if v is not None}, donate):
         return None
     clip = 1.0
