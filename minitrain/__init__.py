@@ -20,15 +20,12 @@ __version__ = "0.1.0"
 # Submodules, imported on first attribute access.
 _SUBMODULES = (
     "accounting",
-    "backend",
     "checkpoint",
     "data",
     "distributed",
-    "formats",
     "func",
     "init",
     "losses",
-    "lowp",
     "models",
     "optim",
     "precision",
@@ -46,9 +43,9 @@ _EXPORTS = {
     "vmap": "func",
     "from_module": "func",
     "per_example_grads": "func",
-    "Backend": "backend",
-    "get_backend": "backend",
-    "available_backends": "backend",
+    "Backend": "precision",
+    "get_backend": "precision",
+    "available_backends": "precision",
     "seed_everything": "rng",
     "Experiment": "train",
     "fit": "train",
@@ -63,6 +60,8 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
         return getattr(module, name)
+    if name in ("backend", "formats", "lowp"):  # merged into one package
+        raise AttributeError(f"minitrain.{name} is now part of minitrain.precision")
     raise AttributeError(f"module 'minitrain' has no attribute {name!r}")
 
 
@@ -73,23 +72,22 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for static type checkers and IDEs only
     from minitrain import (  # noqa: F401
         accounting,
-        backend,
         checkpoint,
         data,
         distributed,
-        formats,
         func,
         init,
         losses,
         models,
         optim,
+        precision,
         rng,
         strides,
         train,
         tree,
         typecheck,
     )
-    from minitrain.backend import Backend, available_backends, get_backend  # noqa: F401
     from minitrain.func import from_module, grad, value_and_grad, vmap  # noqa: F401
+    from minitrain.precision import Backend, available_backends, get_backend  # noqa: F401
     from minitrain.rng import seed_everything  # noqa: F401
     from minitrain.train import Experiment, fit  # noqa: F401

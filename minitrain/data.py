@@ -41,6 +41,7 @@ import torch
 
 from minitrain.atomic_io import fsync_tree, replace_dir
 from minitrain.errors import StorageError
+from minitrain.tree import map as tree_map
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
 __all__ = [
@@ -284,7 +285,7 @@ class Prefetcher(Generic[Batch]):
     def _draw(self, generator: torch.Generator) -> Batch:
         batch = self._sample(generator)
         if self._pin_memory:
-            batch = torch.utils._pytree.tree_map(_pin, batch)
+            batch = tree_map(_pin, batch)
         return batch
 
     def _speculate(self, state: torch.Tensor, device: torch.device) -> tuple[Batch, torch.Tensor]:

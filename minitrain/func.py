@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from minitrain import _torch
+from minitrain._torch import pytree
 from minitrain.tree import Params
 
 __all__ = [
@@ -72,12 +73,13 @@ def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
     one, and the accounting counter's record of what autograd saves. Inside ``fn`` they are
     allowed again (``torch.autograd.graph.disable_saved_tensors_hooks`` lifted); the transform
     restores the refusal when it returns, after its backward pass. Checkpointed losses give
-    the gradients of the same loss without checkpointing (tests/accounting/test_accounting_counter.py).
+    the gradients of the same loss without checkpointing
+    (tests/accounting/test_accounting_counter.py).
     """
 
     @functools.wraps(fn)
     def allowed(*args: Any, **kwargs: Any) -> Any:
-        torch._C._autograd._saved_tensors_hooks_enable()
+        _torch.saved_tensors_hooks_enable()
         with contextlib.ExitStack() as stack:
             for pack, unpack in list(_INNER_HOOKS):
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
@@ -122,7 +124,7 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
     without functorch's per-op cost (about 6% of a GPT step on CPU): outside every
     ``torch.func`` transform and the compiler, floating leaves to differentiate, and no
     argument already on an autograd graph (then the gradients must stay differentiable)."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch.compiler.is_compiling() or _torch.peek_interpreter_stack() is not None:
         return False
     nums = (argnums,) if isinstance(argnums, int) else argnums
     if not (
@@ -134,7 +136,7 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
         return False  # torch.func words the error
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and (
-            leaf.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(leaf)
+            leaf.requires_grad or _torch.is_functorch_wrapped_tensor(leaf)
         ):
             return False
     return all(
@@ -335,7 +337,7 @@ def per_example_grads(
     """
 
     def one_example(params: Params, example: Any) -> Params:
-        batch = torch.utils._pytree.tree_map(lambda t: t.unsqueeze(batch_dim), example)
+        batch = pytree.tree_map(lambda t: t.unsqueeze(batch_dim), example)
         return torch.func.grad(_with_saved_tensor_hooks(loss_fn))(params, batch)
 
     return torch.func.vmap(one_example, in_dims=(None, batch_dim))

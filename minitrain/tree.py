@@ -1,9 +1,10 @@
 """Pytree utilities: tiny pure functions over nested dicts, lists, tuples and NamedTuples.
 
-Built on ``torch.utils._pytree``. Leaves are visited in a stable order: dict keys in insertion
-order (as ``nn.Module.state_dict`` does), then list and tuple items by index, NamedTuple fields
-in declaration order. :func:`named_leaves` names each leaf by its path, joined with dots, so a
-Cruncher's params read ``layers.0.weight``, ``layers.1.weight``, ``final.weight``.
+Built on torch's pytrees (``minitrain._torch.pytree``). Leaves are visited in a stable order:
+dict keys in insertion order (as ``nn.Module.state_dict`` does), then list and tuple items by
+index, NamedTuple fields in declaration order. :func:`named_leaves` names each leaf by its path,
+joined with dots, so a Cruncher's params read ``layers.0.weight``, ``layers.1.weight``,
+``final.weight``.
 
 >>> import torch
 >>> import minitrain as mt
@@ -21,7 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as _pytree
+
+from minitrain import _torch
+from minitrain._torch import pytree as _pytree
 
 __all__ = [
     "PyTree",
@@ -145,11 +148,11 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     tensors = [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
     if not tensors:  # float32 on the CPU whatever torch's default dtype and device
         return torch.zeros((), dtype=torch.float32, device="cpu")
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    if any(_torch.is_functorch_wrapped_tensor(t) for t in tensors):
         # Under vmap/grad: _foreach_norm has no batching rule, so one norm per leaf.
         norms = [torch.linalg.vector_norm(_at_least_fp32(t), 2) for t in tensors]
     else:
-        norms = torch._foreach_norm([_at_least_fp32(t) for t in tensors], 2)
+        norms = _torch.foreach_norm([_at_least_fp32(t) for t in tensors], 2)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minitrain.backend import get_backend
+from minitrain.precision import get_backend
 from minitrain.train import fit, load_experiment
 from minitrain.train.members import Ensemble
 

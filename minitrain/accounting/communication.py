@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import math
 
+from minitrain.accounting.units import Number
+from minitrain.errors import UserError
+
 __all__ = ["allreduce_bytes", "allreduce_seconds", "communication_time"]
 
-Number = int | float
 
 
 def _check(gradient_bytes: Number, ranks: int) -> None:
     if not math.isfinite(gradient_bytes) or gradient_bytes < 0:
-        raise ValueError(f"gradient_bytes must be a finite number >= 0, got {gradient_bytes!r}")
+        raise UserError(f"gradient_bytes must be a finite number >= 0, got {gradient_bytes!r}")
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
+        raise UserError(f"ranks must be an integer >= 1, got {ranks!r}")
 
 
 def allreduce_bytes(gradient_bytes: Number, ranks: int) -> float:
@@ -52,7 +54,7 @@ def allreduce_seconds(gradient_bytes: Number, ranks: int, bandwidth: Number) -> 
     0.5595
     """
     if not math.isfinite(bandwidth) or bandwidth <= 0:
-        raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+        raise UserError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
     return allreduce_bytes(gradient_bytes, ranks) / bandwidth
 
 
@@ -78,8 +80,8 @@ def communication_time(
     """
     for name, value in (("tokens", tokens), ("batch_tokens", batch_tokens), ("params", params)):
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
+            raise UserError(f"{name} must be a positive number, got {value!r}")
     if not math.isfinite(bytes_per_grad) or bytes_per_grad <= 0:
-        raise ValueError(f"bytes_per_grad must be positive (2 for bf16), got {bytes_per_grad!r}")
+        raise UserError(f"bytes_per_grad must be positive (2 for bf16), got {bytes_per_grad!r}")
     steps = tokens / batch_tokens
     return steps * allreduce_seconds(params * bytes_per_grad, ranks, bandwidth)

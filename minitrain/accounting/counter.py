@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
+from minitrain import _torch
+from minitrain._torch import TorchDispatchMode
 from minitrain.accounting.hardware import HardwareError, dtype_name
-from minitrain.accounting.op_formulas import FORMULA_OPS
-from minitrain.accounting.timeline import LiveStorages, Timeline
+from minitrain.accounting.op_formulas import FORMULA_OPS, elements, tensors
+from minitrain.accounting.timeline import LiveStorages, Timeline, innermost
 from minitrain.func import saved_tensor_hooks_inside
 
 __all__ = [
@@ -196,10 +196,6 @@ def _base_name(packet: Any) -> str:
     return name.rstrip("_") if name.endswith("_") and not name.endswith("__") else name
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
-
-
 def _mutated(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     """Tensors an op writes in place (its schema marks them ``Tensor(a!)``)."""
     mutated = []
@@ -210,7 +206,7 @@ def _mutated(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
             value = kwargs.get(argument.name)
         else:
             value = args[position]
-        mutated.extend(_tensors(value))
+        mutated.extend(tensors(value))
     return mutated
 
 
@@ -221,10 +217,6 @@ def _unique_bytes(t: torch.Tensor) -> int:
         if stride != 0:
             numel *= size
     return numel * t.element_size() if t.numel() else 0
-
-
-def _elements(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() for t in tensors)
 
 
 def _returns_aliases(func: Any) -> bool:
@@ -243,7 +235,7 @@ def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         return True
     if mutated or not outputs:
         return False
-    return all(any(torch._C._is_alias_of(out, t) for t in inputs) for out in outputs)
+    return all(any(_torch.is_alias_of(out, t) for t in inputs) for out in outputs)
 
 
 
@@ -255,10 +247,6 @@ def _dtype_label(tensors: list[torch.Tensor]) -> str:
         return dtype_name(tensors[0].dtype)
     except HardwareError:
         return str(tensors[0].dtype).removeprefix("torch.")
-
-
-def _innermost(parents: set[str]) -> str:
-    return max(parents, key=lambda p: (p != "Global", p.count("."), len(p)), default="Global")
 
 
 class _Mode(TorchDispatchMode):
@@ -295,8 +283,7 @@ class Counter:
     ``by_op`` and ``by_module`` (name -> :class:`OpTotals`), ``unknown`` (op -> calls with no
     FLOP formula), ``records``, ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes``
     (live bytes when the first backward op ran: params, state, batch and the saved
-    activations) and
-    ``forward_matmul_inputs`` (storage address -> bytes of each forward matmul operand).
+    activations).
 
     >>> import torch
     >>> with Counter() as c:
@@ -320,7 +307,6 @@ class Counter:
     unknown: dict[str, int] = field(default_factory=dict)
     records: list[OpRecord] = field(default_factory=list)
     backward_start_live_bytes: int | None = None
-    forward_matmul_inputs: dict[int, int] = field(default_factory=dict)
     record_timeline: bool = False
     _live: LiveStorages = field(default_factory=LiveStorages, repr=False)
     _hooks: Any = field(default=None, repr=False)
@@ -357,13 +343,13 @@ class Counter:
         """Count the tensors of ``trees`` (params, optimizer state, batch) as live memory now;
         ``category`` names them in the timeline (see :mod:`minitrain.accounting.timeline`)."""
         if self.track_memory:
-            for t in _tensors(trees):
+            for t in tensors(trees):
                 self._live.add(t, category)
 
     def categorize(self, *trees: Any, category: str) -> None:
         """Put the live storages of ``trees`` (grads, new params...) in ``category`` of the
         timeline, unless :meth:`track` already gave them one."""
-        for t in _tensors(trees):
+        for t in tensors(trees):
             self._live.categorize(t, category)
 
     def set_phase(self, phase: str) -> None:
@@ -404,17 +390,17 @@ class Counter:
             return int(FORMULA_OPS[base](func, args, kwargs))
         if base in POINTWISE_FLOPS:
             # In-place ``_foreach_*`` ops return nothing: count the tensors they write.
-            written = _tensors(out) or _mutated(func, args, kwargs)
-            return POINTWISE_FLOPS[base] * _elements(written)
-        first = _tensors(args[0] if args else ())
+            written = tensors(out) or _mutated(func, args, kwargs)
+            return POINTWISE_FLOPS[base] * elements(written)
+        first = tensors(args[0] if args else ())
         if base in REDUCTION_FLOPS:
-            return REDUCTION_FLOPS[base] * _elements(first)
+            return REDUCTION_FLOPS[base] * elements(first)
         return None
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         packet = func._overloadpacket
         name, base = str(packet), _base_name(packet)
-        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        inputs, outputs = tensors((args, kwargs)), tensors(out)
         mutated = _mutated(func, args, kwargs)
         written = {id(t): t for t in (*outputs, *mutated)}
         view = _is_view(func, inputs, outputs, mutated)
@@ -422,7 +408,7 @@ class Counter:
         if flops is None:
             self.unknown[name] = self.unknown.get(name, 0) + 1
         moved = not view
-        backward = torch._C._current_autograd_node() is not None
+        backward = _torch.current_autograd_node() is not None
         if backward:
             self._phase = "backward"
         elif self._phase == "backward":
@@ -437,7 +423,7 @@ class Counter:
         record = OpRecord(
             op=name,
             base=base,
-            module=_innermost(parents),
+            module=innermost(parents),
             backward=backward,
             flops=flops or 0,
             bytes_read=sum(map(_unique_bytes, inputs)) if moved else 0,
@@ -458,37 +444,8 @@ class Counter:
             self.by_module[parent].add(record)
             if record.is_matmul:
                 self.matmul_by_module[parent][name] += record.flops
-        if record.is_matmul and not backward:
-            for t in inputs:
-                key = t.untyped_storage().data_ptr()
-                self.forward_matmul_inputs.setdefault(key, _unique_bytes(t))
         if self.keep_records:
             self.records.append(record)
-
-    def summary(self) -> dict[str, Any]:
-        """Totals as plain JSON-serializable values."""
-        return {
-            "flops": self.flops,
-            "matmul_flops": self.matmul_flops,
-            "bytes_read": self.bytes_read,
-            "bytes_written": self.bytes_written,
-            "peak_bytes": self.peak_bytes if self.track_memory else None,
-            "unknown_ops": dict(self.unknown),
-            "by_op": {name: vars(totals).copy() for name, totals in self.by_op.items()},
-        }
-
-    def table(self, top: int = 20) -> str:
-        """The ``top`` ops by FLOPs as an aligned text table, unknown ops marked ``?``."""
-        rows = sorted(self.by_op.items(), key=lambda item: (-item[1].flops, item[0]))[:top]
-        lines = [f"{'op':<36}{'calls':>7}{'FLOPs':>12}{'bytes':>12}{'FLOP/B':>9}"]
-        for name, t in rows:
-            moved = t.bytes_read + t.bytes_written
-            mark = "?" if name in self.unknown else " "
-            ratio = f"{t.flops / moved:9.2f}" if moved else f"{'-':>9}"
-            lines.append(
-                f"{name + mark:<36}{t.calls:>7}{t.flops:>12.3g}{moved:>12.3g}{ratio}"
-            )
-        return "\n".join(lines)
 
     def __iter__(self) -> Iterator[OpRecord]:
         return iter(self.records)

@@ -20,39 +20,23 @@ from typing import Any
 
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
+from minitrain.accounting.units import Number
+from minitrain.errors import UserError
 
 __all__ = [
-    "Number",
-    "SECONDS_PER_DAY",
     "cruncher_flops",
     "effective_throughput",
-    "forward_flops",
     "fused_kernel_flops_per_element",
     "optimizer_flops_per_element",
-    "round_significant",
     "training_flops",
     "training_time",
 ]
-
-Number = int | float
-SECONDS_PER_DAY = 86_400
 
 
 def _positive(name: str, value: Number, *, allow_zero: bool = True) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
-def forward_flops(params: Number, tokens: Number) -> float:
-    """``2·N·D``: one multiply-add per parameter per token, forward only.
-
-    >>> forward_flops(params=1e9, tokens=1e3)
-    2000000000000.0
-    """
-    _positive("params", params)
-    _positive("tokens", tokens)
-    return 2.0 * params * tokens
+        raise UserError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 def training_flops(params: Number, tokens: Number) -> float:
@@ -80,9 +64,9 @@ def effective_throughput(
     5.065728e+17
     """
     if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
+        raise UserError(f"gpus must be >= 1, got {gpus}")
     if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1] (a fraction, e.g. 0.5), got {mfu}")
+        raise UserError(f"mfu must be in (0, 1] (a fraction, e.g. 0.5), got {mfu}")
     if isinstance(hardware, str):
         hardware = lookup_hardware(hardware)
     peak = hardware.peak(dtype) if isinstance(hardware, Hardware) else float(hardware)
@@ -99,23 +83,12 @@ def training_time(
 ) -> float:
     """Seconds to do ``flops`` of work: ``flops / (peak × gpus × mfu)`` (chapter 3.1.1).
 
-    >>> days = training_time(6.3e24, hardware="h100", gpus=1024, mfu=0.5) / SECONDS_PER_DAY
+    >>> days = training_time(6.3e24, hardware="h100", gpus=1024, mfu=0.5) / 86_400
     >>> round(days, 1)
     143.9
     """
     _positive("flops", flops)
     return flops / effective_throughput(hardware, gpus=gpus, mfu=mfu, dtype=dtype)
-
-
-def round_significant(value: Number, digits: int = 1) -> float:
-    """``value`` rounded to ``digits`` significant figures, as napkin math rounds.
-
-    >>> round_significant(5.065728e17)
-    5e+17
-    """
-    if value == 0:
-        return 0.0
-    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
 
 
 def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = False) -> int:
@@ -131,9 +104,9 @@ def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = 
     """
     for name, value in (("batch", batch), ("dim", dim)):
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise UserError(f"{name} must be >= 1, got {value}")
     if num_layers < 0:
-        raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+        raise UserError(f"num_layers must be >= 0, got {num_layers}")
     params = dim * dim * num_layers + dim
     first_layer = dim * dim if num_layers else dim
     skipped = 0 if input_grad else 2 * batch * first_layer
@@ -182,7 +155,7 @@ def optimizer_flops_per_element(
     key = optimizer.strip().lower()
     if key not in FUSED_OPTIMIZERS:
         choices = ", ".join(FUSED_OPTIMIZERS)
-        raise ValueError(f"no fused-kernel formula for {optimizer!r}; choose one of {choices}")
+        raise UserError(f"no fused-kernel formula for {optimizer!r}; choose one of {choices}")
     common = bool(maximize) + (weight_decay != 0) + bool(grad_scale)
     if key == "sgd":
         with_momentum = momentum != 0

@@ -35,6 +35,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from minitrain.errors import UserError
+
 __all__ = [
     "DTYPE_NAMES",
     "Hardware",
@@ -61,7 +63,7 @@ DTYPE_NAMES: dict[str, tuple[str, ...]] = {
 _DTYPE_ALIASES = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
 
 
-class HardwareError(ValueError):
+class HardwareError(UserError):
     """An unknown hardware name or dtype."""
 
 

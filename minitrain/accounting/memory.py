@@ -14,29 +14,18 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from minitrain.accounting.flops import Number
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
+from minitrain.accounting.units import Number
+from minitrain.errors import UserError
+from minitrain.precision.policies import PRECISIONS, Precision
+from minitrain.precision.policies import element_bytes as precision
 
 __all__ = [
-    "OPTIMIZER_STATES",
-    "PRECISIONS",
-    "RECOMPUTE",
-    "BytesPerParam",
-    "MemoryBreakdown",
-    "Precision",
-    "bytes_per_param",
-    "cruncher_activations",
-    "cruncher_memory",
-    "cruncher_params",
-    "max_params",
-    "STATE_OPTIONS",
-    "optimizer_key",
-    "optimizer_state_elements",
-    "optimizer_states",
-    "per_device_bytes_per_param",
-    "training_memory",
-    "transformer_activation_bytes",
+    "OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
+    "Precision", "bytes_per_param", "cruncher_activations", "cruncher_memory", "cruncher_params",
+    "max_params", "optimizer_key", "optimizer_state_elements", "optimizer_states",
+    "per_device_bytes_per_param", "training_memory",
 ]
 
 # Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
@@ -51,22 +40,9 @@ __all__ = [
 # "row_var" (rows) and "col_var" (columns), ``(r + c)/(r·c)`` elements per parameter, 0 in the
 # limit of large matrices; a vector keeps a full "variance" (see :func:`optimizer_state_elements`).
 OPTIMIZER_STATES: dict[str, int] = {
-    "sgd": 0,
-    "momentum": 1,
-    "adagrad": 1,
-    "rmsprop": 1,
-    "adam": 2,
-    "adamw": 2,
-    "adadelta": 2,
-    "adamax": 2,
-    "nadam": 2,
-    "radam": 2,
-    "asgd": 1,
-    "rprop": 2,
-    "adafactor": 0,
-    "lion": 1,
-    "muon": 1,
-    "schedule_free_adamw": 2,
+    "sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2, "adadelta": 2,
+    "adamax": 2, "nadam": 2, "radam": 2, "asgd": 1, "rprop": 2, "adafactor": 0, "lion": 1,
+    "muon": 1, "schedule_free_adamw": 2,
 }
 # 0-d tensors torch keeps per parameter tensor besides those: "step" (all but SGD, Lion and
 # Muon), NAdam's "mu_product", ASGD's "eta" and "mu".
@@ -81,35 +57,12 @@ STATE_OPTIONS: dict[str, tuple[str, ...]] = {
     "momentum": ("sgd", "momentum", "rmsprop"),
     "centered": ("rmsprop",),
 }
-
-
-class Precision(NamedTuple):
-    """Bytes per element of each kind of tensor under one precision recipe."""
-
-    params: int
-    grads: int
-    optimizer_state: int
-    master_weights: int
-    activations: int
-    description: str
-
-
-# fp32: everything 4 bytes (the chapter's "naive" recipe). bf16-mixed: bf16 params and grads,
-# fp32 master weights and optimizer state, bf16 activations (Micikevicius et al. 2018; the
-# ZeRO paper's 2 + 2 + 12 = 16 bytes/param for Adam, Rajbhandari et al. 2020, section 3.1).
-# amp: torch.autocast over fp32 params (minitrain's CUDA backend): fp32 params, grads and state,
-# bf16 activations. bf16: everything 2 bytes, no master copy.
-PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision(4, 4, 4, 0, 4, "fp32 params, grads, optimizer state and activations"),
-    "bf16-mixed": Precision(
-        2, 2, 4, 4, 2, "bf16 params and grads; fp32 master weights and optimizer state"
-    ),
-    "amp": Precision(4, 4, 4, 0, 2, "autocast: fp32 params, grads and state; bf16 activations"),
-    "bf16": Precision(2, 2, 2, 0, 2, "pure bf16: everything 2 bytes, no master weights"),
-}
-_PRECISION_ALIASES = {"mixed": "bf16-mixed", "float32": "fp32", "bfloat16": "bf16"}
-
-RECOMPUTE = ("none", "selective", "full")
+# What each ZeRO stage shards over the devices (Rajbhandari et al. 2020, "ZeRO", figure 1):
+# stage 1 the optimizer state (with the master weights), stage 2 also the grads, stage 3 also
+# the params. Stage 0 replicates everything.
+_SHARDED = {0: (), 1: ("optimizer_state", "master_weights"),
+            2: ("optimizer_state", "master_weights", "grads"),
+            3: ("optimizer_state", "master_weights", "grads", "params")}
 
 
 def optimizer_key(optimizer: str) -> str:
@@ -120,7 +73,7 @@ def optimizer_key(optimizer: str) -> str:
     """
     key = optimizer.strip().lower().replace("-", "_") if isinstance(optimizer, str) else None
     if key not in OPTIMIZER_STATES:
-        raise ValueError(
+        raise UserError(
             f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}"
         )
     return key
@@ -130,7 +83,7 @@ def _check_options(key: str, options: dict[str, bool]) -> None:
     for name, value in options.items():
         if value and key not in STATE_OPTIONS[name]:
             takers = " and ".join(STATE_OPTIONS[name])
-            raise ValueError(f"{name} does not apply to {key}; it is an option of {takers} only")
+            raise UserError(f"{name} does not apply to {key}; it is an option of {takers} only")
 
 
 def optimizer_states(
@@ -151,13 +104,8 @@ def optimizer_states(
 
 
 def optimizer_state_elements(
-    optimizer: str,
-    shape: tuple[int, ...],
-    *,
-    amsgrad: bool = False,
-    momentum: bool = False,
-    centered: bool = False,
-    scalars: bool = True,
+    optimizer: str, shape: tuple[int, ...], *, amsgrad: bool = False, momentum: bool = False,
+    centered: bool = False, scalars: bool = True,
 ) -> int:
     """Elements of optimizer state torch keeps for one parameter of ``shape`` (torch's layouts,
     see :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``.
@@ -180,7 +128,7 @@ def optimizer_state_elements(
     if not isinstance(shape, tuple | list) or any(
         not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in shape
     ):
-        raise ValueError(f"shape must be a tuple of sizes >= 0, got {shape!r}")
+        raise UserError(f"shape must be a tuple of sizes >= 0, got {shape!r}")
     scalar = _SCALAR_STATES[key]
     if key == "muon" and len(shape) != 2:
         full, scalar = OPTIMIZER_STATES["adamw"], _SCALAR_STATES["adamw"]
@@ -190,18 +138,6 @@ def optimizer_state_elements(
     elif key == "adafactor":
         elements = math.prod(shape)
     return elements + (scalar if scalars else 0)
-
-
-def precision(name: str) -> Precision:
-    """The :class:`Precision` recipe called ``name`` (``fp32``, ``bf16-mixed``, ``amp``, ``bf16``).
-
-    >>> precision("mixed").master_weights
-    4
-    """
-    key = _PRECISION_ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key not in PRECISIONS:
-        raise ValueError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[key]
 
 
 class BytesPerParam(NamedTuple):
@@ -231,30 +167,21 @@ def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32", *,
     """
     recipe = precision(precision_name)
     states = optimizer_states(optimizer, amsgrad=amsgrad, momentum=momentum, centered=centered)
-    return BytesPerParam(
-        params=recipe.params,
-        grads=recipe.grads,
-        optimizer_state=states * recipe.optimizer_state,
-        master_weights=recipe.master_weights,
-    )
+    return BytesPerParam(recipe.params, recipe.grads, states * recipe.optimizer_state,
+                         recipe.master_weights)
 
 
 def per_device_bytes_per_param(per_param: BytesPerParam, gpus: int, zero_stage: int) -> float:
     """Bytes per parameter on one device when sharded over ``gpus`` (ZeRO stage 0-3).
 
-    Rajbhandari et al. 2020, "ZeRO", figure 1: stage 1 shards optimizer state (with the master
-    weights), stage 2 also the grads, stage 3 also the params. Stage 0 replicates everything.
-
     >>> per_device_bytes_per_param(bytes_per_param("adamw", "bf16-mixed"), 64, 1)  # 4 + 12/64
     4.1875
     """
     if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    state = per_param.optimizer_state + per_param.master_weights
-    grads, params = per_param.grads, per_param.params
-    sharded = {0: 0, 1: state, 2: state + grads, 3: state + grads + params}[zero_stage]
+        raise UserError(f"gpus must be >= 1, got {gpus}")
+    if zero_stage not in _SHARDED:
+        raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    sharded = sum(getattr(per_param, kind) for kind in _SHARDED[zero_stage])
     return per_param.total - sharded + sharded / gpus
 
 
@@ -263,19 +190,13 @@ def _memory_bytes(memory: str | Hardware | Number) -> float:
         memory = lookup_hardware(memory)
     value = memory.memory_bytes if isinstance(memory, Hardware) else memory
     if value <= 0:
-        raise ValueError(f"memory must be a positive number of bytes, got {value}")
+        raise UserError(f"memory must be a positive number of bytes, got {value}")
     return float(value)
 
 
 def max_params(
-    memory: str | Hardware | Number,
-    *,
-    optimizer: str = "adamw",
-    precision: str = "fp32",
-    gpus: int = 1,
-    zero_stage: int = 3,
-    reserved_bytes: Number = 0,
-    **state_options: bool,
+    memory: str | Hardware | Number, *, optimizer: str = "adamw", precision: str = "fp32",
+    gpus: int = 1, zero_stage: int = 3, reserved_bytes: Number = 0, **state_options: bool,
 ) -> float:
     """The most parameters that fit: per-device memory over per-device bytes per parameter.
 
@@ -289,7 +210,7 @@ def max_params(
     """
     free = _memory_bytes(memory) - reserved_bytes
     if free <= 0:
-        raise ValueError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
+        raise UserError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
     per_param = bytes_per_param(optimizer, precision, **state_options)
     return free / per_device_bytes_per_param(per_param, gpus, zero_stage)
 
@@ -309,16 +230,9 @@ class MemoryBreakdown(NamedTuple):
 
 
 def training_memory(
-    params: Number,
-    *,
-    optimizer: str = "adamw",
-    precision: str = "fp32",
-    activation_bytes: Number = 0,
-    gpus: int = 1,
-    zero_stage: int = 0,
-    amsgrad: bool = False,
-    momentum: bool = False,
-    centered: bool = False,
+    params: Number, *, optimizer: str = "adamw", precision: str = "fp32",
+    activation_bytes: Number = 0, gpus: int = 1, zero_stage: int = 0, amsgrad: bool = False,
+    momentum: bool = False, centered: bool = False,
 ) -> MemoryBreakdown:
     """Bytes on one device to train ``params`` parameters (activations given per device);
     ``amsgrad``, ``momentum`` and ``centered`` as in :func:`optimizer_states`.
@@ -330,17 +244,10 @@ def training_memory(
     """
     per_param = bytes_per_param(optimizer, precision, amsgrad=amsgrad, momentum=momentum,
                                 centered=centered)
-    shard = {
-        "optimizer_state": zero_stage >= 1,
-        "master_weights": zero_stage >= 1,
-        "grads": zero_stage >= 2,
-        "params": zero_stage >= 3,
-    }
     per_device_bytes_per_param(per_param, gpus, zero_stage)  # validates gpus and zero_stage
-    parts = {
-        kind: float(params * getattr(per_param, kind) / (gpus if shard[kind] else 1))
-        for kind in shard
-    }
+    parts = {kind: float(params * getattr(per_param, kind)
+                         / (gpus if kind in _SHARDED[zero_stage] else 1))
+             for kind in BytesPerParam._fields}
     return MemoryBreakdown(activations=float(activation_bytes), **parts)
 
 
@@ -377,66 +284,8 @@ def cruncher_memory(
     >>> m.total == 4 * (3 * cruncher_params(1024, 8) + cruncher_activations(256, 1024, 8))
     True
     """
-    params = cruncher_params(dim, num_layers)
+    params = float(bytes_per_element * cruncher_params(dim, num_layers))
     return MemoryBreakdown(
-        params=float(bytes_per_element * params),
-        grads=float(bytes_per_element * params),
-        optimizer_state=float(bytes_per_element * optimizer_states(optimizer) * params),
-        master_weights=0.0,
-        activations=float(bytes_per_element * cruncher_activations(batch, dim, num_layers)),
+        params, params, optimizer_states(optimizer) * params, 0.0,
+        float(bytes_per_element * cruncher_activations(batch, dim, num_layers)),
     )
-
-
-def transformer_activation_bytes(
-    *,
-    seq_len: int,
-    batch: int,
-    hidden: int,
-    heads: int,
-    num_layers: int,
-    recompute: str = "none",
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
-    bytes_per_element: int = 2,
-    attention: str = "eager",
-    mask_bytes: int = 1,
-) -> float:
-    """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4).
-
-    Per layer, with 16-bit activations and 1-byte dropout masks: ``s·b·h·(34 + 5·a·s/h)``
-    (eq. 1); with tensor parallelism ``t``: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), and with
-    sequence parallelism everything over ``t`` (eq. 4). Selective recomputation drops the
-    ``5·a·s/h`` attention term (eq. 6); full recomputation keeps only each layer's input,
-    ``2·s·b·h`` (section 4.1). Other widths ``p = bytes_per_element`` and ``m = mask_bytes``
-    scale each term by what it holds (section 4.1's list): ``s·b·h·(4p + 2m)`` replicated over
-    tensor-parallel ranks (layer-norm inputs, the QKV and MLP inputs, two dropout masks),
-    ``12p·s·b·h/t`` split (Q, K, V, the projection input, the two MLP activations) and
-    ``(2p + m)·a·s²·b/t`` of scores; fp32 activations with 1-byte masks: ``66 + 9·a·s/h``.
-    ``attention="flash"``: a fused kernel (FlashAttention, Dao et al. 2022) saves no ``s²``
-    terms, only the softmax's log-sum-exp in fp32, ``4·a·s·b`` bytes per layer (over ``t``);
-    ``"selective"`` is ``recompute="selective"``. Embedding and logits are not included. Term
-    by term (one layer, no parallelism):
-    :func:`minitrain.accounting.transformer.transformer_activation_terms`.
-
-    >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
-    ...                              num_layers=1) / 2**30   # GPT-3, one layer
-    2.671875
-    """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
-    if attention not in ("eager", "selective", "flash"):
-        raise ValueError(f"unknown attention {attention!r}; choose one of eager, selective, flash")
-    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
-                        ("heads", heads), ("num_layers", num_layers),
-                        ("tensor_parallel", tensor_parallel)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    t, p, m = tensor_parallel, bytes_per_element, mask_bytes
-    sbh, asb = seq_len * batch * hidden, heads * seq_len * batch
-    sp = t if sequence_parallel else 1
-    if recompute == "full":
-        return p * sbh / sp * num_layers
-    scores = (2 * p + m) * asb * seq_len if recompute == "none" and attention == "eager" else 0
-    logsumexp = 4 * asb if attention == "flash" else 0  # fp32 whatever the activations
-    per_layer = (4 * p + 2 * m) * sbh / sp + (12 * p * sbh + scores + logsumexp) / t
-    return per_layer * num_layers

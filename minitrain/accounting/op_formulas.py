@@ -6,8 +6,8 @@ arguments by their schema names. :class:`~minitrain.accounting.Counter` uses the
 ``torch.utils.flop_counter`` has no formula for: the CPU attention kernels (with the formulas
 of their CUDA twins), normalization and pooling kernels and their backward passes, losses,
 embedding gradients, and torch's fused optimizer kernels (by their hyperparameters). Each
-fused kernel is counted as the elementary ops it replaces would be (tests/accounting/test_counter_ops.py
-checks both give torch's values and the same count).
+fused kernel is counted as the elementary ops it replaces would be
+(tests/accounting/test_counter_ops.py checks both give torch's values and the same count).
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from minitrain._torch import aten_native_batch_norm_legit_no_training, pytree
 from minitrain.accounting.flops import fused_kernel_flops_per_element
 
-__all__ = ["FORMULA_OPS"]
+__all__ = ["FORMULA_OPS", "elements", "tensors"]
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of ``tree`` (an op's arguments or outputs)."""
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
-def _elements(tensors: list[torch.Tensor]) -> int:
+def elements(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
-
 
 
 def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
@@ -114,7 +114,7 @@ def _batch_norm_flops(func: Any, args: Any, kwargs: Any) -> int:
     x = _argument(func, args, kwargs, "input")
     training = _optional(func, args, kwargs, "training")
     training = bool(training) if training is not None else func._overloadpacket is not (
-        torch.ops.aten._native_batch_norm_legit_no_training)
+        aten_native_batch_norm_legit_no_training)
     affine = sum(_argument(func, args, kwargs, n) is not None for n in ("weight", "bias"))
     running = _optional(func, args, kwargs, "running_mean") is not None
     channels = x.shape[1] if x.dim() > 1 else 1
@@ -198,7 +198,7 @@ def _fused_optimizer_flops(optimizer: str) -> Callable[[Any, Any, Any], int]:
     # torch's fused kernels by their own hyperparameters (flops.fused_kernel_flops_per_element)
     def flops(func: Any, args: Any, kwargs: Any) -> int:
         named = {a.name: _argument(func, args, kwargs, a.name) for a in func._schema.arguments}
-        return fused_kernel_flops_per_element(optimizer, named) * _elements(_tensors(named["self"]))
+        return fused_kernel_flops_per_element(optimizer, named) * elements(tensors(named["self"]))
 
     return flops
 

@@ -30,25 +30,28 @@ allocated, so a 1.5B-param model predicts on a laptop.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 
+from minitrain._torch import FakeTensorMode, TorchDispatchMode, disable_current_modes
 from minitrain.accounting.counter import Counter
-from minitrain.accounting.hardware import Hardware, HardwareError, dtype_name, hardware
-from minitrain.accounting.predict_lifetimes import CATEGORIES, Lifetimes, category, replay
+from minitrain.accounting.fake import (
+    PredictionError,
+    TensorSpec,
+    fake_mode,
+    fake_tree,
+    find_mode,
+    meta_tree,
+    one_line_errors,
+)
+from minitrain.accounting.hardware import Hardware, hardware
+from minitrain.accounting.predict_lifetimes import Lifetimes, category, replay
+from minitrain.accounting.roofline import step_time
+from minitrain.accounting.timeline import CATEGORIES
+from minitrain.errors import UserError
 from minitrain.func import value_and_grad
 from minitrain.tree import global_norm
 
@@ -60,31 +63,7 @@ __all__ = [
     "fake_mode",
     "predict_call",
     "predict_step",
-    "step_time",
 ]
-
-
-class PredictionError(ValueError):
-    """A step that cannot be traced without data (``.item()``, data-dependent shapes);
-    ``reason`` says which op and why, in a few words."""
-
-    def __init__(self, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason or message
-
-
-class TensorSpec(NamedTuple):
-    """A tensor's shape and dtype (and device), without data: ``jax.ShapeDtypeStruct``.
-
-    A ``(shape, dtype)`` tuple and a tensor on the meta device are read the same way.
-
-    >>> TensorSpec((8, 1024), torch.int64)
-    TensorSpec(shape=(8, 1024), dtype=torch.int64, device='cpu')
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
 
 
 class SavedTensor(NamedTuple):
@@ -173,67 +152,6 @@ class StepPrediction(NamedTuple):
         }
 
 
-def fake_mode() -> FakeTensorMode:
-    """A fake tensor mode for building a model or a batch to predict with (real tensors that
-    meet fake ones are converted, as a module's buffers must be).
-
-    >>> with fake_mode():
-    ...     w = torch.nn.Linear(4096, 4096).weight   # no memory behind it
-    >>> type(w.data).__name__, w.shape
-    ('FakeTensor', torch.Size([4096, 4096]))
-    """
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-# -- inputs: real, meta, fake, specs -> fake tensors ------------------------------------------
-
-
-def _is_spec(x: Any) -> bool:
-    if isinstance(x, TensorSpec):
-        return True
-    return (
-        isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
-        and isinstance(x[0], tuple | list | torch.Size)
-        and all(isinstance(n, int) for n in x[0])
-    )
-
-
-def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
-    if _is_spec(x):
-        spec = x if isinstance(x, TensorSpec) else TensorSpec(tuple(x[0]), x[1])
-        with mode:
-            return torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-    if not isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, FakeTensor):
-        if x.fake_mode is not mode:
-            raise ValueError("tensors from two fake modes; build them under one fake_mode()")
-        return x
-    if x.is_meta:
-        with mode:
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
-    return mode.from_tensor(x)
-
-
-def _to_meta(x: Any) -> Any:
-    # A fake tensor's twin on the meta device (outside the fake mode: see the module docstring).
-    if not isinstance(x, torch.Tensor):
-        return x
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-
-
-def _find_mode(tree: Any) -> FakeTensorMode | None:
-    leaves, _ = tree_flatten(tree)
-    for leaf in leaves:
-        if isinstance(leaf, FakeTensor):
-            return leaf.fake_mode
-    return None
-
-
-def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    return tree_map(fn, tree, is_leaf=_is_spec)
-
-
 # -- the traced step ---------------------------------------------------------------------------
 
 
@@ -243,7 +161,7 @@ class _Metadata(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default:
-            with _disable_current_modes():
+            with disable_current_modes():
                 return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
@@ -254,6 +172,17 @@ class _Trace:
     def __init__(self) -> None:
         self.lifetimes = Lifetimes()
         self.counter = Counter(keep_records=True, track_memory=False)
+
+    def inputs(self, tree: Any, kind: str) -> Any:
+        """``tree`` counted as live from the start, in category ``kind``."""
+        self.lifetimes.register(tree, kind)
+        return tree
+
+    def meta(self, tree: Any) -> Any:
+        """``tree``'s twin on the meta device, standing for the same allocations."""
+        twin = meta_tree(tree)
+        self.lifetimes.alias(twin, tree)
+        return twin
 
     @contextlib.contextmanager
     def watching(self, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
@@ -267,25 +196,6 @@ class _Trace:
             stack.enter_context(self.counter)
             stack.enter_context(_Metadata())
             yield
-
-
-def _describe(func: Any) -> str:
-    name = str(func).removesuffix(".default")
-    if "_local_scalar_dense" in name:
-        return f"{name} (.item(), float() or int() of a tensor) needs the tensor's data"
-    return f"{name} needs the tensor's data (its output shape depends on the values)"
-
-
-@contextlib.contextmanager
-def _one_line_errors() -> Iterator[None]:
-    try:
-        yield
-    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        reason = f"{_describe(exc.func)}, which fake tensors do not have"
-        raise PredictionError(f"{reason}: measure one real step instead", reason) from None
-    except UnsupportedOperatorException as exc:
-        reason = f"{exc.func} has no fake-tensor implementation"
-        raise PredictionError(f"{reason}: measure one real step instead", reason) from None
 
 
 def predict_step(
@@ -332,53 +242,47 @@ def predict_step(
 
     Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
     """
-    spec = hardware if isinstance(hardware, Hardware) else _hardware(hardware or "h100")
-    mode = _find_mode((params, batch)) or fake_mode()
-    fake_params = _map(lambda x: _to_fake(mode, x), params)
-    fake_batch = _map(lambda x: _to_fake(mode, x), batch)
+    spec = hardware if isinstance(hardware, Hardware) else _lookup(hardware or "h100")
+    mode = find_mode((params, batch)) or fake_mode()
     trace = _Trace()
-    lifetimes = trace.lifetimes
-    lifetimes.register(fake_params, "params")
-    lifetimes.register(fake_batch, "batch")
+    fake_params = trace.inputs(fake_tree(mode, params), "params")
+    fake_batch = trace.inputs(fake_tree(mode, batch), "batch")
+    meta_params = trace.meta(fake_params)
     state = None
-    meta_params = None
     if optimizer is not None:
-        meta_params = _map(_to_meta, fake_params)
-        lifetimes.alias(meta_params, fake_params)
-        state = optimizer.init(meta_params)
-        lifetimes.register(state, "optimizer_state")
+        state = trace.inputs(optimizer.init(meta_params), "optimizer_state")
     objective, aux = loss_fn, has_aux
     if model_state is not None:
-        fake_state = _map(lambda x: _to_fake(mode, x), model_state)
-        lifetimes.register(fake_state, "buffers")
+        fake_state = trace.inputs(fake_tree(mode, model_state), "buffers")
         objective, aux = _with_state(loss_fn, fake_state, has_aux), True
-    persistent = _live_by_category(lifetimes)
+    persistent = _live_by_category(trace.lifetimes)
     gradients = value_and_grad(objective, has_aux=aux)
-    new_state = None
-    with warnings.catch_warnings(), _one_line_errors():
-        # The counter asks fake storages for their address (to key forward matmul inputs).
-        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-        with trace.watching(mode, "forward"), autocast() if autocast else contextlib.nullcontext():
-            value, grads = gradients(fake_params, fake_batch)
-        if model_state is not None:
-            new_state = value[1][1]
-            lifetimes.categorize(new_state, "buffers")
-        del value
-        lifetimes.categorize(grads, "grads")
-        meta_grads = _map(_to_meta, grads)
-        lifetimes.alias(meta_grads, grads)
-        del grads
-        if meta_params is None:
-            meta_params = _map(_to_meta, fake_params)
-            lifetimes.alias(meta_params, fake_params)
+    with one_line_errors():
+        meta_grads, new_state = _backward(trace, mode, gradients, fake_params, fake_batch,
+                                          autocast, model_state is not None)
         # The grads go in a box the update empties: once clipped, the unclipped grads die as
         # they do in the train step (which rebinds its one reference).
         box = [meta_grads]
         del meta_grads
         end_state = _update(trace, optimizer, meta_params, box, state, donate, max_grad_norm)
-    end = _live_by_category(lifetimes)
+    end = _live_by_category(trace.lifetimes)
     del end_state, new_state
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
+
+
+def _backward(trace: _Trace, mode: FakeTensorMode, gradients: Callable[..., Any], params: Any,
+              batch: Any, autocast: Callable[[], Any] | None, stateful: bool) -> tuple[Any, Any]:
+    """The forward and backward pass on fake tensors: the grads as meta tensors, and the new
+    model state (None without one), which the step carries to its end."""
+    with trace.watching(mode, "forward"), autocast() if autocast else contextlib.nullcontext():
+        value, grads = gradients(params, batch)
+    new_state = None
+    if stateful:
+        new_state = value[1][1]
+        trace.lifetimes.categorize(new_state, "buffers")
+    del value
+    trace.lifetimes.categorize(grads, "grads")
+    return trace.meta(grads), new_state
 
 
 def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Callable[..., Any]:
@@ -388,7 +292,7 @@ def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Calla
     def objective(params: Any, batch: Any) -> Any:
         out = loss_fn(params, state, batch)
         if not (isinstance(out, tuple | list) and len(out) == 2):
-            raise ValueError(
+            raise UserError(
                 f"with model_state the loss returns (value, new_state), got {type(out).__name__}"
             )
         value, new_state = out
@@ -427,17 +331,14 @@ def predict_call(
     >>> pred.memory["persistent"]["params"], pred.matmul_flops == 2 * (2 * 64 * 256 * 256)
     (262144, True)
     """
-    spec = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
-    mode = _find_mode((params, opt_state, batch)) or fake_mode()
-    fakes = [_map(lambda x: _to_fake(mode, x), tree) for tree in (params, opt_state, batch)]
+    spec = hardware if isinstance(hardware, Hardware) else _lookup(hardware)
+    mode = find_mode((params, opt_state, batch)) or fake_mode()
     trace = _Trace()
-    for tree, name in zip(fakes, ("params", "optimizer_state", "batch"), strict=True):
-        trace.lifetimes.register(tree, name)
+    fakes = [trace.inputs(fake_tree(mode, tree), kind) for tree, kind in
+             zip((params, opt_state, batch), ("params", "optimizer_state", "batch"), strict=True)]
     persistent = _live_by_category(trace.lifetimes)
-    with warnings.catch_warnings(), _one_line_errors():
-        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-        with trace.watching(mode, "forward"):
-            out = step(*fakes)
+    with one_line_errors(), trace.watching(mode, "forward"):
+        out = step(*fakes)
     end = _live_by_category(trace.lifetimes)
     del out
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
@@ -467,27 +368,13 @@ def _update(trace: _Trace, optimizer: Any, params: Any, box: list[Any], state: A
     return new_params, new_state, norm
 
 
-def _hardware(name: str) -> Hardware:
-    try:
-        return hardware(name)
-    except HardwareError as exc:
-        raise ValueError(str(exc)) from None
-
+_lookup = hardware  # predict_step's own ``hardware`` argument hides the function
 
 def _live_by_category(lifetimes: Lifetimes) -> dict[str, int]:
     totals = dict.fromkeys(CATEGORIES, 0)
     for allocation in lifetimes.live():
         totals[category(allocation)] += allocation.nbytes
     return {k: v for k, v in totals.items() if v}
-
-
-def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
-    if dtype is not None:
-        return spec.peak(dtype)
-    try:
-        return spec.peak(record_dtype)
-    except HardwareError:  # integer and bool ops: the fp32 peak
-        return spec.peak("fp32")
 
 
 def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str, int],
@@ -537,55 +424,3 @@ def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str,
         mfu_bound=mfu,
         fits=result.peak_bytes <= spec.memory_bytes,
     )
-
-
-def step_time(counter: Counter, spec: Hardware, dtype: Any = None
-              ) -> tuple[float, dict[str, dict[str, int | float]], str, float]:
-    """The counted ops of a step on ``spec``'s roofline: ``(seconds, per_op, dtype, mfu_bound)``.
-
-    Each op takes ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2) with the peak of
-    ``dtype`` (default: the op's own floating dtype, fp32 for integer ops); ``per_op`` sums
-    calls, FLOPs, bytes and seconds by op; ``mfu_bound`` is ``flops / (seconds · peak)`` with
-    the peak of the dtype that did most FLOPs.
-
-    >>> import torch
-    >>> with Counter() as c:
-    ...     _ = torch.ones(256, 256) @ torch.ones(256, 256)
-    >>> seconds, per_op, name, mfu = step_time(c, hardware("h100"))
-    >>> mm = per_op["aten.mm"]   # 2·256³ FLOPs at H100's 67 TFLOP/s fp32: compute-bound
-    >>> name, mm["flops"] == 2 * 256**3, round(mm["seconds"] * 1e9), round(seconds * 1e9)
-    ('fp32', True, 501, 657)
-    """
-    per_op: dict[str, dict[str, int | float]] = defaultdict(
-        lambda: {"calls": 0, "flops": 0, "bytes": 0, "seconds": 0.0}
-    )
-    seconds = 0.0
-    for record in counter.records:
-        op_seconds = max(
-            record.flops / _peak_for(spec, dtype, record.dtype),
-            record.bytes / spec.memory_bandwidth,
-        )
-        row = per_op[record.op]
-        row["calls"] += 1
-        row["flops"] += record.flops
-        row["bytes"] += record.bytes
-        row["seconds"] += op_seconds
-        seconds += op_seconds
-    main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
-    peak_flops = _peak_for(spec, dtype, main_dtype)
-    mfu = counter.flops / (seconds * peak_flops) if seconds else 0.0
-    return seconds, dict(per_op), main_dtype, mfu
-
-
-def _main_dtype(counter: Counter) -> str:
-    # The dtype that did most of the FLOPs.
-    flops: dict[str, int] = defaultdict(int)
-    for record in counter.records:
-        flops[record.dtype] += record.flops
-    for name, _ in sorted(flops.items(), key=lambda kv: -kv[1]):
-        try:
-            return dtype_name(name)
-        except HardwareError:
-            continue
-    return "fp32"
-

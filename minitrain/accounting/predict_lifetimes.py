@@ -21,16 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
-__all__ = ["Allocation", "CATEGORIES", "Lifetimes", "Replay", "replay"]
+from minitrain import _torch
+from minitrain._torch import TorchDispatchMode
+from minitrain.accounting.op_formulas import tensors
+from minitrain.accounting.timeline import CATEGORIES, innermost
 
-# Every live byte is in exactly one of these.
-CATEGORIES = (
-    "params", "grads", "optimizer_state", "batch", "buffers", "activations", "temporaries",
-)
+__all__ = ["Allocation", "Lifetimes", "Replay", "replay"]
+
 _SAMPLE = -1  # an event marking "sample the live bytes after this op"
 
 
@@ -50,11 +49,6 @@ class Allocation:
     handles: int = 0  # live storages standing for it
 
 
-def _innermost(parents: set[str]) -> str:
-    # The deepest module path, as the Counter attributes ops ("Global" outside any module).
-    return max(parents, key=lambda p: (p != "Global", p.count("."), len(p)), default="Global")
-
-
 def _storage(t: Any) -> Any:
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return None
@@ -62,10 +56,6 @@ def _storage(t: Any) -> Any:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # tensors without storage
         return None
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def _returns_nothing(func: Any) -> bool:
@@ -102,17 +92,17 @@ class Lifetimes(TorchDispatchMode):
         self._modules.__exit__(*exc)
 
     def module(self) -> str:
-        return _innermost(set(self._modules.parents))
+        return innermost(set(self._modules.parents))
 
     # -- bookkeeping -------------------------------------------------------------------------
     def register(self, tree: Any, category: str) -> None:
         """Count the storages of ``tree`` as live from now on, in ``category``."""
-        for t in _tensors(tree):
+        for t in tensors(tree):
             self._see(t, phase="input", op="", category=category)
 
     def alias(self, new: Any, old: Any) -> None:
         """Let each tensor of ``new`` stand for the allocation of its twin in ``old``."""
-        for a, b in zip(_tensors(new), _tensors(old), strict=True):
+        for a, b in zip(tensors(new), tensors(old), strict=True):
             target = self._find(b)
             storage = _storage(a)
             if target is None or storage is None or storage._cdata in self._by_storage:
@@ -173,7 +163,7 @@ class Lifetimes(TorchDispatchMode):
     def categorize(self, tree: Any, category: str) -> None:
         """Put the allocations behind ``tree`` (grads, new params...) in ``category``,
         unless an input category already holds them (a donated update writes in place)."""
-        for t in _tensors(tree):
+        for t in tensors(tree):
             allocation = self._find(t)
             if allocation is not None and allocation.phase != "input":
                 allocation.category = category
@@ -186,16 +176,16 @@ class Lifetimes(TorchDispatchMode):
             return self.module()
         modules = [a.module for a in map(self._find, inputs) if a is not None and a.saved]
         if modules:
-            self._backward_module = _innermost(set(modules))
+            self._backward_module = innermost(set(modules))
         return self._backward_module or self.module()
 
     # -- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.backward_started and torch._C._current_autograd_node() is not None:
+        if not self.backward_started and _torch.current_autograd_node() is not None:
             self.mark_saved()
             self.phase = "backward"
-        inputs = _tensors((args, kwargs))
+        inputs = tensors((args, kwargs))
         try:
             out = func(*args, **kwargs)
         except NotImplementedError:
@@ -208,7 +198,7 @@ class Lifetimes(TorchDispatchMode):
         self.ops.append((name, self.phase, self._op_module(inputs)))
         for t in inputs:
             self._see(t, phase="input", op="", category="buffers")
-        for t in _tensors(out):
+        for t in tensors(out):
             self._see(t, phase=self.phase, op=name, category=None)
         self.events.append((_SAMPLE, len(self.ops) - 1))
         return out

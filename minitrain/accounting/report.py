@@ -18,14 +18,15 @@ sets what it measured beside the prediction:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from minitrain.accounting.counter import Counter
+from minitrain.accounting.memory import optimizer_state_elements
 from minitrain.accounting.predict import PredictionError, predict_call, predict_step
+from minitrain.accounting.units import si
 from minitrain.tree import leaves, nbytes, size
 
 __all__ = ["format_report", "predicted_peak_bytes", "resource_report"]
@@ -58,114 +59,32 @@ def predicted_peak_bytes(
     return {"backward": backward, "update": update, "peak": max(backward, update)}
 
 
-def _first_dim(batch: Any) -> int:
-    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
-    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
-
-
-def _cuda_device(tree: Any) -> torch.device | None:
-    for leaf in leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device
-    return None
-
-
-@contextlib.contextmanager
-def _rng_kept(device: torch.device | None) -> Iterator[None]:
-    devices = [] if device is None else [device]
-    with torch.random.fork_rng(devices=devices, device_type=device.type if device else "cuda"):
-        yield
-
-
-def _count_step(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any) -> Counter:
-    counter = Counter(keep_records=False)
-    with counter:
-        counter.track(params, opt_state, batch)
-        out = step(params, opt_state, batch)
-        del out
-    return counter
-
-
-def _cuda_peak(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
-               device: torch.device) -> int:
-    """``max_memory_allocated`` over one step, less what was allocated before and is not the
-    step's own inputs."""
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    other = before - nbytes(params) - nbytes(opt_state) - nbytes(batch)
-    torch.cuda.reset_peak_memory_stats(device)
-    out = step(params, opt_state, batch)
-    torch.cuda.synchronize(device)
-    del out
-    return torch.cuda.max_memory_allocated(device) - max(other, 0)
-
-
-def _buffer_pool_bytes() -> int:
-    """Bytes mt.optim's recycling pools hold now (:func:`minitrain.optim.buffer_pool_bytes`)."""
-    from minitrain.optim import buffer_pool_bytes
-
-    return buffer_pool_bytes()
-
-
-def _ratio(measured: int | float | None, predicted: int | float | None) -> int | float | None:
-    return measured / predicted if measured is not None and predicted else None
-
-
 def resource_report(
-    step: Callable[[Any, Any, Any], Any],
-    params: Any,
-    opt_state: Any,
-    batch: Any,
-    *,
-    optimizer: Any = None,
-    examples_per_step: int | None = None,
-    exact_flops_per_step: int | None = None,
-    activation_bytes: int | None = None,
-    donate: bool = False,
-    peak_flops: int | float | None = None,
-    step_seconds: int | float | None = None,
-    steps_total: int | None = None,
-    steps_done: int = 0,
-    loss_fn: Callable[..., Any] | None = None,
-    has_aux: bool = False,
-    max_grad_norm: float | None = None,
-    autocast: Callable[[], Any] | None = None,
-    hardware: str | None = None,
-    model_state: Any = None,
+    step: Callable[[Any, Any, Any], Any], params: Any, opt_state: Any, batch: Any, *,
+    optimizer: Any = None, examples_per_step: int | None = None,
+    exact_flops_per_step: int | None = None, activation_bytes: int | None = None,
+    donate: bool = False, peak_flops: int | float | None = None,
+    step_seconds: int | float | None = None, steps_total: int | None = None, steps_done: int = 0,
+    loss_fn: Callable[..., Any] | None = None, has_aux: bool = False,
+    max_grad_norm: float | None = None, autocast: Callable[[], Any] | None = None,
+    hardware: str | None = None, model_state: Any = None,
 ) -> dict[str, Any]:
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
-    With ``loss_fn`` (and an ``mt.optim`` optimizer as ``optimizer``) the prediction is
-    :func:`~minitrain.accounting.predict_step` on fake tensors: made before and apart from the
-    measured step, category by category, with the largest tensors saved for backward and the
-    module that saved each. Without them (a step that is not ``loss_fn`` + optimizer, e.g. a
-    vmapped ensemble) the whole ``step`` is traced on fake tensors
-    (:func:`~minitrain.accounting.predict.predict_call`); if even that cannot run (the step
-    needs data), the prediction is the chapter's formula (:func:`predicted_peak_bytes`), with
-    activations from ``activation_bytes`` only.
-
-    Args:
-        step: the pure train step (uncompiled); it runs once more here, outputs discarded.
-        optimizer: the ``mt.optim`` optimizer the step updates with, or its name (``"sgd"``,
-            ``"adamw"``...) for the formula's optimizer state.
-        examples_per_step: ``B`` of the ``6·B·P`` rule (tokens per batch for a language model);
-            default: the batch's leading dimension.
-        exact_flops_per_step: the model's exact FLOP formula for one step, if known.
-        activation_bytes: the model's activation formula in bytes (formula prediction only).
-        donate: whether the step's update writes params and state in place.
-        peak_flops: the device's dense peak FLOP/s (the backend's ``peak_flops()``) for MFU.
-        step_seconds, steps_total, steps_done: measured time per step and progress, for
-            achieved FLOP/s and the projected time to finish.
-        loss_fn, has_aux, max_grad_norm, autocast: the step's loss, whether it returns aux,
-            its clipping and the backend's autocast, as the train step uses them.
-        hardware: a device name for the predicted time per step (roofline), if wanted.
-        model_state: the buffers a forward pass updates, for a ``loss_fn(params, state,
-            batch) -> (value, new_state)`` (see :func:`~minitrain.accounting.predict_step`).
+    ``step`` (the pure train step, uncompiled) runs once more here, outputs discarded. With
+    ``loss_fn`` and an ``mt.optim`` optimizer the prediction is
+    :func:`~minitrain.accounting.predict_step` (``has_aux``, ``max_grad_norm``, ``autocast``,
+    ``donate`` and ``model_state`` as it takes them); without them (a vmapped ensemble) the
+    whole ``step`` is traced (:func:`~minitrain.accounting.predict.predict_call`); a step that
+    needs data gets the chapter's formula (:func:`predicted_peak_bytes`, activations from
+    ``activation_bytes`` only, the state of an ``optimizer`` given by name). ``hardware``
+    names the device of the predicted time per step. ``examples_per_step`` is ``B`` of the
+    ``6·B·P`` rule (default: the batch's leading dim); ``peak_flops`` (dense FLOP/s),
+    ``step_seconds``, ``steps_total`` and ``steps_done`` give MFU and the time to finish.
 
     Returns a JSON-serializable dict: ``params``, ``examples_per_step``, ``memory``
     (``predicted``, ``measured``, ``peak_ratio`` measured/predicted, ``where`` the largest
-    saved tensors), ``flops_per_step`` (``rule_6bp``, ``exact``, ``predicted``, ``counted``,
-    ``counted_matmul``, ``unknown_ops``) and ``speed``.
+    saved tensors), ``flops_per_step`` and ``speed``.
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.zeros(8, 4)}
@@ -190,84 +109,29 @@ def resource_report(
             max_grad_norm=max_grad_norm, autocast=autocast, hardware=hardware or "h100",
             model_state=model_state,
         )
-        source = "predict_step (fake tensors)"
+        predicted = _traced_memory(prediction, donate) | {"source": "predict_step (fake tensors)"}
     else:
-        prediction = _predict_any(step, params, opt_state, batch, hardware or "h100")
-        source = "predict_call: the whole step on fake tensors (update on its plain path)"
-    with _rng_kept(device):
-        counter = _count_step(step, params, opt_state, batch)
-        measured_peak = (
-            _cuda_peak(step, params, opt_state, batch, device)
-            if device is not None
-            else counter.peak_bytes
-        )
-    n_params = size(params)
+        prediction, predicted = _predict_any(step, params, opt_state, batch, hardware or "h100",
+                                             optimizer, activation_bytes, donate)
+    counter, peak = _measure(step, params, opt_state, batch, device)
+    measured = _measured_memory(counter, peak, device, params, opt_state, batch)
     examples = examples_per_step if examples_per_step is not None else _first_dim(batch)
-    params_bytes, state_bytes, batch_bytes = nbytes(params), nbytes(opt_state), nbytes(batch)
-    if prediction is not None:
-        predicted = _traced_memory(prediction, donate) | {"source": source}
-    else:
-        predicted = _formula_memory(_formula_state_bytes(optimizer, params, state_bytes),
-                                    params_bytes, batch_bytes, activation_bytes, donate)
-    resident = params_bytes + state_bytes + batch_bytes
-    measured_activations = (
-        counter.backward_start_live_bytes - resident
-        if counter.backward_start_live_bytes is not None and device is None
-        else None
-    )
-    rule = 6 * examples * n_params
-    model_flops, model_source = (
-        (exact_flops_per_step, "exact formula")
-        if exact_flops_per_step is not None
-        else (counter.matmul_flops, "counted matmuls")
-    )
-    achieved = model_flops / step_seconds if step_seconds else None
-    remaining = (steps_total - steps_done) if steps_total is not None else None
     report = {
-        "params": n_params,
+        "params": size(params),
         "examples_per_step": examples,
         "memory": {
             "predicted": predicted,
-            "measured": {
-                "peak": measured_peak,
-                "params": params_bytes,
-                "optimizer_state": state_bytes,
-                "batch": batch_bytes,
-                "activations": measured_activations,
-                # the pure fast path's recycled buffers, held beyond what the step returned
-                "optimizer_buffer_pools": _buffer_pool_bytes(),
-                "source": (
-                    "torch.cuda.max_memory_allocated"
-                    if device is not None
-                    else "live storages (minitrain.accounting.Counter)"
-                ),
-            },
-            "peak_ratio": _ratio(measured_peak, predicted["peak"]),
-            "where": (
-                [saved._asdict() for saved in prediction.saved[:5]] if prediction else []
-            ),
+            "measured": measured,
+            "peak_ratio": _ratio(peak, predicted["peak"]),
+            "where": [saved._asdict() for saved in prediction.saved[:5]] if prediction else [],
         },
         "flops_per_step": {
-            "rule_6bp": rule,
-            "exact": exact_flops_per_step,
-            "predicted": prediction.flops if prediction else None,
-            "counted": counter.flops,
-            "counted_matmul": counter.matmul_flops,
-            "unknown_ops": dict(counter.unknown),
+            "rule_6bp": 6 * examples * size(params), "exact": exact_flops_per_step,
+            "predicted": prediction.flops if prediction else None, "counted": counter.flops,
+            "counted_matmul": counter.matmul_flops, "unknown_ops": dict(counter.unknown),
         },
-        "speed": {
-            "step_seconds": step_seconds,
-            "model_flops_per_step": model_flops,
-            "model_flops_source": model_source,
-            "achieved_flops_per_second": achieved,
-            "peak_flops_per_second": peak_flops,
-            "mfu": _ratio(achieved, peak_flops),
-            "steps_total": steps_total,
-            "steps_done": steps_done,
-            "seconds_to_finish": (
-                remaining * step_seconds if remaining is not None and step_seconds else None
-            ),
-        },
+        "speed": _speed(exact_flops_per_step, counter, step_seconds, peak_flops, steps_total,
+                        steps_done),
     }
     if prediction is not None and hardware is not None:
         report["speed"] |= {"predicted_step_seconds": prediction.seconds_per_step,
@@ -276,12 +140,103 @@ def resource_report(
     return report
 
 
+def _first_dim(batch: Any) -> int:
+    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+
+
+def _cuda_device(tree: Any) -> torch.device | None:
+    for leaf in leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            return leaf.device
+    return None
+
+
+def _measure(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
+             device: torch.device | None) -> tuple[Counter, int]:
+    """One step under the counter, and its peak bytes; the global RNG state is kept."""
+    with torch.random.fork_rng(devices=[] if device is None else [device],
+                               device_type=device.type if device else "cuda"):
+        with Counter(keep_records=False) as counter:
+            counter.track(params, opt_state, batch)
+            out = step(params, opt_state, batch)
+            del out
+        if device is None:
+            return counter, counter.peak_bytes
+        return counter, _cuda_peak(step, params, opt_state, batch, device)
+
+
+def _cuda_peak(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
+               device: torch.device) -> int:
+    """``max_memory_allocated`` over one step, less what was allocated before and is not the
+    step's own inputs."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    other = before - nbytes(params) - nbytes(opt_state) - nbytes(batch)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = step(params, opt_state, batch)
+    torch.cuda.synchronize(device)
+    del out
+    return torch.cuda.max_memory_allocated(device) - max(other, 0)
+
+
+def _ratio(measured: int | float | None, predicted: int | float | None) -> int | float | None:
+    return measured / predicted if measured is not None and predicted else None
+
+
 def _predict_any(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
-                 hardware: str) -> Any:
+                 hardware: str, optimizer: Any, activation_bytes: int | None,
+                 donate: bool) -> tuple[Any, dict[str, Any]]:
+    """The whole step traced on fake tensors, or (when it needs data) the chapter's formula."""
     try:
-        return predict_call(step, params, opt_state, batch, hardware=hardware)
+        prediction = predict_call(step, params, opt_state, batch, hardware=hardware)
     except PredictionError:
-        return None
+        return None, _formula_memory(optimizer, params, opt_state, batch, activation_bytes,
+                                     donate)
+    source = "predict_call: the whole step on fake tensors (update on its plain path)"
+    return prediction, _traced_memory(prediction, donate) | {"source": source}
+
+
+def _speed(exact_flops: int | None, counter: Counter, step_seconds: int | float | None,
+           peak_flops: int | float | None, steps_total: int | None,
+           steps_done: int) -> dict[str, Any]:
+    model_flops, model_source = ((exact_flops, "exact formula") if exact_flops is not None
+                                 else (counter.matmul_flops, "counted matmuls"))
+    achieved = model_flops / step_seconds if step_seconds else None
+    remaining = (steps_total - steps_done) if steps_total is not None else None
+    return {
+        "step_seconds": step_seconds,
+        "model_flops_per_step": model_flops,
+        "model_flops_source": model_source,
+        "achieved_flops_per_second": achieved,
+        "peak_flops_per_second": peak_flops,
+        "mfu": _ratio(achieved, peak_flops),
+        "steps_total": steps_total,
+        "steps_done": steps_done,
+        "seconds_to_finish": (
+            remaining * step_seconds if remaining is not None and step_seconds else None
+        ),
+    }
+
+
+def _measured_memory(counter: Counter, peak: int, device: torch.device | None, params: Any,
+                     opt_state: Any, batch: Any) -> dict[str, Any]:
+    from minitrain.optim import buffer_pool_bytes
+
+    resident = nbytes(params) + nbytes(opt_state) + nbytes(batch)
+    at_backward = counter.backward_start_live_bytes
+    return {
+        "peak": peak,
+        "params": nbytes(params),
+        "optimizer_state": nbytes(opt_state),
+        "batch": nbytes(batch),
+        "activations": at_backward - resident if at_backward is not None and device is None
+        else None,
+        # the pure fast path's recycled buffers, held beyond what the step returned
+        "optimizer_buffer_pools": buffer_pool_bytes(),
+        "source": "torch.cuda.max_memory_allocated" if device is not None
+        else "live storages (minitrain.accounting.Counter)",
+    }
 
 
 def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
@@ -308,30 +263,25 @@ def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
         "peak_phase": prediction.peak_phase,
         "peak_op": prediction.peak_op,
         "peak_module": prediction.peak_module,
-        "source": "predict_step (fake tensors)",
     }
 
 
-def _formula_state_bytes(optimizer: Any, params: Any, state_bytes: int) -> int:
-    """The state an optimizer named ``optimizer`` keeps for ``params`` (shape by shape: Adafactor
-    factors matrices, Muon's other leaves fall back to AdamW); else the state as passed."""
-    if not isinstance(optimizer, str):
-        return state_bytes
-    from minitrain.optim import state_bytes as optimizer_state_bytes
-
-    return optimizer_state_bytes(optimizer, params)
-
-
-def _formula_memory(predicted_state: int, params_bytes: int, batch_bytes: int,
+def _formula_memory(optimizer: Any, params: Any, opt_state: Any, batch: Any,
                     activation_bytes: int | None, donate: bool) -> dict[str, Any]:
-    peaks = predicted_peak_bytes(
-        params=params_bytes, optimizer_state=predicted_state, batch=batch_bytes,
-        activations=activation_bytes or 0, donate=donate,
-    )
+    """The chapter's formula; the state of an optimizer given by name from the table
+    (:func:`~minitrain.accounting.memory.optimizer_state_elements`, shape by shape), else the
+    state as passed."""
+    params_bytes, batch_bytes = nbytes(params), nbytes(batch)
+    state = nbytes(opt_state)
+    if isinstance(optimizer, str):
+        state = sum(optimizer_state_elements(optimizer, tuple(t.shape), scalars=False)
+                    * t.element_size() for t in leaves(params) if isinstance(t, torch.Tensor))
+    peaks = predicted_peak_bytes(params=params_bytes, optimizer_state=state, batch=batch_bytes,
+                                 activations=activation_bytes or 0, donate=donate)
     return {
         "params": params_bytes,
         "grads": params_bytes,
-        "optimizer_state": predicted_state,
+        "optimizer_state": state,
         "activations": activation_bytes,
         "activations_source": "model formula" if activation_bytes is not None else None,
         "batch": batch_bytes,
@@ -340,15 +290,6 @@ def _formula_memory(predicted_state: int, params_bytes: int, batch_bytes: int,
         "peak": peaks["peak"],
         "source": "formula (pass loss_fn and the optimizer for a traced prediction)",
     }
-
-
-def _si(value: int | float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -378,8 +319,8 @@ def format_report(report: dict[str, Any]) -> str:
         ("params", f"{report['params']:,}"),
         (
             "peak memory",
-            f"predicted {_si(predicted['peak'], 'B')}{moment}, "
-            f"measured {_si(measured['peak'], 'B')}"
+            f"predicted {si(predicted['peak'], 'B', 3)}{moment}, "
+            f"measured {si(measured['peak'], 'B', 3)}"
             + (f" (x{ratio:.2f})" if ratio is not None else ""),
         ),
     ]
@@ -387,32 +328,32 @@ def format_report(report: dict[str, Any]) -> str:
             if predicted.get(key) is not None and measured.get(key) is not None]
     if both:
         lines.append(("  predicted/measured", ", ".join(
-            f"{key.replace('_', ' ')} {_si(predicted[key], 'B')}/{_si(measured[key], 'B')}"
+            f"{key.replace('_', ' ')} {si(predicted[key], 'B', 3)}/{si(measured[key], 'B', 3)}"
             for key in both)))
     if measured.get("optimizer_buffer_pools"):
-        lines.append(("  optimizer pools", f"{_si(measured['optimizer_buffer_pools'], 'B')} "
+        lines.append(("  optimizer pools", f"{si(measured['optimizer_buffer_pools'], 'B', 3)} "
                       "of recycled buffers (pure updates), beyond the peak"))
     for index, saved in enumerate(memory.get("where", [])[:3]):
         lines.append((
             "  where it goes" if index == 0 else "",
-            f"{_si(saved['bytes'], 'B')} {tuple(saved['shape'])} saved by {saved['op']} in "
+            f"{si(saved['bytes'], 'B', 3)} {tuple(saved['shape'])} saved by {saved['op']} in "
             f"{saved['module']}",
         ))
     predicted_flops = flops.get("predicted")
     lines += [
         (
             "FLOPs per step",
-            f"6·B·P {_si(flops['rule_6bp'], 'FLOP')}, exact {_si(flops['exact'], 'FLOP')}, "
-            + (f"predicted {_si(predicted_flops, 'FLOP')}, " if predicted_flops else "")
-            + f"counted {_si(flops['counted'], 'FLOP')} "
-            f"(matmul {_si(flops['counted_matmul'], 'FLOP')})",
+            f"6·B·P {si(flops['rule_6bp'], 'FLOP', 3)}, exact {si(flops['exact'], 'FLOP', 3)}, "
+            + (f"predicted {si(predicted_flops, 'FLOP', 3)}, " if predicted_flops else "")
+            + f"counted {si(flops['counted'], 'FLOP', 3)} "
+            f"(matmul {si(flops['counted_matmul'], 'FLOP', 3)})",
         ),
         (
             "achieved",
-            f"{_si(speed['achieved_flops_per_second'], 'FLOP/s')} "
+            f"{si(speed['achieved_flops_per_second'], 'FLOP/s', 3)} "
             f"(MFU {'-' if mfu is None else f'{mfu:.1%}'})",
         ),
-        ("time to finish", _si(speed["seconds_to_finish"], "s")),
+        ("time to finish", si(speed["seconds_to_finish"], "s", 3)),
     ]
     if flops["unknown_ops"]:
         lines.append(("ops without formula", ", ".join(sorted(flops["unknown_ops"]))))
@@ -420,8 +361,8 @@ def format_report(report: dict[str, Any]) -> str:
         comm = report["communication"]
         lines.append((
             "all-reduce per step",
-            f"{_si(comm['allreduce_bytes_per_rank'], 'B')} sent per rank "
-            f"(2·(N-1)/N × {_si(comm['gradient_bytes'], 'B')} of grads, N = {comm['ranks']}), "
-            f"{_si(comm['reduce_seconds_per_step'], 's')} measured ({comm['process_group']})",
+            f"{si(comm['allreduce_bytes_per_rank'], 'B', 3)} sent per rank "
+            f"(2·(N-1)/N × {si(comm['gradient_bytes'], 'B', 3)} of grads, N = {comm['ranks']}), "
+            f"{si(comm['reduce_seconds_per_step'], 's', 3)} measured ({comm['process_group']})",
         ))
     return "\n".join(f"{name:<23}{value}" for name, value in lines)

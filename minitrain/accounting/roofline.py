@@ -21,10 +21,13 @@ The math here takes plain numbers; :func:`roof` reads them from the hardware reg
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from minitrain.accounting.hardware import dtype_name, hardware
+from minitrain.accounting.hardware import Hardware, HardwareError, dtype_name, hardware
+from minitrain.accounting.units import Number
+from minitrain.errors import UserError
 
 __all__ = [
     "Roof",
@@ -43,23 +46,22 @@ __all__ = [
     "phases",
     "profile_records",
     "StepProfile",
-    "plot",
+    "step_time",
 ]
 
 MEMORY, COMPUTE = "memory", "compute"
-Number = int | float
 
 
 def _non_negative(**values: Number) -> None:
     for name, value in values.items():
         if not value >= 0:  # catches NaN too
-            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+            raise UserError(f"{name} must be a non-negative number, got {value!r}")
 
 
 def _positive(**values: Number) -> None:
     for name, value in values.items():
         if not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
+            raise UserError(f"{name} must be a positive number, got {value!r}")
 
 
 def arithmetic_intensity(flops: Number, bytes_moved: Number) -> float:
@@ -229,7 +231,7 @@ def chapter_ops(n: int = 1024, bytes_per_element: Number = 2) -> list[Op]:
     [0.25, 5.0, 0.5, 1.0, 341.17]
     """
     if n < 1 or not bytes_per_element > 0:
-        raise ValueError(f"n must be >= 1 and bytes_per_element > 0, got {n}, {bytes_per_element}")
+        raise UserError(f"n must be >= 1 and bytes_per_element > 0, got {n}, {bytes_per_element}")
     b = bytes_per_element
     return [
         Op("relu", n, 2 * b * n),
@@ -322,107 +324,65 @@ def profile_records(
     )
 
 
-def _short(name: str, width: int = 36) -> str:
-    """An op's name cut to ``width`` characters for a plot label, keeping its phase suffix."""
-    if len(name) <= width:
-        return name
-    base, _, phase = name.partition(" (")
-    suffix = f" ({phase}" if phase else ""
-    return base[: max(8, width - len(suffix) - 1)] + "…" + suffix
+# -- a counted step on a device's roofline --------------------------------------------------
 
 
-def plot(
-    roofs: Sequence[Roof],
-    placements: Iterable[Placement],
-    path: str,
-    *,
-    title: str = "Roofline",
-    measured: Iterable[tuple[str, float, float]] = (),
-    label_top: int | None = None,
-) -> str:
-    """Draw the log-log roofline of each roof, mark ridge points and place the ops; save PNG.
-
-    Ops sit on the first roof (red: memory-bound, green: compute-bound); ops with no FLOPs
-    (copies) have no place on a log axis and are left out; ``label_top`` names only the ops
-    with the longest predicted time. ``measured`` adds points ``(label,
-    intensity, achieved FLOP/s)``. Needs matplotlib (``pip install 'minitrain[plot]'``).
-    Returns ``path``.
-    """
+def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
+    if dtype is not None:
+        return spec.peak(dtype)
     try:
-        import matplotlib
+        return spec.peak(record_dtype)
+    except HardwareError:  # integer and bool ops: the fp32 peak
+        return spec.peak("fp32")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError(
-            "plotting needs matplotlib; install it with: pip install 'minitrain[plot]'"
-        ) from None
-    if not roofs:
-        raise ValueError("plot needs at least one roof")
-    points = [p for p in placements if math.isfinite(p.intensity) and p.intensity > 0]
-    measured = list(measured)
-    xs = [p.intensity for p in points] + [x for _, x, _ in measured] + [r.ridge for r in roofs]
-    lo, hi = 10 ** math.floor(math.log10(min(xs) / 4)), 10 ** math.ceil(math.log10(max(xs) * 4))
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    for r in roofs:
-        xs_roof = [lo, r.ridge, hi]
-        line = ax.plot(xs_roof, [lo * r.bandwidth, r.peak_flops, r.peak_flops], label=r.name)[0]
-        ax.axvline(r.ridge, color=line.get_color(), linestyle=":", linewidth=1)
-        ax.annotate(
-            f"ridge {r.ridge:.3g} FLOP/B",
-            (r.ridge, r.peak_flops),
-            textcoords="offset points",
-            xytext=(4, 6),
-            fontsize=8,
-            color=line.get_color(),
+
+def step_time(counter: Any, spec: Hardware, dtype: Any = None
+              ) -> tuple[float, dict[str, dict[str, int | float]], str, float]:
+    """The counted ops of a step on ``spec``'s roofline: ``(seconds, per_op, dtype, mfu_bound)``.
+
+    Each op takes ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2) with the peak of
+    ``dtype`` (default: the op's own floating dtype, fp32 for integer ops); ``per_op`` sums
+    calls, FLOPs, bytes and seconds by op; ``mfu_bound`` is ``flops / (seconds · peak)`` with
+    the peak of the dtype that did most FLOPs.
+
+    >>> import torch
+    >>> from minitrain.accounting import Counter
+    >>> with Counter() as c:
+    ...     _ = torch.ones(256, 256) @ torch.ones(256, 256)
+    >>> seconds, per_op, name, mfu = step_time(c, hardware("h100"))
+    >>> mm = per_op["aten.mm"]   # 2·256³ FLOPs at H100's 67 TFLOP/s fp32: compute-bound
+    >>> name, mm["flops"] == 2 * 256**3, round(mm["seconds"] * 1e9), round(seconds * 1e9)
+    ('fp32', True, 501, 657)
+    """
+    per_op: dict[str, dict[str, int | float]] = defaultdict(
+        lambda: {"calls": 0, "flops": 0, "bytes": 0, "seconds": 0.0}
+    )
+    seconds = 0.0
+    for record in counter.records:
+        op_seconds = max(
+            record.flops / _peak_for(spec, dtype, record.dtype),
+            record.bytes / spec.memory_bandwidth,
         )
-    top = roofs[0]
-    ranked = sorted(points, key=lambda p: -p.seconds)
-    labelled = {id(p) for p in ranked[: len(ranked) if label_top is None else label_top]}
-    labels: dict[float, list[str]] = {}  # ops at the same spot share one label
-    for p in points:
-        y = attainable_flops(p.intensity, top.peak_flops, top.bandwidth)
-        color = "tab:red" if p.bound == MEMORY else "tab:green"
-        ax.scatter([p.intensity], [y], color=color, zorder=3, s=18, alpha=0.7)
-        if id(p) in labelled:
-            labels.setdefault(round(math.log10(p.intensity), 2), []).append(p.name)
-    previous, stacked = -math.inf, 0
-    for spot in sorted(labels):
-        # Labels of nearby ops (within 0.35 decades) stack downwards instead of overlapping.
-        stacked = stacked + 1 if spot - previous < 0.35 else 0
-        previous = spot
-        x = 10**spot
-        y = attainable_flops(x, top.peak_flops, top.bandwidth)
-        names = [_short(name.removeprefix("aten.")) for name in labels[spot]]
-        text = ", ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
-        right = x > hi / 10  # in the last decade, write to the left so the label stays inside
-        ax.annotate(
-            text,
-            (x, y),
-            textcoords="offset points",
-            xytext=(-4 if right else 4, -10 - 9 * stacked),
-            ha="right" if right else "left",
-            fontsize=7,
-        )
-    for label, x, achieved in measured:
-        ax.scatter([x], [achieved], marker="x", color="black", zorder=4)
-        ax.annotate(
-            label,
-            (x, achieved),
-            textcoords="offset points",
-            xytext=(-6, 6),
-            ha="right",
-            fontsize=7,
-        )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("attainable FLOP/s")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+        row = per_op[record.op]
+        row["calls"] += 1
+        row["flops"] += record.flops
+        row["bytes"] += record.bytes
+        row["seconds"] += op_seconds
+        seconds += op_seconds
+    main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
+    peak_flops = _peak_for(spec, dtype, main_dtype)
+    mfu = counter.flops / (seconds * peak_flops) if seconds else 0.0
+    return seconds, dict(per_op), main_dtype, mfu
+
+
+def _main_dtype(counter: Any) -> str:
+    # The dtype that did most of the FLOPs.
+    flops: dict[str, int] = defaultdict(int)
+    for record in counter.records:
+        flops[record.dtype] += record.flops
+    for name, _ in sorted(flops.items(), key=lambda kv: -kv[1]):
+        try:
+            return dtype_name(name)
+        except HardwareError:
+            continue
+    return "fp32"

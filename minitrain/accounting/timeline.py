@@ -1,4 +1,4 @@
-"""Live memory over one step, by category: the counter's record and its picture.
+"""Live memory over one step, by category: the counter's record of every storage's life.
 
 :class:`LiveStorages` is the counter's ledger of live storages (each counted once, freed when
 its last reference dies). With ``record=True`` it also keeps every storage's life (the op index
@@ -21,8 +21,7 @@ Phases: ``forward`` until the first op of the backward pass, ``backward`` while 
 engine runs, ``update`` after it, unless named by ``Counter.set_phase`` (``minitrain profile``
 marks ``clip`` and ``update`` as ``predict_step`` does).
 
-:func:`plot_memory_timeline` draws one or more timelines (predicted, measured) as stacked areas
-over the op index, phases marked; it needs matplotlib (``pip install 'minitrain[plot]'``).
+:func:`minitrain.accounting.plots.plot_memory_timeline` draws them.
 
 >>> import torch, minitrain as mt
 >>> from minitrain.accounting import Counter
@@ -39,13 +38,16 @@ True
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "LiveStorages", "Timeline", "plot_memory_timeline", "timeline_summary"]
+from minitrain import _torch
+from minitrain.errors import UserError
+
+__all__ = ["CATEGORIES", "LiveStorages", "Timeline", "innermost", "timeline_summary"]
 
 CATEGORIES = (
     "params", "grads", "optimizer_state", "batch", "buffers", "activations", "temporaries",
@@ -53,10 +55,11 @@ CATEGORIES = (
 # (op_index, phase, {category: live bytes}) after each op, categories with no bytes left out.
 Timeline = list[tuple[int, str, dict[str, int]]]
 
-_COLORS = {
-    "params": "#4e79a7", "grads": "#f28e2b", "optimizer_state": "#59a14f", "batch": "#b07aa1",
-    "buffers": "#9c755f", "activations": "#e15759", "temporaries": "#bab0ac",
-}
+
+
+def innermost(parents: set[str]) -> str:
+    """The deepest module path among ``parents`` (``"Global"`` outside any module)."""
+    return max(parents, key=lambda p: (p != "Global", p.count("."), len(p)), default="Global")
 
 
 @dataclass
@@ -71,8 +74,8 @@ class _Life:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The tensor under ``torch.func``'s wrappers (the one the dispatch mode sees)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
+    while _torch.is_functorch_wrapped_tensor(t):
+        t = _torch.get_unwrapped(t)
     return t
 
 
@@ -120,7 +123,7 @@ class LiveStorages:
     def categorize(self, t: torch.Tensor, category: str) -> None:
         """Put the live storage of ``t`` in ``category`` unless it already has one."""
         if category not in CATEGORIES:
-            raise ValueError(f"unknown category {category!r}; choose one of {CATEGORIES}")
+            raise UserError(f"unknown category {category!r}; choose one of {CATEGORIES}")
         found = self._key(t)
         if self.record and found is not None and found[1] in self._index:
             life = self.lives[self._index[found[1]]]
@@ -162,7 +165,7 @@ class LiveStorages:
     def timeline(self) -> Timeline:
         """Live bytes by category after every op sampled (needs ``record=True``)."""
         if not self.record:
-            raise ValueError("no timeline was recorded; use Counter(record_timeline=True)")
+            raise UserError("no timeline was recorded; use Counter(record_timeline=True)")
         steps = len(self.phases)
         # Without grads named by categorize(), they are what the backward made and outlived it.
         self._guess_grads = all(life.category != "grads" for life in self.lives)
@@ -183,73 +186,6 @@ class LiveStorages:
                 live[c] += change[c][index]
             out.append((index, phase, {c: b for c, b in live.items() if b}))
         return out
-
-
-def _phase_spans(timeline: Timeline) -> list[tuple[str, int, int]]:
-    spans: list[tuple[str, int, int]] = []
-    for index, phase, _ in timeline:
-        if spans and spans[-1][0] == phase:
-            spans[-1] = (phase, spans[-1][1], index)
-        else:
-            spans.append((phase, index, index))
-    return spans
-
-
-def plot_memory_timeline(
-    timelines: Mapping[str, Timeline], path: str, *, title: str = "live memory over one step"
-) -> str:
-    """Draw each timeline (label -> timeline) as stacked areas of live bytes by category over
-    the op index, one panel each on a shared y axis, phases marked; returns ``path``.
-
-    Needs matplotlib (``pip install 'minitrain[plot]'``); without it a one-line ``ValueError``.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError(
-            "the memory picture needs matplotlib; install it with: pip install 'minitrain[plot]'"
-        ) from None
-    panels = [(label, t) for label, t in timelines.items() if t]
-    if not panels:
-        raise ValueError("plot_memory_timeline needs at least one non-empty timeline")
-    used = [c for c in CATEGORIES if any(c in live for _, t in panels for _, _, live in t)]
-    top = max(sum(live.values()) for _, t in panels for _, _, live in t)
-    unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
-                       if top >= s or s == 1)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels) + 0.6), dpi=120,
-                             squeeze=False)
-    for ax, (label, timeline) in zip(axes[:, 0], panels, strict=True):
-        xs = [index for index, _, _ in timeline]
-        ys = [[live.get(c, 0) / scale for _, _, live in timeline] for c in used]
-        ax.stackplot(xs, ys, labels=used, colors=[_COLORS[c] for c in used], step="post")
-        totals = [sum(live.values()) for _, _, live in timeline]
-        peak = max(range(len(totals)), key=totals.__getitem__)
-        ax.plot([xs[peak]], [totals[peak] / scale], "k.", markersize=8)
-        right = xs[peak] > xs[0] + 0.6 * (xs[-1] - xs[0])  # label left of a peak on the right
-        ax.annotate(f"peak {totals[peak] / scale:.3g} {unit} ({timeline[peak][1]})",
-                    (xs[peak], totals[peak] / scale), textcoords="offset points",
-                    xytext=(-6 if right else 6, 4), ha="right" if right else "left", fontsize=8)
-        for phase, start, end in _phase_spans(timeline):
-            if start:
-                ax.axvline(start, color="black", linestyle="--", linewidth=0.7)
-            ax.text((start + end) / 2, top / scale * 1.1, phase, ha="center", va="bottom",
-                    fontsize=8)
-        ax.set_ylim(0, top / scale * 1.22)
-        ax.set_xlim(xs[0], max(xs[-1], xs[0] + 1))
-        ax.set_ylabel(f"live {unit}")
-        ax.set_title(label, fontsize=9, loc="left")
-        ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("op index")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize=8, ncol=min(len(used), 4))
-    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def timeline_summary(timeline: Sequence[tuple[int, str, dict[str, int]]]) -> dict[str, Any]:

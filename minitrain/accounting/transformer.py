@@ -13,7 +13,7 @@ weights, LM head included, plus attention scores and values over a context of ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from minitrain.accounting.memory import (
@@ -22,22 +22,14 @@ from minitrain.accounting.memory import (
     optimizer_state_elements,
     precision,
     training_memory,
-    transformer_activation_bytes,
 )
+from minitrain.errors import UserError
 
 __all__ = [
-    "ATTENTION",
-    "PRESETS",
-    "TransformerConfig",
-    "preset",
-    "transformer_activation_terms",
-    "transformer_flops_per_token",
-    "transformer_layer_activation_bytes",
-    "transformer_matmul_params",
-    "transformer_memory",
-    "transformer_optimizer_state_elements",
-    "transformer_params",
-    "transformer_tensors",
+    "ATTENTION", "PRESETS", "RECOMPUTE", "TransformerConfig", "preset",
+    "transformer_activation_bytes", "transformer_activation_terms", "transformer_flops_per_token",
+    "transformer_layer_activation_bytes", "transformer_matmul_params", "transformer_memory",
+    "transformer_optimizer_state_elements", "transformer_params", "transformer_tensors",
 ]
 
 
@@ -64,10 +56,6 @@ class TransformerConfig:
     norm_params: int = 2  # per norm per channel: LayerNorm has weight and bias, RMSNorm weight
     fused_qkv: bool = False  # one d×(q+k+v) matrix (GPT-2's c_attn) instead of three
     source: str = ""
-
-    def with_(self, **changes: Any) -> TransformerConfig:
-        """A copy with some fields changed (e.g. ``seq_len``)."""
-        return replace(self, **changes)
 
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> TransformerConfig:
@@ -111,7 +99,7 @@ def preset(name: str) -> TransformerConfig:
     """
     key = name.strip().lower()
     if key not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[key]
 
 
@@ -226,32 +214,18 @@ def transformer_flops_per_token(
 
 
 def transformer_memory(
-    config: TransformerConfig,
-    *,
-    batch: int,
-    seq_len: int | None = None,
-    optimizer: str = "adamw",
-    precision_name: str = "bf16-mixed",
-    gpus: int = 1,
-    zero_stage: int = 0,
-    recompute: str = "none",
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
-    attention: str = "eager",
-    amsgrad: bool = False,
-    momentum: bool = False,
-    centered: bool = False,
+    config: TransformerConfig, *, batch: int, seq_len: int | None = None,
+    optimizer: str = "adamw", precision_name: str = "bf16-mixed", gpus: int = 1,
+    zero_stage: int = 0, recompute: str = "none", tensor_parallel: int = 1,
+    sequence_parallel: bool = False, attention: str = "eager", amsgrad: bool = False,
+    momentum: bool = False, centered: bool = False,
 ) -> MemoryBreakdown:
     """Bytes per device to train ``config`` with ``batch`` sequences per device.
 
-    ``attention="flash"`` (a fused attention kernel) saves no ``s²`` terms, only the softmax
-    statistics (see :func:`transformer_activation_terms`).
-
     Params and grads from :func:`training_memory` (sharded by ZeRO stage over ``gpus``, or
     split by tensor parallelism), the optimizer state tensor by tensor
-    (:func:`transformer_optimizer_state_elements`: ``amsgrad``, ``momentum`` and ``centered``
-    each add the state tensor they add in torch.optim), sharded the same way; activations by
-    Korthikanti et al. 2022.
+    (:func:`transformer_optimizer_state_elements`), sharded the same way; activations by
+    :func:`transformer_activation_bytes` (Korthikanti et al. 2022).
 
     >>> m = transformer_memory(preset("gpt2-xl"), batch=1, precision_name="bf16-mixed")
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
@@ -280,15 +254,8 @@ ATTENTION = ("eager", "selective", "flash")
 
 
 def transformer_activation_terms(
-    *,
-    seq_len: int,
-    batch: int,
-    hidden: int,
-    heads: int,
-    attention: str = "eager",
-    dropout: bool = True,
-    bytes_per_element: int | float = 2,
-    mask_bytes: int | float = 1,
+    *, seq_len: int, batch: int, hidden: int, heads: int, attention: str = "eager",
+    dropout: bool = True, bytes_per_element: int | float = 2, mask_bytes: int | float = 1,
     norm_stats_bytes: int | float = 0,
 ) -> dict[str, float]:
     """Bytes one transformer layer saves for the backward pass, term by term.
@@ -316,11 +283,11 @@ def transformer_activation_terms(
     True
     """
     if attention not in ATTENTION:
-        raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION)}")
+        raise UserError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION)}")
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
                         ("heads", heads), ("bytes_per_element", bytes_per_element)):
         if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+            raise UserError(f"{name} must be > 0, got {value}")
     p, sbh, asb = bytes_per_element, seq_len * batch * hidden, heads * seq_len * batch
     s2 = asb * seq_len  # a·s²·b: one score per head, query and key
     mask = mask_bytes if dropout else 0
@@ -343,6 +310,50 @@ def transformer_activation_terms(
         "layernorm_stats": 2 * norm_stats_bytes * seq_len * batch,
     }
     return {name: float(value) for name, value in terms.items()}
+
+
+RECOMPUTE = ("none", "selective", "full")
+# Terms every tensor-parallel rank holds whole (Korthikanti et al. 2022, eq. 2); the others are
+# split over the ranks. Sequence parallelism splits these too (eq. 4).
+_REPLICATED = ("qkv_input", "mlp_input", "layernorm_inputs", "projection_dropout_mask",
+               "mlp_dropout_mask")
+
+
+def transformer_activation_bytes(
+    *, seq_len: int, batch: int, hidden: int, heads: int, num_layers: int,
+    recompute: str = "none", tensor_parallel: int = 1, sequence_parallel: bool = False,
+    bytes_per_element: int = 2, attention: str = "eager", mask_bytes: int = 1,
+) -> float:
+    """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4).
+
+    Per layer, with 16-bit activations and 1-byte dropout masks: ``s·b·h·(34 + 5·a·s/h)``
+    (eq. 1, term by term in :func:`transformer_activation_terms`); with tensor parallelism
+    ``t``: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), and with sequence parallelism
+    everything over ``t`` (eq. 4). Selective recomputation drops the ``5·a·s/h`` attention
+    term (eq. 6); full recomputation keeps only each layer's input, ``2·s·b·h`` (section 4.1).
+    ``attention="flash"`` saves the softmax's log-sum-exp instead of the ``s²`` terms.
+    Embedding and logits are not included.
+
+    >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
+    ...                              num_layers=1) / 2**30   # GPT-3, one layer
+    2.671875
+    """
+    if recompute not in RECOMPUTE:
+        raise UserError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+    for name, value in (("num_layers", num_layers), ("tensor_parallel", tensor_parallel)):
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    kept = "selective" if attention == "eager" and recompute == "selective" else attention
+    terms = transformer_activation_terms(
+        seq_len=seq_len, batch=batch, hidden=hidden, heads=heads, attention=kept,
+        bytes_per_element=bytes_per_element, mask_bytes=mask_bytes,
+    )
+    sp = tensor_parallel if sequence_parallel else 1
+    if recompute == "full":
+        return bytes_per_element * seq_len * batch * hidden / sp * num_layers
+    replicated = sum(terms[name] for name in _REPLICATED)
+    split = sum(terms.values()) - replicated
+    return (replicated / sp + split / tensor_parallel) * num_layers
 
 
 def transformer_layer_activation_bytes(**kwargs: Any) -> float:

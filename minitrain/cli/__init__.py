@@ -11,13 +11,12 @@ import importlib
 
 import click
 
-from minitrain.cli.errors import run_cli
+from minitrain.cli.errors import Group, run_cli
 
 # name -> "module:attribute" of a click command; loaded lazily.
 COMMANDS: dict[str, str] = {
     "run": "minitrain.cli.run:run",
     "backends": "minitrain.cli.run:backends",
-    "bench": "minitrain.cli.bench:bench",
     "estimate": "minitrain.cli.estimate:estimate",
     "hardware": "minitrain.cli.hardware:hardware",
     "prepare": "minitrain.cli.prepare:prepare",
@@ -29,7 +28,7 @@ COMMANDS: dict[str, str] = {
 }
 
 
-class LazyGroup(click.Group):
+class LazyGroup(Group):
     """A click group whose subcommands are imported on first use."""
 
     def __init__(self, *args, lazy_commands: dict[str, str], **kwargs):

@@ -3,7 +3,8 @@
 Exit codes: 0 success; 1 a failed run (a non-finite loss, an error in the user's script, a full
 disk, a dead worker); 2 a user mistake (bad flag, missing file, bad config value); 130 stopped
 by Ctrl-C or SIGTERM. The library raises the types of :mod:`minitrain.errors`; this module alone
-turns them into messages and exit codes.
+turns them, and every OSError, into messages and exit codes (:func:`cli_errors`, which every
+command runs under through :class:`Command` and :class:`Group`).
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ class ScriptFailed(RunFailed):
 
 def _user_mistakes() -> tuple[type[BaseException], ...]:
     """Errors raised by modules that predate :mod:`minitrain.errors` (all user mistakes)."""
-    from minitrain.backend import BackendError
     from minitrain.checkpoint import CheckpointError
     from minitrain.data import DataError
     from minitrain.metrics import MetricsError, MissingExtra
+    from minitrain.precision import BackendError
 
     return (CheckpointError, MetricsError, MissingExtra, DataError, BackendError)
 
@@ -95,18 +96,51 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
 
 
 @contextlib.contextmanager
-def training_errors() -> Iterator[None]:
-    """Turn what a training run raises into CLI errors: a failed run -> exit 1, Ctrl-C -> 130,
-    user mistakes (config, checkpoints, missing extras) -> exit 2, each as one line."""
+def cli_errors() -> Iterator[None]:
+    """The one place where library errors and OSErrors become CLI errors, each one line: a
+    failed run or an OSError -> exit 1, a user mistake (a config value, a checkpoint, a missing
+    extra) -> exit 2, a stop -> 130 (:func:`as_cli_error`). Anything else is a bug: it
+    propagates."""
     try:
         yield
-    except KeyboardInterrupt:
-        raise RunInterrupted("interrupted before training started; nothing was saved") from None
+    except BrokenPipeError:
+        raise  # a closed stdout: run_cli words it
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise RunFailed(f"{where}{errors.os_cause(exc)}") from None
     except Exception as exc:
         mapped = as_cli_error(exc)
         if mapped is None:
             raise
         raise mapped from None
+
+
+@contextlib.contextmanager
+def training_errors() -> Iterator[None]:
+    """:func:`cli_errors` around the start of a training run, where Ctrl-C saved nothing."""
+    try:
+        with cli_errors():
+            yield
+    except KeyboardInterrupt:
+        raise RunInterrupted("interrupted before training started; nothing was saved") from None
+
+
+class Command(click.Command):
+    """A click command that runs under :func:`cli_errors` (also when invoked on its own)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        with cli_errors():
+            return super().invoke(ctx)
+
+
+class Group(click.Group):
+    """A click group whose subcommands (and itself) run under :func:`cli_errors`."""
+
+    command_class = Command
+
+    def invoke(self, ctx: click.Context) -> object:
+        with cli_errors():
+            return super().invoke(ctx)
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
@@ -179,7 +213,8 @@ def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
 
 def _run_cli(command: click.Command, argv: list[str] | None) -> None:
     try:
-        command.main(args=argv, standalone_mode=False)
+        with cli_errors():
+            command.main(args=argv, standalone_mode=False)
     except _NO_ARGS_IS_HELP as exc:  # `minitrain` alone: show the help
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(EXIT_USAGE)
@@ -199,8 +234,4 @@ def _run_cli(command: click.Command, argv: list[str] | None) -> None:
         sys.exit(EXIT_FAILED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except errors.MinitrainError as exc:  # raised outside training_errors(): still one line
-        mapped = as_cli_error(exc)
-        mapped.show()
-        sys.exit(mapped.exit_code)
     sys.exit(EXIT_OK)

@@ -1,16 +1,18 @@
-"""``minitrain estimate ...``: napkin math from the shell (chapter 3.1), no torch needed; and
-``estimate step SCRIPT``, which predicts one training step of a script on fake tensors."""
+"""``minitrain estimate ...``: napkin math from the shell (chapter 3.1), no torch needed
+(``estimate step SCRIPT``, one step of a script predicted on fake tensors, is in
+:mod:`minitrain.cli.estimate_step`)."""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError
+from minitrain.accounting.units import si
+from minitrain.cli.errors import Group
+from minitrain.cli.estimate_step import step
+from minitrain.cli.options import emit
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
 
@@ -34,24 +36,6 @@ class Quantity(click.ParamType):
 
 
 QUANTITY = Quantity()
-
-
-def _emit(result: dict[str, Any], lines: list[str], as_json: bool) -> None:
-    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(lines))
-
-
-def _si(value: int | float, unit: str = "") -> str:
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.4g} {prefix}{unit}".rstrip()
-    return f"{value:.4g} {unit}".rstrip()
-
-
-def _accounting_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
 
 
 def _optimizer_options(command: Any) -> Any:
@@ -78,12 +62,12 @@ def _optimizer_choice(optimizer: str, amsgrad: bool, momentum: bool,
     option the optimizer does not take is refused where the bytes are counted."""
     from minitrain.accounting.memory import optimizer_key
 
-    key = _accounting_call(optimizer_key, optimizer)
+    key = optimizer_key(optimizer)
     options = {"amsgrad": amsgrad, "momentum": momentum, "centered": centered}
     return key, options, "+".join([key, *(name for name, on in options.items() if on)])
 
 
-@click.group()
+@click.group(cls=Group)
 def estimate() -> None:
     """Napkin math: time to train, memory and max params, transformer presets; one training
     step of a script predicted before it runs."""
@@ -115,8 +99,8 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
     """
     from minitrain import accounting as acc
 
-    spec = _accounting_call(acc.hardware, hardware_name)
-    peak = _accounting_call(spec.peak, dtype)
+    spec = acc.hardware(hardware_name)
+    peak = spec.peak(dtype)
     flops = acc.training_flops(params, tokens)
     throughput = acc.effective_throughput(spec, gpus=gpus, mfu=mfu, dtype=dtype)
     seconds = flops / throughput
@@ -139,7 +123,7 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
     lines = [
         f"1. total work   6 × N × D = 6 × {params:.3g} × {tokens:.3g} = {flops:.3g} FLOPs",
         f"2. throughput   {spec.description}: dense {result['dtype']} peak "
-        f"{_si(peak, 'FLOP/s')} × MFU {mfu:g} × {gpus} GPUs = {throughput:.3g} FLOP/s",
+        f"{si(peak, 'FLOP/s')} × MFU {mfu:g} × {gpus} GPUs = {throughput:.3g} FLOP/s",
         f"3. time         {flops:.3g} / {throughput:.3g} = {seconds:.3g} s "
         f"= {result['days']:.1f} days",
         f"   (rounding the throughput to {rounded:.0e} FLOP/s, as napkin math does: "
@@ -150,7 +134,7 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
             params, tokens, batch_tokens, gpus, interconnect_bandwidth, grad_bytes, seconds
         )
         lines += _communication_lines(result["communication"])
-    _emit(result, lines, as_json)
+    emit(result, lines, as_json)
 
 
 def _communication(params: float, tokens: float, batch_tokens: float, gpus: int,
@@ -159,9 +143,7 @@ def _communication(params: float, tokens: float, batch_tokens: float, gpus: int,
 
     gradient_bytes = params * grad_bytes
     per_step = acc.allreduce_bytes(gradient_bytes, gpus)
-    seconds = _accounting_call(
-        acc.communication_time, params, tokens, batch_tokens, gpus, bandwidth, grad_bytes
-    )
+    seconds = acc.communication_time(params, tokens, batch_tokens, gpus, bandwidth, grad_bytes)
     return {
         "interconnect_bandwidth": bandwidth,
         "batch_tokens": batch_tokens,
@@ -182,9 +164,9 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 
     compute_days = comm["compute_seconds"] / acc.SECONDS_PER_DAY
     return [
-        f"4. all-reduce   2·(N-1)/N × {_si(comm['gradient_bytes'], 'B')} of gradients = "
-        f"{_si(comm['allreduce_bytes_per_gpu_per_step'], 'B')} per GPU per step, at "
-        f"{_si(comm['interconnect_bandwidth'], 'B/s')} = "
+        f"4. all-reduce   2·(N-1)/N × {si(comm['gradient_bytes'], 'B')} of gradients = "
+        f"{si(comm['allreduce_bytes_per_gpu_per_step'], 'B')} per GPU per step, at "
+        f"{si(comm['interconnect_bandwidth'], 'B/s')} = "
         f"{comm['allreduce_seconds_per_step']:.3g} s per step",
         f"   × {comm['steps']:.3g} steps of {comm['batch_tokens']:.3g} tokens = "
         f"{comm['days']:.1f} days of communication beside {compute_days:.1f} days of compute",
@@ -197,7 +179,9 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
 @click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
 @_optimizer_options
-@click.option("--precision", default="fp32", help="fp32, bf16-mixed, amp, bf16.")
+@click.option("--precision", default="fp32",
+              help="A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, "
+              "nvfp4; cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
                    "assumption).")
@@ -207,9 +191,9 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
     """Bytes per parameter and the largest model that fits (chapter 3.1.2)."""
     from minitrain import accounting as acc
 
-    spec = _accounting_call(acc.hardware, hardware_name)
+    spec = acc.hardware(hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
-    chosen = _accounting_call(acc.bytes_per_param, key, precision, **options)
+    chosen = acc.bytes_per_param(key, precision, **options)
     table = {
         name: row._asdict() | {"total": row.total}
         for name in acc.OPTIMIZER_STATES
@@ -245,12 +229,12 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
         )
     lines += [
         "",
-        f"{gpus} × {spec.description}: {_si(spec.memory_bytes * gpus, 'B')} in all",
+        f"{gpus} × {spec.description}: {si(spec.memory_bytes * gpus, 'B')} in all",
         f"largest model ({label}, ZeRO stage {zero_stage}): "
-        f"{_si(by_stage[zero_stage])} params (activations not included)",
-        "by ZeRO stage: " + ", ".join(f"{s}: {_si(n)}" for s, n in by_stage.items()),
+        f"{si(by_stage[zero_stage])} params (activations not included)",
+        "by ZeRO stage: " + ", ".join(f"{s}: {si(n)}" for s, n in by_stage.items()),
     ]
-    _emit(result, lines, as_json)
+    emit(result, lines, as_json)
 
 
 @estimate.command("transformer")
@@ -261,7 +245,9 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
               help="Context length (default: the preset's).")
 @click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
 @_optimizer_options
-@click.option("--precision", default="bf16-mixed", help="fp32, bf16-mixed, amp, bf16.")
+@click.option("--precision", default="bf16-mixed",
+              help="A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, "
+              "nvfp4; cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
@@ -278,18 +264,17 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
     """Params, FLOPs per token and per step, and memory per device of a transformer preset."""
     from minitrain import accounting as acc
 
-    config = _accounting_call(acc.preset, preset_name)
-    spec = _accounting_call(acc.hardware, hardware_name)
+    config = acc.preset(preset_name)
+    spec = acc.hardware(hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
     if key == "muon":
         label = "muon for the layers' matrices, adamw for the rest"
     context = seq_len or config.seq_len
     n_params = acc.transformer_params(config)
     per_token = acc.transformer_flops_per_token(config, seq_len=context)
-    mem = _accounting_call(
-        acc.transformer_memory, config, batch=batch, seq_len=context, optimizer=key,
-        precision_name=precision, gpus=gpus, zero_stage=zero_stage, recompute=recompute,
-        attention=attention, **options,
+    mem = acc.transformer_memory(
+        config, batch=batch, seq_len=context, optimizer=key, precision_name=precision,
+        gpus=gpus, zero_stage=zero_stage, recompute=recompute, attention=attention, **options,
     )
     result: dict[str, Any] = {
         "preset": config.name,
@@ -312,18 +297,18 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
     lines = [
         f"{config.name}: {config.num_layers} layers, d={config.hidden}, {config.heads} heads, "
         f"vocab {config.vocab}, context {context}  [{config.source}]",
-        f"params              {n_params:,} ({_si(n_params)})",
+        f"params              {n_params:,} ({si(n_params)})",
         f"FLOPs per token     6·N = {6.0 * n_params:.3g}; with attention "
         f"(6·N_matmul + 12·L·d·T) = {per_token:.3g}",
         f"FLOPs per step      {result['flops_per_step']:.3g} "
         f"({batch} × {context} tokens × {gpus} GPUs)",
-        f"memory per GPU      {_si(mem.total, 'B')}: params {_si(mem.params, 'B')}, grads "
-        f"{_si(mem.grads, 'B')}, optimizer state ({label}) {_si(mem.optimizer_state, 'B')}, "
-        + (f"master weights {_si(mem.master_weights, 'B')}, " if mem.master_weights else "")
-        + f"activations {_si(mem.activations, 'B')} (recompute {recompute}, {attention} "
-        f"attention; {_si(mem.activations / config.num_layers, 'B')} per layer)",
+        f"memory per GPU      {si(mem.total, 'B')}: params {si(mem.params, 'B')}, grads "
+        f"{si(mem.grads, 'B')}, optimizer state ({label}) {si(mem.optimizer_state, 'B')}, "
+        + (f"master weights {si(mem.master_weights, 'B')}, " if mem.master_weights else "")
+        + f"activations {si(mem.activations, 'B')} (recompute {recompute}, {attention} "
+        f"attention; {si(mem.activations / config.num_layers, 'B')} per layer)",
         f"fits on {spec.name}      {'yes' if result['fits'] else 'no'} "
-        f"({_si(spec.memory_bytes, 'B')})",
+        f"({si(spec.memory_bytes, 'B')})",
     ]
     if tokens is not None:
         total = per_token * tokens
@@ -334,223 +319,7 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
             f"training            {total:.3g} FLOPs on {tokens:.3g} tokens: "
             f"{result['days']:.1f} days on {gpus} × {spec.name} at MFU {mfu:g}"
         )
-    _emit(result, lines, as_json)
+    emit(result, lines, as_json)
 
 
-# -- estimate step: one training step of a script, predicted on fake tensors -----------------
-
-
-@estimate.command("step")
-@click.argument("script", type=click.Path(path_type=Path))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a CONFIG key of the script (repeatable), e.g. --set n_layer=48.")
-@click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
-@click.option("--gpus", type=click.IntRange(min=1), default=1,
-              help="Data parallel: each device gets 1/N of the batch (the all-reduce of the "
-                   "grads is not included).")
-@click.option("--dtype", default=None,
-              help="Dtype of the peak FLOP/s for every op (e.g. bf16 for tensor cores); "
-                   "default: each op's own dtype.")
-@click.option("--autocast", type=click.Choice(["none", "bf16", "fp16"]), default="none",
-              help="Run forward and backward under torch.autocast in this dtype (what the "
-                   "CUDA backend does in bf16); the update stays fp32.")
-@click.option("--donate/--pure", default=True,
-              help="Donated update (in place, as `minitrain run` does) or a pure one.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
-@click.option("--measure", is_flag=True,
-              help="Run one real step on this machine and count it, instead of predicting "
-                   "on fake tensors (for scripts that need data, e.g. .item() in the loss).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int,
-         dtype: str | None, autocast: str, donate: bool, seed: int, measure: bool,
-         as_json: bool) -> None:
-    """Predict one training step of SCRIPT: peak memory (and when it happens), FLOPs, and the
-    time per step on --hardware, without running it.
-
-    The model and the batch are built on fake tensors (no data, no memory), so a model far
-    larger than this machine predicts in seconds.
-    """
-    from minitrain import accounting as acc
-
-    spec = _accounting_call(acc.hardware, hardware_name)
-    if dtype is not None:
-        _accounting_call(spec.peak, dtype)
-    cast = _autocast(autocast)
-    if measure:
-        result = _measured_step(script, overrides, spec, dtype, donate, seed, cast)
-    else:
-        result = _predicted_step(script, overrides, spec, dtype, donate, seed, gpus, cast)
-    result |= {"script": str(script), "gpus": gpus, "donate": donate, "autocast": autocast,
-               "memory_bytes": spec.memory_bytes}
-    _emit(result, _step_lines(result, spec), as_json)
-
-
-def _autocast(name: str) -> Any:
-    """A factory of ``torch.autocast`` contexts on the CPU (fake tensors live there)."""
-    if name == "none":
-        return None
-    import torch
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
-    return lambda: torch.autocast("cpu", dtype=dtype)
-
-
-def _load(script: Path, overrides: tuple[str, ...]) -> Any:
-    from minitrain.train import ExperimentError, load_experiment
-    from minitrain.train.experiment import parse_overrides
-
-    try:
-        experiment, _ = load_experiment(script, parse_overrides(overrides))
-    except ExperimentError as exc:
-        raise UserError(str(exc)) from None
-    return experiment
-
-
-def _failed(script: Path, exc: BaseException) -> UserError:
-    from minitrain.accounting import PredictionError
-
-    if isinstance(exc, PredictionError):
-        text = exc.reason
-    else:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-    return UserError(
-        f"{script}: cannot predict the step on fake tensors: {text}; "
-        "run one real step instead with --measure"
-    )
-
-
-def _shard(batch: Any, gpus: int) -> Any:
-    """Each device's share of the batch: 1/gpus of the leading dim, as a shape spec."""
-    import torch
-
-    from minitrain import accounting as acc
-
-    def share(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            return t
-        if t.shape[0] % gpus:
-            raise UserError(
-                f"the batch's leading dim {t.shape[0]} does not split over {gpus} GPUs; "
-                "choose --gpus that divides it"
-            )
-        return acc.TensorSpec((t.shape[0] // gpus, *t.shape[1:]), t.dtype)
-
-    return torch.utils._pytree.tree_map(share, batch)
-
-
-def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
-                    donate: bool, seed: int, gpus: int, cast: Any) -> dict[str, Any]:
-    import torch
-
-    from minitrain import accounting as acc
-
-    mode = acc.fake_mode()
-    built = []
-    experiment = _fake_or_real(mode, lambda: _load(script, overrides), built)
-    try:
-        generator = torch.Generator().manual_seed(seed)
-        params = _fake_or_real(mode, lambda: experiment.init(generator), built)
-        init_state = getattr(experiment, "init_state", None)
-        model_state = (None if init_state is None
-                       else _fake_or_real(mode, lambda: init_state(generator), built))
-        batch = _fake_or_real(mode, lambda: experiment.next_batch(generator), built)
-        if gpus > 1:
-            batch = _shard(batch, gpus)
-        prediction = acc.predict_step(
-            experiment.loss, params, batch, optimizer=experiment.optimizer, donate=donate,
-            has_aux=experiment.has_aux, max_grad_norm=experiment.max_grad_norm,
-            hardware=spec, dtype=dtype, autocast=cast, model_state=model_state,
-        )
-    except UserError:
-        raise
-    except Exception as exc:  # the script's code failed on fake tensors: one line
-        raise _failed(script, exc) from None
-    from minitrain.tree import size
-
-    return {"measured": False, "params": size(params),
-            "built_on": "real tensors" if built else "fake tensors"} | prediction.summary()
-
-
-def _fake_or_real(mode: Any, build: Any, built: list[str]) -> Any:
-    """``build()`` on fake tensors; for the scripts whose own code needs data (a data pipeline
-    calling ``.numpy()``), on real ones, noting it in ``built``."""
-    try:
-        with mode:
-            return build()
-    except Exception:
-        built.append("real")
-        return build()
-
-
-def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
-                   donate: bool, seed: int, cast: Any) -> dict[str, Any]:
-    import contextlib
-
-    import torch
-
-    from minitrain import accounting as acc
-    from minitrain.backend import get_backend
-    from minitrain.train.step import init_carry, make_train_step
-    from minitrain.tree import size
-
-    experiment = _load(script, overrides)
-    backend = get_backend("auto")
-    generator = torch.Generator().manual_seed(seed)
-    params = backend.to_device(experiment.init(generator))
-    carry = init_carry(experiment, backend, generator)
-    batch = backend.to_device(experiment.next_batch(generator))
-    state = experiment.optimizer.init(params)
-    train_step = make_train_step(experiment, backend, donate=donate)
-    counter = acc.Counter()
-    try:
-        with counter, cast() if cast else contextlib.nullcontext():
-            counter.track(params, state, batch, carry)
-            out = train_step(params, state, batch, carry=carry)
-            del out
-    except Exception as exc:
-        raise UserError(f"{script}: the step failed: {type(exc).__name__}: {exc}") from None
-    seconds, _, name, mfu = acc.predict.step_time(counter, spec, dtype)
-    peak = counter.peak_bytes
-    return {
-        "measured": True, "params": size(params), "peak_bytes": peak,
-        "peak_source": "live storages (minitrain.accounting.Counter)",
-        "flops": counter.flops, "matmul_flops": counter.matmul_flops,
-        "bytes": counter.bytes_read + counter.bytes_written,
-        "unknown_ops": dict(counter.unknown), "hardware": spec.name, "dtype": name,
-        "seconds_per_step": seconds, "mfu_bound": mfu, "fits": peak <= spec.memory_bytes,
-    }
-
-
-def _step_lines(result: dict[str, Any], spec: Any) -> list[str]:
-    how = "measured (one real step)" if result["measured"] else "predicted (fake tensors)"
-    if result.get("built_on") == "real tensors":
-        how += "; the script's setup needed data and ran on real tensors"
-    lines = [
-        f"{result['script']}: {result['params']:,} params, {how}"
-        + (f", per device of {result['gpus']}" if result["gpus"] > 1 else ""),
-        f"peak memory       {_si(result['peak_bytes'], 'B')}"
-        + (f" in the {result['peak_phase']} pass, at {result['peak_op']} "
-           f"({result['peak_module']})" if not result["measured"] else ""),
-    ]
-    if not result["measured"]:
-        at_peak = result["memory"]["at_peak"]
-        lines.append("  at the peak      " + ", ".join(
-            f"{name} {_si(value, 'B')}" for name, value in at_peak.items()))
-        lines.append(f"  saved for backward {_si(result['memory']['saved_for_backward'], 'B')}; "
-                     "largest:")
-        for saved in result["saved"][:3]:
-            lines.append(f"    {_si(saved['bytes'], 'B'):>9} {tuple(saved['shape'])} "
-                         f"{saved['dtype']} by {saved['op']} in {saved['module']}")
-    lines += [
-        f"FLOPs per step    {result['flops']:.4g} (matmul {result['matmul_flops']:.4g}), "
-        f"{_si(result['bytes'], 'B')} moved",
-        f"time on {spec.name:<9} {result['seconds_per_step'] * 1e3:.4g} ms per step "
-        f"(roofline of every op, {result['dtype']} peak), MFU at most "
-        f"{result['mfu_bound']:.0%}",
-        f"fits on {spec.name:<9} {'yes' if result['fits'] else 'no'} "
-        f"({_si(result['peak_bytes'], 'B')} of {_si(spec.memory_bytes, 'B')})",
-    ]
-    if result["unknown_ops"]:
-        lines.append("ops without FLOP formula: " + ", ".join(sorted(result["unknown_ops"])))
-    return lines
+estimate.add_command(step)

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError
+from minitrain.cli.errors import Command, UserError
 from minitrain.cli.roofline import print_table
 
 
@@ -18,7 +18,7 @@ def _number(value: float) -> str:
 
 def spec_record(name: str) -> dict[str, Any]:
     """A format's spec as a JSON-friendly dict, storage bits per element included."""
-    from minitrain.formats import spec
+    from minitrain.precision import spec
 
     s = spec(name)
     record = {k: v for k, v in s.__dict__.items()}
@@ -31,14 +31,14 @@ def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
     (their magnitudes for an unsigned format)."""
     import torch
 
-    from minitrain.formats import error_stats, spec
+    from minitrain.precision import error_stats, spec
 
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(256, 256, generator=generator) * std
     return error_stats(x if spec(name).signed else x.abs(), name)._asdict()
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--values", "values_of", default=None, metavar="FORMAT", help="List every code.")
 @click.option("--stats", is_flag=True, help="Add error statistics on Gaussian samples.")
 @click.option("--std", type=float, default=1.0, help="Standard deviation of the samples.")
@@ -46,18 +46,18 @@ def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: bool) -> None:
     """Number formats: bits, range, precision and encodings (fp32 ... fp4, MX and NVFP4)."""
-    from minitrain import formats as fmt
+    from minitrain.precision import FORMATS, values
 
     if values_of is not None:
         try:
-            codes = fmt.values(values_of)
+            codes = values(values_of)
         except ValueError as exc:
             raise UserError(str(exc)) from None
         _print_values(values_of, codes, as_json)
         return
     if not (std > 0 and math.isfinite(std)):
         raise UserError(f"--std must be a positive number, got {std}")
-    records = [spec_record(name) for name in fmt.names()]
+    records = [spec_record(name) for name in FORMATS]
     if stats:
         for record in records:
             record["stats"] = stats_record(record["name"], std, seed)
@@ -94,7 +94,7 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
 
 
 def _print_values(name: str, codes: list[tuple[int, float]], as_json: bool) -> None:
-    from minitrain.formats import spec
+    from minitrain.precision import spec
 
     bits = spec(name).bits
     if as_json:

@@ -6,10 +6,11 @@ import json
 
 import click
 
-from minitrain.cli.errors import UserError
+from minitrain.accounting.units import si
+from minitrain.cli.errors import Command, UserError
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("name", required=False)
 @click.option(
     "--measure", is_flag=True,
@@ -28,11 +29,7 @@ def hardware(name: str | None, measure: bool, as_json: bool) -> None:
         )
     if measure:
         acc.measure_cpu(refresh=True)
-    try:
-        names = [name] if name else acc.hardware_names()
-        specs = [acc.hardware(n) for n in names]
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    specs = [acc.hardware(n) for n in ([name] if name else acc.hardware_names())]
     if as_json:
         records = [spec.to_dict() | {"intensity_bf16": spec.intensity("bf16")} for spec in specs]
         click.echo(json.dumps(records if name is None else records[0], indent=2))
@@ -43,19 +40,12 @@ def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     for spec in specs:
         sparse = spec.sparse_flops.get("bf16")
         click.echo(
-            f"{spec.name:<11}{_si(spec.peak('bf16')):>12}"
-            f"{'-' if sparse is None else _si(sparse):>13}"
-            f"{_si(spec.peak('fp32')):>10}{spec.memory_bytes / 1e9:>7.0f} G"
-            f"{_si(spec.memory_bandwidth) + '/s':>11}{spec.intensity('bf16'):>8.0f}"
+            f"{spec.name:<11}{si(spec.peak('bf16')):>12}"
+            f"{'-' if sparse is None else si(sparse):>13}"
+            f"{si(spec.peak('fp32')):>10}{spec.memory_bytes / 1e9:>7.0f} G"
+            f"{si(spec.memory_bandwidth) + '/s':>11}{spec.intensity('bf16'):>8.0f}"
         )
     click.echo("")
     for spec in specs:
         click.echo(f"{spec.name}: {spec.description}. {spec.source}")
 
-
-def _si(value: float) -> str:
-    """``value`` with a decimal prefix and four significant digits: 989.4 T, 44.72 G."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
-        if value >= scale:
-            return f"{value / scale:.4g} {prefix}"
-    return f"{value:.4g} "

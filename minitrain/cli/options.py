@@ -1,12 +1,15 @@
-"""Options that ``minitrain run`` and ``minitrain sweep`` share, defined once."""
+"""What ``minitrain run`` and ``minitrain sweep`` share: their options, checks and summary."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+
+from minitrain.cli.errors import UserError, output_errors, rich_console
 
 # Step numbers name checkpoints (step-NNNNNNNN) and seeds feed numpy's SeedSequence and torch:
 # both take values below 2**63.
@@ -55,3 +58,41 @@ def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(_SHARED):
         command = option(command)
     return command
+
+
+def check_out(out: Path | None, resume: bool, overwrite: bool) -> None:
+    """Refuse an --out that is a file, and --resume with --overwrite."""
+    if out is not None and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory; pass a directory path")
+    if resume and overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite replaces it; pass one")
+
+
+def emit(result: dict[str, Any], lines: list[str], as_json: bool) -> None:
+    """``result`` as JSON, or ``lines`` as text."""
+    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(lines))
+
+
+def number(value: float | None, digits: int = 6) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def print_summary(summary: dict[str, Any], out: Path | None, as_json: bool,
+                  show: Callable[[Any, dict[str, Any]], None], resources_title: str) -> None:
+    """The summary as JSON, or as ``show(console, summary)`` prints it and the resource report;
+    a failed write to stdout is one line naming the saved summary."""
+    from minitrain.train.loop import dumps_finite
+
+    with output_errors(out / "summary.json" if out is not None else None):
+        if as_json:
+            click.echo(dumps_finite(summary, indent=2))
+            return
+        console = rich_console()
+        show(console, summary)
+        if "resources" in summary:
+            from minitrain.accounting.report import format_report
+
+            console.print(f"[bold]resources[/bold] {resources_title}")
+            console.print(
+                format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
+            )

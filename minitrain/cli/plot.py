@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from minitrain.cli.errors import RunFailed, UserError
-from minitrain.errors import StorageError
+from minitrain.cli.errors import Command, UserError
 
 
 def _summary(records: list[dict]) -> dict:
@@ -25,7 +24,7 @@ def _is_sweep(records: list[dict]) -> bool:
     return bool(records) and "member" in records[0]
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "--out",
@@ -55,25 +54,20 @@ def plot(run_dirs: tuple[Path, ...], out: Path | None, keys: tuple[str, ...],
             raise UserError(f"{run_dir} is not a directory; pass the --out directory of a run")
     if len(run_dirs) > 1 and out is None:
         raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
-    try:
-        runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
-        sweeps = [d for d, r in zip(run_dirs, runs, strict=True) if _is_sweep(r)]
-        if sweeps and len(run_dirs) > 1:
-            raise UserError(
-                f"{sweeps[0]} is a sweep; plot it alone (minitrain plot {sweeps[0]}: one curve "
-                "per member), and overlay single runs only"
-            )
-        if sweeps:
-            from minitrain.train.sweep_plot import plot_sweep
+    runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
+    sweeps = [d for d, r in zip(run_dirs, runs, strict=True) if _is_sweep(r)]
+    if sweeps and len(run_dirs) > 1:
+        raise UserError(
+            f"{sweeps[0]} is a sweep; plot it alone (minitrain plot {sweeps[0]}: one curve "
+            "per member), and overlay single runs only"
+        )
+    if sweeps:
+        from minitrain.train.sweep_plot import plot_sweep
 
-            png = plot_sweep(run_dirs[0], out)
-        else:
-            target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
-            png = metrics.plot(target, out, keys=keys or None)
-    except (metrics.MetricsError, metrics.MissingExtra) as exc:
-        raise UserError(str(exc)) from None
-    except StorageError as exc:  # unreadable metrics, a full disk, --out that is a directory
-        raise RunFailed(str(exc)) from None
+        png = plot_sweep(run_dirs[0], out)
+    else:
+        target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
+        png = metrics.plot(target, out, keys=keys or None)
     if len(run_dirs) == 1:
         result = {"png": str(png), **_summary(runs[0])}
     else:

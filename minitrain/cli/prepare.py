@@ -7,11 +7,10 @@ from pathlib import Path
 
 import click
 
-from minitrain.cli.errors import RunFailed, UserError
-from minitrain.errors import StorageError
+from minitrain.cli.errors import Command
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
@@ -35,12 +34,7 @@ def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json:
     """Write the bytes of every .py file under SOURCE as uint16 token memmaps (vocab 256)."""
     from minitrain import data
 
-    try:
-        meta = data.prepare(out, source, val_fraction=val_fraction)
-    except data.DataError as exc:
-        raise UserError(str(exc)) from None
-    except StorageError as exc:  # a full disk, an unwritable --out: the run of prepare failed
-        raise RunFailed(str(exc)) from None
+    meta = data.prepare(out, source, val_fraction=val_fraction)
     out_dir = out if out is not None else data.default_data_dir()
     summary = {"out": str(out_dir), **{k: v for k, v in meta.items() if k != "val_files"}}
     if as_json:

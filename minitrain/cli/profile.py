@@ -18,8 +18,9 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError
-from minitrain.cli.roofline import placement_record, print_table, roof_line, roof_or_user_error, si
+from minitrain.accounting.units import si
+from minitrain.cli.errors import Command, UserError
+from minitrain.cli.roofline import placement_record, print_table, roof_line
 
 
 def time_step(step: Any, params: Any, opt_state: Any, batch: Any, backend: Any, repeats: int):
@@ -50,18 +51,15 @@ def profile_script(
     memory timelines."""
     from minitrain.accounting.counter import Counter
     from minitrain.accounting.hardware import dtype_name
-    from minitrain.accounting.roofline import profile_records
-    from minitrain.backend import BackendError, get_backend
-    from minitrain.train import ExperimentError, load_experiment, make_train_step
+    from minitrain.accounting.roofline import profile_records, roof
+    from minitrain.precision import get_backend
+    from minitrain.train import load_experiment, make_train_step
     from minitrain.train.loop import run_generators, to_backend
     from minitrain.train.step import init_carry
 
-    try:
-        experiment, config = load_experiment(script, overrides)
-        backend = get_backend(backend_name)
-    except (ExperimentError, BackendError) as exc:
-        raise UserError(str(exc)) from None
-    on = roof_or_user_error(hardware_name, dtype or dtype_name(str(backend.compute_dtype)))
+    experiment, config = load_experiment(script, overrides)
+    backend = get_backend(backend_name)
+    on = roof(hardware_name, dtype or dtype_name(str(backend.compute_dtype)))
     init_generator, data_generator = run_generators(seed)
     params = to_backend(experiment.init(init_generator), backend)
     opt_state = experiment.optimizer.init(params)
@@ -153,7 +151,7 @@ def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
             "measured": measured_timeline(experiment, backend, params, opt_state, batch, carry)}
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("script", type=click.Path(path_type=Path))
 @click.option("--hardware", "hardware_name", default="cpu", help="Roof: cpu (measured) or a GPU.")
 @click.option("--dtype", default=None, help="Peak of this dtype [default: the backend's].")
@@ -182,14 +180,10 @@ def profile(
     as_json: bool,
 ) -> None:
     """Place every op of one training step of SCRIPT on a roofline (see examples/linreg.py)."""
-    from minitrain.accounting.roofline import plot
-    from minitrain.train import ExperimentError
+    from minitrain.accounting.plots import plot
     from minitrain.train.experiment import parse_overrides
 
-    try:
-        parsed = parse_overrides(overrides)
-    except ExperimentError as exc:
-        raise UserError(str(exc)) from None
+    parsed = parse_overrides(overrides)
     if memory_path is not None:
         _needs_matplotlib()
     result, config, counter, timelines = profile_script(
@@ -202,17 +196,8 @@ def profile(
     if plot_path is not None:
         achieved = result.achieved_flops
         measured = [("whole step, measured", result.intensity, achieved)] if achieved else []
-        try:
-            plot(
-                [result.roof],
-                result.groups,
-                plot_path,
-                title=f"{script.name}: one training step on {result.roof.name}",
-                measured=measured,
-                label_top=8,
-            )
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        plot([result.roof], result.groups, plot_path, measured=measured, label_top=8,
+             title=f"{script.name}: one training step on {result.roof.name}")
     if as_json:
         record = _record(script, config, result, counter, plot_path)
         if memory is not None:
@@ -237,14 +222,12 @@ def _needs_matplotlib() -> None:
 
 def _draw_memory(script: Path, timelines: dict[str, Any], path: str) -> dict[str, Any]:
     """Draw the timelines; return their peaks (and why a prediction is missing)."""
-    from minitrain.accounting.timeline import plot_memory_timeline, timeline_summary
+    from minitrain.accounting.plots import plot_memory_timeline
+    from minitrain.accounting.timeline import timeline_summary
 
     drawn = {f"{label} ({'fake tensors' if label == 'predicted' else 'this run'})": t
              for label, t in timelines.items() if isinstance(t, list)}
-    try:
-        plot_memory_timeline(drawn, path, title=f"{script.name}: live memory over one step")
-    except (ValueError, OSError) as exc:
-        raise UserError(str(exc).splitlines()[0]) from None
+    plot_memory_timeline(drawn, path, title=f"{script.name}: live memory over one step")
     memory: dict[str, Any] = {"plot": path}
     for label, t in timelines.items():
         memory[label] = timeline_summary(t) if isinstance(t, list) else {"error": t}
@@ -266,21 +249,12 @@ def _print_memory(memory: dict[str, Any]) -> None:
 def _record(script: Path, config: dict, result: Any, counter: Any, plot_path: str | None) -> dict:
     r = result.roof
     return {
-        "script": str(script),
-        "config": config,
-        "roof": {
-            "name": r.name,
-            "peak_flops": r.peak_flops,
-            "bandwidth": r.bandwidth,
-            "accelerator_intensity": r.ridge,
-            "source": r.source,
-        },
-        "flops": result.flops,
-        "bytes": result.bytes,
-        "intensity": result.intensity,
+        "script": str(script), "config": config,
+        "roof": {"name": r.name, "peak_flops": r.peak_flops, "bandwidth": r.bandwidth,
+                 "accelerator_intensity": r.ridge, "source": r.source},
+        "flops": result.flops, "bytes": result.bytes, "intensity": result.intensity,
         "predicted_seconds": result.predicted_seconds,
-        "measured_seconds": result.measured_seconds,
-        "achieved_flops": result.achieved_flops,
+        "measured_seconds": result.measured_seconds, "achieved_flops": result.achieved_flops,
         "unknown_ops": dict(counter.unknown),
         "ops": [placement_record(g) for g in result.groups],
         "calls": [placement_record(c) for c in result.calls],
@@ -292,18 +266,8 @@ def _print(script: Path, result: Any, counter: Any, top: int) -> None:
     click.echo(roof_line(result.roof))
     columns = ["op (phase)", "calls", "FLOPs", "bytes", "FLOP/byte", "bound", "predicted"]
     moving = [g for g in result.groups if g.bound != "none"]
-    rows = [
-        [
-            g.name.removeprefix("aten."),
-            str(g.count),
-            f"{g.flops:.4g}",
-            f"{g.bytes:.4g}",
-            f"{g.intensity:.3g}",
-            g.bound,
-            si(g.seconds, "s"),
-        ]
-        for g in moving[:top]
-    ]
+    rows = [[g.name.removeprefix("aten."), str(g.count), f"{g.flops:.4g}", f"{g.bytes:.4g}",
+             f"{g.intensity:.3g}", g.bound, si(g.seconds, "s")] for g in moving[:top]]
     title = f"{script.name}: {len(result.calls)} op calls in one step, slowest predicted first"
     if len(moving) > top:
         title += f" (top {top} of {len(moving)})"

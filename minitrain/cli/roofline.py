@@ -8,39 +8,8 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError
-
-_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-
-
-def si(value: float | int, unit: str = "") -> str:
-    """``989.4e12, "FLOP/s"`` -> ``"989.4 TFLOP/s"``.
-
-    >>> si(989.4e12, "FLOP/s"), si(2.5e-6, "s"), si(12, "B")
-    ('989.4 TFLOP/s', '2.5 µs', '12 B')
-    """
-    if not math.isfinite(value) or value == 0:
-        return f"{value:g} {unit}".strip()
-    if unit == "s" and abs(value) < 1:
-        for scale, prefix in ((1e-3, "m"), (1e-6, "µ"), (1e-9, "n")):
-            if abs(value) >= scale:
-                return f"{value / scale:.4g} {prefix}s"
-        return f"{value / 1e-12:.4g} ps"
-    for scale, prefix in _PREFIXES:
-        if abs(value) >= scale:
-            return f"{value / scale:.4g} {prefix}{unit}"
-    return f"{value:.4g} {unit}".strip()
-
-
-def roof_or_user_error(hardware_name: str, dtype: str) -> Any:
-    """The roof for ``hardware_name`` in ``dtype``, with registry mistakes as UserError."""
-    from minitrain.accounting.hardware import HardwareError
-    from minitrain.accounting.roofline import roof
-
-    try:
-        return roof(hardware_name, dtype)
-    except HardwareError as exc:
-        raise UserError(str(exc)) from None
+from minitrain.accounting.units import si
+from minitrain.cli.errors import Command
 
 
 def placement_record(p: Any) -> dict[str, Any]:
@@ -72,7 +41,7 @@ def roof_line(r: Any) -> str:
     )
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--hardware", "hardware_name", default="h100", help="A registered device or cpu.")
 @click.option("--dtype", default="bf16", help="Peak FLOP/s and element size of this dtype.")
 @click.option("--n", type=click.IntRange(min=1), default=1024, help="Operand size n of the ops.")
@@ -81,46 +50,29 @@ def roof_line(r: Any) -> str:
 def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_json: bool) -> None:
     """The chapter's five ops (ReLU, GeLU, dot, mat-vec, matmul) on a device's roofline."""
     from minitrain.accounting.hardware import dtype_name
-    from minitrain.accounting.roofline import DTYPE_BYTES, chapter_ops, place, plot
+    from minitrain.accounting.plots import plot
+    from minitrain.accounting.roofline import DTYPE_BYTES, chapter_ops, place, roof
 
-    r = roof_or_user_error(hardware_name, dtype)
+    r = roof(hardware_name, dtype)
     name = dtype_name(dtype)
     placements = [place(op, r) for op in chapter_ops(n, DTYPE_BYTES[name])]
     if plot_path is not None:
-        try:
-            plot([r], placements, plot_path, title=f"Roofline: {r.name}, ops of size n={n}")
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        plot([r], placements, plot_path, title=f"Roofline: {r.name}, ops of size n={n}")
     if as_json:
         record = {
-            "hardware": r.name.split()[0],
-            "dtype": name,
-            "peak_flops": r.peak_flops,
-            "bandwidth": r.bandwidth,
-            "accelerator_intensity": r.ridge,
-            "n": n,
+            "hardware": r.name.split()[0], "dtype": name, "peak_flops": r.peak_flops,
+            "bandwidth": r.bandwidth, "accelerator_intensity": r.ridge, "n": n,
             "bytes_per_element": DTYPE_BYTES[name],
-            "ops": [placement_record(p) for p in placements],
-            "plot": plot_path,
+            "ops": [placement_record(p) for p in placements], "plot": plot_path,
             "source": r.source,
         }
         click.echo(json.dumps(record, indent=2))
         return
     click.echo(roof_line(r))
     columns = ["op", "FLOPs", "bytes", "FLOP/byte", "bound", "attainable", "MFU ≤", "time"]
-    rows = [
-        [
-            p.name,
-            f"{p.flops:.4g}",
-            f"{p.bytes:.4g}",
-            f"{p.intensity:.3g}",
-            p.bound,
-            si(p.attainable_flops, "FLOP/s"),
-            f"{p.mfu_bound:.3f}",
-            si(p.seconds, "s"),
-        ]
-        for p in placements
-    ]
+    rows = [[p.name, f"{p.flops:.4g}", f"{p.bytes:.4g}", f"{p.intensity:.3g}", p.bound,
+             si(p.attainable_flops, "FLOP/s"), f"{p.mfu_bound:.3f}", si(p.seconds, "s")]
+            for p in placements]
     print_table(f"chapter 3.6.4 ops, n={n}, {DTYPE_BYTES[name]:g} bytes/element", columns, rows)
     if plot_path is not None:
         click.echo(f"wrote {plot_path}")

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import click
 
-from minitrain.cli.errors import (
-    RunFailed,
-    UserError,
-    output_errors,
-    rich_console,
-    training_errors,
-)
-from minitrain.cli.options import SEED, training_options
+from minitrain.cli.errors import Command, RunFailed, UserError, training_errors
+from minitrain.cli.options import SEED, check_out, number, print_summary, training_options
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("script", type=click.Path(path_type=Path))
 @training_options
 @click.option("--seed", type=SEED, default=0, help="Seed for init and data (0 to 2**63-1).")
@@ -59,49 +54,27 @@ def run(
     nproc: int | None,
 ) -> None:
     """Train the experiment defined in SCRIPT (see examples/linreg.py)."""
-    from minitrain.backend import get_backend
+    from minitrain.precision import get_backend
     from minitrain.train import fit, load_experiment
     from minitrain.train.experiment import parse_overrides
-    from minitrain.train.loop import dumps_finite
     from minitrain.train.signals import stop_requests
 
     with training_errors():
         experiment, config = load_experiment(script, parse_overrides(overrides), steps=steps)
         chosen = get_backend(backend)
-    _check_out_dir(out)
-    if resume and overwrite:
-        raise UserError("--resume continues the run in --out and --overwrite replaces it; pass one")
+    check_out(out, resume, overwrite)
     if nproc is not None:
         _launch_workers(nproc, experiment, chosen)
         return
     parallel = _join_process_group(chosen)
     with stop_requests(keep_until_exit=True), _worker_outcome(parallel):
         with training_errors():
-            result = fit(
-                experiment,
-                chosen,
-                seed=seed,
-                out_dir=out,
-                log_every=log_every,
-                checkpoint_every=checkpoint_every,
-                keep=keep,
-                resume=resume,
-                overwrite=overwrite,
-                progress=not as_json,
-                compile=compile_,
-                tensorboard=tensorboard,
-                report=report,
-                config=config,
-                parallel=parallel,
-            )
-        summary = result.summary
-        if parallel is not None and not parallel.is_main:
-            return
-        with output_errors(out / "summary.json" if out is not None else None):
-            if as_json:
-                click.echo(dumps_finite(summary, indent=2))
-            else:
-                _print_summary(summary)
+            result = fit(experiment, chosen, seed=seed, out_dir=out, log_every=log_every,
+                         checkpoint_every=checkpoint_every, keep=keep, resume=resume,
+                         overwrite=overwrite, progress=not as_json, compile=compile_,
+                         tensorboard=tensorboard, report=report, config=config, parallel=parallel)
+        if parallel is None or parallel.is_main:
+            print_summary(result.summary, out, as_json, _show, "(predicted vs measured, one step)")
 
 
 def _launch_workers(nproc: int, experiment: Any, backend: Any) -> None:
@@ -119,10 +92,7 @@ def _launch_workers(nproc: int, experiment: Any, backend: Any) -> None:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     argv = launch.forward_argv(click.get_current_context(), drop=("nproc",))
-    try:
-        launch.launch(nproc, ["run", *argv])
-    except distributed.DistributedError as exc:
-        raise RunFailed(str(exc)) from None
+    launch.launch(nproc, ["run", *argv])
 
 
 def _join_process_group(backend: Any) -> Any:
@@ -138,19 +108,14 @@ def _join_process_group(backend: Any) -> Any:
 
 
 def _worker_outcome(parallel: Any) -> Any:
-    import contextlib
+    if parallel is None:
+        return contextlib.nullcontext()
+    from minitrain.cli.launch import worker_outcome  # torch.distributed: only in a worker
 
-    from minitrain.cli.launch import worker_outcome
-
-    return contextlib.nullcontext() if parallel is None else worker_outcome(parallel)
-
-
-def _check_out_dir(out: Path | None) -> None:
-    if out is not None and out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a directory; pass a directory path")
+    return worker_outcome(parallel)
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def _show(console: Any, summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{summary['name']} on {summary['backend']}", show_header=False)
@@ -158,7 +123,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     table.add_column("", justify="right")
     rows = [
         ("steps", f"{summary['steps']:,}"),
-        ("final loss", _number(summary.get("final_loss"))),
+        ("final loss", number(summary.get("final_loss"))),
         ("wall time", f"{summary['seconds']:.2f} s"),
         ("step time", f"{summary['step_seconds'] * 1e3:.3f} ms"),
         ("params", f"{summary['params']:,}"),
@@ -170,26 +135,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     rows += [(f"eval {k}", f"{v:.6g}") for k, v in summary.get("eval", {}).items()]
     for name, value in rows:
         table.add_row(name, value)
-    console = rich_console()
     console.print(table)
-    if "resources" in summary:
-        from minitrain.accounting.report import format_report
-
-        console.print("[bold]resources[/bold] (predicted vs measured, one step)")
-        console.print(
-            format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
-        )
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
-
-
-@click.command()
+@click.command(cls=Command)
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def backends(as_json: bool) -> None:
     """List the installed backends and whether each can run on this machine."""
-    from minitrain.backend import backend_statuses
+    from minitrain.precision import backend_statuses
 
     statuses = backend_statuses()
     if as_json:

@@ -7,11 +7,11 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import UserError, output_errors, rich_console, training_errors
-from minitrain.cli.options import training_options
+from minitrain.cli.errors import Command, training_errors
+from minitrain.cli.options import check_out, number, print_summary, training_options
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("script", type=click.Path(path_type=Path))
 @training_options
 @click.option(
@@ -49,16 +49,12 @@ def sweep(
 ) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
-    from minitrain.backend import get_backend
     from minitrain.metrics import MissingExtra
-    from minitrain.train.loop import dumps_finite
+    from minitrain.precision import get_backend
     from minitrain.train.signals import stop_requests
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
 
-    if out is not None and out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a directory; pass a directory path")
-    if resume and overwrite:
-        raise UserError("--resume continues the run in --out and --overwrite replaces it; pass one")
+    check_out(out, resume, overwrite)
     with training_errors():
         ensemble = load_sweep(script, overrides, parse_seeds(seeds), steps=steps)
         chosen = get_backend(backend)
@@ -69,33 +65,20 @@ def sweep(
             err=True,
         )
     with stop_requests(keep_until_exit=True), training_errors():
-        result = fit_sweep(
-            ensemble,
-            chosen,
-            out_dir=out,
-            log_every=log_every,
-            checkpoint_every=checkpoint_every,
-            keep=keep,
-            resume=resume,
-            overwrite=overwrite,
-            progress=not as_json,
-            report=report,
-            check=check,
-        )
+        result = fit_sweep(ensemble, chosen, out_dir=out, log_every=log_every,
+                           checkpoint_every=checkpoint_every, keep=keep, resume=resume,
+                           overwrite=overwrite, progress=not as_json, report=report, check=check)
     summary = result.summary
     if plot and out is not None:
         try:
             summary["plot"] = str(plot_sweep(out))
         except MissingExtra as exc:
             click.echo(f"warning: no plot: {exc}", err=True)
-    with output_errors(out / "summary.json" if out is not None else None):
-        if as_json:
-            click.echo(dumps_finite(summary, indent=2))
-        else:
-            _print_summary(summary)
+    print_summary(summary, out, as_json, _show,
+                  "of the whole ensemble (predicted vs measured)")
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
+def _show(console: Any, summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     ranking = summary["ranking"]
@@ -115,13 +98,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
             str(row["member"]),
             *(f"{row['config'][key]:g}" for key in swept),
             str(row["seed"]),
-            _number(row["final_loss"]),
-            _number(row["smoothed_loss"]),
-            *(_number(row["eval"].get(key)) for key in eval_keys),
+            number(row["final_loss"], 5),
+            number(row["smoothed_loss"], 5),
+            *(number(row["eval"].get(key), 5) for key in eval_keys),
             f"diverged at step {row['diverged_at']}" if diverged else "ok",
         ]
         table.add_row(*cells, style="red" if diverged else None)
-    console = rich_console()
     console.print(table)
     step_ms = summary["step_seconds"] * 1e3
     console.print(
@@ -132,14 +114,3 @@ def _print_summary(summary: dict[str, Any]) -> None:
     )
     if summary.get("plot"):
         console.print(f"loss curves: {summary['plot']}", highlight=False)
-    if "resources" in summary:
-        from minitrain.accounting.report import format_report
-
-        console.print("[bold]resources[/bold] of the whole ensemble (predicted vs measured)")
-        console.print(
-            format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
-        )
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.5g}"

@@ -16,25 +16,18 @@ from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
     chain,
+    hyperparameter,
     tagged,
     tensor_leaves,
 )
-from minitrain.optim._family import Scalar, check_range, descent_prefix
-from minitrain.optim._host import (
-    host_tensor,
-    next_step,
-    schedule_count,
-    zero_count,
-)
-from minitrain.optim.base import (
-    Optimizer,
-    ScalarOrSchedule,
-    check_hyperparameter,
-)
-from minitrain.optim.kernels import streaming
+from minitrain.optim._host import host_tensor, next_step, schedule_count, zero_count
+from minitrain.optim._transforms_rules import scale
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, check_hyperparameter
 from minitrain.tree import Params
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]
+
+Scalar = int | float | Tensor
 
 
 class ScaleByAdafactorState(NamedTuple):
@@ -58,6 +51,14 @@ def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     if len(shape) > 1:
         return [(*shape[:-1], 1), (*shape[:-2], 1, shape[-1])]
     return [tuple(shape)]
+
+
+def _checked(name: str, value: Any, low: float, high: float = math.inf) -> Any:
+    """``value`` as torch.optim takes it (a number, or a one-element tensor as 0-d), checked
+    to lie in ``[low, high]``."""
+    value = hyperparameter(name, value)
+    check_hyperparameter(name, value, low, high)
+    return value
 
 
 def _init_leaf(p: Tensor) -> tuple[Any, Any, Any]:
@@ -120,14 +121,14 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     """
     schedule = callable(lr) and not isinstance(lr, Tensor)
     if not schedule:
-        lr = check_range("lr", lr, 0.0)
-    beta2_decay = check_range("beta2_decay", beta2_decay, -float("inf"), 0.0)
+        lr = _checked("lr", lr, 0.0)
+    beta2_decay = _checked("beta2_decay", beta2_decay, -float("inf"), 0.0)
     if not isinstance(eps, tuple | list) or len(eps) != 2:
         raise ValueError(f"invalid eps={eps!r}: pass a pair (eps1 or None, eps2)")
-    eps1 = None if eps[0] is None else check_range("eps[0] (epsilon1)", eps[0], 0.0)
-    eps2 = check_range("eps[1] (epsilon2)", eps[1], 0.0)
-    d = check_range("d (clipping threshold)", d, 1.0)
-    weight_decay = check_range("weight_decay", weight_decay, 0.0)
+    eps1 = None if eps[0] is None else _checked("eps[0] (epsilon1)", eps[0], 0.0)
+    eps2 = _checked("eps[1] (epsilon2)", eps[1], 0.0)
+    d = _checked("d (clipping threshold)", d, 1.0)
+    weight_decay = _checked("weight_decay", weight_decay, 0.0)
 
     def init(params: Params) -> ScaleByAdafactorState:
         tensor_leaves("scale_by_adafactor", params, "param", floating=True)
@@ -211,7 +212,17 @@ def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
               eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
               weight_decay: Scalar = 0.0, *, maximize: bool = False) -> Optimizer:
-    """torch.optim.Adafactor (its defaults; ``eps[0]=None`` means the dtype's machine eps).
+    """torch.optim.Adafactor: ``scale_by_adafactor`` (after ``scale(-1)`` with ``maximize``).
+
+    Args:
+        lr: caps the relative step size ``min(lr, 1/sqrt(t))`` and scales the weight decay;
+            a number, a one-element tensor or a schedule.
+        beta2_decay: the second moments' decay ``1 - t^beta2_decay``.
+        eps: ``(eps1, eps2)``: eps1 floors the second moments (None: the dtype's machine
+            eps), eps2 the param's RMS in the step size.
+        d: clips the update's RMS to at most ``d``.
+        weight_decay: decoupled, ``p <- p - lr wd p``.
+        maximize: ascend instead of descend.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.adafactor()
@@ -221,49 +232,7 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     tensor([[0.9900, 0.9900],
             [0.9900, 0.9900]])
     """
-    return as_optimizer(chain(*descent_prefix(maximize),
+    if not isinstance(maximize, bool):
+        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
+    return as_optimizer(chain(*([scale(-1.0)] if maximize else []),
                               scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)))
-
-
-# --------------------------------------------------------------------------------------------
-# The fast path: 2-D float32 CPU leaves in three passes of the streaming kernels
-
-
-def _kernel_leaf(p: Tensor, g: Tensor, row: Any, col: Any) -> bool:
-    """Whether a leaf takes the kernels: 2-D, and its moments contiguous float32 tensors."""
-    return (p.dim() == 2 and isinstance(row, Tensor) and isinstance(col, Tensor)
-            and streaming.usable([row, col]) and streaming._storage_holds(p)
-            and streaming._storage_holds(g) and streaming._storage_holds(row)
-            and streaming._storage_holds(col))
-
-
-def _kernel_step(g, p, row_var, col_var, step, sign, h, out, nontemporal):
-    """:func:`adafactor_leaf` for a 2-D leaf, its scalars in float32 as torch computes them,
-    the passes over the leaf in C (``_streaming.c``, ``minitrain_adafactor_*``)."""
-    m, n = p.shape
-    eps1 = torch.finfo(torch.float32).eps if h["eps1"] is None else h["eps1"]
-    one_minus_beta2 = step ** h["beta2_decay"]
-    rho = min(h["lr"], 1 / math.sqrt(step))
-    row_sums, col_sums, p_sumsq = streaming.adafactor_stats(g, p)
-    root_numel = math.sqrt(p.numel())
-    p_norm = torch.tensor(p_sumsq, dtype=torch.float64, device="cpu").sqrt().to(torch.float32)
-    alpha = torch.clamp(p_norm / root_numel, min=h["eps2"]) * rho
-    # vector_norm(g, dim=-1).square() / n: here from float64 sums of squares
-    row_var = torch.lerp(row_var, (row_sums / n).to(torch.float32).reshape(m, 1),
-                         one_minus_beta2)
-    col_var = torch.lerp(col_var, (col_sums / m).to(torch.float32).reshape(1, n),
-                         one_minus_beta2)
-    denom = float(row_var.mean(dim=-2, keepdim=True).clamp(min=eps1))
-    rows, cols = row_var.reshape(m), col_var.reshape(n)
-    hp = [denom, eps1 * eps1, sign, 0.0, 0.0]
-    scaled_sumsq = streaming.adafactor_apply(g, p, rows, cols, hp)
-    scaled_norm = torch.tensor(scaled_sumsq, dtype=torch.float64, device="cpu").sqrt().to(
-        torch.float32)
-    clip = torch.clamp(scaled_norm / (root_numel * h["d"]), min=1)
-    coef = float(-alpha / clip)
-    lr_wd = h["lr"] * h["weight_decay"] if h["weight_decay"] != 0 else 0.0
-    streaming.adafactor_apply(g, p, rows, cols, [denom, eps1 * eps1, sign, coef, lr_wd], out,
-                              nontemporal=nontemporal)
-    return out, row_var, col_var
-
-

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as _pytree
 
-from minitrain import lowp, rng
-from minitrain.backend import Backend
+from minitrain import precision, rng
+from minitrain._torch import pytree as _pytree
 from minitrain.errors import ExperimentError
 from minitrain.func import value_and_grad
+from minitrain.precision import Backend
 from minitrain.train.experiment import Experiment
 from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
 from minitrain.train.script_errors import raised_at
@@ -81,7 +81,7 @@ def make_member_step(
     plain_loss, recipe = loss_with_aux(experiment), fp8_recipe_of(backend)
 
     def loss(params: Params, history: Any, batch: PyTree) -> tuple[torch.Tensor, tuple]:
-        fp8 = contextlib.nullcontext() if recipe is None else lowp.simulate(recipe, history)
+        fp8 = contextlib.nullcontext() if recipe is None else precision.simulate(recipe, history)
         with fp8 as simulation:
             value, aux = plain_loss(params, batch)
         forward = None if simulation is None else simulation.forward_history()

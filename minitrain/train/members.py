@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from minitrain._torch import make_subclass
 from minitrain.train.experiment import (
     Experiment,
     ExperimentError,
@@ -124,7 +125,7 @@ class SweptValue(torch.Tensor):
     @classmethod
     def _wrap(cls, plain: torch.Tensor, binding: SweepBinding, name: str | None = None,
               recipe: tuple | None = None, number: bool = False) -> SweptValue:
-        swept = torch.Tensor._make_subclass(cls, plain)
+        swept = make_subclass(cls, plain)
         swept.swept_name = name  # a swept key, or None for a value derived from one
         swept.swept_recipe = recipe  # (func, args, kwargs) that derived it
         swept.swept_binding = binding

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from minitrain import rng
-from minitrain.backend import Backend
 from minitrain.errors import ExperimentError
+from minitrain.precision import Backend
 from minitrain.train.experiment import one_line
 from minitrain.tree import Params, leaves
 from minitrain.tree import map as tree_map

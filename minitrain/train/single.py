@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from minitrain import checkpoint, rng
-from minitrain.backend import Backend
 from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, ScriptError
 from minitrain.optim import learning_rate
+from minitrain.precision import Backend
 from minitrain.train.experiment import Experiment, as_recorded, one_line
 from minitrain.train.loop import FitResult, StepTimer, run_loop
 from minitrain.train.progress import resident_bytes, to_stderr

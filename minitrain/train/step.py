@@ -11,11 +11,12 @@ A run may carry more than params and optimizer state, in a :class:`Carry`:
 - a dynamic loss scale (:class:`minitrain.precision.LossScaleState`) when the backend's policy
   asks for one (fp16): the loss is scaled, the grads unscaled, a step whose grads overflow is
   skipped and the scale updated, as ``torch.amp.GradScaler`` does; ``skipped`` counts them;
-- the amax histories of delayed fp8 scaling (:func:`minitrain.lowp.init_state`) when the
+- the amax histories of delayed fp8 scaling (:func:`minitrain.precision.init_state`) when the
   policy's matmuls are per-tensor fp8 (``cpu-fp8``, ``cuda-fp8``), kept as Transformer Engine's
   ``DelayedScaling`` keeps them: each step scales each matmul's operands by the largest amax of
   the last ``history_len`` steps and records its own. The updated histories come back as the
-  gradient of the histories (:mod:`minitrain.lowp`); they are neither clipped nor applied.
+  gradient of the histories (:mod:`minitrain.precision.matmuls`); they are neither clipped nor
+  applied.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minitrain import lowp
-from minitrain.backend import Backend
+from minitrain import precision
+from minitrain._torch import pytree
 from minitrain.errors import ExperimentError, ResumeError
 from minitrain.func import value_and_grad
 from minitrain.precision import (
+    Backend,
     DynamicLossScale,
     LossScaleState,
     compute_context,
@@ -162,8 +164,8 @@ def stateful_loss(
 
 
 def _check_same_structure(state: PyTree, new_state: PyTree) -> None:
-    old = torch.utils._pytree.tree_structure(state)
-    new = torch.utils._pytree.tree_structure(new_state)
+    old = pytree.tree_structure(state)
+    new = pytree.tree_structure(new_state)
     if old != new:
         raise ExperimentError(
             "the loss's new state is not shaped like the state it was given (init_state's); "
@@ -175,13 +177,12 @@ def loss_scale_of(experiment: Any, backend: Backend) -> DynamicLossScale | None:
     """The dynamic loss scale a run on ``backend`` carries: None unless the backend's policy
     asks for loss scaling (fp16); then the experiment's ``loss_scale`` or GradScaler's defaults.
     """
-    policy = getattr(backend, "policy", None)
-    if policy is None or not policy.loss_scaling:
+    if not backend.policy.loss_scaling:
         return None
     return getattr(experiment, "loss_scale", None) or dynamic_loss_scale()
 
 
-def fp8_recipe_of(backend: Backend) -> lowp.Recipe | None:
+def fp8_recipe_of(backend: Backend) -> precision.Recipe | None:
     """The fp8 recipe of a backend whose policy scales its matmuls from amax histories
     (``cpu-fp8``, ``cuda-fp8``), else None.
 
@@ -189,8 +190,7 @@ def fp8_recipe_of(backend: Backend) -> lowp.Recipe | None:
     >>> fp8_recipe_of(mt.get_backend("cpu-fp8")).forward, fp8_recipe_of(mt.get_backend("cpu"))
     ('fp8_e4m3', None)
     """
-    policy = getattr(backend, "policy", None)
-    return None if policy is None else delayed_scaling(policy)
+    return delayed_scaling(backend.policy)
 
 
 def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
@@ -204,11 +204,11 @@ def init_fp8_history(
     experiment: Any, backend: Backend, params: Params, model_state: PyTree, batch: PyTree
 ) -> torch.Tensor:
     """Empty amax histories for every matmul one forward pass of ``experiment`` runs on
-    ``batch`` (counted by :func:`minitrain.lowp.count_matmuls`), on the backend's device."""
+    ``batch`` (counted by :func:`minitrain.precision.count_matmuls`), on the backend's device."""
     recipe = fp8_recipe_of(backend)
     with fp8_context(backend)():
-        count = lowp.count_matmuls(stateful_loss(experiment), params, model_state, batch)
-    return lowp.init_state(recipe, count).to(backend.device)
+        count = precision.count_matmuls(stateful_loss(experiment), params, model_state, batch)
+    return precision.init_state(recipe, count).to(backend.device)
 
 
 def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) -> Carry | None:
@@ -311,7 +311,7 @@ def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor,
     """The histories after a step: the gradient of the histories (``new_history``), except
     for a matmul whose backward pass did not run (its output never reached the loss), whose
     gradient is zero: it takes its row of ``forward_history`` (the forward amaxes recorded,
-    :meth:`minitrain.lowp.simulate`'s ``forward_history()``), or keeps its old history."""
+    :func:`minitrain.precision.simulate`'s ``forward_history()``), or keeps its old history."""
     ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
     return torch.where(ran, new_history, history if forward_history is None else forward_history)
 
@@ -371,7 +371,7 @@ def make_train_step(
     recipe = fp8_recipe_of(backend)
 
     def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree):
-        fp8 = contextlib.nullcontext() if recipe is None else lowp.simulate(recipe, history)
+        fp8 = contextlib.nullcontext() if recipe is None else precision.simulate(recipe, history)
         with fp8 as simulation:
             loss, (aux, new_state) = loss_fn(params, model_state, batch)
         scaled = loss if scale is None else loss_scale.scale_loss(loss, scale)
@@ -380,8 +380,7 @@ def make_train_step(
         return scaled, (loss.detach(), aux, () if new_state is None else new_state,
                         () if forward is None else forward)
 
-    policy = getattr(backend, "policy", None)
-    simulates = policy is not None and policy.matmul_format is not None
+    simulates = backend.policy.matmul_format is not None
     if compile and not simulates:  # nanoGPT's torch.compile(model): AOTAutograd, and no functorch
         objective = torch.compile(objective)
     # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.

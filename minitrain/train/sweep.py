@@ -86,12 +86,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as _pytree
 
 from minitrain import checkpoint, rng
-from minitrain.backend import Backend
+from minitrain._torch import pytree as _pytree
 from minitrain.errors import NonFiniteLoss, ResumeError
 from minitrain.metrics import METRICS_FILE, read_metrics
+from minitrain.precision import Backend
 from minitrain.train.ensemble_step import (
     EnsembleStepOutput,
     batches_ignore_swept_values,

@@ -52,7 +52,8 @@ def test_bytes_per_param_by_optimizer_and_precision():
     # ZeRO paper section 3.1: mixed-precision Adam is 2 + 2 + 12 = 16 bytes per parameter.
     mixed = acc.bytes_per_param("adam", "bf16-mixed")
     assert (mixed.params, mixed.grads, mixed.optimizer_state + mixed.master_weights) == (2, 2, 12)
-    assert acc.bytes_per_param("adamw", "bf16").total == 8
+    assert acc.bytes_per_param("adamw", "bf16-pure").total == 8
+    assert acc.bytes_per_param("adamw", "bf16").total == 16  # autocast over fp32 params
 
 
 def test_zero_stages_follow_the_zero_paper_figure_1():

@@ -31,9 +31,9 @@ TORCH_CASES = [
     ("rmsprop", (), "RMSprop", {}),
 ]
 # precision -> the dtype torch.optim keeps the state in (fp32 master weights and state for
-# bf16-mixed; everything bf16 for bf16)
-STATE_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.float32, "amp": torch.float32,
-                "bf16": torch.bfloat16}
+# bf16-mixed; autocast over fp32 params for bf16; everything bf16 for bf16-pure)
+STATE_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.float32,
+                "bf16-pure": torch.bfloat16}
 GPT2_PARAMS = 124_439_808
 
 
@@ -72,7 +72,7 @@ def torch_state_bytes_per_param(cls_name, options, dtype):
     return state_bytes / sum(p.numel() for p in params)
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32", "bf16-pure"])
 @pytest.mark.parametrize(("name", "flags", "cls_name", "options"), TORCH_CASES,
                          ids=[f"{n}{''.join(f)}" for n, f, _, _ in TORCH_CASES])
 def test_state_bytes_equal_torch_optims_scaled_to_the_preset(capsys, name, flags, cls_name,

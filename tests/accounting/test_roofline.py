@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain.accounting import roofline as R
+from minitrain.accounting.plots import plot
 from minitrain.cli.roofline import roofline as roofline_command
 
 positive = st.floats(1e-3, 1e18, allow_nan=False, allow_infinity=False)
@@ -116,7 +117,7 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     h100 = R.roof("h100")
     placements = [R.place(op, h100) for op in R.chapter_ops()]
-    path = R.plot([h100, R.roof("a100-80gb")], placements, str(tmp_path / "roof.png"))
+    path = plot([h100, R.roof("a100-80gb")], placements, str(tmp_path / "roof.png"))
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -153,16 +154,3 @@ def test_roofline_command_unknown_hardware_is_a_one_line_error():
     assert result.exit_code == 2
     assert result.output.startswith("error: unknown hardware 'tpu'")
     assert result.output.count("\n") == 1
-
-
-def test_bench_hardware_measures_a_ridge_point():
-    from minitrain.cli.bench_hardware import hardware as bench_hardware
-
-    args = ["--n", "128", "--copy-mib", "4", "--rounds", "1", "--json"]
-    result = CliRunner().invoke(bench_hardware, args)
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    rates = record["rates"]
-    assert all(rate > 0 for rate in rates.values())
-    assert record["ridge_fp32"] == rates["torch fp32 matmul"] / rates["torch copy"]
-    assert set(record["ratio_vs_numpy"]) == {"fp32 matmul", "copy"}

@@ -75,7 +75,8 @@ def test_state_elements_equal_what_torch_optim_allocates(config, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adafactor", "adamw"])
-@pytest.mark.parametrize(("precision", "state_bytes"), [("fp32", 4), ("bf16", 2)])
+@pytest.mark.parametrize(("precision", "state_bytes"),
+                         [("fp32", 4), ("bf16-pure", 2), ("bf16", 4)])
 @pytest.mark.parametrize(("gpus", "zero", "tensor_parallel"), [(1, 0, 1), (4, 1, 1), (1, 0, 2)])
 def test_memory_reports_those_elements_in_the_recipes_bytes_and_shards(
         optimizer, precision, state_bytes, gpus, zero, tensor_parallel):

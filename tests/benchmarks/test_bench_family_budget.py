@@ -1,13 +1,14 @@
-"""``minitrain bench optim --family --budget``: a member row too slow to time in full."""
+"""``python benchmarks/optim.py --family --budget``: a member row too slow to time in full."""
 
 from __future__ import annotations
 
 import json
 
+from benchmarks_harness import load_benchmark
 from click.testing import CliRunner
 
-from minitrain.bench.optim_family import fitted_rounds
-from minitrain.cli.bench_optim import optim
+optim = load_benchmark("optim").optim
+fitted_rounds = load_benchmark("_optim_family").fitted_rounds
 
 
 def test_bench_optim_family_cuts_a_row_that_would_outrun_its_budget():

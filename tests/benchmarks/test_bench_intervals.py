@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks_harness import load_benchmark
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minitrain.bench.optim import median_interval, paired_ratio_interval
+median_interval = load_benchmark("_timing").median_interval
+paired_ratio_interval = load_benchmark("_timing").paired_ratio_interval
 
 # n -> the rank k of the 95% interval's ends (the k-th smallest and the k-th largest value):
 # the order-statistic interval for the median (Nair 1940; Conover, Practical Nonparametric

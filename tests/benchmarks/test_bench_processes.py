@@ -1,5 +1,6 @@
-"""``minitrain bench optim --processes N``: the measurement repeated in fresh processes, each
-figure summarized by its median across them."""
+"""``python benchmarks/optim.py --processes N``: the measurement repeated in fresh processes
+(children that run ``python benchmarks/optim.py ... --json``), each figure summarized by its median
+across them."""
 
 from __future__ import annotations
 
@@ -8,14 +9,23 @@ import subprocess
 
 import click
 import pytest
+from benchmarks_harness import BENCHMARKS, load_benchmark
 from click.testing import CliRunner
 
-import minitrain.cli.bench_optim as bench_optim_cli
-from minitrain.bench.optim import ALIAS_TARGETS, median_interval
-from minitrain.bench.optim_family import FAMILY_TARGET
-from minitrain.bench.optim_processes import ChildFailed, child_command, run_children, summarize
-from minitrain.cli.bench_optim import NOT_FORWARDED, optim
 from minitrain.cli.errors import EXIT_FAILED, EXIT_USAGE, run_cli
+
+bench_optim = load_benchmark("optim")
+timing = load_benchmark("_timing")
+optim = bench_optim.optim
+ALIAS_TARGETS = bench_optim.ALIAS_TARGETS
+NOT_FORWARDED = bench_optim.NOT_FORWARDED
+FAMILY_TARGET = load_benchmark("_optim_family").FAMILY_TARGET
+ChildFailed = timing.ChildFailed
+child_command = timing.child_command
+run_children = timing.run_children
+median_interval = timing.median_interval
+summarize = timing.summarize
+SCRIPT = BENCHMARKS / "optim.py"
 
 
 def _result(pure: float, donate: float, chain: float, lion: float) -> dict:
@@ -71,8 +81,9 @@ def test_children_run_one_after_another_and_each_failure_is_named():
         calls.append(command)
         return subprocess.CompletedProcess(command, 0, json.dumps({"n": len(calls)}), "")
 
-    assert run_children(["--count", "1"], 2, run) == [{"n": 1}, {"n": 2}]
-    assert calls == [child_command(["--count", "1"])] * 2
+    assert run_children(SCRIPT, ["--count", "1"], 2, run) == [{"n": 1}, {"n": 2}]
+    assert calls == [child_command(SCRIPT, ["--count", "1"])] * 2
+    assert calls[0][1:] == [str(SCRIPT), "--count", "1", "--json"]  # the script, not the CLI
     failures = {
         "exited with status 2: bad": _completed(2, stderr="Traceback\nerror: bad\n"),
         "was killed by SIGKILL: no output on stderr": _completed(-9),
@@ -81,13 +92,14 @@ def test_children_run_one_after_another_and_each_failure_is_named():
     }
     for message, run in failures.items():
         with pytest.raises(ChildFailed, match=f"^benchmark process 1 of 1 {message}$"):
-            run_children([], 1, run)
+            run_children(SCRIPT, [], 1, run)
 
 
 def test_a_failed_child_is_one_line_and_exit_code_1(monkeypatch, capsys):
-    monkeypatch.setattr(bench_optim_cli, "run_children",
-                        lambda options, processes, progress=None: run_children(
-                            options, processes, _completed(1, stderr="error: out of memory")))
+    monkeypatch.setattr(bench_optim, "run_children",
+                        lambda script, options, processes, progress=None: run_children(
+                            script, options, processes,
+                            _completed(1, stderr="error: out of memory")))
     with pytest.raises(SystemExit) as exit_info:
         run_cli(optim, ["--processes", "2"])
     assert exit_info.value.code == EXIT_FAILED
@@ -99,11 +111,12 @@ def test_a_failed_child_is_one_line_and_exit_code_1(monkeypatch, capsys):
 def test_a_child_gets_every_option_of_the_command_but_processes_and_json(monkeypatch):
     seen = []
 
-    def fake_children(options, processes, progress=None):
+    def fake_children(script, options, processes, progress=None):
+        assert script == SCRIPT.resolve()  # the children run this very script
         seen.append(options)
         return [_result(1.1, 1.0, 1.3, 0.9)] * processes
 
-    monkeypatch.setattr(bench_optim_cli, "run_children", fake_children)
+    monkeypatch.setattr(bench_optim, "run_children", fake_children)
     args = ["--optimizer", "adam", "--optimizer", "sgd_momentum", "--count", "3", "--size", "5",
             "--rounds", "7", "--inner", "2", "--chain", "chain_clip_adam_decay_schedule",
             "--family", "--member", "lion", "--cold", "--budget", "9.5"]

@@ -11,15 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from benchmarks_harness import load_benchmark
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain import data, rng
-from minitrain.bench.data import chapter_get_batch, measure, nanogpt_get_batch
 from minitrain.cli import cli
 from minitrain.data import DataError, Prefetcher, get_batch, open_tokens, write_tokens
 from minitrain.errors import StorageError
+
+# The chapter's and nanoGPT's loaders, the references get_batch is checked against
+chapter_get_batch = load_benchmark("data").chapter_get_batch
+nanogpt_get_batch = load_benchmark("data").nanogpt_get_batch
 
 
 def tokens_file(tmp_path, values, dtype="uint16"):
@@ -431,13 +435,6 @@ def test_prepare_command_mistakes(tmp_path, sources, args, message):
     result = CliRunner().invoke(cli, ["prepare", *args])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
-
-
-def test_bench_data_runs_all_three_loaders():
-    result = measure(num_tokens=20_000, batch_size=4, seq_len=64, rounds=2, inner=2)
-    assert set(result["seconds_per_batch"]) == {"chapter", "nanogpt", "minitrain"}
-    assert all(seconds > 0 for seconds in result["seconds_per_batch"].values())
-    assert result["speedup_vs_chapter"] > 0
 
 
 # --------------------------------------------------------------------------- examples/bytelm.py

@@ -348,7 +348,7 @@ def test_plot_into_a_directory_or_under_a_file_is_a_storage_error(tmp_path):
 
 
 def test_plot_of_a_sweep_draws_each_member_and_refuses_to_overlay_it(tmp_path):
-    from minitrain.backend import get_backend
+    from minitrain.precision import get_backend
     from minitrain.train.sweep import fit_sweep, load_sweep
 
     linreg = str(Path(__file__).resolve().parents[2] / "examples" / "linreg.py")

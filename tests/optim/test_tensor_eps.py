@@ -149,7 +149,7 @@ def experiment(config):
 
 
 def test_a_sweep_varies_eps_and_alpha_per_member(tmp_path):
-    from minitrain.backend import get_backend
+    from minitrain.precision import get_backend
     from minitrain.train import fit, load_experiment
     from minitrain.train.sweep import fit_sweep, load_sweep
 

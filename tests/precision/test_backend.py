@@ -1,10 +1,10 @@
-"""The backend registry and the CPU / CPU-bf16 / CUDA backends."""
+"""The backend record, its registry and the shipped backends."""
 
 import pytest
 import torch
 
 import minitrain as mt
-from minitrain.backend import BackendError
+from minitrain.precision import Backend, BackendError, Policy, register_backend
 
 
 def test_registry_lists_entry_point_backends():
@@ -60,41 +60,27 @@ def test_cpu_bf16_autocast_path_matches_fp32_loosely_and_keeps_fp32_grads():
         torch.testing.assert_close(g, r, rtol=1e-1, atol=5e-2)
 
 
-def test_third_party_backend_registers():
-    from minitrain.backend import register_backend
-
-    class Custom:
-        name = "custom"
-        device = torch.device("cpu")
-        param_dtype = torch.float64
-        compute_dtype = torch.float64
-
-        def is_available(self):
-            return True, "always"
-
-        def autocast(self):
-            import contextlib
-
-            return contextlib.nullcontext()
-
-        def synchronize(self):
-            pass
-
-        def to_device(self, batch):
-            return batch
-
-        def memory_allocated(self):
-            return None
-
-        def max_memory_allocated(self):
-            return None
-
-        def reset_peak_memory(self):
-            pass
-
-        def peak_flops(self):
-            return None
-
-    register_backend("custom", Custom)
-    assert mt.get_backend("custom").param_dtype == torch.float64
+def test_third_party_backend_registers(monkeypatch):
+    custom = Backend("custom", "cpu", Policy("fp16", "fp16", "fp16", name="half"))
+    register_backend("custom", custom)
+    assert mt.get_backend("custom").param_dtype == torch.float16
     assert "custom" in mt.available_backends()
+    register_backend("custom-factory", lambda: custom)  # or a function returning one
+    assert mt.get_backend("custom-factory") is custom
+    statuses = {s.name: s for s in mt.precision.backend_statuses()}
+    assert statuses["custom"].precision == "half" and statuses["cpu-fp8"].precision == "fp8"
+    monkeypatch.setitem(mt.precision.backend._REGISTERED, "bad", lambda: object())
+    with pytest.raises(BackendError, match="not a minitrain.precision.Backend"):
+        mt.get_backend("bad")
+
+
+def test_every_shipped_backend_is_device_and_precision():
+    """Backend names and precision names are one vocabulary: ``<device>-<precision>``."""
+    for status in mt.precision.backend_statuses():
+        if status.source.startswith("minitrain_backends."):
+            device, _, precision = status.name.partition("-")
+            assert precision in ("", status.precision) and device in ("cpu", "cuda")
+            assert status.precision in mt.precision.POLICIES
+    assert mt.get_backend("cpu").policy.name == "fp32"
+    precisions = {s.name: s.precision for s in mt.precision.backend_statuses()}
+    assert precisions["cpu"] == "fp32" and precisions["cuda"] == "bf16"

@@ -25,7 +25,7 @@ from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M
 from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 
-from minitrain import formats
+from minitrain import precision
 
 MX_ELEMENTS = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}
 
@@ -109,9 +109,9 @@ def test_nvfp4_matches_torchao(kind, dtype):
     x = inputs(kind, dtype)
     if kind == "scaled":  # one tensor scale per tensor: scale each row as its own tensor
         for row in x:
-            assert_bitwise_equal(formats.quantize(row, "nvfp4"), torchao_nvfp4(row), row)
+            assert_bitwise_equal(precision.quantize(row, "nvfp4"), torchao_nvfp4(row), row)
     else:
-        assert_bitwise_equal(formats.quantize(x, "nvfp4"), torchao_nvfp4(x), x)
+        assert_bitwise_equal(precision.quantize(x, "nvfp4"), torchao_nvfp4(x), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -119,7 +119,7 @@ def test_nvfp4_matches_torchao(kind, dtype):
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
 def test_mx_matches_torchao(name, kind, dtype):
     x = inputs(kind, dtype, seed=3)
-    assert_bitwise_equal(formats.quantize(x, name), torchao_mx(x, name), x)
+    assert_bitwise_equal(precision.quantize(x, name), torchao_mx(x, name), x)
 
 
 def test_nvfp4_tie_from_the_formats_section():
@@ -128,8 +128,8 @@ def test_nvfp4_tie_from_the_formats_section():
     x = torch.tensor([[4.5, 1.3125] + [0.0] * 14])
     expected = torchao_nvfp4(x)
     assert expected[0, :2].tolist() == [4.5, 1.125]
-    assert_bitwise_equal(formats.quantize(x, "nvfp4"), expected, x)
-    assert_bitwise_equal(formats.quantize(x.bfloat16(), "nvfp4"), expected, x)
+    assert_bitwise_equal(precision.quantize(x, "nvfp4"), expected, x)
+    assert_bitwise_equal(precision.quantize(x.bfloat16(), "nvfp4"), expected, x)
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
@@ -140,16 +140,16 @@ def test_mx_blocks_holding_nan_or_inf_match_torchao(name, special):
     x[1, 40] = special
     for dtype in DTYPES:
         xd = x.to(dtype)
-        assert_bitwise_equal(formats.quantize(xd, name), torchao_mx(xd, name), xd)
+        assert_bitwise_equal(precision.quantize(xd, name), torchao_mx(xd, name), xd)
 
 
 def test_mx_issue_examples():
     nan_block = torch.tensor([[math.nan, 100.0] + [0.0] * 30])
     inf_block = torch.tensor([[math.inf, 100.0] + [0.0] * 30])
     assert torchao_mx(nan_block, "mxfp8")[0, :2].isnan().all()
-    assert formats.quantize(nan_block, "mxfp8")[0, :2].isnan().all()
+    assert precision.quantize(nan_block, "mxfp8")[0, :2].isnan().all()
     assert torchao_mx(inf_block, "mxfp8")[0, :2].tolist() == [math.inf, 0.0]
-    assert formats.quantize(inf_block, "mxfp8")[0, :2].tolist() == [math.inf, 0.0]
+    assert precision.quantize(inf_block, "mxfp8")[0, :2].tolist() == [math.inf, 0.0]
 
 
 ELEMENTS = {
@@ -171,12 +171,12 @@ assert {DTYPE_FP6_E2M3, DTYPE_FP6_E3M2}  # the names torchao gives the fp6 forma
 @pytest.mark.parametrize("name", list(ELEMENTS))
 def test_sub_byte_elements_match_torchao_and_ml_dtypes(name):
     encode, decode, ml_dtype = ELEMENTS[name]
-    grid = torch.tensor(sorted({v for _, v in formats.values(name)}))
+    grid = torch.tensor(sorted({v for _, v in precision.values(name)}))
     midpoints = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([grid, midpoints, midpoints.nextafter(grid[1:]), gaussian(4096, seed=7) * 8])
     x = torch.cat([x, -x, torch.tensor([1e30, -1e30])])
-    ours = formats.quantize(x, name)
+    ours = precision.quantize(x, name)
     assert_bitwise_equal(ours, decode(encode(x)), x)
-    clamped = x.clamp(-formats.spec(name).max, formats.spec(name).max)  # ml_dtypes has no sat.
+    clamped = x.clamp(-precision.spec(name).max, precision.spec(name).max)  # ml_dtypes has no sat.
     via_ml = torch.from_numpy(clamped.numpy().astype(ml_dtype).astype(np.float32))
     assert_bitwise_equal(ours, via_ml, x)

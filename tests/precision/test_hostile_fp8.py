@@ -211,13 +211,13 @@ def test_a_hand_edited_history_with_impossible_amaxes_is_not_trained_on(capsys, 
 
 def test_delayed_scale_ignores_a_history_entry_that_is_not_a_positive_finite_amax():
     # What the docstring promises for an empty history, kept for the other cases it names.
-    assert mt.lowp.delayed_scale(torch.zeros(16), "fp8_e4m3") == 1.0
-    assert mt.lowp.delayed_scale(torch.tensor([-1.0, 2.0, 4.0]), "fp8_e4m3") == 112.0
+    assert mt.precision.delayed_scale(torch.zeros(16), "fp8_e4m3") == 1.0
+    assert mt.precision.delayed_scale(torch.tensor([-1.0, 2.0, 4.0]), "fp8_e4m3") == 112.0
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_delayed_scale_skips_a_non_finite_entry(bad):
-    assert mt.lowp.delayed_scale(torch.tensor([bad, 2.0, 4.0]), "fp8_e4m3") == 112.0
+    assert mt.precision.delayed_scale(torch.tensor([bad, 2.0, 4.0]), "fp8_e4m3") == 112.0
 
 
 # --------------------------------------------------------------------------- other backends
@@ -535,7 +535,8 @@ def experiment(config):
         return torch.relu(x @ w)
 
     def loss(params, batch):  # activation checkpointing of the first layer
-        h = checkpoint(block, batch, params["a"], use_reentrant=False)
+        h = checkpoint(block, batch, params["a"], use_reentrant=False,
+                       context_fn=mt.precision.recompute_context)
         return ((h @ params["b"]) ** 2).mean()
 
     return mt.Experiment(
@@ -548,8 +549,9 @@ def experiment(config):
 
 @pytest.mark.parametrize("backend", ["cpu-fp8", "cpu-mxfp8"])
 def test_activation_checkpointing_trains_on_simulated_formats(capsys, tmp_path, backend):
-    # The recomputation runs in the backward pass, outside lowp.simulate: it replays the
-    # region's simulated matmuls (same amax history rows), so it saves what the forward saved.
+    # The recomputation runs in the backward pass, after the simulation: recompute_context
+    # replays the region's simulated matmuls (same amax history rows), so it saves what the
+    # forward saved.
     path = write(tmp_path, "checkpointed.py", CHECKPOINTED)
     assert run(capsys, path, tmp_path / "cpu", steps=3)[0] == 0
     code, _, err = run(capsys, path, tmp_path / backend, "--backend", backend, steps=3)
@@ -596,11 +598,9 @@ def test_a_matmul_outside_the_backward_pass_still_records_its_forward_amaxes(tmp
 def test_forward_amaxes_of_a_matmul_outside_the_loss_equal_those_inside_it():
     """Two matmuls on the same operands, one reaching the loss and one not: their recorded
     forward amaxes are the same numbers."""
-    from minitrain import lowp
-
     x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
-    state = lowp.init_state("fp8", 2).requires_grad_(True)
-    with lowp.simulate("fp8", state) as simulation:
+    state = mt.precision.init_state("fp8", 2).requires_grad_(True)
+    with mt.precision.simulate("fp8", state) as simulation:
         loss = (x @ w).square().sum()
         unused = x @ w  # noqa: F841
     forward = simulation.forward_history()

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import pathlib
 
 import pytest
 import torch
+from minitrain_backends import cpu as cpu_backends
+from minitrain_backends import cuda as cuda_backends
 
 import minitrain as mt
-from minitrain import lowp, precision_backends
-from minitrain.backend import Backend, BackendError, register_backend
+from minitrain.errors import UserError
 from minitrain.precision import (
     POLICIES,
+    Backend,
+    BackendError,
     Policy,
     compute_context,
     dynamic_loss_scale,
+    element_bytes,
+    matmul,
     policy,
+    register_backend,
     scaled_value_and_grad,
     select_tree,
 )
@@ -27,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_policy_casts_float_leaves_only_and_never_mutates():
     tree = {"w": torch.ones(2), "ids": torch.arange(3), "nested": [torch.zeros(1, 2)]}
-    p = Policy(torch.float32, torch.float16, torch.bfloat16)
+    p = Policy("fp32", "fp16", "bf16")
     out = p.cast_to_compute(tree)
     assert out["w"].dtype == torch.float16 and out["ids"].dtype == torch.int64
     assert out["nested"][0].dtype == torch.float16
@@ -37,11 +42,27 @@ def test_policy_casts_float_leaves_only_and_never_mutates():
 
 
 def test_presets_keep_fp32_master_params_and_only_fp16_scales_the_loss():
-    assert set(POLICIES) == {"fp32", "bf16", "fp16", "fp8", "mxfp8", "mxfp4", "nvfp4"}
-    assert all(p.param_dtype == torch.float32 for p in POLICIES.values())
+    runnable = {"fp32", "bf16", "fp16", "fp8", "mxfp8", "mxfp4", "nvfp4"}
+    assert set(POLICIES) == runnable | {"bf16-mixed", "bf16-pure"}
+    assert all(POLICIES[n].param_dtype == torch.float32 for n in runnable)
     assert [n for n, p in POLICIES.items() if p.loss_scaling] == ["fp16"]
+    assert all(name == p.name for name, p in POLICIES.items())
     with pytest.raises(ValueError, match="choose one of: fp32, bf16"):
         policy("fp12")
+
+
+def test_one_vocabulary_for_backends_and_the_napkin_math():
+    """bf16 is autocast over fp32 params everywhere; the old spellings name the new ones."""
+    assert element_bytes("bf16") == element_bytes(mt.get_backend("cpu-bf16").policy)
+    assert tuple(element_bytes("bf16")) == (4, 4, 4, 0, 2)  # accounting's old "amp"
+    assert tuple(element_bytes("bf16-pure")) == (2, 2, 2, 0, 2)  # accounting's old "bf16"
+    assert tuple(element_bytes("bf16-mixed")) == (2, 2, 4, 4, 2)
+    assert mt.accounting.bytes_per_param("adamw", "fp16") == mt.accounting.bytes_per_param("adamw")
+    for old, new in [("amp", "bf16"), ("mixed", "bf16-mixed"), ("bfloat16", "bf16-pure"),
+                     ("float32", "fp32")]:
+        with pytest.raises(UserError, match=f"precision '{old}' is now called {new}") as error:
+            mt.accounting.bytes_per_param("adamw", old)
+        assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -58,24 +79,24 @@ def test_compute_context_simulates_the_matmul_format(name):
     b = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
     with compute_context(name):
         y = a @ b
-    assert torch.equal(y, lowp.matmul(a, b, name))
+    assert torch.equal(y, matmul(a, b, name))
 
 
-FACTORIES = {
-    "cpu-fp16": precision_backends.cpu_fp16,
-    "cpu-fp8": precision_backends.cpu_fp8,
-    "cpu-mxfp8": precision_backends.cpu_mxfp8,
-    "cpu-mxfp4": precision_backends.cpu_mxfp4,
-    "cpu-nvfp4": precision_backends.cpu_nvfp4,
-    "cuda-fp16": precision_backends.cuda_fp16,
-    "cuda-fp8": precision_backends.cuda_fp8,
+BACKENDS = {
+    "cpu-fp16": cpu_backends.cpu_fp16,
+    "cpu-fp8": cpu_backends.cpu_fp8,
+    "cpu-mxfp8": cpu_backends.cpu_mxfp8,
+    "cpu-mxfp4": cpu_backends.cpu_mxfp4,
+    "cpu-nvfp4": cpu_backends.cpu_nvfp4,
+    "cuda-fp16": cuda_backends.cuda_fp16,
+    "cuda-fp8": cuda_backends.cuda_fp8,
 }
 
 
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_backends_follow_the_protocol_and_register_like_any_other(name):
-    register_backend(f"test-{name}", FACTORIES[name])
-    backend = FACTORIES[name]()
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_backends_are_records_and_register_like_any_other(name):
+    register_backend(f"test-{name}", BACKENDS[name])
+    backend = BACKENDS[name]
     assert isinstance(backend, Backend) and backend.name == name
     assert backend.param_dtype == torch.float32
     if name.startswith("cpu"):
@@ -93,12 +114,18 @@ def test_backends_follow_the_protocol_and_register_like_any_other(name):
         assert "\n" not in message and "no CUDA GPU here" in message
 
 
-def test_cuda_fp8_says_which_gpus_have_fp8():
-    usable, reason = precision_backends.cuda_fp8(capability=(8, 6)).is_available()
+def test_cuda_fp8_says_which_gpus_have_fp8(monkeypatch):
+    capability = [(8, 6)]  # a pretended GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    usable, reason = cuda_backends.cuda_fp8.is_available()
     assert not usable and "compute capability >= 8.9" in reason and "8.6" in reason
     assert "\n" not in reason
-    assert precision_backends.cuda_fp8(capability=(9, 0)).is_available()[0]
-    assert precision_backends.cuda_fp8().policy.matmul_format == "fp8-scaled-mm"
+    capability[0] = (9, 0)
+    assert cuda_backends.cuda_fp8.is_available()[0]
+    assert cuda_backends.cuda_fp8.policy.matmul_format == "fp8-scaled-mm"
+    # the fp8 policy, its GEMMs on tensor cores: the same vocabulary entry as cpu-fp8's
+    assert cuda_backends.cuda_fp8.policy._replace(matmul_format="fp8") == POLICIES["fp8"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,24 +189,6 @@ def test_low_precision_training_stays_close_to_fp32(fp32_losses, name, tolerance
     for ours, reference in zip(losses, fp32_losses, strict=True):
         assert abs(ours - reference) <= tolerance * reference
     assert losses != fp32_losses  # and it did run in low precision
-
-
-def test_gpt_benchmark_compares_the_same_model():
-    from minitrain.bench import gpt_step
-
-    config = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32, "batch_size": 2}
-    params = bytelm().init_params(config, torch.Generator().manual_seed(0))
-    module = gpt_step.NanoGPT(config)
-    gpt_step._copy_bytelm_params(module, params)
-    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(module(x), bytelm().forward(params, x, 4))
-    small = {"d_model": 32, "n_layers": 1, "seq_len": 32, "batch_size": 2}
-    result = gpt_step.gpt_step_ratios(small, rounds=1, inner=1)
-    assert set(result["ratios"]) == {"fp32", "bf16", "fp8/fp32"}
-    # timing stays out of pass/fail: one round on a busy machine can put a ratio anywhere
-    assert all(r > 0 and math.isfinite(r) for r in result["ratios"].values())
-    assert set(result["paired_median_ratios"]) == set(result["ratios"])
-    assert all(r > 0 and math.isfinite(r) for r in result["paired_median_ratios"].values())
 
 
 # ---------------------------------------------------------------------------------------------

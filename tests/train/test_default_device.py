@@ -11,10 +11,13 @@ import sys
 
 import pytest
 import torch
+from benchmarks_harness import load_benchmark
 
 import minitrain as mt
-from minitrain.bench.optim import OPTIMIZERS, hand_built_adamw
-from minitrain.bench.optim_family import FAMILY
+
+OPTIMIZERS = load_benchmark("optim").OPTIMIZERS
+FAMILY = load_benchmark("optim").FAMILY
+hand_built_adamw = load_benchmark("optim").hand_built_adamw
 
 FACTORIES = {
     **{name: (row[0], row[2]) for name, row in OPTIMIZERS.items()},

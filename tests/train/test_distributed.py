@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from minitrain import checkpoint, distributed
 from minitrain.accounting import allreduce_bytes, allreduce_seconds, communication_time
-from minitrain.backend import get_backend
 from minitrain.cli import launch
+from minitrain.precision import get_backend
 from minitrain.train import fit, load_experiment
 from minitrain.train.setup import run_generators
 

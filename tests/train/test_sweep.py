@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from minitrain import checkpoint
-from minitrain.backend import get_backend
 from minitrain.cli import main
 from minitrain.metrics import MissingExtra, read_metrics
+from minitrain.precision import get_backend
 from minitrain.train import NonFiniteLoss, ResumeError, fit, load_experiment
 from minitrain.train.sweep import MemberMismatch, fit_sweep, load_sweep, plot_sweep
 from minitrain.tree import leaves, named_leaves, unstack

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain.backend import get_backend
+from minitrain.precision import get_backend
 from minitrain.train import fit, load_experiment
 from minitrain.train.members import MemberMismatch
 from minitrain.train.sweep import fit_sweep, load_sweep

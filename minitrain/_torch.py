@@ -1,0 +1,125 @@
+"""The one module that names private torch APIs.
+
+Everything minitrain takes from torch's private namespaces (``torch._C``, ``torch.utils._*``,
+``torch._subclasses``, ``torch._foreach_*``, ``torch.ops.aten._*``, ...) is bound here and
+nowhere else in the library (tests/test_layers.py checks it). Each name carries a one-line
+comment: why minitrain needs it, and the public alternative where one exists.
+tests/test_torch_compat.py has one test per name that checks, on the installed torch, that the
+name exists and does what minitrain relies on, so a torch release that moves or changes one
+fails there, by name, before anything else.
+
+Names are read from torch, never assigned: nothing here (or anywhere in minitrain) replaces
+an attribute of a torch module. Each is torch's own object under torch's name with the leading
+underscore dropped, so ``grep`` finds it in torch's source.
+
+>>> import torch
+>>> pytree.tree_leaves({"a": [torch.ones(1)], "b": torch.zeros(1)})
+[tensor([1.]), tensor([0.])]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._python_dispatch as _python_dispatch
+import torch.utils._pytree as _pytree
+from torch._subclasses import fake_tensor as _fake_tensor
+
+__all__ = [
+    "pytree",
+    "TorchDispatchMode",
+    "disable_current_modes",
+    "FakeTensor",
+    "FakeTensorMode",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "UnsupportedOperatorException",
+    "saved_tensors_hooks_enable",
+    "peek_interpreter_stack",
+    "is_functorch_wrapped_tensor",
+    "get_unwrapped",
+    "foreach_norm",
+    "is_alias_of",
+    "current_autograd_node",
+    "make_subclass",
+    "aten_native_batch_norm_legit_no_training",
+    "is_batchedtensor",
+    "maybe_get_level",
+    "scaled_mm",
+    "disable_dynamo",
+]
+
+# -- pytrees ------------------------------------------------------------------------------------
+
+# Pytrees of dicts, lists, tuples and NamedTuples: flatten (with key paths), map, unflatten, and
+# the key types (MappingKey, SequenceKey, GetAttrKey) that name leaves. No public alternative:
+# torch 2.13 and 2.14 ship no ``torch.utils.pytree``; optree is a separate package.
+pytree = _pytree
+
+# -- dispatch modes and fake tensors (accounting: counting and predicting a step) -------------
+
+# The base class of a mode that sees every aten op below autograd (the counter, the predictor).
+# No public alternative: torch.overrides.TorchFunctionMode sees torch-level calls, above autograd.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+# Runs an op with every dispatch mode off (a metadata query under fake mode). No public
+# alternative.
+disable_current_modes = _python_dispatch._disable_current_modes
+# Tensors with a shape, dtype and device but no data, for predicting a step without computing
+# it. No public alternative (torch.empty(..., device="meta") loses the device and meets ops
+# with no meta kernel).
+FakeTensor = _fake_tensor.FakeTensor
+FakeTensorMode = _fake_tensor.FakeTensorMode
+# What fake tensors raise for an op that needs data (.item(), nonzero) or has no fake kernel;
+# the predictor turns each into one line. No public alternative.
+DataDependentOutputException = _fake_tensor.DataDependentOutputException
+DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
+UnsupportedOperatorException = _fake_tensor.UnsupportedOperatorException
+
+# -- autograd and torch.func internals ----------------------------------------------------------
+
+# Lifts torch.func.grad's refusal of saved-tensor hooks inside the differentiated function
+# (activation checkpointing, the counter's record of saved activations). No public alternative:
+# torch.autograd.graph.disable_saved_tensors_hooks only turns them off.
+saved_tensors_hooks_enable = torch._C._autograd._saved_tensors_hooks_enable
+# The innermost torch.func transform running, or None outside every transform (the plain
+# autograd fast path applies only outside them). No public alternative.
+peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+# Whether a tensor is a torch.func wrapper (batched or grad-tracking): such tensors take the
+# per-leaf path, as _foreach ops have no batching rule. No public alternative.
+is_functorch_wrapped_tensor = torch._C._functorch.is_functorch_wrapped_tensor
+# The tensor one torch.func wrapper holds (the one a dispatch mode sees). No public alternative.
+get_unwrapped = torch._C._functorch.get_unwrapped
+# The current autograd node while a backward pass runs, else None: tells the counter's forward
+# ops from backward ones. No public alternative.
+current_autograd_node = torch._C._current_autograd_node
+
+# -- tensor ops ---------------------------------------------------------------------------------
+
+# Every tensor's norm in one call (one C++ loop on CPU, one kernel launch group on CUDA) for
+# the global norm. Public alternative: torch.nn.utils.get_total_norm (torch >= 2.6), which on
+# CPU loops over the tensors in Python.
+foreach_norm = torch._foreach_norm
+# Whether two tensors share storage (a view op moves no data), fake tensors included. Public
+# alternative: comparing untyped_storage().data_ptr(), which fake and empty tensors defeat.
+is_alias_of = torch._C._is_alias_of
+# A tensor subclass instance on the same data, detached (a swept hyperparameter). Public
+# alternative: Tensor.as_subclass, which keeps the autograd graph of its input.
+make_subclass = torch.Tensor._make_subclass
+# The packet of eval-mode batch norm's aten op, which carries no ``training`` argument (the
+# counter's FLOP formula). No public alternative: torch.ops.aten names it with an underscore.
+aten_native_batch_norm_legit_no_training = torch.ops.aten._native_batch_norm_legit_no_training
+
+# -- simulated low-precision matmuls (minitrain.precision) --------------------------------------
+
+# Whether a torch.func wrapper is vmap's (batched) rather than grad's: a matmul vmapped inside
+# the function that differentiates its amax history takes current scaling. No public alternative.
+is_batchedtensor = torch._C._functorch.is_batchedtensor
+# The torch.func level (nesting depth) of a wrapper, to tell a vmap inside a grad from one
+# outside it. No public alternative.
+maybe_get_level = torch._C._functorch.maybe_get_level
+# fp8 GEMMs on fp8 tensor cores (cuBLASLt) with per-tensor scales, fp32 out (cuda-fp8). Public
+# alternative: torch.nn.functional.scaled_mm, whose scale recipes are private enums.
+scaled_mm = torch._scaled_mm
+# torch.compiler.disable without importing dynamo until the decorated function first runs (0.8 s
+# at minitrain's import otherwise): the simulated matmul is a graph break. Public alternative:
+# torch.compiler.disable, which imports dynamo when it decorates.
+disable_dynamo = getattr(torch, "_disable_dynamo", torch.compiler.disable)

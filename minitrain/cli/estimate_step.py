@@ -1,0 +1,226 @@
+"""``minitrain estimate step SCRIPT``: one training step of a script predicted on fake tensors
+(memory, FLOPs, time per step), or measured on this machine with ``--measure``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from minitrain.accounting.units import si
+from minitrain.cli.errors import Command, UserError
+from minitrain.cli.options import emit
+
+
+@click.command("step", cls=Command)
+@click.argument("script", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a CONFIG key of the script (repeatable), e.g. --set n_layer=48.")
+@click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1,
+              help="Data parallel: each device gets 1/N of the batch (the all-reduce of the "
+                   "grads is not included).")
+@click.option("--dtype", default=None,
+              help="Dtype of the peak FLOP/s for every op (e.g. bf16 for tensor cores); "
+                   "default: each op's own dtype.")
+@click.option("--autocast", type=click.Choice(["none", "bf16", "fp16"]), default="none",
+              help="Run forward and backward under torch.autocast in this dtype (what the "
+                   "CUDA backend does in bf16); the update stays fp32.")
+@click.option("--donate/--pure", default=True,
+              help="Donated update (in place, as `minitrain run` does) or a pure one.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
+@click.option("--measure", is_flag=True,
+              help="Run one real step on this machine and count it, instead of predicting "
+                   "on fake tensors (for scripts that need data, e.g. .item() in the loss).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int,
+         dtype: str | None, autocast: str, donate: bool, seed: int, measure: bool,
+         as_json: bool) -> None:
+    """Predict one training step of SCRIPT: peak memory (and when it happens), FLOPs, and the
+    time per step on --hardware, without running it.
+
+    The model and the batch are built on fake tensors (no data, no memory), so a model far
+    larger than this machine predicts in seconds.
+    """
+    from minitrain import accounting as acc
+
+    spec = acc.hardware(hardware_name)
+    if dtype is not None:
+        spec.peak(dtype)
+    cast = _autocast(autocast)
+    if measure:
+        result = _measured_step(script, overrides, spec, dtype, donate, seed, cast)
+    else:
+        result = _predicted_step(script, overrides, spec, dtype, donate, seed, gpus, cast)
+    result |= {"script": str(script), "gpus": gpus, "donate": donate, "autocast": autocast,
+               "memory_bytes": spec.memory_bytes}
+    emit(result, _step_lines(result, spec), as_json)
+
+
+def _autocast(name: str) -> Any:
+    """A factory of ``torch.autocast`` contexts on the CPU (fake tensors live there)."""
+    if name == "none":
+        return None
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+def _load(script: Path, overrides: tuple[str, ...]) -> Any:
+    from minitrain.train import load_experiment
+    from minitrain.train.experiment import parse_overrides
+
+    return load_experiment(script, parse_overrides(overrides))[0]
+
+
+def _failed(script: Path, exc: BaseException) -> UserError:
+    from minitrain.accounting import PredictionError
+
+    if isinstance(exc, PredictionError):
+        text = exc.reason
+    else:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return UserError(
+        f"{script}: cannot predict the step on fake tensors: {text}; "
+        "run one real step instead with --measure"
+    )
+
+
+def _shard(batch: Any, gpus: int) -> Any:
+    """Each device's share of the batch: 1/gpus of the leading dim, as a shape spec."""
+    import torch
+
+    from minitrain import accounting as acc
+    from minitrain.tree import map as tree_map
+
+    def share(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % gpus:
+            raise UserError(
+                f"the batch's leading dim {t.shape[0]} does not split over {gpus} GPUs; "
+                "choose --gpus that divides it"
+            )
+        return acc.TensorSpec((t.shape[0] // gpus, *t.shape[1:]), t.dtype)
+
+    return tree_map(share, batch)
+
+
+def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
+                    donate: bool, seed: int, gpus: int, cast: Any) -> dict[str, Any]:
+    import torch
+
+    from minitrain import accounting as acc
+
+    mode = acc.fake_mode()
+    built = []
+    experiment = _fake_or_real(mode, lambda: _load(script, overrides), built)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        params = _fake_or_real(mode, lambda: experiment.init(generator), built)
+        init_state = getattr(experiment, "init_state", None)
+        model_state = (None if init_state is None
+                       else _fake_or_real(mode, lambda: init_state(generator), built))
+        batch = _fake_or_real(mode, lambda: experiment.next_batch(generator), built)
+        if gpus > 1:
+            batch = _shard(batch, gpus)
+        prediction = acc.predict_step(
+            experiment.loss, params, batch, optimizer=experiment.optimizer, donate=donate,
+            has_aux=experiment.has_aux, max_grad_norm=experiment.max_grad_norm,
+            hardware=spec, dtype=dtype, autocast=cast, model_state=model_state,
+        )
+    except UserError:
+        raise
+    except Exception as exc:  # the script's code failed on fake tensors: one line
+        raise _failed(script, exc) from None
+    from minitrain.tree import size
+
+    return {"measured": False, "params": size(params),
+            "built_on": "real tensors" if built else "fake tensors"} | prediction.summary()
+
+
+def _fake_or_real(mode: Any, build: Any, built: list[str]) -> Any:
+    """``build()`` on fake tensors; for the scripts whose own code needs data (a data pipeline
+    calling ``.numpy()``), on real ones, noting it in ``built``."""
+    try:
+        with mode:
+            return build()
+    except Exception:
+        built.append("real")
+        return build()
+
+
+def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
+                   donate: bool, seed: int, cast: Any) -> dict[str, Any]:
+    import contextlib
+
+    import torch
+
+    from minitrain import accounting as acc
+    from minitrain.precision import get_backend
+    from minitrain.train.step import init_carry, make_train_step
+    from minitrain.tree import size
+
+    experiment = _load(script, overrides)
+    backend = get_backend("auto")
+    generator = torch.Generator().manual_seed(seed)
+    params = backend.to_device(experiment.init(generator))
+    carry = init_carry(experiment, backend, generator)
+    batch = backend.to_device(experiment.next_batch(generator))
+    state = experiment.optimizer.init(params)
+    train_step = make_train_step(experiment, backend, donate=donate)
+    counter = acc.Counter()
+    try:
+        with counter, cast() if cast else contextlib.nullcontext():
+            counter.track(params, state, batch, carry)
+            out = train_step(params, state, batch, carry=carry)
+            del out
+    except Exception as exc:
+        raise UserError(f"{script}: the step failed: {type(exc).__name__}: {exc}") from None
+    seconds, _, name, mfu = acc.roofline.step_time(counter, spec, dtype)
+    peak = counter.peak_bytes
+    return {
+        "measured": True, "params": size(params), "peak_bytes": peak,
+        "peak_source": "live storages (minitrain.accounting.Counter)",
+        "flops": counter.flops, "matmul_flops": counter.matmul_flops,
+        "bytes": counter.bytes_read + counter.bytes_written,
+        "unknown_ops": dict(counter.unknown), "hardware": spec.name, "dtype": name,
+        "seconds_per_step": seconds, "mfu_bound": mfu, "fits": peak <= spec.memory_bytes,
+    }
+
+
+def _step_lines(result: dict[str, Any], spec: Any) -> list[str]:
+    how = "measured (one real step)" if result["measured"] else "predicted (fake tensors)"
+    if result.get("built_on") == "real tensors":
+        how += "; the script's setup needed data and ran on real tensors"
+    lines = [
+        f"{result['script']}: {result['params']:,} params, {how}"
+        + (f", per device of {result['gpus']}" if result["gpus"] > 1 else ""),
+        f"peak memory       {si(result['peak_bytes'], 'B')}"
+        + (f" in the {result['peak_phase']} pass, at {result['peak_op']} "
+           f"({result['peak_module']})" if not result["measured"] else ""),
+    ]
+    if not result["measured"]:
+        at_peak = result["memory"]["at_peak"]
+        lines.append("  at the peak      " + ", ".join(
+            f"{name} {si(value, 'B')}" for name, value in at_peak.items()))
+        lines.append(f"  saved for backward {si(result['memory']['saved_for_backward'], 'B')}; "
+                     "largest:")
+        for saved in result["saved"][:3]:
+            lines.append(f"    {si(saved['bytes'], 'B'):>9} {tuple(saved['shape'])} "
+                         f"{saved['dtype']} by {saved['op']} in {saved['module']}")
+    lines += [
+        f"FLOPs per step    {result['flops']:.4g} (matmul {result['matmul_flops']:.4g}), "
+        f"{si(result['bytes'], 'B')} moved",
+        f"time on {spec.name:<9} {result['seconds_per_step'] * 1e3:.4g} ms per step "
+        f"(roofline of every op, {result['dtype']} peak), MFU at most "
+        f"{result['mfu_bound']:.0%}",
+        f"fits on {spec.name:<9} {'yes' if result['fits'] else 'no'} "
+        f"({si(result['peak_bytes'], 'B')} of {si(spec.memory_bytes, 'B')})",
+    ]
+    if result["unknown_ops"]:
+        lines.append("ops without FLOP formula: " + ", ".join(sorted(result["unknown_ops"])))
+    return lines

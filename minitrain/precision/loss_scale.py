@@ -1,0 +1,169 @@
+"""Dynamic loss scaling, functional: ``torch.amp.GradScaler`` rewritten as pure functions.
+
+The state is a :class:`LossScaleState` of 0-d tensors, equal to GradScaler step for step (same
+scale trajectory, same skipped steps), and vmappable: each member of a sweep carries its own
+scale. A step whose grads are not finite is skipped with :func:`select_tree`, which stays pure
+under ``vmap`` where an ``if`` could not.
+
+>>> import torch
+>>> ls = dynamic_loss_scale(init_scale=4.0)
+>>> f = scaled_value_and_grad(lambda p, x: (p["w"] * x).sum(), ls)
+>>> loss, grads, finite, state = f({"w": torch.ones(2)}, ls.init(), torch.tensor([1.0, 2.0]))
+>>> loss, grads, finite, state.scale
+(tensor(3.), {'w': tensor([1., 2.])}, tensor(True), tensor(4.))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from minitrain.tree import Grads, Params, PyTree
+from minitrain.tree import leaves as tree_leaves
+from minitrain.tree import map as tree_map
+
+__all__ = [
+    "LossScaleState",
+    "DynamicLossScale",
+    "dynamic_loss_scale",
+    "all_finite",
+    "select_tree",
+    "scaled_value_and_grad",
+]
+
+
+class LossScaleState(NamedTuple):
+    """GradScaler's two counters as 0-d tensors: the scale (fp32) and the number of finite steps
+    since the last change (int32)."""
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+
+
+class DynamicLossScale(NamedTuple):
+    """``init() -> state``; ``scale_loss(loss, state)``; ``unscale_and_check(grads, state) ->
+    (grads, finite, new_state)``."""
+
+    init: Callable[[], LossScaleState]
+    scale_loss: Callable[[torch.Tensor, LossScaleState], torch.Tensor]
+    unscale_and_check: Callable[[Grads, LossScaleState], tuple[Grads, torch.Tensor, LossScaleState]]
+
+
+def all_finite(tree: PyTree) -> torch.Tensor:
+    """0-d bool: whether every element of every tensor leaf is finite.
+
+    >>> all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])})
+    tensor(False)
+    """
+    leaves = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return torch.tensor(True)
+    return torch.stack([torch.isfinite(t).all() for t in leaves]).all()
+
+
+def select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree:
+    """Leaf by leaf ``torch.where(pred, on_true, on_false)``: a branch that works under vmap.
+
+    >>> select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    {'w': tensor([0., 0.])}
+    """
+
+    def pick(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.where(pred, a, b)
+        return a
+
+    return tree_map(pick, on_true, on_false)
+
+
+def dynamic_loss_scale(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> DynamicLossScale:
+    """Dynamic loss scaling with ``torch.amp.GradScaler``'s defaults and arithmetic.
+
+    The loss is multiplied by the scale; grads are multiplied by ``1 / scale`` (computed in
+    float64, then rounded to fp32, as GradScaler does); a step whose scaled grads hold an inf or
+    NaN is skipped and the scale is multiplied by ``backoff_factor``; after ``growth_interval``
+    finite steps in a row it is multiplied by ``growth_factor`` if the result stays finite
+    (``torch._amp_update_scale_``).
+
+    >>> ls = dynamic_loss_scale(init_scale=8.0, growth_interval=2)
+    >>> state = ls.init()
+    >>> grads, finite, state = ls.unscale_and_check({"w": torch.tensor([16.0])}, state)
+    >>> grads, finite, state.scale
+    ({'w': tensor([2.])}, tensor(True), tensor(8.))
+    >>> _, finite, state = ls.unscale_and_check({"w": torch.tensor([float("inf")])}, state)
+    >>> finite, state.scale, state.growth_tracker
+    (tensor(False), tensor(4.), tensor(0, dtype=torch.int32))
+    """
+    if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
+        raise ValueError(
+            f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor} and "
+            f"{backoff_factor}"
+        )
+    if growth_interval < 1 or init_scale <= 0:
+        raise ValueError("growth_interval must be >= 1 and init_scale > 0")
+
+    def init() -> LossScaleState:
+        return LossScaleState(
+            torch.tensor(init_scale, dtype=torch.float32), torch.tensor(0, dtype=torch.int32)
+        )
+
+    def scale_loss(loss: torch.Tensor, state: LossScaleState) -> torch.Tensor:
+        return loss * state.scale.to(loss.device)  # GradScaler.scale: outputs * self._scale
+
+    def unscale_and_check(
+        grads: Grads, state: LossScaleState
+    ) -> tuple[Grads, torch.Tensor, LossScaleState]:
+        finite = all_finite(grads)  # _amp_foreach_non_finite_check_and_unscale_
+        inv_scale = state.scale.double().reciprocal().float()  # GradScaler.unscale_
+        grads = tree_map(lambda g: g * inv_scale, grads)
+        # _amp_update_scale_ (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp)
+        successful = state.growth_tracker + 1
+        grown = (state.scale.double() * growth_factor).float()
+        grow = successful == growth_interval
+        scale = torch.where(
+            finite,
+            torch.where(grow & torch.isfinite(grown), grown, state.scale),
+            (state.scale.double() * backoff_factor).float(),
+        )
+        tracker = torch.where(finite & ~grow, successful, torch.zeros_like(successful))
+        return grads, finite, LossScaleState(scale, tracker)
+
+    return DynamicLossScale(init, scale_loss, unscale_and_check)
+
+
+def scaled_value_and_grad(
+    loss_fn: Callable[..., Any], loss_scale: DynamicLossScale, has_aux: bool = False
+) -> Callable[..., tuple[Any, Grads, torch.Tensor, LossScaleState]]:
+    """``f(params, scale_state, *args) -> (value, grads, finite, new_scale_state)``.
+
+    ``value`` is the unscaled loss (``(loss, aux)`` with ``has_aux``); grads are unscaled. The
+    caller applies its update only where ``finite`` (use :func:`select_tree` to stay pure and
+    vmappable), as ``GradScaler.step`` skips ``optimizer.step()``.
+
+    >>> ls = dynamic_loss_scale(init_scale=4.0)
+    >>> f = scaled_value_and_grad(lambda p, x: (p["w"] * x).sum(), ls)
+    >>> loss, grads, finite, state = f({"w": torch.ones(2)}, ls.init(), torch.tensor([1.0, 2.0]))
+    >>> loss, grads, finite
+    (tensor(3.), {'w': tensor([1., 2.])}, tensor(True))
+    """
+
+    def scaled(params: Params, state: LossScaleState, *args: Any, **kwargs: Any):
+        out = loss_fn(params, *args, **kwargs)
+        loss, aux = out if has_aux else (out, {})
+        return loss_scale.scale_loss(loss, state), (loss.detach(), aux)
+
+    grad_and_value = torch.func.grad_and_value(scaled, has_aux=True)
+
+    def wrapped(params: Params, state: LossScaleState, *args: Any, **kwargs: Any):
+        grads, (_, (loss, aux)) = grad_and_value(params, state, *args, **kwargs)
+        grads, finite, state = loss_scale.unscale_and_check(grads, state)
+        return ((loss, aux) if has_aux else loss), grads, finite, state
+
+    return wrapped

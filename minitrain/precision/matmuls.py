@@ -1,0 +1,376 @@
+"""Low-precision matmuls in training, simulated exactly: fp8 (per-tensor scales) and MX / NVFP4.
+
+Each matmul quantizes its inputs with :func:`minitrain.precision.quantize` semantics
+(bit-exact), then multiplies the quantized values in fp32, which is what an fp8 tensor core
+does: products of fp8 values are exact in fp32 and accumulation is fp32. Params, grads of
+params, optimizer state and the update stay fp32; only the three GEMMs of each matmul see low
+precision.
+
+The fp8 recipe is Transformer Engine's (``DelayedScaling``, Micikevicius et al. 2022, "FP8
+Formats for Deep Learning"): activations and weights in e4m3 in the forward pass, the gradient
+of the output in e5m2 in the backward pass, each tensor scaled by ``fp8_max / amax / 2**margin``
+before the (saturating) cast and unscaled after it. With a history the amax comes from the last
+``history_len`` steps (delayed scaling, TE's ``amax_compute_algo="max"``); without, from the
+tensor itself (TE's ``Float8CurrentScaling``). The history is explicit, pure state: a tensor
+``(3, history_len)`` per matmul (operand a, operand b, output grad), and the updated history
+comes back as the *gradient* of the history, the trick flax's ``fp8_ops`` uses, so it works
+under ``torch.func.grad`` and ``vmap`` with no side effects.
+
+Block formats (``mxfp8``, ``mxfp4``, ``nvfp4``) scale blocks along the reduction dimension of
+each GEMM, as torchao's MX training does: the forward pass quantizes ``a`` along K and ``b``
+along K; the backward requantizes the high-precision operands along the new reduction dimension
+(N for the input gradient, M for the weight gradient). Reduction dimensions that are not a
+multiple of the block are padded with zeros, which change no block scale and no sum.
+
+:mod:`minitrain.precision.simulation` routes every matmul of a model through these.
+
+>>> import torch
+>>> a, b = torch.randn(4, 32), torch.randn(32, 8)
+>>> expected = quantize_operand(a, "fp8_e4m3") @ quantize_operand(b, "fp8_e4m3")
+>>> torch.equal(matmul(a, b, "fp8"), expected)
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from minitrain import _torch
+from minitrain.precision.formats import spec
+from minitrain.precision.rounding import quantize
+
+__all__ = [
+    "Recipe",
+    "RECIPES",
+    "recipe",
+    "quantize_operand",
+    "delayed_scale",
+    "scaled_mm_operands",
+    "matmul",
+    "linear",
+]
+
+PER_TENSOR = ("fp8_e4m3", "fp8_e5m2")
+BLOCK = ("mxfp8", "mxfp4", "nvfp4")
+_TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+class Recipe(NamedTuple):
+    """Formats of the forward operands and of the output gradient, and the scaling options."""
+
+    forward: str = "fp8_e4m3"  # activations and weights
+    backward: str = "fp8_e5m2"  # gradient of the matmul's output
+    history_len: int = 16  # delayed scaling: steps of amax history (TE default 1024)
+    margin: int = 0  # scale = fp8_max / amax / 2**margin (TE DelayedScaling.margin)
+    gemm: str = "simulated"  # or "scaled_mm": real fp8 GEMMs through torch._scaled_mm
+
+
+RECIPES = {
+    "fp8": Recipe("fp8_e4m3", "fp8_e5m2"),  # Transformer Engine's HYBRID format
+    "mxfp8": Recipe("mxfp8", "mxfp8"),  # OCP MX: e4m3 elements everywhere (torchao default)
+    "mxfp4": Recipe("mxfp4", "mxfp4"),
+    "nvfp4": Recipe("nvfp4", "nvfp4"),
+    "fp8-scaled-mm": Recipe("fp8_e4m3", "fp8_e5m2", gemm="scaled_mm"),  # fp8 tensor cores
+}
+
+
+def recipe(name: str | Recipe) -> Recipe:
+    """A recipe by name (``fp8``, ``mxfp8``, ``mxfp4``, ``nvfp4``), checked.
+
+    >>> recipe("fp8").backward
+    'fp8_e5m2'
+    """
+    if isinstance(name, Recipe):
+        r = name
+    elif name in RECIPES:
+        r = RECIPES[name]
+    else:
+        raise ValueError(f"unknown matmul format {name!r}; choose one of: {', '.join(RECIPES)}")
+    for fmt in (r.forward, r.backward):
+        if fmt not in PER_TENSOR + BLOCK:
+            raise ValueError(
+                f"matmul operands take one of {', '.join(PER_TENSOR + BLOCK)}, not {fmt!r}"
+            )
+    if r.gemm not in ("simulated", "scaled_mm") or (r.gemm == "scaled_mm" and r.forward in BLOCK):
+        raise ValueError(f"gemm is 'simulated' or 'scaled_mm' (fp8 only), got {r.gemm!r}")
+    if r.history_len < 1:
+        raise ValueError(f"history_len must be at least 1, got {r.history_len}")
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing one operand
+
+
+def _fp8_codes(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` saturated and cast to torch's fp8 dtype (round to nearest even)."""
+    top = spec(fmt).max
+    return x.clamp(-top, top).to(_TORCH_FP8[fmt])
+
+
+def _cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``quantize(x, fmt, saturate=True)`` through torch's fp8 cast (tested equal bit for bit):
+    clamp, cast, back to fp32."""
+    return _fp8_codes(x, fmt).float()
+
+
+def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+    """TE's scale from an amax history: ``fp8_max / max(history) / 2**margin`` over its finite
+    entries, or 1 while it holds no positive finite amax (a fresh history). An inf or NaN
+    recorded by an overflowing step is skipped: TE's ``_default_sf_compute`` would keep its
+    previous scale, which a history alone does not hold.
+
+    >>> delayed_scale(torch.tensor([2.0, 4.0, 0.0]), "fp8_e4m3")
+    tensor(112.)
+    >>> delayed_scale(torch.tensor([float("nan"), 2.0, 4.0]), "fp8_e4m3")
+    tensor(112.)
+    """
+    finite = torch.where(torch.isfinite(history), history, 0.0)
+    amax = finite.amax(dim=-1)
+    usable = amax > 0
+    return torch.where(usable, spec(fmt).max / torch.where(usable, amax, 1.0) / 2.0**margin, 1.0)
+
+
+def _along_last(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    """Block-quantize ``x`` along ``dim``, zero-padding that dimension to whole blocks."""
+    block = spec(fmt).block_size
+    moved = x.movedim(dim, -1)
+    length = moved.shape[-1]
+    pad = -length % block
+    if pad:
+        moved = F.pad(moved, (0, pad))
+    return quantize(moved, fmt)[..., :length].movedim(-1, dim)
+
+
+def quantize_operand(
+    x: torch.Tensor, fmt: str, dim: int = -1, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 values a low-precision GEMM sees for operand ``x``.
+
+    Per-tensor formats: ``quantize(x * scale, fmt, saturate=True) / scale`` with ``scale``
+    given, else ``fp8_max / amax(x)`` (current scaling). Block formats: blocks along ``dim``,
+    the reduction dimension of the GEMM.
+
+    >>> quantize_operand(torch.tensor([1.0, 3.0, 448.0]), "fp8_e4m3", scale=torch.tensor(1.0))
+    tensor([  1.,   3., 448.])
+    """
+    x = x.float()
+    if fmt in BLOCK:
+        return _along_last(x, fmt, dim)
+    if scale is None:
+        scale = delayed_scale(x.abs().amax().reshape(1), fmt)
+    codes = _fp8_codes(x * scale, fmt)
+    decoded = _decode_div(codes, fmt, scale)
+    return codes.float() / scale if decoded is None else decoded
+
+
+_FAST_DECODE_MIN = 16384  # elements: below, the kernel call costs more than torch's cast
+
+
+def _decode_div(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor | None:
+    """``codes.float() / scale`` through the streaming kernels' table lookup, bit for bit (the
+    fp8 -> float32 cast is a slow scalar loop in torch), or None where torch's ops must run:
+    small tensors, under a torch.func transform, and whatever :func:`streaming.decode_div`
+    refuses (a scale of more than one element, counters, fake tensors)."""
+    wrapped = _torch.is_functorch_wrapped_tensor
+    if codes.numel() < _FAST_DECODE_MIN or wrapped(codes) or wrapped(scale):
+        return None
+    from minitrain.optim.kernels import streaming
+
+    return streaming.decode_div(codes, _decode_table(fmt), scale)
+
+
+@functools.cache
+def _decode_table(fmt: str) -> torch.Tensor:
+    """The float32 value of each of the format's 256 codes (torch's own cast)."""
+    return torch.arange(256, dtype=torch.uint8).view(_TORCH_FP8[fmt]).float()
+
+
+def scaled_mm_operands(
+    a: torch.Tensor, b: torch.Tensor, formats: tuple[str, str], scales: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The arguments of ``torch._scaled_mm`` for ``a (M, K) @ b (K, N)``: ``a`` in fp8 row-major,
+    ``b`` in fp8 column-major (cuBLASLt's layout), and the dequantization scales ``1 / scale``.
+    The fp8 codes are those :func:`quantize_operand` rounds to.
+
+    >>> a8, b8, ia, ib = scaled_mm_operands(torch.ones(16, 32), torch.ones(32, 16),
+    ...     ("fp8_e4m3", "fp8_e4m3"), (torch.tensor(2.0), torch.tensor(4.0)))
+    >>> a8.dtype, b8.stride(), ia.item(), ib.item()
+    (torch.float8_e4m3fn, (1, 32), 0.5, 0.25)
+    """
+    (fa, fb), (sa, sb) = formats, scales
+    a8 = (a.float() * sa).clamp(-spec(fa).max, spec(fa).max).to(_TORCH_FP8[fa])
+    b8 = (b.float() * sb).clamp(-spec(fb).max, spec(fb).max).to(_TORCH_FP8[fb])
+    return a8.contiguous(), b8.mT.contiguous().mT, sa.reciprocal(), sb.reciprocal()
+
+
+def _gemm(a, b, formats, scales, r: Recipe, qa, qb) -> torch.Tensor:
+    """``qa @ qb`` in fp32, or the same product on fp8 tensor cores for ``gemm="scaled_mm"``
+    (2-D operands whose dimensions are multiples of 16, as cuBLASLt needs; others simulate)."""
+    dims = (*a.shape, b.shape[-1])
+    if r.gemm == "scaled_mm" and a.ndim == 2 and b.ndim == 2 and all(d % 16 == 0 for d in dims):
+        a8, b8, ia, ib = scaled_mm_operands(a, b, formats, scales)
+        return _torch.scaled_mm(a8, b8, scale_a=ia, scale_b=ib, out_dtype=torch.float32)
+    return qa @ qb
+
+
+# > 0 while our own GEMMs run: a simulation (minitrain.precision.simulation) lets them through,
+# so that the backward pass, which may run inside one, quantizes each operand once.
+_BYPASS = [0]
+
+
+@contextlib.contextmanager
+def _bypass() -> Iterator[None]:
+    _BYPASS[0] += 1
+    try:
+        yield
+    finally:
+        _BYPASS[0] -= 1
+
+
+def bypassing() -> bool:
+    """Whether one of this module's own GEMMs is running."""
+    return _BYPASS[0] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul: forward and backward GEMMs in low precision, fp32 accumulation
+
+
+def _record(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Newest amax first, oldest dropped (TE rolls its ``amax_history`` the same way)."""
+    return torch.cat([amax.reshape(1), history[:-1]])
+
+
+class _LowPrecisionMatmul(torch.autograd.Function):
+    """``a @ b`` for ``a (..., M, K)``, ``b (..., K, N)`` (same batch dims, or ``b`` 2-D with
+    ``a`` 2-D), with the forward and both backward GEMMs on quantized operands."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b, history, r: Recipe):
+        a32, b32 = a.float(), b.float()
+        out_dtype = torch.promote_types(a.dtype, b.dtype)
+        with _bypass(), torch.autocast(a.device.type, enabled=False):
+            if r.forward in BLOCK:
+                qa, qb = quantize_operand(a32, r.forward, -1), quantize_operand(b32, r.forward, -2)
+                return (qa @ qb).to(out_dtype), qa, qb, history, torch.ones(2, device=a.device)
+            fmt = r.forward
+            if history is None:  # current scaling
+                sa = delayed_scale(a32.abs().amax().reshape(1), fmt, r.margin)
+                sb = delayed_scale(b32.abs().amax().reshape(1), fmt, r.margin)
+                new_history = None
+            else:
+                sa = delayed_scale(history[0], fmt, r.margin)
+                sb = delayed_scale(history[1], fmt, r.margin)
+                amax_a, amax_b = a32.abs().amax(), b32.abs().amax()
+                rows = [_record(history[0], amax_a), _record(history[1], amax_b), history[2]]
+                new_history = torch.stack(rows)
+            qa, qb = quantize_operand(a32, fmt, scale=sa), quantize_operand(b32, fmt, scale=sb)
+            y = _gemm(a32, b32, (fmt, fmt), (sa, sb), r, qa, qb)
+        return y.to(out_dtype), qa, qb, new_history, torch.stack([sa, sb])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, history, r = inputs
+        _, qa, qb, new_history, scales = output
+        ctx.recipe = r
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.has_history = history is not None
+        ctx.save_for_backward(a, b, qa, qb, new_history, scales)
+        ctx.mark_non_differentiable(qa, qb, scales)
+
+    @staticmethod
+    def backward(ctx, grad_y, _qa, _qb, _history, _scales):
+        a, b, qa, qb, history, scales = ctx.saved_tensors
+        sa, sb = scales[0], scales[1]
+        r = ctx.recipe
+        g = grad_y.float()
+        new_history = None
+        with _bypass(), torch.autocast(g.device.type, enabled=False):
+            if r.forward in BLOCK:
+                ga = quantize_operand(g, r.backward, -1) @ quantize_operand(b, r.forward, -1).mT
+                gb = quantize_operand(a, r.forward, -2).mT @ quantize_operand(g, r.backward, -2)
+            else:
+                if history is None:
+                    sg = delayed_scale(g.abs().amax().reshape(1), r.backward, r.margin)
+                else:
+                    sg = delayed_scale(history[2], r.backward, r.margin)
+                if ctx.has_history:  # the "gradient" of the state is the updated state
+                    g_row = _record(history[2], g.abs().amax())
+                    new_history = torch.stack([history[0], history[1], g_row])
+                qg = quantize_operand(g, r.backward, scale=sg)
+                fmts = (r.backward, r.forward)
+                ga = _gemm(g, b.float().mT, fmts, (sg, sb), r, qg, qb.mT)
+                gb = _gemm(a.float().mT, g, fmts[::-1], (sa, sg), r, qa.mT, qg)
+        return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, r: Recipe | str, history: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``torch.matmul(a, b)`` with quantized operands and fp32 accumulation.
+
+    ``history`` is this matmul's amax history ``(3, history_len)`` (delayed fp8 scaling), or
+    None for current scaling; its gradient is the updated history.
+
+    >>> a, b = torch.randn(2, 3, 32), torch.randn(32, 4)
+    >>> matmul(a, b, "mxfp8").shape
+    torch.Size([2, 3, 4])
+    """
+    return recording_matmul(a, b, r, history)[0]
+
+
+# Under torch.compile the simulated matmul runs eager (a graph break around each one): dynamo
+# cannot trace this autograd.Function ("Expected FakeTensor", torch 2.13); the rest compiles.
+@_torch.disable_dynamo
+def recording_matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
+            history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`matmul`, and the history with this forward pass's operand amaxes recorded
+    (rows 0 and 1; row 2, the output gradient's, as it was), None without a history."""
+    r = recipe(r)
+    squeeze = []
+    if a.ndim == 1:
+        a, squeeze = a.unsqueeze(0), [*squeeze, -2]
+    if b.ndim == 1:
+        b, squeeze = b.unsqueeze(-1), [*squeeze, -1]
+    with _bypass():
+        if b.ndim == 2:  # fold a's batch dims into M: one GEMM, as F.linear runs it
+            lead = a.shape[:-1]
+            y, _, _, recorded, _ = _LowPrecisionMatmul.apply(
+                a.reshape(-1, a.shape[-1]), b, history, r)
+            y = y.reshape(*lead, b.shape[-1])
+        else:
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            a = a.expand(*batch, *a.shape[-2:])
+            b = b.expand(*batch, *b.shape[-2:])
+            y, _, _, recorded, _ = _LowPrecisionMatmul.apply(a, b, history, r)
+    for dim in squeeze:
+        y = y.squeeze(dim)
+    return y, None if history is None else recorded.detach()
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    r: Recipe | str,
+    history: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``weight`` is ``(out, in)``) with quantized operands;
+    the bias is added in fp32."""
+    return recording_linear(x, weight, bias, r, history)[0]
+
+
+def recording_linear(x, weight, bias, r, history):
+    """:func:`linear`, and the history as :func:`recording_matmul` gives it."""
+    y, recorded = recording_matmul(x, weight.mT, r, history)
+    return (y if bias is None else y + bias), recorded
+

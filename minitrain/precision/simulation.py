@@ -1,0 +1,298 @@
+"""Every matmul of a model in a simulated low-precision format, and activation checkpointing
+inside one.
+
+Inside :func:`simulate`, a ``TorchFunctionMode`` routes ``F.linear``, ``torch.matmul``, ``@``,
+``mm`` and ``bmm`` through :mod:`minitrain.precision.matmuls`, so any model runs unchanged,
+including ``mt.from_module`` models and ``torch.func.vmap`` sweeps. Matmul ``i`` of a forward
+pass reads row ``i`` of the amax histories ``(num_matmuls, 3, history_len)`` of delayed fp8
+scaling (:func:`init_state`, :func:`count_matmuls`).
+
+``torch.utils.checkpoint`` recomputes a checkpointed region in the backward pass, after the
+simulation has ended: :func:`recompute_context`, passed as its ``context_fn``, recomputes the
+region inside the simulation it ran in.
+
+>>> import torch
+>>> a = torch.tensor([[1.0, 3.3]])
+>>> with simulate("fp8"):
+...     (a @ torch.eye(2)).tolist()  # x 448 / 3.3: 1.0 -> 135.8 -> 128 in e4m3 -> 0.943
+[[0.9428570866584778, 3.299999713897705]]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from minitrain import _torch
+from minitrain.precision.matmuls import (
+    BLOCK,
+    RECIPES,
+    Recipe,
+    bypassing,
+    recipe,
+    recording_linear,
+    recording_matmul,
+)
+
+__all__ = ["simulate", "count_matmuls", "init_state", "recompute_context"]
+
+
+_MATMULS = {
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.mm,
+    torch.Tensor.mm,
+    torch.bmm,
+    torch.Tensor.bmm,
+}
+
+
+def _levels(t: torch.Tensor, batched: bool) -> list[int]:
+    """The functorch levels of ``t``'s vmap (``batched``) or grad wrappers."""
+    levels = []
+    while _torch.is_functorch_wrapped_tensor(t):
+        if _torch.is_batchedtensor(t) == batched:
+            levels.append(_torch.maybe_get_level(t))
+        t = _torch.get_unwrapped(t)
+    return levels
+
+
+def _vmapped_inside(history: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether an operand is batched by a ``vmap`` inside the function that differentiates
+    ``history`` (per-example grads, MAML's inner loop): that history's gradient would be summed
+    over the vmapped batch instead of recording one amax. Levels grow inward."""
+    grad_level = max(_levels(history, batched=False), default=0)
+    return any(level > grad_level for t in operands for level in _levels(t, batched=True))
+
+
+def _is_float(*tensors: Any) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+
+
+class _Simulate(TorchFunctionMode):
+    """Routes every float matmul through the recipe; ``count_only`` counts them instead."""
+
+    def __init__(self, r: Recipe, state: torch.Tensor | None, count_only: bool = False,
+                 first_call: int = 0):
+        super().__init__()
+        self.recipe, self.state, self.count_only, self.calls = r, state, count_only, first_call
+        self.recorded: dict[int, torch.Tensor] = {}  # matmul index -> its forward amaxes
+
+    def forward_history(self) -> torch.Tensor | None:
+        """The state with every matmul's forward amaxes recorded as this forward pass saw
+        them (rows 0 and 1 of each matmul that ran with a history; the rest as they were),
+        detached; None without a state. The gradient of the state holds the same rows and the
+        output gradient's amax, but only for matmuls whose backward pass ran: a matmul whose
+        output never reaches the loss gets its forward amaxes from here (Transformer Engine
+        records forward amaxes in the forward pass)."""
+        if self.state is None:
+            return None
+        state = self.state.detach()
+        rows = [self.recorded.get(i, state[i]) for i in range(state.shape[0])]
+        return torch.stack(rows) if rows else state.clone()  # a model without matmuls
+
+    def _history(self, *operands: torch.Tensor) -> torch.Tensor | None:
+        """Matmul ``i``'s amax history (row ``i`` of the state), or None for current scaling:
+        without a state, and for a matmul vmapped inside the loss (its row stays as it was)."""
+        index, self.calls = self.calls, self.calls + 1
+        if self.state is None or self.count_only or _vmapped_inside(self.state, *operands):
+            return None
+        if index >= self.state.shape[0]:
+            raise ValueError(
+                f"the model ran more matmuls than the {self.state.shape[0]} its fp8 amax "
+                "histories were counted for: delayed fp8 scaling needs the same matmuls in every "
+                "forward pass (count them with count_matmuls(fn, *args), build the state with "
+                "init_state)"
+            )
+        return self.state[index]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if bypassing():
+            return func(*args, **kwargs)
+        if func is F.linear and _is_float(*args[:2]):
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            history = self._history(x, weight)
+            if self.count_only:
+                return func(*args, **kwargs)
+            _refuse_reentrant_checkpoint()
+            y, recorded = recording_linear(x, weight, bias, self.recipe, history)
+            return self._keep(recorded, y)
+        if func in _MATMULS and _is_float(*args[:2]) and not kwargs:
+            history = self._history(args[0], args[1])
+            if self.count_only:
+                return func(*args, **kwargs)
+            _refuse_reentrant_checkpoint()
+            return self._keep(*recording_matmul(args[0], args[1], self.recipe, history)[::-1])
+        return func(*args, **kwargs)
+
+    def _keep(self, recorded: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        if recorded is not None:
+            self.recorded[self.calls - 1] = recorded
+        return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Entered simulations, innermost last, per thread (a TorchFunctionMode is per thread too)
+
+_ENTERED = threading.local()
+
+
+def _entered() -> list[_Simulate]:
+    if not hasattr(_ENTERED, "modes"):
+        _ENTERED.modes = []
+    return _ENTERED.modes
+
+
+@contextlib.contextmanager
+def _enter(mode: _Simulate) -> Iterator[_Simulate]:
+    _entered().append(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _entered().remove(mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing: the recomputation runs inside the simulation
+
+
+class _Replay:
+    """The recomputation's context: ``recompute`` (the caller's), then a simulation that
+    starts at the matmul the checkpointed region started at, so that it reads the same amax
+    history rows of the same state and saves the same tensors as the forward pass did. Fresh
+    on every entry (a graph kept with ``retain_graph`` recomputes once per backward pass)."""
+
+    def __init__(self, recompute: Any, mode: _Simulate) -> None:
+        self.recompute, self.recipe, self.state = recompute, mode.recipe, mode.state
+        self.first_call = mode.calls
+        self.stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.recompute)
+        stack.enter_context(_enter(_Simulate(self.recipe, self.state,
+                                             first_call=self.first_call)))
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.stacks.pop().__exit__(*exc)
+
+
+def recompute_context(context_fn: Callable[[], tuple[Any, Any]] | None = None
+                      ) -> tuple[Any, Any]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+    that recomputes the region inside the simulation it ran in, from the region's first matmul
+    (the same amax history rows), so that grads and updated histories equal those of the run
+    without checkpointing, bit for bit. ``context_fn``: the caller's own, kept (its forward
+    context, and its recompute context around the replay). Outside a simulation, and while
+    ``torch.compile`` traces, it is ``context_fn`` alone.
+
+    Without it, the recomputation runs full-precision matmuls that save other tensors than
+    the forward pass did, and torch's checkpoint stops with a ``CheckpointError``.
+
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> w = torch.randn(32, 32, requires_grad=True)
+    >>> with simulate("fp8"):
+    ...     y = checkpoint(torch.relu, torch.randn(4, 32) @ w, use_reentrant=False,
+    ...                    context_fn=recompute_context)
+    >>> y.sum().backward()
+    """
+    if context_fn is None:
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+    else:
+        forward, recompute = context_fn()
+    modes = [m for m in _entered() if not m.count_only]
+    if not modes or torch.compiler.is_compiling():
+        return forward, recompute
+    return forward, _Replay(recompute, modes[-1])
+
+
+def _refuse_reentrant_checkpoint() -> None:
+    """A reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``) runs its region under
+    ``no_grad`` inside ``CheckpointFunction.forward`` and recomputes it in the backward pass
+    with no hook to re-enter the simulation: its grads would silently be full precision."""
+    if torch.is_grad_enabled():
+        return
+    checkpoint = sys.modules.get("torch.utils.checkpoint")  # not imported: none is running
+    reentrant = getattr(checkpoint, "CheckpointFunction", None)
+    code = getattr(getattr(reentrant, "forward", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            raise ValueError(
+                "torch.utils.checkpoint with use_reentrant=True recomputes outside the simulated "
+                "low-precision matmuls; pass use_reentrant=False and "
+                "context_fn=minitrain.precision.recompute_context"
+            )
+        frame = frame.f_back
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulating, counting
+
+
+@contextlib.contextmanager
+def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Any]:
+    """Run every ``F.linear`` / ``matmul`` / ``@`` / ``mm`` / ``bmm`` inside in low precision.
+
+    ``state`` (from :func:`init_state`) turns on delayed scaling for the fp8 recipe: matmul
+    ``i`` of the forward pass reads row ``i``; differentiate with respect to ``state`` to get
+    the updated histories (the context's value has ``forward_history()``, the forward amaxes
+    alone, for matmuls whose backward pass does not run). Without it, fp8 uses current
+    scaling. Other ops (attention inside ``F.scaled_dot_product_attention``, norms, softmax)
+    keep their precision, as in TE.
+
+    >>> with simulate(RECIPES["fp8"]):
+    ...     (torch.tensor([[1.0, 3.3]]) @ torch.eye(2)).tolist()
+    [[0.9428570866584778, 3.299999713897705]]
+    """
+    r = recipe(r)
+    if state is not None and r.forward in BLOCK:
+        raise ValueError("block formats take their scales from the blocks: pass state=None")
+    with _enter(_Simulate(r, state)) as mode:
+        yield mode
+    if state is not None and mode.calls < state.shape[0]:  # matmul i would read row i + k
+        raise ValueError(
+            f"the model ran {mode.calls} matmuls, fewer than the {state.shape[0]} its fp8 amax "
+            "histories were counted for: delayed fp8 scaling needs the same matmuls in every "
+            "forward pass (count them with count_matmuls(fn, *args), build the state with "
+            "init_state)"
+        )
+
+
+def count_matmuls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """How many matmuls ``fn(*args, **kwargs)`` runs (one plain forward pass, in the grad mode
+    a train step runs it in: a model may branch on ``torch.is_grad_enabled()``; plain tensor
+    arguments build no graph).
+
+    >>> count_matmuls(lambda x: x @ x @ x, torch.eye(2))
+    2
+    """
+    mode = _Simulate(RECIPES["fp8"], None, count_only=True)
+    with torch.enable_grad(), mode:
+        fn(*args, **kwargs)
+    return mode.calls
+
+
+def init_state(r: Recipe | str, num_matmuls: int) -> torch.Tensor:
+    """Empty amax histories ``(num_matmuls, 3, history_len)``: the first step scales by 1, as
+    TE's fresh ``DelayedScaling`` does.
+
+    >>> init_state("fp8", 4).shape
+    torch.Size([4, 3, 16])
+    """
+    r = recipe(r)
+    if r.forward in BLOCK:
+        raise ValueError(f"{r.forward} keeps no amax history; simulate it with state=None")
+    return torch.zeros(num_matmuls, 3, r.history_len)
