@@ -68,7 +68,7 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim.base import Optimizer, scalar, use_plain_path
+from minitrain.optim.base import Optimizer, check_grads, scalar, use_plain_path
 from minitrain.optim.kernels.checks import (
     donatable,
     grad_leaf_error,
@@ -539,13 +539,13 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
                                   strict=True):
         if isinstance(leaf, Tensor) and leaf.shape != g.shape:
             raise ValueError(
-                f"{what} leaf {_pytree.keystr(path)!r} has shape {tuple(leaf.shape)} but its "
+                f"{what} leaf {tree._path_name(path)!r} has shape {tuple(leaf.shape)} but its "
                 f"update has {tuple(g.shape)}; create the state with init(params)"
             )
         if same_dtype and isinstance(leaf, Tensor) and isinstance(g, Tensor) and \
                 leaf.dtype != g.dtype:  # a state in another dtype than its update: named
             raise ValueError(
-                f"{what} leaf {_pytree.keystr(path)!r} is {leaf.dtype} but its update is "
+                f"{what} leaf {tree._path_name(path)!r} is {leaf.dtype} but its update is "
                 f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
                 f"create the state with init(params) for params of the updates' dtype"
             )
@@ -599,6 +599,15 @@ def _as_leaf(value: Any, position: int, size: int, like: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 # Optimizers from transformations
 
+def _writable(tensors: list) -> bool:
+    """Whether params may be updated in place: plain or fake tensors (a prediction), outside
+    vmap, grad and torch.compile, and none requiring grad while grad mode is on."""
+    if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in tensors):
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
+
+
 def as_optimizer(tx: GradientTransformation) -> Optimizer:
     """An :class:`~minitrain.optim.Optimizer` that applies the updates of ``tx`` to the params.
 
@@ -628,10 +637,14 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             result = lowered(grads, state, params, donate)
             if result is not None:
                 return result
-        updates, state = tx.update(grads, state, params, **extra)
+        try:
+            updates, state = tx.update(grads, state, params, **extra)
+        except ValueError:
+            check_grads(grads, params)  # names the first grad unlike its param, where one is
+            raise
         leaves = tree.leaves(params)
         u_leaves = tree.leaves(updates)
-        if donate and not use_plain_path([*leaves, *u_leaves], []) and all(
+        if donate and _writable([*leaves, *u_leaves]) and all(
             isinstance(p, Tensor) for p in (*leaves, *u_leaves)
         ) and donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
             if len(u_leaves) == len(leaves) and all(

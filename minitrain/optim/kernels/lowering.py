@@ -152,6 +152,7 @@ class Shape(NamedTuple):
     decoupled: tuple[Any, Any] | None
     lr: Any  # a number, a tensor, a schedule; None without scale_by_learning_rate
     lr_position: int | None
+    length: int  # how many transformations the chain holds
 
 
 def _spec(tx: Any) -> tuple[str, dict] | None:
@@ -190,7 +191,7 @@ def _recognise(tx: Any) -> Shape | None:
             (l2 is not None and decoupled is not None):
         return None
     return Shape(clip, maximize, l2, rule, tuple(range(i, j)), hyper, decoupled, lr,
-                 lr_position)
+                 lr_position, len(names))
 
 
 def _number(value: Any) -> float | None:
@@ -245,11 +246,11 @@ def _run(shape, decay_flags, grads, state, params, donate):
         return None
     p_leaves, structure = _flat.flatten(params)
     g_leaves, g_structure = _flat.flatten(grads)
-    if g_structure != structure or not p_leaves or not isinstance(state, tuple):
+    if g_structure != structure or not p_leaves or not isinstance(state, tuple) or \
+            len(state) != shape.length:
         return None
-    rule_states = [state[i] for i in shape.positions] if len(state) > max(
-        shape.positions, default=-1) else None
-    if rule_states is None or any(not hasattr(s, "count") for s in rule_states) or \
+    rule_states = [state[i] for i in shape.positions]
+    if any(not hasattr(s, "count") for s in rule_states) or \
             (shape.lr_position is not None and not hasattr(state[shape.lr_position], "lr")):
         return None
     counts = [s.count for s in rule_states] or [state[shape.lr_position].count]
