@@ -213,7 +213,7 @@ def _speed(exact_flops: int | None, counter: Counter, step_seconds: int | float 
 
 def _measured_memory(counter: Counter, peak: int, device: torch.device | None, params: Any,
                      opt_state: Any, batch: Any) -> dict[str, Any]:
-    from minitrain.optim import buffer_pool_bytes
+    from minitrain.optim.kernels.pool import idle_bytes
 
     resident = nbytes(params) + nbytes(opt_state) + nbytes(batch)
     at_backward = counter.backward_start_live_bytes
@@ -225,7 +225,7 @@ def _measured_memory(counter: Counter, peak: int, device: torch.device | None, p
         "activations": at_backward - resident if at_backward is not None and device is None
         else None,
         # the pure fast path's recycled buffers, held beyond what the step returned
-        "optimizer_buffer_pools": buffer_pool_bytes(),
+        "optimizer_buffer_pools": idle_bytes(),
         "source": "torch.cuda.max_memory_allocated" if device is not None
         else "live storages (minitrain.accounting.Counter)",
     }

@@ -11,8 +11,6 @@
 
 from minitrain.optim._adadelta import ScaleByAdadeltaState, adadelta, scale_by_adadelta
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
-from minitrain.optim._adagrad import AdagradState, adagrad, adagrad_chain
-from minitrain.optim._adam import AdamState, adam, adam_chain, adamw
 from minitrain.optim._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
 from minitrain.optim._asgd import ScaleByAsgdState, asgd, asgd_average, scale_by_asgd
 from minitrain.optim._core import (
@@ -27,7 +25,6 @@ from minitrain.optim._core import (
     extra_args,
     identity,
     leafwise,
-    register_lowering,
     spec,
 )
 from minitrain.optim._lion import ScaleByLionState, lion, scale_by_lion
@@ -41,7 +38,6 @@ from minitrain.optim._muon import (
 from minitrain.optim._nadam import ScaleByNadamState, nadam, scale_by_nadam
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
 from minitrain.optim._radam import ScaleByRadamState, radam, scale_by_radam
-from minitrain.optim._rmsprop import RMSpropState, rmsprop, rmsprop_chain
 from minitrain.optim._rprop import ScaleByRpropState, rprop, scale_by_rprop
 from minitrain.optim._schedule_free import (
     ScheduleFreeAdamwState,
@@ -49,8 +45,8 @@ from minitrain.optim._schedule_free import (
     schedule_free_adamw,
     schedule_free_eval_params,
 )
-from minitrain.optim._sgd import SGDState, sgd, sgd_chain
 from minitrain.optim._state_bytes import state_bytes
+from minitrain.optim.alias import adagrad, adam, adamw, rmsprop, sgd
 from minitrain.optim.base import *  # noqa: F403  (the interface, listed below)
 from minitrain.optim.base import __all__ as _base
 from minitrain.optim.meta import Unrolled, unroll
@@ -62,14 +58,10 @@ from minitrain.optim.transforms import __all__ as _transforms
 __all__ = [
     *_base,
     "sgd",
-    "SGDState",
     "adagrad",
-    "AdagradState",
     "rmsprop",
-    "RMSpropState",
     "adam",
     "adamw",
-    "AdamState",
     *_schedules,
     "reduce_on_plateau",
     "ReduceLROnPlateauState",
@@ -85,13 +77,8 @@ __all__ = [
     "leafwise",
     "LeafBatch",
     "as_optimizer",
-    "register_lowering",
     "spec",
     "extra_args",
-    "sgd_chain",
-    "adam_chain",
-    "adagrad_chain",
-    "rmsprop_chain",
     *_transforms,
 ]
 

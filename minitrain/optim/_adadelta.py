@@ -44,13 +44,9 @@ def _rule(rho: Any, eps: Any) -> Rule:
     eps = check_range("eps", eps, 0.0)
     init_leaf = lambda p: {"square_avg": zeros(p), "acc_delta": zeros(p)}  # noqa: E731
     return Rule("scale_by_adadelta", ScaleByAdadeltaState, init_leaf, adadelta_leaf,
-                dict(rho=rho, eps=eps), kernel=adadelta_kernel)
+                dict(rho=rho, eps=eps))
 
 
-def adadelta_kernel(step, hyper, per_step):
-    """:func:`adadelta_leaf` as ``_streaming.c``'s ``adadelta`` rule (see ``_family.Rule``)."""
-    rho = hyper["rho"]
-    return "adadelta", [rho, 1 - rho, hyper["eps"]], ("square_avg", "acc_delta")
 
 
 def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6):
@@ -65,7 +61,7 @@ def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6):
 
 
 def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
-             weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+             weight_decay: Any = 0.0, *, maximize: bool = False,
              mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.Adadelta: L2 weight decay, then Adadelta's step, times ``-lr``.
 
@@ -77,4 +73,4 @@ def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
     tensor([0.9990])
     """
     return family_optimizer(_rule(rho, eps), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, impl=impl)
+                            mask=mask)

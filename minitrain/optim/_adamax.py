@@ -39,15 +39,10 @@ def adamax_leaf(g, buffers, p, step, beta1, beta2, eps):
     return exp_avg / exp_inf / bias_correction, {"exp_avg": exp_avg, "exp_inf": exp_inf}
 
 
-def adamax_kernel(step, hyper, per_step):
-    """:func:`adamax_leaf` as ``_streaming.c``'s ``adamax`` rule (see ``_family.Rule``)."""
-    beta1, beta2 = hyper["beta1"], hyper["beta2"]
-    return "adamax", [1 - beta1, beta2, hyper["eps"], 1 - beta1**step], ("exp_avg", "exp_inf")
 
 
 def _rule(b1: Any, b2: Any, eps: Any) -> Rule:
-    return moments_rule("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, b1, b2, eps,
-                        kernel=adamax_kernel)
+    return moments_rule("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, b1, b2, eps)
 
 
 def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):
@@ -62,7 +57,7 @@ def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):
 
 
 def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
-           weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+           weight_decay: Any = 0.0, *, maximize: bool = False,
            mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.Adamax: L2 weight decay, then Adamax's step, times ``-lr``.
 
@@ -75,4 +70,4 @@ def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), e
     """
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2, eps), lr, maximize=maximize,
-                            weight_decay=weight_decay, mask=mask, impl=impl)
+                            weight_decay=weight_decay, mask=mask)

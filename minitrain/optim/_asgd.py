@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,10 +21,14 @@ from minitrain.optim._family import (
 )
 from minitrain.optim._host import host_tensor
 from minitrain.optim.base import Optimizer, WeightDecayMask
-from minitrain.optim.kernels.streaming import float32
 from minitrain.tree import Params
 
 __all__ = ["asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average"]
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to float32, as ``torch.tensor(value, dtype=torch.float32)`` holds it."""
+    return array.array("f", (value,))[0]
 
 
 class ScaleByAsgdState(NamedTuple):
@@ -89,7 +94,7 @@ def _rule(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
 
     return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
                 dict(lambd=lambd), scalars={"lr": lambda: _f32(lr_after(0))}, advance=advance,
-                needs_params=True, kernel=asgd_kernel,
+                needs_params=True,
                 state_hyperparams=(lr, alpha, t0))
 
 
@@ -102,10 +107,6 @@ def _lr_after(lr: Any) -> Callable[[Any], Any]:
     return lambda done: check_range("lr (from the schedule)", lr(done), 0.0)
 
 
-def asgd_kernel(step, hyper, per_step):
-    """:func:`asgd_leaf` as ``_streaming.c``'s ``asgd`` rule (see ``_family.Rule``)."""
-    eta, mu = per_step["eta"], per_step["mu"]
-    return "asgd", [hyper["lambd"], -eta, mu, float(mu == 1)], ("ax",)
 
 
 def _f32(value: Any) -> Tensor:
@@ -129,7 +130,7 @@ def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4,
 
 
 def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
-         t0: Scalar = 1e6, weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+         t0: Scalar = 1e6, weight_decay: Any = 0.0, *, maximize: bool = False,
          mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.ASGD: L2 decay, then ASGD's step; the averaged params are
     ``asgd_average(state)``.
@@ -142,7 +143,7 @@ def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
     (tensor([0.5000]), tensor([0.5000]))
     """
     return family_optimizer(_rule(lr, lambd, alpha, t0), maximize=maximize,
-                            weight_decay=weight_decay, mask=mask, impl=impl)
+                            weight_decay=weight_decay, mask=mask)
 
 
 def asgd_average(state: Any) -> Params:

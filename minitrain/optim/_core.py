@@ -68,14 +68,20 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
-from minitrain.optim.kernels.checks import donatable, grad_leaf_error, naming_bad_grads, none_param_error
-from minitrain.optim.base import Optimizer, scalar, use_plain_path
+from minitrain.optim.base import Optimizer, check_grads, scalar, use_plain_path
+from minitrain.optim.kernels.checks import (
+    donatable,
+    grad_leaf_error,
+    naming_bad_grads,
+    none_param_error,
+)
+from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
     "GradientTransformation", "EmptyState", "Updates", "identity", "chain", "ChainState",
     "apply_updates", "leafwise", "LeafBatch", "hyperparameter", "check_like", "check_state_type",
-    "check_pair", "as_optimizer", "register_lowering", "spec", "extra_args",
+    "check_pair", "as_optimizer", "spec", "extra_args",
 ]
 
 Updates = Grads
@@ -239,6 +245,10 @@ def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
     >>> sorted(extra_args(chain(mt.optim.scale_by_adam(), mt.optim.reduce_on_plateau())))
     ['value']
     """
+    inners = getattr(tx.update, "extra_inners", None)
+    if inners is not None:  # a wrapper: what any of its transformations takes
+        takes = [extra_args(inner) for inner in inners]
+        return None if any(t is None for t in takes) else frozenset().union(*takes)
     declared = getattr(tx.update, "extra_args", False)
     if declared is not False:
         return declared
@@ -256,16 +266,19 @@ def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
 
 
 def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformation]) -> Callable:
-    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes."""
-    takes = [extra_args(tx) for tx in inners]
-    update.extra_args = (  # type: ignore[attr-defined]
-        None if any(t is None for t in takes) else frozenset().union(*takes)
-    )
+    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes (read
+    when a call passes extra arguments: building a chain inspects no signature)."""
+    update.extra_inners = tuple(inners)  # type: ignore[attr-defined]
     return update
 
 
-def check_extra_args(where: str, accepted: frozenset[str] | None, extra: dict[str, Any]) -> None:
-    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`)."""
+def check_extra_args(where: str, accepted: Any, extra: dict[str, Any]) -> None:
+    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`): a
+    set of names, None for any, or a wrapper's update function."""
+    if not extra:
+        return
+    if callable(accepted):
+        accepted = extra_args(GradientTransformation(None, accepted))  # type: ignore[arg-type]
     unknown = sorted(set(extra) - accepted) if accepted is not None else []
     if unknown:
         raise ValueError(
@@ -326,7 +339,7 @@ def chain(*transforms: Any) -> GradientTransformation:
                 f"chain of {len(transforms)} transformations got a state of "
                 f"{type(state).__name__}; pass the state returned by its init(params)"
             )
-        check_extra_args("chain", update.extra_args, extra)
+        check_extra_args("chain", update, extra)
         new_state = []
         for tx, inner in zip(transforms, state, strict=True):
             updates, inner = tx.update(updates, inner, params, **select_extra_args(tx, extra))
@@ -481,7 +494,7 @@ def leafwise(
         }
         tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
         step = next_step(state.count)
-        if use_plain_path("auto", tensors, [*hyper.values(), *also_watch]):
+        if use_plain_path(tensors, [*hyper.values(), *also_watch]):
             new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper)
             count = state.count + 1
         else:
@@ -526,13 +539,13 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
                                   strict=True):
         if isinstance(leaf, Tensor) and leaf.shape != g.shape:
             raise ValueError(
-                f"{what} leaf {_pytree.keystr(path)!r} has shape {tuple(leaf.shape)} but its "
+                f"{what} leaf {tree._path_name(path)!r} has shape {tuple(leaf.shape)} but its "
                 f"update has {tuple(g.shape)}; create the state with init(params)"
             )
         if same_dtype and isinstance(leaf, Tensor) and isinstance(g, Tensor) and \
                 leaf.dtype != g.dtype:  # a state in another dtype than its update: named
             raise ValueError(
-                f"{what} leaf {_pytree.keystr(path)!r} is {leaf.dtype} but its update is "
+                f"{what} leaf {tree._path_name(path)!r} is {leaf.dtype} but its update is "
                 f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
                 f"create the state with init(params) for params of the updates' dtype"
             )
@@ -586,16 +599,13 @@ def _as_leaf(value: Any, position: int, size: int, like: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 # Optimizers from transformations
 
-Lowering = Callable[[Updates, OptState, Params, bool], "tuple[Params, OptState] | None"]
-_LOWERINGS: list[Callable[[GradientTransformation], Lowering | None]] = []
-
-
-def register_lowering(match: Callable[[GradientTransformation], Lowering | None]) -> None:
-    """Add ``match(tx) -> lowered | None``: :func:`as_optimizer` asks each registered match for
-    a fused update of ``tx``. ``lowered(grads, state, params, donate)`` returns ``(params,
-    state)`` with the same state layout as ``tx``, or None when it cannot take this call (the
-    plain transformation runs instead); it must agree with ``tx`` to within rounding."""
-    _LOWERINGS.append(match)
+def _writable(tensors: list) -> bool:
+    """Whether params may be updated in place: plain or fake tensors (a prediction), outside
+    vmap, grad and torch.compile, and none requiring grad while grad mode is on."""
+    if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in tensors):
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
 def as_optimizer(tx: GradientTransformation) -> Optimizer:
@@ -614,7 +624,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     tensor([0.5000, 1.5000])
     """
     check_transformation(tx, "as_optimizer's argument")
-    lowered = next((low for match in _LOWERINGS if (low := match(tx)) is not None), None)
+    lowered = lower(tx)
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
@@ -627,10 +637,14 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             result = lowered(grads, state, params, donate)
             if result is not None:
                 return result
-        updates, state = tx.update(grads, state, params, **extra)
+        try:
+            updates, state = tx.update(grads, state, params, **extra)
+        except ValueError:
+            check_grads(grads, params)  # names the first grad unlike its param, where one is
+            raise
         leaves = tree.leaves(params)
         u_leaves = tree.leaves(updates)
-        if donate and not use_plain_path("auto", [*leaves, *u_leaves], []) and all(
+        if donate and _writable([*leaves, *u_leaves]) and all(
             isinstance(p, Tensor) for p in (*leaves, *u_leaves)
         ) and donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
             if len(u_leaves) == len(leaves) and all(

@@ -9,11 +9,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as _pytree
 from torch import Tensor
 
-from minitrain.optim.kernels import streaming
-from minitrain.optim._compiled_rule import CompiledChain
 from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,
@@ -23,21 +20,14 @@ from minitrain.optim._core import (
     leafwise,
     tagged,
 )
-from minitrain.optim._host import next_step, schedule_count
-from minitrain.optim._pooled import PooledLeaves, _run
-from minitrain.optim.kernels.checks import donatable, naming_bad_grads
+from minitrain.optim._host import next_step
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
-    BufferPool,
     Optimizer,
     WeightDecayMask,
-    check_grads,
     check_hyperparameter,
-    check_params,
-    decay_flags,
     is_traced,
     scalar,
-    use_plain_path,
 )
 from minitrain.tree import Params
 
@@ -249,11 +239,6 @@ class Rule(NamedTuple):
     scalars: dict[str, Callable[[], Tensor]] | None = None
     advance: Callable[..., Any] | None = None
     needs_params: bool = False
-    # ``kernel(step, hyper, per_step) -> (rule, hyperparameters, buffers)``: the streaming
-    # kernel (``_streaming.c``) that computes the same step in one pass over float32 CPU
-    # leaves, the rule's part of its hyperparameters (after the family's frame), and the
-    # state fields it reads and writes in its slot order. Numbers in, numbers out.
-    kernel: Callable[..., tuple[str, list[float], tuple[str, ...]]] | None = None
     # The hyperparameters that reach the rule only through ``advance`` or its initial state
     # (ASGD's lr and alpha, NAdam's momentum_decay): a traced one, or one that requires grad,
     # keeps the update off the fast path, as one of ``hyperparams`` does.
@@ -261,299 +246,40 @@ class Rule(NamedTuple):
 
 
 def moments_rule(name: str, state_type: type, update_leaf: Callable[..., Any], b1: Any, b2: Any,
-                 eps: Any, kernel: Callable[..., Any] | None = None) -> Rule:
+                 eps: Any) -> Rule:
     """A rule with Adam's hyperparameters (``betas`` in [0, 1), ``eps`` >= 0) whose buffers,
     the fields of ``state_type`` after ``count``, start at zero (Adamax, RAdam)."""
     beta1, beta2 = check_betas((b1, b2))
     eps = check_range("eps", eps, 0.0)
     buffers = state_type._fields[1:]
     return Rule(name, state_type, lambda p: {b: zeros(p) for b in buffers}, update_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=eps), kernel=kernel)
+                dict(beta1=beta1, beta2=beta2, eps=eps))
 
 
 def rule_transform(rule: Rule) -> GradientTransformation:
-    """``rule`` as a transformation."""
+    """``rule`` as a transformation (its spec carries the rule: its scalars and ``advance``)."""
     if rule.scalars:
-        return leafwise_with_scalars(rule.name, rule.state_type, rule.scalars, rule.advance,
-                                     rule.init_leaf, rule.update_leaf, rule.hyperparams,
-                                     needs_params=rule.needs_params)
-    return leafwise(rule.name, rule.init_leaf, rule.update_leaf, rule.state_type,
-                    rule.hyperparams, needs_params=rule.needs_params)
+        tx = leafwise_with_scalars(rule.name, rule.state_type, rule.scalars, rule.advance,
+                                   rule.init_leaf, rule.update_leaf, rule.hyperparams,
+                                   needs_params=rule.needs_params)
+    else:
+        tx = leafwise(rule.name, rule.init_leaf, rule.update_leaf, rule.state_type,
+                      rule.hyperparams, needs_params=rule.needs_params)
+    tx.update.minitrain_spec[1]["rule"] = rule
+    return tx
 
 
 def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
                      weight_decay: Any = 0.0, mask: WeightDecayMask = None,
-                     decoupled: bool = False, impl: str = "auto") -> Optimizer:
-    """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``, whose
-    update on plain CPU tensors runs the same ops into recycled buffers (``_pooled``), or with
-    ``impl="compiled"`` as one inductor graph (``_compiled_rule``).
+                     decoupled: bool = False) -> Optimizer:
+    """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``.
 
     ``lr=None``: the rule's output is the whole step (Rprop, ASGD, schedule-free AdamW).
     """
-    if impl not in ("auto", "compiled"):
-        raise ValueError(f"invalid impl={impl!r}: choose 'auto' or 'compiled'")
     if not isinstance(maximize, bool):
         raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
     weight_decay = check_range("weight_decay", weight_decay, 0.0)
     decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
-    tx = torch_order([rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
-                     decay=add_decayed_weights(weight_decay, mask) if decays else None)
-    slow = as_optimizer(tx)
-    plan = _Plan(rule, maximize, weight_decay if decays else None, mask, decoupled, lr)
-    pool = BufferPool()
-    compiled = CompiledChain(rule.update_leaf, maximize, decays and not decoupled,
-                             decays and decoupled, lr is not None) if impl == "compiled" else None
-
-    def update(grads, state, params, *, donate: bool = False):
-        # Donation is checked where it is used: the kernel path's donatable() (params, grads
-        # and state), the chain's for the rest.
-        if plan.takes(grads, state, params):
-            with pool.lock:  # two concurrent updates must not share an output buffer
-                if compiled is None and plan.kernel_takes(grads, state, params):
-                    return plan.run_kernel(grads, state, params, pool, donate)
-                return plan.run(grads, state, params, pool, compiled)
-        check_params(params)  # complex params, say: the rules are written for real ones
-        check_grads(grads, params)  # a grad of another dtype or shape, named
-        return slow.update(grads, state, params, donate=donate)
-
-    def init(params):
-        check_params(params)
-        return tx.init(params)
-
-    update = naming_bad_grads(update)
-    update.transformation = tx  # type: ignore[attr-defined]
-    return Optimizer(init, update)
-
-
-class _Plan:
-    """The pooled run of one ``family_optimizer`` chain (same ops, same order)."""
-
-    def __init__(self, rule, maximize, weight_decay, mask, decoupled, lr):
-        self.rule, self.maximize, self.weight_decay = rule, maximize, weight_decay
-        self.mask, self.decoupled, self.lr = mask, decoupled, lr
-        self.hyper = {k: hyperparameter(k, v) for k, v in rule.hyperparams.items()}
-        # every tensor hyperparameter the chain was built with, for takes()
-        self.tensors = [v for v in (*self.hyper.values(), *rule.state_hyperparams, lr,
-                                    weight_decay) if isinstance(v, Tensor)]
-        self.scalar_names = tuple(rule.scalars or ())
-        self.schedule = callable(lr) and not isinstance(lr, Tensor)
-        self.rule_index = int(maximize) + int(weight_decay is not None and not decoupled)
-        self.flags: dict[Any, list[bool]] = {}
-
-    def takes(self, grads, state, params) -> bool:
-        """Whether the pooled path applies: plain CPU tensors, no tracing, no autograd, and
-        inputs whose layout matches (anything else takes the chain, which explains errors)."""
-        p_leaves, spec = _pytree.tree_flatten(params)
-        g_leaves, g_spec = _pytree.tree_flatten(grads)
-        if g_spec != spec or not p_leaves or not isinstance(state, tuple):
-            return False
-        inner = state[self.rule_index] if len(state) > self.rule_index else None
-        if not isinstance(inner, self.rule.state_type) or is_traced(inner.count):
-            return False
-        # The hyperparameters and the rule's state scalars (which carry those it was built
-        # with through its updates, e.g. a traced or differentiable lr): a traced one, or one
-        # that requires grad, takes the chain (the pooled ops would raise or detach it).
-        hyper = [*self.tensors, *(getattr(inner, k) for k in self.scalar_names)]
-        if self.schedule and torch.is_grad_enabled():  # its value may need its grad
-            hyper.append(self.lr(schedule_count(state[-1].count)))
-        if not all(isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                   and t.is_floating_point() for t in (*p_leaves, *g_leaves)):
-            return False
-        if use_plain_path("auto", [*p_leaves, *g_leaves], hyper):
-            return False
-        if any(g.shape != p.shape or g.dtype != p.dtype
-               for g, p in zip(g_leaves, p_leaves, strict=True)):
-            return False
-        for field in self.buffers():
-            leaves, buffer_spec = _pytree.tree_flatten(getattr(inner, field))
-            if getattr(inner, field) == ():
-                continue
-            if buffer_spec != spec or any(
-                not isinstance(b, Tensor) or b.shape != p.shape or b.dtype != p.dtype
-                or b.device.type != "cpu" for b, p in zip(leaves, p_leaves, strict=True)
-            ):
-                return False
-        return True
-
-    def kernel_takes(self, grads, state, params) -> bool:
-        """Whether the rule's streaming kernel can run (after :meth:`takes`): it has one, the
-        kernels are built, and every param, grad and buffer leaf is a float32 CPU contiguous
-        tensor whose storage holds it (anything else runs the rule op by op)."""
-        if self.rule.kernel is None or (self.lr is None and self.weight_decay is not None
-                                        and self.decoupled):
-            return False
-        inner = state[self.rule_index]
-        tensors = [*_pytree.tree_leaves(params), *_pytree.tree_leaves(grads)]
-        for field in self.buffers():
-            if getattr(inner, field) == ():
-                return False
-            tensors.extend(_pytree.tree_leaves(getattr(inner, field)))
-        return streaming.usable(tensors) and all(streaming._storage_holds(t) for t in tensors)
-
-    def run_kernel(self, grads, state, params, pool, donate: bool = False):
-        """The update as one streaming-kernel pass per decay group: the frame of the chain
-        (``-g`` for maximize, L2 decay, ``-lr`` and decoupled decay) and the rule's step in
-        the same loop, into recycled buffers, or in place when ``donate``."""
-        p_leaves, spec = _pytree.tree_flatten(params)
-        g_leaves = _pytree.tree_leaves(grads)
-        new_state = list(state)
-        inner = state[self.rule_index]
-        donate = donate and donatable(p_leaves, g_leaves, [
-            _pytree.tree_leaves(getattr(inner, f)) for f in self.buffers()])
-        if not donate:
-            pool.begin_update()
-        step = next_step(inner.count)
-        per_step, kept = self.advance(inner, step)
-        lr = self.step_lr(state, new_state) if self.lr is not None else None
-        name, rule_hp, fields = self.rule.kernel(
-            step, {k: scalar(v) for k, v in self.hyper.items()},
-            {k: scalar(v) for k, v in per_step.items()})
-        buffers = {f: _pytree.tree_leaves(getattr(inner, f)) for f in fields}
-        flags = self.decay_flags(params) if self.weight_decay is not None else \
-            [False] * len(p_leaves)
-        new_params = list(p_leaves)
-        new_buffers = {f: list(leaves) for f, leaves in buffers.items()}
-        wd = scalar(self.weight_decay) if self.weight_decay is not None else 0.0
-        for flag in (True, False):
-            group = [i for i, decays in enumerate(flags) if decays is flag]
-            if not group:
-                continue
-            l2 = wd if flag and not self.decoupled else 0.0
-            decay = 1 - lr * wd if flag and self.decoupled and lr is not None else 1.0
-            frame = [-1.0 if self.maximize else 1.0, l2, 0.0 if lr is None else float(lr),
-                     decay, float(lr is not None)]
-            slots = [[p_leaves[i] for i in group], [g_leaves[i] for i in group],
-                     *([buffers[f][i] for i in group] for f in fields)]
-            out = streaming.update(name, frame + [float(v) for v in rule_hp], slots,
-                                   None if donate else pool)
-            for position, i in enumerate(group):
-                new_params[i] = out[0][position]
-                for f, leaves in zip(fields, out[1:], strict=True):
-                    new_buffers[f][i] = leaves[position]
-        new_fields = {f: _pytree.tree_unflatten(new_buffers[f], spec) if f in new_buffers
-                      else getattr(inner, f) for f in self.buffers()}
-        new_state[self.rule_index] = self.rule.state_type(
-            torch.tensor(step, dtype=torch.int64, device="cpu"), **kept, **new_fields)
-        return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
-
-    def buffers(self) -> tuple[str, ...]:
-        skip = 1 + len(self.rule.scalars or {})
-        return self.rule.state_type._fields[skip:]
-
-    def decay_flags(self, params) -> list[bool]:
-        """Per leaf of ``params``: whether weight decay applies (cached per structure)."""
-        key = _pytree.tree_structure(params)
-        flags = self.flags.get(key)
-        if flags is None:
-            flags = self.flags[key] = decay_flags(self.mask, params)
-        return flags
-
-    def decay(self, u, p, params, pool):
-        flags = self.decay_flags(params)
-        wd = scalar(self.weight_decay)
-        return PooledLeaves([_run(torch.add, (ui, pi), {"alpha": wd}, pool) if flag else ui
-                             for ui, pi, flag in zip(u, p, flags, strict=True)], pool)
-
-    def shrunk(self, p, params, lr, pool):
-        """``p (1 - lr wd)`` on the decayed leaves (torch's decoupled weight decay)."""
-        flags = self.decay_flags(params)
-        factor = 1 - lr * scalar(self.weight_decay)
-        return [_run(torch.mul, (pi, factor), {}, pool) if flag else pi
-                for pi, flag in zip(p, flags, strict=True)]
-
-    def run(self, grads, state, params, pool, compiled=None):
-        if compiled is not None and len({p.dtype for p in _pytree.tree_leaves(params)}) == 1:
-            return self.run_compiled(grads, state, params, pool, compiled)
-        pool.begin_update()
-        p_leaves, spec = _pytree.tree_flatten(params)
-        new_state = list(state)
-        with torch.no_grad():
-            p = PooledLeaves(p_leaves, pool)
-            u = PooledLeaves(_pytree.tree_leaves(grads), pool)
-            if self.maximize:
-                u = u * -1.0
-            if self.weight_decay is not None and not self.decoupled:
-                u = self.decay(u, p, params, pool)
-            u, new_state[self.rule_index] = self.run_rule(u, p, state[self.rule_index], spec,
-                                                           pool)
-            decoupled = self.weight_decay is not None and self.decoupled
-            if self.lr is None:
-                if decoupled:
-                    u = self.decay(u, p, params, pool)
-                new_params = [_run(torch.add, (pi, ui), {}, pool).to(pi.dtype)
-                              for pi, ui in zip(p, u, strict=True)]
-            else:
-                lr = self.step_lr(state, new_state)
-                # p - lr (u + wd p) as torch.optim computes it: p (1 - lr wd) - lr u, one pass
-                # over p for the decay and one for the step (the chain makes three).
-                base = self.shrunk(p, params, lr, pool) if decoupled else p
-                new_params = [_run(torch.add, (bi, ui), {"alpha": -lr}, pool).to(pi.dtype)
-                              for pi, bi, ui in zip(p, base, u, strict=True)]
-        return _pytree.tree_unflatten(new_params, spec), tuple(new_state)
-
-    def run_rule(self, u, p, inner, spec, pool):
-        rule = self.rule
-        step = next_step(inner.count)
-        per_step, kept = self.advance(inner, step)
-        # numbers, as the chain's batched path passes them (takes() saw nothing traced and
-        # nothing that requires grad): a tensor lr gives the chain's ops, bit for bit
-        per_step = {k: scalar(hyperparameter(k, v)) for k, v in per_step.items()}
-        buffers = {
-            field: () if getattr(inner, field) == () else
-            PooledLeaves(_pytree.tree_leaves(getattr(inner, field)), pool)
-            for field in self.buffers()
-        }
-        out, new_buffers = rule.update_leaf(u, buffers, p, step, **self.hyper, **per_step)
-        fields = {
-            field: () if getattr(inner, field) == () else
-            _pytree.tree_unflatten(list(new_buffers[field]), spec)
-            for field in self.buffers()
-        }
-        count = torch.tensor(step, dtype=torch.int64, device="cpu")
-        return out, rule.state_type(count, **kept, **fields)
-
-    def advance(self, inner, step: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """``(per_step, kept)``: the rule's extra arguments for update ``step`` and its next
-        scalars, from the scalars in ``inner`` (none for rules without scalars)."""
-        if not self.rule.scalars:
-            return {}, {}
-        old = {key: getattr(inner, key) for key in self.rule.scalars}
-        new_scalars, per_step = self.rule.advance(step, **{k: scalar(v) for k, v in old.items()})
-        return per_step, {key: _like(new_scalars[key], old[key]) for key in self.rule.scalars}
-
-    def step_lr(self, state, new_state):
-        """The lr of this update, recorded in the chain's last state."""
-        lr_state = state[-1]
-        lr = self.lr(schedule_count(lr_state.count)) if self.schedule else self.lr
-        if self.schedule:
-            check_hyperparameter("lr (from the schedule)", lr, 0.0)
-        lr_tensor = lr.to(torch.float32) if isinstance(lr, Tensor) else torch.tensor(
-            float(lr), dtype=torch.float32, device="cpu")
-        new_state[-1] = type(lr_state)(lr_state.count + 1, lr_tensor)
-        return scalar(lr)
-
-    def run_compiled(self, grads, state, params, pool, compiled):
-        pool.begin_update()
-        rule = self.rule
-        p_leaves, spec = _pytree.tree_flatten(params)
-        new_state = list(state)
-        inner = state[self.rule_index]
-        step = next_step(inner.count)
-        per_step, kept = self.advance(inner, step)
-        lr = self.step_lr(state, new_state) if self.lr is not None else 0.0
-        flags = self.decay_flags(params)
-        used = [f for f in self.buffers() if getattr(inner, f) != ()]
-        buffers = {f: _pytree.tree_leaves(getattr(inner, f)) for f in used}
-        ps_out = [pool.empty_like(p) for p in p_leaves]
-        buffers_out = {f: [pool.empty_like(b) for b in leaves] for f, leaves in buffers.items()}
-        with torch.no_grad():
-            compiled(p_leaves, _pytree.tree_leaves(grads), buffers, step,
-                     {k: scalar(v) for k, v in self.hyper.items()},
-                     {k: scalar(v) for k, v in per_step.items()}, lr,
-                     scalar(self.weight_decay) if self.weight_decay is not None else 0.0,
-                     flags, ps_out, buffers_out)
-        fields = {f: () if f not in buffers_out else _pytree.tree_unflatten(buffers_out[f], spec)
-                  for f in self.buffers()}
-        new_state[self.rule_index] = rule.state_type(
-            torch.tensor(step, dtype=torch.int64, device="cpu"), **kept, **fields)
-        return _pytree.tree_unflatten(ps_out, spec), tuple(new_state)
+    return as_optimizer(torch_order(
+        [rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
+        decay=add_decayed_weights(weight_decay, mask) if decays else None))

@@ -41,12 +41,9 @@ def lion_leaf(g, buffers, p, step, beta1, beta2):
 def _rule(b1: Any, b2: Any) -> Rule:
     beta1, beta2 = check_betas((b1, b2), high_open=False)
     return Rule("scale_by_lion", ScaleByLionState, lambda p: {"exp_avg": zeros(p)}, lion_leaf,
-                dict(beta1=beta1, beta2=beta2), kernel=lion_kernel)
+                dict(beta1=beta1, beta2=beta2))
 
 
-def lion_kernel(step, hyper, per_step):
-    """:func:`lion_leaf` as ``_streaming.c``'s ``lion`` rule (see ``_family.Rule``)."""
-    return "lion", [1 - hyper["beta1"], 1 - hyper["beta2"]], ("exp_avg",)
 
 
 def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99):
@@ -61,7 +58,7 @@ def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99):
 
 
 def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
-         weight_decay: Any = 0.0, *, maximize: bool = False, impl: str = "auto",
+         weight_decay: Any = 0.0, *, maximize: bool = False,
          mask: WeightDecayMask = None) -> Optimizer:
     """Lion with decoupled weight decay: ``p <- p - lr (sign(...) + wd p)`` (lion-pytorch's
     ``Lion`` defaults; its ``decoupled_weight_decay=True`` is ``weight_decay=wd / lr``).
@@ -75,4 +72,4 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
     """
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, decoupled=True, impl=impl)
+                            mask=mask, decoupled=True)

@@ -80,16 +80,9 @@ def _rule(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
                 lambda p: {"exp_avg": zeros(p), "exp_avg_sq": zeros(p)}, nadam_leaf,
                 dict(beta1=beta1, beta2=beta2, eps=eps),
                 scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
-                advance=advance, kernel=nadam_kernel, state_hyperparams=(momentum_decay,))
+                advance=advance, state_hyperparams=(momentum_decay,))
 
 
-def nadam_kernel(step, hyper, per_step):
-    """:func:`nadam_leaf` as ``_streaming.c``'s ``nadam`` rule (see ``_family.Rule``): the
-    same coefficients, with ``sqrt(1 - beta2^t)`` folded into them."""
-    beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
-    root = math.sqrt(1 - beta2**step)
-    return "nadam", [1 - beta1, beta2, 1 - beta2, eps * root, per_step["grad_coef"] * root,
-                     per_step["avg_coef"] * root], ("exp_avg", "exp_avg_sq")
 
 
 def scale_by_nadam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
@@ -112,7 +105,7 @@ def _float32(value: Any) -> Any:
 
 def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
           weight_decay: Any = 0.0, momentum_decay: Scalar = 4e-3,
-          decoupled_weight_decay: bool = False, *, maximize: bool = False, impl: str = "auto",
+          decoupled_weight_decay: bool = False, *, maximize: bool = False,
           mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.NAdam: L2 decay before the step, or decoupled decay (``p -= lr * wd * p``).
 
@@ -126,4 +119,4 @@ def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2, eps, momentum_decay), lr, maximize=maximize,
                             weight_decay=weight_decay, mask=mask,
-                            decoupled=bool(decoupled_weight_decay), impl=impl)
+                            decoupled=bool(decoupled_weight_decay))

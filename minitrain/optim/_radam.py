@@ -63,27 +63,10 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
     return rectified, new
 
 
-def radam_kernel(step, hyper, per_step):
-    """:func:`radam_leaf` as ``_streaming.c``'s ``radam`` rule (see ``_family.Rule``): the
-    same step-dependent scalars, computed here in float64."""
-    beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    rho_inf = 2 / (1 - beta2) - 1
-    rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
-    rectified = rho_t > 5.0
-    factor = 0.0
-    if rectified:
-        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
-                         / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        factor = rect * math.sqrt(bias_correction2) / bias_correction1
-    return "radam", [1 - beta1, beta2, 1 - beta2, eps, float(rectified), bias_correction1,
-                     factor], ("exp_avg", "exp_avg_sq")
 
 
 def _rule(b1: Any, b2: Any, eps: Any) -> Rule:
-    return moments_rule("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2, eps,
-                        kernel=radam_kernel)
+    return moments_rule("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2, eps)
 
 
 def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):
@@ -99,7 +82,7 @@ def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8):
 
 def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
           weight_decay: Any = 0.0, decoupled_weight_decay: bool = False, *,
-          maximize: bool = False, impl: str = "auto", mask: WeightDecayMask = None) -> Optimizer:
+          maximize: bool = False, mask: WeightDecayMask = None) -> Optimizer:
     """torch.optim.RAdam: L2 decay before the step, or decoupled decay (``p -= lr * wd * p``).
 
     >>> import torch, minitrain as mt
@@ -111,4 +94,4 @@ def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
     """
     b1, b2 = check_pair("betas", betas)
     return family_optimizer(_rule(b1, b2, eps), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, decoupled=bool(decoupled_weight_decay), impl=impl)
+                            mask=mask, decoupled=bool(decoupled_weight_decay))

@@ -78,13 +78,9 @@ def _rule(lr: Any, etas: Any, step_sizes: Any) -> Rule:
                 dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
                      step_size_max=largest),
                 scalars={"lr": lambda: initial.clone()},
-                advance=lambda step, lr: ({"lr": lr}, {}), kernel=rprop_kernel)
+                advance=lambda step, lr: ({"lr": lr}, {}))
 
 
-def rprop_kernel(step, hyper, per_step):
-    """:func:`rprop_leaf` as ``_streaming.c``'s ``rprop`` rule (see ``_family.Rule``)."""
-    return "rprop", [hyper["etaminus"], hyper["etaplus"], hyper["step_size_min"],
-                     hyper["step_size_max"]], ("prev", "step_size")
 
 
 def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
@@ -103,8 +99,7 @@ def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
 
 
 def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
-          step_sizes: tuple[Any, Any] = (1e-6, 50), *, maximize: bool = False,
-          impl: str = "auto") -> Optimizer:
+          step_sizes: tuple[Any, Any] = (1e-6, 50), *, maximize: bool = False) -> Optimizer:
     """torch.optim.Rprop.
 
     >>> import torch, minitrain as mt
@@ -114,4 +109,4 @@ def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
     >>> params["w"]
     tensor([0.9000, 1.1000])
     """
-    return family_optimizer(_rule(lr, etas, step_sizes), maximize=maximize, impl=impl)
+    return family_optimizer(_rule(lr, etas, step_sizes), maximize=maximize)

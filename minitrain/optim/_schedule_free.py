@@ -133,20 +133,11 @@ def _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rul
         scalars={"b1": lambda: host_tensor(beta1, torch.float64).clone(),
                  "weight_sum": f64(0.0), "lr_max": f64(-1.0),
                  "lr": lambda: host_tensor(first_lr, torch.float32).clone()},
-        advance=advance, needs_params=True, kernel=schedule_free_kernel,
+        advance=advance, needs_params=True,
         state_hyperparams=(lr, r, weight_lr_power),
     )
 
 
-def schedule_free_kernel(step, hyper, per_step):
-    """:func:`schedule_free_leaf` as ``_streaming.c``'s ``schedule_free_adamw`` rule (see
-    ``_family.Rule``); the new ``y`` is ``y`` plus the change."""
-    beta1, beta2 = hyper["beta1"], hyper["beta2"]
-    lr_t, ckp1 = per_step["lr_t"], per_step["ckp1"]
-    return "schedule_free_adamw", [
-        beta2, 1 - beta2, per_step["bias_correction2"], hyper["eps"], hyper["weight_decay"],
-        lr_t * (beta1 * (1 - ckp1) - 1), ckp1, lr_t,
-    ], ("z", "exp_avg_sq")
 
 
 def scale_by_schedule_free_adamw(
@@ -169,7 +160,7 @@ def scale_by_schedule_free_adamw(
 def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
                         eps: Scalar = 1e-8, weight_decay: Scalar = 0.0,
                         warmup_steps: int = 0, r: Scalar = 0.0, weight_lr_power: Scalar = 2.0,
-                        *, maximize: bool = False, impl: str = "auto") -> Optimizer:
+                        *, maximize: bool = False) -> Optimizer:
     """``schedulefree.AdamWScheduleFree`` (its names and defaults): the params it updates are
     the training point ``y``; evaluate at ``schedule_free_eval_params(state, params)``.
 
@@ -183,8 +174,7 @@ def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
     (tensor([0.7900, 1.2100]), tensor([0.8000, 1.2000]))
     """
     return family_optimizer(
-        _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power), maximize=maximize,
-        impl=impl)
+        _rule(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power), maximize=maximize)
 
 
 def schedule_free_eval_params(state: Any, params: Params) -> Params:

@@ -71,7 +71,7 @@ def _map(fn, updates, hyperparameters=()):
     tensors (``fn`` then gets a list and must use ``torch._foreach_*``), else per leaf (also
     when a tensor in ``hyperparameters`` is traced or requires grad)."""
     leaves = tree.leaves(updates)
-    if leaves and not use_plain_path("auto", leaves, hyperparameters):
+    if leaves and not use_plain_path(leaves, hyperparameters):
         with torch.no_grad():
             return tree.unflatten(tree.structure(updates), list(fn(leaves, True)))
     return tree.map(lambda u: fn(u, False), updates)
@@ -409,7 +409,7 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
         on = [i for i, flag in enumerate(flags) if flag]
         if not on:  # the mask selects no leaf (say, a model of biases and norms only)
             return updates, state
-        if not use_plain_path("auto", [*u_leaves, *p_leaves], [weight_decay]):
+        if not use_plain_path([*u_leaves, *p_leaves], [weight_decay]):
             with torch.no_grad():
                 moved = torch._foreach_add([u_leaves[i] for i in on], [p_leaves[i] for i in on],
                                            alpha=scalar(weight_decay))

@@ -116,7 +116,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         return MaskedState(inner.init(_select(*_unzip(named), chosen(params, named))))
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("masked", update.extra_args, extra)
+        check_extra_args("masked", update, extra)
         check_state_type("masked", MaskedState, state)
         named = tree.named_leaves(updates)
         names, leaves = _unzip(named)
@@ -184,7 +184,7 @@ def multi_transform(transforms: dict[str, GradientTransformation],
         })
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("multi_transform", update.extra_args, extra)
+        check_extra_args("multi_transform", update, extra)
         check_state_type("multi_transform", MultiTransformState, state)
         if not isinstance(state.inner_states, dict) or set(state.inner_states) != set(transforms):
             raise ValueError(
@@ -247,7 +247,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         return MultiStepsState(zero, zero.clone(), inner.init(params), tree.zeros_like(params))
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("MultiSteps", update.extra_args, extra)
+        check_extra_args("MultiSteps", update, extra)
         check_state_type("MultiSteps", MultiStepsState, state)
         check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
@@ -314,7 +314,7 @@ def apply_if_finite(inner: GradientTransformation,
                                   inner.init(params))
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("apply_if_finite", update.extra_args, extra)
+        check_extra_args("apply_if_finite", update, extra)
         check_state_type("apply_if_finite", ApplyIfFiniteState, state)
         new, inner_state = inner.update(updates, state.inner_state, params, **extra)
         leaves = [*tree.leaves(updates), *tree.leaves(new)]

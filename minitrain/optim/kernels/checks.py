@@ -13,31 +13,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch._prims_common as _prims_common
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.tree import Params
 
-__all__ = ["check_state_shapes", "donatable", "fast_path_inputs", "kernel_ready",
-           "grad_leaf_error", "naming_bad_grads", "none_param_error"]
-
-
-def _leaf_name(params: Params, index: int) -> str:
-    return tree.named_leaves(params)[index][0]
-
-
-def check_state_shapes(buffers: dict[str, list], params: list[Tensor], tree_: Params) -> None:
-    """``ValueError`` naming the first state leaf that is not a tensor of its param's shape (a
-    state from another model would otherwise broadcast, or send a kernel out of bounds)."""
-    for name, leaves in buffers.items():
-        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
-            if not isinstance(leaf, Tensor) or leaf.shape != p.shape:
-                shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
-                raise ValueError(
-                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {shape} but its param is "
-                    f"{tuple(p.shape)}; create the state with opt.init(params) for these params"
-                )
+__all__ = ["donatable", "kernel_ready", "grad_leaf_error", "naming_bad_grads", "none_param_error"]
 
 
 def grad_leaf_error(grads: Any) -> ValueError | None:
@@ -95,43 +75,6 @@ def none_param_error(params: Any) -> ValueError | None:
             return ValueError(f"param {name!r} is None; pass a tensor for every param, or "
                               f"leave it out")
     return None
-
-
-def fast_path_inputs(params: list[Tensor], grads: list[Tensor], buffers: dict[str, list],
-                     tree_: Params) -> tuple[list[Tensor], dict[str, list]] | None:
-    """Grads and state the fused and streaming kernels can read safely, or None (plain path).
-
-    Those kernels walk each param's storage and the same offsets in its grad and state, so every
-    grad and state leaf must have its param's dtype, device and strides and a storage that holds
-    all of it. Grads and state that do not (expanded with stride 0, transposed, overlapping,
-    sliced views) are copied into the param's layout; a state leaf of another dtype or device is
-    a ``ValueError`` naming it, as is any param, grad or state leaf whose storage is smaller than
-    the tensor (a storage resized by hand: even torch's own ops would read past its end). None
-    when a param itself is not dense and non-overlapping.
-    """
-    for index, p in enumerate(params):
-        _check_storage(p, f"param {_leaf_name(tree_, index)!r}")
-    for index, g in enumerate(grads):
-        _check_storage(g, f"the grad of {_leaf_name(tree_, index)!r}")
-    for name, leaves in buffers.items():
-        for index, leaf in enumerate(leaves):
-            _check_storage(leaf, f"state.{name} leaf {_leaf_name(tree_, index)!r}")
-    if not all(map(_dense, params)):
-        return None
-    grads = [g if _like(g, p) else _copy_like(g, p) for g, p in zip(grads, params, strict=True)]
-    checked = {}
-    for name, leaves in buffers.items():
-        out = []
-        for index, (leaf, p) in enumerate(zip(leaves, params, strict=True)):
-            if leaf.dtype != p.dtype or leaf.device != p.device:
-                raise ValueError(
-                    f"state.{name} leaf {_leaf_name(tree_, index)!r} is {leaf.dtype} on "
-                    f"{leaf.device} but its param is {p.dtype} on {p.device}; create the state "
-                    f"with opt.init(params) or move it with the params"
-                )
-            out.append(leaf if _like(leaf, p) else _copy_like(leaf, p))
-        checked[name] = out
-    return grads, checked
 
 
 def donatable(params: list, grads: list, buffers: Iterable[list]) -> bool:
@@ -284,49 +227,3 @@ def _contiguous_cpu(t: Tensor, wrapped, size: int, nbytes: int,
     return t.storage_offset() * size + nbytes <= held
 
 
-def _check_storage(t: Tensor, what: str) -> None:
-    if not _storage_holds(t):
-        raise ValueError(
-            f"{what} is a {tuple(t.shape)} tensor at offset {t.storage_offset()} but its storage "
-            f"holds {t.untyped_storage().nbytes()} bytes (was it resized by hand?); pass tensors "
-            f"whose storage holds them"
-        )
-
-
-def _dense(t: Tensor) -> bool:
-    return not t.is_neg() and (
-        t.is_contiguous() or _prims_common.is_non_overlapping_and_dense_or_false(t))
-
-
-def _like(t: Tensor, p: Tensor) -> bool:
-    if not (t.is_cpu and p.is_cpu) and t.device != p.device:
-        raise ValueError(f"a grad is on {t.device} but its param on {p.device}; move the grads")
-    if t.is_neg():  # the negative bit: memory holds -t; a copy resolves it
-        return False
-    if p.is_contiguous():
-        if not t.is_contiguous():
-            return False
-        n = t.numel()  # contiguous: the storage must hold [offset, offset + numel)
-        return n == 0 or (t.storage_offset() + n) * t.element_size() <= \
-            t.untyped_storage().nbytes()
-    return t.stride() == p.stride() and _storage_holds(t)
-
-
-def _copy_like(t: Tensor, p: Tensor) -> Tensor:
-    out = torch.empty_like(p, memory_format=torch.preserve_format)
-    with torch.no_grad():
-        out.copy_(t)
-    return out
-
-
-def _storage_holds(t: Tensor) -> bool:
-    """Whether ``t``'s storage holds every element ``t`` addresses."""
-    n = t.numel()
-    if n == 0:
-        return True
-    if t.is_contiguous():
-        extent = n  # a contiguous tensor addresses [offset, offset + numel)
-    else:
-        extent = 1 + sum((size - 1) * stride
-                         for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()

@@ -1,20 +1,25 @@
-"""Recycled output buffers for pure CPU updates, and the registry of every pool (thread-safe,
-clearable, and counted in :func:`buffer_pool_bytes`)."""
+"""Recycled output buffers for pure CPU updates: one pool per thread, made on its first use.
+
+A pure update writes every new param and state tensor into memory the caller did not pass in;
+on the CPU, fresh memory costs page faults that take longer than the update's arithmetic. The
+pool hands out buffers the caller has dropped since (nobody can observe the reuse, so the
+update stays pure). Nothing outside ``minitrain.optim.kernels`` sees a pool.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import sys
 import threading
-import weakref
 
 import torch
 import torch._prims_common as _prims_common
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["BufferPool", "clear_buffer_pools", "buffer_pool_bytes"]
+__all__ = ["BufferPool", "current", "idle_bytes"]
 
 
 class BufferPool:
@@ -39,23 +44,15 @@ class BufferPool:
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
         self._nbytes: dict[tuple, int] = {}  # per key: the storage bytes a buffer needs
-        # Held for a whole update (begin_update, then every empty_like): two threads updating
-        # with one optimizer would otherwise both be handed the same free buffer.
-        self.lock = threading.RLock()
-        _POOLS.add(self)
 
-    def clear(self) -> None:
-        """Forget every buffer (memory the caller still holds stays valid)."""
-        with self.lock:
-            self._held, self._free, self._demand = {}, {}, {}
+    lock = contextlib.nullcontext()  # TEMPORARY: callers being moved to current()
 
     def idle_bytes(self) -> int:
         """Bytes of buffers that only this pool holds: its extra memory right now."""
-        with self.lock:
-            return sum(
-                alias.untyped_storage().nbytes()
-                for held in self._held.values() for alias, _ in held if _only_alias_left(alias)
-            )
+        return sum(
+            alias.untyped_storage().nbytes()
+            for held in self._held.values() for alias, _ in held if _only_alias_left(alias)
+        )
 
     def begin_update(self) -> None:
         """Find the buffers nobody else holds any more; call once before an update."""
@@ -203,34 +200,30 @@ def _key(t: Tensor) -> tuple:
     return t.shape, _prims_common.make_contiguous_strides_for(t.shape), t.dtype
 
 
-_POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+_THREAD = threading.local()
 
 
-def clear_buffer_pools() -> None:
-    """Release the recycled buffers of every optimizer's pool (e.g. before measuring memory, or
-    when a run ends and the optimizer lives on), and on glibc hand the heap's free pages back
-    to the system (``malloc_trim``: the buffers live in the heap, whose free pages glibc keeps
-    otherwise).
+def current() -> BufferPool:
+    """This thread's pool (each thread has its own, so no two updates share a free buffer).
 
-    >>> clear_buffer_pools(); buffer_pool_bytes()
-    0
-    """
-    for pool in list(_POOLS):
-        pool.clear()
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def buffer_pool_bytes() -> int:
-    """Bytes that optimizers' recycling pools hold beyond what callers hold: the pure fast
-    path's extra memory (up to one more generation of params and state).
-
-    >>> import torch, minitrain as mt
-    >>> isinstance(buffer_pool_bytes(), int)
+    >>> current() is current()
     True
     """
-    return sum(pool.idle_bytes() for pool in list(_POOLS))
+    pool = getattr(_THREAD, "pool", None)
+    if pool is None:
+        pool = _THREAD.pool = BufferPool()
+    return pool
+
+
+def idle_bytes() -> int:
+    """Bytes this thread's pool holds beyond what callers hold (one generation of params and
+    state at most): the pure update's extra memory, for the resource report.
+
+    >>> isinstance(idle_bytes(), int)
+    True
+    """
+    pool = getattr(_THREAD, "pool", None)
+    return 0 if pool is None else pool.idle_bytes()
 
 
 _CAN_COUNT_STORAGE_USES = hasattr(torch._C, "_storage_Use_Count")

@@ -1,31 +1,23 @@
-"""One-pass CPU updates with streaming stores: the fast path of fp32 updates on CPU.
+"""One-pass CPU updates with streaming stores, registered as torch custom ops.
 
-torch's fused optimizer kernels only update in place, so a pure update built on them copies
-params and state first and then updates the copies: two passes over memory. A single pass
-that writes into fresh buffers (what ``impl="compiled"`` emits through inductor) is still
-slower than the in-place kernel, because every plain store to a line that is not in cache
-first reads that line (read for ownership): per element, Adam's in-place update moves 4 reads
-and 3 write-backs through DRAM, an out-of-place one 4 reads, 3 ownership reads and 3
-write-backs. Non-temporal stores skip the ownership read, which brings a pure update back to
-the in-place kernel's traffic. Neither aten nor inductor emits them, so this module builds a
-small C file (``_streaming.c``, the update rules of SGD, AdaGrad, RMSprop and Adam/AdamW) with
-the system C compiler on first use, caches the library next to minitrain's other caches, and
-calls it through ``ctypes`` (which releases the GIL).
+torch's fused optimizer kernels update in place, so a pure update built on them copies params
+and state first: two passes over memory. A single pass that writes into fresh buffers still
+costs more than the in-place kernel, because a plain store to a line not in cache first reads
+it (read for ownership); non-temporal stores skip that read. Neither aten nor inductor emits
+them, so this module builds ``_streaming.c`` (the update rules of the torch.optim family) with
+the system C compiler on first use, caches the library (verified by size and sha256 before it
+is loaded) and exposes it as the ops ``minitrain::stream_update``, ``minitrain::sum_of_squares``
+and ``minitrain::decode_div``: torch.compile, fake tensors and the FLOP counter see one op, and
+each op has a fake (meta) implementation.
 
-Donated updates run the same kernel in place with plain stores (as fast as torch's fused
-kernels, and one pass instead of RMSprop's several foreach passes), so pure and donated updates
-agree bit for bit. It covers CPU float32 contiguous leaves. Anything else, or no C compiler, or
-``MINITRAIN_STREAMING=0``, leaves the optimizers on their fused / foreach path;
-``MINITRAIN_STREAMING=require`` (CI) turns a failed build into a :class:`BuildError` that shows
-the compiler's output. The cached library is verified against its recorded size and sha256
-before it is loaded, and the OpenMP runtime it runs on must be the one torch has loaded.
+Every tensor is checked before its pointer reaches C (:func:`_check_slots`). The kernels cover
+contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require`` turns a
+failed build into a :class:`BuildError` that shows the compiler's output.
 
->>> import torch
->>> from minitrain.optim.kernels import streaming
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
->>> if streaming.usable([*params, *grads]):
-...     new_params, _ = streaming.update("sgd", hp, [params, grads, None], streaming.fresh)
+>>> if usable([*params, *grads]):
+...     new_params, _ = update("sgd", hp, [params, grads, None], fresh)
 ... else:  # no C compiler here: the same result by hand
 ...     new_params = [params[0] - 0.5 * grads[0]]
 >>> new_params[0], params[0]
@@ -52,11 +44,8 @@ import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
 from torch.utils._device import DeviceContext
 
-from minitrain.optim._collection import holding_collection
-
-__all__ = ["RULES", "BuildError", "adafactor_apply", "adafactor_stats", "available",
-           "decode_div", "float32", "fresh", "global_norm", "prepare", "sum_of_squares", "usable",
-           "update"]
+__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "global_norm",
+           "sum_of_squares", "usable", "update"]
 
 RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
          "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
@@ -233,17 +222,6 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int, ctypes.c_int,
     ]
-    library.minitrain_adafactor_stats.restype = ctypes.c_int
-    library.minitrain_adafactor_stats.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-    ]
-    library.minitrain_adafactor_apply.restype = ctypes.c_int
-    library.minitrain_adafactor_apply.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p,
-    ]
     library.minitrain_sumsq.restype = ctypes.c_int
     library.minitrain_sumsq.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
@@ -344,6 +322,17 @@ def watched() -> bool:
                for mode in torch.overrides._get_current_function_mode_stack())
 
 
+def quiet() -> bool:
+    """Whether no torch mode watches the torch calls made here: a ``TorchDispatchMode`` (the
+    accounting ``Counter``, ``FlopCounterMode``, fake tensors) or a ``TorchFunctionMode`` other
+    than torch's default-device one. The kernels give way to torch's ops where one does.
+
+    >>> quiet()
+    True
+    """
+    return _python_dispatch._get_current_dispatch_mode() is None and not watched()
+
+
 def usable(tensors: Sequence[Tensor]) -> bool:
     """Whether an update over these tensors can run here: all plain (not subclassed) CPU,
     float32, contiguous tensors, and no ``TorchDispatchMode`` watching (the accounting
@@ -363,140 +352,127 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     )
 
 
-class LateScalar:
-    """A hyperparameter computed as a kernel is about to run, by code that runs none of the
-    caller's (a lowered chain's clip scale, from a pass over the grads): the kernel call takes
-    its ``float()`` (which a subclass defines) last, after its buffers and pointer table are
-    ready. :func:`prepare` takes every other hyperparameter's ``float()`` first, before its
-    checks (that of a ``float`` subclass is the caller's code)."""
-
-
-def prepare(
-    rule: str,
-    hyperparameters: Sequence[SupportsFloat],
-    slots: Sequence[list[Tensor] | None],
-    outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
-    *,
-    nontemporal: bool | None = None,
-    verified: bool = False,
-) -> tuple[list[list[Tensor] | None], Callable[[], None]]:
-    """Everything of one :func:`update` but the kernel: returns the new ``[params, *buffers]``
-    (not written yet) and ``launch()``, which runs the kernel (raising if it fails). Between the
-    two the caller may only run code of its own (no caller-supplied code: it could resize a
-    storage the pointer table points into), with collection held (``_collection``'s
-    ``COLLECTION_HELD``, as :func:`update` and the optimizers hold it: a collection runs
-    finalizers, the caller's code).
-
-    One update of ``rule`` over lists of leaves:
+def update(rule: str, hyperparameters: Sequence[SupportsFloat],
+           slots: Sequence[list[Tensor] | None],
+           outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
+           nontemporal: bool | None = None) -> list[list[Tensor] | None]:
+    """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
-    rule, ``None`` for a buffer the rule does not use; each hyperparameter's ``float()`` is taken
-    before the checks, but a :class:`LateScalar`'s, taken right before the kernel runs (so it
-    must run none of the caller's code). The results go into ``outputs(like)``
-    buffers, written with streaming stores when the update touches :data:`STREAMING_BYTES` or
-    more, or, when ``outputs`` is None (donation), into the params and buffers themselves.
-    Call :func:`usable` first. ``nontemporal=True`` / ``False`` forces streaming / plain stores
-    into fresh buffers (to measure what streaming saves). ``verified=True`` skips the per-leaf
-    checks (:func:`_check_slots`): only for inputs ``minitrain.optim.kernels.checks.kernel_ready``
-    accepted, of float32, and ``outputs`` None or a ``BufferPool`` (whose buffers take each
-    input's shape and strides).
+    rule, ``None`` for a buffer the rule does not use. The results go into ``outputs(like)``
+    buffers (streaming stores once the update touches :data:`STREAMING_BYTES`), or, when
+    ``outputs`` is None (donation), into the params and buffers themselves. Call
+    :func:`usable` first.
     """
     if len(hyperparameters) != HYPERPARAMETERS[rule]:
         raise ValueError(
             f"streaming rule {rule!r} takes {HYPERPARAMETERS[rule]} hyperparameters, got "
             f"{len(hyperparameters)}; pass them in the order _streaming.c documents"
         )
-    hyperparameters = [v if issubclass(type(v), LateScalar) else float(v)
-                       for v in hyperparameters]
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    hp = [float(v) for v in hyperparameters]
     written = [slots[0], *slots[2:]]
     results = [s if s is None or outputs is None else outputs(s) for s in written]
-    n_leaves = len(slots[0])
     rows = [*slots, *results]
-    if not verified:
-        _check_slots(rows, n_leaves)
-    elif any(row is not None and len(row) != n_leaves for row in rows):
-        raise ValueError(f"streaming slots hold {[len(r or ()) for r in rows]} leaves, "
-                         f"expected {n_leaves} in each")
-    # array.array builds the pointer table in C (a ctypes array converts element by element);
-    # the arrays stay referenced here until the call returns.
-    pointers = array.array("Q", [
-        0 if row is None else row[leaf].data_ptr() for leaf in range(n_leaves) for row in rows
-    ])
-    sizes = array.array("q", [p.numel() for p in slots[0]])
+    _check_slots(rows, len(slots[0]))
     if nontemporal is None:
-        touched = 4 * sum(sizes) * (len(rows) - rows.count(None))
+        touched = 4 * sum(p.numel() for p in slots[0]) * (len(rows) - rows.count(None))
         nontemporal = outputs is not None and streams(touched)
-    n_rows, threads = len(rows), torch.get_num_threads()
-
-    def launch() -> None:
-        # The hyperparameters' float() last: a lowered clip's scale runs its pass over the
-        # grads here, right before the kernel reads them again. ``pointers`` and ``sizes`` stay
-        # referenced by this closure until the call returns.
-        hp = array.array("d", map(float, hyperparameters))
-        arguments = (
-            RULES[rule], hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0],
-            n_leaves, n_rows, threads, int(nontemporal),
-        )
-        if torch.autograd._profiler_enabled():
-            with torch.profiler.record_function(f"minitrain::streaming_{rule}"):  # in traces
-                status = library.minitrain_update(*arguments)
-        else:
-            status = library.minitrain_update(*arguments)
-        if status != 0:
-            raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
-
-    return results, launch
-
-
-@holding_collection
-def update(rule: str, hyperparameters: Sequence[SupportsFloat],
-           slots: Sequence[list[Tensor] | None],
-           outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
-           **options: bool | None) -> list[list[Tensor] | None]:
-    """One update of ``rule`` over lists of leaves: :func:`prepare` (same arguments; ``options``
-    its ``nontemporal`` and ``verified``), then its kernel; returns the new
-    ``[params, *buffers]``."""
-    results, launch = prepare(rule, hyperparameters, slots, outputs, **options)
-    launch()
+    n_in = len(slots)
+    inputs = [t for row in rows[:n_in] if row is not None for t in row]
+    outs = [t for row in rows[n_in:] if row is not None for t in row]
+    present = [int(row is not None) for row in rows]
+    torch.ops.minitrain.stream_update(RULES[rule], hp, inputs, outs, present, nontemporal)
     return results
 
 
-@holding_collection
+@torch.library.custom_op(
+    "minitrain::stream_update", mutates_args=("outputs",), device_types="cpu",
+    schema="(int rule, float[] hyperparameters, Tensor[] inputs, Tensor(a!)[] outputs, "
+           "int[] present, bool nontemporal) -> ()")
+def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor],
+                   outputs: list[Tensor], present: list[int], nontemporal: bool) -> None:
+    """The C kernel over rows of leaves: ``inputs`` and ``outputs`` hold the present rows one
+    after another (``present``: per pointer slot, whether its row is there)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    n_rows = len(present)
+    n_leaves = (len(inputs) + len(outputs)) // max(1, sum(present))
+    tensors = iter([*inputs, *outputs])
+    rows = [[next(tensors) for _ in range(n_leaves)] if on else None for on in present]
+    _check_slots(rows, n_leaves)  # the last guard before raw pointers reach C
+    pointers = array.array("Q", [
+        0 if row is None else row[leaf].data_ptr() for leaf in range(n_leaves) for row in rows
+    ])
+    sizes = array.array("q", [t.numel() for t in rows[0]])
+    hp = array.array("d", hyperparameters)
+    status = library.minitrain_update(
+        rule, hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0], n_leaves,
+        n_rows, torch.get_num_threads(), int(nontemporal))
+    if status != 0:
+        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+
+
+@_stream_update.register_fake
+def _(rule, hyperparameters, inputs, outputs, present, nontemporal) -> None:
+    return None
+
+
 def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
-    """``sum(x * x)`` of each leaf, accumulated in float64 by one pass over all leaves (on the
-    kernels' threads, the same for any number of threads). Call :func:`usable` first.
+    """``sum(x * x)`` of each leaf, accumulated in float64 by one pass over all leaves (the
+    same for any number of threads). Call :func:`usable` first.
 
     >>> leaves = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
     >>> sum_of_squares(leaves) if usable(leaves) else [25.0, 1.0]
     [25.0, 1.0]
     """
+    return torch.ops.minitrain.sum_of_squares(list(leaves)).tolist()
+
+
+@torch.library.custom_op("minitrain::sum_of_squares", mutates_args=(), device_types="cpu",
+                         schema="(Tensor[] leaves) -> Tensor")
+def _sum_of_squares(leaves: list[Tensor]) -> Tensor:
     library = _library()
     if library is None:
         raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    leaves = list(leaves)
     n_leaves = len(leaves)
     _check_slots([leaves], n_leaves)
-    n_threads = max(1, torch.get_num_threads())
     pointers = array.array("Q", [t.data_ptr() for t in leaves])
     sizes = array.array("q", [t.numel() for t in leaves])
-    out = array.array("d", bytes(8 * n_leaves))
+    out = torch.zeros(n_leaves, dtype=torch.float64, device="cpu")
     status = library.minitrain_sumsq(pointers.buffer_info()[0], sizes.buffer_info()[0], n_leaves,
-                                     n_threads, out.buffer_info()[0])
+                                     max(1, torch.get_num_threads()), out.data_ptr())
     if status != 0:
         raise RuntimeError(f"streaming sum of squares failed with status {status}")
-    return list(out)
+    return out
 
 
-@holding_collection
+@_sum_of_squares.register_fake
+def _(leaves):
+    return torch.empty(len(leaves), dtype=torch.float64, device="cpu")
+
+
+def global_norm(leaves: Sequence[Tensor]) -> Tensor:
+    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor, in
+    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32, then the norm of
+    those norms. Each leaf's sum of squares is accumulated in float64 in one pass over all
+    leaves (torch accumulates in float32: the two differ by float32 rounding). Call
+    :func:`usable` first.
+
+    >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
+    >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
+    tensor(5.)
+    """
+    squares = torch.ops.minitrain.sum_of_squares(list(leaves)).to(torch.float32)
+    return torch.linalg.vector_norm(squares.sqrt(), 2)
+
+
 def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
     """``table[codes] / scale`` in float32 for a contiguous CPU tensor of one-byte fp8 codes
     (``torch.float8_*`` or ``uint8``) and its format's 256-entry float32 ``table``: what
     ``codes.float() / scale`` gives, bit for bit, in one threaded pass. None when the kernels
-    are not available, a ``TorchDispatchMode`` is counting aten ops, or ``codes`` is not such
-    a tensor (a subclass, a fake tensor): the caller takes torch's ops.
+    are not available, a ``TorchDispatchMode`` is active, or ``codes`` is not such a tensor:
+    the caller takes torch's ops.
 
     >>> codes = torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
     >>> table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -507,144 +483,41 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
     if isinstance(scale, Tensor) and (type(scale) is not Tensor or scale.numel() != 1
                                       or scale.device.type != "cpu"):
         return None
-    library = _library()
-    if (library is None or _python_dispatch._get_current_dispatch_mode() is not None
+    if (_library() is None or _python_dispatch._get_current_dispatch_mode() is not None
             or type(codes) is not Tensor or type(table) is not Tensor):
         return None
-    divisor = float(scale)  # before the checks below: a float subclass's is the caller's code
+    divisor = float(scale)
     if (not _plain_cpu(codes) or codes.element_size() != 1
             or codes.is_floating_point() and codes.dtype not in
             (torch.float8_e4m3fn, torch.float8_e5m2)
             or not _plain_cpu(table) or table.dtype is not torch.float32
             or table.numel() != 256):
         return None
+    return torch.ops.minitrain.decode_div(codes, table, divisor)
+
+
+@torch.library.custom_op("minitrain::decode_div", mutates_args=(), device_types="cpu",
+                         schema="(Tensor codes, Tensor table, float scale) -> Tensor")
+def _decode_div(codes: Tensor, table: Tensor, scale: float) -> Tensor:
+    if not (_plain_cpu(codes) and codes.element_size() == 1 and _plain_cpu(table)
+            and table.dtype is torch.float32 and table.numel() == 256):
+        raise ValueError("decode_div takes contiguous one-byte CPU codes and a 256-entry "
+                         "float32 table")
     out = torch.empty(codes.shape, dtype=torch.float32, device="cpu")
-    status = library.minitrain_decode_div(
-        codes.data_ptr(), table.data_ptr(), divisor, out.data_ptr(), codes.numel(),
-        max(1, torch.get_num_threads()),
-    )
+    status = _library().minitrain_decode_div(
+        codes.data_ptr(), table.data_ptr(), scale, out.data_ptr(), codes.numel(),
+        max(1, torch.get_num_threads()))
     if status != 0:
         raise RuntimeError(f"streaming fp8 decode failed with status {status}")
     return out
+
+
+@_decode_div.register_fake
+def _(codes, table, scale):
+    return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
 
 
 def _plain_cpu(t: Tensor) -> bool:
     """A plain contiguous CPU tensor whose storage holds it (what a kernel may read)."""
     return (type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous()
             and _storage_holds(t))
-
-
-def global_norm(leaves: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor, in
-    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32 (``inf`` where its
-    sum of squares overflows float32, as torch's float32 accumulation does), then the norm of
-    those norms (torch's ``vector_norm``). Each leaf's sum of squares is accumulated in float64
-    (torch accumulates in float32, so the two differ by float32 rounding). The square roots
-    stay torch's: its float32 ``sqrt`` on the CPU is not always the correctly rounded one
-    (191698560 gives 13845.5244140625 where the nearest float32 is 13845.525390625), so Python's
-    would round some leaf norms apart from ``clip_grad_norm_``'s. Call :func:`usable` first.
-
-    >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
-    >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
-    tensor(5.)
-    """
-    # Each float64 sum rounded to float32 by array's C cast, as ``.to(torch.float32)`` rounds it;
-    # one tensor op fewer than building a float64 tensor and casting it, and on a cache swept by
-    # the pass each torch op costs tens of microseconds (measured: 160 us against 246 us).
-    squares = array.array("f", sum_of_squares(leaves))
-    norms = torch.frombuffer(squares, dtype=torch.float32) if squares else \
-        torch.zeros(0, dtype=torch.float32, device="cpu")
-    return torch.linalg.vector_norm(norms.sqrt(), 2)
-
-
-def float32(value: float) -> float:
-    """``value`` rounded to float32 (to nearest, ties to even; beyond its range, ``inf``), as
-    ``torch.tensor(value, dtype=torch.float32)`` holds it. Each float32 operation done in
-    float64 and rounded once with this gives the correctly rounded float32 result for +, -, *,
-    / and sqrt (float64 has 53 >= 2 * 24 + 2 bits: Figueroa, "When is double rounding
-    innocuous?", 1995); torch's CPU ``sqrt`` is not always correctly rounded (see
-    :func:`global_norm`), its +, * and reciprocal are.
-
-    >>> float32(0.1), float32(1e39), float32(2.0**-149)
-    (0.10000000149011612, inf, 1.401298464324817e-45)
-    """
-    return array.array("f", (value,))[0]
-
-
-def _matrix_check(what: str, t: Tensor, shape: tuple[int, ...]) -> None:
-    """The last guard before an Adafactor kernel gets ``t``'s pointer (as :func:`_check_slots`)."""
-    if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
-            and tuple(t.shape) == shape and _storage_holds(t)):
-        raise ValueError(
-            f"adafactor kernel {what}: {tuple(t.shape)} {t.dtype} {t.device} stride "
-            f"{t.stride()} is not a contiguous float32 CPU tensor of shape {shape} whose "
-            f"storage holds it (was it resized?)"
-        )
-
-
-def _adafactor_leaf(g: Tensor, p: Tensor) -> tuple[ctypes.CDLL, tuple[int, int]]:
-    """The kernels' library and the ``(m, n)`` shape of an Adafactor leaf, its grad and param
-    checked first."""
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    m, n = g.shape
-    _matrix_check("grad", g, (m, n))
-    _matrix_check("param", p, (m, n))
-    return library, (m, n)
-
-
-@holding_collection
-def adafactor_stats(g: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float]:
-    """One pass over an ``(m, n)`` grad and its param: the float64 sums of ``g**2`` over each
-    row ``(m,)`` and each column ``(n,)``, and ``sum(p**2)``. Call :func:`usable` first.
-
-    >>> g = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    >>> if usable([g]):
-    ...     rows, cols, p2 = adafactor_stats(g, torch.ones(2, 2))
-    ... else:
-    ...     rows, cols, p2 = torch.tensor([5.0, 25.0]), torch.tensor([10.0, 20.0]), 4.0
-    >>> rows.tolist(), cols.tolist(), p2
-    ([5.0, 25.0], [10.0, 20.0], 4.0)
-    """
-    library, (m, n) = _adafactor_leaf(g, p)
-    threads = max(1, torch.get_num_threads())
-    rows = torch.empty(m, dtype=torch.float64, device="cpu")
-    cols = torch.empty(n, dtype=torch.float64, device="cpu")
-    out = array.array("d", [0.0])
-    scratch = torch.empty(threads * (n + 1), dtype=torch.float64, device="cpu")
-    status = library.minitrain_adafactor_stats(
-        g.data_ptr(), p.data_ptr(), m, n, threads, rows.data_ptr(), cols.data_ptr(),
-        out.buffer_info()[0], scratch.data_ptr())
-    if status != 0:
-        raise RuntimeError(f"adafactor stats failed with status {status}")
-    return rows, cols, out[0]
-
-
-@holding_collection
-def adafactor_apply(g: Tensor, p: Tensor, row_var: Tensor, col_var: Tensor,
-                    hyperparameters: Sequence[float], out: Tensor | None = None,
-                    nontemporal: bool = False) -> float:
-    """Adafactor's scaled update of an ``(m, n)`` leaf, ``s = sign * g * rsqrt(max(r_i c_j /
-    denom, eps1**2))`` with ``hyperparameters = [denom, eps1**2, sign, coef, lr * wd]``:
-    without ``out``, returns ``sum(s**2)``; with it, writes ``p + coef * s - lr * wd * p``
-    there (streaming stores with ``nontemporal``) and returns 0. Call :func:`usable` first."""
-    if len(hyperparameters) != 5:
-        raise ValueError("adafactor_apply takes 5 hyperparameters: denom, eps1**2, sign, coef, "
-                         "lr * weight_decay")
-    hp = array.array("d", map(float, hyperparameters))  # before the checks: the caller's code
-    library, (m, n) = _adafactor_leaf(g, p)
-    _matrix_check("row_var", row_var, (m,))
-    _matrix_check("col_var", col_var, (n,))
-    if out is not None:
-        _matrix_check("output", out, (m, n))
-    threads = max(1, torch.get_num_threads())
-    total = array.array("d", [0.0])
-    scratch = array.array("d", bytes(8 * threads))
-    status = library.minitrain_adafactor_apply(
-        g.data_ptr(), p.data_ptr(), row_var.data_ptr(), col_var.data_ptr(), m, n,
-        hp.buffer_info()[0], 0 if out is None else out.data_ptr(), threads, int(nontemporal),
-        total.buffer_info()[0], scratch.buffer_info()[0])
-    if status != 0:
-        raise RuntimeError(f"adafactor apply failed with status {status}")
-    return total[0]
