@@ -38,11 +38,7 @@ def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int
          dtype: str | None, autocast: str, donate: bool, seed: int, measure: bool,
          as_json: bool) -> None:
     """Predict one training step of SCRIPT: peak memory (and when it happens), FLOPs, and the
-    time per step on --hardware, without running it.
-
-    The model and the batch are built on fake tensors (no data, no memory), so a model far
-    larger than this machine predicts in seconds.
-    """
+    time per step on --hardware, on fake tensors (no data, no memory), without running it."""
     from minitrain import accounting as acc
 
     spec = acc.hardware(hardware_name)

@@ -105,9 +105,7 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
 
     Returns when every worker succeeded. A worker that fails stops the others; then this
     raises ``SystemExit`` with its exit code (the worker printed its own error) or
-    :class:`DistributedError` naming the rank that died (e.g. killed by a signal). Workers
-    that only lost their peers leave their message in :data:`REPORTS_ENV`'s folder; it is
-    raised only when no rank died or reported an error of its own.
+    :class:`DistributedError` naming the root cause (:func:`_raise_failure`).
 
     >>> launch(2, ["run", "examples/linreg.py", "--steps", "10"])  # doctest: +SKIP
     """
@@ -210,11 +208,9 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
     """Around one worker's part of a command: end it as the whole job should.
 
     Outcomes every rank reaches together (success, a non-finite loss, a requested stop) end
-    with a barrier, so rank 0 prints and checkpoints before anyone exits; rank 0 alone prints
-    them. Anything else (a rank-specific error, a lost peer) is printed with the rank and
-    exits at once, so the elastic agent stops the other workers. A lost peer is a consequence
-    of another rank's failure: under ``--nproc`` it goes to the launcher (:data:`REPORTS_ENV`),
-    which prints the root cause once.
+    with a barrier, and rank 0 alone prints them. Anything else is printed with the rank and
+    exits at once, so the elastic agent stops the other workers; a lost peer (a consequence of
+    another rank's failure) goes to the launcher under ``--nproc`` (:data:`REPORTS_ENV`).
     """
     code = 0
     try:
