@@ -124,8 +124,10 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     tensors = [leaf for leaf in leaves(tree) if isinstance(leaf, torch.Tensor)]
     if not tensors:  # float32 on the CPU whatever torch's default dtype and device
         return torch.zeros((), dtype=torch.float32, device="cpu")
-    if any(_torch.is_functorch_wrapped_tensor(t) for t in tensors):
-        # Under vmap/grad: _foreach_norm has no batching rule, so one norm per leaf.
+    if torch.compiler.is_compiling() or any(_torch.is_functorch_wrapped_tensor(t)
+                                            for t in tensors):
+        # Under vmap/grad _foreach_norm has no batching rule, and compiled, inductor fuses the
+        # per-leaf norms: one norm per leaf.
         norms = [torch.linalg.vector_norm(_at_least_fp32(t), 2) for t in tensors]
     else:
         norms = _torch.foreach_norm([_at_least_fp32(t) for t in tensors], 2)
