@@ -6,8 +6,9 @@ holds the new name), then renamed over the target (POSIX ``rename`` is atomic wi
 filesystem). Used by checkpoints, metrics and prepared data.
 
 Low-level helpers (:func:`write_new_file`, :func:`replace_dir`) raise the ``OSError`` they meet;
-the public ones meant for run directories (:func:`write_atomic`, :func:`check_writable_dir`)
-raise :class:`minitrain.errors.StorageError`, one line naming the path and the cause.
+the ones meant for run directories (:func:`write_atomic`, :func:`check_writable_dir`) raise
+:class:`minitrain.errors.StorageError`, one line naming the path and the cause, as every
+``OSError`` inside :func:`storage_errors` becomes.
 
 >>> import tempfile
 >>> from pathlib import Path
@@ -20,23 +21,42 @@ raise :class:`minitrain.errors.StorageError`, one line naming the path and the c
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from minitrain.errors import StorageError
 
 __all__ = [
-    "fsync_dir",
-    "fsync_tree",
-    "write_new_file",
-    "replace_dir",
-    "write_atomic",
-    "check_writable_dir",
-    "remove_stale_staging",
+    "fsync_dir", "fsync_tree", "write_new_file", "replace_dir", "write_atomic",
+    "check_writable_dir", "remove_stale_staging", "storage_errors",
 ]
+
+
+@contextlib.contextmanager
+def storage_errors(path: str | os.PathLike, what: str = "write", mkdir: bool = False
+                   ) -> Iterator[None]:
+    """An ``OSError`` inside is a :class:`~minitrain.errors.StorageError`, ``cannot <what>
+    <path>: <cause>``; with ``mkdir``, a ``FileExistsError`` (``mkdir`` met a file where a
+    directory should be) says "not a directory".
+
+    >>> with storage_errors("/x", "read"):
+    ...     raise PermissionError(13, "Permission denied")
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.StorageError: cannot read /x: permission denied
+    """
+    try:
+        yield
+    except OSError as exc:
+        if mkdir and isinstance(exc, FileExistsError):
+            exc = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        raise StorageError.from_os_error(exc, path, what) from None
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -152,21 +172,15 @@ def check_writable_dir(directory: str | os.PathLike, what: str = "write to") -> 
     minitrain.errors.StorageError: cannot write to .../file/run: not a directory
     """
     directory = Path(directory)
-    try:
+    with storage_errors(directory, what, mkdir=True):
         if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(20, os.strerror(20), str(directory))
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory))
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-test-{os.getpid()}"
         try:
             write_new_file(probe, b"minitrain\n")
         finally:
             _unlink_quietly(probe)
-    except FileExistsError as exc:  # a parent is a file: mkdir says "exists"
-        raise StorageError.from_os_error(
-            NotADirectoryError(20, os.strerror(20), exc.filename), directory, what
-        ) from None
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, directory, what) from None
     return directory
 
 
@@ -190,13 +204,11 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
 def _unlink_quietly(path: str | os.PathLike) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
