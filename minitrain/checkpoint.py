@@ -5,23 +5,20 @@ The chapter (3.5.8) saves ``model.state_dict()`` and ``optimizer.state_dict()`` 
 file. Here a checkpoint is a directory ``<run>/checkpoints/step-NNNNNNNN/`` (at least 8 digits,
 up to 19 for steps below 2**63) holding
 
-- ``params.safetensors`` and ``opt_state.safetensors``: the tensor leaves, keyed by their
-  :func:`minitrain.tree.named_leaves` names, and in the header the NamedTuple type of each node
-  of the pytree (``AdamState``...), which :func:`load` compares with the template's;
+- ``params.safetensors`` and ``opt_state.safetensors``: the tensor leaves, by name, and the
+  NamedTuple type of each node of the pytree (``AdamState``...);
 - ``state.json``: the step, the caller's ``meta`` (config, backend...), the RNG states of torch,
   numpy and ``random`` and of the data sampler's generator, library versions, the non-tensor
   leaves of the pytrees, the size and SHA-256 of each file, and a checksum of itself.
 
-A save writes everything into a temporary directory next to the final one, fsyncs files and
-directory, then renames it into place: a reader sees the old checkpoint or the new one, never
-half of one. An ``OSError`` on the way (a full disk, a file-size limit, a read-only directory)
-removes the temporary directory, leaves every earlier checkpoint as it was and raises
-:class:`~minitrain.errors.StorageError`, one line naming the path and the cause; older
-checkpoints are pruned only once the new one is in place. :func:`latest_valid` verifies sizes,
-hashes and every field of ``state.json`` (types, ranges, the sizes of the RNG states) and skips
-(and reports) anything truncated, corrupted, unreadable or not a checkpoint. :func:`load`
-rebuilds the exact pytrees from the caller's templates, so no structure is ever deserialized
-from the file.
+A save writes everything into a temporary directory next to the final one, fsyncs it, then
+renames it into place: a reader sees the old checkpoint or the new one, never half of one. An
+``OSError`` on the way removes the temporary directory, leaves every earlier checkpoint as it was
+and raises :class:`~minitrain.errors.StorageError`; older checkpoints are pruned only once the
+new one is in place. :func:`latest_valid` verifies sizes, hashes and every field of
+``state.json`` and skips (and reports) anything truncated, corrupted or not a checkpoint.
+:func:`load` rebuilds the exact pytrees from the caller's templates
+(:mod:`minitrain.checkpoint_state`).
 
 >>> import tempfile, torch
 >>> run = tempfile.mkdtemp()
@@ -56,32 +53,27 @@ import torch
 
 import minitrain
 from minitrain import rng, tree
-from minitrain.atomic_io import fsync_dir, remove_stale_staging, replace_dir, write_new_file
+from minitrain.atomic_io import (
+    fsync_dir,
+    remove_stale_staging,
+    replace_dir,
+    storage_errors,
+    write_new_file,
+)
 from minitrain.checkpoint_state import (
     MAX_STEP,
-    NAMEDTUPLES_KEY,
+    CheckpointError,
     check_state_fields,
-    namedtuple_mismatch,
-    namedtuple_types,
-    pickle_kind,
-    recorded_namedtuples,
+    namedtuple_metadata,
+    rebuild,
+    refuse_pickle,
+    save_tensors,
+    split_leaves,
 )
 from minitrain.errors import StorageError, os_cause
-from minitrain.optim import _groups as groups
 
-__all__ = [
-    "CheckpointError",
-    "Checkpoint",
-    "save",
-    "load",
-    "verify",
-    "latest_valid",
-    "list_checkpoints",
-    "checkpoint_path",
-    "prune",
-    "restore_rng",
-    "MAX_STEP",
-]
+__all__ = ["MAX_STEP", "Checkpoint", "CheckpointError", "checkpoint_path", "latest_valid",
+           "list_checkpoints", "load", "prune", "restore_rng", "save", "verify"]
 
 FORMAT = "minitrain-checkpoint"
 VERSION = 1
@@ -91,13 +83,8 @@ STATE_FILE = "state.json"
 CHECKPOINTS = "checkpoints"
 _STEP_NAME = re.compile(r"step-(\d{8,19})")
 _MAX_STATE_BYTES = 64 * 2**20
-_SCALAR_TYPES = (bool, int, float, str, type(None))
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged, not ours, or does not fit the templates."""
 
 
 class Checkpoint(NamedTuple):
@@ -110,9 +97,6 @@ class Checkpoint(NamedTuple):
     meta: dict[str, Any]
     rng_state: dict[str, Any]
     generator_state: str | None
-
-
-# --------------------------------------------------------------------------- paths
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -139,12 +123,10 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     []
     """
     root = Path(run_dir) / CHECKPOINTS
-    try:
+    with storage_errors(root, "list the checkpoints in"):
         if not root.is_dir():
             return []
         found = [path for path in root.iterdir() if _canonical_step(path.name) is not None]
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, root, "list the checkpoints in") from None
     return sorted(found, key=_step_of)
 
 
@@ -161,19 +143,9 @@ def _check_step(step: int) -> None:
         raise CheckpointError(f"step must be an integer in [0, 2**63), got {step!r}")
 
 
-# --------------------------------------------------------------------------- save
-
-
-def save(
-    run_dir: str | os.PathLike,
-    step: int,
-    params: tree.Params,
-    opt_state: tree.OptState,
-    meta: dict[str, Any] | None = None,
-    *,
-    generator: torch.Generator | None = None,
-    keep: int | None = None,
-) -> Path:
+def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: tree.OptState,
+         meta: dict[str, Any] | None = None, *, generator: torch.Generator | None = None,
+         keep: int | None = None) -> Path:
     """Atomically write the checkpoint of ``step`` into ``run_dir/checkpoints``; return its path.
 
     Args:
@@ -199,8 +171,8 @@ def save(
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep must be a positive integer or None, got {keep!r}")
     target = checkpoint_path(run_dir, step)
-    params_tensors, params_scalars = _split_leaves(params, "params")
-    opt_tensors, opt_scalars = _split_leaves(opt_state, "opt_state")
+    params_tensors, params_scalars = split_leaves(params, "params")
+    opt_tensors, opt_scalars = split_leaves(opt_state, "opt_state")
     body = {
         "format": FORMAT,
         "version": VERSION,
@@ -221,7 +193,7 @@ def save(
         )
         for name, tensors, pytree in ((PARAMS_FILE, params_tensors, params),
                                       (OPT_STATE_FILE, opt_tensors, opt_state)):
-            _save_tensors(tensors, staging / name, _namedtuple_metadata(pytree))
+            save_tensors(tensors, staging / name, namedtuple_metadata(pytree))
             body["files"][name] = _fsync_and_describe(staging / name)
         record = {**body, "checksum": _checksum(body)}
         write_new_file(staging / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
@@ -243,44 +215,11 @@ def save(
 def _make_checkpoints_dir(root: Path) -> None:
     """Create ``<run>/checkpoints`` (StorageError if that cannot be done) and clear staging
     directories left by dead processes."""
-    try:
+    with storage_errors(root, "create the checkpoint directory", mkdir=True):
         if root.exists() and not root.is_dir():
             raise NotADirectoryError(20, os.strerror(20), str(root))
         root.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # a parent of the run directory is a file
-        raise StorageError.from_os_error(
-            NotADirectoryError(20, os.strerror(20)), root, "create the checkpoint directory"
-        ) from None
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, root, "create the checkpoint directory") from None
     remove_stale_staging(root)
-
-
-def _split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensor leaves (for safetensors) and JSON scalar leaves, keyed by their dotted names."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
-    storages: set[tuple[str, int]] = set()
-    for name, leaf in tree.named_leaves(pytree):
-        if name in tensors or name in scalars:
-            raise CheckpointError(
-                f"{label} has two leaves named {name!r}; rename keys so dotted paths are unique"
-            )
-        if isinstance(leaf, torch.Tensor):
-            tensor = leaf.detach().cpu().contiguous()
-            storage = (str(leaf.device), tensor.untyped_storage().data_ptr())
-            if storage in storages and tensor.numel():
-                tensor = tensor.clone()  # safetensors refuses tensors that share memory
-            storages.add(storage)
-            tensors[name] = tensor
-        elif isinstance(leaf, _SCALAR_TYPES):
-            scalars[name] = leaf
-        else:
-            raise CheckpointError(
-                f"{label} leaf {name!r} is a {type(leaf).__name__}; checkpoints hold tensors "
-                "and plain bool/int/float/str/None leaves only"
-            )
-    return tensors, scalars
 
 
 def _json_data(value: Any, label: str) -> Any:
@@ -305,25 +244,6 @@ def _versions() -> dict[str, str]:
 def _checksum(body: dict[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _namedtuple_metadata(pytree: tree.PyTree) -> dict[str, str]:
-    """The safetensors metadata recording the NamedTuple type of each node of ``pytree``."""
-    return {NAMEDTUPLES_KEY: json.dumps(namedtuple_types(pytree), sort_keys=True)}
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file`` (written by its Rust core, straight from the tensors'
-    memory); an I/O failure there comes back as an ``OSError`` with its errno."""
-    try:
-        safetensors.torch.save_file(tensors, path, metadata=metadata)
-    except safetensors.SafetensorError as exc:
-        # Rust's io::Error ends its message with "(os error N)".
-        match = re.search(r"\(os error (\d+)\)", str(exc))
-        if match is None:
-            raise CheckpointError(f"cannot serialize {path.name}: {exc}") from None
-        code = int(match.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def _fsync_and_describe(path: Path) -> dict[str, Any]:
@@ -355,19 +275,14 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
     doomed = candidates[:-keep]
     for path in doomed:
         trash = path.with_name(f".tmp-{os.getpid()}-pruned-{path.name}")
-        try:
+        with storage_errors(path, "prune checkpoint"):
             os.replace(path, trash)
-        except OSError as exc:
-            raise StorageError.from_os_error(exc, path, "prune checkpoint") from None
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
 
 
 def _step_of(path: Path) -> int:
     return int(_STEP_NAME.fullmatch(path.name).group(1))
-
-
-# --------------------------------------------------------------------------- verify / load
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -379,7 +294,7 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     >>> verify(tempfile.mkdtemp())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    minitrain.checkpoint.CheckpointError: checkpoint ...: not a checkpoint: its name is not ...
+    minitrain.checkpoint_state.CheckpointError: checkpoint ...: not a checkpoint: its name is ...
     """
     state, _ = _read_checkpoint(Path(path), keep_bytes=False)
     return state
@@ -431,27 +346,20 @@ def load(
     >>> load(path, {"w": torch.ones(3)}, {"mu": torch.zeros(2)})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    minitrain.checkpoint.CheckpointError: checkpoint ...: params leaf 'w' has shape (2,) in the checkpoint but (3,) in the template; ...
+    minitrain.checkpoint_state.CheckpointError: checkpoint ...: params leaf 'w' has shape (2,) in the checkpoint but (3,) in the template; ...
     """  # noqa: E501
     path = Path(path)
     state, blobs = _read_checkpoint(path, keep_bytes=True)
     scalars = state["scalars"]
     try:
-        params = _rebuild(params_template, blobs[PARAMS_FILE], scalars["params"], "params")
-        opt_state = _rebuild(
+        params = rebuild(params_template, blobs[PARAMS_FILE], scalars["params"], "params")
+        opt_state = rebuild(
             opt_state_template, blobs[OPT_STATE_FILE], scalars["opt_state"], "opt_state"
         )
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
-    return Checkpoint(
-        path=path,
-        step=state["step"],
-        params=params,
-        opt_state=opt_state,
-        meta=state["meta"],
-        rng_state=state["rng"],
-        generator_state=state["data_generator"],
-    )
+    return Checkpoint(path, state["step"], params, opt_state, state["meta"], state["rng"],
+                      state["data_generator"])
 
 
 def restore_rng(checkpoint: Checkpoint, generator: torch.Generator | None = None) -> None:
@@ -509,7 +417,7 @@ def _read_state(path: Path) -> dict[str, Any]:
     if state_path.stat().st_size > _MAX_STATE_BYTES:
         raise CheckpointError(f"{STATE_FILE} is larger than {_MAX_STATE_BYTES} bytes")
     raw = state_path.read_bytes()
-    _refuse_pickle(raw, STATE_FILE)
+    refuse_pickle(raw, STATE_FILE)
     try:
         state = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -540,103 +448,20 @@ def _check_file(path: Path, record: dict[str, Any], keep_bytes: bool) -> bytes:
         raise CheckpointError(f"{path.name} is missing")
     size = path.stat().st_size
     with open(path, "rb") as handle:
-        _refuse_pickle(handle.read(9), path.name)
+        refuse_pickle(handle.read(9), path.name)
     if size != record["bytes"]:
         raise CheckpointError(
             f"{path.name} is {size} bytes where {record['bytes']} were written "
             "(truncated or replaced)"
         )
     content = path.read_bytes() if keep_bytes else b""
-    digest = hashlib.sha256(content) if keep_bytes else _hash_file(path)
+    if keep_bytes:
+        digest = hashlib.sha256(content)
+    else:
+        with open(path, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256")
     if digest.hexdigest() != record["sha256"]:
         raise CheckpointError(f"{path.name} does not match its recorded SHA-256 (corrupted)")
     return content
 
 
-def _hash_file(path: Path) -> Any:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest
-
-
-def _refuse_pickle(head: bytes, name: str) -> None:
-    kind = pickle_kind(head)
-    if kind is not None:
-        raise CheckpointError(
-            f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
-            "never unpickles)"
-        )
-
-
-# safetensors parses a JSON header and raw tensor bytes: no pickle, no code runs.
-tensors_from_safetensors = safetensors.torch.load
-
-
-def _rebuild(
-    template: tree.PyTree, blob: bytes, scalars: dict[str, Any], label: str
-) -> tree.PyTree:
-    try:
-        tensors = tensors_from_safetensors(blob)
-    except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
-    template_names = {name for name, _ in tree.named_leaves(template)}
-    legacy = groups.legacy_template(template, template_names, [*tensors, *scalars])
-    if legacy is not None:
-        return groups.like(template, _rebuild(legacy, blob, scalars, label))
-    for name in [*tensors, *scalars]:
-        if name not in template_names:
-            raise CheckpointError(
-                f"{label} leaf {name!r} is in the checkpoint but not in the template; load with "
-                "the model and optimizer the checkpoint was saved from"
-            )
-    leaves = [
-        _restore_leaf(name, leaf, tensors, scalars, label)
-        for name, leaf in tree.named_leaves(template)
-    ]
-    _check_namedtuples(template, blob, label)
-    return tree.unflatten(tree.structure(template), leaves)
-
-
-def _check_namedtuples(template: tree.PyTree, blob: bytes, label: str) -> None:
-    """Refuse a checkpoint whose NamedTuple nodes (``ScaleByRadamState``...) differ from the
-    template's, though its leaves fit (another optimizer with the same buffers)."""
-    try:
-        mismatch = namedtuple_mismatch(recorded_namedtuples(blob), namedtuple_types(template))
-    except ValueError as exc:
-        raise CheckpointError(f"{label} file: {exc}") from None
-    if mismatch is not None:
-        raise CheckpointError(
-            f"{label} {mismatch}; load with the model and optimizer the checkpoint was saved from"
-        )
-
-
-def _restore_leaf(
-    name: str, leaf: Any, tensors: dict[str, torch.Tensor], scalars: dict[str, Any], label: str
-) -> Any:
-    hint = "load with the model and optimizer the checkpoint was saved from"
-    if isinstance(leaf, torch.Tensor):
-        if name not in tensors:
-            raise CheckpointError(
-                f"{label} leaf {name!r} is not a tensor in the checkpoint; {hint}"
-            )
-        saved = tensors[name]
-        if tuple(saved.shape) != tuple(leaf.shape):
-            raise CheckpointError(
-                f"{label} leaf {name!r} has shape {tuple(saved.shape)} in the checkpoint but "
-                f"{tuple(leaf.shape)} in the template; {hint}"
-            )
-        if saved.dtype != leaf.dtype:
-            raise CheckpointError(
-                f"{label} leaf {name!r} is {saved.dtype} in the checkpoint but {leaf.dtype} in "
-                f"the template; {hint}"
-            )
-        return saved.to(leaf.device)
-    if name not in scalars or type(scalars[name]) is not type(leaf):
-        found = type(scalars[name]).__name__ if name in scalars else "missing"
-        raise CheckpointError(
-            f"{label} leaf {name!r} is a {type(leaf).__name__} in the template but {found} in "
-            f"the checkpoint; {hint}"
-        )
-    return scalars[name]

@@ -1,15 +1,17 @@
-"""What a checkpoint's ``state.json`` must hold: every field, its type and its range.
+"""The checkpoint format: the fields of ``state.json``, and how pytrees lie in the tensor files.
 
-:mod:`minitrain.checkpoint` writes ``state.json`` and checks it with
-:func:`check_state_fields` before any value is used, so a record edited by hand (a field
-missing, a wrong type, a garbage RNG state) is refused with a reason and skipped like a
-corrupt checkpoint instead of failing halfway through a resume. The RNG states are checked by
-:mod:`minitrain.rng` on scratch generators (sizes, ranges, and torch's own validation).
+:mod:`minitrain.checkpoint` writes ``state.json`` and checks it with :func:`check_state_fields`
+before any value is used, so a record edited by hand (a field missing, a wrong type, a garbage
+RNG state) is refused with a reason and skipped like a corrupt checkpoint instead of failing
+halfway through a resume. The RNG states are checked by :mod:`minitrain.rng` on scratch
+generators.
 
-Each tensor file's header also records the NamedTuple type of every node of its pytree
-(:func:`namedtuple_types`), so that a checkpoint of one optimizer whose leaves happen to have
-the names, shapes and dtypes of another's (RAdam's and Adam's moments, Muon's momentum and
-SGD's) is refused on load instead of resuming with the wrong state.
+A pytree is saved as its leaves keyed by their :func:`minitrain.tree.named_leaves` names: tensors
+in a safetensors file (:func:`split_leaves`), plain scalars in ``state.json``. The file's header
+also records the NamedTuple type of every node (:func:`namedtuple_types`), so that a checkpoint of
+one optimizer whose leaves happen to have the names, shapes and dtypes of another's (RAdam's and
+Adam's moments) is refused. :func:`rebuild` restores the exact pytree from the caller's template:
+no structure is ever deserialized from the file, and nothing is unpickled.
 
 >>> check_state_fields({"format": "minitrain-checkpoint"}, ("params.safetensors",))
 Traceback (most recent call last):
@@ -21,16 +23,29 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from minitrain import rng
+import safetensors
+import safetensors.torch
+import torch
+
+from minitrain import rng, tree
+from minitrain.optim import _groups as groups
 
 __all__ = [
-    "MAX_STEP", "NAMEDTUPLES_KEY", "STATE_FIELDS", "check_state_fields", "namedtuple_mismatch",
-    "namedtuple_types", "pickle_kind", "recorded_namedtuples",
+    "MAX_STEP", "NAMEDTUPLES_KEY", "STATE_FIELDS", "CheckpointError", "check_state_fields",
+    "namedtuple_metadata", "namedtuple_mismatch", "namedtuple_types", "pickle_kind", "rebuild",
+    "recorded_namedtuples", "refuse_pickle", "save_tensors", "split_leaves",
 ]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged, not ours, or does not fit the templates."""
+
 
 MAX_STEP = 2**63 - 1
 """The largest step a checkpoint can be named for: ``step-`` and up to 19 digits."""
@@ -200,3 +215,131 @@ def namedtuple_mismatch(saved: dict[str, str] | None, template: dict[str, str]) 
 
 def _kind(name: str | None) -> str:
     return f"a {name}" if name else "no NamedTuple"
+
+
+def split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensor leaves (for safetensors) and JSON scalar leaves, keyed by their dotted names."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    storages: set[tuple[str, int]] = set()
+    for name, leaf in tree.named_leaves(pytree):
+        if name in tensors or name in scalars:
+            raise CheckpointError(
+                f"{label} has two leaves named {name!r}; rename keys so dotted paths are unique"
+            )
+        if isinstance(leaf, torch.Tensor):
+            tensor = leaf.detach().cpu().contiguous()
+            storage = (str(leaf.device), tensor.untyped_storage().data_ptr())
+            if storage in storages and tensor.numel():
+                tensor = tensor.clone()  # safetensors refuses tensors that share memory
+            storages.add(storage)
+            tensors[name] = tensor
+        elif isinstance(leaf, _SCALAR_TYPES):
+            scalars[name] = leaf
+        else:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is a {type(leaf).__name__}; checkpoints hold tensors "
+                "and plain bool/int/float/str/None leaves only"
+            )
+    return tensors, scalars
+
+
+
+def namedtuple_metadata(pytree: tree.PyTree) -> dict[str, str]:
+    """The safetensors metadata recording the NamedTuple type of each node of ``pytree``."""
+    return {NAMEDTUPLES_KEY: json.dumps(namedtuple_types(pytree), sort_keys=True)}
+
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` (written by its Rust core, straight from the tensors'
+    memory); an I/O failure there comes back as an ``OSError`` with its errno."""
+    try:
+        safetensors.torch.save_file(tensors, path, metadata=metadata)
+    except safetensors.SafetensorError as exc:
+        # Rust's io::Error ends its message with "(os error N)".
+        match = re.search(r"\(os error (\d+)\)", str(exc))
+        if match is None:
+            raise CheckpointError(f"cannot serialize {path.name}: {exc}") from None
+        code = int(match.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
+def refuse_pickle(head: bytes, name: str) -> None:
+    kind = pickle_kind(head)
+    if kind is not None:
+        raise CheckpointError(
+            f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
+            "never unpickles)"
+        )
+
+
+# safetensors parses a JSON header and raw tensor bytes: no pickle, no code runs.
+
+
+def rebuild(
+    template: tree.PyTree, blob: bytes, scalars: dict[str, Any], label: str
+) -> tree.PyTree:
+    try:  # safetensors parses a JSON header and raw tensor bytes: no pickle, no code runs
+        tensors = safetensors.torch.load(blob)
+    except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
+    template_names = {name for name, _ in tree.named_leaves(template)}
+    legacy = groups.legacy_template(template, template_names, [*tensors, *scalars])
+    if legacy is not None:
+        return groups.like(template, rebuild(legacy, blob, scalars, label))
+    for name in [*tensors, *scalars]:
+        if name not in template_names:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is in the checkpoint but not in the template; load with "
+                "the model and optimizer the checkpoint was saved from"
+            )
+    leaves = [
+        _restore_leaf(name, leaf, tensors, scalars, label)
+        for name, leaf in tree.named_leaves(template)
+    ]
+    _check_namedtuples(template, blob, label)
+    return tree.unflatten(tree.structure(template), leaves)
+
+
+def _check_namedtuples(template: tree.PyTree, blob: bytes, label: str) -> None:
+    """Refuse a checkpoint whose NamedTuple nodes (``ScaleByRadamState``...) differ from the
+    template's, though its leaves fit (another optimizer with the same buffers)."""
+    try:
+        mismatch = namedtuple_mismatch(recorded_namedtuples(blob), namedtuple_types(template))
+    except ValueError as exc:
+        raise CheckpointError(f"{label} file: {exc}") from None
+    if mismatch is not None:
+        raise CheckpointError(
+            f"{label} {mismatch}; load with the model and optimizer the checkpoint was saved from"
+        )
+
+
+def _restore_leaf(
+    name: str, leaf: Any, tensors: dict[str, torch.Tensor], scalars: dict[str, Any], label: str
+) -> Any:
+    hint = "load with the model and optimizer the checkpoint was saved from"
+    if isinstance(leaf, torch.Tensor):
+        if name not in tensors:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is not a tensor in the checkpoint; {hint}"
+            )
+        saved = tensors[name]
+        if tuple(saved.shape) != tuple(leaf.shape):
+            raise CheckpointError(
+                f"{label} leaf {name!r} has shape {tuple(saved.shape)} in the checkpoint but "
+                f"{tuple(leaf.shape)} in the template; {hint}"
+            )
+        if saved.dtype != leaf.dtype:
+            raise CheckpointError(
+                f"{label} leaf {name!r} is {saved.dtype} in the checkpoint but {leaf.dtype} in "
+                f"the template; {hint}"
+            )
+        return saved.to(leaf.device)
+    if name not in scalars or type(scalars[name]) is not type(leaf):
+        found = type(scalars[name]).__name__ if name in scalars else "missing"
+        raise CheckpointError(
+            f"{label} leaf {name!r} is a {type(leaf).__name__} in the template but {found} in "
+            f"the checkpoint; {hint}"
+        )
+    return scalars[name]
