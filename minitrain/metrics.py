@@ -30,20 +30,12 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from minitrain.atomic_io import fsync_dir, write_atomic, write_new_file
+from minitrain.atomic_io import fsync_dir, storage_errors, write_atomic, write_new_file
 from minitrain.errors import StorageError
 
 __all__ = [
-    "METRICS_FILE",
-    "MetricsError",
-    "MissingExtra",
-    "MetricsWriter",
-    "read_metrics",
-    "truncate_metrics",
-    "tensorboard_writer",
-    "plot",
+    "METRICS_FILE", "MetricsError", "MissingExtra", "MetricsWriter", "read_metrics",
+    "truncate_metrics", "tensorboard_writer", "plot",
 ]
 
 METRICS_FILE = "metrics.jsonl"
@@ -64,9 +56,6 @@ def _metrics_path(path: str | os.PathLike) -> Path:
     return path / METRICS_FILE if path.is_dir() else path
 
 
-# --------------------------------------------------------------------------- reading
-
-
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (or of a run directory holding one).
 
@@ -82,10 +71,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = _metrics_path(path)
     if not path.is_file():
         raise MetricsError(f"no metrics file at {path}; pass a run directory written with --out")
-    try:
+    with storage_errors(path, "read"):
         lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, path, "read") from None
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -126,24 +113,18 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> int:
     kept = [record for record in read_metrics(path) if record["step"] <= step]
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        write_new_file(temp, "".join(_dumps(record) + "\n" for record in kept).encode())
-        os.replace(temp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, path, "rewrite") from None
+        with storage_errors(path, "rewrite"):
+            write_new_file(temp, "".join(_dumps(record) + "\n" for record in kept).encode())
+            os.replace(temp, path)
+            fsync_dir(path.parent)
     finally:
         if os.path.lexists(temp):
             os.unlink(temp)
     return len(kept)
 
 
-# --------------------------------------------------------------------------- writing
-
-
 def _plain(value: Any) -> Any:
     """A JSON-friendly number: tensors and numpy scalars become floats, NaN/inf become null."""
-    if isinstance(value, torch.Tensor):
-        value = value.item()
     if hasattr(value, "item") and not isinstance(value, (int, float)):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -193,7 +174,7 @@ class MetricsWriter:
         self.path = Path(run_dir) / METRICS_FILE
         self._fd: int | None = None
         self._tensorboard = None
-        try:
+        with storage_errors(self.path, "write"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step == 0:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -203,8 +184,6 @@ class MetricsWriter:
             # Whole lines only: os.write of one line per record, at the end of the file.
             self._size = os.lseek(fd, 0, os.SEEK_END)
             self._fd = fd
-        except OSError as exc:
-            raise StorageError.from_os_error(exc, self.path, "write") from None
         if tensorboard:
             directory = self.path.parent / TENSORBOARD_DIR
             try:
@@ -230,14 +209,10 @@ class MetricsWriter:
         record = {"step": step, **{key: _plain(value) for key, value in values.items()}}
         self._append((_dumps(record) + "\n").encode())
         if self._tensorboard is not None:
-            try:
+            with storage_errors(self.path.parent / TENSORBOARD_DIR, "write"):
                 for key, value in record.items():
                     if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
                         self._tensorboard.add_scalar(key, value, step)
-            except OSError as exc:
-                raise StorageError.from_os_error(
-                    exc, self.path.parent / TENSORBOARD_DIR, "write"
-                ) from None
         return record
 
     def _append(self, line: bytes) -> None:
@@ -259,7 +234,7 @@ class MetricsWriter:
         """Flush the file to disk and close it (and the TensorBoard writer); safe to repeat."""
         fd, self._fd = self._fd, None
         tensorboard, self._tensorboard = self._tensorboard, None
-        try:
+        with storage_errors(self.path, "write"):
             if fd is not None:
                 try:
                     os.fsync(fd)
@@ -267,8 +242,6 @@ class MetricsWriter:
                     os.close(fd)
             if tensorboard is not None:
                 tensorboard.close()
-        except OSError as exc:
-            raise StorageError.from_os_error(exc, self.path, "write") from None
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -292,9 +265,6 @@ def tensorboard_writer(log_dir: str | os.PathLike, purge_step: int | None = None
             "'minitrain[tensorboard]' or turn TensorBoard logging off"
         ) from None
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
-
-
-# --------------------------------------------------------------------------- plotting
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -381,23 +351,11 @@ def plot(
     if out.suffix.lower() != ".png":
         raise MetricsError(f"the plot is written as PNG; give a path ending in .png, not {out}")
     figure = _figure(curves, _labels(run_dirs) if len(run_dirs) > 1 else None, _title(run_dirs))
-    try:
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=120)
-        if out.is_dir():
-            raise IsADirectoryError(21, os.strerror(21), str(out))
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    with storage_errors(out, "write the plot to", mkdir=True):
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, buffer.getvalue())
-    except FileExistsError:  # a parent of out is a file
-        raise StorageError.from_os_error(
-            NotADirectoryError(20, os.strerror(20)), out, "write the plot to"
-        ) from None
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, out, "write the plot to") from None
-    except StorageError as exc:
-        raise StorageError(str(exc).replace("cannot write ", "cannot write the plot to ", 1),
-                           exc.path, exc.errno) from None
-    return out
+    return write_atomic(out, buffer.getvalue(), "write the plot to")
 
 
 _LINESTYLES = ("-", "--", ":", "-.")

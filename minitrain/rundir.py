@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from minitrain.atomic_io import check_writable_dir
+from minitrain.atomic_io import check_writable_dir, storage_errors
 from minitrain.errors import StorageError, UserError
 
 __all__ = ["LOCK_FILE", "Gone", "RunOwner", "claim", "holds_a_run"]
@@ -228,13 +228,11 @@ def _clear(path: Path) -> None:
     """``--overwrite``: remove an earlier run's metrics, checkpoints, summary and plots."""
     for name in RUN_FILES:
         target = path / name
-        try:
+        with storage_errors(target, "remove"):
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
             elif target.exists() or target.is_symlink():
                 target.unlink()
-        except OSError as exc:
-            raise StorageError.from_os_error(exc, target, "remove") from None
 
 
 def _probe_writable(path: Path) -> None:
@@ -245,9 +243,6 @@ def _probe_writable(path: Path) -> None:
     check_writable_dir(path / "checkpoints")
     for name in ("summary.json", "metrics.jsonl"):
         target = path / name
-        if target.is_dir():
-            raise StorageError.from_os_error(
-                IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target)),
-                target,
-                "write",
-            )
+        with storage_errors(target, "write"):
+            if target.is_dir():
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
