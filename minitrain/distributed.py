@@ -3,10 +3,9 @@
 Every rank holds the same params and runs the same pure step on its own shard of the global
 batch; between the backward pass and the optimizer update the gradient pytree is flattened
 into buckets and all-reduced (gloo on CPU, NCCL on CUDA), so every rank applies the same
-update. Nothing here is a transport of its own: process groups come from
-``torch.distributed.init_process_group`` (the ``env://`` variables that torchrun sets) and
-``minitrain run --nproc N`` starts its workers through ``torch.distributed.launcher`` (the
-elastic agent behind ``torchrun``), which also watches them and stops the job when one dies.
+update. Process groups come from ``torch.distributed.init_process_group`` (the ``env://``
+variables torchrun sets); ``minitrain run --nproc N`` starts its workers through
+``torch.distributed.launcher`` (the elastic agent behind ``torchrun``), which also watches them.
 
 The global batch is the same for any number of ranks: every rank draws the *whole* batch from
 the same data generator and keeps its contiguous shard (:func:`shard`). So the sampler state is
@@ -37,23 +36,9 @@ from minitrain.errors import DistributedError, ShardError
 from minitrain.tree import PyTree, leaves, nbytes, structure, unflatten
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "DataParallel",
-    "DistributedError",
-    "LostPeer",
-    "ShardError",
-    "bucket_plan",
-    "allreduce_sum",
-    "check_splittable",
-    "collective",
-    "from_environment",
-    "in_worker",
-    "is_main",
-    "rank",
-    "shard",
-    "shard_sizes",
-    "timeout_seconds",
-    "world_size",
+    "DEFAULT_BUCKET_BYTES", "DataParallel", "DistributedError", "LostPeer", "ShardError",
+    "allreduce_sum", "bucket_plan", "check_splittable", "collective", "from_environment",
+    "gradient_bytes", "in_worker", "shard", "shard_sizes", "timeout_seconds",
 ]
 
 # DistributedDataParallel's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel).
@@ -69,8 +54,6 @@ class LostPeer(DistributedError):
 
     lost_peer = True
 
-# --------------------------------------------------------------------------- ranks
-
 
 def in_worker(environ: dict[str, str] | None = None) -> bool:
     """Whether this process was started by torchrun (or ``--nproc``): ``RANK`` and ``WORLD_SIZE``
@@ -81,37 +64,6 @@ def in_worker(environ: dict[str, str] | None = None) -> bool:
     """
     environ = os.environ if environ is None else environ
     return "RANK" in environ and "WORLD_SIZE" in environ
-
-
-def rank() -> int:
-    """This process's global rank: from the process group, else ``RANK``, else 0.
-
-    >>> rank() if not in_worker() else 0
-    0
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    """Number of ranks: from the process group, else ``WORLD_SIZE``, else 1.
-
-    >>> world_size() if not in_worker() else 1
-    1
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def is_main() -> bool:
-    """Whether this is rank 0, the one rank that writes logs, checkpoints and the summary.
-
-    >>> is_main() if not in_worker() else True
-    True
-    """
-    return rank() == 0
 
 
 def timeout_seconds(environ: dict[str, str] | None = None) -> float:
@@ -131,9 +83,6 @@ def timeout_seconds(environ: dict[str, str] | None = None) -> float:
     if not value > 0:
         raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a positive number of seconds")
     return value
-
-
-# --------------------------------------------------------------------------- sharding
 
 
 def shard_sizes(examples: int, world_size: int) -> list[int]:
@@ -187,9 +136,6 @@ def shard(batch: PyTree, rank: int, world_size: int) -> PyTree:
         leaf[start:stop] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves(batch)
     ]
     return unflatten(structure(batch), pieces)
-
-
-# --------------------------------------------------------------------------- all-reduce
 
 
 def bucket_plan(
@@ -283,23 +229,12 @@ class DataParallel:
     ({'w': tensor([1., 1.])}, tensor(3.), {'bpb': tensor(4.)})
     """
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        group: Any = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
-        self.group = group
+    def __init__(self, rank: int, world_size: int, device: torch.device, group: Any = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
         self.bucket_bytes = bucket_bytes
-        self.weight = 1.0 / world_size
-        self.reduce_seconds = 0.0
-        self.reduce_calls = 0
-        self.reduced_bytes = 0
+        self.weight = 1.0 / world_size  # this rank's share of the global batch
+        self.reduce_seconds, self.reduce_calls, self.reduced_bytes = 0.0, 0, 0
 
     @property
     def is_main(self) -> bool:
@@ -338,26 +273,25 @@ class DataParallel:
         self.reduced_bytes = sum(t.numel() * t.element_size() for t in weighted)
         return unflatten(structure(grads), new_leaves), mean_scalars[0].to(loss.dtype), new_aux
 
+    def _all_max(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        with collective(what):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return value
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (so every rank stops at the same step)."""
-        value = torch.tensor([int(flag)], device=self.device)
-        with collective("agreeing on a stop"):
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
+        flags = torch.tensor([int(flag)], device=self.device)
+        return bool(self._all_max(flags, "agreeing on a stop").item())
 
     def max(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise max of ``tensor`` over the ranks, in a new tensor (fp8 amax
         histories: every rank then scales by the same amaxes)."""
-        value = tensor.clone()
-        with collective("reducing the fp8 amax histories"):
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return value
+        return self._all_max(tensor.clone(), "reducing the fp8 amax histories")
 
     def check_same(self, value: int, what: str) -> None:
         """Raise :class:`DistributedError` unless ``value`` is the same on every rank."""
         both = torch.tensor([value, -value], device=self.device)
-        with collective(f"comparing {what} across ranks"):
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        both = self._all_max(both, f"comparing {what} across ranks")
         high, low = int(both[0]), -int(both[1])
         if high != low:
             raise DistributedError(
@@ -373,8 +307,7 @@ class DataParallel:
         """Bytes all-reduced per step (predicted for a ring, and as sent here) and time spent."""
         from minitrain.accounting.communication import allreduce_bytes
 
-        calls = max(self.reduce_calls, 1)
-        seconds = self.reduce_seconds / calls if self.reduce_calls else None
+        seconds = self.reduce_seconds / self.reduce_calls if self.reduce_calls else None
         ring = allreduce_bytes(gradient_bytes, self.world_size)
         return {
             "ranks": self.world_size,
@@ -425,9 +358,6 @@ def from_environment(device: torch.device | str) -> DataParallel | None:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
     return DataParallel(dist.get_rank(), dist.get_world_size(), device)
-
-
-# --------------------------------------------------------------------------- splitting a run
 
 
 def check_splittable(experiment: Any, backend: Any, nproc: int) -> None:

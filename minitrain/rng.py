@@ -26,15 +26,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "seed_everything",
-    "generator",
-    "get_rng_state",
-    "set_rng_state",
-    "generator_state",
-    "set_generator_state",
-    "check_rng_state",
-    "check_generator_state",
-    "MAX_SEED",
+    "seed_everything", "generator", "get_rng_state", "set_rng_state", "generator_state",
+    "set_generator_state", "check_rng_state", "check_generator_state", "MAX_SEED",
     "TORCH_CPU_STATE_BYTES",
 ]
 
@@ -181,9 +174,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
-        value
-    )
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _decode_checked(text: Any, label: str) -> bytes:
@@ -198,16 +189,12 @@ def _decode_checked(text: Any, label: str) -> bytes:
 def get_rng_state() -> dict[str, Any]:
     """The state of torch's CPU and CUDA generators, numpy's and ``random``'s, as JSON data."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": _encode(torch.get_rng_state()),
-        "numpy": {
-            "kind": kind,
-            "keys": [int(k) for k in keys],
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "random": _python_random_state(),
+        "numpy": {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "random": [version, list(internal), gauss],
     }
     if torch.cuda.is_available():
         state["cuda"] = [_encode(s) for s in torch.cuda.get_rng_state_all()]
@@ -220,24 +207,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     check_rng_state(state)
     torch.set_rng_state(_decode(state["torch"]))
     numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            numpy_state["kind"],
-            np.asarray(numpy_state["keys"], dtype=np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    )
+    np.random.set_state((numpy_state["kind"], np.asarray(numpy_state["keys"], dtype=np.uint32),
+                         numpy_state["pos"], numpy_state["has_gauss"],
+                         numpy_state["cached_gaussian"]))
     version, internal, gauss = state["random"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
-
-
-def _python_random_state() -> list[Any]:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
 
 
 def _encode(state: torch.Tensor) -> str:
