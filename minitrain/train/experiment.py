@@ -38,17 +38,9 @@ from minitrain.train.script_errors import raised_at
 from minitrain.tree import Params, PyTree
 
 __all__ = [
-    "Experiment",
-    "check_loss_output",
-    "ExperimentError",
-    "ResumeError",
-    "apply_overrides",
-    "as_recorded",
-    "check_config_value",
-    "coerce_value",
-    "load_experiment",
-    "load_script",
-    "parse_overrides",
+    "Experiment", "check_loss_output", "ExperimentError", "ResumeError", "apply_overrides",
+    "as_recorded", "build_experiment", "check_config_value", "coerce_value", "load_experiment",
+    "load_script", "parse_overrides",
 ]
 
 
@@ -239,42 +231,28 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
     minitrain.errors.ExperimentError: --set lr=inf: expected a finite float (the default is 0.01)
     """
     kind = type(default)
-    try:
-        if isinstance(default, bool):
-            lowered = text.lower()
-            if lowered not in _TRUE | _FALSE:
-                raise ValueError(text)
-            return lowered in _TRUE
-        if default is None:
-            return text
-        if kind is int:
-            value = int(text)
-        if kind is float:
-            value = float(text)
-        if kind is str:
-            return text
-    except ValueError:
-        article = "an" if kind.__name__[0] in "aeiou" else "a"
+    expected = f"--set {key}={text}: expected {{}} (the default is {default!r})"
+    if default is None or kind is str:
+        return text
+    if kind is bool:
+        if text.lower() not in _TRUE | _FALSE:
+            raise ExperimentError(expected.format("a bool"))
+        return text.lower() in _TRUE
+    if kind not in (int, float):
         raise ExperimentError(
-            f"--set {key}={text}: expected {article} {kind.__name__} (the default is {default!r})"
-        ) from None
-    if kind is int:
-        if not -(2**63) <= value < 2**63:
-            raise ExperimentError(
-                f"--set {key}={text}: expected an int in [-2**63, 2**63) (the default is "
-                f"{default!r})"
-            )
-        return value
-    if kind is float:
-        if not math.isfinite(value):
-            raise ExperimentError(
-                f"--set {key}={text}: expected a finite float (the default is {default!r})"
-            )
-        return value
-    raise ExperimentError(
-        f"config key {key!r} has a default of type {kind.__name__}, which --set cannot "
-        "override; use an int, float, bool or str default"
-    )
+            f"config key {key!r} has a default of type {kind.__name__}, which --set cannot "
+            "override; use an int, float, bool or str default"
+        )
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ExperimentError(expected.format(f"{'an' if kind is int else 'a'} {kind.__name__}")
+                              ) from None
+    if kind is int and not -(2**63) <= value < 2**63:
+        raise ExperimentError(expected.format("an int in [-2**63, 2**63)"))
+    if kind is float and not math.isfinite(value):
+        raise ExperimentError(expected.format("a finite float"))
+    return value
 
 
 def apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, str]) -> dict[str, Any]:
@@ -312,6 +290,13 @@ def load_experiment(
     if steps is not None and "steps" in config:
         overrides["steps"] = str(steps)
     config = apply_overrides(config, overrides)
+    return build_experiment(build, config, path, steps), config
+
+
+def build_experiment(build: Callable[[dict], Any], config: Mapping[str, Any], path: str | Path,
+                     steps: int | None = None) -> Experiment:
+    """``build(config)``, the ``experiment`` function of the script at ``path``: every failure
+    is an :class:`ExperimentError` naming where; ``steps`` overrides the step count."""
     try:
         experiment = build(dict(config))
     except ExperimentError:
@@ -327,7 +312,7 @@ def load_experiment(
         )
     if steps is not None:
         experiment = dataclasses.replace(experiment, steps=steps)
-    return experiment, config
+    return experiment
 
 
 def load_script(path: str | Path) -> tuple[Mapping[str, Any], Callable[[dict], Any]]:
