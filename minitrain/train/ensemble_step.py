@@ -9,10 +9,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minitrain import precision, rng
+from minitrain import rng
 from minitrain._torch import pytree as _pytree
 from minitrain.errors import ExperimentError
-from minitrain.func import value_and_grad
 from minitrain.precision import Backend
 from minitrain.train.experiment import Experiment
 from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
@@ -20,10 +19,9 @@ from minitrain.train.script_errors import raised_at
 from minitrain.train.step import (
     Carry,
     StepOutput,
-    fp8_context,
     fp8_recipe_of,
+    loss_and_grads,
     loss_scale_of,
-    loss_with_aux,
     make_train_step,
     next_fp8_history,
 )
@@ -31,18 +29,9 @@ from minitrain.tree import OptState, Params, PyTree, global_norm, leaves, named_
 from minitrain.tree import map as tree_map
 
 __all__ = [
-    "EnsembleStepOutput",
-    "batches_ignore_swept_values",
-    "check_members",
-    "draw_batches",
-    "make_ensemble_step",
-    "make_member_step",
-    "refuse_carry",
-    "shared_by_seed",
+    "EnsembleStepOutput", "batches_ignore_swept_values", "check_members", "draw_batches",
+    "make_ensemble_step", "make_member_step", "refuse_carry", "shared_by_seed",
 ]
-
-# --------------------------------------------------------------------------- the steps
-
 
 class EnsembleStepOutput(NamedTuple):
     """One ensemble step: stacked params and state, per-member ``(K,)`` losses and norms."""
@@ -56,9 +45,7 @@ class EnsembleStepOutput(NamedTuple):
     fp8_history: torch.Tensor | None = None  # (K, matmuls, 3, history_len): delayed fp8
 
 
-def make_member_step(
-    experiment: Experiment, backend: Backend
-) -> Callable[..., StepOutput]:
+def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., StepOutput]:
     """The single-member train step ``(params, opt_state, batch, fp8_history=None)``, in ops
     that ``vmap`` supports.
 
@@ -78,28 +65,17 @@ def make_member_step(
     {'w': tensor([0.2000, 0.2000])}
     """
     refuse_carry(experiment, backend)
-    plain_loss, recipe = loss_with_aux(experiment), fp8_recipe_of(backend)
-
-    def loss(params: Params, history: Any, batch: PyTree) -> tuple[torch.Tensor, tuple]:
-        fp8 = contextlib.nullcontext() if recipe is None else precision.simulate(recipe, history)
-        with fp8 as simulation:
-            value, aux = plain_loss(params, batch)
-        forward = None if simulation is None else simulation.forward_history()
-        return value, (aux, () if forward is None else forward)
-
-    # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
-    loss_and_grads = value_and_grad(loss, argnums=0 if recipe is None else (0, 1), has_aux=True)
-    context = backend.autocast if recipe is None else fp8_context(backend)
-    optimizer = experiment.optimizer
-    max_grad_norm = experiment.max_grad_norm
+    recipe, gradients = fp8_recipe_of(backend), loss_and_grads(experiment, backend)
+    optimizer, max_grad_norm = experiment.optimizer, experiment.max_grad_norm
 
     def member_step(
         params: Params, opt_state: OptState, batch: PyTree, fp8_history: Any = None
     ) -> StepOutput:
         if recipe is not None and fp8_history is None:
             raise ValueError(f"{backend.name} steps take each member's fp8_history")
-        with context():
-            (loss, (aux, forward_history)), grads = loss_and_grads(params, fp8_history, batch)
+        (_, (loss, aux, _, forward_history)), grads = gradients(
+            params, None, None, fp8_history, batch
+        )
         carry = None
         if recipe is not None:
             grads, new_history = grads
@@ -110,7 +86,7 @@ def make_member_step(
             scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
             grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
         params, opt_state = optimizer.update(grads, opt_state, params)
-        return StepOutput(params, opt_state, loss.detach(), grad_norm, aux, carry)
+        return StepOutput(params, opt_state, loss, grad_norm, aux, carry)
 
     return member_step
 
@@ -195,29 +171,21 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
                               randomness="different")
     attention = _batchable_attention(backend)
 
-    def ensemble_step(
-        params: Params,
-        opt_state: OptState,
-        batch: PyTree,
-        hyperparameters: dict[str, torch.Tensor],
-        diverged_at: torch.Tensor,
-        step_number: int,
-        fp8_history: torch.Tensor | None = None,
-    ) -> EnsembleStepOutput:
+    def ensemble_step(params: Params, opt_state: OptState, batch: PyTree,
+                      hyperparameters: dict[str, torch.Tensor], diverged_at: torch.Tensor,
+                      step_number: int,
+                      fp8_history: torch.Tensor | None = None) -> EnsembleStepOutput:
         with attention(), _vmap_errors(step_number):
             out = vmapped(params, opt_state, batch, hyperparameters, fp8_history)
         alive = diverged_at == 0
         healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
         diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
-        return EnsembleStepOutput(
-            _keep_where(healthy, out.params, params),
-            _keep_where(healthy, out.opt_state, opt_state),
-            out.loss,
-            out.grad_norm,
-            out.aux,
-            diverged_at,
-            None if fp8_history is None else _keep_where(healthy, out.carry, fp8_history),
-        )
+        def keep(new: PyTree, old: PyTree) -> PyTree:
+            return _keep_where(healthy, new, old)
+
+        history = None if fp8_history is None else keep(out.carry, fp8_history)
+        return EnsembleStepOutput(keep(out.params, params), keep(out.opt_state, opt_state),
+                                  out.loss, out.grad_norm, out.aux, diverged_at, history)
 
     return ensemble_step
 
@@ -281,16 +249,9 @@ def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     return _pytree.tree_map(choose, new, old)
 
 
-def check_members(
-    ensemble: Ensemble,
-    backend: Backend,
-    params: Params,
-    opt_state: OptState,
-    batch: PyTree,
-    out: EnsembleStepOutput,
-    rtol: float = 5e-2,
-    fp8_history: torch.Tensor | None = None,
-) -> bool:
+def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,
+                  batch: PyTree, out: EnsembleStepOutput, rtol: float = 5e-2,
+                  fp8_history: torch.Tensor | None = None) -> bool:
     """Check each healthy member's new params against the step its own single run would take;
     return whether that step moved any member's params (a step at lr 0, the first of a warmup,
     cannot tell a member's value from member 0's: check the next one too).

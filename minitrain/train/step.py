@@ -46,23 +46,10 @@ from minitrain.train.setup import to_backend
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
 __all__ = [
-    "Carry",
-    "StepOutput",
-    "can_donate",
-    "carry_metrics",
-    "check_fp8_history",
-    "checked_values",
-    "fp8_context",
-    "fp8_recipe_of",
-    "next_fp8_history",
-    "init_fp8_history",
-    "init_carry",
-    "loss_scale_of",
-    "make_train_step",
-    "loss_with_aux",
-    "pack_checkpoint_state",
-    "stateful_loss",
-    "unpack_checkpoint_state",
+    "Carry", "StepOutput", "can_donate", "carry_metrics", "check_fp8_history", "checked_values",
+    "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history", "loss_and_grads",
+    "loss_scale_of", "loss_with_aux", "make_train_step", "next_fp8_history",
+    "pack_checkpoint_state", "stateful_loss", "unpack_checkpoint_state",
 ]
 
 
@@ -94,21 +81,25 @@ def can_donate(optimizer: Any) -> bool:
     return isinstance(optimizer, Optimizer)
 
 
+def _is_pair(value: Any) -> bool:
+    return isinstance(value, tuple | list) and len(value) == 2
+
+
+def _checked(value: Any, has_aux: bool, shape: str) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)`` from what a loss returned (``loss`` or, with aux, ``(loss, aux)``)."""
+    if has_aux and not _is_pair(value):
+        raise ExperimentError(shape.format(type(value).__name__))
+    loss, aux = value if has_aux else (value, {})
+    check_loss_output(loss, aux)
+    return loss, aux
+
+
 def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Tensor, dict]]:
     """The experiment's loss as ``(params, batch) -> (loss, aux)`` whether or not it has aux."""
+    shape = "the loss returned {}; with has_aux=True return a (loss, aux dict) pair"
+
     def checked(params: Params, batch: PyTree) -> tuple[torch.Tensor, dict]:
-        out = experiment.loss(params, batch)
-        if experiment.has_aux:
-            if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise ExperimentError(
-                    f"the loss returned {type(out).__name__}; with has_aux=True return a "
-                    "(loss, aux dict) pair"
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, {}
-        check_loss_output(loss, aux)
-        return loss, aux
+        return _checked(experiment.loss(params, batch), experiment.has_aux, shape)
 
     return checked
 
@@ -141,22 +132,15 @@ def stateful_loss(
 
     def with_state(params: Params, model_state: PyTree, batch: PyTree):
         out = experiment.loss(params, model_state, batch)
-        if not (isinstance(out, tuple | list) and len(out) == 2):
+        if not _is_pair(out):
             raise ExperimentError(
                 f"the loss returned {type(out).__name__}; an experiment with init_state has a "
                 "loss(params, state, batch) that returns (loss, new_state)"
                 + (" with loss a (loss, aux) pair" if experiment.has_aux else "")
             )
         value, new_state = out
-        if experiment.has_aux:
-            if not (isinstance(value, tuple | list) and len(value) == 2):
-                raise ExperimentError(
-                    "with has_aux=True and init_state the loss returns ((loss, aux), new_state)"
-                )
-            loss, aux = value
-        else:
-            loss, aux = value, {}
-        check_loss_output(loss, aux)
+        shape = "with has_aux=True and init_state the loss returns ((loss, aux), new_state)"
+        loss, aux = _checked(value, experiment.has_aux, shape)
         _check_same_structure(model_state, new_state)
         return loss, (aux, new_state)
 
@@ -332,27 +316,19 @@ def make_train_step(
     ``experiment`` on ``backend``.
 
     ``grad_transform(grads, loss, aux) -> (grads, loss, aux)`` runs between the backward pass
-    and clipping/update: data parallelism passes its all-reduce here
-    (:meth:`minitrain.distributed.DataParallel.reduce`). With ``donate=True`` (an mt.optim
-    optimizer only) the update writes the new params and state into the buffers of the old
-    ones, as ``torch.optim`` does: the caller must not use the params and state it passed in
-    again. The fit loop donates; the step stays pure without it. ``compile=True`` runs the
-    forward pass through ``torch.compile``, as nanoGPT compiles its model (AOTAutograd
-    compiles the backward pass with it; with simulated matmul formats, forward and backward
-    are compiled under ``torch.func``'s grad); the gradient transform, clipping and
-    the update stay eager, where they run torch's fused kernels or minitrain's streaming ones
-    (and can donate) instead of inductor's out-of-place loops. ``amax_reduce`` combines the
-    updated fp8 amax histories across data-parallel ranks (an elementwise max, as Transformer
-    Engine reduces amaxes over its data-parallel group), so every rank scales alike.
+    and clipping: data parallelism passes its all-reduce here
+    (:meth:`minitrain.distributed.DataParallel.reduce`), and ``amax_reduce`` its elementwise
+    max of the fp8 amax histories (as Transformer Engine reduces amaxes over its data-parallel
+    group). With ``donate=True`` (mt.optim optimizers) the update writes into the buffers of
+    the params and state it is given, as ``torch.optim`` does (the fit loop donates). With
+    ``compile=True`` the forward pass runs through ``torch.compile``, as nanoGPT compiles its
+    model; clipping and the update stay eager, in fused kernels that can donate.
 
-    ``carry`` (:func:`init_carry`) holds the model state of an experiment with ``init_state``
-    and the loss scale of a backend whose policy scales the loss (fp16); the output's ``carry``
-    is the next step's. Under loss scaling, a step whose grads are not finite leaves params and
-    optimizer state as they were (``select_tree``, pure and vmappable; a donating step reads
-    the flag once, ``bool(finite)``, before the update, since the update overwrites its inputs)
-    and ``applied`` says which steps were taken. On a delayed-fp8 backend (``cpu-fp8``,
-    ``cuda-fp8``) the carry holds the amax histories, counted on the first batch when the
-    carry has none; the output's carry holds the histories this step recorded.
+    ``carry`` (:func:`init_carry`) holds the model state, the fp16 loss scale and the delayed
+    fp8 amax histories (counted on the first batch when it has none); the output's is the next
+    step's. Under loss scaling a step whose grads are not finite leaves params and state as
+    they were (``select_tree``; a donating step reads ``bool(finite)`` before the update) and
+    ``applied`` says which steps were taken.
 
     >>> import torch, minitrain as mt
     >>> from minitrain.train import Experiment
@@ -365,10 +341,59 @@ def make_train_step(
     >>> out.loss, out.params
     (tensor(1.), {'w': tensor([0.2000, 0.2000])})
     """
-    loss_fn = stateful_loss(experiment)
     loss_scale = loss_scale_of(experiment, backend)
     needs_state = getattr(experiment, "init_state", None) is not None
     recipe = fp8_recipe_of(backend)
+    gradients = loss_and_grads(experiment, backend, loss_scale, compile)
+    clip, update = _clip(experiment.max_grad_norm), _update(experiment.optimizer, donate)
+
+    def train_step(
+        params: Params, opt_state: OptState, batch: PyTree, carry: Carry | None = None
+    ) -> StepOutput:
+        if carry is None and needs_state:
+            raise ValueError(
+                "this experiment has model state (init_state): pass the step its carry, "
+                "init_carry(experiment, backend, generator) at the start"
+            )
+        if carry is None and (loss_scale is not None or recipe is not None):
+            carry = Carry(None, *((loss_scale.init(), torch.tensor(0)) if loss_scale else ()))
+        model_state, scale, _, history = carry if carry is not None else (None,) * 4
+        if recipe is not None and history is None:  # the first step counts its matmuls
+            history = init_fp8_history(experiment, backend, params, model_state, batch)
+        (_, (loss, aux, model_state, forward_history)), grads = gradients(
+            params, model_state, scale, history, batch
+        )
+        if recipe is not None:
+            grads, new_history = grads
+            history = next_fp8_history(new_history, history, forward_history)
+            if amax_reduce is not None:
+                history = amax_reduce(history)
+        if grad_transform is not None:
+            grads, loss, aux = grad_transform(grads, loss, aux)
+        finite = None
+        if scale is not None:  # GradScaler.unscale_ (after any all-reduce), before clipping
+            grads, finite, scale = loss_scale.unscale_and_check(grads, scale)
+        grads, grad_norm = clip(grads)  # the unclipped grads are freed before the update
+        params, opt_state = update(grads, opt_state, params, finite)
+        if carry is not None:
+            skipped = carry.skipped
+            if finite is not None:
+                skipped = skipped + (~finite).to(skipped.dtype)
+            carry = Carry(model_state if needs_state else None, scale, skipped, history)
+        return StepOutput(params, opt_state, loss, grad_norm, aux, carry, finite)
+
+    return train_step
+
+
+def loss_and_grads(
+    experiment: Any, backend: Backend, loss_scale: DynamicLossScale | None = None,
+    compile: bool = False,
+) -> Callable[..., Any]:
+    """``(params, model_state, scale, history, batch) -> ((scaled loss, (loss, aux,
+    new_state, forward_history)), grads)`` under the backend's autocast; on a delayed-fp8
+    backend ``grads`` is ``(grads, new_history)``: the gradient of the amax histories is the
+    updated histories."""
+    loss_fn, recipe = stateful_loss(experiment), fp8_recipe_of(backend)
 
     def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree):
         fp8 = contextlib.nullcontext() if recipe is None else precision.simulate(recipe, history)
@@ -383,7 +408,6 @@ def make_train_step(
     simulates = backend.policy.matmul_format is not None
     if compile and not simulates:  # nanoGPT's torch.compile(model): AOTAutograd, and no functorch
         objective = torch.compile(objective)
-    # Delayed fp8 scaling: the gradient of the amax histories is the updated histories.
     gradients = value_and_grad(objective, argnums=0 if recipe is None else (0, 3), has_aux=True)
     context = backend.autocast if recipe is None else fp8_context(backend)
 
@@ -395,62 +419,34 @@ def make_train_step(
 
     if compile and simulates:  # the simulated matmuls run eager, between compiled regions
         loss_and_grads = torch.compile(loss_and_grads)
+    return loss_and_grads
 
-    optimizer = experiment.optimizer
-    max_grad_norm = experiment.max_grad_norm
-    update_options = {"donate": True} if donate else {}
+
+def _clip(max_grad_norm: Any) -> Callable[[Grads], tuple[Grads, torch.Tensor]]:
+    """``grads -> (grads, global norm)``, clipped to ``max_grad_norm`` unless it is None."""
+
+    def clip(grads: Grads) -> tuple[Grads, torch.Tensor]:
+        if max_grad_norm is None:
+            return grads, global_norm(grads)
+        from minitrain.optim import clip_by_global_norm
+
+        return clip_by_global_norm(grads, max_grad_norm)
+
+    return clip
+
+
+def _update(optimizer: Any, donate: bool) -> Callable[..., tuple[Params, OptState]]:
+    """``(grads, opt_state, params, finite) -> (params, opt_state)``: the optimizer's update,
+    applied only where ``finite`` (a 0-d bool, or None: always)."""
+    options = {"donate": True} if donate else {}
     if donate and not can_donate(optimizer):
         raise ValueError("donate=True needs an mt.optim optimizer (its update takes donate=)")
 
-    def train_step(
-        params: Params, opt_state: OptState, batch: PyTree, carry: Carry | None = None
-    ) -> StepOutput:
-        if carry is None and needs_state:
-            raise ValueError(
-                "this experiment has model state (init_state): pass the step its carry, "
-                "init_carry(experiment, backend, generator) at the start"
-            )
-        if carry is None and (loss_scale is not None or recipe is not None):
-            carry = Carry(None, *((loss_scale.init(), torch.tensor(0)) if loss_scale else ()))
-        model_state = carry.model_state if carry is not None else None
-        scale = carry.loss_scale if carry is not None else None
-        history = carry.fp8_history if carry is not None else None
-        if recipe is not None and history is None:  # the first step counts its matmuls
-            history = init_fp8_history(experiment, backend, params, model_state, batch)
-        (_, (loss, aux, model_state, forward_history)), grads = loss_and_grads(
-            params, model_state, scale, history, batch
-        )
-        if recipe is not None:
-            grads, new_history = grads
-            history = next_fp8_history(new_history, history, forward_history)
-            if amax_reduce is not None:
-                history = amax_reduce(history)
-        if grad_transform is not None:
-            grads, loss, aux = grad_transform(grads, loss, aux)
-        finite = None
-        if scale is not None:  # GradScaler.unscale_ (after any all-reduce), before clipping
-            grads, finite, scale = loss_scale.unscale_and_check(grads, scale)
-        if max_grad_norm is not None:
-            from minitrain.optim import clip_by_global_norm
-
-            grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
-        else:
-            grad_norm = global_norm(grads)
-        if finite is None:
-            params, opt_state = optimizer.update(grads, opt_state, params, **update_options)
-        elif donate:
-            if bool(finite):  # the update overwrites params and state: decide before it
-                params, opt_state = optimizer.update(grads, opt_state, params, **update_options)
-        else:
-            new_params, new_opt_state = optimizer.update(grads, opt_state, params)
-            params = select_tree(finite, new_params, params)
-            opt_state = select_tree(finite, new_opt_state, opt_state)
-        if carry is not None:
-            model_state = model_state if needs_state else None
-            skipped = carry.skipped
-            if finite is not None:
-                skipped = skipped + (~finite).to(skipped.dtype)
-            carry = Carry(model_state, scale, skipped, history)
-        return StepOutput(params, opt_state, loss, grad_norm, aux, carry, finite)
-
-    return train_step
+    def update(grads: Grads, opt_state: OptState, params: Params, finite: Any) -> tuple:
+        if finite is None or donate and bool(finite):  # a donated update overwrites its inputs:
+            return optimizer.update(grads, opt_state, params, **options)  # decide before it
+        if donate:
+            return params, opt_state
+        new_params, new_state = optimizer.update(grads, opt_state, params)
+        return select_tree(finite, new_params, params), select_tree(finite, new_state, opt_state)
+    return update
