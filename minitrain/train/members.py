@@ -1,372 +1,146 @@
-"""Sweep members: swept values and the ensemble (the grid of ``--set`` lists and ``--seeds`` is
-:mod:`minitrain.train.member_grid`'s).
+"""The members of a sweep: the grid of ``--set`` lists and ``--seeds``, and the ensemble built
+from it (each member's experiment and the template whose step they share).
 
-See :mod:`minitrain.train.sweep` for how a sweep trains; this module builds what it trains.
+See :mod:`minitrain.train.sweep` for how a sweep trains its members.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from minitrain._torch import make_subclass
 from minitrain.train.experiment import (
     Experiment,
     ExperimentError,
-    describe_failure,
+    apply_overrides,
+    build_experiment,
+    coerce_value,
     load_script,
+    parse_overrides,
 )
-from minitrain.train.member_checks import (
-    MemberMismatch,
-    check_same_sizes,
-    differing_members,
-    json_writes_member_zero,
-)
-from minitrain.train.member_grid import (
-    Member,
-    member_grid,
-    member_label,
-    parse_seeds,
-    parse_sweep,
-)
+from minitrain.train.member_checks import MemberMismatch, check_same_sizes
 from minitrain.train.script_errors import raised_at
+from minitrain.train.swept import SweepBinding, SweptValue
 
 __all__ = [
-    "Ensemble",
-    "Member",
-    "MemberMismatch",
-    "SweepBinding",
-    "SweptValue",
-    "build_ensemble",
-    "load_sweep",
-    "member_grid",
-    "member_label",
-    "parse_seeds",
-    "parse_sweep",
+    "Ensemble", "Member", "MemberMismatch", "build_ensemble", "load_sweep", "member_grid",
+    "member_label", "parse_seeds", "parse_sweep",
 ]
 
-# --------------------------------------------------------------------------- swept values
+
+class Member(NamedTuple):
+    """One run of a sweep: its position, seed, full config and the swept values among it."""
+
+    index: int
+    seed: int
+    config: dict[str, Any]
+    swept: dict[str, Any]
 
 
-class SweepBinding:
-    """Where one ensemble's per-member hyperparameter values live while its step runs."""
+def member_label(member: Member) -> str:
+    """``"lr=0.01 seed=0"``: what tells a member apart.
 
-    def __init__(self) -> None:
-        self.values: Mapping[str, torch.Tensor] | None = None
-        self.reads = 0  # how many times a SweptValue of this binding was used, ever
-        # each member's label and values while the template experiment is built (building)
-        self.members: list[tuple[str, dict[str, torch.Tensor]]] | None = None
-
-    @contextlib.contextmanager
-    def bind(self, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
-        """Make every :class:`SweptValue` of this binding stand for ``values[name]``."""
-        previous, self.values = self.values, values
-        try:
-            yield
-        finally:
-            self.values = previous
-
-    @contextlib.contextmanager
-    def building(self, members: Sequence[tuple[str, Mapping[str, float]]]) -> Iterator[None]:
-        """While the template experiment is built from swept values, refuse what the step could
-        not redo per member (an in-place write, a random draw) and a Python bool or int that
-        differs between ``members`` (each one's label and swept values): an ``if`` or a count
-        taken on member 0's value would be everyone's."""
-        self.members = [
-            (label, {key: torch.tensor(float(v), dtype=torch.float64) for key, v in values.items()})
-            for label, values in members
-        ]
-        try:
-            with json_writes_member_zero():
-                yield
-        finally:
-            self.members = None
-
-
-class SweptValue(torch.Tensor):
-    """A 0-d float64 tensor standing for the per-member values of one swept hyperparameter.
-
-    Outside its binding it is a plain tensor holding ``value`` (member 0's). While
-    ``binding.bind({name: values})`` is active, every torch op that receives it uses
-    ``values[name]`` instead (through ``__torch_function__``); inside ``vmap`` that is each
-    member's own value. Scripts receive these in ``config`` for swept keys. A tensor computed
-    from it outside the binding (``config["muon_lr"] / config["lr"]``, ``torch.stack([lr, wd])``
-    while the experiment is built) is another ``SweptValue`` that remembers the op and redoes it
-    on the bound values, so a value derived at build time is still each member's own in the
-    step. Where a single run has a float (a key, ``config["lr"] * 2``), ``lr *= 2`` rebinds
-    ``lr`` as it does there.
-
-    >>> binding = SweptValue.binding_type()
-    >>> lr = SweptValue(0.1, "lr", binding)
-    >>> half = lr / 2    # built outside the step
-    >>> float(half)
-    0.05
-    >>> def doubled(values):
-    ...     with binding.bind({"lr": values}):
-    ...         return lr * 2 + half
-    >>> torch.func.vmap(doubled)(torch.tensor([0.1, 0.3], dtype=torch.float64))
-    tensor([0.2500, 0.7500], dtype=torch.float64)
+    >>> member_label(Member(0, 1, {"lr": 0.01, "dim": 4}, {"lr": 0.01}))
+    'lr=0.01 seed=1'
     """
-
-    binding_type = SweepBinding
-
-    @staticmethod
-    def __new__(cls, value: float, name: str, binding: SweepBinding) -> SweptValue:
-        return cls._wrap(torch.tensor(float(value), dtype=torch.float64), binding, name=name,
-                         number=True)
-
-    @classmethod
-    def _wrap(cls, plain: torch.Tensor, binding: SweepBinding, name: str | None = None,
-              recipe: tuple | None = None, number: bool = False) -> SweptValue:
-        swept = make_subclass(cls, plain)
-        swept.swept_name = name  # a swept key, or None for a value derived from one
-        swept.swept_recipe = recipe  # (func, args, kwargs) that derived it
-        swept.swept_binding = binding
-        swept.swept_plain = plain
-        swept.swept_number = number  # a Python float in a single run (not a tensor)
-        return swept
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        func = _redoable(func, args)
-        binding = _unbound_binding((*args, *kwargs.values()))
-        if binding is not None and binding.members is not None:
-            _check_while_building(func, args, kwargs, binding)
-        result = _call(func, args, kwargs)
-        if binding is None or _in_place(func) or _name(func) in _RANDOM:
-            return result
-        return _derived(result, binding, (func, args, kwargs), _number_op(func, args, kwargs))
-
-    def __deepcopy__(self, memo: dict) -> SweptValue:
-        # copy.deepcopy(config) keeps the value swept (a copy of its tensor would be member 0's)
-        return self
-
-    def __copy__(self) -> SweptValue:
-        return self
-
-    def __round__(self, ndigits: int | None = None) -> Any:
-        """``round(lr, 3)`` as on a single run's float; ``round(lr)`` is an int, so it is
-        checked per member as ``int()`` is."""
-        if ndigits is None:
-            return int(torch.round(self))
-        return round(float(self), ndigits)
+    return " ".join([*(f"{k}={v:g}" for k, v in member.swept.items()), f"seed={member.seed}"])
 
 
-def _name(func: Callable[..., Any]) -> str:
-    return getattr(func, "__name__", "")
+def parse_sweep(items: Sequence[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Split ``--set`` items into fixed overrides and swept keys (comma-separated values).
 
-
-_IN_PLACE_DUNDERS = {f"__i{op}__" for op in (
-    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-    "lshift", "rshift")} | {"__setitem__"}
-# What ``+ - * / // % **``, unary ``- + abs()`` and comparisons on a tensor run: on Python
-# numbers only (swept keys among them), they give what is a float in a single run; and what
-# ``+= -= *= /= //= %= **=`` run, which rebind a float.
-_NUMBER_OPS = {"add", "sub", "__rsub__", "mul", "div", "__rdiv__", "__floordiv__",
-               "__rfloordiv__", "remainder", "__rmod__", "pow", "__rpow__", "neg", "positive",
-               "abs", "lt", "le", "gt", "ge", "__eq__", "ne"}
-_AUGMENTED = {"add_", "sub_", "mul_", "div_", "floor_divide_", "remainder_", "pow_"}
-_DATA = torch.Tensor.data.__get__  # what reading ``lr.data`` runs
-_RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
-           "normal", "bernoulli", "multinomial", "poisson", "binomial", "dropout", "dropout1d",
-           "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
-           "native_dropout", "rrelu", "gumbel_softmax", "_standard_gamma", "_sample_dirichlet"}
-# Python numbers that pick a code path, a count or a shape (float() and .item() make values,
-# which the first-step check compares)
-_DECISIONS = {"__bool__": "bool", "__int__": "int", "__index__": "int"}
-
-
-def _in_place(func: Callable[..., Any]) -> bool:
-    """``add_``, ``copy_``, ``__iadd__``, ``__setitem__``: ops that write into an input."""
-    name = _name(func)
-    return name in _IN_PLACE_DUNDERS or name.endswith("_") and not name.endswith("__")
-
-
-def _number_op(func: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` on ``args`` gives a float in a single run: arithmetic on numbers."""
-    return _name(func) in _NUMBER_OPS and not kwargs and all(
-        isinstance(arg, int | float) or getattr(arg, "swept_number", False) for arg in args)
-
-
-def _redoable(func: Callable[..., Any], args: tuple) -> Callable[..., Any]:
-    """The op to run and redo for ``func``. ``lr *= 2`` (torch runs ``mul_``) where a single
-    run has a float is ``lr * 2``: the float is rebound, not written into, while writing into
-    the swept tensor would change ``config["lr"]`` with it, or inside the step the members'
-    values for every later use (or fail in the gradient transform). ``lr.data`` is
-    ``lr.detach()``: ``.data`` is refused under vmap."""
-    if _name(func) in _AUGMENTED and args and getattr(args[0], "swept_number", False):
-        return getattr(torch.Tensor, _name(func)[:-1])
-    if func == _DATA:
-        return torch.Tensor.detach
-    return func
-
-
-def _unbound_binding(values: tuple) -> SweepBinding | None:
-    """The binding of the first swept value among ``values`` (lists and tuples searched),
-    when no step has bound it: an op run while the experiment is built."""
-    for value in values:
-        if isinstance(value, list | tuple):
-            found = _unbound_binding(tuple(value))
-            if found is not None:
-                return found
-        elif isinstance(value, SweptValue):
-            return value.swept_binding if value.swept_binding.values is None else None
-    return None
-
-
-def _derived(result: Any, binding: SweepBinding, recipe: tuple, number: bool) -> Any:
-    """``result`` of ``recipe`` run on swept values outside a step, as swept values that redo
-    it; each tensor of a tuple result (``unbind``, ``max(dim=0)``) takes its own element."""
-    if isinstance(result, torch.Tensor):
-        return SweptValue._wrap(result, binding, recipe=recipe, number=number)
-    if (isinstance(result, tuple) and result
-            and all(isinstance(part, torch.Tensor) for part in result)):
-        func, args, kwargs = recipe
-        return type(result)([
-            SweptValue._wrap(part, binding, recipe=(functools.partial(_element, func, i), args,
-                                                    kwargs))
-            for i, part in enumerate(result)
-        ])
-    return result
-
-
-def _element(func: Callable[..., Any], index: int, *args: Any, **kwargs: Any) -> Any:
-    return func(*args, **kwargs)[index]
-
-
-def _check_while_building(func: Callable[..., Any], args: tuple, kwargs: dict,
-                          binding: SweepBinding) -> None:
-    """Refuse, in one line, an op on swept values while the template is built that the vmapped
-    step would not redo as each member's own run does."""
-    name = _name(func)
-    keys = ", ".join(_swept_keys((*args, *kwargs.values()))) if (
-        _in_place(func) or name in _RANDOM or name in _DECISIONS) else ""
-    if _in_place(func):
-        raise MemberMismatch(
-            f"experiment(config) writes {keys} into a tensor in place ({name.strip('_')}) while "
-            "it is built, which the vmapped step cannot redo per member; compute a new tensor "
-            "instead (x = x * lr, not x.mul_(lr))"
-        )
-    if name in _RANDOM and not name.endswith("_like"):
-        raise MemberMismatch(
-            f"experiment(config) draws random numbers from {keys} ({name}) while it is built, "
-            "which the vmapped step would draw again; draw them from plain tensors and combine "
-            "(lr * (1 + 0.1 * torch.randn(())))"
-        )
-    if name in _DECISIONS:
-        _same_for_every_member(func, args, kwargs, binding, keys)
-
-
-def _same_for_every_member(func: Callable[..., Any], args: tuple, kwargs: dict,
-                           binding: SweepBinding, keys: str) -> None:
-    """Refuse a bool or int of swept values (an ``if``, ``int()``, ``range()``) that differs
-    between members: the step runs member 0's branch or count for all of them, and where that
-    shows only after the first checked step (a schedule's length) no check would see it."""
-    results = []
-    for _, values in binding.members or ():
-        with binding.bind(values):
-            results.append(_call(func, args, kwargs))
-    labels = [label for label, _ in binding.members or ()]
-    refused = differing_members(_DECISIONS[_name(func)], keys, results, labels)
-    if refused is not None:
-        raise refused
-
-
-def _swept_keys(values: tuple) -> list[str]:
-    """The swept keys ``values`` were computed from, sorted."""
-    keys: dict[str, None] = {}
-    pending, seen = list(_swept_in(values)), set()
-    while pending:
-        value = pending.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if value.swept_recipe is None:
-            keys[value.swept_name] = None
+    >>> parse_sweep(["lr=0.01,0.1", "dim=8", "weight_decay=0, 0.01"])
+    ({'dim': '8'}, {'lr': ['0.01', '0.1'], 'weight_decay': ['0', '0.01']})
+    """
+    fixed: dict[str, str] = {}
+    swept: dict[str, list[str]] = {}
+    for item in items:
+        ((key, text),) = parse_overrides([item]).items()
+        values = [value.strip() for value in text.split(",")]
+        if len(values) > 1 and not all(values):
+            raise ExperimentError(
+                f"--set {item}: an empty value in the list; write values like key=0.01,0.1"
+            )
+        fixed.pop(key, None)
+        swept.pop(key, None)
+        if len(values) == 1:
+            fixed[key] = values[0]
         else:
-            _, args, kwargs = value.swept_recipe
-            pending.extend(_swept_in((*args, *kwargs.values())))
-    return sorted(keys)
+            swept[key] = values
+    return fixed, swept
 
 
-def _swept_in(values: tuple | list) -> Iterator[SweptValue]:
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2" -> [0, 1, 2]``; each seed a distinct non-negative int.
+
+    >>> parse_seeds("0, 3")
+    [0, 3]
+    """
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ExperimentError(
+            f"--seeds {text}: expected comma-separated integers, e.g. --seeds 0,1,2"
+        ) from None
+    _check_distinct("--seeds", seeds)
+    if any(seed < 0 for seed in seeds):
+        raise ExperimentError(f"--seeds {text}: seeds must be non-negative integers")
+    return seeds
+
+
+def member_grid(config: Mapping[str, Any], fixed: Mapping[str, Any],
+                swept: Mapping[str, Sequence[Any]], seeds: Sequence[int] = (0,)) -> list[Member]:
+    """Every combination of the swept values (last key fastest) and the seeds (fastest).
+
+    ``fixed`` overrides apply to every member; values may be strings (from the command line)
+    or numbers, parsed as the type of the ``config`` default. Only float keys may be swept.
+
+    >>> grid = member_grid({"lr": 0.01, "dim": 4}, {"dim": 8}, {"lr": ["0.1", 0.3]}, [0, 1])
+    >>> [(m.index, m.seed, m.config) for m in grid[:2]]
+    [(0, 0, {'lr': 0.1, 'dim': 8}), (1, 1, {'lr': 0.1, 'dim': 8})]
+    >>> [m.swept for m in grid[2:]]
+    [{'lr': 0.3}, {'lr': 0.3}]
+    """
+    if not seeds:
+        raise ExperimentError("a sweep needs at least one seed; pass --seeds 0")
+    _check_distinct("seeds", list(seeds))
+    base = apply_overrides(config, {key: str(value) for key, value in fixed.items()})
+    apply_overrides(config, {key: str(values[0]) for key, values in swept.items() if values})
+    grids = {}
+    for key, texts in swept.items():
+        default = config[key]
+        if type(default) is not float:
+            raise ExperimentError(
+                f"--set {key}={','.join(map(str, texts))}: only float CONFIG keys can take "
+                f"several values (members must share shapes and code); {key}'s default "
+                f"{default!r} is a {type(default).__name__}, so run one sweep per value"
+            )
+        if not texts:
+            raise ExperimentError(f"--set {key}=: give at least one value")
+        values = [coerce_value(key, str(text), default) for text in texts]
+        _check_distinct(f"--set {key}", values)
+        grids[key] = values
+    keys = list(grids)
+    members = []
+    for combo, seed in itertools.product(itertools.product(*grids.values()), seeds):
+        values = dict(zip(keys, combo, strict=True))
+        members.append(Member(len(members), int(seed), {**base, **values}, values))
+    return members
+
+
+def _check_distinct(what: str, values: list[Any]) -> None:
+    seen = set()
     for value in values:
-        if isinstance(value, SweptValue):
-            yield value
-        elif isinstance(value, list | tuple):
-            yield from _swept_in(value)
+        if value in seen:
+            raise ExperimentError(f"{what}: {value!r} is listed twice; list each value once")
+        seen.add(value)
 
-
-def _call(func: Callable[..., Any], args: tuple, kwargs: dict,
-          memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """``func`` run on the current tensors of the swept values among its arguments; ``memo``
-    holds those already computed for one op's arguments."""
-    memo = {} if memo is None else memo
-    return func(*_resolve(args, memo), **{key: _resolve(v, memo) for key, v in kwargs.items()})
-
-
-def _resolve(value: Any, memo: dict[int, torch.Tensor]) -> Any:
-    """A swept value's current tensor; lists and tuples (``torch.stack([...])``) are searched.
-    Inside a step a derived value redoes its op on its inputs' current tensors."""
-    if isinstance(value, SweptValue):
-        return _current(value, memo)
-    if isinstance(value, list | tuple) and next(_swept_in(value), None) is not None:
-        return type(value)(_resolve(v, memo) for v in value)
-    return value
-
-
-def _current(root: SweptValue, memo: dict[int, torch.Tensor]) -> torch.Tensor:
-    """``root``'s tensor now, computed inputs first without recursion: a value derived in a
-    loop (``x = x * decay`` a thousand times) is a chain deeper than Python's stack."""
-    pending = [root]
-    while pending:
-        value = pending[-1]
-        if id(value) in memo:
-            pending.pop()
-            continue
-        waiting = [v for v in _inputs(value) if id(v) not in memo]
-        if waiting:
-            pending.extend(waiting)
-            continue
-        pending.pop()
-        memo[id(value)] = _computed(value, memo)
-    return memo[id(root)]
-
-
-def _inputs(value: SweptValue) -> list[SweptValue]:
-    """The swept values ``value``'s op is redone on (none outside a step: it is built)."""
-    if value.swept_recipe is None or value.swept_binding.values is None:
-        return []
-    _, args, kwargs = value.swept_recipe
-    return list(_swept_in((*args, *kwargs.values())))
-
-
-def _computed(value: SweptValue, memo: dict[int, torch.Tensor]) -> torch.Tensor:
-    """``value``'s tensor now, from its inputs' in ``memo``; each use counts as a read."""
-    binding = value.swept_binding
-    binding.reads += 1
-    bound = binding.values
-    if value.swept_recipe is not None and bound is not None:
-        return _call(*value.swept_recipe, memo)
-    if value.swept_recipe is not None:  # outside a step: the value it was built with
-        return value.swept_plain
-    # A key: a fresh tensor per use, as torch.as_tensor(float) is in a single run, so that
-    # writing into it (torch.as_tensor(config["lr"]).mul_(2)) changes no other use
-    own = bound.get(value.swept_name) if bound is not None else None
-    return (value.swept_plain if own is None else own).clone()
-
-
-# --------------------------------------------------------------------------- the ensemble
 
 
 @dataclass(frozen=True)
@@ -486,12 +260,8 @@ def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Exper
             )
 
 
-def load_sweep(
-    path: str | Path,
-    items: Sequence[str] = (),
-    seeds: Sequence[int] = (0,),
-    steps: int | None = None,
-) -> Ensemble:
+def load_sweep(path: str | Path, items: Sequence[str] = (), seeds: Sequence[int] = (0,),
+               steps: int | None = None) -> Ensemble:
     """Import an experiment script and build the ensemble of its ``--set``/``--seeds`` grid.
 
     ``items`` are ``--set`` values (``"lr=0.01,0.1"`` sweeps, ``"dim=8"`` fixes); ``steps``
@@ -506,18 +276,6 @@ def load_sweep(
     members = member_grid(config, fixed, swept, seeds)
 
     def build(member_config: dict[str, Any]) -> Experiment:
-        try:
-            experiment = script_build(member_config)
-        except ExperimentError:
-            raise
-        except Exception as exc:  # the user's script failed: report where, in one line
-            raise ExperimentError(
-                f"{path}: experiment(config) failed: {describe_failure(exc, path)}"
-            ) from exc
-        if steps is not None and isinstance(experiment, Experiment):
-            experiment = dataclasses.replace(experiment, steps=steps)
-        return experiment
+        return build_experiment(script_build, member_config, path, steps)
 
     return build_ensemble(build, members)
-
-

@@ -7,13 +7,9 @@ from hypothesis import strategies as st
 
 import minitrain as mt
 from minitrain.train import Experiment, make_train_step
-from minitrain.train.sweep import (
-    SweepBinding,
-    SweptValue,
-    build_ensemble,
-    make_ensemble_step,
-    member_grid,
-)
+from minitrain.train.ensemble_step import make_ensemble_step
+from minitrain.train.members import build_ensemble, member_grid
+from minitrain.train.swept import SweepBinding, SweptValue
 from minitrain.tree import stack, unstack
 
 CPU = mt.get_backend("cpu")

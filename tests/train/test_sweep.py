@@ -17,7 +17,8 @@ from minitrain.cli import main
 from minitrain.metrics import MissingExtra, read_metrics
 from minitrain.precision import get_backend
 from minitrain.train import NonFiniteLoss, ResumeError, fit, load_experiment
-from minitrain.train.sweep import MemberMismatch, fit_sweep, load_sweep, plot_sweep
+from minitrain.train.members import MemberMismatch
+from minitrain.train.sweep import fit_sweep, load_sweep, plot_sweep
 from minitrain.tree import leaves, named_leaves, unstack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -392,7 +393,11 @@ NOISY = TOY.replace(
 
 
 def test_members_with_one_seed_share_batch_draws_unless_next_batch_reads_a_swept_value(tmp_path):
-    from minitrain.train.sweep import batches_ignore_swept_values, draw_batches, shared_by_seed
+    from minitrain.train.ensemble_step import (
+        batches_ignore_swept_values,
+        draw_batches,
+        shared_by_seed,
+    )
 
     path = tmp_path / "noisy.py"
     path.write_text(NOISY)

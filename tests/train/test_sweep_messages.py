@@ -240,7 +240,7 @@ def test_json_in_another_thread_during_a_build_behaves_as_ever():
     import threading
 
     from minitrain.train.member_checks import json_writes_member_zero
-    from minitrain.train.members import SweptValue
+    from minitrain.train.swept import SweptValue
 
     lr = SweptValue(0.1, "lr", SweptValue.binding_type())
     seen = []
@@ -263,7 +263,7 @@ def test_builds_in_two_threads_ending_in_either_order_leave_json_as_it_was():
     import threading
 
     from minitrain.train.member_checks import json_writes_member_zero
-    from minitrain.train.members import SweptValue
+    from minitrain.train.swept import SweptValue
 
     lr = SweptValue(0.1, "lr", SweptValue.binding_type())
     original = json.JSONEncoder.default
