@@ -1,21 +1,17 @@
 """The fit loop: the one impure shell around every pure train step.
 
-One loop serves single runs, vmapped sweeps and data parallel; what differs (one model or an
-ensemble, one process or N ranks) sits behind a :class:`Stepper`: how to init, restore and save,
-take a step, check finiteness, and what to log and summarize (torchtune's recipes and
-Lightning's strategies make the same split). The loop owns everything else, once:
+One loop serves single runs, vmapped sweeps and data parallel; what differs sits behind a
+:class:`~minitrain.train.stepper.Stepper`. The loop owns everything else, once:
 
-- the run directory: one owner at a time (:mod:`minitrain.rundir`), checked writable before
-  the first step; a fresh run refuses a used directory without ``resume`` or ``overwrite``;
-- stops: Ctrl-C and SIGTERM are recorded for the whole run (a burst cannot break a save) and
-  end, after a checkpoint of the last finished step, with :class:`Interrupted` (exit 130);
+- the run directory: one owner at a time (:mod:`minitrain.rundir`), checked writable before the
+  first step; a fresh run refuses a used directory without ``resume`` or ``overwrite``;
+- stops: Ctrl-C, SIGTERM and SIGHUP are recorded for the whole run (a burst cannot break a save)
+  and end, after a checkpoint of the last finished step, with :class:`Interrupted` (exit 130);
 - finiteness: every step is checked (a device flag, read at logs, checkpoints and the end), so
   nothing non-finite is checkpointed and no good checkpoint is pruned by a bad one;
-- the user's errors: an exception in ``init``, ``next_batch``, the loss or ``evaluate`` saves
-  the last good step and names the function and the step (:class:`ScriptError`, exit 1);
-- disk: any OSError is one :class:`StorageError` line naming the path (exit 1), and so is a
-  run directory removed or moved while the run trains (noticed at the next metrics write or
-  checkpoint, never written into a recreated directory);
+- errors: one in the user's code saves the last good step and names the function and the step
+  (:class:`ScriptError`); any OSError, and a run directory removed or moved while the run
+  trains, is one :class:`StorageError` line naming the path;
 - metrics, progress, evaluation, the summary and the resource report.
 
 A checkpoint holds everything the next step depends on, so a resumed run ends bit-identical to
@@ -30,67 +26,20 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 from minitrain import checkpoint, rundir
+from minitrain.atomic_io import write_atomic
 from minitrain.errors import Interrupted, NonFiniteLoss, ResumeError, StorageError
 from minitrain.metrics import MetricsWriter
 from minitrain.train.progress import progress_bar, to_stderr
 from minitrain.train.setup import run_generators, to_backend  # noqa: F401  (re-exported)
 from minitrain.train.signals import stop_requests
+from minitrain.train.stepper import FitResult, Stepper, StepTimer
 
-__all__ = [
-    "FitResult",
-    "NonFiniteLoss",
-    "ResumeError",
-    "Stepper",
-    "StepTimer",
-    "dumps_finite",
-    "finite_json",
-    "is_due",
-    "run_loop",
-]
+__all__ = ["FitResult", "Stepper", "dumps_finite", "finite_json", "is_due", "run_loop"]
 
 SUMMARY_FILE = "summary.json"
-
-
-class FitResult(NamedTuple):
-    """What a fit returns: the trained params, the optimizer state and the summary (and the
-    carried model state, loss scale and fp8 amax histories, a
-    :class:`minitrain.train.step.Carry`, if any)."""
-
-    params: Any
-    opt_state: Any
-    summary: dict[str, Any]
-    state: Any = None
-
-
-@runtime_checkable
-class Stepper(Protocol):
-    """What the loop needs from one kind of run (see :mod:`minitrain.train.single` and
-    :mod:`minitrain.train.sweep`)."""
-
-    name: str
-    steps: int
-    main: bool  # this process writes files and prints (rank 0)
-    current_step: int  # the last step taken (its state is the stepper's current state)
-
-    def init(self) -> None: ...
-    def resume_from(self, path: Path, saved_meta_check: Callable[[dict], None]) -> int: ...
-    def meta(self) -> dict[str, Any]: ...
-    def check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None: ...
-    def save(self, run_dir: Path, step: int, keep: int) -> Path: ...
-    def step(self, step: int) -> None: ...
-    def check_finite(self) -> None: ...
-    def records(self, step: int, rates: dict[str, float], evaluate: bool) -> list[dict]: ...
-    def progress_loss(self) -> float: ...
-    def should_stop(self, requested: bool) -> bool: ...
-    def examples(self) -> int | None: ...
-    def finish(self) -> None: ...
-    def summary(self, timer: StepTimer) -> dict[str, Any]: ...
-    def report(self, summary: dict[str, Any]) -> dict[str, Any]: ...
-    def result(self, summary: dict[str, Any]) -> FitResult: ...
-    def evaluates_at(self, step: int) -> bool: ...
 
 
 def is_due(step: int, every: int) -> bool:
@@ -126,55 +75,10 @@ def dumps_finite(value: Any, **options: Any) -> str:
     return json.dumps(finite_json(value), allow_nan=False, **options)
 
 
-class StepTimer:
-    """Steady-state step time: from the end of the first step to the end of the last."""
-
-    def __init__(self, synchronize: Callable[[], None]) -> None:
-        self.synchronize = synchronize
-        self.start = time.perf_counter()
-        self.steady_start: float | None = None
-        self.last = self.start
-        self.steady_steps = 0
-        self.step_time = 0.0
-
-    def tick(self, steps_this_run: int) -> None:
-        now = time.perf_counter()
-        self.step_time, self.last = now - self.last, now
-        if steps_this_run == 1:
-            self.synchronize()
-            self.steady_start = self.last = time.perf_counter()
-        else:
-            self.steady_steps = steps_this_run - 1
-
-    def seconds(self) -> float:
-        return self.last - self.start
-
-    def step_seconds(self) -> float:
-        if self.steady_steps and self.steady_start is not None:
-            return (self.last - self.steady_start) / self.steady_steps
-        return self.seconds()
-
-    def rates(self, examples: int | None) -> dict[str, float]:
-        rates = {"step_time": self.step_time}
-        if examples:
-            rates["examples_per_s"] = examples / self.step_time if self.step_time else 0.0
-        return rates
-
-
-def run_loop(
-    stepper: Stepper,
-    *,
-    out_dir: str | Path | None = None,
-    log_every: int = 1,
-    checkpoint_every: int = 0,
-    keep: int = 3,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    tensorboard: bool = False,
-    report: bool = False,
-    say: Callable[[str], None] | None = None,
-) -> FitResult:
+def run_loop(stepper: Stepper, *, out_dir: str | Path | None = None, log_every: int = 1,
+             checkpoint_every: int = 0, keep: int = 3, resume: bool = False,
+             overwrite: bool = False, progress: bool = True, tensorboard: bool = False,
+             report: bool = False, say: Callable[[str], None] | None = None) -> FitResult:
     """Train ``stepper`` to its last step; return its :class:`FitResult`.
 
     Raises :class:`NonFiniteLoss` (the last good checkpoint stays as it was),
@@ -183,7 +87,8 @@ def run_loop(
     :class:`~minitrain.errors.StorageError`.
     """
     say = say or to_stderr
-    if not stepper.main:
+    main = stepper.parallel is None or stepper.parallel.is_main
+    if not main:
         say, progress = (lambda message: None), False
     if log_every < 1 or checkpoint_every < 0 or keep < 1:
         raise ValueError(
@@ -196,7 +101,7 @@ def run_loop(
     owner: rundir.RunOwner | None = None
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(stop_requests())
-        if run_dir is not None and stepper.main:
+        if run_dir is not None and main:
             owner = rundir.claim(run_dir, resume=resume, overwrite=overwrite)
             stack.callback(owner.release)
         stepper.init()
@@ -205,11 +110,16 @@ def run_loop(
         if finished is not None:
             say(f"{run_dir} already finished all {start} steps; nothing to do "
                 "(pass a larger --steps to train on)")
-            return stepper.result(finished)
+            return _result(stepper, finished)
         loop = _Loop(stepper, run_dir, start, log_every, checkpoint_every, keep, say, stop,
                      owner)
         loop.train(progress, tensorboard)
         return loop.finish(report)
+
+
+def _result(stepper: Stepper, summary: dict[str, Any]) -> FitResult:
+    return FitResult(getattr(stepper, "params", None), getattr(stepper, "opt_state", None),
+                     summary, getattr(stepper, "carry", None))
 
 
 def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
@@ -225,14 +135,14 @@ def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
             )
         say(f"no checkpoint in {run_dir}; starting from step 0")
         return 0
-    # The config is compared before anything is loaded, so a changed shape is named by its
-    # config key, not by a template mismatch.
-    stepper.check_resumable(checkpoint.verify(path).get("meta", {}), run_dir)
-    start = stepper.resume_from(path, lambda saved: stepper.check_resumable(saved, run_dir))
+    # The stepper compares the config before it loads anything, so a changed shape is named by
+    # its config key, not by a template mismatch.
+    start = stepper.resume(path, checkpoint.verify(path).get("meta", {}), run_dir)
     say(f"resuming from {path} (step {start})")
-    if start > stepper.steps:
+    steps = stepper.experiment.steps
+    if start > steps:
         raise ResumeError(
-            f"the checkpoint in {run_dir} is at step {start}, past --steps {stepper.steps}; "
+            f"the checkpoint in {run_dir} is at step {start}, past --steps {steps}; "
             "pass --steps of at least that, or a new --out"
         )
     return start
@@ -240,7 +150,7 @@ def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
 
 def _finished_summary(stepper: Stepper, run_dir: Path, start: int) -> dict[str, Any] | None:
     """The saved summary of a run that already finished every step, else None."""
-    if start == 0 or start < stepper.steps:
+    if start == 0 or start < stepper.experiment.steps:
         return None
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
@@ -260,23 +170,26 @@ class _Loop:
         self.say, self.stop = say, stop
         self.done = start  # the last finished, finiteness-checked step
         self.saved: Path | None = None
-        self.timer = StepTimer(getattr(stepper, "synchronize", lambda: None))
-        self.writes = run_dir is not None and stepper.main
+        self.timer = StepTimer(stepper.backend.synchronize)
+        self.main = stepper.parallel is None or stepper.parallel.is_main
+        self.writes = run_dir is not None and self.main
 
     def train(self, progress: bool, tensorboard: bool) -> None:
         stepper = self.stepper
+        steps, parallel = stepper.experiment.steps, stepper.parallel
         with contextlib.ExitStack() as stack:
-            metrics = (
-                stack.enter_context(self._storage(lambda: MetricsWriter(
-                    self.run_dir, self.start, tensorboard)))
-                if self.writes else None
-            )
+            metrics = None
+            if self.writes:
+                with self._storage_errors():
+                    metrics = stack.enter_context(
+                        MetricsWriter(self.run_dir, self.start, tensorboard))
             advance = stack.enter_context(
-                progress_bar(stepper.name, stepper.steps, self.start, enabled=progress)
+                progress_bar(stepper.experiment.name, steps, self.start, enabled=progress)
             )
             try:
-                for step in range(self.start + 1, stepper.steps + 1):
-                    if stepper.should_stop(self.stop.requested):
+                for step in range(self.start + 1, steps + 1):
+                    requested = self.stop.requested
+                    if requested if parallel is None else parallel.any(requested):
                         break
                     stepper.step(step)
                     self.timer.tick(step - self.start)
@@ -291,19 +204,20 @@ class _Loop:
                 raise
 
     def _after_step(self, step: int, metrics: Any, advance: Any) -> None:
-        stepper = self.stepper
-        is_checkpoint = is_due(step, self.checkpoint_every) and step < stepper.steps
-        is_eval = stepper.main and stepper.evaluates_at(step)
-        if is_due(step, self.log_every) or step == stepper.steps or is_checkpoint or is_eval:
+        stepper, experiment = self.stepper, self.stepper.experiment
+        is_checkpoint = is_due(step, self.checkpoint_every) and step < experiment.steps
+        is_eval = (self.main and experiment.evaluate is not None
+                   and is_due(step, experiment.eval_every))
+        if is_due(step, self.log_every) or step == experiment.steps or is_checkpoint or is_eval:
             stepper.check_finite()
             self.done = step
-            records = stepper.records(step, self.timer.rates(stepper.examples()), is_eval)
+            records = stepper.records(step, self.timer.rates(stepper.examples), is_eval)
             if metrics is not None:
                 self._check_run_dir(step)
                 with self._storage_errors(step):
                     for record in records:
                         metrics.write(step, **record)
-            advance(step, stepper.progress_loss())
+            advance(step, stepper.loss)
         if is_checkpoint:
             self._save(step)
 
@@ -343,16 +257,15 @@ class _Loop:
     def finish(self, report: bool) -> FitResult:
         stepper = self.stepper
         last = self.stepper_finite_step()
-        stopped = last < stepper.steps
+        stopped = last < stepper.experiment.steps
         if self.run_dir is not None and last > self.start:
             self._save(last)
         if stopped:
             raise Interrupted(self._stop_message(last))
         with self._storage_errors(last):
-            stepper.finish()
             summary = stepper.summary(self.timer)
             summary["resumed_from"] = self.start or None
-            if report and not self.stop.requested and stepper.main:
+            if report and not self.stop.requested and self.main:
                 summary["resources"] = stepper.report(summary)
             if self.writes:
                 self._check_run_dir(last)
@@ -363,7 +276,7 @@ class _Loop:
                 + (f"is in {self.saved.path}" if self.saved else "was not written (no --out)")
                 + (" and summary.json is written" if self.writes else "")
             )
-        return stepper.result(summary)
+        return _result(stepper, summary)
 
     def _check_run_dir(self, step: int) -> None:
         """Raise :class:`StorageError` if the run directory is no longer the one this run
@@ -428,10 +341,6 @@ class _Loop:
                 raise
             raise StorageError.from_os_error(exc, exc.filename, "write") from None
 
-    def _storage(self, make: Callable[[], Any]) -> Any:
-        with self._storage_errors():
-            return make()
-
 
 def _survives(path: Path, settle: float = 0.5) -> bool:
     """Whether ``path`` is still a directory after ``settle`` seconds (a removal of the run
@@ -451,16 +360,8 @@ class _Saved(NamedTuple):
 
 def _write_summary(path: Path, summary: dict[str, Any]) -> None:
     """``summary.json``, written aside and renamed into place (never half a file)."""
-    staging = path.with_name(f".{path.name}.tmp")
-    try:
-        staging.write_text(dumps_finite(summary, indent=2) + "\n")
-        staging.replace(path)
-    except IsADirectoryError as exc:
+    if path.is_dir():
         raise StorageError(
-            f"cannot write {path}: it is a directory; move it away and rerun with --resume",
-            path,
-        ) from exc
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            staging.unlink()
-        raise StorageError.from_os_error(exc, path, "write") from None
+            f"cannot write {path}: it is a directory; move it away and rerun with --resume", path
+        )
+    write_atomic(path, dumps_finite(summary, indent=2) + "\n")

@@ -11,10 +11,12 @@ from minitrain import rng
 from minitrain.errors import ExperimentError
 from minitrain.precision import Backend
 from minitrain.train.experiment import one_line
-from minitrain.tree import Params, leaves
+from minitrain.train.script_errors import script_call
+from minitrain.tree import Params, PyTree, leaves
 from minitrain.tree import map as tree_map
 
-__all__ = ["batch_examples", "check_params", "run_generators", "to_backend"]
+__all__ = ["batch_examples", "check_params", "init_params", "probe_batch", "run_generators",
+           "to_backend"]
 
 
 def run_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
@@ -41,6 +43,23 @@ def to_backend(params: Params, backend: Backend) -> Params:
         return leaf.to(device=backend.device, dtype=dtype)
 
     return tree_map(move, params)
+
+
+def init_params(experiment: Any, generator: torch.Generator, backend: Backend) -> Params:
+    """``experiment.init(generator)``, checked and moved to the backend."""
+    with script_call("init(generator)"):
+        params = experiment.init(generator)
+    check_params(params)
+    return to_backend(params, backend)
+
+
+def probe_batch(experiment: Any, generator: torch.Generator) -> PyTree:
+    """The first step's batch, drawn from a copy of ``generator`` (the run's own draws stay as
+    they are), e.g. to count the matmuls a step runs."""
+    probe = torch.Generator(generator.device)
+    probe.set_state(generator.get_state())
+    with script_call("next_batch(generator)", 1):
+        return experiment.next_batch(probe)
 
 
 def batch_examples(batch: Any) -> int:

@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,10 @@ from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, Script
 from minitrain.optim import learning_rate
 from minitrain.precision import Backend
 from minitrain.train.experiment import Experiment, as_recorded, one_line
-from minitrain.train.loop import FitResult, StepTimer, run_loop
+from minitrain.train.loop import FitResult, run_loop
 from minitrain.train.progress import resident_bytes, to_stderr
 from minitrain.train.script_errors import raised_at, script_call
-from minitrain.train.setup import batch_examples, check_params, run_generators, to_backend
+from minitrain.train.setup import batch_examples, init_params, probe_batch, run_generators
 from minitrain.train.step import (
     Carry,
     can_donate,
@@ -41,45 +42,47 @@ from minitrain.train.step import (
     pack_checkpoint_state,
     unpack_checkpoint_state,
 )
+from minitrain.train.stepper import (
+    StepTimer,
+    changed_keys,
+    check_same,
+    evaluated,
+    fp8_scaling,
+    run_summary,
+    step_report,
+)
 from minitrain.tree import size
 
-__all__ = ["RESUMABLE_CHANGES", "SingleRun", "fit"]
+__all__ = ["SingleRun", "fit", "logged_lr"]
 
-# Config keys that may change between a run and its resumption.
-RESUMABLE_CHANGES = frozenset({"steps"})
 # Finiteness flags are read (one host sync) at least this often.
 MAX_UNCHECKED_STEPS = 256
 
 
 class SingleRun:
-    """The :class:`~minitrain.train.loop.Stepper` of one model (optionally one rank of N)."""
+    """The :class:`~minitrain.train.stepper.Stepper` of one model (optionally one rank of N)."""
 
     def __init__(self, experiment: Experiment, backend: Backend, *, seed: int = 0,
                  compile: bool = False, config: dict[str, Any] | None = None,
                  parallel: Any = None) -> None:
         self.experiment, self.backend, self.seed = experiment, backend, seed
         self.compile, self.config, self.parallel = compile, config, parallel
-        self.name, self.steps = experiment.name, experiment.steps
         self.main = parallel is None or parallel.is_main
         self.current_step = 0
-        self.synchronize = backend.synchronize
+        self.loss = float("nan")
+        self.examples = experiment.tokens_per_batch
+        self.batch: Any = None
         self._checked_step = 0
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._examples = experiment.tokens_per_batch
         self._out: Any = None
-        self._batch: Any = None
         self._last_eval: dict[str, float] = {}
-        self._loss = float("nan")
 
     # ------------------------------------------------------------------ start and resume
 
     def init(self) -> None:
         rng.seed_everything(self.seed)
         init_generator, self.data_generator = run_generators(self.seed)
-        with script_call("init(generator)"):
-            params = self.experiment.init(init_generator)
-        check_params(params)
-        self.params = to_backend(params, self.backend)
+        self.params = init_params(self.experiment, init_generator, self.backend)
         with script_call("optimizer.init(params)"):
             self.opt_state = self.experiment.optimizer.init(self.params)
         with script_call("init_state(generator)"):  # model state and the loss scale, if any
@@ -96,23 +99,19 @@ class SingleRun:
         )
 
     def _with_fp8_history(self, carry: Carry | None) -> Carry:
-        """``carry`` plus empty amax histories, one per matmul of a forward pass on a batch
-        drawn from a copy of the data generator (the run's own draws are unchanged)."""
-        probe = torch.Generator(self.data_generator.device)
-        probe.set_state(self.data_generator.get_state())
-        with script_call("next_batch(generator)", 1):
-            batch = self.experiment.next_batch(probe)
+        """``carry`` plus empty amax histories, one per matmul of the first step's forward."""
+        batch = probe_batch(self.experiment, self.data_generator)
         if self.parallel is not None:
             batch = self.parallel.shard(batch)
         batch = self.backend.to_device(batch)
         model_state = carry.model_state if carry is not None else None
-        with _first_step_mistakes(True), script_call("the train step (loss)", 1):
+        with first_step_mistakes(True), script_call("the train step (loss)", 1):
             history = init_fp8_history(
                 self.experiment, self.backend, self.params, model_state, batch
             )
         return (carry or Carry())._replace(fp8_history=history)
 
-    def meta(self) -> dict[str, Any]:
+    def _meta(self) -> dict[str, Any]:
         return {
             "experiment": self.experiment.name,
             "seed": self.seed,
@@ -120,9 +119,9 @@ class SingleRun:
             "config": self.config or {},
         }
 
-    def resume_from(self, path: Path, check: Callable[[dict], None]) -> int:
+    def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int:
+        self._check_resumable(meta, run_dir)
         saved, saved_carry = self._load(path)
-        check(saved.meta)
         checkpoint.restore_rng(saved, self.data_generator)
         self.params = saved.params
         fresh_history = self.carry.fp8_history if self.carry is not None else None
@@ -137,8 +136,7 @@ class SingleRun:
 
     def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Carry | None]:
         """The checkpoint at ``path`` and the carry it was saved with. A cpu-fp8 checkpoint
-        written before fp8 scales came from amax histories holds none: it loads, and the
-        histories start empty."""
+        saved with current scaling holds no amax histories: it loads, and they start empty."""
         template = pack_checkpoint_state(self.opt_state, self.carry)
         try:
             return checkpoint.load(path, self.params, template), self.carry
@@ -156,48 +154,40 @@ class SingleRun:
                   "they start empty")
         return saved, older
 
-    def check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
-        current = self.meta()
-        for key in ("experiment", "seed", "backend"):
-            if saved.get(key) != current[key]:
-                raise ResumeError(
-                    f"{run_dir} was trained with {key}={saved.get(key)!r}, this run has "
-                    f"{key}={current[key]!r}; use the same value to resume, or a new --out"
-                )
+    def _check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
+        current = self._meta()
+        check_same(saved, current, ("experiment", "seed", "backend"), run_dir, "run")
         old, new = saved.get("config", {}), as_recorded(current["config"])
-        for key in sorted(set(old) | set(new)):
-            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
-                raise ResumeError(
-                    f"{run_dir} was trained with {key}={old.get(key)!r}, this run has "
-                    f"{key}={new.get(key)!r}; pass --set {key}={old.get(key)} to resume, or a "
-                    "new --out"
-                )
+        changed = changed_keys(old, new)
+        if changed:
+            key = changed[0]
+            raise ResumeError(
+                f"{run_dir} was trained with {key}={old.get(key)!r}, this run has "
+                f"{key}={new.get(key)!r}; pass --set {key}={old.get(key)} to resume, or a "
+                "new --out"
+            )
 
     def save(self, run_dir: Path, step: int, keep: int) -> Path:
         return checkpoint.save(
             run_dir, step, self.params, pack_checkpoint_state(self.opt_state, self.carry),
-            self.meta(),
-            generator=self.data_generator, keep=keep,
+            self._meta(), generator=self.data_generator, keep=keep,
         )
 
     # ------------------------------------------------------------------ steps
-
-    def should_stop(self, requested: bool) -> bool:
-        return requested if self.parallel is None else self.parallel.any(requested)
 
     def step(self, step: int) -> None:
         first = step == self._checked_step + 1 and self._out is None
         with script_call("next_batch(generator)", step):
             batch = self.experiment.next_batch(self.data_generator)
-        if self._examples is None:
-            self._examples = batch_examples(batch)
+        if self.examples is None:
+            self.examples = batch_examples(batch)
         if self.parallel is not None:
             batch = self.parallel.shard(batch)
         batch = self.backend.to_device(batch)
-        with _first_step_mistakes(first), script_call("the train step (loss)", step):
+        with first_step_mistakes(first), script_call("the train step (loss)", step):
             out = self._train_step(self.params, self.opt_state, batch, self.carry)
         self.params, self.opt_state, self.carry = out.params, out.opt_state, out.carry
-        self._out, self._batch, self.current_step = out, batch, step
+        self._out, self.batch, self.current_step = out, batch, step
         self._pending.append((step, *checked_values(out)))
         if len(self._pending) >= MAX_UNCHECKED_STEPS:
             self.check_finite()
@@ -222,17 +212,13 @@ class SingleRun:
             )
         self._checked_step = steps[-1]
 
-    def evaluates_at(self, step: int) -> bool:
-        every = self.experiment.eval_every
-        return self.experiment.evaluate is not None and every > 0 and step % every == 0
-
     def records(self, step: int, rates: dict[str, float], evaluate: bool) -> list[dict]:
         out = self._out
-        self._loss = float(out.loss)
+        self.loss = float(out.loss)
         with script_call("the loss's aux values", step):
             aux = {key: float(value) for key, value in out.aux.items()}
         record = {
-            "loss": self._loss,
+            "loss": self.loss,
             "lr": logged_lr(out.opt_state),
             "grad_norm": float(out.grad_norm),
             **aux,
@@ -246,87 +232,41 @@ class SingleRun:
         return [record] if self.main else []
 
     def _evaluate(self, step: int | None) -> dict[str, float]:
-        with script_call("evaluate(params)", step):
-            state = () if self.carry is None or self.carry.model_state is None else (
-                self.carry.model_state,)
-            values = self.experiment.evaluate(self.params, *state)
-            if not hasattr(values, "items"):
-                raise ScriptError(
-                    f"evaluate(params) must return a dict of numbers, got "
-                    f"{type(values).__name__}" + (f" at step {step}" if step else "")
-                )
-            return {str(key): float(value) for key, value in values.items()}
-
-    def progress_loss(self) -> float:
-        return self._loss
-
-    def examples(self) -> int | None:
-        return self._examples
+        carry = self.carry
+        state = () if carry is None or carry.model_state is None else (carry.model_state,)
+        return evaluated(self.experiment.evaluate, self.params, *state, step=step)
 
     # ------------------------------------------------------------------ the end
 
-    def finish(self) -> None:
+    def summary(self, timer: StepTimer) -> dict[str, Any]:
         if self._out is not None:
-            self._loss = float(self._out.loss)
+            self.loss = float(self._out.loss)
         if self.experiment.evaluate is not None and self.main and not self._last_eval:
             self._last_eval = self._evaluate(None)
-
-    def summary(self, timer: StepTimer) -> dict[str, Any]:
-        self.backend.synchronize()
-        examples = self._examples or 0
-        n_params = size(self.params)
-        step_seconds = timer.step_seconds()
-        summary: dict[str, Any] = {
-            "name": self.experiment.name,
-            "backend": self.backend.name,
-            "seed": self.seed,
-            "steps": self.experiment.steps,
-            "seconds": timer.seconds(),
-            "step_seconds": step_seconds,
-            "params": n_params,
-            "examples_per_step": examples,
-            # The chapter's rule (3.5.6): 2·B·P forward + 4·B·P backward.
-            "flops_per_step": 6 * examples * n_params,
-            "flops_per_step_exact": self.experiment.flops_per_step,
-            "examples_per_second": examples / step_seconds if step_seconds > 0 else None,
-            "final_loss": self._loss if math.isfinite(self._loss) else None,
-        }
+        summary = run_summary(self, timer, {"seed": self.seed}, {"params": size(self.params)})
+        summary["final_loss"] = self.loss if math.isfinite(self.loss) else None
         if self.config is not None:
             summary["config"] = self.config
         if self._last_eval:
             summary["eval"] = self._last_eval
-        if self.carry is not None and self.carry.loss_scale is not None:
-            summary["skipped_steps"] = int(self.carry.skipped)
-            summary["loss_scale"] = float(self.carry.loss_scale.scale)
-        if self.carry is not None and self.carry.fp8_history is not None:
-            matmuls, _, history_len = self.carry.fp8_history.shape
-            summary["fp8_scaling"] = {"amax_history": history_len, "matmuls": matmuls}
+        carry = self.carry
+        if carry is not None and carry.loss_scale is not None:
+            summary["skipped_steps"] = int(carry.skipped)
+            summary["loss_scale"] = float(carry.loss_scale.scale)
+        summary.update(fp8_scaling(carry.fp8_history if carry is not None else None))
         if self.parallel is not None:
             summary["ranks"] = self.parallel.world_size
         return summary
 
     def report(self, summary: dict[str, Any]) -> dict[str, Any]:
-        if self._batch is None:
+        if self.batch is None:
             return {}
-        from minitrain.accounting import resource_report
-
         # Under data parallelism the report is one rank's step on its shard of the global
         # batch (FLOPs scale with the batch), plus the gradient all-reduce.
         share = self.parallel.weight if self.parallel is not None else 1.0
-        exact = self.experiment.flops_per_step
-        report = resource_report(
-            functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry),
-            self.params,
-            self.opt_state,
-            self._batch,
-            **self._prediction_inputs(),
-            examples_per_step=round(summary["examples_per_step"] * share) or None,
-            exact_flops_per_step=round(exact * share) if exact is not None else None,
-            peak_flops=self.backend.peak_flops(),
-            step_seconds=summary["step_seconds"],
-            steps_total=self.experiment.steps,
-            steps_done=self.experiment.steps,
-        )
+        step = functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry)
+        report = step_report(self, step, summary, examples_scale=share, flops_scale=share,
+                             **self._prediction_inputs())
         if self.parallel is not None:
             from minitrain.distributed import gradient_bytes
 
@@ -350,14 +290,10 @@ class SingleRun:
             "model_state": carry.model_state if carry is not None else None,
         }
 
-    def result(self, summary: dict[str, Any]) -> FitResult:
-        return FitResult(getattr(self, "params", None), getattr(self, "opt_state", None), summary,
-                         getattr(self, "carry", None))
-
 
 def logged_lr(opt_state: Any) -> float | None:
     """The lr of the last update, or None for a state that holds none (a chain that ends in
-    ``scale(-lr)`` instead of ``scale_by_learning_rate``), as a sweep logs it.
+    ``scale(-lr)`` instead of ``scale_by_learning_rate``).
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.ones(1)}
@@ -371,47 +307,29 @@ def logged_lr(opt_state: Any) -> float | None:
         return None
 
 
-class _first_step_mistakes:
+@contextlib.contextmanager
+def first_step_mistakes(enabled: bool) -> Iterator[None]:
     """At a run's first step, a shape or type error in the loss is a mistake in the script's
     setup (exit 2, one line), not a failure partway through training."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        if self.enabled and isinstance(exc, ScriptError):
-            cause = exc.__cause__
-            if isinstance(cause, ValueError | TypeError | IndexError | RuntimeError):
-                frame = raised_at(cause)
-                where = f" ({Path(frame.filename).name} line {frame.lineno})" if frame else ""
-                raise ExperimentError(
-                    f"the first train step failed in the loss{where}: {one_line(cause)}"
-                ) from cause
-        return False
+    try:
+        yield
+    except ScriptError as exc:
+        cause = exc.__cause__
+        if enabled and isinstance(cause, ValueError | TypeError | IndexError | RuntimeError):
+            frame = raised_at(cause)
+            where = f" ({Path(frame.filename).name} line {frame.lineno})" if frame else ""
+            raise ExperimentError(
+                f"the first train step failed in the loss{where}: {one_line(cause)}"
+            ) from cause
+        raise
 
 
-def fit(
-    experiment: Experiment,
-    backend: Backend,
-    *,
-    seed: int = 0,
-    out_dir: str | Path | None = None,
-    log_every: int = 1,
-    checkpoint_every: int = 0,
-    keep: int = 3,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    compile: bool = False,
-    tensorboard: bool = False,
-    report: bool = False,
-    config: dict[str, Any] | None = None,
-    say: Callable[[str], None] | None = None,
-    parallel: Any = None,
-) -> FitResult:
+def fit(experiment: Experiment, backend: Backend, *, seed: int = 0,
+        out_dir: str | Path | None = None, log_every: int = 1, checkpoint_every: int = 0,
+        keep: int = 3, resume: bool = False, overwrite: bool = False, progress: bool = True,
+        compile: bool = False, tensorboard: bool = False, report: bool = False,
+        config: dict[str, Any] | None = None, say: Callable[[str], None] | None = None,
+        parallel: Any = None) -> FitResult:
     """Train ``experiment`` on ``backend``; return params, optimizer state and the summary.
 
     Args:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from minitrain.errors import StorageError
+from minitrain.atomic_io import storage_errors
 from minitrain.metrics import MissingExtra, read_metrics
 from minitrain.train.experiment import ExperimentError
 
@@ -34,11 +34,9 @@ def plot_sweep(run_dir: str | Path, out_png: str | Path | None = None) -> Path:
     out = Path(out_png) if out_png is not None else run_dir / PLOT_FILE
     if out.suffix.lower() != ".png":
         raise ExperimentError(f"the plot is written as PNG; give a path ending in .png, not {out}")
-    try:
+    with storage_errors(out, "write"):
         out.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(out, dpi=120)
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, out, "write") from None
     return out
 
 

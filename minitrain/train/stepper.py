@@ -1,0 +1,193 @@
+"""The interface between the fit loop and one kind of run, and what every kind reports alike.
+
+:func:`~minitrain.train.loop.run_loop` trains any :class:`Stepper`:
+:class:`~minitrain.train.single.SingleRun` (one model, in one process or as one rank of N) or
+:class:`~minitrain.train.sweep.SweepRun` (K members in one vmapped step). The loop owns the run
+directory, signals, when to check, log, evaluate and save; a stepper owns what a step is and what
+its state holds (torchtune's recipe interface and Lightning's strategies make the same split).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from minitrain.errors import ResumeError, ScriptError
+from minitrain.train.script_errors import script_call
+
+__all__ = ["RESUMABLE_CHANGES", "FitResult", "StepTimer", "Stepper", "changed_keys", "check_same",
+           "evaluated", "fp8_scaling", "run_summary", "step_report"]
+
+# Config keys that may change between a run and its resumption.
+RESUMABLE_CHANGES = frozenset({"steps"})
+
+
+class FitResult(NamedTuple):
+    """What a fit returns: the trained params, the optimizer state and the summary (and the
+    carried model state, loss scale and fp8 amax histories, a
+    :class:`minitrain.train.step.Carry`, if any)."""
+
+    params: Any
+    opt_state: Any
+    summary: dict[str, Any]
+    state: Any = None
+
+
+class StepTimer:
+    """Steady-state step time: from the end of the first step to the end of the last."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self.synchronize = synchronize
+        self.start = self.last = time.perf_counter()
+        self.steady_start: float | None = None
+        self.steady_steps = 0
+        self.step_time = 0.0
+
+    def tick(self, steps_this_run: int) -> None:
+        now = time.perf_counter()
+        self.step_time, self.last = now - self.last, now
+        if steps_this_run == 1:
+            self.synchronize()
+            self.steady_start = self.last = time.perf_counter()
+        else:
+            self.steady_steps = steps_this_run - 1
+
+    def seconds(self) -> float:
+        return self.last - self.start
+
+    def step_seconds(self) -> float:
+        if self.steady_steps and self.steady_start is not None:
+            return (self.last - self.steady_start) / self.steady_steps
+        return self.seconds()
+
+    def rates(self, examples: int | None) -> dict[str, float]:
+        rates = {"step_time": self.step_time}
+        if examples:
+            rates["examples_per_s"] = examples / self.step_time if self.step_time else 0.0
+        return rates
+
+
+@runtime_checkable
+class Stepper(Protocol):
+    """What the loop needs from one kind of run; the loop reads ``params``, ``opt_state`` and
+    ``carry`` for the :class:`FitResult`."""
+
+    experiment: Any  # name, steps, evaluate and eval_every (a sweep's shared template)
+    backend: Any
+    parallel: Any  # a DataParallel (rank 0 alone writes and prints), or None
+    current_step: int  # the last step taken
+    loss: float  # what the progress bar shows
+    examples: int | None  # examples (or tokens) per step
+
+    # params, optimizer state and data generators of step 0
+    def init(self) -> None: ...
+    # refuse a checkpoint of another run (its ``meta``, before loading), load it; its step
+    def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int: ...
+    def save(self, run_dir: Path, step: int, keep: int) -> Path: ...
+    def step(self, step: int) -> None: ...
+    # raise NonFiniteLoss for a step since the last check that was not finite
+    def check_finite(self) -> None: ...
+    # the metrics lines of a logged step (with the evaluation when ``evaluate``)
+    def records(self, step: int, rates: dict[str, float], evaluate: bool) -> list[dict]: ...
+    # the final evaluation, then the summary
+    def summary(self, timer: StepTimer) -> dict[str, Any]: ...
+    # the resource report: predicted against measured memory, FLOPs, MFU
+    def report(self, summary: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def check_same(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...],
+               run_dir: Path, what: str) -> None:
+    """Refuse to resume ``run_dir`` when one of ``keys`` of its checkpoint's meta differs from
+    this ``what``'s (a run or a sweep).
+
+    >>> check_same({"seed": 1}, {"seed": 2}, ("seed",), Path("out"), "run")
+    Traceback (most recent call last):
+    ...
+    minitrain.errors.ResumeError: out was trained with seed=1, this run has seed=2; use the same value to resume, or a new --out
+    """  # noqa: E501
+    for key in keys:
+        if saved.get(key) != current[key]:
+            raise ResumeError(
+                f"{run_dir} was trained with {key}={saved.get(key)!r}, this {what} has "
+                f"{key}={current[key]!r}; use the same value to resume, or a new --out"
+            )
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The config keys whose values differ, but for those a resumed run may change.
+
+    >>> changed_keys({"lr": 0.1, "steps": 5}, {"lr": 0.2, "steps": 9})
+    ['lr']
+    """
+    return [key for key in sorted(set(old) | set(new))
+            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
+
+
+def evaluated(evaluate: Callable[..., Any], *args: Any, step: int | None = None
+              ) -> dict[str, float]:
+    """``evaluate(*args)`` as a dict of floats; a failure or anything but a dict is the
+    script's error (:class:`ScriptError` naming the step)."""
+    with script_call("evaluate(params)", step):
+        values = evaluate(*args)
+        if not hasattr(values, "items"):
+            raise ScriptError(
+                f"evaluate(params) must return a dict of numbers, got "
+                f"{type(values).__name__}" + (f" at step {step}" if step else "")
+            )
+        return {str(key): float(value) for key, value in values.items()}
+
+
+def run_summary(stepper: Stepper, timer: StepTimer, head: dict[str, Any],
+                params: dict[str, int], members: int = 1) -> dict[str, Any]:
+    """The summary's common part: the run's name and backend, ``head`` (what else names it),
+    its timing and ``params``, and the chapter's FLOP count per step (3.5.6: 2·B·P forward +
+    4·B·P backward, for each of ``members``)."""
+    experiment, backend = stepper.experiment, stepper.backend
+    backend.synchronize()
+    examples, step_seconds = stepper.examples or 0, timer.step_seconds()
+    exact = experiment.flops_per_step
+    return {
+        "name": experiment.name,
+        "backend": backend.name,
+        **head,
+        "steps": experiment.steps,
+        "seconds": timer.seconds(),
+        "step_seconds": step_seconds,
+        **params,
+        "examples_per_step": examples * members,
+        "flops_per_step": 6 * examples * params["params"],
+        "flops_per_step_exact": exact * members if exact is not None else None,
+        "examples_per_second": examples * members / step_seconds if step_seconds > 0 else None,
+    }
+
+
+def fp8_scaling(history: Any) -> dict[str, Any]:
+    """The summary's record of delayed fp8 scaling: amax history length and matmul count."""
+    if history is None:
+        return {}
+    return {"fp8_scaling": {"amax_history": history.shape[-1], "matmuls": history.shape[-3]}}
+
+
+def step_report(stepper: Any, step: Callable[..., Any], summary: dict[str, Any], *,
+                examples_scale: float = 1.0, flops_scale: float | int = 1,
+                **prediction: Any) -> dict[str, Any]:
+    """The resource report (:func:`minitrain.accounting.resource_report`) of ``step`` on the
+    stepper's last batch: predicted against measured memory, FLOPs and MFU."""
+    from minitrain.accounting import resource_report
+
+    experiment, exact = stepper.experiment, stepper.experiment.flops_per_step
+    return resource_report(
+        step,
+        stepper.params,
+        stepper.opt_state,
+        stepper.batch,
+        **prediction,
+        examples_per_step=round((stepper.examples or 0) * examples_scale) or None,
+        exact_flops_per_step=round(exact * flops_scale) if exact is not None else None,
+        peak_flops=stepper.backend.peak_flops(),
+        step_seconds=summary["step_seconds"],
+        steps_total=experiment.steps,
+        steps_done=experiment.steps,
+    )
