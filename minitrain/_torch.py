@@ -19,7 +19,11 @@ underscore dropped, so ``grep`` finds it in torch's source.
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch._prims_common as _prims_common
+import torch.utils._device as _device
 import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as _pytree
 from torch._subclasses import fake_tensor as _fake_tensor
@@ -46,6 +50,19 @@ __all__ = [
     "maybe_get_level",
     "scaled_mm",
     "disable_dynamo",
+    "foreach",
+    "fused_adam_",
+    "fused_adamw_",
+    "fused_sgd_",
+    "fused_adagrad_",
+    "is_gradtrackingtensor",
+    "get_current_dispatch_mode",
+    "is_torch_function_mode_enabled",
+    "get_current_function_mode_stack",
+    "DeviceContext",
+    "is_non_overlapping_and_dense_or_false",
+    "make_contiguous_strides_for",
+    "storage_use_count",
 ]
 
 # -- pytrees ------------------------------------------------------------------------------------
@@ -123,3 +140,42 @@ scaled_mm = torch._scaled_mm
 # at minitrain's import otherwise): the simulated matmul is a graph break. Public alternative:
 # torch.compiler.disable, which imports dynamo when it decorates.
 disable_dynamo = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+
+# -- optimizer kernels and their guards (minitrain.optim) ---------------------------------------
+
+# torch's foreach kernels by op name (``foreach["mul"]`` is ``torch._foreach_mul``): one C++
+# loop or kernel group over a list of tensors, for LeafBatch's arithmetic, clipping and the
+# lowering's copies. No public alternative: torch.optim's foreach paths call them privately.
+foreach = types.MappingProxyType({
+    name.removeprefix("_foreach_"): getattr(torch, name)
+    for name in dir(torch) if name.startswith("_foreach_")
+})
+# torch.optim's fused kernels (all leaves in place in one pass), for the lowering of adam(w),
+# sgd and adagrad chains. Public alternative: torch.optim.Adam(fused=True) and so on, which
+# mutate through an object and a param_groups list.
+fused_adam_ = torch._fused_adam_
+fused_adamw_ = torch._fused_adamw_
+fused_sgd_ = torch._fused_sgd_
+fused_adagrad_ = torch._fused_adagrad_
+# Whether a torch.func wrapper is grad's (or jvp's), to name the wrappers around a leaf. No
+# public alternative.
+is_gradtrackingtensor = torch._C._functorch.is_gradtrackingtensor
+# The innermost active TorchDispatchMode, or None: the C kernels and probes give way to torch's
+# ops where a mode (the accounting Counter, fake tensors) watches. No public alternative.
+get_current_dispatch_mode = _python_dispatch._get_current_dispatch_mode
+# Whether any TorchFunctionMode is active, and the stack of them: the C kernels give way where
+# one other than torch's default-device mode watches. No public alternative.
+is_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+get_current_function_mode_stack = torch.overrides._get_current_function_mode_stack
+# The TorchFunctionMode that torch.set_default_device installs (not a watcher). No public
+# alternative.
+DeviceContext = _device.DeviceContext
+# Whether a tensor's elements are dense and never share an address, and the contiguous strides
+# of a shape: the strides torch.empty_like gives a buffer, without allocating one. Public
+# alternative: torch.empty_like(t, device="meta").stride(), which builds a tensor per call.
+is_non_overlapping_and_dense_or_false = _prims_common.is_non_overlapping_and_dense_or_false
+make_contiguous_strides_for = _prims_common.make_contiguous_strides_for
+# How many tensors hold a storage (by its ``_cdata``), for the buffer pool's reuse of outputs
+# nobody holds; None on a torch without it (the pool then allocates). No public alternative
+# (sys.getrefcount counts the Python object, not the storage's users).
+storage_use_count = getattr(torch._C, "_storage_Use_Count", None)

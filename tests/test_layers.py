@@ -2,7 +2,9 @@
 
 DESIGN.md: lower layers never import higher ones; library code never imports the command line
 or click; accounting never imports the training loop; the core never imports the shipped
-backends (it finds them through entry points); no import cycles; no file over about 600 lines.
+backends (it finds them through entry points); no import cycles; no file over 500 lines and no
+function over 80; private torch names only in ``minitrain/_torch.py``; no attribute of a torch
+module assigned.
 
 Edges of the import graph are the ``import`` statements executed when a module is imported:
 those at module level, including inside ``try``/``if`` blocks, but not those under
@@ -24,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minitrain"
-MAX_LINES = 650  # "about 600" (DESIGN.md), with room for a docstring or two
+BACKENDS = ROOT / "backends"
 
 
 @dataclass(frozen=True)
@@ -219,15 +221,6 @@ def test_the_core_never_imports_the_shipped_backends():
     )
 
 
-def test_no_file_is_too_long():
-    lengths = {
-        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-        for path in source_files().values()
-    }
-    long = {name: count for name, count in lengths.items() if count > MAX_LINES}
-    assert not long, f"files over {MAX_LINES} lines (split them by concern): {long}"
-
-
 def test_every_package_is_installed_and_the_backends_under_their_own_name():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
@@ -262,6 +255,312 @@ def test_the_graph_sees_imports_the_way_python_runs_them(tmp_path):
         ("minitrain.train", True), ("minitrain.optim.base", True), ("click", True),
         ("minitrain.accounting.memory", False),
     ]
+
+
+# -- private torch names and torch's modules --------------------------------------------------
+#
+# Every private torch name (a ``torch...`` attribute chain, ``import torch...`` or
+# ``from torch... import`` path with a component starting with "_", dunders aside; ``getattr``
+# and ``importlib.import_module`` with such a string) is bound in minitrain/_torch.py and nowhere
+# else, so tests/test_torch_compat.py can check each on every torch CI runs. And no library code
+# assigns to an attribute of a torch module or object (``torch.x.y = ...``, ``setattr(torch...,
+# ...)``, ``F.gelu = ...``): nothing reaches into torch to change it.
+
+PRIVATE_TORCH_HOME = "minitrain/_torch.py"
+
+# Files still naming private torch or assigning into torch (being migrated); remove each as it
+# passes. A file listed here that passes both checks, or is gone, fails the test.
+PENDING_MIGRATION: set[str] = set()
+
+def library_files() -> dict[str, Path]:
+    """Every .py file of minitrain/ and backends/, by its path relative to the repository."""
+    paths = sorted([*PACKAGE.rglob("*.py"), *BACKENDS.rglob("*.py")])
+    return {path.relative_to(ROOT).as_posix(): path for path in paths}
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _is_torch_path(dotted: str) -> bool:
+    return dotted == "torch" or dotted.startswith("torch.")
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    """``torch.utils._pytree.tree_map`` -> ``["torch", "utils", "_pytree", "tree_map"]``; None
+    when the chain does not start at a name (a call, a subscript)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name an attribute or subscript target hangs from: ``torch`` in ``torch.a[0].b``."""
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def torch_bound_names(tree: ast.AST) -> set[str]:
+    """Names a module binds to torch, its modules or their members: by ``import torch...``,
+    ``from torch... import``, or assigning such a name's attribute chain
+    (``F = torch.nn.functional``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names if _is_torch_path(alias.name)
+            }
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is_torch_path(
+            node.module or ""
+        ):
+            names |= {alias.asname or alias.name for alias in node.names}
+    while True:  # aliases of aliases
+        more = {
+            node.targets[0].id for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name) and (_chain(node.value) or [""])[0] in names
+        } - names
+        if not more:
+            return names
+        names |= more
+
+
+def _string_prefix(node: ast.AST) -> str | None:
+    """A string constant, or the constant start of an f-string."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values:
+        return _string_prefix(node.values[0])
+    return None
+
+
+def private_torch_uses(path: Path) -> list[tuple[int, str]]:
+    """``(line, name)`` for each private torch name in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound = torch_bound_names(tree)
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [
+                (node.lineno, alias.name) for alias in node.names
+                if _is_torch_path(alias.name) and any(map(_private, alias.name.split(".")))
+            ]
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is_torch_path(
+            node.module or ""
+        ):
+            found += [
+                (node.lineno, f"{node.module}.{alias.name}") for alias in node.names
+                if any(map(_private, [*node.module.split("."), alias.name]))
+            ]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain = _chain(node)
+            if chain and chain[0] in bound and any(map(_private, chain[1:])):
+                found.append((node.lineno, ".".join(chain)))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            callee = ".".join(_chain(node.func) or [])
+            text = _string_prefix(node.args[1])
+            if callee in {"getattr", "hasattr"} and _root(node.args[0]) in bound and text and (
+                _private(text)
+            ):
+                found.append((node.lineno, f"{callee}({ast.unparse(node.args[0])}, {text!r})"))
+        if isinstance(node, ast.Call) and node.args:
+            callee = ".".join(_chain(node.func) or [])
+            text = _string_prefix(node.args[0])
+            if callee in {"importlib.import_module", "import_module", "__import__"} and text and (
+                _is_torch_path(text) and any(map(_private, text.split(".")))
+            ):
+                found.append((node.lineno, text))
+    return sorted(set(found))
+
+
+def torch_assignments(path: Path) -> list[tuple[int, str]]:
+    """``(line, target)`` for each assignment into torch: to an attribute or item of a name
+    bound to torch (``torch.a.b = x``, ``F.gelu = f``, ``del torch.a.b``, ``x += ...``), and
+    ``setattr``/``delattr`` on one."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound = torch_bound_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute | ast.Subscript) and isinstance(
+                    part.ctx, ast.Store | ast.Del
+                ) and _root(part) in bound:
+                    found.append((node.lineno, ast.unparse(part)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {
+            "setattr", "delattr"
+        } and node.args and _root(node.args[0]) in bound:
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(set(found))
+
+
+def _migration_offenders() -> dict[str, list[str]]:
+    offenders = {}
+    for name, path in library_files().items():
+        if name == PRIVATE_TORCH_HOME:
+            continue
+        found = [f"{line}: {what}" for line, what in private_torch_uses(path)]
+        found += [f"{line}: assigns {what}" for line, what in torch_assignments(path)]
+        if found:
+            offenders[name] = found
+    return offenders
+
+
+def test_private_torch_names_live_in_one_module_and_torch_is_never_changed():
+    offenders = _migration_offenders()
+    new = {name: found for name, found in offenders.items() if name not in PENDING_MIGRATION}
+    assert not new, (
+        "private torch names outside minitrain/_torch.py, or assignments into torch (bind the "
+        "name in minitrain/_torch.py with a test in tests/test_torch_compat.py; never assign "
+        "into torch):\n" + "\n".join(
+            f"  {name}:{line}" for name, found in new.items() for line in found
+        )
+    )
+    done = sorted(PENDING_MIGRATION - set(offenders))
+    assert not done, f"these files pass now: remove them from PENDING_MIGRATION: {done}"
+
+
+def test_the_private_torch_check_sees_every_form(tmp_path):
+    path = tmp_path / "example.py"
+    path.write_text(
+        "import importlib\n"
+        "import torch\n"
+        "import torch.utils._pytree as pytree\n"
+        "from torch import _C, nn\n"
+        "from torch._subclasses.fake_tensor import FakeTensor\n"
+        "from torch.utils import checkpoint\n"
+        "import torch.nn.functional as F\n"
+        "x = torch._foreach_norm([t], 2)\n"
+        "y = torch.ops.aten._fused_adamw.default\n"
+        "z = torch.__version__, torch.utils.checkpoint.checkpoint, nn.Linear\n"
+        "w = getattr(torch, f'_foreach_{name}')\n"
+        "importlib.import_module('torch._dynamo')\n"
+        "v = checkpoint._checkpoint_without_reentrant_generator\n"
+        "ok = obj._private, torch.Tensor.__torch_function__\n"
+    )
+    assert private_torch_uses(path) == [
+        (3, "torch.utils._pytree"), (4, "torch._C"),
+        (5, "torch._subclasses.fake_tensor.FakeTensor"), (8, "torch._foreach_norm"),
+        (9, "torch.ops.aten._fused_adamw.default"),
+        (11, "getattr(torch, '_foreach_')"), (12, "torch._dynamo"),
+        (13, "checkpoint._checkpoint_without_reentrant_generator"),
+    ]
+    path.write_text(
+        "import torch\n"
+        "from torch.utils import checkpoint\n"
+        "import torch.nn.functional as F\n"
+        "cp = torch.utils.checkpoint\n"
+        "torch.backends.cudnn.benchmark = True\n"
+        "checkpoint.CheckpointFunction = object\n"
+        "F.gelu = lambda x: x\n"
+        "setattr(torch.nn, 'x', 1)\n"
+        "cp.checkpoint = None\n"
+        "del torch.Tensor.foo\n"
+        "torch.x.__dict__['y'] = 1\n"
+        "mine = torch.ones(1)\n"
+        "obj.attr = torch.nn\n"
+        "mine.grad = None\n"
+    )
+    assert [line for line, _ in torch_assignments(path)] == [5, 6, 7, 8, 9, 10, 11]
+
+
+# -- sizes -------------------------------------------------------------------------------------
+
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_TOTAL_LINES = 20_000
+
+# Over the limits today, with their size (being split): ``path`` for a file,
+# ``path::Class.function`` for a function (its ``def`` line to its last). An entry may shrink;
+# one that grows, or no longer exceeds the limit, fails the test (update or remove it).
+OVERSIZE_PENDING: dict[str, int] = {
+    "minitrain/checkpoint.py": 642,
+    "minitrain/data.py": 613,
+    "minitrain/optim/_core.py": 648,
+    "minitrain/optim/_core.py::leafwise": 87,
+    "minitrain/optim/_family.py": 559,
+    "minitrain/optim/_plateau.py::reduce_on_plateau": 100,
+    "minitrain/optim/_rmsprop.py::rmsprop": 85,
+    "minitrain/optim/_sgd.py::sgd": 104,
+    "minitrain/optim/base.py": 627,
+    "minitrain/optim/base.py::make_optimizer": 97,
+    "minitrain/optim/kernels/streaming.py": 650,
+    "minitrain/optim/schedules.py": 587,
+    "minitrain/train/members.py": 523,
+    "minitrain/train/step.py::make_train_step": 134,
+    "minitrain/train/sweep.py": 613,
+}
+
+
+def _functions(tree: ast.AST, prefix: str = ""):
+    """``(qualified name, lines)`` of every function and method, nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            name = prefix + node.name
+            yield name, node.end_lineno - node.lineno + 1
+            yield from _functions(node, name + ".")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, prefix + node.name + ".")
+        else:
+            yield from _functions(node, prefix)
+
+
+def oversize() -> dict[str, int]:
+    """Files over MAX_FILE_LINES and functions over MAX_FUNCTION_LINES, with their lines."""
+    found: dict[str, int] = {}
+    for name, path in library_files().items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_FILE_LINES:
+            found[name] = lines
+        for function, size in _functions(ast.parse(text, filename=str(path))):
+            if size > MAX_FUNCTION_LINES:
+                key = f"{name}::{function}"
+                found[key] = max(size, found.get(key, 0))
+    return found
+
+
+def test_no_file_over_500_lines_and_no_function_over_80():
+    found = oversize()
+    new = {name: size for name, size in found.items() if name not in OVERSIZE_PENDING}
+    assert not new, (
+        f"over {MAX_FILE_LINES} lines a file or {MAX_FUNCTION_LINES} a function (split them by "
+        f"concern): {new}"
+    )
+    grown = {
+        name: (OVERSIZE_PENDING[name], size) for name, size in found.items()
+        if name in OVERSIZE_PENDING and size > OVERSIZE_PENDING[name]
+    }
+    assert not grown, f"grown past their size in OVERSIZE_PENDING (listed, now): {grown}"
+    done = sorted(set(OVERSIZE_PENDING) - set(found))
+    assert not done, f"within the limits now: remove them from OVERSIZE_PENDING: {done}"
+
+
+@pytest.mark.xfail(strict=False, reason="the redesign that shrinks the library is in progress")
+def test_the_library_is_at_most_20000_lines():
+    total = sum(len(path.read_text().splitlines()) for path in library_files().values())
+    assert total <= MAX_TOTAL_LINES, f"minitrain/ and backends/ hold {total} lines of Python"
+
+
+def test_the_size_check_counts_functions_by_qualified_name():
+    tree = ast.parse(
+        "def f():\n    def g():\n        pass\n    return g\n"
+        "class C:\n    def m(self):\n        pass\n"
+        "if True:\n    def h():\n        pass\n"
+    )
+    assert list(_functions(tree)) == [("f", 4), ("f.g", 2), ("C.m", 2), ("h", 2)]
 
 
 if __name__ == "__main__":  # print the import graph: python tests/test_layers.py [module ...]

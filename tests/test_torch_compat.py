@@ -301,3 +301,132 @@ def test_disable_dynamo():
 
     assert torch.equal(eager(torch.ones(1)), torch.full((1,), 2.0)) and calls == [False]
 
+
+
+# -- optimizer kernels and their guards (minitrain.optim) -----------------------------------------
+
+
+def test_foreach():
+    used = ["add", "add_", "sub", "mul", "div", "neg", "sqrt", "abs", "sign", "exp", "pow",
+            "lerp", "maximum", "addcmul", "clamp_min", "clamp_max", "copy_", "norm"]
+    assert not [name for name in used if name not in _torch.foreach]
+    a, b = [torch.tensor([1.0, -4.0]), torch.full((3,), 9.0)], [torch.ones(2), torch.ones(3)]
+    assert [t.tolist() for t in _torch.foreach["mul"](a, 2.0)] == [[2.0, -8.0], [18.0] * 3]
+    assert [t.tolist() for t in _torch.foreach["add"](a, b)] == [[2.0, -3.0], [10.0] * 3]
+    assert [t.tolist() for t in _torch.foreach["lerp"](a, b, 0.5)] == [[1.0, -1.5], [5.0] * 3]
+    clamped = _torch.foreach["clamp_max"](_torch.foreach["clamp_min"](a, -1.0), 2.0)
+    assert [t.tolist() for t in clamped] == [[1.0, -1.0], [2.0] * 3]
+    out = [torch.empty(2), torch.empty(3)]
+    _torch.foreach["copy_"](out, a)
+    assert all(torch.equal(x, y) for x, y in zip(out, a, strict=True))
+    _torch.foreach["add_"](out, b)  # in place
+    assert out[1].tolist() == [10.0] * 3 and a[1].tolist() == [9.0] * 3
+
+
+def _fused_matches(kernel, make, run):
+    """One step of ``kernel`` (torch's fused op, via ``run``) equals torch.optim's ``make``."""
+    torch.manual_seed(0)
+    p, g = torch.randn(5), torch.randn(5)
+    reference = torch.nn.Parameter(p.clone())
+    reference.grad = g.clone()
+    optimizer = make([reference])
+    optimizer.step()
+    mine = p.clone()
+    run(kernel, mine, g.clone(), optimizer.state[reference])
+    assert torch.allclose(mine, reference.detach(), atol=1e-6), (mine, reference)
+
+
+def _adam_like(kernel, p, g, state, weight_decay):
+    steps = [torch.tensor(1.0)]
+    kernel([p], [g], [torch.zeros(5)], [torch.zeros(5)], [], steps, lr=0.1, beta1=0.9,
+           beta2=0.999, weight_decay=weight_decay, eps=1e-8, amsgrad=False, maximize=False)
+
+
+def test_fused_adam_():
+    _fused_matches(_torch.fused_adam_, lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1,
+                                                                      foreach=False),
+                   lambda k, p, g, state: _adam_like(k, p, g, state, 0.1))
+
+
+def test_fused_adamw_():
+    _fused_matches(_torch.fused_adamw_, lambda ps: torch.optim.AdamW(
+        ps, lr=0.1, weight_decay=0.1, foreach=False),
+        lambda k, p, g, state: _adam_like(k, p, g, state, 0.1))
+
+
+def test_fused_sgd_():
+    _fused_matches(_torch.fused_sgd_, lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, weight_decay=0.1, foreach=False),
+        lambda k, p, g, state: k([p], [g], [torch.zeros(5)], weight_decay=0.1, momentum=0.9,
+                                 lr=0.1, dampening=0.0, nesterov=False, maximize=False,
+                                 is_first_step=True))
+
+
+def test_fused_adagrad_():
+    _fused_matches(_torch.fused_adagrad_, lambda ps: torch.optim.Adagrad(
+        ps, lr=0.1, weight_decay=0.1, foreach=False),
+        lambda k, p, g, state: k([p], [g], [torch.zeros(5)], [torch.tensor(1.0)], lr=0.1,
+                                 lr_decay=0.0, weight_decay=0.1, eps=1e-10, maximize=False))
+
+
+def test_is_gradtrackingtensor():
+    seen = []
+    torch.func.vmap(lambda t: seen.append(_torch.is_gradtrackingtensor(t)) or t)(torch.ones(3))
+    torch.func.grad(lambda t: seen.append(_torch.is_gradtrackingtensor(t)) or t.sum())(
+        torch.ones(2)
+    )
+    assert seen == [False, True] and not _torch.is_gradtrackingtensor(torch.ones(1))
+
+
+def test_get_current_dispatch_mode():
+    assert _torch.get_current_dispatch_mode() is None
+    with _Seen() as mode:
+        inside = _torch.get_current_dispatch_mode()
+    assert inside is mode and _torch.get_current_dispatch_mode() is None
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_is_torch_function_mode_enabled():
+    assert not _torch.is_torch_function_mode_enabled()
+    with _Watch():
+        assert _torch.is_torch_function_mode_enabled()
+    assert not _torch.is_torch_function_mode_enabled()
+
+
+def test_get_current_function_mode_stack():
+    assert _torch.get_current_function_mode_stack() == []
+    with _Watch() as outer, _Watch() as inner:
+        assert _torch.get_current_function_mode_stack() == [outer, inner]
+
+
+def test_DeviceContext():
+    with torch.device("meta"):
+        stack = _torch.get_current_function_mode_stack()
+        assert torch.empty(1).is_meta
+    assert [type(mode) for mode in stack] == [_torch.DeviceContext]
+
+
+def test_is_non_overlapping_and_dense_or_false():
+    dense = _torch.is_non_overlapping_and_dense_or_false
+    assert dense(torch.ones(3, 2)) and dense(torch.ones(3, 2).t())
+    assert not dense(torch.ones(2).expand(3, 2)) and not dense(torch.ones(4, 4)[:, :2])
+
+
+def test_make_contiguous_strides_for():
+    assert tuple(_torch.make_contiguous_strides_for((3, 2, 4))) == (8, 4, 1)
+    assert tuple(_torch.make_contiguous_strides_for(torch.Size([5]))) == (1,)
+
+
+def test_storage_use_count():
+    count = _torch.storage_use_count
+    assert count is not None  # else the buffer pool allocates every output afresh
+    t = torch.ones(4)
+    alone = count(t.untyped_storage()._cdata)
+    view = t[1:]
+    assert count(t.untyped_storage()._cdata) == alone + 1
+    del view
+    assert count(t.untyped_storage()._cdata) == alone

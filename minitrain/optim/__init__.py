@@ -5,8 +5,8 @@
 >>> params = {"w": torch.zeros(3)}
 >>> state = opt.init(params)
 >>> params, state = opt.update({"w": torch.ones(3)}, state, params)
->>> int(state.count), mt.optim.learning_rate(state)
-(1, 0.0)
+>>> mt.optim.learning_rate(state)
+0.0
 """
 
 from minitrain.optim._adadelta import ScaleByAdadeltaState, adadelta, scale_by_adadelta

@@ -8,10 +8,10 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as _pytree
 from torch import Tensor
 
 from minitrain import tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._core import (
     GradientTransformation,
     as_optimizer,

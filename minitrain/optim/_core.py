@@ -62,10 +62,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as _pytree
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._host import next_step, zero_count
 from minitrain.optim._leafbatch import LeafBatch
 from minitrain.optim.base import Optimizer, check_grads, scalar, use_plain_path
@@ -604,7 +604,7 @@ def _writable(tensors: list) -> bool:
     vmap, grad and torch.compile, and none requiring grad while grad mode is on."""
     if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in tensors):
         return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    wrapped = _torch.is_functorch_wrapped_tensor
     return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
@@ -651,7 +651,7 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
                 u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)
             ):
                 with torch.no_grad():
-                    torch._foreach_add_(leaves, [u.to(p.dtype) for u, p in zip(
+                    _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
                         u_leaves, leaves, strict=True)])
                 return params, state
         return apply_updates(params, updates), state

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as _pytree
+
+from minitrain._torch import pytree as _pytree
 
 __all__ = ["flatten", "unflatten"]
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.utils._pytree as _pytree
-
 from minitrain import tree
+from minitrain._torch import pytree as _pytree
 
 __all__ = ["LeafGroup", "group", "has_groups", "as_lists", "like", "legacy_template"]
 

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from minitrain import _torch
+
 __all__ = ["zero_count", "host_tensor", "functorch_wrappers", "is_batched", "is_traced",
            "lerp_weight", "next_step", "schedule_count", "updates_done"]
 
@@ -40,10 +42,10 @@ def is_traced(value: Any) -> bool:
     if torch.compiler.is_compiling():
         return True
     if type(value) in _PLAIN_TENSOR_TYPES:  # fast path: no subclass, so not fake
-        return torch._C._functorch.is_functorch_wrapped_tensor(value)
-    if torch._C._functorch.is_functorch_wrapped_tensor(value):
+        return _torch.is_functorch_wrapped_tensor(value)
+    if _torch.is_functorch_wrapped_tensor(value):
         return True
-    return isinstance(value, torch._subclasses.FakeTensor) or not _has_storage(value)
+    return isinstance(value, _torch.FakeTensor) or not _has_storage(value)
 
 
 _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
@@ -67,11 +69,11 @@ def functorch_wrappers(value: Tensor) -> list[str]:
     ...     functorch_wrappers(r) == ["grad", "batched"]))(row))(torch.ones(2, 3)).tolist()
     [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
     """
-    functorch, kinds = torch._C._functorch, []
-    while functorch.is_functorch_wrapped_tensor(value):
-        kinds.append("batched" if functorch.is_batchedtensor(value) else
-                     "grad" if functorch.is_gradtrackingtensor(value) else "other")
-        value = functorch.get_unwrapped(value)
+    kinds = []
+    while _torch.is_functorch_wrapped_tensor(value):
+        kinds.append("batched" if _torch.is_batchedtensor(value) else
+                     "grad" if _torch.is_gradtrackingtensor(value) else "other")
+        value = _torch.get_unwrapped(value)
     return kinds
 
 

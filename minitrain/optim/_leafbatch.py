@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from minitrain import _torch
+
 __all__ = ["LeafBatch"]
 
 
@@ -124,7 +126,7 @@ def _fe(name: str, *args: Any, **kwargs: Any) -> LeafBatch:
     """``torch._foreach_<name>`` on plain lists (a LeafBatch argument would dispatch back to
     ``LeafBatch.__torch_function__``)."""
     raw = [list(a) if isinstance(a, LeafBatch) else a for a in args]
-    return LeafBatch(getattr(torch, f"_foreach_{name}")(*raw, **kwargs))
+    return LeafBatch(_torch.foreach[name](*raw, **kwargs))
 
 
 def _per_leaf(func: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

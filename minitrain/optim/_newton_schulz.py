@@ -12,10 +12,9 @@ import math
 from typing import Any
 
 import torch
-import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
+from minitrain import _torch
 from minitrain.optim._host import functorch_wrappers, is_batched, is_traced
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "EPS", "as_number", "newton_schulz",
@@ -209,7 +208,7 @@ def _stacks(matrices: list[Tensor], coefficients: Coefficients, steps: int, eps:
             or torch.compiler.is_compiling() \
             or any(isinstance(v, Tensor) for v in (*coefficients, eps)) \
             or not all(m.is_contiguous() for m in matrices) \
-            or any(torch._C._functorch.is_functorch_wrapped_tensor(m) for m in matrices) \
+            or any(_torch.is_functorch_wrapped_tensor(m) for m in matrices) \
             or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)) \
             or not _can_compare(matrices):
         return False
@@ -234,8 +233,8 @@ def _blas_library() -> str:
 def _can_compare(matrices: list[Tensor]) -> bool:
     """Whether two results can be computed and compared here: real data, no dispatch mode
     that would count (or fake) the probe, and no CUDA graph being captured."""
-    if _python_dispatch._get_current_dispatch_mode() is not None or any(
-        m.device.type == "meta" or isinstance(m, FakeTensor) for m in matrices
+    if _torch.get_current_dispatch_mode() is not None or any(
+        m.device.type == "meta" or isinstance(m, _torch.FakeTensor) for m in matrices
     ):
         return False
     return not (matrices[0].is_cuda and torch.cuda.is_current_stream_capturing())

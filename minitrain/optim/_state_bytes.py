@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree
 
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._adafactor import factored_shapes
 from minitrain.optim._transforms_rules import keeps_momentum_buffer
 

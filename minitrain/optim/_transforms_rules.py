@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
 from minitrain.optim._core import (
     EmptyState,
     GradientTransformation,
@@ -101,7 +101,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
 def _scaled(updates, factor):
     def fn(u, batched):
         if batched:
-            return torch._foreach_mul(u, scalar(factor))
+            return _torch.foreach["mul"](u, scalar(factor))
         return factor * u
 
     return _map(fn, updates, [factor])
@@ -411,7 +411,7 @@ def add_decayed_weights(weight_decay: float | Tensor = 0.0,
             return updates, state
         if not use_plain_path([*u_leaves, *p_leaves], [weight_decay]):
             with torch.no_grad():
-                moved = torch._foreach_add([u_leaves[i] for i in on], [p_leaves[i] for i in on],
+                moved = _torch.foreach["add"]([u_leaves[i] for i in on], [p_leaves[i] for i in on],
                                            alpha=scalar(weight_decay))
             out = list(u_leaves)
             for i, value in zip(on, moved, strict=True):
@@ -448,7 +448,8 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
 
         def fn(u, batched):
             if batched:
-                return torch._foreach_clamp_max(torch._foreach_clamp_min(u, -max_delta), max_delta)
+                low = _torch.foreach["clamp_min"](u, -max_delta)
+                return _torch.foreach["clamp_max"](low, max_delta)
             return torch.clamp(u, -max_delta, max_delta)
 
         return _map(fn, updates), state

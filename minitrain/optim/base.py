@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from minitrain import _torch
 from minitrain.optim._host import _PLAIN_TENSOR_TYPES, is_traced
 from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimizer modules)
     WeightDecayMask,
@@ -162,7 +163,7 @@ def use_plain_path(tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) ->
         return True
     if any(is_traced(value) for value in hyperparameters):
         return True
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    wrapped = _torch.is_functorch_wrapped_tensor
     for t in tensors:  # is_traced, inlined: an update checks every leaf
         if type(t) in _PLAIN_TENSOR_TYPES:
             if wrapped(t):

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
 from minitrain.optim._core import apply_updates
 from minitrain.optim.base import Optimizer, is_traced
 from minitrain.tree import OptState, Params, PyTree
@@ -110,4 +110,4 @@ def _differentiable(params: Params) -> Params:
 
 
 def _inside_functorch_transform() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return _torch.peek_interpreter_stack() is not None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
 
 __all__ = ["donatable", "kernel_ready", "grad_leaf_error", "naming_bad_grads", "none_param_error"]
 
@@ -183,7 +183,7 @@ def kernel_ready(params: list[Tensor], grads: list[Tensor], buffers: dict[str, l
     """
     if torch.compiler.is_compiling():
         return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    wrapped = _torch.is_functorch_wrapped_tensor
     columns = [grads, *buffers.values()]
     if any(len(column) != len(params) for column in columns):
         return False

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
 from minitrain.optim import _flat
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import kernel_ready
@@ -106,7 +106,7 @@ def _family(step, h, per_step, f):
 
 
 def _fused_adam(ps, gs, buffers, step, h, f, maximize):
-    kernel = torch._fused_adamw_ if f.decoupled else torch._fused_adam_
+    kernel = _torch.fused_adamw_ if f.decoupled else _torch.fused_adam_
     steps = [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
     kernel(ps, gs, buffers[0], buffers[1], buffers[2] or [], steps, lr=f.lr,
            beta1=h["beta1"], beta2=h["beta2"], weight_decay=f.decoupled or f.l2, eps=h["eps"],
@@ -115,15 +115,15 @@ def _fused_adam(ps, gs, buffers, step, h, f, maximize):
 
 def _fused_sgd(ps, gs, buffers, step, h, f, maximize):
     momentum = h.get("momentum", 0.0)
-    torch._fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, momentum=momentum, lr=f.lr,
-                      dampening=h.get("dampening", 0.0), nesterov=h.get("nesterov", False),
+    _torch.fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, momentum=momentum, lr=f.lr,
+                       dampening=h.get("dampening", 0.0), nesterov=h.get("nesterov", False),
                       maximize=maximize, is_first_step=step == 1)
 
 
 def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
     steps = [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
-    torch._fused_adagrad_(ps, gs, buffers[0], steps, lr=f.lr, lr_decay=h["lr_decay"],
-                          weight_decay=f.l2, eps=h["eps"], maximize=maximize)
+    _torch.fused_adagrad_(ps, gs, buffers[0], steps, lr=f.lr, lr_decay=h["lr_decay"],
+                           weight_decay=f.l2, eps=h["eps"], maximize=maximize)
 
 
 RULES: dict[tuple[str, ...], Rule] = {
@@ -205,7 +205,7 @@ def _number(value: Any) -> float | None:
 
 
 def _traced(t: Tensor) -> bool:
-    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t) \
+    return torch.compiler.is_compiling() or _torch.is_functorch_wrapped_tensor(t) \
         or type(t) not in (Tensor, torch.nn.Parameter)
 
 
@@ -215,7 +215,7 @@ def lower(tx: Any) -> Callable[..., Any] | None:
     nothing.
 
     >>> import minitrain as mt
-    >>> lower(mt.optim.scale(2.0)) is None, callable(lower(mt.optim.adamw().transformation))
+    >>> lower(mt.optim.scale(2.0)) is None, callable(lower(mt.optim.adamw().update.transformation))
     (True, True)
     """
     shape = _recognise(tx)
@@ -333,7 +333,7 @@ def _clip_factor(g_leaves: list[Tensor], max_norm: Any) -> float | None:
     if streaming.usable(g_leaves):
         norm = streaming.global_norm(g_leaves)
     else:
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g_leaves)))
+        norm = torch.linalg.vector_norm(torch.stack(_torch.foreach_norm(g_leaves)))
     return float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
@@ -362,7 +362,7 @@ def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, flags, don
     # (and the clip's factor) themselves, torch's fused kernels negate for maximize.
     scale = (1.0 if rule.folds_sign else sign) if use_c else clip
     if scale != 1.0:
-        gs = list(torch._foreach_mul(gs, scale))
+        gs = list(_torch.foreach["mul"](gs, scale))
     wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
     plans = []
     for on in (True, False):
@@ -413,7 +413,7 @@ def _fused(rule, ps, gs, buffers, step, hyper, frame, maximize, donate):
 
 def _copies(tensors: list[Tensor]) -> list[Tensor]:
     copies = [torch.empty_like(t) for t in tensors]
-    torch._foreach_copy_(copies, tensors)
+    _torch.foreach["copy_"](copies, tensors)
     return copies
 
 

@@ -15,9 +15,9 @@ import sys
 import threading
 
 import torch
-import torch._prims_common as _prims_common
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+
+from minitrain import _torch
 
 __all__ = ["BufferPool", "current", "idle_bytes"]
 
@@ -60,7 +60,7 @@ class BufferPool:
         if not _CAN_COUNT_STORAGE_USES:
             self._free = {}
             return
-        uses, alone = torch._C._storage_Use_Count, _alone()
+        uses, alone = _torch.storage_use_count, _alone()
         self._free = {
             key: [alias for alias, storage in held if uses(storage) <= alone]
             for key, held in self._held.items()
@@ -195,9 +195,9 @@ def _key(t: Tensor) -> tuple:
     >>> _key(torch.ones(3, 2).t())[1], _key(torch.ones(2).expand(3, 2))[1]
     ((1, 2), (2, 1))
     """
-    if t.is_contiguous() or _prims_common.is_non_overlapping_and_dense_or_false(t):
+    if t.is_contiguous() or _torch.is_non_overlapping_and_dense_or_false(t):
         return t.shape, t.stride(), t.dtype
-    return t.shape, _prims_common.make_contiguous_strides_for(t.shape), t.dtype
+    return t.shape, _torch.make_contiguous_strides_for(t.shape), t.dtype
 
 
 _THREAD = threading.local()
@@ -226,18 +226,18 @@ def idle_bytes() -> int:
     return 0 if pool is None else pool.idle_bytes()
 
 
-_CAN_COUNT_STORAGE_USES = hasattr(torch._C, "_storage_Use_Count")
+_CAN_COUNT_STORAGE_USES = _torch.storage_use_count is not None
 
 
 def _storage_uses(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return _torch.storage_use_count(t.untyped_storage()._cdata)
 
 
 def _probe() -> Tensor:
     """A plain one-element CPU tensor, made outside any dispatch mode: a probe is not part of
     the update a mode (the accounting ``Counter``) is watching, so its first use must not
     count one allocation more than later ones."""
-    with _disable_current_modes():
+    with _torch.disable_current_modes():
         return torch.empty(1, device="cpu")
 
 

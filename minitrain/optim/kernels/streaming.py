@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import SupportsFloat
 
 import torch
-import torch.utils._python_dispatch as _python_dispatch
 from torch import Tensor
-from torch.utils._device import DeviceContext
+
+from minitrain import _torch
 
 __all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "global_norm",
            "sum_of_squares", "usable", "update"]
@@ -316,10 +316,10 @@ def watched() -> bool:
     >>> watched()
     False
     """
-    if not torch._C._is_torch_function_mode_enabled():
+    if not _torch.is_torch_function_mode_enabled():
         return False
-    return any(not isinstance(mode, DeviceContext)
-               for mode in torch.overrides._get_current_function_mode_stack())
+    return any(not isinstance(mode, _torch.DeviceContext)
+               for mode in _torch.get_current_function_mode_stack())
 
 
 def quiet() -> bool:
@@ -330,7 +330,7 @@ def quiet() -> bool:
     >>> quiet()
     True
     """
-    return _python_dispatch._get_current_dispatch_mode() is None and not watched()
+    return _torch.get_current_dispatch_mode() is None and not watched()
 
 
 def usable(tensors: Sequence[Tensor]) -> bool:
@@ -342,7 +342,7 @@ def usable(tensors: Sequence[Tensor]) -> bool:
     >>> usable([torch.ones(2, dtype=torch.bfloat16)])
     False
     """
-    if _python_dispatch._get_current_dispatch_mode() is not None or watched() \
+    if _torch.get_current_dispatch_mode() is not None or watched() \
             or not available():
         return False
     float32, plain = torch.float32, (Tensor, torch.nn.Parameter)
@@ -483,7 +483,7 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
     if isinstance(scale, Tensor) and (type(scale) is not Tensor or scale.numel() != 1
                                       or scale.device.type != "cpu"):
         return None
-    if (_library() is None or _python_dispatch._get_current_dispatch_mode() is not None
+    if (_library() is None or _torch.get_current_dispatch_mode() is not None
             or type(codes) is not Tensor or type(table) is not Tensor):
         return None
     divisor = float(scale)
