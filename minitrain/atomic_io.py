@@ -1,14 +1,10 @@
 """Crash-safe writes: build aside, fsync, rename into place.
 
 A reader sees the old file or directory or the new one, never half of one: the new content is
-written next to the target, flushed to disk (``fsync`` of the file, then of the directory that
-holds the new name), then renamed over the target (POSIX ``rename`` is atomic within one
-filesystem). Used by checkpoints, metrics and prepared data.
-
-Low-level helpers (:func:`write_new_file`, :func:`replace_dir`) raise the ``OSError`` they meet;
-the ones meant for run directories (:func:`write_atomic`, :func:`check_writable_dir`) raise
-:class:`minitrain.errors.StorageError`, one line naming the path and the cause, as every
-``OSError`` inside :func:`storage_errors` becomes.
+written next to the target, fsynced (the file, then its directory), then renamed over it (POSIX
+``rename`` is atomic within one filesystem). :func:`write_new_file` and :func:`replace_dir`
+raise the ``OSError`` they meet; :func:`write_atomic`, :func:`check_writable_dir` and every
+``OSError`` inside :func:`storage_errors` are one :class:`minitrain.errors.StorageError` line.
 
 >>> import tempfile
 >>> from pathlib import Path

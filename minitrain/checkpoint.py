@@ -11,14 +11,10 @@ up to 19 for steps below 2**63) holding
   numpy and ``random`` and of the data sampler's generator, library versions, the non-tensor
   leaves of the pytrees, the size and SHA-256 of each file, and a checksum of itself.
 
-A save writes everything into a temporary directory next to the final one, fsyncs it, then
-renames it into place: a reader sees the old checkpoint or the new one, never half of one. An
-``OSError`` on the way removes the temporary directory, leaves every earlier checkpoint as it was
-and raises :class:`~minitrain.errors.StorageError`; older checkpoints are pruned only once the
-new one is in place. :func:`latest_valid` verifies sizes, hashes and every field of
-``state.json`` and skips (and reports) anything truncated, corrupted or not a checkpoint.
-:func:`load` rebuilds the exact pytrees from the caller's templates
-(:mod:`minitrain.checkpoint_state`).
+A save is built in a temporary directory, fsynced and renamed into place, so a reader sees the
+old checkpoint or the new one, never half of one, and an ``OSError`` leaves every earlier one as
+it was. :func:`latest_valid` skips (and reports) anything truncated, corrupted or not a
+checkpoint; :func:`load` rebuilds the exact pytrees from the caller's templates.
 
 >>> import tempfile, torch
 >>> run = tempfile.mkdtemp()
@@ -152,13 +148,10 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
         meta: JSON data stored as is (put the run's ``config`` and ``backend`` here).
         generator: the data sampler's generator, whose state is saved with the global RNGs'.
         keep: if given, afterwards delete all but the ``keep`` newest checkpoints up to ``step``
-            (checkpoints of later steps are never deleted). Pruning starts only once the new
-            checkpoint is durably in place; if pruning fails, the extra checkpoints stay and a
-            warning is logged.
+            (once the new one is in place; if pruning fails, a warning is logged).
 
     Raises :class:`CheckpointError` for arguments that cannot be saved and
-    :class:`~minitrain.errors.StorageError` for an ``OSError`` while writing (nothing is left
-    behind, and an earlier checkpoint of the same step stays as it was).
+    :class:`~minitrain.errors.StorageError` for an ``OSError`` while writing.
 
     >>> import tempfile, torch
     >>> run = tempfile.mkdtemp()

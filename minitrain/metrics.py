@@ -1,14 +1,11 @@
 """Run logs: an append-only ``metrics.jsonl``, an optional TensorBoard writer, a loss-curve PNG.
 
 ``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``lr``,
-``grad_norm``, ``tokens_per_s``, ``step_time``...), flushed line by line so a killed run keeps
-everything it logged. A resumed run drops the lines past the step it resumes from, so the file
-reads as one uninterrupted run. TensorBoard (``pip install 'minitrain[tensorboard]'``) and
-matplotlib (``pip install 'minitrain[plot]'``) are optional and imported only when asked for.
-An ``OSError`` while reading, writing or plotting (a full disk, ``metrics.jsonl`` that is a
-directory, an unwritable run directory) raises :class:`~minitrain.errors.StorageError`, one
-line naming the path and the cause; a line cut short by a failed write is removed again, so
-the file keeps only whole records.
+``grad_norm``, ``step_time``...), written line by line so a killed run keeps everything it
+logged; a resumed run drops the lines past its step, so the file reads as one run. TensorBoard
+and matplotlib are extras, imported only when asked for. An ``OSError`` is a
+:class:`~minitrain.errors.StorageError` line, and a line cut short by a failed write is removed
+again, so the file keeps only whole records.
 
 >>> import tempfile
 >>> run = tempfile.mkdtemp()
@@ -153,10 +150,8 @@ def _is_json_scalar(value: Any) -> bool:
 
 
 class MetricsWriter:
-    """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once.
-
-    Raises :class:`~minitrain.errors.StorageError` for an ``OSError`` (opening, writing,
-    closing) and :class:`MetricsError` for a value that is not JSON data.
+    """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once;
+    a value that is not JSON data is a :class:`MetricsError`.
 
     Args:
         run_dir: the run directory (created if needed).

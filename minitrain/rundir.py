@@ -1,15 +1,11 @@
 """A run directory has one owner: an advisory lock held for the life of the run.
 
-``claim(path, resume=..., overwrite=...)`` creates the directory, checks it can be written (the
-checkpoints folder included) before any step runs, takes ``<out>/.lock`` with ``fcntl.flock``
-(released by the kernel when the process dies, so a killed run never leaves a stale lock), and
-refuses a fresh run into a directory that already holds a run unless told to resume or
-overwrite. The lock file holds the owner's pid and command line, so the refusal names it.
-
-The owner also remembers which directory it claimed (its device and inode, and an open
-descriptor of it): :meth:`RunOwner.gone` says whether the path still is that directory, so a
-run whose directory was removed, moved or replaced while it trained notices at its next write
-instead of writing into a recreated directory (or a deleted file) that nobody will find.
+``claim(path, resume=..., overwrite=...)`` creates the directory, checks it (and its checkpoints
+folder) can be written before any step runs, takes ``<out>/.lock`` with ``fcntl.flock`` (the
+kernel releases it when the process dies) and refuses a fresh run into a used directory unless
+told to resume or overwrite; the lock file names the owner's pid and command line.
+:meth:`RunOwner.gone` says whether the path is still the directory claimed (device, inode and an
+open descriptor), so a run whose directory was removed or moved notices at its next write.
 
 >>> import tempfile
 >>> from pathlib import Path

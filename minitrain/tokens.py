@@ -202,13 +202,10 @@ class Prefetcher(Generic[Batch]):
     """Prepare the next batch in a background thread while the current step runs.
 
     ``sample(generator) -> batch`` must be a pure function of the generator's state (as
-    :func:`get_batch` is) and safe to run in a second thread. Each call returns
-    ``sample(generator)`` and advances ``generator`` exactly as the plain call would; meanwhile
-    a worker thread draws the following batch from a private copy of the advanced state. The
-    next call uses that work only if the caller's generator still holds the state it was drawn
-    from (otherwise, as after restoring a checkpoint, it draws in place).
-    So the only RNG state is the caller's generator: save it with
-    :func:`minitrain.rng.generator_state` and a resumed run replays the same batches.
+    :func:`get_batch` is). Each call returns ``sample(generator)`` and advances ``generator`` as
+    the plain call would, while a worker thread draws the next batch from a private copy of the
+    advanced state, used only if the caller's generator still holds that state (after a
+    checkpoint is restored, it draws in place). So the caller's generator is the only RNG state.
 
     >>> import numpy as np, torch
     >>> data = np.arange(1000)

@@ -47,13 +47,9 @@ class EnsembleStepOutput(NamedTuple):
 
 def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., StepOutput]:
     """The single-member train step ``(params, opt_state, batch, fp8_history=None)``, in ops
-    that ``vmap`` supports.
-
-    Same math as :func:`~minitrain.train.make_train_step`: the global gradient norm is the norm
-    of the per-leaf norms, and clipping scales by ``min(1, max_norm / (norm + 1e-6))``
-    (``torch.nn.utils.clip_grad_norm_``), so a swept ``max_grad_norm`` works too. On a
-    delayed-fp8 backend each member carries its own amax histories (the output's
-    ``carry.fp8_history``).
+    that ``vmap`` supports: :func:`~minitrain.train.make_train_step`'s math, with clipping by
+    ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s) so that a swept
+    ``max_grad_norm`` works too; each member carries its own fp8 amax histories.
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
@@ -257,13 +253,10 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
     cannot tell a member's value from member 0's: check the next one too).
 
     ``params``, ``opt_state``, ``batch`` (and ``fp8_history``) are the stacked inputs of the
-    ensemble step that returned ``out``. A leaf agrees when its update is within ``rtol`` of
-    the single run's in norm (plus two ulps of the params), so a small lr is checked as closely
-    as a large one: a member trained with member 0's value is off by the values' ratio, while
-    rounding is far below 5%, even in Muon's bfloat16 Newton-Schulz, which turns the last-bit
-    differences of batched gradients into 1% of its update. Raises :class:`MemberMismatch`
-    naming the first member and leaf that differ (e.g. a script that turned a swept value into
-    a Python float).
+    step that returned ``out``. A leaf agrees when its update is within ``rtol`` of the single
+    run's in norm (plus two ulps): a member trained with member 0's value is off by the values'
+    ratio, rounding far less (1% in Muon's bfloat16 Newton-Schulz). Raises
+    :class:`MemberMismatch` naming the first member and leaf that differ.
     """
     singles = zip(*(_members(tree, ensemble.size) for tree in (params, opt_state, batch)),
                   strict=True)

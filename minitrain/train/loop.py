@@ -285,13 +285,9 @@ class _Loop:
         gone = self.owner.gone() if self.owner is not None else None
         if gone is None:
             return
-        run_dir = self.run_dir
-        if self.saved is not None:
-            last: _Saved | None = self.saved
-        elif self.start:
+        run_dir, last = self.run_dir, self.saved
+        if last is None and self.start:
             last = _Saved(checkpoint.checkpoint_path(run_dir, self.start), self.start)
-        else:
-            last = None
         path = last.path if last is not None else None
         if path is not None and gone.moved_to is not None:
             with contextlib.suppress(ValueError):

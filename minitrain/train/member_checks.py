@@ -1,13 +1,10 @@
 """What the members of one vmapped step must share: code paths, sizes and counts.
 
 Members differ only in swept float values, so their experiments must agree in every Python
-bool and int the step depends on: a branch, a tensor's shape, a schedule's length. Each swept
-key is a per-member tensor while the shared (template) experiment is built, and a bool or int
-made from one is checked against every member's own (:func:`differing_members`). One made
-through ``float()`` (``int(float(x) * 100)``) is a plain number there, so the loss and
-optimizer each member builds are compared too (:func:`check_same_sizes`).
-``json.dumps(config)`` writes member 0's values while the template is built, as ``print``
-shows them.
+bool and int the step depends on (a branch, a shape, a schedule's length): one made from a swept
+value while the template is built is checked against every member's own
+(:func:`differing_members`), and one made through ``float()`` is caught by comparing the loss
+and optimizer each member builds (:func:`check_same_sizes`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) as requests to stop, for the
 whole life of a run.
 
-The handler only records the request: it never raises, so a burst of signals cannot interrupt a
-checkpoint half-written, an evaluation or the report. The loop reads the request between steps,
-saves the last finished step and ends with :class:`minitrain.errors.Interrupted` (exit 130).
-The handler stays installed until :func:`stop_requests` exits, so the final save, evaluation,
-report and summary are covered too; the command line keeps it until the process ends.
+The handler only records the request and never raises, so a burst of signals cannot interrupt a
+half-written checkpoint; the loop reads it between steps, saves the last finished step and ends
+with :class:`minitrain.errors.Interrupted` (exit 130). It stays installed until
+:func:`stop_requests` exits (the command line keeps it until the process ends).
 
 >>> with stop_requests() as stop:
 ...     stop.requested
