@@ -254,20 +254,24 @@ def _run(shape, decay_flags, grads, state, params, donate):
             (shape.lr_position is not None and not hasattr(state[shape.lr_position], "lr")):
         return None
     counts = [s.count for s in rule_states] or [state[shape.lr_position].count]
-    if any(type(c) is not Tensor or c.numel() != 1 or c.is_meta for c in counts):
-        return None
+    done = [_number(c) if type(c) is Tensor and not c.is_meta else None for c in counts]
+    if None in done or any(_traced(t) for t in (*p_leaves, *g_leaves)):
+        return None  # under vmap, grad or a compiler, or a hand-edited count: the chain
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*p_leaves, *g_leaves)):
         return None
     hyper = _numbers(shape)
     if hyper is None:
         return None
-    step = int(counts[0]) + 1
+    step = int(done[0]) + 1
     per_step, kept = _advance(shape, rule_states, step)
     if per_step is None:
         return None
     lr = None
     if shape.lr is not None:
-        lr_count = int(state[shape.lr_position].count)
+        lr_count = _number(state[shape.lr_position].count)
+        if lr_count is None:
+            return None
+        lr_count = int(lr_count)
         lr = shape.lr(lr_count) if callable(shape.lr) and not isinstance(shape.lr, Tensor) \
             else shape.lr
         lr = _number(lr)
@@ -339,7 +343,7 @@ def _clip_factor(g_leaves: list[Tensor], max_norm: Any) -> float | None:
 
 def _flags(cache: dict, shape: Shape, params: Any) -> list[bool]:
     """Per leaf, whether weight decay applies (the mask is read once per tree structure)."""
-    from minitrain.optim._layout import decay_flags
+    from minitrain.optim._checks import decay_flags
 
     decay = shape.l2 or shape.decoupled
     if decay is None or _number(decay[0]) == 0:
