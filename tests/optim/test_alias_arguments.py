@@ -1,19 +1,121 @@
-"""eps (and RMSprop's alpha, AdaGrad's lr_decay and initial accumulator, SGD's dampening) as
-0-d tensor hyperparameters, beyond what ``test_unrolled_every_optimizer.py`` checks: a concrete
-tensor gives the numbers of its float on the fast paths (streaming, fused and foreach kernels,
-and chains lowered to them); a differentiable initial accumulator is watched where it reaches
-the update only through the state; a sweep may vary eps per member; a tensor that holds no real
-value is refused with a one-line ``ValueError`` naming the argument."""
+"""The aliases' arguments beyond the registry's configurations: values torch refuses, one-element
+tensors where torch takes numbers (squeezed as torch squeezes them), concrete tensors that must
+give the numbers of their floats, a differentiable initial accumulator, tensors that hold no
+real value, and a sweep that varies eps and alpha per member.
+
+Hand-built chains stand beside the aliases: each is the chain the alias documents.
+"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 import minitrain as mt
+from tests.optim_db_harness import ATOL, RTOL, grads_sequence, run_minitrain, run_torch
 
 optim = mt.optim
 F64 = torch.float64
+
+
+def adam_chain(lr=1e-3, eps=1e-8):
+    return optim.chain(optim.scale_by_adam(eps=eps), optim.scale_by_learning_rate(lr))
+
+
+def rmsprop_chain(lr=1e-2, alpha=0.99, eps=1e-8):
+    return optim.chain(optim.scale_by_rms(alpha, eps), optim.scale_by_learning_rate(lr))
+
+
+def adagrad_chain(lr=1e-2, lr_decay=0.0, initial_accumulator_value=0.0, eps=1e-10):
+    return optim.chain(optim.scale_by_adagrad(lr_decay, initial_accumulator_value, eps),
+                       optim.scale_by_learning_rate(lr))
+
+
+def sgd_chain(lr=1e-3, momentum=0.9, dampening=0.0):
+    return optim.chain(optim.trace(momentum, dampening), optim.scale_by_learning_rate(lr))
+
+
+# --------------------------------------------------------------------------------------------
+# Values torch refuses
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: mt.optim.sgd(lr=-1.0), "lr"),
+        (lambda: mt.optim.sgd(lr=0.1, nesterov=True), "nesterov"),
+        (lambda: mt.optim.sgd(lr=0.1, momentum=-0.5), "momentum"),
+        (lambda: mt.optim.adam(betas=(1.0, 0.999)), "betas[0]"),
+        (lambda: mt.optim.adamw(betas=(0.9, -0.1)), "betas[1]"),
+        (lambda: mt.optim.adam(eps=-1e-8), "eps"),
+        (lambda: mt.optim.adamw(weight_decay=-0.1), "weight_decay"),
+        (lambda: mt.optim.adagrad(lr_decay=-1.0), "lr_decay"),
+        (lambda: mt.optim.rmsprop(alpha=1.5), "alpha"),
+        (lambda: mt.optim.lion(betas=(1.5, 0.9)), "betas"),
+        (lambda: mt.optim.lion(weight_decay=-0.1), "weight_decay"),
+        (lambda: mt.optim.lion(lr=torch.tensor([0.1, 0.2])), "lr"),
+    ],
+)
+def test_invalid_hyperparameters_raise_value_error_naming_them(call, needle):
+    with pytest.raises(ValueError, match=re.escape(f"invalid {needle}")):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: mt.optim.sgd(lr=torch.tensor([0.1, 0.2])),
+    lambda: mt.optim.adam(lr=torch.tensor([0.1, 0.2])),
+    lambda: mt.optim.adamw(betas=(0.9, torch.tensor(0.999))),
+    lambda: mt.optim.adam(betas=(torch.tensor(0.9), 0.999)),
+    lambda: mt.optim.nadam(betas=(0.9, torch.tensor(0.99))),
+    lambda: mt.optim.radam(betas=(0.9, torch.tensor(0.99))),
+    lambda: mt.optim.adamax(betas=(0.9, torch.tensor(0.99))),
+], ids=["sgd-lr", "adam-lr", "adamw-betas", "adam-betas", "nadam-betas", "radam-betas",
+        "adamax-betas"])
+def test_a_tensor_of_two_values_or_betas_mixing_a_float_and_a_tensor_are_refused(call):
+    """torch.optim refuses both (a beta pair is two numbers or two tensors)."""
+    with pytest.raises(ValueError, match=r"lr|betas"):
+        call()
+
+
+# --------------------------------------------------------------------------------------------
+# One-element tensors, squeezed as torch squeezes them
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1), (1,)])
+@pytest.mark.parametrize("factory", [mt.optim.adam, mt.optim.adamw])
+def test_one_element_tensor_betas_are_squeezed_like_torch(factory, shape):
+    betas = (torch.full(shape, 0.8), torch.full(shape, 0.9))
+    opt = factory(lr=0.1, betas=betas)
+    params = {"w": torch.ones(4, 3)}
+    new, _ = opt.update({"w": torch.ones(4, 3)}, opt.init(params), params)
+    assert new["w"].shape == (4, 3)
+
+
+FAMILY = {"NAdam": optim.nadam, "RAdam": optim.radam, "Adamax": optim.adamax,
+          "Adadelta": optim.adadelta, "Adafactor": optim.adafactor}
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_tensor_hyperparameters_squeeze_like_torch(name):
+    g = torch.Generator().manual_seed(0)
+    params = {key: torch.randn(shape, generator=g) for key, shape in
+              {"w": (4, 3), "b": (5,), "s": (), "t": (2, 3, 4)}.items()}
+    grads_seq = grads_sequence(params, 4)
+    kwargs = {"lr": torch.tensor([[0.01]])}
+    if name in ("NAdam", "RAdam", "Adamax"):
+        kwargs["betas"] = (torch.tensor([[[0.9]]]), torch.tensor([[0.99]]))
+    got, _ = run_minitrain(FAMILY[name], kwargs, params, grads_seq, plain=False)
+    torch_kwargs = {"lr": 0.01, **({"betas": (0.9, 0.99)} if "betas" in kwargs else {})}
+    want, _ = run_torch(name, torch_kwargs, params, grads_seq)
+    for key in params:
+        assert got[key].shape == params[key].shape
+        torch.testing.assert_close(got[key], want[key], rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# Concrete tensors: the numbers of their floats
 
 # (name, factory(value) -> Optimizer, value): one per tensor hyperparameter, with a value that
 # binary floating point cannot hold exactly (a float32 tensor's rounding then shows).
@@ -29,20 +131,17 @@ CASES = [
      0.9),
     ("rmsprop-eps", lambda v: optim.rmsprop(lr=0.01, eps=v, weight_decay=0.1), 1e-3),
     ("sgd-dampening", lambda v: optim.sgd(lr=0.1, momentum=0.9, dampening=v), 0.1),
-    # chains built by hand, lowered to the aliases' kernels
-    ("adam_chain-eps", lambda v: optim.as_optimizer(optim.adam_chain(lr=0.1, eps=v)), 1e-3),
+    ("adam_chain-eps", lambda v: optim.as_optimizer(adam_chain(lr=0.1, eps=v)), 1e-3),
     ("rmsprop_chain-alpha",
-     lambda v: optim.as_optimizer(optim.rmsprop_chain(lr=0.01, alpha=v, eps=1e-3)), 0.9),
-    ("rmsprop_chain-eps", lambda v: optim.as_optimizer(optim.rmsprop_chain(lr=0.01, eps=v)),
-     1e-3),
-    ("adagrad_chain-eps", lambda v: optim.as_optimizer(optim.adagrad_chain(lr=0.1, eps=v)),
-     1e-3),
+     lambda v: optim.as_optimizer(rmsprop_chain(lr=0.01, alpha=v, eps=1e-3)), 0.9),
+    ("rmsprop_chain-eps", lambda v: optim.as_optimizer(rmsprop_chain(lr=0.01, eps=v)), 1e-3),
+    ("adagrad_chain-eps", lambda v: optim.as_optimizer(adagrad_chain(lr=0.1, eps=v)), 1e-3),
     ("adagrad_chain-lr_decay",
-     lambda v: optim.as_optimizer(optim.adagrad_chain(lr=0.1, lr_decay=v)), 0.01),
+     lambda v: optim.as_optimizer(adagrad_chain(lr=0.1, lr_decay=v)), 0.01),
     ("adagrad_chain-initial_accumulator_value", lambda v: optim.as_optimizer(
-        optim.adagrad_chain(lr=0.1, initial_accumulator_value=v)), 0.1),
+        adagrad_chain(lr=0.1, initial_accumulator_value=v)), 0.1),
     ("sgd_chain-dampening",
-     lambda v: optim.as_optimizer(optim.sgd_chain(lr=0.1, momentum=0.9, dampening=v)), 0.1),
+     lambda v: optim.as_optimizer(sgd_chain(lr=0.1, momentum=0.9, dampening=v)), 0.1),
 ]
 
 
@@ -74,11 +173,11 @@ def test_a_concrete_tensor_gives_the_numbers_of_its_float(name, factory, value, 
 
 @pytest.mark.parametrize("make", [
     lambda v: optim.adagrad(lr=0.1, initial_accumulator_value=v),
-    lambda v: optim.as_optimizer(optim.adagrad_chain(lr=0.1, initial_accumulator_value=v)),
+    lambda v: optim.as_optimizer(adagrad_chain(lr=0.1, initial_accumulator_value=v)),
 ], ids=["adagrad", "adagrad_chain"])
 def test_the_initial_accumulator_is_differentiable_through_the_state(make):
     """Params that need no grad: only the state (made by init) carries the accumulator's
-    history, which the fast path (a lowered chain's too) would detach."""
+    history, which a fused kernel would detach."""
     g = torch.Generator().manual_seed(1)
     params = {"w": torch.randn(3, 2, generator=g, dtype=F64)}
     grads = [{"w": torch.randn(3, 2, generator=g, dtype=F64)} for _ in range(3)]
@@ -101,11 +200,11 @@ def test_the_initial_accumulator_is_differentiable_through_the_state(make):
 
 
 @pytest.mark.parametrize(("chain", "alias", "kwargs"), [
-    (optim.adam_chain, optim.adam, dict(lr=0.1, eps=1e-3)),
-    (optim.rmsprop_chain, optim.rmsprop, dict(lr=0.01, alpha=0.9, eps=1e-3)),
-    (optim.adagrad_chain, optim.adagrad, dict(lr=0.1, lr_decay=0.01,
-                                              initial_accumulator_value=0.1, eps=1e-3)),
-    (optim.sgd_chain, optim.sgd, dict(lr=0.1, momentum=0.9, dampening=0.1)),
+    (adam_chain, optim.adam, dict(lr=0.1, eps=1e-3)),
+    (rmsprop_chain, optim.rmsprop, dict(lr=0.01, alpha=0.9, eps=1e-3)),
+    (adagrad_chain, optim.adagrad, dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1,
+                                        eps=1e-3)),
+    (sgd_chain, optim.sgd, dict(lr=0.1, momentum=0.9, dampening=0.1)),
 ], ids=["adam", "rmsprop", "adagrad", "sgd"])
 def test_inject_hyperparams_holds_them_as_tensors(chain, alias, kwargs):
     """inject_hyperparams passes every numeric argument as a float32 tensor: the alias given
@@ -117,6 +216,10 @@ def test_inject_hyperparams_holds_them_as_tensors(chain, alias, kwargs):
         want = _updates(alias(**rounded), torch.float32, donate=False)[:2]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# A sweep over eps and alpha; tensors that hold no real value
 
 
 TOY = """

@@ -1,0 +1,135 @@
+"""Adafactor beside the rest of mt.optim: a moment whose memory is another leaf's param, a
+group with no leaves, and hyperparameters that run the caller's code before the checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minitrain as mt
+from minitrain import tree
+from minitrain.optim.kernels import streaming
+
+needs_kernels = pytest.mark.skipif(
+    not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
+)
+
+OPTS = {"adafactor": lambda: mt.optim.adafactor(lr=0.01)}
+SHAPE = (32, 8)  # 256 elements: the fast path's kernels take it
+N = SHAPE[0] * SHAPE[1]
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(shape or SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def _clones(x):
+    return tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree.leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _warm_state(name: str, params: dict):
+    """A state after one update on independent clones (non-zero moments)."""
+    opt = OPTS[name]()
+    grads = {k: _randn(7 + i, *v.shape) for i, (k, v) in enumerate(params.items())}
+    return opt.update(grads, opt.init(_clones(params)), _clones(params))[1]
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory with a storage of its own."""
+    other = torch.from_dlpack(t)
+    assert other.untyped_storage()._cdata != t.untyped_storage()._cdata
+    assert other.data_ptr() == t.data_ptr()
+    return other
+
+
+def _check(name, grads, state, params, donate, exact=True):
+    """The update of these (aliased) inputs against the pure update of independent clones;
+    a pure update must leave every input as it was."""
+    expected = OPTS[name]().update(_clones(grads), _clones(state), _clones(params))
+    before = [t.clone() for t in _tensors((grads, state, params))]
+    got = OPTS[name]().update(grads, state, params, donate=donate)
+    tolerance = dict(rtol=0, atol=0) if exact else {}
+    for new, ref in zip(_tensors(got), _tensors(expected), strict=True):
+        torch.testing.assert_close(new, ref, equal_nan=True, **tolerance)
+    if not donate:
+        for now, then in zip(_tensors((grads, state, params)), before, strict=True):
+            torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True)
+
+
+def test_adafactors_moment_over_another_leafs_param_donated_gives_the_pure_result():
+    """A row moment of leaf b (edited by hand) in the memory of param a: the donated update
+    wrote a first and then read b's moment from it (2.4e-4 off the pure update)."""
+    params = {"a": _randn(0, 64, 64), "b": _randn(1, 64, 64)}
+    state = _warm_state("adafactor", params)
+    named = tree.named_leaves(state)
+    edited = [params["a"][:, :1].abs_() if path.endswith("row_var.b") else t
+              for path, t in named]
+    state = tree.unflatten(tree.structure(state), edited)
+    grads = {"a": _randn(2, 64, 64), "b": _randn(3, 64, 64)}
+    pure = OPTS["adafactor"]().update(_clones(grads), _clones(state), _clones(params))[0]
+    donated = OPTS["adafactor"]().update(grads, state, params, donate=True)[0]
+    for key in params:  # the moment is a strided view: its clone takes the kernel, it does not
+        torch.testing.assert_close(donated[key], pure[key], rtol=1e-6, atol=1e-6)
+
+
+def test_scale_by_adafactor_on_a_group_with_no_leaves():
+    tx = mt.optim.scale_by_adafactor()
+    state = tx.init({})
+    updates, state = tx.update({}, state, {})
+    assert updates == {} and int(state.count) == 1
+
+
+def test_multi_transform_routes_nothing_to_adafactor():
+    """``init`` raised a TypeError (``ScaleByAdafactorState`` missing its buffers)."""
+    tx = mt.optim.multi_transform(
+        {"adam": mt.optim.scale_by_adam(), "adafactor": mt.optim.scale_by_adafactor()},
+        {"w": "adam", "b": "adam"})
+    params = {"w": torch.ones(4, 3), "b": torch.ones(3)}
+    grads = {"w": torch.full((4, 3), 2.0), "b": torch.full((3,), -2.0)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    alone = mt.optim.scale_by_adam()
+    expected, _ = alone.update(grads, alone.init(params), params)
+    for key in params:
+        assert torch.equal(updates[key], expected[key])
+
+
+class _Shrinking(float):
+    """A float hyperparameter whose ``__float__``, once armed, frees a param's storage."""
+
+    victim: torch.Tensor | None = None
+
+    def __float__(self):
+        victim, type(self).victim = type(self).victim, None
+        if victim is not None:
+            victim.untyped_storage().resize_(0)
+        return super().__float__()
+
+
+class _LateProduct(float):
+    """``lr`` whose product with the weight decay is a :class:`_Shrinking` (Adafactor)."""
+
+    def __mul__(self, other):
+        return _Shrinking(float(self) * other)
+
+
+@needs_kernels
+def test_adafactor_takes_its_hyperparameters_before_its_checks():
+    params = {"w": torch.ones(256, 256)}
+    opt = mt.optim.adafactor(lr=_LateProduct(1e-2), weight_decay=0.1)
+    state = opt.init(params)
+    _Shrinking.victim = params["w"]
+    try:
+        with pytest.raises(ValueError, match="resized"):
+            opt.update({"w": torch.full((256, 256), 0.5)}, state, params)
+    finally:
+        _Shrinking.victim = None
+    g, p = torch.ones(8, 4), torch.ones(8, 4)
+    rows, cols, _ = streaming.adafactor_stats(g, p)
+    _Shrinking.victim = p
+    with pytest.raises(ValueError, match="resized"):
+        streaming.adafactor_apply(g, p, rows.float(), cols.float(),
+                                  [1.0, 1e-60, -1.0, _Shrinking(0.01), 0.0])
