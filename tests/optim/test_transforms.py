@@ -1,10 +1,22 @@
-"""Gradient transformations against torch.optim, torch.optim.swa_utils and .grad accumulation."""
+"""Gradient transformations and their chains (``chain``, ``as_optimizer``, ``apply_updates``,
+the global-norm clip) against torch.optim and ``clip_grad_norm_``; a chain built by hand is the
+alias of the same arguments; donation, tied and aliased leaves, function modes and refusals.
+
+Wrappers (MultiSteps, ema, apply_if_finite, masked, multi_transform, inject_hyperparams) are in
+``test_wrappers.py``."""
 
 from __future__ import annotations
 
+import math
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 import minitrain as mt
 from minitrain.optim import (
@@ -53,6 +65,14 @@ def _tx_run(tx, params, grads, requires_grad=False, lowered=True):
     return [p.detach() for p in params], state
 
 
+def _opt_run(opt, params, grads, requires_grad=False):
+    params = [p.clone().requires_grad_(requires_grad) for p in params]
+    state = opt.init(params)
+    for step_grads in grads:
+        params, state = opt.update(step_grads, state, params)
+    return [p.detach() for p in params]
+
+
 CHAINS = {
     "adamw": (
         lambda: chain(scale_by_adam(0.8, 0.99, 1e-6, amsgrad=True), add_decayed_weights(0.1),
@@ -78,19 +98,31 @@ CHAINS = {
                       scale_by_learning_rate(0.01)),
         torch.optim.RMSprop, dict(lr=0.01, alpha=0.9, eps=1e-6, centered=True, momentum=0.9),
     ),
+    "adagrad": (
+        lambda: chain(add_decayed_weights(0.01), mt.optim.scale_by_adagrad(0.01),
+                      scale_by_learning_rate(0.1)),
+        torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.01),
+    ),
 }
 
 
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["batched", "plain"])
 @pytest.mark.parametrize("name", CHAINS)
-def test_chains_of_transforms_match_torch_optim(name, requires_grad):
+def test_chains_of_transforms_match_torch_optim_and_the_alias(name, requires_grad):
+    """The chain op by op and through ``as_optimizer`` (which may run a fused kernel) against
+    the torch.optim class; through ``as_optimizer`` it is the alias of the same arguments, to
+    the bit."""
     make, cls, kwargs = CHAINS[name]
     params, grads = _data(0, 6)
+    alias = as_optimizer(make()) if requires_grad else getattr(mt.optim, cls.__name__.lower())(
+        **kwargs)
     with torch.set_grad_enabled(requires_grad):
         ours, _ = _tx_run(make(), params, grads, requires_grad, lowered=False)
         lowered, _ = _tx_run(make(), params, grads, requires_grad)
-    for a, b in zip(ours, lowered, strict=True):
+        by_alias = _opt_run(alias, params, grads, requires_grad)
+    for a, b, c in zip(ours, lowered, by_alias, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(b, c)
     for a, b in zip(ours, _torch_run(cls, kwargs, params, grads), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -108,117 +140,8 @@ def test_batched_and_plain_paths_agree_to_the_bit(name):
         assert torch.equal(a, b.detach())
 
 
-def test_multisteps_equals_grad_accumulation_then_one_torch_step():
-    k, steps = 3, 2
-    g = torch.Generator().manual_seed(0)
-    w0 = torch.randn(4, 2, generator=g)
-    batches = [torch.randn(5, 4, generator=g) for _ in range(k * steps)]
-
-    def loss(w, x):
-        return ((x @ w).tanh() ** 2).mean()
-
-    model = torch.nn.Parameter(w0.clone())
-    ref = torch.optim.Adam([model], lr=0.1)
-    for i, x in enumerate(batches):
-        loss(model, x).backward()
-        if (i + 1) % k == 0:
-            ref.step()
-            ref.zero_grad()
-
-    opt = as_optimizer(mt.optim.MultiSteps(chain(scale_by_adam(), scale_by_learning_rate(0.1)),
-                                           every_k=k))
-    params = {"w": w0.clone()}
-    state = opt.init(params)
-    for x in batches:
-        grads = mt.grad(lambda p, x=x: loss(p["w"], x))(params)
-        params, state = opt.update(grads, state, params)
-    torch.testing.assert_close(params["w"], model.detach(), rtol=1e-5, atol=1e-6)
-    assert int(state.gradient_step) == steps
-
-
-def test_ema_equals_averaged_model_with_an_ema_average():
-    params, grads = _data(2, 5)
-    module = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in params])
-    averaged = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
-    for step_grads in grads:
-        for p, g in zip(module.parameters(), step_grads, strict=True):
-            p.grad = g.clone()
-        sgd.step()
-        averaged.update_parameters(module)
-    _, state = _tx_run(chain(trace(0.5), scale_by_learning_rate(0.1), mt.optim.ema(0.9)),
-                       params, grads)
-    for ours, theirs in zip(state[-1].ema, averaged.module.parameters(), strict=True):
-        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-7)
-
-
-def test_apply_if_finite_skips_and_counts_non_finite_updates():
-    tx = mt.optim.apply_if_finite(chain(scale_by_adam(), scale_by_learning_rate(0.1)))
-    params = [torch.ones(3)]
-    state = tx.init(params)
-    updates, state = tx.update([torch.ones(3)], state, params)
-    before = state.inner_state
-    bad, state = tx.update([torch.tensor([1.0, float("inf"), 0.0])], state, params)
-    assert torch.equal(bad[0], torch.zeros(3))
-    assert int(state.total_notfinite) == 1 and not bool(state.last_finite)
-    assert all(torch.equal(a, b) for a, b in zip(mt.tree.leaves(state.inner_state),
-                                                  mt.tree.leaves(before), strict=True))
-    again, state = tx.update([torch.ones(3)], state, params)
-    assert int(state.notfinite_count) == 0 and int(state.total_notfinite) == 1
-
-
-@pytest.mark.parametrize("bad_step", [0, 1], ids=["between-inner-steps", "at-an-inner-step"])
-def test_apply_if_finite_around_multisteps_drops_a_non_finite_micro_batch(bad_step):
-    tx = mt.optim.apply_if_finite(mt.optim.MultiSteps(mt.optim.scale(-0.1), every_k=2))
-    params = [torch.zeros(2)]
-    state = tx.init(params)
-    seen = []
-    for step in range(7):
-        grad = torch.full((2,), float("nan") if step == bad_step else 1.0)
-        updates, state = tx.update([grad], state, params)
-        params = apply_updates(params, updates)
-        seen.append(float(params[0][0]))
-    # The bad micro-batch is skipped, the next ones pair up: three inner steps of -0.2.
-    assert seen[-1] == pytest.approx(-0.6) and int(state.total_notfinite) == 1
-
-
-def test_multi_transform_routes_leaves_and_masked_skips_the_rest():
-    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
-    grads = {"w": torch.full((2, 2), 2.0), "b": torch.full((2,), 2.0)}
-    tx = mt.optim.multi_transform(
-        {"sgd": scale_by_learning_rate(0.5), "frozen": mt.optim.scale(0.0)},
-        {"w": "sgd", "b": "frozen"},
-    )
-    updates, _ = tx.update(grads, tx.init(params), params)
-    assert torch.equal(updates["w"], torch.full((2, 2), -1.0))
-    assert torch.equal(updates["b"], torch.zeros(2))
-    masked = mt.optim.masked(scale_by_learning_rate(0.5), lambda name, p: p.ndim == 1)
-    updates, _ = masked.update(grads, masked.init(params), params)
-    assert torch.equal(updates["w"], grads["w"]) and torch.equal(updates["b"], -torch.ones(2))
-    with pytest.raises(ValueError, match="label 'x'"):
-        mt.optim.multi_transform({"a": mt.optim.identity()}, lambda n, p: "x").init(params)
-
-
-def test_inject_hyperparams_changes_lr_mid_run_and_vmaps_over_members():
-    tx = mt.optim.inject_hyperparams(scale_by_learning_rate)(learning_rate=0.1)
-    params = [torch.ones(2)]
-    state = tx.init(params)
-    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)
-    state = state._replace(hyperparams={"learning_rate": torch.tensor(0.25)})
-    updates, state = tx.update([torch.ones(2)], state, params)
-    assert torch.equal(updates[0], torch.full((2,), -0.25))
-
-    lrs = torch.tensor([0.1, 0.2], dtype=torch.float64)
-
-    def member(lr, p):
-        opt = as_optimizer(mt.optim.inject_hyperparams(
-            lambda learning_rate: chain(scale_by_adam(), scale_by_learning_rate(learning_rate))
-        )(learning_rate=lr))
-        new, _ = opt.update([torch.ones(2)], opt.init([p]), [p])
-        return new[0]
-
-    out = torch.func.vmap(member)(lrs, torch.ones(2, 2))
-    torch.testing.assert_close(out, torch.tensor([[0.9, 0.9], [0.8, 0.8]]))
+# --------------------------------------------------------------------------------------------
+# The global-norm clip
 
 
 def test_clip_by_global_norm_has_both_forms_and_matches_torch():
@@ -234,6 +157,278 @@ def test_clip_by_global_norm_has_both_forms_and_matches_torch():
         torch.testing.assert_close(ours, p.grad)
         assert torch.equal(ours, both)
     assert float(norm) == 5.0
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float64, torch.float32)])
+@pytest.mark.parametrize("path", ["fast", "autograd"])
+def test_clip_by_global_norm_in_fp64_equals_clip_grad_norm(dtypes, path):
+    """fp64 grads: the norm is taken in fp64 (torch's clip_grad_norm_ takes each norm in its
+    grads' dtype), so norm and clipped grads equal torch's to the bit."""
+    g = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(37, 11, generator=g, dtype=dtypes[0]) * 3.0,
+             "b": torch.randn(11, generator=g, dtype=dtypes[1])}
+    ps = [torch.nn.Parameter(torch.zeros_like(v)) for v in grads.values()]
+    for p, v in zip(ps, grads.values(), strict=True):
+        p.grad = v.clone()
+    want_norm = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+    assert want_norm.dtype == torch.float64
+    if path == "autograd":
+        grads = {k: v.clone().requires_grad_(True) for k, v in grads.items()}
+    clipped, norm = mt.optim.clip_by_global_norm(grads, 1.0)
+    assert norm.dtype == torch.float64
+    torch.testing.assert_close(norm, want_norm, rtol=0, atol=0)
+    for (name, value), p in zip(clipped.items(), ps, strict=True):
+        assert value.dtype == p.dtype, name
+        torch.testing.assert_close(value.detach(), p.grad, rtol=0, atol=0)
+    tx = mt.optim.clip_by_global_norm(1.0)
+    updates, _ = tx.update(grads, tx.init(grads))
+    for value, p in zip(updates.values(), ps, strict=True):
+        torch.testing.assert_close(value.detach(), p.grad, rtol=0, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_norm=st.one_of(st.sampled_from([1e-3, 0.5, 1, 3.0, 1e6, math.inf]),
+                          st.floats(1e-30, 1e30)),
+       scale=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e3, 1e18]), seed=st.integers(0, 2**16))
+def test_clip_by_global_norm_equals_clip_grad_norm_to_the_bit(max_norm, scale, seed):
+    """Its factor is torch's float32 ops on the norm (min(1, max_norm / (norm + 1e-6))), in
+    both forms, across the float range."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {"w": torch.randn(40, 33, generator=g) * scale, "b": torch.randn(33, generator=g)}
+    ps = [torch.nn.Parameter(torch.zeros_like(v)) for v in grads.values()]
+    for p, v in zip(ps, grads.values(), strict=True):
+        p.grad = v.clone()
+    want = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    clipped, norm = mt.optim.clip_by_global_norm(grads, max_norm)
+    tx = mt.optim.clip_by_global_norm(max_norm)
+    updates, _ = tx.update(grads, tx.init(grads))
+    exact = dict(rtol=0, atol=0, equal_nan=True)  # inf / inf is NaN in both
+    torch.testing.assert_close(norm, want, **exact)
+    for value, by_tx, p in zip(clipped.values(), updates.values(), ps, strict=True):
+        torch.testing.assert_close(value, p.grad, **exact)
+        torch.testing.assert_close(by_tx, p.grad, **exact)
+
+
+def test_clipping_an_expanded_grad_gives_the_clones_result():
+    # What autograd gives for p.sum(): an expanded grad (torch.func.grad does not copy it).
+    tx = mt.optim.clip_by_global_norm(0.5)
+    g = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(8, generator=g).expand(32, 8), "b": torch.randn(32, 8, generator=g)}
+    clipped, _ = tx.update(grads, tx.init(grads))
+    expected, _ = tx.update({k: v.clone() for k, v in grads.items()}, tx.init(grads))
+    torch.testing.assert_close(clipped, expected)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_a_leading_clip_gives_the_aliases_update_of_the_clipped_grads(decoupled):
+    params, grads = _data(3, 4)
+
+    def make():
+        return chain(
+            mt.optim.clip_by_global_norm(0.5), scale_by_adam(), add_decayed_weights(0.1),
+            scale_by_learning_rate(0.01),
+        ) if decoupled else chain(
+            mt.optim.clip_by_global_norm(0.5), add_decayed_weights(0.1), scale_by_adam(),
+            scale_by_learning_rate(0.01),
+        )
+
+    lowered, _ = _tx_run(make(), params, grads)
+    op_by_op, _ = _tx_run(make(), params, grads, lowered=False)
+    factory = mt.optim.adamw if decoupled else mt.optim.adam
+    clipped_first = [mt.optim.clip_by_global_norm(g, 0.5)[0] for g in grads]
+    by_alias = _opt_run(factory(lr=0.01, weight_decay=0.1), params, clipped_first)
+    for a, b, c in zip(lowered, by_alias, op_by_op, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def _chain(lr=0.1):
+    return mt.optim.chain(mt.optim.clip_by_global_norm(0.1), mt.optim.scale_by_adam(eps=1.0),
+                          mt.optim.scale_by_learning_rate(lr))
+
+
+def _by_the_chain(params, grads):
+    tx = _chain()
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return mt.optim.apply_updates(params, updates)
+
+
+def test_non_dense_params_keep_the_clip():
+    params = {"w": torch.ones(4, 8)[:, ::2]}
+    grads = {"w": torch.full((4, 4), 10.0)}
+    opt = mt.optim.as_optimizer(_chain())
+    new, _ = opt.update(grads, opt.init(params), params)
+    torch.testing.assert_close(new["w"], _by_the_chain(params, grads)["w"])
+
+
+def test_an_update_inside_a_schedule_keeps_the_outer_updates_clip():
+    box = {}
+
+    def schedule(count):
+        if "opt" in box and not box.get("done"):
+            box["done"] = True
+            inner = {"w": torch.ones(4)}
+            box["opt"].update({"w": torch.ones(4)}, box["opt"].init(inner), inner)
+        return 0.1
+
+    opt = box["opt"] = mt.optim.as_optimizer(_chain(schedule))
+    params, grads = {"w": torch.ones(8)}, {"w": torch.full((8,), 10.0)}
+    new, _ = opt.update(grads, opt.init(params), params)
+    assert box["done"]
+    torch.testing.assert_close(new["w"], _by_the_chain(params, grads)["w"])
+
+
+class _Watching(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_torch_function_mode_sees_the_update_and_changes_no_number():
+    """A function mode is the caller's code: it sees the update's torch ops (no kernel runs
+    past it), and the numbers are those of the update without it."""
+    params, grads = {"w": torch.randn(300)}, {"w": torch.randn(300)}
+    opt = as_optimizer(_chain())
+    want, _ = opt.update(grads, opt.init(params), params)
+    with _Watching() as mode:
+        got, _ = opt.update(grads, opt.init(params), params)
+    assert mode.calls > 0
+    torch.testing.assert_close(got["w"], want["w"])
+
+
+# --------------------------------------------------------------------------------------------
+# as_optimizer: donation, tied and aliased leaves, refusals
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_as_optimizer_of_an_unlowered_chain_donates_or_not_alike(donate):
+    tx = mt.optim.chain(mt.optim.scale_by_sign(), mt.optim.trace(0.9),
+                        mt.optim.scale_by_learning_rate(0.1))
+    opt = mt.optim.as_optimizer(tx)
+    params = [torch.randn(5, 3, generator=torch.Generator().manual_seed(0))]
+    reference = opt.update([torch.ones(5, 3)], opt.init(params), params)[0]
+    given = [params[0].clone()]
+    out = opt.update([torch.ones(5, 3)], opt.init(given), given, donate=donate)[0]
+    assert torch.equal(out[0], reference[0])
+    assert (out[0].data_ptr() == given[0].data_ptr()) == donate
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: as_optimizer(chain(mt.optim.clip_by_global_norm(1.0), scale_by_adam(),
+                               add_decayed_weights(0.1), scale_by_learning_rate(0.01))),
+    lambda: as_optimizer(chain()),  # no lowering: the updates (the grads) are added in place
+], ids=["chain", "identity-chain"])
+def test_donating_grads_that_are_other_leaves_params_gives_the_pure_result(factory):
+    def run(donate):
+        torch.manual_seed(0)
+        x, y = torch.randn(1000), torch.randn(1000)
+        params = {"a": x, "b": y}
+        opt = factory()
+        new, _ = opt.update({"a": y, "b": x}, opt.init(params), params, donate=donate)
+        return new
+
+    pure, donated = run(False), run(True)
+    for key in pure:
+        torch.testing.assert_close(donated[key], pure[key], rtol=0, atol=0)
+
+
+TIED = {
+    "chain": lambda: as_optimizer(chain(
+        mt.optim.clip_by_global_norm(1.0), scale_by_adam(), scale_by_learning_rate(0.1))),
+    "unlowered chain": lambda: as_optimizer(chain(
+        mt.optim.scale_by_sign(), scale_by_learning_rate(0.1))),
+}
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_a_tensor_passed_twice_and_donated_is_updated_as_without_donation(name):
+    # Tied weights as two leaves: updating each leaf in place would update the tensor twice.
+    g = torch.Generator().manual_seed(0)
+    grads = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(64, 32, generator=g)}
+    expected = []
+    for donate in (False, True):
+        w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        params = {"a": w, "b": w}
+        opt = TIED[name]()
+        state = opt.init(params)
+        for _ in range(2):
+            params, state = opt.update(grads, state, params, donate=donate)
+        expected.append(params)
+    torch.testing.assert_close(expected[1], expected[0], rtol=0, atol=0)
+
+
+def test_a_lowered_chain_keeps_donating_though_its_state_shares_one_count():
+    opt = TIED["chain"]()
+    params = [torch.randn(64, 32, generator=torch.Generator().manual_seed(0))]
+    state = opt.init(params)
+    for _ in range(3):
+        given = params[0].data_ptr()
+        params, state = opt.update([torch.ones(64, 32)], state, params, donate=True)
+        assert params[0].data_ptr() == given
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's, on making one
+def test_a_sparse_grad_to_a_chain_is_a_value_error_naming_its_leaf(layout):
+    opt = as_optimizer(chain(mt.optim.clip_by_global_norm(1.0), scale_by_adam(),
+                             scale_by_learning_rate(0.1)))
+    params = {"emb": torch.ones(4, 3)}
+    dense = torch.zeros(4, 3)
+    dense[1] = 1.0  # an embedding's grad: the rows looked up
+    grad = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    with pytest.raises(ValueError, match="grad of 'emb' is a torch.sparse_.* dense grads"):
+        opt.update({"emb": grad}, opt.init(params), params)
+
+
+PLACES = {
+    "as_optimizer": "optim.as_optimizer(opt)",
+    "MultiSteps": "optim.MultiSteps(opt, every_k=2)",
+    "apply_if_finite": "optim.apply_if_finite(opt)",
+    "masked": "optim.masked(opt, lambda name, leaf: True)",
+    "multi_transform": "optim.multi_transform({'all': opt}, lambda name, leaf: 'all')",
+    "chain": "optim.chain(optim.clip(1.0), opt)",
+    "inject_hyperparams": "optim.as_optimizer(optim.inject_hyperparams(optim.sgd)(lr=0.1))"
+                          ".init({'w': torch.ones(2)})",
+}
+ALIASES = ["sgd", "adam", "nadam", "muon"]
+
+
+def test_an_optimizer_where_a_transformation_goes_is_a_one_line_value_error():
+    code = (
+        "import torch, minitrain as mt\n"
+        "optim = mt.optim\n"
+        f"for alias in {ALIASES!r}:\n"
+        f"    for place, call in {PLACES!r}.items():\n"
+        "        opt = getattr(optim, alias)()\n"
+        "        try:\n"
+        "            eval(call)\n"
+        "        except ValueError as err:\n"
+        "            assert 'is an Optimizer; pass a GradientTransformation' in str(err), err\n"
+        "            assert '\\n' not in str(err)\n"
+        "        else:\n"
+        "            raise AssertionError(f'{place} took {alias}')\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "MINITRAIN_TYPECHECK": "0"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_inject_hyperparams_over_a_transformation_still_steps():
+    """The regression guard: a transformation factory gives torch's SGD step."""
+    injected = mt.optim.inject_hyperparams(mt.optim.scale_by_learning_rate)(learning_rate=0.1)
+    opt = mt.optim.as_optimizer(injected)
+    params = {"w": torch.tensor([1.0, 2.0])}
+    params, _ = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+    assert params["w"].tolist() == pytest.approx([0.9, 1.9])
+
+
+# --------------------------------------------------------------------------------------------
+# Hyperparameters and apply_updates
 
 
 def test_hyperparameters_are_checked_like_torch_optim():
@@ -270,71 +465,24 @@ def test_apply_updates_is_pure_and_keeps_dtypes():
     assert out["w"].dtype == torch.bfloat16 and torch.equal(params["w"], torch.ones(2).bfloat16())
 
 
-def test_injected_hyperparameters_are_swept_by_fit_sweep():
-    from minitrain.train.members import build_ensemble, member_grid
-    from minitrain.train.sweep import fit_sweep
-
-    config = {"lr": 0.1, "steps": 3}
-
-    def experiment(config):
-        tx = mt.optim.inject_hyperparams(
-            lambda learning_rate: chain(scale_by_adam(), scale_by_learning_rate(learning_rate))
-        )(learning_rate=config["lr"])
-        return mt.Experiment(
-            init=lambda g: {"w": torch.zeros(2)},
-            loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
-            next_batch=lambda g: torch.randn(4, 2, generator=g),
-            optimizer=as_optimizer(tx), steps=config["steps"])
-
-    members = member_grid(config, {}, {"lr": [0.01, 0.1]}, seeds=[0])
-    result = fit_sweep(build_ensemble(experiment, members), mt.get_backend("cpu"),
-                       progress=False)
-    lrs = result.opt_state.hyperparams["learning_rate"]
-    torch.testing.assert_close(lrs, torch.tensor([0.01, 0.1]), check_dtype=False)
-    # Adam moves each coordinate by about lr per step: the members moved 3 * lr.
-    torch.testing.assert_close(result.params["w"].abs().amax(dim=1),
-                               torch.tensor([0.03, 0.3]), rtol=0.05, atol=0)
+@pytest.mark.parametrize(("params", "updates", "message"), [
+    ({"a": torch.ones(())}, {"a": 2.0},
+     "apply_updates: updates leaf 'a' is of type float, not a tensor; pass torch.tensor(2.0)"),
+    ({"a": 1.0}, {"a": torch.ones(())},
+     "apply_updates: param 'a' is of type float, not a tensor; pass torch.tensor(1.0)"),
+    ({"a": torch.ones(2)}, {"a": None}, "the grad of 'a' is None"),
+    ({"a": None}, {"a": torch.ones(2)}, "'a' is None"),
+])
+def test_a_leaf_that_is_no_tensor_is_named_in_one_line(params, updates, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        apply_updates(params, updates)
+    assert "\n" not in str(error.value)
+    assert "shape" not in str(error.value)
 
 
-def test_a_chain_state_round_trips_through_a_checkpoint(tmp_path):
-    tx = mt.optim.apply_if_finite(mt.optim.MultiSteps(
-        chain(mt.optim.clip_by_global_norm(1.0), scale_by_adam(amsgrad=True),
-              add_decayed_weights(0.1), scale_by_learning_rate(0.01), mt.optim.ema(0.9)),
-        every_k=2))
-    opt = as_optimizer(tx)
-    params, grads = _data(3, 3)
-    state = opt.init(params)
-    for step_grads in grads:
-        params, state = opt.update(step_grads, state, params)
-    path = mt.checkpoint.save(tmp_path, 3, params, state)
-    loaded = mt.checkpoint.load(path, params, opt.init(params))
-    for a, b in zip(mt.tree.leaves(state), mt.tree.leaves(loaded.opt_state), strict=True):
-        assert torch.equal(a, b)
-    assert type(loaded.opt_state) is type(state)
-
-
-@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float64, torch.float32)])
-@pytest.mark.parametrize("path", ["fast", "autograd"])
-def test_clip_by_global_norm_in_fp64_equals_clip_grad_norm(dtypes, path):
-    """fp64 grads: the norm is taken in fp64 (torch's clip_grad_norm_ takes each norm in its
-    grads' dtype), so norm and clipped grads equal torch's to the bit."""
-    g = torch.Generator().manual_seed(0)
-    grads = {"w": torch.randn(37, 11, generator=g, dtype=dtypes[0]) * 3.0,
-             "b": torch.randn(11, generator=g, dtype=dtypes[1])}
-    ps = [torch.nn.Parameter(torch.zeros_like(v)) for v in grads.values()]
-    for p, v in zip(ps, grads.values(), strict=True):
-        p.grad = v.clone()
-    want_norm = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
-    assert want_norm.dtype == torch.float64
-    if path == "autograd":
-        grads = {k: v.clone().requires_grad_(True) for k, v in grads.items()}
-    clipped, norm = mt.optim.clip_by_global_norm(grads, 1.0)
-    assert norm.dtype == torch.float64
-    torch.testing.assert_close(norm, want_norm, rtol=0, atol=0)
-    for (name, value), p in zip(clipped.items(), ps, strict=True):
-        assert value.dtype == p.dtype, name
-        torch.testing.assert_close(value.detach(), p.grad, rtol=0, atol=0)
-    tx = mt.optim.clip_by_global_norm(1.0)
-    updates, _ = tx.update(grads, tx.init(grads))
-    for value, p in zip(updates.values(), ps, strict=True):
-        torch.testing.assert_close(value.detach(), p.grad, rtol=0, atol=0)
+def test_tensor_leaves_still_add_in_the_params_dtype():
+    params = {"w": torch.ones(2, dtype=torch.bfloat16), "i": torch.tensor([3])}
+    out = apply_updates(params, {"w": torch.full((2,), 0.5), "i": torch.tensor([1.7])})
+    assert out["w"].dtype == torch.bfloat16 and out["w"].tolist() == [1.5, 1.5]
+    # (3 + 1.7) cast to int64 as torch casts
+    assert out["i"].dtype == torch.int64 and out["i"].tolist() == [4]

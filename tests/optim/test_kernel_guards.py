@@ -1,0 +1,229 @@
+"""The streaming kernels' guards and build: their norm of norms against torch's ops, a decode
+table they cannot read, storages the caller's code frees while a kernel is about to read them, a
+failed or truncated build, and another OpenMP runtime in the process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import minitrain as mt
+from minitrain.optim.kernels import streaming
+
+needs_kernels = pytest.mark.skipif(
+    not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
+)
+
+def _torch_norm_of_leaf_norms(leaves):
+    """The kernels' norm as torch ops compute it from the float64 sums of squares."""
+    sums = torch.tensor(streaming.sum_of_squares(leaves), dtype=torch.float64)
+    return torch.linalg.vector_norm(sums.to(torch.float32).sqrt(), 2)
+
+
+@needs_kernels
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=40),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e18, 1.5e19, 1e25]),
+       seed=st.integers(0, 2**16))
+# A leaf whose float32 sum of squares, 191698560, torch's CPU sqrt rounds to 13845.5244140625
+# where the correctly rounded float32 is 13845.525390625.
+@example(sizes=[450, 1361, 2215, 785], scale=1000.0, seed=305)
+def test_the_kernels_norm_equals_torchs_ops_on_the_leaf_norms(sizes, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(n, generator=g) * scale * float(torch.rand((), generator=g))
+              for n in sizes]
+    ours, theirs = streaming.global_norm(leaves), _torch_norm_of_leaf_norms(leaves)
+    assert ours.dtype == theirs.dtype == torch.float32 and ours.shape == ()
+    assert torch.equal(ours, theirs) or (ours.isnan() and theirs.isnan())
+
+
+@needs_kernels
+@pytest.mark.parametrize("values", [
+    (2918.0, 2639.0, 1879.0, 2623.0, 1784.0),  # a sum that float32 and exact sums round apart
+    (1.5e19, 1.5e19),  # the norm of the leaf norms overflows float32, as torch's does
+])
+def test_the_kernels_norm_rounds_as_torch_does_where_an_exact_sum_would_not(values):
+    leaves = [torch.tensor([v]) for v in values]
+    ps = [torch.nn.Parameter(torch.zeros(1)) for _ in values]
+    for p, t in zip(ps, leaves, strict=True):
+        p.grad = t.clone()
+    want = torch.nn.utils.clip_grad_norm_(ps, 1.0)
+    clipped, norm = mt.optim.clip_by_global_norm(leaves, 1.0)
+    assert torch.equal(norm, want)
+    for c, p in zip(clipped, ps, strict=True):
+        assert torch.equal(c, p.grad)
+
+
+class _Shrinking(float):
+    """A float hyperparameter whose ``__float__``, once armed, frees a param's storage."""
+
+    victim: torch.Tensor | None = None
+
+    def __float__(self):
+        victim, type(self).victim = type(self).victim, None
+        if victim is not None:
+            victim.untyped_storage().resize_(0)
+        return super().__float__()
+
+
+@needs_kernels
+def test_decode_div_refuses_a_table_it_cannot_read_and_reads_the_scale_first():
+    codes = torch.randn(64).to(torch.float8_e4m3fn)
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(streaming.decode_div(codes, table, 2.0), codes.float() / 2.0)
+    shrunk = table.clone()
+    shrunk.untyped_storage().resize_(0)
+    assert streaming.decode_div(codes, shrunk, 2.0) is None
+    assert streaming.decode_div(codes, table.to("meta"), 2.0) is None
+    _Shrinking.victim = codes
+    assert streaming.decode_div(codes, table, _Shrinking(2.0)) is None  # codes then shrunk
+
+
+# Frees the param's and grad's storage from the caller's code at a chosen moment of an update.
+SHRINKERS = {
+    "max-norm-subclass": """
+victim = []
+class Evil(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if victim and getattr(func, "__name__", "") in ("__rtruediv__", "__truediv__", "div"):
+            for t in victim: t.untyped_storage().resize_(0)
+            victim.clear()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+opt = mt.optim.as_optimizer(mt.optim.chain(
+    mt.optim.clip_by_global_norm(torch.tensor(1.0).as_subclass(Evil)), mt.optim.scale_by_adam(),
+    mt.optim.scale_by_learning_rate(1e-3)))
+p, g = {"w": torch.randn(1 << 22)}, {"w": torch.randn(1 << 22)}
+state = opt.init(p); victim += [p["w"], g["w"]]
+opt.update(g, state, p, donate=DONATE)
+""",
+    "count-subclass": """
+victim, seen = [], []
+class EvilCount(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__int__", "__index__", "item"):
+            seen.append(1)
+            if victim and len(seen) == NTH:  # at the NTH read of the count
+                for t in victim: t.untyped_storage().resize_(0)
+                victim.clear()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+opt = mt.optim.adamw(lr=1e-3)
+p, g = {"w": torch.randn(1 << 22)}, {"w": torch.randn(1 << 22)}
+state = opt.init(p)
+def with_count(s):  # every count field, at any depth, as an EvilCount
+    if isinstance(s, tuple) and hasattr(s, "_fields"):
+        fields = {f: with_count(getattr(s, f)) for f in s._fields}
+        if "count" in fields: fields["count"] = s.count.as_subclass(EvilCount)
+        return type(s)(**fields)
+    return type(s)(with_count(x) for x in s) if isinstance(s, tuple) else s
+state = with_count(state); victim += [p["w"], g["w"]]
+opt.update(g, state, p, donate=DONATE)
+""",
+}
+
+
+def _run_shrinker(case: str, donate: bool, nth: int = 1) -> subprocess.CompletedProcess:
+    code = "import torch, minitrain as mt\n" + SHRINKERS[case].replace(
+        "DONATE", str(donate)).replace("NTH", str(nth)) + "print('intact' if victim else 'shrunk')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "MINITRAIN_TYPECHECK": "0"})
+
+
+def _assert_named_error(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])  # not a signal
+    last = out.stderr.strip().splitlines()[-1]
+    # named by the leaf's name, or by its slot in the kernel's last guard
+    assert last.startswith("ValueError") and ("'w'" in last or "resized" in last), last
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", SHRINKERS)
+def test_the_callers_code_cannot_shrink_a_storage_the_kernel_reads(case, donate):
+    _assert_named_error(_run_shrinker(case, donate))
+
+
+@needs_kernels
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_a_later_read_of_a_subclass_count_is_checked_too(donate):
+    # An update may read the count once (then no shrink comes) or again: any later read must
+    # come before the leaves are checked, so a shrink there is a named error, not a signal.
+    out = _run_shrinker("count-subclass", donate, nth=2)
+    if out.returncode == 0:
+        assert out.stdout.strip() == "intact", out.stdout
+    else:
+        _assert_named_error(out)
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_require_turns_a_failed_build_into_an_error_with_the_compiler_output(tmp_path):
+    compiler = tmp_path / "broken-cc"
+    compiler.write_text("#!/bin/sh\necho 'error: the compiler says no' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {"CC": str(compiler), "MINITRAIN_CACHE_DIR": str(tmp_path / "cache"),
+           "MINITRAIN_STREAMING": "require"}
+    out = _python("from minitrain.optim.kernels import streaming; streaming.available()", env)
+    assert out.returncode != 0
+    assert "BuildError" in out.stderr and "the compiler says no" in out.stderr
+
+
+@pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
+    env = {"MINITRAIN_CACHE_DIR": str(tmp_path), "MINITRAIN_STREAMING": "require"}
+    code = ("from minitrain.optim.kernels import streaming; assert streaming.available(); "
+            "print(streaming._build(streaming.os.environ.get('CC', 'cc'), streaming._flags()))")
+    first = _python(code, env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    library = tmp_path / "kernels" / os.path.basename(first.stdout.strip())
+    size = library.stat().st_size
+    with open(library, "r+b") as f:
+        f.truncate(size // 3)
+    second = _python(code, env)
+    assert second.returncode == 0, second.stderr[-2000:]  # no SIGBUS: rebuilt first
+    assert library.stat().st_size == size
+
+
+FOREIGN_OPENMP = """
+import torch
+from minitrain.optim.kernels import streaming
+real, built, loads = streaming._openmp_runtimes, [], []
+def runtimes():  # the first library loaded brings a second OpenMP runtime in
+    loads.append(1)
+    found = real() if TORCH_HAS_OPENMP else set()
+    return found | {"/opt/other/libiomp5.so"} if len(loads) == 2 else found
+build = streaming._build
+streaming._openmp_runtimes = runtimes
+streaming._build = lambda cc, flags: built.append(flags) or build(cc, flags)
+assert streaming.available()
+assert "-fopenmp" in built[0] and "-fopenmp" not in built[-1], built
+slots = [[torch.ones(4)], [torch.ones(4)], None]
+new, _ = streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], slots, streaming.fresh)
+assert torch.equal(new[0], torch.full((4,), 0.5))
+print("without openmp")
+"""
+
+
+@pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
+@pytest.mark.parametrize("torch_has_openmp", [True, False])
+def test_a_kernel_on_another_openmp_runtime_is_rebuilt_without_openmp(tmp_path,
+                                                                      torch_has_openmp):
+    assert streaming._openmp_runtimes()  # torch's own runtime is mapped and found
+    code = FOREIGN_OPENMP.replace("TORCH_HAS_OPENMP", str(torch_has_openmp))
+    out = _python(code, {"MINITRAIN_CACHE_DIR": str(tmp_path),
+                                   "MINITRAIN_STREAMING": "require"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "without openmp"
