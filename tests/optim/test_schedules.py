@@ -17,7 +17,6 @@ from torch.optim import lr_scheduler
 import minitrain as mt
 
 S = mt.optim
-reduce_on_plateau = mt.optim.reduce_on_plateau
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -281,157 +280,20 @@ def test_bad_arguments_are_one_line_errors_naming_the_argument(build, name):
     assert "\n" not in str(info.value)
 
 
-# ------------------------------------------------------------------------------------------------
-# ReduceLROnPlateau as a transformation fed the metric
-
-
-def torch_plateau_lrs(metrics, lr, **kwargs):
-    """The lr after each ``scheduler.step(metric)``."""
+def test_step_and_optax_style_cosine_schedules_match_torch_lr_schedulers():
     param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=lr)
-    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **kwargs)
-    lrs = []
-    for metric in metrics:
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    schedule = mt.optim.step_schedule(0.5, step_size=3, gamma=0.5)
+    for step in range(10):
+        assert math.isclose(schedule(step), optimizer.param_groups[0]["lr"])
         optimizer.step()
-        scheduler.step(metric)
-        lrs.append(float(optimizer.param_groups[0]["lr"]))
-    return lrs
-
-
-def plateau_lrs(metrics, lr, **kwargs):
-    tx = reduce_on_plateau(lr=lr, **kwargs)
-    updates = {"w": torch.ones(3, dtype=torch.float64), "b": torch.ones((), dtype=torch.float32)}
-    state = tx.init(updates)
-    lrs = []
-    for metric in metrics:
-        scaled, state = tx.update(updates, state, value=metric)
-        assert scaled["b"].dtype == torch.float32
-        torch.testing.assert_close(scaled["w"], updates["w"] * float(state.lr) / lr)
-        lrs.append(float(state.lr))
-    assert int(state.count) == len(metrics)
-    return lrs
-
-
-@settings(max_examples=25, deadline=None)
-@given(metrics=st.lists(st.sampled_from([-1.0, 0.0, 0.5, 0.9995, 1.0, 1.0001, 2.0, math.nan]),
-                        min_size=1, max_size=30),
-       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
-       threshold=st.sampled_from([0.0, 1e-4, 0.1]), factor=st.floats(0.0, 0.9),
-       patience=st.integers(0, 3), cooldown=st.integers(0, 3),
-       min_lr=st.sampled_from([0.0, 0.01]), eps=st.sampled_from([1e-8, 0.02]),
-       lr=st.sampled_from([1.0, 0.1]))
-def test_reduce_on_plateau_equals_torch(metrics, lr, **kwargs):
-    assert plateau_lrs(metrics, lr, **kwargs) == torch_plateau_lrs(metrics, lr, **kwargs)
-
-
-def test_reduce_on_plateau_takes_tensor_metrics_under_vmap():
-    """No host syncs: the update runs under vmap over the metric (one member per metric)."""
-    tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=0)
-    updates = {"w": torch.ones(2)}
-    state = tx.init(updates)
-    for metric in [1.0, 2.0]:
-        _, state = tx.update(updates, state, value=torch.tensor(metric))
-
-    def step(value):
-        return tx.update(updates, state, value=value)
-
-    scaled, batched = torch.func.vmap(step)(torch.tensor([0.5, 3.0]))
-    assert batched.lr.tolist() == [0.05, 0.025]
-    torch.testing.assert_close(scaled["w"], torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
-
-
-@pytest.mark.parametrize(("build", "name"), [
-    (lambda: reduce_on_plateau(mode="best"), "mode"),
-    (lambda: reduce_on_plateau(threshold_mode="relative"), "threshold_mode"),
-    (lambda: reduce_on_plateau(factor=1.0), "factor"),
-    (lambda: reduce_on_plateau(patience=-1), "patience"),
-    (lambda: reduce_on_plateau(lr=0.0), "lr"),
-    (lambda: reduce_on_plateau().update({}, reduce_on_plateau().init({}),
-                                        value=torch.ones(2)), "value"),
-])
-def test_reduce_on_plateau_bad_arguments(build, name):
-    with pytest.raises(ValueError, match=name) as info:
-        build()
-    assert "\n" not in str(info.value)
-
-
-def test_reduce_on_plateau_after_adam_takes_torchs_steps():
-    """Adam then reduce_on_plateau, fed the previous loss (torch steps the scheduler after the
-    optimizer), equals torch.optim.Adam with ReduceLROnPlateau stepped on each loss."""
-    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-
-    def loss_fn(w):
-        return ((w - target) ** 2).sum() + 0.3 * torch.sin(5 * w).sum()
-
-    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05, "cooldown": 1}
-    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    optimizer = torch.optim.Adam([param], lr=0.3)
-    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
-    tx = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.3))
-    plateau = reduce_on_plateau(lr=0.3, **settings)
-    params = {"w": torch.zeros(3, dtype=torch.float64)}
-    state, plateau_state, previous = tx.init(params), plateau.init(params), None
-    for _ in range(25):
-        optimizer.zero_grad()
-        loss = loss_fn(param)
-        loss.backward()
+        step_lr.step()
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    cosine_lr = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20, eta_min=0.05)
+    schedule = mt.optim.cosine_schedule(0.5, decay_steps=20, end_value=0.05)
+    for step in range(20):
+        assert math.isclose(schedule(step), optimizer.param_groups[0]["lr"], rel_tol=1e-9)
+        assert math.isclose(float(schedule(torch.tensor(step))), schedule(step), rel_tol=1e-6)
         optimizer.step()
-        scheduler.step(loss.item())
-
-        value, grads = mt.value_and_grad(lambda p: loss_fn(p["w"]))(params)
-        updates, state = tx.update(grads, state, params)
-        updates, plateau_state = plateau.update(updates, plateau_state, value=previous)
-        params, previous = mt.optim.apply_updates(params, updates), value
-        torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
-    _, plateau_state = plateau.update(updates, plateau_state, value=previous)  # the last loss
-    assert float(plateau_state.lr) == optimizer.param_groups[0]["lr"] < 0.3
-
-
-@pytest.mark.parametrize("wrap", ["chain", "apply_if_finite", "multi_transform"])
-def test_chain_forwards_value_to_reduce_on_plateau(wrap):
-    """``value=`` given to a chain's update (or through a wrapper, or ``as_optimizer``) reaches
-    reduce_on_plateau and no other transformation: equal to torch.optim.Adam with
-    ReduceLROnPlateau stepped on each loss."""
-    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-
-    def loss_fn(w):
-        return ((w - target) ** 2).sum() + 0.3 * torch.sin(5 * w).sum()
-
-    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05}
-    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    optimizer = torch.optim.Adam([param], lr=0.3)
-    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
-    tx = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.3),
-                        reduce_on_plateau(lr=0.3, **settings))
-    if wrap == "apply_if_finite":
-        tx = mt.optim.apply_if_finite(tx)
-    elif wrap == "multi_transform":
-        tx = mt.optim.multi_transform({"all": tx, "none": mt.optim.scale(0.0)},
-                                      lambda name, leaf: "all")
-    assert mt.optim.extra_args(tx) == {"value"}
-    opt = mt.optim.as_optimizer(tx)
-    params = {"w": torch.zeros(3, dtype=torch.float64)}
-    state, previous = opt.init(params), None
-    for _ in range(20):
-        optimizer.zero_grad()
-        loss = loss_fn(param)
-        loss.backward()
-        optimizer.step()
-        scheduler.step(loss.item())
-
-        value, grads = mt.value_and_grad(lambda p: loss_fn(p["w"]))(params)
-        params, state = opt.update(grads, state, params, value=previous)
-        previous = value
-        torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
-    assert optimizer.param_groups[0]["lr"] < 0.3  # the plateau was reached
-
-
-def test_chain_refuses_a_keyword_no_transformation_takes():
-    tx = mt.optim.chain(mt.optim.scale_by_adam(), reduce_on_plateau())
-    params = {"w": torch.zeros(2)}
-    with pytest.raises(ValueError, match=r"\['valu'\].*value") as info:
-        tx.update(params, tx.init(params), params, valu=1.0)
-    assert "\n" not in str(info.value)
-    opt = mt.optim.adamw()
-    with pytest.raises((ValueError, TypeError), match="value"):
-        opt.update(params, opt.init(params), params, value=1.0)
+        cosine_lr.step()

@@ -19,7 +19,6 @@ import math
 import os
 import subprocess
 import sys
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -29,7 +28,6 @@ from hypothesis import strategies as st
 from torch.optim import lr_scheduler
 
 import minitrain as mt
-from test_schedules import torch_plateau_lrs
 
 S = mt.optim
 RTOL = 1e-9
@@ -341,80 +339,6 @@ def test_regression_guard_nested_sequential_equals_the_flat_torch_schedule():
                                    S.exponential_schedule(0.5, 0.8)], [3])
     assert_matches(S.sequential_schedule([inner, S.step_schedule(0.5, 2, 0.5)], [8]),
                    torch_lrs(make, 30, lr=0.5))
-
-
-# ------------------------------------------------------------------------------------------------
-# reduce_on_plateau
-
-
-def plateau_lrs(metrics, lr, **kwargs):
-    tx = S.reduce_on_plateau(lr=lr, **kwargs)
-    updates = {"w": torch.ones(2, dtype=torch.float64)}
-    state = tx.init(updates)
-    lrs = []
-    for metric in metrics:
-        _, state = tx.update(updates, state, value=metric)
-        lrs.append(float(state.lr))
-    return lrs
-
-
-LOSSES = [1.0, 0.9, 0.95, 0.97, 0.99, 0.5, 0.6, 0.7, 0.8]
-
-
-@pytest.mark.parametrize("kind", [np.float32, np.float64, np.int64, Fraction,
-                                  lambda v: torch.tensor([v]), lambda v: torch.tensor(v)],
-                         ids=["np.float32", "np.float64", "np.int64", "Fraction",
-                              "tensor-shape-1", "tensor-0d"])
-def test_reduce_on_plateau_takes_any_real_metric_like_torch(kind):
-    """torch takes ``float(metric)``: numpy scalars and Fractions too (np.float32, np.int64
-    and Fraction were refused; the others are a regression guard)."""
-    scale = 10 if kind is np.int64 else 1  # whole numbers for the integer kind
-    metrics = [kind(round(v * scale)) if kind is np.int64 else kind(v) for v in LOSSES]
-    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05}
-    assert plateau_lrs(metrics, 0.1, **settings) == torch_plateau_lrs(metrics, 0.1, **settings)
-
-
-@pytest.mark.parametrize("value", [
-    True, np.bool_(True), "0.5", 1 + 0j, [0.5], object(),
-    torch.tensor(1 + 1j), torch.empty((), device="meta"),
-], ids=["bool", "np.bool_", "str", "complex", "list", "object", "complex-tensor", "meta-tensor"])
-def test_reduce_on_plateau_refuses_a_metric_that_is_no_real_number(value):
-    """The complex tensor was cast with a warning (imaginary part dropped) and the meta tensor
-    raised NotImplementedError; the rest are a regression guard."""
-    tx = S.reduce_on_plateau()
-    updates = {"w": torch.ones(2)}
-    assert_one_line_error(lambda: tx.update(updates, tx.init(updates), value=value), "value")
-
-
-def test_reduce_on_plateau_refuses_an_infinite_lr():
-    """``lr=inf`` scaled the updates by inf / inf = NaN."""
-    assert_one_line_error(lambda: S.reduce_on_plateau(lr=math.inf), "lr")
-
-
-PLATEAU_METRICS = [
-    [math.inf, 1.0, math.inf, math.nan, 0.5, 0.5, 0.5, -math.inf, -math.inf, 3.0, 3.0, 3.0],
-    [-1.0, -2.0, -2.0, -1.5, 1e300, -1e300, -1e300, 0.0, 0.0, 0.0, 0.0, 1e-5],
-    [0.0, 0.0, 1.0, 1.0001, 0.9999, 2.0, math.nan, math.nan, 2.0, 1.0, 0.5, 0.25],
-]
-
-
-@pytest.mark.parametrize("metrics", PLATEAU_METRICS, ids=["infinities", "signs", "ties"])
-@pytest.mark.parametrize("mode", ["min", "max"])
-@pytest.mark.parametrize("threshold_mode", ["rel", "abs"])
-def test_regression_guard_reduce_on_plateau_equals_torch_at_the_edges(metrics, mode,
-                                                                      threshold_mode):
-    """Exactly torch's lrs: infinite and NaN metrics, thresholds of 0, 1 and inf, min_lr above
-    the lr, eps larger than a reduction, factor 0, cooldowns."""
-    for threshold in (0.0, 1.0, 2.0, math.inf):
-        for factor, patience, cooldown, min_lr, eps, lr in (
-            (0.5, 0, 0, 0.0, 1e-8, 1.0), (0.0, 1, 2, 0.0, 1e-8, 0.1),
-            (0.1, 0, 1, 2.0, 1e-8, 1.0), (0.5, 0, 0, 0.0, 0.3, 1.0), (0.9, 2, 3, 0.01, 0.0, 3.0),
-        ):
-            kwargs = {"mode": mode, "threshold_mode": threshold_mode, "threshold": threshold,
-                      "factor": factor, "patience": patience, "cooldown": cooldown,
-                      "min_lr": min_lr, "eps": eps}
-            assert plateau_lrs(metrics, lr, **kwargs) == torch_plateau_lrs(metrics, lr,
-                                                                           **kwargs), kwargs
 
 
 # ------------------------------------------------------------------------------------------------

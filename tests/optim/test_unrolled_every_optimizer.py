@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 import minitrain as mt
+from tests.optim.conftest import OPTIMIZERS as REGISTRY
 
 F64 = torch.float64
 K = 3
@@ -59,9 +60,13 @@ def _chain(lr, max_norm, beta1, beta2, eps, weight_decay, gamma):
         optim.scale_by_learning_rate(optim.exponential_schedule(lr, gamma=gamma)))
 
 
+def _adamw_chain(lr, weight_decay, b1=0.9, b2=0.99):
+    return optim.chain(optim.scale_by_adam(b1, b2), optim.add_decayed_weights(weight_decay),
+                       optim.scale_by_learning_rate(lr))
+
+
 def _injected(lr, weight_decay):
-    return optim.inject_hyperparams(optim.adam_chain)(lr=lr, weight_decay=weight_decay,
-                                                      betas=(0.9, 0.99))
+    return optim.inject_hyperparams(_adamw_chain)(lr=lr, weight_decay=weight_decay)
 
 
 OPTIMIZERS: dict[str, Opt] = {
@@ -70,8 +75,9 @@ OPTIMIZERS: dict[str, Opt] = {
         dict(lr=0.1, momentum=0.9, weight_decay=0.05)),
     "sgd-dampening": Opt(lambda dampening: optim.sgd(  # nesterov takes no dampening
         lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.05), dict(dampening=0.3)),
-    "sgd_chain": Opt(lambda dampening: optim.as_optimizer(optim.sgd_chain(  # trace's dampening
-        lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.05)), dict(dampening=0.3)),
+    "sgd_chain": Opt(lambda dampening: optim.as_optimizer(optim.chain(  # trace's dampening
+        optim.add_decayed_weights(0.05), optim.trace(0.9, dampening),
+        optim.scale_by_learning_rate(0.1))), dict(dampening=0.3)),
     "adam": Opt(lambda lr, beta1, beta2, eps, weight_decay: optim.adam(
         lr=lr, betas=pair(beta1, beta2), eps=eps, weight_decay=weight_decay),
         dict(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-2, weight_decay=0.05)),
@@ -87,14 +93,16 @@ OPTIMIZERS: dict[str, Opt] = {
         dict(lr=0.1, lr_decay=0.1, weight_decay=0.05, initial_accumulator_value=0.1, eps=1e-2)),
     # scale_by_adagrad (the chain's plain path; its lowering for concrete values)
     "adagrad_chain": Opt(lambda lr_decay, initial_accumulator_value, eps: optim.as_optimizer(
-        optim.adagrad_chain(lr=0.1, lr_decay=lr_decay, weight_decay=0.05,
-                            initial_accumulator_value=initial_accumulator_value, eps=eps)),
+        optim.chain(optim.add_decayed_weights(0.05),
+                    optim.scale_by_adagrad(lr_decay, initial_accumulator_value, eps),
+                    optim.scale_by_learning_rate(0.1))),
         dict(lr_decay=0.1, initial_accumulator_value=0.1, eps=1e-2)),
     "rmsprop": Opt(lambda lr, alpha, eps, weight_decay, momentum: optim.rmsprop(
         lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
         centered=True), dict(lr=0.01, alpha=0.9, eps=1e-2, weight_decay=0.05, momentum=0.5)),
-    "rmsprop_chain": Opt(lambda alpha, eps: optim.as_optimizer(optim.rmsprop_chain(  # scale_by_rms
-        lr=0.01, alpha=alpha, eps=eps, weight_decay=0.05, momentum=0.5, centered=True)),
+    "rmsprop_chain": Opt(lambda alpha, eps: optim.as_optimizer(optim.chain(  # scale_by_rms
+        optim.add_decayed_weights(0.05), optim.scale_by_rms(alpha, eps, centered=True),
+        optim.trace(0.5), optim.scale_by_learning_rate(0.01))),
         dict(alpha=0.9, eps=1e-2)),
     "adadelta": Opt(lambda lr, rho, eps, weight_decay: optim.adadelta(
         lr=lr, rho=rho, eps=eps, weight_decay=weight_decay),
@@ -263,6 +271,11 @@ def func_hypergradient(name: str, hp: str) -> Tensor:
     opt = OPTIMIZERS[name]
     return torch.func.grad(lambda x: validation(name, {hp: x}, steps=opt.hyper_steps))(
         torch.tensor(opt.defaults[hp], dtype=F64))
+
+
+def test_every_optimizer_of_the_registry_is_unrolled():
+    unrolled = {name.split("-")[0] for name in OPTIMIZERS}
+    assert {entry.alias for entry in REGISTRY} <= unrolled
 
 
 # ------------------------------------------------------------------------------------------

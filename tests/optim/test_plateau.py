@@ -1,4 +1,5 @@
-"""Hostile review of ``mt.optim.reduce_on_plateau``, held against torch's ``ReduceLROnPlateau``.
+"""``mt.optim.reduce_on_plateau`` against torch's ``ReduceLROnPlateau``: alone, in chains and
+wrappers fed ``value=``, under vmap, and given hostile metrics, settings and states.
 
 The reference is ``torch.optim.lr_scheduler.ReduceLROnPlateau`` on a real ``torch.optim.SGD``,
 stepped as a training loop steps it (``optimizer.step()`` then ``scheduler.step(metric)``). Its
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -25,6 +27,8 @@ from hypothesis import strategies as st
 from torch.optim import lr_scheduler
 
 import minitrain as mt
+
+reduce_on_plateau = mt.optim.reduce_on_plateau
 
 plateau = mt.optim.reduce_on_plateau
 FIELDS = ("lr", "best", "num_bad_epochs", "cooldown_counter", "count")
@@ -359,3 +363,219 @@ def test_regression_guard_the_update_compiles_without_a_graph_break(fresh):
     """Dynamo traces the whole update (tensor metric, state, an int leaf) as one graph, and
     the compiled update equals the eager one."""
     assert fresh["compiled"] == [True, True, True] and fresh["lr"] == 0.025
+
+
+# ------------------------------------------------------------------------------------------------
+# Against torch's ReduceLROnPlateau, in chains
+
+
+def torch_plateau_lrs(metrics, lr, **kwargs):
+    """The lr after each ``scheduler.step(metric)``."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=lr)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **kwargs)
+    lrs = []
+    for metric in metrics:
+        optimizer.step()
+        scheduler.step(metric)
+        lrs.append(float(optimizer.param_groups[0]["lr"]))
+    return lrs
+
+
+def plateau_lrs(metrics, lr, **kwargs):
+    tx = reduce_on_plateau(lr=lr, **kwargs)
+    updates = {"w": torch.ones(3, dtype=torch.float64), "b": torch.ones((), dtype=torch.float32)}
+    state = tx.init(updates)
+    lrs = []
+    for metric in metrics:
+        scaled, state = tx.update(updates, state, value=metric)
+        assert scaled["b"].dtype == torch.float32
+        torch.testing.assert_close(scaled["w"], updates["w"] * float(state.lr) / lr)
+        lrs.append(float(state.lr))
+    assert int(state.count) == len(metrics)
+    return lrs
+
+
+@settings(max_examples=25, deadline=None)
+@given(metrics=st.lists(st.sampled_from([-1.0, 0.0, 0.5, 0.9995, 1.0, 1.0001, 2.0, math.nan]),
+                        min_size=1, max_size=30),
+       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
+       threshold=st.sampled_from([0.0, 1e-4, 0.1]), factor=st.floats(0.0, 0.9),
+       patience=st.integers(0, 3), cooldown=st.integers(0, 3),
+       min_lr=st.sampled_from([0.0, 0.01]), eps=st.sampled_from([1e-8, 0.02]),
+       lr=st.sampled_from([1.0, 0.1]))
+def test_reduce_on_plateau_equals_torch(metrics, lr, **kwargs):
+    assert plateau_lrs(metrics, lr, **kwargs) == torch_plateau_lrs(metrics, lr, **kwargs)
+
+
+def test_reduce_on_plateau_takes_tensor_metrics_under_vmap():
+    """No host syncs: the update runs under vmap over the metric (one member per metric)."""
+    tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=0)
+    updates = {"w": torch.ones(2)}
+    state = tx.init(updates)
+    for metric in [1.0, 2.0]:
+        _, state = tx.update(updates, state, value=torch.tensor(metric))
+
+    def step(value):
+        return tx.update(updates, state, value=value)
+
+    scaled, batched = torch.func.vmap(step)(torch.tensor([0.5, 3.0]))
+    assert batched.lr.tolist() == [0.05, 0.025]
+    torch.testing.assert_close(scaled["w"], torch.tensor([[0.5, 0.5], [0.25, 0.25]]))
+
+
+@pytest.mark.parametrize(("build", "name"), [
+    (lambda: reduce_on_plateau(mode="best"), "mode"),
+    (lambda: reduce_on_plateau(threshold_mode="relative"), "threshold_mode"),
+    (lambda: reduce_on_plateau(factor=1.0), "factor"),
+    (lambda: reduce_on_plateau(patience=-1), "patience"),
+    (lambda: reduce_on_plateau(lr=0.0), "lr"),
+    (lambda: reduce_on_plateau().update({}, reduce_on_plateau().init({}),
+                                        value=torch.ones(2)), "value"),
+])
+def test_reduce_on_plateau_bad_arguments(build, name):
+    with pytest.raises(ValueError, match=name) as info:
+        build()
+    assert "\n" not in str(info.value)
+
+
+def test_reduce_on_plateau_after_adam_takes_torchs_steps():
+    """Adam then reduce_on_plateau, fed the previous loss (torch steps the scheduler after the
+    optimizer), equals torch.optim.Adam with ReduceLROnPlateau stepped on each loss."""
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+
+    def loss_fn(w):
+        return ((w - target) ** 2).sum() + 0.3 * torch.sin(5 * w).sum()
+
+    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05, "cooldown": 1}
+    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = torch.optim.Adam([param], lr=0.3)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
+    tx = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.3))
+    plateau = reduce_on_plateau(lr=0.3, **settings)
+    params = {"w": torch.zeros(3, dtype=torch.float64)}
+    state, plateau_state, previous = tx.init(params), plateau.init(params), None
+    for _ in range(25):
+        optimizer.zero_grad()
+        loss = loss_fn(param)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss.item())
+
+        value, grads = mt.value_and_grad(lambda p: loss_fn(p["w"]))(params)
+        updates, state = tx.update(grads, state, params)
+        updates, plateau_state = plateau.update(updates, plateau_state, value=previous)
+        params, previous = mt.optim.apply_updates(params, updates), value
+        torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
+    _, plateau_state = plateau.update(updates, plateau_state, value=previous)  # the last loss
+    assert float(plateau_state.lr) == optimizer.param_groups[0]["lr"] < 0.3
+
+
+@pytest.mark.parametrize("wrap", ["chain", "apply_if_finite", "multi_transform"])
+def test_chain_forwards_value_to_reduce_on_plateau(wrap):
+    """``value=`` given to a chain's update (or through a wrapper, or ``as_optimizer``) reaches
+    reduce_on_plateau and no other transformation: equal to torch.optim.Adam with
+    ReduceLROnPlateau stepped on each loss."""
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+
+    def loss_fn(w):
+        return ((w - target) ** 2).sum() + 0.3 * torch.sin(5 * w).sum()
+
+    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05}
+    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = torch.optim.Adam([param], lr=0.3)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
+    tx = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(0.3),
+                        reduce_on_plateau(lr=0.3, **settings))
+    if wrap == "apply_if_finite":
+        tx = mt.optim.apply_if_finite(tx)
+    elif wrap == "multi_transform":
+        tx = mt.optim.multi_transform({"all": tx, "none": mt.optim.scale(0.0)},
+                                      lambda name, leaf: "all")
+    assert mt.optim.extra_args(tx) == {"value"}
+    opt = mt.optim.as_optimizer(tx)
+    params = {"w": torch.zeros(3, dtype=torch.float64)}
+    state, previous = opt.init(params), None
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = loss_fn(param)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss.item())
+
+        value, grads = mt.value_and_grad(lambda p: loss_fn(p["w"]))(params)
+        params, state = opt.update(grads, state, params, value=previous)
+        previous = value
+        torch.testing.assert_close(params["w"], param.detach(), rtol=1e-6, atol=1e-9)
+    assert optimizer.param_groups[0]["lr"] < 0.3  # the plateau was reached
+
+
+def test_chain_refuses_a_keyword_no_transformation_takes():
+    tx = mt.optim.chain(mt.optim.scale_by_adam(), reduce_on_plateau())
+    params = {"w": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"\['valu'\].*value") as info:
+        tx.update(params, tx.init(params), params, valu=1.0)
+    assert "\n" not in str(info.value)
+    opt = mt.optim.adamw()
+    with pytest.raises((ValueError, TypeError), match="value"):
+        opt.update(params, opt.init(params), params, value=1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics and settings at the edges
+
+
+@pytest.mark.parametrize("kind", [np.float32, np.float64, np.int64, Fraction,
+                                  lambda v: torch.tensor([v]), lambda v: torch.tensor(v)],
+                         ids=["np.float32", "np.float64", "np.int64", "Fraction",
+                              "tensor-shape-1", "tensor-0d"])
+def test_reduce_on_plateau_takes_any_real_metric_like_torch(kind):
+    """torch takes ``float(metric)``: numpy scalars and Fractions too (np.float32, np.int64
+    and Fraction were refused; the others are a regression guard)."""
+    scale = 10 if kind is np.int64 else 1  # whole numbers for the integer kind
+    metrics = [kind(round(v * scale)) if kind is np.int64 else kind(v) for v in LOSSES[:9]]
+    settings = {"factor": 0.5, "patience": 1, "threshold": 0.05}
+    assert plateau_lrs(metrics, 0.1, **settings) == torch_plateau_lrs(metrics, 0.1, **settings)
+
+
+@pytest.mark.parametrize("value", [
+    True, np.bool_(True), "0.5", 1 + 0j, [0.5], object(),
+    torch.tensor(1 + 1j), torch.empty((), device="meta"),
+], ids=["bool", "np.bool_", "str", "complex", "list", "object", "complex-tensor", "meta-tensor"])
+def test_reduce_on_plateau_refuses_a_metric_that_is_no_real_number(value):
+    """The complex tensor was cast with a warning (imaginary part dropped) and the meta tensor
+    raised NotImplementedError; the rest are a regression guard."""
+    tx = mt.optim.reduce_on_plateau()
+    updates = {"w": torch.ones(2)}
+    assert_one_line_error(lambda: tx.update(updates, tx.init(updates), value=value), "value")
+
+
+def test_reduce_on_plateau_refuses_an_infinite_lr():
+    """``lr=inf`` scaled the updates by inf / inf = NaN."""
+    assert_one_line_error(lambda: mt.optim.reduce_on_plateau(lr=math.inf), "lr")
+
+
+PLATEAU_METRICS = [
+    [math.inf, 1.0, math.inf, math.nan, 0.5, 0.5, 0.5, -math.inf, -math.inf, 3.0, 3.0, 3.0],
+    [-1.0, -2.0, -2.0, -1.5, 1e300, -1e300, -1e300, 0.0, 0.0, 0.0, 0.0, 1e-5],
+    [0.0, 0.0, 1.0, 1.0001, 0.9999, 2.0, math.nan, math.nan, 2.0, 1.0, 0.5, 0.25],
+]
+
+
+@pytest.mark.parametrize("metrics", PLATEAU_METRICS, ids=["infinities", "signs", "ties"])
+@pytest.mark.parametrize("mode", ["min", "max"])
+@pytest.mark.parametrize("threshold_mode", ["rel", "abs"])
+def test_regression_guard_reduce_on_plateau_equals_torch_at_the_edges(metrics, mode,
+                                                                      threshold_mode):
+    """Exactly torch's lrs: infinite and NaN metrics, thresholds of 0, 1 and inf, min_lr above
+    the lr, eps larger than a reduction, factor 0, cooldowns."""
+    for threshold in (0.0, 1.0, 2.0, math.inf):
+        for factor, patience, cooldown, min_lr, eps, lr in (
+            (0.5, 0, 0, 0.0, 1e-8, 1.0), (0.0, 1, 2, 0.0, 1e-8, 0.1),
+            (0.1, 0, 1, 2.0, 1e-8, 1.0), (0.5, 0, 0, 0.0, 0.3, 1.0), (0.9, 2, 3, 0.01, 0.0, 3.0),
+        ):
+            kwargs = {"mode": mode, "threshold_mode": threshold_mode, "threshold": threshold,
+                      "factor": factor, "patience": patience, "cooldown": cooldown,
+                      "min_lr": min_lr, "eps": eps}
+            assert plateau_lrs(metrics, lr, **kwargs) == torch_plateau_lrs(metrics, lr,
+                                                                           **kwargs), kwargs
