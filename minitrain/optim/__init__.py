@@ -13,20 +13,6 @@ from minitrain.optim._adadelta import ScaleByAdadeltaState, adadelta, scale_by_a
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
 from minitrain.optim._asgd import ScaleByAsgdState, asgd, asgd_average, scale_by_asgd
-from minitrain.optim._core import (
-    ChainState,
-    EmptyState,
-    GradientTransformation,
-    LeafBatch,
-    Updates,
-    apply_updates,
-    as_optimizer,
-    chain,
-    extra_args,
-    identity,
-    leafwise,
-    spec,
-)
 from minitrain.optim._lion import ScaleByLionState, lion, scale_by_lion
 from minitrain.optim._muon import (
     muon,
@@ -49,6 +35,9 @@ from minitrain.optim._state_bytes import state_bytes
 from minitrain.optim.alias import adagrad, adam, adamw, rmsprop, sgd
 from minitrain.optim.base import *  # noqa: F403  (the interface, listed below)
 from minitrain.optim.base import __all__ as _base
+from minitrain.optim.cyclic_schedules import *  # noqa: F403  (the schedules, listed below)
+from minitrain.optim.cyclic_schedules import __all__ as _cyclic
+from minitrain.optim.leafwise import LeafBatch, leafwise
 from minitrain.optim.meta import Unrolled, unroll
 from minitrain.optim.schedules import *  # noqa: F403  (the schedules, listed below)
 from minitrain.optim.schedules import __all__ as _schedules
@@ -63,22 +52,13 @@ __all__ = [
     "adam",
     "adamw",
     *_schedules,
+    *_cyclic,
     "reduce_on_plateau",
     "ReduceLROnPlateauState",
     "unroll",
     "Unrolled",
-    "GradientTransformation",
-    "EmptyState",
-    "ChainState",
-    "Updates",
-    "identity",
-    "chain",
-    "apply_updates",
     "leafwise",
     "LeafBatch",
-    "as_optimizer",
-    "spec",
-    "extra_args",
     *_transforms,
 ]
 

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from minitrain.optim._checks import WeightDecayMask
 from minitrain.optim._family import (
     Rule,
     Scalar,
@@ -15,7 +16,7 @@ from minitrain.optim._family import (
     second_moment,
     zeros,
 )
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
+from minitrain.optim.base import Optimizer, ScalarOrSchedule
 from minitrain.tree import Params
 
 __all__ = ["adadelta", "scale_by_adadelta", "ScaleByAdadeltaState"]

@@ -12,17 +12,17 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._core import (
-    GradientTransformation,
-    as_optimizer,
-    chain,
-    hyperparameter,
-    tagged,
-    tensor_leaves,
-)
+from minitrain.optim._checks import check_hyperparameter, hyperparameter, tensor_leaves
 from minitrain.optim._host import host_tensor, next_step, schedule_count, zero_count
 from minitrain.optim._transforms_rules import scale
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, check_hyperparameter
+from minitrain.optim.base import (
+    GradientTransformation,
+    Optimizer,
+    ScalarOrSchedule,
+    as_optimizer,
+    chain,
+    tagged,
+)
 from minitrain.tree import Params
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from minitrain.optim._checks import WeightDecayMask
 from minitrain.optim._family import (
     Rule,
     Scalar,
@@ -20,7 +21,7 @@ from minitrain.optim._family import (
     zeros,
 )
 from minitrain.optim._host import host_tensor
-from minitrain.optim.base import Optimizer, WeightDecayMask
+from minitrain.optim.base import Optimizer
 from minitrain.tree import Params
 
 __all__ = ["asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average"]

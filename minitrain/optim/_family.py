@@ -11,30 +11,22 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain.optim._core import (
-    GradientTransformation,
-    as_optimizer,
-    chain,
-    check_pair,
-    hyperparameter,
-    leafwise,
-    tagged,
-)
-from minitrain.optim._host import next_step
-from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
-from minitrain.optim.base import (
-    Optimizer,
+from minitrain.optim._checks import (
     WeightDecayMask,
     check_hyperparameter,
-    is_traced,
+    check_pair,
+    hyperparameter,
     scalar,
 )
+from minitrain.optim._host import is_traced, next_step
+from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
+from minitrain.optim.base import GradientTransformation, Optimizer, as_optimizer, chain, tagged
+from minitrain.optim.leafwise import leafwise
 from minitrain.tree import Params
 
 __all__ = [
     "Scalar",
     "add_scaled",
-    "descent_prefix",
     "leafwise_with_scalars",
     "zeros",
     "second_moment",
@@ -135,19 +127,6 @@ def find_state(state: Any, state_type: type) -> Any:
             if found is not None:
                 return found
     return None
-
-
-def descent_prefix(maximize: bool, weight_decay: Any = 0.0,
-                   mask: WeightDecayMask = None) -> list[GradientTransformation]:
-    """What torch.optim does to a gradient before its rule: negate it when maximizing, then add
-    the L2 term ``weight_decay * p`` (``grad = grad.add(param, alpha=weight_decay)``)."""
-    if not isinstance(maximize, bool):
-        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
-    prefix = [scale(-1.0)] if maximize else []
-    weight_decay = check_range("weight_decay", weight_decay, 0.0)
-    if not (isinstance(weight_decay, int | float) and weight_decay == 0):
-        prefix.append(add_decayed_weights(weight_decay, mask))
-    return prefix
 
 
 def leafwise_with_scalars(

@@ -14,15 +14,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import (
-    EmptyState,
-    GradientTransformation,
-    as_optimizer,
-    chain,
-    hyperparameter,
-    leafwise,
-    tagged,
-)
+from minitrain.optim._checks import check_hyperparameter, hyperparameter
 from minitrain.optim._host import is_traced
 from minitrain.optim._newton_schulz import (
     EPS,
@@ -34,7 +26,16 @@ from minitrain.optim._newton_schulz import (
     newton_schulz_each,
 )
 from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, check_hyperparameter
+from minitrain.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    Optimizer,
+    ScalarOrSchedule,
+    as_optimizer,
+    chain,
+    tagged,
+)
+from minitrain.optim.leafwise import leafwise
 from minitrain.tree import Params
 
 __all__ = [

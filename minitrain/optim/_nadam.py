@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain.optim._core import check_pair
+from minitrain.optim._checks import WeightDecayMask, check_pair
 from minitrain.optim._family import (
     Rule,
     Scalar,
@@ -22,7 +22,7 @@ from minitrain.optim._family import (
     zeros,
 )
 from minitrain.optim._host import lerp_weight
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
+from minitrain.optim.base import Optimizer, ScalarOrSchedule
 from minitrain.tree import Params
 
 __all__ = ["nadam", "scale_by_nadam", "ScaleByNadamState"]

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import GradientTransformation, floating_updates, hyperparameter
-from minitrain.optim.base import check_hyperparameter
+from minitrain.optim._checks import check_hyperparameter, floating_updates, hyperparameter
+from minitrain.optim.base import GradientTransformation
 from minitrain.tree import Params
 
 __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]
@@ -97,15 +97,6 @@ def reduce_on_plateau(
     patience, cooldown = _count("patience", patience), _count("cooldown", cooldown)
     worst = math.inf if mode == "min" else -math.inf  # torch _init_is_better: mode_worse
 
-    def is_better(a: Tensor, best: Tensor) -> Tensor:  # torch ReduceLROnPlateau._is_better
-        if mode == "min" and threshold_mode == "rel":
-            return a < best * (1.0 - threshold)
-        if mode == "min":
-            return a < best - threshold
-        if threshold_mode == "rel":
-            return a > best * (threshold + 1.0)
-        return a > best + threshold
-
     def init(params: Params) -> ReduceLROnPlateauState:
         leaves = _tensor_leaves(params, "params")
         device = leaves[0].device if leaves else None
@@ -132,22 +123,9 @@ def reduce_on_plateau(
         if value is None:  # no new metric: scale by the current lr
             return _scaled(updates, state.lr / lr), state
         current = _metric(value, state.best)
-        # torch ReduceLROnPlateau.step, each `if` a torch.where
-        better = is_better(current, state.best)
-        best = torch.where(better, current, state.best)
-        bad = torch.where(better, 0, state.num_bad_epochs + 1)
-        in_cooldown = state.cooldown_counter > 0
-        cooldown_counter = torch.where(in_cooldown, state.cooldown_counter - 1,
-                                       state.cooldown_counter)
-        bad = torch.where(in_cooldown, 0, bad)
-        reduce = bad > patience
-        # torch ReduceLROnPlateau._reduce_lr
-        new_lr = torch.clamp(state.lr * factor, min=min_lr)
-        lr_now = torch.where(reduce & (state.lr - new_lr > eps), new_lr, state.lr)
-        cooldown_counter = torch.where(reduce, cooldown, cooldown_counter)
-        bad = torch.where(reduce, 0, bad)
-        new_state = ReduceLROnPlateauState(lr_now, best, bad, cooldown_counter, state.count + 1)
-        return _scaled(updates, lr_now / lr), new_state
+        better = _is_better(current, state.best, mode, threshold_mode, threshold)
+        new_state = _step(state, current, better, patience, cooldown, factor, min_lr, eps)
+        return _scaled(updates, new_state.lr / lr), new_state
 
     return GradientTransformation(init, update)
 
@@ -254,3 +232,30 @@ def _tensor_metric(value: Tensor) -> Tensor:
     if value.layout != torch.strided:
         value = value.to_dense()
     return value.detach().reshape(())
+
+
+def _is_better(a: Tensor, best: Tensor, mode: str, threshold_mode: str, threshold: Any) -> Tensor:
+    """torch's ``ReduceLROnPlateau._is_better``."""
+    if mode == "min" and threshold_mode == "rel":
+        return a < best * (1.0 - threshold)
+    if mode == "min":
+        return a < best - threshold
+    if threshold_mode == "rel":
+        return a > best * (threshold + 1.0)
+    return a > best + threshold
+
+
+def _step(state: ReduceLROnPlateauState, current: Tensor, better: Tensor, patience: int,
+          cooldown: int, factor: Any, min_lr: Any, eps: Any) -> ReduceLROnPlateauState:
+    """torch's ``ReduceLROnPlateau.step`` and ``_reduce_lr``, each ``if`` a ``torch.where``."""
+    best = torch.where(better, current, state.best)
+    bad = torch.where(better, 0, state.num_bad_epochs + 1)
+    in_cooldown = state.cooldown_counter > 0
+    cooldown_counter = torch.where(in_cooldown, state.cooldown_counter - 1, state.cooldown_counter)
+    bad = torch.where(in_cooldown, 0, bad)
+    reduce = bad > patience
+    new_lr = torch.clamp(state.lr * factor, min=min_lr)
+    lr_now = torch.where(reduce & (state.lr - new_lr > eps), new_lr, state.lr)
+    cooldown_counter = torch.where(reduce, cooldown, cooldown_counter)
+    bad = torch.where(reduce, 0, bad)
+    return ReduceLROnPlateauState(lr_now, best, bad, cooldown_counter, state.count + 1)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain.optim._core import check_pair
+from minitrain.optim._checks import check_pair, scalar
 from minitrain.optim._family import (
     Rule,
     check_range,
@@ -16,7 +16,7 @@ from minitrain.optim._family import (
     zeros,
 )
 from minitrain.optim._host import host_tensor
-from minitrain.optim.base import Optimizer, scalar
+from minitrain.optim.base import Optimizer
 from minitrain.tree import Params
 
 __all__ = ["rprop", "scale_by_rprop", "ScaleByRpropState"]

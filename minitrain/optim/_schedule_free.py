@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import check_pair
+from minitrain.optim._checks import check_hyperparameter, check_pair
 from minitrain.optim._family import (
     Rule,
     Scalar,
@@ -28,7 +28,7 @@ from minitrain.optim._family import (
     zeros,
 )
 from minitrain.optim._host import host_tensor
-from minitrain.optim.base import Optimizer, check_hyperparameter
+from minitrain.optim.base import Optimizer
 from minitrain.tree import Params
 
 __all__ = [

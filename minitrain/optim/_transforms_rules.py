@@ -17,24 +17,19 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._core import (
-    EmptyState,
-    GradientTransformation,
-    check_like,
-    hyperparameter,
-    leafwise,
-    tagged,
-)
-from minitrain.optim._host import host_tensor, lerp_weight, schedule_count, zero_count
-from minitrain.optim.base import (
-    ScalarOrSchedule,
+from minitrain.optim._checks import (
     WeightDecayMask,
     check_hyperparameter,
+    check_like,
     check_lr,
     decay_flags,
+    hyperparameter,
     scalar,
     use_plain_path,
 )
+from minitrain.optim._host import host_tensor, lerp_weight, schedule_count, zero_count
+from minitrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, tagged
+from minitrain.optim.leafwise import leafwise
 from minitrain.tree import Params
 
 __all__ = [

@@ -13,21 +13,17 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import (
+from minitrain.optim._checks import check_like, check_state_type, hyperparameter, tensor_leaves
+from minitrain.optim._groups import LeafGroup, group
+from minitrain.optim._host import host_tensor, is_traced, schedule_count, updates_done, zero_count
+from minitrain.optim.base import (
     GradientTransformation,
     check_extra_args,
-    check_like,
-    check_state_type,
     check_transformation,
     forwards_extra_args,
-    hyperparameter,
     select_extra_args,
     tagged,
-    tensor_leaves,
 )
-from minitrain.optim._groups import LeafGroup, group
-from minitrain.optim._host import host_tensor, schedule_count, updates_done, zero_count
-from minitrain.optim.base import is_traced
 from minitrain.tree import Params
 
 __all__ = [

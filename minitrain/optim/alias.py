@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from minitrain.optim._core import as_optimizer, check_pair
+from minitrain.optim._checks import WeightDecayMask, check_pair
 from minitrain.optim._family import torch_order
 from minitrain.optim._transforms_rules import (
     add_decayed_weights,
@@ -22,7 +22,7 @@ from minitrain.optim._transforms_rules import (
     scale_by_rms,
     trace,
 )
-from minitrain.optim.base import Optimizer, ScalarOrSchedule, WeightDecayMask
+from minitrain.optim.base import Optimizer, ScalarOrSchedule, as_optimizer
 
 __all__ = ["sgd", "adam", "adamw", "adagrad", "rmsprop"]
 

@@ -1,9 +1,13 @@
-"""The optimizer interface: ``Optimizer(init, update)`` and the checks every optimizer shares.
+"""The optimizer interface: gradient transformations, their chains, and optimizers made of them.
 
-An optimizer is a NamedTuple ``(init, update)`` of pure functions (optax ``_src/base.py``):
-``state = opt.init(params)`` and ``params, state = opt.update(grads, state, params)``. Every
-optimizer in :mod:`minitrain.optim` is ``as_optimizer(chain(...))`` of gradient
-transformations; ``minitrain.optim.kernels`` runs the chains it recognises as fused kernels.
+A :class:`GradientTransformation` is a pair of pure functions (optax ``_src/base.py``): ``state =
+tx.init(params)`` and ``updates, state = tx.update(updates, state, params=None)``. :func:`chain`
+runs several in order, :func:`apply_updates` adds the final updates to the params, and
+:func:`as_optimizer` turns any transformation into an :class:`Optimizer`: a NamedTuple ``(init,
+update)`` with ``params, state = opt.update(grads, state, params)``. Every optimizer in
+:mod:`minitrain.optim` is ``as_optimizer(chain(...))``; ``minitrain.optim.kernels`` runs the
+chains it recognises as fused kernels. States are NamedTuples with tensor leaves, usable by the
+train loop, sweeps and checkpoints.
 
 Donation: ``opt.update(grads, state, params, donate=True)`` lets the update write the new params
 and state into the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``). The caller
@@ -12,34 +16,37 @@ must not read the donated inputs afterwards. Donation is a permission, never an 
 
 from __future__ import annotations
 
-import math
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from minitrain import _torch
-from minitrain.optim._host import _PLAIN_TENSOR_TYPES, is_traced
-from minitrain.optim._layout import (  # noqa: F401  (re-exported for the optimizer modules)
-    WeightDecayMask,
-    check_grads,
-    check_params,
-    decay_flags,
-)
-from minitrain.tree import OptState, Params
+from minitrain import _torch, tree
+from minitrain.optim._checks import WeightDecayMask, check_grads, floating_updates, tensor_leaves
+from minitrain.optim.kernels.checks import donatable, naming_bad_grads
+from minitrain.optim.kernels.lowering import lower
+from minitrain.tree import Grads, OptState, Params
 
 __all__ = [
-    "Optimizer",
-    "Schedule",
-    "ScalarOrSchedule",
-    "WeightDecayMask",
-    "learning_rate",
+    "Optimizer", "Schedule", "ScalarOrSchedule", "WeightDecayMask", "learning_rate",
+    "GradientTransformation", "EmptyState", "Updates", "identity", "chain", "ChainState",
+    "apply_updates", "as_optimizer", "spec", "extra_args",
 ]
+
 
 Schedule = Callable[[Any], Any]
 """A learning-rate schedule: ``step -> lr``, for a Python int or a 0-d integer tensor step."""
+
+
 ScalarOrSchedule = float | Tensor | Schedule
+
+
+Updates = Grads
+"""A pytree like params: what a transformation maps (gradients in, updates out)."""
+
 
 class Optimizer(NamedTuple):
     """A pair of pure functions: ``init(params) -> state``, ``update(grads, state, params)``.
@@ -58,6 +65,28 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Params, OptState]]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
+
+    >>> import torch, minitrain as mt
+    >>> tx = mt.optim.scale(-0.5)
+    >>> updates, state = tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))
+    >>> updates["w"]
+    tensor([-1.])
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+class ChainState(tuple):
+    """The state of :func:`chain`: a tuple of the inner transformations' states."""
 
 
 def learning_rate(state: OptState) -> float:
@@ -100,84 +129,235 @@ def _find_lr(state: Any) -> Any:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Validation
+def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:
+    """``(name, arguments)`` a transformation was built with, or None: what lowerings match.
 
-
-def check_hyperparameter(name: str, value: Any, low: float, high: float = math.inf,
-                         *, low_open: bool = False, high_open: bool = False) -> None:
-    """Raise ``ValueError`` naming ``name`` when a concrete ``value`` is outside its range.
-
-    Values that cannot be read without tracing (vmapped or compiled tensors) are not checked.
+    >>> import minitrain as mt
+    >>> spec(mt.optim.scale(2.0))
+    ('scale', {'step_size': 2.0})
     """
-    number = _concrete_number(name, value)
-    if number is None:
+    return getattr(tx.update, "minitrain_spec", None)
+
+
+def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientTransformation:
+    """``tx`` with ``(name, arguments)`` attached to its update function (see :func:`spec`),
+    taking tensor leaves only (:func:`tensor_leaves`); its update promotes integer updates
+    (:func:`floating_updates`) and names a sparse grad (:func:`naming_bad_grads`)."""
+    inner = naming_bad_grads(tx.update)
+
+    @functools.wraps(inner)
+    def update(updates, state, params=None, **extra):
+        if params is not None:
+            tensor_leaves(name, params, "param")
+        return inner(floating_updates(name, updates, params), state, params, **extra)
+
+    @functools.wraps(tx.init)
+    def init(params):
+        tensor_leaves(name, params, "param")
+        return tx.init(params)
+
+    update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
+    return GradientTransformation(init, update)
+
+
+def identity() -> GradientTransformation:
+    """Pass updates through unchanged.
+
+    >>> import torch
+    >>> identity().update({"w": torch.ones(1)}, EmptyState())[0]
+    {'w': tensor([1.])}
+    """
+
+    def update(updates, state, params=None):
+        return updates, state
+
+    return tagged("identity", GradientTransformation(lambda params: EmptyState(), update))
+
+
+def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
+    """The keyword arguments beyond ``(updates, state, params)`` that ``tx.update`` takes
+    (optax's ``with_extra_args_support``), e.g. ``{"value"}`` for ``reduce_on_plateau``; None
+    when it takes any (``**kwargs``). Wrappers declare theirs as ``update.extra_args``.
+
+    >>> import minitrain as mt
+    >>> extra_args(mt.optim.reduce_on_plateau()), extra_args(mt.optim.scale(2.0))
+    (frozenset({'value'}), frozenset())
+    >>> sorted(extra_args(chain(mt.optim.scale_by_adam(), mt.optim.reduce_on_plateau())))
+    ['value']
+    """
+    inners = getattr(tx.update, "extra_inners", None)
+    if inners is not None:  # a wrapper: what any of its transformations takes
+        takes = [extra_args(inner) for inner in inners]
+        return None if any(t is None for t in takes) else frozenset().union(*takes)
+    declared = getattr(tx.update, "extra_args", False)
+    if declared is not False:
+        return declared
+    try:
+        parameters = list(inspect.signature(tx.update).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: no extra arguments
+        return frozenset()
+    names = set()
+    for index, p in enumerate(parameters):
+        if p.kind is p.VAR_KEYWORD:
+            return None
+        if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and index >= 3):
+            names.add(p.name)
+    return frozenset(names)
+
+
+def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformation]) -> Callable:
+    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes (read
+    when a call passes extra arguments: building a chain inspects no signature)."""
+    update.extra_inners = tuple(inners)  # type: ignore[attr-defined]
+    return update
+
+
+def check_extra_args(where: str, accepted: Any, extra: dict[str, Any]) -> None:
+    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`): a
+    set of names, None for any, or a wrapper's update function."""
+    if not extra:
         return
-    too_low = number <= low if low_open else number < low
-    too_high = number >= high if high_open else number > high
-    if math.isnan(number) or too_low or too_high:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
+    if callable(accepted):
+        accepted = extra_args(GradientTransformation(None, accepted))  # type: ignore[arg-type]
+    unknown = sorted(set(extra) - accepted) if accepted is not None else []
+    if unknown:
         raise ValueError(
-            f"invalid {name}={number!r}: it must lie in {left}{low}, {high}{right}; "
-            f"pass a value in that range"
+            f"{where} got keyword argument(s) {unknown} that none of its transformations take "
+            f"(they take {sorted(accepted)}); pass only those, e.g. value= for reduce_on_plateau"
         )
 
 
-def _concrete_number(name: str, value: Any) -> float | None:
-    """``value`` as a float; None where it cannot be read without tracing (and for a tensor
-    subclass of several elements, such as a sweep's per-member values)."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, Tensor):
-        if is_traced(value) or value.numel() != 1 and type(value) is not Tensor:
-            return None
-        if value.numel() != 1:
-            raise ValueError(f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a "
-                             f"number or a one-element tensor")
-        if value.is_complex() or value.is_meta:  # no real value to read
-            raise ValueError(f"invalid {name}: a {value.dtype} tensor on {value.device.type}; "
-                             f"pass a real number or a one-element real tensor holding data")
-        return float(value.detach().reshape(()).item())
-    raise ValueError(f"invalid {name}={value!r}: pass a number or a one-element tensor")
+def select_extra_args(tx: GradientTransformation, extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``extra`` that ``tx.update`` takes."""
+    if not extra:
+        return extra
+    takes = extra_args(tx)
+    return dict(extra) if takes is None else {k: v for k, v in extra.items() if k in takes}
 
 
-def check_lr(lr: ScalarOrSchedule) -> None:
-    """Check a learning rate given as a number or tensor (a schedule is checked per step)."""
-    if callable(lr) and not isinstance(lr, Tensor):
-        return
-    check_hyperparameter("lr", lr, 0.0)
+def check_transformation(tx: Any, what: str) -> None:
+    """A one-line ``ValueError`` where ``tx`` is no :class:`GradientTransformation` (an
+    Optimizer, whose update returns new params, would be added to the params as updates).
+
+    >>> import minitrain as mt
+    >>> check_transformation(mt.optim.sgd(), "MultiSteps' inner")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: MultiSteps' inner is an Optimizer; pass a GradientTransformation (...)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise ValueError(
+            f"{what} is {'an' if type(tx).__name__[0] in 'AEIOU' else 'a'} "
+            f"{type(tx).__name__}; pass a GradientTransformation (an Optimizer returns new "
+            f"params, not updates: use a transformation, e.g. mt.optim.scale_by_adam)"
+        )
 
 
-# --------------------------------------------------------------------------------------------
-# Path choice
+def chain(*transforms: Any) -> GradientTransformation:
+    """Apply ``transforms`` in order; the state is the tuple of their states.
+
+    >>> import torch, minitrain as mt
+    >>> tx = chain(mt.optim.clip(1.0), mt.optim.scale(-0.1))
+    >>> params = {"w": torch.zeros(2)}
+    >>> updates, state = tx.update({"w": torch.tensor([5.0, -0.5])}, tx.init(params), params)
+    >>> updates["w"]
+    tensor([-0.1000,  0.0500])
+    """
+    for index, tx in enumerate(transforms):
+        check_transformation(tx, f"chain argument {index}")
+
+    def init(params):
+        return tuple(tx.init(params) for tx in transforms)
+
+    def update(updates, state, params=None, **extra):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transformations got a state of "
+                f"{type(state).__name__}; pass the state returned by its init(params)"
+            )
+        check_extra_args("chain", update, extra)
+        new_state = []
+        for tx, inner in zip(transforms, state, strict=True):
+            updates, inner = tx.update(updates, inner, params, **select_extra_args(tx, extra))
+            new_state.append(inner)
+        return updates, tuple(new_state)
+
+    update = naming_bad_grads(update)
+    forwards_extra_args(update, transforms)
+    return tagged("chain", GradientTransformation(init, update), transforms=transforms)
 
 
-def use_plain_path(tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) -> bool:
-    """Whether an update must take per-leaf tensor ops rather than batched foreach kernels:
-    under a compiler or functorch transform, or with grad mode on and a leaf or tensor
-    hyperparameter that requires grad (a differentiable lr: foreach kernels would detach it)."""
-    if torch.compiler.is_compiling():
-        return True
-    if any(is_traced(value) for value in hyperparameters):
-        return True
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates`` leaf by leaf, each result in its param's dtype (pure).
+
+    >>> import torch
+    >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
+    {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
+    """
+    tensor_leaves("apply_updates", params, "param")
+    tensor_leaves("apply_updates", updates, "updates leaf")
+    tree.assert_same_structure(params, updates, names=("params", "updates"), check_shapes=True)
+    return tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def _writable(tensors: list) -> bool:
+    """Whether params may be updated in place: plain or fake tensors (a prediction), outside
+    vmap, grad and torch.compile, and none requiring grad while grad mode is on."""
+    if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in tensors):
+        return False
     wrapped = _torch.is_functorch_wrapped_tensor
-    for t in tensors:  # is_traced, inlined: an update checks every leaf
-        if type(t) in _PLAIN_TENSOR_TYPES:
-            if wrapped(t):
-                return True
-        elif is_traced(t):
-            return True
-    return torch.is_grad_enabled() and (
-        any(t.requires_grad for t in tensors)
-        or any(isinstance(v, Tensor) and v.requires_grad for v in hyperparameters)
-    )
+    return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
-def scalar(value: Any) -> Any:
-    """A concrete 0-d tensor hyperparameter as a Python float; anything else unchanged."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not is_traced(value):
-        return float(value.detach().reshape(()).item())
-    return value
+def as_optimizer(tx: GradientTransformation) -> Optimizer:
+    """An :class:`~minitrain.optim.Optimizer` that applies the updates of ``tx`` to the params.
+
+    ``update(grads, state, params, donate=False)`` returns ``(params, state)``; when ``tx``
+    matches a known pattern (e.g. ``chain(scale_by_adam(), add_decayed_weights(wd),
+    scale_by_learning_rate(lr))``) it runs the fused or streaming kernels of the named
+    optimizer. With ``donate=True`` the params may be updated in place.
+
+    >>> import torch, minitrain as mt
+    >>> opt = as_optimizer(chain(mt.optim.scale_by_sign(), mt.optim.scale_by_learning_rate(0.5)))
+    >>> params = {"w": torch.tensor([1.0, 1.0])}
+    >>> params, state = opt.update({"w": torch.tensor([3.0, -2.0])}, opt.init(params), params)
+    >>> params["w"]
+    tensor([0.5000, 1.5000])
+    """
+    check_transformation(tx, "as_optimizer's argument")
+    lowered = lower(tx)
+
+    def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
+               **extra: Any):
+        # In place only where no grad is another leaf's param (a lowered update checks its
+        # state too).
+        donate = donate and donatable(tree.leaves(params), tree.leaves(grads), [])
+        if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
+            check_extra_args("as_optimizer", extra_args(tx), extra)
+        elif lowered is not None:
+            result = lowered(grads, state, params, donate)
+            if result is not None:
+                return result
+        try:
+            updates, state = tx.update(grads, state, params, **extra)
+        except ValueError:
+            check_grads(grads, params)  # names the first grad unlike its param, where one is
+            raise
+        leaves = tree.leaves(params)
+        u_leaves = tree.leaves(updates)
+        if donate and _writable([*leaves, *u_leaves]) and all(
+            isinstance(p, Tensor) for p in (*leaves, *u_leaves)
+        ) and donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
+            if len(u_leaves) == len(leaves) and all(
+                u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)
+            ):
+                with torch.no_grad():
+                    _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
+                        u_leaves, leaves, strict=True)])
+                return params, state
+        return apply_updates(params, updates), state
+
+    update = naming_bad_grads(update)
+    optimizer = Optimizer(tx.init, update)
+    update.transformation = tx  # type: ignore[attr-defined]
+    return optimizer

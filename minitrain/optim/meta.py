@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._core import apply_updates
-from minitrain.optim.base import Optimizer, is_traced
+from minitrain.optim._host import is_traced
+from minitrain.optim.base import Optimizer, apply_updates
 from minitrain.tree import OptState, Params, PyTree
 
 __all__ = ["Unrolled", "unroll"]

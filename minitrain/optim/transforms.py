@@ -27,19 +27,18 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._core import (
-    EmptyState,
-    GradientTransformation,
+from minitrain.optim._checks import (
+    check_hyperparameter,
     floating_updates,
     hyperparameter,
-    tagged,
     tensor_leaves,
+    use_plain_path,
 )
 from minitrain.optim._transforms_rules import *  # noqa: F403  (listed in __all__)
 from minitrain.optim._transforms_rules import __all__ as _rules
 from minitrain.optim._transforms_wrappers import *  # noqa: F403  (listed in __all__)
 from minitrain.optim._transforms_wrappers import __all__ as _wrappers
-from minitrain.optim.base import check_hyperparameter, use_plain_path
+from minitrain.optim.base import EmptyState, GradientTransformation, tagged
 from minitrain.tree import Grads
 
 __all__ = ["clip_by_global_norm", "ClipByGlobalNormState", *_rules, *_wrappers]

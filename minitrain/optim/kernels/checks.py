@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,8 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 
-__all__ = ["donatable", "kernel_ready", "grad_leaf_error", "naming_bad_grads", "none_param_error"]
+__all__ = ["check_slots", "plain_cpu", "storage_holds", "donatable", "kernel_ready",
+           "grad_leaf_error", "naming_bad_grads", "none_param_error"]
 
 
 def grad_leaf_error(grads: Any) -> ValueError | None:
@@ -227,3 +228,61 @@ def _contiguous_cpu(t: Tensor, wrapped, size: int, nbytes: int,
     return t.storage_offset() * size + nbytes <= held
 
 
+# -- the streaming kernel's last guard before raw pointers reach C ------------------------------
+
+
+def check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
+    """Refuse any tensor the kernel would read or write out of bounds: per leaf, every tensor
+    must be a CPU float32, contiguous tensor with the param's element count whose storage holds
+    all of it. (Callers make grads and state match their params before this; this is the last
+    guard before raw pointers reach C.) A row that is the same list object as an earlier one
+    (a donated update writes into its inputs) is checked once."""
+    sizes = [p.numel() for p in slots[0]]
+    float32 = torch.float32
+    seen: list[list[Tensor]] = []
+    for index, slot in enumerate(slots):
+        if slot is None or any(slot is row for row in seen):
+            continue
+        seen.append(slot)
+        if len(slot) != n_leaves:
+            raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
+        for leaf, (t, n) in enumerate(zip(slot, sizes, strict=True)):
+            # Contiguous with n elements: the storage must hold [offset, offset + n) floats.
+            if not (
+                t.dtype is float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
+                and not t.is_neg()
+                and (n == 0 or (t.storage_offset() + n) * 4 <= t.untyped_storage().nbytes())
+            ):
+                p = slots[0][leaf]
+                held = t.untyped_storage().nbytes()
+                if t.dtype is float32 and t.is_contiguous() and t.numel() == n and \
+                        (t.storage_offset() + n) * 4 > held:
+                    raise ValueError(
+                        f"streaming slot {index} leaf {leaf}: a {tuple(t.shape)} tensor whose "
+                        f"storage holds {held} bytes (was it resized?); pass tensors whose "
+                        f"storage holds them"
+                    )
+                raise ValueError(
+                    f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} "
+                    f"{t.device} stride {t.stride()} does not match its param "
+                    f"{tuple(p.shape)}; pass contiguous float32 CPU tensors of the param's shape"
+                )
+
+
+def storage_holds(t: Tensor) -> bool:
+    """Whether ``t``'s storage holds every element ``t`` addresses."""
+    n = t.numel()
+    if n == 0:
+        return True
+    if t.is_contiguous():
+        extent = n
+    else:
+        extent = 1 + sum((size - 1) * stride
+                         for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
+
+
+def plain_cpu(t: Tensor) -> bool:
+    """A plain contiguous CPU tensor whose storage holds it (what a kernel may read)."""
+    return (type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous()
+            and storage_holds(t))

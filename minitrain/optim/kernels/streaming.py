@@ -10,8 +10,8 @@ is loaded) and exposes it as the ops ``minitrain::stream_update``, ``minitrain::
 and ``minitrain::decode_div``: torch.compile, fake tensors and the FLOP counter see one op, and
 each op has a fake (meta) implementation.
 
-Every tensor is checked before its pointer reaches C (:func:`_check_slots`). The kernels cover
-contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require`` turns a
+Every tensor is checked before its pointer reaches C (:func:`.checks.check_slots`). The kernels
+cover contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require`` turns a
 failed build into a :class:`BuildError` that shows the compiler's output.
 
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch
+from minitrain.optim.kernels.checks import check_slots, plain_cpu
 
 __all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "global_norm",
            "sum_of_squares", "usable", "update"]
@@ -248,57 +249,6 @@ def streams(touched_bytes: int) -> bool:
     return touched_bytes >= STREAMING_BYTES
 
 
-def _check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
-    """Refuse any tensor the kernel would read or write out of bounds: per leaf, every tensor
-    must be a CPU float32, contiguous tensor with the param's element count whose storage holds
-    all of it. (Callers make grads and state match their params before this; this is the last
-    guard before raw pointers reach C.) A row that is the same list object as an earlier one
-    (a donated update writes into its inputs) is checked once."""
-    sizes = [p.numel() for p in slots[0]]
-    float32 = torch.float32
-    seen: list[list[Tensor]] = []
-    for index, slot in enumerate(slots):
-        if slot is None or any(slot is row for row in seen):
-            continue
-        seen.append(slot)
-        if len(slot) != n_leaves:
-            raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
-        for leaf, (t, n) in enumerate(zip(slot, sizes, strict=True)):
-            # Contiguous with n elements: the storage must hold [offset, offset + n) floats.
-            if not (
-                t.dtype is float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
-                and not t.is_neg()
-                and (n == 0 or (t.storage_offset() + n) * 4 <= t.untyped_storage().nbytes())
-            ):
-                p = slots[0][leaf]
-                held = t.untyped_storage().nbytes()
-                if t.dtype is float32 and t.is_contiguous() and t.numel() == n and \
-                        (t.storage_offset() + n) * 4 > held:
-                    raise ValueError(
-                        f"streaming slot {index} leaf {leaf}: a {tuple(t.shape)} tensor whose "
-                        f"storage holds {held} bytes (was it resized?); pass tensors whose "
-                        f"storage holds them"
-                    )
-                raise ValueError(
-                    f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} "
-                    f"{t.device} stride {t.stride()} does not match its param "
-                    f"{tuple(p.shape)}; pass contiguous float32 CPU tensors of the param's shape"
-                )
-
-
-def _storage_holds(t: Tensor) -> bool:
-    """Whether ``t``'s storage holds every element ``t`` addresses."""
-    n = t.numel()
-    if n == 0:
-        return True
-    if t.is_contiguous():
-        extent = n
-    else:
-        extent = 1 + sum((size - 1) * stride
-                         for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
-
-
 def available() -> bool:
     """Whether the streaming kernels are built and loaded (building them on first call).
 
@@ -373,7 +323,7 @@ def update(rule: str, hyperparameters: Sequence[SupportsFloat],
     written = [slots[0], *slots[2:]]
     results = [s if s is None or outputs is None else outputs(s) for s in written]
     rows = [*slots, *results]
-    _check_slots(rows, len(slots[0]))
+    check_slots(rows, len(slots[0]))
     if nontemporal is None:
         touched = 4 * sum(p.numel() for p in slots[0]) * (len(rows) - rows.count(None))
         nontemporal = outputs is not None and streams(touched)
@@ -400,7 +350,7 @@ def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor]
     n_leaves = (len(inputs) + len(outputs)) // max(1, sum(present))
     tensors = iter([*inputs, *outputs])
     rows = [[next(tensors) for _ in range(n_leaves)] if on else None for on in present]
-    _check_slots(rows, n_leaves)  # the last guard before raw pointers reach C
+    check_slots(rows, n_leaves)  # the last guard before raw pointers reach C
     pointers = array.array("Q", [
         0 if row is None else row[leaf].data_ptr() for leaf in range(n_leaves) for row in rows
     ])
@@ -436,7 +386,7 @@ def _sum_of_squares(leaves: list[Tensor]) -> Tensor:
     if library is None:
         raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
     n_leaves = len(leaves)
-    _check_slots([leaves], n_leaves)
+    check_slots([leaves], n_leaves)
     pointers = array.array("Q", [t.data_ptr() for t in leaves])
     sizes = array.array("q", [t.numel() for t in leaves])
     out = torch.zeros(n_leaves, dtype=torch.float64, device="cpu")
@@ -487,10 +437,10 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
             or type(codes) is not Tensor or type(table) is not Tensor):
         return None
     divisor = float(scale)
-    if (not _plain_cpu(codes) or codes.element_size() != 1
+    if (not plain_cpu(codes) or codes.element_size() != 1
             or codes.is_floating_point() and codes.dtype not in
             (torch.float8_e4m3fn, torch.float8_e5m2)
-            or not _plain_cpu(table) or table.dtype is not torch.float32
+            or not plain_cpu(table) or table.dtype is not torch.float32
             or table.numel() != 256):
         return None
     return torch.ops.minitrain.decode_div(codes, table, divisor)
@@ -499,7 +449,7 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
 @torch.library.custom_op("minitrain::decode_div", mutates_args=(), device_types="cpu",
                          schema="(Tensor codes, Tensor table, float scale) -> Tensor")
 def _decode_div(codes: Tensor, table: Tensor, scale: float) -> Tensor:
-    if not (_plain_cpu(codes) and codes.element_size() == 1 and _plain_cpu(table)
+    if not (plain_cpu(codes) and codes.element_size() == 1 and plain_cpu(table)
             and table.dtype is torch.float32 and table.numel() == 256):
         raise ValueError("decode_div takes contiguous one-byte CPU codes and a 256-entry "
                          "float32 table")
@@ -515,9 +465,3 @@ def _decode_div(codes: Tensor, table: Tensor, scale: float) -> Tensor:
 @_decode_div.register_fake
 def _(codes, table, scale):
     return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-
-
-def _plain_cpu(t: Tensor) -> bool:
-    """A plain contiguous CPU tensor whose storage holds it (what a kernel may read)."""
-    return (type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous()
-            and _storage_holds(t))
