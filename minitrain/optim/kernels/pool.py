@@ -8,7 +8,6 @@ update stays pure). Nothing outside ``minitrain.optim.kernels`` sees a pool.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import sys
@@ -44,8 +43,6 @@ class BufferPool:
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
         self._nbytes: dict[tuple, int] = {}  # per key: the storage bytes a buffer needs
-
-    lock = contextlib.nullcontext()  # TEMPORARY: callers being moved to current()
 
     def idle_bytes(self) -> int:
         """Bytes of buffers that only this pool holds: its extra memory right now."""
