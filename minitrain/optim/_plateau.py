@@ -151,7 +151,7 @@ def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
 
 def _scaled(updates: Any, scale: Tensor) -> Any:
     """``updates * scale`` leaf by leaf, integer and bool leaves promoted first as every
-    transformation promotes them (:func:`~minitrain.optim._core.floating_updates`: to the
+    transformation promotes them (:func:`~minitrain.optim._checks.floating_updates`: to the
     default float dtype, torch's ``int_tensor * 0.5``)."""
     floating = floating_updates("reduce_on_plateau", updates)
     return tree.map(lambda u: u * scale.to(u.dtype), floating)
