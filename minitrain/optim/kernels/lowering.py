@@ -299,6 +299,9 @@ def _run(shape, decay_flags, grads, state, params, donate):
 def _advance(shape: Shape, rule_states: list, step: int):
     """Per-step arguments and next scalars of a family rule that keeps scalars in its state."""
     rule = shape.hyper.get("rule")
+    if rule is not None and any(isinstance(v, Tensor) and _number(v) is None
+                                for v in rule.state_hyperparams):
+        return None, None  # a hyperparameter held in the state is traced or needs grad
     if rule is None or not rule.scalars:
         return {}, {}
     old = {key: _number(getattr(rule_states[0], key)) for key in rule.scalars}
@@ -306,6 +309,9 @@ def _advance(shape: Shape, rule_states: list, step: int):
         return None, None
     new_scalars, per_step = rule.advance(step, **old)
     per_step = {k: _number(v) if isinstance(v, Tensor) else v for k, v in per_step.items()}
+    if any(v is None for v in (*per_step.values(), *new_scalars.values())) or any(
+            isinstance(v, Tensor) and _number(v) is None for v in new_scalars.values()):
+        return None, None
     kept = {key: torch.as_tensor(float(new_scalars[key]), dtype=getattr(
         rule_states[0], key).dtype, device="cpu") for key in rule.scalars}
     return per_step, kept
@@ -357,6 +363,9 @@ def _flags(cache: dict, shape: Shape, params: Any) -> list[bool]:
 def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, flags, donate):
     """Each weight-decay group's kernel call; None where no kernel takes these leaves."""
     rule = shape.rule
+    wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
+    if wd is None:  # traced or differentiable weight decay: the chain
+        return None
     tensors = [*ps, *gs, *(t for row in buffers if row is not None for t in row)]
     use_c = streaming.usable(tensors) and not (donate and rule.fused is not None)
     if not use_c and (rule.fused is None or not _fusable(ps)):
@@ -367,7 +376,6 @@ def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, flags, don
     scale = (1.0 if rule.folds_sign else sign) if use_c else clip
     if scale != 1.0:
         gs = list(_torch.foreach["mul"](gs, scale))
-    wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
     plans = []
     for on in (True, False):
         group = [i for i, flag in enumerate(flags) if flag is on]
