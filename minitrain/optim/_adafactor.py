@@ -235,4 +235,5 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     if not isinstance(maximize, bool):
         raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
     return as_optimizer(chain(*([scale(-1.0)] if maximize else []),
-                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)))
+                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)),
+                        strict=True)

@@ -261,4 +261,4 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
     decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
     return as_optimizer(torch_order(
         [rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
-        decay=add_decayed_weights(weight_decay, mask) if decays else None))
+        decay=add_decayed_weights(weight_decay, mask) if decays else None), strict=True)

@@ -242,4 +242,4 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
         *([scale(-1.0)] if maximize else []),
         scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn),
         add_decayed_weights(_checked("weight_decay", weight_decay, 0.0)),
-        scale_by_learning_rate(lr)))
+        scale_by_learning_rate(lr)), strict=True)

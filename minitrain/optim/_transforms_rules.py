@@ -370,7 +370,7 @@ def _concrete(value: Any) -> Any:
     return value if isinstance(value, int | float) else None
 
 
-def add_decayed_weights(weight_decay: float | Tensor = 0.0,
+def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
                         mask: WeightDecayMask = None) -> GradientTransformation:
     """Add ``weight_decay * p`` to each update (``mask``: a pytree of bools like params, or
     ``fn(name, leaf) -> bool``). Before a scaling rule this is torch's L2 decay (``g += wd * p``),

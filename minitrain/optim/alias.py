@@ -52,7 +52,7 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: Scalar = 0.0, dampening: Scalar =
     momentum_part = trace(momentum, dampening, nesterov)  # checks all three
     rule = [momentum_part] if keeps_momentum_buffer(momentum) else []
     return as_optimizer(torch_order(rule, lr, maximize=_checked_maximize(maximize),
-                                    decay=add_decayed_weights(weight_decay, mask)))
+                                    decay=add_decayed_weights(weight_decay, mask)), strict=True)
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999),
@@ -75,7 +75,7 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999
     return as_optimizer(torch_order(
         [scale_by_adam(beta1, beta2, eps=eps, amsgrad=amsgrad)], lr,
         maximize=_checked_maximize(maximize), decay=add_decayed_weights(weight_decay, mask),
-        decoupled=bool(decoupled_weight_decay)))
+        decoupled=bool(decoupled_weight_decay)), strict=True)
 
 
 def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999),
@@ -112,7 +112,8 @@ def adagrad(lr: ScalarOrSchedule = 1e-2, lr_decay: Scalar = 0.0, weight_decay: S
     """
     return as_optimizer(torch_order(
         [scale_by_adagrad(lr_decay, initial_accumulator_value, eps)], lr,
-        maximize=_checked_maximize(maximize), decay=add_decayed_weights(weight_decay, mask)))
+        maximize=_checked_maximize(maximize), decay=add_decayed_weights(weight_decay, mask)),
+        strict=True)
 
 
 def rmsprop(lr: ScalarOrSchedule = 1e-2, alpha: Scalar = 0.99, eps: Scalar = 1e-8,
@@ -133,4 +134,4 @@ def rmsprop(lr: ScalarOrSchedule = 1e-2, alpha: Scalar = 0.99, eps: Scalar = 1e-
     rule = [scale_by_rms(alpha, eps, centered),
             *([momentum_part] if keeps_momentum_buffer(momentum) else [])]
     return as_optimizer(torch_order(rule, lr, maximize=_checked_maximize(maximize),
-                                    decay=add_decayed_weights(weight_decay, mask)))
+                                    decay=add_decayed_weights(weight_decay, mask)), strict=True)

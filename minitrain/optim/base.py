@@ -25,7 +25,13 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._checks import WeightDecayMask, check_grads, floating_updates, tensor_leaves
+from minitrain.optim._checks import (
+    WeightDecayMask,
+    check_grads,
+    check_params,
+    floating_updates,
+    tensor_leaves,
+)
 from minitrain.optim.kernels.checks import donatable, naming_bad_grads
 from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
@@ -309,8 +315,11 @@ def _writable(tensors: list) -> bool:
     return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
-def as_optimizer(tx: GradientTransformation) -> Optimizer:
+def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimizer:
     """An :class:`~minitrain.optim.Optimizer` that applies the updates of ``tx`` to the params.
+
+    ``strict=True`` (the aliases): params must be real floating-point tensors, and grads
+    dense tensors of their params' shapes and dtypes, as torch.optim's are.
 
     ``update(grads, state, params, donate=False)`` returns ``(params, state)``; when ``tx``
     matches a known pattern (e.g. ``chain(scale_by_adam(), add_decayed_weights(wd),
@@ -338,6 +347,8 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             result = lowered(grads, state, params, donate)
             if result is not None:
                 return result
+        if strict:
+            check_grads(grads, params)
         try:
             updates, state = tx.update(grads, state, params, **extra)
         except ValueError:
@@ -357,7 +368,11 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
                 return params, state
         return apply_updates(params, updates), state
 
+    def init(params: Params) -> OptState:
+        if strict:
+            check_params(params)
+        return tx.init(params)
+
     update = naming_bad_grads(update)
-    optimizer = Optimizer(tx.init, update)
     update.transformation = tx  # type: ignore[attr-defined]
-    return optimizer
+    return Optimizer(init, update)
