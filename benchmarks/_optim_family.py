@@ -5,9 +5,9 @@ Each optimizer updates 8 fp32 params of 1024×1024 with fixed random grads on th
 process times, round by round interleaved, the reference's fastest path (``foreach=True`` where
 torch has one; Muon's only path; ``lion_pytorch.Lion``; ``schedulefree.AdamWScheduleFree`` with
 foreach) and minitrain's pure update (``params, state = opt.update(grads, state, params)``, the
-previous params dropped as in a training loop), optionally also with ``impl="compiled"``. The
-grads are set once on both sides (restored before each step only for a reference that writes
-into them). The ratio is best-round time over the peer's; the target is at most 1.0.
+previous params dropped as in a training loop). The grads are set once on both sides
+(restored before each step only for a reference that writes into them). The ratio is
+best-round time over the peer's; the target is at most 1.0.
 """
 
 from __future__ import annotations
@@ -97,11 +97,6 @@ class _Pure:
             self.params, self.state = self.opt.update(self.grads, self.state, self.params)
 
 
-# Aliases with impl="compiled" (their chain as one inductor graph; Adafactor and Muon have none)
-COMPILED = {"adadelta", "adamax", "asgd", "nadam", "nadam_decoupled", "radam", "rprop", "lion",
-            "schedule_free_adamw"}
-
-
 MIN_ROUNDS = 6  # the fewest rounds whose paired median has a 95% interval
 
 
@@ -139,10 +134,9 @@ def _first_call_seconds(steppers: dict[str, Callable[[], None]]) -> float:
 
 
 def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 1024,
-                  rounds: int = 10, inner: int = 3, compiled: bool = False,
-                  cold: bool = False, budget: float = 120.0) -> dict[str, Any]:
-    """Seconds per update (reference, minitrain pure) and their ratio for each optimizer;
-    with ``compiled``, also the pure update with ``impl="compiled"`` (compiles first, seconds).
+                  rounds: int = 10, inner: int = 3, cold: bool = False,
+                  budget: float = 120.0) -> dict[str, Any]:
+    """Seconds per update (reference, minitrain pure) and their ratio for each optimizer.
 
     A reference that is not installed (``lion-pytorch``, ``schedulefree``) gives a row with
     ``"skipped"`` and the reason instead of numbers. ``cold`` flushes the last-level cache
@@ -166,9 +160,6 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
                                     writes_grads=reference in WRITES_GRADS),
             "minitrain_pure": _Pure(factory, shared, params, grads),
         }
-        if compiled and name in COMPILED:
-            steppers["minitrain_compiled"] = _Pure(factory, {**shared, "impl": "compiled"},
-                                                   params, grads)
         row_rounds, row_inner = fitted_rounds(_first_call_seconds(steppers), len(steppers),
                                               rounds, inner, budget)
         times = time_rounds(steppers, row_rounds, row_inner, "cpu", flush, warmup=2)
@@ -183,8 +174,5 @@ def family_ratios(names: list[str] | None = None, count: int = 8, size: int = 10
             "paired_median_ratio": paired_median_ratio(times, "minitrain_pure", "reference"),
             "paired_interval": paired_ratio_interval(times, "minitrain_pure", "reference"),
         }
-        if "minitrain_compiled" in seconds:
-            rows[name]["compiled_over_reference"] = (
-                seconds["minitrain_compiled"] / seconds["reference"])
         del steppers
     return {"params": f"{count} x {size}x{size} fp32, cpu", "results": rows}

@@ -8,21 +8,21 @@ as the aliases are, and against what torch runs for the same chain (``clip_grad_
 fused step, an ``LRScheduler``).
 Per optimizer, one process times, round by round interleaved (so all see the same machine
 load): ``torch.optim`` with ``fused=True`` (the peer; ``foreach=True`` for RMSprop, which has
-no fused kernel) and with ``foreach=True``, and minitrain's fast path without donation
+no fused kernel) and with ``foreach=True``, and minitrain's update without donation
 (``params, state = opt.update(grads, state, params)``, the previous params freed each step as in
 a training loop) and with ``donate=True``. Ratios are best-round time over the peer's, and
 beside them the median over rounds of the two sides' ratio in the same round (the peer and
 minitrain run back to back, so the load of that moment cancels).
 
-``--compiled`` adds the pure update with ``impl="compiled"`` (one inductor-generated graph
-over all leaves, one pass into recycled buffers). ``--breakdown`` splits one pure AdamW update
-into its parts: the in-place fused kernel; one out-of-place pass with plain stores and with
-streaming stores (the read for ownership of every output line, and what skipping it saves);
-copies of params and state into fresh memory and aten's out-of-place kernel (allocation);
-Python overhead (the same update on 8 scalars); and page faults per step (``getrusage`` minor
-faults). ``--family`` adds the rest of the family against their references
-(:mod:`_optim_family`); ``--processes N`` repeats the whole measurement in N fresh processes and
-gives each figure's median across them (:func:`_timing.summarize`).
+``--breakdown`` splits one pure AdamW update into its parts: the in-place fused kernel; the
+streaming C kernel's call alone (``minitrain::stream_update`` through
+``kernels.streaming.update``), one out-of-place pass into two sets of buffers used in turn, with
+plain stores and with streaming stores (the read for ownership of every output line, and what
+skipping it saves); copies of params and state into fresh memory and aten's out-of-place kernel
+(allocation); Python overhead (the same update on 8 scalars); the whole pure update; and page
+faults per step (``getrusage`` minor faults). ``--family`` adds the rest of the family against
+their references (:mod:`_optim_family`); ``--processes N`` repeats the whole measurement in N
+fresh processes and gives each figure's median across them (:func:`_timing.summarize`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,12 @@ from _timing import (
 )
 
 import minitrain as mt
+from minitrain import _torch
 from minitrain.errors import UserError
-from minitrain.optim.kernels import streaming
+from minitrain.optim.kernels import pool, streaming
 
 # The registry of rows: name -> (minitrain factory, torch.optim class, kwargs shared by both,
-# the peer's fast flag: "fused" or "foreach"). The factory takes the kwargs and ``impl``; more
+# the peer's fast flag: "fused" or "foreach"). The factory takes the kwargs; more
 # optimizers join with ``register(name, factory, cls, kwargs, flag)``.
 OPTIMIZERS: dict[str, tuple[Callable[..., Any], type, dict[str, Any], str]] = {
     "adamw": (mt.optim.adamw, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2), "fused"),
@@ -69,7 +70,7 @@ OPTIMIZERS: dict[str, tuple[Callable[..., Any], type, dict[str, Any], str]] = {
 
 def register(name: str, factory: Callable[..., Any], cls: type, kwargs: dict[str, Any],
              flag: str) -> None:
-    """Add a row: ``factory(**kwargs, impl=...)`` against ``cls(params, **kwargs, **{flag: True})``.
+    """Add a row: ``factory(**kwargs)`` against ``cls(params, **kwargs, **{flag: True})``.
 
     >>> register("sgd_plain", mt.optim.sgd, torch.optim.SGD, dict(lr=0.1), "fused")
     >>> "sgd_plain" in OPTIMIZERS
@@ -86,15 +87,14 @@ def hand_built_schedule(lr: float = 1e-3) -> Callable[[int], float]:
     return mt.optim.cosine_schedule(lr, decay_steps=10_000, warmup_steps=10)
 
 
-def hand_built_adamw(lr: float = 1e-3, weight_decay: float = 1e-2, max_norm: float = 1.0,
-                     impl: str = "auto") -> mt.optim.Optimizer:
+def hand_built_adamw(lr: float = 1e-3, weight_decay: float = 1e-2,
+                     max_norm: float = 1.0) -> mt.optim.Optimizer:
     """A chain built by hand: clip by global norm, Adam, decoupled weight decay, cosine schedule.
 
     >>> opt = hand_built_adamw()
     >>> [mt.optim.spec(tx)[0] for tx in mt.optim.spec(opt.update.transformation)[1]["transforms"]]
     ['clip_by_global_norm', 'scale_by_adam', 'add_decayed_weights', 'scale_by_learning_rate']
     """
-    del impl  # the chain chooses its path itself
     schedule = hand_built_schedule(lr)
     return mt.optim.as_optimizer(mt.optim.chain(
         mt.optim.clip_by_global_norm(max_norm), mt.optim.scale_by_adam(),
@@ -107,7 +107,7 @@ ALIAS_TARGETS = {"pure": 1.35, "donate": 1.05}
 and a donated update may take, as ratios."""
 
 # Chains of transformations timed against an aliased row's torch peer:
-# name -> (factory taking ``impl``, the OPTIMIZERS row whose peer it is held to, target ratio).
+# name -> (factory, the OPTIMIZERS row whose peer it is held to, target ratio).
 CHAINS: dict[str, tuple[Callable[..., Any], str, float]] = {
     "chain_clip_adam_decay_schedule": (hand_built_adamw, "adamw", 1.5),
 }
@@ -153,9 +153,9 @@ class TorchClipStepper(TorchStepper):
 class MinitrainStepper:
     """``params, state = opt.update(grads, state, params[, donate=True])`` per call."""
 
-    def __init__(self, factory: Callable, kwargs: dict, params: list, grads: list, donate: bool,
-                 impl: str = "auto"):
-        self.opt = factory(**kwargs, impl=impl)
+    def __init__(self, factory: Callable, kwargs: dict, params: list, grads: list,
+                 donate: bool):
+        self.opt = factory(**kwargs)
         self.params = [p.clone() for p in params]
         self.state = self.opt.init(self.params)
         self.grads = grads
@@ -169,7 +169,7 @@ class MinitrainStepper:
 
 def measure(
     names: list[str], count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5,
-    device: str = "cpu", compiled: bool = False, cold: bool = False,
+    device: str = "cpu", cold: bool = False,
 ) -> dict[str, Any]:
     """Seconds per update and ratios to the peer for each optimizer in ``names``; ``cold``
     flushes the last-level cache before every update (:func:`cache_flusher`)."""
@@ -184,10 +184,6 @@ def measure(
             "minitrain_pure": MinitrainStepper(factory, kwargs, params, grads, donate=False),
             "minitrain_donate": MinitrainStepper(factory, kwargs, params, grads, donate=True),
         }
-        if compiled:
-            steppers["minitrain_compiled"] = MinitrainStepper(
-                factory, kwargs, params, grads, donate=False, impl="compiled"
-            )
         if flag != "foreach":
             steppers["torch_foreach"] = TorchStepper(cls, kwargs, "foreach", params, grads)
         times = time_rounds(steppers, rounds, inner, device, flush)
@@ -208,8 +204,6 @@ def measure(
                 for side in ("pure", "donate")
             },
         }
-        if compiled:
-            results[name]["compiled_over_peer"] = seconds["minitrain_compiled"] / peer
         del steppers
     return {"device": device, "params": f"{count} x {size}x{size} fp32", "results": results}
 
@@ -262,12 +256,18 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+ADAMW_HP = [0.9, 0.999, 1e-8, 1e-2, 1e-3, 1e-3 / (1 - 0.9), (1 - 0.999) ** 0.5, True, False, 1.0]
+"""AdamW's first update in ``_streaming.c``'s order: beta1, beta2, eps, weight decay, lr, lr over
+the first moment's bias correction, the second's square root, decoupled, amsgrad, sign."""
+
+
 def _one_pass_parts(params, grads, exp_avg, exp_avg_sq) -> dict[str, Callable[[], Any]]:
-    """The streaming kernel's single out-of-place pass, with plain stores and with streaming
-    stores, into two sets of buffers used in turn (as the pure path's pool does)."""
-    if not streaming.usable(params):
+    """The streaming kernel's single out-of-place pass: as the pure update calls it (into this
+    thread's pool, stores chosen by size), then with plain stores and with streaming stores into
+    two sets of buffers used in turn (as the pool hands them out)."""
+    if not streaming.usable([*params, *grads, *exp_avg, *exp_avg_sq]):
         return {}
-    hp = [0.9, 0.999, 1e-8, 1e-2, 1e-3, 1e-3 / (1 - 0.9), (1 - 0.999) ** 0.5, True, False, 1.0]
+    hp = ADAMW_HP
     generations = [[[t.clone() for t in leaves] for leaves in (params, exp_avg, exp_avg_sq)]
                    for _ in range(2)]
     turn = [0]
@@ -279,7 +279,13 @@ def _one_pass_parts(params, grads, exp_avg, exp_avg_sq) -> dict[str, Callable[[]
         streaming.update("adam", hp, [source[0], grads, source[1], source[2], None],
                          lambda like: next(given), nontemporal=nontemporal)
 
+    def kernel_call() -> None:
+        outputs = pool.current()
+        outputs.begin_update()
+        streaming.update("adam", hp, [params, grads, exp_avg, exp_avg_sq, None], outputs)
+
     return {
+        "stream_update_call_alone": kernel_call,
         "one_pass_plain_stores": lambda: one_pass(False),
         "one_pass_streaming_stores": lambda: one_pass(True),
     }
@@ -298,7 +304,7 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
                             make_params(count, (1,), "cpu", seed=1), donate=False)
     pure = MinitrainStepper(mt.optim.adamw, {}, params, grads, donate=False)
     parts = {
-        "fused_kernel_in_place": lambda: torch._fused_adamw_(
+        "fused_kernel_in_place": lambda: _torch.fused_adamw_(
             params, grads, exp_avg, exp_avg_sq, [], steps, **kernel_kwargs
         ),
         **_one_pass_parts(params, grads, exp_avg, exp_avg_sq),
@@ -331,8 +337,6 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
 @click.option("--device", default="cpu", help="cpu or cuda.")
 @click.option("--breakdown", "with_breakdown", is_flag=True,
               help="Also split a pure AdamW update into kernel, copies, overhead, faults (CPU).")
-@click.option("--compiled", is_flag=True,
-              help="Also time the pure update with impl='compiled' (torch.compile; slow start).")
 @click.option("--chain", "chains", multiple=True, type=click.Choice(list(CHAINS)),
               help="Chains of transformations to time (repeatable); default: all.")
 @click.option("--family", "with_family", is_flag=True,
@@ -353,7 +357,7 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
                    "from 6 on): where the allocator puts buffers differs between processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int, device: str,
-          with_breakdown: bool, compiled: bool, chains: tuple[str, ...], with_family: bool,
+          with_breakdown: bool, chains: tuple[str, ...], with_family: bool,
           members: tuple[str, ...], cold: bool, budget: float, processes: int,
           as_json: bool) -> None:
     """mt.optim update time over torch.optim fused (foreach for RMSprop), pure and donated;
@@ -368,16 +372,14 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"--device {device!r} is not supported; use cpu or cuda")
     if processes > 1:
-        if with_breakdown or compiled:
-            flag = "--breakdown" if with_breakdown else "--compiled"
-            raise UserError(f"{flag} is not summarized across processes; drop {flag} or "
-                            "--processes")
+        if with_breakdown:
+            raise UserError("--breakdown is not summarized across processes; drop --breakdown "
+                            "or --processes")
         context = click.get_current_context()
         options = child_options(context.command, context.params, NOT_FORWARDED)
         _across_processes(options, processes, cold, as_json)
         return
-    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, compiled,
-                     cold)
+    result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, cold)
     result["cold"] = cold
     if with_breakdown:
         result["breakdown"] = breakdown(count, size, rounds, inner)
@@ -385,7 +387,7 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
                                       device, cold)["results"]
     if with_family:
         result["family"] = family_ratios(list(members) or None, count, size, rounds, inner,
-                                         compiled, cold, budget)["results"]
+                                         cold, budget)["results"]
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -401,8 +403,6 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         ratios += f"({paired(medians['pure'], intervals['pure'])})   "
         ratios += f"donate / {entry['peer']}: {entry['donate_over_peer']:.2f}x "
         ratios += f"({paired(medians['donate'], intervals['donate'])})"
-        if "compiled_over_peer" in entry:
-            ratios += f"   compiled / {entry['peer']}: {entry['compiled_over_peer']:.2f}x"
         click.echo(f"  {'':13s} {ratios}")
     for name, entry in result["chains"].items():
         times = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in entry["seconds"].items())
@@ -423,8 +423,6 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
         ratios = (f"pure / {entry['reference']}: {entry['pure_over_reference']:.2f}x "
                   f"({paired(entry['paired_median_ratio'], entry['paired_interval'])}; "
                   f"target <= {entry['target']}x)")
-        if "compiled_over_reference" in entry:
-            ratios += f"   compiled: {entry['compiled_over_reference']:.2f}x"
         if (entry["rounds"], entry["inner"]) != (rounds, inner):
             ratios += (f"   ({entry['rounds']} rounds x {entry['inner']}: a slow update, "
                        "cut to --budget)")

@@ -6,7 +6,8 @@ on the same weights and batch, interleaved round by round in one process:
 * the peer: ``nn.Module`` Cruncher, ``loss.backward()`` and ``torch.optim.AdamW(fused=True)``,
   ``zero_grad(set_to_none=True)`` each step (the chapter's loop, 3.5.7);
 * minitrain: ``mt.value_and_grad(loss)(params, batch)`` then ``mt.optim.adamw(...).update``, pure
-  and with ``donate=True``, eager and under ``torch.compile`` (which takes mt.optim's plain path).
+  and with ``donate=True``, eager and under ``torch.compile`` (where mt.optim runs the
+  chain's tensor ops: a traced update leaves the kernels).
 
 The compiled step copies its new params and state into buffers it is given (``out``), so that
 inductor stores each result straight into them instead of into fresh allocations: the pure
@@ -19,8 +20,8 @@ Shape checks step aside while dynamo traces, so forward, backward and update com
 graph, in which inductor updates each layer as soon as its gradient is ready.
 
 ``minitrain_run_compile`` is what ``minitrain run --compile`` does: the forward pass under
-``torch.compile`` (its backward through AOTAutograd), then the eager update, donated (mt.optim's
-fast path).
+``torch.compile`` (its backward through AOTAutograd), then the eager update, donated (torch's fused
+kernel, in place).
 
 ``--model gpt`` trains bytelm's GPT against nanoGPT's ``nn.Module`` instead (:mod:`_gpt_step`).
 """
@@ -47,7 +48,7 @@ ADAMW = dict(lr=1e-3, weight_decay=1e-2)
 class ScalarCSE(CustomGraphPass):
     """Merge repeated one-element computations of an inductor (post-grad) graph into one node.
 
-    Traced, mt.optim's plain path computes each leaf's bias corrections (``1 - beta**step``)
+    Traced, mt.optim's chain computes each leaf's bias corrections (``1 - beta**step``)
     from the step count anew. Inductor inlines each such 0-d chain into the loop of its leaf's
     update, and as it compiles C++ with errno-preserving libm calls, the compiler may not hoist
     the ``pow`` out of the loop: two double ``pow`` per vector of 16 floats, which made the

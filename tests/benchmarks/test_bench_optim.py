@@ -76,3 +76,19 @@ def test_bench_optim_cold_flushes_the_cache_before_every_timed_update(monkeypatc
     assert len(flushes) == 2 * 4 + 2 * 4
     refused = CliRunner().invoke(optim, [*args[:-1], "--device", "cuda"])
     assert refused.exit_code != 0
+
+
+def test_bench_optim_breakdown_times_the_kernel_call_beside_the_whole_update():
+    args = ["--optimizer", "sgd_momentum", "--count", "2", "--size", "16", "--rounds", "1",
+            "--inner", "1", "--breakdown", "--json"]
+    result = CliRunner().invoke(optim, args)
+    assert result.exit_code == 0, result.output
+    parts = json.loads(result.output)["breakdown"]
+    expected = {"fused_kernel_in_place", "copies_of_params_and_state",
+                "aten_out_of_place_fused", "python_overhead_8_scalars", "minitrain_pure_update"}
+    if bench.streaming.available():
+        expected |= {"stream_update_call_alone", "one_pass_plain_stores",
+                     "one_pass_streaming_stores"}
+    assert set(parts["seconds"]) == expected
+    assert set(parts["minor_page_faults_per_call"]) == expected
+    assert all(seconds > 0 for seconds in parts["seconds"].values())

@@ -19,7 +19,7 @@ import torch, minitrain as mt
 from step import ADAMW, CompiledStepper, cruncher_loss, make_problem
 
 params, batch = make_problem(dim=64, num_layers=3, batch=16, device="cpu")
-opt = mt.optim.adamw(**ADAMW, impl="plain")
+opt = mt.optim.adamw(**ADAMW)
 loss_and_grads = mt.value_and_grad(cruncher_loss)
 expected, state = mt.tree.map(torch.clone, params), opt.init(params)
 pure = CompiledStepper(params, batch, donate=False)
