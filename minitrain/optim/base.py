@@ -32,7 +32,7 @@ from minitrain.optim._checks import (
     floating_updates,
     tensor_leaves,
 )
-from minitrain.optim.kernels.checks import donatable, naming_bad_grads
+from minitrain.optim.kernels.checks import check_storages, donatable, naming_bad_grads
 from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
 
@@ -315,6 +315,22 @@ def _writable(tensors: list) -> bool:
     return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
+def _read_hyperparameters(found: Any) -> None:
+    """Take the value of every hyperparameter a spec holds whose reading runs the caller's
+    code (a ``float`` subclass's ``__float__``, a tensor subclass's torch function)."""
+    if isinstance(found, GradientTransformation):
+        found = spec(found)
+    if isinstance(found, dict):
+        found = list(found.values())
+    if isinstance(found, tuple | list):
+        for value in found:
+            _read_hyperparameters(value)
+    elif isinstance(found, float) and type(found) is not float:
+        float(found)
+    elif isinstance(found, Tensor) and type(found) not in (Tensor, torch.nn.Parameter):
+        found.detach()
+
+
 def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimizer:
     """An :class:`~minitrain.optim.Optimizer` that applies the updates of ``tx`` to the params.
 
@@ -349,6 +365,8 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
                 return result
         if strict:
             check_grads(grads, params)
+            _read_hyperparameters(spec(tx))  # the caller's code they run, before the check
+            check_storages((("param", params), ("grad", grads), ("state", state)))
         try:
             updates, state = tx.update(grads, state, params, **extra)
         except ValueError:

@@ -156,6 +156,12 @@ def run(opt: mt.optim.Optimizer, params: Any, grads_seq: list, **kw) -> tuple[An
     return params, state
 
 
+KERNEL_ROUNDING = dict(rtol=1e-6, atol=1e-6)
+"""How far a kernel's update may stand from its chain's after a few steps: the kernels order
+their float32 operations otherwise (a fused multiply-add, a bias correction folded into the
+step), which moves a result by an ulp or two."""
+
+
 def assert_equal(a: Any, b: Any, **tolerance) -> None:
     """Same tree structure; leaf for leaf the same dtype and values (bits unless a tolerance)."""
     assert mt.tree.structure(a) == mt.tree.structure(b)

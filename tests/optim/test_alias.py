@@ -33,6 +33,7 @@ from tests.optim.conftest import (
     ATOL,
     BY_NAME,
     DECAYED,
+    KERNEL_ROUNDING,
     OPTIMIZERS,
     REFERENCED,
     ROUNDING,
@@ -276,13 +277,13 @@ def test_a_donated_update_equals_the_pure_one(entry):
     grads_seq = make_grads(params, 3)
     pure = run(entry.make(), params, grads_seq)
     donated = run(entry.make(), clones(params), grads_seq, donate=True)
-    assert_equal(donated, pure)
+    assert_equal(donated, pure, **KERNEL_ROUNDING)
 
 
 @pytest.mark.parametrize("entry", OPTIMIZERS, ids=ids)
-def test_the_update_equals_its_chain_bit_for_bit(entry):
+def test_the_update_equals_its_chain_to_rounding(entry):
     """``opt.update`` (which may run a fused kernel) against the transformation it was built
-    from, run op by op, then ``apply_updates``."""
+    from, run op by op, then ``apply_updates``: a kernel orders its float32 ops otherwise."""
     opt = entry.make()
     chain = opt.update.transformation
     params = make_params(entry)
@@ -292,7 +293,7 @@ def test_the_update_equals_its_chain_bit_for_bit(entry):
         ours, state = opt.update(grads, state, ours)
         updates, chain_state = chain.update(grads, chain_state, by_chain)
         by_chain = mt.optim.apply_updates(by_chain, updates)
-    assert_equal((ours, state), (by_chain, chain_state))
+    assert_equal((ours, state), (by_chain, chain_state), **KERNEL_ROUNDING)
 
 
 @pytest.mark.parametrize("entry", OPTIMIZERS, ids=ids)

@@ -269,6 +269,32 @@ def check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
                 )
 
 
+def check_storages(trees: Sequence[tuple[str, Any]]) -> None:
+    """``ValueError`` naming the first plain tensor leaf of ``trees`` (``(what, tree)`` pairs)
+    whose storage holds fewer bytes than the tensor addresses: one resized by hand, which even
+    torch's own ops would read past the end of.
+
+    >>> t = torch.ones(4); _ = t.untyped_storage().resize_(0)
+    >>> check_storages([("param", {"w": t})])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: param 'w': its storage holds 0 bytes, fewer than the tensor addresses (was it...
+    """
+    for what, values in trees:
+        for name, t in tree.named_leaves(values):
+            if type(t) in _PLAIN and not _torch.is_functorch_wrapped_tensor(t) \
+                    and not storage_holds(t):
+                where, _, leaf = name.rpartition(".")
+                if what == "state" and where:  # the param the buffer is for, named alone
+                    name = f"{where} leaf {leaf!r}"
+                else:
+                    name = repr(name)
+                raise ValueError(
+                    f"{what} {name}: its storage holds {t.untyped_storage().nbytes()} bytes, "
+                    f"fewer than the tensor addresses (was it resized?); pass tensors whose "
+                    f"storage holds them")
+
+
 def storage_holds(t: Tensor) -> bool:
     """Whether ``t``'s storage holds every element ``t`` addresses."""
     n = t.numel()

@@ -237,6 +237,8 @@ def _numbers(shape: Shape) -> dict[str, Any] | None:
             value = _number(value)
             if value is None:
                 return None
+        elif isinstance(value, float) and type(value) is not float:
+            value = float(value)  # a subclass's __float__ is the caller's code: read it first
         out[key] = value
     return out
 
@@ -260,7 +262,10 @@ def _run(shape, decay_flags, grads, state, params, donate):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*p_leaves, *g_leaves)):
         return None
     hyper = _numbers(shape)
-    if hyper is None:
+    # Every number before the checks below: reading a subclass's value runs the caller's code.
+    wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
+    max_norm = None if shape.clip is None else _number(shape.clip)
+    if hyper is None or wd is None or (shape.clip is not None and max_norm is None):
         return None
     step = int(done[0]) + 1
     per_step, kept = _advance(shape, rule_states, step)
@@ -283,12 +288,10 @@ def _run(shape, decay_flags, grads, state, params, donate):
         return None
     clip = 1.0
     if shape.clip is not None:
-        clip = _clip_factor(g_leaves, shape.clip)
-        if clip is None:
-            return None
+        clip = _clip_factor(g_leaves, max_norm)
     flags = _flags(decay_flags, shape, params)
-    ran = _kernels(shape, p_leaves, g_leaves, buffers, step, hyper, per_step, lr, clip, flags,
-                   donate)
+    ran = _kernels(shape, p_leaves, g_leaves, buffers, step, hyper, per_step, lr, clip, wd,
+                   flags, donate)
     if ran is None:
         return None
     new_params, new_buffers = ran
@@ -335,11 +338,8 @@ def _buffers(shape, rule_states, hyper, per_step, step):
     return buffers, fields
 
 
-def _clip_factor(g_leaves: list[Tensor], max_norm: Any) -> float | None:
+def _clip_factor(g_leaves: list[Tensor], max_norm: float) -> float:
     """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, with its ops."""
-    max_norm = _number(max_norm)
-    if max_norm is None:
-        return None
     if streaming.usable(g_leaves):
         norm = streaming.global_norm(g_leaves)
     else:
@@ -360,12 +360,9 @@ def _flags(cache: dict, shape: Shape, params: Any) -> list[bool]:
     return cache[key]
 
 
-def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, flags, donate):
+def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, wd, flags, donate):
     """Each weight-decay group's kernel call; None where no kernel takes these leaves."""
     rule = shape.rule
-    wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
-    if wd is None:  # traced or differentiable weight decay: the chain
-        return None
     tensors = [*ps, *gs, *(t for row in buffers if row is not None for t in row)]
     use_c = streaming.usable(tensors) and not (donate and rule.fused is not None)
     if not use_c and (rule.fused is None or not _fusable(ps)):
