@@ -9,11 +9,11 @@ where RULE is a row of :data:`RULES` (Adam's ``scale_by_adam``, SGD's ``trace`` 
 RMSprop's ``scale_by_rms`` with its ``trace``, the family's rules), and returns an update that
 runs it as one pass per weight-decay group over all leaves:
 
-* donated, where torch has a fused kernel for the rule (``_fused_adam(w)_``, ``_fused_sgd_``,
-  ``_fused_adagrad_``): that kernel, in place;
 * on contiguous float32 CPU leaves: the streaming C kernel (``minitrain::stream_update``), into
-  recycled buffers (in place when donated);
-* on other devices and dtypes, where torch has a fused kernel: that kernel on copies.
+  recycled buffers, or in place when donated (the same kernel, so the same bits);
+* elsewhere (CUDA, float64, a torch mode such as the FLOP counter watching), where torch has a
+  fused kernel for the rule (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``): that
+  kernel, in place when donated, else on copies.
 
 Whenever it cannot take a call (under vmap, grad or torch.compile, a torch mode active, leaves
 the kernels cannot address, a traced or differentiable hyperparameter, ...) the update returns
@@ -244,7 +244,7 @@ def _numbers(shape: Shape) -> dict[str, Any] | None:
 
 
 def _run(shape, decay_flags, grads, state, params, donate):
-    if torch.compiler.is_compiling() or not streaming.quiet():
+    if torch.compiler.is_compiling():
         return None
     p_leaves, structure = _flat.flatten(params)
     g_leaves, g_structure = _flat.flatten(grads)
@@ -364,7 +364,7 @@ def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, wd, flags,
     """Each weight-decay group's kernel call; None where no kernel takes these leaves."""
     rule = shape.rule
     tensors = [*ps, *gs, *(t for row in buffers if row is not None for t in row)]
-    use_c = streaming.usable(tensors) and not (donate and rule.fused is not None)
+    use_c = streaming.usable(tensors)  # the same kernel pure and donated: the same bits
     if not use_c and (rule.fused is None or not _fusable(ps)):
         return None
     sign = -clip if shape.maximize else clip
@@ -386,7 +386,7 @@ def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, wd, flags,
             return None
         plans.append((group, frame, found))
     new_ps, new_buffers = list(ps), [list(row) if row is not None else None for row in buffers]
-    outputs = None if donate else pool.current()
+    outputs = None if donate or not use_c else pool.current()
     if outputs is not None:
         outputs.begin_update()
     for group, frame, (name, hp, _) in plans:
