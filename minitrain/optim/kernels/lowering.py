@@ -58,6 +58,7 @@ class Rule(NamedTuple):
     kernel: Spec | None
     fused: Callable[..., None] | None = None
     folds_sign: bool = False  # the kernel multiplies the grads by ``frame.sign`` itself
+    fused_halves: bool = True  # torch's CPU fused kernel takes bfloat16 and float16 leaves
 
 
 def _adam(step, h, per_step, f):
@@ -128,8 +129,8 @@ def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
 
 RULES: dict[tuple[str, ...], Rule] = {
     ("scale_by_adam",): Rule(_adam, _fused_adam, folds_sign=True),
-    (): Rule(_sgd, _fused_sgd),
-    ("trace",): Rule(_sgd, _fused_sgd),
+    (): Rule(_sgd, _fused_sgd, fused_halves=False),
+    ("trace",): Rule(_sgd, _fused_sgd, fused_halves=False),
     ("scale_by_adagrad",): Rule(_adagrad, _fused_adagrad),
     ("scale_by_rms",): Rule(_rmsprop),
     ("scale_by_rms", "trace"): Rule(_rmsprop),
@@ -365,7 +366,7 @@ def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, wd, flags,
     rule = shape.rule
     tensors = [*ps, *gs, *(t for row in buffers if row is not None for t in row)]
     use_c = streaming.usable(tensors)  # the same kernel pure and donated: the same bits
-    if not use_c and (rule.fused is None or not _fusable(ps)):
+    if not use_c and (rule.fused is None or not _fusable(ps, rule.fused_halves)):
         return None
     sign = -clip if shape.maximize else clip
     # What the grads are multiplied by first: the C kernels of folding rules take the sign
@@ -406,10 +407,12 @@ def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, wd, flags,
     return new_ps, new_buffers
 
 
-def _fusable(ps: list[Tensor]) -> bool:
-    """torch's fused kernels on CUDA, and on the CPU for float32 and float64 (its CPU fused SGD
-    skips half-precision elements in whole SIMD blocks)."""
-    return all(p.is_cuda or p.dtype in (torch.float32, torch.float64) for p in ps)
+def _fusable(ps: list[Tensor], halves: bool) -> bool:
+    """torch's fused kernels on CUDA, and on the CPU for float32 and float64, and bfloat16 and
+    float16 where the rule's kernel takes them (its CPU fused SGD skips half-precision elements
+    in whole SIMD blocks)."""
+    dtypes = (torch.float32, torch.float64) + ((torch.bfloat16, torch.float16) if halves else ())
+    return all(p.is_cuda or p.dtype in dtypes for p in ps)
 
 
 def _fused(rule, ps, gs, buffers, step, hyper, frame, maximize, donate):
@@ -439,5 +442,6 @@ def _new_state(shape, state, rule_states, fields, new_buffers, kept, structure, 
     if shape.lr_position is not None:
         inner = state[shape.lr_position]
         new_state[shape.lr_position] = inner._replace(
-            count=inner.count + 1, lr=torch.tensor(lr, dtype=torch.float32, device="cpu"))
+            count=torch.tensor(int(inner.count) + 1, dtype=torch.int64, device="cpu"),
+            lr=torch.tensor(lr, dtype=torch.float32, device="cpu"))
     return tuple(new_state)
