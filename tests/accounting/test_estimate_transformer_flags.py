@@ -119,7 +119,7 @@ def test_state_bytes_agree_with_estimate_memory(capsys, name, flags):
     per_param = json.loads(out)["bytes_per_param"]
     memory = result["memory_per_gpu"]
     if name in ("adafactor", "muon"):  # counted tensor by tensor: factored moments, or Muon for
-        # the layers' matrices and AdamW for the rest (tests/accounting/test_transformer_state_by_tensor.py)
+        # the layers' matrices and AdamW for the rest (test_transformer_state_by_tensor.py)
         elements = acc.transformer_optimizer_state_elements(acc.preset("gpt2"), name)
         assert memory["optimizer_state"] == 4 * elements
     else:
