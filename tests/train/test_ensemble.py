@@ -200,7 +200,8 @@ def test_a_member_with_a_nan_loss_is_frozen_and_the_others_train_on():
     out = step(p, s, b, ensemble.hyperparameters(), diverged, 7)
     assert out.diverged_at.tolist() == [0, 7]
     assert torch.equal(out.params["w"][1], params[1]["w"])  # frozen: params as before the step
-    assert int(out.opt_state.count[1]) == 0 and int(out.opt_state.count[0]) == 1
+    count = out.opt_state[-1].count  # scale_by_learning_rate's, last in the chain
+    assert int(count[1]) == 0 and int(count[0]) == 1
     assert not torch.equal(out.params["w"][0], params[0]["w"])
     # Once diverged, a member stays frozen even when its next loss is finite.
     clean = stack([batches[0], batches[0]])
