@@ -27,7 +27,13 @@ from minitrain.optim._checks import (
     scalar,
     use_plain_path,
 )
-from minitrain.optim._host import host_tensor, lerp_weight, schedule_count, zero_count
+from minitrain.optim._host import (
+    host_tensor,
+    lerp_weight,
+    schedule_count,
+    updates_done,
+    zero_count,
+)
 from minitrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, tagged
 from minitrain.optim.leafwise import leafwise
 from minitrain.tree import Params
@@ -139,6 +145,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
         return ScaleByLearningRateState(zero_count(), _f32(lr_at(0)))
 
     def update(updates, state, params=None):
+        updates_done(state.count)  # a hand-edited count is refused, naming it
         lr = lr_at(state.count)
         factor = -lr if flip_sign else lr
         return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, _f32(lr))

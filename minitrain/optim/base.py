@@ -363,9 +363,9 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             result = lowered(grads, state, params, donate)
             if result is not None:
                 return result
-        if strict:
+        if strict and not torch.compiler.is_compiling():  # traced: checked when it was eager
             check_grads(grads, params)
-            _read_hyperparameters(spec(tx))  # the caller's code they run, before the check
+            _read_hyperparameters((spec(tx), state))  # the caller's code, before the check
             check_storages((("param", params), ("grad", grads), ("state", state)))
         try:
             updates, state = tx.update(grads, state, params, **extra)

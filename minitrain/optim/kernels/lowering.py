@@ -11,8 +11,8 @@ runs it as one pass per weight-decay group over all leaves:
 
 * on contiguous float32 CPU leaves: the streaming C kernel (``minitrain::stream_update``), into
   recycled buffers, or in place when donated (the same kernel, so the same bits);
-* elsewhere (CUDA, float64, a torch mode such as the FLOP counter watching), where torch has a
-  fused kernel for the rule (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``): that
+* elsewhere (CUDA, float64, half precision), where torch has a fused kernel for the rule
+  (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``): that
   kernel, in place when donated, else on copies.
 
 Whenever it cannot take a call (under vmap, grad or torch.compile, a torch mode active, leaves
@@ -245,8 +245,8 @@ def _numbers(shape: Shape) -> dict[str, Any] | None:
 
 
 def _run(shape, decay_flags, grads, state, params, donate):
-    if torch.compiler.is_compiling():
-        return None
+    if torch.compiler.is_compiling() or not streaming.quiet():
+        return None  # compiled, or a torch mode watching (the FLOP counter, fake tensors)
     p_leaves, structure = _flat.flatten(params)
     g_leaves, g_structure = _flat.flatten(grads)
     if g_structure != structure or not p_leaves or not isinstance(state, tuple) or \
@@ -258,7 +258,8 @@ def _run(shape, decay_flags, grads, state, params, donate):
         return None
     counts = [s.count for s in rule_states] or [state[shape.lr_position].count]
     done = [_number(c) if type(c) is Tensor and not c.is_meta else None for c in counts]
-    if None in done or any(_traced(t) for t in (*p_leaves, *g_leaves)):
+    if None in done or min(done) < 0 or any(d != int(d) for d in done) or \
+            any(_traced(t) for t in (*p_leaves, *g_leaves)):
         return None  # under vmap, grad or a compiler, or a hand-edited count: the chain
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*p_leaves, *g_leaves)):
         return None
