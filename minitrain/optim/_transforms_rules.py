@@ -27,13 +27,7 @@ from minitrain.optim._checks import (
     scalar,
     use_plain_path,
 )
-from minitrain.optim._host import (
-    host_tensor,
-    lerp_weight,
-    schedule_count,
-    updates_done,
-    zero_count,
-)
+from minitrain.optim._host import host_tensor, lerp_weight, schedule_count, zero_count
 from minitrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, tagged
 from minitrain.optim.leafwise import leafwise
 from minitrain.tree import Params
@@ -145,7 +139,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
         return ScaleByLearningRateState(zero_count(), _f32(lr_at(0)))
 
     def update(updates, state, params=None):
-        updates_done(state.count)  # a hand-edited count is refused, naming it
         lr = lr_at(state.count)
         factor = -lr if flip_sign else lr
         return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, _f32(lr))
@@ -391,10 +384,10 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
     """
     weight_decay = hyperparameter("weight_decay", weight_decay)
     check_hyperparameter("weight_decay", weight_decay, 0.0)
-    off = isinstance(weight_decay, int | float) and weight_decay == 0
 
     def update(updates, state, params=None):
-        if off:
+        # Read per call, not kept at build: a sweep's members build alike whatever their value.
+        if isinstance(weight_decay, int | float) and weight_decay == 0:
             return updates, state
         if params is None:
             raise ValueError(
