@@ -1,7 +1,9 @@
-"""Memory napkin math: bytes per parameter, the largest trainable model, activations.
+"""Memory napkin math: bytes per parameter, the largest trainable model, activations, and
+the one table of optimizer-state sizes (:data:`OPTIMIZER_STATES`, read by :func:`state_bytes`).
 
-Pure Python; no torch. Training holds four kinds of tensors (chapter 3.1.2 and 3.5.6): params,
-grads, optimizer state (plus fp32 master weights under mixed precision) and activations.
+Pure Python; no torch at import. Training holds four kinds of tensors (chapter 3.1.2 and
+3.5.6): params, grads, optimizer state (plus fp32 master weights under mixed precision) and
+activations.
 
 >>> bytes_per_param("adamw", "fp32").total     # 4 params + 4 grads + 8 Adam moments
 16
@@ -11,8 +13,9 @@ grads, optimizer state (plus fp32 master weights under mixed precision) and acti
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
@@ -25,7 +28,7 @@ __all__ = [
     "OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
     "Precision", "bytes_per_param", "cruncher_activations", "cruncher_memory", "cruncher_params",
     "max_params", "optimizer_key", "optimizer_state_elements", "optimizer_states",
-    "per_device_bytes_per_param", "training_memory",
+    "per_device_bytes_per_param", "state_bytes", "training_memory",
 ]
 
 # Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
@@ -281,3 +284,67 @@ def cruncher_memory(
         params, params, optimizer_states(optimizer) * params, 0.0,
         float(bytes_per_element * cruncher_activations(batch, dim, num_layers)),
     )
+
+
+def _is_shape(leaf: Any) -> bool:
+    return isinstance(leaf, tuple | list) and all(
+        isinstance(d, int) and not isinstance(d, bool) for d in leaf)
+
+
+def _state_options(key: str, hyperparameters: dict[str, Any]) -> dict[str, bool]:
+    """The :data:`STATE_OPTIONS` an ``mt.optim`` factory's keywords turn on; a keyword the
+    factory does not take is refused (a typo would count nothing). A momentum keeps a buffer
+    unless it is a plain number 0 (a tensor may hold other values later, as ``init`` assumes)."""
+    from minitrain import optim
+
+    known = inspect.signature(getattr(optim, "sgd" if key == "momentum" else key)).parameters
+    for name in hyperparameters:
+        if name not in known:
+            raise UserError(
+                f"unknown hyperparameter {name!r} for {key}; pass one of {', '.join(known)}")
+    momentum = hyperparameters.get("momentum", 0)
+    on = dict(amsgrad=bool(hyperparameters.get("amsgrad")),
+              centered=bool(hyperparameters.get("centered")),
+              momentum=not (isinstance(momentum, int | float) and momentum == 0))
+    return {name: value for name, value in on.items() if key in STATE_OPTIONS[name]}
+
+
+def state_bytes(optimizer: str, params: Any, *, element_size: int | None = None,
+                **hyperparameters: Any) -> int:
+    """Bytes of per-leaf state ``mt.optim.<optimizer>(**hyperparameters)`` keeps for ``params``
+    (as its ``init`` makes them; O(1) scalars such as step counts are not counted).
+
+    ``params`` is a pytree of tensors (real, fake or meta) or of shapes (``element_size`` bytes
+    each, fp32 by default).
+
+    >>> state_bytes("adamw", [(1024, 1024)])
+    8388608
+    >>> state_bytes("muon", {"w": (8, 8), "b": (8,)})  # momentum; AdamW's two moments
+    320
+    """
+    import torch
+
+    from minitrain._torch import pytree
+
+    key = optimizer_key(optimizer)
+    if element_size is not None and (not isinstance(element_size, int)
+                                     or isinstance(element_size, bool) or element_size < 1):
+        raise UserError(f"element_size must be a whole number of bytes >= 1, got {element_size!r}")
+    options = _state_options(key, hyperparameters)
+    if isinstance(params, list) and all(_is_shape(p) for p in params):
+        leaves = list(params)  # a list of shapes, [[3, 4], [4]] too
+    else:
+        leaves = pytree.tree_leaves(params, is_leaf=lambda x: isinstance(x, tuple) and _is_shape(x))
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape, size = tuple(leaf.shape), leaf.element_size()
+        elif _is_shape(leaf):
+            if any(d < 0 for d in leaf):
+                raise UserError(f"shape {tuple(leaf)} has a negative size; pass sizes >= 0")
+            shape, size = tuple(leaf), element_size or 4
+        else:
+            raise UserError(f"expected params as tensors (real, fake or meta) or shapes, got "
+                            f"{type(leaf).__name__}")
+        total += optimizer_state_elements(key, shape, scalars=False, **options) * size
+    return total

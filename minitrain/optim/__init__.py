@@ -31,7 +31,6 @@ from minitrain.optim._schedule_free import (
     schedule_free_adamw,
     schedule_free_eval_params,
 )
-from minitrain.optim._state_bytes import state_bytes
 from minitrain.optim.alias import adagrad, adam, adamw, rmsprop, sgd
 from minitrain.optim.base import *  # noqa: F403  (the interface, listed below)
 from minitrain.optim.base import __all__ as _base
@@ -74,5 +73,4 @@ __all__ += [  # the torch.optim family beyond Adam, Lion and schedule-free AdamW
     "lion", "scale_by_lion", "ScaleByLionState",
     "schedule_free_adamw", "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState",
     "schedule_free_eval_params",
-    "state_bytes",
 ]

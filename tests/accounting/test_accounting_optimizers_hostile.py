@@ -78,11 +78,11 @@ def test_state_bytes_equal_what_init_allocates_guard(name, kwargs):
     kwargs = defaults | kwargs
     params = mixed_params(matrices_only=name == "muon")
     measured = per_leaf_init_bytes(lambda: factory(**kwargs), params)
-    assert mt.optim.state_bytes(name, params, **kwargs) == measured
+    assert mt.accounting.state_bytes(name, params, **kwargs) == measured
     shapes = {key: tuple(p.shape) for key, p in params.items() if p.dtype == torch.float32}
     fp32 = {key: p for key, p in params.items() if p.dtype == torch.float32}
-    assert mt.optim.state_bytes(name, list(shapes.values()), **kwargs) == \
-        mt.optim.state_bytes(name, list(fp32.values()), **kwargs)
+    assert mt.accounting.state_bytes(name, list(shapes.values()), **kwargs) == \
+        mt.accounting.state_bytes(name, list(fp32.values()), **kwargs)
 
 
 @pytest.mark.parametrize("name", ["sgd", "rmsprop"])
@@ -91,19 +91,19 @@ def test_state_bytes_count_a_tensor_momentum_of_zero_as_init_does(name):
     params = mixed_params()
     kwargs = dict(momentum=torch.tensor(0.0))
     measured = per_leaf_init_bytes(lambda: getattr(mt.optim, name)(**kwargs), params)
-    assert mt.optim.state_bytes(name, params, **kwargs) == measured
+    assert mt.accounting.state_bytes(name, params, **kwargs) == measured
 
 
 def test_state_bytes_of_muon_count_the_adamw_fallback_of_other_leaves():
     params = mixed_params()
-    assert mt.optim.state_bytes("muon", params) == per_leaf_init_bytes(muon_with_adamw, params)
-    assert mt.optim.state_bytes("muon", {"w": (8, 8), "b": (8,)}) == (64 + 2 * 8) * 4
+    assert mt.accounting.state_bytes("muon", params) == per_leaf_init_bytes(muon_with_adamw, params)
+    assert mt.accounting.state_bytes("muon", {"w": (8, 8), "b": (8,)}) == (64 + 2 * 8) * 4
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_bytes_refuse_a_hyperparameter_the_optimizer_does_not_take(name):
     with pytest.raises(ValueError, match="unknown hyperparameter 'ams_grad'") as info:
-        mt.optim.state_bytes(name, [(3, 4)], ams_grad=True)
+        mt.accounting.state_bytes(name, [(3, 4)], ams_grad=True)
     assert "\n" not in str(info.value)
 
 
@@ -112,7 +112,7 @@ def test_state_bytes_take_a_pytree_of_shapes(name):
     params = mixed_params(matrices_only=name == "muon")
     fp32 = {key: p.float() for key, p in params.items()}
     shapes = {key: tuple(p.shape) for key, p in params.items()}
-    assert mt.optim.state_bytes(name, shapes) == mt.optim.state_bytes(name, fp32)
+    assert mt.accounting.state_bytes(name, shapes) == mt.accounting.state_bytes(name, fp32)
 
 
 @pytest.mark.parametrize(("params", "options", "message"), [
@@ -123,12 +123,12 @@ def test_state_bytes_take_a_pytree_of_shapes(name):
 ])
 def test_state_bytes_refuse_impossible_sizes(params, options, message):
     with pytest.raises(ValueError, match=message):
-        mt.optim.state_bytes("adam", params, **options)
+        mt.accounting.state_bytes("adam", params, **options)
 
 
 @pytest.mark.parametrize("bad", ["lamb", "", "adam w"])
 def test_unknown_optimizer_names_are_value_errors_guard(bad):
-    for call in (lambda: mt.optim.state_bytes(bad, [(3,)]), lambda: acc.optimizer_states(bad),
+    for call in (lambda: mt.accounting.state_bytes(bad, [(3,)]), lambda: acc.optimizer_states(bad),
                  lambda: acc.optimizer_state_elements(bad, (3,)),
                  lambda: acc.bytes_per_param(bad)):
         with pytest.raises(ValueError, match="choose one of"):
@@ -136,10 +136,10 @@ def test_unknown_optimizer_names_are_value_errors_guard(bad):
 
 
 def test_the_accounting_reads_an_optimizer_name_as_mt_optim_does(capsys):
-    # mt.optim.state_bytes took "Schedule-Free-AdamW"; the accounting and the CLI refused it.
+    # mt.accounting.state_bytes took "Schedule-Free-AdamW"; the accounting and the CLI refused it.
     spelled, name = " Schedule-Free-AdamW ", "schedule_free_adamw"
     assert memory.optimizer_key(spelled) == name
-    assert mt.optim.state_bytes(spelled, [(3, 4)]) == mt.optim.state_bytes(name, [(3, 4)])
+    assert mt.accounting.state_bytes(spelled, [(3, 4)]) == mt.accounting.state_bytes(name, [(3, 4)])
     assert acc.optimizer_states(spelled) == acc.optimizer_states(name) == 2
     assert acc.bytes_per_param(spelled) == acc.bytes_per_param(name)
     assert acc.optimizer_state_elements(spelled, (3, 4)) == 24

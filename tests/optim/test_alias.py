@@ -327,9 +327,9 @@ def buffer_bytes(state: Any) -> int:
 def test_state_bytes_equal_the_init_states_buffers(entry):
     params = make_params(entry)
     state = entry.make().init(params)
-    assert mt.optim.state_bytes(entry.alias, params, **entry.kwargs) == buffer_bytes(state)
+    assert mt.accounting.state_bytes(entry.alias, params, **entry.kwargs) == buffer_bytes(state)
     shapes = mt.tree.map(lambda p: tuple(p.shape), params)
-    assert mt.optim.state_bytes(entry.alias, shapes, **entry.kwargs) == buffer_bytes(state)
+    assert mt.accounting.state_bytes(entry.alias, shapes, **entry.kwargs) == buffer_bytes(state)
 
 
 @pytest.mark.parametrize("entry", REFERENCED, ids=ids)
@@ -339,12 +339,12 @@ def test_state_bytes_equal_the_references_state(entry):
     kept = sum(value.nbytes for leaf_state in reference.state.values()
                for key, value in leaf_state.items()
                if isinstance(value, torch.Tensor) and key not in SCALAR_KEYS)
-    assert mt.optim.state_bytes(entry.alias, params, **entry.kwargs) == kept
+    assert mt.accounting.state_bytes(entry.alias, params, **entry.kwargs) == kept
 
 
 def test_state_bytes_of_an_unknown_optimizer_lists_the_known_ones():
     with pytest.raises(ValueError, match="adafactor"):
-        mt.optim.state_bytes("adamwx", [(2,)])
+        mt.accounting.state_bytes("adamwx", [(2,)])
 
 
 @pytest.mark.parametrize("entry", OPTIMIZERS, ids=ids)

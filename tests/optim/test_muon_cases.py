@@ -34,9 +34,9 @@ def test_state_bytes_of_muon_and_on_the_meta_device():
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()
-    assert mt.optim.state_bytes("muon", params) == torch_state_bytes(optimizer)
+    assert mt.accounting.state_bytes("muon", params) == torch_state_bytes(optimizer)
     meta = [torch.empty(1024, 1024, device="meta", dtype=torch.bfloat16)]
-    assert mt.optim.state_bytes("adafactor", meta) == (1024 + 1024) * 2
+    assert mt.accounting.state_bytes("adafactor", meta) == (1024 + 1024) * 2
 
 
 def test_muon_for_matrices_and_adamw_for_the_rest_equals_two_torch_optimizers():
