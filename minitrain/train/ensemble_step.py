@@ -46,10 +46,10 @@ class EnsembleStepOutput(NamedTuple):
 
 
 def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., StepOutput]:
-    """The single-member train step ``(params, opt_state, batch, fp8_history=None)``, in ops
-    that ``vmap`` supports: :func:`~minitrain.train.make_train_step`'s math, with clipping by
-    ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s) so that a swept
-    ``max_grad_norm`` works too; each member carries its own fp8 amax histories.
+    """One member's train step ``(params, opt_state, batch, fp8_history=None)`` in vmappable ops.
+
+    Clipping is ``clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))``, so a swept
+    ``max_grad_norm`` works too.
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
@@ -88,8 +88,7 @@ def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., 
 
 
 def refuse_carry(experiment: Experiment, backend: Backend) -> None:
-    """Sweeps train params and optimizer state only: refuse model state and loss scaling in
-    one line (each config trains alone with ``minitrain run``)."""
+    """Refuse model state and loss scaling, which sweeps do not carry."""
     if getattr(experiment, "init_state", None) is not None:
         raise ExperimentError(
             "minitrain sweep does not carry model state (init_state) yet; train each config "
@@ -104,8 +103,7 @@ def refuse_carry(experiment: Experiment, backend: Backend) -> None:
 
 
 def batches_ignore_swept_values(ensemble: Ensemble) -> bool:
-    """Whether the script's ``next_batch`` never reads a swept value (probed on one draw of the
-    template experiment, whose config holds the swept keys as :class:`SweptValue`)."""
+    """Whether ``next_batch`` never reads a swept value (probed on one draw of the template)."""
     binding = ensemble.binding
     before = binding.reads
     ensemble.template.next_batch(rng.generator(0))
@@ -115,9 +113,7 @@ def batches_ignore_swept_values(ensemble: Ensemble) -> bool:
 def shared_by_seed(
     members: Sequence[Member], generators: list[torch.Generator]
 ) -> list[torch.Generator]:
-    """One data generator per seed: members with the same seed draw the same batches anyway
-    (their configs differ only in swept values their ``next_batch`` does not read), so
-    :func:`draw_batches` draws once per seed instead of once per member."""
+    """One data generator per seed: members with one seed draw the same batches anyway."""
     by_seed: dict[int, torch.Generator] = {}
     return [
         by_seed.setdefault(member.seed, generator)
@@ -139,14 +135,10 @@ def draw_batches(
 
 
 def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., EnsembleStepOutput]:
-    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number,
-    fp8_history=None)``: one vmapped train step of every member.
+    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number, fp8_history)``.
 
-    ``hyperparameters`` maps each swept key to its ``(K,)`` values; ``diverged_at`` is a
-    ``(K,)`` int64 tensor, 0 for healthy members and the step of divergence otherwise. A
-    member whose loss or gradient norm is not finite, or that diverged before, keeps its params
-    and optimizer state (and fp8 histories); newly diverged members get ``diverged_at =
-    step_number``.
+    One vmapped train step of every member; a member whose loss or grad norm is not finite, or
+    that diverged before, keeps its params and state (``diverged_at`` records the step).
     """
     member_step = make_member_step(ensemble.template, backend)
     binding = ensemble.binding
@@ -222,9 +214,7 @@ def _vmap_errors(step: int) -> Iterator[None]:
 
 
 def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
-    """On CPU, ``scaled_dot_product_attention`` takes the math path under vmap: torch 2.x has
-    no batching rule for the CPU flash kernel (it falls back to a slow per-member loop and
-    warns), while the math path is made of batchable matmuls and a softmax."""
+    """On CPU, attention takes the math path under vmap (the flash kernel has no batching rule)."""
     if backend.device.type != "cpu":
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -248,15 +238,10 @@ def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,
                   batch: PyTree, out: EnsembleStepOutput, rtol: float = 5e-2,
                   fp8_history: torch.Tensor | None = None) -> bool:
-    """Check each healthy member's new params against the step its own single run would take;
-    return whether that step moved any member's params (a step at lr 0, the first of a warmup,
-    cannot tell a member's value from member 0's: check the next one too).
+    """Check each healthy member's new params against its own single run's step.
 
-    ``params``, ``opt_state``, ``batch`` (and ``fp8_history``) are the stacked inputs of the
-    step that returned ``out``. A leaf agrees when its update is within ``rtol`` of the single
-    run's in norm (plus two ulps): a member trained with member 0's value is off by the values'
-    ratio, rounding far less (1% in Muon's bfloat16 Newton-Schulz). Raises
-    :class:`MemberMismatch` naming the first member and leaf that differ.
+    Returns whether the step moved any params. A leaf agrees when its update is within ``rtol``
+    of the single run's in norm (plus two ulps); raises :class:`MemberMismatch` otherwise.
     """
     singles = zip(*(_members(tree, ensemble.size) for tree in (params, opt_state, batch)),
                   strict=True)
@@ -292,8 +277,7 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
 
 
 def _members(stacked: PyTree, count: int) -> list[PyTree]:
-    """Each member's tree of a stacked one; a tree without tensors (the state of a stateless
-    optimizer such as ``as_optimizer(scale(-lr))``) is every member's as it is."""
+    """Each member's tree of a stacked one (a tree without tensors is shared as it is)."""
     if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(stacked)):
         return [stacked] * count
     return unstack(stacked)

@@ -1,21 +1,10 @@
 """The fit loop: the one impure shell around every pure train step.
 
 One loop serves single runs, vmapped sweeps and data parallel; what differs sits behind a
-:class:`~minitrain.train.stepper.Stepper`. The loop owns everything else, once:
-
-- the run directory: one owner at a time (:mod:`minitrain.rundir`), checked writable before the
-  first step; a fresh run refuses a used directory without ``resume`` or ``overwrite``;
-- stops: Ctrl-C, SIGTERM and SIGHUP are recorded for the whole run (a burst cannot break a save)
-  and end, after a checkpoint of the last finished step, with :class:`Interrupted` (exit 130);
-- finiteness: every step is checked (a device flag, read at logs, checkpoints and the end), so
-  nothing non-finite is checkpointed and no good checkpoint is pruned by a bad one;
-- errors: one in the user's code saves the last good step and names the function and the step
-  (:class:`ScriptError`); any OSError, and a run directory removed or moved while the run
-  trains, is one :class:`StorageError` line naming the path;
-- metrics, progress, evaluation, the summary and the resource report.
-
-A checkpoint holds everything the next step depends on, so a resumed run ends bit-identical to
-an uninterrupted one on CPU.
+:class:`~minitrain.train.stepper.Stepper`. The loop owns the run directory (one owner at a time),
+stops (Ctrl-C, SIGTERM, SIGHUP: save the last finished step, then :class:`Interrupted`),
+finiteness checks (nothing non-finite is checkpointed), errors (:class:`ScriptError`,
+:class:`StorageError`), metrics, progress, the summary and the resource report.
 """
 
 from __future__ import annotations
@@ -52,7 +41,7 @@ def is_due(step: int, every: int) -> bool:
 
 
 def finite_json(value: Any) -> Any:
-    """``value`` with every NaN or infinite float replaced by None (JSON has neither).
+    """``value`` with every NaN or infinite float replaced by None.
 
     >>> finite_json({"loss": float("nan"), "steps": [1, float("inf")]})
     {'loss': None, 'steps': [1, None]}
@@ -67,7 +56,7 @@ def finite_json(value: Any) -> Any:
 
 
 def dumps_finite(value: Any, **options: Any) -> str:
-    """``json.dumps`` that writes null for NaN and infinities, never bare ``NaN``.
+    """``json.dumps`` that writes null for NaN and infinities.
 
     >>> dumps_finite({"loss": float("nan")})
     '{"loss": null}'
@@ -81,10 +70,8 @@ def run_loop(stepper: Stepper, *, out_dir: str | Path | None = None, log_every: 
              report: bool = False, say: Callable[[str], None] | None = None) -> FitResult:
     """Train ``stepper`` to its last step; return its :class:`FitResult`.
 
-    Raises :class:`NonFiniteLoss` (the last good checkpoint stays as it was),
-    :class:`~minitrain.errors.Interrupted` after Ctrl-C or SIGTERM (a checkpoint of the last
-    finished step is written first), :class:`ResumeError`, :class:`ScriptError` and
-    :class:`~minitrain.errors.StorageError`.
+    Raises :class:`NonFiniteLoss`, :class:`Interrupted` (after saving the last finished step),
+    :class:`ResumeError`, :class:`ScriptError` and :class:`StorageError`.
     """
     say = say or to_stderr
     main = stepper.parallel is None or stepper.parallel.is_main
@@ -234,8 +221,7 @@ class _Loop:
         self.saved = _Saved(path, step)
 
     def stepper_finite_step(self) -> int:
-        """The last step taken, after checking that every step since the last check was
-        finite (raises :class:`NonFiniteLoss` naming the step otherwise)."""
+        """The last step taken, checked finite (:class:`NonFiniteLoss` otherwise)."""
         step = self.stepper.current_step
         if step > self.done:
             self.stepper.check_finite()
@@ -279,9 +265,7 @@ class _Loop:
         return _result(stepper, summary)
 
     def _check_run_dir(self, step: int) -> None:
-        """Raise :class:`StorageError` if the run directory is no longer the one this run
-        claimed (removed, in part or whole, or moved) before writing into it at ``step``; the
-        message says where the last checkpoint is, if anywhere."""
+        """Raise :class:`StorageError` if the claimed run directory was removed or moved."""
         gone = self.owner.gone() if self.owner is not None else None
         if gone is None:
             return
@@ -326,8 +310,8 @@ class _Loop:
 
     @contextlib.contextmanager
     def _storage_errors(self, step: int | None = None) -> Iterator[None]:
-        """An OSError is a :class:`StorageError`; a write into the run directory (at ``step``)
-        that failed because the directory was removed or moved meanwhile says that instead."""
+        """An OSError is a :class:`StorageError`, or says the run directory went away at ``step``.
+        """
         try:
             yield
         except (OSError, StorageError) as exc:
@@ -339,8 +323,8 @@ class _Loop:
 
 
 def _survives(path: Path, settle: float = 0.5) -> bool:
-    """Whether ``path`` is still a directory after ``settle`` seconds (a removal of the run
-    directory that is under way takes it within that time)."""
+    """Whether ``path`` is still a directory after ``settle`` seconds (a removal takes it sooner).
+    """
     deadline = time.monotonic() + settle
     while path.is_dir():
         if time.monotonic() >= deadline:
@@ -355,7 +339,7 @@ class _Saved(NamedTuple):
 
 
 def _write_summary(path: Path, summary: dict[str, Any]) -> None:
-    """``summary.json``, written aside and renamed into place (never half a file)."""
+    """``summary.json``, written aside and renamed into place."""
     if path.is_dir():
         raise StorageError(
             f"cannot write {path}: it is a directory; move it away and rerun with --resume", path

@@ -1,11 +1,4 @@
-"""What the members of one vmapped step must share: code paths, sizes and counts.
-
-Members differ only in swept float values, so their experiments must agree in every Python
-bool and int the step depends on (a branch, a shape, a schedule's length): one made from a swept
-value while the template is built is checked against every member's own
-(:func:`differing_members`), and one made through ``float()`` is caught by comparing the loss
-and optimizer each member builds (:func:`check_same_sizes`).
-"""
+"""What the members of one vmapped step must share: code paths, sizes and counts."""
 
 from __future__ import annotations
 
@@ -50,13 +43,10 @@ _KINDS = {
 
 def differing_members(kind: str, keys: str, results: Sequence[Any],
                       labels: Sequence[str]) -> MemberMismatch | None:
-    """The one-line refusal of a Python ``kind`` ("bool" or "int") made from swept ``keys``
-    whose per-member ``results`` differ (None when every member's agrees).
+    """The refusal of a Python ``kind`` ("bool" or "int") that differs between members, or None.
 
     >>> print(differing_members("int", "x", [10, 10], ["x=1", "x=1.01"]))
     None
-    >>> str(differing_members("int", "x", [10, 15], ["x=1", "x=1.5"]))[:80]
-    'experiment(config) turns x into a Python int (int(), round() or an index: a size'
     """
     for k, result in enumerate(results):
         if result != results[0]:
@@ -71,16 +61,14 @@ def differing_members(kind: str, keys: str, results: Sequence[Any],
 
 def check_same_sizes(parts: Sequence[dict[str, Any]], labels: Sequence[str],
                      rebuild_first: Callable[[], dict[str, Any]] | None = None) -> None:
-    """Refuse, in one line, members whose ``parts`` (each member's loss and optimizer, by name)
-    hold a different int, bool or tensor shape: one the template took from member 0 (a length
-    computed through ``float()`` of a swept value), which the step would use for all.
-    ``rebuild_first`` builds member 0's parts again: a value that differs between two builds
-    of one member (a timestamp, a build counter) comes from no swept value, and passes.
+    """Refuse members whose ``parts`` hold a different int, bool or tensor shape.
+
+    ``rebuild_first`` builds member 0's parts again: a value that differs between two builds of
+    one member (a timestamp) comes from no swept value, and passes.
 
     >>> labels = ["x=2 seed=0", "x=3 seed=0"]
     >>> def schedule(n):
     ...     return lambda count: count / n
-    >>> check_same_sizes([{"optimizer": schedule(10)}, {"optimizer": schedule(10)}], labels)
     >>> try:
     ...     check_same_sizes([{"optimizer": schedule(10)}, {"optimizer": schedule(15)}], labels)
     ... except MemberMismatch as exc:
@@ -112,15 +100,11 @@ def check_same_sizes(parts: Sequence[dict[str, Any]], labels: Sequence[str],
 
 def _unstable(again: list[tuple[str, str, Any]], first: list[tuple[str, str, Any]],
               at: int) -> bool:
-    """Whether entry ``at`` of member 0's sizes differs between two builds of it that agree on
-    every entry's name and place: a value that changes between any two builds (a timestamp).
-    Builds that walk differently (a container that grows with each build) prove nothing.
+    """Whether entry ``at`` of member 0's sizes differs between two builds that walk alike.
 
     >>> first = [("n", "", 10), ("t", "", 1)]
     >>> _unstable([("n", "", 10), ("t", "", 2)], first, 1), _unstable(first, first, 1)
     (True, False)
-    >>> _unstable([("n", "", 10), ("extra", "", 0), ("t", "", 2)], first, 1)
-    False
     """
     if len(again) != len(first) or any(
             (path, where) != (path_0, where_0)
@@ -154,9 +138,8 @@ _LEAVES = (float, complex, str, bytes, type(None), type, types.ModuleType, torch
 
 
 def _sizes(root: Any) -> list[tuple[str, str, Any]]:
-    """``(name, where, value)`` of each int, bool, length and tensor shape reachable from
-    ``root`` through closures, defaults, partials, containers and objects' attributes, in a
-    fixed order; ``where`` names the innermost function of the user's files on the way."""
+    """``(name, where, value)`` of each int, bool, length and tensor shape reachable from ``root``.
+    """
     found: list[tuple[str, str, Any]] = []
     seen: set[int] = set()
     pending: list[tuple[Any, str, str]] = [(root, "value", "")]
@@ -238,10 +221,7 @@ def _member_zero_default(encoder: json.JSONEncoder, value: Any) -> Any:
 
 @contextlib.contextmanager
 def json_writes_member_zero() -> Iterator[None]:
-    """While the template is built, ``json.dumps(config)`` writes each swept value as member 0's
-    number (or list of numbers), as ``print(config)`` shows member 0's value. Only in the thread
-    that builds it: json in other threads meanwhile behaves as ever, and builds in several
-    threads, ending in any order, put json back as it was once the last one ends."""
+    """While the template is built, ``json.dumps(config)`` writes swept values as member 0's."""
     global _json_users, _json_default_before
     with _JSON_LOCK:
         if _json_users == 0:

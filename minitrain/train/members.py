@@ -1,8 +1,4 @@
-"""The members of a sweep: the grid of ``--set`` lists and ``--seeds``, and the ensemble built
-from it (each member's experiment and the template whose step they share).
-
-See :mod:`minitrain.train.sweep` for how a sweep trains its members.
-"""
+"""The members of a sweep: the grid of ``--set`` lists and ``--seeds``, and their ensemble."""
 
 from __future__ import annotations
 
@@ -98,14 +94,9 @@ def member_grid(config: Mapping[str, Any], fixed: Mapping[str, Any],
                 swept: Mapping[str, Sequence[Any]], seeds: Sequence[int] = (0,)) -> list[Member]:
     """Every combination of the swept values (last key fastest) and the seeds (fastest).
 
-    ``fixed`` overrides apply to every member; values may be strings (from the command line)
-    or numbers, parsed as the type of the ``config`` default. Only float keys may be swept.
-
     >>> grid = member_grid({"lr": 0.01, "dim": 4}, {"dim": 8}, {"lr": ["0.1", 0.3]}, [0, 1])
     >>> [(m.index, m.seed, m.config) for m in grid[:2]]
     [(0, 0, {'lr': 0.1, 'dim': 8}), (1, 1, {'lr': 0.1, 'dim': 8})]
-    >>> [m.swept for m in grid[2:]]
-    [{'lr': 0.3}, {'lr': 0.3}]
     """
     if not seeds:
         raise ExperimentError("a sweep needs at least one seed; pass --seeds 0")
@@ -145,11 +136,7 @@ def _check_distinct(what: str, values: list[Any]) -> None:
 
 @dataclass(frozen=True)
 class Ensemble:
-    """K members, their experiments, and the one experiment whose step they share.
-
-    ``template`` is ``experiment(config)`` built with every swept key as a :class:`SweptValue`
-    of ``binding``; its loss, optimizer and clipping norm make the vmapped step.
-    """
+    """K members, their experiments, and the template experiment whose step they share."""
 
     members: tuple[Member, ...]
     experiments: tuple[Experiment, ...]
@@ -177,10 +164,7 @@ class Ensemble:
 def build_ensemble(
     build: Callable[[dict[str, Any]], Experiment], members: Sequence[Member]
 ) -> Ensemble:
-    """Build each member's experiment and the shared template; check they can share a step.
-
-    ``build`` is an experiment script's ``experiment(config)`` function.
-    """
+    """Build each member's experiment and the shared template; check they can share a step."""
     members = tuple(members)
     if not members:
         raise ExperimentError("a sweep needs at least one member")
@@ -262,12 +246,7 @@ def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Exper
 
 def load_sweep(path: str | Path, items: Sequence[str] = (), seeds: Sequence[int] = (0,),
                steps: int | None = None) -> Ensemble:
-    """Import an experiment script and build the ensemble of its ``--set``/``--seeds`` grid.
-
-    ``items`` are ``--set`` values (``"lr=0.01,0.1"`` sweeps, ``"dim=8"`` fixes); ``steps``
-    overrides the step count as ``minitrain run --steps`` does. Mistakes raise
-    :class:`~minitrain.train.ExperimentError` with a one-line message.
-    """
+    """Import an experiment script and build the ensemble of its ``--set``/``--seeds`` grid."""
     config, script_build = load_script(path)
     fixed, swept = parse_sweep(items)
     if steps is not None and "steps" in config:

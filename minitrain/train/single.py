@@ -135,8 +135,7 @@ class SingleRun:
         return saved.step
 
     def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Carry | None]:
-        """The checkpoint at ``path`` and the carry it was saved with. A cpu-fp8 checkpoint
-        saved with current scaling holds no amax histories: it loads, and they start empty."""
+        """The checkpoint at ``path`` and its carry (missing fp8 histories start empty)."""
         template = pack_checkpoint_state(self.opt_state, self.carry)
         try:
             return checkpoint.load(path, self.params, template), self.carry
@@ -193,8 +192,7 @@ class SingleRun:
             self.check_finite()
 
     def check_finite(self) -> None:
-        """Raise :class:`NonFiniteLoss` naming the first step whose loss or gradient norm was
-        not finite since the last check (one host sync for all of them)."""
+        """Raise :class:`NonFiniteLoss` naming the first non-finite step since the last check."""
         if not self._pending:
             return
         steps = [step for step, _, _ in self._pending]
@@ -274,10 +272,10 @@ class SingleRun:
         return report
 
     def _prediction_inputs(self) -> dict[str, Any]:
-        """What :func:`~minitrain.accounting.predict_step` needs to predict this run's step on
-        fake tensors, apart from the measured one: its loss, optimizer, clipping, autocast and
-        model state. A loss-scaled step (fp16) or one with fp8 amax histories is traced whole
-        instead (``predict_call``)."""
+        """What :func:`~minitrain.accounting.predict_step` needs besides the measured step.
+
+        A loss-scaled step or one with fp8 histories is traced whole instead (``predict_call``).
+        """
         experiment, carry = self.experiment, self.carry
         if carry is not None and (carry.loss_scale is not None or carry.fp8_history is not None):
             return {}
@@ -292,14 +290,12 @@ class SingleRun:
 
 
 def logged_lr(opt_state: Any) -> float | None:
-    """The lr of the last update, or None for a state that holds none (a chain that ends in
-    ``scale(-lr)`` instead of ``scale_by_learning_rate``).
+    """The lr of the last update, or None for a state that holds none.
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.ones(1)}
-    >>> opt = mt.optim.as_optimizer(mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale(-0.1)))
-    >>> logged_lr(opt.init(params)), logged_lr(mt.optim.sgd(0.5).init(params))
-    (None, 0.5)
+    >>> logged_lr(mt.optim.sgd(0.5).init(params))
+    0.5
     """
     try:
         return learning_rate(opt_state)
@@ -309,8 +305,8 @@ def logged_lr(opt_state: Any) -> float | None:
 
 @contextlib.contextmanager
 def first_step_mistakes(enabled: bool) -> Iterator[None]:
-    """At a run's first step, a shape or type error in the loss is a mistake in the script's
-    setup (exit 2, one line), not a failure partway through training."""
+    """At the first step, a shape or type error in the loss is a setup mistake (exit 2, one line).
+    """
     try:
         yield
     except ScriptError as exc:
@@ -335,19 +331,12 @@ def fit(experiment: Experiment, backend: Backend, *, seed: int = 0,
     Args:
         out_dir: run directory for ``metrics.jsonl``, checkpoints and ``summary.json``.
         log_every: log every this many steps (every step is checked for finiteness).
-        checkpoint_every: also checkpoint every this many steps (0: only at the end, on
-            Ctrl-C and on SIGTERM). Needs ``out_dir``.
+        checkpoint_every: also checkpoint every this many steps (0: at the end and on stops).
         keep: how many checkpoints to keep.
-        resume: continue from the latest valid checkpoint in ``out_dir`` (if there is one).
-        overwrite: replace an earlier run in ``out_dir`` (without it, a used directory is
-            refused unless ``resume``).
+        resume: continue from the latest valid checkpoint in ``out_dir``.
+        overwrite: replace an earlier run in ``out_dir``.
         report: add the resource report (predicted vs measured memory, FLOPs, MFU).
-        say: where progress messages go (default: stderr).
-        parallel: a :class:`minitrain.distributed.DataParallel` for data-parallel training:
-            each rank draws the global batch and trains on its shard, gradients are
-            all-reduced in the step, and rank 0 alone logs, evaluates and writes checkpoints.
-
-    Raises what :func:`~minitrain.train.loop.run_loop` raises.
+        parallel: a :class:`minitrain.distributed.DataParallel`; rank 0 alone writes.
     """
     stepper = SingleRun(experiment, backend, seed=seed, compile=compile, config=config,
                         parallel=parallel)

@@ -1,22 +1,10 @@
 """The pure train step: ``(params, opt_state, batch[, carry]) -> StepOutput``.
 
-Forward and backward run under the backend's autocast context; the optimizer update runs on the
-fp32 master params outside it. Nothing is mutated: the step returns new params and state.
-
-A run may carry more than params and optimizer state, in a :class:`Carry`:
-
-- model state, the buffers a forward pass updates (BatchNorm's running statistics): an
-  experiment with ``init_state`` has a loss ``loss(params, state, batch) -> (loss, new_state)``
-  (haiku's ``transform_with_state``, equinox's ``State``, flax's mutable collections);
-- a dynamic loss scale (:class:`minitrain.precision.LossScaleState`) when the backend's policy
-  asks for one (fp16): the loss is scaled, the grads unscaled, a step whose grads overflow is
-  skipped and the scale updated, as ``torch.amp.GradScaler`` does; ``skipped`` counts them;
-- the amax histories of delayed fp8 scaling (:func:`minitrain.precision.init_state`) when the
-  policy's matmuls are per-tensor fp8 (``cpu-fp8``, ``cuda-fp8``), kept as Transformer Engine's
-  ``DelayedScaling`` keeps them: each step scales each matmul's operands by the largest amax of
-  the last ``history_len`` steps and records its own. The updated histories come back as the
-  gradient of the histories (:mod:`minitrain.precision.matmuls`); they are neither clipped nor
-  applied.
+Forward and backward run under the backend's autocast; the update runs on the fp32 master
+params outside it. A :class:`Carry` holds what a run carries besides params and optimizer state:
+model state (BatchNorm statistics; haiku's ``transform_with_state``), fp16's dynamic loss scale
+(as ``torch.amp.GradScaler``) and delayed fp8 scaling's amax histories (as Transformer Engine's
+``DelayedScaling``; the updated histories come back as their gradient).
 """
 
 from __future__ import annotations
@@ -109,10 +97,6 @@ def stateful_loss(
 ) -> Callable[[Params, PyTree, PyTree], tuple[torch.Tensor, tuple[dict, PyTree]]]:
     """The experiment's loss as ``(params, model_state, batch) -> (loss, (aux, new_state))``.
 
-    With ``init_state`` the experiment's loss is ``loss(params, state, batch) -> (value,
-    new_state)``, ``value`` what a stateless loss returns (``loss`` or ``(loss, aux)``);
-    without it ``model_state`` is None and comes back None. State leaves are tensors.
-
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.ones(2)},
     ...     init_state=lambda g: {"n": torch.tensor(0)},
@@ -158,17 +142,14 @@ def _check_same_structure(state: PyTree, new_state: PyTree) -> None:
 
 
 def loss_scale_of(experiment: Any, backend: Backend) -> DynamicLossScale | None:
-    """The dynamic loss scale a run on ``backend`` carries: None unless the backend's policy
-    asks for loss scaling (fp16); then the experiment's ``loss_scale`` or GradScaler's defaults.
-    """
+    """The dynamic loss scale of a run on ``backend`` (None unless its policy scales the loss)."""
     if not backend.policy.loss_scaling:
         return None
     return getattr(experiment, "loss_scale", None) or dynamic_loss_scale()
 
 
 def fp8_recipe_of(backend: Backend) -> precision.Recipe | None:
-    """The fp8 recipe of a backend whose policy scales its matmuls from amax histories
-    (``cpu-fp8``, ``cuda-fp8``), else None.
+    """The fp8 recipe of a backend that scales its matmuls from amax histories, else None.
 
     >>> import minitrain as mt
     >>> fp8_recipe_of(mt.get_backend("cpu-fp8")).forward, fp8_recipe_of(mt.get_backend("cpu"))
@@ -178,8 +159,8 @@ def fp8_recipe_of(backend: Backend) -> precision.Recipe | None:
 
 
 def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context around a forward pass that simulates its own fp8 matmuls: the backend's
-    autocast without its matmul mode."""
+    """The context of a forward that simulates its own fp8 matmuls: autocast without matmul mode.
+    """
     policy = without_matmul_format(backend.policy)
     return lambda: compute_context(policy, backend.device)
 
@@ -187,8 +168,7 @@ def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextMana
 def init_fp8_history(
     experiment: Any, backend: Backend, params: Params, model_state: PyTree, batch: PyTree
 ) -> torch.Tensor:
-    """Empty amax histories for every matmul one forward pass of ``experiment`` runs on
-    ``batch`` (counted by :func:`minitrain.precision.count_matmuls`), on the backend's device."""
+    """Empty amax histories for every matmul one forward pass runs on ``batch``."""
     recipe = fp8_recipe_of(backend)
     with fp8_context(backend)():
         count = precision.count_matmuls(stateful_loss(experiment), params, model_state, batch)
@@ -196,16 +176,11 @@ def init_fp8_history(
 
 
 def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) -> Carry | None:
-    """The step's first :class:`Carry` (None when the run carries nothing): the model state
-    from ``experiment.init_state(generator)``, and the loss scale where the backend needs one.
-    On a delayed-fp8 backend the first step adds empty amax histories, one per matmul it runs
-    (or add them before, to have the carry's shape: :func:`init_fp8_history`).
+    """The step's first :class:`Carry` (None when the run carries nothing).
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.ones(2)}, loss=lambda p, x: p["w"].sum(),
     ...     next_batch=lambda g: None, optimizer=mt.optim.sgd(lr=0.1), steps=1)
-    >>> init_carry(exp, mt.get_backend("cpu"), torch.Generator()) is None
-    True
     >>> init_carry(exp, mt.get_backend("cpu-fp16"), torch.Generator()).loss_scale.scale
     tensor(65536.)
     """
@@ -223,11 +198,7 @@ def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) ->
 
 
 def checked_values(out: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(loss, grad_norm)`` a run's finiteness check reads from a step.
-
-    A step skipped for overflow under loss scaling is expected (GradScaler skips it too), not a
-    failure: it reads as finite while the loss scale stays positive. A scale that fell to 0 (the
-    loss is not finite whatever its scale) reads as the step's own values.
+    """The ``(loss, grad_norm)`` the finiteness check reads (a step skipped for overflow reads 0).
     """
     loss, norm = out.loss.detach(), out.grad_norm.detach()
     if out.applied is None:
@@ -245,9 +216,8 @@ def carry_metrics(carry: Carry | None) -> dict[str, float]:
 
 
 def pack_checkpoint_state(opt_state: OptState, carry: Carry | None) -> PyTree:
-    """The tree a checkpoint's ``opt_state`` file holds: the optimizer state alone (a run that
-    carries nothing, the format unchanged), else ``{"optimizer", "model_state",
-    "loss_scale", "skipped", "fp8_history"}`` for the parts the run has."""
+    """The tree a checkpoint's ``opt_state`` file holds (the optimizer state alone without carry).
+    """
     if carry is None:
         return opt_state
     packed = {"optimizer": opt_state}
@@ -277,8 +247,7 @@ def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptSta
 
 
 def check_fp8_history(history: torch.Tensor | None, where: str) -> None:
-    """Refuse amax histories no step can record (an amax is a finite absolute maximum, so NaN,
-    inf or a negative entry means the file was edited), naming ``where`` they came from."""
+    """Refuse amax histories with NaN, inf or negative entries, naming ``where`` they came from."""
     if history is None:
         return
     bad = ~torch.isfinite(history) | (history < 0)
@@ -292,10 +261,7 @@ def check_fp8_history(history: torch.Tensor | None, where: str) -> None:
 
 def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor,
                      forward_history: torch.Tensor | None = None) -> torch.Tensor:
-    """The histories after a step: the gradient of the histories (``new_history``), except
-    for a matmul whose backward pass did not run (its output never reached the loss), whose
-    gradient is zero: it takes its row of ``forward_history`` (the forward amaxes recorded,
-    :func:`minitrain.precision.simulate`'s ``forward_history()``), or keeps its old history."""
+    """The histories after a step; a matmul whose backward did not run keeps its forward amaxes."""
     ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
     return torch.where(ran, new_history, history if forward_history is None else forward_history)
 
@@ -312,27 +278,15 @@ def make_train_step(
     compile: bool = False,
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Callable[..., StepOutput]:
-    """Build the pure step ``(params, opt_state, batch, carry=None) -> StepOutput`` for
-    ``experiment`` on ``backend``.
+    """Build the pure step ``(params, opt_state, batch, carry=None) -> StepOutput``.
 
-    ``grad_transform(grads, loss, aux) -> (grads, loss, aux)`` runs between the backward pass
-    and clipping: data parallelism passes its all-reduce here
-    (:meth:`minitrain.distributed.DataParallel.reduce`), and ``amax_reduce`` its elementwise
-    max of the fp8 amax histories (as Transformer Engine reduces amaxes over its data-parallel
-    group). With ``donate=True`` (mt.optim optimizers) the update writes into the buffers of
-    the params and state it is given, as ``torch.optim`` does (the fit loop donates). With
-    ``compile=True`` the forward pass runs through ``torch.compile``, as nanoGPT compiles its
-    model; clipping and the update stay eager, in fused kernels that can donate.
-
-    ``carry`` (:func:`init_carry`) holds the model state, the fp16 loss scale and the delayed
-    fp8 amax histories (counted on the first batch when it has none); the output's is the next
-    step's. Under loss scaling a step whose grads are not finite leaves params and state as
-    they were (``select_tree``; a donating step reads ``bool(finite)`` before the update) and
-    ``applied`` says which steps were taken.
+    ``grad_transform(grads, loss, aux)`` runs before clipping (data parallel's all-reduce), and
+    ``amax_reduce`` on the fp8 histories. ``donate=True`` lets the update write into its inputs'
+    buffers; ``compile=True`` compiles forward and backward. Under loss scaling a step with
+    non-finite grads leaves params and state as they were (``applied`` says which were taken).
 
     >>> import torch, minitrain as mt
-    >>> from minitrain.train import Experiment
-    >>> exp = Experiment(init=lambda g: {"w": torch.zeros(2)},
+    >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
     ...     loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
     ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=1)
     >>> step = make_train_step(exp, mt.get_backend("cpu"))
@@ -389,10 +343,10 @@ def loss_and_grads(
     experiment: Any, backend: Backend, loss_scale: DynamicLossScale | None = None,
     compile: bool = False,
 ) -> Callable[..., Any]:
-    """``(params, model_state, scale, history, batch) -> ((scaled loss, (loss, aux,
-    new_state, forward_history)), grads)`` under the backend's autocast; on a delayed-fp8
-    backend ``grads`` is ``(grads, new_history)``: the gradient of the amax histories is the
-    updated histories."""
+    """``(params, model_state, scale, history, batch) -> ((scaled, aux tuple), grads)``.
+
+    On a delayed-fp8 backend ``grads`` is ``(grads, new_history)``.
+    """
     loss_fn, recipe = stateful_loss(experiment), fp8_recipe_of(backend)
 
     def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree):
@@ -436,8 +390,8 @@ def _clip(max_grad_norm: Any) -> Callable[[Grads], tuple[Grads, torch.Tensor]]:
 
 
 def _update(optimizer: Any, donate: bool) -> Callable[..., tuple[Params, OptState]]:
-    """``(grads, opt_state, params, finite) -> (params, opt_state)``: the optimizer's update,
-    applied only where ``finite`` (a 0-d bool, or None: always)."""
+    """``(grads, opt_state, params, finite) -> (params, opt_state)``, applied only where ``finite``.
+    """
     options = {"donate": True} if donate else {}
     if donate and not can_donate(optimizer):
         raise ValueError("donate=True needs an mt.optim optimizer (its update takes donate=)")

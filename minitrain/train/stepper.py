@@ -1,10 +1,8 @@
 """The interface between the fit loop and one kind of run, and what every kind reports alike.
 
-:func:`~minitrain.train.loop.run_loop` trains any :class:`Stepper`:
-:class:`~minitrain.train.single.SingleRun` (one model, in one process or as one rank of N) or
-:class:`~minitrain.train.sweep.SweepRun` (K members in one vmapped step). The loop owns the run
-directory, signals, when to check, log, evaluate and save; a stepper owns what a step is and what
-its state holds (torchtune's recipe interface and Lightning's strategies make the same split).
+The loop owns the run directory, signals and when to check, log, evaluate and save; a
+:class:`Stepper` (:class:`~minitrain.train.single.SingleRun`,
+:class:`~minitrain.train.sweep.SweepRun`) owns what a step is and what its state holds.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ RESUMABLE_CHANGES = frozenset({"steps"})
 
 
 class FitResult(NamedTuple):
-    """What a fit returns: the trained params, the optimizer state and the summary (and the
-    carried model state, loss scale and fp8 amax histories, a
-    :class:`minitrain.train.step.Carry`, if any)."""
+    """What a fit returns: params, optimizer state, summary and the carried state, if any."""
 
     params: Any
     opt_state: Any
@@ -71,8 +67,7 @@ class StepTimer:
 
 @runtime_checkable
 class Stepper(Protocol):
-    """What the loop needs from one kind of run; the loop reads ``params``, ``opt_state`` and
-    ``carry`` for the :class:`FitResult`."""
+    """What the loop needs from one kind of run (it reads ``params``, ``opt_state``, ``carry``)."""
 
     experiment: Any  # name, steps, evaluate and eval_every (a sweep's shared template)
     backend: Any
@@ -99,8 +94,7 @@ class Stepper(Protocol):
 
 def check_same(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...],
                run_dir: Path, what: str) -> None:
-    """Refuse to resume ``run_dir`` when one of ``keys`` of its checkpoint's meta differs from
-    this ``what``'s (a run or a sweep).
+    """Refuse to resume ``run_dir`` when one of ``keys`` of its checkpoint's meta differs.
 
     >>> check_same({"seed": 1}, {"seed": 2}, ("seed",), Path("out"), "run")
     Traceback (most recent call last):
@@ -127,8 +121,7 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def evaluated(evaluate: Callable[..., Any], *args: Any, step: int | None = None
               ) -> dict[str, float]:
-    """``evaluate(*args)`` as a dict of floats; a failure or anything but a dict is the
-    script's error (:class:`ScriptError` naming the step)."""
+    """``evaluate(*args)`` as a dict of floats; anything else is a :class:`ScriptError`."""
     with script_call("evaluate(params)", step):
         values = evaluate(*args)
         if not hasattr(values, "items"):
@@ -141,9 +134,10 @@ def evaluated(evaluate: Callable[..., Any], *args: Any, step: int | None = None
 
 def run_summary(stepper: Stepper, timer: StepTimer, head: dict[str, Any],
                 params: dict[str, int], members: int = 1) -> dict[str, Any]:
-    """The summary's common part: the run's name and backend, ``head`` (what else names it),
-    its timing and ``params``, and the chapter's FLOP count per step (3.5.6: 2·B·P forward +
-    4·B·P backward, for each of ``members``)."""
+    """The summary's common part: name, backend, ``head``, timing, ``params`` and FLOPs per step.
+
+    FLOPs follow the chapter (3.5.6): 2·B·P forward + 4·B·P backward, for each of ``members``.
+    """
     experiment, backend = stepper.experiment, stepper.backend
     backend.synchronize()
     examples, step_seconds = stepper.examples or 0, timer.step_seconds()
@@ -173,8 +167,7 @@ def fp8_scaling(history: Any) -> dict[str, Any]:
 def step_report(stepper: Any, step: Callable[..., Any], summary: dict[str, Any], *,
                 examples_scale: float = 1.0, flops_scale: float | int = 1,
                 **prediction: Any) -> dict[str, Any]:
-    """The resource report (:func:`minitrain.accounting.resource_report`) of ``step`` on the
-    stepper's last batch: predicted against measured memory, FLOPs and MFU."""
+    """The resource report of ``step`` on the stepper's last batch (predicted vs measured)."""
     from minitrain.accounting import resource_report
 
     experiment, exact = stepper.experiment, stepper.experiment.flops_per_step

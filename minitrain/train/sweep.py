@@ -1,38 +1,12 @@
 """Ensembles and hyperparameter sweeps: K models trained by one vmapped step.
 
-An ensemble of K members is one params pytree whose leaves carry a leading K axis
-(:func:`minitrain.tree.stack`), its optimizer state stacked alike; one ``torch.func.vmap`` of the
-pure train step over params, state, batch and the members' hyperparameters trains all K at once
-(the chapter compares lr 0.01 with lr 0.1 by training twice; here both run in one step).
-
-**Members and their data.** ``minitrain sweep SCRIPT --set lr=0.01,0.1 --seeds 0,1`` trains the
-grid of every listed value (last key fastest, seeds fastest of all). Member k is the run
-``minitrain run SCRIPT --set lr=... --seed s`` would make: its generators come from
-:func:`~minitrain.train.setup.run_generators` of its seed and its batch from its own
-``next_batch``, so it sees its single run's batches. When ``next_batch`` reads no swept value
-(probed on one draw), one draw per seed serves every member with that seed.
-
-**Swept hyperparameters.** Only float ``CONFIG`` keys may differ (members share shapes and code).
-``experiment(config)`` is built once per member and once more with each swept key as a
-:class:`~minitrain.train.swept.SweptValue`, a 0-d tensor that is member 0's value outside the step
-and each member's own inside it: ``max_grad_norm`` and every hyperparameter ``mt.optim`` takes as a
-0-d tensor (lr, weight_decay, eps, momentum, both betas...) train per member, and so do tensors
-derived from them while the experiment is built. What the step cannot redo per member is refused
-in one line: an in-place write or a random draw of a swept value, a bool or int of one that
-differs between members (:mod:`~minitrain.train.member_checks`), a single beta, Python control
-flow on a per-member tensor inside the step. The first step that moves the params (each of the
-first :data:`CHECKED_STEPS`, then steps 8, 16, 32, ...) checks every member against the step its
-single run would take, to 5% of each leaf's update in norm (a value frozen by ``float()`` is off
-by the values' ratio). Arguments annotated plain ``float`` refuse the tensor where annotations
-are enforced.
-
-**Randomness.** Random ops in the step draw different numbers per member (``randomness=
-"different"``) from the global RNG, seeded with the first member's seed and checkpointed: a sweep
-resumes bit-identically on CPU, though its dropout masks differ from the single runs'.
-
-**Divergence.** A member whose loss or gradient norm is not finite keeps its params and state
-from before that step; it is logged once with ``diverged_at``, ranked last, and the others train
-on (:mod:`~minitrain.train.ranking`). The sweep fails only if all diverge.
+``minitrain sweep SCRIPT --set lr=0.01,0.1 --seeds 0,1`` trains the grid of every listed value
+(last key fastest, seeds fastest of all). Member k sees the batches of its own single run; params
+and optimizer state carry a leading K axis and one ``torch.func.vmap`` of the train step trains
+all K. Only float ``CONFIG`` keys may differ: the template experiment holds them as
+:class:`~minitrain.train.swept.SweptValue`, each member's own value inside the step. The first
+steps that move the params are checked against each member's single-run step. A member whose
+loss goes non-finite is frozen and ranked last; the sweep fails only if all diverge.
 
 >>> import torch, minitrain as mt
 >>> CONFIG = {"lr": 0.1, "steps": 3}
@@ -281,8 +255,8 @@ class SweepRun:
         return summary
 
     def report(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """The resource report of one whole ensemble step: K × params, grads, state,
-        activations."""
+        """The resource report of one whole ensemble step (K × params, grads, state, activations).
+        """
         if self.batch is None:
             return {}
         values, diverged, history = self.hyperparameters, self.diverged_at, self.fp8_history
@@ -303,11 +277,8 @@ def fit_sweep(ensemble: Ensemble, backend: Backend, *, out_dir: str | Path | Non
               check: bool = True, say: Callable[[str], None] | None = None) -> FitResult:
     """Train every member of ``ensemble`` with one vmapped step per step; return the result.
 
-    Arguments are :func:`~minitrain.train.fit`'s. ``out_dir`` receives ``metrics.jsonl`` (one
-    line per logged step per member, with ``member``, ``seed`` and the swept ``config``),
-    checkpoints of the whole ensemble and ``summary.json`` (the ranking). ``check`` compares
-    the first step that moves the params (see :func:`_checks`) with each member's own
-    single-run step (:func:`~minitrain.train.ensemble_step.check_members`).
+    Arguments are :func:`~minitrain.train.fit`'s; ``check`` compares the first steps that move the
+    params with each member's own single-run step.
     """
     stepper = SweepRun(ensemble, backend, check=check, say=say)
     return run_loop(
@@ -317,9 +288,7 @@ def fit_sweep(ensemble: Ensemble, backend: Backend, *, out_dir: str | Path | Non
 
 
 def _check_same_state_layout(ensemble: Ensemble, states: list[PyTree]) -> None:
-    """Refuse, in one line naming two members, optimizer states laid out otherwise: their
-    optimizers differ in more than values (adadelta, adamax, asgd, lion, nadam and radam leave
-    their weight-decay step out at weight_decay=0, as torch.optim does)."""
+    """Refuse optimizer states laid out otherwise (a swept value picks a step in or out)."""
     layouts = [_pytree.tree_structure(state) for state in states]
     for k, layout in enumerate(layouts):
         if layout != layouts[0]:
@@ -334,9 +303,7 @@ def _check_same_state_layout(ensemble: Ensemble, states: list[PyTree]) -> None:
 
 
 def _checks(steps_taken: int) -> bool:
-    """Whether the ``steps_taken``-th step of this process is checked (while none has moved
-    the params): each of the first :data:`CHECKED_STEPS`, then each power of two, so an lr held
-    at 0 for long costs a few checks, not one per step.
+    """Whether this process's ``steps_taken``-th step is checked: the first few, then powers of two.
 
     >>> [n for n in range(1, 40) if _checks(n)]
     [1, 2, 3, 4, 5, 8, 16, 32]

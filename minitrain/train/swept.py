@@ -1,11 +1,9 @@
 """Swept values: one hyperparameter's per-member values behind a single 0-d tensor.
 
-A sweep builds its shared (template) experiment once, with each swept key of ``config`` as a
-:class:`SweptValue`. Outside the step it is member 0's value; inside the vmapped step, under
-:meth:`SweepBinding.bind`, every torch op that meets it uses each member's own value instead, and
-a tensor derived from it while the experiment was built redoes its op on those values. While the
-template is built, what the step could not redo per member is refused in one line
-(:mod:`~minitrain.train.member_checks`). See :mod:`minitrain.train.sweep` for how a sweep trains.
+The template experiment of a sweep is built with each swept key as a :class:`SweptValue`:
+member 0's value outside the step, each member's own inside it (under
+:meth:`SweepBinding.bind`); a tensor derived from it while the experiment is built redoes its
+op on the bound values.
 """
 
 from __future__ import annotations
@@ -47,10 +45,10 @@ class SweepBinding:
 
     @contextlib.contextmanager
     def building(self, members: Sequence[tuple[str, Mapping[str, float]]]) -> Iterator[None]:
-        """While the template experiment is built from swept values, refuse what the step could
-        not redo per member (an in-place write, a random draw) and a Python bool or int that
-        differs between ``members`` (each one's label and swept values): an ``if`` or a count
-        taken on member 0's value would be everyone's."""
+        """While the template is built, refuse what the step could not redo per member.
+
+        An in-place write, a random draw, or a bool or int that differs between ``members``.
+        """
         self.members = [
             (label, {key: torch.tensor(float(v), dtype=torch.float64) for key, v in values.items()})
             for label, values in members
@@ -65,15 +63,8 @@ class SweepBinding:
 class SweptValue(torch.Tensor):
     """A 0-d float64 tensor standing for the per-member values of one swept hyperparameter.
 
-    Outside its binding it is a plain tensor holding ``value`` (member 0's). While
-    ``binding.bind({name: values})`` is active, every torch op that receives it uses
-    ``values[name]`` instead (through ``__torch_function__``); inside ``vmap`` that is each
-    member's own value. Scripts receive these in ``config`` for swept keys. A tensor computed
-    from it outside the binding (``config["muon_lr"] / config["lr"]``, ``torch.stack([lr, wd])``
-    while the experiment is built) is another ``SweptValue`` that remembers the op and redoes it
-    on the bound values, so a value derived at build time is still each member's own in the
-    step. Where a single run has a float (a key, ``config["lr"] * 2``), ``lr *= 2`` rebinds
-    ``lr`` as it does there.
+    A tensor computed from it outside the binding remembers the op and redoes it on the bound
+    values, so a value derived at build time is still each member's own in the step.
 
     >>> binding = SweptValue.binding_type()
     >>> lr = SweptValue(0.1, "lr", binding)
@@ -127,8 +118,7 @@ class SweptValue(torch.Tensor):
         return self
 
     def __round__(self, ndigits: int | None = None) -> Any:
-        """``round(lr, 3)`` as on a single run's float; ``round(lr)`` is an int, so it is
-        checked per member as ``int()`` is."""
+        """``round(lr, 3)`` as on a float; ``round(lr)`` is an int, checked per member."""
         if ndigits is None:
             return int(torch.round(self))
         return round(float(self), ndigits)
@@ -171,11 +161,7 @@ def _number_op(func: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
 
 
 def _redoable(func: Callable[..., Any], args: tuple) -> Callable[..., Any]:
-    """The op to run and redo for ``func``. ``lr *= 2`` (torch runs ``mul_``) where a single
-    run has a float is ``lr * 2``: the float is rebound, not written into, while writing into
-    the swept tensor would change ``config["lr"]`` with it, or inside the step the members'
-    values for every later use (or fail in the gradient transform). ``lr.data`` is
-    ``lr.detach()``: ``.data`` is refused under vmap."""
+    """The op to run and redo: ``lr *= 2`` on a number is ``lr * 2``; ``lr.data`` is ``detach``."""
     if _name(func) in _AUGMENTED and args and getattr(args[0], "swept_number", False):
         return getattr(torch.Tensor, _name(func)[:-1])
     if func == _DATA:
@@ -184,8 +170,7 @@ def _redoable(func: Callable[..., Any], args: tuple) -> Callable[..., Any]:
 
 
 def _unbound_binding(values: tuple) -> SweepBinding | None:
-    """The binding of the first swept value among ``values`` (lists and tuples searched),
-    when no step has bound it: an op run while the experiment is built."""
+    """The binding of the first swept value among ``values``, when no step has bound it."""
     for value in values:
         if isinstance(value, list | tuple):
             found = _unbound_binding(tuple(value))
@@ -197,8 +182,7 @@ def _unbound_binding(values: tuple) -> SweepBinding | None:
 
 
 def _derived(result: Any, binding: SweepBinding, recipe: tuple, number: bool) -> Any:
-    """``result`` of ``recipe`` run on swept values outside a step, as swept values that redo
-    it; each tensor of a tuple result (``unbind``, ``max(dim=0)``) takes its own element."""
+    """``result`` of ``recipe`` as swept values that redo it (each tuple element its own)."""
     if isinstance(result, torch.Tensor):
         return SweptValue._wrap(result, binding, recipe=recipe, number=number)
     if (isinstance(result, tuple) and result
@@ -218,8 +202,7 @@ def _element(func: Callable[..., Any], index: int, *args: Any, **kwargs: Any) ->
 
 def _check_while_building(func: Callable[..., Any], args: tuple, kwargs: dict,
                           binding: SweepBinding) -> None:
-    """Refuse, in one line, an op on swept values while the template is built that the vmapped
-    step would not redo as each member's own run does."""
+    """Refuse an op on swept values while the template is built that the step would not redo."""
     name = _name(func)
     keys = ", ".join(_swept_keys((*args, *kwargs.values()))) if (
         _in_place(func) or name in _RANDOM or name in _DECISIONS) else ""
@@ -241,9 +224,7 @@ def _check_while_building(func: Callable[..., Any], args: tuple, kwargs: dict,
 
 def _same_for_every_member(func: Callable[..., Any], args: tuple, kwargs: dict,
                            binding: SweepBinding, keys: str) -> None:
-    """Refuse a bool or int of swept values (an ``if``, ``int()``, ``range()``) that differs
-    between members: the step runs member 0's branch or count for all of them, and where that
-    shows only after the first checked step (a schedule's length) no check would see it."""
+    """Refuse a bool or int of swept values (an ``if``, ``int()``) that differs between members."""
     results = []
     for _, values in binding.members or ():
         with binding.bind(values):
@@ -281,15 +262,13 @@ def _swept_in(values: tuple | list) -> Iterator[SweptValue]:
 
 def _call(func: Callable[..., Any], args: tuple, kwargs: dict,
           memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """``func`` run on the current tensors of the swept values among its arguments; ``memo``
-    holds those already computed for one op's arguments."""
+    """``func`` run on the current tensors of the swept values among its arguments."""
     memo = {} if memo is None else memo
     return func(*_resolve(args, memo), **{key: _resolve(v, memo) for key, v in kwargs.items()})
 
 
 def _resolve(value: Any, memo: dict[int, torch.Tensor]) -> Any:
-    """A swept value's current tensor; lists and tuples (``torch.stack([...])``) are searched.
-    Inside a step a derived value redoes its op on its inputs' current tensors."""
+    """A swept value's current tensor; lists and tuples are searched."""
     if isinstance(value, SweptValue):
         return _current(value, memo)
     if isinstance(value, list | tuple) and next(_swept_in(value), None) is not None:
@@ -298,8 +277,7 @@ def _resolve(value: Any, memo: dict[int, torch.Tensor]) -> Any:
 
 
 def _current(root: SweptValue, memo: dict[int, torch.Tensor]) -> torch.Tensor:
-    """``root``'s tensor now, computed inputs first without recursion: a value derived in a
-    loop (``x = x * decay`` a thousand times) is a chain deeper than Python's stack."""
+    """``root``'s tensor now, inputs first, without recursion (chains can be deep)."""
     pending = [root]
     while pending:
         value = pending[-1]
