@@ -1,16 +1,7 @@
 """The one module that names private torch APIs.
 
-Everything minitrain takes from torch's private namespaces (``torch._C``, ``torch.utils._*``,
-``torch._subclasses``, ``torch._foreach_*``, ``torch.ops.aten._*``, ...) is bound here and
-nowhere else in the library (tests/test_layers.py checks it). Each name carries a one-line
-comment: why minitrain needs it, and the public alternative where one exists.
-tests/test_torch_compat.py has one test per name that checks, on the installed torch, that the
-name exists and does what minitrain relies on, so a torch release that moves or changes one
-fails there, by name, before anything else.
-
-Names are read from torch, never assigned: nothing here (or anywhere in minitrain) replaces
-an attribute of a torch module. Each is torch's own object under torch's name with the leading
-underscore dropped, so ``grep`` finds it in torch's source.
+Each name is torch's own object, read never assigned, with a comment saying why minitrain
+needs it; tests/test_torch_compat.py checks each on the installed torch.
 
 >>> import torch
 >>> pytree.tree_leaves({"a": [torch.ones(1)], "b": torch.zeros(1)})

@@ -1,11 +1,8 @@
-"""Token data: token files, batches and prefetching (:mod:`minitrain.tokens`), and prepared
-corpora on disk.
+"""Token data (:mod:`minitrain.tokens`, re-exported) and prepared corpora on disk.
 
-:func:`prepare` builds a byte-level corpus (train and held-out memmaps of Python's standard
-library sources, with a ``meta.json`` record of their sizes and SHA-256); :func:`load_prepared`
-opens one after checking it. A corpus that fails its checks is a :class:`DataError` naming the
-file, never rebuilt behind the user's back; an ``OSError`` is a one-line
-:class:`~minitrain.errors.StorageError`.
+:func:`prepare` builds a byte-level corpus of Python's standard library sources (train and
+held-out memmaps, a ``meta.json`` of sizes and SHA-256); :func:`load_prepared` opens one after
+checking it. A corpus that fails its checks is a :class:`DataError`, never silently rebuilt.
 """
 
 from __future__ import annotations
@@ -53,20 +50,12 @@ class PreparedData(NamedTuple):
 
 
 def stdlib_dir() -> Path:
-    """The directory of this Python's standard library sources.
-
-    >>> (stdlib_dir() / "os.py").is_file()
-    True
-    """
+    """The directory of this Python's standard library sources."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
 def source_files(root: str | os.PathLike) -> list[Path]:
-    """The ``.py`` files under ``root`` (skipping installed packages), in a fixed sorted order.
-
-    >>> [p.name for p in source_files(stdlib_dir())][:1]
-    ['__future__.py']
-    """
+    """The ``.py`` files under ``root`` (skipping installed packages), in a fixed sorted order."""
     root = Path(root)
     skip = {"site-packages", "dist-packages", "__pycache__"}
     files = [
@@ -78,13 +67,7 @@ def source_files(root: str | os.PathLike) -> list[Path]:
 
 
 def default_data_dir() -> Path:
-    """Where the byte-level stdlib corpus is cached: under ``$MINITRAIN_CACHE_DIR`` (the same
-    folder as the hardware and kernel caches; ``$MINITRAIN_CACHE`` is read too), else
-    ``$XDG_CACHE_HOME/minitrain`` or ``~/.cache/minitrain``.
-
-    >>> default_data_dir().name.startswith("stdlib-bytes-py")
-    True
-    """
+    """Where the stdlib corpus is cached (``$MINITRAIN_CACHE_DIR``, else XDG or ~/.cache)."""
     chosen = os.environ.get("MINITRAIN_CACHE_DIR") or os.environ.get("MINITRAIN_CACHE")
     if chosen and chosen.strip().lower() not in {"0", "off", "none"}:
         root = Path(chosen)
@@ -114,17 +97,15 @@ def prepare(
     source_dir: str | os.PathLike | None = None,
     val_fraction: float = _VAL_FRACTION,
 ) -> dict[str, Any]:
-    """Build ``train.bin``/``val.bin`` byte-token memmaps (uint16) from Python source files.
+    r"""Build ``train.bin``/``val.bin`` byte-token memmaps (uint16) from Python source files.
 
-    Reads every ``.py`` file under ``source_dir`` (default: the standard library) in sorted
-    order and writes its raw bytes as token ids 0..255. About ``val_fraction`` of the files,
-    chosen by a hash of their path, are held out. The directory is built aside and renamed into
-    place, so a crash never leaves a half-written corpus. Returns the ``meta.json`` record.
+    About ``val_fraction`` of the files, chosen by a hash of their path, are held out; the
+    directory is built aside and renamed into place. Returns the ``meta.json`` record.
 
     >>> import tempfile
     >>> from pathlib import Path
-    >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.py").write_text("x = 1\\n")
-    >>> _ = (src / "b.py").write_text("y = 2\\n")
+    >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.py").write_text("x = 1\n")
+    >>> _ = (src / "b.py").write_text("y = 2\n")
     >>> meta = prepare(Path(tempfile.mkdtemp()) / "bytes", src)
     >>> meta["tokens"]["train"] + meta["tokens"]["val"], meta["vocab_size"]
     (12, 256)
@@ -208,19 +189,7 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def load_prepared(data_dir: str | os.PathLike | None = None) -> PreparedData:
-    """Open a directory written by :func:`prepare`: its train and val memmaps and meta.
-
-    Checks ``meta.json`` (every field) and each split's size and SHA-256 against it; a
-    mismatch is a :class:`DataError` naming the file. Nothing is rebuilt.
-
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.py").write_text("x = 1\\n")
-    >>> _ = (src / "b.py").write_text("y = 2\\n")
-    >>> out = Path(tempfile.mkdtemp()) / "bytes"; _ = prepare(out, src)
-    >>> data = load_prepared(out); len(data.train) + len(data.val)
-    12
-    """
+    """Open a directory written by :func:`prepare` after checking its meta, sizes and SHA-256."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     rebuild = f"run 'minitrain prepare --out {data_dir}' to rebuild it"
     meta = _read_meta(data_dir)
@@ -296,12 +265,7 @@ def _is_count(value: Any) -> bool:
 def ensure_prepared(
     data_dir: str | os.PathLike | None = None, source_dir: str | os.PathLike | None = None
 ) -> PreparedData:
-    """:func:`load_prepared`, running :func:`prepare` first if the directory is absent or empty.
-
-    A directory that holds a corpus which fails its checks, or one prepared from another
-    ``source_dir`` than the one asked for, is a :class:`DataError`: it is never rebuilt
-    silently (that would train on other data).
-    """
+    """:func:`load_prepared`, running :func:`prepare` first if the directory is absent or empty."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     if _absent_or_empty(data_dir):
         try:

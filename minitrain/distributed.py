@@ -1,21 +1,10 @@
 """Data-parallel training on ``torch.distributed``, launched by torchrun's elastic agent.
 
-Every rank holds the same params and runs the same pure step on its own shard of the global
-batch; between the backward pass and the optimizer update the gradient pytree is flattened
-into buckets and all-reduced (gloo on CPU, NCCL on CUDA), so every rank applies the same
-update. Process groups come from ``torch.distributed.init_process_group`` (the ``env://``
-variables torchrun sets); ``minitrain run --nproc N`` starts its workers through
-``torch.distributed.launcher`` (the elastic agent behind ``torchrun``), which also watches them.
+Every rank draws the whole global batch from the same generator and trains on its contiguous
+shard; gradients are all-reduced in buckets between backward and update (gloo on CPU, NCCL on
+CUDA). So a checkpoint does not depend on the rank count and N ranks follow one rank's
+trajectory up to rounding.
 
-The global batch is the same for any number of ranks: every rank draws the *whole* batch from
-the same data generator and keeps its contiguous shard (:func:`shard`). So the sampler state is
-identical on every rank, a checkpoint does not depend on the rank count, and ``N`` ranks follow
-the trajectory of one rank up to float rounding.
-
->>> batch = (torch.arange(10).reshape(5, 2), torch.arange(5))
->>> shard(batch, rank=1, world_size=2)
-(tensor([[6, 7],
-        [8, 9]]), tensor([3, 4]))
 >>> shard_sizes(5, 2)
 [3, 2]
 """
@@ -56,22 +45,13 @@ class LostPeer(DistributedError):
 
 
 def in_worker(environ: dict[str, str] | None = None) -> bool:
-    """Whether this process was started by torchrun (or ``--nproc``): ``RANK`` and ``WORLD_SIZE``
-    are set.
-
-    >>> in_worker({}), in_worker({"RANK": "0", "WORLD_SIZE": "2"})
-    (False, True)
-    """
+    """Whether torchrun (or ``--nproc``) started this process: ``RANK`` and ``WORLD_SIZE`` set."""
     environ = os.environ if environ is None else environ
     return "RANK" in environ and "WORLD_SIZE" in environ
 
 
 def timeout_seconds(environ: dict[str, str] | None = None) -> float:
-    """Seconds a collective waits for the other ranks: ``MINITRAIN_DIST_TIMEOUT`` or 120.
-
-    >>> timeout_seconds({}), timeout_seconds({"MINITRAIN_DIST_TIMEOUT": "30"})
-    (120.0, 30.0)
-    """
+    """Seconds a collective waits for the other ranks: ``MINITRAIN_DIST_TIMEOUT`` or 120."""
     environ = os.environ if environ is None else environ
     text = environ.get(TIMEOUT_ENV, "")
     if not text:
@@ -86,9 +66,7 @@ def timeout_seconds(environ: dict[str, str] | None = None) -> float:
 
 
 def shard_sizes(examples: int, world_size: int) -> list[int]:
-    """Examples per rank when ``examples`` are split in contiguous, near-equal shards.
-
-    The first ``examples % world_size`` ranks get one more (as ``torch.tensor_split``).
+    """Examples per rank in contiguous, near-equal shards (as ``torch.tensor_split``).
 
     >>> shard_sizes(8, 2), shard_sizes(7, 3)
     ([4, 4], [3, 2, 2])
@@ -105,11 +83,7 @@ def shard_sizes(examples: int, world_size: int) -> list[int]:
 
 
 def batch_size(batch: PyTree) -> int:
-    """The leading dimension shared by every tensor of ``batch`` (the examples to split).
-
-    >>> batch_size((torch.zeros(4, 3), torch.zeros(4)))
-    4
-    """
+    """The leading dimension shared by every tensor of ``batch``."""
     sizes = {tuple(t.shape[:1]) for t in leaves(batch) if isinstance(t, torch.Tensor)}
     if not sizes or () in sizes or len(sizes) > 1:
         found = ", ".join(str(s[0]) if s else "0-d" for s in sorted(sizes)) or "no tensors"
@@ -123,8 +97,7 @@ def batch_size(batch: PyTree) -> int:
 def shard(batch: PyTree, rank: int, world_size: int) -> PyTree:
     """Rank ``rank``'s contiguous slice (a view) of every tensor of the global ``batch``.
 
-    >>> x = torch.arange(6)
-    >>> [shard(x, r, 3).tolist() for r in range(3)]
+    >>> [shard(torch.arange(6), r, 3).tolist() for r in range(3)]
     [[0, 1], [2, 3], [4, 5]]
     """
     if not 0 <= rank < world_size:
@@ -141,11 +114,7 @@ def shard(batch: PyTree, rank: int, world_size: int) -> PyTree:
 def bucket_plan(
     tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> list[list[int]]:
-    """Group tensor indices into buckets to flatten and all-reduce together.
-
-    A bucket holds tensors of one dtype and device, in order, up to ``bucket_bytes`` (a tensor
-    larger than that gets a bucket of its own). Fewer, larger messages amortize the per-call
-    latency, as DDP's gradient buckets do.
+    """Group tensor indices into buckets of one dtype and device, up to ``bucket_bytes`` (as DDP).
 
     >>> ts = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float64), torch.zeros(8)]
     >>> bucket_plan(ts, bucket_bytes=32)
@@ -171,14 +140,7 @@ def allreduce_sum(
     group: Any = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> list[torch.Tensor]:
-    """The element-wise sum of ``tensors`` over all ranks, as new tensors (inputs untouched).
-
-    Each bucket of :func:`bucket_plan` is flattened into one buffer and all-reduced; the
-    buckets are in flight together (``async_op``) and unflattened as they complete.
-
-    >>> allreduce_sum([torch.ones(2)]) if not dist.is_initialized() else [torch.ones(2)]
-    [tensor([1., 1.])]
-    """
+    """The element-wise sum of ``tensors`` over all ranks, as new tensors, bucket by bucket."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [t.clone() for t in tensors]
     plan = bucket_plan(tensors, bucket_bytes)
@@ -200,15 +162,7 @@ def allreduce_sum(
 
 @contextlib.contextmanager
 def collective(what: str) -> Iterator[None]:
-    """A collective that fails (gloo or NCCL lost a peer, or timed out) is a
-    :class:`LostPeer` (a :class:`DistributedError`) naming it, not an error of the user's loss.
-
-    >>> with collective("the gradient all-reduce"):  # doctest: +ELLIPSIS
-    ...     raise RuntimeError("[gloo] Connection closed by peer")
-    Traceback (most recent call last):
-    ...
-    minitrain.distributed.LostPeer: the gradient all-reduce failed: another worker ...
-    """
+    """A failed collective (a lost peer, a timeout) is a :class:`LostPeer` naming it."""
     try:
         yield
     except RuntimeError as exc:  # torch.distributed.DistBackendError is one
@@ -219,14 +173,12 @@ def collective(what: str) -> Iterator[None]:
 class DataParallel:
     """This rank's share of a data-parallel run: sharding, the gradient all-reduce, agreement.
 
-    Build it with :func:`from_environment` inside a worker. ``reduce`` is the step's
-    ``grad_transform``: it averages grads, loss and aux over ranks, each rank weighted by its
-    shard of the global batch (``n_r / n``), so the result is the gradient and loss of the mean
-    over the whole global batch.
+    ``reduce`` (the step's ``grad_transform``) averages grads, loss and aux over ranks, each
+    weighted by its shard of the global batch.
 
     >>> dp = DataParallel(rank=0, world_size=1, device=torch.device("cpu"))
-    >>> dp.reduce({"w": torch.ones(2)}, torch.tensor(3.0), {"bpb": torch.tensor(4.0)})
-    ({'w': tensor([1., 1.])}, tensor(3.), {'bpb': tensor(4.)})
+    >>> dp.reduce({"w": torch.ones(2)}, torch.tensor(3.0), {})
+    ({'w': tensor([1., 1.])}, tensor(3.), {})
     """
 
     def __init__(self, rank: int, world_size: int, device: torch.device, group: Any = None,
@@ -327,25 +279,14 @@ class DataParallel:
 
 
 def gradient_bytes(params: PyTree) -> int:
-    """Bytes of the gradient pytree all-reduced each step: as many as the float params.
-
-    >>> gradient_bytes({"w": torch.zeros(4, 4), "step": torch.zeros((), dtype=torch.int64)})
-    64
-    """
+    """Bytes of the gradient pytree all-reduced each step: as many as the float params."""
     return nbytes(
         [p for p in leaves(params) if isinstance(p, torch.Tensor) and p.is_floating_point()]
     )
 
 
 def from_environment(device: torch.device | str) -> DataParallel | None:
-    """Join the process group described by torchrun's variables; None outside a worker.
-
-    gloo for CPU devices, NCCL for CUDA ones (each rank on ``cuda:LOCAL_RANK``); collectives
-    time out after :func:`timeout_seconds`.
-
-    >>> from_environment("cpu") is None or in_worker()   # None unless started by torchrun
-    True
-    """
+    """Join the process group described by torchrun's variables; None outside a worker."""
     if not in_worker():
         return None
     device = torch.device(device)

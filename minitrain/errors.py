@@ -1,15 +1,10 @@
 """The exception types minitrain raises on purpose; a leaf module that imports nothing.
 
-Library code raises these; only the command line turns them into exit codes (2, 1 and 130
-for the three kinds below). Each message is one line that says what went wrong and how to
-fix it.
+Only the command line turns them into exit codes; each message is one line.
 
->>> err = StorageError.from_os_error(OSError(28, "No space left on device"), "runs/a/metrics.jsonl",
-...                                  "write")
->>> str(err)
-'cannot write runs/a/metrics.jsonl: no space left on device'
->>> isinstance(err, RunFailed)
-True
+>>> err = StorageError.from_os_error(OSError(28, "No space left on device"), "m.jsonl", "write")
+>>> str(err), isinstance(err, RunFailed)
+('cannot write m.jsonl: no space left on device', True)
 """
 
 from __future__ import annotations
@@ -70,11 +65,7 @@ class NonFiniteLoss(RunFailed):
 
 
 class ScriptError(RunFailed):
-    """The user's own code (init, next_batch, the loss, evaluate) raised.
-
-    The message names the function and the step; ``frames`` holds the formatted traceback
-    frames of the user's own files, shown above the one ``error:`` line.
-    """
+    """The user's own code raised; ``frames`` holds the traceback frames of the user's files."""
 
     def __init__(self, message: str, frames: str = "") -> None:
         super().__init__(message)

@@ -1,9 +1,5 @@
 """Function transforms: thin wrappers over ``torch.func`` with JAX's argument order.
 
-``torch.func.grad_and_value`` returns ``(grads, value)``; :func:`value_and_grad` returns
-``(value, grads)`` as ``jax.value_and_grad`` does. :func:`from_module` turns any ``nn.Module``
-into a params pytree and a pure apply function through ``torch.func.functional_call``.
-
 >>> import torch
 >>> loss = lambda params, x: (params["w"] * x).sum()
 >>> value_and_grad(loss)({"w": torch.tensor([2.0])}, torch.tensor([3.0]))
@@ -40,12 +36,9 @@ _INNER_HOOKS: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = []
 def saved_tensor_hooks_inside(
     pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
 ) -> Iterator[None]:
-    """Saved-tensor hooks that run inside the functions :func:`value_and_grad`, :func:`grad`
-    and :func:`per_example_grads` differentiate, while this context is open.
+    """Saved-tensor hooks that run inside the functions this module's transforms differentiate.
 
-    ``torch.func.grad`` refuses hooks registered outside it; these are registered inside the
-    transform, where it sees each tensor autograd saves (``torch.func`` wrappers included).
-    The accounting counter's memory timeline records activations this way.
+    ``torch.func.grad`` refuses hooks registered outside it; these are registered inside.
 
     >>> seen = []
     >>> with saved_tensor_hooks_inside(lambda t: seen.append(t.shape) or t, lambda t: t):
@@ -62,13 +55,7 @@ def saved_tensor_hooks_inside(
 
 
 def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with saved-tensor hooks allowed while it runs inside a ``torch.func`` transform.
-
-    ``torch.func.grad`` refuses every saved-tensor hook, and so activation checkpointing
-    (``checkpoint(..., use_reentrant=False)`` is one) and the counter's record of what autograd
-    saves. Inside ``fn`` they are allowed again; the transform restores the refusal when it
-    returns, after its backward pass.
-    """
+    """``fn`` with saved-tensor hooks (and activation checkpointing) allowed inside a transform."""
 
     @functools.wraps(fn)
     def allowed(*args: Any, **kwargs: Any) -> Any:
@@ -86,11 +73,7 @@ def value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
     """Return ``f(*args) -> (value, grads)``; with ``has_aux``, ``((value, aux), grads)``.
 
-    Activation checkpointing (``torch.utils.checkpoint.checkpoint(block, x,
-    use_reentrant=False)``) works inside ``fn``, though ``torch.func.grad`` alone refuses it.
-
-    ``fn`` must return a 0-d tensor (or ``(0-d tensor, aux)`` with ``has_aux``, aux a pytree of
-    tensors). Grads have the structure of the argument(s) named by ``argnums``.
+    Activation checkpointing (``use_reentrant=False``) works inside ``fn``.
 
     >>> f = lambda p: ((p["w"] ** 2).sum(), {"w_max": p["w"].max()})
     >>> (v, aux), g = value_and_grad(f, has_aux=True)({"w": torch.tensor([1.0, 2.0])})
@@ -136,13 +119,7 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
 def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...],
                              has_aux: bool, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``torch.func.grad_and_value``'s result and errors, through ``torch.autograd.grad``.
-
-    The arguments named by ``argnums`` are differentiated as fresh leaves (aliases: nothing is
-    copied); gradients of leaves the value does not depend on are zeros, as in torch.func. If
-    the value also depends on a tensor ``fn`` closes over that requires grad, the gradients
-    keep their graph (``create_graph=True``), as torch.func's do at the outer level.
-    """
+    """``torch.func.grad_and_value``'s result and errors, through ``torch.autograd.grad``."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
     args = list(args)
     diff_leaves, specs = [], []
@@ -238,29 +215,18 @@ def from_module(
 ) -> tuple[Params, Callable[..., Any]] | tuple[Params, Params, Callable[..., Any]]:
     """Split an ``nn.Module`` into ``(params, apply)`` with ``apply(params, *args, **kwargs)``.
 
-    ``params`` is a dict of detached copies of the trainable parameters, keyed by their
-    ``named_parameters()`` names; buffers (e.g. BatchNorm statistics) are copied too and held by
-    ``apply``. The module itself is only a template: training ``params`` never changes it.
+    ``params`` are detached copies; the module is only a template. With ``with_state=True`` the
+    buffers are explicit state: ``apply(params, state, *args) -> (out, new_state)``.
 
     >>> net = torch.nn.Linear(3, 2)
     >>> params, apply = from_module(net)
     >>> sorted(params), apply(params, torch.zeros(4, 3)).shape
     (['bias', 'weight'], torch.Size([4, 2]))
-
-    With ``with_state=True`` the buffers are explicit state instead (flax's mutable
-    collections, equinox's ``State``): ``apply(params, state, *args, **kwargs) -> (out,
-    new_state)`` runs on copies of ``state``, so what a forward pass updates in place
-    (BatchNorm's running statistics in train mode) comes back in ``new_state``: return it as
-    the loss's aux and carry it to the next step, like the params. Each call copies every
-    buffer (a step pays ``nbytes(state)`` more).
-
     >>> bn = torch.nn.BatchNorm1d(2)
     >>> params, state, apply = from_module(bn, with_state=True)
     >>> out, new_state = apply(params, state, torch.tensor([[0.0, 1.0], [2.0, 5.0]]))
     >>> state["running_mean"], new_state["running_mean"]   # momentum 0.1 of the batch mean
     (tensor([0., 0.]), tensor([0.1000, 0.3000]))
-    >>> int(new_state["num_batches_tracked"])
-    1
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"from_module expects a torch.nn.Module, got {type(module).__name__}")
@@ -299,13 +265,7 @@ def _stateful_apply(
 def per_example_grads(
     loss_fn: Callable[[Params, Any], torch.Tensor], batch_dim: int = 0
 ) -> Callable[[Params, Any], Params]:
-    """Return ``f(params, batch) -> grads`` whose leaves gain a leading batch axis: entry ``i``
-    is the gradient of ``loss_fn`` on example ``i`` alone.
-
-    ``loss_fn(params, batch)`` takes a batch (every tensor of ``batch`` has the batch axis at
-    ``batch_dim``) and returns a 0-d loss; each example is passed as a batch of one, so a mean
-    loss needs no change. One ``vmap(grad)`` call does all examples (the torch.func
-    per-sample-gradients recipe), instead of one backward pass per example.
+    """Return ``f(params, batch) -> grads`` with a leading batch axis (one ``vmap(grad)``).
 
     >>> import torch
     >>> loss = lambda p, batch: ((batch[0] @ p["w"] - batch[1]) ** 2).mean()

@@ -67,9 +67,8 @@ def truncated_normal(
 ) -> torch.Tensor:
     """Normal with std ``std`` (default ``1/sqrt(fan_in)``), resampled outside ±``bound``·std.
 
-    The chapter calls ``nn.init.trunc_normal_(std=1/sqrt(d), a=-3, b=3)``; torch's ``a``/``b`` are
-    absolute, so there the cut sits at ±3 (hundreds of std) and never bites. Here the cut is at
-    ±3 std, which is what the chapter means ("constraining ... within a reasonable range").
+    The chapter's ``trunc_normal_(std=1/sqrt(d), a=-3, b=3)`` cuts at ±3 absolute; this cuts at
+    ±3 std, as the chapter means.
 
     >>> w = truncated_normal((256, 256), generator=torch.Generator().manual_seed(0))
     >>> bool(w.abs().max() <= 3 / 16)

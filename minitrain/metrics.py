@@ -1,11 +1,7 @@
 """Run logs: an append-only ``metrics.jsonl``, an optional TensorBoard writer, a loss-curve PNG.
 
-``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``lr``,
-``grad_norm``, ``step_time``...), written line by line so a killed run keeps everything it
-logged; a resumed run drops the lines past its step, so the file reads as one run. TensorBoard
-and matplotlib are extras, imported only when asked for. An ``OSError`` is a
-:class:`~minitrain.errors.StorageError` line, and a line cut short by a failed write is removed
-again, so the file keeps only whole records.
+``metrics.jsonl`` is written line by line, so a killed run keeps everything it logged; a
+resumed run drops the lines past its step, and a line cut short by a failed write is removed.
 
 >>> import tempfile
 >>> run = tempfile.mkdtemp()
@@ -54,17 +50,7 @@ def _metrics_path(path: str | os.PathLike) -> Path:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (or of a run directory holding one).
-
-    A last line cut short by a crash is ignored; a damaged line elsewhere is an error.
-
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> path = Path(tempfile.mkdtemp()) / "metrics.jsonl"
-    >>> _ = path.write_text('{"step": 1, "loss": 3.0}\\n{"step": 2, "lo')
-    >>> read_metrics(path)
-    [{'step': 1, 'loss': 3.0}]
-    """
+    """The records of a ``metrics.jsonl`` (or of a run directory); a torn last line is ignored."""
     path = _metrics_path(path)
     if not path.is_file():
         raise MetricsError(f"no metrics file at {path}; pass a run directory written with --out")
@@ -95,14 +81,6 @@ def _refuse_constant(name: str) -> Any:
 
 def truncate_metrics(path: str | os.PathLike, step: int) -> int:
     """Atomically drop the records after ``step`` (and any unfinished line); return how many stay.
-
-    >>> import tempfile
-    >>> run = tempfile.mkdtemp()
-    >>> with MetricsWriter(run) as log:
-    ...     for s in range(1, 6):
-    ...         _ = log.write(s, loss=1.0 / s)
-    >>> truncate_metrics(run, 3), [row["step"] for row in read_metrics(run)]
-    (3, [1, 2, 3])
     """
     path = _metrics_path(path)
     if not path.exists():
@@ -150,15 +128,9 @@ def _is_json_scalar(value: Any) -> bool:
 
 
 class MetricsWriter:
-    """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once;
-    a value that is not JSON data is a :class:`MetricsError`.
+    """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once.
 
-    Args:
-        run_dir: the run directory (created if needed).
-        resume_step: the step the run resumes from; lines after it are dropped first. 0 (the
-            default) starts a new file.
-        tensorboard: also write each number as a TensorBoard scalar under
-            ``run_dir/tensorboard`` (needs the ``tensorboard`` extra).
+    ``resume_step`` drops the lines after it first; ``tensorboard`` also writes scalars.
     """
 
     def __init__(
@@ -190,13 +162,7 @@ class MetricsWriter:
                 raise StorageError.from_os_error(exc, directory, "write") from None
 
     def write(self, step: int, **values: Any) -> dict[str, Any]:
-        """Log ``values`` for ``step``; returns the record written.
-
-        >>> import tempfile, torch
-        >>> with MetricsWriter(tempfile.mkdtemp()) as log:
-        ...     log.write(3, loss=torch.tensor(0.5), lr=1e-3)
-        {'step': 3, 'loss': 0.5, 'lr': 0.001}
-        """
+        """Log ``values`` for ``step``; returns the record written."""
         if not isinstance(step, int) or isinstance(step, bool):
             raise MetricsError(f"step must be an int, got {step!r}")
         if self._fd is None:
@@ -246,11 +212,7 @@ class MetricsWriter:
 
 
 def tensorboard_writer(log_dir: str | os.PathLike, purge_step: int | None = None) -> Any:
-    """A ``torch.utils.tensorboard.SummaryWriter`` on ``log_dir``.
-
-    ``purge_step`` hides events at or after that step left by an earlier, interrupted run.
-    Raises :class:`MissingExtra` if the ``tensorboard`` package is not installed.
-    """
+    """A ``SummaryWriter`` on ``log_dir``; ``purge_step`` hides events of an interrupted run."""
     try:
         import tensorboard  # noqa: F401
         from torch.utils.tensorboard import SummaryWriter
@@ -300,24 +262,18 @@ def plot(
     out_png: str | os.PathLike | None = None,
     keys: tuple[str, ...] | None = None,
 ) -> Path:
-    """Draw the loss curve of a run (and any ``val*``/``eval*`` series) to a PNG; return its path.
+    """Draw the loss curves of one run or several (overlaid) to a PNG; return its path.
 
-    ``run_dir`` is one run directory, or a list of them: their curves are overlaid, one colour
-    per run, labelled by directory name (the paths as given where two names are the same).
-    ``keys`` picks the series (default: ``loss`` and every key starting with ``val`` or
-    ``eval``, in any of the runs). The PNG goes to ``out_png``, which a list of runs needs, or
-    to ``run_dir/loss.png``. Needs matplotlib (the ``plot`` extra), imported here only.
+    ``keys`` defaults to ``loss`` and every ``val*``/``eval*`` series; the PNG goes to
+    ``out_png`` or ``run_dir/loss.png``. Needs matplotlib (the ``plot`` extra).
 
     >>> import tempfile
-    >>> runs = [tempfile.mkdtemp(), tempfile.mkdtemp()]
-    >>> for run in runs:
-    ...     with MetricsWriter(run) as log:
-    ...         for s in range(1, 4):
-    ...             _ = log.write(s, loss=1.0 / s)
-    >>> plot(runs[0]).name
+    >>> run = tempfile.mkdtemp()
+    >>> with MetricsWriter(run) as log:
+    ...     for s in range(1, 4):
+    ...         _ = log.write(s, loss=1.0 / s)
+    >>> plot(run).name
     'loss.png'
-    >>> plot(runs, Path(runs[0]) / "both.png").name
-    'both.png'
     """
     several = not isinstance(run_dir, (str, os.PathLike))
     run_dirs = [Path(path) for path in run_dir] if several else [Path(run_dir)]
@@ -359,8 +315,7 @@ _LINESTYLES = ("-", "--", ":", "-.")
 def _figure(
     curves: list[dict[str, tuple[list[int], list[float]]]], labels: list[str] | None, title: str
 ) -> Any:
-    """One axes: each run's series; with ``labels`` (several runs) a colour per run and a line
-    style per key."""
+    """One axes: each run's series (several runs: a colour per run, a line style per key)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -1,17 +1,12 @@
 """Stride math: how a tensor's shape and strides map indices to positions in its storage.
 
-A tensor is a view of a flat storage: element ``index`` lives at
-``storage_offset + sum(i * s for i, s in zip(index, strides))``. Transpose, permute, slice and
-expand only rewrite (shape, strides, offset); ``.view`` succeeds exactly when the new shape can
-be expressed with strides over the same storage. Everything here follows PyTorch's own rules
-(c10 ``compute_contiguous``, ATen ``inferExpandGeometry``, ``computeStride``), on plain tuples.
+Element ``index`` lives at ``storage_offset + sum(i * s for i, s in zip(index, strides))``; the
+rules follow PyTorch's own (c10 ``compute_contiguous``, ATen ``computeStride``) on plain tuples.
 
 >>> x = contiguous((4, 4))                  # the chapter's 4x4 example
->>> x.strides, offset((1, 2), x.strides)
-((4, 1), 6)
 >>> t = transpose(x, 0, 1)
->>> t.strides, is_contiguous(t.shape, t.strides), view_strides(t.shape, t.strides, (16,))
-((1, 4), False, None)
+>>> x.strides, t.strides, view_strides(t.shape, t.strides, (16,))
+((4, 1), (1, 4), None)
 """
 
 from __future__ import annotations
@@ -100,10 +95,7 @@ def offset(index: Sequence[int], strides: Sequence[int], storage_offset: int = 0
 
 
 def is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether the layout is row-major with no gaps (torch's ``is_contiguous()``).
-
-    Size-1 dimensions may have any stride, and an empty tensor is always contiguous
-    (c10 ``compute_contiguous``).
+    """Whether the layout is row-major with no gaps (c10 ``compute_contiguous``).
 
     >>> is_contiguous((2, 3), (3, 1)), is_contiguous((3, 2), (1, 3)), is_contiguous((1, 3), (7, 1))
     (True, False, True)
@@ -169,9 +161,7 @@ def slice(  # noqa: A001 - the name of the operation
 
 
 def expand(layout: Layout, shape: Sequence[int]) -> Layout:
-    """Broadcast to ``shape`` without copying: expanded dimensions get stride 0.
-
-    ``-1`` keeps a size; new leading dimensions are allowed (ATen ``inferExpandGeometry``).
+    """Broadcast to ``shape`` without copying (stride 0); ``-1`` keeps a size (ATen).
 
     >>> expand(contiguous((3, 1)), (2, 3, 4))
     Layout(shape=(2, 3, 4), strides=(0, 1, 0), storage_offset=0)
@@ -235,10 +225,8 @@ def view_strides(
 ) -> Shape | None:
     """Strides of ``.view(new_shape)``, or None exactly when the view would need a copy.
 
-    A port of ATen's ``computeStride``: split the old shape into chunks of dimensions that are
-    contiguous among themselves; the new shape must split into chunks of the same element
-    counts. Size-1 dimensions fit anywhere. A ``-1`` in ``new_shape`` is inferred; a
-    ``new_shape`` with a different number of elements raises ValueError.
+    A port of ATen's ``computeStride``: the new shape must split into chunks of the same element
+    counts as the old shape's contiguous chunks.
 
     >>> view_strides((2, 3, 4), (12, 4, 1), (6, 4)), view_strides((4, 3), (1, 4), (12,))
     ((4, 1), None)

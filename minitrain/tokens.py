@@ -1,18 +1,8 @@
 """Token files and batches: the chapter's ``tofile``/``np.memmap`` format, and prefetching.
 
-A token file is a flat array of token ids written with ``ndarray.tofile`` (chapter 3.5.4), in
-``uint16`` (vocabularies up to 65,536) or ``int32``. :func:`open_tokens` maps it with
-``np.memmap`` after checking it, so datasets larger than RAM load on demand. :func:`get_batch`
-draws ``batch_size`` random windows in one vectorized gather and returns ``(x, y)`` with ``y``
-shifted by one token, as a pure function of a ``torch.Generator``. :class:`Prefetcher` prepares
-the next batch in a background thread without touching any RNG state a checkpoint does not hold,
-so a resumed run sees the same batches as an uninterrupted one. Everything here is re-exported
-by :mod:`minitrain.data`.
-
 >>> import tempfile, numpy as np, torch
 >>> from pathlib import Path
->>> path = write_tokens(Path(tempfile.mkdtemp()) / "data.bin", np.arange(10))
->>> data = open_tokens(path)
+>>> data = open_tokens(write_tokens(Path(tempfile.mkdtemp()) / "data.bin", np.arange(10)))
 >>> x, y = get_batch(data, batch_size=2, seq_len=4, generator=torch.Generator().manual_seed(0))
 >>> x.shape, bool((y[:, :-1] == x[:, 1:]).all())
 (torch.Size([2, 4]), True)
@@ -50,14 +40,7 @@ class DataError(ValueError):
 
 
 def write_tokens(path: str | os.PathLike, tokens: Any, dtype: str = "uint16") -> Path:
-    """Write token ids to ``path`` in the chapter's flat ``tofile`` format; return the path.
-
-    >>> import tempfile, numpy as np
-    >>> from pathlib import Path
-    >>> path = write_tokens(Path(tempfile.mkdtemp()) / "t.bin", [1, 2, 3], dtype="int32")
-    >>> path.stat().st_size
-    12
-    """
+    """Write token ids to ``path`` in the chapter's flat ``tofile`` format; return the path."""
     np_dtype = _token_dtype(dtype)
     values = np.asarray(tokens)
     if values.ndim != 1 or values.size == 0:
@@ -83,19 +66,7 @@ def write_tokens(path: str | os.PathLike, tokens: Any, dtype: str = "uint16") ->
 def open_tokens(
     path: str | os.PathLike, dtype: str = "uint16", vocab_size: int | None = None
 ) -> np.memmap:
-    """Memory-map a token file after checking it (chapter 3.5.4: ``np.memmap``).
-
-    Raises :class:`DataError` for a missing or empty file, a size that is not a multiple of the
-    dtype's size, or (when ``vocab_size`` is given) token ids outside ``[0, vocab_size)``.
-
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> path = write_tokens(Path(tempfile.mkdtemp()) / "t.bin", [5, 300])
-    >>> open_tokens(path, vocab_size=256)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    minitrain.tokens.DataError: token file ... holds id 300 at position 1, outside ... [0, 256); ...
-    """
+    """Memory-map a token file after checking its size and (with ``vocab_size``) its ids (3.5.4)."""
     np_dtype = _token_dtype(dtype)
     path = Path(path)
     if not path.is_file():
@@ -146,13 +117,10 @@ def get_batch(
     generator: torch.Generator,
     device: str | torch.device = "cpu",
 ) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
-    """Sample ``batch_size`` random windows: inputs ``x`` and next-token targets ``y``.
+    """Sample ``batch_size`` random windows: inputs ``x`` and next-token targets ``y`` (3.5.4).
 
-    The chapter's ``get_batch`` (3.5.4), vectorized: one ``torch.randint`` draw of the start
-    positions from ``generator`` (so the batch is a pure function of its state) and one gather
-    through a strided window view of ``data``, instead of a Python loop over the batch. On CUDA
-    the batch goes through pinned memory with ``non_blocking=True``. Returns int64 tensors of
-    shape ``(batch_size, seq_len)`` with ``y[:, t] == x[:, t + 1]`` wherever both exist.
+    One ``torch.randint`` draw of the starts from ``generator`` and one strided gather; on CUDA
+    through pinned memory.
 
     >>> import numpy as np, torch
     >>> x, y = get_batch(np.arange(100), 3, 5, torch.Generator().manual_seed(0))
@@ -201,20 +169,9 @@ class _Speculation(NamedTuple):
 class Prefetcher(Generic[Batch]):
     """Prepare the next batch in a background thread while the current step runs.
 
-    ``sample(generator) -> batch`` must be a pure function of the generator's state (as
-    :func:`get_batch` is). Each call returns ``sample(generator)`` and advances ``generator`` as
-    the plain call would, while a worker thread draws the next batch from a private copy of the
-    advanced state, used only if the caller's generator still holds that state (after a
-    checkpoint is restored, it draws in place). So the caller's generator is the only RNG state.
-
-    >>> import numpy as np, torch
-    >>> data = np.arange(1000)
-    >>> sample = lambda g: get_batch(data, 4, 8, g)
-    >>> with Prefetcher(sample) as prefetch:
-    ...     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    ...     same = [torch.equal(prefetch(g1)[0], sample(g2)[0]) for _ in range(3)]
-    >>> same
-    [True, True, True]
+    ``sample(generator)`` must be a pure function of the generator's state; the worker draws from
+    a private copy, used only if the caller's generator still holds that state, so the caller's
+    generator stays the only RNG state.
     """
 
     def __init__(self, sample: Callable[[torch.Generator], Batch], pin_memory: bool = False):

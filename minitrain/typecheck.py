@@ -34,12 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def typechecked(fn: F) -> F:
-    """Check ``fn``'s jaxtyping annotations with beartype on every call (when enabled).
-
-    While ``torch.compile`` traces, the call goes straight to ``fn``: the compiler cannot trace
-    through beartype's wrapper (it would break the graph at every checked call), and a compiled
-    graph never runs the Python function again, so there is nothing left to check.
-    """
+    """Check ``fn``'s jaxtyping annotations with beartype on every call (not while compiling)."""
     if not ENABLED:
         return fn
     checked = jaxtyped(typechecker=beartype)(fn)

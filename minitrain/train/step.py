@@ -159,8 +159,7 @@ def fp8_recipe_of(backend: Backend) -> precision.Recipe | None:
 
 
 def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context of a forward that simulates its own fp8 matmuls: autocast without matmul mode.
-    """
+    """The context of a forward that simulates its own fp8 matmuls: autocast without matmul mode."""
     policy = without_matmul_format(backend.policy)
     return lambda: compute_context(policy, backend.device)
 
