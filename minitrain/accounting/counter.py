@@ -41,7 +41,7 @@ from minitrain import _torch
 from minitrain._torch import TorchDispatchMode
 from minitrain.accounting.hardware import HardwareError, dtype_name
 from minitrain.accounting.op_formulas import FORMULA_OPS, elements, tensors
-from minitrain.accounting.timeline import LiveStorages, Timeline, innermost
+from minitrain.accounting.timeline import Ledger, Timeline, check_category, innermost
 from minitrain.func import saved_tensor_hooks_inside
 
 __all__ = [
@@ -255,10 +255,11 @@ class Counter:
     """Context manager counting FLOPs, bytes and live memory of every aten op inside it.
 
     ``keep_records`` keeps one :class:`OpRecord` per call in ``records``; ``track_memory``
-    tracks live storages. Results: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset),
-    ``bytes_read``, ``bytes_written``, ``by_op`` and ``by_module`` (:class:`OpTotals`),
-    ``unknown`` (op -> calls with no FLOP formula), ``peak_bytes``, ``live_bytes`` and
-    ``backward_start_live_bytes`` (live when the first backward op ran).
+    keeps the :class:`~minitrain.accounting.timeline.Ledger` of live storages;
+    ``record_timeline`` also sees what autograd saves (inside :func:`minitrain.value_and_grad`).
+    Results: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset), ``bytes_read``,
+    ``bytes_written``, ``by_op`` and ``by_module`` (:class:`OpTotals`), ``unknown`` (op ->
+    calls with no FLOP formula), ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes``.
 
     >>> import torch
     >>> with Counter() as c:
@@ -283,7 +284,7 @@ class Counter:
     records: list[OpRecord] = field(default_factory=list)
     backward_start_live_bytes: int | None = None
     record_timeline: bool = False
-    _live: LiveStorages = field(default_factory=LiveStorages, repr=False)
+    ledger: Ledger = field(default_factory=Ledger, repr=False)
     _hooks: Any = field(default=None, repr=False)
     _phase: str = field(default="forward", repr=False)
     _tracker: ModuleTracker | None = field(default=None, repr=False)
@@ -293,7 +294,6 @@ class Counter:
         if self.record_timeline:
             if not self.track_memory:
                 raise ValueError("record_timeline needs track_memory=True")
-            self._live.record = True
             self._hooks = saved_tensor_hooks_inside(self._pack, lambda t: t)
             self._hooks.__enter__()
         self._tracker = ModuleTracker()
@@ -311,21 +311,24 @@ class Counter:
         self._mode = self._tracker = self._hooks = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._live.saved(t)
+        self.ledger.saved(t, self._phase)
         return t
 
     def track(self, *trees: Any, category: str | None = None) -> None:
-        """Count the tensors of ``trees`` (params, optimizer state, batch) as live memory now;
-        ``category`` names them in the timeline (see :mod:`minitrain.accounting.timeline`)."""
-        if self.track_memory:
-            for t in tensors(trees):
-                self._live.add(t, category)
+        """Count the tensors of ``trees`` (params, optimizer state, batch) as live memory now,
+        in ``category`` of the timeline."""
+        if category is not None:
+            check_category(category)
+        for t in tensors(trees) if self.track_memory else ():
+            allocation = self.ledger.add(t, phase="input", category=category)
+            if allocation is not None and allocation.category is None:
+                allocation.category = category
 
     def categorize(self, *trees: Any, category: str) -> None:
         """Put the live storages of ``trees`` (grads, new params...) in ``category`` of the
-        timeline, unless :meth:`track` already gave them one."""
+        timeline, unless :meth:`track` counted them as inputs."""
         for t in tensors(trees):
-            self._live.categorize(t, category)
+            self.ledger.categorize(t, category)
 
     def set_phase(self, phase: str) -> None:
         """Name the phase of the ops from now on (``"clip"``, ``"update"``); the counter
@@ -334,24 +337,21 @@ class Counter:
 
     def timeline(self) -> Timeline:
         """Live bytes by category after every op: ``[(op_index, phase, {category: bytes})]``,
-        the format of ``predict_step``'s (needs ``record_timeline=True``). What autograd saves
-        is seen inside :func:`minitrain.value_and_grad` (and ``grad``); elsewhere activations
-        are what the forward pass made that is alive when the backward pass starts."""
-        return self._live.timeline()
+        the format of ``predict_step``'s."""
+        return self.ledger.replay(guess_grads=True).timeline
 
     @property
     def live_bytes(self) -> int:
         """Bytes of tracked storages alive now."""
-        return self._live.live
+        return self.ledger.live
 
     @property
     def peak_bytes(self) -> int:
         """The highest :attr:`live_bytes` seen."""
-        return self._live.peak
+        return self.ledger.peak
 
     def flop_counts(self) -> dict[str, dict[str, int]]:
-        """Matmul-family FLOPs as ``FlopCounterMode.get_flop_counts()`` gives them (op names as
-        text), for a side-by-side comparison."""
+        """Matmul-family FLOPs as ``FlopCounterMode.get_flop_counts()`` gives them."""
         return {module: dict(ops) for module, ops in self.matmul_by_module.items()}
 
     def _flops(self, func: Any, base: str, args: Any, kwargs: Any, out: Any,
@@ -384,24 +384,24 @@ class Counter:
             self.unknown[name] = self.unknown.get(name, 0) + 1
         moved = not view
         backward = _torch.current_autograd_node() is not None
+        if backward and self.track_memory and self.backward_start_live_bytes is None:
+            self.backward_start_live_bytes = self.ledger.live
+            self.ledger.backward_starts()
         if backward:
             self._phase = "backward"
         elif self._phase == "backward":
             self._phase = "update"
-        if self.track_memory:
-            if backward and self.backward_start_live_bytes is None:
-                self.backward_start_live_bytes = self._live.live
-            for t in (*inputs, *outputs):
-                self._live.add(t)
-            self._live.sample(self._phase)
         parents = set(self._tracker.parents) if self._tracker is not None else {"Global"}
+        module = innermost(parents)
+        if self.track_memory:
+            self.ledger.op(name, self._phase, module, inputs, outputs)
         record = OpRecord(
-            op=name, base=base, module=innermost(parents), backward=backward, flops=flops or 0,
+            op=name, base=base, module=module, backward=backward, flops=flops or 0,
             bytes_read=sum(map(_unique_bytes, inputs)) if moved else 0,
             bytes_written=sum(map(_unique_bytes, written.values())) if moved else 0,
             dtype=_dtype_label(outputs or inputs),
             input_shapes=tuple(tuple(t.shape) for t in inputs), has_formula=flops is not None,
-            is_matmul=packet in flop_registry, live_bytes=self._live.live,
+            is_matmul=packet in flop_registry, live_bytes=self.ledger.live,
         )
         self.flops += record.flops
         self.bytes_read += record.bytes_read

@@ -9,7 +9,7 @@ kernels; meta tensors take those too). Nothing is computed and nothing model-siz
 allocated, so a 1.5B-param model predicts on a laptop.
 
 FLOPs and bytes are what a :class:`~minitrain.accounting.Counter` counts of the traced ops;
-memory is followed storage by storage (:mod:`~minitrain.accounting.predict_lifetimes`), so
+memory is followed storage by storage (:mod:`~minitrain.accounting.timeline`), so
 the peak and its moment (phase, op, module) are found, not assumed; time is every op on the
 hardware's roofline, ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2), summed.
 
@@ -42,9 +42,9 @@ from minitrain.accounting.fake import (
     one_line_errors,
 )
 from minitrain.accounting.hardware import Hardware, hardware
-from minitrain.accounting.predict_lifetimes import Lifetimes, category, replay
+from minitrain.accounting.op_formulas import tensors
 from minitrain.accounting.roofline import step_time
-from minitrain.accounting.timeline import CATEGORIES
+from minitrain.accounting.timeline import CATEGORIES, Ledger, category
 from minitrain.errors import UserError
 from minitrain.func import value_and_grad
 from minitrain.tree import global_norm
@@ -114,12 +114,9 @@ class StepPrediction(NamedTuple):
             "saved": [s._asdict() for s in self.saved], "unknown_ops": dict(self.unknown_ops)}
 
 
-# -- the traced step ---------------------------------------------------------------------------
-
-
 class _Metadata(TorchDispatchMode):
-    """Answers ``prim.device`` below every other mode: fake tensors dispatch it where real ones
-    never do, and the counter would count it as an op without a formula."""
+    """Above the counter: answers ``prim.device``, which fake tensors dispatch where real ones
+    never do (the counter would count it as an op without a formula)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default:
@@ -128,33 +125,50 @@ class _Metadata(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _MetaInPlace(TorchDispatchMode):
+    """Below the counter: an in-place kernel with no meta implementation (torch's
+    ``_fused_sgd_``, ``_fused_adagrad_``) changes no shape and no byte on meta tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except NotImplementedError:
+            inputs = tensors((args, kwargs))
+            if func._schema.returns or not inputs or not all(t.is_meta for t in inputs):
+                raise
+            return None
+
+
 class _Trace:
-    """Runs the step under the modes; holds what the prediction is computed from."""
+    """Runs the step under the modes; its counter's ledger follows every fake storage."""
 
     def __init__(self) -> None:
-        self.lifetimes = Lifetimes()
-        self.counter = Counter(keep_records=True, track_memory=False)
+        self.counter = Counter(ledger=Ledger(fake=True, inputs="buffers"))
+        self.ledger = self.counter.ledger
 
     def inputs(self, tree: Any, kind: str) -> Any:
         """``tree`` counted as live from the start, in category ``kind``."""
-        self.lifetimes.register(tree, kind)
+        for t in tensors(tree):
+            self.ledger.add(t, phase="input", category=kind)
         return tree
 
     def meta(self, tree: Any) -> Any:
         """``tree``'s twin on the meta device, standing for the same allocations."""
         twin = meta_tree(tree)
-        self.lifetimes.alias(twin, tree)
+        self.ledger.alias(twin, tree)
         return twin
+
+    def categorize(self, tree: Any, kind: str) -> None:
+        self.counter.categorize(tree, category=kind)
 
     @contextlib.contextmanager
     def watching(self, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
-        # Fake mode at the bottom, lifetimes above it, the counter on top: the counter
-        # decomposes composite ops and lifetimes sees each part.
-        self.lifetimes.phase = phase
+        # The counter decomposes composite ops and its ledger sees each part.
+        self.counter.set_phase(phase)
         with contextlib.ExitStack() as stack:
             if mode is not None:
                 stack.enter_context(mode)
-            stack.enter_context(self.lifetimes)
+            stack.enter_context(_MetaInPlace())
             stack.enter_context(self.counter)
             stack.enter_context(_Metadata())
             yield
@@ -201,7 +215,7 @@ def predict_step(
     if model_state is not None:
         fake_state = trace.inputs(fake_tree(mode, model_state), "buffers")
         objective, aux = _with_state(loss_fn, fake_state, has_aux), True
-    persistent = _live_by_category(trace.lifetimes)
+    persistent = _live_by_category(trace.ledger)
     gradients = value_and_grad(objective, has_aux=aux)
     with one_line_errors():
         meta_grads, new_state = _backward(trace, mode, gradients, fake_params, fake_batch,
@@ -211,7 +225,7 @@ def predict_step(
         box = [meta_grads]
         del meta_grads
         end_state = _update(trace, optimizer, meta_params, box, state, donate, max_grad_norm)
-    end = _live_by_category(trace.lifetimes)
+    end = _live_by_category(trace.ledger)
     del end_state, new_state
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
 
@@ -225,9 +239,9 @@ def _backward(trace: _Trace, mode: FakeTensorMode, gradients: Callable[..., Any]
     new_state = None
     if stateful:
         new_state = value[1][1]
-        trace.lifetimes.categorize(new_state, "buffers")
+        trace.categorize(new_state, "buffers")
     del value
-    trace.lifetimes.categorize(grads, "grads")
+    trace.categorize(grads, "grads")
     return trace.meta(grads), new_state
 
 
@@ -282,10 +296,10 @@ def predict_call(
     trace = _Trace()
     fakes = [trace.inputs(fake_tree(mode, tree), kind) for tree, kind in
              zip((params, opt_state, batch), ("params", "optimizer_state", "batch"), strict=True)]
-    persistent = _live_by_category(trace.lifetimes)
+    persistent = _live_by_category(trace.ledger)
     with one_line_errors(), trace.watching(mode, "forward"):
         out = step(*fakes)
-    end = _live_by_category(trace.lifetimes)
+    end = _live_by_category(trace.ledger)
     del out
     return _prediction(trace, spec, dtype, persistent, end, top_saved)
 
@@ -300,7 +314,7 @@ def _update(trace: _Trace, optimizer: Any, params: Any, box: list[Any], state: A
             from minitrain.optim import clip_by_global_norm
 
             grads, norm = clip_by_global_norm(grads, max_grad_norm)
-            trace.lifetimes.categorize(grads, "grads")
+            trace.categorize(grads, "grads")
         else:
             norm = global_norm(grads)
     if optimizer is None:
@@ -309,34 +323,34 @@ def _update(trace: _Trace, optimizer: Any, params: Any, box: list[Any], state: A
         options = {"donate": True} if donate else {}
         new_params, new_state = optimizer.update(grads, state, params, **options)
         del grads
-    trace.lifetimes.categorize(new_params, "params")
-    trace.lifetimes.categorize(new_state, "optimizer_state")
+    trace.categorize(new_params, "params")
+    trace.categorize(new_state, "optimizer_state")
     return new_params, new_state, norm
 
 
 _lookup = hardware  # predict_step's own ``hardware`` argument hides the function
 
-def _live_by_category(lifetimes: Lifetimes) -> dict[str, int]:
+def _live_by_category(ledger: Ledger) -> dict[str, int]:
     totals = dict.fromkeys(CATEGORIES, 0)
-    for allocation in lifetimes.live():
+    for allocation in ledger.live_allocations():
         totals[category(allocation)] += allocation.nbytes
     return {k: v for k, v in totals.items() if v}
 
 
 def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str, int],
                 end: dict[str, int], top_saved: int) -> StepPrediction:
-    lifetimes, counter = trace.lifetimes, trace.counter
-    lifetimes.close()
-    result = replay(lifetimes)
+    ledger, counter = trace.ledger, trace.counter
+    ledger.close()
+    result = ledger.replay()
     seconds, per_op, main_dtype, mfu = step_time(counter, spec, dtype)
     saved = sorted(
-        (a for a in lifetimes.allocations if a.saved), key=lambda a: (-a.nbytes, a.index)
+        (a for a in ledger.allocations if a.saved), key=lambda a: (-a.nbytes, a.index)
     )
     by_module: dict[str, int] = defaultdict(int)
     for allocation in saved:
         by_module[allocation.module] += allocation.nbytes
     peak_name, peak_phase, peak_module = (
-        lifetimes.ops[result.peak_op] if result.peak_op >= 0 else ("", "input", "Global")
+        ledger.ops[result.peak_op] if result.peak_op >= 0 else ("", "input", "Global")
     )
     return StepPrediction(
         peak_bytes=result.peak_bytes,

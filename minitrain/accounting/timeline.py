@@ -1,15 +1,15 @@
-"""Live memory over one step, by category: the counter's record of every storage's life.
+"""Live memory over one step, by category: the ledger of every storage's life.
 
-:class:`LiveStorages` is the counter's ledger of live storages (each counted once, freed when
-its last reference dies). With ``record=True`` it keeps each storage's life (the op index at
-which it was first seen and the one before which it died), and :meth:`LiveStorages.timeline`
-gives the live bytes of each category after every op, as ``predict_step``'s timeline does. A
-storage's category is, in order: the one ``Counter.track`` or ``Counter.categorize`` gave it;
-``activations`` if autograd saved it (a pack hook inside :func:`minitrain.value_and_grad`
-sees each; with plain autograd, what the forward pass made and is alive when the backward
-pass starts); ``grads`` if the backward pass made it and it outlived that pass (when nothing
-was categorized as grads); else ``temporaries``. Phases: ``forward``, ``backward`` while the
-autograd engine runs, ``update`` after it, unless ``Counter.set_phase`` names them.
+A :class:`Ledger` counts each storage once, from the first op that makes (or reads) it to the
+death of its last reference (a ``weakref.finalize`` on the storage); its event log of
+allocations, frees and ops is replayed at the end (:meth:`Ledger.replay`), when it is known
+what was saved for backward and what became grads or new params. ``Counter`` keeps one for
+real tensors and ``predict_step`` one for fake tensors and their meta twins.
+
+A storage's category is, in order: the one given by ``Counter.track`` or ``categorize``;
+``activations`` if saved for backward (seen by a pack hook, or else made by the forward pass
+and alive when the backward pass starts); with ``guess_grads``, ``grads`` if the backward made
+it and it outlived that pass (when nothing was categorized as grads); else ``temporaries``.
 
 >>> import torch, minitrain as mt
 >>> from minitrain.accounting import Counter
@@ -27,22 +27,24 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from minitrain import _torch
+from minitrain.accounting.op_formulas import tensors
 from minitrain.errors import UserError
 
-__all__ = ["CATEGORIES", "LiveStorages", "Timeline", "innermost", "timeline_summary"]
+__all__ = ["CATEGORIES", "Allocation", "Ledger", "Replay", "Timeline", "innermost",
+           "timeline_summary"]
 
 CATEGORIES = (
     "params", "grads", "optimizer_state", "batch", "buffers", "activations", "temporaries",
 )
 # (op_index, phase, {category: live bytes}) after each op, categories with no bytes left out.
 Timeline = list[tuple[int, str, dict[str, int]]]
-
+_OP = -1  # an event "op number i has run": a point of the timeline
 
 
 def innermost(parents: set[str]) -> str:
@@ -51,129 +53,207 @@ def innermost(parents: set[str]) -> str:
 
 
 @dataclass
-class _Life:
+class Allocation:
+    """One storage (or the twins standing for it) over its life in the step."""
+
+    index: int
     nbytes: int
-    born: int  # index of the first op after which it is live
-    phase: str
-    died: int | None = None  # index of the first op after which it is no longer live
+    phase: str  # of the op that made it; "input" for what the step was given
+    op: str  # the op that made it ("" for inputs)
+    module: str  # the innermost module active then
+    shape: tuple[int, ...]
+    dtype: str
     category: str | None = None
-    saved: bool = False
+    saved: bool = False  # saved for the backward pass
+    died: int | None = None  # ops run before its last reference died
+    handles: int = 0  # live storages standing for it
+
+
+@dataclass
+class Replay:
+    """The event log replayed: ``timeline``, the peak, its op and what each category holds."""
+
+    timeline: Timeline = field(default_factory=list)
+    peak_bytes: int = 0
+    peak_op: int = -1
+    at_peak: dict[str, int] = field(default_factory=dict)
+    largest: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under ``torch.func``'s wrappers (the one the dispatch mode sees)."""
+    """The tensor under ``torch.func``'s wrappers (the one a dispatch mode sees)."""
     while _torch.is_functorch_wrapped_tensor(t):
         t = _torch.get_unwrapped(t)
     return t
 
 
-class LiveStorages:
-    """Bytes of live storages, each counted once; freed storages leave through a finalizer."""
+class Ledger:
+    """Live storages and their event log (see the module docstring). ``fake``: count meta and
+    fake storages (a prediction); ``inputs``: the category of a storage first met as an op's
+    input (made before the step)."""
 
-    def __init__(self, record: bool = False) -> None:
-        self.sizes: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-        self.record = record
-        self.lives: list[_Life] = []
-        self.phases: list[str] = []  # phase of each op sampled so far
-        self._index: dict[int, int] = {}  # storage address -> index into lives
+    def __init__(self, *, fake: bool = False, inputs: str | None = None) -> None:
+        self.fake, self.inputs = fake, inputs
+        self.allocations: list[Allocation] = []
+        self.events: list[tuple[int, int]] = []  # (allocation, +1 or -1) or (_OP, op index)
+        self.ops: list[tuple[str, str, str]] = []  # per op: (name, phase, module)
+        self.live = self.peak = 0
         self.any_saved = False
+        self._by_storage: dict[int, Allocation] = {}
+        self._finalizers: list[weakref.finalize] = []
+        self._backward_module = ""
 
-    def _key(self, t: torch.Tensor) -> tuple[Any, int] | None:
+    def _storage(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return None
         t = _plain(t)
-        if t.is_meta or t.layout != torch.strided:
+        if t.layout != torch.strided or (t.is_meta and not self.fake):
             return None
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() == 0:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage
             return None
-        return storage, storage.data_ptr()
+        if storage.nbytes() == 0 or (not self.fake and storage.data_ptr() == 0):
+            return None
+        return storage
 
-    def add(self, t: torch.Tensor, category: str | None = None) -> None:
-        """Count ``t``'s storage as live from now on (once), in ``category`` if given."""
-        found = self._key(t)
-        if found is None:
+    def find(self, t: torch.Tensor) -> Allocation | None:
+        storage = self._storage(t)
+        return None if storage is None else self._by_storage.get(storage._cdata)
+
+    def add(self, t: torch.Tensor, *, phase: str, op: str = "", module: str = "Global",
+            category: str | None = None) -> Allocation | None:
+        """Count ``t``'s storage as live from now on (once; ``category`` given to a new one)."""
+        storage = self._storage(t)
+        if storage is None or storage._cdata in self._by_storage:
+            return None if storage is None else self._by_storage[storage._cdata]
+        nbytes = storage.nbytes()
+        allocation = Allocation(len(self.allocations), nbytes, phase, op, module, tuple(t.shape),
+                                str(t.dtype).removeprefix("torch."), category)
+        self.allocations.append(allocation)
+        self._hold(storage, allocation)
+        self.events.append((allocation.index, 1))
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        return allocation
+
+    def alias(self, new: Any, old: Any) -> None:
+        """Let each tensor of ``new`` stand for the allocation of its twin in ``old``."""
+        for a, b in zip(tensors(new), tensors(old), strict=True):
+            target, storage = self.find(b), self._storage(a)
+            if target is not None and storage is not None and (
+                    storage._cdata not in self._by_storage):
+                self._hold(storage, target)
+
+    def _hold(self, storage: Any, allocation: Allocation) -> None:
+        key = storage._cdata
+        self._by_storage[key] = allocation
+        allocation.handles += 1
+        self._finalizers.append(weakref.finalize(storage, self._release, key))
+
+    def _release(self, key: int) -> None:
+        allocation = self._by_storage.pop(key, None)
+        if allocation is None:
             return
-        storage, key = found
-        if key not in self.sizes:
-            nbytes = storage.nbytes()
-            self.sizes[key] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key)
-            if self.record:
-                self._index[key] = len(self.lives)
-                phase = self.phases[-1] if self.phases else "forward"
-                self.lives.append(_Life(nbytes, born=len(self.phases), phase=phase))
-        if category is not None:
-            self.categorize(t, category)
+        allocation.handles -= 1
+        if allocation.handles == 0:
+            allocation.died = len(self.ops)
+            self.events.append((allocation.index, -1))
+            self.live -= allocation.nbytes
 
     def categorize(self, t: torch.Tensor, category: str) -> None:
-        """Put the live storage of ``t`` in ``category`` unless it already has one."""
-        if category not in CATEGORIES:
-            raise UserError(f"unknown category {category!r}; choose one of {CATEGORIES}")
-        found = self._key(t)
-        if self.record and found is not None and found[1] in self._index:
-            life = self.lives[self._index[found[1]]]
-            life.category = life.category or category
+        """Put the live storage of ``t`` in ``category``, unless it was an input of the step."""
+        check_category(category)
+        allocation = self.find(t)
+        if allocation is not None and allocation.phase != "input":
+            allocation.category = category
 
-    def saved(self, t: torch.Tensor) -> None:
-        """Autograd saved ``t`` for the backward pass (called by the pack hook)."""
-        self.add(t)
-        found = self._key(t)
-        if self.record and found is not None and found[1] in self._index:
-            self.lives[self._index[found[1]]].saved = self.any_saved = True
+    def saved(self, t: torch.Tensor, phase: str) -> None:
+        """Autograd saved ``t`` for the backward pass (a pack hook saw it)."""
+        allocation = self.add(t, phase=phase)
+        if allocation is not None:
+            allocation.saved = self.any_saved = True
 
-    def _free(self, key: int) -> None:
-        self.live -= self.sizes.pop(key, 0)
-        index = self._index.pop(key, None)
-        if index is not None:
-            self.lives[index].died = len(self.phases)
+    def backward_starts(self) -> None:
+        """Without a pack hook, what the forward pass made and is alive now is saved."""
+        if not self.any_saved:
+            for allocation in self.live_allocations():
+                if allocation.phase == "forward" and allocation.category is None:
+                    allocation.saved = True
 
-    def sample(self, phase: str) -> None:
-        """One op has run (its outputs are counted): a point of the timeline."""
-        if self.record:
-            self.phases.append(phase)
+    def op(self, name: str, phase: str, module: str, inputs: Sequence[torch.Tensor],
+           outputs: Sequence[torch.Tensor]) -> None:
+        """One op has run: its inputs and outputs are live, a point of the timeline."""
+        for t in inputs:
+            self.add(t, phase="input" if self.inputs else phase, module=module,
+                     category=self.inputs)
+        for t in outputs:
+            self.add(t, phase=phase, op=name, module=module)
+        self.ops.append((name, phase, self._op_module(inputs, phase, module)))
+        self.events.append((_OP, len(self.ops) - 1))
 
-    def _category(self, life: _Life, backward_start: int, backward_end: int) -> str:
-        if life.category is not None:
-            return life.category
-        if life.saved:
-            return "activations"
-        if not self.any_saved and life.phase == "forward" and life.born < backward_start and (
-            life.died is None or life.died > backward_start
-        ):  # no hook saw the saved tensors (plain autograd): alive when the backward starts
-            return "activations"
-        if self._guess_grads and life.phase == "backward" and (
-            life.died is None or life.died > backward_end
-        ):
-            return "grads"
-        return "temporaries"
+    def _op_module(self, inputs: Sequence[torch.Tensor], phase: str, module: str) -> str:
+        """In the backward pass, where module hooks do not fire under ``torch.func``, the module
+        whose saved tensors the op reads, or else the one the last such op read."""
+        if phase != "backward":
+            return module
+        modules = {a.module for a in map(self.find, inputs) if a is not None and a.saved}
+        if modules:
+            self._backward_module = innermost(modules)
+        return self._backward_module or module
 
-    def timeline(self) -> Timeline:
-        """Live bytes by category after every op sampled (needs ``record=True``)."""
-        if not self.record:
-            raise UserError("no timeline was recorded; use Counter(record_timeline=True)")
-        steps = len(self.phases)
-        # Without grads named by categorize(), they are what the backward made and outlived it.
-        self._guess_grads = all(life.category != "grads" for life in self.lives)
-        backward = [i for i, phase in enumerate(self.phases) if phase == "backward"]
-        backward_start, backward_end = (backward[0], backward[-1] + 1) if backward else (steps,) * 2
-        change: dict[str, list[int]] = {c: [0] * (steps + 1) for c in CATEGORIES}
-        for life in self.lives:
-            delta = change[self._category(life, backward_start, backward_end)]
-            born = min(life.born, steps)
-            died = steps if life.died is None else min(life.died, steps)
-            if died > born:
-                delta[born] += life.nbytes
-                delta[died] -= life.nbytes
-        live = dict.fromkeys(CATEGORIES, 0)
-        out: Timeline = []
-        for index, phase in enumerate(self.phases):
-            for c in CATEGORIES:
-                live[c] += change[c][index]
-            out.append((index, phase, {c: b for c, b in live.items() if b}))
-        return out
+    def live_allocations(self) -> list[Allocation]:
+        return list({id(a): a for a in self._by_storage.values()}.values())
+
+    def close(self) -> None:
+        """Stop watching: storages that outlive the step no longer call back."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+
+    def replay(self, guess_grads: bool = False) -> Replay:
+        """Live bytes per category after every op, and the highest total (and its op);
+        ``guess_grads``: when nothing was categorized as grads, what the backward pass made
+        and outlived it are grads."""
+        backward = [i for i, (_, phase, _) in enumerate(self.ops) if phase == "backward"]
+        end = backward[-1] + 1 if guess_grads and backward and all(
+            a.category != "grads" for a in self.allocations) else None
+        kinds = [category(a, end) for a in self.allocations]
+        result, live, total, last_op = Replay(), dict.fromkeys(CATEGORIES, 0), 0, -1
+        for index, sign in self.events:
+            if index == _OP:
+                last_op = sign
+                result.timeline.append((sign, self.ops[sign][1], {k: v for k, v in live.items()
+                                                                  if v}))
+                continue
+            kind, nbytes = kinds[index], sign * self.allocations[index].nbytes
+            live[kind] += nbytes
+            total += nbytes
+            result.largest[kind] = max(result.largest[kind], live[kind])
+            if total > result.peak_bytes:
+                # An allocation belongs to the op whose outputs are being registered: the next
+                # op when inside one, else the last op seen.
+                result.peak_bytes, result.at_peak = total, {k: v for k, v in live.items() if v}
+                result.peak_op = min(last_op + 1, len(self.ops) - 1)
+        return result
+
+
+def check_category(name: str) -> None:
+    if name not in CATEGORIES:
+        raise UserError(f"unknown category {name!r}; choose one of {CATEGORIES}")
+
+
+def category(allocation: Allocation, backward_end: int | None = None) -> str:
+    """The final category of an allocation; with ``backward_end``, what the backward pass made
+    and outlived it counts as grads."""
+    if allocation.category is not None:
+        return allocation.category
+    if allocation.saved:
+        return "activations"
+    if backward_end is not None and allocation.phase == "backward" and (
+            allocation.died is None or allocation.died > backward_end):
+        return "grads"
+    return "temporaries"
 
 
 def timeline_summary(timeline: Sequence[tuple[int, str, dict[str, int]]]) -> dict[str, Any]:
