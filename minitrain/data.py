@@ -78,9 +78,7 @@ def default_data_dir() -> Path:
 
 
 def _held_out(names: list[str], val_fraction: float) -> list[bool]:
-    """Which files are held out: about ``val_fraction`` of them, at least one and not all, by a
-    hash of their path (stable across machines and runs, and no file is split between train
-    and val, so no file's start leaks into its end)."""
+    """Which files are held out: about ``val_fraction``, at least one and not all, by path hash."""
     held_out = [
         int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64 < val_fraction
         for name in names

@@ -1,16 +1,7 @@
-"""A run directory has one owner: an advisory lock held for the life of the run.
+"""A run directory has one owner: an advisory lock (``<out>/.lock``, ``flock``) held for the run.
 
-:func:`claim` creates the directory, checks it can be written, takes ``<out>/.lock`` with
-``fcntl.flock`` (released by the kernel when the process dies) and refuses a fresh run into a
-used directory unless told to resume or overwrite. :meth:`RunOwner.gone` says whether the path
-is still the directory claimed, so a run whose directory was removed or moved notices.
-
->>> import tempfile
->>> from pathlib import Path
->>> owner = claim(Path(tempfile.mkdtemp()) / "run", resume=False, overwrite=False)
->>> owner.gone() is None
-True
->>> owner.release()
+:meth:`RunOwner.gone` says whether the path is still the directory claimed, so a run whose
+directory was removed or moved notices.
 """
 
 from __future__ import annotations
@@ -220,9 +211,7 @@ def _clear(path: Path) -> None:
 
 
 def _probe_writable(path: Path) -> None:
-    """Prove the run directory and its checkpoints folder take new files, and that the files
-    the run writes at the end are not in the way, so an unwritable ``--out`` fails before the
-    first step instead of after the last."""
+    """Prove the run directory takes new files and its end files are not in the way."""
     check_writable_dir(path)
     check_writable_dir(path / "checkpoints")
     for name in ("summary.json", "metrics.jsonl"):

@@ -1,9 +1,4 @@
-"""The ``minitrain`` command line: a thin click layer over tested library functions.
-
-Each command lives in its own module under ``minitrain.cli`` and is imported only when invoked,
-so ``minitrain estimate ...`` answers without loading torch. To add a command, add one line to
-``COMMANDS`` (name -> "module:attribute").
-"""
+"""The ``minitrain`` command line; each command is imported only when invoked (``COMMANDS``)."""
 
 from __future__ import annotations
 

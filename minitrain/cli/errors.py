@@ -1,10 +1,7 @@
-"""Exit codes and one-line errors for the command line.
+"""Exit codes and one-line errors for the command line: the one place that maps errors to codes.
 
-Exit codes: 0 success; 1 a failed run (a non-finite loss, an error in the user's script, a full
-disk, a dead worker); 2 a user mistake (bad flag, missing file, bad config value); 130 stopped
-by Ctrl-C or SIGTERM. The library raises the types of :mod:`minitrain.errors`; this module alone
-turns them, and every OSError, into messages and exit codes (:func:`cli_errors`, which every
-command runs under through :class:`Command` and :class:`Group`).
+0 success; 1 a failed run (non-finite loss, script error, OSError, dead worker); 2 a user
+mistake; 130 stopped by Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -50,9 +47,7 @@ class RunInterrupted(UserError):
 
 
 class LostPeer(RunFailed):
-    """A worker of a data-parallel job lost its peers (a collective failed because another
-    rank died or stopped answering): exit code 1. A consequence, not a cause: under
-    ``--nproc`` the worker leaves it to the launcher, which names the root cause once."""
+    """A worker lost its peers (exit 1): a consequence, left to the launcher to name the cause."""
 
 
 class ScriptFailed(RunFailed):
@@ -97,10 +92,7 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """The one place where library errors and OSErrors become CLI errors, each one line: a
-    failed run or an OSError -> exit 1, a user mistake (a config value, a checkpoint, a missing
-    extra) -> exit 2, a stop -> 130 (:func:`as_cli_error`). Anything else is a bug: it
-    propagates."""
+    """Turn library errors and OSErrors into one-line CLI errors; anything else propagates."""
     try:
         yield
     except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, BrokenPipeError):
@@ -149,9 +141,8 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def _early_sigterm() -> Iterator[None]:
-    """Until a command installs its own handlers (the fit loop's), SIGTERM and SIGHUP stop the
-    process as Ctrl-C does: exit 130 with a line, not death by signal. The previous handlers
-    come back unless a command replaced them."""
+    """Until the fit loop installs its handlers, SIGTERM and SIGHUP stop as Ctrl-C does (exit 130).
+    """
     # SIGHUP only where the process was not started to ignore it (nohup); the fit loop's
     # handlers (minitrain.train.signals, which imports torch) make the same choice later.
     stops = [signal.SIGTERM]
@@ -184,9 +175,8 @@ def _raise_broken_pipe() -> None:
 
 @contextlib.contextmanager
 def output_errors(saved_in: str | os.PathLike | None = None) -> Iterator[None]:
-    """Writing a command's result to stdout failed (a closed pipe, a full device): one line,
-    exit 1, naming where the result is saved. Pass ``console`` objects of rich through
-    :func:`rich_console` so that a closed pipe is an error here, not rich's silent exit."""
+    """A failed write of a result to stdout is one line (exit 1) naming where the result is saved.
+    """
     try:
         yield
         sys.stdout.flush()

@@ -1,6 +1,4 @@
-"""``minitrain estimate ...``: napkin math from the shell (chapter 3.1), no torch needed
-(``estimate step SCRIPT``, one step of a script predicted on fake tensors, is in
-:mod:`minitrain.cli.estimate_step`)."""
+"""``minitrain estimate ...``: napkin math from the shell (chapter 3.1), no torch needed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Starting ``--nproc N`` workers under torch's elastic agent, and ending each one cleanly.
-
-The command line's side of data parallelism: the library side (process groups, sharding, the
-bucketed all-reduce) is :mod:`minitrain.distributed`.
-"""
+"""Starting ``--nproc N`` workers under torch's elastic agent, and ending each one cleanly."""
 
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ REPORTS_ENV = "MINITRAIN_LAUNCH_REPORTS"
 
 
 def forward_argv(ctx: Any, drop: Sequence[str] = ()) -> list[str]:
-    """Rebuild the command line of a click context from its parsed values, minus ``drop``.
-
-    Used by ``--nproc`` to start each worker with the same options.
-    """
+    """Rebuild the command line of a click context from its parsed values, minus ``drop``."""
     argv: list[str] = []
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
@@ -90,10 +83,7 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 
 def _threads_per_worker(nproc: int) -> contextlib.AbstractContextManager[None]:
-    """Split the cores between the workers (``OMP_NUM_THREADS``) unless the user chose.
-
-    torchrun sets 1 thread per worker for the same reason: N workers each running as many
-    threads as there are cores oversubscribe the CPU.
+    """Split the cores between the workers (``OMP_NUM_THREADS``, as torchrun) unless the user chose.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return contextlib.nullcontext()
@@ -103,11 +93,8 @@ def _threads_per_worker(nproc: int) -> contextlib.AbstractContextManager[None]:
 def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> None:
     """Run ``python -m minitrain *argv`` in ``nproc`` workers under the elastic agent.
 
-    Returns when every worker succeeded. A worker that fails stops the others; then this
-    raises ``SystemExit`` with its exit code (the worker printed its own error) or
-    :class:`DistributedError` naming the root cause (:func:`_raise_failure`).
-
-    >>> launch(2, ["run", "examples/linreg.py", "--steps", "10"])  # doctest: +SKIP
+    A failed worker stops the others; this then raises ``SystemExit`` with its exit code or
+    :class:`DistributedError` naming the root cause.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -153,12 +140,9 @@ def _read_reports(folder: Path) -> dict[int, str]:
 
 
 def _raise_failure(exc: Any, lost_peers: Mapping[int, str] | None = None) -> None:
-    """Turn the elastic agent's ``ChildFailedError`` into one message naming the root cause.
+    """Turn ``ChildFailedError`` into one message naming the root cause.
 
-    ``lost_peers``: the messages of workers that failed only because another rank went away
-    (:func:`worker_outcome` leaves them instead of printing them). The root cause is, in this
-    order: a rank killed by a signal; a rank that failed on its own (it printed its error);
-    the first rank that lost its peers (a collective that timed out).
+    In order: a rank killed by a signal, a rank that failed on its own, the first that lost peers.
     """
     failures = exc.failures
     lost_peers = lost_peers or {}
@@ -207,10 +191,8 @@ def _lost_peer(exc: RuntimeError) -> bool:
 def worker_outcome(parallel: DataParallel) -> Iterator[None]:
     """Around one worker's part of a command: end it as the whole job should.
 
-    Outcomes every rank reaches together (success, a non-finite loss, a requested stop) end
-    with a barrier, and rank 0 alone prints them. Anything else is printed with the rank and
-    exits at once, so the elastic agent stops the other workers; a lost peer (a consequence of
-    another rank's failure) goes to the launcher under ``--nproc`` (:data:`REPORTS_ENV`).
+    Outcomes all ranks reach together end with a barrier and rank 0 prints them; anything else is
+    printed with the rank and exits at once; a lost peer goes to the launcher's reports.
     """
     code = 0
     try:

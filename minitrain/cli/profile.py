@@ -1,9 +1,8 @@
 """``minitrain profile SCRIPT``: every op of a real training step on a roofline.
 
-The step is the one ``minitrain run`` trains with (``make_train_step``): forward, backward and
-the optimizer update. One step runs under :class:`minitrain.accounting.Counter`, which records
-FLOPs and bytes per aten call; each call is placed on the roofline, its time predicted as
-max(FLOPs / peak, bytes / bandwidth), and the sum set against the step time measured here.
+One step of ``make_train_step`` runs under :class:`minitrain.accounting.Counter`; each aten call
+is placed on the roofline (max(FLOPs / peak, bytes / bandwidth)) and the sum set against the
+measured step time.
 """
 
 from __future__ import annotations
@@ -39,9 +38,7 @@ def profile_script(
     script: Path, overrides: dict[str, str], backend_name: str, hardware_name: str,
     dtype: str | None, seed: int, warmup: int, repeats: int, memory: bool = False,
 ) -> tuple[Any, dict[str, Any], Any, dict[str, Any] | None]:
-    """Load ``script``, run its step under the counter and time it; return the profile,
-    the experiment's config, the counter and (with ``memory``) the predicted and measured
-    memory timelines."""
+    """Run a script's step under the counter, timed: ``(profile, config, counter, timelines)``."""
     from minitrain.accounting.counter import Counter
     from minitrain.accounting.hardware import dtype_name
     from minitrain.accounting.roofline import profile_records, roof

@@ -50,15 +50,6 @@ def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., 
 
     Clipping is ``clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))``, so a swept
     ``max_grad_norm`` works too.
-
-    >>> import torch, minitrain as mt
-    >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
-    ...     loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
-    ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=1)
-    >>> step = make_member_step(exp, mt.get_backend("cpu"))
-    >>> params = {"w": torch.zeros(2)}
-    >>> step(params, exp.optimizer.init(params), torch.ones(4, 2)).params
-    {'w': tensor([0.2000, 0.2000])}
     """
     refuse_carry(experiment, backend)
     recipe, gradients = fp8_recipe_of(backend), loss_and_grads(experiment, backend)

@@ -1,10 +1,8 @@
 """The fit loop: the one impure shell around every pure train step.
 
 One loop serves single runs, vmapped sweeps and data parallel; what differs sits behind a
-:class:`~minitrain.train.stepper.Stepper`. The loop owns the run directory (one owner at a time),
-stops (Ctrl-C, SIGTERM, SIGHUP: save the last finished step, then :class:`Interrupted`),
-finiteness checks (nothing non-finite is checkpointed), errors (:class:`ScriptError`,
-:class:`StorageError`), metrics, progress, the summary and the resource report.
+:class:`~minitrain.train.stepper.Stepper`. The loop owns the run directory, stops, finiteness
+checks, errors, metrics, progress, the summary and the resource report.
 """
 
 from __future__ import annotations
@@ -32,11 +30,7 @@ SUMMARY_FILE = "summary.json"
 
 
 def is_due(step: int, every: int) -> bool:
-    """Whether ``step`` is a multiple of ``every`` (never when ``every`` is 0).
-
-    >>> is_due(10, 5), is_due(10, 0), is_due(7, 5)
-    (True, False, False)
-    """
+    """Whether ``step`` is a multiple of ``every`` (never when ``every`` is 0)."""
     return every > 0 and step % every == 0
 
 

@@ -43,11 +43,7 @@ _KINDS = {
 
 def differing_members(kind: str, keys: str, results: Sequence[Any],
                       labels: Sequence[str]) -> MemberMismatch | None:
-    """The refusal of a Python ``kind`` ("bool" or "int") that differs between members, or None.
-
-    >>> print(differing_members("int", "x", [10, 10], ["x=1", "x=1.01"]))
-    None
-    """
+    """The refusal of a Python ``kind`` ("bool" or "int") that differs between members, or None."""
     for k, result in enumerate(results):
         if result != results[0]:
             what, fix = _KINDS[kind]
@@ -100,12 +96,7 @@ def check_same_sizes(parts: Sequence[dict[str, Any]], labels: Sequence[str],
 
 def _unstable(again: list[tuple[str, str, Any]], first: list[tuple[str, str, Any]],
               at: int) -> bool:
-    """Whether entry ``at`` of member 0's sizes differs between two builds that walk alike.
-
-    >>> first = [("n", "", 10), ("t", "", 1)]
-    >>> _unstable([("n", "", 10), ("t", "", 2)], first, 1), _unstable(first, first, 1)
-    (True, False)
-    """
+    """Whether entry ``at`` of member 0's sizes differs between two builds that walk alike."""
     if len(again) != len(first) or any(
             (path, where) != (path_0, where_0)
             for (path, where, _), (path_0, where_0, _) in zip(again, first, strict=True)):

@@ -21,7 +21,7 @@ from minitrain.train.experiment import (
     parse_overrides,
 )
 from minitrain.train.member_checks import MemberMismatch, check_same_sizes
-from minitrain.train.script_errors import raised_at
+from minitrain.train.script_errors import script_line
 from minitrain.train.swept import SweepBinding, SweptValue
 
 __all__ = [
@@ -40,11 +40,7 @@ class Member(NamedTuple):
 
 
 def member_label(member: Member) -> str:
-    """``"lr=0.01 seed=0"``: what tells a member apart.
-
-    >>> member_label(Member(0, 1, {"lr": 0.01, "dim": 4}, {"lr": 0.01}))
-    'lr=0.01 seed=1'
-    """
+    """``"lr=0.01 seed=0"``: what tells a member apart."""
     return " ".join([*(f"{k}={v:g}" for k, v in member.swept.items()), f"seed={member.seed}"])
 
 
@@ -73,11 +69,7 @@ def parse_sweep(items: Sequence[str]) -> tuple[dict[str, str], dict[str, list[st
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"0,1,2" -> [0, 1, 2]``; each seed a distinct non-negative int.
-
-    >>> parse_seeds("0, 3")
-    [0, 3]
-    """
+    """``"0,1,2" -> [0, 1, 2]``; each seed a distinct non-negative int."""
     try:
         seeds = [int(part) for part in text.split(",")]
     except ValueError:
@@ -183,7 +175,7 @@ def build_ensemble(
             with binding.building([(member_label(m), m.swept) for m in members]):
                 template = _built(build, config)
         except MemberMismatch as exc:  # refused by a swept value: name the script's line
-            raise MemberMismatch(f"{exc}{_script_line(exc)}") from exc
+            raise MemberMismatch(f"{exc}{script_line(exc)}") from exc
         except Exception as exc:  # e.g. an argument annotated float that refuses a tensor
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise MemberMismatch(
@@ -203,12 +195,6 @@ def build_ensemble(
 def _parts(experiment: Experiment) -> dict[str, Any]:
     """What :func:`check_same_sizes` compares between members."""
     return {"init": experiment.init, "loss": experiment.loss, "optimizer": experiment.optimizer}
-
-
-def _script_line(exc: BaseException) -> str:
-    """`` (script.py line 12)``: where the user's code raised ``exc``, if it did."""
-    frame = raised_at(exc)
-    return f" ({Path(frame.filename).name} line {frame.lineno})" if frame is not None else ""
 
 
 def _built(build: Callable[[dict[str, Any]], Experiment], config: dict[str, Any]) -> Experiment:

@@ -1,9 +1,7 @@
-"""A sweep's members side by side: each one's log lines, its recent losses, and the ranking.
+"""A sweep's members side by side: their log lines, recent losses and the ranking.
 
-A member that diverges is logged once with ``diverged_at`` and ranked last; the others are ranked
-by held-out ``val_loss`` when every healthy member has one, else by the mean of their last
-:data:`RECENT_LOSSES` logged train losses. A resumed sweep reads them back from its
-``metrics.jsonl``.
+Diverged members rank last; the others by ``val_loss`` when all have one, else by the mean of
+their last :data:`RECENT_LOSSES` logged losses.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Errors raised by the user's own code (init, next_batch, the loss, evaluate), shown as such.
 
-A failure inside an experiment script is the script's, not minitrain's: the user sees the frames
-of their own files (not minitrain's or torch's), then one ``error:`` line that names the
-function and the step. :func:`script_call` wraps each call into user code.
-
->>> def next_batch():
-...     raise KeyError("x")
->>> try:
-...     with script_call("next_batch", step=5):
-...         next_batch()
-... except ScriptError as exc:
-...     print(exc)
-next_batch raised KeyError: 'x' at step 5
+The user sees the frames of their own files, then one line naming the function and the step.
 """
 
 from __future__ import annotations
@@ -25,7 +14,8 @@ from pathlib import Path
 
 from minitrain.errors import MinitrainError, ScriptError
 
-__all__ = ["ScriptError", "is_user_file", "raised_at", "script_call", "user_frames"]
+__all__ = ["ScriptError", "is_user_file", "raised_at", "script_call", "script_line",
+           "user_frames"]
 
 _OURS = Path(__file__).resolve().parents[1]  # minitrain/
 
@@ -62,6 +52,12 @@ def raised_at(exc: BaseException) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
+def script_line(exc: BaseException) -> str:
+    """`` (script.py line 12)``: where the user's code raised ``exc``, if it did."""
+    frame = raised_at(exc)
+    return f" ({Path(frame.filename).name} line {frame.lineno})" if frame is not None else ""
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"SystemExit (sys.exit({exc.code!r}))"
@@ -71,10 +67,15 @@ def _describe(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def script_call(what: str, step: int | None = None) -> Iterator[None]:
-    """Re-raise an exception of user code as :class:`ScriptError` (minitrain's own errors and
-    KeyboardInterrupt pass through). ``sys.exit()`` and other ``BaseException`` subclasses
-    raised by the script are its errors too: they must not end the run with their own exit code
-    or without a message."""
+    """Re-raise an exception of user code (``sys.exit()`` too) as :class:`ScriptError`.
+
+    >>> try:
+    ...     with script_call("next_batch", step=5):
+    ...         raise KeyError("x")
+    ... except ScriptError as exc:
+    ...     print(exc)
+    next_batch raised KeyError: 'x' at step 5
+    """
     try:
         yield
     except (MinitrainError, KeyboardInterrupt, GeneratorExit):

@@ -20,12 +20,7 @@ __all__ = ["batch_examples", "check_params", "init_params", "probe_batch", "run_
 
 
 def run_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
-    """Independent ``(init, data)`` generators derived from one seed (numpy SeedSequence).
-
-    >>> a, _ = run_generators(0); b, _ = run_generators(0)
-    >>> torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
-    True
-    """
+    """Independent ``(init, data)`` generators derived from one seed (numpy SeedSequence)."""
     init_seq, data_seq = np.random.SeedSequence(seed).spawn(2)
     return (
         rng.generator(int(init_seq.generate_state(1, np.uint64)[0])),
@@ -63,11 +58,7 @@ def probe_batch(experiment: Any, generator: torch.Generator) -> PyTree:
 
 
 def batch_examples(batch: Any) -> int:
-    """Examples in a batch: the leading dimension of its first tensor (1 for a 0-d tensor).
-
-    >>> batch_examples((torch.zeros(4, 16), torch.zeros(4)))
-    4
-    """
+    """Examples in a batch: the leading dimension of its first tensor (1 for a 0-d tensor)."""
     tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0:
         return 1
@@ -75,14 +66,7 @@ def batch_examples(batch: Any) -> int:
 
 
 def check_params(params: Any, what: str = "init(generator)") -> None:
-    """Raise :class:`ExperimentError` unless ``params`` is a pytree with floating tensors only.
-
-    >>> try:
-    ...     check_params({"w": torch.zeros(2, dtype=torch.int64)})
-    ... except ExperimentError as exc:
-    ...     print(str(exc)[:50])
-    init(generator) returned an integer tensor at 'w' 
-    """
+    """Raise :class:`ExperimentError` unless ``params`` is a pytree with floating tensors only."""
     from minitrain.tree import named_leaves
 
     try:

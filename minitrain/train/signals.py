@@ -1,14 +1,7 @@
-"""Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) as requests to stop, for the
-whole life of a run.
+"""Ctrl-C, SIGTERM and SIGHUP as requests to stop, recorded for the whole life of a run.
 
-The handler only records the request and never raises, so a burst of signals cannot interrupt a
-half-written checkpoint; the loop reads it between steps, saves the last finished step and ends
-with :class:`minitrain.errors.Interrupted` (exit 130). It stays installed until
-:func:`stop_requests` exits (the command line keeps it until the process ends).
-
->>> with stop_requests() as stop:
-...     stop.requested
-False
+The handler only records (so a burst of signals cannot break a checkpoint being written); the
+loop reads it between steps, saves the last finished step and raises ``Interrupted``.
 """
 
 from __future__ import annotations
@@ -48,12 +41,7 @@ _active: StopRequest | None = None
 
 
 def stop_signals() -> tuple[int, ...]:
-    """The signals that stop a run: SIGINT, SIGTERM, and SIGHUP unless the process was started
-    to ignore it (``nohup``: then a closed terminal must not stop the run).
-
-    >>> signal.SIGTERM in stop_signals()
-    True
-    """
+    """SIGINT, SIGTERM, and SIGHUP unless the process was started to ignore it (``nohup``)."""
     hangup = getattr(signal, "SIGHUP", None)
     ignored = hangup is not None and signal.getsignal(hangup) is signal.SIG_IGN
     return tuple(sig for sig in _SIGNALS if not (sig == hangup and ignored))
@@ -70,13 +58,9 @@ def _ignore_stops_at_exit() -> None:
 
 @contextlib.contextmanager
 def stop_requests(keep_until_exit: bool = False) -> Iterator[StopRequest]:
-    """Install the recording handler for SIGINT, SIGTERM and SIGHUP; yield the
-    :class:`StopRequest`.
+    """Install the recording handler; yield the :class:`StopRequest` (nested uses share it).
 
-    Nested uses share the outer request (the command line installs it first, the loop again).
-    Outside the main thread, where handlers cannot be set, the request never fires. With
-    ``keep_until_exit=True`` (the command line) the handler is not removed on exit: a signal
-    that arrives while the process prints its result and shuts down is recorded, not fatal.
+    With ``keep_until_exit=True`` a signal during shutdown is recorded, not fatal.
     """
     global _active
     if _active is not None:

@@ -27,8 +27,8 @@ from minitrain.precision import Backend
 from minitrain.train.experiment import Experiment, as_recorded, one_line
 from minitrain.train.loop import FitResult, run_loop
 from minitrain.train.progress import resident_bytes, to_stderr
-from minitrain.train.script_errors import raised_at, script_call
-from minitrain.train.setup import batch_examples, init_params, probe_batch, run_generators
+from minitrain.train.script_errors import script_call, script_line
+from minitrain.train.setup import batch_examples, init_params, run_generators
 from minitrain.train.step import (
     Carry,
     can_donate,
@@ -37,9 +37,9 @@ from minitrain.train.step import (
     checked_values,
     fp8_recipe_of,
     init_carry,
-    init_fp8_history,
     make_train_step,
     pack_checkpoint_state,
+    probe_fp8_history,
     unpack_checkpoint_state,
 )
 from minitrain.train.stepper import (
@@ -100,15 +100,11 @@ class SingleRun:
 
     def _with_fp8_history(self, carry: Carry | None) -> Carry:
         """``carry`` plus empty amax histories, one per matmul of the first step's forward."""
-        batch = probe_batch(self.experiment, self.data_generator)
-        if self.parallel is not None:
-            batch = self.parallel.shard(batch)
-        batch = self.backend.to_device(batch)
         model_state = carry.model_state if carry is not None else None
-        with first_step_mistakes(True), script_call("the train step (loss)", 1):
-            history = init_fp8_history(
-                self.experiment, self.backend, self.params, model_state, batch
-            )
+        shard = self.parallel.shard if self.parallel is not None else None
+        with first_step_mistakes(True):
+            history = probe_fp8_history(self.experiment, self.backend, self.params, model_state,
+                                        self.data_generator, shard)
         return (carry or Carry())._replace(fp8_history=history)
 
     def _meta(self) -> dict[str, Any]:
@@ -312,10 +308,8 @@ def first_step_mistakes(enabled: bool) -> Iterator[None]:
     except ScriptError as exc:
         cause = exc.__cause__
         if enabled and isinstance(cause, ValueError | TypeError | IndexError | RuntimeError):
-            frame = raised_at(cause)
-            where = f" ({Path(frame.filename).name} line {frame.lineno})" if frame else ""
             raise ExperimentError(
-                f"the first train step failed in the loss{where}: {one_line(cause)}"
+                f"the first train step failed in the loss{script_line(cause)}: {one_line(cause)}"
             ) from cause
         raise
 

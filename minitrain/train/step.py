@@ -30,14 +30,15 @@ from minitrain.precision import (
     without_matmul_format,
 )
 from minitrain.train.experiment import check_loss_output
-from minitrain.train.setup import to_backend
+from minitrain.train.script_errors import script_call
+from minitrain.train.setup import probe_batch, to_backend
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
 __all__ = [
     "Carry", "StepOutput", "can_donate", "carry_metrics", "check_fp8_history", "checked_values",
     "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history", "loss_and_grads",
     "loss_scale_of", "loss_with_aux", "make_train_step", "next_fp8_history",
-    "pack_checkpoint_state", "stateful_loss", "unpack_checkpoint_state",
+    "pack_checkpoint_state", "probe_fp8_history", "stateful_loss", "unpack_checkpoint_state",
 ]
 
 
@@ -172,6 +173,15 @@ def init_fp8_history(
     with fp8_context(backend)():
         count = precision.count_matmuls(stateful_loss(experiment), params, model_state, batch)
     return precision.init_state(recipe, count).to(backend.device)
+
+
+def probe_fp8_history(experiment: Any, backend: Backend, params: Params, model_state: PyTree,
+                      generator: torch.Generator, shard: Callable | None = None) -> torch.Tensor:
+    """:func:`init_fp8_history` on the first step's batch, drawn from a copy of ``generator``."""
+    batch = probe_batch(experiment, generator)
+    batch = backend.to_device(batch if shard is None else shard(batch))
+    with script_call("the train step (loss)", 1):
+        return init_fp8_history(experiment, backend, params, model_state, batch)
 
 
 def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) -> Carry | None:

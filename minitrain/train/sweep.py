@@ -57,8 +57,8 @@ from minitrain.train.members import (
 from minitrain.train.progress import to_stderr
 from minitrain.train.ranking import MemberLog, log_step, ranking, reload_logs
 from minitrain.train.script_errors import script_call
-from minitrain.train.setup import batch_examples, init_params, probe_batch, run_generators
-from minitrain.train.step import Carry, check_fp8_history, fp8_recipe_of, init_fp8_history
+from minitrain.train.setup import batch_examples, init_params, run_generators
+from minitrain.train.step import Carry, check_fp8_history, fp8_recipe_of, probe_fp8_history
 from minitrain.train.stepper import (
     StepTimer,
     changed_keys,
@@ -134,14 +134,11 @@ class SweepRun:
         self.step_fn = make_ensemble_step(ensemble, self.backend)
 
     def _fp8_histories(self, params: Params) -> torch.Tensor | None:
-        """Each member's empty amax histories on a delayed-fp8 backend (else None): one per
-        matmul of a forward pass on a batch from a copy of the first data generator."""
+        """Each member's empty amax histories on a delayed-fp8 backend (else None)."""
         if fp8_recipe_of(self.backend) is None:
             return None
-        experiment = self.ensemble.experiments[0]
-        batch = self.backend.to_device(probe_batch(experiment, self.data_generators[0]))
-        with script_call("the train step (loss)", 1):
-            history = init_fp8_history(experiment, self.backend, params, None, batch)
+        history = probe_fp8_history(self.ensemble.experiments[0], self.backend, params, None,
+                                    self.data_generators[0])
         return history.expand(self.ensemble.size, *history.shape).clone()
 
     def _carried(self) -> dict[str, Any]:

@@ -45,10 +45,7 @@ class SweepBinding:
 
     @contextlib.contextmanager
     def building(self, members: Sequence[tuple[str, Mapping[str, float]]]) -> Iterator[None]:
-        """While the template is built, refuse what the step could not redo per member.
-
-        An in-place write, a random draw, or a bool or int that differs between ``members``.
-        """
+        """While the template is built, refuse in-place writes, random draws, differing ints."""
         self.members = [
             (label, {key: torch.tensor(float(v), dtype=torch.float64) for key, v in values.items()})
             for label, values in members
