@@ -1,18 +1,9 @@
 """Precision: backends, policies, loss scaling, simulated low-precision matmuls, number formats.
 
-- :mod:`~minitrain.precision.backend`: the :class:`Backend` record (a device and a policy), its
-  registry (entry points ``minitrain.backends``) and :func:`compute_context`;
-- :mod:`~minitrain.precision.policies`: :class:`Policy` and :data:`POLICIES`, the one
-  vocabulary of precisions (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``mxfp8``, ...) that backend
-  names, ``minitrain estimate --precision`` and the napkin math share;
-- :mod:`~minitrain.precision.loss_scale`: dynamic loss scaling as pure functions;
-- :mod:`~minitrain.precision.matmuls` and :mod:`~minitrain.precision.simulation`: fp8 and
-  MX / NVFP4 matmuls simulated bit for bit, for every matmul of a model;
-- :mod:`~minitrain.precision.formats` and :mod:`~minitrain.precision.rounding`: number formats
-  from fp32 down to NVFP4, and rounding to them.
-
-Names load on first use: the policies and formats need no torch, so the napkin math in
-:mod:`minitrain.accounting` reads them without importing it.
+Modules: ``backend`` (the :class:`Backend` record and its entry-point registry), ``policies``
+(the one vocabulary of precisions), ``loss_scale``, ``matmuls`` and ``simulation`` (fp8 and MX
+/ NVFP4 matmuls simulated bit for bit), ``formats`` and ``rounding``. Names load on first use;
+policies and formats need no torch.
 
 >>> import minitrain as mt
 >>> mt.precision.policy("fp16").loss_scaling, mt.precision.spec("bf16").bits

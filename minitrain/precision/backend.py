@@ -1,12 +1,9 @@
 """Backends: one record of a device and a precision policy, found through entry points.
 
-A :class:`Backend` says where tensors live (``device``) and what runs in what there
-(``policy``: param and compute formats, loss scaling, the simulated matmul format). Its
-:meth:`~Backend.autocast` is :func:`compute_context`, the one context a train step wraps its
-forward and backward pass in (nanoGPT's ``nullcontext()`` or ``torch.amp.autocast(...)``, and
-the simulated fp8 / MX / NVFP4 matmuls). Backends register under the entry-point group
-``minitrain.backends``; the repository's ``backends/`` package registers minitrain's own the
-way another package adds one::
+A :class:`Backend`'s :meth:`~Backend.autocast` is :func:`compute_context`, the one context a
+train step wraps its forward and backward pass in (nanoGPT's ``nullcontext()`` or
+``torch.amp.autocast(...)``, plus the simulated matmuls). Backends register under the
+entry-point group ``minitrain.backends``, as the repository's ``backends/`` package does::
 
     [project.entry-points."minitrain.backends"]
     my-fp16 = "my_package.backends:my_fp16"    # a Backend, or a function returning one
@@ -34,18 +31,9 @@ from minitrain.precision.simulation import simulate
 from minitrain.tree import map as tree_map
 
 __all__ = [
-    "Backend",
-    "BackendError",
-    "BackendStatus",
-    "ENTRY_POINT_GROUP",
-    "FP8_MIN_CAPABILITY",
-    "available_backends",
-    "backend_statuses",
-    "compute_context",
-    "delayed_scaling",
-    "fp8_support",
-    "get_backend",
-    "register_backend",
+    "ENTRY_POINT_GROUP", "FP8_MIN_CAPABILITY", "Backend", "BackendError", "BackendStatus",
+    "available_backends", "backend_statuses", "compute_context", "delayed_scaling",
+    "fp8_support", "get_backend", "register_backend",
 ]
 
 ENTRY_POINT_GROUP = "minitrain.backends"
@@ -61,9 +49,8 @@ def compute_context(
     p: Policy | str, device: torch.device | str = "cpu", fp8_state: torch.Tensor | None = None
 ) -> Iterator[None]:
     """The context for forward and backward: autocast to ``compute`` where it differs from
-    ``param``, and simulated low-precision matmuls where the policy names a format
-    (``fp8_state``: amax histories for delayed fp8 scaling, see
-    :func:`minitrain.precision.simulate`).
+    ``param``, simulated matmuls where the policy names a format (``fp8_state``: amax
+    histories, see :func:`minitrain.precision.simulate`).
 
     >>> with compute_context("bf16", "cpu"):
     ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
@@ -83,9 +70,8 @@ def compute_context(
 
 
 def delayed_scaling(p: Policy | str) -> Recipe | None:
-    """The fp8 recipe whose per-tensor scales a training run takes from an amax history
-    (Transformer Engine's ``DelayedScaling``), or None: block formats scale from their blocks,
-    and a policy without a matmul format has nothing to scale.
+    """The fp8 recipe whose scales a run takes from an amax history (TE's ``DelayedScaling``),
+    or None (block formats, or no matmul format).
 
     >>> delayed_scaling("fp8").history_len, delayed_scaling("mxfp8"), delayed_scaling("bf16")
     (16, None, None)
@@ -119,8 +105,7 @@ def fp8_support(capability: tuple[int, int]) -> tuple[bool, str]:
 
 @dataclass(frozen=True)
 class Backend:
-    """A device and the precision policy that runs on it; ``device`` and ``policy`` may be
-    given by name.
+    """A device and the precision policy that runs on it (each may be given by name).
 
     >>> b = Backend("cpu-fp16", "cpu", "fp16")
     >>> b.device, b.policy.loss_scaling, b.param_dtype, b.compute_dtype
@@ -177,8 +162,7 @@ class Backend:
 
     def to_device(self, batch: Any) -> Any:
         """Every tensor leaf of ``batch`` on ``device``; CPU tensors bound for a GPU are pinned
-        and copied with ``non_blocking=True``, so the copy overlaps with compute (the
-        chapter's 3.5.4).
+        and copied ``non_blocking`` to overlap with compute (the chapter's 3.5.4).
 
         >>> Backend("cpu", "cpu", "fp32").to_device({"x": torch.ones(2)})
         {'x': tensor([1., 1.])}
@@ -196,7 +180,7 @@ class Backend:
 
     def peak_flops(self) -> float | None:
         """Dense peak FLOP/s of the math the policy runs (for MFU), or None if unknown: fp8
-        for fp8 tensor cores, else the compute format (simulated formats compute in fp32)."""
+        on fp8 tensor cores, else the compute format."""
         from minitrain.accounting import hardware, hardware_for_cuda_device
 
         if self.device.type == "cpu":
@@ -209,13 +193,8 @@ class Backend:
         return None if spec is None else spec.peak_flops.get(key)
 
 
-# ---------------------------------------------------------------------------------------------
-# The registry
-
-
 class BackendStatus(NamedTuple):
-    """One line of ``minitrain backends``: a registered name, its precision (a name of
-    :data:`minitrain.precision.POLICIES`) and whether it runs here."""
+    """One line of ``minitrain backends``: a name, whether it runs here, its precision."""
 
     name: str
     usable: bool
@@ -278,10 +257,8 @@ def backend_statuses() -> list[BackendStatus]:
 
 
 def get_backend(name: str = "auto") -> Backend:
-    """The backend called ``name``; ``"auto"`` picks ``cuda`` when a GPU is usable, else ``cpu``.
-
-    Raises :class:`BackendError` for an unknown name (listing the installed ones) or a backend
-    this machine cannot run (saying why).
+    """The backend called ``name``; ``"auto"``: ``cuda`` when usable, else ``cpu``. An unknown
+    name or a backend this machine cannot run is a :class:`BackendError` saying why.
 
     >>> get_backend("tpu-v9")  # doctest: +ELLIPSIS
     Traceback (most recent call last):

@@ -1,11 +1,8 @@
 """Number formats from fp32 down to NVFP4: their layouts, ranges and encodings, by name.
 
-Element formats are described by their sign, exponent and mantissa bits (IEEE 754 layout).
-Block formats store small elements with a shared scale per block: MXFP8 and MXFP4 (OCP
-Microscaling Formats spec v1.0: 32 elements, an e8m0 power-of-two scale) and NVFP4 (NVIDIA: 16
-fp4 elements, an e4m3 scale per block and an fp32 scale per tensor). Pure Python, no torch: the
-napkin math reads bytes per element from here; rounding to a format is
-:mod:`minitrain.precision.rounding`.
+Element formats by their sign, exponent and mantissa bits (IEEE 754 layout); block formats
+with a shared scale per block: MXFP8 and MXFP4 (OCP MX v1.0: 32 elements, an e8m0 scale) and
+NVFP4 (NVIDIA: 16 fp4 elements, an e4m3 block scale and an fp32 tensor scale). No torch.
 
 >>> import minitrain as mt
 >>> mt.precision.spec("fp16").max, mt.precision.spec("fp8_e4m3").max
@@ -27,11 +24,8 @@ UNSIGNED_POW2 = "e8m0"  # unsigned power of two, 0xFF is NaN (OCP MX scale forma
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """One number format: its layout, range and special encodings.
-
-    For block formats the layout fields describe the element format, and ``block_size``,
-    ``scale_format`` and ``tensor_scale`` describe the scaling around it.
-    """
+    """One number format: its layout, range and special encodings (for a block format, those
+    of its elements, and ``block_size``, ``scale_format`` and ``tensor_scale``)."""
 
     name: str
     bits: int  # bits per element code
@@ -70,15 +64,9 @@ class FormatSpec:
         return self.block_size is not None
 
 
-def _element_spec(
-    name: str,
-    exponent_bits: int,
-    mantissa_bits: int,
-    special: str,
-    torch_dtype: str | None,
-    source: str,
-    storage_bits: int | None = None,
-) -> FormatSpec:
+def _element_spec(name: str, exponent_bits: int, mantissa_bits: int, special: str,
+                  torch_dtype: str | None, source: str,
+                  storage_bits: int | None = None) -> FormatSpec:
     """Derive range and encodings of a sign/exponent/mantissa format from its layout."""
     bias = 2 ** (exponent_bits - 1) - 1  # IEEE 754 bias
     top = 2**exponent_bits - 1  # the all-ones exponent field
@@ -93,55 +81,26 @@ def _element_spec(
         emax, largest_fraction = top - bias, 2 - 2.0**-mantissa_bits
         inf, nan = None, None
     return FormatSpec(
-        name=name,
-        bits=1 + exponent_bits + mantissa_bits,
-        exponent_bits=exponent_bits,
-        mantissa_bits=mantissa_bits,
-        bias=bias,
-        max=largest_fraction * 2.0**emax,
-        min_normal=2.0**emin,
-        min_subnormal=2.0 ** (emin - mantissa_bits),
-        epsilon=2.0**-mantissa_bits,
-        inf=inf,
-        nan=nan,
-        storage_bits=storage_bits,
-        torch_dtype=torch_dtype,
-        source=source,
+        name, 1 + exponent_bits + mantissa_bits, exponent_bits, mantissa_bits, bias,
+        max=largest_fraction * 2.0**emax, min_normal=2.0**emin,
+        min_subnormal=2.0 ** (emin - mantissa_bits), epsilon=2.0**-mantissa_bits, inf=inf,
+        nan=nan, storage_bits=storage_bits, torch_dtype=torch_dtype, source=source,
     )
 
 
+# An unsigned power of two: the OCP MX block scale.
 _E8M0 = FormatSpec(
-    name="e8m0",
-    bits=8,
-    exponent_bits=8,
-    mantissa_bits=0,
-    bias=127,
-    max=2.0**127,
-    min_normal=2.0**-127,
-    min_subnormal=2.0**-127,
-    epsilon=1.0,
-    inf=None,
-    nan="0xFF",
-    signed=False,
-    torch_dtype="float8_e8m0fnu",
+    "e8m0", 8, 8, 0, 127, max=2.0**127, min_normal=2.0**-127, min_subnormal=2.0**-127,
+    epsilon=1.0, inf=None, nan="0xFF", signed=False, torch_dtype="float8_e8m0fnu",
     source="OCP Microscaling Formats (MX) v1.0, 5.4.1",
 )
 
 
-def _block_spec(
-    name: str, element: FormatSpec, block: int, scale: str, tensor_scale: bool, source: str
-) -> FormatSpec:
-    return replace(
-        element,
-        name=name,
-        torch_dtype=None,
-        storage_bits=element.bits,
-        block_size=block,
-        scale_format=scale,
-        tensor_scale=tensor_scale,
-        element=element.name,
-        source=source,
-    )
+def _block_spec(name: str, element: FormatSpec, block: int, scale: str, tensor_scale: bool,
+                source: str) -> FormatSpec:
+    return replace(element, name=name, torch_dtype=None, storage_bits=element.bits,
+                   block_size=block, scale_format=scale, tensor_scale=tensor_scale,
+                   element=element.name, source=source)
 
 
 def _build_formats() -> dict[str, FormatSpec]:
@@ -162,9 +121,8 @@ def _build_formats() -> dict[str, FormatSpec]:
     blocks = [
         _block_spec("mxfp8", table["fp8_e4m3"], 32, "e8m0", False, ocp),
         _block_spec("mxfp4", table["fp4_e2m1"], 32, "e8m0", False, ocp),
-        _block_spec(
-            "nvfp4", table["fp4_e2m1"], 16, "fp8_e4m3", True, "NVIDIA NVFP4; torchao nvfp4_tensor"
-        ),
+        _block_spec("nvfp4", table["fp4_e2m1"], 16, "fp8_e4m3", True,
+                    "NVIDIA NVFP4; torchao nvfp4_tensor"),
     ]
     table.update({s.name: s for s in blocks})
     return table
@@ -191,9 +149,6 @@ def spec(name: str | FormatSpec) -> FormatSpec:
     """
     if isinstance(name, FormatSpec):
         return name
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown number format {name!r}; choose one of: {', '.join(FORMATS)}"
-        ) from None
+    if name not in FORMATS:
+        raise ValueError(f"unknown number format {name!r}; choose one of: {', '.join(FORMATS)}")
+    return FORMATS[name]

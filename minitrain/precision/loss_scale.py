@@ -1,9 +1,7 @@
 """Dynamic loss scaling, functional: ``torch.amp.GradScaler`` rewritten as pure functions.
 
-The state is a :class:`LossScaleState` of 0-d tensors, equal to GradScaler step for step (same
-scale trajectory, same skipped steps), and vmappable: each member of a sweep carries its own
-scale. A step whose grads are not finite is skipped with :func:`select_tree`, which stays pure
-under ``vmap`` where an ``if`` could not.
+The state, 0-d tensors, equals GradScaler's step for step and is vmappable (each member of a
+sweep carries its own scale); a non-finite step is skipped with :func:`select_tree`.
 
 >>> import torch
 >>> ls = dynamic_loss_scale(init_scale=4.0)
@@ -24,14 +22,8 @@ from minitrain.tree import Grads, Params, PyTree
 from minitrain.tree import leaves as tree_leaves
 from minitrain.tree import map as tree_map
 
-__all__ = [
-    "LossScaleState",
-    "DynamicLossScale",
-    "dynamic_loss_scale",
-    "all_finite",
-    "select_tree",
-    "scaled_value_and_grad",
-]
+__all__ = ["DynamicLossScale", "LossScaleState", "all_finite", "dynamic_loss_scale",
+           "scaled_value_and_grad", "select_tree"]
 
 
 class LossScaleState(NamedTuple):
@@ -84,13 +76,9 @@ def dynamic_loss_scale(
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
 ) -> DynamicLossScale:
-    """Dynamic loss scaling with ``torch.amp.GradScaler``'s defaults and arithmetic.
-
-    The loss is multiplied by the scale; grads are multiplied by ``1 / scale`` (computed in
-    float64, then rounded to fp32, as GradScaler does); a step whose scaled grads hold an inf or
-    NaN is skipped and the scale is multiplied by ``backoff_factor``; after ``growth_interval``
-    finite steps in a row it is multiplied by ``growth_factor`` if the result stays finite
-    (``torch._amp_update_scale_``).
+    """Dynamic loss scaling with ``torch.amp.GradScaler``'s defaults and arithmetic: grads times
+    ``1 / scale`` (float64, then fp32); a non-finite step is skipped and the scale backs off;
+    ``growth_interval`` finite steps grow it, if it stays finite (``_amp_update_scale_``).
 
     >>> ls = dynamic_loss_scale(init_scale=8.0, growth_interval=2)
     >>> state = ls.init()
@@ -141,18 +129,9 @@ def dynamic_loss_scale(
 def scaled_value_and_grad(
     loss_fn: Callable[..., Any], loss_scale: DynamicLossScale, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Grads, torch.Tensor, LossScaleState]]:
-    """``f(params, scale_state, *args) -> (value, grads, finite, new_scale_state)``.
-
-    ``value`` is the unscaled loss (``(loss, aux)`` with ``has_aux``); grads are unscaled. The
-    caller applies its update only where ``finite`` (use :func:`select_tree` to stay pure and
-    vmappable), as ``GradScaler.step`` skips ``optimizer.step()``.
-
-    >>> ls = dynamic_loss_scale(init_scale=4.0)
-    >>> f = scaled_value_and_grad(lambda p, x: (p["w"] * x).sum(), ls)
-    >>> loss, grads, finite, state = f({"w": torch.ones(2)}, ls.init(), torch.tensor([1.0, 2.0]))
-    >>> loss, grads, finite
-    (tensor(3.), {'w': tensor([1., 2.])}, tensor(True))
-    """
+    """``f(params, scale_state, *args) -> (value, grads, finite, new_scale_state)``, value and
+    grads unscaled; the caller updates only where ``finite`` (:func:`select_tree`), as
+    ``GradScaler.step`` skips ``optimizer.step()``. Example: the module docstring."""
 
     def scaled(params: Params, state: LossScaleState, *args: Any, **kwargs: Any):
         out = loss_fn(params, *args, **kwargs)

@@ -1,28 +1,17 @@
 """Low-precision matmuls in training, simulated exactly: fp8 (per-tensor scales) and MX / NVFP4.
 
-Each matmul quantizes its inputs with :func:`minitrain.precision.quantize` semantics
-(bit-exact), then multiplies the quantized values in fp32, which is what an fp8 tensor core
-does: products of fp8 values are exact in fp32 and accumulation is fp32. Params, grads of
-params, optimizer state and the update stay fp32; only the three GEMMs of each matmul see low
-precision.
+Each GEMM (the forward one and both backward ones) quantizes its operands bit-exactly as
+:func:`minitrain.precision.quantize` does, then multiplies in fp32, as an fp8 tensor core does
+(products of fp8 values are exact in fp32). Params, grads and the update stay fp32.
 
-The fp8 recipe is Transformer Engine's (``DelayedScaling``, Micikevicius et al. 2022, "FP8
-Formats for Deep Learning"): activations and weights in e4m3 in the forward pass, the gradient
-of the output in e5m2 in the backward pass, each tensor scaled by ``fp8_max / amax / 2**margin``
-before the (saturating) cast and unscaled after it. With a history the amax comes from the last
-``history_len`` steps (delayed scaling, TE's ``amax_compute_algo="max"``); without, from the
-tensor itself (TE's ``Float8CurrentScaling``). The history is explicit, pure state: a tensor
-``(3, history_len)`` per matmul (operand a, operand b, output grad), and the updated history
-comes back as the *gradient* of the history, the trick flax's ``fp8_ops`` uses, so it works
-under ``torch.func.grad`` and ``vmap`` with no side effects.
-
-Block formats (``mxfp8``, ``mxfp4``, ``nvfp4``) scale blocks along the reduction dimension of
-each GEMM, as torchao's MX training does: the forward pass quantizes ``a`` along K and ``b``
-along K; the backward requantizes the high-precision operands along the new reduction dimension
-(N for the input gradient, M for the weight gradient). Reduction dimensions that are not a
-multiple of the block are padded with zeros, which change no block scale and no sum.
-
-:mod:`minitrain.precision.simulation` routes every matmul of a model through these.
+fp8 is Transformer Engine's recipe (Micikevicius et al. 2022, "FP8 Formats for Deep
+Learning"): e4m3 forward, e5m2 for the output gradient, each tensor scaled by ``fp8_max / amax
+/ 2**margin``. The amax comes from the last ``history_len`` steps (TE's ``DelayedScaling``) or,
+without a history, from the tensor itself (``Float8CurrentScaling``). The history is pure state,
+``(3, history_len)`` per matmul, whose *gradient* is the updated history (flax's ``fp8_ops``
+trick), so it works under ``torch.func.grad`` and ``vmap``. Block formats (``mxfp8``,
+``mxfp4``, ``nvfp4``) scale blocks along each GEMM's reduction dimension, zero-padded to whole
+blocks, as torchao's MX training does.
 
 >>> import torch
 >>> a, b = torch.randn(4, 32), torch.randn(32, 8)
@@ -45,16 +34,8 @@ from minitrain import _torch
 from minitrain.precision.formats import spec
 from minitrain.precision.rounding import quantize
 
-__all__ = [
-    "Recipe",
-    "RECIPES",
-    "recipe",
-    "quantize_operand",
-    "delayed_scale",
-    "scaled_mm_operands",
-    "matmul",
-    "linear",
-]
+__all__ = ["RECIPES", "Recipe", "delayed_scale", "linear", "matmul", "quantize_operand",
+           "recipe", "scaled_mm_operands"]
 
 PER_TENSOR = ("fp8_e4m3", "fp8_e5m2")
 BLOCK = ("mxfp8", "mxfp4", "nvfp4")
@@ -104,20 +85,11 @@ def recipe(name: str | Recipe) -> Recipe:
     return r
 
 
-# ---------------------------------------------------------------------------------------------
-# Quantizing one operand
-
-
 def _fp8_codes(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x`` saturated and cast to torch's fp8 dtype (round to nearest even)."""
+    """``x`` saturated and cast to torch's fp8 dtype (round to nearest even); as fp32, equal
+    to ``quantize(x, fmt, saturate=True)`` bit for bit."""
     top = spec(fmt).max
     return x.clamp(-top, top).to(_TORCH_FP8[fmt])
-
-
-def _cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``quantize(x, fmt, saturate=True)`` through torch's fp8 cast (tested equal bit for bit):
-    clamp, cast, back to fp32."""
-    return _fp8_codes(x, fmt).float()
 
 
 def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
@@ -151,11 +123,9 @@ def _along_last(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 def quantize_operand(
     x: torch.Tensor, fmt: str, dim: int = -1, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The fp32 values a low-precision GEMM sees for operand ``x``.
-
-    Per-tensor formats: ``quantize(x * scale, fmt, saturate=True) / scale`` with ``scale``
-    given, else ``fp8_max / amax(x)`` (current scaling). Block formats: blocks along ``dim``,
-    the reduction dimension of the GEMM.
+    """The fp32 values a low-precision GEMM sees for operand ``x``: per-tensor formats
+    ``quantize(x * scale, fmt, saturate=True) / scale`` (``scale`` default ``fp8_max /
+    amax(x)``), block formats in blocks along ``dim``, the GEMM's reduction dimension.
 
     >>> quantize_operand(torch.tensor([1.0, 3.0, 448.0]), "fp8_e4m3", scale=torch.tensor(1.0))
     tensor([  1.,   3., 448.])
@@ -174,10 +144,9 @@ _FAST_DECODE_MIN = 16384  # elements: below, the kernel call costs more than tor
 
 
 def _decode_div(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor | None:
-    """``codes.float() / scale`` through the streaming kernels' table lookup, bit for bit (the
-    fp8 -> float32 cast is a slow scalar loop in torch), or None where torch's ops must run:
-    small tensors, under a torch.func transform, and whatever :func:`streaming.decode_div`
-    refuses (a scale of more than one element, counters, fake tensors)."""
+    """``codes.float() / scale`` by the streaming kernels' table lookup, bit for bit (torch's
+    fp8 cast is a slow scalar loop), or None where torch's ops must run: small tensors, under a
+    torch.func transform, and what :func:`streaming.decode_div` refuses."""
     wrapped = _torch.is_functorch_wrapped_tensor
     if codes.numel() < _FAST_DECODE_MIN or wrapped(codes) or wrapped(scale):
         return None
@@ -220,8 +189,8 @@ def _gemm(a, b, formats, scales, r: Recipe, qa, qb) -> torch.Tensor:
     return qa @ qb
 
 
-# > 0 while our own GEMMs run: a simulation (minitrain.precision.simulation) lets them through,
-# so that the backward pass, which may run inside one, quantizes each operand once.
+# > 0 while this module's GEMMs run: a simulation lets them through (each operand is quantized
+# once, also in a backward pass run inside one).
 _BYPASS = [0]
 
 
@@ -237,10 +206,6 @@ def _bypass() -> Iterator[None]:
 def bypassing() -> bool:
     """Whether one of this module's own GEMMs is running."""
     return _BYPASS[0] > 0
-
-
-# ---------------------------------------------------------------------------------------------
-# The matmul: forward and backward GEMMs in low precision, fp32 accumulation
 
 
 def _record(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -313,13 +278,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
 
 
-def matmul(
-    a: torch.Tensor, b: torch.Tensor, r: Recipe | str, history: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``torch.matmul(a, b)`` with quantized operands and fp32 accumulation.
-
-    ``history`` is this matmul's amax history ``(3, history_len)`` (delayed fp8 scaling), or
-    None for current scaling; its gradient is the updated history.
+def matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
+           history: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.matmul(a, b)`` with quantized operands and fp32 accumulation; ``history``: this
+    matmul's amax history ``(3, history_len)``, whose gradient is the updated history.
 
     >>> a, b = torch.randn(2, 3, 32), torch.randn(32, 4)
     >>> matmul(a, b, "mxfp8").shape
@@ -333,8 +295,8 @@ def matmul(
 @_torch.disable_dynamo
 def recording_matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
             history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`matmul`, and the history with this forward pass's operand amaxes recorded
-    (rows 0 and 1; row 2, the output gradient's, as it was), None without a history."""
+    """:func:`matmul`, and the history with this forward pass's operand amaxes recorded (rows 0
+    and 1), None without a history."""
     r = recipe(r)
     squeeze = []
     if a.ndim == 1:
@@ -357,15 +319,9 @@ def recording_matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
     return y, None if history is None else recorded.detach()
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    r: Recipe | str,
-    history: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``weight`` is ``(out, in)``) with quantized operands;
-    the bias is added in fp32."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           r: Recipe | str, history: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with quantized operands; the bias is added in fp32."""
     return recording_linear(x, weight, bias, r, history)[0]
 
 
@@ -373,4 +329,3 @@ def recording_linear(x, weight, bias, r, history):
     """:func:`linear`, and the history as :func:`recording_matmul` gives it."""
     y, recorded = recording_matmul(x, weight.mT, r, history)
     return (y if bias is None else y + bias), recorded
-

@@ -1,16 +1,10 @@
-"""Precision policies: one vocabulary of precisions for the backends, the command line and the
-napkin math.
+"""Precision policies: one vocabulary of precisions for the backends, the CLI and napkin math.
 
-A :class:`Policy` says which number format params are stored in, which the math runs in and
-which outputs come back in (jmp's ``Policy``), whether low-precision params keep a master copy,
-whether the loss needs scaling (fp16), and which simulated matmul format, if any, the matmuls
-run in (:mod:`minitrain.precision.matmuls`). :data:`POLICIES` names them, and these names are
-the only ones: ``minitrain estimate --precision NAME`` takes them, and each shipped backend is
-called ``<device>-<name>`` (``cpu-fp16`` runs ``fp16`` on the CPU; plain ``cpu`` runs ``fp32``
-and plain ``cuda`` runs ``bf16``). :func:`element_bytes` is what a policy costs per element of
-each kind of tensor, which :mod:`minitrain.accounting` counts with.
-
-No torch at import: the napkin math reads this module without it.
+A :class:`Policy` (jmp's) says which format params, math and outputs run in, whether
+low-precision params keep a master copy, whether the loss needs scaling (fp16) and which
+simulated matmul format, if any, the matmuls run in. :data:`POLICIES` names them; a shipped
+backend is called ``<device>-<name>`` (plain ``cpu`` runs ``fp32``, plain ``cuda`` ``bf16``).
+:func:`element_bytes` is what a policy costs per element. No torch at import.
 
 >>> import torch
 >>> p = policy("bf16")
@@ -32,15 +26,8 @@ if TYPE_CHECKING:
 
     from minitrain.tree import PyTree
 
-__all__ = [
-    "Policy",
-    "POLICIES",
-    "Precision",
-    "PRECISIONS",
-    "element_bytes",
-    "policy",
-    "without_matmul_format",
-]
+__all__ = ["POLICIES", "PRECISIONS", "Policy", "Precision", "element_bytes", "policy",
+           "without_matmul_format"]
 
 
 def _dtype(fmt: str) -> torch.dtype:
@@ -69,8 +56,8 @@ def _cast_floats(tree: PyTree, fmt: str) -> PyTree:
 
 
 class Policy(NamedTuple):
-    """What runs in what, by format name (:mod:`minitrain.precision.formats`): jmp's param,
-    compute and output dtypes, plus a master copy, loss scaling and a matmul format."""
+    """What runs in what, by format name: jmp's param, compute and output formats, a master
+    copy, loss scaling and a matmul format."""
 
     param: str = "fp32"  # params, their grads, and the optimizer state without a master copy
     compute: str = "fp32"  # the forward and backward math (autocast where it is not param)
@@ -87,10 +74,6 @@ class Policy(NamedTuple):
     @property
     def compute_dtype(self) -> torch.dtype:
         return _dtype(self.compute)
-
-    @property
-    def output_dtype(self) -> torch.dtype:
-        return _dtype(self.output)
 
     def cast_to_compute(self, tree: PyTree) -> PyTree:
         """Floating-point leaves of ``tree`` in ``compute``."""
@@ -124,8 +107,7 @@ POLICIES: dict[str, Policy] = {
     )
 }
 
-# Names ``estimate --precision`` took before the vocabulary was one: each is refused, naming
-# the new one (accounting's "bf16" was bf16-pure, and is now the backends' bf16: autocast).
+# Names ``estimate --precision`` once took: refused, naming the new one.
 _RENAMED = {
     "amp": "bf16 (autocast over fp32 params)",
     "mixed": "bf16-mixed",
@@ -155,9 +137,8 @@ def policy(name: str | Policy) -> Policy:
 
 
 def without_matmul_format(p: Policy | str) -> Policy:
-    """The policy with its matmuls left at the compute format: the context a train step enters
-    around a forward pass that runs its own :func:`minitrain.precision.simulate` (delayed
-    scaling needs the amax history as an argument of the differentiated function)."""
+    """The policy with its matmuls at the compute format, for a forward pass that runs its own
+    :func:`minitrain.precision.simulate` (delayed scaling differentiates the history)."""
     return policy(p)._replace(matmul_format=None)
 
 
@@ -172,8 +153,8 @@ class Precision(NamedTuple):
 
 
 def element_bytes(p: Policy | str) -> Precision:
-    """What ``p`` stores per element: params and grads in ``param``, optimizer state in
-    ``master`` where there is one (else ``param``), activations in ``compute``.
+    """Bytes per element: params and grads in ``param``, optimizer state in ``master`` (else
+    ``param``), activations in ``compute``.
 
     >>> element_bytes("bf16-mixed")
     Precision(params=2, grads=2, optimizer_state=4, master_weights=4, activations=2)

@@ -17,14 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from minitrain.precision.formats import (
-    FINITE,
-    FN,
-    IEEE,
-    UNSIGNED_POW2,
-    FormatSpec,
-    spec,
-)
+from minitrain.precision.formats import FINITE, FN, IEEE, UNSIGNED_POW2, FormatSpec, spec
 from minitrain.typecheck import Float, Int, Tensor, typechecked
 
 __all__ = ["ErrorStats", "quantize", "decode", "values", "error_stats"]
@@ -38,13 +31,8 @@ def _special_kind(s: FormatSpec) -> str:
     return FN if s.nan is not None else FINITE
 
 
-# ---------------------------------------------------------------------------------------------
-# Element formats: round to nearest, ties to even.
-
-
-def _round_elements(
-    x: torch.Tensor, s: FormatSpec, saturate: bool, subnormals: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _round_elements(x: torch.Tensor, s: FormatSpec, saturate: bool,
+                    subnormals: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Round float64 ``x`` to format ``s``; return (values, mask of values that overflowed).
 
     Exact in float64: a value of at most 24 significant bits divided by a power of two is
@@ -92,10 +80,6 @@ def _round_e8m0(x: torch.Tensor, saturate: bool) -> tuple[torch.Tensor, torch.Te
     return torch.where(positive, rounded, math.nan), overflow & positive
 
 
-# ---------------------------------------------------------------------------------------------
-# Block formats.
-
-
 def _check_blocks(x: torch.Tensor, s: FormatSpec) -> None:
     if x.ndim == 0 or x.shape[-1] % s.block_size:
         raise ValueError(
@@ -109,12 +93,9 @@ def _blockwise_amax(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, block).abs().amax(dim=-1, keepdim=True)
 
 
-def _apply_block_scale(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    element: FormatSpec,
-    reciprocal: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _apply_block_scale(x: torch.Tensor, scale: torch.Tensor, element: FormatSpec,
+                       reciprocal: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale blocks down (``/ scale``, or ``* reciprocal`` where given), clamp and round
     elements, multiply back by ``scale``."""
     blocks = x.reshape(*scale.shape[:-1], -1)
@@ -167,9 +148,8 @@ def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch
     return torch.where(zero, 0.0, values), overflow & ~zero
 
 
-def _quantize_with_overflow(
-    x: torch.Tensor, fmt: str | FormatSpec, saturate: bool, subnormals: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_with_overflow(x: torch.Tensor, fmt: str | FormatSpec, saturate: bool,
+                            subnormals: bool) -> tuple[torch.Tensor, torch.Tensor]:
     s = spec(fmt)
     if not x.is_floating_point():
         raise ValueError(f"quantize expects a floating-point tensor, got {x.dtype}")
@@ -185,19 +165,13 @@ def _quantize_with_overflow(
 
 
 @typechecked
-def quantize(
-    x: Float[Tensor, "*shape"],
-    fmt: str | FormatSpec,
-    *,
-    saturate: bool = False,
-    subnormals: bool = True,
-) -> Float[Tensor, "*shape"]:
+def quantize(x: Float[Tensor, "*shape"], fmt: str | FormatSpec, *, saturate: bool = False,
+             subnormals: bool = True) -> Float[Tensor, "*shape"]:
     """Round ``x`` to format ``fmt`` (nearest, ties to even) and return the values in fp32.
 
-    Overflow gives inf (IEEE formats) or NaN (``fp8_e4m3``, ``e8m0``) unless ``saturate``
-    clamps to the largest finite value; formats with neither (fp6, fp4) always saturate.
-    ``subnormals=False`` flushes results below the smallest normal to zero. Block formats
-    (``mxfp8``, ``mxfp4``, ``nvfp4``) scale blocks along the last dimension and always clamp.
+    Overflow gives inf (IEEE) or NaN (``fp8_e4m3``, ``e8m0``) unless ``saturate`` clamps it;
+    fp6 and fp4 always saturate. ``subnormals=False`` flushes below the smallest normal to
+    zero. Block formats scale blocks along the last dimension and always clamp.
 
     >>> quantize(torch.tensor([0.3, 2.5, 3.5, 100.0]), "fp4_e2m1")
     tensor([0.5000, 2.0000, 4.0000, 6.0000])
@@ -205,10 +179,6 @@ def quantize(
     (tensor([inf]), tensor([nan]))
     """
     return _quantize_with_overflow(x, fmt, saturate, subnormals)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Codes and values.
 
 
 @typechecked
@@ -259,10 +229,6 @@ def values(fmt: str | FormatSpec) -> list[tuple[int, float]]:
     return list(zip(codes.tolist(), decode(codes, s).tolist(), strict=True))
 
 
-# ---------------------------------------------------------------------------------------------
-# Error statistics.
-
-
 class ErrorStats(NamedTuple):
     """How well a format represents a tensor."""
 
@@ -274,13 +240,8 @@ class ErrorStats(NamedTuple):
 
 
 @typechecked
-def error_stats(
-    x: Float[Tensor, "*shape"],
-    fmt: str | FormatSpec,
-    *,
-    saturate: bool = False,
-    subnormals: bool = True,
-) -> ErrorStats:
+def error_stats(x: Float[Tensor, "*shape"], fmt: str | FormatSpec, *, saturate: bool = False,
+                subnormals: bool = True) -> ErrorStats:
     """Relative error, underflow and overflow fractions of quantizing ``x`` to ``fmt``.
 
     >>> g = torch.Generator().manual_seed(0)

@@ -1,15 +1,10 @@
-"""Every matmul of a model in a simulated low-precision format, and activation checkpointing
-inside one.
+"""Every matmul of a model in a simulated low-precision format, checkpointing included.
 
-Inside :func:`simulate`, a ``TorchFunctionMode`` routes ``F.linear``, ``torch.matmul``, ``@``,
-``mm`` and ``bmm`` through :mod:`minitrain.precision.matmuls`, so any model runs unchanged,
-including ``mt.from_module`` models and ``torch.func.vmap`` sweeps. Matmul ``i`` of a forward
-pass reads row ``i`` of the amax histories ``(num_matmuls, 3, history_len)`` of delayed fp8
-scaling (:func:`init_state`, :func:`count_matmuls`).
-
-``torch.utils.checkpoint`` recomputes a checkpointed region in the backward pass, after the
-simulation has ended: :func:`recompute_context`, passed as its ``context_fn``, recomputes the
-region inside the simulation it ran in.
+Inside :func:`simulate`, a ``TorchFunctionMode`` routes ``F.linear``, ``matmul``, ``@``, ``mm``
+and ``bmm`` through :mod:`minitrain.precision.matmuls`, so any model runs unchanged (also under
+``vmap``). Matmul ``i`` of a forward pass reads row ``i`` of the amax histories of delayed fp8
+scaling (:func:`init_state`, :func:`count_matmuls`); :func:`recompute_context` makes
+``torch.utils.checkpoint`` recompute inside the simulation.
 
 >>> import torch
 >>> a = torch.tensor([[1.0, 3.3]])
@@ -41,18 +36,10 @@ from minitrain.precision.matmuls import (
     recording_matmul,
 )
 
-__all__ = ["simulate", "count_matmuls", "init_state", "recompute_context"]
+__all__ = ["count_matmuls", "init_state", "recompute_context", "simulate"]
 
-
-_MATMULS = {
-    torch.matmul,
-    torch.Tensor.matmul,
-    torch.Tensor.__matmul__,
-    torch.mm,
-    torch.Tensor.mm,
-    torch.bmm,
-    torch.Tensor.bmm,
-}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+            torch.bmm, torch.Tensor.bmm}
 
 
 def _levels(t: torch.Tensor, batched: bool) -> list[int]:
@@ -67,14 +54,21 @@ def _levels(t: torch.Tensor, batched: bool) -> list[int]:
 
 def _vmapped_inside(history: torch.Tensor, *operands: torch.Tensor) -> bool:
     """Whether an operand is batched by a ``vmap`` inside the function that differentiates
-    ``history`` (per-example grads, MAML's inner loop): that history's gradient would be summed
-    over the vmapped batch instead of recording one amax. Levels grow inward."""
+    ``history`` (per-example grads): its gradient would sum over the batch (levels grow inward)."""
     grad_level = max(_levels(history, batched=False), default=0)
     return any(level > grad_level for t in operands for level in _levels(t, batched=True))
 
 
 def _is_float(*tensors: Any) -> bool:
     return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+
+
+def _mismatch(ran: str, counted: int) -> ValueError:
+    return ValueError(
+        f"the model ran {ran} the {counted} its fp8 amax histories were counted for: delayed "
+        "fp8 scaling needs the same matmuls in every forward pass (count them with "
+        "count_matmuls(fn, *args), build the state with init_state)"
+    )
 
 
 class _Simulate(TorchFunctionMode):
@@ -87,12 +81,9 @@ class _Simulate(TorchFunctionMode):
         self.recorded: dict[int, torch.Tensor] = {}  # matmul index -> its forward amaxes
 
     def forward_history(self) -> torch.Tensor | None:
-        """The state with every matmul's forward amaxes recorded as this forward pass saw
-        them (rows 0 and 1 of each matmul that ran with a history; the rest as they were),
-        detached; None without a state. The gradient of the state holds the same rows and the
-        output gradient's amax, but only for matmuls whose backward pass ran: a matmul whose
-        output never reaches the loss gets its forward amaxes from here (Transformer Engine
-        records forward amaxes in the forward pass)."""
+        """The state (detached) with the forward amaxes this pass saw recorded, None without
+        one: for a matmul whose output never reaches the loss, whose gradient holds nothing
+        (TE records forward amaxes in the forward pass)."""
         if self.state is None:
             return None
         state = self.state.detach()
@@ -106,12 +97,7 @@ class _Simulate(TorchFunctionMode):
         if self.state is None or self.count_only or _vmapped_inside(self.state, *operands):
             return None
         if index >= self.state.shape[0]:
-            raise ValueError(
-                f"the model ran more matmuls than the {self.state.shape[0]} its fp8 amax "
-                "histories were counted for: delayed fp8 scaling needs the same matmuls in every "
-                "forward pass (count them with count_matmuls(fn, *args), build the state with "
-                "init_state)"
-            )
+            raise _mismatch("more matmuls than", self.state.shape[0])
         return self.state[index]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -141,9 +127,7 @@ class _Simulate(TorchFunctionMode):
         return y
 
 
-# ---------------------------------------------------------------------------------------------
-# Entered simulations, innermost last, per thread (a TorchFunctionMode is per thread too)
-
+# Entered simulations, innermost last, per thread (as a TorchFunctionMode is).
 _ENTERED = threading.local()
 
 
@@ -163,15 +147,10 @@ def _enter(mode: _Simulate) -> Iterator[_Simulate]:
         _entered().remove(mode)
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation checkpointing: the recomputation runs inside the simulation
-
-
 class _Replay:
-    """The recomputation's context: ``recompute`` (the caller's), then a simulation that
-    starts at the matmul the checkpointed region started at, so that it reads the same amax
-    history rows of the same state and saves the same tensors as the forward pass did. Fresh
-    on every entry (a graph kept with ``retain_graph`` recomputes once per backward pass)."""
+    """The recomputation's context: ``recompute`` (the caller's), then a simulation from the
+    region's first matmul (the same history rows, the same saved tensors); fresh on every
+    entry (a graph kept with ``retain_graph`` recomputes once per backward pass)."""
 
     def __init__(self, recompute: Any, mode: _Simulate) -> None:
         self.recompute, self.recipe, self.state = recompute, mode.recipe, mode.state
@@ -192,14 +171,9 @@ class _Replay:
 def recompute_context(context_fn: Callable[[], tuple[Any, Any]] | None = None
                       ) -> tuple[Any, Any]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
-    that recomputes the region inside the simulation it ran in, from the region's first matmul
-    (the same amax history rows), so that grads and updated histories equal those of the run
-    without checkpointing, bit for bit. ``context_fn``: the caller's own, kept (its forward
-    context, and its recompute context around the replay). Outside a simulation, and while
-    ``torch.compile`` traces, it is ``context_fn`` alone.
-
-    Without it, the recomputation runs full-precision matmuls that save other tensors than
-    the forward pass did, and torch's checkpoint stops with a ``CheckpointError``.
+    that recomputes the region inside the simulation it ran in, so grads and histories equal
+    the run without checkpointing bit for bit (without it, torch's checkpoint stops with a
+    ``CheckpointError``). ``context_fn``: the caller's own, kept around it.
 
     >>> from torch.utils.checkpoint import checkpoint
     >>> w = torch.randn(32, 32, requires_grad=True)
@@ -218,9 +192,8 @@ def recompute_context(context_fn: Callable[[], tuple[Any, Any]] | None = None
 
 
 def _refuse_reentrant_checkpoint() -> None:
-    """A reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``) runs its region under
-    ``no_grad`` inside ``CheckpointFunction.forward`` and recomputes it in the backward pass
-    with no hook to re-enter the simulation: its grads would silently be full precision."""
+    """A reentrant ``torch.utils.checkpoint`` runs its region under ``no_grad`` and recomputes
+    it with no hook to re-enter the simulation: its grads would silently be full precision."""
     if torch.is_grad_enabled():
         return
     checkpoint = sys.modules.get("torch.utils.checkpoint")  # not imported: none is running
@@ -237,20 +210,13 @@ def _refuse_reentrant_checkpoint() -> None:
         frame = frame.f_back
 
 
-# ---------------------------------------------------------------------------------------------
-# Simulating, counting
-
-
 @contextlib.contextmanager
 def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Any]:
     """Run every ``F.linear`` / ``matmul`` / ``@`` / ``mm`` / ``bmm`` inside in low precision.
 
-    ``state`` (from :func:`init_state`) turns on delayed scaling for the fp8 recipe: matmul
-    ``i`` of the forward pass reads row ``i``; differentiate with respect to ``state`` to get
-    the updated histories (the context's value has ``forward_history()``, the forward amaxes
-    alone, for matmuls whose backward pass does not run). Without it, fp8 uses current
-    scaling. Other ops (attention inside ``F.scaled_dot_product_attention``, norms, softmax)
-    keep their precision, as in TE.
+    ``state`` (:func:`init_state`) turns on delayed fp8 scaling: matmul ``i`` reads row ``i``,
+    and the gradient with respect to ``state`` is the updated histories (the context's
+    ``forward_history()`` has the forward amaxes alone). Other ops keep their precision, as in TE.
 
     >>> with simulate(RECIPES["fp8"]):
     ...     (torch.tensor([[1.0, 3.3]]) @ torch.eye(2)).tolist()
@@ -262,18 +228,12 @@ def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Any
     with _enter(_Simulate(r, state)) as mode:
         yield mode
     if state is not None and mode.calls < state.shape[0]:  # matmul i would read row i + k
-        raise ValueError(
-            f"the model ran {mode.calls} matmuls, fewer than the {state.shape[0]} its fp8 amax "
-            "histories were counted for: delayed fp8 scaling needs the same matmuls in every "
-            "forward pass (count them with count_matmuls(fn, *args), build the state with "
-            "init_state)"
-        )
+        raise _mismatch(f"{mode.calls} matmuls, fewer than", state.shape[0])
 
 
 def count_matmuls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
-    """How many matmuls ``fn(*args, **kwargs)`` runs (one plain forward pass, in the grad mode
-    a train step runs it in: a model may branch on ``torch.is_grad_enabled()``; plain tensor
-    arguments build no graph).
+    """How many matmuls ``fn(*args, **kwargs)`` runs (one plain forward pass, grad enabled as
+    in a train step).
 
     >>> count_matmuls(lambda x: x @ x @ x, torch.eye(2))
     2
@@ -286,7 +246,7 @@ def count_matmuls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
 
 def init_state(r: Recipe | str, num_matmuls: int) -> torch.Tensor:
     """Empty amax histories ``(num_matmuls, 3, history_len)``: the first step scales by 1, as
-    TE's fresh ``DelayedScaling`` does.
+    TE's does.
 
     >>> init_state("fp8", 4).shape
     torch.Size([4, 3, 16])
