@@ -1,12 +1,8 @@
 """Resource accounting: napkin math, hardware specs, FLOP/byte counting, live reports.
 
-The napkin math (``training_flops``, ``training_time``, ``bytes_per_param``, ``max_params``,
-activation formulas, transformer presets) and the hardware registry are plain Python and import
-without torch. The torch-using parts: :class:`Counter` (a ``TorchDispatchMode`` counting FLOPs,
-bytes and live memory per aten op and module), :func:`predict_step` (one training step
-predicted on fake tensors: peak memory and its moment, FLOPs, time on a given device),
-:func:`resource_report` (predicted vs measured for one training step) and ``roofline``. Every
-name loads its module on first use.
+The napkin math and the hardware registry import without torch; :class:`Counter`,
+:func:`predict_step` (a step on fake tensors), :func:`resource_report` and ``roofline`` use it.
+Every name loads its module on first use.
 
 >>> import minitrain as mt
 >>> flops = mt.accounting.training_flops(params=70e9, tokens=15e12)
@@ -42,8 +38,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                     "transformer_optimizer_state_elements", "transformer_params",
                     "transformer_tensors"),
     "counter": ("Counter", "OpRecord"),
-    "fake": ("PredictionError", "TensorSpec", "fake_mode"),
-    "predict": ("StepPrediction", "predict_step"),
+    "predict": ("PredictionError", "StepPrediction", "TensorSpec", "fake_mode", "predict_step"),
     "report": ("predicted_peak_bytes", "resource_report"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -1,9 +1,7 @@
 """Communication napkin math for data parallelism: the bytes and time of a ring all-reduce.
 
-A ring all-reduce over ``N`` ranks (a reduce-scatter, then an all-gather, ``N - 1`` rounds
-each) sends ``2·(N - 1)/N × bytes`` per rank, optimal for bandwidth (Patarasuk & Yuan 2009).
-NCCL calls ``bytes / time`` the algorithm bandwidth and that times ``2·(N - 1)/N`` the bus
-bandwidth, the figure to compare with a link's speed (nccl-tests, doc/PERFORMANCE.md).
+A ring all-reduce over ``N`` ranks sends ``2·(N - 1)/N × bytes`` per rank (Patarasuk & Yuan
+2009); NCCL's bus bandwidth is the one that rate compares with (nccl-tests, PERFORMANCE.md).
 
 >>> allreduce_bytes(gradient_bytes=4e9, ranks=8)   # 1B fp32 grads over 8 ranks
 7000000000.0
@@ -32,8 +30,6 @@ def _check(gradient_bytes: Number, ranks: int) -> None:
 def allreduce_bytes(gradient_bytes: Number, ranks: int) -> float:
     """Bytes each rank sends in a ring all-reduce of ``gradient_bytes``: ``2·(N-1)/N × bytes``.
 
-    One rank sends nothing; the factor tends to 2 as ``N`` grows.
-
     >>> allreduce_bytes(1000, 1), allreduce_bytes(1000, 2), allreduce_bytes(1000, 4)
     (0.0, 1000.0, 1500.0)
     """
@@ -42,10 +38,8 @@ def allreduce_bytes(gradient_bytes: Number, ranks: int) -> float:
 
 
 def allreduce_seconds(gradient_bytes: Number, ranks: int, bandwidth: Number) -> float:
-    """Seconds of one ring all-reduce at ``bandwidth`` bytes/s per rank (NCCL's bus bandwidth).
-
-    Bandwidth only: the ``2·(N - 1)`` per-message latencies are left out, fair for gradient
-    buffers of megabytes and more.
+    """Seconds of one ring all-reduce at ``bandwidth`` bytes/s per rank (bus bandwidth; the
+    per-message latencies are left out, fair for buffers of megabytes and more).
 
     >>> round(allreduce_seconds(gradient_bytes=2 * 7e9, ranks=1024, bandwidth=50e9), 4)
     0.5595
@@ -55,20 +49,10 @@ def allreduce_seconds(gradient_bytes: Number, ranks: int, bandwidth: Number) -> 
     return allreduce_bytes(gradient_bytes, ranks) / bandwidth
 
 
-def communication_time(
-    params: Number,
-    tokens: Number,
-    batch_tokens: Number,
-    ranks: int,
-    bandwidth: Number,
-    bytes_per_grad: Number = 2,
-) -> float:
-    """Seconds spent all-reducing gradients over a whole data-parallel training run.
-
-    ``tokens / batch_tokens`` optimizer steps, each all-reducing ``params × bytes_per_grad``
-    bytes (2 for bf16 gradients, 4 for fp32). With no overlap this adds to the compute time;
-    with perfect overlap (DDP overlaps buckets with the backward pass) only what exceeds it
-    counts.
+def communication_time(params: Number, tokens: Number, batch_tokens: Number, ranks: int,
+                       bandwidth: Number, bytes_per_grad: Number = 2) -> float:
+    """Seconds all-reducing ``params × bytes_per_grad`` bytes in each of ``tokens /
+    batch_tokens`` steps of a data-parallel run (without overlap, on top of the compute).
 
     >>> days = communication_time(params=8e9, tokens=15e12, batch_tokens=4e6, ranks=1024,
     ...                           bandwidth=50e9) / 86400

@@ -1,21 +1,11 @@
 """Count FLOPs, bytes moved and live memory of every aten op, per op and per module.
 
-:class:`Counter` is a ``TorchDispatchMode``: it sees each aten op after autograd and
-``torch.func`` have done their work, so the backward pass and the optimizer update are counted
-like the forward pass.
-
-- **FLOPs**: matmuls, convolutions and attention by ``torch.utils.flop_counter``'s formulas
-  (its matmul FLOPs equal ``FlopCounterMode``'s exactly), elementwise ops and reductions per
-  element by the tables below, other ops by formulas of their arguments (:data:`FORMULA_OPS`).
-  An op with no formula goes into ``unknown``, never a silent zero.
-- **bytes**: every tensor input read and every output written; views move nothing (a schema
-  that returns an alias, ``Tensor(a)``, or outputs that all share an input's storage).
-- **live memory**: every storage seen (and those given to :meth:`Counter.track`) is live until
-  freed; ``peak_bytes`` is the highest total; with ``record_timeline=True``, by category after
-  every op (:mod:`.timeline`).
-
-Per-module totals follow ``FlopCounterMode``'s naming (``"Global"``, ``"Sequential.0"``...),
-also in the backward pass.
+:class:`Counter` is a ``TorchDispatchMode``, so backward and update count like the forward.
+FLOPs: matmuls, convolutions and attention by ``torch.utils.flop_counter`` (equal to
+``FlopCounterMode``), elementwise ops and reductions by the tables below, other ops by
+:data:`FORMULA_OPS`; an op without a formula goes into ``unknown``, never a silent zero.
+Bytes: inputs read and outputs written; views move nothing. Memory: every storage seen is live
+until freed (:mod:`.timeline`). Modules are named as ``FlopCounterMode`` names them.
 
 >>> import torch
 >>> a, b = torch.ones(64, 32), torch.ones(32, 16)
@@ -112,23 +102,18 @@ DATA_MOVEMENT: frozenset[str] = frozenset(
 )
 # Metadata queries: not counted at all (FlopCounterMode skips the same ones).
 _METADATA_OPS = frozenset(
-    [torch.ops.aten.is_contiguous.default, torch.ops.aten.is_contiguous.memory_format,
-     torch.ops.aten.is_strides_like_format.default,
-     torch.ops.aten.is_non_overlapping_and_dense.default, torch.ops.aten.size.default,
-     torch.ops.aten.sym_size.default, torch.ops.aten.stride.default,
-     torch.ops.aten.sym_stride.default, torch.ops.aten.storage_offset.default,
-     torch.ops.aten.sym_storage_offset.default, torch.ops.aten.numel.default,
-     torch.ops.aten.sym_numel.default, torch.ops.aten.dim.default, torch.ops.prim.layout.default]
+    [getattr(torch.ops.aten, name).default for name in (
+        "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense", "size",
+        "sym_size", "stride", "sym_stride", "storage_offset", "sym_storage_offset", "numel",
+        "sym_numel", "dim")]
+    + [torch.ops.aten.is_contiguous.memory_format, torch.ops.prim.layout.default]
 )
 
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One aten op call as the counter saw it: ``op`` (``"aten.mm"``), ``base`` (its formula
-    key: ``"mul"`` for ``aten._foreach_mul_``), the innermost ``module``, whether it ran in the
-    ``backward`` pass, ``flops`` (0 without a formula: ``has_formula``), ``bytes_read`` and
-    ``bytes_written`` (stride-0 broadcast dims once), the ``dtype`` of its first output,
-    ``input_shapes`` and the ``live_bytes`` right after it."""
+    """One aten op call as the counter saw it: ``base`` is its formula key (``"mul"`` for
+    ``aten._foreach_mul_``), bytes count stride-0 dims once, ``live_bytes`` right after it."""
 
     op: str
     base: str
@@ -210,8 +195,8 @@ def _returns_aliases(func: Any) -> bool:
 
 def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
              mutated: list[torch.Tensor]) -> bool:
-    """No data moves: the schema returns an alias of an input, or (``aten._unsafe_view``,
-    whose schema hides it) every output shares an input's storage and nothing is written."""
+    """No data moves: the schema returns an alias, or (``aten._unsafe_view``) every output
+    shares an input's storage and nothing is written."""
     if _returns_aliases(func):
         return True
     if mutated or not outputs:
@@ -254,12 +239,9 @@ class _Mode(TorchDispatchMode):
 class Counter:
     """Context manager counting FLOPs, bytes and live memory of every aten op inside it.
 
-    ``keep_records`` keeps one :class:`OpRecord` per call in ``records``; ``track_memory``
-    keeps the :class:`~minitrain.accounting.timeline.Ledger` of live storages;
-    ``record_timeline`` also sees what autograd saves (inside :func:`minitrain.value_and_grad`).
-    Results: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset), ``bytes_read``,
-    ``bytes_written``, ``by_op`` and ``by_module`` (:class:`OpTotals`), ``unknown`` (op ->
-    calls with no FLOP formula), ``peak_bytes``, ``live_bytes``, ``backward_start_live_bytes``.
+    ``keep_records``: one :class:`OpRecord` per call in ``records``; ``track_memory``: the
+    :class:`~minitrain.accounting.timeline.Ledger` of live storages; ``record_timeline``: also
+    see what autograd saves (inside :func:`minitrain.value_and_grad`).
 
     >>> import torch
     >>> with Counter() as c:

@@ -1,9 +1,6 @@
-"""Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse kept apart), memory, bandwidth.
+"""Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse apart), memory, bandwidth.
 
-Every published figure names its source. The ``cpu`` entry is measured on the spot (a timed
-matmul in fp32, bf16 and fp16, a timed copy for bandwidth), once per process, and kept on disk
-under the user cache directory so later processes on the same machine and torch build reuse it
-for a week (:func:`measure_cpu`).
+Every published figure names its source; ``cpu`` is measured here (:func:`measure_cpu`).
 
 >>> h100 = hardware("h100")
 >>> h100.peak_flops["bf16"], h100.sparse_flops["bf16"]
@@ -27,10 +24,8 @@ from typing import Any
 
 from minitrain.errors import UserError
 
-__all__ = [
-    "DTYPE_NAMES", "Hardware", "HardwareError", "MAX_AGE_SECONDS", "dtype_name", "hardware",
-    "hardware_for_cuda_device", "hardware_names", "measure_cpu",
-]
+__all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "dtype_name",
+           "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
 
 # Canonical dtype names and the spellings accepted for each (torch's and numpy's included).
 DTYPE_NAMES: dict[str, tuple[str, ...]] = {
@@ -70,13 +65,9 @@ def _frozen(mapping: Mapping[str, float]) -> Mapping[str, float]:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator's published (or measured) limits, per device in SI units.
-
-    ``peak_flops`` is the dense peak by dtype name (``"fp32"``, ``"bf16"``...); ``sparse_flops``
-    the 2:4 structured-sparsity peaks (NVIDIA's headline figures, twice the dense ones: never
-    for dense training); ``memory_bytes`` decimal as marketed (80 GB = 80e9); ``source`` where
-    the figures come from; ``measured`` True for on-the-spot figures.
-    """
+    """One accelerator's published (or measured) limits, per device in SI units: dense
+    ``peak_flops`` by dtype name, ``sparse_flops`` with 2:4 structured sparsity (NVIDIA's
+    headline figures, never for dense training), ``memory_bytes`` as marketed (80 GB = 80e9)."""
 
     name: str
     description: str
@@ -105,8 +96,6 @@ class Hardware:
 
     def intensity(self, dtype: Any = "bf16") -> float:
         """Accelerator intensity: dense peak FLOP/s over bytes/s (chapter 3.6.3).
-
-        Operations with fewer FLOPs per byte moved are memory-bound on this device.
 
         >>> round(hardware("a100-80gb").intensity("bf16"))
         153
@@ -210,9 +199,7 @@ def hardware(name: str = "h100") -> Hardware:
 
 
 def hardware_for_cuda_device(device_name: str) -> Hardware | None:
-    """The registry entry for a CUDA device name as ``torch.cuda.get_device_name`` gives it.
-
-    Returns None for devices the registry does not know (MFU is then not reported).
+    """The registry entry for a ``torch.cuda.get_device_name``, None for an unknown device.
 
     >>> hardware_for_cuda_device("NVIDIA H100 80GB HBM3").name
     'h100'
@@ -236,9 +223,7 @@ def hardware_for_cuda_device(device_name: str) -> Hardware | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
 # The CPU, measured: best-of-N timings of torch.mm and of a large copy.
-
 _MATMUL_SIZE = {"fp32": 1024, "bf16": 512, "fp16": 512}
 _COPY_BYTES = 64 * 2**20
 _MIN_SECONDS = 0.05
@@ -290,7 +275,7 @@ def _cpu_model() -> str:
 
 
 def _load_average() -> float | None:
-    """The 1-minute load average (``None`` where the OS has none): a busy machine measures low."""
+    """The 1-minute load average, None where the OS has none (a busy machine measures low)."""
     try:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
@@ -298,8 +283,7 @@ def _load_average() -> float | None:
 
 
 def _machine_key(torch: Any) -> dict[str, Any]:
-    """What the figures depend on: the machine (CPU model, host, cores, memory), the torch
-    build and its thread count. A cache entry is reused only when all of them match."""
+    """What the figures depend on: the machine, the torch build and its thread count."""
     return {
         "cpu": _cpu_model(),
         "host": platform.node(),
@@ -325,8 +309,8 @@ def _cache_path(key: Mapping[str, Any]) -> Path | None:
 
 
 def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
-    """Measured on this machine and torch build, at most ``max_age`` seconds ago, with a peak
-    for every dtype the probe measures (a record from an older probe is measured again)."""
+    """Measured with this key at most ``max_age`` seconds ago, with every dtype the probe
+    measures."""
     if spec is None or spec.details.get("key") != dict(key):
         return False
     if not set(_MATMUL_SIZE) <= set(spec.peak_flops):
@@ -339,18 +323,13 @@ def _load_cached(path: Path | None) -> Hardware | None:
     if path is None or not path.is_file():
         return None
     try:
-        return _from_record(json.loads(path.read_text()))
+        r = json.loads(path.read_text())
+        return Hardware(r["name"], r["description"], _frozen(r["peak_flops"]),
+                        _frozen(r["sparse_flops"]), int(r["memory_bytes"]),
+                        float(r["memory_bandwidth"]), r["source"], bool(r["measured"]),
+                        MappingProxyType(dict(r["details"])))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable or an older layout: measure again
-
-
-def _from_record(record: Mapping[str, Any]) -> Hardware:
-    return Hardware(
-        record["name"], record["description"], _frozen(record["peak_flops"]),
-        _frozen(record["sparse_flops"]), int(record["memory_bytes"]),
-        float(record["memory_bandwidth"]), record["source"], bool(record["measured"]),
-        MappingProxyType(dict(record["details"])),
-    )
 
 
 def _store(path: Path | None, spec: Hardware) -> None:
@@ -387,13 +366,11 @@ _MEASURED: dict[str, Hardware] = {}
 
 
 def measure_cpu(refresh: bool = False, max_age: float | int = MAX_AGE_SECONDS) -> Hardware:
-    """Measure this CPU: ``torch.mm`` FLOP/s in fp32 and bf16, copy bandwidth (bytes/s).
+    """Measure this CPU: ``torch.mm`` FLOP/s in fp32, bf16 and fp16, copy bandwidth (bytes/s).
 
-    Kept for the process and on disk. A kept measurement is reused only if it was taken on
-    this machine (CPU model, host name, cores, memory) with this torch build and thread count,
-    at most ``max_age`` seconds ago; ``details`` records all of them, the time
-    (``measured_at``) and the load average then. ``refresh=True`` measures again and rewrites
-    both caches (``minitrain hardware cpu --measure``).
+    Kept for the process and on disk, reused on the same machine, torch build and thread
+    count for ``max_age`` seconds (``details`` records them, the time and the load average);
+    ``refresh=True`` measures again (``minitrain hardware cpu --measure``).
 
     >>> MAX_AGE_SECONDS / 86_400  # days a measurement is reused by default
     7.0

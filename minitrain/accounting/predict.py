@@ -1,17 +1,12 @@
 """Predict one training step before running it: memory, FLOPs, bytes and time, on fake tensors.
 
-:func:`predict_step` traces a whole step (forward, backward through :func:`minitrain.
-value_and_grad`, gradient clipping when asked, ``optimizer.update``) on tensors that have a
-shape, a dtype and a device but no data: PyTorch's ``FakeTensorMode`` for the forward and
-backward pass, meta tensors for the update (an mt.optim optimizer treats fake tensors as
-traced and would take its plain path, while a real step takes torch's fused and foreach
-kernels; meta tensors take those too). Nothing is computed and nothing model-sized is
-allocated, so a 1.5B-param model predicts on a laptop.
-
-FLOPs and bytes are what a :class:`~minitrain.accounting.Counter` counts of the traced ops;
-memory is followed storage by storage (:mod:`~minitrain.accounting.timeline`), so
-the peak and its moment (phase, op, module) are found, not assumed; time is every op on the
-hardware's roofline, ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2), summed.
+:func:`predict_step` traces forward, backward (:func:`minitrain.value_and_grad`), clipping and
+``optimizer.update`` on tensors with a shape, a dtype and a device but no data: fake tensors
+for the forward and backward pass, meta tensors for the update (which then takes the kernels a
+real step takes). FLOPs, bytes and memory are what a :class:`~minitrain.accounting.Counter`
+and its :class:`~minitrain.accounting.timeline.Ledger` see, so the peak and its moment are
+found, not assumed; time is every op on the roofline, ``max(flops / peak, bytes /
+bandwidth)`` (chapter 3.6.2), summed.
 
 >>> import torch, minitrain as mt
 >>> loss = lambda p, x: (x @ p["w"]).tanh().sum()
@@ -30,17 +25,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minitrain._torch import FakeTensorMode, TorchDispatchMode, disable_current_modes
-from minitrain.accounting.counter import Counter
-from minitrain.accounting.fake import (
-    PredictionError,
-    TensorSpec,
-    fake_mode,
-    fake_tree,
-    find_mode,
-    meta_tree,
-    one_line_errors,
+from minitrain._torch import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    UnsupportedOperatorException,
+    disable_current_modes,
+    pytree,
 )
+from minitrain.accounting.counter import Counter
 from minitrain.accounting.hardware import Hardware, hardware
 from minitrain.accounting.op_formulas import tensors
 from minitrain.accounting.roofline import step_time
@@ -55,6 +50,119 @@ __all__ = [
 ]
 
 
+# -- tensors without data: specs and fake tensors -------------------------------------------
+
+
+class PredictionError(UserError):
+    """A step that cannot be traced without data (``.item()``, data-dependent shapes);
+    ``reason`` says which op and why, in a few words."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class TensorSpec(NamedTuple):
+    """A tensor's shape and dtype (and device), without data: ``jax.ShapeDtypeStruct``.
+
+    A ``(shape, dtype)`` tuple and a tensor on the meta device are read the same way.
+
+    >>> TensorSpec((8, 1024), torch.int64)
+    TensorSpec(shape=(8, 1024), dtype=torch.int64, device='cpu')
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake tensor mode for building a model or a batch to predict with (real tensors that
+    meet fake ones are converted, as a module's buffers must be).
+
+    >>> with fake_mode():
+    ...     w = torch.nn.Linear(4096, 4096).weight   # no memory behind it
+    >>> type(w.data).__name__, w.shape
+    ('FakeTensor', torch.Size([4096, 4096]))
+    """
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _is_spec(x: Any) -> bool:
+    if isinstance(x, TensorSpec):
+        return True
+    return (
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+        and isinstance(x[0], tuple | list | torch.Size)
+        and all(isinstance(n, int) for n in x[0])
+    )
+
+
+def fake_tree(mode: FakeTensorMode, tree: Any) -> Any:
+    """``tree`` with each spec and tensor (real, meta or fake) as a fake tensor of ``mode``."""
+    return pytree.tree_map(lambda x: _to_fake(mode, x), tree, is_leaf=_is_spec)
+
+
+def meta_tree(tree: Any) -> Any:
+    """The twins of ``tree``'s fake tensors on the meta device, made outside the fake mode (the
+    update runs on them: see :mod:`minitrain.accounting.predict`)."""
+    return pytree.tree_map(_to_meta, tree, is_leaf=_is_spec)
+
+
+def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
+    if _is_spec(x):
+        spec = x if isinstance(x, TensorSpec) else TensorSpec(tuple(x[0]), x[1])
+        with mode:
+            return torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
+    if not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, FakeTensor):
+        if x.fake_mode is not mode:
+            raise UserError("tensors from two fake modes; build them under one fake_mode()")
+        return x
+    if x.is_meta:
+        with mode:
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+    return mode.from_tensor(x)
+
+
+def _to_meta(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def find_mode(tree: Any) -> FakeTensorMode | None:
+    leaves, _ = pytree.tree_flatten(tree)
+    for leaf in leaves:
+        if isinstance(leaf, FakeTensor):
+            return leaf.fake_mode
+    return None
+
+
+def _describe(func: Any) -> str:
+    name = str(func).removesuffix(".default")
+    if "_local_scalar_dense" in name:
+        return f"{name} (.item(), float() or int() of a tensor) needs the tensor's data"
+    return f"{name} needs the tensor's data (its output shape depends on the values)"
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """What fake tensors raise for a step that needs data, as a :class:`PredictionError`."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        reason = f"{_describe(exc.func)}, which fake tensors do not have"
+        raise PredictionError(f"{reason}: measure one real step instead", reason) from None
+    except UnsupportedOperatorException as exc:
+        reason = f"{exc.func} has no fake-tensor implementation"
+        raise PredictionError(f"{reason}: measure one real step instead", reason) from None
+
+
+# -- the prediction ----------------------------------------------------------------------------
+
+
 class SavedTensor(NamedTuple):
     """A tensor saved for backward: size, shape, dtype, the module and op that made it."""
 
@@ -66,22 +174,10 @@ class SavedTensor(NamedTuple):
 
 
 class StepPrediction(NamedTuple):
-    """What :func:`predict_step` returns.
-
-    Memory, in bytes by category (:data:`~minitrain.accounting.timeline.CATEGORIES`):
-    ``peak_bytes`` and its ``peak_phase``, ``peak_op`` and ``peak_module``; ``memory`` holds
-    ``at_peak``, ``persistent`` (what lives across steps), ``largest`` (the most each category
-    holds at any moment), ``end`` (alive after the update) and ``saved_for_backward``;
-    ``saved``, the largest tensors saved for backward, and ``saved_by_module``; ``timeline``,
-    ``(op_index, phase, {category: live bytes})`` right after each op's outputs exist.
-
-    Work: ``flops``, ``matmul_flops`` (the ``FlopCounterMode`` subset), ``bytes`` (read plus
-    written), ``per_op`` (calls, FLOPs, bytes, seconds), ``per_module`` (nested modules in
-    their parents, as ``FlopCounterMode``), ``unknown_ops`` (ops without a FLOP formula).
-
-    Time on ``hardware``: ``seconds_per_step`` (every op's roofline time, with the peak of
-    ``dtype``), ``mfu_bound`` (``flops / (seconds_per_step · peak)``) and ``fits``.
-    """
+    """What :func:`predict_step` returns: memory in bytes by category (``memory`` holds
+    ``at_peak``, ``persistent``, ``largest``, ``end`` and ``saved_for_backward``), the largest
+    ``saved`` tensors, the ``timeline``; work (``per_module`` nested as ``FlopCounterMode``);
+    time on ``hardware`` (``mfu_bound`` is ``flops / (seconds_per_step · peak)``)."""
 
     peak_bytes: int
     peak_phase: str
@@ -183,22 +279,16 @@ def predict_step(
     """Predict one training step of ``loss_fn(params, batch)`` (see the module docstring).
 
     Args:
-        loss_fn: ``(params, batch) -> 0-d loss`` (or ``(loss, aux)`` with ``has_aux``); with
-            ``model_state``, ``(params, model_state, batch) -> (value, new_state)`` as an
-            experiment with ``init_state`` has it, ``value`` what a stateless loss returns.
-        params, batch: pytrees of real tensors, fake tensors (from one :func:`fake_mode`),
-            meta tensors, :class:`TensorSpec` or ``(shape, dtype)`` tuples.
-        optimizer: an ``mt.optim`` optimizer (its state from ``optimizer.init``); None:
-            forward and backward only. ``donate``: the update writes in place.
-        max_grad_norm: clip grads to this global norm, as the train step does (predicted
-            active); without it the grad norm is still taken (the train step logs it).
-        hardware: a name of ``mt.accounting.hardware`` (or a :class:`Hardware`), default
-            ``"h100"``; ``dtype``: of the peak FLOP/s for every op (default: each op's own).
-        autocast: a context manager factory for the forward and backward pass (the backend's
-            ``autocast``). ``top_saved``: how many of the largest saved tensors to list.
-        model_state: buffers a forward pass updates (BatchNorm statistics, from
-            ``mt.from_module(module, with_state=True)``); they count as ``buffers``, and the
-            new state stays alive to the end of the step, as the train step carries it.
+        loss_fn: ``(params, batch) -> loss`` (``(loss, aux)`` with ``has_aux``); with
+            ``model_state`` (buffers the forward pass updates, counted as ``buffers``),
+            ``(params, model_state, batch) -> (value, new_state)``.
+        params, batch: pytrees of real, fake (one :func:`fake_mode`) or meta tensors,
+            :class:`TensorSpec` or ``(shape, dtype)`` tuples.
+        optimizer: an ``mt.optim`` optimizer, or None (forward and backward only);
+            ``donate``: the update writes in place; ``max_grad_norm``: clip as the train step.
+        hardware: a registry name or :class:`Hardware` (default ``"h100"``); ``dtype``: of the
+            peak FLOP/s for every op (default: each op's own).
+        autocast: a context factory for forward and backward (the backend's ``autocast``).
 
     Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
     """
@@ -232,8 +322,7 @@ def predict_step(
 
 def _backward(trace: _Trace, mode: FakeTensorMode, gradients: Callable[..., Any], params: Any,
               batch: Any, autocast: Callable[[], Any] | None, stateful: bool) -> tuple[Any, Any]:
-    """The forward and backward pass on fake tensors: the grads as meta tensors, and the new
-    model state (None without one), which the step carries to its end."""
+    """Forward and backward on fake tensors: the grads' meta twins, and the new model state."""
     with trace.watching(mode, "forward"), autocast() if autocast else contextlib.nullcontext():
         value, grads = gradients(params, batch)
     new_state = None
@@ -246,8 +335,7 @@ def _backward(trace: _Trace, mode: FakeTensorMode, gradients: Callable[..., Any]
 
 
 def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Callable[..., Any]:
-    """``loss_fn(params, state, batch) -> (value, new_state)`` as ``(params, batch) -> (loss,
-    (aux, new_state))``, the state bound."""
+    """``loss_fn(params, state, batch)`` as ``(params, batch) -> (loss, (aux, new_state))``."""
 
     def objective(params: Any, batch: Any) -> Any:
         out = loss_fn(params, state, batch)
@@ -262,24 +350,12 @@ def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Calla
     return objective
 
 
-def predict_call(
-    step: Callable[..., Any],
-    params: Any,
-    opt_state: Any,
-    batch: Any,
-    *,
-    hardware: str | Hardware = "h100",
-    dtype: Any = None,
-    top_saved: int = 10,
-) -> StepPrediction:
-    """Predict ``step(params, opt_state, batch)``, any pure train step, on fake tensors.
-
-    For a step that is not a loss and an ``mt.optim`` optimizer (a vmapped ensemble, a
-    hand-written step). Everything runs on fake tensors, so an ``mt.optim`` update inside takes
-    its plain path (per leaf, out of place) where a real step takes torch's fused kernels: the
-    update's FLOPs and temporaries are those of the plain path. Phases are ``forward`` and
-    ``backward`` (which runs on to the end of the step); the new params, state and grads count
-    as temporaries. Prefer :func:`predict_step` when the step is a loss and an optimizer.
+def predict_call(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any, *,
+                 hardware: str | Hardware = "h100", dtype: Any = None,
+                 top_saved: int = 10) -> StepPrediction:
+    """Predict ``step(params, opt_state, batch)``, any pure train step (a vmapped ensemble), on
+    fake tensors: an ``mt.optim`` update inside runs its chain, and the new params, state and
+    grads count as temporaries. Prefer :func:`predict_step` for a loss and an optimizer.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.sgd(lr=0.1)
@@ -306,8 +382,8 @@ def predict_call(
 
 def _update(trace: _Trace, optimizer: Any, params: Any, box: list[Any], state: Any,
             donate: bool, max_grad_norm: float | None) -> Any:
-    """Clip (or take the norm of) the grads (``box``'s one item, taken out, so only this
-    frame holds them) and update, as the train step does; on meta."""
+    """Clip (or take the norm of) the grads, then update, on meta, as the train step does;
+    the grads come in a box so that only this frame holds them."""
     grads = box.pop()
     with trace.watching(None, "clip"):
         if max_grad_norm is not None:

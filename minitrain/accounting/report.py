@@ -1,11 +1,8 @@
 """Predicted vs measured resources of one training step: memory, FLOPs, MFU, time to finish.
 
-:func:`resource_report` predicts the step on fake tensors (never from the measured step's
-tensors), then runs it once under a :class:`Counter` (outputs thrown away, the global RNG
-state restored) and sets the measurement beside the prediction: memory by category and its
-peak (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the counter's live storages) and where it
-goes; FLOPs by the ``6·B·P`` rule, the exact formula, predicted and counted; achieved FLOP/s,
-MFU and the time to finish.
+:func:`resource_report` predicts the step on fake tensors, then runs it once under a
+:class:`Counter` (outputs thrown away, the global RNG state restored) and sets the measurement
+(CUDA: ``torch.cuda.max_memory_allocated``; CPU: the counter's live storages) beside it.
 """
 
 from __future__ import annotations
@@ -24,22 +21,13 @@ from minitrain.tree import leaves, nbytes, size
 __all__ = ["format_report", "predicted_peak_bytes", "resource_report"]
 
 
-def predicted_peak_bytes(
-    *,
-    params: int,
-    optimizer_state: int,
-    batch: int,
-    activations: int,
-    grads: int | None = None,
-    donate: bool = False,
-) -> dict[str, int]:
+def predicted_peak_bytes(*, params: int, optimizer_state: int, batch: int, activations: int,
+                         grads: int | None = None, donate: bool = False) -> dict[str, int]:
     """Peak bytes of one pure training step, and the two moments that compete for it.
 
-    Resident throughout: params, optimizer state and the batch. At the end of the backward pass
-    the grads exist and, as an upper bound, all saved activations (the chapter's
-    ``4·(params + activations + grads + optimizer states)``, 3.5.6). During a pure update the
-    grads, the old params and state and the new params and state all exist at once, unless the
-    update donates its inputs (writes in place).
+    Params, optimizer state and batch stay resident. At the end of the backward pass the grads
+    and, as an upper bound, all saved activations exist (the chapter's 3.5.6); during a pure
+    update the grads and old and new params and state, unless the update donates its inputs.
 
     >>> predicted_peak_bytes(params=100, optimizer_state=200, batch=10, activations=30)
     {'backward': 440, 'update': 710, 'peak': 710}
@@ -63,20 +51,14 @@ def resource_report(
 ) -> dict[str, Any]:
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
-    ``step`` (the pure train step, uncompiled) runs once more here, outputs discarded. With
-    ``loss_fn`` and an ``mt.optim`` optimizer the prediction is
-    :func:`~minitrain.accounting.predict_step` (``has_aux``, ``max_grad_norm``, ``autocast``,
-    ``donate`` and ``model_state`` as it takes them); without them (a vmapped ensemble) the
-    whole ``step`` is traced (:func:`~minitrain.accounting.predict.predict_call`); a step that
-    needs data gets the chapter's formula (:func:`predicted_peak_bytes`, activations from
-    ``activation_bytes`` only, the state of an ``optimizer`` given by name). ``hardware``
-    names the device of the predicted time per step. ``examples_per_step`` is ``B`` of the
-    ``6·B·P`` rule (default: the batch's leading dim); ``peak_flops`` (dense FLOP/s),
-    ``step_seconds``, ``steps_total`` and ``steps_done`` give MFU and the time to finish.
-
-    Returns a JSON-serializable dict: ``params``, ``examples_per_step``, ``memory``
-    (``predicted``, ``measured``, ``peak_ratio`` measured/predicted, ``where`` the largest
-    saved tensors), ``flops_per_step`` and ``speed``.
+    ``step`` (pure, uncompiled) runs once more here. The prediction is
+    :func:`~minitrain.accounting.predict_step` with ``loss_fn`` and an ``mt.optim``
+    optimizer (its other arguments as it takes them), else the whole ``step`` traced
+    (:func:`~minitrain.accounting.predict.predict_call`), else, for a step that needs data,
+    :func:`predicted_peak_bytes` (an ``optimizer`` by name, ``activation_bytes``).
+    ``examples_per_step`` is ``B`` of the ``6·B·P`` rule (default: the batch's leading dim);
+    ``peak_flops``, ``step_seconds``, ``steps_total`` and ``steps_done`` give MFU and the time
+    to finish. Returns a JSON-serializable dict.
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.zeros(8, 4)}
@@ -160,8 +142,7 @@ def _measure(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
 
 def _cuda_peak(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
                device: torch.device) -> int:
-    """``max_memory_allocated`` over one step, less what was allocated before and is not the
-    step's own inputs."""
+    """``max_memory_allocated`` over one step, less what else was allocated before."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     other = before - nbytes(params) - nbytes(opt_state) - nbytes(batch)
@@ -260,9 +241,7 @@ def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
 
 def _formula_memory(optimizer: Any, params: Any, opt_state: Any, batch: Any,
                     activation_bytes: int | None, donate: bool) -> dict[str, Any]:
-    """The chapter's formula; the state of an optimizer given by name from the table
-    (:func:`~minitrain.accounting.memory.optimizer_state_elements`, shape by shape), else the
-    state as passed."""
+    """The chapter's formula; an optimizer's state by name from the table, shape by shape."""
     params_bytes, batch_bytes = nbytes(params), nbytes(batch)
     state = nbytes(opt_state)
     if isinstance(optimizer, str):

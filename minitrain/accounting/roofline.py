@@ -1,14 +1,9 @@
 """Arithmetic intensity and the roofline model (chapter 3.6; JAX Scaling Book, "Rooflines").
 
-An operation doing ``flops`` FLOPs while moving ``bytes`` bytes between memory and the compute
-units has arithmetic intensity ``flops / bytes``. A device with peak ``peak`` FLOP/s and memory
-bandwidth ``bandwidth`` bytes/s has accelerator intensity (the ridge point) ``peak / bandwidth``.
-Assuming compute and transfers overlap perfectly, the op takes
-``max(flops / peak, bytes / bandwidth)`` seconds: it is memory-bound left of the ridge and
-compute-bound right of it, and attains ``min(peak, intensity * bandwidth)`` FLOP/s. Its MFU can
-be at most ``min(1, intensity / ridge)``.
-
-The math here takes plain numbers; :func:`roof` reads them from the hardware registry.
+An op of intensity ``flops / bytes`` on a device whose ridge point is ``peak / bandwidth``
+takes ``max(flops / peak, bytes / bandwidth)`` seconds (compute and transfers overlapped),
+attains ``min(peak, intensity · bandwidth)`` FLOP/s and at most ``min(1, intensity / ridge)``
+MFU. Plain numbers; :func:`roof` reads them from the hardware registry.
 
 >>> h100 = roof("h100", "bf16")
 >>> round(h100.ridge)
@@ -29,11 +24,9 @@ from minitrain.accounting.hardware import Hardware, HardwareError, dtype_name, h
 from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
-__all__ = [
-    "DTYPE_BYTES", "Op", "Placement", "Roof", "StepProfile", "accelerator_intensity",
-    "arithmetic_intensity", "attainable_flops", "bound", "chapter_ops", "mfu_bound", "phases",
-    "place", "predicted_seconds", "profile_records", "roof", "step_time",
-]
+__all__ = ["DTYPE_BYTES", "Op", "Placement", "Roof", "StepProfile", "accelerator_intensity",
+           "arithmetic_intensity", "attainable_flops", "bound", "chapter_ops", "mfu_bound",
+           "phases", "place", "predicted_seconds", "profile_records", "roof", "step_time"]
 
 MEMORY, COMPUTE = "memory", "compute"
 
@@ -46,7 +39,7 @@ def _non_negative(**values: Number) -> None:
 
 def _positive(**values: Number) -> None:
     for name, value in values.items():
-        if not value > 0:
+        if not value > 0:  # catches NaN too
             raise UserError(f"{name} must be a positive number, got {value!r}")
 
 
@@ -102,9 +95,8 @@ def mfu_bound(intensity: Number, ridge: Number) -> float:
     return min(1.0, intensity / ridge)
 
 
-def predicted_seconds(
-    flops: Number, bytes_moved: Number, peak_flops: Number, bandwidth: Number
-) -> float:
+def predicted_seconds(flops: Number, bytes_moved: Number, peak_flops: Number,
+                      bandwidth: Number) -> float:
     """Time with compute and transfers overlapped: max(FLOPs/peak, bytes/bandwidth) (3.6.2).
 
     >>> n = 1024 * 1024  # the chapter's ReLU on an H100: transfers dominate
@@ -194,11 +186,8 @@ def place(op: Op, on: Roof) -> Placement:
 
 
 def chapter_ops(n: int = 1024, bytes_per_element: Number = 2) -> list[Op]:
-    """The chapter's five operations on size-``n`` operands (table 3.6.4; bf16 by default).
-
-    ReLU and GeLU read and write n values (GeLU at ~20 FLOPs per value); the dot product reads
-    two n-vectors and writes a scalar; matrix-vector reads an n x n matrix and an n-vector and
-    writes an n-vector; matrix-matrix reads two n x n matrices and writes one.
+    """The chapter's five operations on size-``n`` operands (table 3.6.4; bf16 by default):
+    ReLU and GeLU (~20 FLOPs a value), dot product, matrix-vector and matrix-matrix.
 
     >>> [round(op.intensity, 2) for op in chapter_ops(n=1024)]
     [0.25, 5.0, 0.5, 1.0, 341.17]
@@ -240,8 +229,8 @@ class StepProfile(NamedTuple):
 
 
 def phases(backward: Sequence[bool]) -> list[str]:
-    """Name each op call by its phase: "forward" before the first backward op, "backward" up
-    to the last one, "update" after it (the optimizer step).
+    """Each op call's phase: "forward" before the first backward op, "backward" up to the
+    last one, "update" after it.
 
     >>> phases([False, True, True, False])
     ['forward', 'backward', 'backward', 'update']
@@ -254,12 +243,10 @@ def phases(backward: Sequence[bool]) -> list[str]:
     ]
 
 
-def profile_records(
-    records: Iterable[object], on: Roof, measured_seconds: float | None = None
-) -> StepProfile:
-    """Place each op call of a step (records with ``op``, ``flops``, ``bytes_read``,
-    ``bytes_written`` and ``backward``, as :class:`minitrain.accounting.Counter` keeps them)
-    on roofline ``on``.
+def profile_records(records: Iterable[object], on: Roof,
+                    measured_seconds: float | None = None) -> StepProfile:
+    """Place each op call of a step (a :class:`minitrain.accounting.Counter`'s records) on
+    roofline ``on``.
 
     >>> from types import SimpleNamespace as R
     >>> calls = [R(op="aten.mm", flops=2e6, bytes_read=8e4, bytes_written=4e3, backward=False),
@@ -291,9 +278,6 @@ def profile_records(
                        measured_seconds)
 
 
-# -- a counted step on a device's roofline --------------------------------------------------
-
-
 def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
     if dtype is not None:
         return spec.peak(dtype)
@@ -308,9 +292,8 @@ def step_time(counter: Any, spec: Hardware, dtype: Any = None
     """The counted ops of a step on ``spec``'s roofline: ``(seconds, per_op, dtype, mfu_bound)``.
 
     Each op takes ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2) with the peak of
-    ``dtype`` (default: the op's own floating dtype, fp32 for integer ops); ``per_op`` sums
-    calls, FLOPs, bytes and seconds by op; ``mfu_bound`` is ``flops / (seconds · peak)`` with
-    the peak of the dtype that did most FLOPs.
+    ``dtype`` (default: the op's own, fp32 for integer ops); ``mfu_bound`` is ``flops /
+    (seconds · peak)`` with the peak of the dtype that did most FLOPs.
 
     >>> import torch
     >>> from minitrain.accounting import Counter

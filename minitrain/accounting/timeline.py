@@ -1,15 +1,11 @@
 """Live memory over one step, by category: the ledger of every storage's life.
 
-A :class:`Ledger` counts each storage once, from the first op that makes (or reads) it to the
-death of its last reference (a ``weakref.finalize`` on the storage); its event log of
-allocations, frees and ops is replayed at the end (:meth:`Ledger.replay`), when it is known
-what was saved for backward and what became grads or new params. ``Counter`` keeps one for
-real tensors and ``predict_step`` one for fake tensors and their meta twins.
-
-A storage's category is, in order: the one given by ``Counter.track`` or ``categorize``;
-``activations`` if saved for backward (seen by a pack hook, or else made by the forward pass
-and alive when the backward pass starts); with ``guess_grads``, ``grads`` if the backward made
-it and it outlived that pass (when nothing was categorized as grads); else ``temporaries``.
+A :class:`Ledger` (``Counter``'s, also over ``predict_step``'s fake tensors) counts each
+storage from the first op that makes or reads it to the death of its last reference; its event
+log is replayed at the end, when it is known what was saved and what became grads. A
+storage's category: the one given (``Counter.track``, ``categorize``); ``activations`` if saved
+for backward (by a pack hook, else made by the forward pass and alive when the backward
+starts); maybe ``grads`` (:meth:`Ledger.replay`); else ``temporaries``.
 
 >>> import torch, minitrain as mt
 >>> from minitrain.accounting import Counter

@@ -25,21 +25,17 @@ from minitrain.accounting.memory import (
 )
 from minitrain.errors import UserError
 
-__all__ = [
-    "ATTENTION", "PRESETS", "RECOMPUTE", "TransformerConfig", "preset",
-    "transformer_activation_bytes", "transformer_activation_terms", "transformer_flops_per_token",
-    "transformer_layer_activation_bytes", "transformer_matmul_params", "transformer_memory",
-    "transformer_optimizer_state_elements", "transformer_params", "transformer_tensors",
-]
+__all__ = ["ATTENTION", "PRESETS", "RECOMPUTE", "TransformerConfig", "preset",
+           "transformer_activation_bytes", "transformer_activation_terms",
+           "transformer_flops_per_token", "transformer_layer_activation_bytes",
+           "transformer_matmul_params", "transformer_memory",
+           "transformer_optimizer_state_elements", "transformer_params", "transformer_tensors"]
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """A decoder-only transformer's shape.
-
-    ``ffn`` is the MLP's hidden width; ``gated_mlp`` (SwiGLU) uses three ``d×ffn`` matrices
-    instead of two; ``kv_heads < heads`` is grouped-query attention.
-    """
+    """A decoder-only transformer's shape: ``ffn`` the MLP's width, ``gated_mlp`` (SwiGLU) three
+    ``d×ffn`` matrices instead of two, ``kv_heads < heads`` grouped-query attention."""
 
     name: str
     num_layers: int
@@ -130,9 +126,8 @@ def transformer_params(config: TransformerConfig) -> int:
 
 
 def transformer_tensors(config: TransformerConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Each parameter tensor's ``(role, shape)``: ``"hidden"`` for a layer's matrices, else
-    ``"embedding"``, ``"head"``, ``"bias"`` or ``"norm"`` (shapes as Hugging Face's models keep
-    them, up to a transpose; a LayerNorm's weight and bias count as two ``"norm"`` tensors).
+    """Each parameter tensor's ``(role, shape)``, role ``"hidden"`` (a layer's matrices),
+    ``"embedding"``, ``"head"``, ``"bias"`` or ``"norm"``; shapes as Hugging Face keeps them.
 
     >>> import math
     >>> tensors = transformer_tensors(preset("gpt2"))
@@ -162,10 +157,9 @@ def transformer_optimizer_state_elements(
     config: TransformerConfig, optimizer: str = "adamw", *, amsgrad: bool = False,
     momentum: bool = False, centered: bool = False,
 ) -> int:
-    """Elements of parameter-sized optimizer state torch.optim keeps for ``config``, tensor by
-    tensor (:func:`optimizer_state_elements`, 0-d step counters aside): Adafactor's factored
-    moments, and Muon used as it is meant, for the layers' matrices only, with AdamW for the
-    embeddings, the head, biases and norms (Jordan et al. 2024; ``torch.optim.Muon``).
+    """Elements of optimizer state torch.optim keeps for ``config``, tensor by tensor (0-d
+    counters aside): Adafactor factored, Muon for the layers' matrices only and AdamW for the
+    rest (Jordan et al. 2024; ``torch.optim.Muon``).
 
     >>> c = preset("gpt2")
     >>> transformer_optimizer_state_elements(c, "adamw") == 2 * transformer_params(c)
@@ -184,9 +178,8 @@ def transformer_optimizer_state_elements(
 
 
 def transformer_matmul_params(config: TransformerConfig) -> int:
-    """Parameters that take part in a matmul per token: layer matrices and the LM head.
-
-    Embedding lookups, biases and norms cost no matmul FLOPs (Kaplan et al. 2020, table 1).
+    """Parameters in a matmul per token: layer matrices and the LM head (embeddings, biases
+    and norms cost no matmul FLOPs; Kaplan et al. 2020, table 1).
 
     >>> transformer_matmul_params(preset("gpt2"))
     123532032
@@ -198,10 +191,8 @@ def transformer_matmul_params(config: TransformerConfig) -> int:
 def transformer_flops_per_token(
     config: TransformerConfig, *, seq_len: int | None = None, training: bool = True
 ) -> float:
-    """FLOPs per token: ``2·N_matmul + 4·L·d·T`` forward, three times that for training.
-
-    The attention term (``QKᵀ`` and ``A·V``, ``2·T·d`` each per token and layer) follows PaLM
-    appendix B, counting the full ``T×T`` score matrix as a dense kernel does.
+    """FLOPs per token: ``2·N_matmul + 4·L·d·T`` forward, three times that for training; the
+    attention term (``QKᵀ`` and ``A·V``, full ``T×T``) as PaLM's appendix B.
 
     >>> c = preset("gpt2")
     >>> transformer_flops_per_token(c) == 6 * transformer_matmul_params(c) + 12 * 12 * 768 * 1024
@@ -220,12 +211,9 @@ def transformer_memory(
     sequence_parallel: bool = False, attention: str = "eager", amsgrad: bool = False,
     momentum: bool = False, centered: bool = False,
 ) -> MemoryBreakdown:
-    """Bytes per device to train ``config`` with ``batch`` sequences per device.
-
-    Params and grads from :func:`training_memory` (sharded by ZeRO stage over ``gpus``, or
-    split by tensor parallelism), the optimizer state tensor by tensor
-    (:func:`transformer_optimizer_state_elements`), sharded the same way; activations by
-    :func:`transformer_activation_bytes` (Korthikanti et al. 2022).
+    """Bytes per device to train ``config`` with ``batch`` sequences per device: params and
+    grads by :func:`training_memory` (ZeRO or tensor-parallel shards), optimizer state tensor
+    by tensor, activations by :func:`transformer_activation_bytes`.
 
     >>> m = transformer_memory(preset("gpt2-xl"), batch=1, precision_name="bf16-mixed")
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
@@ -258,17 +246,12 @@ def transformer_activation_terms(
     dropout: bool = True, bytes_per_element: int | float = 2, mask_bytes: int | float = 1,
     norm_stats_bytes: int | float = 0,
 ) -> dict[str, float]:
-    """Bytes one transformer layer saves for the backward pass, term by term.
+    """Bytes one transformer layer saves for the backward pass, term by term as Korthikanti et
+    al. 2022 (section 4.1) list them: ``s·b·h·(34 + 5·a·s/h)`` at 16-bit (eq. 1).
 
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    section 4.1, term by term as the paper lists them, with ``p = bytes_per_element`` (2 in
-    the paper) and ``mask_bytes``-byte dropout masks: in all, eq. 1, ``s·b·h·(34 + 5·a·s/h)``
-    bytes at 16-bit. ``attention="selective"`` recomputes the ``s²`` terms (section 5, eq. 6);
-    ``"flash"`` (Dao et al. 2022, section 3.1) never forms them and saves the softmax's
-    log-sum-exp per row and head in fp32 (``4·a·s·b``). ``dropout=False`` drops the masks.
-    ``norm_stats_bytes`` per row and layer norm: PyTorch's ``native_layer_norm`` saves the mean
-    and reciprocal std in fp32 (8 bytes), which the paper leaves out. Embeddings, the final
-    norm, the logits and the loss are not per layer and not included.
+    ``attention="selective"`` recomputes the ``s²`` terms (eq. 6); ``"flash"`` (Dao et al.
+    2022, 3.1) saves the softmax's fp32 log-sum-exp instead (``4·a·s·b``). ``norm_stats_bytes``:
+    the mean and rstd ``native_layer_norm`` saves per row (8), which the paper leaves out.
 
     >>> t = transformer_activation_terms(seq_len=2048, batch=1, hidden=12288, heads=96)
     >>> sum(t.values()) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)     # eq. 1, GPT-3
@@ -316,15 +299,10 @@ def transformer_activation_bytes(
     recompute: str = "none", tensor_parallel: int = 1, sequence_parallel: bool = False,
     bytes_per_element: int = 2, attention: str = "eager", mask_bytes: int = 1,
 ) -> float:
-    """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4).
-
-    Per layer, with 16-bit activations and 1-byte dropout masks: ``s·b·h·(34 + 5·a·s/h)``
-    (eq. 1, term by term in :func:`transformer_activation_terms`); with tensor parallelism
-    ``t``: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), and with sequence parallelism
-    everything over ``t`` (eq. 4). Selective recomputation drops the ``5·a·s/h`` attention
-    term (eq. 6); full recomputation keeps only each layer's input, ``2·s·b·h`` (section 4.1).
-    ``attention="flash"`` saves the softmax's log-sum-exp instead of the ``s²`` terms.
-    Embedding and logits are not included.
+    """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4): eq. 1
+    per layer (:func:`transformer_activation_terms`); with tensor parallelism ``t``,
+    ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), all over ``t`` with sequence parallelism
+    (eq. 4); full recomputation keeps each layer's input, ``2·s·b·h``.
 
     >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
     ...                              num_layers=1) / 2**30   # GPT-3, one layer
