@@ -23,7 +23,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from minitrain.atomic_io import fsync_dir, storage_errors, write_atomic, write_new_file
+from minitrain.atomic_io import storage_errors, write_atomic
 from minitrain.errors import StorageError
 
 __all__ = [
@@ -86,15 +86,7 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> int:
     if not path.exists():
         return 0
     kept = [record for record in read_metrics(path) if record["step"] <= step]
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with storage_errors(path, "rewrite"):
-            write_new_file(temp, "".join(_dumps(record) + "\n" for record in kept).encode())
-            os.replace(temp, path)
-            fsync_dir(path.parent)
-    finally:
-        if os.path.lexists(temp):
-            os.unlink(temp)
+    write_atomic(path, "".join(_dumps(record) + "\n" for record in kept), "rewrite")
     return len(kept)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import os
 import sys
@@ -269,11 +270,11 @@ def test_plot_command_mistakes(tmp_path, setup, args, message):
 
 
 def fail_writes_to(monkeypatch, name, errno_, partial=True):
-    """``os.write`` to a file called ``name`` writes part of the line, then raises ``errno_``."""
+    """``os.write`` to a file named like ``name`` (a glob) writes part, then raises ``errno_``."""
     real_write = os.write
 
     def write(fd, data):
-        if Path(os.readlink(f"/proc/self/fd/{fd}")).name == name:
+        if fnmatch.fnmatch(Path(os.readlink(f"/proc/self/fd/{fd}")).name, name):
             if partial and len(data) > 1:
                 partial_done.append(real_write(fd, bytes(data[: len(data) // 2])))
                 return partial_done[-1]
@@ -323,7 +324,7 @@ def test_run_dir_under_a_regular_file(tmp_path):
 def test_a_failed_resume_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
     log_steps(tmp_path, range(1, 6))
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    fail_writes_to(monkeypatch, f".metrics.jsonl.{os.getpid()}.tmp", errno.ENOSPC)
+    fail_writes_to(monkeypatch, f".metrics.jsonl.{os.getpid()}-*.tmp", errno.ENOSPC)
     with pytest.raises(StorageError, match="cannot rewrite .*metrics.jsonl: no space left"):
         MetricsWriter(tmp_path, resume_step=3)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
