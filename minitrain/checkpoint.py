@@ -371,20 +371,17 @@ def _read_state(path: Path) -> dict[str, Any]:
 def _check_file(path: Path, record: dict[str, Any], keep_bytes: bool) -> bytes:
     if not path.is_file():
         raise CheckpointError(f"{path.name} is missing")
-    size = path.stat().st_size
     with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
         refuse_pickle(handle.read(9), path.name)
-    if size != record["bytes"]:
-        raise CheckpointError(
-            f"{path.name} is {size} bytes where {record['bytes']} were written "
-            "(truncated or replaced)"
-        )
-    content = path.read_bytes() if keep_bytes else b""
-    if keep_bytes:
-        digest = hashlib.sha256(content)
-    else:
-        with open(path, "rb") as handle:
-            digest = hashlib.file_digest(handle, "sha256")
+        if size != record["bytes"]:
+            raise CheckpointError(
+                f"{path.name} is {size} bytes where {record['bytes']} were written "
+                "(truncated or replaced)"
+            )
+        handle.seek(0)
+        content = handle.read() if keep_bytes else b""
+        digest = hashlib.sha256(content) if keep_bytes else hashlib.file_digest(handle, "sha256")
     if digest.hexdigest() != record["sha256"]:
         raise CheckpointError(f"{path.name} does not match its recorded SHA-256 (corrupted)")
     return content
