@@ -1,5 +1,12 @@
 """Pure functional optimizers that match ``torch.optim`` step for step.
 
+Where things live: ``base`` (transformations, ``chain``, ``as_optimizer``), ``transforms``
+(per-leaf rules and clipping), ``_wrappers`` (routing, accumulating, skipping, averaging),
+``leafwise`` (rules written for one leaf), ``alias`` (SGD, Adam(W), AdaGrad, RMSprop),
+``_family`` and ``_family_steps`` (the rest of torch.optim, Lion, schedule-free AdamW),
+``_muon``, ``_adafactor``, ``schedules``, ``_plateau``, ``meta`` (unrolled updates);
+``kernels/`` lowers recognised chains to fused kernels.
+
 >>> import torch, minitrain as mt
 >>> opt = mt.optim.adamw(lr=mt.optim.cosine_schedule(1e-3, decay_steps=100, warmup_steps=10))
 >>> params = {"w": torch.zeros(3)}
@@ -9,11 +16,10 @@
 0.0
 """
 
-from minitrain.optim._adadelta import ScaleByAdadeltaState, adadelta, scale_by_adadelta
+from minitrain.optim import _family, _family_steps, _wrappers, base, schedules, transforms
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
-from minitrain.optim._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
-from minitrain.optim._asgd import ScaleByAsgdState, asgd, asgd_average, scale_by_asgd
-from minitrain.optim._lion import ScaleByLionState, lion, scale_by_lion
+from minitrain.optim._family import *  # noqa: F403
+from minitrain.optim._family_steps import *  # noqa: F403
 from minitrain.optim._muon import (
     muon,
     muon_momentum,
@@ -21,56 +27,25 @@ from minitrain.optim._muon import (
     orthogonalize_by_newton_schulz,
     scale_by_muon,
 )
-from minitrain.optim._nadam import ScaleByNadamState, nadam, scale_by_nadam
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
-from minitrain.optim._radam import ScaleByRadamState, radam, scale_by_radam
-from minitrain.optim._rprop import ScaleByRpropState, rprop, scale_by_rprop
-from minitrain.optim._schedule_free import (
-    ScheduleFreeAdamwState,
-    scale_by_schedule_free_adamw,
-    schedule_free_adamw,
-    schedule_free_eval_params,
-)
+from minitrain.optim._wrappers import *  # noqa: F403
 from minitrain.optim.alias import adagrad, adam, adamw, rmsprop, sgd
-from minitrain.optim.base import *  # noqa: F403  (the interface, listed below)
-from minitrain.optim.base import __all__ as _base
-from minitrain.optim.cyclic_schedules import *  # noqa: F403  (the schedules, listed below)
-from minitrain.optim.cyclic_schedules import __all__ as _cyclic
+from minitrain.optim.base import *  # noqa: F403
 from minitrain.optim.leafwise import LeafBatch, leafwise
 from minitrain.optim.meta import Unrolled, unroll
-from minitrain.optim.schedules import *  # noqa: F403  (the schedules, listed below)
-from minitrain.optim.schedules import __all__ as _schedules
-from minitrain.optim.transforms import *  # noqa: F403  (the building blocks, listed below)
-from minitrain.optim.transforms import __all__ as _transforms
+from minitrain.optim.schedules import *  # noqa: F403
+from minitrain.optim.transforms import *  # noqa: F403
 
 __all__ = [
-    *_base,
-    "sgd",
-    "adagrad",
-    "rmsprop",
-    "adam",
-    "adamw",
-    *_schedules,
-    *_cyclic,
-    "reduce_on_plateau",
-    "ReduceLROnPlateauState",
-    "unroll",
-    "Unrolled",
-    "leafwise",
-    "LeafBatch",
-    *_transforms,
-]
-
-__all__ += [  # the torch.optim family beyond Adam, Lion and schedule-free AdamW
-    "adadelta", "scale_by_adadelta", "ScaleByAdadeltaState",
+    *base.__all__,
+    "sgd", "adagrad", "rmsprop", "adam", "adamw",
+    *schedules.__all__,
+    "reduce_on_plateau", "ReduceLROnPlateauState",
+    "unroll", "Unrolled", "leafwise", "LeafBatch",
+    *transforms.__all__,
+    *_wrappers.__all__,
+    *_family.__all__,
+    *_family_steps.__all__,
     "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",
-    "adamax", "scale_by_adamax", "ScaleByAdamaxState",
-    "asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average",
-    "nadam", "scale_by_nadam", "ScaleByNadamState",
-    "radam", "scale_by_radam", "ScaleByRadamState",
-    "rprop", "scale_by_rprop", "ScaleByRpropState",
     "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
-    "lion", "scale_by_lion", "ScaleByLionState",
-    "schedule_free_adamw", "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState",
-    "schedule_free_eval_params",
 ]

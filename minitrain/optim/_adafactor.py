@@ -1,6 +1,5 @@
 """Adafactor (Shazeer & Stern 2018), as torch.optim.Adafactor computes it: second moments
-factored into row and column means for leaves of two or more dims (the last two), relative
-step sizes, update clipping, and lr-scaled decoupled weight decay."""
+factored into row and column means for leaves of two or more dims (the last two)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,17 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._checks import check_hyperparameter, hyperparameter, tensor_leaves
-from minitrain.optim._host import host_tensor, next_step, schedule_count, zero_count
-from minitrain.optim._transforms_rules import scale
+from minitrain.optim._checks import (
+    check_hyperparameter,
+    check_maximize,
+    check_state_type,
+    checked,
+    host_tensor,
+    next_step,
+    schedule_count,
+    tensor_leaves,
+    zero_count,
+)
 from minitrain.optim.base import (
     GradientTransformation,
     Optimizer,
@@ -23,6 +30,7 @@ from minitrain.optim.base import (
     chain,
     tagged,
 )
+from minitrain.optim.transforms import scale
 from minitrain.tree import Params
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]
@@ -51,14 +59,6 @@ def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     if len(shape) > 1:
         return [(*shape[:-1], 1), (*shape[:-2], 1, shape[-1])]
     return [tuple(shape)]
-
-
-def _checked(name: str, value: Any, low: float, high: float = math.inf) -> Any:
-    """``value`` as torch.optim takes it (a number, or a one-element tensor as 0-d), checked
-    to lie in ``[low, high]``."""
-    value = hyperparameter(name, value)
-    check_hyperparameter(name, value, low, high)
-    return value
 
 
 def _init_leaf(p: Tensor) -> tuple[Any, Any, Any]:
@@ -121,14 +121,14 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     """
     schedule = callable(lr) and not isinstance(lr, Tensor)
     if not schedule:
-        lr = _checked("lr", lr, 0.0)
-    beta2_decay = _checked("beta2_decay", beta2_decay, -float("inf"), 0.0)
+        lr = checked("lr", lr, 0.0)
+    beta2_decay = checked("beta2_decay", beta2_decay, -float("inf"), 0.0)
     if not isinstance(eps, tuple | list) or len(eps) != 2:
         raise ValueError(f"invalid eps={eps!r}: pass a pair (eps1 or None, eps2)")
-    eps1 = None if eps[0] is None else _checked("eps[0] (epsilon1)", eps[0], 0.0)
-    eps2 = _checked("eps[1] (epsilon2)", eps[1], 0.0)
-    d = _checked("d (clipping threshold)", d, 1.0)
-    weight_decay = _checked("weight_decay", weight_decay, 0.0)
+    eps1 = None if eps[0] is None else checked("eps[0] (epsilon1)", eps[0], 0.0)
+    eps2 = checked("eps[1] (epsilon2)", eps[1], 0.0)
+    d = checked("d (clipping threshold)", d, 1.0)
+    weight_decay = checked("weight_decay", weight_decay, 0.0)
 
     def init(params: Params) -> ScaleByAdafactorState:
         tensor_leaves("scale_by_adafactor", params, "param", floating=True)
@@ -145,11 +145,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                                      *(tree.unflatten(spec, list(c)) for c in columns))
 
     def update(updates, state, params=None):
-        if not isinstance(state, ScaleByAdafactorState):
-            raise ValueError(
-                f"scale_by_adafactor expected a ScaleByAdafactorState, got "
-                f"{type(state).__name__}; pass the state returned by its init(params)"
-            )
+        check_state_type("scale_by_adafactor", ScaleByAdafactorState, state)
         if params is None:
             raise ValueError("scale_by_adafactor needs params: call update(updates, state, params)")
         spec = tree.structure(updates)
@@ -212,17 +208,9 @@ def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
               eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
               weight_decay: Scalar = 0.0, *, maximize: bool = False) -> Optimizer:
-    """torch.optim.Adafactor: ``scale_by_adafactor`` (after ``scale(-1)`` with ``maximize``).
-
-    Args:
-        lr: caps the relative step size ``min(lr, 1/sqrt(t))`` and scales the weight decay;
-            a number, a one-element tensor or a schedule.
-        beta2_decay: the second moments' decay ``1 - t^beta2_decay``.
-        eps: ``(eps1, eps2)``: eps1 floors the second moments (None: the dtype's machine
-            eps), eps2 the param's RMS in the step size.
-        d: clips the update's RMS to at most ``d``.
-        weight_decay: decoupled, ``p <- p - lr wd p``.
-        maximize: ascend instead of descend.
+    """torch.optim.Adafactor (Shazeer & Stern 2018): ``scale_by_adafactor``, after ``scale(-1)``
+    with ``maximize``. ``lr`` caps the relative step size and scales the decoupled weight decay;
+    ``eps = (eps1, eps2)`` floor the second moments (None: the dtype's eps) and the param's RMS.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.adafactor()
@@ -232,8 +220,6 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     tensor([[0.9900, 0.9900],
             [0.9900, 0.9900]])
     """
-    if not isinstance(maximize, bool):
-        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
-    return as_optimizer(chain(*([scale(-1.0)] if maximize else []),
+    return as_optimizer(chain(*([scale(-1.0)] if check_maximize(maximize) else []),
                               scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)),
                         strict=True)

@@ -1,6 +1,9 @@
-"""Plumbing shared by the torch.optim family beyond Adam: the descent prefix, step numbers,
-and per-leaf rules whose state also holds a few scalars (NAdam's ``mu_product``, schedule-free
-AdamW's ``weight_sum``).
+"""The torch.optim family beyond Adam, SGD, AdaGrad and RMSprop: each optimizer is a
+:class:`Rule` (a per-leaf function, its buffers and hyperparameters), the transformation
+``scale_by_<name>`` of that rule, and an alias chaining it in torch's order.
+
+This module holds the machinery and the rules that scale by ``-lr`` afterwards (Adadelta,
+Adamax, Lion, NAdam, RAdam); ``_family_steps`` those whose rule is the whole step.
 """
 
 from __future__ import annotations
@@ -13,112 +16,73 @@ from torch import Tensor
 
 from minitrain.optim._checks import (
     WeightDecayMask,
-    check_hyperparameter,
-    check_pair,
-    hyperparameter,
-    scalar,
+    check_betas,
+    check_maximize,
+    checked,
+    float32,
+    is_traced,
+    lerp_weight,
 )
-from minitrain.optim._host import is_traced, next_step
-from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
-from minitrain.optim.base import GradientTransformation, Optimizer, as_optimizer, chain, tagged
+from minitrain.optim.alias import torch_order
+from minitrain.optim.base import GradientTransformation, Optimizer, ScalarOrSchedule, as_optimizer
 from minitrain.optim.leafwise import leafwise
+from minitrain.optim.transforms import add_decayed_weights, add_scaled, sqrt, zeros
 from minitrain.tree import Params
 
 __all__ = [
-    "Scalar",
-    "add_scaled",
-    "leafwise_with_scalars",
-    "zeros",
-    "second_moment",
-    "check_range",
-    "check_betas",
-    "find_state",
-    "torch_order",
-    "Rule",
-    "moments_rule",
-    "rule_transform",
-    "family_optimizer",
+    "adadelta", "scale_by_adadelta", "ScaleByAdadeltaState",
+    "adamax", "scale_by_adamax", "ScaleByAdamaxState",
+    "lion", "scale_by_lion", "ScaleByLionState",
+    "nadam", "scale_by_nadam", "ScaleByNadamState",
+    "radam", "scale_by_radam", "ScaleByRadamState",
 ]
-
 
 Scalar = int | float | Tensor
 """A hyperparameter: a number or a one-element tensor (squeezed to 0-d like torch.optim)."""
 
 
-def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
-    """``x + alpha * y`` in one pass (``torch.add(x, y, alpha=alpha)``) when ``alpha`` is a
-    number; with a tensor ``alpha`` (traced, or a tensor hyperparameter) as two ops."""
-    if isinstance(alpha, Tensor):
-        return x + alpha * y
-    return torch.add(x, y, alpha=alpha)
+class Rule(NamedTuple):
+    """A family member's per-leaf rule (:func:`~minitrain.optim.leafwise`'s arguments). The
+    lowering reads ``name``, ``scalars``, ``advance`` and ``state_hyperparams``: the
+    hyperparameters that reach the rule only through ``advance`` or its initial state (ASGD's
+    lr, NAdam's momentum_decay), which keep the update off the kernels when traced."""
+
+    name: str
+    state_type: type
+    init_leaf: Callable[[Tensor], dict[str, Tensor]]
+    update_leaf: Callable[..., Any]
+    hyperparams: dict[str, Any]
+    scalars: dict[str, Callable[[], Tensor]] | None = None
+    advance: Callable[..., Any] | None = None
+    needs_params: bool = False
+    state_hyperparams: tuple[Any, ...] = ()
 
 
-def zeros(p: Tensor) -> Tensor:
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
+def rule_transform(rule: Rule) -> GradientTransformation:
+    """``rule`` as a transformation; its spec carries the rule for the lowering."""
+    tx = leafwise(rule.name, rule.init_leaf, rule.update_leaf, rule.state_type,
+                  rule.hyperparams, needs_params=rule.needs_params, scalars=rule.scalars,
+                  advance=rule.advance)
+    tx.update.minitrain_spec[1]["rule"] = rule
+    return tx
 
 
-def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
-    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
-    ``beta2`` (``vmap`` over betas) or one that requires grad, whose ``1 - beta2`` cannot be
-    ``addcmul``'s number, the same products in the kernel's order, ``beta2 v + ((1 - beta2) g)
-    g`` (differentiable in ``beta2``)."""
-    if is_traced(beta2) or (isinstance(beta2, Tensor) and beta2.requires_grad):
-        return beta2 * exp_avg_sq + (1 - beta2) * g * g
-    return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
-
-
-def check_range(name: str, value: Any, low: float, high: float = float("inf"), **open_ends):
-    """``value`` as torch.optim takes it (see ``hyperparameter``), checked to lie in range."""
-    value = hyperparameter(name, value)
-    check_hyperparameter(name, value, low, high, **open_ends)
-    return value
-
-
-def check_betas(betas: Any, high: float = 1.0, high_open: bool = True) -> tuple[Any, Any]:
-    """torch.optim's ``betas``: two numbers or two tensors, each in ``[0, high)`` (``[0, high]``
-    with ``high_open=False``, as Lion allows).
-
-    >>> check_betas((0.9, 1.0))
-    Traceback (most recent call last):
-    ...
-    ValueError: invalid betas[1]=1.0: it must lie in [0.0, 1.0); pass a value in that range
-    """
-    beta1, beta2 = check_pair("betas", betas)
-    check_hyperparameter("betas[0]", beta1, 0.0, high, high_open=high_open)
-    check_hyperparameter("betas[1]", beta2, 0.0, high, high_open=high_open)
-    return beta1, beta2
-
-
-def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool = False,
-                decay: GradientTransformation | None = None,
-                decoupled: bool = False) -> GradientTransformation:
-    """torch.optim's order as a chain: ``-g`` when maximizing, the L2 ``decay`` (``g + wd p``)
-    before the ``rule``'s transformations or, ``decoupled``, after them, then ``-lr`` (none for
-    ``lr=None``: the rule's output is the whole step).
-
-    >>> import minitrain as mt
-    >>> tx = torch_order([mt.optim.scale_by_adam()], 1e-3, maximize=True)
-    >>> [mt.optim.spec(t)[0] for t in mt.optim.spec(tx)[1]["transforms"]]
-    ['scale', 'scale_by_adam', 'scale_by_learning_rate']
-    """
-    return chain(
-        *([scale(-1.0)] if maximize else []),
-        *([decay] if decay is not None and not decoupled else []),
-        *rule,
-        *([decay] if decay is not None and decoupled else []),
-        *([scale_by_learning_rate(lr)] if lr is not None else []),
-    )
+def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
+                     weight_decay: Any = 0.0, mask: WeightDecayMask = None,
+                     decoupled: bool = False) -> Optimizer:
+    """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``; with
+    ``lr=None`` the rule's output is the whole step."""
+    check_maximize(maximize)
+    weight_decay = checked("weight_decay", weight_decay, 0.0)
+    decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
+    return as_optimizer(torch_order(
+        [rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
+        decay=add_decayed_weights(weight_decay, mask) if decays else None), strict=True)
 
 
 def find_state(state: Any, state_type: type) -> Any:
-    """The first ``state_type`` in ``state``, looking inside chains' tuples and
-    ``multi_transform``'s dicts of states in order; None when there is none.
-
-    >>> import torch, minitrain as mt
-    >>> tx = mt.optim.chain(mt.optim.clip(1.0), mt.optim.scale_by_lion())
-    >>> type(find_state(tx.init([torch.zeros(2)]), mt.optim.ScaleByLionState)).__name__
-    'ScaleByLionState'
-    """
+    """The first ``state_type`` in ``state`` (inside chains' tuples and ``multi_transform``'s
+    dicts too), or None."""
     if isinstance(state, state_type):
         return state
     if isinstance(state, tuple | list | dict):
@@ -129,136 +93,306 @@ def find_state(state: Any, state_type: type) -> Any:
     return None
 
 
-def leafwise_with_scalars(
-    name: str,
-    state_type: type,
-    scalars: dict[str, Callable[[], Tensor]],
-    advance: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
-    init_leaf: Callable[[Tensor], dict[str, Tensor]],
-    update_leaf: Callable[..., tuple[Tensor, dict[str, Tensor]]],
-    hyperparams: dict[str, Any],
-    *,
-    needs_params: bool = False,
-) -> GradientTransformation:
-    """A per-leaf rule (:func:`~minitrain.optim.leafwise`) whose state also keeps 0-d scalars.
-
-    ``state_type`` has fields ``count``, then the names in ``scalars`` (each made by its
-    function at init), then the buffers of ``init_leaf``. Per update,
-    ``advance(step, **scalars) -> (new_scalars, per_step)`` gives the next scalars and extra
-    keyword arguments for ``update_leaf``; the scalars come as plain numbers, or as 0-d
-    tensors when traced or when they require grad.
-    """
-    fields = state_type._fields
-    names = tuple(scalars)
-    if fields[: 1 + len(names)] != ("count", *names):
-        raise ValueError(f"{name}: state_type fields must be count, then {names}")
-    buffers = fields[1 + len(names):]
-    leaf_state = NamedTuple(f"{state_type.__name__}Buffers",  # type: ignore[misc]
-                            [("count", Tensor), *((b, Any) for b in buffers)])
-    hyper = {key: hyperparameter(key, value) for key, value in hyperparams.items()}
-    template = leafwise(name, init_leaf, update_leaf, leaf_state, hyper,
-                        needs_params=needs_params)
-
-    def init(params: Params):
-        inner = template.init(params)
-        return state_type(inner.count, *(make() for make in scalars.values()), *inner[1:])
-
-    def update(updates, state, params=None):
-        if not isinstance(state, state_type):
-            raise ValueError(
-                f"{name} expected a {state_type.__name__}, got {type(state).__name__}; "
-                f"pass the state returned by its init(params)"
-            )
-        old = {key: getattr(state, key) for key in names}
-        traced = is_traced(state.count) or any(is_traced(v) for v in old.values())
-        step = next_step(state.count)
-        # A scalar that requires grad stays a tensor: its history (NAdam's mu_product as a
-        # function of beta1) is part of the hypergradient.
-        values = old if traced else {key: v if _requires_grad(v) else scalar(v)
-                                     for key, v in old.items()}
-        new_scalars, per_step = advance(step, **values)
-        # A traced scalar, or one that requires grad, may carry into the buffers a
-        # hyperparameter that update_leaf never sees (Rprop's lr, its initial step sizes):
-        # leafwise watches them too, so that the plain path runs.
-        rule = leafwise(name, init_leaf, update_leaf, leaf_state, {**hyper, **per_step},
-                        needs_params=needs_params, also_watch=tuple(old.values()))
-        inner = leaf_state(state.count, *(getattr(state, b) for b in buffers))
-        updates, inner = rule.update(updates, inner, params)
-        kept = {key: _like(new_scalars[key], old[key]) for key in names}
-        return updates, state_type(inner.count, **kept,
-                                   **{b: getattr(inner, b) for b in buffers})
-
-    return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper)
+def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
+    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
+    ``beta2`` or one that requires grad, the same products in the kernel's order."""
+    if is_traced(beta2) or (isinstance(beta2, Tensor) and beta2.requires_grad):
+        return beta2 * exp_avg_sq + (1 - beta2) * g * g
+    return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
 
 
-def _requires_grad(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.requires_grad
-
-
-def _like(value: Any, old: Tensor) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.to(old.dtype)
-    return torch.tensor(value, dtype=old.dtype, device=old.device)
-
-
-# --------------------------------------------------------------------------------------------
-# A rule, its chain, and the chain's fast path
-
-
-class Rule(NamedTuple):
-    """What a family member contributes: a per-leaf rule (:func:`leafwise`'s contract), and
-    for rules that keep scalars, their initial values and ``advance`` (see
-    :func:`leafwise_with_scalars`)."""
-
-    name: str
-    state_type: type
-    init_leaf: Callable[[Tensor], dict[str, Tensor]]
-    update_leaf: Callable[..., Any]
-    hyperparams: dict[str, Any]
-    scalars: dict[str, Callable[[], Tensor]] | None = None
-    advance: Callable[..., Any] | None = None
-    needs_params: bool = False
-    # The hyperparameters that reach the rule only through ``advance`` or its initial state
-    # (ASGD's lr and alpha, NAdam's momentum_decay): a traced one, or one that requires grad,
-    # keeps the update off the fast path, as one of ``hyperparams`` does.
-    state_hyperparams: tuple[Any, ...] = ()
-
-
-def moments_rule(name: str, state_type: type, update_leaf: Callable[..., Any], b1: Any, b2: Any,
-                 eps: Any) -> Rule:
-    """A rule with Adam's hyperparameters (``betas`` in [0, 1), ``eps`` >= 0) whose buffers,
-    the fields of ``state_type`` after ``count``, start at zero (Adamax, RAdam)."""
+def _moments(name: str, state_type: type, update_leaf: Callable, b1: Any, b2: Any,
+             eps: Any, scalars: tuple[str, ...] = ()) -> Rule:
+    """A rule with Adam's hyperparameters whose buffers start at zero."""
     beta1, beta2 = check_betas((b1, b2))
-    eps = check_range("eps", eps, 0.0)
-    buffers = state_type._fields[1:]
+    buffers = state_type._fields[1 + len(scalars):]
     return Rule(name, state_type, lambda p: {b: zeros(p) for b in buffers}, update_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=eps))
+                dict(beta1=beta1, beta2=beta2, eps=checked("eps", eps, 0.0)))
 
 
-def rule_transform(rule: Rule) -> GradientTransformation:
-    """``rule`` as a transformation (its spec carries the rule: its scalars and ``advance``)."""
-    if rule.scalars:
-        tx = leafwise_with_scalars(rule.name, rule.state_type, rule.scalars, rule.advance,
-                                   rule.init_leaf, rule.update_leaf, rule.hyperparams,
-                                   needs_params=rule.needs_params)
-    else:
-        tx = leafwise(rule.name, rule.init_leaf, rule.update_leaf, rule.state_type,
-                      rule.hyperparams, needs_params=rule.needs_params)
-    tx.update.minitrain_spec[1]["rule"] = rule
-    return tx
+# -- Adadelta ---------------------------------------------------------------------------------
 
 
-def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
-                     weight_decay: Any = 0.0, mask: WeightDecayMask = None,
-                     decoupled: bool = False) -> Optimizer:
-    """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``.
+class ScaleByAdadeltaState(NamedTuple):
+    """``count``, ``square_avg`` (running E[g²]) and ``acc_delta`` (running E[Δx²])."""
 
-    ``lr=None``: the rule's output is the whole step (Rprop, ASGD, schedule-free AdamW).
+    count: Tensor
+    square_avg: Params
+    acc_delta: Params
+
+
+def adadelta_leaf(g, buffers, p, step, rho, eps):
+    """Zeiler 2012, Algorithm 1 (torch's ``_single_tensor_adadelta``): the step is
+    ``sqrt(E[Δx²] + eps) / sqrt(E[g²] + eps) * g``, before ``-lr``."""
+    square_avg = second_moment(buffers["square_avg"], g, rho)
+    delta = (buffers["acc_delta"] + eps).sqrt() / (square_avg + eps).sqrt() * g
+    acc_delta = second_moment(buffers["acc_delta"], delta, rho)
+    return delta, {"square_avg": square_avg, "acc_delta": acc_delta}
+
+
+def _adadelta(rho: Any, eps: Any) -> Rule:
+    return Rule("scale_by_adadelta", ScaleByAdadeltaState,
+                lambda p: {"square_avg": zeros(p), "acc_delta": zeros(p)}, adadelta_leaf,
+                dict(rho=checked("rho", rho, 0.0, 1.0), eps=checked("eps", eps, 0.0)))
+
+
+def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6) -> GradientTransformation:
+    """Adadelta's per-coordinate step (before ``-lr``).
+
+    >>> import torch
+    >>> tx = scale_by_adadelta(rho=0.0, eps=1e-6)
+    >>> tx.update([torch.tensor([2.0])], tx.init([torch.zeros(1)]))[0]
+    [tensor([0.0010])]
     """
-    if not isinstance(maximize, bool):
-        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
-    weight_decay = check_range("weight_decay", weight_decay, 0.0)
-    decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
-    return as_optimizer(torch_order(
-        [rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
-        decay=add_decayed_weights(weight_decay, mask) if decays else None), strict=True)
+    return rule_transform(_adadelta(rho, eps))
+
+
+def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
+             weight_decay: Any = 0.0, *, maximize: bool = False,
+             mask: WeightDecayMask = None) -> Optimizer:
+    """torch.optim.Adadelta (Zeiler 2012): L2 weight decay, Adadelta's step, times ``-lr``.
+
+    >>> import torch
+    >>> opt, params = adadelta(lr=1.0, rho=0.0), {"w": torch.tensor([1.0])}
+    >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
+    tensor([0.9990])
+    """
+    return family_optimizer(_adadelta(rho, eps), lr, maximize=maximize,
+                            weight_decay=weight_decay, mask=mask)
+
+
+# -- Adamax -----------------------------------------------------------------------------------
+
+
+class ScaleByAdamaxState(NamedTuple):
+    """``count``, ``exp_avg`` (first moment) and ``exp_inf`` (decayed infinity norm)."""
+
+    count: Tensor
+    exp_avg: Params
+    exp_inf: Params
+
+
+def adamax_leaf(g, buffers, p, step, beta1, beta2, eps):
+    """Kingma & Ba 2015, Algorithm 2, with torch's eps inside the max:
+    ``u = max(beta2 * u, |g| + eps)``; the step is ``m / u / (1 - beta1^t)``."""
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    exp_inf = torch.maximum(beta2 * buffers["exp_inf"], g.abs() + eps)
+    return exp_avg / exp_inf / (1 - beta1**step), {"exp_avg": exp_avg, "exp_inf": exp_inf}
+
+
+def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999,
+                    eps: Scalar = 1e-8) -> GradientTransformation:
+    """Adamax's step (before ``-lr``).
+
+    >>> import torch
+    >>> tx = scale_by_adamax()
+    >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1., -1.])]
+    """
+    return rule_transform(_moments("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, b1, b2,
+                                   eps))
+
+
+def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999),
+           eps: Scalar = 1e-8, weight_decay: Any = 0.0, *, maximize: bool = False,
+           mask: WeightDecayMask = None) -> Optimizer:
+    """torch.optim.Adamax: L2 weight decay, then Adamax's step, times ``-lr``.
+
+    >>> import torch
+    >>> opt, params = adamax(lr=0.1), {"w": torch.tensor([1.0])}
+    >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
+    tensor([0.9000])
+    """
+    rule = _moments("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, *check_betas(betas),
+                    eps)
+    return family_optimizer(rule, lr, maximize=maximize, weight_decay=weight_decay, mask=mask)
+
+
+# -- Lion -------------------------------------------------------------------------------------
+
+
+class ScaleByLionState(NamedTuple):
+    """``count`` and ``exp_avg``, Lion's single momentum buffer (as lion-pytorch names it)."""
+
+    count: Tensor
+    exp_avg: Params
+
+
+def lion_leaf(g, buffers, p, step, beta1, beta2):
+    """Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2: the step
+    is ``sign(beta1 m + (1 - beta1) g)``; then ``m <- beta2 m + (1 - beta2) g``."""
+    m = buffers["exp_avg"]
+    return (torch.sign(torch.lerp(m, g, lerp_weight(1 - beta1, m))),
+            {"exp_avg": torch.lerp(m, g, lerp_weight(1 - beta2, m))})
+
+
+def _lion(betas: Any) -> Rule:
+    beta1, beta2 = check_betas(betas, high_open=False)
+    return Rule("scale_by_lion", ScaleByLionState, lambda p: {"exp_avg": zeros(p)}, lion_leaf,
+                dict(beta1=beta1, beta2=beta2))
+
+
+def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99) -> GradientTransformation:
+    """Lion's sign step (before weight decay and ``-lr``).
+
+    >>> import torch
+    >>> tx = scale_by_lion()
+    >>> tx.update([torch.tensor([3.0, -0.5, 0.0])], tx.init([torch.zeros(3)]))[0]
+    [tensor([ 1., -1.,  0.])]
+    """
+    return rule_transform(_lion((b1, b2)))
+
+
+def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
+         weight_decay: Any = 0.0, *, maximize: bool = False,
+         mask: WeightDecayMask = None) -> Optimizer:
+    """Lion with decoupled weight decay, ``p <- p - lr (sign(...) + wd p)`` (lion-pytorch's
+    defaults; its ``decoupled_weight_decay=True`` is ``weight_decay=wd / lr``).
+
+    >>> import torch
+    >>> opt, params = lion(lr=0.1), {"w": torch.tensor([1.0, 1.0])}
+    >>> opt.update({"w": torch.tensor([2.0, -3.0])}, opt.init(params), params)[0]["w"]
+    tensor([0.9000, 1.1000])
+    """
+    return family_optimizer(_lion(betas), lr, maximize=maximize, weight_decay=weight_decay,
+                            mask=mask, decoupled=True)
+
+
+# -- NAdam ------------------------------------------------------------------------------------
+
+
+class ScaleByNadamState(NamedTuple):
+    """``count``, ``mu_product`` (the momentum schedule's product so far, float32 0-d as torch
+    keeps it), ``exp_avg`` and ``exp_avg_sq``."""
+
+    count: Tensor
+    mu_product: Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+
+
+def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
+    """torch's ``_single_tensor_nadam`` (Dozat 2016): ``(grad_coef g + avg_coef m) /
+    (sqrt(v_hat) + eps)``, before ``-lr``."""
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
+    # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): the 1 / sqrt(bc2) moves
+    # into the two coefficients, a pass less over v.
+    root = sqrt(1 - beta2**step)
+    denom = exp_avg_sq.sqrt() + eps * root
+    direction = add_scaled(g * (grad_coef * root), exp_avg, avg_coef * root) / denom
+    return direction, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def _nadam(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
+    rule = _moments("scale_by_nadam", ScaleByNadamState, nadam_leaf, b1, b2, eps,
+                    scalars=("mu_product",))
+    beta1, momentum_decay = rule.hyperparams["beta1"], checked("momentum_decay",
+                                                               momentum_decay, 0.0)
+
+    def mu_at(step):  # Dozat 2016: mu_t = beta1 (1 - 0.5 * 0.96^(t * psi))
+        return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+
+    def advance(step, mu_product):
+        mu, mu_next = mu_at(step), mu_at(step + 1)
+        mu_product = float32(mu_product * mu)  # torch keeps a float32 mu_product
+        return {"mu_product": mu_product}, {"grad_coef": (1.0 - mu) / (1.0 - mu_product),
+                                            "avg_coef": mu_next / (1.0 - mu_product * mu_next)}
+
+    return rule._replace(
+        scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
+        advance=advance, state_hyperparams=(momentum_decay,))
+
+
+def scale_by_nadam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
+                   momentum_decay: Scalar = 4e-3) -> GradientTransformation:
+    """NAdam's step (before ``-lr``).
+
+    >>> import torch
+    >>> tx = scale_by_nadam()
+    >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1.0565, -1.0565])]
+    """
+    return rule_transform(_nadam(b1, b2, eps, momentum_decay))
+
+
+def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
+          weight_decay: Any = 0.0, momentum_decay: Scalar = 4e-3,
+          decoupled_weight_decay: bool = False, *, maximize: bool = False,
+          mask: WeightDecayMask = None) -> Optimizer:
+    """torch.optim.NAdam: L2 decay before the step, or decoupled decay (``p -= lr * wd * p``).
+
+    >>> import torch, minitrain as mt
+    >>> opt = mt.optim.nadam(lr=0.1, weight_decay=0.1, decoupled_weight_decay=True)
+    >>> params = {"w": torch.tensor([1.0])}
+    >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
+    tensor([0.8844])
+    """
+    return family_optimizer(_nadam(*check_betas(betas), eps, momentum_decay), lr,
+                            maximize=maximize, weight_decay=weight_decay, mask=mask,
+                            decoupled=bool(decoupled_weight_decay))
+
+
+# -- RAdam ------------------------------------------------------------------------------------
+
+
+class ScaleByRadamState(NamedTuple):
+    """``count``, ``exp_avg`` and ``exp_avg_sq``, like torch.optim.RAdam's state."""
+
+    count: Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+
+
+def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
+    """Liu et al. 2020, Algorithm 2 (torch's ``_single_tensor_radam``): while the approximated
+    SMA ``rho_t`` is at most 5 the step is the bias-corrected momentum; after, it is rectified
+    by ``r_t`` and divided by ``sqrt(v_t) + eps`` (before ``-lr``)."""
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
+    traced = isinstance(rho_t, Tensor)
+    if not traced and rho_t <= 5.0:
+        return exp_avg / bias_correction1, new
+    # The clamp only keeps the (unused) early branch of torch.where finite under tracing.
+    safe_rho = rho_t.clamp(min=5.0) if traced else rho_t
+    rect = sqrt((safe_rho - 4) * (safe_rho - 2) * rho_inf
+                / ((rho_inf - 4) * (rho_inf - 2) * safe_rho))
+    # m_t / (1 - b1^t) * r_t * sqrt(1 - b2^t) / (sqrt(v_t) + eps), the scalars in one factor
+    factor = rect * sqrt(bias_correction2) / bias_correction1
+    rectified = exp_avg * factor / (exp_avg_sq.sqrt() + eps)
+    if traced:
+        return torch.where(rho_t > 5.0, rectified, exp_avg / bias_correction1), new
+    return rectified, new
+
+
+def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999,
+                   eps: Scalar = 1e-8) -> GradientTransformation:
+    """RAdam's step (before ``-lr``): the first steps are plain momentum (SGD-like).
+
+    >>> import torch
+    >>> tx = scale_by_radam()
+    >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 3.0000, -0.5000])]
+    """
+    return rule_transform(_moments("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2,
+                                   eps))
+
+
+def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
+          weight_decay: Any = 0.0, decoupled_weight_decay: bool = False, *,
+          maximize: bool = False, mask: WeightDecayMask = None) -> Optimizer:
+    """torch.optim.RAdam: L2 decay before the step, or decoupled decay (``p -= lr * wd * p``).
+
+    >>> import torch
+    >>> opt, params = radam(lr=0.1), {"w": torch.tensor([1.0])}
+    >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
+    tensor([0.8000])
+    """
+    rule = _moments("scale_by_radam", ScaleByRadamState, radam_leaf, *check_betas(betas), eps)
+    return family_optimizer(rule, lr, maximize=maximize, weight_decay=weight_decay, mask=mask,
+                            decoupled=bool(decoupled_weight_decay))

@@ -1,12 +1,7 @@
-"""Flattening an update's trees with less Python: dicts, lists and tuples of tensors are walked
-by one small function; anything else (namedtuples, OrderedDicts, None, registered nodes, tensor
-subclasses) goes through ``torch.utils._pytree``. Leaves come in ``_pytree``'s order and
-:func:`unflatten` rebuilds the same containers (dicts in their key order), so the two are
-interchangeable; the structure is a hashable nested tuple, or a ``TreeSpec`` from the fallback.
-
-An optimizer flattens params, grads and state on every update, and the update's Python starts
-with cold caches (the previous update or a backward pass has swept them), where ``_pytree``'s
-many small functions cost most.
+"""Flattening an update's trees with less Python than ``torch.utils._pytree`` (whose many small
+functions cost most with the cold caches an update starts with): dicts, lists and tuples of
+tensors are walked here, anything else goes through ``_pytree``. Leaves come in ``_pytree``'s
+order; the structure is a hashable nested tuple, or a ``TreeSpec`` from the fallback.
 
 >>> leaves, structure = flatten({"w": torch.ones(2), "b": [torch.zeros(1)]})
 >>> [t.shape for t in leaves], unflatten(structure, leaves)["b"][0]
@@ -77,24 +72,3 @@ def _build(structure: Any, given: Any) -> Any:
     children = [_build(child, given) for child in structure[1]]
     return children if structure[0] == _LIST else tuple(children)
 
-
-def plain(structure: Any) -> bool:
-    """Whether :func:`unflatten` rebuilds ``structure`` without running any of the caller's
-    code: dicts, lists and tuples this module walked, with ``str`` or ``int`` dict keys (whose
-    hashing runs no ``__hash__`` of the caller's), not a ``_pytree`` spec (whose registered
-    nodes and namedtuple classes are the caller's code).
-
-    >>> plain(flatten({"w": torch.ones(1), "b": [torch.ones(1)]})[1])
-    True
-    >>> from collections import OrderedDict
-    >>> plain(flatten(OrderedDict(w=torch.ones(1)))[1])  # a _pytree spec
-    False
-    """
-    if structure is None:
-        return True
-    if type(structure) is not tuple:
-        return False
-    if structure[0] == _DICT:
-        return all(type(key) is str or type(key) is int for key in structure[1]) and \
-            all(map(plain, structure[2]))
-    return all(map(plain, structure[1]))

@@ -1,10 +1,7 @@
 """The leaves ``multi_transform`` and ``masked`` hand to their inner transformations, keyed by
-their names in the whole params (as optax keeps the params' structure in each inner state).
-
-A group's state is then named after the params it belongs to (``inner_states.adam.mu.w``), so a
-checkpoint resumed with other labels fails to load instead of loading each leaf's moments into
-another param. Checkpoints saved when groups were lists (``inner_states.adam.mu.0``) still load:
-:func:`as_lists` gives the template their layout, and :func:`like` puts the loaded leaves back.
+their names in the whole params, so a group's state is named after its params
+(``inner_states.adam.mu.w``) and a checkpoint resumed with other labels fails to load. Those
+saved when groups were lists (``inner_states.adam.mu.0``) still load (:func:`legacy_template`).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from typing import Any
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
 
-__all__ = ["LeafGroup", "group", "has_groups", "as_lists", "like", "legacy_template"]
+__all__ = ["LeafGroup", "group", "as_lists", "like", "legacy_template"]
 
 
 class LeafGroup(dict):
@@ -49,18 +46,8 @@ def _is_group(node: Any) -> bool:
     return type(node) is LeafGroup
 
 
-def has_groups(pytree: Any) -> bool:
-    """Whether ``pytree`` holds a :class:`LeafGroup` anywhere.
-
-    >>> has_groups({"a": group([("w", 1)])}), has_groups({"a": [1]})
-    (True, False)
-    """
-    return any(_is_group(node) for node in _pytree.tree_leaves(pytree, is_leaf=_is_group))
-
-
 def as_lists(pytree: Any) -> Any:
-    """``pytree`` with every :class:`LeafGroup` a list of its values, in order: the layout of
-    checkpoints saved when groups were lists.
+    """``pytree`` with every :class:`LeafGroup` a list of its values: the old layout.
 
     >>> as_lists({"a": group([("w", 1), ("b", 2)])})
     {'a': [1, 2]}
@@ -70,16 +57,16 @@ def as_lists(pytree: Any) -> Any:
 
 
 def like(template: Any, loaded: Any) -> Any:
-    """``loaded`` (a tree shaped like ``as_lists(template)``) with ``template``'s structure:
-    the leaves come in the same order in both."""
+    """``loaded`` (shaped like ``as_lists(template)``) with ``template``'s structure."""
     return tree.unflatten(tree.structure(template), tree.leaves(loaded))
 
 
 def legacy_template(template: Any, template_names: set[str], saved_names: list[str]) -> Any:
     """``template`` (whose leaves are ``template_names``) in the layout of a checkpoint saved
-    when groups were lists (``inner_states.adam.exp_avg.0``), when ``saved_names`` are that
-    layout's and not the template's; else None."""
-    if all(name in template_names for name in saved_names) or not has_groups(template):
+    when groups were lists, when ``saved_names`` are that layout's and not the template's; else
+    None."""
+    has_groups = any(map(_is_group, _pytree.tree_leaves(template, is_leaf=_is_group)))
+    if all(name in template_names for name in saved_names) or not has_groups:
         return None
     legacy = as_lists(template)
     legacy_names = {name for name, _ in tree.named_leaves(legacy)}

@@ -1,9 +1,6 @@
 """Muon (Jordan et al. 2024), as torch.optim.Muon computes it: momentum, then the update
-orthogonalized by a quintic Newton-Schulz iteration in bfloat16, for 2-D params only.
-
-Muon is meant for the hidden weight matrices; embeddings, norms, biases and the output head go
-to AdamW, e.g. with ``multi_transform`` (see ``examples/bytelm_muon.py``).
-"""
+orthogonalized by a quintic Newton-Schulz iteration in bfloat16, for 2-D params only (the rest
+go to AdamW with ``multi_transform``, as ``examples/bytelm_muon.py`` does)."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import check_hyperparameter, hyperparameter
-from minitrain.optim._host import is_traced
+from minitrain.optim._checks import check_maximize, checked, is_traced
 from minitrain.optim._newton_schulz import (
     EPS,
     NS_COEFFICIENTS,
@@ -25,7 +21,6 @@ from minitrain.optim._newton_schulz import (
     newton_schulz,
     newton_schulz_each,
 )
-from minitrain.optim._transforms_rules import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -36,6 +31,7 @@ from minitrain.optim.base import (
     tagged,
 )
 from minitrain.optim.leafwise import leafwise
+from minitrain.optim.transforms import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.tree import Params
 
 __all__ = [
@@ -56,13 +52,6 @@ class MuonMomentumState(NamedTuple):
 
     count: Tensor
     momentum_buffer: Params
-
-
-def _checked(name: str, value: Any, low: float) -> Any:
-    """``value`` as torch.optim takes it (a number, or a one-element tensor as 0-d), >= low."""
-    value = hyperparameter(name, value)
-    check_hyperparameter(name, value, low)
-    return value
 
 
 def muon_momentum_leaf(g, buffers, p, step, momentum, nesterov):
@@ -88,7 +77,7 @@ def muon_momentum(momentum: Any = 0.95, nesterov: bool = True) -> GradientTransf
     >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
     [tensor([0.5000])]
     """
-    momentum = _checked("momentum", momentum, 0.0)
+    momentum = checked("momentum", momentum, 0.0)
     if isinstance(nesterov, Tensor) and (  # it picks a branch: one value, read now
             is_traced(nesterov) or nesterov.numel() != 1 or nesterov.is_meta):
         raise ValueError("invalid nesterov: a traced tensor, or one without one value, cannot "
@@ -103,13 +92,11 @@ def muon_momentum(momentum: Any = 0.95, nesterov: bool = True) -> GradientTransf
 def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> float:
     """The factor Muon scales its lr by for an ``(A, B)`` matrix (torch's ``_adjust_lr``):
     ``sqrt(max(1, A/B))`` (``"original"``, the default: Keller Jordan), ``0.2 sqrt(max(A, B))``
-    (``"match_rms_adamw"``: Liu et al. 2025, "Muon is Scalable for LLM Training") or
-    ``sqrt(A/B)`` (``"spectral_unclamped"``: Bernstein, "Deriving Muon"; torch >= 2.14).
+    (``"match_rms_adamw"``: Liu et al. 2025) or ``sqrt(A/B)`` (``"spectral_unclamped"``:
+    Bernstein, "Deriving Muon").
 
     >>> muon_lr_ratio((1024, 256)), muon_lr_ratio((256, 1024), "match_rms_adamw")
     (2.0, 6.4)
-    >>> muon_lr_ratio((256, 1024), "spectral_unclamped")
-    0.5
     """
     if not (adjust_lr_fn is None or isinstance(adjust_lr_fn, str)
             and adjust_lr_fn in ADJUST_LR_FNS):
@@ -140,7 +127,7 @@ def _check_matrices(params: Params) -> None:
 
 def _check_ns_arguments(ns_coefficients: Any, ns_steps: Any, eps: Any) -> tuple[Coefficients, Any]:
     """The coefficients and eps as the iteration takes them: numbers as floats, 0-d tensors
-    kept (differentiable, vmappable: see :func:`newton_schulz`)."""
+    kept."""
     if not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
         shown = repr(ns_steps) if isinstance(ns_steps, int | float) else type(ns_steps).__name__
         raise ValueError(f"invalid ns_steps={shown}: pass an int in [0, 100)")
@@ -150,9 +137,9 @@ def _check_ns_arguments(ns_coefficients: Any, ns_steps: Any, eps: Any) -> tuple[
         raise ValueError(
             f"invalid ns_coefficients: {shown}; pass three numbers or 0-d tensors (a, b, c)"
         )
-    checked = [_checked(f"ns_coefficients[{i}]", v, -math.inf)
-               for i, v in enumerate(ns_coefficients)] + [_checked("eps", eps, 0.0)]
-    a, b, c, eps = (v if isinstance(v, Tensor) else float(v) for v in checked)
+    values = [checked(f"ns_coefficients[{i}]", v, -math.inf)
+              for i, v in enumerate(ns_coefficients)] + [checked("eps", eps, 0.0)]
+    a, b, c, eps = (v if isinstance(v, Tensor) else float(v) for v in values)
     return (a, b, c), eps
 
 
@@ -161,8 +148,7 @@ def orthogonalize_by_newton_schulz(
     eps: Any = EPS, adjust_lr_fn: str | None = None,
 ) -> GradientTransformation:
     """Replace each 2-D update by :func:`newton_schulz` of it, times :func:`muon_lr_ratio`
-    (in the update's dtype). Matrices of one shape run as one batched iteration where that
-    gives each its own bits (:func:`~minitrain.optim._newton_schulz.newton_schulz_each`).
+    (in the update's dtype).
 
     >>> import torch
     >>> tx = orthogonalize_by_newton_schulz()
@@ -209,25 +195,9 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
          nesterov: bool = True, ns_coefficients: Coefficients = NS_COEFFICIENTS,
          eps: Any = EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None,
          *, maximize: bool = False) -> Optimizer:
-    """torch.optim.Muon: ``p <- p - lr (ratio NS(momentum(g)) + wd p)``, for 2-D params.
-
-    The chain ``scale_by_muon``, ``add_decayed_weights(weight_decay)``,
-    ``scale_by_learning_rate(lr)`` (after ``scale(-1)`` with ``maximize``). Its state is
-    ``((MuonMomentumState, EmptyState), EmptyState, ScaleByLearningRateState)``.
-
-    Args:
-        lr: the learning rate: a number, a one-element tensor or a schedule.
-        weight_decay: decoupled weight decay, scaled by ``lr`` (not by the ratio).
-        momentum, nesterov: the gradients' EMA factor, and Nesterov's look-ahead.
-        ns_coefficients, ns_steps, eps: the quintic Newton-Schulz iteration
-            (:func:`newton_schulz`).
-        adjust_lr_fn: the lr's ratio per matrix shape (:func:`muon_lr_ratio`): None or
-            ``"original"``, ``"match_rms_adamw"``, ``"spectral_unclamped"``.
-        maximize: ascend instead of descend.
-
-    The momentum buffers and the orthogonalized direction carry torch.optim.Muon's bits;
-    the params agree with it to rounding (torch shrinks the param, then adds the scaled
-    direction; a chain adds one update).
+    """torch.optim.Muon, ``p <- p - lr (ratio NS(momentum(g)) + wd p)`` for 2-D params: the
+    chain ``scale_by_muon``, ``add_decayed_weights(weight_decay)``, ``scale_by_learning_rate``.
+    The buffers and direction carry torch's bits; the params agree with it to rounding.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.muon(lr=0.02)
@@ -236,10 +206,8 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
     >>> round(float(params["w"][0, 0]), 3)
     -0.014
     """
-    if not isinstance(maximize, bool):
-        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
     return as_optimizer(chain(
-        *([scale(-1.0)] if maximize else []),
+        *([scale(-1.0)] if check_maximize(maximize) else []),
         scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn),
-        add_decayed_weights(_checked("weight_decay", weight_decay, 0.0)),
+        add_decayed_weights(checked("weight_decay", weight_decay, 0.0)),
         scale_by_learning_rate(lr)), strict=True)

@@ -1,11 +1,7 @@
 """Muon's orthogonalization: the quintic Newton-Schulz iteration in bfloat16 as
-torch.optim.Muon runs it, on one matrix, on a stack of same-shape matrices, and under ``vmap``.
-
-Stacking runs the matrices of one shape as batched GEMMs (``3 steps`` larger products instead
-of ``3 k steps`` small ones), but only where a probe showed that the batched kernels round as
-the one-matrix kernels do: the orthogonalized update of a leaf never depends on which other
-leaves it was stacked with. Under ``vmap`` each matrix runs the single-matrix iteration
-through a custom op with its own batching rule, so a member of a sweep gets its own run's bits.
+torch.optim.Muon runs it, on one matrix, on stacks of same-shape matrices (batched GEMMs, only
+where a probe showed they round as one matrix's do) and under ``vmap`` (a custom op whose
+batching rule runs each matrix on its own, so a sweep's member gets its own run's bits).
 """
 
 import math
@@ -15,7 +11,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch
-from minitrain.optim._host import functorch_wrappers, is_batched, is_traced
+from minitrain.optim._checks import is_traced
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "EPS", "as_number", "newton_schulz",
            "newton_schulz_each", "same_shape_stacks"]
@@ -29,25 +25,30 @@ EPS = 1e-7
 
 
 def as_number(value: Any) -> Any:
-    """A concrete tensor hyperparameter as its float (so it gives the float's bits, and a
-    float in the probes' cache keys); one that is traced, or carries a gradient under grad
-    mode, unchanged."""
+    """A concrete tensor hyperparameter as its float; one that is traced, or carries a gradient
+    under grad mode, unchanged."""
     if isinstance(value, Tensor) and not is_traced(value) \
             and not (value.requires_grad and torch.is_grad_enabled()):
         return float(value.detach().reshape(()).item())
     return value
 
 
+def functorch_wrappers(value: Tensor) -> list[str]:
+    """The torch.func wrappers around ``value``, outermost first: ``"batched"`` (``vmap``),
+    ``"grad"`` (``grad``, ``jvp``) or ``"other"``."""
+    kinds = []
+    while _torch.is_functorch_wrapped_tensor(value):
+        kinds.append("batched" if _torch.is_batchedtensor(value) else
+                     "grad" if _torch.is_gradtrackingtensor(value) else "other")
+        value = _torch.get_unwrapped(value)
+    return kinds
+
+
 def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
                   steps: int = NS_STEPS, eps: Any = EPS) -> Tensor:
-    """An approximate ``U V^T`` of ``g = U S V^T`` by ``steps`` quintic Newton-Schulz steps in
-    bfloat16 (torch's ``_zeropower_via_newtonschulz``, the same ops in the same order);
-    returned in bfloat16. ``g`` is one matrix ``(m, n)`` or a stack ``(k, m, n)``, each
-    matrix orthogonalized on its own with ``bmm``/``baddbmm`` (which need not round as ``mm``
-    does: :func:`newton_schulz_each` stacks only where a probe showed they do). Tensor
-    ``coefficients`` and ``eps`` that are traced (``vmap``) or carry a gradient stay in the
-    graph (the coefficients then scale float32 products, rounded to bfloat16 once per step as
-    ``addmm`` rounds); concrete ones give their floats' bits.
+    """An approximate ``U V^T`` of ``g = U S V^T`` (one matrix, or a stack ``(k, m, n)``) by
+    ``steps`` quintic Newton-Schulz steps in bfloat16, torch's ``_zeropower_via_newtonschulz``
+    op for op. Traced or differentiable tensor ``coefficients`` and ``eps`` stay in the graph.
 
     >>> import torch
     >>> q = newton_schulz(torch.diag(torch.tensor([3.0, 0.5])))
@@ -73,7 +74,7 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
         # contiguous: oneDNN's batched GEMM of transposed matrices rounds differently
         x = (x / norms[:, None, None]).contiguous()
         matmul, addmatmul = torch.bmm, torch.baddbmm
-    batched = is_batched(g)  # here with tensor hyperparameters, which the op cannot take
+    batched = "batched" in functorch_wrappers(g)  # with tensor hyperparameters: no custom op
     if any(isinstance(v, Tensor) for v in (a, b, c)) or batched:
         # addmm takes number beta/alpha, and vmap splits it into a bfloat16 bmm, scale and
         # add, each rounded: bfloat16 products are exact in float32, summed there, rounded once
@@ -87,10 +88,9 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     return x.mT if tall else x
 
 
-# --------------------------------------------------------------------------------------------
-# Under vmap: one matrix at a time. vmap turns an addmm into a batched GEMM, a rounded scale
-# and a rounded add, and a batched GEMM may sum in another order than one matrix's (1-30% of
-# an update apart after five steps); this op's batching rule runs each matrix on its own.
+# -- under vmap: one matrix at a time ----------------------------------------------------------
+# vmap turns an addmm into a batched GEMM, a rounded scale and a rounded add, and a batched
+# GEMM may sum in another order than one matrix's; this op's batching rule avoids both.
 
 
 @torch.library.custom_op("minitrain::newton_schulz", mutates_args=())
@@ -119,8 +119,8 @@ if _HAS_VMAP_RULES:
 
 
 def _takes_per_matrix_op(g: Tensor, *hyperparameters: object) -> bool:
-    """Whether ``g`` is batched by ``vmap`` with nothing to differentiate: no autograd history
-    or ``grad`` transform on it, and number hyperparameters (the op has no backward)."""
+    """Whether ``g`` is batched by ``vmap`` with nothing to differentiate (the op has no
+    backward)."""
     if not _HAS_VMAP_RULES or g.requires_grad or any(
             isinstance(v, Tensor) for v in hyperparameters):
         return False
@@ -128,8 +128,7 @@ def _takes_per_matrix_op(g: Tensor, *hyperparameters: object) -> bool:
     return "batched" in wrappers and "grad" not in wrappers
 
 
-# --------------------------------------------------------------------------------------------
-# Stacks of same-shape matrices
+# -- stacks of same-shape matrices -------------------------------------------------------------
 
 # A stack holds at most this many bfloat16 bytes (its products about as much again): larger
 # groups run in several stacks.
@@ -143,15 +142,11 @@ _STACK_IS_EXACT: dict[tuple, bool] = {}
 
 
 def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None) -> list[list[int]]:
-    """The indices of ``matrices`` grouped by shape, dtype and device, in order of first
-    appearance, each group cut into stacks of at most ``stack_bytes`` (default
-    :data:`STACK_BYTES`) in bfloat16.
+    """The indices of ``matrices`` grouped by shape, dtype and device, each group cut into
+    stacks of at most ``stack_bytes`` (default :data:`STACK_BYTES`) in bfloat16.
 
-    >>> import torch
     >>> same_shape_stacks([torch.ones(2, 3), torch.ones(3, 3), torch.ones(2, 3)])
     [[0, 2], [1]]
-    >>> same_shape_stacks([torch.ones(2, 3)] * 3, stack_bytes=24)
-    [[0, 1], [2]]
     """
     stack_bytes = STACK_BYTES if stack_bytes is None else stack_bytes
     groups: dict[tuple, list[int]] = {}
@@ -166,14 +161,8 @@ def same_shape_stacks(matrices: list[Tensor], stack_bytes: int | None = None) ->
 
 def newton_schulz_each(matrices: list[Tensor], coefficients: Coefficients = NS_COEFFICIENTS,
                        steps: int = NS_STEPS, eps: Any = EPS) -> list[Tensor]:
-    """:func:`newton_schulz` of each matrix, bit for bit, with the matrices of one shape
-    stacked into batched GEMMs where that gives the same bits (see :func:`_stacked`).
-
-    >>> import torch
-    >>> ms = [torch.randn(32, 48), torch.ones(2, 3), torch.randn(32, 48)]
-    >>> all(torch.equal(q, newton_schulz(m)) for q, m in zip(newton_schulz_each(ms), ms))
-    True
-    """
+    """:func:`newton_schulz` of each matrix, bit for bit, the matrices of one shape stacked
+    into batched GEMMs where that gives the same bits (:func:`_stacks`)."""
     coefficients = tuple(as_number(v) for v in coefficients)  # type: ignore[assignment]
     eps = as_number(eps)
     out: list[Tensor] = [None] * len(matrices)  # type: ignore[list-item]
@@ -191,17 +180,12 @@ def newton_schulz_each(matrices: list[Tensor], coefficients: Coefficients = NS_C
 def _stacks(matrices: list[Tensor], coefficients: Coefficients, steps: int, eps: Any) -> bool:
     """Whether these same-shape matrices run as one batched Newton-Schulz run.
 
-    Whether a batched run rounds as one matrix at a time does depends on the GEMM library's
-    kernels, not on the data: with oneDNN's CPU bfloat16 GEMMs most shapes round alike, some
-    do not (a side of 17, some stack sizes, tiny matrices). So the first stack of each shape,
-    size, device, thread count and GEMM setting is tried both ways on random matrices of its
-    shape (:func:`_stacking_is_exact`; a first update of zeros would round alike either way),
-    and stacked only if the two gave the same bits. One at a time, with nothing compared: a
-    single matrix, a side under :data:`STACK_MIN_SIDE`, non-contiguous matrices, tensor
-    hyperparameters (traced, or carrying a gradient), matrices under a functorch transform, a
-    compiler or autograd, and matrices without data (fake or meta, as the step predictor
-    traces them) or watched by a dispatch mode (the accounting ``Counter``): nothing is then
-    counted twice, or predicted other than it is measured.
+    Whether a batched run rounds as one matrix at a time does depends on the GEMM kernels, not
+    the data (oneDNN's bfloat16 GEMMs round most shapes alike, not all), so the first stack of
+    each shape, size, device, thread count and GEMM setting is tried both ways on random
+    matrices (:func:`_stacking_is_exact`). Never stacked, and nothing probed: tiny or
+    non-contiguous matrices, tensor hyperparameters, matrices under a functorch transform, a
+    compiler, autograd or a dispatch mode (a probe would be counted), fake or meta ones.
     """
     first = matrices[0]
     if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE \
@@ -224,15 +208,12 @@ def _stacks(matrices: list[Tensor], coefficients: Coefficients, steps: int, eps:
 
 
 def _blas_library() -> str:
-    """The CUDA GEMM library torch prefers now (cuBLAS, cuBLASLt, ...): a batched and a
-    one-at-a-time run may round alike with one and not with another, so it is in the probes'
-    cache keys."""
+    """The CUDA GEMM library torch prefers now (part of the probes' cache keys)."""
     return str(torch.backends.cuda.preferred_blas_library())
 
 
 def _can_compare(matrices: list[Tensor]) -> bool:
-    """Whether two results can be computed and compared here: real data, no dispatch mode
-    that would count (or fake) the probe, and no CUDA graph being captured."""
+    """Whether a probe can run here: real data, no dispatch mode, no CUDA graph capture."""
     if _torch.get_current_dispatch_mode() is not None or any(
         m.device.type == "meta" or isinstance(m, _torch.FakeTensor) for m in matrices
     ):
@@ -252,9 +233,8 @@ def _bf16_stack(matrices: list[Tensor]) -> Tensor:
 
 def _stacking_is_exact(like: Tensor, count: int, coefficients: Coefficients, steps: int,
                        eps: Any) -> bool:
-    """Whether ``count`` random matrices shaped like ``like`` get the same bits from one
-    batched Newton-Schulz run as from one run each (a fixed seed, made on the CPU: the same
-    answer every time for the same kernels)."""
+    """Whether ``count`` random matrices like ``like`` (a fixed seed, made on the CPU) get the
+    same bits from one batched run as from one run each."""
     generator = torch.Generator().manual_seed(0)
     probe = [torch.randn(like.shape, generator=generator, device="cpu").to(like.device,
                                                                         like.dtype)

@@ -1,22 +1,11 @@
-"""Reduce the learning rate when a metric stops improving, as a gradient transformation.
+"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a gradient transformation fed the metric.
 
-:func:`reduce_on_plateau` equals ``torch.optim.lr_scheduler.ReduceLROnPlateau`` (its ``step``
-method, line for line, with ``torch.where`` for each ``if`` so that nothing waits on the host
-and the update runs under ``vmap`` and ``torch.compile``). It is a transformation fed the metric:
-``update(updates, state, params=None, *, value)`` first takes ``value`` as torch's
-``scheduler.step(value)`` does, then scales ``updates`` by ``lr / initial lr`` with the lr that
-results; ``value=None`` (no new metric, e.g. between evaluations) scales by the current lr and
-leaves the state as it is. Apply it after ``scale_by_learning_rate`` (or after any transformation
-whose updates carry the lr). A torch loop steps the scheduler after the optimizer, so its update
-``t`` uses the metrics before ``t``: pass ``value=None`` on the first update and the previous
-metric after that to take the same steps.
-
-The updates must be tensors (a number leaf is refused: pass ``torch.tensor(x)``). A
-floating-point or complex update keeps its dtype; an integer or bool update is promoted as
-``int_tensor * 0.5`` is in torch (and as optax's ``tree_scale`` promotes in JAX), to the default
-float dtype, since a scaled step does not fit in an integer. A hand-edited state may hold
-numbers, other dtypes or one-element tensors: each field is read as init returns it (float64
-``lr`` and ``best``, int64 counters, 0-d), so that its steps are torch's.
+``update(updates, state, params=None, *, value)`` takes ``value`` as torch's
+``scheduler.step(value)`` does (its ``step`` line for line, each ``if`` a ``torch.where``, so the
+update runs under ``vmap`` and ``torch.compile``), then scales ``updates`` by ``lr / initial lr``;
+``value=None`` (no new metric) scales by the current lr and keeps the state. Apply it after
+``scale_by_learning_rate``. A torch loop steps the scheduler after the optimizer: to take its
+steps, pass ``value=None`` on the first update and the previous metric after that.
 """
 
 from __future__ import annotations
@@ -31,7 +20,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import check_hyperparameter, floating_updates, hyperparameter
+from minitrain.optim._checks import checked, floating_updates
 from minitrain.optim.base import GradientTransformation
 from minitrain.tree import Params
 
@@ -61,15 +50,9 @@ def reduce_on_plateau(
     min_lr: float | Tensor = 0.0,
     eps: float | Tensor = 1e-8,
 ) -> GradientTransformation:
-    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a transformation fed the metric.
-
-    ``lr`` is the starting lr (the optimizer's, in torch): ``min_lr`` and ``eps`` are in its
-    units and the updates are scaled by ``state.lr / lr``, so with the default ``lr=1.0`` the
-    scale is the lr factor itself. The other arguments are torch's, with its defaults: after
-    more than ``patience`` metrics without an improvement (by ``threshold``, relative or
-    absolute) the lr is multiplied by ``factor`` (not below ``min_lr``; a change smaller than
-    ``eps`` is skipped), then ``cooldown`` metrics are ignored. A float argument may be a
-    one-element tensor, ``patience`` and ``cooldown`` numpy integers, as torch takes them.
+    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` (its arguments and defaults) as a
+    transformation fed the metric; ``lr`` is the starting lr (the optimizer's, in torch), and
+    the updates are scaled by ``state.lr / lr``.
 
     >>> import torch
     >>> tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=1)
@@ -84,40 +67,26 @@ def reduce_on_plateau(
         raise ValueError(f"invalid mode={mode!r}: choose 'min' or 'max'")
     if threshold_mode not in ("rel", "abs"):
         raise ValueError(f"invalid threshold_mode={threshold_mode!r}: choose 'rel' or 'abs'")
-    # one-element tensors as 0-d, so that the state stays 0-d
-    lr, factor, threshold, min_lr, eps = (
-        hyperparameter(name, value) for name, value in (
-            ("lr", lr), ("factor", factor), ("threshold", threshold), ("min_lr", min_lr),
-            ("eps", eps)))
-    check_hyperparameter("lr", lr, 0.0, low_open=True, high_open=True)
-    check_hyperparameter("factor", factor, 0.0, 1.0, high_open=True)
-    check_hyperparameter("threshold", threshold, 0.0)
-    check_hyperparameter("min_lr", min_lr, 0.0)
-    check_hyperparameter("eps", eps, 0.0)
+    lr = checked("lr", lr, 0.0, low_open=True, high_open=True)  # one element: 0-d
+    factor = checked("factor", factor, 0.0, 1.0, high_open=True)
+    threshold, min_lr = checked("threshold", threshold, 0.0), checked("min_lr", min_lr, 0.0)
+    eps = checked("eps", eps, 0.0)
     patience, cooldown = _count("patience", patience), _count("cooldown", cooldown)
     worst = math.inf if mode == "min" else -math.inf  # torch _init_is_better: mode_worse
 
     def init(params: Params) -> ReduceLROnPlateauState:
         leaves = _tensor_leaves(params, "params")
         device = leaves[0].device if leaves else None
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return ReduceLROnPlateauState(torch.as_tensor(lr, dtype=torch.float64, device=device),
+                                      torch.tensor(worst, dtype=torch.float64, device=device),
+                                      zero, zero, zero)
 
-        def scalar(value: Any, dtype: torch.dtype) -> Tensor:
-            return torch.as_tensor(value, dtype=dtype, device=device)
-
-        zero = scalar(0, torch.int64)
-        return ReduceLROnPlateauState(
-            scalar(lr, torch.float64), scalar(worst, torch.float64), zero, zero, zero
-        )
-
-    def update(
-        updates: Any, state: ReduceLROnPlateauState, params: Params | None = None, *,
-        value: Any = None,
-    ) -> tuple[Any, ReduceLROnPlateauState]:
+    def update(updates: Any, state: ReduceLROnPlateauState, params: Params | None = None, *,
+               value: Any = None) -> tuple[Any, ReduceLROnPlateauState]:
         if not isinstance(state, ReduceLROnPlateauState):
-            raise ValueError(
-                f"reduce_on_plateau got a state of {type(state).__name__}; pass the state "
-                "returned by its init(params)"
-            )
+            raise ValueError(f"reduce_on_plateau got a state of {type(state).__name__}; pass "
+                             f"the state returned by its init(params)")
         _tensor_leaves(updates, "updates")
         state = _coerced(state)
         if value is None:  # no new metric: scale by the current lr
@@ -143,23 +112,20 @@ def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
     if all(isinstance(leaf, Tensor) for leaf in leaves):
         return leaves
     name, leaf = next((n, v) for n, v in tree.named_leaves(values) if not isinstance(v, Tensor))
-    raise ValueError(
-        f"reduce_on_plateau {what} leaf {name!r} is {type(leaf).__name__}; pass a tree of "
-        "tensors (e.g. torch.tensor(2.0) for a number)"
-    )
+    raise ValueError(f"reduce_on_plateau {what} leaf {name!r} is {type(leaf).__name__}; pass "
+                     f"a tree of tensors (e.g. torch.tensor(2.0) for a number)")
 
 
 def _scaled(updates: Any, scale: Tensor) -> Any:
-    """``updates * scale`` leaf by leaf, integer and bool leaves promoted first as every
-    transformation promotes them (:func:`~minitrain.optim._checks.floating_updates`: to the
-    default float dtype, torch's ``int_tensor * 0.5``)."""
+    """``updates * scale`` leaf by leaf, integer and bool leaves promoted first (to the default
+    float dtype, as torch's ``int_tensor * 0.5``)."""
     floating = floating_updates("reduce_on_plateau", updates)
     return tree.map(lambda u: u * scale.to(u.dtype), floating)
 
 
 def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
-    """``state`` with each field a 0-d tensor of init's dtype (float64 ``lr`` and ``best``,
-    int64 counters) on the device of its first tensor field."""
+    """``state`` (edited by hand, say) with each field a 0-d tensor of init's dtype (float64
+    ``lr`` and ``best``, int64 counters) on the device of its first tensor field."""
     device = next((field.device for field in state if isinstance(field, Tensor)), None)
     return ReduceLROnPlateauState(*(
         _field(name, value, name in ("lr", "best"), device)
@@ -168,8 +134,8 @@ def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
 
 
 def _field(name: str, value: Any, real: bool, device: torch.device | None) -> Tensor:
-    """One state field as a 0-d float64 (``real``) or int64 tensor; refused when it is not a
-    real number (``real``) or an integer, or has more than one element."""
+    """One state field as a 0-d float64 (``real``) or int64 tensor, refused in one line when it
+    holds no such number."""
     dtype = torch.float64 if real else torch.int64
     if isinstance(value, Tensor):
         ok = value.numel() == 1 and value.dtype != torch.bool and not value.is_complex() and (
@@ -181,54 +147,42 @@ def _field(name: str, value: Any, real: bool, device: torch.device | None) -> Te
         kind = type(value).__name__
     if not ok:
         number = "a real number" if real else "an integer"
-        raise ValueError(
-            f"reduce_on_plateau state.{name} is {kind}; pass {number} or a one-element tensor "
-            f"of one, as init returns ({dtype}, 0-d)"
-        )
+        raise ValueError(f"reduce_on_plateau state.{name} is {kind}; pass {number} or a "
+                         f"one-element tensor of one, as init returns ({dtype}, 0-d)")
     if not isinstance(value, Tensor):
         return torch.tensor(value, dtype=dtype, device=device)
     return (value.reshape(()) if value.dim() else value).to(dtype)
 
 
 def _metric(value: Any, like: Tensor) -> Tensor:
-    """The metric as a float64 0-d tensor on the state's device (torch takes ``float(metrics)``:
-    a number, a 0-d numpy array, a one-element tensor; the metric is not differentiated
-    through)."""
+    """The metric as a float64 0-d tensor on the state's device: whatever torch's
+    ``float(metrics)`` takes (a number, a 0-d array, a one-element tensor), detached."""
     if isinstance(value, np.ndarray):
         if value.ndim:
-            raise ValueError(
-                f"reduce_on_plateau value is an array of shape {value.shape}; pass one number "
-                "(e.g. the mean validation loss)"
-            )
+            raise ValueError(f"reduce_on_plateau value is an array of shape {value.shape}; pass "
+                             "one number (e.g. the mean validation loss)")
         value = value[()]
     if isinstance(value, Tensor):
         return _tensor_metric(value).to(dtype=torch.float64, device=like.device)
     if isinstance(value, bool) or not isinstance(value, numbers.Real | decimal.Decimal):
-        raise ValueError(
-            f"reduce_on_plateau value is {type(value).__name__}; pass a float or 0-d tensor"
-        )
+        raise ValueError(f"reduce_on_plateau value is {type(value).__name__}; pass a float or "
+                         f"0-d tensor")
     try:
         number = float(value)
     except (OverflowError, ValueError) as error:
-        raise ValueError(
-            f"reduce_on_plateau value of type {type(value).__name__} is no float ({error}); "
-            "pass a float"
-        ) from None
+        raise ValueError(f"reduce_on_plateau value of type {type(value).__name__} is no float "
+                         f"({error}); pass a float") from None
     return torch.tensor(number, dtype=torch.float64, device=like.device)
 
 
 def _tensor_metric(value: Tensor) -> Tensor:
     """A one-element real tensor metric, detached, 0-d and dense."""
     if value.numel() != 1:
-        raise ValueError(
-            f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one number "
-            "(e.g. the mean validation loss)"
-        )
+        raise ValueError(f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one "
+                         "number (e.g. the mean validation loss)")
     if value.is_complex() or value.dtype == torch.bool or value.is_meta:
-        raise ValueError(
-            f"reduce_on_plateau value is a {value.dtype} tensor on {value.device}; pass a "
-            "real number"
-        )
+        raise ValueError(f"reduce_on_plateau value is a {value.dtype} tensor on {value.device}; "
+                         "pass a real number")
     if value.layout != torch.strided:
         value = value.to_dense()
     return value.detach().reshape(())

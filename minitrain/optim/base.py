@@ -1,17 +1,13 @@
-"""The optimizer interface: gradient transformations, their chains, and optimizers made of them.
+"""The optimizer interface (optax ``_src/base.py``): a :class:`GradientTransformation` is a pair
+of pure functions ``state = tx.init(params)`` and ``updates, state = tx.update(updates, state,
+params=None)``; :func:`chain` runs several in order and :func:`as_optimizer` turns one into an
+:class:`Optimizer` whose ``update(grads, state, params)`` returns ``(params, state)``. Every
+optimizer in :mod:`minitrain.optim` is ``as_optimizer(chain(...))``; ``kernels`` runs the chains
+it recognises as fused kernels.
 
-A :class:`GradientTransformation` is a pair of pure functions (optax ``_src/base.py``): ``state =
-tx.init(params)`` and ``updates, state = tx.update(updates, state, params=None)``. :func:`chain`
-runs several in order, :func:`apply_updates` adds the final updates to the params, and
-:func:`as_optimizer` turns any transformation into an :class:`Optimizer`: a NamedTuple ``(init,
-update)`` with ``params, state = opt.update(grads, state, params)``. Every optimizer in
-:mod:`minitrain.optim` is ``as_optimizer(chain(...))``; ``minitrain.optim.kernels`` runs the
-chains it recognises as fused kernels. States are NamedTuples with tensor leaves, usable by the
-train loop, sweeps and checkpoints.
-
-Donation: ``opt.update(grads, state, params, donate=True)`` lets the update write the new params
-and state into the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``). The caller
-must not read the donated inputs afterwards. Donation is a permission, never an obligation.
+Donation: ``opt.update(..., donate=True)`` lets the update write the new params and state into
+the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``): a permission, never an
+obligation; the caller must not read the donated inputs afterwards.
 """
 
 from __future__ import annotations
@@ -55,10 +51,8 @@ Updates = Grads
 
 
 class Optimizer(NamedTuple):
-    """A pair of pure functions: ``init(params) -> state``, ``update(grads, state, params)``.
-
-    ``update`` returns ``(new_params, new_state)`` and accepts ``donate=True`` (see the module
-    docstring).
+    """``init(params) -> state`` and ``update(grads, state, params, donate=False) -> (params,
+    state)``, pure functions.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.sgd(lr=0.5)
@@ -116,9 +110,8 @@ def learning_rate(state: OptState) -> float:
 
 
 def _find_lr(state: Any) -> Any:
-    """The ``lr`` field of a state, or the first one inside a chain's tuple of states or a
-    ``multi_transform``'s dict of them, in order (also an injected ``lr`` / ``learning_rate``
-    hyperparameter)."""
+    """The first ``lr`` field (or injected ``lr`` / ``learning_rate``) in a state, chains'
+    tuples and ``multi_transform``'s dicts included."""
     if hasattr(state, "lr") and isinstance(state.lr, Tensor):
         return state.lr
     hyper = getattr(state, "hyperparams", None)
@@ -146,9 +139,8 @@ def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:
 
 
 def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientTransformation:
-    """``tx`` with ``(name, arguments)`` attached to its update function (see :func:`spec`),
-    taking tensor leaves only (:func:`tensor_leaves`); its update promotes integer updates
-    (:func:`floating_updates`) and names a sparse grad (:func:`naming_bad_grads`)."""
+    """``tx`` with ``(name, arguments)`` attached to its update (see :func:`spec`), refusing
+    leaves that are no tensors, promoting integer updates and naming a sparse grad."""
     inner = naming_bad_grads(tx.update)
 
     @functools.wraps(inner)
@@ -182,14 +174,11 @@ def identity() -> GradientTransformation:
 
 def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
     """The keyword arguments beyond ``(updates, state, params)`` that ``tx.update`` takes
-    (optax's ``with_extra_args_support``), e.g. ``{"value"}`` for ``reduce_on_plateau``; None
-    when it takes any (``**kwargs``). Wrappers declare theirs as ``update.extra_args``.
+    (optax's ``with_extra_args_support``); None when it takes any (``**kwargs``).
 
     >>> import minitrain as mt
     >>> extra_args(mt.optim.reduce_on_plateau()), extra_args(mt.optim.scale(2.0))
     (frozenset({'value'}), frozenset())
-    >>> sorted(extra_args(chain(mt.optim.scale_by_adam(), mt.optim.reduce_on_plateau())))
-    ['value']
     """
     inners = getattr(tx.update, "extra_inners", None)
     if inners is not None:  # a wrapper: what any of its transformations takes
@@ -212,25 +201,23 @@ def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
 
 
 def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformation]) -> Callable:
-    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes (read
-    when a call passes extra arguments: building a chain inspects no signature)."""
+    """Mark a wrapper's ``update(..., **extra)`` as taking what any of ``inners`` takes."""
     update.extra_inners = tuple(inners)  # type: ignore[attr-defined]
     return update
 
 
 def check_extra_args(where: str, accepted: Any, extra: dict[str, Any]) -> None:
-    """``ValueError`` for keyword arguments outside ``accepted`` (see :func:`extra_args`): a
-    set of names, None for any, or a wrapper's update function."""
+    """``ValueError`` for keyword arguments outside ``accepted``: a set of names, None for any,
+    or a wrapper's update function."""
     if not extra:
         return
     if callable(accepted):
         accepted = extra_args(GradientTransformation(None, accepted))  # type: ignore[arg-type]
     unknown = sorted(set(extra) - accepted) if accepted is not None else []
     if unknown:
-        raise ValueError(
-            f"{where} got keyword argument(s) {unknown} that none of its transformations take "
-            f"(they take {sorted(accepted)}); pass only those, e.g. value= for reduce_on_plateau"
-        )
+        raise ValueError(f"{where} got keyword argument(s) {unknown} that none of its "
+                         f"transformations take (they take {sorted(accepted)}); pass only those, "
+                         f"e.g. value= for reduce_on_plateau")
 
 
 def select_extra_args(tx: GradientTransformation, extra: dict[str, Any]) -> dict[str, Any]:
@@ -243,20 +230,12 @@ def select_extra_args(tx: GradientTransformation, extra: dict[str, Any]) -> dict
 
 def check_transformation(tx: Any, what: str) -> None:
     """A one-line ``ValueError`` where ``tx`` is no :class:`GradientTransformation` (an
-    Optimizer, whose update returns new params, would be added to the params as updates).
-
-    >>> import minitrain as mt
-    >>> check_transformation(mt.optim.sgd(), "MultiSteps' inner")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: MultiSteps' inner is an Optimizer; pass a GradientTransformation (...)
-    """
+    Optimizer returns new params, which would be added to the params as updates)."""
     if not isinstance(tx, GradientTransformation):
-        raise ValueError(
-            f"{what} is {'an' if type(tx).__name__[0] in 'AEIOU' else 'a'} "
-            f"{type(tx).__name__}; pass a GradientTransformation (an Optimizer returns new "
-            f"params, not updates: use a transformation, e.g. mt.optim.scale_by_adam)"
-        )
+        raise ValueError(f"{what} is {'an' if type(tx).__name__[0] in 'AEIOU' else 'a'} "
+                         f"{type(tx).__name__}; pass a GradientTransformation (an Optimizer "
+                         f"returns new params, not updates: use a transformation, e.g. "
+                         f"mt.optim.scale_by_adam)")
 
 
 def chain(*transforms: Any) -> GradientTransformation:
@@ -277,10 +256,9 @@ def chain(*transforms: Any) -> GradientTransformation:
 
     def update(updates, state, params=None, **extra):
         if not isinstance(state, tuple) or len(state) != len(transforms):
-            raise ValueError(
-                f"chain of {len(transforms)} transformations got a state of "
-                f"{type(state).__name__}; pass the state returned by its init(params)"
-            )
+            raise ValueError(f"chain of {len(transforms)} transformations got a state of "
+                             f"{type(state).__name__}; pass the state returned by its "
+                             f"init(params)")
         check_extra_args("chain", update, extra)
         new_state = []
         for tx, inner in zip(transforms, state, strict=True):
@@ -307,8 +285,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 
 def _writable(tensors: list) -> bool:
-    """Whether params may be updated in place: plain or fake tensors (a prediction), outside
-    vmap, grad and torch.compile, and none requiring grad while grad mode is on."""
+    """Whether params may be updated in place: tensors outside vmap, grad and torch.compile,
+    none requiring grad while grad mode is on."""
     if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in tensors):
         return False
     wrapped = _torch.is_functorch_wrapped_tensor
@@ -316,8 +294,8 @@ def _writable(tensors: list) -> bool:
 
 
 def _read_hyperparameters(found: Any) -> None:
-    """Take the value of every hyperparameter a spec holds whose reading runs the caller's
-    code (a ``float`` subclass's ``__float__``, a tensor subclass's torch function)."""
+    """Read every hyperparameter of a spec whose reading runs the caller's code (a ``float``
+    subclass's ``__float__``, a tensor subclass's torch function)."""
     if isinstance(found, GradientTransformation):
         found = spec(found)
     if isinstance(found, dict):
@@ -332,15 +310,9 @@ def _read_hyperparameters(found: Any) -> None:
 
 
 def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimizer:
-    """An :class:`~minitrain.optim.Optimizer` that applies the updates of ``tx`` to the params.
-
-    ``strict=True`` (the aliases): params must be real floating-point tensors, and grads
-    dense tensors of their params' shapes and dtypes, as torch.optim's are.
-
-    ``update(grads, state, params, donate=False)`` returns ``(params, state)``; when ``tx``
-    matches a known pattern (e.g. ``chain(scale_by_adam(), add_decayed_weights(wd),
-    scale_by_learning_rate(lr))``) it runs the fused or streaming kernels of the named
-    optimizer. With ``donate=True`` the params may be updated in place.
+    """An :class:`Optimizer` that applies the updates of ``tx`` to the params, by a fused kernel
+    where ``kernels`` recognises ``tx``. ``strict=True`` (the aliases): params must be real
+    floating-point tensors, and grads dense and like their params, as torch.optim's are.
 
     >>> import torch, minitrain as mt
     >>> opt = as_optimizer(chain(mt.optim.scale_by_sign(), mt.optim.scale_by_learning_rate(0.5)))
@@ -354,8 +326,7 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
-        # In place only where no grad is another leaf's param (a lowered update checks its
-        # state too).
+        # In place only where no grad is another leaf's param (a lowered update checks the state)
         donate = donate and donatable(tree.leaves(params), tree.leaves(grads), [])
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             check_extra_args("as_optimizer", extra_args(tx), extra)
@@ -374,16 +345,13 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             raise
         leaves = tree.leaves(params)
         u_leaves = tree.leaves(updates)
-        if donate and _writable([*leaves, *u_leaves]) and all(
-            isinstance(p, Tensor) for p in (*leaves, *u_leaves)
-        ) and donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
-            if len(u_leaves) == len(leaves) and all(
-                u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)
-            ):
-                with torch.no_grad():
-                    _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
-                        u_leaves, leaves, strict=True)])
-                return params, state
+        if donate and _writable([*leaves, *u_leaves]) and len(u_leaves) == len(leaves) and all(
+                u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)) and \
+                donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
+            with torch.no_grad():
+                _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
+                    u_leaves, leaves, strict=True)])
+            return params, state
         return apply_updates(params, updates), state
 
     def init(params: Params) -> OptState:

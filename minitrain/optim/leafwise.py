@@ -1,59 +1,32 @@
-"""Gradient transformations: the composable core of :mod:`minitrain.optim` (optax ``_src/base.py``).
+"""Per-leaf rules made into gradient transformations (:func:`leafwise`), and :class:`LeafBatch`.
 
-A :class:`GradientTransformation` is a pair of pure functions: ``state = tx.init(params)`` and
-``updates, state = tx.update(updates, state, params=None)``. :func:`chain` runs several in order,
-:func:`apply_updates` adds the final updates to the params, and :func:`as_optimizer` turns any
-transformation into an :class:`~minitrain.optim.Optimizer` (``update(grads, state, params,
-donate=False) -> (params, state)``), usable wherever one is: the train loop, sweeps, checkpoints
-(states are NamedTuples with tensor leaves).
+A rule is written once, as plain functions of one leaf:
 
-A rule is written once, as a plain function of one leaf, with :func:`leafwise`:
+* ``init_leaf(p) -> dict`` gives the leaf's buffers, named like ``torch.optim``'s state keys;
+* ``update_leaf(g, buffers, p, step, **hyperparams) -> (u, buffers)`` maps the leaf's update
+  ``g`` to ``u`` with out-of-place ops. ``step`` is the 1-based number of this update: an int,
+  or a float64 0-d tensor when the count is traced (vmap, compile). ``p`` is the param (None
+  when no params were passed).
 
-* ``init_leaf(p) -> dict`` gives the leaf's buffers, named like ``torch.optim``'s state keys
-  (``exp_avg``, ``square_avg``, ``momentum_buffer``, ...);
-* ``update_leaf(g, buffers, p, step, **hyperparams) -> (u, buffers)`` maps one leaf's incoming
-  update ``g`` to its outgoing update ``u`` with out-of-place tensor ops. ``step`` is the
-  1-based number of this update (torch.optim's ``step``): a Python int, or a float64 0-d tensor
-  when the count is traced (vmap, compile). ``p`` is the param (None when the caller passed no
-  params and the rule did not ask for them).
-
-The state is ``<Name>State(count, *buffers)``: ``count`` a 0-d int64 tensor of updates done,
-each buffer a pytree like params. Called on plain tensors without autograd, the update runs
-the same function once per group of leaves sharing a device and dtype, on :class:`LeafBatch`
-lists whose arithmetic maps to ``torch._foreach_*`` kernels (any op without a foreach kernel
-runs leaf by leaf), so a new rule gets a batched path without writing one. Under vmap, grad,
-``torch.compile`` or with leaves that require grad it loops over leaves with ordinary ops.
-Hyperparameters are numbers or one-element tensors (squeezed to 0-d like ``torch.optim``'s
-``_to_scalar``; more elements are a ``ValueError`` naming the argument).
-
-Lion (Chen et al. 2023, Algorithm 2) in a few lines:
+The state is ``<Name>State(count, *scalars, *buffers)``. On plain tensors without autograd the
+update runs ``update_leaf`` once per group of leaves sharing a device and dtype, on
+:class:`LeafBatch` lists whose arithmetic maps to ``torch._foreach_*`` kernels, so a new rule
+gets a batched path without writing one. Under vmap, grad, ``torch.compile`` or with leaves
+that require grad it loops over leaves with ordinary ops.
 
 >>> import torch, minitrain as mt
->>> from minitrain.optim import leafwise
->>> def lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-...     def update_leaf(g, buffers, p, step, beta1, beta2):
-...         m = buffers["exp_avg"]
-...         direction = torch.sign(torch.lerp(m, g, 1 - beta1))  # c = b1 m + (1 - b1) g
-...         return direction, {"exp_avg": torch.lerp(m, g, 1 - beta2)}
-...     return mt.optim.chain(
-...         leafwise("scale_by_lion", lambda p: {"exp_avg": torch.zeros_like(p)}, update_leaf,
-...                  hyperparams={"beta1": betas[0], "beta2": betas[1]}),
-...         mt.optim.add_decayed_weights(weight_decay),
-...         mt.optim.scale_by_learning_rate(lr))
->>> tx = lion(lr=0.1)
->>> params = {"w": torch.tensor([1.0, -1.0])}
->>> state = tx.init(params)
->>> updates, state = tx.update({"w": torch.tensor([3.0, -0.5])}, state, params)
->>> mt.optim.apply_updates(params, updates)["w"]
-tensor([ 0.9000, -0.9000])
->>> opt = mt.optim.as_optimizer(lion(lr=0.1))  # the same rule as an Optimizer
->>> params, opt_state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
->>> params["w"]
-tensor([ 0.9000, -1.1000])
+>>> def sign_leaf(g, buffers, p, step, beta):  # Lion's direction (Chen et al. 2023, Alg. 2)
+...     m = buffers["exp_avg"]
+...     return torch.sign(torch.lerp(m, g, 1 - beta)), {"exp_avg": torch.lerp(m, g, 0.01)}
+>>> tx = leafwise("scale_by_lion_like", lambda p: {"exp_avg": torch.zeros_like(p)}, sign_leaf,
+...               hyperparams={"beta": 0.9})
+>>> tx.update({"w": torch.tensor([3.0, -0.5])}, tx.init({"w": torch.zeros(2)}))[0]
+{'w': tensor([ 1., -1.])}
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -66,31 +39,32 @@ from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     check_state_type,
     hyperparameter,
+    is_traced,
+    next_step,
     scalar,
     tensor_leaves,
     use_plain_path,
+    zero_count,
 )
-from minitrain.optim._host import next_step, zero_count
 from minitrain.optim.base import GradientTransformation, Updates, tagged
 from minitrain.tree import OptState, Params
 
-__all__ = ["leafwise", "LeafBatch", "unused"]
+__all__ = ["leafwise", "LeafBatch"]
 
 
-def _camel(name: str) -> str:
-    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[_\W]+", name) if part)
-
-
-def _state_type(name: str, init_leaf: Callable, state_type: type | None) -> tuple[type, tuple]:
+def _state_type(name: str, init_leaf: Callable, state_type: type | None,
+                scalars: tuple[str, ...]) -> tuple[type, tuple]:
     """``(state type, buffer names)``: ``state_type`` checked, or one made from ``name``."""
     if state_type is not None:
         fields = tuple(state_type._fields)
-        if fields[:1] != ("count",):
-            raise ValueError(f"{name}: state_type {state_type.__name__} must start with 'count'")
-        return state_type, fields[1:]
+        if fields[:1 + len(scalars)] != ("count", *scalars):
+            raise ValueError(f"{name}: state_type {state_type.__name__} must start with "
+                             f"{('count', *scalars)}")
+        return state_type, fields[1 + len(scalars):]
     buffers = tuple(init_leaf(torch.zeros(1, device="cpu")))
-    fields = [("count", Tensor), *((b, Any) for b in buffers)]
-    state_type = NamedTuple(f"{_camel(name)}State", fields)  # type: ignore[misc]
+    camel = "".join(part[:1].upper() + part[1:] for part in re.split(r"[_\W]+", name) if part)
+    state_type = NamedTuple(f"{camel}State",  # type: ignore[misc]
+                            [("count", Tensor), *((b, Any) for b in buffers)])
     state_type.__doc__ = f"``count`` updates done and {name}'s per-leaf buffers."
     return state_type, buffers
 
@@ -104,19 +78,24 @@ def leafwise(
     *,
     needs_params: bool = False,
     also_watch: tuple[Any, ...] = (),
+    scalars: dict[str, Callable[[], Tensor]] | None = None,
+    advance: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None,
 ) -> GradientTransformation:
     """A transformation from a per-leaf rule (see the module docstring for the contract).
 
     Args:
-        name: the rule's name, in errors and in :func:`spec`.
-        init_leaf: ``p -> {buffer name: tensor}`` (an empty dict for a rule without state).
+        name: the rule's name, in errors and in :func:`~minitrain.optim.spec`.
+        init_leaf: ``p -> {buffer name: tensor}`` (``{}`` for a rule without state).
         update_leaf: ``(g, buffers, p, step, **hyperparams) -> (u, new_buffers)``.
-        state_type: a NamedTuple with fields ``count`` then the buffer names; made from
+        state_type: a NamedTuple of ``count``, the ``scalars``, then the buffers; made from
             ``name`` (``scale_by_foo`` -> ``ScaleByFooState``) when None.
-        hyperparams: keyword arguments for ``update_leaf``, checked by :func:`hyperparameter`.
+        hyperparams: keyword arguments for ``update_leaf``.
         needs_params: whether ``update`` must be given params.
-        also_watch: values ``update_leaf`` does not take that still choose the plain path
-            when traced or requiring grad (a hyperparameter carried in the buffers).
+        also_watch: values that still choose the plain path when traced or requiring grad.
+        scalars: 0-d state entries (NAdam's ``mu_product``), each made by its function.
+        advance: ``(step, **scalars) -> (new_scalars, per_step)``: the next scalars and more
+            keyword arguments for ``update_leaf`` (scalars come as numbers unless traced or
+            requiring grad).
 
     >>> import torch
     >>> tx = leafwise("double", lambda p: {}, lambda g, b, p, step: (2 * g, b))
@@ -124,7 +103,9 @@ def leafwise(
     [tensor([2., 2.])]
     """
     hyper = {key: hyperparameter(key, value) for key, value in (hyperparams or {}).items()}
-    state_type, buffers = _state_type(name, init_leaf, state_type)
+    scalars = scalars or {}
+    names = tuple(scalars)
+    state_type, buffers = _state_type(name, init_leaf, state_type, names)
 
     def init(params: Params) -> OptState:
         tensor_leaves(name, params, "param", floating=bool(buffers))  # state in params' dtypes
@@ -132,14 +113,11 @@ def leafwise(
         per_leaf = [init_leaf(p) for p in leaves]
         for leaf_buffers in per_leaf:
             if tuple(leaf_buffers) != buffers:
-                raise ValueError(
-                    f"{name}: init_leaf returned buffers {tuple(leaf_buffers)}, expected {buffers}"
-                )
-        return state_type(
-            zero_count(),
-            *(() if unused(per_leaf, key) else
-              _pytree.tree_unflatten([b[key] for b in per_leaf], treespec) for key in buffers),
-        )
+                raise ValueError(f"{name}: init_leaf returned buffers {tuple(leaf_buffers)}, "
+                                 f"expected {buffers}")
+        return state_type(zero_count(), *(make() for make in scalars.values()), *(
+            () if all(_empty(b[key]) for b in per_leaf) else  # unused (AMSGrad's max)
+            _pytree.tree_unflatten([b[key] for b in per_leaf], treespec) for key in buffers))
 
     def update(updates: Updates, state: OptState, params: Params | None = None):
         check_state_type(name, state_type, state)
@@ -147,44 +125,55 @@ def leafwise(
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
         g_leaves, treespec = _pytree.tree_flatten(updates)
         p_leaves = [None] * len(g_leaves) if params is None else _leaves_like(
-            params, g_leaves, treespec, "params", same_dtype=False
-        )
+            params, g_leaves, treespec, "params", same_dtype=False)
         buffer_leaves = {
             key: [()] * len(g_leaves) if _empty(getattr(state, key)) else
             _leaves_like(getattr(state, key), g_leaves, treespec, f"state.{key}")
-            for key in buffers
-        }
-        tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
+            for key in buffers}
         step = next_step(state.count)
-        if use_plain_path(tensors, [*hyper.values(), *also_watch]):
-            new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper)
+        old = {key: getattr(state, key) for key in names}
+        new_scalars, hyper_now = {}, hyper
+        if advance is not None:
+            traced = is_traced(state.count) or any(is_traced(v) for v in old.values())
+            # A scalar that requires grad stays a tensor: its history is in the hypergradient.
+            values = old if traced else {key: v if _requires_grad(v) else scalar(v)
+                                         for key, v in old.items()}
+            new_scalars, per_step = advance(step, **values)
+            hyper_now = {**hyper, **per_step}
+        tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
+        if use_plain_path(tensors, [*hyper_now.values(), *also_watch, *old.values()]):
+            new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step,
+                                        hyper_now)
             count = state.count + 1
         else:
             # Concrete 0-d tensors become numbers: the foreach kernels' scalar overloads.
-            numbers = {key: scalar(value) for key, value in hyper.items()}
+            numbers = {key: scalar(value) for key, value in hyper_now.items()}
             with torch.no_grad():
-                new_u, new_buffers = _batched(
-                    update_leaf, g_leaves, p_leaves, buffer_leaves, step, numbers
-                )
+                new_u, new_buffers = _batched(update_leaf, g_leaves, p_leaves, buffer_leaves,
+                                              step, numbers)
             count = torch.tensor(step, dtype=torch.int64, device="cpu")
-        return _pytree.tree_unflatten(new_u, treespec), state_type(
-            count, *(() if _empty(getattr(state, key)) else
-                     _pytree.tree_unflatten(new_buffers[key], treespec) for key in buffers)
-        )
+        kept = [_like(new_scalars[key], old[key]) for key in names]
+        return _pytree.tree_unflatten(new_u, treespec), state_type(count, *kept, *(
+            () if _empty(getattr(state, key)) else
+            _pytree.tree_unflatten(new_buffers[key], treespec) for key in buffers))
 
     watched = {"also_watch": also_watch} if also_watch else {}  # a lowering watches them too
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper,
                   **watched)
 
 
-def unused(per_leaf: list[dict[str, Any]], key: str) -> bool:
-    """Whether buffer ``key`` is ``()`` for every leaf: a buffer this configuration does not use
-    (AMSGrad's max without amsgrad); its state field is then ``()``."""
-    return all(_empty(b[key]) for b in per_leaf)
-
-
 def _empty(value: Any) -> bool:
     return type(value) is tuple and len(value) == 0
+
+
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+def _like(value: Any, old: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(old.dtype)
+    return torch.tensor(value, dtype=old.dtype, device=old.device)
 
 
 def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
@@ -194,23 +183,20 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
         if len(leaves) != len(g_leaves):
             raise ValueError(
                 f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "
-                f"pass {what} for the same params (create the state with init(params))"
-            )
+                f"pass {what} for the same params (create the state with init(params))")
         raise ValueError(f"{what} and the updates differ in structure; pass matching pytrees")
     for (path, _), leaf, g in zip(_pytree.tree_flatten_with_path(value)[0], leaves, g_leaves,
                                   strict=True):
         if isinstance(leaf, Tensor) and leaf.shape != g.shape:
             raise ValueError(
                 f"{what} leaf {tree._path_name(path)!r} has shape {tuple(leaf.shape)} but its "
-                f"update has {tuple(g.shape)}; create the state with init(params)"
-            )
+                f"update has {tuple(g.shape)}; create the state with init(params)")
         if same_dtype and isinstance(leaf, Tensor) and isinstance(g, Tensor) and \
-                leaf.dtype != g.dtype:  # a state in another dtype than its update: named
+                leaf.dtype != g.dtype:
             raise ValueError(
                 f"{what} leaf {tree._path_name(path)!r} is {leaf.dtype} but its update is "
                 f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
-                f"create the state with init(params) for params of the updates' dtype"
-            )
+                f"create the state with init(params) for params of the updates' dtype")
     return leaves
 
 
@@ -238,8 +224,7 @@ def _batched(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper):
             LeafBatch(g_leaves[i] for i in indices),
             {key: LeafBatch(leaves[i] for i in indices) if isinstance(leaves[0], Tensor) else ()
              for key, leaves in buffer_leaves.items()},
-            p, step, **hyper,
-        )
+            p, step, **hyper)
         for position, i in enumerate(indices):
             new_u[i] = _as_leaf(u, position, len(indices), g_leaves[i])
             for key, value in out.items():
@@ -258,15 +243,16 @@ def _as_leaf(value: Any, position: int, size: int, like: Tensor) -> Tensor:
     return torch.full_like(like, float(value))
 
 
-# -- LeafBatch: lists of tensors that do arithmetic like one tensor --------------------------------
+# -- LeafBatch: lists of tensors that do arithmetic like one tensor -----------------------------
+
+
+def _by_leaf(method: str) -> Callable:
+    return lambda self, *args, **kwargs: _per_leaf(getattr(Tensor, method), (self, *args), kwargs)
 
 
 class LeafBatch(list):
-    """A list of same-device, same-dtype tensors that does arithmetic like one tensor.
-
-    Arithmetic and the torch functions with a ``torch._foreach_*`` kernel run as one foreach
-    call; any other torch function or tensor method runs leaf by leaf, so a per-leaf rule works
-    unchanged on a batch.
+    """A list of same-device, same-dtype tensors that does arithmetic like one tensor: the ops
+    with a ``torch._foreach_*`` kernel run as one call, any other leaf by leaf.
 
     >>> b = LeafBatch([torch.ones(2), torch.zeros(3)])
     >>> list(torch.sqrt(b * 4 + 1))
@@ -285,24 +271,15 @@ class LeafBatch(list):
 
     def _binary(self, other, name):
         if isinstance(other, LeafBatch) or isinstance(other, int | float) and not isinstance(
-            other, bool
-        ):
+                other, bool) or isinstance(other, Tensor) and other.dim() == 0:
             return _fe(name, self, other)
-        if isinstance(other, Tensor) and other.dim() == 0 and name in ("add", "mul", "div"):
-            return _fe(name, self, other)
-        return _per_leaf(getattr(Tensor, f"__{name}__" if name != "div" else "__truediv__"),
-                         (self, other), {})
+        method = {"div": "__truediv__"}.get(name, f"__{name}__")
+        return _per_leaf(getattr(Tensor, method), (self, other), {})
 
     def __add__(self, other):
         return self._binary(other, "add")
 
-    def __radd__(self, other):
-        return self._binary(other, "add")
-
     def __mul__(self, other):
-        return self._binary(other, "mul")
-
-    def __rmul__(self, other):
         return self._binary(other, "mul")
 
     def __truediv__(self, other):
@@ -318,54 +295,34 @@ class LeafBatch(list):
             return _fe("add", _fe("neg", self), other)
         return _per_leaf(Tensor.__rsub__, (self, other), {})
 
-    def __rtruediv__(self, other):
-        return _per_leaf(Tensor.__rtruediv__, (self, other), {})
-
-    def __neg__(self):
-        return _fe("neg", self)
-
-    # Rules are pure: ``x += y`` rebinds x to a new batch (list's += would extend the list).
-    __iadd__ = __add__
-    __imul__ = __mul__
-    __isub__ = __sub__
-    __itruediv__ = __truediv__
-
-    def __gt__(self, other):
-        return _per_leaf(Tensor.__gt__, (self, other), {})
-
-    def __lt__(self, other):
-        return _per_leaf(Tensor.__lt__, (self, other), {})
-
-    def __ge__(self, other):
-        return _per_leaf(Tensor.__ge__, (self, other), {})
-
-    def __le__(self, other):
-        return _per_leaf(Tensor.__le__, (self, other), {})
-
     def __pow__(self, other):
         if isinstance(other, int | float):
             return _fe("pow", self, other)
         return _per_leaf(Tensor.__pow__, (self, other), {})
 
+    def __neg__(self):
+        return _fe("neg", self)
+
     def __getattr__(self, name):  # tensor methods, leaf by leaf
-        method = getattr(Tensor, name)
-        if not callable(method):
+        if not callable(getattr(Tensor, name)):
             raise AttributeError(name)
-        return lambda *args, **kwargs: _per_leaf(method, (self, *args), kwargs)
-
-    def sqrt(self):
-        return _fe("sqrt", self)
-
-    def abs(self):
-        return _fe("abs", self)
-
-    def sign(self):
-        return _fe("sign", self)
+        return lambda *args, **kwargs: _by_leaf(name)(self, *args, **kwargs)
 
     def to(self, *args, **kwargs):
-        return self if args and args[0] == self[0].dtype and not kwargs else _per_leaf(
-            Tensor.to, (self, *args), kwargs
-        )
+        if args and args[0] == self[0].dtype and not kwargs:
+            return self
+        return _per_leaf(Tensor.to, (self, *args), kwargs)
+
+    # Rules are pure: ``x += y`` rebinds x to a new batch (list's += would extend the list).
+    __radd__ = __iadd__ = __add__
+    __rmul__ = __imul__ = __mul__
+    __isub__ = __sub__
+    __itruediv__ = __truediv__
+    __rtruediv__ = _by_leaf("__rtruediv__")
+    __gt__, __lt__ = _by_leaf("__gt__"), _by_leaf("__lt__")
+    __ge__, __le__ = _by_leaf("__ge__"), _by_leaf("__le__")
+    sqrt, abs, sign = (lambda self: _fe("sqrt", self), lambda self: _fe("abs", self),
+                       lambda self: _fe("sign", self))
 
 
 def _fe(name: str, *args: Any, **kwargs: Any) -> LeafBatch:
@@ -385,42 +342,24 @@ def _per_leaf(func: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> An
             return type(value)(pick(v, i) for v in value)
         return value
 
-    results = [
-        func(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()})
-        for i in range(n)
-    ]
+    results = [func(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()})
+               for i in range(n)]
     if results and isinstance(results[0], tuple):
         return tuple(LeafBatch(column) for column in zip(*results, strict=True))
     return LeafBatch(results)
 
 
-def _foreach_lerp(start, end, weight):
-    if isinstance(start, LeafBatch) and isinstance(end, LeafBatch) and (
-        isinstance(weight, int | float) or isinstance(weight, Tensor) and weight.dim() == 0
-    ):
-        return _fe("lerp", start, end, weight)
-    return NotImplemented
-
-
-def _foreach_maximum(a, b):
-    if isinstance(a, LeafBatch) and isinstance(b, LeafBatch):
-        return _fe("maximum", a, b)
-    return NotImplemented
-
-
-def _foreach_addcmul(a, t1, t2, *, value=1):
-    if all(isinstance(x, LeafBatch) for x in (a, t1, t2)) and isinstance(value, int | float):
-        return _fe("addcmul", a, t1, t2, value=value)
-    return NotImplemented
+def _batches(*values: Any) -> bool:
+    return all(isinstance(v, LeafBatch) for v in values)
 
 
 _FOREACH_FUNCTIONS: dict[Callable, Callable] = {
-    torch.sqrt: lambda x: _fe("sqrt", x),
-    torch.abs: lambda x: _fe("abs", x),
-    torch.sign: lambda x: _fe("sign", x),
-    torch.neg: lambda x: _fe("neg", x),
-    torch.exp: lambda x: _fe("exp", x),
-    torch.lerp: _foreach_lerp,
-    torch.maximum: _foreach_maximum,
-    torch.addcmul: _foreach_addcmul,
+    **{getattr(torch, name): functools.partial(_fe, name)
+       for name in ("sqrt", "abs", "sign", "neg", "exp")},
+    torch.lerp: lambda start, end, weight: _fe("lerp", start, end, weight) if _batches(
+        start, end) and (isinstance(weight, int | float) or isinstance(weight, Tensor)
+                         and weight.dim() == 0) else NotImplemented,
+    torch.maximum: lambda a, b: _fe("maximum", a, b) if _batches(a, b) else NotImplemented,
+    torch.addcmul: lambda a, t1, t2, *, value=1: _fe("addcmul", a, t1, t2, value=value)
+    if _batches(a, t1, t2) and isinstance(value, int | float) else NotImplemented,
 }

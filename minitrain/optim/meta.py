@@ -1,15 +1,7 @@
-"""Differentiable optimization: K pure updates unrolled, differentiable end to end.
-
-:func:`unroll` runs ``K`` updates of an optimizer on a loss and returns the final params, so
-that a validation loss of them can be differentiated with respect to anything the updates
-depend on: the initial params (MAML, Finn et al. 2017), or hyperparameters given as tensors
-(lr, weight decay, a schedule's values; "hypergradients", Maclaurin et al. 2015; what torchopt's
-meta-optimizers are used for). Both autograd (tensors that require grad, ``.backward()``) and
-``torch.func`` (``grad`` over the whole unrolled loop, ``vmap`` over tasks) work: the inner
-gradients come from ``torch.func.grad``, which both differentiate through, and the updates take
-the optimizer's plain path (ordinary tensor ops, no in-place writes).
-
-Memory grows with K: every update's intermediates are kept for the backward pass.
+"""Differentiable optimization: K pure updates unrolled, differentiable end to end with
+respect to the initial params (MAML, Finn et al. 2017) or hyperparameters given as tensors
+("hypergradients", Maclaurin et al. 2015), by autograd or ``torch.func``. Memory grows with K:
+every update's intermediates are kept for the backward pass.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._host import is_traced
+from minitrain.optim._checks import is_traced
 from minitrain.optim.base import Optimizer, apply_updates
 from minitrain.tree import OptState, Params, PyTree
 
@@ -46,13 +38,9 @@ def unroll(
 ) -> Unrolled:
     """Take one update per batch of ``loss_fn(params, batch)``; differentiable throughout.
 
-    ``optimizer`` is an ``mt.optim`` optimizer (``update(grads, state, params) -> (params,
-    state)``) or a gradient transformation (``update(updates, state, params) -> (updates,
-    state)``, whose updates are added to the params). ``state`` defaults to
-    ``optimizer.init(params)``. Hyperparameters to differentiate are passed to the optimizer
-    as tensors (``sgd(lr=lr_tensor)``). With grad mode on, a param leaf that does not require
-    grad is given an alias that does, so that every update takes the differentiable plain path
-    even when only a hyperparameter requires grad.
+    ``optimizer`` is an optimizer or a gradient transformation (whose updates are added to the
+    params); ``state`` defaults to ``optimizer.init(params)``. Hyperparameters to differentiate
+    are passed to the optimizer as tensors (``sgd(lr=lr_tensor)``).
 
     >>> import torch, minitrain as mt
     >>> lr = torch.tensor(0.1, requires_grad=True)
@@ -90,15 +78,10 @@ def unroll(
 
 def _differentiable(params: Params) -> Params:
     """``params`` with every plain floating leaf requiring grad (an alias where it did not),
-    when grad mode is on: the optimizers' automatic path choice looks at the leaves and at the
-    hyperparameters each one lists, and a hyperparameter it does not list (eps, a value kept
-    only in its state) would otherwise reach the fast path, detached."""
-    if not torch.is_grad_enabled() or _inside_functorch_transform():
-        # No autograd; or torch.func's, where the optimizers take the plain path on traced
-        # leaves or listed hyperparameters. Under vmap over a hyperparameter alone the params
-        # stay untraced, so one the optimizer does not list reaches its fast path (an error,
-        # tests/optim/test_unrolled_every_optimizer.py); that is the optimizer's to fix.
-        return params
+    when grad mode is on: so every update takes the differentiable path, even where only a
+    hyperparameter the optimizer does not watch (eps, a value kept in its state) needs grad."""
+    if not torch.is_grad_enabled() or _torch.peek_interpreter_stack() is not None:
+        return params  # no autograd, or torch.func's: traced leaves take the plain path
 
     def leaf(p: Any) -> Any:
         if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
@@ -107,7 +90,3 @@ def _differentiable(params: Params) -> Params:
         return p.detach().requires_grad_(True)
 
     return tree.map(leaf, params)
-
-
-def _inside_functorch_transform() -> bool:
-    return _torch.peek_interpreter_stack() is not None

@@ -1,10 +1,10 @@
 """Learning-rate schedules: pure functions ``step -> lr`` of the number of updates done.
 
-Each schedule accepts a Python int (the fast path, logging) or a 0-d integer tensor (the plain
-path under ``vmap`` / ``torch.compile``) and answers in kind. ``linear_warmup_schedule`` and
-``cosine_schedule`` follow optax (``warmup_cosine_decay_schedule``); the rest equal the
-schedulers of ``torch.optim.lr_scheduler`` stepped once per update, with torch's argument names
-and defaults (``init_value`` is the optimizer's lr there).
+Each takes a Python int or a 0-d integer tensor (under ``vmap`` / ``torch.compile``; computed in
+float64 with torch ops only) and answers in kind. ``linear_warmup_schedule`` and
+``cosine_schedule`` follow optax; the rest equal the ``torch.optim.lr_scheduler`` of the same
+arguments stepped once per update (``init_value`` is the optimizer's lr there), by torch's
+closed forms (``_get_closed_form_lr``), to rounding.
 """
 
 from __future__ import annotations
@@ -22,17 +22,10 @@ from minitrain.optim._checks import check_hyperparameter
 from minitrain.optim.base import Schedule
 
 __all__ = [
-    "constant_schedule",
-    "linear_warmup_schedule",
-    "cosine_schedule",
-    "step_schedule",
-    "multistep_schedule",
-    "exponential_schedule",
-    "cosine_annealing_schedule",
-    "cosine_warm_restarts_schedule",
-    "linear_schedule",
-    "polynomial_schedule",
-    "constant_factor_schedule",
+    "constant_schedule", "linear_warmup_schedule", "cosine_schedule", "step_schedule",
+    "multistep_schedule", "exponential_schedule", "cosine_annealing_schedule",
+    "cosine_warm_restarts_schedule", "linear_schedule", "polynomial_schedule",
+    "constant_factor_schedule", "one_cycle_schedule", "cyclic_schedule", "sequential_schedule",
 ]
 
 Value = float | Tensor
@@ -49,9 +42,8 @@ def constant_schedule(value: float) -> Schedule:
     return lambda step: value
 
 
-def linear_warmup_schedule(
-    peak_value: float, warmup_steps: int, init_value: float = 0.0
-) -> Schedule:
+def linear_warmup_schedule(peak_value: float, warmup_steps: int,
+                           init_value: float = 0.0) -> Schedule:
     """Linear ramp from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant.
 
     >>> schedule = linear_warmup_schedule(1.0, warmup_steps=4)
@@ -62,17 +54,10 @@ def linear_warmup_schedule(
     return _tensor_friendly(lambda step: _warmup(step, peak_value, warmup_steps, init_value))
 
 
-def cosine_schedule(
-    peak_value: float,
-    decay_steps: int,
-    warmup_steps: int = 0,
-    init_value: float = 0.0,
-    end_value: float = 0.0,
-) -> Schedule:
-    """Linear warmup to ``peak_value``, then cosine decay to ``end_value`` at ``decay_steps``.
-
-    ``decay_steps`` counts the warmup too (optax ``warmup_cosine_decay_schedule``); after it,
-    the lr stays at ``end_value``. Cosine annealing: Loshchilov & Hutter 2017, eq. 5.
+def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
+                    init_value: float = 0.0, end_value: float = 0.0) -> Schedule:
+    """Linear warmup to ``peak_value``, then cosine decay (Loshchilov & Hutter 2017, eq. 5) to
+    ``end_value`` at ``decay_steps``, warmup included (optax ``warmup_cosine_decay_schedule``).
 
     >>> schedule = cosine_schedule(1.0, decay_steps=10, warmup_steps=2)
     >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10, 20)]
@@ -81,9 +66,8 @@ def cosine_schedule(
     _check_common(peak_value, warmup_steps, init_value)
     check_hyperparameter("end_value", end_value, 0.0)
     if decay_steps <= warmup_steps:
-        raise ValueError(
-            f"invalid decay_steps={decay_steps}: it must exceed warmup_steps={warmup_steps}"
-        )
+        raise ValueError(f"invalid decay_steps={decay_steps}: it must exceed "
+                         f"warmup_steps={warmup_steps}")
 
     def schedule(step: Any) -> Any:
         progress = _clip((step - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
@@ -104,37 +88,22 @@ def step_schedule(init_value: Value, step_size: int, gamma: Value = 0.1) -> Sche
     >>> [schedule(step) for step in range(5)]
     [1.0, 1.0, 0.5, 0.5, 0.25]
     """
-    _check_value("init_value", init_value)
-    _check_value("gamma", gamma)
+    _check_values(init_value=init_value, gamma=gamma)
     _check_count("step_size", step_size, 1)
     # torch StepLR._get_closed_form_lr
     return _tensor_friendly(lambda t: _decay(init_value, gamma, t // step_size))
 
 
-# --------------------------------------------------------------------------------------------
-# torch.optim.lr_scheduler, value for value
-#
-# Each factory below equals one torch scheduler stepped once per update: ``schedule(k)`` is
-# ``scheduler.get_last_lr()[0]`` after ``k`` calls of ``scheduler.step()``, for an optimizer
-# whose lr is ``init_value``. Torch updates most of them recursively (``lr *= ...``); these use
-# torch's closed forms (``_get_closed_form_lr``), so the two agree to rounding (~1e-15 relative).
-# A tensor step is computed in float64 and answers a 0-d float64 tensor, with torch ops only (no
-# ``if`` on tensors, no host syncs), so schedules run under ``vmap`` and ``torch.compile``.
-
-
-def multistep_schedule(
-    init_value: Value, milestones: Sequence[int], gamma: Value = 0.1
-) -> Schedule:
-    """Multiply the lr by ``gamma`` at each milestone (``torch.optim.lr_scheduler.MultiStepLR``).
-
-    A milestone listed twice multiplies by ``gamma`` twice, as in torch.
+def multistep_schedule(init_value: Value, milestones: Sequence[int],
+                       gamma: Value = 0.1) -> Schedule:
+    """Multiply the lr by ``gamma`` at each milestone, twice at one listed twice
+    (``torch.optim.lr_scheduler.MultiStepLR``).
 
     >>> schedule = multistep_schedule(1.0, milestones=[2, 4], gamma=0.5)
     >>> [schedule(step) for step in range(6)]
     [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
     """
-    _check_value("init_value", init_value)
-    _check_value("gamma", gamma)
+    _check_values(init_value=init_value, gamma=gamma)
     bounds = sorted(_check_steps("milestones", milestones))
     # torch MultiStepLR._get_closed_form_lr: base_lr * gamma ** bisect_right(milestones, epoch)
     return _tensor_friendly(lambda t: _decay(init_value, gamma, _passed(t, bounds)))
@@ -147,26 +116,19 @@ def exponential_schedule(init_value: Value, gamma: Value) -> Schedule:
     >>> [schedule(step) for step in range(4)]
     [1.0, 0.5, 0.25, 0.125]
     """
-    _check_value("init_value", init_value)
-    _check_value("gamma", gamma)
+    _check_values(init_value=init_value, gamma=gamma)
     return _tensor_friendly(lambda t: _decay(init_value, gamma, t))
 
 
 def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.0) -> Schedule:
-    """Cosine from ``init_value`` down to ``eta_min`` over ``T_max`` steps
-    (``torch.optim.lr_scheduler.CosineAnnealingLR``).
-
-    The closed form of SGDR (Loshchilov & Hutter 2017, eq. 5, no restarts). Torch updates the lr
-    recursively; stepped each update its values equal this closed form to rounding, including
-    after ``T_max``, where both rise again with period ``2 * T_max`` (unlike
-    :func:`cosine_schedule`, which stays at its end value).
+    """Cosine from ``init_value`` down to ``eta_min`` over ``T_max`` steps, then up again
+    (``CosineAnnealingLR``; SGDR, Loshchilov & Hutter 2017, eq. 5, no restarts).
 
     >>> schedule = cosine_annealing_schedule(1.0, T_max=4)
     >>> [round(schedule(step), 4) for step in range(9)]
     [1.0, 0.8536, 0.5, 0.1464, 0.0, 0.1464, 0.5, 0.8536, 1.0]
     """
-    _check_value("init_value", init_value)
-    _check_value("eta_min", eta_min)
+    _check_values(init_value=init_value, eta_min=eta_min)
     _check_count("T_max", T_max, 1)
     # torch CosineAnnealingLR._get_closed_form_lr
     return _tensor_friendly(
@@ -184,8 +146,7 @@ def cosine_warm_restarts_schedule(
     >>> [schedule(step) for step in range(7)]
     [1.0, 0.5, 1.0, 0.8535533905932737, 0.5, 0.14644660940672627, 1.0]
     """
-    _check_value("init_value", init_value)
-    _check_value("eta_min", eta_min)
+    _check_values(init_value=init_value, eta_min=eta_min)
     _check_count("T_0", T_0, 1)
     _check_count("T_mult", T_mult, 1)
 
@@ -216,12 +177,8 @@ def cosine_warm_restarts_schedule(
     return _tensor_friendly(schedule)
 
 
-def linear_schedule(
-    init_value: Value,
-    start_factor: Value = 1.0 / 3,
-    end_factor: Value = 1.0,
-    total_iters: int = 5,
-) -> Schedule:
+def linear_schedule(init_value: Value, start_factor: Value = 1.0 / 3, end_factor: Value = 1.0,
+                    total_iters: int = 5) -> Schedule:
     """``init_value`` times a factor going linearly from ``start_factor`` to ``end_factor`` over
     ``total_iters`` steps, then constant (``torch.optim.lr_scheduler.LinearLR``).
 
@@ -234,10 +191,8 @@ def linear_schedule(
     _check_value("end_factor", end_factor, 0.0, 1.0)
     _check_count("total_iters", total_iters, 1)
     # torch LinearLR._get_closed_form_lr
-    return _tensor_friendly(
-        lambda t: init_value
-        * (start_factor + (end_factor - start_factor) * _min(t, total_iters) / total_iters)
-    )
+    return _tensor_friendly(lambda t: init_value * (
+        start_factor + (end_factor - start_factor) * _min(t, total_iters) / total_iters))
 
 
 def polynomial_schedule(init_value: Value, total_iters: int = 5, power: Value = 1.0) -> Schedule:
@@ -248,24 +203,17 @@ def polynomial_schedule(init_value: Value, total_iters: int = 5, power: Value = 
     >>> [schedule(step) for step in range(6)]
     [1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
     """
-    _check_value("init_value", init_value)
-    _check_value("power", power)
+    _check_values(init_value=init_value, power=power)
     _check_count("total_iters", total_iters, 1)
     # torch PolynomialLR._get_closed_form_lr
-    return _tensor_friendly(
-        lambda t: init_value * (1.0 - _min(t, total_iters) / total_iters) ** power
-    )
+    return _tensor_friendly(lambda t: init_value * (1.0 - _min(t, total_iters) / total_iters)
+                            ** power)
 
 
-def constant_factor_schedule(
-    init_value: Value, factor: Value = 1.0 / 3, total_iters: int = 5
-) -> Schedule:
-    """``init_value * factor`` for ``total_iters`` steps, then ``init_value``
+def constant_factor_schedule(init_value: Value, factor: Value = 1.0 / 3,
+                             total_iters: int = 5) -> Schedule:
+    """``init_value * factor`` for ``total_iters >= 1`` steps, then ``init_value``
     (``torch.optim.lr_scheduler.ConstantLR``).
-
-    ``total_iters`` must be at least 1 (with 0, torch's stepped scheduler keeps ``factor`` while
-    its closed form gives ``init_value``; use :func:`constant_schedule`), and ``factor`` above 0
-    (torch divides by it at ``total_iters``).
 
     >>> schedule = constant_factor_schedule(1.0, factor=0.5, total_iters=2)
     >>> [schedule(step) for step in range(4)]
@@ -275,13 +223,161 @@ def constant_factor_schedule(
     _check_value("factor", factor, 0.0, 1.0, low_open=True)
     _check_count("total_iters", total_iters, 1)
     # torch ConstantLR._get_closed_form_lr
-    return _tensor_friendly(
-        lambda t: _where(t >= total_iters, init_value, init_value * factor)
-    )
+    return _tensor_friendly(lambda t: _where(t >= total_iters, init_value, init_value * factor))
 
 
-# --------------------------------------------------------------------------------------------
-# Helpers: one formula for Python ints and 0-d tensors
+def one_cycle_schedule(max_lr: Value, total_steps: int, pct_start: float = 0.3,
+                       anneal_strategy: str = "cos", div_factor: Value = 25.0,
+                       final_div_factor: Value = 1e4, three_phase: bool = False) -> Schedule:
+    """The 1cycle policy (Smith & Topin 2019), the lr of ``OneCycleLR``: up from ``max_lr /
+    div_factor`` to ``max_lr`` over ``pct_start * total_steps`` steps, then down to ``max_lr /
+    div_factor / final_div_factor``. An int step past ``total_steps`` raises, as in torch.
+
+    >>> schedule = one_cycle_schedule(1.0, total_steps=5, pct_start=0.4, anneal_strategy="linear",
+    ...                               div_factor=10.0, final_div_factor=1.0)
+    >>> [round(schedule(step), 4) for step in range(5)]
+    [0.1, 1.0, 0.7, 0.4, 0.1]
+    """
+    _check_value("max_lr", max_lr)
+    _check_count("total_steps", total_steps, 1)
+    check_hyperparameter("pct_start", pct_start, 0.0, 1.0)
+    if anneal_strategy not in ("cos", "linear"):
+        raise ValueError(f"invalid anneal_strategy={anneal_strategy!r}: choose 'cos' or 'linear'")
+    _check_value("div_factor", div_factor, 0.0, low_open=True)
+    _check_value("final_div_factor", final_div_factor, 0.0, low_open=True)
+    if not isinstance(three_phase, bool):
+        raise ValueError(f"invalid three_phase={three_phase!r}: pass True or False")
+    initial_lr = max_lr / div_factor
+    min_lr = initial_lr / final_div_factor
+    # torch OneCycleLR.__init__: (end_step, start lr, end lr) per phase
+    phases = [(float(pct_start * total_steps) - 1, initial_lr, max_lr),
+              (float(2 * pct_start * total_steps) - 2, max_lr, initial_lr),
+              (total_steps - 1, initial_lr, min_lr)] if three_phase else [
+        (float(pct_start * total_steps) - 1, initial_lr, max_lr),
+        (total_steps - 1, max_lr, min_lr)]
+    starts = [0.0] + [end for end, _, _ in phases[:-1]]
+    if any(end == start for (end, _, _), start in zip(phases, starts, strict=True)):
+        raise ValueError(f"invalid pct_start={pct_start!r}: with total_steps={total_steps} a "
+                         "phase has no steps (torch's OneCycleLR divides by zero); pick another "
+                         "pct_start")
+
+    def anneal(start: Any, end: Any, pct: Any) -> Any:  # torch OneCycleLR._annealing_*
+        if anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (_cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def phase_value(t: Any, index: int) -> Any:
+        end_step, start_lr, end_lr = phases[index]
+        return anneal(start_lr, end_lr, (t - starts[index]) / (end_step - starts[index]))
+
+    def schedule(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            if t > total_steps:
+                raise ValueError(f"one_cycle_schedule was asked for step {t} past total_steps="
+                                 f"{total_steps}; build it with total_steps at least the number "
+                                 "of updates")
+            index = next(i for i, (end, _, _) in enumerate(phases) if t <= end or
+                         i == len(phases) - 1)
+            return phase_value(t, index)
+        value = phase_value(t, len(phases) - 1)
+        for index in reversed(range(len(phases) - 1)):  # torch takes the first phase that fits
+            value = torch.where(t <= phases[index][0], phase_value(t, index), value)
+        return value
+
+    return _tensor_friendly(schedule)
+
+
+def cyclic_schedule(base_lr: Value, max_lr: Value, step_size_up: int = 2000,
+                    step_size_down: int | None = None, mode: str = "triangular",
+                    gamma: Value = 1.0, scale_fn: Callable[[Any], Any] | None = None,
+                    scale_mode: str = "cycle") -> Schedule:
+    """Cyclical learning rates (Smith 2017), the lr of ``CyclicLR``: triangles between
+    ``base_lr`` and ``max_lr``, their height scaled by ``mode`` or ``scale_fn``.
+
+    >>> schedule = cyclic_schedule(0.0, 1.0, step_size_up=2, mode="triangular2")
+    >>> [schedule(step) for step in range(9)]
+    [0.0, 0.5, 1.0, 0.5, 0.0, 0.25, 0.5, 0.25, 0.0]
+    """
+    _check_values(base_lr=base_lr, max_lr=max_lr, gamma=gamma)
+    _check_count("step_size_up", step_size_up, 1)
+    down = step_size_up if step_size_down is None else step_size_down
+    _check_count("step_size_down", down, 0)
+    if scale_fn is not None and not callable(scale_fn):
+        raise ValueError(f"invalid scale_fn={scale_fn!r}: pass a function of the cycle or step")
+    if scale_fn is None:
+        # torch CyclicLR._init_scale_fn: the modes set their own scale_mode
+        if mode == "triangular":
+            scale_fn, scale_mode = (lambda x: 1.0), "cycle"
+        elif mode == "triangular2":
+            # torch: 1 / (2.0 ** (x - 1)), the same powers of two, but it overflows (raises)
+            # after 1025 cycles where this one underflows to 0.
+            scale_fn, scale_mode = (lambda x: 0.5 ** (x - 1)), "cycle"
+        elif mode == "exp_range":
+            scale_fn, scale_mode = (lambda x: gamma**x), "iterations"
+        else:
+            raise ValueError(
+                f"invalid mode={mode!r}: choose 'triangular', 'triangular2' or 'exp_range', "
+                "or pass scale_fn"
+            )
+    if scale_mode not in ("cycle", "iterations"):
+        raise ValueError(f"invalid scale_mode={scale_mode!r}: choose 'cycle' or 'iterations'")
+    total_size = float(step_size_up) + float(down)
+    step_ratio = step_size_up / total_size
+    # With step_size_down=0 the falling half is never taken; its denominator must not be 0.
+    fall = step_ratio - 1 if step_ratio != 1 else -1.0
+
+    def schedule(t: Any) -> Any:
+        # torch CyclicLR.get_lr
+        cycle = _floor(1 + t / total_size)
+        x = 1.0 + t / total_size - cycle
+        scale_factor = _where(x <= step_ratio, x / step_ratio, (x - 1) / fall)
+        base_height = (max_lr - base_lr) * scale_factor
+        return base_lr + base_height * scale_fn(cycle if scale_mode == "cycle" else t)
+
+    return _tensor_friendly(schedule)
+
+
+def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]) -> Schedule:
+    """``schedules[i]`` from ``milestones[i - 1]`` on, restarted at step 0 there
+    (``torch.optim.lr_scheduler.SequentialLR``).
+
+    >>> from minitrain.optim import exponential_schedule, linear_schedule
+    >>> warmup = linear_schedule(1.0, start_factor=0.5, total_iters=2)
+    >>> decay = exponential_schedule(1.0, gamma=0.5)
+    >>> schedule = sequential_schedule([warmup, decay], milestones=[3])
+    >>> [schedule(step) for step in range(6)]
+    [0.5, 0.75, 1.0, 1.0, 0.5, 0.25]
+    """
+    schedules = list(schedules) if isinstance(schedules, Iterable) else []
+    bounds = _check_steps("milestones", milestones)
+    if not schedules or not all(callable(s) for s in schedules):
+        raise ValueError("sequential_schedule needs a non-empty list of schedules (step -> lr)")
+    if len(bounds) != len(schedules) - 1:
+        raise ValueError(
+            f"sequential_schedule got {len(schedules)} schedules and {len(bounds)} milestones; "
+            "pass one milestone fewer than schedules"
+        )
+    if bounds != sorted(bounds):
+        raise ValueError(f"invalid milestones={bounds}: list them in increasing order")
+    offsets = [0, *bounds]
+
+    def schedule(step: Any) -> Any:
+        if not isinstance(step, Tensor):
+            step = _check_step(step)
+            index = bisect.bisect_right(bounds, step)  # torch SequentialLR.step
+            return schedules[index](step - offsets[index])
+        _check_step_dtype(step)
+        value = _float64(schedules[0](step), step)
+        for index in range(1, len(schedules)):
+            start = offsets[index]
+            later = _float64(schedules[index]((step - start).clamp(min=0)), step)
+            value = torch.where(step >= start, later, value)
+        return value
+
+    return schedule
+
+
+# -- one formula for Python ints and 0-d tensors ---------------------------------------------
 
 
 def _tensor_friendly(formula: Callable[[Any], Any]) -> Schedule:
@@ -342,12 +438,16 @@ def _floor(value: Any) -> Any:
     return torch.floor(value) if isinstance(value, Tensor) else math.floor(value)
 
 
+def _check_values(**values: Any) -> None:
+    for name, value in values.items():
+        _check_value(name, value)
+
+
 def _check_value(name: str, value: Any, low: float = 0.0, high: float = math.inf,
                  *, low_open: bool = False) -> None:
     if isinstance(value, Tensor) and value.numel() != 1:
-        raise ValueError(
-            f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a float or 0-d tensor"
-        )
+        raise ValueError(f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a float "
+                         f"or 0-d tensor")
     check_hyperparameter(name, value, low, high, low_open=low_open)
 
 

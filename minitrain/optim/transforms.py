@@ -1,47 +1,426 @@
-"""Gradient transformations, the building blocks of every optimizer (optax names, torch math).
+"""Gradient transformations, the building blocks of every optimizer (optax
+``_src/transform.py``'s names, ``torch.optim``'s math).
 
-The rules live in ``_transforms_rules`` (per-leaf math) and ``_transforms_wrappers`` (routing,
-accumulation, skipping, averaging, injected hyperparameters); this module adds global-norm
-clipping and is the public index of them all.
-
-Leaves. Every transformation (and wrapper) takes trees of tensors: a leaf that is no tensor, in
-the updates or the params (a Python or numpy number, None, a string), is a one-line
-``ValueError`` naming the leaf and how to pass it (``torch.tensor(2.0)``), at init and at update
-alike (``_core.tagged`` checks it once for all, before the transformation runs). An integer or
-bool update is promoted to a floating dtype before any transformation sees it: its param's
-dtype where params are given and that param is floating-point or complex (torch's promotion of
-``int_tensor + param``; optax's JAX promotion with the state in the params' dtype), else the
-default float dtype (torch's ``int_tensor * 0.5``, as :func:`reduce_on_plateau` does). So
-``scale_by_adam``, ``trace``, ``scale_by_sign`` or ``clip`` of an integer update equal their
-result on the promoted float update, and the updates that come out are floating-point.
-A transformation that keeps a state like each param (the per-leaf rules with buffers,
-``MultiSteps``' sum, ``ema``'s average) refuses integer and bool params at init in one line,
-as the optimizers do: such a state would truncate, and ``torch.lerp`` has no integer kernel.
+Each per-leaf rule is one function made into a transformation by :func:`leafwise`, so its math
+lives here once: the aliases are chains of these, and their kernels are lowerings tested equal
+to them. Where optax and torch differ (RMSprop's eps outside the sqrt, Adam's eps after the bias
+correction, SGD's first momentum step), torch wins. Every transformation takes trees of tensors
+(any other leaf is a one-line ``ValueError``); integer and bool updates are promoted to their
+param's floating dtype first (torch's ``int_tensor + param``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
 from minitrain.optim._checks import (
+    WeightDecayMask,
     check_hyperparameter,
+    check_like,
+    checked,
+    decay_flags,
     floating_updates,
+    host_tensor,
     hyperparameter,
+    lerp_weight,
+    scalar,
+    schedule_count,
     tensor_leaves,
     use_plain_path,
+    zero_count,
 )
-from minitrain.optim._transforms_rules import *  # noqa: F403  (listed in __all__)
-from minitrain.optim._transforms_rules import __all__ as _rules
-from minitrain.optim._transforms_wrappers import *  # noqa: F403  (listed in __all__)
-from minitrain.optim._transforms_wrappers import __all__ as _wrappers
-from minitrain.optim.base import EmptyState, GradientTransformation, tagged
-from minitrain.tree import Grads
+from minitrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, tagged
+from minitrain.optim.leafwise import leafwise
+from minitrain.tree import Grads, Params
 
-__all__ = ["clip_by_global_norm", "ClipByGlobalNormState", *_rules, *_wrappers]
+__all__ = [
+    "scale", "ScaleState", "scale_by_learning_rate", "ScaleByLearningRateState",
+    "scale_by_adam", "ScaleByAdamState", "scale_by_rms", "ScaleByRmsState",
+    "scale_by_adagrad", "ScaleByAdagradState", "scale_by_sign", "trace", "TraceState",
+    "add_decayed_weights", "AddDecayedWeightsState", "clip", "ClipState",
+    "clip_by_global_norm", "ClipByGlobalNormState",
+]
+
+
+def zeros(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def sqrt(value: Any) -> Any:
+    return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
+
+
+def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
+    """``x + alpha * y`` as torch.optim computes it: one ``torch.add`` where ``alpha`` is a
+    number (``grad.add(param, alpha=wd)``)."""
+    return x + alpha * y if isinstance(alpha, Tensor) else torch.add(x, y, alpha=alpha)
+
+
+def _map(fn, updates, hyperparameters=()):
+    """``fn(leaves, True)`` once over all leaves with foreach kernels when they take the batched
+    path (:func:`use_plain_path`), else ``fn(leaf, False)`` per leaf."""
+    leaves = tree.leaves(updates)
+    if leaves and not use_plain_path(leaves, hyperparameters):
+        with torch.no_grad():
+            return tree.unflatten(tree.structure(updates), list(fn(leaves, True)))
+    return tree.map(lambda u: fn(u, False), updates)
+
+
+ScaleState = EmptyState
+ClipState = EmptyState
+AddDecayedWeightsState = EmptyState
+
+
+def _stateless(name: str, update: Any, **arguments: Any) -> GradientTransformation:
+    return tagged(name, GradientTransformation(lambda params: EmptyState(), update), **arguments)
+
+
+def scale(step_size: float | Tensor) -> GradientTransformation:
+    """Multiply updates by ``step_size``.
+
+    >>> import torch
+    >>> scale(3.0).update([torch.ones(1)], EmptyState())[0]
+    [tensor([3.])]
+    """
+    step_size = hyperparameter("step_size", step_size)
+
+    def update(updates, state, params=None):
+        return _scaled(updates, step_size), state
+
+    return _stateless("scale", update, step_size=step_size)
+
+
+def _scaled(updates, factor):
+    def fn(u, batched):
+        return _torch.foreach["mul"](u, scalar(factor)) if batched else factor * u
+
+    return _map(fn, updates, [factor])
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """``count`` updates done and ``lr``, the learning rate of the last one."""
+
+    count: Tensor
+    lr: Tensor
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
+                           *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply updates by ``-lr`` (``lr`` without ``flip_sign``); ``lr`` may be a schedule
+    ``step -> lr`` of the updates done.
+
+    >>> import torch
+    >>> tx = scale_by_learning_rate(lambda count: 1.0 if count < 1 else 0.5)
+    >>> state = tx.init([torch.zeros(1)])
+    >>> for _ in range(2):
+    ...     updates, state = tx.update([torch.ones(1)], state)
+    >>> updates, float(state.lr)
+    ([tensor([-0.5000])], 0.5)
+    """
+    is_schedule = callable(learning_rate) and not isinstance(learning_rate, Tensor)
+    if not is_schedule:
+        learning_rate = checked("lr", learning_rate, 0.0)
+    sign = -1 if flip_sign else 1
+
+    def lr_at(count):
+        if is_schedule:
+            value = learning_rate(count if isinstance(count, int) else schedule_count(count))
+            return checked("lr (from the schedule)", value, 0.0)  # a (1,) tensor as 0-d
+        return learning_rate
+
+    def init(params):
+        return ScaleByLearningRateState(zero_count(), _f32(lr_at(0)))
+
+    def update(updates, state, params=None):
+        lr = lr_at(state.count)
+        factor = -lr if flip_sign else lr
+        return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, _f32(lr))
+
+    return tagged("scale_by_learning_rate", GradientTransformation(init, update),
+                  learning_rate=learning_rate, sign=sign)
+
+
+def _f32(value: Any) -> Tensor:
+    return host_tensor(value, torch.float32)
+
+
+# -- per-leaf rules ---------------------------------------------------------------------------
+
+
+class ScaleByAdamState(NamedTuple):
+    """``count``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` (``()`` leaves unless
+    amsgrad), like torch.optim.Adam's state."""
+
+    count: Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+    max_exp_avg_sq: Params
+
+
+def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad):
+    """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
+    torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2))."""
+    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": ()}
+    second = exp_avg_sq
+    if amsgrad:
+        second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = sqrt(1 - beta2**step)
+    denom = second.sqrt() / bias_correction2_sqrt + eps
+    return (exp_avg / denom) / bias_correction1, new
+
+
+def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
+                  eps: float | Tensor = 1e-8, amsgrad: bool = False) -> GradientTransformation:
+    """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad.
+
+    >>> import torch
+    >>> tx = scale_by_adam()
+    >>> tx.update([torch.tensor([5.0, -0.01])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1.0000, -1.0000])]
+    """
+    # A float and a tensor may mix here (inject_hyperparams makes one a tensor); the aliases
+    # refuse the mix as torch.optim.Adam does.
+    beta1, beta2 = hyperparameter("betas[0]", b1), hyperparameter("betas[1]", b2)
+    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
+    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
+    check_hyperparameter("eps", eps, 0.0)
+
+    def init_leaf(p):
+        return {"exp_avg": zeros(p), "exp_avg_sq": zeros(p),
+                "max_exp_avg_sq": zeros(p) if amsgrad else ()}
+
+    return leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
+                    dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad))
+
+
+class ScaleByRmsState(NamedTuple):
+    """``count``, ``square_avg`` and ``grad_avg`` (``()`` leaves unless centered)."""
+
+    count: Tensor
+    square_avg: Params
+    grad_avg: Params
+
+
+def rms_leaf(g, buffers, p, step, alpha, eps, centered):
+    """torch.optim.RMSprop's scaling (eps outside the sqrt; Graves 2013 when centered)."""
+    square_avg = alpha * buffers["square_avg"] + (1 - alpha) * (g * g)
+    new = {"square_avg": square_avg, "grad_avg": ()}
+    if centered:
+        old = buffers["grad_avg"]
+        grad_avg = new["grad_avg"] = torch.lerp(old, g, lerp_weight(1 - alpha, old))
+        avg = (square_avg - grad_avg * grad_avg).sqrt() + eps
+    else:
+        avg = square_avg.sqrt() + eps
+    return g / avg, new
+
+
+def scale_by_rms(alpha: float | Tensor = 0.99, eps: float | Tensor = 1e-8,
+                 centered: bool = False) -> GradientTransformation:
+    """Divide by the root of a running mean of squares, as torch.optim.RMSprop.
+
+    >>> import torch
+    >>> tx = scale_by_rms(alpha=0.0, eps=0.0)
+    >>> tx.update([torch.tensor([4.0, -2.0])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1., -1.])]
+    """
+    check_hyperparameter("alpha", alpha, 0.0, 1.0)
+    check_hyperparameter("eps", eps, 0.0)
+
+    def init_leaf(p):
+        return {"square_avg": zeros(p), "grad_avg": zeros(p) if centered else ()}
+
+    return leafwise("scale_by_rms", init_leaf, rms_leaf, ScaleByRmsState,
+                    dict(alpha=alpha, eps=eps, centered=centered))
+
+
+class ScaleByAdagradState(NamedTuple):
+    """``count`` and ``sum`` of squared updates per leaf."""
+
+    count: Tensor
+    sum: Params
+
+
+def adagrad_leaf(g, buffers, p, step, lr_decay, eps):
+    """torch.optim.Adagrad's scaling, with its lr decay ``1 / (1 + (t - 1) * lr_decay)``."""
+    total = buffers["sum"] + g * g
+    std = total.sqrt() + eps
+    return (g / std) / (1 + (step - 1) * lr_decay), {"sum": total}
+
+
+def scale_by_adagrad(lr_decay: float | Tensor = 0.0,
+                     initial_accumulator_value: float | Tensor = 0.0,
+                     eps: float | Tensor = 1e-10) -> GradientTransformation:
+    """Divide by the root of the sum of squares so far, as torch.optim.Adagrad.
+
+    >>> import torch
+    >>> tx = scale_by_adagrad()
+    >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
+    [tensor([ 1., -1.])]
+    """
+    check_hyperparameter("lr_decay", lr_decay, 0.0)
+    check_hyperparameter("initial_accumulator_value", initial_accumulator_value, 0.0)
+    check_hyperparameter("eps", eps, 0.0)
+    initial = hyperparameter("initial_accumulator_value", initial_accumulator_value)
+
+    def init_leaf(p):
+        return {"sum": filled(p, initial)}
+
+    return leafwise("scale_by_adagrad", init_leaf, adagrad_leaf, ScaleByAdagradState,
+                    dict(lr_decay=lr_decay, eps=eps),
+                    also_watch=(initial,) if isinstance(initial, Tensor) else ())
+
+
+def filled(p: Tensor, value: Any) -> Tensor:
+    """A tensor like ``p`` holding ``value`` (``zeros + value`` where it is traced or requires
+    grad)."""
+    number = scalar(value)
+    if isinstance(number, Tensor) or isinstance(value, Tensor) and value.requires_grad:
+        return zeros(p) + value.to(p.dtype)
+    return torch.full_like(p, number, memory_format=torch.preserve_format)
+
+
+def sign_leaf(g, buffers, p, step):
+    """``sign(g)`` (signSGD, Bernstein et al. 2018)."""
+    return torch.sign(g), buffers
+
+
+def scale_by_sign() -> GradientTransformation:
+    """Replace each update by its sign.
+
+    >>> import torch
+    >>> tx = scale_by_sign()
+    >>> tx.update([torch.tensor([3.0, -0.5, 0.0])], tx.init([torch.zeros(3)]))[0]
+    [tensor([ 1., -1.,  0.])]
+    """
+    return leafwise("scale_by_sign", lambda p: {}, sign_leaf)
+
+
+class TraceState(NamedTuple):
+    """``count`` and ``momentum_buffer`` per leaf, like torch.optim.SGD's state."""
+
+    count: Tensor
+    momentum_buffer: Params
+
+
+def trace_leaf(g, buffers, p, step, momentum, dampening, nesterov):
+    """torch.optim.SGD's momentum: ``b = g`` on the first step (a copy, as torch's
+    ``clone(grad)``), then ``b = momentum * b + (1 - dampening) * g``; the update is ``g +
+    momentum * b`` (Nesterov) or ``b``; with ``momentum == 0``, ``g``."""
+    if _concrete(momentum) == 0:
+        return g, {"momentum_buffer": buffers["momentum_buffer"]}
+    later = momentum * buffers["momentum_buffer"] + (1 - dampening) * g
+    if isinstance(step, int):
+        buf = g.clone() if step == 1 else later
+    else:
+        buf = torch.where(step == 1, g, later)
+    out = g + momentum * buf if nesterov else buf
+    if isinstance(momentum, Tensor) and _concrete(momentum) is None:  # traced: per member
+        out = torch.where(momentum == 0, g, out)
+    return out, {"momentum_buffer": buf}
+
+
+def trace(momentum: float | Tensor = 0.9, dampening: float | Tensor = 0.0,
+          nesterov: bool = False) -> GradientTransformation:
+    """Momentum as torch.optim.SGD has it (first step ``b = g``, dampening, Nesterov).
+
+    >>> import torch
+    >>> tx = trace(momentum=0.9)
+    >>> state = tx.init([torch.zeros(1)])
+    >>> for _ in range(2):
+    ...     updates, state = tx.update([torch.ones(1)], state)
+    >>> updates
+    [tensor([1.9000])]
+    """
+    check_hyperparameter("momentum", momentum, 0.0)
+    check_hyperparameter("dampening", dampening, 0.0)
+    # As sgd: a traced momentum or dampening (vmap, torch.func.grad) is not checked here.
+    if nesterov and (_concrete(momentum) == 0 or _concrete(dampening) not in (None, 0)):
+        raise ValueError("invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
+                         "set momentum or turn nesterov off")
+    return leafwise("trace", lambda p: {"momentum_buffer": zeros(p)}, trace_leaf, TraceState,
+                    dict(momentum=momentum, dampening=dampening, nesterov=nesterov))
+
+
+def _concrete(value: Any) -> Any:
+    value = scalar(value)
+    return value if isinstance(value, int | float) else None
+
+
+def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
+                        mask: WeightDecayMask = None) -> GradientTransformation:
+    """Add ``weight_decay * p`` to the updates of the leaves ``mask`` selects: torch's L2 decay
+    before a scaling rule, decoupled decay (AdamW) after it.
+
+    >>> import torch
+    >>> tx = add_decayed_weights(0.5, mask={"w": True, "b": False})
+    >>> params = {"w": torch.ones(1), "b": torch.ones(1)}
+    >>> tx.update({"w": torch.zeros(1), "b": torch.zeros(1)}, tx.init(params), params)[0]
+    {'w': tensor([0.5000]), 'b': tensor([0.])}
+    """
+    weight_decay = checked("weight_decay", weight_decay, 0.0)
+
+    def update(updates, state, params=None):
+        # Read per call, not kept at build: a sweep's members build alike whatever their value.
+        if isinstance(weight_decay, int | float) and weight_decay == 0:
+            return updates, state
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(updates, state, "
+                             "params)")
+        flags = decay_flags(mask, params)
+        u_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
+        if len(u_leaves) != len(p_leaves):
+            raise ValueError(f"updates have {len(u_leaves)} leaves but params {len(p_leaves)}; "
+                             f"pass the params the updates are for")
+        check_like(params, updates, ("params", "updates"))
+        on = [i for i, flag in enumerate(flags) if flag]
+        if not on:  # the mask selects no leaf (say, a model of biases and norms only)
+            return updates, state
+        if not use_plain_path([*u_leaves, *p_leaves], [weight_decay]):
+            with torch.no_grad():
+                moved = _torch.foreach["add"]([u_leaves[i] for i in on], [p_leaves[i] for i in on],
+                                           alpha=scalar(weight_decay))
+            out = list(u_leaves)
+            for i, value in zip(on, moved, strict=True):
+                out[i] = value
+        else:
+            out = [add_scaled(u, p, weight_decay) if flag else u
+                   for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
+        return tree.unflatten(tree.structure(updates), out), state
+
+    return _stateless("add_decayed_weights", update, weight_decay=weight_decay, mask=mask)
+
+
+def clip(max_delta: float | Tensor) -> GradientTransformation:
+    """Clamp each element of the updates to ``[-max_delta, max_delta]``.
+
+    >>> import torch
+    >>> clip(1.0).update([torch.tensor([3.0, -0.5, -2.0])], EmptyState())[0]
+    [tensor([ 1.0000, -0.5000, -1.0000])]
+    """
+    max_delta = checked("max_delta", max_delta, 0.0)
+
+    def update(updates, state, params=None):
+        if isinstance(max_delta, Tensor):
+            return tree.map(lambda u: torch.clamp(u, -max_delta, max_delta), updates), state
+
+        def fn(u, batched):
+            if batched:
+                low = _torch.foreach["clamp_min"](u, -max_delta)
+                return _torch.foreach["clamp_max"](low, max_delta)
+            return torch.clamp(u, -max_delta, max_delta)
+
+        return _map(fn, updates), state
+
+    return _stateless("clip", update, max_delta=max_delta)
+
 
 ClipByGlobalNormState = EmptyState
 
@@ -50,15 +429,11 @@ _NOT_GIVEN = object()
 
 
 def clip_by_global_norm(grads_or_max_norm: Any = _NOT_GIVEN, max_norm: Any = None) -> Any:
-    """Scale updates so that their joint L2 norm is at most ``max_norm``.
+    """Scale updates so that their joint L2 norm is at most ``max_norm``, by
+    ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``.
 
-    Two forms (optax's and minitrain's earlier function): ``clip_by_global_norm(max_norm)``
-    returns the transformation; ``clip_by_global_norm(grads, max_norm)`` returns the clipped
-    grads and the norm before clipping (``clip_by_global_norm(max_norm=1.0)`` is the first).
-    The scale is ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``;
-    empty grads pass through with a norm of 0, as there. A tensor ``max_norm`` that requires
-    grad, or is traced (``vmap`` over it), takes tensor ops, so the update stays differentiable
-    in it.
+    ``clip_by_global_norm(max_norm)`` is the transformation (optax's form);
+    ``clip_by_global_norm(grads, max_norm)`` returns the clipped grads and the norm before.
 
     >>> import torch
     >>> grads, norm = clip_by_global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, 1.0)
@@ -79,14 +454,12 @@ def clip_by_global_norm(grads_or_max_norm: Any = _NOT_GIVEN, max_norm: Any = Non
 
 
 def _clip_transform(max_norm: Any) -> GradientTransformation:
-    max_norm = hyperparameter("max_norm", max_norm)
-    check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
+    max_norm = checked("max_norm", max_norm, 0.0, low_open=True)
 
     def update(updates, state, params=None):
         return _clip(updates, max_norm)[0], state
 
-    return tagged("clip_by_global_norm", GradientTransformation(lambda p: EmptyState(), update),
-                  max_norm=max_norm)
+    return _stateless("clip_by_global_norm", update, max_norm=max_norm)
 
 
 def _clip(grads: Grads, max_norm: float | int | Tensor) -> tuple[Grads, Tensor]:

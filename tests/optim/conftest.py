@@ -196,3 +196,74 @@ def run_reference(entry: Entry, params: Any, grads_seq: list, *, lrs=None, maxim
         optimizer.step()
         after.append([p.detach().clone() for p in leaves])
     return after, optimizer
+
+
+# --------------------------------------------------------------------------------------------
+# Small runs shared by test_transforms.py and test_wrappers.py
+
+SMALL_SHAPES = [(4, 3), (5,), ()]
+
+
+def small_data(seed: int, steps: int) -> tuple[list, list]:
+    """Params of :data:`SMALL_SHAPES` and ``steps`` lists of grads for them."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in SMALL_SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SMALL_SHAPES] for _ in range(steps)]
+    return params, grads
+
+
+def torch_run(cls, kwargs, params, grads) -> list[torch.Tensor]:
+    """The params after ``cls(**kwargs, foreach=False)`` steps over ``grads``."""
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = cls(ps, **kwargs, foreach=False)
+    for step_grads in grads:
+        for p, g in zip(ps, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in ps]
+
+
+def tx_run(tx, params, grads, requires_grad=False, lowered=True):
+    """Run ``as_optimizer(tx)`` (which may lower ``tx`` to fused kernels) or, with
+    ``lowered=False``, the transformation itself then ``apply_updates``."""
+    opt = mt.optim.as_optimizer(tx)
+    params = [p.clone().requires_grad_(requires_grad) for p in params]
+    state = opt.init(params)
+    for step_grads in grads:
+        if lowered:
+            params, state = opt.update(step_grads, state, params)
+        else:
+            updates, state = tx.update(step_grads, state, params)
+            params = mt.optim.apply_updates(params, updates)
+    return [p.detach() for p in params], state
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs whose memory is shared, for test_muon_cases.py and test_adafactor_cases.py
+
+CASE_SHAPE = (32, 8)  # 256 elements: the kernels take it
+
+
+def randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(shape or CASE_SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def warm_state(make: Callable[[], Any], params: dict) -> Any:
+    """``make()``'s state after one update on independent clones (non-zero moments)."""
+    opt = make()
+    grads = {k: randn(7 + i, *v.shape) for i, (k, v) in enumerate(params.items())}
+    return opt.update(grads, opt.init(clones(params)), clones(params))[1]
+
+
+def assert_like_clones(make: Callable[[], Any], grads, state, params, donate, exact=True):
+    """The update of these (aliased) inputs against the pure update of independent clones;
+    a pure update must leave every input as it was."""
+    expected = make().update(clones(grads), clones(state), clones(params))
+    before = [t.clone() for t in tensors((grads, state, params))]
+    got = make().update(grads, state, params, donate=donate)
+    tolerance = dict(rtol=0, atol=0) if exact else {}
+    for new, ref in zip(tensors(got), tensors(expected), strict=True):
+        torch.testing.assert_close(new, ref, equal_nan=True, **tolerance)
+    if not donate:
+        for now, then in zip(tensors((grads, state, params)), before, strict=True):
+            torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True)

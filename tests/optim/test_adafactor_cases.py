@@ -9,69 +9,29 @@ import torch
 import minitrain as mt
 from minitrain import tree
 from minitrain.optim.kernels import streaming
+from tests.optim.conftest import clones, randn, warm_state
 
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
 )
 
-OPTS = {"adafactor": lambda: mt.optim.adafactor(lr=0.01)}
-SHAPE = (32, 8)  # 256 elements: the fast path's kernels take it
-N = SHAPE[0] * SHAPE[1]
 
-
-def _randn(seed: int, *shape: int) -> torch.Tensor:
-    return torch.randn(shape or SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def _clones(x):
-    return tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree.leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def _warm_state(name: str, params: dict):
-    """A state after one update on independent clones (non-zero moments)."""
-    opt = OPTS[name]()
-    grads = {k: _randn(7 + i, *v.shape) for i, (k, v) in enumerate(params.items())}
-    return opt.update(grads, opt.init(_clones(params)), _clones(params))[1]
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory with a storage of its own."""
-    other = torch.from_dlpack(t)
-    assert other.untyped_storage()._cdata != t.untyped_storage()._cdata
-    assert other.data_ptr() == t.data_ptr()
-    return other
-
-
-def _check(name, grads, state, params, donate, exact=True):
-    """The update of these (aliased) inputs against the pure update of independent clones;
-    a pure update must leave every input as it was."""
-    expected = OPTS[name]().update(_clones(grads), _clones(state), _clones(params))
-    before = [t.clone() for t in _tensors((grads, state, params))]
-    got = OPTS[name]().update(grads, state, params, donate=donate)
-    tolerance = dict(rtol=0, atol=0) if exact else {}
-    for new, ref in zip(_tensors(got), _tensors(expected), strict=True):
-        torch.testing.assert_close(new, ref, equal_nan=True, **tolerance)
-    if not donate:
-        for now, then in zip(_tensors((grads, state, params)), before, strict=True):
-            torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True)
+def make_adafactor():
+    return mt.optim.adafactor(lr=0.01)
 
 
 def test_adafactors_moment_over_another_leafs_param_donated_gives_the_pure_result():
     """A row moment of leaf b (edited by hand) in the memory of param a: the donated update
     wrote a first and then read b's moment from it (2.4e-4 off the pure update)."""
-    params = {"a": _randn(0, 64, 64), "b": _randn(1, 64, 64)}
-    state = _warm_state("adafactor", params)
+    params = {"a": randn(0, 64, 64), "b": randn(1, 64, 64)}
+    state = warm_state(make_adafactor, params)
     named = tree.named_leaves(state)
     edited = [params["a"][:, :1].abs_() if path.endswith("row_var.b") else t
               for path, t in named]
     state = tree.unflatten(tree.structure(state), edited)
-    grads = {"a": _randn(2, 64, 64), "b": _randn(3, 64, 64)}
-    pure = OPTS["adafactor"]().update(_clones(grads), _clones(state), _clones(params))[0]
-    donated = OPTS["adafactor"]().update(grads, state, params, donate=True)[0]
+    grads = {"a": randn(2, 64, 64), "b": randn(3, 64, 64)}
+    pure = make_adafactor().update(clones(grads), clones(state), clones(params))[0]
+    donated = make_adafactor().update(grads, state, params, donate=True)[0]
     for key in params:  # the moment is a strided view: its clone takes the kernel, it does not
         torch.testing.assert_close(donated[key], pure[key], rtol=1e-6, atol=1e-6)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minitrain as mt
-from minitrain import tree
+from tests.optim.conftest import CASE_SHAPE, assert_like_clones, clones, randn, warm_state
 
 
 def test_muon_rejects_a_non_matrix_naming_the_leaf():
@@ -191,66 +191,24 @@ def test_donating_a_muon_momentum_that_is_its_param_gives_the_pure_result():
         torch.testing.assert_close(donated[key], pure[key], rtol=0, atol=0)
 
 
-OPTS = {"muon": lambda: mt.optim.muon(lr=0.01)}
-SHAPE = (32, 8)  # 256 elements: the fast path's kernels take it
-N = SHAPE[0] * SHAPE[1]
-
-
-def _randn(seed: int, *shape: int) -> torch.Tensor:
-    return torch.randn(shape or SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def _clones(x):
-    return tree.map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree.leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def _warm_state(name: str, params: dict):
-    """A state after one update on independent clones (non-zero moments)."""
-    opt = OPTS[name]()
-    grads = {k: _randn(7 + i, *v.shape) for i, (k, v) in enumerate(params.items())}
-    return opt.update(grads, opt.init(_clones(params)), _clones(params))[1]
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory with a storage of its own."""
-    other = torch.from_dlpack(t)
-    assert other.untyped_storage()._cdata != t.untyped_storage()._cdata
-    assert other.data_ptr() == t.data_ptr()
-    return other
-
-
-def _check(name, grads, state, params, donate, exact=True):
-    """The update of these (aliased) inputs against the pure update of independent clones;
-    a pure update must leave every input as it was."""
-    expected = OPTS[name]().update(_clones(grads), _clones(state), _clones(params))
-    before = [t.clone() for t in _tensors((grads, state, params))]
-    got = OPTS[name]().update(grads, state, params, donate=donate)
-    tolerance = dict(rtol=0, atol=0) if exact else {}
-    for new, ref in zip(_tensors(got), _tensors(expected), strict=True):
-        torch.testing.assert_close(new, ref, equal_nan=True, **tolerance)
-    if not donate:
-        for now, then in zip(_tensors((grads, state, params)), before, strict=True):
-            torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True)
+def make_muon():
+    return mt.optim.muon(lr=0.01)
 
 
 def _self_overlapping(kind: str, seed: int) -> torch.Tensor:
     if kind == "expanded":
-        return _randn(seed, SHAPE[1]).expand(SHAPE)
-    return _randn(seed, SHAPE[0] + SHAPE[1] - 1).as_strided(SHAPE, (1, 1))
+        return randn(seed, CASE_SHAPE[1]).expand(CASE_SHAPE)
+    return randn(seed, CASE_SHAPE[0] + CASE_SHAPE[1] - 1).as_strided(CASE_SHAPE, (1, 1))
 
 
 @pytest.mark.parametrize("kind", ["expanded", "interleaved"])
 def test_muons_pure_update_of_such_a_param_or_momentum_gives_the_clones_result(kind):
-    params = {"a": _self_overlapping(kind, 0), "b": _randn(1)}
-    _check("muon", {"a": _randn(2), "b": _randn(3)}, _warm_state("muon", _clones(params)),
-           params, donate=False, exact=False)
-    params = {"a": _randn(0), "b": _randn(1)}
-    (momentum, ortho), decay, lr = _warm_state("muon", params)
+    params = {"a": _self_overlapping(kind, 0), "b": randn(1)}
+    assert_like_clones(make_muon, {"a": randn(2), "b": randn(3)},
+                       warm_state(make_muon, clones(params)), params, donate=False, exact=False)
+    params = {"a": randn(0), "b": randn(1)}
+    (momentum, ortho), decay, lr = warm_state(make_muon, params)
     buffer = _self_overlapping(kind, 4)
     momentum = momentum._replace(momentum_buffer={"a": buffer, "b": momentum.momentum_buffer["b"]})
-    _check("muon", {"a": _randn(2), "b": _randn(3)}, ((momentum, ortho), decay, lr), params,
-           donate=False, exact=False)
+    assert_like_clones(make_muon, {"a": randn(2), "b": randn(3)}, ((momentum, ortho), decay, lr),
+                       params, donate=False, exact=False)

@@ -29,40 +29,7 @@ from minitrain.optim import (
     scale_by_rms,
     trace,
 )
-
-SHAPES = [(4, 3), (5,), ()]
-
-
-def _data(seed: int, steps: int):
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=g) for s in SHAPES]
-    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
-    return params, grads
-
-
-def _torch_run(cls, kwargs, params, grads):
-    ps = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = cls(ps, **kwargs, foreach=False)
-    for step_grads in grads:
-        for p, g in zip(ps, step_grads, strict=True):
-            p.grad = g.clone()
-        opt.step()
-    return [p.detach() for p in ps]
-
-
-def _tx_run(tx, params, grads, requires_grad=False, lowered=True):
-    """Run ``as_optimizer(tx)`` (which may lower ``tx`` to fused kernels) or, with
-    ``lowered=False``, the transformation itself then ``apply_updates``."""
-    opt = as_optimizer(tx)
-    params = [p.clone().requires_grad_(requires_grad) for p in params]
-    state = opt.init(params)
-    for step_grads in grads:
-        if lowered:
-            params, state = opt.update(step_grads, state, params)
-        else:
-            updates, state = tx.update(step_grads, state, params)
-            params = apply_updates(params, updates)
-    return [p.detach() for p in params], state
+from tests.optim.conftest import small_data, torch_run, tx_run
 
 
 def _opt_run(opt, params, grads, requires_grad=False):
@@ -113,27 +80,27 @@ def test_chains_of_transforms_match_torch_optim_and_the_alias(name, requires_gra
     the torch.optim class; through ``as_optimizer`` it is the alias of the same arguments, to
     the bit."""
     make, cls, kwargs = CHAINS[name]
-    params, grads = _data(0, 6)
+    params, grads = small_data(0, 6)
     alias = as_optimizer(make()) if requires_grad else getattr(mt.optim, cls.__name__.lower())(
         **kwargs)
     with torch.set_grad_enabled(requires_grad):
-        ours, _ = _tx_run(make(), params, grads, requires_grad, lowered=False)
-        lowered, _ = _tx_run(make(), params, grads, requires_grad)
+        ours, _ = tx_run(make(), params, grads, requires_grad, lowered=False)
+        lowered, _ = tx_run(make(), params, grads, requires_grad)
         by_alias = _opt_run(alias, params, grads, requires_grad)
     for a, b, c in zip(ours, lowered, by_alias, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert torch.equal(b, c)
-    for a, b in zip(ours, _torch_run(cls, kwargs, params, grads), strict=True):
+    for a, b in zip(ours, torch_run(cls, kwargs, params, grads), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", CHAINS)
 def test_batched_and_plain_paths_agree_to_the_bit(name):
     make = CHAINS[name][0]
-    params, grads = _data(1, 4)
-    batched, state_b = _tx_run(make(), params, grads, lowered=False)
+    params, grads = small_data(1, 4)
+    batched, state_b = tx_run(make(), params, grads, lowered=False)
     with torch.enable_grad():
-        plain, state_p = _tx_run(make(), params, grads, requires_grad=True, lowered=False)
+        plain, state_p = tx_run(make(), params, grads, requires_grad=True, lowered=False)
     for a, b in zip(batched, plain, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(mt.tree.leaves(state_b), mt.tree.leaves(state_p), strict=True):
@@ -221,7 +188,7 @@ def test_clipping_an_expanded_grad_gives_the_clones_result():
 
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_a_leading_clip_gives_the_aliases_update_of_the_clipped_grads(decoupled):
-    params, grads = _data(3, 4)
+    params, grads = small_data(3, 4)
 
     def make():
         return chain(
@@ -232,8 +199,8 @@ def test_a_leading_clip_gives_the_aliases_update_of_the_clipped_grads(decoupled)
             scale_by_learning_rate(0.01),
         )
 
-    lowered, _ = _tx_run(make(), params, grads)
-    op_by_op, _ = _tx_run(make(), params, grads, lowered=False)
+    lowered, _ = tx_run(make(), params, grads)
+    op_by_op, _ = tx_run(make(), params, grads, lowered=False)
     factory = mt.optim.adamw if decoupled else mt.optim.adam
     clipped_first = [mt.optim.clip_by_global_norm(g, 0.5)[0] for g in grads]
     by_alias = _opt_run(factory(lr=0.01, weight_decay=0.1), params, clipped_first)

@@ -27,41 +27,7 @@ from minitrain.optim import (
     scale_by_learning_rate,
     trace,
 )
-
-SHAPES = [(4, 3), (5,), ()]
-
-
-def _data(seed: int, steps: int):
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=g) for s in SHAPES]
-    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
-    return params, grads
-
-
-def _torch_run(cls, kwargs, params, grads):
-    ps = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = cls(ps, **kwargs, foreach=False)
-    for step_grads in grads:
-        for p, g in zip(ps, step_grads, strict=True):
-            p.grad = g.clone()
-        opt.step()
-    return [p.detach() for p in ps]
-
-
-def _tx_run(tx, params, grads, requires_grad=False, lowered=True):
-    """Run ``as_optimizer(tx)`` (which may lower ``tx`` to fused kernels) or, with
-    ``lowered=False``, the transformation itself then ``apply_updates``."""
-    opt = as_optimizer(tx)
-    params = [p.clone().requires_grad_(requires_grad) for p in params]
-    state = opt.init(params)
-    for step_grads in grads:
-        if lowered:
-            params, state = opt.update(step_grads, state, params)
-        else:
-            updates, state = tx.update(step_grads, state, params)
-            params = apply_updates(params, updates)
-    return [p.detach() for p in params], state
-
+from tests.optim.conftest import small_data, tx_run
 
 # --------------------------------------------------------------------------------------------
 # Against their references
@@ -96,7 +62,7 @@ def test_multisteps_equals_grad_accumulation_then_one_torch_step():
 
 
 def test_ema_equals_averaged_model_with_an_ema_average():
-    params, grads = _data(2, 5)
+    params, grads = small_data(2, 5)
     module = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in params])
     averaged = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
@@ -105,7 +71,7 @@ def test_ema_equals_averaged_model_with_an_ema_average():
             p.grad = g.clone()
         sgd.step()
         averaged.update_parameters(module)
-    _, state = _tx_run(chain(trace(0.5), scale_by_learning_rate(0.1), mt.optim.ema(0.9)),
+    _, state = tx_run(chain(trace(0.5), scale_by_learning_rate(0.1), mt.optim.ema(0.9)),
                        params, grads)
     for ours, theirs in zip(state[-1].ema, averaged.module.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-7)
@@ -212,7 +178,7 @@ def test_a_chain_state_round_trips_through_a_checkpoint(tmp_path):
               add_decayed_weights(0.1), scale_by_learning_rate(0.01), mt.optim.ema(0.9)),
         every_k=2))
     opt = as_optimizer(tx)
-    params, grads = _data(3, 3)
+    params, grads = small_data(3, 3)
     state = opt.init(params)
     for step_grads in grads:
         params, state = opt.update(step_grads, state, params)

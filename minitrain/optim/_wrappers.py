@@ -1,7 +1,6 @@
 """Transformations that wrap others: routing leaves, accumulating, skipping, averaging, and
 hyperparameters kept in the state (optax ``_src/wrappers.py``, ``combine.py``,
-``schedules/_inject.py``).
-"""
+``schedules/_inject.py``)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,18 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import check_like, check_state_type, hyperparameter, tensor_leaves
+from minitrain.optim._checks import (
+    check_like,
+    check_state_type,
+    host_tensor,
+    hyperparameter,
+    is_traced,
+    schedule_count,
+    tensor_leaves,
+    updates_done,
+    zero_count,
+)
 from minitrain.optim._groups import LeafGroup, group
-from minitrain.optim._host import host_tensor, is_traced, schedule_count, updates_done, zero_count
 from minitrain.optim.base import (
     GradientTransformation,
     check_extra_args,
@@ -27,24 +35,14 @@ from minitrain.optim.base import (
 from minitrain.tree import Params
 
 __all__ = [
-    "masked",
-    "MaskedState",
-    "multi_transform",
-    "MultiTransformState",
-    "MultiSteps",
-    "MultiStepsState",
-    "apply_if_finite",
-    "ApplyIfFiniteState",
-    "ema",
-    "EmaState",
-    "inject_hyperparams",
-    "InjectHyperparamsState",
+    "masked", "MaskedState", "multi_transform", "MultiTransformState", "MultiSteps",
+    "MultiStepsState", "apply_if_finite", "ApplyIfFiniteState", "ema", "EmaState",
+    "inject_hyperparams", "InjectHyperparamsState",
 ]
 
 
 def _labels(labels: Any, params: Params, what: str, named: list[tuple[str, Any]]) -> list[Any]:
-    """Per leaf of ``params`` (``named``: its named leaves): its label from a pytree like params
-    or ``fn(name, leaf)``."""
+    """Per leaf of ``params``: its label from a pytree like params or ``fn(name, leaf)``."""
     if callable(labels):
         return [labels(name, leaf) for name, leaf in named]
     tree.assert_same_structure(params, labels, names=("params", what))
@@ -57,26 +55,42 @@ def _select(names: list[str], leaves: list[Any], indices: list[int]) -> LeafGrou
 
 
 def _unzip(named: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
-    """The names and the leaves of :func:`tree.named_leaves`'s pairs.
-
-    >>> _unzip([("a", 1), ("b", 2)])
-    (['a', 'b'], [1, 2])
-    """
     return [name for name, _ in named], [leaf for _, leaf in named]
 
 
-def _scatter(out: list[Any], names: list[str], indices: list[int], new: Any, what: str) -> None:
-    """Write ``new``, the inner transformation's updates (a dict like the :class:`LeafGroup` it
-    was given, or a list of as many leaves), into ``out`` at ``indices``."""
-    if isinstance(new, dict) and list(new) == [names[i] for i in indices]:
-        new = list(new.values())
-    if not isinstance(new, list | tuple) or len(new) != len(indices):
-        raise ValueError(
-            f"{what}'s inner transformation returned a {type(new).__name__} for a dict of "
-            f"{len(indices)} leaves; return updates shaped like the ones it was given "
-            "(tree.map over them)")
-    for i, value in zip(indices, new, strict=True):
-        out[i] = value
+def _route_init(params: Params, transforms: dict, pick: Callable) -> dict[Any, Any]:
+    """Each transformation's state over the leaves ``pick(params, named) -> {label: indices}``
+    gives it."""
+    named = tree.named_leaves(params)
+    names, leaves = _unzip(named)
+    return {label: transforms[label].init(_select(names, leaves, indices))
+            for label, indices in pick(params, named).items()}
+
+
+def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Callable,
+           extra: dict, what: Callable[[Any], str]) -> tuple[Any, dict]:
+    """Each transformation's update of the leaves ``pick`` gives it (a :class:`LeafGroup`, so
+    its state is named after them); the other leaves pass through."""
+    named = tree.named_leaves(updates)
+    names, leaves = _unzip(named)
+    named_params = named if params is None else tree.named_leaves(params)
+    p_leaves = None if params is None else _unzip(named_params)[1]
+    out, new_states = list(leaves), {}
+    for label, indices in pick(updates if params is None else params, named_params).items():
+        new, new_states[label] = transforms[label].update(
+            _select(names, leaves, indices), states[label],
+            None if p_leaves is None else _select(names, p_leaves, indices),
+            **select_extra_args(transforms[label], extra))
+        if isinstance(new, dict) and list(new) == [names[i] for i in indices]:
+            new = list(new.values())
+        if not isinstance(new, list | tuple) or len(new) != len(indices):
+            raise ValueError(
+                f"{what(label)}'s inner transformation returned a {type(new).__name__} for a dict "
+                f"of {len(indices)} leaves; return updates shaped like the ones it was given "
+                "(tree.map over them)")
+        for i, value in zip(indices, new, strict=True):
+            out[i] = value
+    return tree.unflatten(tree.structure(updates), out), new_states
 
 
 class MaskedState(NamedTuple):
@@ -86,11 +100,8 @@ class MaskedState(NamedTuple):
 
 
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
-    """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through.
-
-    ``mask`` is a pytree of bools like params or ``fn(name, leaf) -> bool``. ``inner`` sees a
-    dict of the selected leaves keyed by their names in params (a ``LeafGroup``), so its state
-    is named after them.
+    """Apply ``inner`` to the leaves where ``mask`` (a pytree of bools like params, or
+    ``fn(name, leaf) -> bool``) is True; pass the others through.
 
     >>> import torch, minitrain as mt
     >>> tx = masked(mt.optim.scale(0.0), lambda name, leaf: leaf.ndim >= 2)
@@ -100,31 +111,22 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     """
     check_transformation(inner, "masked's inner")
 
-    def chosen(params: Params, named: list[tuple[str, Any]]) -> list[int]:
+    def chosen(params: Params, named: list[tuple[str, Any]]) -> dict[str, list[int]]:
         flags = _labels(mask, params, "mask", named)
         for (name, _), flag in zip(named, flags, strict=True):
             if not isinstance(flag, bool):
                 raise ValueError(f"mask leaf {name!r} is {type(flag).__name__}; use True or False")
-        return [i for i, flag in enumerate(flags) if flag]
+        return {"inner": [i for i, flag in enumerate(flags) if flag]}
 
     def init(params):
-        named = tree.named_leaves(params)
-        return MaskedState(inner.init(_select(*_unzip(named), chosen(params, named))))
+        return MaskedState(_route_init(params, {"inner": inner}, chosen)["inner"])
 
     def update(updates, state, params=None, **extra):
         check_extra_args("masked", update, extra)
         check_state_type("masked", MaskedState, state)
-        named = tree.named_leaves(updates)
-        names, leaves = _unzip(named)
-        named_params = named if params is None else tree.named_leaves(params)
-        indices = chosen(updates if params is None else params, named_params)
-        inner_params = None if params is None else _select(names, _unzip(named_params)[1],
-                                                            indices)
-        new, inner_state = inner.update(_select(names, leaves, indices), state.inner_state,
-                                        inner_params, **extra)
-        out = list(leaves)
-        _scatter(out, names, indices, new, "masked")
-        return tree.unflatten(tree.structure(updates), out), MaskedState(inner_state)
+        out, states = _route(updates, {"inner": state.inner_state}, params, {"inner": inner},
+                             chosen, extra, lambda label: "masked")
+        return out, MaskedState(states["inner"])
 
     forwards_extra_args(update, [inner])
     return tagged("masked", GradientTransformation(init, update), inner=inner, mask=mask)
@@ -139,12 +141,9 @@ class MultiTransformState(NamedTuple):
 
 def multi_transform(transforms: dict[str, GradientTransformation],
                     labels: Any) -> GradientTransformation:
-    """Route each leaf to the transformation of its label (optax ``multi_transform``).
-
-    ``labels`` is a pytree of label strings like params or ``fn(name, leaf) -> label``. Each
-    transformation sees a dict of its leaves (and their params) keyed by their names in params
-    (a ``LeafGroup``), so its state is named after them: a checkpoint resumed with other labels
-    is refused instead of loading one param's moments into another.
+    """Route each leaf to the transformation of its label (optax ``multi_transform``):
+    ``labels`` is a pytree of labels like params or ``fn(name, leaf) -> label``. States are
+    keyed by leaf names, so a checkpoint resumed with other labels is refused.
 
     >>> import torch, minitrain as mt
     >>> tx = multi_transform({"matrix": mt.optim.scale(-1.0), "other": mt.optim.scale(0.0)},
@@ -161,47 +160,25 @@ def multi_transform(transforms: dict[str, GradientTransformation],
     def groups(params: Params, named: list[tuple[str, Any]]) -> dict[str, list[int]]:
         found: dict[str, list[int]] = {label: [] for label in transforms}
         for index, ((name, _), label) in enumerate(
-            zip(named, _labels(labels, params, "labels", named), strict=True)
-        ):
+                zip(named, _labels(labels, params, "labels", named), strict=True)):
             if label not in transforms:
-                raise ValueError(
-                    f"leaf {name!r} has label {label!r}, which has no transformation; "
-                    f"labels are {sorted(transforms)}"
-                )
+                raise ValueError(f"leaf {name!r} has label {label!r}, which has no "
+                                 f"transformation; labels are {sorted(transforms)}")
             found[label].append(index)
         return found
 
     def init(params):
-        named = tree.named_leaves(params)
-        names, leaves = _unzip(named)
-        return MultiTransformState({
-            label: transforms[label].init(_select(names, leaves, indices))
-            for label, indices in groups(params, named).items()
-        })
+        return MultiTransformState(_route_init(params, transforms, groups))
 
     def update(updates, state, params=None, **extra):
         check_extra_args("multi_transform", update, extra)
         check_state_type("multi_transform", MultiTransformState, state)
         if not isinstance(state.inner_states, dict) or set(state.inner_states) != set(transforms):
-            raise ValueError(
-                f"multi_transform with labels {sorted(transforms)} got a state for other "
-                f"labels; pass the state returned by its init(params)"
-            )
-        named = tree.named_leaves(updates)
-        names, leaves = _unzip(named)
-        named_params = named if params is None else tree.named_leaves(params)
-        p_leaves = None if params is None else _unzip(named_params)[1]
-        out = list(leaves)
-        new_states = {}
-        for label, indices in groups(updates if params is None else params,
-                                     named_params).items():
-            new, new_states[label] = transforms[label].update(
-                _select(names, leaves, indices), state.inner_states[label],
-                None if p_leaves is None else _select(names, p_leaves, indices),
-                **select_extra_args(transforms[label], extra),
-            )
-            _scatter(out, names, indices, new, f"multi_transform's {label!r}")
-        return tree.unflatten(tree.structure(updates), out), MultiTransformState(new_states)
+            raise ValueError(f"multi_transform with labels {sorted(transforms)} got a state for "
+                             f"other labels; pass the state returned by its init(params)")
+        out, states = _route(updates, state.inner_states, params, transforms, groups, extra,
+                             lambda label: f"multi_transform's {label!r}")
+        return out, MultiTransformState(states)
 
     forwards_extra_args(update, list(transforms.values()))
     return tagged("multi_transform", GradientTransformation(init, update),
@@ -219,11 +196,8 @@ class MultiStepsState(NamedTuple):
 
 
 def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransformation:  # noqa: N802
-    """Accumulate gradients over ``every_k`` micro-batches, then apply ``inner`` to their sum.
-
-    Between inner steps the updates are zeros (params stay put). Summing matches ``.grad``
-    accumulation in torch (``loss.backward()`` per micro-batch, then ``optimizer.step()``);
-    divide each micro-batch's loss by ``every_k`` for the mean.
+    """Accumulate gradients over ``every_k`` micro-batches, then apply ``inner`` to their sum
+    (torch's ``.grad`` accumulation); the updates in between are zeros.
 
     >>> import torch, minitrain as mt
     >>> tx = MultiSteps(mt.optim.scale(-1.0), every_k=2)
@@ -283,14 +257,8 @@ class ApplyIfFiniteState(NamedTuple):
 def apply_if_finite(inner: GradientTransformation,
                     max_consecutive_errors: int | None = None) -> GradientTransformation:
     """Skip (zero) an update whose incoming updates or whose result from ``inner`` has a NaN or
-    inf, keep ``inner``'s old state, and count the non-finite updates (optax
-    ``apply_if_finite``).
-
-    The incoming updates are checked too (as optax does), so that around ``MultiSteps`` a
-    non-finite micro-batch is dropped instead of poisoning the accumulated sum (whose zero
-    updates between inner steps are finite). A non-finite update goes through once more than
-    ``max_consecutive_errors`` come in a row (None: never); as in optax, letting it through
-    resets no count: ``notfinite_count`` goes back to 0 only on a finite update.
+    inf, keeping ``inner``'s old state (optax ``apply_if_finite``); one goes through once more
+    than ``max_consecutive_errors`` come in a row (None: never).
 
     >>> import torch, minitrain as mt
     >>> tx = apply_if_finite(mt.optim.scale(-1.0), max_consecutive_errors=1)
@@ -345,10 +313,9 @@ class EmaState(NamedTuple):
 
 
 def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
-    """Keep an exponential moving average of the params after each update, as
-    ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))``
-    with ``update_parameters`` after each step: the first update copies, later ones
-    ``ema = lerp(ema, p, 1 - decay)``. Put it last in a chain; updates pass through.
+    """Keep an exponential moving average of the params after each update, as torch's
+    ``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))``: the first update
+    copies, later ones ``ema = lerp(ema, p, 1 - decay)``. Put it last in a chain.
 
     >>> import torch, minitrain as mt
     >>> tx = mt.optim.chain(mt.optim.scale(-1.0), ema(0.5))
@@ -401,12 +368,8 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
                        static_args: str | Iterable[str] = (),
                        ) -> Callable[..., GradientTransformation]:
     """``inject_hyperparams(factory)(**kwargs)``: ``factory(**kwargs)`` with its numeric
-    arguments kept in the state as 0-d tensors (schedules are evaluated at each update's
-    count and stored), so they can be read, changed during a run, or swept.
-
-    As in optax, every callable argument is taken for a schedule ``step -> value``, except
-    those named in ``static_args`` (e.g. ``static_args="mask"`` for a mask function), which
-    go to ``factory`` as they are, like bools, strings, None and other non-numbers.
+    arguments kept in the state as 0-d tensors (a callable is a schedule evaluated at each
+    update, unless named in ``static_args``), so they can be read, changed or swept.
 
     >>> import torch, minitrain as mt
     >>> tx = inject_hyperparams(mt.optim.scale_by_learning_rate)(learning_rate=0.1)
