@@ -83,19 +83,11 @@ def leafwise(
 ) -> GradientTransformation:
     """A transformation from a per-leaf rule (see the module docstring for the contract).
 
-    Args:
-        name: the rule's name, in errors and in :func:`~minitrain.optim.spec`.
-        init_leaf: ``p -> {buffer name: tensor}`` (``{}`` for a rule without state).
-        update_leaf: ``(g, buffers, p, step, **hyperparams) -> (u, new_buffers)``.
-        state_type: a NamedTuple of ``count``, the ``scalars``, then the buffers; made from
-            ``name`` (``scale_by_foo`` -> ``ScaleByFooState``) when None.
-        hyperparams: keyword arguments for ``update_leaf``.
-        needs_params: whether ``update`` must be given params.
-        also_watch: values that still choose the plain path when traced or requiring grad.
-        scalars: 0-d state entries (NAdam's ``mu_product``), each made by its function.
-        advance: ``(step, **scalars) -> (new_scalars, per_step)``: the next scalars and more
-            keyword arguments for ``update_leaf`` (scalars come as numbers unless traced or
-            requiring grad).
+    ``state_type`` (made from ``name`` when None: ``scale_by_foo`` -> ``ScaleByFooState``)
+    holds ``count``, the 0-d ``scalars`` (each made by its function), then the buffers;
+    ``advance(step, **scalars) -> (new_scalars, per_step)`` gives the next scalars and more
+    keyword arguments for ``update_leaf``. ``also_watch``: values that still choose the plain
+    path when traced or requiring grad.
 
     >>> import torch
     >>> tx = leafwise("double", lambda p: {}, lambda g, b, p, step: (2 * g, b))
@@ -132,14 +124,7 @@ def leafwise(
             for key in buffers}
         step = next_step(state.count)
         old = {key: getattr(state, key) for key in names}
-        new_scalars, hyper_now = {}, hyper
-        if advance is not None:
-            traced = is_traced(state.count) or any(is_traced(v) for v in old.values())
-            # A scalar that requires grad stays a tensor: its history is in the hypergradient.
-            values = old if traced else {key: v if _requires_grad(v) else scalar(v)
-                                         for key, v in old.items()}
-            new_scalars, per_step = advance(step, **values)
-            hyper_now = {**hyper, **per_step}
+        new_scalars, hyper_now = _advance(advance, step, state.count, old, hyper)
         tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
         if use_plain_path(tensors, [*hyper_now.values(), *also_watch, *old.values()]):
             new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step,
@@ -160,6 +145,20 @@ def leafwise(
     watched = {"also_watch": also_watch} if also_watch else {}  # a lowering watches them too
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper,
                   **watched)
+
+
+def _advance(advance: Callable | None, step: Any, count: Tensor, old: dict[str, Any],
+             hyper: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The next scalars, and the hyperparameters of this update with ``advance``'s per-step
+    ones; the scalars go in as numbers unless traced or requiring grad (whose history is then
+    in the hypergradient)."""
+    if advance is None:
+        return {}, hyper
+    traced = is_traced(count) or any(is_traced(v) for v in old.values())
+    values = old if traced else {key: v if _requires_grad(v) else scalar(v)
+                                 for key, v in old.items()}
+    new_scalars, per_step = advance(step, **values)
+    return new_scalars, {**hyper, **per_step}
 
 
 def _empty(value: Any) -> bool:
