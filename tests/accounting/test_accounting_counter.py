@@ -158,10 +158,12 @@ def cruncher_experiment(optimizer, dim, layers, batch):
     )
 
 
-@pytest.mark.xfail(strict=False, reason="under the Counter the update runs its chain, "
-                   "while the uninstrumented update runs the C kernel into its pool")
-@pytest.mark.parametrize("name, optimizer", [("sgd", mt.optim.sgd(lr=1e-3)),
-                                             ("adamw", mt.optim.adamw(lr=1e-3))])
+@pytest.mark.parametrize("name, optimizer", [
+    ("sgd", mt.optim.sgd(lr=1e-3)),
+    pytest.param("adamw", mt.optim.adamw(lr=1e-3), marks=pytest.mark.xfail(
+        strict=False, reason="under the Counter the update runs its chain, while the "
+        "uninstrumented update runs the C kernel into its pool")),
+])
 def test_predicted_peak_memory_within_ten_percent_on_cpu(name, optimizer):
     batch, dim, layers = 256, 1024, 8
     experiment = cruncher_experiment(optimizer, dim, layers, batch)
