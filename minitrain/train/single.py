@@ -24,6 +24,7 @@ from minitrain import checkpoint, rng
 from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, ScriptError
 from minitrain.optim import learning_rate
 from minitrain.precision import Backend
+from minitrain.train import stepper
 from minitrain.train.experiment import Experiment, as_recorded, one_line
 from minitrain.train.loop import FitResult, run_loop
 from minitrain.train.progress import resident_bytes, to_stderr
@@ -41,15 +42,6 @@ from minitrain.train.step import (
     pack_checkpoint_state,
     probe_fp8_history,
     unpack_checkpoint_state,
-)
-from minitrain.train.stepper import (
-    StepTimer,
-    changed_keys,
-    check_same,
-    evaluated,
-    fp8_scaling,
-    run_summary,
-    step_report,
 )
 from minitrain.tree import size
 
@@ -151,9 +143,9 @@ class SingleRun:
 
     def _check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
         current = self._meta()
-        check_same(saved, current, ("experiment", "seed", "backend"), run_dir, "run")
+        stepper.check_same(saved, current, ("experiment", "seed", "backend"), run_dir, "run")
         old, new = saved.get("config", {}), as_recorded(current["config"])
-        changed = changed_keys(old, new)
+        changed = stepper.changed_keys(old, new)
         if changed:
             key = changed[0]
             raise ResumeError(
@@ -228,16 +220,17 @@ class SingleRun:
     def _evaluate(self, step: int | None) -> dict[str, float]:
         carry = self.carry
         state = () if carry is None or carry.model_state is None else (carry.model_state,)
-        return evaluated(self.experiment.evaluate, self.params, *state, step=step)
+        return stepper.evaluated(self.experiment.evaluate, self.params, *state, step=step)
 
     # ------------------------------------------------------------------ the end
 
-    def summary(self, timer: StepTimer) -> dict[str, Any]:
+    def summary(self, timer: stepper.StepTimer) -> dict[str, Any]:
         if self._out is not None:
             self.loss = float(self._out.loss)
         if self.experiment.evaluate is not None and self.main and not self._last_eval:
             self._last_eval = self._evaluate(None)
-        summary = run_summary(self, timer, {"seed": self.seed}, {"params": size(self.params)})
+        summary = stepper.run_summary(self, timer, {"seed": self.seed},
+                                      {"params": size(self.params)})
         summary["final_loss"] = self.loss if math.isfinite(self.loss) else None
         if self.config is not None:
             summary["config"] = self.config
@@ -247,7 +240,7 @@ class SingleRun:
         if carry is not None and carry.loss_scale is not None:
             summary["skipped_steps"] = int(carry.skipped)
             summary["loss_scale"] = float(carry.loss_scale.scale)
-        summary.update(fp8_scaling(carry.fp8_history if carry is not None else None))
+        summary.update(stepper.fp8_scaling(carry.fp8_history if carry is not None else None))
         if self.parallel is not None:
             summary["ranks"] = self.parallel.world_size
         return summary
@@ -259,7 +252,7 @@ class SingleRun:
         # batch (FLOPs scale with the batch), plus the gradient all-reduce.
         share = self.parallel.weight if self.parallel is not None else 1.0
         step = functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry)
-        report = step_report(self, step, summary, examples_scale=share, flops_scale=share,
+        report = stepper.step_report(self, step, summary, examples_scale=share, flops_scale=share,
                              **self._prediction_inputs())
         if self.parallel is not None:
             from minitrain.distributed import gradient_bytes
@@ -332,10 +325,10 @@ def fit(experiment: Experiment, backend: Backend, *, seed: int = 0,
         report: add the resource report (predicted vs measured memory, FLOPs, MFU).
         parallel: a :class:`minitrain.distributed.DataParallel`; rank 0 alone writes.
     """
-    stepper = SingleRun(experiment, backend, seed=seed, compile=compile, config=config,
+    run = SingleRun(experiment, backend, seed=seed, compile=compile, config=config,
                         parallel=parallel)
     return run_loop(
-        stepper, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
+        run, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
         keep=keep, resume=resume, overwrite=overwrite, progress=progress,
         tensorboard=tensorboard, report=report, say=say,
     )

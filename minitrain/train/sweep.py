@@ -35,6 +35,7 @@ from minitrain import checkpoint, rng
 from minitrain._torch import pytree as _pytree
 from minitrain.errors import NonFiniteLoss, ResumeError
 from minitrain.precision import Backend
+from minitrain.train import stepper
 from minitrain.train.ensemble_step import (
     EnsembleStepOutput,
     batches_ignore_swept_values,
@@ -59,15 +60,6 @@ from minitrain.train.ranking import MemberLog, log_step, ranking, reload_logs
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import batch_examples, init_params, run_generators
 from minitrain.train.step import Carry, check_fp8_history, fp8_recipe_of, probe_fp8_history
-from minitrain.train.stepper import (
-    StepTimer,
-    changed_keys,
-    check_same,
-    evaluated,
-    fp8_scaling,
-    run_summary,
-    step_report,
-)
 from minitrain.train.sweep_plot import plot_sweep
 from minitrain.tree import OptState, Params, PyTree, size, stack, unstack
 
@@ -175,7 +167,7 @@ class SweepRun:
 
     def _check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
         current = self._meta()
-        check_same(saved, current, ("experiment", "backend", "sweep"), run_dir, "sweep")
+        stepper.check_same(saved, current, ("experiment", "backend", "sweep"), run_dir, "sweep")
         old, new = saved.get("members", []), as_recorded(current["members"])
         if len(old) != len(new) or len(saved.get("data_generators", [])) != len(new):
             raise ResumeError(
@@ -183,7 +175,7 @@ class SweepRun:
                 "the same --set lists and --seeds to resume, or a new --out"
             )
         for index, (was, now) in enumerate(zip(old, new, strict=True)):
-            changed = changed_keys(was["config"], now["config"])
+            changed = stepper.changed_keys(was["config"], now["config"])
             if was["seed"] != now["seed"] or changed:
                 what = (f"{changed[0]}={was['config'].get(changed[0])!r}" if changed
                         else f"seed {was['seed']}")
@@ -231,24 +223,24 @@ class SweepRun:
             return log_step(self.ensemble, self._out, step, self.logs, rates, evaluate,
                             self.say)
 
-    def summary(self, timer: StepTimer) -> dict[str, Any]:
+    def summary(self, timer: stepper.StepTimer) -> dict[str, Any]:
         ensemble, logs, member_params = self.ensemble, self.logs, None
         for k, experiment in enumerate(ensemble.experiments):
             if experiment.evaluate is not None and not logs[k].last_eval:
                 member_params = member_params or unstack(self.params)
-                logs[k].last_eval = evaluated(experiment.evaluate, member_params[k])
+                logs[k].last_eval = stepper.evaluated(experiment.evaluate, member_params[k])
         k = ensemble.size
         per_member = size(self.params) // k
         head = {"members": k, "swept": list(ensemble.swept),
                 "seeds": sorted({m.seed for m in ensemble.members})}
-        summary = run_summary(self, timer, head,
+        summary = stepper.run_summary(self, timer, head,
                               {"params_per_member": per_member, "params": per_member * k}, k)
         summary["ranking"] = ranking(ensemble.members, logs)
         summary["diverged"] = [
             m.index for m, log in zip(ensemble.members, logs, strict=True) if log.diverged_at
         ]
         summary["configs"] = [m.config for m in ensemble.members]
-        summary.update(fp8_scaling(self.fp8_history))
+        summary.update(stepper.fp8_scaling(self.fp8_history))
         return summary
 
     def report(self, summary: dict[str, Any]) -> dict[str, Any]:
@@ -263,7 +255,7 @@ class SweepRun:
             return self.step_fn(p, s, b, values, diverged, steps, history)
 
         # The 6·B·P rule with P = K·(params per member) and B per member gives K × 6·B·P.
-        report = step_report(self, step, summary, flops_scale=self.ensemble.size)
+        report = stepper.step_report(self, step, summary, flops_scale=self.ensemble.size)
         report["members"] = self.ensemble.size
         return report
 
@@ -277,9 +269,9 @@ def fit_sweep(ensemble: Ensemble, backend: Backend, *, out_dir: str | Path | Non
     Arguments are :func:`~minitrain.train.fit`'s; ``check`` compares the first steps that move the
     params with each member's own single-run step.
     """
-    stepper = SweepRun(ensemble, backend, check=check, say=say)
+    run = SweepRun(ensemble, backend, check=check, say=say)
     return run_loop(
-        stepper, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
+        run, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
         keep=keep, resume=resume, overwrite=overwrite, progress=progress, report=report, say=say,
     )
 
