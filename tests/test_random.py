@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import subprocess
 import sys
@@ -105,7 +106,9 @@ def test_statistics_of_1e5_draws():
                                                                abs=0.005)
     b = random.bernoulli(random.key(3), 0.3, (n,))
     assert b.dtype == torch.bool and float(b.float().mean()) == pytest.approx(0.3, abs=0.005)
-    word = random.bits(random.key(4), (n,))
+    word = random.bits(random.key(4), (n,))  # drawn in cache-sized pieces: check the seams
+    for i in (0, 2**15 - 1, 2**15, n - 1):
+        assert int(word[i]) == operator.xor(*reference_threefry((0, 4), (0, i)))
     assert 0 <= int(word.min()) and int(word.max()) <= M32
     for bit in (0, 15, 31):  # every bit is a fair coin
         assert float(((word >> bit) & 1).float().mean()) == pytest.approx(0.5, abs=0.005)
