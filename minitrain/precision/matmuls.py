@@ -6,10 +6,11 @@ Each GEMM (the forward one and both backward ones) quantizes its operands bit-ex
 
 fp8 is Transformer Engine's recipe (Micikevicius et al. 2022, "FP8 Formats for Deep
 Learning"): e4m3 forward, e5m2 for the output gradient, each tensor scaled by ``fp8_max / amax
-/ 2**margin``. The amax comes from the last ``history_len`` steps (TE's ``DelayedScaling``) or,
-without a history, from the tensor itself (``Float8CurrentScaling``). The history is pure state,
-``(3, history_len)`` per matmul, whose *gradient* is the updated history (flax's ``fp8_ops``
-trick), so it works under ``torch.func.grad`` and ``vmap``. Block formats (``mxfp8``,
+/ 2**margin`` (rounded as torchao's ``amax_to_scale``). The amax comes from the last
+``history_len`` steps (TE's ``DelayedScaling``) or, without a history, from the tensor itself
+(``Float8CurrentScaling``). The history is pure state, ``(3, history_len)`` per matmul, whose
+*gradient* is the updated history (flax's ``fp8_ops`` trick), so it works under
+``torch.func.grad`` and ``vmap``. Block formats (``mxfp8``,
 ``mxfp4``, ``nvfp4``) scale blocks along each GEMM's reduction dimension, zero-padded to whole
 blocks, as torchao's MX training does.
 
@@ -34,8 +35,8 @@ from minitrain import _torch
 from minitrain.precision.formats import spec
 from minitrain.precision.rounding import quantize
 
-__all__ = ["RECIPES", "Recipe", "delayed_scale", "linear", "matmul", "quantize_operand",
-           "recipe", "scaled_mm_operands"]
+__all__ = ["AMAX_FLOOR", "RECIPES", "Recipe", "amax_to_scale", "delayed_scale", "linear",
+           "matmul", "quantize_operand", "recipe", "scaled_mm_operands"]
 
 PER_TENSOR = ("fp8_e4m3", "fp8_e5m2")
 BLOCK = ("mxfp8", "mxfp4", "nvfp4")
@@ -92,11 +93,33 @@ def _fp8_codes(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x.clamp(-top, top).to(_TORCH_FP8[fmt])
 
 
+# torchao's ``float8_utils.EPS``: ``amax_to_scale`` clamps the amax (in float64) to it, so an
+# all-zero or all-tiny tensor scales to zeros, not NaN (0 * inf).
+AMAX_FLOOR = 1e-12
+
+
+def amax_to_scale(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+    """torchao's ``amax_to_scale``: ``fp8_max / max(amax, 1e-12)`` divided in float64, rounded
+    once to fp32 (the correctly rounded quotient), then ``/ 2**margin``. An inf amax gives 0 and
+    a NaN one NaN, so a tensor holding them quantizes to NaN, as torchao's does.
+
+    >>> amax_to_scale(torch.tensor([3.0, 0.0]), "fp8_e4m3")
+    tensor([1.4933e+02, 4.4800e+14])
+    """
+    quotient = spec(fmt).max / amax.double().clamp(min=AMAX_FLOOR)
+    return quotient.float() / 2.0**margin
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|``, 0 for an empty tensor."""
+    return x.abs().amax() if x.numel() else x.new_zeros(())
+
+
 def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
-    """TE's scale from an amax history: ``fp8_max / max(history) / 2**margin`` over its finite
-    entries, or 1 while it holds no positive finite amax (a fresh history). An inf or NaN
-    recorded by an overflowing step is skipped: TE's ``_default_sf_compute`` would keep its
-    previous scale, which a history alone does not hold.
+    """TE's scale from an amax history: :func:`amax_to_scale` of its largest finite entry, or 1
+    while it holds no positive finite amax (a fresh history). An inf or NaN recorded by an
+    overflowing step is skipped: TE's ``_default_sf_compute`` would keep its previous scale,
+    which a history alone does not hold.
 
     >>> delayed_scale(torch.tensor([2.0, 4.0, 0.0]), "fp8_e4m3")
     tensor(112.)
@@ -105,8 +128,7 @@ def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Ten
     """
     finite = torch.where(torch.isfinite(history), history, 0.0)
     amax = finite.amax(dim=-1)
-    usable = amax > 0
-    return torch.where(usable, spec(fmt).max / torch.where(usable, amax, 1.0) / 2.0**margin, 1.0)
+    return torch.where(amax > 0, amax_to_scale(amax, fmt, margin), 1.0)
 
 
 def _along_last(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
@@ -124,8 +146,9 @@ def quantize_operand(
     x: torch.Tensor, fmt: str, dim: int = -1, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The fp32 values a low-precision GEMM sees for operand ``x``: per-tensor formats
-    ``quantize(x * scale, fmt, saturate=True) / scale`` (``scale`` default ``fp8_max /
-    amax(x)``), block formats in blocks along ``dim``, the GEMM's reduction dimension.
+    ``quantize(x * scale, fmt, saturate=True) / scale`` (``scale`` default torchao's
+    :func:`amax_to_scale` of ``amax(x)``), block formats in blocks along ``dim``, the GEMM's
+    reduction dimension.
 
     >>> quantize_operand(torch.tensor([1.0, 3.0, 448.0]), "fp8_e4m3", scale=torch.tensor(1.0))
     tensor([  1.,   3., 448.])
@@ -134,7 +157,7 @@ def quantize_operand(
     if fmt in BLOCK:
         return _along_last(x, fmt, dim)
     if scale is None:
-        scale = delayed_scale(x.abs().amax().reshape(1), fmt)
+        scale = amax_to_scale(_amax(x), fmt)
     codes = _fp8_codes(x * scale, fmt)
     decoded = _decode_div(codes, fmt, scale)
     return codes.float() / scale if decoded is None else decoded
@@ -229,14 +252,14 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 return (qa @ qb).to(out_dtype), qa, qb, history, torch.ones(2, device=a.device)
             fmt = r.forward
             if history is None:  # current scaling
-                sa = delayed_scale(a32.abs().amax().reshape(1), fmt, r.margin)
-                sb = delayed_scale(b32.abs().amax().reshape(1), fmt, r.margin)
+                sa = amax_to_scale(_amax(a32), fmt, r.margin)
+                sb = amax_to_scale(_amax(b32), fmt, r.margin)
                 new_history = None
             else:
                 sa = delayed_scale(history[0], fmt, r.margin)
                 sb = delayed_scale(history[1], fmt, r.margin)
-                amax_a, amax_b = a32.abs().amax(), b32.abs().amax()
-                rows = [_record(history[0], amax_a), _record(history[1], amax_b), history[2]]
+                rows = [_record(history[0], _amax(a32)), _record(history[1], _amax(b32)),
+                        history[2]]
                 new_history = torch.stack(rows)
             qa, qb = quantize_operand(a32, fmt, scale=sa), quantize_operand(b32, fmt, scale=sb)
             y = _gemm(a32, b32, (fmt, fmt), (sa, sb), r, qa, qb)
@@ -265,11 +288,11 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 gb = quantize_operand(a, r.forward, -2).mT @ quantize_operand(g, r.backward, -2)
             else:
                 if history is None:
-                    sg = delayed_scale(g.abs().amax().reshape(1), r.backward, r.margin)
+                    sg = amax_to_scale(_amax(g), r.backward, r.margin)
                 else:
                     sg = delayed_scale(history[2], r.backward, r.margin)
                 if ctx.has_history:  # the "gradient" of the state is the updated state
-                    g_row = _record(history[2], g.abs().amax())
+                    g_row = _record(history[2], _amax(g))
                     new_history = torch.stack([history[0], history[1], g_row])
                 qg = quantize_operand(g, r.backward, scale=sg)
                 fmts = (r.backward, r.forward)

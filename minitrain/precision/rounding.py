@@ -126,6 +126,12 @@ def _quantize_mx(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Te
     return _apply_block_scale(x, scale, element)
 
 
+# Below this tensor amax the recipe's fp32 scales leave fp32's range (1 / tensor scale
+# overflows, so a zero element becomes 0 * inf = NaN): such a tensor is quantized times 2**64,
+# which the recipe maps to the same codes up to that power of two, and scaled back.
+_NVFP4_TINY, _NVFP4_LIFT = 2.0**-100, 2.0**64
+
+
 def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 two-level scaling exactly as torchao ``nvfp4_quantize`` with a per-tensor scale.
 
@@ -133,11 +139,14 @@ def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch
     to [2**-6, 448] and rounded to e4m3; elements = x * ((1 / tensor scale) / block scale) in
     fp32 (torchao multiplies by this reciprocal to match its Triton kernel; dividing by the
     product rounds differently near ties), clamped to [-6, 6] and rounded to fp4 e2m1; values =
-    elements * (tensor scale * block scale), as torchao's ``NVFP4Tensor.dequantize``.
+    elements * (tensor scale * block scale), as torchao's ``NVFP4Tensor.dequantize``. An
+    all-zero tensor stays zero; one with amax below 2**-100 is quantized times 2**64.
     """
     element, scale_format = spec(s.element), spec(s.scale_format)
     tensor_amax = x.abs().amax()
     zero = tensor_amax == 0  # an all-zero tensor stays zero (no branch: works under vmap)
+    lift = torch.where(tensor_amax < _NVFP4_TINY, _NVFP4_LIFT, 1.0)  # exact: a power of two
+    x, tensor_amax = x * lift, tensor_amax * lift
     tensor_scale = torch.where(zero, 1.0, tensor_amax) / (scale_format.max * element.max)
     block_scale = _blockwise_amax(x, s.block_size) / element.max / tensor_scale
     block_scale = block_scale.clamp(scale_format.min_normal, scale_format.max)
@@ -145,7 +154,7 @@ def _quantize_nvfp4(x: torch.Tensor, s: FormatSpec) -> tuple[torch.Tensor, torch
     block_scale = block_scale.to(x.dtype)
     reciprocal = (1.0 / tensor_scale) / block_scale
     values, overflow = _apply_block_scale(x, tensor_scale * block_scale, element, reciprocal)
-    return torch.where(zero, 0.0, values), overflow & ~zero
+    return torch.where(zero, 0.0, values / lift), overflow & ~zero
 
 
 def _quantize_with_overflow(x: torch.Tensor, fmt: str | FormatSpec, saturate: bool,
@@ -156,6 +165,8 @@ def _quantize_with_overflow(x: torch.Tensor, fmt: str | FormatSpec, saturate: bo
     if s.is_block:
         _check_blocks(x, s)
         x32 = x.float()
+        if x.numel() == 0:  # no blocks to scale
+            return x32.clone(), torch.zeros_like(x32, dtype=torch.bool)
         return _quantize_nvfp4(x32, s) if s.tensor_scale else _quantize_mx(x32, s)
     if s.name == "e8m0":
         values, overflow = _round_e8m0(x.double(), saturate)
@@ -249,18 +260,18 @@ def error_stats(x: Float[Tensor, "*shape"], fmt: str | FormatSpec, *, saturate: 
     >>> stats.rel_error < 2**-8, stats.underflow, stats.overflow
     (True, 0.0, 0.0)
     """
-    if x.numel() == 0:
-        raise ValueError("error_stats needs a non-empty tensor")
     s = spec(fmt)
     q, overflow = _quantize_with_overflow(x, s, saturate, subnormals)
     x64, q64 = x.double(), q.double()
     nonzero = x64 != 0
     error = (q64 - x64).abs()
     rel = error[nonzero] / x64[nonzero].abs()
+    distance, norm = torch.linalg.vector_norm(q64 - x64), torch.linalg.vector_norm(x64)
+    count = max(x.numel(), 1)  # an empty tensor: no error, no underflow, no overflow
     return ErrorStats(
-        rel_error=float(torch.linalg.vector_norm(q64 - x64) / torch.linalg.vector_norm(x64)),
+        rel_error=0.0 if distance == 0 else float(distance / norm),  # 0 / 0 only when exact
         max_rel_error=float(rel.max()) if rel.numel() else 0.0,
-        underflow=float((nonzero & (q64 == 0)).double().mean()),
-        overflow=float(overflow.double().mean()),
+        underflow=int((nonzero & (q64 == 0)).sum()) / count,
+        overflow=int(overflow.sum()) / count,
         bits_per_element=s.bits_per_element,
     )

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain import precision
+from tests.precision.conftest import reference
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
+ml_dtypes = reference("ml_dtypes")
 
 TORCH_FORMATS = {
     "fp32": torch.float32,

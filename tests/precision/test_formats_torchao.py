@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from torchao.prototype.mx_formats import kernels
-from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2
-from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
-from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 
-from minitrain import precision
+from tests.precision.conftest import reference
+
+ml_dtypes = reference("ml_dtypes")
+reference("torchao")
+from torchao.prototype.mx_formats import kernels  # noqa: E402
+from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx  # noqa: E402
+from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale  # noqa: E402
+
+from minitrain import precision  # noqa: E402
 
 MX_ELEMENTS = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}
 

@@ -19,10 +19,16 @@ def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+def fp8_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``fp8_max / amax`` rounded once to fp32 (torchao divides in float64; torch's fp32
+    ``448 / t`` is ``448 * (1 / t)``, rounded twice)."""
+    return (mt.precision.spec(fmt).max / x.abs().amax().double()).float()
+
+
 def per_tensor(x: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: TE's scaled saturating cast, with mt.precision.quantize."""
     if scale is None:
-        scale = mt.precision.spec(fmt).max / x.abs().amax()
+        scale = fp8_scale(x, fmt)
     return quantize(x * scale, fmt, saturate=True) / scale
 
 
@@ -176,7 +182,7 @@ def test_scaled_mm_gemms_are_built_from_the_same_fp8_codes():
     ga, gb = torch.autograd.grad(y, (a, b), g)
     a, b = a.detach(), b.detach()
     e4, e5 = "fp8_e4m3", "fp8_e5m2"
-    sa, sb, sg = (448.0 / a.abs().amax(), 448.0 / b.abs().amax(), 57344.0 / g.abs().amax())
+    sa, sb, sg = fp8_scale(a, e4), fp8_scale(b, e4), fp8_scale(g, e5)
     a8, b8, ia, ib = precision.scaled_mm_operands(a, b, (e4, e4), (sa, sb))
     assert b8.stride() == (1, 64)  # column-major, as cuBLASLt wants it
     assert torch.equal(a8.float(), quantize(a * sa, e4, saturate=True))  # the same codes
