@@ -9,11 +9,11 @@ where RULE is a row of :data:`RULES` (Adam's ``scale_by_adam``, SGD's ``trace`` 
 RMSprop's ``scale_by_rms`` with its ``trace``, the family's rules), and returns an update that
 runs it as one pass per weight-decay group over all leaves:
 
-* on contiguous float32 CPU leaves: the streaming C kernel (``minitrain::stream_update``), into
-  recycled buffers, or in place when donated (the same kernel, so the same bits);
-* elsewhere (CUDA, float64, half precision), where torch has a fused kernel for the rule
-  (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``): that
-  kernel, in place when donated, else on copies.
+* on contiguous float32 CPU leaves: the streaming C kernel (``minitrain::stream_update``'s
+  body), into recycled buffers, or in place when donated (the same kernel, so the same bits);
+* on other contiguous CPU leaves (float64, half precision), where torch has a fused kernel for
+  the rule (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``): that kernel, in place
+  when donated, else on copies.
 
 Whenever it cannot take a call (under vmap, grad or torch.compile, a torch mode active, leaves
 the kernels cannot address, a traced or differentiable hyperparameter, ...) the update returns
@@ -29,13 +29,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import _torch, tree
+from minitrain import _torch
 from minitrain.optim import _flat
+from minitrain.optim._checks import decay_flags
 from minitrain.optim.kernels import pool, streaming
-from minitrain.optim.kernels.checks import kernel_ready
+from minitrain.optim.kernels.checks import pointers
 from minitrain.optim.kernels.family import FAMILY
 
 __all__ = ["lower", "RULES"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class Frame(NamedTuple):
@@ -47,15 +50,13 @@ class Frame(NamedTuple):
     decoupled: float  # weight decay applied to the params after the rule (AdamW)
 
 
-Spec = Callable[[int, dict, dict, Frame], "tuple[str, list[float], tuple] | None"]
-
-
 class Rule(NamedTuple):
-    """A row of :data:`RULES`: the kernel's hyperparameters for update ``step`` (None where
-    this frame is one the kernel does not take), the state buffers it reads and writes in its
-    slot order (``(rule transformation index, field)`` or None), and torch's fused kernel."""
+    """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's
+    rule name, hyperparameters and the state buffers it reads and writes in its slot order
+    (``(rule transformation index, field)`` or None), or None for a frame it does not take;
+    ``fused`` is torch's fused kernel for the rule."""
 
-    kernel: Spec | None
+    kernel: Callable[..., tuple[str, list, tuple] | None]
     fused: Callable[..., None] | None = None
     folds_sign: bool = False  # the kernel multiplies the grads by ``frame.sign`` itself
     fused_halves: bool = True  # torch's CPU fused kernel takes bfloat16 and float16 leaves
@@ -64,8 +65,7 @@ class Rule(NamedTuple):
 def _adam(step, h, per_step, f):
     if f.lr is None or (f.l2 and f.decoupled):
         return None
-    b1, b2 = h["beta1"], h["beta2"]
-    decoupled = f.decoupled != 0
+    b1, b2, decoupled = h["beta1"], h["beta2"], f.decoupled != 0
     return "adam", [b1, b2, h["eps"], f.decoupled if decoupled else f.l2, f.lr,
                     f.lr / (1 - b1**step), math.sqrt(1 - b2**step), decoupled, h["amsgrad"],
                     f.sign], \
@@ -76,9 +76,8 @@ def _sgd(step, h, per_step, f):
     if f.lr is None or f.decoupled:
         return None
     momentum = h.get("momentum", 0.0)
-    on = momentum != 0
     return "sgd", [f.lr, momentum, h.get("dampening", 0.0), f.l2, h.get("nesterov", False),
-                   step == 1, on], ((0, "momentum_buffer") if on else None,)
+                   step == 1, momentum != 0], ((0, "momentum_buffer") if momentum else None,)
 
 
 def _adagrad(step, h, per_step, f):
@@ -91,40 +90,41 @@ def _rmsprop(step, h, per_step, f):
     if f.lr is None or f.decoupled or h.get("dampening", 0.0) != 0 or h.get("nesterov"):
         return None
     momentum = h.get("momentum", 0.0)
-    on = momentum != 0
-    return "rmsprop", [f.lr, h["alpha"], h["eps"], f.l2, momentum, h["centered"], on], (
-        (0, "square_avg"), (1, "momentum_buffer") if on else None,
-        (0, "grad_avg") if h["centered"] else None)
+    return "rmsprop", [f.lr, h["alpha"], h["eps"], f.l2, momentum, h["centered"],
+                       momentum != 0], ((0, "square_avg"), (1, "momentum_buffer") if momentum
+                                        else None, (0, "grad_avg") if h["centered"] else None)
 
 
 def _family(step, h, per_step, f):
     name, rule_hp, fields = FAMILY[h["rule"].name](step, h, per_step)
-    has_lr = f.lr is not None
-    if f.decoupled and not has_lr:
+    if f.decoupled and f.lr is None:
         return None
-    frame = [f.sign, f.l2, f.lr or 0.0, 1 - (f.lr or 0.0) * f.decoupled, float(has_lr)]
+    lr = f.lr or 0.0
+    frame = [f.sign, f.l2, lr, 1 - lr * f.decoupled, float(f.lr is not None)]
     return name, frame + list(rule_hp), tuple((0, field) for field in fields)
+
+
+def _steps(step, ps):
+    return [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
 
 
 def _fused_adam(ps, gs, buffers, step, h, f, maximize):
     kernel = _torch.fused_adamw_ if f.decoupled else _torch.fused_adam_
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
-    kernel(ps, gs, buffers[0], buffers[1], buffers[2] or [], steps, lr=f.lr,
+    kernel(ps, gs, buffers[0], buffers[1], buffers[2] or [], _steps(step, ps), lr=f.lr,
            beta1=h["beta1"], beta2=h["beta2"], weight_decay=f.decoupled or f.l2, eps=h["eps"],
            amsgrad=h["amsgrad"], maximize=maximize)
 
 
 def _fused_sgd(ps, gs, buffers, step, h, f, maximize):
-    momentum = h.get("momentum", 0.0)
-    _torch.fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, momentum=momentum, lr=f.lr,
-                       dampening=h.get("dampening", 0.0), nesterov=h.get("nesterov", False),
-                      maximize=maximize, is_first_step=step == 1)
+    _torch.fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, lr=f.lr,
+                      momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
+                      nesterov=h.get("nesterov", False), maximize=maximize,
+                      is_first_step=step == 1)
 
 
 def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
-    _torch.fused_adagrad_(ps, gs, buffers[0], steps, lr=f.lr, lr_decay=h["lr_decay"],
-                           weight_decay=f.l2, eps=h["eps"], maximize=maximize)
+    _torch.fused_adagrad_(ps, gs, buffers[0], _steps(step, ps), lr=f.lr, lr_decay=h["lr_decay"],
+                          weight_decay=f.l2, eps=h["eps"], maximize=maximize)
 
 
 RULES: dict[tuple[str, ...], Rule] = {
@@ -181,12 +181,11 @@ def _recognise(tx: Any) -> Shape | None:
     if j > i and names[j - 1] == "add_decayed_weights":
         decoupled, j = (specs[j - 1][1]["weight_decay"], specs[j - 1][1]["mask"]), j - 1
     rule_names = tuple(names[i:j])
-    rule = RULES.get(rule_names)
     hyper: dict[str, Any] = {}
     for position in range(i, j):
         hyper.update(specs[position][1])
-    if rule is None and rule_names[:1] == rule_names and rule_names and \
-            rule_names[0] in FAMILY and "rule" in hyper:
+    rule = RULES.get(rule_names)
+    if rule is None and len(rule_names) == 1 and rule_names[0] in FAMILY and "rule" in hyper:
         rule = _FAMILY
     if rule is None or (lr is None and rule is not _FAMILY) or \
             (l2 is not None and decoupled is not None):
@@ -196,18 +195,18 @@ def _recognise(tx: Any) -> Shape | None:
 
 
 def _number(value: Any) -> float | None:
+    """``value`` as a Python float; None for a tensor that is traced, needs grad, is a
+    subclass or holds more than one element, and for anything but a number or a tensor."""
+    if type(value) is float:
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
         return None
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.requires_grad or _traced(value):
+        if value.numel() != 1 or value.requires_grad or type(value) not in _PLAIN or \
+                torch.compiler.is_compiling() or _torch.is_functorch_wrapped_tensor(value):
             return None
         return float(value.detach().reshape(()).item())
     return float(value)
-
-
-def _traced(t: Tensor) -> bool:
-    return torch.compiler.is_compiling() or _torch.is_functorch_wrapped_tensor(t) \
-        or type(t) not in (Tensor, torch.nn.Parameter)
 
 
 def lower(tx: Any) -> Callable[..., Any] | None:
@@ -222,83 +221,61 @@ def lower(tx: Any) -> Callable[..., Any] | None:
     shape = _recognise(tx)
     if shape is None:
         return None
-    decay_flags: dict[Any, list[bool]] = {}
+    groups: dict[Any, list[list[int]]] = {}  # per params structure: its weight-decay groups
 
     def update(grads, state, params, donate):
-        return _run(shape, decay_flags, grads, state, params, donate)
+        return _run(shape, groups, grads, state, params, donate)
 
     return update
 
 
-def _numbers(shape: Shape) -> dict[str, Any] | None:
-    """The rule's hyperparameters as Python numbers (None where one is traced or needs grad)."""
-    out = {}
+class Read(NamedTuple):
+    """The numbers of one update, read from its chain and state before any check."""
+
+    step: int
+    hyper: dict[str, Any]
+    wd: float
+    max_norm: float | None
+    lr: float | None
+    lr_count: int | None
+    per_step: dict[str, Any]
+    kept: dict[str, Tensor]
+
+
+def _read(shape: Shape, state: tuple, rule_states: list) -> Read | None:
+    """Every number the update needs (reading a subclass's value runs the caller's code, so
+    all of it comes before the checks); None where one is traced, needs grad or is no count."""
+    counts = [s.count for s in rule_states] or [state[shape.lr_position].count]
+    done = [_number(c) if type(c) is Tensor and not c.is_meta else None for c in counts]
+    if None in done or min(done) < 0 or any(d != int(d) for d in done):
+        return None  # a hand-edited count, or one under vmap or grad: the chain
+    hyper = {}
     for key, value in shape.hyper.items():
         if isinstance(value, Tensor):
             value = _number(value)
             if value is None:
                 return None
         elif isinstance(value, float) and type(value) is not float:
-            value = float(value)  # a subclass's __float__ is the caller's code: read it first
-        out[key] = value
-    return out
-
-
-def _run(shape, decay_flags, grads, state, params, donate):
-    if torch.compiler.is_compiling() or not streaming.quiet():
-        return None  # compiled, or a torch mode watching (the FLOP counter, fake tensors)
-    p_leaves, structure = _flat.flatten(params)
-    g_leaves, g_structure = _flat.flatten(grads)
-    if g_structure != structure or not p_leaves or not isinstance(state, tuple) or \
-            len(state) != shape.length:
-        return None
-    rule_states = [state[i] for i in shape.positions]
-    if any(not hasattr(s, "count") for s in rule_states) or \
-            (shape.lr_position is not None and not hasattr(state[shape.lr_position], "lr")):
-        return None
-    counts = [s.count for s in rule_states] or [state[shape.lr_position].count]
-    done = [_number(c) if type(c) is Tensor and not c.is_meta else None for c in counts]
-    if None in done or min(done) < 0 or any(d != int(d) for d in done) or \
-            any(_traced(t) for t in (*p_leaves, *g_leaves)):
-        return None  # under vmap, grad or a compiler, or a hand-edited count: the chain
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (*p_leaves, *g_leaves)):
-        return None
-    hyper = _numbers(shape)
-    # Every number before the checks below: reading a subclass's value runs the caller's code.
+            value = float(value)  # a subclass's __float__ is the caller's code: read it now
+        hyper[key] = value
     wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
     max_norm = None if shape.clip is None else _number(shape.clip)
-    if hyper is None or wd is None or (shape.clip is not None and max_norm is None):
+    if wd is None or (shape.clip is not None and max_norm is None):
         return None
     step = int(done[0]) + 1
     per_step, kept = _advance(shape, rule_states, step)
     if per_step is None:
         return None
-    lr = None
+    lr = lr_count = None
     if shape.lr is not None:
         lr_count = _number(state[shape.lr_position].count)
         if lr_count is None:
             return None
-        lr_count = int(lr_count)
-        lr = shape.lr(lr_count) if callable(shape.lr) and not isinstance(shape.lr, Tensor) \
-            else shape.lr
-        lr = _number(lr)
+        lr, lr_count = shape.lr, int(lr_count)
+        lr = _number(lr(lr_count) if callable(lr) and not isinstance(lr, Tensor) else lr)
         if lr is None or not lr >= 0:
             return None
-    buffers, fields = _buffers(shape, rule_states, hyper, per_step, step)
-    if buffers is None or not kernel_ready(p_leaves, g_leaves, {str(k): v for k, v in enumerate(
-            buffers) if v is not None}, donate):
-        return None
-    clip = 1.0
-    if shape.clip is not None:
-        clip = _clip_factor(g_leaves, max_norm)
-    flags = _flags(decay_flags, shape, params)
-    ran = _kernels(shape, p_leaves, g_leaves, buffers, step, hyper, per_step, lr, clip, wd,
-                   flags, donate)
-    if ran is None:
-        return None
-    new_params, new_buffers = ran
-    return _flat.unflatten(structure, new_params), _new_state(
-        shape, state, rule_states, fields, new_buffers, kept, structure, step, lr)
+    return Read(step, hyper, wd, max_norm, lr, lr_count, per_step, kept)
 
 
 def _advance(shape: Shape, rule_states: list, step: int):
@@ -322,105 +299,148 @@ def _advance(shape: Shape, rule_states: list, step: int):
     return per_step, kept
 
 
-def _buffers(shape, rule_states, hyper, per_step, step):
+def _run(shape, groups, grads, state, params, donate):
+    if torch.compiler.is_compiling() or not streaming.quiet():
+        return None  # compiled, or a torch mode watching (the FLOP counter, fake tensors)
+    p_leaves, structure = _flat.flatten(params)
+    g_leaves, g_structure = _flat.flatten(grads)
+    if g_structure != structure or not p_leaves or not isinstance(state, tuple) or \
+            len(state) != shape.length:
+        return None
+    rule_states = [state[i] for i in shape.positions]
+    if any(not hasattr(s, "count") for s in rule_states) or \
+            (shape.lr_position is not None and not hasattr(state[shape.lr_position], "lr")):
+        return None
+    wrapped = _torch.is_functorch_wrapped_tensor
+    if any(type(t) not in _PLAIN or wrapped(t) or t.requires_grad
+           for t in (*p_leaves, *g_leaves)):
+        return None  # under vmap or grad, a subclass, or a differentiable update: the chain
+    read = _read(shape, state, rule_states)
+    if read is None or not streaming.quiet():
+        return None  # the caller's code (a subclass's value) may have entered a mode
+    buffers, fields = _buffers(shape, rule_states, read)
+    if buffers is None:
+        return None
+    rows = [p_leaves, g_leaves, *buffers]
+    found = pointers(rows, read=1 if donate else None)  # checked once, after every read
+    use_c = all(p.dtype is torch.float32 for p in p_leaves) and streaming.available()
+    if found is None or not use_c and (
+            shape.rule.fused is None or not _fusable(p_leaves, shape.rule.fused_halves)):
+        return None
+    if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
+        flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
+        groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
+    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate,
+                   use_c)
+    if ran is None:
+        return None
+    new_params, new_buffers = ran
+    return _flat.unflatten(structure, new_params), _new_state(
+        shape, state, rule_states, fields, new_buffers, read, structure)
+
+
+def _buffers(shape, rule_states, read):
     """The state leaves the kernel reads, in its slot order, and their ``(position, field)``."""
-    found = shape.rule.kernel(step, hyper, per_step, Frame(1.0, 0.0, 1.0, 0.0))
+    found = shape.rule.kernel(read.step, read.hyper, read.per_step, Frame(1.0, 0.0, 1.0, 0.0))
     if found is None:
         return None, None
-    fields = found[2]
     buffers = []
-    for field in fields:
-        if field is None:
-            buffers.append(None)
-            continue
-        value = getattr(rule_states[field[0]], field[1], ())
-        if value == ():
+    for field in found[2]:
+        value = None if field is None else getattr(rule_states[field[0]], field[1], None)
+        if field is not None and value is None:
             return None, None
-        buffers.append(tree.leaves(value))
-    return buffers, fields
+        buffers.append(None if value is None else _flat.flatten(value)[0])
+    return buffers, found[2]
 
 
-def _clip_factor(g_leaves: list[Tensor], max_norm: float) -> float:
+def _clip(gs, found, read, use_c):
     """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, with its ops."""
-    if streaming.usable(g_leaves):
-        norm = streaming.global_norm(g_leaves)
+    if use_c:
+        norm = streaming.norm(streaming.sums_of_squares(found[1], [g.numel() for g in gs]))
     else:
-        norm = torch.linalg.vector_norm(torch.stack(_torch.foreach_norm(g_leaves)))
-    return float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        norm = torch.linalg.vector_norm(torch.stack(_torch.foreach_norm(gs)))
+    return float(torch.clamp(read.max_norm / (norm + 1e-6), max=1.0))
 
 
-def _flags(cache: dict, shape: Shape, params: Any) -> list[bool]:
-    """Per leaf, whether weight decay applies (the mask is read once per tree structure)."""
-    from minitrain.optim._checks import decay_flags
-
-    decay = shape.l2 or shape.decoupled
-    if decay is None or _number(decay[0]) == 0:
-        return [False] * len(tree.leaves(params))
-    key = tree.structure(params)
-    if key not in cache:
-        cache[key] = decay_flags(decay[1], params)
-    return cache[key]
-
-
-def _kernels(shape, ps, gs, buffers, step, hyper, per_step, lr, clip, wd, flags, donate):
-    """Each weight-decay group's kernel call; None where no kernel takes these leaves."""
-    rule = shape.rule
-    tensors = [*ps, *gs, *(t for row in buffers if row is not None for t in row)]
-    use_c = streaming.usable(tensors)  # the same kernel pure and donated: the same bits
-    if not use_c and (rule.fused is None or not _fusable(ps, rule.fused_halves)):
-        return None
+def _kernels(shape, rows, found, read, groups, donate, use_c):
+    """Each weight-decay group's kernel call: the new params and state rows; None where no
+    kernel takes this frame."""
+    rule, (ps, gs, *buffers) = shape.rule, rows
+    clip = 1.0 if shape.clip is None else _clip(gs, found, read, use_c)
     sign = -clip if shape.maximize else clip
     # What the grads are multiplied by first: the C kernels of folding rules take the sign
     # (and the clip's factor) themselves, torch's fused kernels negate for maximize.
     scale = (1.0 if rule.folds_sign else sign) if use_c else clip
     if scale != 1.0:
         gs = list(_torch.foreach["mul"](gs, scale))
-    plans = []
-    for on in (True, False):
-        group = [i for i, flag in enumerate(flags) if flag is on]
-        if not group:
-            continue
-        l2 = wd if on and shape.l2 is not None else 0.0
-        decoupled = wd if on and shape.decoupled is not None else 0.0
-        frame = Frame(sign if use_c and rule.folds_sign else 1.0, l2, lr, decoupled)
-        found = rule.kernel(step, hyper, per_step, frame)
-        if found is None:
+        scaled = pointers([gs], like=ps) if use_c else [None]
+        if scaled is None:
             return None
-        plans.append((group, frame, found))
-    new_ps, new_buffers = list(ps), [list(row) if row is not None else None for row in buffers]
-    outputs = None if donate or not use_c else pool.current()
-    if outputs is not None:
-        outputs.begin_update()
-    for group, frame, (name, hp, _) in plans:
-        p_group = [ps[i] for i in group]
-        g_group = [gs[i] for i in group]
-        b_group = [None if row is None else [row[i] for i in group] for row in buffers]
-        if use_c:
-            out_p, *out_b = streaming.update(name, hp, [p_group, g_group, *b_group], outputs)
-        else:
-            out_p, out_b = _fused(rule, p_group, g_group, b_group, step, hyper, frame,
-                                  shape.maximize, donate)
+        found = [found[0], scaled[0], *found[2:]]
+    plans = []
+    for on, group in zip((True, False), groups or (None, range(len(ps))), strict=True):
+        if group:
+            l2 = read.wd if on and shape.l2 is not None else 0.0
+            decoupled = read.wd if on and shape.decoupled is not None else 0.0
+            frame = Frame(sign if use_c and rule.folds_sign else 1.0, l2, read.lr, decoupled)
+            planned = rule.kernel(read.step, read.hyper, read.per_step, frame)
+            if planned is None:
+                return None
+            plans.append((group, frame, planned))
+    run = _stream if use_c else _fused
+    if len(plans) == 1 and len(plans[0][0]) == len(ps):  # one group: every leaf
+        return run(shape, [ps, gs, *buffers], found, read, *plans[0][1:], donate)
+    new_ps, new_buffers = list(ps), [None if row is None else list(row) for row in buffers]
+    for group, frame, planned in plans:
+        pick = [None if row is None else [row[i] for i in group] for row in (ps, gs, *buffers)]
+        at = [None if row is None else [row[i] for i in group] for row in found]
+        ran = run(shape, pick, at, read, frame, planned, donate)
+        if ran is None:
+            return None
         for position, i in enumerate(group):
-            new_ps[i] = out_p[position]
-            for row, out in zip(new_buffers, out_b, strict=True):
+            new_ps[i] = ran[0][position]
+            for row, out in zip(new_buffers, ran[1], strict=True):
                 if row is not None:
                     row[i] = out[position]
     return new_ps, new_buffers
 
 
+def _stream(shape, rows, found, read, frame, planned, donate):
+    """The C kernel over one group's checked rows, into the thread's pool or in place: the
+    op's own body, as no mode or compiler is there to see the op (checked before)."""
+    name, hp, _ = planned
+    ps, written = rows[0], [rows[0], *rows[2:]]
+    if donate:
+        results, addresses = written, [found[0], *found[2:]]
+    else:
+        outputs = pool.current()
+        outputs.begin_update()
+        results = [None if row is None else outputs(row) for row in written]
+        addresses = pointers(results, like=ps)  # every pointer handed to C is checked
+        if addresses is None:
+            return None
+    present = len(rows) + len(results) - rows.count(None) - results.count(None)
+    streaming.run(streaming.RULES[name][0], [float(v) for v in hp], [*found, *addresses],
+                  [p.numel() for p in ps], not donate and streaming.streams(ps, present))
+    if donate:  # written in place: bump their versions, as an in-place op does
+        torch.autograd.graph.increment_version([t for row in results if row is not None
+                                                for t in row])
+    return results[0], results[1:]
+
+
 def _fusable(ps: list[Tensor], halves: bool) -> bool:
-    """torch's fused kernels on CUDA, and on the CPU for float32 and float64, and bfloat16 and
-    float16 where the rule's kernel takes them (its CPU fused SGD skips half-precision elements
-    in whole SIMD blocks)."""
+    """torch's fused kernels on the CPU take float32 and float64, and bfloat16 and float16
+    where the rule's kernel takes them (its CPU fused SGD skips half-precision elements in
+    whole SIMD blocks)."""
     dtypes = (torch.float32, torch.float64) + ((torch.bfloat16, torch.float16) if halves else ())
-    return all(p.is_cuda or p.dtype in dtypes for p in ps)
+    return all(p.dtype in dtypes for p in ps)
 
 
-def _fused(rule, ps, gs, buffers, step, hyper, frame, maximize, donate):
-    if not donate:
-        ps = _copies(ps)
-        buffers = [None if row is None else _copies(row) for row in buffers]
-    rule.fused(ps, gs, buffers, step, hyper, frame, maximize)
+def _fused(shape, rows, found, read, frame, planned, donate):
+    ps, gs, *buffers = rows
+    if not donate:  # on copies
+        ps, buffers = _copies(ps), [None if row is None else _copies(row) for row in buffers]
+    shape.rule.fused(ps, gs, buffers, read.step, read.hyper, frame, shape.maximize)
     return ps, buffers
 
 
@@ -430,19 +450,18 @@ def _copies(tensors: list[Tensor]) -> list[Tensor]:
     return copies
 
 
-def _new_state(shape, state, rule_states, fields, new_buffers, kept, structure, step, lr):
+def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):
     new_state = list(state)
     by_position: dict[int, dict[str, Any]] = {}
     for field, leaves in zip(fields, new_buffers, strict=True):
         if field is not None:
             by_position.setdefault(field[0], {})[field[1]] = _flat.unflatten(structure, leaves)
     for index, (position, inner) in enumerate(zip(shape.positions, rule_states, strict=True)):
-        count = torch.tensor(step, dtype=torch.int64, device="cpu")
-        extra = kept if index == 0 else {}
-        new_state[position] = inner._replace(count=count, **by_position.get(index, {}), **extra)
+        count = torch.scalar_tensor(read.step, dtype=torch.int64, device="cpu")
+        new_state[position] = inner._replace(count=count, **by_position.get(index, {}),
+                                             **(read.kept if index == 0 else {}))
     if shape.lr_position is not None:
-        inner = state[shape.lr_position]
-        new_state[shape.lr_position] = inner._replace(
-            count=torch.tensor(int(inner.count) + 1, dtype=torch.int64, device="cpu"),
-            lr=torch.tensor(lr, dtype=torch.float32, device="cpu"))
+        new_state[shape.lr_position] = state[shape.lr_position]._replace(
+            count=torch.scalar_tensor(read.lr_count + 1, dtype=torch.int64, device="cpu"),
+            lr=torch.scalar_tensor(read.lr, dtype=torch.float32, device="cpu"))
     return tuple(new_state)

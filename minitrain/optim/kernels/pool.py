@@ -1,9 +1,13 @@
 """Recycled output buffers for pure CPU updates: one pool per thread, made on its first use.
 
-A pure update writes every new param and state tensor into memory the caller did not pass in;
-on the CPU, fresh memory costs page faults that take longer than the update's arithmetic. The
-pool hands out buffers the caller has dropped since (nobody can observe the reuse, so the
-update stays pure). Nothing outside ``minitrain.optim.kernels`` sees a pool.
+A pure update writes every new param and state tensor into memory the caller did not pass in.
+Fresh ``torch.empty`` memory costs page faults on the CPU (glibc hands large freed blocks back
+to the kernel, so each step maps and zero-fills them again), more than the update's arithmetic.
+The pool keeps an alias of each buffer it hands out; once the caller has dropped every tensor
+and view of it (the storage's use count, as inductor's cudagraph trees check it, is back to the
+alias alone), the next update reuses the memory. Nobody can observe the reuse, so the update
+stays pure; up to two generations of params and state stay allocated between updates.
+Nothing outside ``minitrain.optim.kernels`` sees a pool.
 """
 
 from __future__ import annotations
@@ -22,102 +26,68 @@ __all__ = ["BufferPool", "current", "idle_bytes"]
 
 
 class BufferPool:
-    """Output buffers for pure CPU updates, recycled once nothing outside the pool holds them.
-
-    A pure update writes every new param and state tensor into memory that the caller did not
-    pass in. Fresh ``torch.empty`` memory costs page faults on CPU (glibc hands large freed
-    blocks back to the kernel, so each step maps and zero-fills them again), which makes a
-    pure update several times slower than an in-place one. The pool keeps an alias of each
-    buffer it hands out; when the caller has dropped every tensor and view of it (the storage's
-    use count, as inductor's cudagraph trees check it, is back to the alias alone), the next
-    update reuses the memory. Nobody can observe the reuse, so the update stays pure; the cost
-    is that up to two generations of params and state stay allocated between updates.
-    CUDA has a caching allocator already, so only CPU tensors go through the pool.
-    """
+    """Output buffers for pure CPU updates, recycled once nothing outside the pool holds them."""
 
     def __init__(self) -> None:
-        # per key: (alias, its StorageImpl's address) of each buffer handed out; the pool alone
-        # holds the alias, so its storage never changes (a storage is not kept: that would
-        # count as a use)
+        # per (shape, strides, dtype): (alias, its StorageImpl's address) of each buffer handed
+        # out; the pool alone holds the alias (a storage object kept would count as a use)
         self._held: dict[tuple, list[tuple[Tensor, int]]] = {}
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
-        self._nbytes: dict[tuple, int] = {}  # per key: the storage bytes a buffer needs
 
     def idle_bytes(self) -> int:
         """Bytes of buffers that only this pool holds: its extra memory right now."""
-        return sum(
-            alias.untyped_storage().nbytes()
-            for held in self._held.values() for alias, _ in held if _only_alias_left(alias)
-        )
+        return sum(alias.untyped_storage().nbytes() for held in self._held.values()
+                   for alias, _ in held if _only_alias_left(alias))
 
     def begin_update(self) -> None:
         """Find the buffers nobody else holds any more; call once before an update."""
         self._demand = {}
-        if not _CAN_COUNT_STORAGE_USES:
-            self._free = {}
-            return
-        uses, alone = _torch.storage_use_count, _alone()
-        self._free = {
-            key: [alias for alias, storage in held if uses(storage) <= alone]
-            for key, held in self._held.items()
-        }
+        self._free = {}
+        if _CAN_COUNT_STORAGE_USES:
+            uses, alone = _torch.storage_use_count, _alone()
+            for key, held in self._held.items():
+                self._free[key] = [alias for alias, storage in held if uses(storage) <= alone]
 
     def __call__(self, like: list[Tensor]) -> list[Tensor]:
-        """A buffer shaped like each of ``like`` (as :meth:`empty_like`, with one key lookup per
-        run of leaves of one layout)."""
+        """An uninitialized buffer of each tensor's shape, dtype and strides (contiguous where
+        a tensor is not dense, as ``torch.empty_like``), recycled where one is free."""
         out = []
-        key = free = None
+        key = free = nbytes = None
         for t in like:
             if not t.is_cpu or not _CAN_COUNT_STORAGE_USES:
                 out.append(torch.empty_like(t, memory_format=torch.preserve_format))
                 continue
-            shape, stride, dtype = t.shape, t.stride(), t.dtype
-            if key is None or key[0] != shape or key[1] != stride or key[2] is not dtype:
+            if key is None or key[0] != t.shape or key[1] != t.stride() or key[2] is not t.dtype:
                 key = _key(t)
-                free = self._free.get(key)
-            out.append(self._take(key, free))
+                free, nbytes = self._free.get(key), _storage_nbytes(key)
+            out.append(self._take(key, free, nbytes))
         return out
 
-    def empty_like(self, t: Tensor) -> Tensor:
-        """An uninitialized buffer of ``t``'s shape, dtype and strides (recycled when one is
-        free); contiguous where ``t`` is not dense (as ``torch.empty_like``)."""
-        if not t.is_cpu or not _CAN_COUNT_STORAGE_USES:
-            return torch.empty_like(t, memory_format=torch.preserve_format)
-        key = _key(t)
-        return self._take(key, self._free.get(key))
-
-    def _take(self, key: tuple, free: list[Tensor] | None) -> Tensor:
+    def _take(self, key: tuple, free: list[Tensor] | None, nbytes: int) -> Tensor:
         demand = self._demand[key] = self._demand.get(key, 0) + 1
         while free:
             alias = free.pop()
             storage = alias.untyped_storage()
             if sys.getrefcount(storage) > _storage_refs_alone():
-                # No tensor holds it, but someone holds its storage object (a tensor's
-                # ``untyped_storage()``, kept after the tensor was dropped): not free.
-                continue
-            if storage.nbytes() >= self._nbytes[key]:
+                continue  # no tensor holds it, but someone holds its storage object
+            if storage.nbytes() >= nbytes:
                 return alias.detach()
-            # Its storage was resized by hand (``resize_``): an op writing ``out=`` it would
-            # write past the end. Forget it.
+            # Resized by hand (``resize_``): a kernel writing into it would write past its end.
             self._held[key] = [held for held in self._held[key] if held[0] is not alias]
-        _from_the_heap(_storage_nbytes(key))
+        _from_the_heap(nbytes)
         # CPU by name: under torch.set_default_device('cuda' or 'meta') a kernel would get a
         # pointer it cannot write.
         buffer = torch.empty_strided(key[0], key[1], dtype=key[2], device="cpu")
-        self._nbytes.setdefault(key, buffer.untyped_storage().nbytes())
         held = self._held.setdefault(key, [])
-        # Two generations (inputs and outputs) at most: a caller that keeps older generations
-        # alive gets plain fresh buffers beyond that.
-        if len(held) < 2 * demand:
+        if len(held) < 2 * demand:  # two generations (inputs and outputs) at most
             held.append((buffer, buffer.untyped_storage()._cdata))
         return buffer.detach()
 
 
 # glibc's malloc serves a request of at least its mmap threshold (128 KiB at first) with a
 # fresh mmap, and raises the threshold to the size of such a chunk when one is freed, if the
-# chunk (the request, its header and alignment, in whole pages) is at most 32 MiB (mallopt(3),
-# M_MMAP_THRESHOLD).
+# chunk is at most 32 MiB (mallopt(3), M_MMAP_THRESHOLD).
 _MMAP_THRESHOLD = 128 * 1024
 _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 _PAGE = 4096
@@ -134,41 +104,33 @@ def _glibc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
     except OSError:
         return None
-    if not all(hasattr(libc, name) for name in
-               ("gnu_get_libc_version", "posix_memalign", "free", "malloc_trim")):
+    if not all(hasattr(libc, name) for name in ("gnu_get_libc_version", "posix_memalign",
+                                                "free")):
         return None
     libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                     ctypes.c_size_t]
     libc.posix_memalign.restype = ctypes.c_int
     libc.free.argtypes = [ctypes.c_void_p]
     libc.free.restype = None
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    libc.malloc_trim.restype = ctypes.c_int
     return libc
 
 
 def _from_the_heap(nbytes: int) -> None:
     """Let buffers of ``nbytes`` come from malloc's heap, not from fresh mmaps, by freeing one
-    mmapped block of that size first (what glibc's own rule does after the first such free);
-    buffers within a page of 32 MiB or larger stay mmapped, as glibc keeps them.
+    mmapped block of that size first (what glibc's own rule does after the first such free).
 
-    The pool keeps its buffers, so in a new process nothing of their size may have been freed
-    yet: each would be its own mmap, and every fresh mmap puts its data at the same offset in
-    a page. Measured on a 2-core AVX2 EPYC, the first pure AdamW update timed in a process
-    took 1.39-1.83x torch's fused one with such buffers (median 1.58, ten processes), and
-    1.13-1.41x from the heap (median 1.20, 22 processes; 8 x 1024² fp32; the README's
-    optimizer benchmark notes have the rest).
-    Once per size, on glibc only; the block is malloc's own (no torch allocation, so no
-    dispatch mode, custom allocator or deterministic fill sees it) and is never touched.
+    In a new process nothing of a buffer's size may have been freed yet: each buffer would be
+    its own mmap, with its data at the same offset in a page. On a 2-core AVX2 EPYC the first
+    pure AdamW update timed in a process took a median 1.58x torch's fused one with such
+    buffers, 1.20x from the heap (8 x 1024² fp32). Once per size, on glibc only; the block is
+    malloc's own (no torch allocation, so no mode or custom allocator sees it), never touched.
     """
     if nbytes in _HEAP_SIZES or not _MMAP_THRESHOLD <= nbytes <= _MMAP_THRESHOLD_MAX - _PAGE:
         return
     _HEAP_SIZES.add(nbytes)
     libc = _glibc()
-    if libc is None:
-        return
     block = ctypes.c_void_p()
-    if libc.posix_memalign(ctypes.byref(block), _ALIGNMENT, nbytes) == 0:
+    if libc is not None and libc.posix_memalign(ctypes.byref(block), _ALIGNMENT, nbytes) == 0:
         libc.free(block)
 
 
@@ -186,8 +148,7 @@ def _storage_nbytes(key: tuple) -> int:
 
 def _key(t: Tensor) -> tuple:
     """``(shape, strides, dtype)`` of a buffer for ``t``: ``t``'s strides where it is dense
-    and no two of its elements share an address, else contiguous ones (a buffer with ``t``'s
-    stride 0 would write every element of a row to one address; as ``torch.empty_like``).
+    and no two elements share an address, else contiguous ones (as ``torch.empty_like``).
 
     >>> _key(torch.ones(3, 2).t())[1], _key(torch.ones(2).expand(3, 2))[1]
     ((1, 2), (2, 1))
@@ -213,8 +174,7 @@ def current() -> BufferPool:
 
 
 def idle_bytes() -> int:
-    """Bytes this thread's pool holds beyond what callers hold (one generation of params and
-    state at most): the pure update's extra memory, for the resource report.
+    """Bytes this thread's pool holds beyond what callers hold: the pure update's extra memory.
 
     >>> isinstance(idle_bytes(), int)
     True
@@ -231,9 +191,8 @@ def _storage_uses(t: Tensor) -> int:
 
 
 def _probe() -> Tensor:
-    """A plain one-element CPU tensor, made outside any dispatch mode: a probe is not part of
-    the update a mode (the accounting ``Counter``) is watching, so its first use must not
-    count one allocation more than later ones."""
+    """A plain one-element CPU tensor made outside any dispatch mode (a probe is not part of
+    the update a mode such as the accounting ``Counter`` watches)."""
     with _torch.disable_current_modes():
         return torch.empty(1, device="cpu")
 
@@ -241,22 +200,17 @@ def _probe() -> Tensor:
 @functools.cache
 def _alone() -> int:
     """The use count of a storage held by one tensor (measured on first use, not at import:
-    the module may first be imported under a functorch transform, whose tensors have none)."""
+    the module may first be imported under a functorch transform)."""
     return _storage_uses(_probe())
-
-
-def _storage_refs(t: Tensor) -> int:
-    """References to the Python object of ``t``'s storage (torch keeps one per storage once
-    asked for, and ``untyped_storage()`` hands out that one), counted as ``_take`` counts them:
-    one local name and the call's argument."""
-    storage = t.untyped_storage()
-    return sys.getrefcount(storage)
 
 
 @functools.cache
 def _storage_refs_alone() -> int:
-    """:func:`_storage_refs` of a storage whose object nobody else holds."""
-    return _storage_refs(_probe())
+    """References to a storage's Python object that nobody else holds, counted as ``_take``
+    counts them (one local name and the call's argument)."""
+    probe = _probe()
+    storage = probe.untyped_storage()
+    return sys.getrefcount(storage)
 
 
 def _only_alias_left(alias: Tensor) -> bool:

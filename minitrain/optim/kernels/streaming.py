@@ -1,18 +1,16 @@
 """One-pass CPU updates with streaming stores, registered as torch custom ops.
 
 torch's fused optimizer kernels update in place, so a pure update built on them copies params
-and state first: two passes over memory. A single pass that writes into fresh buffers still
-costs more than the in-place kernel, because a plain store to a line not in cache first reads
-it (read for ownership); non-temporal stores skip that read. Neither aten nor inductor emits
-them, so this module builds ``_streaming.c`` (the update rules of the torch.optim family) with
-the system C compiler on first use, caches the library (verified by size and sha256 before it
-is loaded) and exposes it as the ops ``minitrain::stream_update``, ``minitrain::sum_of_squares``
-and ``minitrain::decode_div``: torch.compile, fake tensors and the FLOP counter see one op, and
-each op has a fake (meta) implementation.
+and state first: two passes over memory. A single pass that writes into fresh buffers with
+plain stores still reads every output line first (read for ownership); non-temporal stores skip
+that read, and neither aten nor inductor emits them. So ``_streaming.c`` (the update rules of
+the torch.optim family) is built with the system C compiler on first use, cached (verified by
+size and sha256 before loading) and exposed as the ops ``minitrain::stream_update``,
+``minitrain::sum_of_squares`` and ``minitrain::decode_div``, each with a fake implementation.
 
-Every tensor is checked before its pointer reaches C (:func:`.checks.check_slots`). The kernels
-cover contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require`` turns a
-failed build into a :class:`BuildError` that shows the compiler's output.
+Every tensor is checked before its pointer reaches C (:func:`.checks.pointers`). The kernels
+cover contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require``
+turns a failed build into a :class:`BuildError` that shows the compiler's output.
 
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
@@ -43,24 +41,21 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch
-from minitrain.optim.kernels.checks import check_slots, plain_cpu
+from minitrain.optim.kernels.checks import check_slots, plain_cpu, pointers
 
-__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "global_norm",
-           "sum_of_squares", "usable", "update"]
+__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "global_norm", "norm",
+           "quiet", "run", "sum_of_squares", "sums_of_squares", "update", "usable"]
 
-RULES = {"adam": 0, "sgd": 1, "adagrad": 2, "rmsprop": 3, "nadam": 4, "radam": 5, "adamax": 6,
-         "lion": 7, "schedule_free_adamw": 8, "adadelta": 9, "asgd": 10, "rprop": 11}
-"""Rule name -> index in ``_streaming.c``'s table."""
-HYPERPARAMETERS = {"adam": 10, "sgd": 7, "adagrad": 3, "rmsprop": 7, "nadam": 11, "radam": 12,
-                   "adamax": 9, "lion": 7, "schedule_free_adamw": 13, "adadelta": 8, "asgd": 9,
-                   "rprop": 9}
-"""Rule name -> how many hyperparameters the kernel reads (``_streaming.c`` lists them)."""
+RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
+         "radam": (5, 12), "adamax": (6, 9), "lion": (7, 7), "schedule_free_adamw": (8, 13),
+         "adadelta": (9, 8), "asgd": (10, 9), "rprop": (11, 9)}
+"""Rule name -> its index in ``_streaming.c``'s table and how many hyperparameters it reads."""
 
 STREAMING_BYTES = 80 * 2**20
-"""A pure update writes with streaming stores once it touches at least this many bytes (inputs
-and outputs together); below, plain stores, whose lines stay in the last-level cache for the
-next update. Measured on a 2-core Xeon (260 MB shared L3) for 8-leaf Adam updates: plain
-stores 11% faster at 56 MB touched, streaming stores 28% faster at 112 MB and 39% at 224 MB."""
+"""A pure update writes with streaming stores once it touches this many bytes (inputs and
+outputs); below, plain stores, whose lines stay in the last-level cache for the next update.
+Measured on a 2-core Xeon (260 MB L3), 8-leaf Adam: plain stores 11% faster at 56 MB touched,
+streaming stores 28% faster at 112 MB and 39% at 224 MB."""
 
 SOURCE = Path(__file__).with_name("_streaming.c")
 ENV = "MINITRAIN_STREAMING"
@@ -218,35 +213,18 @@ def _library() -> ctypes.CDLL | None:
                 + "\n".join(failures)
             )
         return None  # no compiler, a failed build or load: the fused-kernel path stays
-    library.minitrain_update.restype = ctypes.c_int
-    library.minitrain_update.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-    ]
-    library.minitrain_sumsq.restype = ctypes.c_int
-    library.minitrain_sumsq.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-    ]
-    library.minitrain_decode_div.restype = ctypes.c_int
-    library.minitrain_decode_div.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int,
-    ]
+    c_int, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    for name, args in (("minitrain_update", [c_int, ptr, ptr, ptr, i64, i64, c_int, c_int]),
+                       ("minitrain_sumsq", [ptr, ptr, i64, c_int, ptr]),
+                       ("minitrain_decode_div", [ptr, ptr, ctypes.c_float, ptr, i64, c_int])):
+        getattr(library, name).restype = c_int
+        getattr(library, name).argtypes = args
     return library
 
 
 def fresh(like: list[Tensor]) -> list[Tensor]:
     """New uninitialized buffers shaped like ``like`` (optimizers pass a recycling pool)."""
     return [torch.empty_like(t) for t in like]
-
-
-def streams(touched_bytes: int) -> bool:
-    """Whether a pure update that touches ``touched_bytes`` writes with streaming stores.
-
-    >>> streams(2**30), streams(2**20)
-    (True, False)
-    """
-    return touched_bytes >= STREAMING_BYTES
 
 
 def available() -> bool:
@@ -260,8 +238,8 @@ def available() -> bool:
 
 def watched() -> bool:
     """Whether a ``TorchFunctionMode`` other than torch's default-device one is active: it would
-    see (and could act on) the torch calls an update makes between its checks and a kernel
-    (the buffers' allocation, the pointers), so the kernels give way to torch's ops.
+    see the torch calls an update makes between its checks and a kernel, so the kernels give
+    way to torch's ops.
 
     >>> watched()
     False
@@ -273,9 +251,8 @@ def watched() -> bool:
 
 
 def quiet() -> bool:
-    """Whether no torch mode watches the torch calls made here: a ``TorchDispatchMode`` (the
-    accounting ``Counter``, ``FlopCounterMode``, fake tensors) or a ``TorchFunctionMode`` other
-    than torch's default-device one. The kernels give way to torch's ops where one does.
+    """Whether no torch mode watches the torch calls made here: no ``TorchDispatchMode`` (the
+    accounting ``Counter``, ``FlopCounterMode``, fake tensors) and :func:`watched` is False.
 
     >>> quiet()
     True
@@ -284,55 +261,72 @@ def quiet() -> bool:
 
 
 def usable(tensors: Sequence[Tensor]) -> bool:
-    """Whether an update over these tensors can run here: all plain (not subclassed) CPU,
-    float32, contiguous tensors, and no ``TorchDispatchMode`` watching (the accounting
-    ``Counter`` and ``FlopCounterMode`` count aten ops, which a C kernel would hide from them;
-    torch's kernels run instead), nor a ``TorchFunctionMode`` (:func:`watched`).
+    """Whether the kernels can run over these tensors here: built, no mode watching
+    (:func:`quiet`), and all plain contiguous float32 CPU tensors not requiring grad.
 
     >>> usable([torch.ones(2, dtype=torch.bfloat16)])
     False
     """
-    if _torch.get_current_dispatch_mode() is not None or watched() \
-            or not available():
-        return False
     float32, plain = torch.float32, (Tensor, torch.nn.Parameter)
-    return all(
+    return quiet() and available() and all(
         type(t) in plain and t.dtype is float32 and t.is_cpu and not t.requires_grad
-        and t.is_contiguous() and not t.is_neg() for t in tensors
-    )
+        and t.is_contiguous() and not t.is_neg() for t in tensors)
 
 
 def update(rule: str, hyperparameters: Sequence[SupportsFloat],
            slots: Sequence[list[Tensor] | None],
            outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
            nontemporal: bool | None = None) -> list[list[Tensor] | None]:
-    """One update of ``rule`` over lists of leaves; returns the new ``[params, *buffers]``.
+    """One update of ``rule`` over lists of leaves through ``minitrain::stream_update``; returns
+    the new ``[params, *buffers]``.
 
     ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
-    rule, ``None`` for a buffer the rule does not use. The results go into ``outputs(like)``
-    buffers (streaming stores once the update touches :data:`STREAMING_BYTES`), or, when
-    ``outputs`` is None (donation), into the params and buffers themselves. Call
-    :func:`usable` first.
+    rule, None for a buffer the rule does not use. The results go into ``outputs(like)``
+    buffers, or, when ``outputs`` is None (donation), into the params and buffers themselves.
     """
-    if len(hyperparameters) != HYPERPARAMETERS[rule]:
-        raise ValueError(
-            f"streaming rule {rule!r} takes {HYPERPARAMETERS[rule]} hyperparameters, got "
-            f"{len(hyperparameters)}; pass them in the order _streaming.c documents"
-        )
-    hp = [float(v) for v in hyperparameters]
+    index, count = RULES[rule]
+    if len(hyperparameters) != count:
+        raise ValueError(f"streaming rule {rule!r} takes {count} hyperparameters, got "
+                         f"{len(hyperparameters)}; pass them in the order _streaming.c lists")
     written = [slots[0], *slots[2:]]
     results = [s if s is None or outputs is None else outputs(s) for s in written]
     rows = [*slots, *results]
-    check_slots(rows, len(slots[0]))
     if nontemporal is None:
-        touched = 4 * sum(p.numel() for p in slots[0]) * (len(rows) - rows.count(None))
-        nontemporal = outputs is not None and streams(touched)
-    n_in = len(slots)
-    inputs = [t for row in rows[:n_in] if row is not None for t in row]
-    outs = [t for row in rows[n_in:] if row is not None for t in row]
-    present = [int(row is not None) for row in rows]
-    torch.ops.minitrain.stream_update(RULES[rule], hp, inputs, outs, present, nontemporal)
+        nontemporal = outputs is not None and streams(slots[0], len(rows) - rows.count(None))
+    torch.ops.minitrain.stream_update(
+        index, [float(v) for v in hyperparameters],
+        [t for row in rows[:len(slots)] if row is not None for t in row],
+        [t for row in rows[len(slots):] if row is not None for t in row],
+        [int(row is not None) for row in rows], nontemporal)
     return results
+
+
+def streams(params: list[Tensor], rows: int) -> bool:
+    """Whether a pure update of ``rows`` rows of float32 leaves like ``params`` writes with
+    streaming stores: from :data:`STREAMING_BYTES` touched on."""
+    return 4 * rows * sum(p.numel() for p in params) >= STREAMING_BYTES
+
+
+def run(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
+        sizes: list[int], nontemporal: bool) -> None:
+    """Rule ``rule`` (:data:`RULES`' index) of the C kernel over rows of data pointers
+    (``[params, grads, *buffers, *outputs]``, None for an absent row), each row from
+    :func:`.checks.pointers` over float32 leaves of ``sizes`` elements: the body of
+    ``minitrain::stream_update``, for callers that checked their tensors where no mode or
+    compiler would see the op."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    zeros = [0] * len(sizes)
+    columns = [zeros if row is None else row for row in rows]
+    # The arrays are named: C reads them after the expression that made them.
+    hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
+    addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
+    status = library.minitrain_update(
+        rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
+        len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
+    if status != 0:
+        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
 
 
 @torch.library.custom_op(
@@ -343,24 +337,14 @@ def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor]
                    outputs: list[Tensor], present: list[int], nontemporal: bool) -> None:
     """The C kernel over rows of leaves: ``inputs`` and ``outputs`` hold the present rows one
     after another (``present``: per pointer slot, whether its row is there)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    n_rows = len(present)
     n_leaves = (len(inputs) + len(outputs)) // max(1, sum(present))
     tensors = iter([*inputs, *outputs])
     rows = [[next(tensors) for _ in range(n_leaves)] if on else None for on in present]
-    check_slots(rows, n_leaves)  # the last guard before raw pointers reach C
-    pointers = array.array("Q", [
-        0 if row is None else row[leaf].data_ptr() for leaf in range(n_leaves) for row in rows
-    ])
-    sizes = array.array("q", [t.numel() for t in rows[0]])
-    hp = array.array("d", hyperparameters)
-    status = library.minitrain_update(
-        rule, hp.buffer_info()[0], pointers.buffer_info()[0], sizes.buffer_info()[0], n_leaves,
-        n_rows, torch.get_num_threads(), int(nontemporal))
-    if status != 0:
-        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+    found = pointers(rows, dtype=torch.float32)  # the last guard before raw pointers reach C
+    if found is None:
+        check_slots(rows, n_leaves)
+        raise ValueError("streaming update: pass plain float32 CPU tensors not requiring grad")
+    run(rule, hyperparameters, found, [t.numel() for t in rows[0]], nontemporal)
 
 
 @_stream_update.register_fake
@@ -379,22 +363,29 @@ def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
     return torch.ops.minitrain.sum_of_squares(list(leaves)).tolist()
 
 
-@torch.library.custom_op("minitrain::sum_of_squares", mutates_args=(), device_types="cpu",
-                         schema="(Tensor[] leaves) -> Tensor")
-def _sum_of_squares(leaves: list[Tensor]) -> Tensor:
+def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
+    """Per leaf, ``sum(x * x)`` in float64 over float32 leaves at checked ``addresses``
+    (:func:`.checks.pointers`) of ``sizes`` elements: ``minitrain::sum_of_squares``' body."""
     library = _library()
     if library is None:
         raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    n_leaves = len(leaves)
-    check_slots([leaves], n_leaves)
-    pointers = array.array("Q", [t.data_ptr() for t in leaves])
-    sizes = array.array("q", [t.numel() for t in leaves])
-    out = torch.zeros(n_leaves, dtype=torch.float64, device="cpu")
-    status = library.minitrain_sumsq(pointers.buffer_info()[0], sizes.buffer_info()[0], n_leaves,
-                                     max(1, torch.get_num_threads()), out.data_ptr())
+    out = torch.zeros(len(sizes), dtype=torch.float64, device="cpu")
+    starts, counts = array.array("Q", addresses), array.array("q", sizes)
+    status = library.minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
+                                     len(sizes), max(1, torch.get_num_threads()), out.data_ptr())
     if status != 0:
         raise RuntimeError(f"streaming sum of squares failed with status {status}")
     return out
+
+
+@torch.library.custom_op("minitrain::sum_of_squares", mutates_args=(), device_types="cpu",
+                         schema="(Tensor[] leaves) -> Tensor")
+def _sum_of_squares(leaves: list[Tensor]) -> Tensor:
+    found = pointers([leaves], dtype=torch.float32)
+    if found is None:
+        check_slots([leaves], len(leaves))
+        raise ValueError("sum_of_squares: pass plain float32 CPU tensors not requiring grad")
+    return sums_of_squares(found[0], [t.numel() for t in leaves])
 
 
 @_sum_of_squares.register_fake
@@ -402,19 +393,22 @@ def _(leaves):
     return torch.empty(len(leaves), dtype=torch.float64, device="cpu")
 
 
+def norm(squares: Tensor) -> Tensor:
+    """The global norm from per-leaf float64 sums of squares, in ``clip_grad_norm_``'s form:
+    each leaf's norm in float32, then the norm of those norms (a 0-d float32 tensor)."""
+    return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)
+
+
 def global_norm(leaves: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of float32 CPU leaves taken together, a 0-d float32 tensor, in
-    ``torch.nn.utils.clip_grad_norm_``'s form: each leaf's norm in float32, then the norm of
-    those norms. Each leaf's sum of squares is accumulated in float64 in one pass over all
-    leaves (torch accumulates in float32: the two differ by float32 rounding). Call
+    """The L2 norm of float32 CPU leaves taken together, as :func:`norm` of their sums of
+    squares (torch accumulates those in float32: the two differ by float32 rounding). Call
     :func:`usable` first.
 
     >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
-    >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.0)
+    >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.)
     tensor(5.)
     """
-    squares = torch.ops.minitrain.sum_of_squares(list(leaves)).to(torch.float32)
-    return torch.linalg.vector_norm(squares.sqrt(), 2)
+    return norm(torch.ops.minitrain.sum_of_squares(list(leaves)))
 
 
 def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
