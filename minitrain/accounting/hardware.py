@@ -1,6 +1,7 @@
 """Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse apart), memory, bandwidth.
 
-Every published figure names its source; ``cpu`` is measured here (:func:`measure_cpu`).
+Every published figure names its source; ``cpu`` is bounded from its spec and measured here
+(:func:`measure_cpu`).
 
 >>> h100 = hardware("h100")
 >>> h100.peak_flops["bf16"], h100.sparse_flops["bf16"]
@@ -24,8 +25,8 @@ from typing import Any
 
 from minitrain.errors import UserError
 
-__all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "dtype_name",
-           "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
+__all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "cpu_peak_bound",
+           "dtype_name", "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
 
 # Canonical dtype names and the spellings accepted for each (torch's and numpy's included).
 DTYPE_NAMES: dict[str, tuple[str, ...]] = {
@@ -264,14 +265,67 @@ def _physical_memory_bytes() -> int:
         return 0
 
 
-def _cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in ``/proc/cpuinfo`` (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def _cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def _max_clock_hz(info: Mapping[str, str]) -> float:
+    """The highest clock the OS reports: cpufreq's maximum, else ``cpu MHz``, else 5 GHz."""
+    try:
+        return int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) * 1e3
+    except (OSError, ValueError):
+        pass
+    try:
+        return float(info["cpu MHz"]) * 1e6
+    except (KeyError, ValueError):
+        return 5e9  # above any shipping CPU's boost clock
+
+
+# fp32 lanes of the widest vector FMA the flags list (x86 ``flags``, Arm ``Features``).
+_FP32_LANES = (("avx512f", 16), ("avx", 8), ("sse2", 4), ("asimd", 4))
+_FMA_UNITS = 2  # vector FMA pipes per core: the most any x86 or Arm server core has
+# bf16 / fp16 rate over fp32 by the extension that runs them (AMX: 1024 FMAs per cycle per core).
+_HALF_RATE = {"bf16": (("amx_bf16", 32), ("avx512_bf16", 2)),
+              "fp16": (("amx_fp16", 32), ("avx512fp16", 2))}
+
+
+def cpu_peak_bound(cores: int, flags: set[str] | frozenset[str], clock_hz: float
+                   ) -> dict[str, float]:
+    """An upper bound of dense FLOP/s on ``cores`` cores from the spec sheet's terms: cores x
+    FMA units x SIMD lanes x 2 (an FMA is two FLOPs) x clock, as vendors compute peak FLOP/s.
+
+    >>> cpu_peak_bound(2, {"avx2", "avx", "fma"}, 3e9)["fp32"] / 1e9   # 2 x 2 x 8 x 2 x 3 GHz
+    192.0
+    """
+    lanes = next((n for flag, n in _FP32_LANES if flag in flags), 1)
+    fp32 = cores * _FMA_UNITS * lanes * 2 * clock_hz
+    half = {name: fp32 * next((k for flag, k in rates if flag in flags), 1)
+            for name, rates in _HALF_RATE.items()}
+    return {"fp32": fp32, **half}
+
+
+def _spec_bound(threads: int) -> dict[str, Any]:
+    """This process's bound: its torch threads, at most the cores it may run on."""
+    info = _cpuinfo()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:
+        available = os.cpu_count() or 1
+    cores, clock = min(threads, available), _max_clock_hz(info)
+    return {"cores": cores, "clock_hz": clock, "flops": cpu_peak_bound(cores, flags, clock)}
 
 
 def _load_average() -> float | None:
@@ -292,6 +346,7 @@ def _machine_key(torch: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
         "threads": torch.get_num_threads(),
+        "bound": _spec_bound(torch.get_num_threads()),
     }
 
 
@@ -346,15 +401,20 @@ def _store(path: Path | None, spec: Hardware) -> None:
 
 def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    peaks = {name: _matmul_flops_per_second(torch, dtypes[name], n)
-             for name, n in _MATMUL_SIZE.items()}
+    measured = {name: _matmul_flops_per_second(torch, dtypes[name], n)
+                for name, n in _MATMUL_SIZE.items()}
+    # The peak for MFU is one no step can exceed: the spec bound (a timing under load is low).
+    peaks = {name: max(key["bound"]["flops"][name], value) for name, value in measured.items()}
     bandwidth = _copy_bytes_per_second(torch)
     now, load = time.time(), _load_average()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     busy = "" if load is None else f", 1-min load {load:g} on {key['logical_cpus']} CPUs"
-    source = (f"measured {stamp} with torch {key['torch']}{busy}: best torch.mm of "
-              f"n={_MATMUL_SIZE} and a {_COPY_BYTES // 2**20} MiB copy (read + write)")
-    details = {"key": dict(key), "measured_at": stamp, "measured_unix": now, "load_average": load}
+    bound = key["bound"]
+    source = (f"peak FLOP/s: {bound['cores']} cores x FMA units x SIMD lanes x 2 x "
+              f"{bound['clock_hz'] / 1e9:g} GHz (an upper bound); bandwidth measured {stamp} "
+              f"with torch {key['torch']}{busy}: a {_COPY_BYTES // 2**20} MiB copy (read + write)")
+    details = {"key": dict(key), "measured_at": stamp, "measured_unix": now, "load_average": load,
+               "measured_matmul_flops": measured}
     return Hardware("cpu", f"{key['cpu']} ({key['threads']} torch threads)", _frozen(peaks),
                     _frozen({}), _physical_memory_bytes(), bandwidth, source, True,
                     MappingProxyType(details))
@@ -366,7 +426,9 @@ _MEASURED: dict[str, Hardware] = {}
 
 
 def measure_cpu(refresh: bool = False, max_age: float | int = MAX_AGE_SECONDS) -> Hardware:
-    """Measure this CPU: ``torch.mm`` FLOP/s in fp32, bf16 and fp16, copy bandwidth (bytes/s).
+    """This CPU for this process: peak FLOP/s in fp32, bf16 and fp16 bounded from the spec
+    (:func:`cpu_peak_bound` on ``torch.get_num_threads()`` cores; at least the ``torch.mm`` rate
+    measured, kept in ``details``), so MFU stays at most 1; copy bandwidth (bytes/s) measured.
 
     Kept for the process and on disk, reused on the same machine, torch build and thread
     count for ``max_age`` seconds (``details`` records them, the time and the load average);

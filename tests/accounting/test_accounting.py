@@ -4,12 +4,14 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -222,6 +224,51 @@ def test_cpu_is_measured_and_cached(tmp_path, monkeypatch):
     from_disk = acc.hardware("cpu")
     assert from_disk is not measured and from_disk == measured
     assert json.loads(cached_file.read_text())["name"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("flags", "fp32_per_cycle", "bf16_times"),
+    [({"avx512f", "avx2", "avx", "avx512_bf16"}, 64, 2), ({"avx2", "avx", "fma"}, 32, 1),
+     ({"avx512f", "amx_bf16"}, 64, 32), ({"sse2"}, 16, 1), ({"asimd"}, 16, 1), (set(), 4, 1)],
+)
+def test_cpu_peak_bound_is_cores_fma_units_lanes_two_and_clock(flags, fp32_per_cycle, bf16_times):
+    bound = acc.cpu_peak_bound(3, flags, 2.5e9)
+    assert bound["fp32"] == 3 * fp32_per_cycle * 2.5e9
+    assert bound["bf16"] == bound["fp32"] * bf16_times
+
+
+def _best_matmul_flops(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(4):  # a matmul-heavy step
+            torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 4 * 2 * n**3 / best
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+@pytest.mark.parametrize("threads", [1, None])
+def test_mfu_of_a_matmul_heavy_step_is_at_most_one(tmp_path, monkeypatch, threads, loaded):
+    """Per process, as data parallel runs it (one thread each under --nproc 2) and as one run;
+    ``loaded``: the probe ran while the machine was busy (its matmuls timed at 1 MFLOP/s)."""
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
+    if loaded:
+        module = importlib.import_module("minitrain.accounting.hardware")
+        monkeypatch.setattr(module, "_matmul_flops_per_second", lambda *args: 1e6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        spec = acc.measure_cpu()
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            mfu = _best_matmul_flops(dtype) / spec.peak(name)
+            assert 0 < mfu <= 1, (name, mfu, spec.source)
+        bound = spec.details["key"]["bound"]
+        assert bound["cores"] == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        assert spec.peak("fp32") >= bound["flops"]["fp32"] > 0
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- errors and imports -------------------------------------------------------------------
