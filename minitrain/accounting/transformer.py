@@ -302,7 +302,10 @@ def transformer_activation_bytes(
     """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4): eq. 1
     per layer (:func:`transformer_activation_terms`); with tensor parallelism ``t``,
     ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), all over ``t`` with sequence parallelism
-    (eq. 4); full recomputation keeps each layer's input, ``2·s·b·h``.
+    (eq. 4). Full recomputation keeps each layer's input, ``2·s·b·h`` (Table 2), whole on
+    every tensor-parallel rank; with sequence parallelism that input lies in the
+    sequence-parallel region, split along ``s`` (Megatron-LM checkpoints ``[s/t, b, h]``), so
+    ``2·s·b·h/t``, where Table 2 lists ``2·s·b·h`` for every configuration.
 
     >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
     ...                              num_layers=1) / 2**30   # GPT-3, one layer
@@ -319,7 +322,7 @@ def transformer_activation_bytes(
         bytes_per_element=bytes_per_element, mask_bytes=mask_bytes,
     )
     sp = tensor_parallel if sequence_parallel else 1
-    if recompute == "full":
+    if recompute == "full":  # the layer input, a replicated term (split by sequence parallelism)
         return bytes_per_element * seq_len * batch * hidden / sp * num_layers
     replicated = sum(terms[name] for name in _REPLICATED)
     split = sum(terms.values()) - replicated
