@@ -1,8 +1,8 @@
-"""The family's rules as ``_streaming.c`` kernels: per update, the kernel's name, its rule
+"""The family's rules as ``_streaming.c`` kernels: per update, the kernel's rule name, its
 hyperparameters (after the frame the lowering prepends) and the state fields it reads and
-writes, in its slot order. Each is the same step as the rule's per-leaf function in
-:mod:`minitrain.optim`, with the step-dependent scalars computed here in float64; the tests
-hold each equal to its rule."""
+writes, in its slot order. Each is the step of the rule's per-leaf function (``nadam_leaf``,
+...) in :mod:`minitrain.optim`, with the step-dependent scalars computed here in float64; the
+tests hold each equal to its rule."""
 
 from __future__ import annotations
 
@@ -12,31 +12,26 @@ __all__ = ["FAMILY"]
 
 
 def _adadelta(step, hyper, per_step):
-    """``adadelta_leaf`` as ``_streaming.c``'s ``adadelta`` rule."""
     rho = hyper["rho"]
     return "adadelta", [rho, 1 - rho, hyper["eps"]], ("square_avg", "acc_delta")
 
 
 def _adamax(step, hyper, per_step):
-    """``adamax_leaf`` as ``_streaming.c``'s ``adamax`` rule."""
     beta1, beta2 = hyper["beta1"], hyper["beta2"]
     return "adamax", [1 - beta1, beta2, hyper["eps"], 1 - beta1**step], ("exp_avg", "exp_inf")
 
 
 def _asgd(step, hyper, per_step):
-    """``asgd_leaf`` as ``_streaming.c``'s ``asgd`` rule."""
     eta, mu = per_step["eta"], per_step["mu"]
     return "asgd", [hyper["lambd"], -eta, mu, float(mu == 1)], ("ax",)
 
 
 def _lion(step, hyper, per_step):
-    """``lion_leaf`` as ``_streaming.c``'s ``lion`` rule."""
     return "lion", [1 - hyper["beta1"], 1 - hyper["beta2"]], ("exp_avg",)
 
 
 def _nadam(step, hyper, per_step):
-    """``nadam_leaf`` as ``_streaming.c``'s ``nadam`` rule: the
-    same coefficients, with ``sqrt(1 - beta2^t)`` folded into them."""
+    # sqrt(1 - beta2^t) folded into the coefficients
     beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
     root = math.sqrt(1 - beta2**step)
     return "nadam", [1 - beta1, beta2, 1 - beta2, eps * root, per_step["grad_coef"] * root,
@@ -44,8 +39,6 @@ def _nadam(step, hyper, per_step):
 
 
 def _radam(step, hyper, per_step):
-    """``radam_leaf`` as ``_streaming.c``'s ``radam`` rule: the
-    same step-dependent scalars, computed here in float64."""
     beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
@@ -62,14 +55,12 @@ def _radam(step, hyper, per_step):
 
 
 def _rprop(step, hyper, per_step):
-    """``rprop_leaf`` as ``_streaming.c``'s ``rprop`` rule."""
     return "rprop", [hyper["etaminus"], hyper["etaplus"], hyper["step_size_min"],
                      hyper["step_size_max"]], ("prev", "step_size")
 
 
 def _schedule_free(step, hyper, per_step):
-    """``schedule_free_leaf`` as ``_streaming.c``'s ``schedule_free_adamw`` rule (see
-    ``_family.Rule``); the new ``y`` is ``y`` plus the change."""
+    # the new y is y plus the change (see _family.Rule)
     beta1, beta2 = hyper["beta1"], hyper["beta2"]
     lr_t, ckp1 = per_step["lr_t"], per_step["ckp1"]
     return "schedule_free_adamw", [

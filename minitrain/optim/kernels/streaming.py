@@ -61,22 +61,24 @@ SOURCE = Path(__file__).with_name("_streaming.c")
 ENV = "MINITRAIN_STREAMING"
 
 
-def _enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in {"0", "off", "false", "no"}
+class BuildError(RuntimeError):
+    """The kernels failed to build or load under ``MINITRAIN_STREAMING=require``."""
+
+
+def _setting() -> str:
+    return os.environ.get(ENV, "1").strip().lower()
 
 
 def _flags() -> list[str]:
-    """Compiler flags: AVX2+FMA on x86 CPUs where torch itself runs AVX2 code, AVX-512F too
-    where it runs AVX-512 code (whole-cache-line streaming stores)."""
+    """AVX2+FMA on x86 CPUs where torch runs AVX2 code, AVX-512F too where it runs AVX-512
+    code (whole-cache-line streaming stores)."""
     flags = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
     capability = ""
     if hasattr(torch.backends, "cpu") and hasattr(torch.backends.cpu, "get_cpu_capability"):
         capability = torch.backends.cpu.get_cpu_capability()
-    x86 = platform.machine().lower() in {"x86_64", "amd64"}
-    if x86 and capability.startswith(("AVX2", "AVX512")):
-        flags += ["-mavx2", "-mfma"]
-    if x86 and capability.startswith("AVX512"):
-        flags += ["-mavx512f"]
+    if platform.machine().lower() in {"x86_64", "amd64"}:
+        flags += ["-mavx2", "-mfma"] if capability.startswith(("AVX2", "AVX512")) else []
+        flags += ["-mavx512f"] if capability.startswith("AVX512") else []
     return flags
 
 
@@ -86,29 +88,16 @@ def _cache_dir() -> Path:
     if root is not None and root.strip().lower() in {"", "0", "off", "none"}:
         return Path(tempfile.gettempdir()) / f"minitrain-{os.getuid()}"
     if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(xdg) / "minitrain")
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain")
     return Path(root)
-
-
-class BuildError(RuntimeError):
-    """The kernels failed to build or load under ``MINITRAIN_STREAMING=require``."""
-
-
-def _required() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() == "require"
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _verified(target: Path) -> bool:
     """Whether ``target`` is the complete library its sidecar (size and sha256) records."""
-    record = target.with_suffix(".sha256")
     try:
-        size, digest = record.read_text().split()
-        return target.stat().st_size == int(size) and _digest(target) == digest
+        size, digest = target.with_suffix(".sha256").read_text().split()
+        return target.stat().st_size == int(size) and \
+            hashlib.sha256(target.read_bytes()).hexdigest() == digest
     except (OSError, ValueError):
         return False
 
@@ -129,11 +118,9 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 def _build(compiler: str, flags: list[str]) -> Path:
     """Compile ``_streaming.c`` once per source, flags and compiler; return the library path.
-
-    The library is written atomically (temporary file, fsync, rename) with a sidecar recording
-    its size and sha256; a cached file that does not match its record (truncated, corrupted, or
-    written by an interrupted build) is rebuilt, never loaded.
-    """
+    The library is written atomically beside a record of its size and sha256 (written first);
+    a cached file that does not match its record (truncated, corrupted) is rebuilt, never
+    loaded."""
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
     ).hexdigest()[:16]
@@ -143,12 +130,9 @@ def _build(compiler: str, flags: list[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
-            check=True, capture_output=True, timeout=120,
-        )
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
+                       check=True, capture_output=True, timeout=120)
         data = partial.read_bytes()
-    # The record goes first: a reader that sees the new library also sees its record.
     record = f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
     _write_durably(target.with_suffix(".sha256"), record)
     _write_durably(target, data)
@@ -156,32 +140,28 @@ def _build(compiler: str, flags: list[str]) -> Path:
 
 
 def _openmp_runtimes() -> set[str] | None:
-    """Paths of the OpenMP runtimes mapped into this process (Linux; None where the process's
+    """Paths of the OpenMP runtimes mapped into this process (None where the process's
     mappings cannot be read)."""
     try:
         with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
+            paths = [line.split()[-1] for line in maps.read().splitlines()]
     except OSError:
         return None
-    names = ("libgomp", "libiomp", "libomp")
-    return {line.split()[-1] for line in lines
-            if any(Path(line.split()[-1]).name.startswith(n) for n in names)}
+    return {path for path in paths
+            if Path(path).name.startswith(("libgomp", "libiomp", "libomp"))}
 
 
 def _load(path: Path, openmp: bool) -> ctypes.CDLL:
-    """Load the library; with OpenMP, check that it runs on torch's own OpenMP runtime (a
-    second runtime would oversubscribe the cores and can deadlock after fork)."""
+    """Load the library; with OpenMP, refuse one that brings an OpenMP runtime other than
+    torch's (mapped since torch's import): a second one oversubscribes the cores and can
+    deadlock after fork."""
     before = _openmp_runtimes()
     library = ctypes.CDLL(str(path))
     after = _openmp_runtimes()
-    # Any runtime the library brought in is not torch's: torch's is mapped since its import
-    # (and when torch runs without OpenMP, a runtime of the kernel's own is a second one too).
     if openmp and before is not None and after is not None and after - before:
-        raise OSError(
-            f"{path.name} links an OpenMP runtime other than torch's "
-            f"({sorted(after - before)}; torch's: {sorted(before) or 'none'}); "
-            f"building without OpenMP"
-        )
+        raise OSError(f"{path.name} links an OpenMP runtime other than torch's "
+                      f"({sorted(after - before)}; torch's: {sorted(before) or 'none'}); "
+                      f"building without OpenMP")
     return library
 
 
@@ -194,12 +174,10 @@ def _describe(error: BaseException) -> str:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not _enabled() or sys.platform == "win32":
+    if _setting() in {"0", "off", "false", "no"} or sys.platform == "win32":
         return None
     compiler, flags = os.environ.get("CC", "cc"), _flags()
-    # Without OpenMP (e.g. Apple clang, or a compiler whose runtime is not torch's) the kernels
-    # still build, on one thread.
-    failures = []
+    failures = []  # without OpenMP (Apple clang, another runtime) the kernels run on one thread
     for attempt in (flags, [flag for flag in flags if flag != "-fopenmp"]):
         try:
             library = _load(_build(compiler, attempt), "-fopenmp" in attempt)
@@ -207,12 +185,10 @@ def _library() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as error:
             failures.append(_describe(error))
     else:
-        if _required():
-            raise BuildError(
-                f"{ENV}=require but the streaming kernels did not build or load:\n"
-                + "\n".join(failures)
-            )
-        return None  # no compiler, a failed build or load: the fused-kernel path stays
+        if _setting() == "require":
+            raise BuildError(f"{ENV}=require but the streaming kernels did not build or "
+                             f"load:\n" + "\n".join(failures))
+        return None  # no compiler, a failed build or load: torch's fused kernels stay
     c_int, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     for name, args in (("minitrain_update", [c_int, ptr, ptr, ptr, i64, i64, c_int, c_int]),
                        ("minitrain_sumsq", [ptr, ptr, i64, c_int, ptr]),
