@@ -16,10 +16,19 @@ Where things live: ``base`` (transformations, ``chain``, ``as_optimizer``), ``tr
 0.0
 """
 
-from minitrain.optim import _family, _family_steps, _wrappers, base, schedules, transforms
+from minitrain.optim import (
+    _family,
+    _family_steps,
+    _optax,
+    _wrappers,
+    base,
+    schedules,
+    transforms,
+)
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._family import *  # noqa: F403
 from minitrain.optim._family_steps import *  # noqa: F403
+from minitrain.optim._lookahead import LookaheadParams, LookaheadState, lookahead
 from minitrain.optim._muon import (
     muon,
     muon_momentum,
@@ -27,7 +36,12 @@ from minitrain.optim._muon import (
     orthogonalize_by_newton_schulz,
     scale_by_muon,
 )
+from minitrain.optim._optax import *  # noqa: F403
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
+from minitrain.optim._privacy import (
+    DifferentiallyPrivateAggregateState,
+    differentially_private_aggregate,
+)
 from minitrain.optim._wrappers import *  # noqa: F403
 from minitrain.optim.alias import adagrad, adam, adamw, rmsprop, sgd
 from minitrain.optim.base import *  # noqa: F403
@@ -46,6 +60,9 @@ __all__ = [
     *_wrappers.__all__,
     *_family.__all__,
     *_family_steps.__all__,
+    *_optax.__all__,
+    "lookahead", "LookaheadParams", "LookaheadState",
+    "differentially_private_aggregate", "DifferentiallyPrivateAggregateState",
     "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",
     "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
 ]

@@ -17,6 +17,7 @@ from minitrain.optim._checks import (
     check_state_type,
     checked,
     host_tensor,
+    is_zero,
     next_step,
     schedule_count,
     tensor_leaves,
@@ -41,13 +42,17 @@ Scalar = int | float | Tensor
 class ScaleByAdafactorState(NamedTuple):
     """``count``; ``lr`` of the last update (float32); per leaf of two or more dims
     ``row_var`` (shape ``(..., m, 1)``) and ``col_var`` (``(..., 1, n)``), per smaller leaf
-    ``variance``; the other entries are ``()`` (torch keeps no such key)."""
+    ``variance``; with ``momentum``, ``exp_avg`` per leaf; other entries are ``()``."""
 
     count: Tensor
     lr: Tensor
     row_var: Any
     col_var: Any
     variance: Any
+    exp_avg: Any = None
+
+
+FIELDS = ("row_var", "col_var", "variance", "exp_avg")
 
 
 def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -61,26 +66,28 @@ def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [tuple(shape)]
 
 
-def _init_leaf(p: Tensor) -> tuple[Any, Any, Any]:
-    if p.dim() > 1:
-        row, col = factored_shapes(tuple(p.shape))
-        return p.new_zeros(row), p.new_zeros(col), ()
-    return (), (), torch.zeros_like(p, memory_format=torch.preserve_format)
+def _buffer_shapes(shape: tuple[int, ...], momentum: bool) -> dict[str, Any]:
+    """Per field, the shape of a leaf's buffer, or None where it keeps none."""
+    shapes = factored_shapes(shape)
+    kept = dict(zip(FIELDS[:2], shapes, strict=True)) if len(shape) > 1 else \
+        {"variance": shapes[0]}
+    return {**dict.fromkeys(FIELDS), **kept, **({"exp_avg": shape} if momentum else {})}
 
 
-def adafactor_leaf(g, row_var, col_var, variance, p, step, lr, beta2_decay, eps1, eps2, d,
-                   weight_decay):
+def adafactor_leaf(g, row_var, col_var, variance, exp_avg, p, step, lr, beta2_decay, eps1,
+                   eps2, d, weight_decay, momentum):
     """One leaf's full update, torch's ``_single_tensor_adafactor``:
     ``beta2_t = 1 - t^decay``, ``rho_t = min(lr, 1/sqrt(t))``, ``alpha_t = max(eps2, RMS(p))
     rho_t``; ``V`` from the factored (or plain) running means of ``g²``; ``U = g / max(sqrt(V),
-    eps1)`` clipped to RMS ``d``; the update is ``-alpha_t U - lr wd p``."""
+    eps1)`` clipped to RMS ``d``; the update is ``-alpha_t U - lr wd p``. With ``momentum``,
+    ``alpha_t U`` is first averaged as optax's adafactor does (``ema(momentum, debias=False)``
+    before the decay): ``m = (1 - momentum) alpha_t U + momentum m``."""
     traced = isinstance(step, Tensor)
     if eps1 is None:
         eps1 = torch.finfo(p.dtype).eps
     one_minus_beta2 = step**beta2_decay
     if traced:  # lerp wants its weight in the leaf's dtype (torch rounds a Python one so too)
         one_minus_beta2 = one_minus_beta2.to(p.dtype)
-    if traced:
         rho = torch.clamp(1 / step.sqrt(), max=lr)
     elif isinstance(lr, Tensor):  # a tensor lr (vmap's traced one too): no Python comparison
         rho = torch.clamp(lr, max=1 / math.sqrt(step))
@@ -98,16 +105,21 @@ def adafactor_leaf(g, row_var, col_var, variance, p, step, lr, beta2_decay, eps1
         estimate = variance
     scaled = estimate.clamp(min=eps1 * eps1).rsqrt() * g
     clip = torch.clamp(torch.linalg.vector_norm(scaled) / (math.sqrt(scaled.numel()) * d), min=1)
-    update = scaled * (-alpha / clip)
-    if not (isinstance(weight_decay, int | float) and weight_decay == 0):
+    step_ = scaled * (alpha / clip)
+    if momentum is not None:
+        step_ = exp_avg = (1 - momentum) * step_ + momentum * exp_avg
+    update = -step_
+    if not is_zero(weight_decay):
         update = update - (lr * weight_decay) * p
-    return update, row_var, col_var, variance
+    return update, row_var, col_var, variance, exp_avg
 
 
 def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                        eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
-                       weight_decay: Scalar = 0.0) -> GradientTransformation:
-    """Adafactor's whole update (``lr`` caps the relative step size and scales the decay).
+                       weight_decay: Scalar = 0.0,
+                       momentum: Scalar | None = None) -> GradientTransformation:
+    """Adafactor's whole update (``lr`` caps the relative step size and scales the decay;
+    ``momentum``: optax adafactor's, an average of the steps).
 
     >>> import torch, minitrain as mt
     >>> tx = scale_by_adafactor()
@@ -129,6 +141,13 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     eps2 = checked("eps[1] (epsilon2)", eps[1], 0.0)
     d = checked("d (clipping threshold)", d, 1.0)
     weight_decay = checked("weight_decay", weight_decay, 0.0)
+    if momentum is not None:
+        momentum = checked("momentum", momentum, 0.0, 1.0)
+
+    def lr_at(count: Any) -> Any:
+        value = lr(schedule_count(count)) if schedule else lr
+        check_hyperparameter("lr (from the schedule)", value, 0.0)
+        return value
 
     def init(params: Params) -> ScaleByAdafactorState:
         tensor_leaves("scale_by_adafactor", params, "param", floating=True)
@@ -137,12 +156,12 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                 raise ValueError(f"Adafactor does not support complex params ({name!r}); "
                                  f"pass real ones (e.g. torch.view_as_real)")
         spec = tree.structure(params)
-        columns = list(zip(*(_init_leaf(p) for p in tree.leaves(params)), strict=True)) \
-            or [[], [], []]  # no leaves (a group that multi_transform routes nothing to)
-        first_lr = lr(0) if schedule else lr
-        check_hyperparameter("lr (from the schedule)", first_lr, 0.0)
-        return ScaleByAdafactorState(zero_count(), _f32(first_lr),
-                                     *(tree.unflatten(spec, list(c)) for c in columns))
+        columns: dict[str, list] = {f: [] for f in FIELDS}
+        for p in tree.leaves(params):
+            for field, shape in _buffer_shapes(tuple(p.shape), momentum is not None).items():
+                columns[field].append(() if shape is None else p.new_zeros(shape))
+        return ScaleByAdafactorState(zero_count(), _f32(lr_at(zero_count())), *(
+            tree.unflatten(spec, c) for c in columns.values()))
 
     def update(updates, state, params=None):
         check_state_type("scale_by_adafactor", ScaleByAdafactorState, state)
@@ -150,25 +169,19 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             raise ValueError("scale_by_adafactor needs params: call update(updates, state, params)")
         spec = tree.structure(updates)
         g_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
-        buffers = [_entries(getattr(state, f), spec, f)
-                   for f in ("row_var", "col_var", "variance")]
-        _check_shapes(buffers, g_leaves, updates)
-        step = next_step(state.count)
-        step_lr = lr
-        if schedule:
-            step_lr = lr(schedule_count(state.count))
-            check_hyperparameter("lr (from the schedule)", step_lr, 0.0)
-        rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay)
+        buffers = [_entries(getattr(state, f), spec, f) for f in FIELDS]
+        _check_shapes(buffers, g_leaves, updates, momentum is not None)
+        step, step_lr = next_step(state.count), lr_at(state.count)
+        rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay,
+                               momentum)
                 for g, p, *b in zip(g_leaves, p_leaves, *buffers, strict=True)]
-        out, new_rows, new_cols, new_vars = zip(*rows, strict=True) if rows else [()] * 4
-        columns = (new_rows, new_cols, new_vars)
-        new_state = ScaleByAdafactorState(
-            state.count + 1, _f32(step_lr), *(tree.unflatten(spec, list(c)) for c in columns)
-        )
-        return tree.unflatten(spec, list(out)), new_state
+        out, *columns = zip(*rows, strict=True) if rows else [()] * 5
+        return tree.unflatten(spec, list(out)), ScaleByAdafactorState(
+            state.count + 1, _f32(step_lr), *(tree.unflatten(spec, list(c)) for c in columns))
 
     return tagged("scale_by_adafactor", GradientTransformation(init, update), lr=lr,
-                  beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay)
+                  beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay,
+                  momentum=momentum)
 
 
 def _f32(value: Any) -> Tensor:
@@ -177,40 +190,38 @@ def _f32(value: Any) -> Tensor:
 
 def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:
     """The per-leaf entries of a state field laid out like the updates (``()`` included)."""
+    if buffer is None:  # a state made before Adafactor had momentum
+        return [()] * spec.num_leaves
     entries = _pytree.tree_flatten(
         buffer, is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
     if len(entries) != spec.num_leaves:
-        raise ValueError(
-            f"state.{name} has {len(entries)} entries but the updates have {spec.num_leaves} "
-            f"leaves; create the state with init(params)"
-        )
+        raise ValueError(f"state.{name} has {len(entries)} entries but the updates have "
+                         f"{spec.num_leaves} leaves; create the state with init(params)")
     return entries
 
 
-def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any) -> None:
-    """``ValueError`` naming the first leaf whose factored moments do not fit its update (a
-    state from another model would otherwise broadcast or fail deep inside the update)."""
-    fields = ("row_var", "col_var", "variance")
+def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any,
+                  momentum: bool) -> None:
+    """``ValueError`` naming the first leaf whose buffers do not fit its update (a state from
+    another model would otherwise broadcast or fail deep inside the update)."""
     for index, (g, *entries) in enumerate(zip(g_leaves, *buffers, strict=True)):
-        shapes = factored_shapes(tuple(g.shape))
-        want = (dict(zip(fields[:2], shapes, strict=True)) if g.dim() > 1
-                else {"variance": shapes[0]})
-        for field, entry in zip(fields, entries, strict=True):
+        want = _buffer_shapes(tuple(g.shape), momentum)
+        for field, entry in zip(FIELDS, entries, strict=True):
             got = tuple(entry.shape) if isinstance(entry, Tensor) else entry
-            if got != want.get(field, ()):
+            if got != (want[field] or ()):
                 name = tree.named_leaves(updates)[index][0]
-                raise ValueError(
-                    f"state.{field} leaf {name!r} is {got} but a {tuple(g.shape)} update needs "
-                    f"{want.get(field, ())}; create the state with init(params)"
-                )
+                raise ValueError(f"state.{field} leaf {name!r} is {got} but a {tuple(g.shape)} "
+                                 f"update needs {want[field] or ()}; create the state with "
+                                 f"init(params)")
 
 
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
               eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
-              weight_decay: Scalar = 0.0, *, maximize: bool = False) -> Optimizer:
+              weight_decay: Scalar = 0.0, *, maximize: bool = False,
+              momentum: Scalar | None = None) -> Optimizer:
     """torch.optim.Adafactor (Shazeer & Stern 2018): ``scale_by_adafactor``, after ``scale(-1)``
-    with ``maximize``. ``lr`` caps the relative step size and scales the decoupled weight decay;
-    ``eps = (eps1, eps2)`` floor the second moments (None: the dtype's eps) and the param's RMS.
+    with ``maximize``. ``eps = (eps1, eps2)`` floor the second moments (None: the dtype's eps)
+    and the param's RMS; ``momentum`` (optax's; None in torch) averages the steps.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.adafactor()
@@ -221,5 +232,5 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             [0.9900, 0.9900]])
     """
     return as_optimizer(chain(*([scale(-1.0)] if check_maximize(maximize) else []),
-                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)),
-                        strict=True)
+                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay,
+                                                 momentum)), strict=True)

@@ -221,6 +221,12 @@ def _concrete_number(name: str, value: Any) -> float | None:
     return float(value.detach().reshape(()).item())
 
 
+def is_zero(value: Any) -> bool:
+    """Whether ``value`` is the number 0 (a tensor may hold another value later, or per
+    member under ``vmap``)."""
+    return isinstance(value, int | float) and value == 0
+
+
 def scalar(value: Any) -> Any:
     """A concrete 0-d tensor hyperparameter as a Python float; anything else unchanged."""
     if isinstance(value, Tensor) and value.numel() == 1 and not is_traced(value):

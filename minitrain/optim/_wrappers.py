@@ -356,8 +356,8 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
 
 
 class InjectHyperparamsState(NamedTuple):
-    """``count`` updates done, ``hyperparams`` (name -> 0-d float tensor, changeable between
-    updates with ``state._replace``), and the inner state."""
+    """``count`` updates done, ``hyperparams`` (name -> 0-d float tensor, float64 for numbers,
+    changeable between updates with ``state._replace``), and the inner state."""
 
     count: Tensor
     hyperparams: dict[str, Tensor]
@@ -432,10 +432,12 @@ def _name(factory: Any) -> str:
 
 
 def _hyper_tensor(name: str, value: Any) -> Tensor:
+    """A number as a float64 0-d host tensor: exact, so each leaf meets it in its own dtype
+    (a float32 one would move float64 params off the uninjected run's)."""
     value = hyperparameter(name, value)
     if isinstance(value, Tensor) and value.is_floating_point():
         return value
-    return host_tensor(value, torch.float32)
+    return host_tensor(value, torch.float64)
 
 
 def _scheduled(name: str, schedule: Callable[[Any], Any], step: Any) -> Tensor:

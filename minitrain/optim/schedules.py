@@ -22,7 +22,8 @@ from minitrain.optim._checks import check_hyperparameter
 from minitrain.optim.base import Schedule
 
 __all__ = [
-    "constant_schedule", "linear_warmup_schedule", "cosine_schedule", "step_schedule",
+    "constant_schedule", "linear_warmup_schedule", "cosine_schedule",
+    "warmup_cosine_decay_schedule", "exponential_decay", "step_schedule",
     "multistep_schedule", "exponential_schedule", "cosine_annealing_schedule",
     "cosine_warm_restarts_schedule", "linear_schedule", "polynomial_schedule",
     "constant_factor_schedule", "one_cycle_schedule", "cyclic_schedule", "sequential_schedule",
@@ -55,9 +56,10 @@ def linear_warmup_schedule(peak_value: float, warmup_steps: int,
 
 
 def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
-                    init_value: float = 0.0, end_value: float = 0.0) -> Schedule:
-    """Linear warmup to ``peak_value``, then cosine decay (Loshchilov & Hutter 2017, eq. 5) to
-    ``end_value`` at ``decay_steps``, warmup included (optax ``warmup_cosine_decay_schedule``).
+                    init_value: float = 0.0, end_value: float = 0.0,
+                    exponent: float = 1.0) -> Schedule:
+    """Linear warmup to ``peak_value``, then cosine decay (Loshchilov & Hutter 2017, eq. 5),
+    raised to ``exponent``, to ``end_value`` at ``decay_steps``, warmup included.
 
     >>> schedule = cosine_schedule(1.0, decay_steps=10, warmup_steps=2)
     >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10, 20)]
@@ -72,11 +74,52 @@ def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
     def schedule(step: Any) -> Any:
         progress = _clip((step - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
         cosine = 0.5 * (1 + _cos(math.pi * progress))
-        decayed = end_value + (peak_value - end_value) * cosine
+        decayed = end_value + (peak_value - end_value) * cosine**exponent
         if warmup_steps == 0:
             return decayed
         warm = _warmup(step, peak_value, warmup_steps, init_value)
         return _where(step < warmup_steps, warm, decayed)
+
+    return _tensor_friendly(schedule)
+
+
+def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
+                                 decay_steps: int, end_value: float = 0.0,
+                                 exponent: float = 1.0) -> Schedule:
+    """optax's name and argument order for :func:`cosine_schedule`.
+
+    >>> schedule = warmup_cosine_decay_schedule(0.0, 1.0, 2, 10, exponent=2.0)
+    >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10)]
+    [0.0, 0.5, 1.0, 0.25, 0.0]
+    """
+    return cosine_schedule(peak_value, decay_steps, warmup_steps, init_value, end_value,
+                           exponent)
+
+
+def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,
+                      transition_begin: int = 0, staircase: bool = False,
+                      end_value: float | None = None) -> Schedule:
+    """optax ``exponential_decay``: ``init_value * decay_rate ** ((t - transition_begin) /
+    transition_steps)`` after ``transition_begin`` (the exponent floored with ``staircase``),
+    bounded by ``end_value``; a constant ``init_value`` where ``transition_steps <= 0`` or
+    ``decay_rate == 0``, as in optax.
+
+    >>> schedule = exponential_decay(1.0, transition_steps=2, decay_rate=0.5, end_value=0.3)
+    >>> [round(schedule(step), 4) for step in range(5)]
+    [1.0, 0.7071, 0.5, 0.3536, 0.3]
+    """
+    if transition_steps <= 0 or decay_rate == 0:
+        return _tensor_friendly(lambda t: init_value)
+    begin = max(transition_begin, 0)
+
+    def schedule(t: Any) -> Any:
+        exponent = (t - begin) / transition_steps
+        value = _where(t - begin <= 0, init_value,
+                       init_value * decay_rate ** (_floor(exponent) if staircase else exponent))
+        if end_value is None:
+            return value
+        return _clip(value, end_value, math.inf) if decay_rate < 1 else \
+            _clip(value, -math.inf, end_value)
 
     return _tensor_friendly(schedule)
 

@@ -27,6 +27,7 @@ from minitrain.optim._checks import (
     floating_updates,
     host_tensor,
     hyperparameter,
+    is_zero,
     lerp_weight,
     scalar,
     schedule_count,
@@ -34,7 +35,13 @@ from minitrain.optim._checks import (
     use_plain_path,
     zero_count,
 )
-from minitrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, tagged
+from minitrain.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    ScalarOrSchedule,
+    spec,
+    tagged,
+)
 from minitrain.optim.leafwise import leafwise
 from minitrain.tree import Grads, Params
 
@@ -162,9 +169,10 @@ class ScaleByAdamState(NamedTuple):
     max_exp_avg_sq: Params
 
 
-def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad):
+def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
     """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
-    torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2))."""
+    torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2));
+    optax's ``eps_root`` inside the root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
     exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
     exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": ()}
@@ -172,14 +180,18 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad):
     if amsgrad:
         second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
     bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = sqrt(1 - beta2**step)
-    denom = second.sqrt() / bias_correction2_sqrt + eps
+    if is_zero(eps_root):
+        denom = second.sqrt() / sqrt(1 - beta2**step) + eps
+    else:
+        denom = (second / (1 - beta2**step) + eps_root).sqrt() + eps
     return (exp_avg / denom) / bias_correction1, new
 
 
 def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
-                  eps: float | Tensor = 1e-8, amsgrad: bool = False) -> GradientTransformation:
-    """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad.
+                  eps: float | Tensor = 1e-8, amsgrad: bool = False,
+                  eps_root: float | Tensor = 0.0) -> GradientTransformation:
+    """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad, and optax's
+    ``eps_root`` (added to ``v_hat`` inside the root; 0 in torch).
 
     >>> import torch
     >>> tx = scale_by_adam()
@@ -192,13 +204,22 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
     check_hyperparameter("eps", eps, 0.0)
+    check_hyperparameter("eps_root", eps_root, 0.0)
 
     def init_leaf(p):
         return {"exp_avg": zeros(p), "exp_avg_sq": zeros(p),
                 "max_exp_avg_sq": zeros(p) if amsgrad else ()}
 
-    return leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
-                    dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad))
+    tx = leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
+                  dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root))
+    return tx if is_zero(eps_root) else off_kernels(tx, "eps_root")
+
+
+def off_kernels(tx: GradientTransformation, variant: str) -> GradientTransformation:
+    """``tx`` under a spec name no lowering knows: the fused kernels have no ``variant``."""
+    name, arguments = spec(tx)
+    tx.update.minitrain_spec = (f"{name}+{variant}", arguments)
+    return tx
 
 
 class ScaleByRmsState(NamedTuple):
@@ -209,22 +230,28 @@ class ScaleByRmsState(NamedTuple):
     grad_avg: Params
 
 
-def rms_leaf(g, buffers, p, step, alpha, eps, centered):
-    """torch.optim.RMSprop's scaling (eps outside the sqrt; Graves 2013 when centered)."""
+def rms_leaf(g, buffers, p, step, alpha, eps, centered, bias_correction):
+    """torch.optim.RMSprop's scaling (eps outside the sqrt; Graves 2013 when centered); with
+    ``bias_correction`` both averages are divided by ``1 - alpha^t`` first (optax
+    ``scale_by_rms`` / ``scale_by_stddev(bias_correction=True, eps_in_sqrt=False)``)."""
     square_avg = alpha * buffers["square_avg"] + (1 - alpha) * (g * g)
     new = {"square_avg": square_avg, "grad_avg": ()}
+    correction = 1 - alpha**step if bias_correction else 1
     if centered:
         old = buffers["grad_avg"]
         grad_avg = new["grad_avg"] = torch.lerp(old, g, lerp_weight(1 - alpha, old))
+        if bias_correction:
+            square_avg, grad_avg = square_avg / correction, grad_avg / correction
         avg = (square_avg - grad_avg * grad_avg).sqrt() + eps
     else:
-        avg = square_avg.sqrt() + eps
+        avg = (square_avg / correction if bias_correction else square_avg).sqrt() + eps
     return g / avg, new
 
 
 def scale_by_rms(alpha: float | Tensor = 0.99, eps: float | Tensor = 1e-8,
-                 centered: bool = False) -> GradientTransformation:
-    """Divide by the root of a running mean of squares, as torch.optim.RMSprop.
+                 centered: bool = False, bias_correction: bool = False) -> GradientTransformation:
+    """Divide by the root of a running mean of squares, as torch.optim.RMSprop; optax's
+    ``bias_correction`` divides the means by ``1 - alpha^t``.
 
     >>> import torch
     >>> tx = scale_by_rms(alpha=0.0, eps=0.0)
@@ -237,8 +264,10 @@ def scale_by_rms(alpha: float | Tensor = 0.99, eps: float | Tensor = 1e-8,
     def init_leaf(p):
         return {"square_avg": zeros(p), "grad_avg": zeros(p) if centered else ()}
 
-    return leafwise("scale_by_rms", init_leaf, rms_leaf, ScaleByRmsState,
-                    dict(alpha=alpha, eps=eps, centered=centered))
+    tx = leafwise("scale_by_rms", init_leaf, rms_leaf, ScaleByRmsState,
+                  dict(alpha=alpha, eps=eps, centered=centered,
+                       bias_correction=bool(bias_correction)))
+    return off_kernels(tx, "bias_correction") if bias_correction else tx
 
 
 class ScaleByAdagradState(NamedTuple):

@@ -107,6 +107,18 @@ OPTIMIZERS: list[Entry] = [
           AdamWScheduleFree, schedule=False),
 ]
 
+OPTAX_ONLY: list[Entry] = [
+    Entry("lamb", "lamb", dict(lr=0.01, weight_decay=0.1), None),
+    Entry("lars", "lars", dict(lr=0.1, weight_decay=0.01), None),
+    Entry("adabelief", "adabelief", dict(lr=0.01, weight_decay=0.1), None),
+    Entry("yogi", "yogi", dict(lr=0.01), None),
+]
+"""optax's aliases, which have no torch.optim reference and no row in the accounting's table
+of state sizes: the generic checks that need neither run over them in
+``test_optax_transforms.py``, with their optax references. ``polyak_sgd`` takes the loss
+(``value=``) and is checked there alone."""
+TAKES_VALUE = ["polyak_sgd"]
+
 BY_NAME = {entry.name: entry for entry in OPTIMIZERS}
 REFERENCED = [entry for entry in OPTIMIZERS if entry.reference is not None]
 SCHEDULABLE = [entry for entry in OPTIMIZERS if entry.schedule]

@@ -34,12 +34,14 @@ from tests.optim.conftest import (
     BY_NAME,
     DECAYED,
     KERNEL_ROUNDING,
+    OPTAX_ONLY,
     OPTIMIZERS,
     REFERENCED,
     ROUNDING,
     RTOL,
     SCHEDULABLE,
     SCHEDULED,
+    TAKES_VALUE,
     Entry,
     assert_equal,
     clones,
@@ -80,7 +82,7 @@ def exported_optimizers() -> set[str]:
 
 def test_the_registry_holds_every_optimizer_mt_optim_exports():
     exported = exported_optimizers()
-    registered = {entry.alias for entry in OPTIMIZERS}
+    registered = {entry.alias for entry in OPTIMIZERS + OPTAX_ONLY} | set(TAKES_VALUE)
     assert exported - registered == set(), "add these to tests/optim/conftest.py's OPTIMIZERS"
     assert registered - exported == set(), "the registry names what mt.optim does not export"
     assert len(BY_NAME) == len(OPTIMIZERS), "registry names must be unique"

@@ -1,0 +1,68 @@
+"""DP-SGD's aggregation (Abadi et al. 2016, "Deep Learning with Differential Privacy"), as optax
+``contrib.differentially_private_aggregate``: per-example grads in (a leading batch dim on every
+leaf), each example clipped to global L2 norm ``l2_norm_clip``, summed, Gaussian noise of std
+``l2_norm_clip * noise_multiplier`` added, divided by the batch size. Put it first in a chain;
+the noise key is in the state, split once per update as optax splits it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from minitrain import random, tree
+from minitrain.optim._checks import check_state_type, checked
+from minitrain.optim.base import GradientTransformation, tagged
+
+__all__ = ["differentially_private_aggregate", "DifferentiallyPrivateAggregateState"]
+
+
+class DifferentiallyPrivateAggregateState(NamedTuple):
+    """``rng_key``, the :mod:`minitrain.random` key of the next update's noise."""
+
+    rng_key: Tensor
+
+
+def differentially_private_aggregate(l2_norm_clip: float | Tensor,
+                                     noise_multiplier: float | Tensor,
+                                     key: int | Tensor) -> GradientTransformation:
+    """Clip each example's grads, sum, add noise, average (``key``: a seed or a
+    ``mt.random.key``).
+
+    >>> import torch
+    >>> tx = differentially_private_aggregate(1.0, 0.0, key=0)
+    >>> per_example = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
+    >>> tx.update(per_example, tx.init({"w": torch.zeros(2)}))[0]
+    {'w': tensor([0.4500, 0.6000])}
+    """
+    l2_norm_clip = checked("l2_norm_clip", l2_norm_clip, 0.0, low_open=True)
+    noise_std = checked("noise_multiplier", noise_multiplier, 0.0) * l2_norm_clip
+    first_key = random.key(key) if isinstance(key, int) else key
+
+    def init(params):
+        return DifferentiallyPrivateAggregateState(first_key.clone())
+
+    def update(updates, state, params=None):
+        check_state_type("differentially_private_aggregate",
+                         DifferentiallyPrivateAggregateState, state)
+        leaves = tree.leaves(updates)
+        if not leaves:
+            return updates, state
+        size = leaves[0].shape[0] if leaves[0].dim() else 0
+        if any(g.dim() == 0 or g.shape[0] != size for g in leaves):
+            raise ValueError("differentially_private_aggregate takes per-example grads: every "
+                             "leaf with the same leading batch dim")
+        # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1)
+        norms = torch.stack([g.reshape(size, -1).square().sum(1) for g in leaves]).sum(0).sqrt()
+        divisors = torch.clamp(norms / l2_norm_clip, min=1.0)
+        new_key, *keys = random.split(state.rng_key, len(leaves) + 1)
+        out = []
+        for g, k in zip(leaves, keys, strict=True):
+            clipped = (g / divisors.reshape(-1, *[1] * (g.dim() - 1)).to(g.dtype)).sum(0)
+            out.append((clipped + noise_std * random.normal(k, clipped.shape, g.dtype)) / size)
+        return tree.unflatten(tree.structure(updates), out), \
+            DifferentiallyPrivateAggregateState(new_key)
+
+    return tagged("differentially_private_aggregate", GradientTransformation(init, update),
+                  l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier)
