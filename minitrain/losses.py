@@ -1,8 +1,14 @@
-"""Losses: pure functions returning a 0-d tensor.
+"""Losses: pure functions with torch's ``reduction`` argument.
+
+``reduction="mean"`` (the default) and ``"sum"`` return a 0-d tensor; ``"none"`` returns one loss
+per element (per position for :func:`cross_entropy`), the per-example losses DP-SGD and
+per-example gradient norms start from.
 
 >>> import torch
 >>> mse(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
 tensor(2.)
+>>> mse(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]), reduction="none")
+tensor([0., 4.])
 """
 
 from __future__ import annotations
@@ -13,25 +19,46 @@ from minitrain.typecheck import Float, Int, Tensor, typechecked
 
 __all__ = ["mse", "cross_entropy"]
 
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none' "
+                         "(torch.nn.functional's choices)")
+
 
 @typechecked
-def mse(pred: Float[Tensor, "*batch"], target: Float[Tensor, "*batch"]) -> Float[Tensor, ""]:
-    """Mean squared error, as ``F.mse_loss`` (the chapter's regression loss).
+def mse(
+    pred: Float[Tensor, "*batch"], target: Float[Tensor, "*batch"], reduction: str = "mean"
+) -> Float[Tensor, ""] | Float[Tensor, "*batch"]:
+    """Squared error, as ``F.mse_loss``: its mean (default), sum, or each element (``"none"``).
 
     Shapes must match exactly: a ``(B,)`` prediction against a ``(B, 1)`` target is an error,
     never a silent ``(B, B)`` broadcast.
+
+    >>> import torch
+    >>> mse(torch.zeros(2), torch.tensor([1.0, 3.0]), reduction="sum")
+    tensor(10.)
     """
-    return F.mse_loss(pred, target.to(pred.dtype))
+    _check_reduction(reduction)
+    return F.mse_loss(pred, target.to(pred.dtype), reduction=reduction)
 
 
 @typechecked
 def cross_entropy(
-    logits: Float[Tensor, "*batch vocab"], targets: Int[Tensor, "*batch"]
-) -> Float[Tensor, ""]:
-    """Mean cross-entropy in nats over all positions, as ``F.cross_entropy``.
+    logits: Float[Tensor, "*batch vocab"], targets: Int[Tensor, "*batch"], reduction: str = "mean"
+) -> Float[Tensor, ""] | Float[Tensor, "*batch"]:
+    """Cross-entropy in nats, as ``F.cross_entropy`` on fp32 logits: the mean over all positions
+    (default), their sum, or one loss per position (``"none"``, shaped like ``targets``).
 
     >>> import torch
     >>> cross_entropy(torch.zeros(2, 4), torch.tensor([0, 3]))  # uniform over 4: ln 4
     tensor(1.3863)
+    >>> cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), "none").shape
+    torch.Size([2, 3])
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    _check_reduction(reduction)
+    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           reduction=reduction)
+    return flat.reshape(targets.shape) if reduction == "none" else flat

@@ -23,8 +23,8 @@ from minitrain._torch import pytree as _pytree
 
 __all__ = [
     "PyTree", "Params", "Grads", "OptState", "map", "leaves", "named_leaves", "structure",
-    "unflatten", "zeros_like", "size", "nbytes", "global_norm", "assert_same_structure", "stack",
-    "unstack",
+    "unflatten", "zeros_like", "size", "nbytes", "global_norm", "per_example_global_norm",
+    "assert_same_structure", "stack", "unstack",
 ]
 
 PyTree = Any
@@ -124,6 +124,32 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     else:
         norms = _torch.foreach_norm([_at_least_fp32(t) for t in tensors], 2)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
+
+
+def per_example_global_norm(tree: PyTree) -> torch.Tensor:
+    """Each example's :func:`global_norm` over leaves with a leading batch dim: ``(B,)`` norms.
+
+    What ``vmap(global_norm)`` computes, as one norm over each leaf reshaped ``(B, -1)`` and one
+    over the stacked per-leaf norms (optax ``per_example_global_norm_clip``'s norm); fp32 at least.
+
+    >>> import torch
+    >>> per_example_global_norm({"a": torch.tensor([[3.0], [0.0]]), "b": torch.tensor([4.0, 1.0])})
+    tensor([5., 1.])
+    """
+    named = [(name, t) for name, t in named_leaves(tree) if isinstance(t, torch.Tensor)]
+    if not named:
+        raise ValueError("per_example_global_norm() needs tensor leaves with a leading batch dim")
+    batch = named[0][1].shape[0] if named[0][1].dim() else None
+    for name, t in named:
+        if t.dim() == 0 or t.shape[0] != batch:
+            raise ValueError(
+                f"leaf {name!r} has shape {tuple(t.shape)} but leaf {named[0][0]!r} has "
+                f"{tuple(named[0][1].shape)}; every leaf needs the same leading batch dim"
+            )
+    dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in named) else torch.float32
+    norms = [torch.linalg.vector_norm(t.flatten(1) if t.dim() > 1 else t.unsqueeze(1), 2, dim=1,
+                                      dtype=dtype) for _, t in named]
+    return torch.linalg.vector_norm(torch.stack(norms), 2, dim=0)
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
