@@ -12,11 +12,12 @@ from torch import Tensor
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
+    Scalar,
     check_hyperparameter,
     check_maximize,
     check_state_type,
     checked,
-    host_tensor,
+    f32_tensor,
     is_zero,
     next_step,
     schedule_count,
@@ -35,8 +36,6 @@ from minitrain.optim.transforms import scale
 from minitrain.tree import Params
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored_shapes"]
-
-Scalar = int | float | Tensor
 
 
 class ScaleByAdafactorState(NamedTuple):
@@ -160,7 +159,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         for p in tree.leaves(params):
             for field, shape in _buffer_shapes(tuple(p.shape), momentum is not None).items():
                 columns[field].append(() if shape is None else p.new_zeros(shape))
-        return ScaleByAdafactorState(zero_count(), _f32(lr_at(zero_count())), *(
+        return ScaleByAdafactorState(zero_count(), f32_tensor(lr_at(zero_count())), *(
             tree.unflatten(spec, c) for c in columns.values()))
 
     def update(updates, state, params=None):
@@ -177,15 +176,11 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                 for g, p, *b in zip(g_leaves, p_leaves, *buffers, strict=True)]
         out, *columns = zip(*rows, strict=True) if rows else [()] * 5
         return tree.unflatten(spec, list(out)), ScaleByAdafactorState(
-            state.count + 1, _f32(step_lr), *(tree.unflatten(spec, list(c)) for c in columns))
+            state.count + 1, f32_tensor(step_lr), *(tree.unflatten(spec, list(c)) for c in columns))
 
     return tagged("scale_by_adafactor", GradientTransformation(init, update), lr=lr,
                   beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay,
                   momentum=momentum)
-
-
-def _f32(value: Any) -> Tensor:
-    return host_tensor(value, torch.float32).detach().clone()
 
 
 def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:

@@ -18,6 +18,9 @@ from minitrain._torch import pytree as _pytree
 from minitrain.optim.kernels.checks import grad_leaf_error, none_param_error
 from minitrain.tree import Grads, Params
 
+Scalar = int | float | Tensor
+"""A hyperparameter: a number or a one-element tensor (squeezed to 0-d like torch.optim)."""
+
 WeightDecayMask = Params | Callable[[str, Tensor], bool] | None
 """Which leaves get weight decay: a pytree of bools like params, or ``fn(name, leaf) -> bool``."""
 
@@ -290,6 +293,11 @@ def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
     its device)."""
     return torch.as_tensor(value, dtype=dtype,
                            device=value.device if isinstance(value, Tensor) else "cpu")
+
+
+def f32_tensor(value: Any) -> Tensor:
+    """``value`` as a new float32 0-d tensor (on the host unless a tensor elsewhere)."""
+    return host_tensor(value, torch.float32).detach().clone()
 
 
 def float32(value: Any) -> Any:

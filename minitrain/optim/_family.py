@@ -15,12 +15,14 @@ import torch
 from torch import Tensor
 
 from minitrain.optim._checks import (
+    Scalar,
     WeightDecayMask,
     check_betas,
     check_maximize,
     checked,
     float32,
     is_traced,
+    is_zero,
     lerp_weight,
 )
 from minitrain.optim.alias import torch_order
@@ -36,9 +38,6 @@ __all__ = [
     "nadam", "scale_by_nadam", "ScaleByNadamState",
     "radam", "scale_by_radam", "ScaleByRadamState",
 ]
-
-Scalar = int | float | Tensor
-"""A hyperparameter: a number or a one-element tensor (squeezed to 0-d like torch.optim)."""
 
 
 class Rule(NamedTuple):
@@ -74,7 +73,7 @@ def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
     ``lr=None`` the rule's output is the whole step."""
     check_maximize(maximize)
     weight_decay = checked("weight_decay", weight_decay, 0.0)
-    decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
+    decays = not is_zero(weight_decay)
     return as_optimizer(torch_order(
         [rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
         decay=add_decayed_weights(weight_decay, mask) if decays else None), strict=True)

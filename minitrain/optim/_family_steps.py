@@ -15,8 +15,10 @@ from minitrain.optim._checks import (
     check_hyperparameter,
     check_pair,
     checked,
+    f32_tensor,
     float32,
     host_tensor,
+    is_zero,
     scalar,
 )
 from minitrain.optim._family import (
@@ -40,7 +42,7 @@ __all__ = [
 
 
 def _f32(value: Any) -> Callable[[], Tensor]:
-    return lambda: host_tensor(value, torch.float32).clone()
+    return lambda: f32_tensor(value)
 
 
 def _no_schedule(lr: Any, why: str) -> Any:
@@ -258,7 +260,7 @@ def schedule_free_leaf(g, buffers, y, step, beta1, beta2, eps, weight_decay, lr_
     z = buffers["z"]
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     normalized = g / ((exp_avg_sq / bias_correction2).sqrt() + eps)
-    if not (isinstance(weight_decay, int | float) and weight_decay == 0):
+    if not is_zero(weight_decay):
         normalized = add_scaled(normalized, y, weight_decay)
     # lerp(y, z, c) + k g' - y = k g' + c (z - y)
     change = add_scaled(normalized * (lr_t * (beta1 * (1 - ckp1) - 1)), z - y, ckp1)

@@ -1,7 +1,5 @@
-"""optax's optimizers that torch.optim lacks (optax ``_src/transform.py``, ``alias.py``):
-AdaBelief, Yogi, LAMB and LARS (the trust ratio), Polyak's step size, and an EMA of the
-updates. Each has optax's name, arguments and defaults; an alias takes ``lr`` first, as every
-alias here does (optax's ``learning_rate``)."""
+"""optax's optimizers that torch.optim lacks (optax ``_src/transform.py``, ``alias.py``), with
+optax's names, arguments and defaults; an alias takes ``lr`` first, as every alias here does."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim._checks import (
+    Scalar,
     WeightDecayMask,
     check_hyperparameter,
     check_like,
@@ -43,8 +42,6 @@ __all__ = [
     "ema_updates", "EmaUpdatesState",
 ]
 
-Scalar = float | Tensor
-
 
 def _moment(old: Any, g: Any, decay: Any) -> Any:
     """optax ``tree.update_moment``: ``(1 - decay) g + decay old``."""
@@ -61,7 +58,7 @@ def _betas(b1: Any, b2: Any) -> dict[str, Any]:
 
 
 class ScaleByBeliefState(NamedTuple):
-    """``count``, ``mu`` (EMA of the updates) and ``nu`` (EMA of their squared surprise)."""
+    """``count``, ``mu`` (EMA of the updates), ``nu`` (EMA of their squared surprise)."""
 
     count: Tensor
     mu: Params

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-
-from minitrain.optim._checks import WeightDecayMask, check_maximize, check_pair
+from minitrain.optim._checks import Scalar, WeightDecayMask, check_maximize, check_pair, is_zero
 from minitrain.optim.base import (
     GradientTransformation,
     Optimizer,
@@ -29,8 +27,6 @@ from minitrain.optim.transforms import (
 
 __all__ = ["sgd", "adam", "adamw", "adagrad", "rmsprop"]
 
-Scalar = float | int | Tensor
-
 
 def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool = False,
                 decay: GradientTransformation | None = None,
@@ -46,12 +42,6 @@ def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool =
     )
 
 
-def _keeps_buffer(momentum: Any) -> bool:
-    """Whether SGD or RMSprop keeps a momentum buffer: unless ``momentum`` is a plain number 0
-    (a tensor may hold other values later, or per member under ``vmap``)."""
-    return not (isinstance(momentum, int | float) and momentum == 0)
-
-
 def sgd(lr: ScalarOrSchedule = 1e-3, momentum: Scalar = 0.0, dampening: Scalar = 0.0,
         nesterov: bool = False, weight_decay: Scalar = 0.0, *, maximize: bool = False,
         mask: WeightDecayMask = None) -> Optimizer:
@@ -63,7 +53,7 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: Scalar = 0.0, dampening: Scalar =
     tensor([0.9000])
     """
     momentum_part = trace(momentum, dampening, nesterov)  # checks all three
-    rule = [momentum_part] if _keeps_buffer(momentum) else []
+    rule = [] if is_zero(momentum) else [momentum_part]
     return as_optimizer(torch_order(rule, lr, maximize=check_maximize(maximize),
                                     decay=add_decayed_weights(weight_decay, mask)), strict=True)
 
@@ -129,7 +119,6 @@ def rmsprop(lr: ScalarOrSchedule = 1e-2, alpha: Scalar = 0.99, eps: Scalar = 1e-
     tensor([0.9900])
     """
     momentum_part = trace(momentum)
-    rule = [scale_by_rms(alpha, eps, centered)] + ([momentum_part] if _keeps_buffer(momentum)
-                                                   else [])
+    rule = [scale_by_rms(alpha, eps, centered)] + ([] if is_zero(momentum) else [momentum_part])
     return as_optimizer(torch_order(rule, lr, maximize=check_maximize(maximize),
                                     decay=add_decayed_weights(weight_decay, mask)), strict=True)

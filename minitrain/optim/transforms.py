@@ -24,8 +24,8 @@ from minitrain.optim._checks import (
     check_like,
     checked,
     decay_flags,
+    f32_tensor,
     floating_updates,
-    host_tensor,
     hyperparameter,
     is_zero,
     lerp_weight,
@@ -141,19 +141,15 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
         return learning_rate
 
     def init(params):
-        return ScaleByLearningRateState(zero_count(), _f32(lr_at(0)))
+        return ScaleByLearningRateState(zero_count(), f32_tensor(lr_at(0)))
 
     def update(updates, state, params=None):
         lr = lr_at(state.count)
         factor = -lr if flip_sign else lr
-        return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, _f32(lr))
+        return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, f32_tensor(lr))
 
     return tagged("scale_by_learning_rate", GradientTransformation(init, update),
                   learning_rate=learning_rate, sign=sign)
-
-
-def _f32(value: Any) -> Tensor:
-    return host_tensor(value, torch.float32)
 
 
 # -- per-leaf rules ---------------------------------------------------------------------------
@@ -398,7 +394,7 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
 
     def update(updates, state, params=None):
         # Read per call, not kept at build: a sweep's members build alike whatever their value.
-        if isinstance(weight_decay, int | float) and weight_decay == 0:
+        if is_zero(weight_decay):
             return updates, state
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, "
