@@ -13,14 +13,15 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from minitrain.errors import StorageError
 
 __all__ = [
-    "fsync_dir", "fsync_tree", "write_new_file", "replace_dir", "write_atomic",
-    "check_writable_dir", "remove_stale_staging", "storage_errors",
+    "fsync_dir", "write_new_file", "staged_dir", "write_atomic", "check_writable_dir",
+    "remove_stale_staging", "storage_errors",
 ]
 
 
@@ -52,14 +53,6 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_tree(directory: Path) -> None:
-    """Flush every file directly in ``directory``, then the directory itself."""
-    for path in directory.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-    fsync_dir(directory)
-
-
 def write_new_file(path: str | os.PathLike, data: bytes) -> None:
     """Create ``path`` (it must not exist), write all of ``data`` (short writes retried), fsync it.
     """
@@ -73,22 +66,35 @@ def write_new_file(path: str | os.PathLike, data: bytes) -> None:
         os.close(fd)
 
 
-def replace_dir(staging: Path, target: Path) -> None:
-    """Rename ``staging`` to ``target``; an older ``target`` is moved aside, deleted once replaced.
+@contextlib.contextmanager
+def staged_dir(target: Path) -> Iterator[Path]:
+    """A new directory beside ``target`` to build in; when the block ends without error, its
+    files are fsynced and it is renamed to ``target`` (an older ``target`` is moved aside,
+    deleted once replaced). Its name starts ``.tmp-<pid>-`` for :func:`remove_stale_staging`.
     """
-    old = None
-    if target.exists():
-        old = target.with_name(f".tmp-{os.getpid()}-old-{target.name}")
-        os.replace(target, old)
+    prefix = f".tmp-{os.getpid()}-{target.name}-"
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
-        os.replace(staging, target)
-        fsync_dir(target.parent)
-    except BaseException:
-        if old is not None and not target.exists():
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        yield staging
+        for path in staging.iterdir():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(staging)
+        old = target.with_name(f".tmp-{os.getpid()}-old-{target.name}")
+        replaced = target.exists()
+        if replaced:
+            os.replace(target, old)
+        try:
+            os.replace(staging, target)
+            fsync_dir(target.parent)
+        except BaseException:
+            if replaced and not target.exists():
+                os.replace(old, target)
+            raise
+        if replaced:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, what: str = "write") -> Path:
@@ -123,8 +129,6 @@ def check_writable_dir(directory: str | os.PathLike, what: str = "write to") -> 
     """Create ``directory`` if needed and prove it takes a new file (so ``--out`` fails at once)."""
     directory = Path(directory)
     with storage_errors(directory, what, mkdir=True):
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory))
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-test-{os.getpid()}"
         try:

@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,18 +37,11 @@ import torch
 
 import minitrain
 from minitrain import rng, tree
-from minitrain.atomic_io import (
-    fsync_dir,
-    remove_stale_staging,
-    replace_dir,
-    storage_errors,
-    write_new_file,
-)
+from minitrain.atomic_io import remove_stale_staging, staged_dir, storage_errors, write_new_file
 from minitrain.checkpoint_state import (
     MAX_STEP,
     CheckpointError,
     check_state_fields,
-    namedtuple_metadata,
     rebuild,
     refuse_pickle,
     save_tensors,
@@ -150,41 +142,24 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
         "scalars": {"params": params_scalars, "opt_state": opt_scalars},
         "files": {},
     }
-    _make_checkpoints_dir(target.parent)
-    staging = None
-    try:
-        staging = Path(
-            tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-{target.name}-", dir=target.parent)
-        )
+    with storage_errors(target.parent, "create the checkpoint directory", mkdir=True):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(target.parent)
+    with storage_errors(target, "write checkpoint"), staged_dir(target) as staging:
         for name, tensors, pytree in ((PARAMS_FILE, params_tensors, params),
                                       (OPT_STATE_FILE, opt_tensors, opt_state)):
-            save_tensors(tensors, staging / name, namedtuple_metadata(pytree))
-            body["files"][name] = _fsync_and_describe(staging / name)
+            save_tensors(tensors, staging / name, pytree)
+            with open(staging / name, "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").hexdigest()
+            body["files"][name] = {"bytes": (staging / name).stat().st_size, "sha256": digest}
         record = {**body, "checksum": _checksum(body)}
         write_new_file(staging / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
-        fsync_dir(staging)
-        replace_dir(staging, target)
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, target, "write checkpoint") from None
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
     if keep is not None:
         try:
             prune(run_dir, keep, up_to=step)
         except (OSError, StorageError) as exc:
             logger.warning("kept older checkpoints in %s: pruning failed: %s", target.parent, exc)
     return target
-
-
-def _make_checkpoints_dir(root: Path) -> None:
-    """Create ``<run>/checkpoints`` (StorageError if that cannot be done) and clear staging
-    directories left by dead processes."""
-    with storage_errors(root, "create the checkpoint directory", mkdir=True):
-        if root.exists() and not root.is_dir():
-            raise NotADirectoryError(20, os.strerror(20), str(root))
-        root.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(root)
 
 
 def _json_data(value: Any, label: str) -> Any:
@@ -209,14 +184,6 @@ def _versions() -> dict[str, str]:
 def _checksum(body: dict[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _fsync_and_describe(path: Path) -> dict[str, Any]:
-    """fsync a written file and return its size and SHA-256 (read back from the page cache)."""
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-        digest = hashlib.file_digest(handle, "sha256")
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> list[Path]:

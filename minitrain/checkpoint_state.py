@@ -4,7 +4,7 @@
 is refused like a corrupt checkpoint. A pytree is saved as its leaves by
 :func:`minitrain.tree.named_leaves` name plus each node's NamedTuple type, and rebuilt from the
 caller's template (:func:`rebuild`): no structure comes from the file, nothing is unpickled.
-"""  # noqa: E501
+"""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from minitrain.optim import _groups as groups
 
 __all__ = [
     "MAX_STEP", "NAMEDTUPLES_KEY", "STATE_FIELDS", "CheckpointError", "check_state_fields",
-    "namedtuple_metadata", "namedtuple_mismatch", "namedtuple_types", "pickle_kind", "rebuild",
-    "recorded_namedtuples", "refuse_pickle", "save_tensors", "split_leaves",
+    "namedtuple_types", "rebuild", "refuse_pickle", "save_tensors", "split_leaves",
 ]
 
 
@@ -48,6 +47,7 @@ NAMEDTUPLES_KEY = "minitrain.namedtuples"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SCALAR_TYPES = (bool, int, float, str, type(None))
+_HINT = "load with the model and optimizer the checkpoint was saved from"
 
 
 def check_state_fields(state: dict[str, Any], file_names: Iterable[str]) -> None:
@@ -63,17 +63,15 @@ def check_state_fields(state: dict[str, Any], file_names: Iterable[str]) -> None
         raise ValueError(
             f"lacks {sorted(missing)}" if missing else f"has unknown fields {sorted(unknown)}"
         )
-    step = state["step"]
-    if not _is_int(step) or not 0 <= step <= MAX_STEP:
-        raise ValueError(f"step must be an integer in [0, 2**63), got {step!r}")
+    if not _is_int(state["step"]) or not 0 <= state["step"] <= MAX_STEP:
+        raise ValueError(f"step must be an integer in [0, 2**63), got {state['step']!r}")
     for key in ("meta", "versions", "scalars", "files"):
         if not isinstance(state[key], dict):
             raise ValueError(f"field {key!r} is a {type(state[key]).__name__}, not an object")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in state["versions"].items()):
         raise ValueError("versions must map names to version strings")
     saved_at = state["saved_at"]
-    if not (isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool)
-            and math.isfinite(saved_at) and saved_at >= 0):
+    if not (type(saved_at) in (int, float) and math.isfinite(saved_at) and saved_at >= 0):
         raise ValueError(f"saved_at must be a time in seconds, got {saved_at!r}")
     try:
         rng.check_rng_state(state["rng"])
@@ -81,31 +79,19 @@ def check_state_fields(state: dict[str, Any], file_names: Iterable[str]) -> None
             rng.check_generator_state(state["data_generator"])
     except ValueError as exc:
         raise ValueError(f"has a bad RNG state: {exc}") from None
-    _check_scalars(state["scalars"])
-    _check_files(state["files"], set(file_names))
-
-
-def _check_scalars(scalars: dict[str, Any]) -> None:
+    scalars = state["scalars"]
     if set(scalars) != {"params", "opt_state"} or not all(
-        isinstance(leaves, dict)
-        and all(isinstance(value, _SCALAR_TYPES) for value in leaves.values())
+        isinstance(leaves, dict) and all(isinstance(v, _SCALAR_TYPES) for v in leaves.values())
         for leaves in scalars.values()
     ):
         raise ValueError("scalars must hold 'params' and 'opt_state' maps of plain values")
-
-
-def _check_files(files: dict[str, Any], names: set[str]) -> None:
-    if set(files) != names:
-        raise ValueError(f"files must list exactly {sorted(names)}")
-    for name, record in files.items():
-        if not (
-            isinstance(record, dict)
-            and set(record) == {"bytes", "sha256"}
-            and _is_int(record["bytes"])
-            and record["bytes"] >= 0
-            and isinstance(record["sha256"], str)
-            and _SHA256.fullmatch(record["sha256"])
-        ):
+    names = sorted(file_names)
+    if sorted(state["files"]) != names:
+        raise ValueError(f"files must list exactly {names}")
+    for name, record in state["files"].items():
+        if not (isinstance(record, dict) and set(record) == {"bytes", "sha256"}
+                and _is_int(record["bytes"]) and record["bytes"] >= 0
+                and isinstance(record["sha256"], str) and _SHA256.fullmatch(record["sha256"])):
             raise ValueError(f"record of {name} must be {{'bytes': size, 'sha256': hex digest}}")
 
 
@@ -113,22 +99,29 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def pickle_kind(head: bytes) -> str | None:
-    """What a file starting with ``head`` is, if it is a pickle in disguise; else None.
+def refuse_pickle(head: bytes, name: str) -> None:
+    """Raise :class:`CheckpointError` if a file starting with ``head`` is a pickle in disguise.
 
     >>> import pickle
-    >>> pickle_kind(pickle.dumps([1], protocol=4)[:9]), pickle_kind(b"{")
-    ('a pickle', None)
+    >>> refuse_pickle(pickle.dumps([1], protocol=4)[:9], "x.safetensors")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    minitrain.checkpoint_state.CheckpointError: x.safetensors is a pickle, not a minitrain ...
     """
-    if len(head) >= 9 and head[8:9] == b"{":
-        return None
+    if len(head) >= 9 and head[8:9] == b"{":  # a safetensors header (or JSON at offset 8)
+        return
     # Pickle protocols 2-5 start with PROTO (0x80) and the protocol number; torch.save writes a
     # zip archive (local file header "PK\x03\x04"), whose data.pkl is a pickle.
+    kind = None
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return "a pickle"
-    if head[:4] == b"PK\x03\x04":
-        return "a zip archive (torch.save format)"
-    return None
+        kind = "a pickle"
+    elif head[:4] == b"PK\x03\x04":
+        kind = "a zip archive (torch.save format)"
+    if kind is not None:
+        raise CheckpointError(
+            f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
+            "never unpickles)"
+        )
 
 
 def namedtuple_types(tree: Any, prefix: str = "") -> dict[str, str]:
@@ -150,43 +143,6 @@ def namedtuple_types(tree: Any, prefix: str = "") -> dict[str, str]:
     for key, child in children:
         found.update(namedtuple_types(child, f"{prefix}.{key}" if prefix else str(key)))
     return found
-
-
-def recorded_namedtuples(blob: bytes) -> dict[str, str] | None:
-    """The :func:`namedtuple_types` in a safetensors file's header (None: none recorded)."""
-    length = int.from_bytes(blob[:8], "little")
-    metadata = json.loads(blob[8:8 + length]).get("__metadata__") or {}
-    if NAMEDTUPLES_KEY not in metadata:
-        return None
-    try:
-        record = json.loads(metadata[NAMEDTUPLES_KEY])
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or not all(
-        isinstance(path, str) and isinstance(name, str) for path, name in record.items()
-    ):
-        raise ValueError("its record of NamedTuple types is not a map of paths to class names")
-    return record
-
-
-def namedtuple_mismatch(saved: dict[str, str] | None, template: dict[str, str]) -> str | None:
-    """The first node whose NamedTuple type differs between checkpoint and template, in words.
-
-    >>> namedtuple_mismatch({"0": "ScaleByRadamState"}, {"0": "ScaleByAdamState"})
-    "node '0' is a ScaleByRadamState in the checkpoint but a ScaleByAdamState in the template"
-    """
-    if saved is None:
-        return None
-    for path in sorted(saved.keys() | template.keys()):
-        if saved.get(path) != template.get(path):
-            where = f"node {path!r}" if path else "root"
-            return (f"{where} is {_kind(saved.get(path))} in the checkpoint but "
-                    f"{_kind(template.get(path))} in the template")
-    return None
-
-
-def _kind(name: str | None) -> str:
-    return f"a {name}" if name else "no NamedTuple"
 
 
 def split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -216,13 +172,10 @@ def split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tenso
     return tensors, scalars
 
 
-def namedtuple_metadata(pytree: tree.PyTree) -> dict[str, str]:
-    """The safetensors metadata recording the NamedTuple type of each node of ``pytree``."""
-    return {NAMEDTUPLES_KEY: json.dumps(namedtuple_types(pytree), sort_keys=True)}
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file``; an I/O failure there is an ``OSError`` with its errno."""
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, pytree: tree.PyTree) -> None:
+    """Write ``tensors`` and ``pytree``'s :func:`namedtuple_types` to a safetensors file; an I/O
+    failure is an ``OSError`` with its errno."""
+    metadata = {NAMEDTUPLES_KEY: json.dumps(namedtuple_types(pytree), sort_keys=True)}
     try:
         safetensors.torch.save_file(tensors, path, metadata=metadata)
     except safetensors.SafetensorError as exc:
@@ -234,18 +187,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         raise OSError(code, os.strerror(code), str(path)) from None
 
 
-def refuse_pickle(head: bytes, name: str) -> None:
-    kind = pickle_kind(head)
-    if kind is not None:
-        raise CheckpointError(
-            f"{name} is {kind}, not a minitrain checkpoint file; refusing to load it (minitrain "
-            "never unpickles)"
-        )
-
-
 def rebuild(
     template: tree.PyTree, blob: bytes, scalars: dict[str, Any], label: str
 ) -> tree.PyTree:
+    """The pytree saved in ``blob`` (and ``scalars``), in ``template``'s structure, after
+    checking every leaf's name, type, shape and dtype and every node's NamedTuple type."""
     try:  # safetensors parses a JSON header and raw tensor bytes: no pickle, no code runs
         tensors = safetensors.torch.load(blob)
     except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
@@ -257,8 +203,7 @@ def rebuild(
     for name in [*tensors, *scalars]:
         if name not in template_names:
             raise CheckpointError(
-                f"{label} leaf {name!r} is in the checkpoint but not in the template; load with "
-                "the model and optimizer the checkpoint was saved from"
+                f"{label} leaf {name!r} is in the checkpoint but not in the template; {_HINT}"
             )
     leaves = [
         _restore_leaf(name, leaf, tensors, scalars, label)
@@ -269,42 +214,50 @@ def rebuild(
 
 
 def _check_namedtuples(template: tree.PyTree, blob: bytes, label: str) -> None:
-    """Refuse a checkpoint whose NamedTuple nodes differ from the template's."""
+    """Refuse a checkpoint whose NamedTuple nodes differ from the template's (one saved before
+    they were recorded passes)."""
+    length = int.from_bytes(blob[:8], "little")
+    metadata = json.loads(blob[8:8 + length]).get("__metadata__") or {}
+    if NAMEDTUPLES_KEY not in metadata:
+        return
     try:
-        mismatch = namedtuple_mismatch(recorded_namedtuples(blob), namedtuple_types(template))
-    except ValueError as exc:
-        raise CheckpointError(f"{label} file: {exc}") from None
-    if mismatch is not None:
+        saved = json.loads(metadata[NAMEDTUPLES_KEY])
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict) or not all(
+        isinstance(path, str) and isinstance(name, str) for path, name in saved.items()
+    ):
         raise CheckpointError(
-            f"{label} {mismatch}; load with the model and optimizer the checkpoint was saved from"
+            f"{label} file: its record of NamedTuple types is not a map of paths to class names"
         )
+    expected = namedtuple_types(template)
+    for path in sorted(saved.keys() | expected.keys()):
+        if saved.get(path) != expected.get(path):
+            was, want = (f"a {n}" if n else "no NamedTuple" for n in (saved.get(path),
+                                                                      expected.get(path)))
+            raise CheckpointError(
+                f"{label} {f'node {path!r}' if path else 'root'} is {was} in the checkpoint "
+                f"but {want} in the template; {_HINT}"
+            )
 
 
 def _restore_leaf(
     name: str, leaf: Any, tensors: dict[str, torch.Tensor], scalars: dict[str, Any], label: str
 ) -> Any:
-    hint = "load with the model and optimizer the checkpoint was saved from"
-    if isinstance(leaf, torch.Tensor):
-        if name not in tensors:
-            raise CheckpointError(
-                f"{label} leaf {name!r} is not a tensor in the checkpoint; {hint}"
-            )
-        saved = tensors[name]
-        if tuple(saved.shape) != tuple(leaf.shape):
-            raise CheckpointError(
-                f"{label} leaf {name!r} has shape {tuple(saved.shape)} in the checkpoint but "
-                f"{tuple(leaf.shape)} in the template; {hint}"
-            )
-        if saved.dtype != leaf.dtype:
-            raise CheckpointError(
-                f"{label} leaf {name!r} is {saved.dtype} in the checkpoint but {leaf.dtype} in "
-                f"the template; {hint}"
-            )
-        return saved.to(leaf.device)
-    if name not in scalars or type(scalars[name]) is not type(leaf):
-        found = type(scalars[name]).__name__ if name in scalars else "missing"
-        raise CheckpointError(
-            f"{label} leaf {name!r} is a {type(leaf).__name__} in the template but {found} in "
-            f"the checkpoint; {hint}"
-        )
-    return scalars[name]
+    what = f"{label} leaf {name!r}"
+    if not isinstance(leaf, torch.Tensor):
+        if name not in scalars or type(scalars[name]) is not type(leaf):
+            found = type(scalars[name]).__name__ if name in scalars else "missing"
+            raise CheckpointError(f"{what} is a {type(leaf).__name__} in the template but "
+                                  f"{found} in the checkpoint; {_HINT}")
+        return scalars[name]
+    if name not in tensors:
+        raise CheckpointError(f"{what} is not a tensor in the checkpoint; {_HINT}")
+    saved = tensors[name]
+    if saved.shape != leaf.shape:
+        raise CheckpointError(f"{what} has shape {tuple(saved.shape)} in the checkpoint but "
+                              f"{tuple(leaf.shape)} in the template; {_HINT}")
+    if saved.dtype != leaf.dtype:
+        raise CheckpointError(f"{what} is {saved.dtype} in the checkpoint but {leaf.dtype} in "
+                              f"the template; {_HINT}")
+    return saved.to(leaf.device)

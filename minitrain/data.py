@@ -10,16 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from minitrain.atomic_io import fsync_tree, replace_dir, storage_errors
+from minitrain.atomic_io import staged_dir, storage_errors
 from minitrain.errors import StorageError
 from minitrain.tokens import (
     TOKEN_DTYPES,
@@ -100,8 +98,7 @@ def prepare(
     About ``val_fraction`` of the files, chosen by a hash of their path, are held out; the
     directory is built aside and renamed into place. Returns the ``meta.json`` record.
 
-    >>> import tempfile
-    >>> from pathlib import Path
+    >>>     >>> from pathlib import Path
     >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.py").write_text("x = 1\n")
     >>> _ = (src / "b.py").write_text("y = 2\n")
     >>> meta = prepare(Path(tempfile.mkdtemp()) / "bytes", src)
@@ -125,11 +122,9 @@ def prepare(
     held_out = _held_out(names, val_fraction)
     splits = {"train": [path for path, val in zip(files, held_out, strict=True) if not val],
               "val": [path for path, val in zip(files, held_out, strict=True) if val]}
-    staging = None
-    try:
-        with storage_errors(out_dir, "write the prepared data to", mkdir=True):
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    with storage_errors(out_dir, "write the prepared data to", mkdir=True):
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with staged_dir(out_dir) as staging:
             counts = {split: _write_split(staging / f"{split}.bin", paths)
                       for split, paths in splits.items()}
             meta = {
@@ -145,11 +140,6 @@ def prepare(
                 "val_files": [name for name, val in zip(names, held_out, strict=True) if val],
             }
             (staging / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            fsync_tree(staging)
-            replace_dir(staging, out_dir)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
     return meta
 
 
