@@ -39,7 +39,7 @@ from minitrain.optim.base import (
     EmptyState,
     GradientTransformation,
     ScalarOrSchedule,
-    spec,
+    off_kernels,
     tagged,
 )
 from minitrain.optim.leafwise import leafwise
@@ -209,13 +209,6 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
     tx = leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
                   dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root))
     return tx if is_zero(eps_root) else off_kernels(tx, "eps_root")
-
-
-def off_kernels(tx: GradientTransformation, variant: str) -> GradientTransformation:
-    """``tx`` under a spec name no lowering knows: the fused kernels have no ``variant``."""
-    name, arguments = spec(tx)
-    tx.update.minitrain_spec = (f"{name}+{variant}", arguments)
-    return tx
 
 
 class ScaleByRmsState(NamedTuple):
