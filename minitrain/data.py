@@ -98,7 +98,8 @@ def prepare(
     About ``val_fraction`` of the files, chosen by a hash of their path, are held out; the
     directory is built aside and renamed into place. Returns the ``meta.json`` record.
 
-    >>>     >>> from pathlib import Path
+    >>> import tempfile
+    >>> from pathlib import Path
     >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.py").write_text("x = 1\n")
     >>> _ = (src / "b.py").write_text("y = 2\n")
     >>> meta = prepare(Path(tempfile.mkdtemp()) / "bytes", src)
