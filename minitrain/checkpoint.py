@@ -93,7 +93,7 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
         if not root.is_dir():
             return []
         found = [path for path in root.iterdir() if _canonical_step(path.name) is not None]
-    return sorted(found, key=_step_of)
+    return sorted(found, key=lambda path: _canonical_step(path.name))
 
 
 def _canonical_step(name: str) -> int | None:
@@ -194,7 +194,8 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
     if not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be a positive integer, got {keep!r}")
     candidates = [
-        path for path in list_checkpoints(run_dir) if up_to is None or _step_of(path) <= up_to
+        path for path in list_checkpoints(run_dir)
+        if up_to is None or _canonical_step(path.name) <= up_to
     ]
     doomed = candidates[:-keep]
     for path in doomed:
@@ -203,10 +204,6 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
             os.replace(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
-
-
-def _step_of(path: Path) -> int:
-    return int(_STEP_NAME.fullmatch(path.name).group(1))
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -222,7 +219,7 @@ def latest_valid(
 
     Each newer one that fails is reported through ``on_skip(path, reason)`` and never loaded.
     """
-    report = on_skip or _log_skip
+    report = on_skip or (lambda path, why: logger.warning("skipping checkpoint %s: %s", path, why))
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify(path)
@@ -231,10 +228,6 @@ def latest_valid(
             continue
         return path
     return None
-
-
-def _log_skip(path: Path, reason: str) -> None:
-    logger.warning("skipping checkpoint %s: %s", path, reason)
 
 
 def load(
