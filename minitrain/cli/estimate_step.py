@@ -67,8 +67,9 @@ def _autocast(name: str) -> Any:
 def _load(script: Path, overrides: tuple[str, ...]) -> Any:
     from minitrain.train import load_experiment
     from minitrain.train.experiment import parse_overrides
+    from minitrain.train.step import with_fixed_key
 
-    return load_experiment(script, parse_overrides(overrides))[0]
+    return with_fixed_key(load_experiment(script, parse_overrides(overrides))[0])
 
 
 def _failed(script: Path, exc: BaseException) -> UserError:

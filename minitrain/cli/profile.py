@@ -45,9 +45,10 @@ def profile_script(
     from minitrain.precision import get_backend
     from minitrain.train import load_experiment, make_train_step
     from minitrain.train.loop import run_generators, to_backend
-    from minitrain.train.step import init_carry
+    from minitrain.train.step import init_carry, with_fixed_key
 
     experiment, config = load_experiment(script, overrides)
+    experiment = with_fixed_key(experiment, seed)
     backend = get_backend(backend_name)
     on = roof(hardware_name, dtype or dtype_name(str(backend.compute_dtype)))
     init_generator, data_generator = run_generators(seed)

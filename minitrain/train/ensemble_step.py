@@ -46,7 +46,8 @@ class EnsembleStepOutput(NamedTuple):
 
 
 def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., StepOutput]:
-    """One member's train step ``(params, opt_state, batch, fp8_history=None)`` in vmappable ops.
+    """One member's train step ``(params, opt_state, batch, fp8_history=None, key=None)`` in
+    vmappable ops.
 
     Clipping is ``clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))``, so a swept
     ``max_grad_norm`` works too.
@@ -55,13 +56,12 @@ def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., 
     recipe, gradients = fp8_recipe_of(backend), loss_and_grads(experiment, backend)
     optimizer, max_grad_norm = experiment.optimizer, experiment.max_grad_norm
 
-    def member_step(
-        params: Params, opt_state: OptState, batch: PyTree, fp8_history: Any = None
-    ) -> StepOutput:
+    def member_step(params: Params, opt_state: OptState, batch: PyTree, fp8_history: Any = None,
+                    key: Any = None) -> StepOutput:
         if recipe is not None and fp8_history is None:
             raise ValueError(f"{backend.name} steps take each member's fp8_history")
         (_, (loss, aux, _, forward_history)), grads = gradients(
-            params, None, None, fp8_history, batch
+            params, None, None, fp8_history, batch, key
         )
         carry = None
         if recipe is not None:
@@ -126,7 +126,8 @@ def draw_batches(
 
 
 def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., EnsembleStepOutput]:
-    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number, fp8_history)``.
+    """``step(params, opt_state, batch, hyperparameters, diverged_at, step_number, fp8_history,
+    keys)``, ``keys`` each member's :func:`~minitrain.train.step.step_key` (``uses_key``).
 
     One vmapped train step of every member; a member whose loss or grad norm is not finite, or
     that diverged before, keeps its params and state (``diverged_at`` records the step).
@@ -136,26 +137,27 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
 
     def bound_step(
         params: Params, opt_state: OptState, batch: PyTree, values: dict[str, torch.Tensor],
-        history: Any,
+        history: Any, key: Any,
     ) -> StepOutput:
         with binding.bind(values):
-            out = member_step(params, opt_state, batch, history)
+            out = member_step(params, opt_state, batch, history, key)
         # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry),
         # and the fp8 histories travel bare
         history = () if out.carry is None else out.carry.fp8_history
         return out._replace(carry=history, applied=())
 
     history_dim = None if fp8_recipe_of(backend) is None else 0
-    vmapped = torch.func.vmap(bound_step, in_dims=(0, 0, 0, 0, history_dim),
+    key_dim = 0 if ensemble.template.uses_key else None
+    vmapped = torch.func.vmap(bound_step, in_dims=(0, 0, 0, 0, history_dim, key_dim),
                               randomness="different")
     attention = _batchable_attention(backend)
 
     def ensemble_step(params: Params, opt_state: OptState, batch: PyTree,
                       hyperparameters: dict[str, torch.Tensor], diverged_at: torch.Tensor,
-                      step_number: int,
-                      fp8_history: torch.Tensor | None = None) -> EnsembleStepOutput:
+                      step_number: int, fp8_history: torch.Tensor | None = None,
+                      keys: torch.Tensor | None = None) -> EnsembleStepOutput:
         with attention(), _vmap_errors(step_number):
-            out = vmapped(params, opt_state, batch, hyperparameters, fp8_history)
+            out = vmapped(params, opt_state, batch, hyperparameters, fp8_history, keys)
         alive = diverged_at == 0
         healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
         diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
@@ -228,7 +230,8 @@ def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 
 def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,
                   batch: PyTree, out: EnsembleStepOutput, rtol: float = 5e-2,
-                  fp8_history: torch.Tensor | None = None) -> bool:
+                  fp8_history: torch.Tensor | None = None, keys: torch.Tensor | None = None
+                  ) -> bool:
     """Check each healthy member's new params against its own single run's step.
 
     Returns whether the step moved any params. A leaf agrees when its update is within ``rtol``
@@ -244,7 +247,7 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
         member, experiment = ensemble.members[k], ensemble.experiments[k]
         carry = None if fp8_history is None else Carry(fp8_history=fp8_history[k])
         reference = make_train_step(experiment, backend)(
-            member_params, member_state, member_batch, carry
+            member_params, member_state, member_batch, carry, None if keys is None else keys[k]
         )
         triples = zip(named_leaves(reference.params), leaves(new_params[k]),
                       leaves(member_params), strict=True)

@@ -48,6 +48,12 @@ class Experiment:
         init_state: ``init_state(generator) -> state`` for buffers a forward updates; then
             ``loss(params, state, batch) -> (loss, new_state)`` and ``evaluate(params, state)``.
         loss_scale: the dynamic loss scale of an fp16 run (default: GradScaler's).
+        uses_key: the loss draws its randomness (dropout, noise) from an explicit key:
+            ``loss(params, batch, key=key)`` (``loss(params, state, batch, key=key)`` with
+            ``init_state``), ``key = mt.random.fold_in(mt.random.key(seed), step)`` for
+            steps 1, 2, ... A function of the seed and the step only: a resumed run draws what
+            an uninterrupted one would, every rank of a data-parallel run draws the same, and
+            each member of a sweep draws from its own seed's keys.
 
     >>> import minitrain as mt
     >>> exp = Experiment(init=lambda g: {"w": torch.zeros(2)},
@@ -73,6 +79,7 @@ class Experiment:
     extras: Mapping[str, Any] = field(default_factory=dict)
     init_state: Callable[[torch.Generator], PyTree] | None = None
     loss_scale: Any = None
+    uses_key: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:

@@ -207,7 +207,8 @@ def _built(build: Callable[[dict[str, Any]], Experiment], config: dict[str, Any]
     return experiment
 
 
-_SHARED_FIELDS = ("steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step")
+_SHARED_FIELDS = ("steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step",
+                  "uses_key")
 
 
 def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Experiment]) -> None:

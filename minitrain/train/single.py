@@ -38,9 +38,11 @@ from minitrain.train.step import (
     checked_values,
     fp8_recipe_of,
     init_carry,
+    keyed_loss,
     make_train_step,
     pack_checkpoint_state,
     probe_fp8_history,
+    step_key,
     unpack_checkpoint_state,
 )
 from minitrain.tree import size
@@ -64,6 +66,7 @@ class SingleRun:
         self.loss = float("nan")
         self.examples = experiment.tokens_per_batch
         self.batch: Any = None
+        self.key: torch.Tensor | None = None  # the last step's (experiments with uses_key)
         self._checked_step = 0
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._out: Any = None
@@ -96,7 +99,7 @@ class SingleRun:
         shard = self.parallel.shard if self.parallel is not None else None
         with first_step_mistakes(True):
             history = probe_fp8_history(self.experiment, self.backend, self.params, model_state,
-                                        self.data_generator, shard)
+                                        self.data_generator, shard, self.seed)
         return (carry or Carry())._replace(fp8_history=history)
 
     def _meta(self) -> dict[str, Any]:
@@ -171,8 +174,10 @@ class SingleRun:
         if self.parallel is not None:
             batch = self.parallel.shard(batch)
         batch = self.backend.to_device(batch)
+        if self.experiment.uses_key:
+            self.key = step_key(self.seed, step).to(self.backend.device)
         with first_step_mistakes(first), script_call("the train step (loss)", step):
-            out = self._train_step(self.params, self.opt_state, batch, self.carry)
+            out = self._train_step(self.params, self.opt_state, batch, self.carry, self.key)
         self.params, self.opt_state, self.carry = out.params, out.opt_state, out.carry
         self._out, self.batch, self.current_step = out, batch, step
         self._pending.append((step, *checked_values(out)))
@@ -251,7 +256,8 @@ class SingleRun:
         # Under data parallelism the report is one rank's step on its shard of the global
         # batch (FLOPs scale with the batch), plus the gradient all-reduce.
         share = self.parallel.weight if self.parallel is not None else 1.0
-        step = functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry)
+        step = functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry,
+                                 key=self.key)
         report = stepper.step_report(self, step, summary, examples_scale=share, flops_scale=share,
                              **self._prediction_inputs())
         if self.parallel is not None:
@@ -269,7 +275,8 @@ class SingleRun:
         if carry is not None and (carry.loss_scale is not None or carry.fp8_history is not None):
             return {}
         return {
-            "loss_fn": experiment.loss,
+            "loss_fn": (functools.partial(keyed_loss(experiment), key=self.key)
+                        if experiment.uses_key else experiment.loss),
             "optimizer": experiment.optimizer,
             "has_aux": experiment.has_aux,
             "max_grad_norm": experiment.max_grad_norm,

@@ -10,12 +10,15 @@ model state (BatchNorm statistics; haiku's ``transform_with_state``), fp16's dyn
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from minitrain import precision
+from minitrain import random as mt_random
 from minitrain._torch import pytree
 from minitrain.errors import ExperimentError, ResumeError
 from minitrain.func import value_and_grad
@@ -36,9 +39,10 @@ from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
 __all__ = [
     "Carry", "StepOutput", "can_donate", "carry_metrics", "check_fp8_history", "checked_values",
-    "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history", "loss_and_grads",
-    "loss_scale_of", "loss_with_aux", "make_train_step", "next_fp8_history",
-    "pack_checkpoint_state", "probe_fp8_history", "stateful_loss", "unpack_checkpoint_state",
+    "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history", "keyed_loss",
+    "loss_and_grads", "loss_scale_of", "loss_with_aux", "make_train_step", "next_fp8_history",
+    "pack_checkpoint_state", "probe_fp8_history", "stateful_loss", "step_key",
+    "unpack_checkpoint_state", "with_fixed_key",
 ]
 
 
@@ -83,12 +87,48 @@ def _checked(value: Any, has_aux: bool, shape: str) -> tuple[torch.Tensor, Any]:
     return loss, aux
 
 
-def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Tensor, dict]]:
-    """The experiment's loss as ``(params, batch) -> (loss, aux)`` whether or not it has aux."""
-    shape = "the loss returned {}; with has_aux=True return a (loss, aux dict) pair"
+def step_key(seed: int, step: int) -> torch.Tensor:
+    """The key the loss of an experiment with ``uses_key`` gets at ``step``.
 
-    def checked(params: Params, batch: PyTree) -> tuple[torch.Tensor, dict]:
-        return _checked(experiment.loss(params, batch), experiment.has_aux, shape)
+    ``fold_in(key(seed), step)``: a function of the seed and the step alone, so a resumed run
+    draws what an uninterrupted one would.
+
+    >>> bool((step_key(0, 3) == mt_random.fold_in(mt_random.key(0), 3)).all())
+    True
+    """
+    return mt_random.fold_in(mt_random.key(seed), step)
+
+
+def keyed_loss(experiment: Any) -> Callable[..., Any]:
+    """``experiment.loss(*args, key=key)`` when it ``uses_key``, else ``experiment.loss(*args)``."""
+    if not getattr(experiment, "uses_key", False):
+        return lambda *args, key=None: experiment.loss(*args)
+
+    def with_key(*args: Any, key: torch.Tensor | None = None) -> Any:
+        if key is None:
+            raise ValueError("this experiment has uses_key=True: pass the step its key, "
+                             "step_key(seed, step)")
+        return experiment.loss(*args, key=key)
+
+    return with_key
+
+
+def with_fixed_key(experiment: Any, seed: int = 0, step: int = 1) -> Any:
+    """``experiment`` whose loss always gets ``step_key(seed, step)`` (a step measured or
+    predicted on its own); one without ``uses_key`` as it is."""
+    if not getattr(experiment, "uses_key", False):
+        return experiment
+    loss = functools.partial(experiment.loss, key=step_key(seed, step))
+    return dataclasses.replace(experiment, loss=loss, uses_key=False)
+
+
+def loss_with_aux(experiment: Any) -> Callable[..., tuple[torch.Tensor, dict]]:
+    """The experiment's loss as ``(params, batch, key=None) -> (loss, aux)``, aux or not."""
+    shape = "the loss returned {}; with has_aux=True return a (loss, aux dict) pair"
+    loss = keyed_loss(experiment)
+
+    def checked(params: Params, batch: PyTree, key: Any = None) -> tuple[torch.Tensor, dict]:
+        return _checked(loss(params, batch, key=key), experiment.has_aux, shape)
 
     return checked
 
@@ -96,7 +136,8 @@ def loss_with_aux(experiment: Any) -> Callable[[Params, PyTree], tuple[torch.Ten
 def stateful_loss(
     experiment: Any,
 ) -> Callable[[Params, PyTree, PyTree], tuple[torch.Tensor, tuple[dict, PyTree]]]:
-    """The experiment's loss as ``(params, model_state, batch) -> (loss, (aux, new_state))``.
+    """The experiment's loss as ``(params, model_state, batch, key=None) -> (loss, (aux,
+    new_state))``.
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.ones(2)},
@@ -109,14 +150,16 @@ def stateful_loss(
     if getattr(experiment, "init_state", None) is None:
         plain = loss_with_aux(experiment)
 
-        def stateless(params: Params, model_state: PyTree, batch: PyTree):
-            loss, aux = plain(params, batch)
+        def stateless(params: Params, model_state: PyTree, batch: PyTree, key: Any = None):
+            loss, aux = plain(params, batch, key)
             return loss, (aux, None)
 
         return stateless
 
-    def with_state(params: Params, model_state: PyTree, batch: PyTree):
-        out = experiment.loss(params, model_state, batch)
+    call = keyed_loss(experiment)
+
+    def with_state(params: Params, model_state: PyTree, batch: PyTree, key: Any = None):
+        out = call(params, model_state, batch, key=key)
         if not _is_pair(out):
             raise ExperimentError(
                 f"the loss returned {type(out).__name__}; an experiment with init_state has a "
@@ -165,23 +208,25 @@ def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextMana
     return lambda: compute_context(policy, backend.device)
 
 
-def init_fp8_history(
-    experiment: Any, backend: Backend, params: Params, model_state: PyTree, batch: PyTree
-) -> torch.Tensor:
-    """Empty amax histories for every matmul one forward pass runs on ``batch``."""
+def init_fp8_history(experiment: Any, backend: Backend, params: Params, model_state: PyTree,
+                     batch: PyTree, key: torch.Tensor | None = None) -> torch.Tensor:
+    """Empty amax histories for every matmul one forward pass (with ``key``) runs on ``batch``."""
     recipe = fp8_recipe_of(backend)
+    loss = functools.partial(stateful_loss(experiment), key=key)
     with fp8_context(backend)():
-        count = precision.count_matmuls(stateful_loss(experiment), params, model_state, batch)
+        count = precision.count_matmuls(loss, params, model_state, batch)
     return precision.init_state(recipe, count).to(backend.device)
 
 
 def probe_fp8_history(experiment: Any, backend: Backend, params: Params, model_state: PyTree,
-                      generator: torch.Generator, shard: Callable | None = None) -> torch.Tensor:
+                      generator: torch.Generator, shard: Callable | None = None,
+                      seed: int = 0) -> torch.Tensor:
     """:func:`init_fp8_history` on the first step's batch, drawn from a copy of ``generator``."""
     batch = probe_batch(experiment, generator)
     batch = backend.to_device(batch if shard is None else shard(batch))
+    key = step_key(seed, 1).to(backend.device)
     with script_call("the train step (loss)", 1):
-        return init_fp8_history(experiment, backend, params, model_state, batch)
+        return init_fp8_history(experiment, backend, params, model_state, batch, key)
 
 
 def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) -> Carry | None:
@@ -287,11 +332,12 @@ def make_train_step(
     compile: bool = False,
     amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Callable[..., StepOutput]:
-    """Build the pure step ``(params, opt_state, batch, carry=None) -> StepOutput``.
+    """Build the pure step ``(params, opt_state, batch, carry=None, key=None) -> StepOutput``.
 
     ``grad_transform(grads, loss, aux)`` runs before clipping (data parallel's all-reduce), and
     ``amax_reduce`` on the fp8 histories. ``donate=True`` lets the update write into its inputs'
-    buffers; ``compile=True`` compiles forward and backward. Under loss scaling a step with
+    buffers; ``compile=True`` compiles forward and backward; ``key`` goes to a loss with
+    ``uses_key`` (:func:`step_key`). Under loss scaling a step with
     non-finite grads leaves params and state as they were (``applied`` says which were taken).
 
     >>> import torch, minitrain as mt
@@ -310,9 +356,8 @@ def make_train_step(
     gradients = loss_and_grads(experiment, backend, loss_scale, compile)
     clip, update = _clip(experiment.max_grad_norm), _update(experiment.optimizer, donate)
 
-    def train_step(
-        params: Params, opt_state: OptState, batch: PyTree, carry: Carry | None = None
-    ) -> StepOutput:
+    def train_step(params: Params, opt_state: OptState, batch: PyTree,
+                   carry: Carry | None = None, key: torch.Tensor | None = None) -> StepOutput:
         if carry is None and needs_state:
             raise ValueError(
                 "this experiment has model state (init_state): pass the step its carry, "
@@ -322,9 +367,9 @@ def make_train_step(
             carry = Carry(None, *((loss_scale.init(), torch.tensor(0)) if loss_scale else ()))
         model_state, scale, _, history = carry if carry is not None else (None,) * 4
         if recipe is not None and history is None:  # the first step counts its matmuls
-            history = init_fp8_history(experiment, backend, params, model_state, batch)
+            history = init_fp8_history(experiment, backend, params, model_state, batch, key)
         (_, (loss, aux, model_state, forward_history)), grads = gradients(
-            params, model_state, scale, history, batch
+            params, model_state, scale, history, batch, key
         )
         if recipe is not None:
             grads, new_history = grads
@@ -352,16 +397,17 @@ def loss_and_grads(
     experiment: Any, backend: Backend, loss_scale: DynamicLossScale | None = None,
     compile: bool = False,
 ) -> Callable[..., Any]:
-    """``(params, model_state, scale, history, batch) -> ((scaled, aux tuple), grads)``.
+    """``(params, model_state, scale, history, batch, key) -> ((scaled, aux tuple), grads)``.
 
     On a delayed-fp8 backend ``grads`` is ``(grads, new_history)``.
     """
     loss_fn, recipe = stateful_loss(experiment), fp8_recipe_of(backend)
 
-    def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree):
+    def objective(params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree,
+                  key: Any = None):
         fp8 = contextlib.nullcontext() if recipe is None else precision.simulate(recipe, history)
         with fp8 as simulation:
-            loss, (aux, new_state) = loss_fn(params, model_state, batch)
+            loss, (aux, new_state) = loss_fn(params, model_state, batch, key)
         scaled = loss if scale is None else loss_scale.scale_loss(loss, scale)
         forward = None if simulation is None else simulation.forward_history()
         # torch.func's aux holds tensors only: a stateless run's None travels as ()
@@ -374,11 +420,10 @@ def loss_and_grads(
     gradients = value_and_grad(objective, argnums=0 if recipe is None else (0, 3), has_aux=True)
     context = backend.autocast if recipe is None else fp8_context(backend)
 
-    def loss_and_grads(
-        params: Params, model_state: PyTree, scale: Any, history: Any, batch: PyTree
-    ):
+    def loss_and_grads(params: Params, model_state: PyTree, scale: Any, history: Any,
+                       batch: PyTree, key: Any = None):
         with context():
-            return gradients(params, model_state, scale, history, batch)
+            return gradients(params, model_state, scale, history, batch, key)
 
     if compile and simulates:  # the simulated matmuls run eager, between compiled regions
         loss_and_grads = torch.compile(loss_and_grads)

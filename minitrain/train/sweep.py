@@ -59,7 +59,13 @@ from minitrain.train.progress import to_stderr
 from minitrain.train.ranking import MemberLog, log_step, ranking, reload_logs
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import batch_examples, init_params, run_generators
-from minitrain.train.step import Carry, check_fp8_history, fp8_recipe_of, probe_fp8_history
+from minitrain.train.step import (
+    Carry,
+    check_fp8_history,
+    fp8_recipe_of,
+    probe_fp8_history,
+    step_key,
+)
 from minitrain.train.sweep_plot import plot_sweep
 from minitrain.tree import OptState, Params, PyTree, size, stack, unstack
 
@@ -86,6 +92,7 @@ class SweepRun:
         self.current_step = 0
         self.examples = ensemble.template.tokens_per_batch
         self.batch: Any = None
+        self.keys: torch.Tensor | None = None  # the last step's, one per member (uses_key)
         self.logs = [MemberLog() for _ in ensemble.members]
         self._out: EnsembleStepOutput | None = None
         self._checked = False  # whether a checked step moved the params
@@ -130,7 +137,7 @@ class SweepRun:
         if fp8_recipe_of(self.backend) is None:
             return None
         history = probe_fp8_history(self.ensemble.experiments[0], self.backend, params, None,
-                                    self.data_generators[0])
+                                    self.data_generators[0], seed=self.ensemble.members[0].seed)
         return history.expand(self.ensemble.size, *history.shape).clone()
 
     def _carried(self) -> dict[str, Any]:
@@ -196,18 +203,26 @@ class SweepRun:
         if self.examples is None:
             self.examples = batch_examples(member_batches[0])
         batch = self.backend.to_device(_stacked(member_batches, "batches"))
+        self.keys = self._keys(step)
         with script_call("the train step (loss)", step):
             out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
-                               self.diverged_at, step, self.fp8_history)
+                               self.diverged_at, step, self.fp8_history, self.keys)
         self._steps_taken += 1
         if self.check and not self._checked and _checks(self._steps_taken):
             with script_call("the train step (loss)", step):  # each member's own run's step
                 self._checked = check_members(ensemble, self.backend, self.params,
                                               self.opt_state, batch, out,
-                                              fp8_history=self.fp8_history)
+                                              fp8_history=self.fp8_history, keys=self.keys)
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
         self.fp8_history = out.fp8_history
         self._out, self.batch, self.current_step = out, batch, step
+
+    def _keys(self, step: int) -> torch.Tensor | None:
+        """Each member's key of ``step`` (its own seed's), when the loss ``uses_key``."""
+        if not self.experiment.uses_key:
+            return None
+        keys = [step_key(member.seed, step) for member in self.ensemble.members]
+        return torch.stack(keys).to(self.backend.device)
 
     def check_finite(self) -> None:
         """A diverged member is frozen, not fatal; the sweep fails when all have diverged."""
@@ -249,10 +264,10 @@ class SweepRun:
         if self.batch is None:
             return {}
         values, diverged, history = self.hyperparameters, self.diverged_at, self.fp8_history
-        steps = self.experiment.steps
+        steps, keys = self.experiment.steps, self.keys
 
         def step(p: Params, s: OptState, b: PyTree) -> EnsembleStepOutput:
-            return self.step_fn(p, s, b, values, diverged, steps, history)
+            return self.step_fn(p, s, b, values, diverged, steps, history, keys)
 
         # The 6·B·P rule with P = K·(params per member) and B per member gives K × 6·B·P.
         report = stepper.step_report(self, step, summary, flops_scale=self.ensemble.size)
