@@ -54,15 +54,20 @@ def saved_tensor_hooks_inside(
         _INNER_HOOKS.remove(pair)
 
 
+def _enter_inner_hooks(stack: contextlib.ExitStack) -> None:
+    """Enter the :func:`saved_tensor_hooks_inside` hooks on ``stack``."""
+    _torch.saved_tensors_hooks_enable()  # allowed inside a transform
+    for pack, unpack in list(_INNER_HOOKS):
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+
+
 def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with saved-tensor hooks (and activation checkpointing) allowed inside a transform."""
 
     @functools.wraps(fn)
     def allowed(*args: Any, **kwargs: Any) -> Any:
-        _torch.saved_tensors_hooks_enable()
         with contextlib.ExitStack() as stack:
-            for pack, unpack in list(_INNER_HOOKS):
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+            _enter_inner_hooks(stack)
             return fn(*args, **kwargs)
 
     return allowed
@@ -87,8 +92,10 @@ def value_and_grad(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if _plain_autograd_applies(args, kwargs, argnums):
-            return _autograd_value_and_grad(fn, argnums, has_aux, args, kwargs)
-        grads, value = grad_and_value(*args, **kwargs)
+            found = _autograd_value_and_grad(fn, argnums, has_aux, args, kwargs)
+            if found is not None:
+                return found
+        grads, value = grad_and_value(*args, **kwargs)  # also words the errors
         return value, grads
 
     return wrapped
@@ -118,8 +125,9 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
 
 def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...],
                              has_aux: bool, args: tuple[Any, ...],
-                             kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``torch.func.grad_and_value``'s result and errors, through ``torch.autograd.grad``."""
+                             kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """``torch.func.grad_and_value``'s result through ``torch.autograd.grad``; None where
+    ``fn``'s output is not what ``torch.func`` takes (it then words the error)."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
     args = list(args)
     diff_leaves, specs = [], []
@@ -129,26 +137,15 @@ def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, .
         args[n] = pytree.tree_unflatten(leaves, spec)
         diff_leaves.append(leaves)
         specs.append(spec)
-    with torch.enable_grad(), contextlib.ExitStack() as hooks:
-        for pack, unpack in list(_INNER_HOOKS):
-            hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+    with torch.enable_grad(), contextlib.ExitStack() as stack:
+        _enter_inner_hooks(stack)
         output = fn(*args, **kwargs)
     if has_aux:
         if not (isinstance(output, tuple) and len(output) == 2):
-            raise RuntimeError(
-                "grad_and_value(f)(*args): output of function f should be a tuple: "
-                "(output, aux) if has_aux is True"
-            )
+            return None
         output, aux = output
-    if not isinstance(output, torch.Tensor):
-        raise RuntimeError(
-            f"grad_and_value(f)(*args): Expected f(*args) to return a Tensor, got {type(output)}"
-        )
-    if output.dim() != 0:
-        raise RuntimeError(
-            "grad_and_value(f)(*args): Expected f(*args) to return a scalar Tensor, got tensor "
-            f"with {output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
-        )
+    if not isinstance(output, torch.Tensor) or output.dim() != 0:
+        return None
     flat = [t for leaves in diff_leaves for t in leaves]
     outer = output.requires_grad and _reaches_other_leaves(output, flat)
     # Detached before the backward pass, so that every op after it is the caller's
@@ -156,17 +153,15 @@ def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, .
     value = output if outer else output.detach()
     if has_aux:
         value = (value, _detached_aux(aux, keep_graph=outer))
+    found = [None] * len(flat)
     if output.requires_grad:
         found = torch.autograd.grad(output, flat, allow_unused=True, create_graph=outer)
-    else:
-        found = [None] * len(flat)
     found = iter(torch.zeros_like(t) if g is None else g for t, g in zip(flat, found, strict=True))
-    grads = [
+    grads = tuple(
         pytree.tree_unflatten([next(found) for _ in leaves], spec)
         for leaves, spec in zip(diff_leaves, specs, strict=True)
-    ]
-    grads = grads[0] if isinstance(argnums, int) else tuple(grads)
-    return value, grads
+    )
+    return value, grads[0] if isinstance(argnums, int) else grads
 
 
 def _reaches_other_leaves(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
