@@ -10,11 +10,11 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import emit
+from minitrain.cli.options import emit, script_argument
 
 
 @click.command("step", cls=Command)
-@click.argument("script", type=click.Path(path_type=Path))
+@script_argument
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a CONFIG key of the script (repeatable), e.g. --set n_layer=48.")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,20 @@ def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(_SHARED):
         command = option(command)
     return command
+
+
+def script_argument(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The SCRIPT argument; the command runs with the script's folder on ``sys.path`` (its
+    sibling modules import, also inside the loss), as it was afterwards."""
+
+    @functools.wraps(command)
+    def in_script_folder(*args: Any, script: Path, **kwargs: Any) -> Any:
+        from minitrain.train.experiment import script_folder
+
+        with script_folder(script):
+            return command(*args, script=script, **kwargs)
+
+    return click.argument("script", type=click.Path(path_type=Path))(in_script_folder)
 
 
 def check_out(out: Path | None, resume: bool, overwrite: bool) -> None:

@@ -19,6 +19,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
+from minitrain.cli.options import script_argument
 from minitrain.cli.roofline import placement_record, print_table, roof_line
 
 
@@ -136,7 +137,7 @@ def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
 
 
 @click.command(cls=Command)
-@click.argument("script", type=click.Path(path_type=Path))
+@script_argument
 @click.option("--hardware", "hardware_name", default="cpu", help="Roof: cpu (measured) or a GPU.")
 @click.option("--dtype", default=None, help="Peak of this dtype [default: the backend's].")
 @click.option("--backend", "backend_name", default="cpu", help="Backend the step runs on.")

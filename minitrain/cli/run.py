@@ -10,11 +10,18 @@ from typing import Any
 import click
 
 from minitrain.cli.errors import Command, RunFailed, UserError, training_errors
-from minitrain.cli.options import SEED, check_out, number, print_summary, training_options
+from minitrain.cli.options import (
+    SEED,
+    check_out,
+    number,
+    print_summary,
+    script_argument,
+    training_options,
+)
 
 
 @click.command(cls=Command)
-@click.argument("script", type=click.Path(path_type=Path))
+@script_argument
 @training_options
 @click.option("--seed", type=SEED, default=0, help="Seed for init and data (0 to 2**63-1).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",

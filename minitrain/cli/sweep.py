@@ -8,11 +8,17 @@ from typing import Any
 import click
 
 from minitrain.cli.errors import Command, training_errors
-from minitrain.cli.options import check_out, number, print_summary, training_options
+from minitrain.cli.options import (
+    check_out,
+    number,
+    print_summary,
+    script_argument,
+    training_options,
+)
 
 
 @click.command(cls=Command)
-@click.argument("script", type=click.Path(path_type=Path))
+@script_argument
 @training_options
 @click.option("--set", "overrides", multiple=True, metavar="KEY=V1,V2,...",
               help="Override a CONFIG key (repeatable); comma-separated values of a float key "

@@ -6,13 +6,14 @@ the default's type) and ``experiment(config) -> Experiment``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import math
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from minitrain.tree import Params, PyTree
 __all__ = [
     "Experiment", "check_loss_output", "ExperimentError", "ResumeError", "apply_overrides",
     "as_recorded", "build_experiment", "check_config_value", "coerce_value", "load_experiment",
-    "load_script", "parse_overrides",
+    "load_script", "parse_overrides", "script_folder",
 ]
 
 
@@ -252,12 +253,26 @@ def load_experiment(
     ``steps`` overrides CONFIG's ``steps`` (so schedules see it) and the step count. Every mistake
     is an :class:`ExperimentError` with a one-line message.
     """
-    config, build = load_script(path)
-    overrides = dict(overrides or {})
-    if steps is not None and "steps" in config:
-        overrides["steps"] = str(steps)
-    config = apply_overrides(config, overrides)
-    return build_experiment(build, config, path, steps), config
+    with script_folder(path):
+        config, build = load_script(path)
+        overrides = dict(overrides or {})
+        if steps is not None and "steps" in config:
+            overrides["steps"] = str(steps)
+        config = apply_overrides(config, overrides)
+        return build_experiment(build, config, path, steps), config
+
+
+@contextlib.contextmanager
+def script_folder(path: str | Path) -> Iterator[None]:
+    """The script's folder first on ``sys.path`` (as ``python script.py`` has it), so that a
+    module beside the script imports; ``sys.path`` is as it was afterwards."""
+    folder = str(Path(path).resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # the script may have removed it itself
+            sys.path.remove(folder)
 
 
 def build_experiment(build: Callable[[dict], Any], config: Mapping[str, Any], path: str | Path,
@@ -283,7 +298,8 @@ def build_experiment(build: Callable[[dict], Any], config: Mapping[str, Any], pa
 
 def load_script(path: str | Path) -> tuple[Mapping[str, Any], Callable[[dict], Any]]:
     """Import an experiment script; return its ``CONFIG`` and its ``experiment`` function."""
-    module = import_script(Path(path))
+    with script_folder(path):
+        module = import_script(Path(path))
     config = getattr(module, "CONFIG", {})
     if not isinstance(config, Mapping):
         raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")

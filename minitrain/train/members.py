@@ -19,6 +19,7 @@ from minitrain.train.experiment import (
     coerce_value,
     load_script,
     parse_overrides,
+    script_folder,
 )
 from minitrain.train.member_checks import MemberMismatch, check_same_sizes
 from minitrain.train.script_errors import script_line
@@ -234,14 +235,15 @@ def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Exper
 def load_sweep(path: str | Path, items: Sequence[str] = (), seeds: Sequence[int] = (0,),
                steps: int | None = None) -> Ensemble:
     """Import an experiment script and build the ensemble of its ``--set``/``--seeds`` grid."""
-    config, script_build = load_script(path)
-    fixed, swept = parse_sweep(items)
-    if steps is not None and "steps" in config:
-        fixed["steps"] = str(steps)
-        swept.pop("steps", None)
-    members = member_grid(config, fixed, swept, seeds)
+    with script_folder(path):
+        config, script_build = load_script(path)
+        fixed, swept = parse_sweep(items)
+        if steps is not None and "steps" in config:
+            fixed["steps"] = str(steps)
+            swept.pop("steps", None)
+        members = member_grid(config, fixed, swept, seeds)
 
-    def build(member_config: dict[str, Any]) -> Experiment:
-        return build_experiment(script_build, member_config, path, steps)
+        def build(member_config: dict[str, Any]) -> Experiment:
+            return build_experiment(script_build, member_config, path, steps)
 
-    return build_ensemble(build, members)
+        return build_ensemble(build, members)
