@@ -28,7 +28,7 @@ from minitrain.errors import StorageError
 
 __all__ = [
     "METRICS_FILE", "MetricsError", "MissingExtra", "MetricsWriter", "read_metrics",
-    "truncate_metrics", "tensorboard_writer", "plot",
+    "truncate_metrics", "plot", "ema",
 ]
 
 METRICS_FILE = "metrics.jsonl"
@@ -103,20 +103,13 @@ def _dumps(record: dict[str, Any]) -> str:
     try:
         return json.dumps(record, allow_nan=False, separators=(", ", ": "))
     except (TypeError, ValueError) as exc:
-        bad = next(
-            (key for key, value in record.items() if not _is_json_scalar(value)), "a value"
-        )
-        raise MetricsError(
-            f"metrics value {bad!r} cannot be logged ({exc}); log numbers, strings or None"
-        ) from None
-
-
-def _is_json_scalar(value: Any) -> bool:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return False
-    return True
+        for key, value in record.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError):
+                raise MetricsError(f"metrics value {key!r} cannot be logged ({exc}); log "
+                                   "numbers, strings or None") from None
+        raise
 
 
 class MetricsWriter:
@@ -144,10 +137,19 @@ class MetricsWriter:
             self._size = os.lseek(fd, 0, os.SEEK_END)
             self._fd = fd
         if tensorboard:
-            directory = self.path.parent / TENSORBOARD_DIR
             try:
-                self._tensorboard = tensorboard_writer(
-                    directory, purge_step=resume_step + 1 if resume_step else None
+                import tensorboard  # noqa: F401
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self.close()
+                raise MissingExtra(
+                    "TensorBoard logging needs the tensorboard package; pip install "
+                    "'minitrain[tensorboard]' or turn TensorBoard logging off"
+                ) from None
+            directory = self.path.parent / TENSORBOARD_DIR
+            try:  # purge_step hides the events an interrupted run logged past resume_step
+                self._tensorboard = SummaryWriter(
+                    str(directory), purge_step=resume_step + 1 if resume_step else None
                 )
             except OSError as exc:
                 self.close()
@@ -203,50 +205,13 @@ class MetricsWriter:
         self.close()
 
 
-def tensorboard_writer(log_dir: str | os.PathLike, purge_step: int | None = None) -> Any:
-    """A ``SummaryWriter`` on ``log_dir``; ``purge_step`` hides events of an interrupted run."""
-    try:
-        import tensorboard  # noqa: F401
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise MissingExtra(
-            "TensorBoard logging needs the tensorboard package; pip install "
-            "'minitrain[tensorboard]' or turn TensorBoard logging off"
-        ) from None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
-
-
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [
-        (record["step"], record[key])
-        for record in records
-        if isinstance(record.get(key), Real) and not isinstance(record.get(key), bool)
-    ]
-    return [step for step, _ in points], [value for _, value in points]
-
-
-def ema(values: list[float], weight: float) -> list[float]:
+def ema(values: Sequence[float], weight: float) -> list[float]:
     """Bias-corrected exponential moving average, as TensorBoard's smoothing slider."""
     smoothed, average = [], 0.0
     for count, value in enumerate(values, start=1):
         average = weight * average + (1 - weight) * value
         smoothed.append(average / (1 - weight**count))
     return smoothed
-
-
-def _labels(run_dirs: list[Path]) -> list[str]:
-    """Each run's directory name; where two runs share a name, the paths as given."""
-    names = [path.resolve().name or str(path) for path in run_dirs]
-    if len(set(names)) == len(names):
-        return names
-    return [str(path) for path in run_dirs]
-
-
-def _title(run_dirs: list[Path]) -> str:
-    if len(run_dirs) == 1:
-        return run_dirs[0].resolve().name
-    parents = {path.resolve().parent for path in run_dirs}
-    return next(iter(parents)).name if len(parents) == 1 else f"{len(run_dirs)} runs"
 
 
 def plot(
@@ -271,7 +236,7 @@ def plot(
     run_dirs = [Path(path) for path in run_dir] if several else [Path(run_dir)]
     if not run_dirs:
         raise MetricsError("no run directories to plot; pass at least one")
-    if several and len(run_dirs) > 1 and out_png is None:
+    if len(run_dirs) > 1 and out_png is None:
         raise MetricsError(
             f"{len(run_dirs)} run directories make one plot; say where it goes with an out path "
             "ending in .png"
@@ -282,8 +247,10 @@ def plot(
         keys = ("loss", *sorted(k for k in found if k.startswith(("val", "eval"))))
     curves = []
     for path, records in zip(run_dirs, runs, strict=True):
-        series = {key: _series(records, key) for key in keys}
-        series = {key: points for key, points in series.items() if points[0]}
+        series = {key: [(r["step"], r[key]) for r in records
+                        if isinstance(r.get(key), Real) and not isinstance(r[key], bool)]
+                  for key in keys}
+        series = {key: tuple(zip(*points, strict=True)) for key, points in series.items() if points}
         if not series:
             raise MetricsError(
                 f"{_metrics_path(path)} has no numeric values for {', '.join(keys)}; nothing to "
@@ -293,9 +260,15 @@ def plot(
     out = Path(out_png) if out_png is not None else run_dirs[0] / PLOT_FILE
     if out.suffix.lower() != ".png":
         raise MetricsError(f"the plot is written as PNG; give a path ending in .png, not {out}")
-    figure = _figure(curves, _labels(run_dirs) if len(run_dirs) > 1 else None, _title(run_dirs))
+    names = [path.resolve().name or str(path) for path in run_dirs]
+    parents = {path.resolve().parent for path in run_dirs}
+    if len(run_dirs) == 1:
+        labels, title = None, names[0]
+    else:  # each run by its directory's name, or by its path where two share a name
+        labels = names if len(set(names)) == len(names) else [str(p) for p in run_dirs]
+        title = next(iter(parents)).name if len(parents) == 1 else f"{len(run_dirs)} runs"
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=120)
+    _figure(curves, labels, title).savefig(buffer, format="png", dpi=120)
     with storage_errors(out, "write the plot to", mkdir=True):
         out.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(out, buffer.getvalue(), "write the plot to")
@@ -304,9 +277,8 @@ def plot(
 _LINESTYLES = ("-", "--", ":", "-.")
 
 
-def _figure(
-    curves: list[dict[str, tuple[list[int], list[float]]]], labels: list[str] | None, title: str
-) -> Any:
+def _figure(curves: list[dict[str, tuple[tuple[int, ...], tuple[float, ...]]]],
+            labels: list[str] | None, title: str) -> Any:
     """One axes: each run's series (several runs: a colour per run, a line style per key)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -319,22 +291,20 @@ def _figure(
     axes = figure.add_subplot()
     all_keys = list(dict.fromkeys(key for series in curves for key in series))
     for index, series in enumerate(curves):
-        colour = None if labels is None else f"C{index % 10}"
         for key, (steps, values) in series.items():
-            if labels is None:
-                name = key
-            else:
+            name = key
+            style = {"color": None, "linestyle": "-"}
+            if labels is not None:
                 name = labels[index] if len(all_keys) == 1 else f"{labels[index]}: {key}"
-            style = _LINESTYLES[all_keys.index(key) % len(_LINESTYLES)] if labels else "-"
+                style = {"color": f"C{index % 10}",
+                         "linestyle": _LINESTYLES[all_keys.index(key) % len(_LINESTYLES)]}
             if len(steps) > 20:
-                raw_alpha = 0.3 if labels is None else 0.15
-                line = axes.plot(steps, values, alpha=raw_alpha, linewidth=0.8, color=colour,
-                                 linestyle=style)[0]
-                axes.plot(steps, ema(values, 0.9), color=line.get_color(), linestyle=style,
-                          label=f"{name} (EMA 0.9)")
+                raw = axes.plot(steps, values, alpha=0.3 if labels is None else 0.15,
+                                linewidth=0.8, **style)[0]
+                axes.plot(steps, ema(values, 0.9), label=f"{name} (EMA 0.9)",
+                          **{**style, "color": raw.get_color()})
             else:
-                axes.plot(steps, values, marker="o", markersize=3, label=name, color=colour,
-                          linestyle=style)
+                axes.plot(steps, values, marker="o", markersize=3, label=name, **style)
     axes.set_xlabel("step")
     axes.set_ylabel(all_keys[0] if len(all_keys) == 1 else "value")
     axes.set_title(title)
