@@ -26,9 +26,10 @@ from minitrain.precision.policies import element_bytes as precision
 
 __all__ = [
     "OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
-    "Precision", "bytes_per_param", "cruncher_activations", "cruncher_memory", "cruncher_params",
-    "max_params", "optimizer_key", "optimizer_state_elements", "optimizer_states",
-    "per_device_bytes_per_param", "state_bytes", "training_memory",
+    "Precision", "ZeroMemory", "bytes_per_param", "cruncher_activations", "cruncher_memory",
+    "cruncher_params", "max_params", "optimizer_key", "optimizer_state_elements",
+    "optimizer_states", "per_device_bytes_per_param", "state_bytes", "training_memory",
+    "zero_memory",
 ]
 
 # Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
@@ -248,6 +249,83 @@ def training_memory(
                          / (gpus if kind in _SHARDED[zero_stage] else 1))
              for kind in BytesPerParam._fields}
     return MemoryBreakdown(activations=float(activation_bytes), **parts)
+
+
+class ZeroMemory(NamedTuple):
+    """Bytes of model states (params, grads, optimizer state) under a ZeRO optimizer: ``gpu`` on
+    each GPU, the gathered layer included; ``cpu`` on each node, the buffer factor included;
+    ``gathered`` the stage-3 largest-layer term inside ``gpu``."""
+
+    gpu: float
+    cpu: float
+    gathered: float
+
+
+# DeepSpeed's ZeRO optimizers keep fp32 partitions of the params and of the grads whatever the
+# params' dtype (``single_partition_of_fp32_groups`` in runtime/zero/stage_1_and_2.py,
+# ``fp32_partitioned_groups_flat`` in stage3.py), and optimizer state in fp32; each process on
+# a node loads the model in fp32 before partitioning it (``4 * num_gpus_per_node`` in the
+# estimators below).
+_FP32 = 4
+
+
+def _check_zero(params: Number, largest_layer: Number | None, zero_stage: int, counts: dict,
+                offload_optimizer: bool, offload_params: bool, buffer_factor: Number) -> None:
+    if zero_stage not in (1, 2, 3):
+        raise UserError(f"zero_stage must be 1, 2 or 3, got {zero_stage}; stage 0 (no ZeRO "
+                        f"optimizer) is training_memory")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not params >= 0 or not buffer_factor > 0:
+        raise UserError(f"params must be >= 0 and buffer_factor > 0, got {params}, {buffer_factor}")
+    if zero_stage == 3 and (largest_layer is None or not 0 <= largest_layer <= params):
+        raise UserError(f"stage 3 gathers the largest layer: pass largest_layer, the parameters "
+                        f"of the biggest module, between 0 and params, got {largest_layer}")
+    if offload_params and zero_stage != 3:
+        raise UserError("offload_params needs zero_stage=3 (only stage 3 partitions the params)")
+
+
+def zero_memory(
+    params: Number, *, largest_layer: Number | None = None, zero_stage: int = 3,
+    gpus_per_node: int = 1, nodes: int = 1, offload_optimizer: bool = False,
+    offload_params: bool = False, zero_init: bool = True, buffer_factor: Number = 1.5,
+    optimizer: str = "adamw", precision: str = "bf16-mixed", **state_options: bool,
+) -> ZeroMemory:
+    """Model-state bytes per GPU and per node's CPU as DeepSpeed's estimators count them
+    (``estimate_zero2_model_states_mem_needs`` and ``estimate_zero3_model_states_mem_needs`` in
+    deepspeed/runtime/zero/): ``precision`` sets the params' and grads' bytes, ``optimizer`` and
+    ``state_options`` the fp32 state (see :func:`optimizer_states`); fp32 partitions of params
+    and grads come on top. Stage 3 gathers the params and grads of ``largest_layer`` on each
+    GPU; ``zero_init`` (stage 3) builds the model partitioned, so the CPU loads one layer at a
+    time; ``buffer_factor`` pads the CPU figure. DeepSpeed's figures, except: the CPU of each
+    node holds ``1/nodes`` of what is offloaded and the fp32 load of its own GPUs (its stage-2
+    estimator counts the whole offload and the load of every GPU on each node), and the load
+    stays counted under zero_init with offload, when larger.
+
+    >>> m = zero_memory(7e9, largest_layer=5e8, gpus_per_node=8)   # 4·L + 18·Ψ/8 on each GPU
+    >>> m.gpu / 1e9, m.gathered / 1e9, m.cpu / 1e9                 # 4·L·8 × 1.5 on the CPU
+    (17.75, 2.0, 24.0)
+    >>> zero_memory(7e9, zero_stage=2, offload_optimizer=True).cpu / 1e9  # 16·Ψ × 1.5
+    168.0
+    """
+    _check_zero(params, largest_layer, zero_stage, dict(gpus_per_node=gpus_per_node, nodes=nodes),
+                offload_optimizer, offload_params, buffer_factor)
+    per_param = bytes_per_param(optimizer, precision, **state_options)
+    p, g = per_param.params, per_param.grads
+    # fp32 grads, params and state: 4 + 4 + 8 for Adam, DeepSpeed's "18 = 2_grads_16bit +
+    # 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit" less the 16-bit grads, which
+    # stage 2 shards on the GPU and stage 3 keeps for the gathered layer only
+    fp32 = _FP32 * (2 + optimizer_states(optimizer, **state_options))
+    on_gpu = p * (zero_stage < 3) + g * (zero_stage == 1)  # replicated
+    sharded = (g * (zero_stage == 2 and not offload_optimizer) + fp32 * (not offload_optimizer)
+               + p * (zero_stage == 3 and not offload_params))
+    on_cpu = fp32 * offload_optimizer + p * offload_params  # sharded over every process
+    gathered = float((p + g) * largest_layer) if zero_stage == 3 else 0.0
+    loaded = (largest_layer if zero_stage == 3 and zero_init else params) * _FP32 * gpus_per_node
+    return ZeroMemory(
+        gpu=gathered + params * (on_gpu + sharded / (gpus_per_node * nodes)),
+        cpu=float(buffer_factor * max(loaded, params * on_cpu / nodes)), gathered=gathered)
 
 
 def cruncher_params(dim: int, num_layers: int) -> int:
