@@ -43,8 +43,11 @@ class RunOwner:
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
         self._fd = fd
-        self._dir_fd = _open_dir(path)
-        self._identity = _identity(path, self._dir_fd)
+        try:  # the directory itself, which a descriptor follows through a rename
+            self._dir_fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            self._dir_fd = None
+        self._identity = _identity(self._dir_fd if self._dir_fd is not None else path)
 
     def gone(self) -> Gone | None:
         """None while ``path`` is still the directory this run claimed, with its lock file;
@@ -52,16 +55,28 @@ class RunOwner:
         if self._identity is None:
             return None
         try:
-            now = os.stat(self.path)
-            same = (now.st_dev, now.st_ino) == self._identity
+            same = _identity(self.path, strict=True) == self._identity
         except (FileNotFoundError, NotADirectoryError):
             same = False
         except OSError:  # cannot tell (e.g. permission denied): the next write will say
             return None
-        if same:
-            return Gone("removed") if _unlinked(self._fd) else None
-        moved_to = _moved_to(self._dir_fd, self._identity)
+        if same:  # a deleted lock file: the directory was removed in part
+            return Gone("removed") if _links(self._fd) == 0 else None
+        moved_to = self._moved_to()
         return Gone("moved", moved_to) if moved_to is not None else Gone("removed")
+
+    def _moved_to(self) -> Path | None:
+        """Where the claimed directory lives now, if it still exists and the OS can say (Linux's
+        ``/proc/self/fd``); None when it was deleted or cannot be found."""
+        if self._dir_fd is None or _links(self._dir_fd) == 0:
+            return None
+        try:
+            where = os.readlink(f"/proc/self/fd/{self._dir_fd}")
+        except OSError:
+            return None
+        if where.endswith(" (deleted)") or _identity(where) != self._identity:
+            return None
+        return Path(where)
 
     def release(self) -> None:
         for fd in (self._fd, self._dir_fd):
@@ -71,48 +86,24 @@ class RunOwner:
         self._fd = self._dir_fd = None
 
 
-def _open_dir(path: Path) -> int | None:
-    """A descriptor of the directory itself (it follows a rename), where the OS has them."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+def _identity(where: int | str | Path, strict: bool = False) -> tuple[int, int] | None:
+    """``(device, inode)`` of a path or descriptor; None if it cannot be read (``strict``:
+    raise)."""
     try:
-        return os.open(path, flags)
+        st = os.stat(where)
     except OSError:
-        return None
-
-
-def _identity(path: Path, dir_fd: int | None) -> tuple[int, int] | None:
-    try:
-        st = os.fstat(dir_fd) if dir_fd is not None else os.stat(path)
-    except OSError:
+        if strict:
+            raise
         return None
     return st.st_dev, st.st_ino
 
 
-def _unlinked(fd: int | None) -> bool:
-    """Whether the file open as ``fd`` (the lock file) was deleted."""
-    if fd is None:
-        return False
+def _links(fd: int | None) -> int | None:
+    """How many names the file open as ``fd`` has (0: deleted); None if unknown."""
     try:
-        return os.fstat(fd).st_nlink == 0
-    except OSError:
-        return False
-
-
-def _moved_to(dir_fd: int | None, identity: tuple[int, int]) -> Path | None:
-    """Where the claimed directory lives now, if it still exists and the OS can say (Linux's
-    ``/proc/self/fd``); None when it was deleted or cannot be found."""
-    if dir_fd is None:
-        return None
-    try:
-        if os.fstat(dir_fd).st_nlink == 0:
-            return None
-        where = os.readlink(f"/proc/self/fd/{dir_fd}")
-        st = os.stat(where)
+        return None if fd is None else os.fstat(fd).st_nlink
     except OSError:
         return None
-    if where.endswith(" (deleted)") or (st.st_dev, st.st_ino) != identity:
-        return None
-    return Path(where)
 
 
 def holds_a_run(path: Path) -> bool:
