@@ -5,6 +5,7 @@ import json
 import pytest
 
 from minitrain.cli import main
+from tests.accounting.conftest import require
 
 
 def invoke(capsys, *args):
@@ -122,7 +123,7 @@ def experiment(config):
 
 
 def test_estimate_step_predicts_what_one_real_step_measures(capsys):
-    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    require("transformers")
     script = str(EXAMPLES / "gpt2.py")
     # A norm bound every step exceeds: the measured step clips (multiplies) as predicted.
     clip = ("--set", "max_grad_norm=1e-9")

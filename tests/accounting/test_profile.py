@@ -15,6 +15,7 @@ import minitrain as mt
 from minitrain.cli.profile import profile
 from minitrain.train import load_experiment, make_train_step
 from minitrain.train.loop import run_generators, to_backend
+from tests.accounting.conftest import require
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LINREG = EXAMPLES / "linreg.py"
@@ -47,7 +48,7 @@ def matmul_flops_by_torch(script: Path, overrides: dict[str, str]) -> int:
     "overrides", [{}, {"dim": "32", "num_layers": "2", "batch_size": "8"}], ids=["chapter", "deep"]
 )
 def test_linreg_profile_places_every_op(tmp_path, overrides):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     png = tmp_path / "linreg.png"
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     record = run_profile(str(LINREG), *sets, "--plot", str(png))
@@ -78,7 +79,7 @@ def test_chapter_linreg_step_flops():
 
 
 def test_bytelm_profile(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     png = tmp_path / "bytelm.png"
     small = {"d_model": "32", "n_layers": "1", "seq_len": "32", "batch_size": "4"}
     sets = [arg for key, value in small.items() for arg in ("--set", f"{key}={value}")]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from minitrain.accounting import roofline as R
 from minitrain.accounting.plots import plot
 from minitrain.cli.roofline import roofline as roofline_command
+from tests.accounting.conftest import require
 
 positive = st.floats(1e-3, 1e18, allow_nan=False, allow_infinity=False)
 non_negative = st.floats(0, 1e18, allow_nan=False, allow_infinity=False)
@@ -114,7 +115,7 @@ def test_phases_split_forward_backward_update():
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     h100 = R.roof("h100")
     placements = [R.place(op, h100) for op in R.chapter_ops()]
     path = plot([h100, R.roof("a100-80gb")], placements, str(tmp_path / "roof.png"))
@@ -141,7 +142,7 @@ def test_roofline_command_json():
 
 
 def test_roofline_command_table_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     png = tmp_path / "h100.png"
     result = CliRunner().invoke(roofline_command, ["--hardware", "h100", "--plot", str(png)])
     assert result.exit_code == 0, result.output

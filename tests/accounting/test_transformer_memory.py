@@ -13,8 +13,9 @@ from minitrain.accounting.transformer import (
     transformer_activation_terms,
     transformer_layer_activation_bytes,
 )
+from tests.accounting.conftest import require
 
-transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+transformers = require("transformers")
 
 SHAPES = [dict(seq_len=2048, batch=1, hidden=12288, heads=96),  # GPT-3 175B
           dict(seq_len=1024, batch=8, hidden=1600, heads=25),  # GPT-2 XL
