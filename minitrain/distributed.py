@@ -44,10 +44,9 @@ class LostPeer(DistributedError):
     lost_peer = True
 
 
-def in_worker(environ: dict[str, str] | None = None) -> bool:
+def in_worker() -> bool:
     """Whether torchrun (or ``--nproc``) started this process: ``RANK`` and ``WORLD_SIZE`` set."""
-    environ = os.environ if environ is None else environ
-    return "RANK" in environ and "WORLD_SIZE" in environ
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def timeout_seconds(environ: dict[str, str] | None = None) -> float:
@@ -103,11 +102,8 @@ def shard(batch: PyTree, rank: int, world_size: int) -> PyTree:
     if not 0 <= rank < world_size:
         raise ShardError(f"rank must be in [0, {world_size}), got {rank}")
     sizes = shard_sizes(batch_size(batch), world_size)
-    start = sum(sizes[:rank])
-    stop = start + sizes[rank]
-    pieces = [
-        leaf[start:stop] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves(batch)
-    ]
+    start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    pieces = [t[start:stop] if isinstance(t, torch.Tensor) else t for t in leaves(batch)]
     return unflatten(structure(batch), pieces)
 
 
@@ -146,10 +142,7 @@ def allreduce_sum(
     plan = bucket_plan(tensors, bucket_bytes)
     flats = [torch.cat([tensors[i].reshape(-1) for i in members]) for members in plan]
     with collective("the gradient all-reduce"):
-        works = [
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            for flat in flats
-        ]
+        works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]  # SUM
         for work in works:
             work.wait()
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
@@ -217,9 +210,7 @@ class DataParallel:
         for i, reduced in zip(tensor_at, summed, strict=False):
             new_leaves[i] = reduced
         mean_scalars = summed[-1].to(scalars.device)
-        new_aux = {
-            key: mean_scalars[1 + j].to(value.dtype) for j, (key, value) in enumerate(aux.items())
-        }
+        new_aux = {key: mean_scalars[1 + j].to(v.dtype) for j, (key, v) in enumerate(aux.items())}
         self.reduce_seconds += time.perf_counter() - start
         self.reduce_calls += 1
         self.reduced_bytes = sum(t.numel() * t.element_size() for t in weighted)
