@@ -1,5 +1,6 @@
-"""Memory napkin math: bytes per parameter, the largest trainable model, activations, and
-the one table of optimizer-state sizes (:data:`OPTIMIZER_STATES`, read by :func:`state_bytes`).
+"""Memory napkin math: bytes per parameter, the largest trainable model, ZeRO as DeepSpeed
+counts it (:func:`zero_memory`), activations, and the one table of optimizer-state sizes
+(:data:`OPTIMIZER_STATES`, read by :func:`state_bytes`).
 
 Pure Python; no torch at import. Training holds four kinds of tensors (chapter 3.1.2 and
 3.5.6): params, grads, optimizer state (plus fp32 master weights under mixed precision) and
@@ -273,7 +274,7 @@ def _check_zero(params: Number, largest_layer: Number | None, zero_stage: int, c
                 offload_optimizer: bool, offload_params: bool, buffer_factor: Number) -> None:
     if zero_stage not in (1, 2, 3):
         raise UserError(f"zero_stage must be 1, 2 or 3, got {zero_stage}; stage 0 (no ZeRO "
-                        f"optimizer) is training_memory")
+                        f"optimizer): use training_memory")
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name} must be a whole number >= 1, got {value!r}")
