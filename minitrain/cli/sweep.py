@@ -28,18 +28,26 @@ from minitrain.cli.options import (
 @click.option("--plot/--no-plot", default=True, help="Draw --out/sweep.png (needs matplotlib).")
 @click.option("--check/--no-check", default=True,
               help="Compare the first step with each member's own single-run step.")
+@click.option("--rank-by", "rank_by", default=None, metavar="[max:]METRIC",
+              help="Rank members by METRIC, lower is better (max:METRIC: higher is): loss (the "
+                   "mean of the last 10 logged train losses), final_loss, or a metric evaluate "
+                   "returns, e.g. val_loss or max:accuracy. Default: val_loss where evaluate "
+                   "returns it, else loss.")
 def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, steps: int | None,
           out: Path | None, log_every: int, checkpoint_every: int, keep: int, resume: bool,
-          overwrite: bool, report: bool, plot: bool, check: bool, as_json: bool) -> None:
+          overwrite: bool, report: bool, plot: bool, check: bool, rank_by: str | None,
+          as_json: bool) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
     from minitrain.metrics import MissingExtra
     from minitrain.precision import get_backend
+    from minitrain.train.ranking import parse_rank_by
     from minitrain.train.signals import stop_requests
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
 
     check_out(out, resume, overwrite)
     with training_errors():
+        ranked_by = parse_rank_by(rank_by) if rank_by is not None else None
         ensemble = load_sweep(script, overrides, parse_seeds(seeds), steps=steps)
         chosen = get_backend(backend)
     if not as_json:
@@ -51,7 +59,8 @@ def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, st
     with stop_requests(keep_until_exit=True), training_errors():
         result = fit_sweep(ensemble, chosen, out_dir=out, log_every=log_every,
                            checkpoint_every=checkpoint_every, keep=keep, resume=resume,
-                           overwrite=overwrite, progress=not as_json, report=report, check=check)
+                           overwrite=overwrite, progress=not as_json, report=report, check=check,
+                           rank_by=ranked_by)
     summary = result.summary
     if plot and out is not None:
         try:
@@ -70,7 +79,8 @@ def _show(console: Any, summary: dict[str, Any]) -> None:
     eval_keys = sorted({key for row in ranking for key in row["eval"]})
     table = Table(
         title=f"{summary['name']}: {summary['members']} members on {summary['backend']}, "
-        f"ranked by {ranking[0]['ranked_by'].replace('_', ' ')}"
+        f"ranked by {ranking[0]['ranked_by'].replace('_', ' ')} "
+        f"({'higher' if ranking[0]['higher_is_better'] else 'lower'} is better)"
     )
     for column in ["rank", "member", *swept, "seed", "final loss", "smoothed loss", *eval_keys]:
         table.add_column(column, justify="right")

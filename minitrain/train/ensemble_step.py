@@ -30,7 +30,8 @@ from minitrain.tree import map as tree_map
 
 __all__ = [
     "EnsembleStepOutput", "batches_ignore_swept_values", "check_members", "draw_batches",
-    "make_ensemble_step", "make_member_step", "refuse_carry", "shared_by_seed",
+    "make_ensemble_step", "make_member_step", "refuse_carry", "rerun_as_single_runs",
+    "shared_by_seed",
 ]
 
 class EnsembleStepOutput(NamedTuple):
@@ -268,6 +269,22 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
                     "torch.tensor() or torch.as_tensor() with a dtype keep member 0's value)"
                 )
     return moved
+
+
+def rerun_as_single_runs(ensemble: Ensemble, backend: Backend, params: Params,
+                         opt_state: OptState, batch: PyTree, diverged_at: torch.Tensor,
+                         fp8_history: torch.Tensor | None = None,
+                         keys: torch.Tensor | None = None) -> None:
+    """Each healthy member's own single-run step, so that a mistake in the script raises as it
+    does in ``minitrain run`` (the vmapped step's error names batched shapes)."""
+    singles = zip(*(_members(tree, ensemble.size) for tree in (params, opt_state, batch)),
+                  strict=True)
+    for k, (member_params, member_state, member_batch) in enumerate(singles):
+        if int(diverged_at[k]) == 0:
+            carry = None if fp8_history is None else Carry(fp8_history=fp8_history[k])
+            make_train_step(ensemble.experiments[k], backend)(
+                member_params, member_state, member_batch, carry,
+                None if keys is None else keys[k])
 
 
 def _members(stacked: PyTree, count: int) -> list[PyTree]:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import json
-import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,7 @@ import torch
 from minitrain.errors import ExperimentError
 from minitrain.train.script_errors import is_user_file
 
-__all__ = ["MemberMismatch", "check_same_sizes", "differing_members", "json_writes_member_zero"]
+__all__ = ["MemberMismatch", "check_same_sizes", "differing_members"]
 
 
 class MemberMismatch(ExperimentError):
@@ -191,40 +188,3 @@ def _contents(cell: Any) -> Any:
         return cell.cell_contents
     except ValueError:  # a closure variable not yet assigned
         return None
-
-
-class _JsonBuilds(threading.local):
-    depth = 0  # builds under way in this thread
-
-
-_BUILDS = _JsonBuilds()
-_JSON_LOCK = threading.Lock()
-_json_users = 0  # builds under way in all threads: the default is installed while any is
-_json_default_before: Any = None
-
-
-def _member_zero_default(encoder: json.JSONEncoder, value: Any) -> Any:
-    plain = getattr(value, "swept_plain", None)
-    if _BUILDS.depth and plain is not None and getattr(value, "swept_binding", None) is not None:
-        return plain.tolist()
-    return _json_default_before(encoder, value)
-
-
-@contextlib.contextmanager
-def json_writes_member_zero() -> Iterator[None]:
-    """While the template is built, ``json.dumps(config)`` writes swept values as member 0's."""
-    global _json_users, _json_default_before
-    with _JSON_LOCK:
-        if _json_users == 0:
-            _json_default_before = json.JSONEncoder.default
-            json.JSONEncoder.default = _member_zero_default
-        _json_users += 1
-    _BUILDS.depth += 1
-    try:
-        yield
-    finally:
-        _BUILDS.depth -= 1
-        with _JSON_LOCK:
-            _json_users -= 1
-            if _json_users == 0 and json.JSONEncoder.default is _member_zero_default:
-                json.JSONEncoder.default = _json_default_before

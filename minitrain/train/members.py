@@ -178,19 +178,32 @@ def build_ensemble(
         except MemberMismatch as exc:  # refused by a swept value: name the script's line
             raise MemberMismatch(f"{exc}{script_line(exc)}") from exc
         except Exception as exc:  # e.g. an argument annotated float that refuses a tensor
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise MemberMismatch(
-                f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
-                f"({type(exc).__name__}: {reason}); pass swept keys only to arguments that "
-                "accept 0-d tensors (max_grad_norm, mt.optim's lr, weight_decay, eps, momentum, "
-                "dampening, alpha and the like; both betas or neither) or use them in tensor "
-                "arithmetic"
-            ) from exc
+            raise _template_failed(swept, exc) from exc
         template = dataclasses.replace(template, name=experiments[0].name)
         check_same_sizes([_parts(e) for e in experiments],
                          [member_label(member) for member in members],
                          lambda: _parts(_built(build, members[0].config)))
     return Ensemble(members, experiments, template, binding, swept)
+
+
+def _template_failed(swept: tuple[str, ...], exc: Exception) -> MemberMismatch:
+    """Why the template experiment, built with per-member tensors, failed."""
+    cause = exc.__cause__ if isinstance(exc, ExperimentError) and exc.__cause__ else exc
+    if isinstance(cause, TypeError) and "JSON serializable" in str(cause):
+        return MemberMismatch(
+            f"experiment(config) writes {', '.join(swept)} to JSON{script_line(cause)} while "
+            "the shared step is built, where they are per-member tensors; write "
+            "json.dumps(config, default=float), which writes member 0's values there"
+        )
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return MemberMismatch(
+        f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
+        f"({type(exc).__name__}: {reason}); pass swept keys only to arguments that "
+        "accept 0-d tensors (max_grad_norm, mt.optim's lr, weight_decay, eps, momentum, "
+        "dampening, alpha and the like; both betas or neither) or use them in tensor "
+        "arithmetic"
+    )
+
 
 
 def _parts(experiment: Experiment) -> dict[str, Any]:

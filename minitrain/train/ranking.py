@@ -1,7 +1,8 @@
 """A sweep's members side by side: their log lines, recent losses and the ranking.
 
-Diverged members rank last; the others by ``val_loss`` when all have one, else by the mean of
-their last :data:`RECENT_LOSSES` logged losses.
+Diverged members rank last; the others by the metric ``--rank-by`` names, or by default by
+``val_loss`` when all have one, else by the mean of their last :data:`RECENT_LOSSES` logged
+losses.
 """
 
 from __future__ import annotations
@@ -11,19 +12,58 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from minitrain.errors import ExperimentError
 from minitrain.metrics import METRICS_FILE, read_metrics
 from minitrain.train.members import Ensemble, Member, member_label
 from minitrain.train.progress import resident_bytes
 from minitrain.train.stepper import evaluated
 from minitrain.tree import unstack
 
-__all__ = ["RECENT_LOSSES", "MemberLog", "log_step", "ranking", "reload_logs"]
+__all__ = ["LOSSES", "RECENT_LOSSES", "MemberLog", "RankBy", "check_rank_by", "log_step",
+           "parse_rank_by", "ranking", "reload_logs"]
 
 RECENT_LOSSES = 10  # the ranking's smoothed loss: the mean of this many last logged losses
+# what --rank-by may name besides the metrics of evaluate: each row's field it reads
+LOSSES = {"loss": "smoothed_loss", "smoothed_loss": "smoothed_loss", "final_loss": "final_loss"}
+
+
+class RankBy(NamedTuple):
+    """The metric members are ranked by, and whether higher is better."""
+
+    name: str
+    higher: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.name} ({'higher' if self.higher else 'lower'} is better)"
+
+
+def parse_rank_by(text: str) -> RankBy:
+    """``"val_loss"`` (lower is better), ``"min:val_loss"``, ``"max:accuracy"``.
+
+    >>> parse_rank_by("max:accuracy"), parse_rank_by("loss")
+    (RankBy(name='accuracy', higher=True), RankBy(name='loss', higher=False))
+    """
+    mode, sep, name = text.strip().rpartition(":")
+    if (sep and mode not in ("min", "max")) or not name:
+        raise ExperimentError(
+            f"--rank-by {text}: expected a metric name, with min: or max: before it where "
+            "higher is better (e.g. --rank-by val_loss or --rank-by max:accuracy)"
+        )
+    return RankBy(name, mode == "max")
+
+
+def check_rank_by(rank_by: RankBy, metrics: Any) -> None:
+    """Refuse a metric that neither the losses nor ``metrics`` (evaluate's names) hold."""
+    if rank_by.name not in LOSSES and rank_by.name not in metrics:
+        available = [*LOSSES, *sorted(metrics)]
+        raise ExperimentError(
+            f"--rank-by {rank_by.name}: no such metric; available: {', '.join(available)}"
+            + ("" if metrics else " (evaluate(params) returns more)")
+        )
 
 
 @dataclasses.dataclass
@@ -97,11 +137,15 @@ def reload_logs(run_dir: Path, start: int, logs: list[MemberLog],
             log.last_eval = evals or log.last_eval
 
 
-def ranking(members: tuple[Member, ...], logs: list[MemberLog]) -> list[dict[str, Any]]:
-    """Members best first: by held-out ``val_loss`` when every healthy member has one, else by
-    the mean of their last logged train losses; diverged members last, earliest first."""
+def ranking(members: tuple[Member, ...], logs: list[MemberLog],
+            rank_by: RankBy | None = None) -> list[dict[str, Any]]:
+    """Members best first: by ``rank_by``, else by held-out ``val_loss`` when every healthy
+    member has one, else by the mean of their last logged train losses; diverged members last,
+    earliest first. A member without the metric ranks after those with it."""
     healthy = [log for log in logs if not log.diverged_at]
-    by_val = bool(healthy) and all("val_loss" in log.last_eval for log in healthy)
+    if rank_by is None:
+        by_val = bool(healthy) and all("val_loss" in log.last_eval for log in healthy)
+        rank_by = RankBy("val_loss" if by_val else "smoothed_loss")
     rows = []
     for member, log in zip(members, logs, strict=True):
         smoothed = sum(log.recent) / len(log.recent) if log.recent else None
@@ -113,15 +157,18 @@ def ranking(members: tuple[Member, ...], logs: list[MemberLog]) -> list[dict[str
             "smoothed_loss": None if log.diverged_at else smoothed,
             "eval": log.last_eval,
             "diverged_at": log.diverged_at or None,
-            "ranked_by": "val_loss" if by_val else "smoothed_loss",
+            "ranked_by": rank_by.name,
+            "higher_is_better": rank_by.higher,
         })
 
     def key(row: dict[str, Any]) -> tuple:
         if row["diverged_at"] is not None:
             return (1, row["diverged_at"], row["member"])
-        value = row["eval"]["val_loss"] if by_val else row["smoothed_loss"]
-        value = value if value is not None and math.isfinite(value) else math.inf
-        return (0, value, row["member"])
+        field = LOSSES.get(rank_by.name)
+        value = row[field] if field else row["eval"].get(rank_by.name)
+        if value is None or not math.isfinite(value):
+            return (0, math.inf, row["member"])
+        return (0, -value if rank_by.higher else value, row["member"])
 
     rows.sort(key=key)
     for rank, row in enumerate(rows, start=1):

@@ -24,8 +24,9 @@ loss goes non-finite is frozen and ranked last; the sweep fails only if all dive
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from minitrain.train.ensemble_step import (
     check_members,
     draw_batches,
     make_ensemble_step,
+    rerun_as_single_runs,
     shared_by_seed,
 )
 from minitrain.train.experiment import as_recorded
@@ -56,9 +58,18 @@ from minitrain.train.members import (
     parse_seeds,
 )
 from minitrain.train.progress import to_stderr
-from minitrain.train.ranking import MemberLog, log_step, ranking, reload_logs
+from minitrain.train.ranking import (
+    LOSSES,
+    MemberLog,
+    RankBy,
+    check_rank_by,
+    log_step,
+    ranking,
+    reload_logs,
+)
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import batch_examples, init_params, run_generators
+from minitrain.train.single import first_step_mistakes
 from minitrain.train.step import (
     Carry,
     check_fp8_history,
@@ -85,8 +96,9 @@ class SweepRun:
     parallel = None
 
     def __init__(self, ensemble: Ensemble, backend: Backend, *, check: bool = True,
-                 say: Callable[[str], None] | None = None) -> None:
-        self.ensemble, self.backend, self.check = ensemble, backend, check
+                 say: Callable[[str], None] | None = None, rank_by: RankBy | None = None
+                 ) -> None:
+        self.ensemble, self.backend, self.check, self.rank_by = ensemble, backend, check, rank_by
         self.experiment = ensemble.template
         self.say = say or to_stderr
         self.current_step = 0
@@ -114,7 +126,7 @@ class SweepRun:
         rng.seed_everything(members[0].seed)
         generators = [run_generators(member.seed) for member in members]
         data_generators = [data for _, data in generators]
-        with script_call("next_batch(generator)"):
+        with script_call("next_batch(generator)", 1):
             if batches_ignore_swept_values(ensemble):
                 data_generators = shared_by_seed(members, data_generators)
         self.data_generators = data_generators
@@ -131,6 +143,16 @@ class SweepRun:
         self.hyperparameters = ensemble.hyperparameters(self.backend.device)
         self.fp8_history = self._fp8_histories(member_params[0])
         self.step_fn = make_ensemble_step(ensemble, self.backend)
+        self._check_rank_by(member_params[0])
+
+    def _check_rank_by(self, params: Params) -> None:
+        """Refuse a --rank-by metric no member reports, before the first step (a metric of
+        evaluate is looked for in member 0's evaluation of its initial params)."""
+        rank_by, evaluate = self.rank_by, self.experiment.evaluate
+        if rank_by is None or rank_by.name in LOSSES:
+            return
+        check_rank_by(rank_by, {} if evaluate is None else
+                      stepper.evaluated(self.ensemble.experiments[0].evaluate, params))
 
     def _fp8_histories(self, params: Params) -> torch.Tensor | None:
         """Each member's empty amax histories on a delayed-fp8 backend (else None)."""
@@ -204,7 +226,8 @@ class SweepRun:
             self.examples = batch_examples(member_batches[0])
         batch = self.backend.to_device(_stacked(member_batches, "batches"))
         self.keys = self._keys(step)
-        with script_call("the train step (loss)", step):
+        with first_step_mistakes(self._steps_taken == 0), \
+                script_call("the train step (loss)", step), self._single_run_errors(batch):
             out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
                                self.diverged_at, step, self.fp8_history, self.keys)
         self._steps_taken += 1
@@ -216,6 +239,17 @@ class SweepRun:
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
         self.fp8_history = out.fp8_history
         self._out, self.batch, self.current_step = out, batch, step
+
+    @contextlib.contextmanager
+    def _single_run_errors(self, batch: PyTree) -> Iterator[None]:
+        """A failed vmapped step fails as the members' single runs do, where one of them does
+        (else as it did: e.g. a refusal of what only one vmapped step cannot run)."""
+        try:
+            yield
+        except Exception:
+            rerun_as_single_runs(self.ensemble, self.backend, self.params, self.opt_state, batch,
+                                 self.diverged_at, self.fp8_history, self.keys)
+            raise
 
     def _keys(self, step: int) -> torch.Tensor | None:
         """Each member's key of ``step`` (its own seed's), when the loss ``uses_key``."""
@@ -240,8 +274,10 @@ class SweepRun:
 
     def summary(self, timer: stepper.StepTimer) -> dict[str, Any]:
         ensemble, logs, member_params = self.ensemble, self.logs, None
+        wanted = getattr(self.rank_by, "name", None)
         for k, experiment in enumerate(ensemble.experiments):
-            if experiment.evaluate is not None and not logs[k].last_eval:
+            if experiment.evaluate is not None and (
+                    not logs[k].last_eval or wanted not in (None, *LOSSES, *logs[k].last_eval)):
                 member_params = member_params or unstack(self.params)
                 logs[k].last_eval = stepper.evaluated(experiment.evaluate, member_params[k])
         k = ensemble.size
@@ -250,7 +286,7 @@ class SweepRun:
                 "seeds": sorted({m.seed for m in ensemble.members})}
         summary = stepper.run_summary(self, timer, head,
                               {"params_per_member": per_member, "params": per_member * k}, k)
-        summary["ranking"] = ranking(ensemble.members, logs)
+        summary["ranking"] = ranking(ensemble.members, logs, self.rank_by)
         summary["diverged"] = [
             m.index for m, log in zip(ensemble.members, logs, strict=True) if log.diverged_at
         ]
@@ -278,13 +314,15 @@ class SweepRun:
 def fit_sweep(ensemble: Ensemble, backend: Backend, *, out_dir: str | Path | None = None,
               log_every: int = 1, checkpoint_every: int = 0, keep: int = 3, resume: bool = False,
               overwrite: bool = False, progress: bool = True, report: bool = False,
-              check: bool = True, say: Callable[[str], None] | None = None) -> FitResult:
+              check: bool = True, say: Callable[[str], None] | None = None,
+              rank_by: RankBy | None = None) -> FitResult:
     """Train every member of ``ensemble`` with one vmapped step per step; return the result.
 
     Arguments are :func:`~minitrain.train.fit`'s; ``check`` compares the first steps that move the
-    params with each member's own single-run step.
+    params with each member's own single-run step; ``rank_by`` orders the summary's ranking
+    (:func:`~minitrain.train.ranking.parse_rank_by`; default: val_loss, else the train loss).
     """
-    run = SweepRun(ensemble, backend, check=check, say=say)
+    run = SweepRun(ensemble, backend, check=check, say=say, rank_by=rank_by)
     return run_loop(
         run, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
         keep=keep, resume=resume, overwrite=overwrite, progress=progress, report=report, say=say,

@@ -16,11 +16,7 @@ from typing import Any
 import torch
 
 from minitrain._torch import make_subclass
-from minitrain.train.member_checks import (
-    MemberMismatch,
-    differing_members,
-    json_writes_member_zero,
-)
+from minitrain.train.member_checks import MemberMismatch, differing_members
 
 __all__ = ["SweepBinding", "SweptValue"]
 
@@ -51,8 +47,7 @@ class SweepBinding:
             for label, values in members
         ]
         try:
-            with json_writes_member_zero():
-                yield
+            yield
         finally:
             self.members = None
 

@@ -213,82 +213,43 @@ def test_an_if_on_the_step_count_in_a_schedule_is_one_line(tmp_path):
 # --------------------------------------------------------------------------- json
 
 
-def test_json_dumps_of_the_config_trains_as_single_runs(tmp_path, capsys):
-    path = write(tmp_path, 'name = "messages " + json.dumps(config, sort_keys=True)')
+def test_json_dumps_of_the_config_with_default_float_trains_as_single_runs(tmp_path):
+    path = write(tmp_path, 'name = "messages " + json.dumps(config, sort_keys=True, default=float)')
     assert_members_equal_single_runs(path, ["lr=0.05,0.2"])
 
 
-def test_json_dumps_writes_member_zeros_values_while_the_template_is_built(tmp_path):
+def test_plain_json_dumps_of_a_swept_value_is_one_line_naming_the_fix(tmp_path, capsys):
+    path = write(tmp_path, 'name = "messages " + json.dumps(config)')
+    with pytest.raises(MemberMismatch) as info:
+        load_sweep(path, ["lr=0.05,0.2"])
+    message = str(info.value)
+    assert message.startswith(f"experiment(config) writes lr to JSON (messages.py line "
+                              f"{line_of(path, 'json.dumps')}) while the shared step is built")
+    assert "json.dumps(config, default=float)" in message and "\n" not in message
+    code, err = cli(capsys, path, "lr=0.05,0.2")
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_json_dumps_with_default_float_writes_member_zeros_values_while_the_template_is_built(
+        tmp_path):
     path = write(tmp_path, """
         with open(config["log"], "a") as log:
-            log.write(json.dumps({"lr": config["lr"], "half": config["lr"] / 2}) + "\\n")
+            record = {"lr": config["lr"], "half": config["lr"] / 2,
+                      "encoder": json.JSONEncoder.default.__module__}
+            log.write(json.dumps(record, default=float) + "\\n")
         """)
     log = tmp_path / "config.jsonl"
     script = Path(path)
     logged = f'"steps": 4, "log": {str(log)!r}}}'
     script.write_text(script.read_text().replace('"steps": 4}', logged))
+    original = json.JSONEncoder.default
     load_sweep(path, ["lr=0.05,0.2"], steps=2)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    # member 0, member 1, then the shared experiment, which writes member 0's values
-    assert lines == [{"lr": 0.05, "half": 0.025}, {"lr": 0.2, "half": 0.1},
-                     {"lr": 0.05, "half": 0.025}]
-    with pytest.raises(TypeError, match="not JSON serializable"):
-        json.dumps(torch.tensor(1.0))  # outside a build, json is as it was
-
-
-def test_json_in_another_thread_during_a_build_behaves_as_ever():
-    import threading
-
-    from minitrain.train.member_checks import json_writes_member_zero
-    from minitrain.train.swept import SweptValue
-
-    lr = SweptValue(0.1, "lr", SweptValue.binding_type())
-    seen = []
-
-    def elsewhere():
-        try:
-            seen.append(json.dumps(lr))
-        except TypeError as exc:
-            seen.append(type(exc))
-
-    with json_writes_member_zero():
-        thread = threading.Thread(target=elsewhere)
-        thread.start()
-        thread.join()
-        here = json.dumps(lr)
-    assert seen == [TypeError] and json.loads(here) == 0.1
-
-
-def test_builds_in_two_threads_ending_in_either_order_leave_json_as_it_was():
-    import threading
-
-    from minitrain.train.member_checks import json_writes_member_zero
-    from minitrain.train.swept import SweptValue
-
-    lr = SweptValue(0.1, "lr", SweptValue.binding_type())
-    original = json.JSONEncoder.default
-    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
-    written = {}
-
-    def build_a():
-        with json_writes_member_zero():
-            a_inside.set()
-            b_inside.wait()
-        a_done.set()
-
-    def build_b():
-        a_inside.wait()
-        with json_writes_member_zero():
-            b_inside.set()
-            a_done.wait()  # a's build ended first, b's goes on
-            written["b"] = json.dumps(lr)
-
-    threads = [threading.Thread(target=build_a), threading.Thread(target=build_b)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert json.loads(written["b"]) == 0.1
+    # member 0, member 1, then the shared experiment, which writes member 0's values; json's
+    # encoder is json's own throughout
+    assert lines == [{"lr": 0.05, "half": 0.025, "encoder": "json.encoder"},
+                     {"lr": 0.2, "half": 0.1, "encoder": "json.encoder"},
+                     {"lr": 0.05, "half": 0.025, "encoder": "json.encoder"}]
     assert json.JSONEncoder.default is original
 
 
