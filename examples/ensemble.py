@@ -1,0 +1,75 @@
+"""A deep ensemble: 8 MLPs trained as one, each with its own learning rate.
+
+The members' params are one pytree whose leaves carry a leading member axis; ``mt.vmap`` runs
+the eight train steps as one, and each member builds its Adam from its own learning rate (a 0-d
+tensor inside vmap, log-spaced over 1e-3..1e-1). The task is regression of
+``y = sin(3 x0) cos(2 x1)`` plus noise of std 0.1 from 256 fixed points. On held-out points the
+ensemble's mean prediction beats the average member (Lakshminarayanan et al. 2017).
+
+    python examples/ensemble.py              # 500 steps, about 20 s on one CPU core
+    python examples/ensemble.py --compile    # the vmapped step under torch.compile
+"""
+
+import sys
+
+import torch
+
+import minitrain as mt
+
+MEMBERS, HIDDEN, STEPS = 8, 64, 500
+
+
+def init(key: torch.Tensor) -> list[dict]:
+    k1, k2, k3 = mt.random.split(key, 3)
+    return [mt.nn.linear_init(k1, 2, HIDDEN), mt.nn.linear_init(k2, HIDDEN, HIDDEN),
+            mt.nn.linear_init(k3, HIDDEN, 1)]
+
+
+def predict(params: list[dict], x: torch.Tensor) -> torch.Tensor:
+    for layer in params[:-1]:
+        x = torch.tanh(mt.nn.linear(layer, x))
+    return mt.nn.linear(params[-1], x).squeeze(-1)
+
+
+def loss(params: list[dict], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return mt.losses.mse(predict(params, x), y)
+
+
+def member_step(params, state, lr, x, y):
+    """One member's Adam step, its learning rate ``lr`` a 0-d tensor."""
+    value, grads = mt.value_and_grad(loss)(params, x, y)
+    params, state = mt.optim.adam(lr=lr).update(grads, state, params)
+    return params, state, value
+
+
+ensemble_step = mt.vmap(member_step, in_dims=(0, 0, 0, None, None))
+
+
+def data(points: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = 2 * torch.rand(points, 2, generator=g) - 1
+    noise = 0.1 * torch.randn(points, generator=g)
+    return x, torch.sin(3 * x[:, 0]) * torch.cos(2 * x[:, 1]) + noise
+
+
+def main(steps: int = STEPS, compile: bool = False) -> dict:
+    """Train the ensemble; each member's and the ensemble's held-out MSE."""
+    lrs = torch.logspace(-3, -1, MEMBERS)
+    params = mt.tree.stack([init(k) for k in mt.random.split(mt.random.key(0), MEMBERS)])
+    state = mt.vmap(lambda p: mt.optim.adam(lr=1e-3).init(p))(params)
+    step = torch.compile(ensemble_step) if compile else ensemble_step
+    (x, y), (x_test, y_test) = data(256, seed=0), data(1024, seed=1)
+    for _ in range(steps):
+        params, state, losses = step(params, state, lrs, x, y)
+    with torch.no_grad():
+        preds = mt.vmap(predict, in_dims=(0, None))(params, x_test)  # (members, points)
+    return {"lr": lrs.tolist(), "train_mse": losses.tolist(),
+            "member_mse": ((preds - y_test) ** 2).mean(1).tolist(),
+            "ensemble_mse": float(((preds.mean(0) - y_test) ** 2).mean())}
+
+
+if __name__ == "__main__":
+    result = main(compile="--compile" in sys.argv)
+    for lr, mse in zip(result["lr"], result["member_mse"], strict=True):
+        print(f"lr {lr:.4f}  held-out mse {mse:.4f}")
+    print(f"ensemble mean     held-out mse {result['ensemble_mse']:.4f}")
