@@ -88,11 +88,19 @@ def print_summary(summary: dict[str, Any], out: Path | None, as_json: bool,
             click.echo(dumps_finite(summary, indent=2))
             return
         console = rich_console()
-        show(console, summary)
-        if "resources" in summary:
-            from minitrain.accounting.report import format_report
+        try:
+            show(console, summary)
+            if "resources" in summary:
+                from minitrain.accounting.report import format_report
 
-            console.print(f"[bold]resources[/bold] {resources_title}")
-            console.print(
-                format_report(summary["resources"]), markup=False, highlight=False, soft_wrap=True
-            )
+                text = format_report(summary["resources"])
+                console.print(f"[bold]resources[/bold] {resources_title}")
+                console.print(text, markup=False, highlight=False, soft_wrap=True)
+        except (OSError, click.ClickException):
+            raise
+        except Exception as exc:  # a summary short of a field: print what there is
+            from minitrain.train.experiment import one_line
+
+            click.echo(f"warning: could not compute the summary table: {one_line(exc)}",
+                       err=True)
+            click.echo(dumps_finite(summary, indent=2))

@@ -41,6 +41,7 @@ def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, st
     step for all members, and rank them."""
     from minitrain.metrics import MissingExtra
     from minitrain.precision import get_backend
+    from minitrain.train.experiment import one_line
     from minitrain.train.ranking import parse_rank_by
     from minitrain.train.signals import stop_requests
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
@@ -67,6 +68,8 @@ def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, st
             summary["plot"] = str(plot_sweep(out))
         except MissingExtra as exc:
             click.echo(f"warning: no plot: {exc}", err=True)
+        except Exception as exc:  # nothing after the last step fails a finished sweep
+            click.echo(f"warning: could not draw the plot: {one_line(exc)}", err=True)
     print_summary(summary, out, as_json, _show,
                   "of the whole ensemble (predicted vs measured)")
 

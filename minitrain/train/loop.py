@@ -22,7 +22,7 @@ from minitrain.metrics import MetricsWriter
 from minitrain.train.progress import progress_bar, to_stderr
 from minitrain.train.setup import run_generators, to_backend  # noqa: F401  (re-exported)
 from minitrain.train.signals import stop_requests
-from minitrain.train.stepper import FitResult, Stepper, StepTimer
+from minitrain.train.stepper import FitResult, Stepper, StepTimer, after_last_step
 
 __all__ = ["FitResult", "Stepper", "dumps_finite", "finite_json", "is_due", "run_loop"]
 
@@ -243,10 +243,16 @@ class _Loop:
         if stopped:
             raise Interrupted(self._stop_message(last))
         with self._storage_errors(last):
-            summary = stepper.summary(self.timer)
+            summary = after_last_step("the summary", lambda: stepper.summary(self.timer),
+                                      None, self.say)
+            report = report and summary is not None  # the report reads the summary's timing
+            summary = summary or _bare_summary(stepper)
             summary["resumed_from"] = self.start or None
             if report and not self.stop.requested and self.main:
-                summary["resources"] = stepper.report(summary)
+                resources = after_last_step("the resource report",
+                                            lambda: stepper.report(summary), None, self.say)
+                if resources is not None:
+                    summary["resources"] = resources
             if self.writes:
                 self._check_run_dir(last)
                 _write_summary(self.run_dir / SUMMARY_FILE, summary)
@@ -330,6 +336,13 @@ def _survives(path: Path, settle: float = 0.5) -> bool:
 class _Saved(NamedTuple):
     path: Path
     step: int
+
+
+def _bare_summary(stepper: Stepper) -> dict[str, Any]:
+    """What a summary holds when the full one could not be computed."""
+    experiment, loss = stepper.experiment, stepper.loss
+    return {"name": experiment.name, "backend": stepper.backend.name, "steps": experiment.steps,
+            "final_loss": loss if math.isfinite(loss) else None}
 
 
 def _write_summary(path: Path, summary: dict[str, Any]) -> None:

@@ -20,11 +20,11 @@ from minitrain.errors import ExperimentError
 from minitrain.metrics import METRICS_FILE, read_metrics
 from minitrain.train.members import Ensemble, Member, member_label
 from minitrain.train.progress import resident_bytes
-from minitrain.train.stepper import evaluated
+from minitrain.train.stepper import after_last_step, evaluated
 from minitrain.tree import unstack
 
 __all__ = ["LOSSES", "RECENT_LOSSES", "MemberLog", "RankBy", "check_rank_by", "log_step",
-           "parse_rank_by", "ranking", "reload_logs"]
+           "member_eval", "parse_rank_by", "rank_value", "ranking", "reload_logs"]
 
 RECENT_LOSSES = 10  # the ranking's smoothed loss: the mean of this many last logged losses
 # what --rank-by may name besides the metrics of evaluate: each row's field it reads
@@ -77,6 +77,7 @@ class MemberLog:
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     diverged_at: int = 0
     reported: bool = False
+    final_evaluated: bool = False  # tried after the last step (a failure is not tried again)
 
 
 def log_step(ensemble: Ensemble, out: Any, step: int, logs: list[MemberLog],
@@ -109,11 +110,22 @@ def log_step(ensemble: Ensemble, out: Any, step: int, logs: list[MemberLog],
                           **{key: values[k] for key, values in aux.items()}, **rates,
                           rss_bytes=rss)
             if is_eval:
-                evaluate = ensemble.experiments[k].evaluate
-                log.last_eval = evaluated(evaluate, member_params[k], step=step)
+                log.last_eval = member_eval(ensemble, k, member_params[k], log, step, say)
                 record.update(log.last_eval)
         records.append(record)
     return records
+
+
+def member_eval(ensemble: Ensemble, k: int, params: Any, log: MemberLog, step: int | None,
+                say: Callable[[str], None]) -> dict[str, float]:
+    """Member ``k``'s evaluation at ``step``; the final one, if it fails, is a warning and none."""
+    def evaluate() -> dict[str, float]:
+        return evaluated(ensemble.experiments[k].evaluate, params, step=step)
+
+    if step is not None and step < ensemble.steps:
+        return evaluate()
+    log.final_evaluated = True
+    return after_last_step(f"the final evaluation of member {k}", evaluate, {}, say)
 
 
 def reload_logs(run_dir: Path, start: int, logs: list[MemberLog],
@@ -135,6 +147,12 @@ def reload_logs(run_dir: Path, start: int, logs: list[MemberLog],
             log.recent.append(record["loss"])
             evals = {key: v for key, v in record.items() if key.startswith(("val", "eval"))}
             log.last_eval = evals or log.last_eval
+
+
+def rank_value(row: dict[str, Any]) -> float | None:
+    """The value of the metric a ranking row was ranked by (None: it has none)."""
+    name = row["ranked_by"]
+    return row[LOSSES[name]] if name in LOSSES else row["eval"].get(name)
 
 
 def ranking(members: tuple[Member, ...], logs: list[MemberLog],
@@ -164,8 +182,7 @@ def ranking(members: tuple[Member, ...], logs: list[MemberLog],
     def key(row: dict[str, Any]) -> tuple:
         if row["diverged_at"] is not None:
             return (1, row["diverged_at"], row["member"])
-        field = LOSSES.get(rank_by.name)
-        value = row[field] if field else row["eval"].get(rank_by.name)
+        value = rank_value(row)
         if value is None or not math.isfinite(value):
             return (0, math.inf, row["member"])
         return (0, -value if rank_by.higher else value, row["member"])

@@ -71,6 +71,7 @@ class SingleRun:
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._out: Any = None
         self._last_eval: dict[str, float] = {}
+        self._evaluated_at = -1  # the step of the last evaluation
 
     # ------------------------------------------------------------------ start and resume
 
@@ -218,9 +219,16 @@ class SingleRun:
             "rss_bytes": resident_bytes(),
         }
         if evaluate:
-            self._last_eval = self._evaluate(step)
+            self._last_eval = self._final_eval(step)
             record.update(self._last_eval)
         return [record] if self.main else []
+
+    def _final_eval(self, step: int | None) -> dict[str, float]:
+        """The evaluation at ``step``; the last step's, if it fails, is a warning and none."""
+        self._evaluated_at = self.current_step
+        if step is not None and step < self.experiment.steps:
+            return self._evaluate(step)
+        return stepper.after_last_step("the final evaluation", lambda: self._evaluate(step), {})
 
     def _evaluate(self, step: int | None) -> dict[str, float]:
         carry = self.carry
@@ -232,8 +240,8 @@ class SingleRun:
     def summary(self, timer: stepper.StepTimer) -> dict[str, Any]:
         if self._out is not None:
             self.loss = float(self._out.loss)
-        if self.experiment.evaluate is not None and self.main and not self._last_eval:
-            self._last_eval = self._evaluate(None)
+        if self.experiment.evaluate is not None and self.main and self._evaluated_at < 0:
+            self._last_eval = self._final_eval(None)
         summary = stepper.run_summary(self, timer, {"seed": self.seed},
                                       {"params": size(self.params)})
         summary["final_loss"] = self.loss if math.isfinite(self.loss) else None

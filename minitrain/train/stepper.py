@@ -10,13 +10,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from minitrain.errors import ResumeError, ScriptError
+from minitrain.errors import MinitrainError, ResumeError, ScriptError
+from minitrain.train.experiment import one_line
+from minitrain.train.progress import to_stderr
 from minitrain.train.script_errors import script_call
 
-__all__ = ["RESUMABLE_CHANGES", "FitResult", "StepTimer", "Stepper", "changed_keys", "check_same",
-           "evaluated", "fp8_scaling", "run_summary", "step_report"]
+__all__ = ["RESUMABLE_CHANGES", "FitResult", "StepTimer", "Stepper", "after_last_step",
+           "changed_keys", "check_same", "evaluated", "fp8_scaling", "run_summary",
+           "step_report"]
 
 # Config keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = frozenset({"steps"})
@@ -90,6 +93,25 @@ class Stepper(Protocol):
     def summary(self, timer: StepTimer) -> dict[str, Any]: ...
     # the resource report: predicted against measured memory, FLOPs, MFU
     def report(self, summary: dict[str, Any]) -> dict[str, Any]: ...
+
+
+T = TypeVar("T")
+
+
+def after_last_step(what: str, compute: Callable[[], T], default: T,
+                    say: Callable[[str], None] | None = None) -> T:
+    """``compute()``, or ``default`` and one warning line naming ``what`` if it fails: nothing
+    computed after the last step (evaluation, summary, report, plot) fails a finished run.
+
+    >>> after_last_step("the answer", lambda: 1 / 0, None, say=print)
+    warning: could not compute the answer: ZeroDivisionError: division by zero
+    """
+    try:
+        return compute()
+    except Exception as exc:
+        reason = str(exc) if isinstance(exc, MinitrainError) else one_line(exc)
+        (say or to_stderr)(f"warning: could not compute {what}: {reason}")
+        return default
 
 
 def check_same(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...],

@@ -64,6 +64,7 @@ from minitrain.train.ranking import (
     RankBy,
     check_rank_by,
     log_step,
+    member_eval,
     ranking,
     reload_logs,
 )
@@ -276,10 +277,11 @@ class SweepRun:
         ensemble, logs, member_params = self.ensemble, self.logs, None
         wanted = getattr(self.rank_by, "name", None)
         for k, experiment in enumerate(ensemble.experiments):
-            if experiment.evaluate is not None and (
+            if experiment.evaluate is not None and not logs[k].final_evaluated and (
                     not logs[k].last_eval or wanted not in (None, *LOSSES, *logs[k].last_eval)):
                 member_params = member_params or unstack(self.params)
-                logs[k].last_eval = stepper.evaluated(experiment.evaluate, member_params[k])
+                logs[k].last_eval = member_eval(ensemble, k, member_params[k], logs[k], None,
+                                                self.say)
         k = ensemble.size
         per_member = size(self.params) // k
         head = {"members": k, "swept": list(ensemble.swept),

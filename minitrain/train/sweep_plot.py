@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from minitrain.atomic_io import storage_errors
 from minitrain.metrics import MissingExtra, read_metrics
 from minitrain.train.experiment import ExperimentError
+from minitrain.train.ranking import rank_value
 
 __all__ = ["PLOT_FILE", "plot_sweep"]
 
@@ -87,7 +89,7 @@ def _sweep_figure(records: list[dict], ranking: list[dict], title: str) -> Any:
         curves_axes.legend(fontsize=7)
     ranked = [row for row in ranking if not row["diverged_at"]]
     metric = ranked[0]["ranked_by"] if ranked else "smoothed_loss"
-    values = [row["eval"]["val_loss"] if metric == "val_loss" else row[metric] for row in ranked]
+    values = [math.nan if rank_value(row) is None else rank_value(row) for row in ranked]
     ranks_axes.barh([labels[row["member"]] for row in ranked], values)
     ranks_axes.invert_yaxis()
     if values and min(values) > 0 and max(values) > 100 * min(values):
