@@ -128,16 +128,24 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep must be a positive integer or None, got {keep!r}")
     target = checkpoint_path(run_dir, step)
+    try:
+        meta = json.loads(json.dumps(meta if meta is not None else {}))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"meta must be JSON data (dicts, lists, numbers, str): {exc}"
+        ) from None
     params_tensors, params_scalars = split_leaves(params, "params")
     opt_tensors, opt_scalars = split_leaves(opt_state, "opt_state")
     body = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "meta": _json_data(meta if meta is not None else {}, "meta"),
+        "meta": meta,
         "rng": rng.get_rng_state(),
         "data_generator": rng.generator_state(generator) if generator is not None else None,
-        "versions": _versions(),
+        "versions": {"python": sys.version.split()[0], "minitrain": minitrain.__version__,
+                     "torch": torch.__version__, "numpy": np.__version__,
+                     "safetensors": safetensors.__version__},
         "saved_at": time.time(),
         "scalars": {"params": params_scalars, "opt_state": opt_scalars},
         "files": {},
@@ -160,25 +168,6 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
         except (OSError, StorageError) as exc:
             logger.warning("kept older checkpoints in %s: pruning failed: %s", target.parent, exc)
     return target
-
-
-def _json_data(value: Any, label: str) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"{label} must be JSON data (dicts, lists, numbers, str): {exc}"
-        ) from None
-
-
-def _versions() -> dict[str, str]:
-    return {
-        "python": sys.version.split()[0],
-        "minitrain": minitrain.__version__,
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "safetensors": safetensors.__version__,
-    }
 
 
 def _checksum(body: dict[str, Any]) -> str:
