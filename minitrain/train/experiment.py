@@ -26,8 +26,8 @@ from minitrain.tree import Params, PyTree
 
 __all__ = [
     "Experiment", "check_loss_output", "ExperimentError", "ResumeError", "apply_overrides",
-    "as_recorded", "build_experiment", "check_config_value", "coerce_value", "load_experiment",
-    "load_script", "parse_overrides", "script_folder",
+    "as_recorded", "build_experiment", "check_config_value", "check_seed", "coerce_value",
+    "load_experiment", "load_script", "parse_overrides", "script_folder",
 ]
 
 
@@ -74,8 +74,8 @@ class Experiment:
     evaluate: Callable[[Params], Mapping[str, float]] | None = None
     eval_every: int = 0
     tokens_per_batch: int | None = None
-    flops_per_step: int | None = None
-    max_grad_norm: float | None = None
+    flops_per_step: int | float | None = None
+    max_grad_norm: float | int | torch.Tensor | None = None  # a tensor: a swept value
     name: str = "experiment"
     extras: Mapping[str, Any] = field(default_factory=dict)
     init_state: Callable[[torch.Generator], PyTree] | None = None
@@ -83,22 +83,60 @@ class Experiment:
     uses_key: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
-            raise ExperimentError(f"steps must be a non-negative int, got {self.steps!r}")
-        for name in ("init", "loss", "next_batch"):
-            if not callable(getattr(self, name)):
-                raise ExperimentError(f"Experiment.{name} must be a function")
-        if not (hasattr(self.optimizer, "init") and hasattr(self.optimizer, "update")):
-            raise ExperimentError(
-                "Experiment.optimizer must be an mt.optim optimizer (with init and update), "
-                f"got {type(self.optimizer).__name__}"
-            )
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ExperimentError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
-        if self.init_state is not None and not callable(self.init_state):
-            raise ExperimentError("Experiment.init_state must be a function: generator -> state")
-        if self.eval_every < 0:
-            raise ExperimentError(f"eval_every must be >= 0, got {self.eval_every}")
+        for name, expected, ok in _FIELDS:
+            value = getattr(self, name)
+            if not ok(value):
+                shown = repr(value) if isinstance(value, _PLAIN) else type(value).__name__
+                raise ExperimentError(f"Experiment.{name} must be {expected}, got {shown}")
+        norm = self.max_grad_norm
+        if isinstance(norm, torch.Tensor) and not norm > 0:  # a swept value: checked per member
+            raise ExperimentError(f"Experiment.max_grad_norm must be positive, got {norm}")
+
+
+_PLAIN = (int, float, str, type(None))
+
+
+def check_seed(seed: Any, what: str = "seed") -> None:
+    """Refuse a seed that is not an int in ``[0, 2**63)`` (numpy's SeedSequence and torch)."""
+    if not _int(seed, 0):
+        raise ExperimentError(f"{what} must be an int in [0, 2**63), got {seed!r}")
+
+
+def _int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**63
+
+
+def _number(value: Any, positive: bool) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and (value > 0 if positive else value >= 0))
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+# Every field of an Experiment: what it must be (checked before any step runs).
+_FIELDS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+    ("init", "a function: generator -> params", callable),
+    ("loss", "a function: (params, batch) -> loss", callable),
+    ("next_batch", "a function: generator -> batch", callable),
+    ("optimizer", "an mt.optim optimizer (with init and update)",
+     lambda o: hasattr(o, "init") and hasattr(o, "update")),
+    ("steps", "an int in [0, 2**63)", lambda v: _int(v, 0)),
+    ("has_aux", "True or False", lambda v: isinstance(v, bool)),
+    ("evaluate", "None or a function: params -> {name: number}", _optional(callable)),
+    ("eval_every", "an int >= 0 (0: evaluate at the end only)", lambda v: _int(v, 0)),
+    ("tokens_per_batch", "None or an int >= 1", _optional(lambda v: _int(v, 1))),
+    ("flops_per_step", "None or a finite number >= 0", _optional(lambda v: _number(v, False))),
+    ("max_grad_norm", "None or a finite number > 0",
+     _optional(lambda v: isinstance(v, torch.Tensor) or _number(v, True))),
+    ("name", "a non-empty str", lambda v: isinstance(v, str) and bool(v.strip())),
+    ("extras", "a dict", lambda v: isinstance(v, Mapping)),
+    ("init_state", "None or a function: generator -> state", _optional(callable)),
+    ("loss_scale", "None or a loss scale (mt.precision.dynamic_loss_scale())",
+     _optional(lambda v: hasattr(v, "init"))),
+    ("uses_key", "True or False", lambda v: isinstance(v, bool)),
+)
 
 
 def check_loss_output(loss: Any, aux: Any) -> None:

@@ -16,6 +16,7 @@ from minitrain.train.experiment import (
     ExperimentError,
     apply_overrides,
     build_experiment,
+    check_seed,
     coerce_value,
     load_script,
     parse_overrides,
@@ -94,6 +95,8 @@ def member_grid(config: Mapping[str, Any], fixed: Mapping[str, Any],
     if not seeds:
         raise ExperimentError("a sweep needs at least one seed; pass --seeds 0")
     _check_distinct("seeds", list(seeds))
+    for seed in seeds:
+        check_seed(seed, "each seed")
     base = apply_overrides(config, {key: str(value) for key, value in fixed.items()})
     apply_overrides(config, {key: str(values[0]) for key, values in swept.items() if values})
     grids = {}

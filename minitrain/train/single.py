@@ -25,7 +25,7 @@ from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, Script
 from minitrain.optim import learning_rate
 from minitrain.precision import Backend
 from minitrain.train import stepper
-from minitrain.train.experiment import Experiment, as_recorded, one_line
+from minitrain.train.experiment import Experiment, as_recorded, check_seed, one_line
 from minitrain.train.loop import FitResult, run_loop
 from minitrain.train.progress import resident_bytes, to_stderr
 from minitrain.train.script_errors import script_call, script_line
@@ -59,6 +59,7 @@ class SingleRun:
     def __init__(self, experiment: Experiment, backend: Backend, *, seed: int = 0,
                  compile: bool = False, config: dict[str, Any] | None = None,
                  parallel: Any = None) -> None:
+        check_seed(seed)
         self.experiment, self.backend, self.seed = experiment, backend, seed
         self.compile, self.config, self.parallel = compile, config, parallel
         self.main = parallel is None or parallel.is_main
