@@ -136,19 +136,20 @@ def per_example_global_norm(tree: PyTree) -> torch.Tensor:
     >>> per_example_global_norm({"a": torch.tensor([[3.0], [0.0]]), "b": torch.tensor([4.0, 1.0])})
     tensor([5., 1.])
     """
-    named = [(name, t) for name, t in named_leaves(tree) if isinstance(t, torch.Tensor)]
-    if not named:
+    tensors = [t for t in leaves(tree) if isinstance(t, torch.Tensor)]
+    if not tensors:
         raise ValueError("per_example_global_norm() needs tensor leaves with a leading batch dim")
-    batch = named[0][1].shape[0] if named[0][1].dim() else None
-    for name, t in named:
-        if t.dim() == 0 or t.shape[0] != batch:
-            raise ValueError(
-                f"leaf {name!r} has shape {tuple(t.shape)} but leaf {named[0][0]!r} has "
-                f"{tuple(named[0][1].shape)}; every leaf needs the same leading batch dim"
-            )
-    dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in named) else torch.float32
+    batch = tensors[0].shape[0] if tensors[0].dim() else None
+    if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):  # name the first such leaf
+        named = [(name, t) for name, t in named_leaves(tree) if isinstance(t, torch.Tensor)]
+        name, t = next((name, t) for name, t in named if t.dim() == 0 or t.shape[0] != batch)
+        raise ValueError(
+            f"leaf {name!r} has shape {tuple(t.shape)} but leaf {named[0][0]!r} has "
+            f"{tuple(named[0][1].shape)}; every leaf needs the same leading batch dim"
+        )
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     norms = [torch.linalg.vector_norm(t.flatten(1) if t.dim() > 1 else t.unsqueeze(1), 2, dim=1,
-                                      dtype=dtype) for _, t in named]
+                                      dtype=dtype) for t in tensors]
     return torch.linalg.vector_norm(torch.stack(norms), 2, dim=0)
 
 
@@ -167,37 +168,39 @@ def assert_same_structure(
     ...
     ValueError: params and grads differ at leaf 'w': params has 'w' where grads has 'v'; ...
     """
-    flat_a, spec_a = _pytree.tree_flatten_with_path(a)
-    flat_b, spec_b = _pytree.tree_flatten_with_path(b)
+    leaves_a, spec_a = _pytree.tree_flatten(a)
+    leaves_b, spec_b = _pytree.tree_flatten(b)
     name_a, name_b = names
-    if spec_a != spec_b:
-        for (path_a, _), (path_b, _) in zip(flat_a, flat_b, strict=False):
-            if (_path_name(path_a), _path_kinds(path_a)) != (_path_name(path_b),
-                                                              _path_kinds(path_b)):
+    if spec_a == spec_b:  # the common case, without building every leaf's path
+        pairs = enumerate(zip(leaves_a, leaves_b, strict=True)) if check_shapes else ()
+        for index, (leaf_a, leaf_b) in pairs:
+            if _shape(leaf_a) != _shape(leaf_b):
+                path = _path_name(_pytree.tree_flatten_with_path(a)[0][index][0])
                 raise ValueError(
-                    f"{name_a} and {name_b} differ at leaf {_path_name(path_a)!r}: "
-                    f"{name_a} has {_path_name(path_a)!r} where {name_b} has "
-                    f"{_path_name(path_b)!r}; pass trees with the same structure"
+                    f"{name_a} and {name_b} differ at leaf {path!r}: shape {_shape(leaf_a)} "
+                    f"vs {_shape(leaf_b)}; pass trees whose leaves have the same shapes"
                 )
-        shorter, longer = (name_a, name_b) if len(flat_a) < len(flat_b) else (name_b, name_a)
-        extra = flat_b[len(flat_a)] if len(flat_a) < len(flat_b) else flat_a[len(flat_b)]
-        if len(flat_a) == len(flat_b):
+        return
+    flat_a, flat_b = _pytree.tree_flatten_with_path(a)[0], _pytree.tree_flatten_with_path(b)[0]
+    for (path_a, _), (path_b, _) in zip(flat_a, flat_b, strict=False):
+        if (_path_name(path_a), _path_kinds(path_a)) != (_path_name(path_b),
+                                                          _path_kinds(path_b)):
             raise ValueError(
-                f"{name_a} and {name_b} have different container types: "
-                f"{spec_a} vs {spec_b}; pass trees with the same structure"
+                f"{name_a} and {name_b} differ at leaf {_path_name(path_a)!r}: "
+                f"{name_a} has {_path_name(path_a)!r} where {name_b} has "
+                f"{_path_name(path_b)!r}; pass trees with the same structure"
             )
+    shorter, longer = (name_a, name_b) if len(flat_a) < len(flat_b) else (name_b, name_a)
+    extra = flat_b[len(flat_a)] if len(flat_a) < len(flat_b) else flat_a[len(flat_b)]
+    if len(flat_a) == len(flat_b):
         raise ValueError(
-            f"{name_a} and {name_b} differ at leaf {_path_name(extra[0])!r}: {longer} has it and "
-            f"{shorter} does not; pass trees with the same structure"
+            f"{name_a} and {name_b} have different container types: "
+            f"{spec_a} vs {spec_b}; pass trees with the same structure"
         )
-    if check_shapes:
-        for (path, leaf_a), (_, leaf_b) in zip(flat_a, flat_b, strict=True):
-            shape_a, shape_b = _shape(leaf_a), _shape(leaf_b)
-            if shape_a != shape_b:
-                raise ValueError(
-                    f"{name_a} and {name_b} differ at leaf {_path_name(path)!r}: shape "
-                    f"{shape_a} vs {shape_b}; pass trees whose leaves have the same shapes"
-                )
+    raise ValueError(
+        f"{name_a} and {name_b} differ at leaf {_path_name(extra[0])!r}: {longer} has it and "
+        f"{shorter} does not; pass trees with the same structure"
+    )
 
 
 def _shape(leaf: Any) -> tuple[int, ...]:
