@@ -44,16 +44,20 @@ __all__ = [
 # (torch/optim/_adafactor.py, Shazeer and Stern 2018) factors the second moment of a matrix into
 # "row_var" (rows) and "col_var" (columns), ``(r + c)/(r·c)`` elements per parameter, 0 in the
 # limit of large matrices; a vector keeps a full "variance" (see :func:`optimizer_state_elements`).
+# optax's aliases (optax/_src/alias.py): LAMB, AdaBelief and Yogi keep two moments ("mu", "nu"),
+# LARS one momentum "trace", Polyak SGD none.
 OPTIMIZER_STATES: dict[str, int] = {
     "sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2, "adadelta": 2,
     "adamax": 2, "nadam": 2, "radam": 2, "asgd": 1, "rprop": 2, "adafactor": 0, "lion": 1,
-    "muon": 1, "schedule_free_adamw": 2,
+    "muon": 1, "schedule_free_adamw": 2, "lamb": 2, "lars": 1, "adabelief": 2, "yogi": 2,
+    "polyak_sgd": 0,
 }
 # 0-d tensors torch keeps per parameter tensor besides those: "step" (all but SGD, Lion and
 # Muon), NAdam's "mu_product", ASGD's "eta" and "mu".
 _SCALAR_STATES: dict[str, int] = dict.fromkeys(OPTIMIZER_STATES, 1) | {
     "sgd": 0, "momentum": 0, "lion": 0, "muon": 0, "nadam": 2, "asgd": 3,
     "schedule_free_adamw": 0,  # its step count and weight sum live in the param group
+    "lars": 0, "polyak_sgd": 0,
 }
 # Options that add one parameter-sized tensor, and the optimizers that take each: Adam(W)'s
 # "max_exp_avg_sq", SGD's and RMSprop's "momentum_buffer", RMSprop's "grad_avg".

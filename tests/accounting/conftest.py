@@ -6,6 +6,8 @@ import importlib
 
 import pytest
 
+import minitrain.accounting as acc
+
 
 def require(module: str):
     """Import ``module``, or fail saying how to install it."""
@@ -14,3 +16,9 @@ def require(module: str):
     except ImportError as exc:
         pytest.fail(f"{module} is needed by these tests and is not importable ({exc}); "
                     f"install the test extras: pip install -e '.[test]'", pytrace=False)
+
+
+# optax's aliases have no torch.optim (or lion-pytorch, schedulefree) reference: their state
+# sizes are checked against their optax-formula states in tests/optim/test_optax_transforms.py.
+OPTAX_ALIASES = {"lamb", "lars", "adabelief", "yogi", "polyak_sgd"}
+TORCH_REFERENCED = sorted(set(acc.OPTIMIZER_STATES) - OPTAX_ALIASES)

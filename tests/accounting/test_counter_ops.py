@@ -531,4 +531,4 @@ def test_fused_kernel_formula(optimizer, options, per_element):
 
 def test_fused_kernel_formula_refuses_an_unknown_optimizer():
     with pytest.raises(ValueError, match="choose one of sgd, adam"):
-        acc.optimizer_flops_per_element("lamb")
+        acc.optimizer_flops_per_element("lambda")

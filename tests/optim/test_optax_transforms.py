@@ -378,3 +378,14 @@ def test_optaxs_aliases_pass_the_generic_checks(entry, check):
 @pytest.mark.parametrize("entry", OPTAX_ONLY, ids=str)
 def test_optaxs_aliases_round_trip_through_a_checkpoint(entry, tmp_path):
     generic.test_a_state_round_trips_through_a_checkpoint(entry, tmp_path)
+
+
+@pytest.mark.parametrize("entry", OPTAX_ONLY, ids=str)
+def test_optaxs_aliases_state_bytes_equal_the_init_states_buffers(entry):
+    generic.test_state_bytes_equal_the_init_states_buffers(entry)
+
+
+def test_polyak_sgd_keeps_no_per_leaf_state():
+    params = {"w": torch.zeros(3, 4, dtype=torch.float64)}
+    state = mt.optim.polyak_sgd().init(params)
+    assert generic.buffer_bytes(state) == 0 == mt.accounting.state_bytes("polyak_sgd", params)
