@@ -16,6 +16,7 @@ import datetime
 import os
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from minitrain.tree import PyTree, leaves, nbytes, structure, unflatten
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DataParallel", "DistributedError", "LostPeer", "ShardError",
     "allreduce_sum", "bucket_plan", "check_splittable", "collective", "from_environment",
-    "gradient_bytes", "in_worker", "shard", "shard_sizes", "timeout_seconds",
+    "REPORTS_ENV", "gradient_bytes", "in_worker", "leave_report", "shard", "shard_sizes",
+    "timeout_seconds",
 ]
 
 # DistributedDataParallel's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel).
@@ -35,6 +37,9 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 # How long a collective may wait for the other ranks before it fails (not the agent's job).
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "MINITRAIN_DIST_TIMEOUT"
+# Set by ``--nproc`` for its workers: the folder where a worker leaves what the launcher must
+# tell the user (``<kind>-<rank>``), so the job ends with one line naming the root cause.
+REPORTS_ENV = "MINITRAIN_LAUNCH_REPORTS"
 
 
 class LostPeer(DistributedError):
@@ -47,6 +52,22 @@ class LostPeer(DistributedError):
 def in_worker() -> bool:
     """Whether torchrun (or ``--nproc``) started this process: ``RANK`` and ``WORLD_SIZE`` set."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def leave_report(kind: str, text: str, rank: int | None = None) -> bool:
+    """Write ``text`` as ``<kind>-<rank>`` (default ``RANK``) into the ``--nproc`` launcher's
+    reports folder (aside, renamed); False when not started by ``--nproc`` or it failed."""
+    folder = os.environ.get(REPORTS_ENV)
+    rank = str(os.environ.get("RANK", "") if rank is None else rank)
+    if not folder or not rank.isdigit():
+        return False
+    staging = Path(folder) / f".{kind}-{rank}.{os.getpid()}.tmp"
+    try:
+        staging.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+        staging.replace(Path(folder) / f"{kind}-{rank}")
+    except OSError:
+        return False
+    return True
 
 
 def timeout_seconds(environ: dict[str, str] | None = None) -> float:

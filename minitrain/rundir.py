@@ -17,11 +17,14 @@ from typing import NamedTuple
 from minitrain.atomic_io import check_writable_dir, storage_errors
 from minitrain.errors import StorageError, UserError
 
-__all__ = ["LOCK_FILE", "Gone", "RunOwner", "claim", "holds_a_run"]
+__all__ = ["LOCK_FILE", "Gone", "RunOwner", "claim", "held", "holds_a_run"]
 
 LOCK_FILE = ".lock"
 # What a previous run leaves behind; a fresh run refuses to mix its files with them.
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "sweep.png")
+
+# The run directories this process has claimed and not released (for a forced exit's message).
+_HELD: list[RunOwner] = []
 
 try:
     import fcntl
@@ -41,7 +44,7 @@ class RunOwner:
     """The held lock of one run directory; :meth:`release` (or process exit) frees it."""
 
     def __init__(self, path: Path, fd: int | None) -> None:
-        self.path = path
+        self.path, self.pid = path, os.getpid()
         self._fd = fd
         try:  # the directory itself, which a descriptor follows through a rename
             self._dir_fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -51,7 +54,15 @@ class RunOwner:
 
     def gone(self) -> Gone | None:
         """None while ``path`` is still the directory this run claimed, with its lock file;
-        else what became of it. Two ``stat`` calls: cheap enough for every metrics write."""
+        else what became of it. Two ``stat`` calls: cheap enough for every metrics write.
+
+        Raises :class:`UserError` in another process than the owner's (a forked child of the
+        script): only the process that owns the run writes to it."""
+        if os.getpid() != self.pid:
+            raise UserError(
+                f"process {os.getpid()} (forked from the run, pid {self.pid}) tried to write to "
+                f"the run directory {self.path}; only the run's own process writes there"
+            )
         if self._identity is None:
             return None
         try:
@@ -79,6 +90,8 @@ class RunOwner:
         return Path(where)
 
     def release(self) -> None:
+        if self in _HELD:
+            _HELD.remove(self)
         for fd in (self._fd, self._dir_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -104,6 +117,11 @@ def _links(fd: int | None) -> int | None:
         return None if fd is None else os.fstat(fd).st_nlink
     except OSError:
         return None
+
+
+def held() -> list[Path]:
+    """The run directories this process claimed and still holds, oldest first."""
+    return [owner.path for owner in _HELD if owner.pid == os.getpid()]
 
 
 def holds_a_run(path: Path) -> bool:
@@ -152,6 +170,7 @@ def claim(path: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunOwner
     except BaseException:
         owner.release()
         raise
+    _HELD.append(owner)
     return owner
 
 

@@ -17,15 +17,10 @@ import click
 import torch.distributed as dist
 
 from minitrain.cli.errors import LostPeer, RunFailed, RunInterrupted
-from minitrain.distributed import DataParallel
+from minitrain.distributed import REPORTS_ENV, DataParallel, leave_report
 from minitrain.errors import DistributedError
 
 __all__ = ["REPORTS_ENV", "forward_argv", "launch", "worker_outcome"]
-
-# Set by ``launch`` for its workers: the folder where a worker that lost its peers leaves its
-# message (``rank-N``) for the launcher instead of printing it, so that the job ends with one
-# ``error:`` line naming the root cause (the rank that died), not one line per consequence.
-REPORTS_ENV = "MINITRAIN_LAUNCH_REPORTS"
 
 
 def forward_argv(ctx: Any, drop: Sequence[str] = ()) -> list[str]:
@@ -115,6 +110,9 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
             with _threads_per_worker(nproc), _environment(REPORTS_ENV, str(reports)):
                 elastic_launch(config, sys.executable)("-m", "minitrain", *argv)
         except ChildFailedError as exc:
+            hangs = _read_reports(reports, "hang")
+            if hangs:  # a rank stuck in the script; the others' lost peers are consequences
+                raise DistributedError(hangs[min(hangs)]) from None
             _raise_failure(exc, _read_reports(reports))
         except SignalException as exc:
             # Ctrl-C and SIGTERM reach the workers too, which save and exit 130 (the agent
@@ -127,13 +125,13 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
 _REPORTED_EXIT_CODES = (1, 2, 130)
 
 
-def _read_reports(folder: Path) -> dict[int, str]:
-    """The messages workers left in ``folder`` (``rank-N``), by rank."""
+def _read_reports(folder: Path, kind: str = "rank") -> dict[int, str]:
+    """The messages workers left in ``folder`` (``<kind>-N``), by rank."""
     reports = {}
     with contextlib.suppress(OSError):
         for path in folder.iterdir():
-            rank_text = path.name.removeprefix("rank-")
-            if path.name.startswith("rank-") and rank_text.isdigit():
+            rank_text = path.name.removeprefix(f"{kind}-")
+            if path.name.startswith(f"{kind}-") and rank_text.isdigit():
                 with contextlib.suppress(OSError, UnicodeDecodeError):
                     reports[int(rank_text)] = path.read_text(encoding="utf-8").strip()
     return {rank_: text for rank_, text in reports.items() if text}
@@ -226,13 +224,6 @@ def _lost_peer_exit(rank_: int, message: str) -> None:
     """Exit 1 after losing the other workers: the message goes to the launcher's reports
     folder when ``--nproc`` started this worker (it names the root cause), else to stderr."""
     text = f"rank {rank_}: {message}"
-    folder = os.environ.get(REPORTS_ENV)
-    try:
-        if not folder:
-            raise OSError("not started by --nproc")
-        staging = Path(folder) / f".rank-{rank_}.tmp"
-        staging.write_text(text + "\n", encoding="utf-8")
-        staging.replace(Path(folder) / f"rank-{rank_}")
-    except OSError:
+    if not leave_report("rank", text, rank_):
         click.echo(f"error: {text}", err=True)
     sys.exit(1)
