@@ -21,6 +21,7 @@ from typing import Any
 import click
 import numpy as np
 import torch
+from _pages import page
 from _timing import main
 
 from minitrain.data import get_batch, open_tokens
@@ -117,6 +118,7 @@ def measure(
 
 
 @click.command()
+@page("data", "Token batches: get_batch against the chapter's list comprehension and nanoGPT")
 @click.option("--tokens", "num_tokens", type=click.IntRange(min=2), default=100_000_000)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64)
 @click.option("--seq-len", type=click.IntRange(min=1), default=1024)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from _pages import page
 from _timing import main
 
 from minitrain.errors import ExperimentError, RunFailed, UserError
@@ -100,6 +101,7 @@ def measure(
 
 
 @click.command()
+@page("distributed", "Data parallel: --nproc N against one process")
 @click.option("--ranks", default="1,2", help="Comma-separated rank counts to time.")
 @click.option("--steps", type=click.IntRange(min=3), default=20, help="Steps per run.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, help="Interleaved rounds.")

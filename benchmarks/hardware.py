@@ -17,6 +17,7 @@ from typing import Any
 import click
 import numpy as np
 import torch
+from _pages import page
 from _timing import main
 
 from minitrain.errors import UserError
@@ -96,6 +97,7 @@ def measure(
 
 
 @click.command()
+@page("hardware", "This machine: matmul FLOP/s, copy bandwidth, ridge point")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
 @click.option("--n", type=click.IntRange(min=16), default=1024, help="Matmul size n x n.")
 @click.option("--copy-mib", type=click.IntRange(min=1), default=64, help="MiB copied.")

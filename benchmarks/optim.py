@@ -36,6 +36,7 @@ from typing import Any
 import click
 import torch
 from _optim_family import FAMILY, family_ratios
+from _pages import page
 from _timing import (
     best_rounds,
     cache_flusher,
@@ -328,6 +329,7 @@ def breakdown(count: int = 8, size: int = 1024, rounds: int = 15, inner: int = 5
 
 
 @click.command()
+@page("optim", "Optimizer updates against torch.optim's fused and foreach kernels")
 @click.option("--optimizer", "names", multiple=True, type=click.Choice(list(OPTIMIZERS)),
               help="Optimizers to time (repeatable); default: all.")
 @click.option("--count", type=click.IntRange(min=1), default=8, help="Number of params.")

@@ -35,6 +35,7 @@ from typing import Any
 
 import click
 import torch
+from _pages import page
 from _timing import main, time_interleaved
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -308,6 +309,7 @@ def _print_gpt(result: dict[str, Any], rounds: int, inner: int) -> None:
 
 
 @click.command()
+@page("step", "Train step against nn.Module + torch.optim (Cruncher, or nanoGPT's GPT)")
 @click.option("--model", type=click.Choice(["cruncher", "gpt"]), default="cruncher",
               show_default=True,
               help="cruncher: the chapter's Cruncher vs nn.Module + fused AdamW; gpt: bytelm's "

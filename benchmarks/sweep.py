@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 import torch
+from _pages import page
 from _timing import main
 
 import minitrain as mt
@@ -155,6 +156,7 @@ def measure(name: str, members: int = 8, steps: int = 300, rounds: int = 3) -> d
 
 
 @click.command("sweep")
+@page("sweep", "Sweeps: one vmapped step for K members against K sequential runs")
 @click.option(
     "--members",
     default=8,

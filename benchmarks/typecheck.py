@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import click
+from _pages import page
 from _timing import main
 
 LINREG = Path(__file__).resolve().parents[1] / "examples" / "linreg.py"
@@ -65,6 +66,7 @@ def overhead(steps: int) -> dict[str, float]:
 
 
 @click.command("typecheck")
+@page("typecheck", "Shape checks: jaxtyping + beartype on against off")
 @click.option("--steps", default=2000, show_default=True, help="Linreg steps per child run.")
 @click.option("--json", "as_json", is_flag=True)
 def typecheck(steps: int, as_json: bool) -> None:

@@ -1,0 +1,158 @@
+"""mkdocs hooks: API reference pages generated from each module's ``__all__`` at build time.
+
+A page holding ``<!-- api: minitrain.optim -->`` gets one mkdocstrings entry (``::: path``) per
+public name of ``minitrain.optim``, grouped by the module that defines it, so a name added to
+``__all__`` appears in the docs with no edit to the page. ``api_entries`` is what
+``tests/test_docs.py`` checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import types
+from functools import cache
+from pathlib import Path
+
+MARKER = re.compile(r"<!-- api: ([\w.]+) -->")
+BENCHMARK_PAGES = "<!-- benchmark-pages -->"
+ROOT = Path(__file__).resolve().parents[1]
+# Modules with an API page of their own: the top-level page links to them.
+PAGES = {
+    "minitrain.optim": "optim.md",
+    "minitrain.nn": "nn.md",
+    "minitrain.random": "random.md",
+    "minitrain.accounting": "accounting.md",
+    "minitrain.precision": "precision.md",
+    "minitrain.tree": "tree.md",
+    "minitrain.models": "models.md",
+}
+
+
+def public_names(module: types.ModuleType) -> list[str]:
+    """``__all__``, or, for a package that loads names lazily without one, its ``__dir__``."""
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [name for name in dir(module) if not name.startswith("_")]
+    return list(names)
+
+
+@cache
+def _parsed(module_name: str) -> tuple[frozenset[str], dict[str, str]]:
+    """Names a module's source defines at top level, and ``name -> module`` of its imports."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return frozenset(), {}
+    tree = ast.parse(Path(spec.origin).read_text())
+    names: set[str] = set()
+    imports: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imports.update({alias.asname or alias.name: node.module for alias in node.names})
+    return frozenset(names), imports
+
+
+def submodule_names(package: types.ModuleType) -> list[str]:
+    """Every module under a package (the package itself first)."""
+    if not hasattr(package, "__path__"):
+        return [package.__name__]
+    paths = sorted(Path(package.__path__[0]).rglob("*.py"))
+    names = []
+    for path in paths:
+        parts = path.relative_to(Path(package.__path__[0])).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        names.append(".".join([package.__name__, *parts]))
+    return names
+
+
+def defining_module(module: types.ModuleType, name: str, obj: object) -> str:
+    """The module whose source defines ``name``: the object's ``__module__`` when its source
+    defines that name, else the first module of the package that does, else the module one of
+    them imports it from."""
+    own = getattr(obj, "__module__", None)
+    candidates = [own] if isinstance(own, str) and own.startswith("minitrain") else []
+    candidates += submodule_names(module)
+    for candidate in candidates:
+        if name in _parsed(candidate)[0]:
+            return candidate
+    for candidate in candidates:
+        source = _parsed(candidate)[1].get(name)
+        if source and source.startswith("minitrain") and source != module.__name__:
+            return defining_module(importlib.import_module(source), name, obj)
+    raise LookupError(f"{module.__name__}.{name}: no module of the package defines it")
+
+
+def api_entries(module_name: str) -> list[tuple[str, str, bool]]:
+    """``(name, identifier, is_module)`` for every public name of a module."""
+    module = importlib.import_module(module_name)
+    entries = []
+    for name in public_names(module):
+        obj = getattr(module, name)
+        if inspect.ismodule(obj):
+            entries.append((name, obj.__name__, True))
+        else:
+            entries.append((name, f"{defining_module(module, name, obj)}.{name}", False))
+    return entries
+
+
+def _first_line(module_name: str) -> str:
+    doc = importlib.import_module(module_name).__doc__ or ""
+    return doc.strip().split("\n\n")[0].replace("\n", " ")
+
+
+def api_markdown(module_name: str) -> str:
+    """The page body: names grouped by defining module, submodules linked or summarised."""
+    groups: dict[str, list[str]] = {}
+    modules = []
+    for name, identifier, is_module in api_entries(module_name):
+        if is_module:
+            modules.append((name, identifier))
+        else:
+            groups.setdefault(identifier.rsplit(".", 1)[0], []).append(identifier)
+    lines = []
+    if modules:
+        lines += ["## Modules", "", "| name | what it holds |", "|---|---|"]
+        for name, identifier in modules:
+            page = PAGES.get(identifier)
+            label = f"[`{name}`]({page})" if page else f"[`{name}`](#{identifier})"
+            lines.append(f"| {label} | {_first_line(identifier)} |")
+        lines.append("")
+    for source, identifiers in groups.items():
+        lines += [f"## `{source}`", ""]
+        lines += [f"::: {identifier}\n" for identifier in identifiers]
+    for _, identifier in modules:
+        if identifier in PAGES:
+            continue
+        # A submodule whose names the page already lists gets its docstring only.
+        members = ["      members: false"] if identifier in groups else []
+        lines += [f"## `{identifier}`", "", f"::: {identifier}", "    options:",
+                  "      show_root_heading: false", *members, ""]
+    return "\n".join(lines)
+
+
+def benchmark_pages(docs_dir: Path) -> str:
+    """A list of the dated pages the benchmark scripts wrote (``--page``), with their titles."""
+    lines = []
+    for path in sorted((docs_dir / "benchmarks").glob("*.md")):
+        if path.name == "index.md":
+            continue
+        title = path.read_text().split("\n", 1)[0].lstrip("# ").strip()
+        date = re.search(r"^\| date \| (.+?) \|$", path.read_text(), re.M)
+        when = f" (measured {date.group(1)})" if date else ""
+        lines.append(f"- [{title}]({path.name}){when}")
+    return "\n".join(lines) or "No page has been written yet: run a script with `--page`."
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 - mkdocs API
+    markdown = MARKER.sub(lambda m: api_markdown(m.group(1)), markdown)
+    if BENCHMARK_PAGES in markdown:
+        markdown = markdown.replace(BENCHMARK_PAGES, benchmark_pages(Path(config["docs_dir"])))
+    return markdown
