@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 
 def test_the_benchmarks_are_the_ones_the_readme_names():
-    assert scripts() == ["data", "distributed", "hardware", "optim", "step", "sweep", "typecheck"]
+    assert scripts() == ["data", "distributed", "hardware", "optim", "research", "step", "sweep",
+                         "typecheck"]
 
 
 @pytest.mark.parametrize("name", scripts())
