@@ -25,14 +25,14 @@ SCRIPT = textwrap.dedent(
     import os, time, torch
     import minitrain as mt
 
-    CONFIG = {"steps": 50, "hang_at": 4, "how": "sleep"}
+    CONFIG = {"steps": 50, "hang_at": 4, "how": "sleep", "rank": ""}
 
     def experiment(config):
         calls = {"n": 0}
 
         def next_batch(generator):
             calls["n"] += 1
-            if calls["n"] == config["hang_at"]:
+            if calls["n"] == config["hang_at"] and config["rank"] in ("", os.environ.get("RANK")):
                 open(__file__ + ".hung", "w").close()
                 while config["how"] in ("sleep", "spin", "stubborn"):
                     try:
@@ -155,3 +155,18 @@ def test_a_save_that_runs_out_of_memory_or_disk_keeps_the_previous_checkpoint(tm
     loaded = checkpoint.load(checkpoint.latest_valid(run), {"w": torch.empty(3)}, {})
     assert loaded.params["w"].tolist() == [1.0, 1.0, 1.0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.parametrize("how", ["sleep", "spin"])
+def test_a_hung_rank_is_named_with_what_it_was_doing(tmp_path, how):
+    script = tmp_path / "stuck.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "minitrain", "run", script, "--nproc", "2", "--set", "rank=1",
+         "--set", f"how={how}", "--set", "steps=20", "--no-report", "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        env={**os.environ, "MINITRAIN_DIST_TIMEOUT": "5"},
+    )
+    assert done.returncode == 1, done.stderr
+    check_clean(done.stderr, "rank 1 made no progress for", "in next_batch", script=script)
+    assert "SIGKILL" not in done.stderr
