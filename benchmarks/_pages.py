@@ -92,8 +92,9 @@ def render(name: str, title: str, command: str, output: str, about: dict[str, st
 
 
 def write_page(name: str, title: str, output: str, about: dict[str, str] | None = None,
-               command: str | None = None, pages: Path = PAGES) -> Path:
-    """Write ``pages/<name>.md`` and return its path."""
+               command: str | None = None, pages: Path | None = None) -> Path:
+    """Write ``<pages>/<name>.md`` (``docs/benchmarks/`` by default) and return its path."""
+    pages = PAGES if pages is None else pages
     command = command or "python " + " ".join(
         shlex.quote(a) for a in [f"benchmarks/{name}.py", *sys.argv[1:]])
     path = pages / f"{name}.md"

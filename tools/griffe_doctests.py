@@ -13,15 +13,8 @@ import griffe
 def fence_doctests(text: str) -> str:
     """Wrap every doctest (prompt lines plus output, up to a blank line) in a pycon fence.
 
-    >>> print(fence_doctests("Adds one.\\n\\n>>> 1 + 1\\n2\\n\\nMore."))
-    Adds one.
-    <BLANKLINE>
-    ```pycon
-    >>> 1 + 1
-    2
-    ```
-    <BLANKLINE>
-    More.
+    >>> fence_doctests("Adds one.\n\n>>> 1 + 1\n2\n\nMore.").split("\n")
+    ['Adds one.', '', '```pycon', '>>> 1 + 1', '2', '```', '', 'More.']
     """
     out: list[str] = []
     inside = False
