@@ -11,7 +11,7 @@ import griffe
 
 
 def fence_doctests(text: str) -> str:
-    """Wrap every doctest (prompt lines plus output, up to a blank line) in a pycon fence.
+    r"""Wrap every doctest (prompt lines plus output, up to a blank line) in a pycon fence.
 
     >>> fence_doctests("Adds one.\n\n>>> 1 + 1\n2\n\nMore.").split("\n")
     ['Adds one.', '', '```pycon', '>>> 1 + 1', '2', '```', '', 'More.']
