@@ -104,8 +104,10 @@ def api_entries(module_name: str) -> list[tuple[str, str, bool]]:
 
 
 def _first_line(module_name: str) -> str:
+    """The first paragraph of a module's docstring, its reST roles made Markdown code."""
     doc = importlib.import_module(module_name).__doc__ or ""
-    return doc.strip().split("\n\n")[0].replace("\n", " ")
+    text = doc.strip().split("\n\n")[0].replace("\n", " ")
+    return re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
 
 
 def api_markdown(module_name: str) -> str:
@@ -126,7 +128,8 @@ def api_markdown(module_name: str) -> str:
             lines.append(f"| {label} | {_first_line(identifier)} |")
         lines.append("")
     for source, identifiers in groups.items():
-        lines += [f"## `{source}`", ""]
+        summary = _first_line(source) if source != module_name else ""
+        lines += [f"## `{source}`", "", summary, ""]
         lines += [f"::: {identifier}\n" for identifier in identifiers]
     for _, identifier in modules:
         if identifier in PAGES:
