@@ -197,8 +197,16 @@ def rich_console():  # noqa: ANN201 (rich is imported lazily)
 
 def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
     """Invoke ``command``; print click usage errors and :class:`UserError` on one line."""
+    _reopen_closed_streams()
     with _early_sigterm():
         _run_cli(command, argv)
+
+
+def _reopen_closed_streams() -> None:
+    """A stream the shell closed (``>&-``) is None in Python: what it would get is discarded."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the process)
 
 
 def _run_cli(command: click.Command, argv: list[str] | None) -> None:
