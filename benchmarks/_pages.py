@@ -134,7 +134,8 @@ def page(name: str, title: str) -> Callable[[Callable[..., None]], Callable[...,
             finally:
                 sys.stdout = stdout
             path = write_page(name, title, tee.copy.getvalue(), about)
-            click.echo(f"wrote {path.relative_to(ROOT)}", err=True)
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            click.echo(f"wrote {shown}", err=True)
 
         return click.option(
             "--page", is_flag=True,
