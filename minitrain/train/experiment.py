@@ -318,9 +318,9 @@ def build_experiment(build: Callable[[dict], Any], config: Mapping[str, Any], pa
     """``build(config)``; every failure is an :class:`ExperimentError` naming where."""
     try:
         experiment = build(dict(config))
-    except ExperimentError:
+    except (ExperimentError, KeyboardInterrupt):
         raise
-    except Exception as exc:  # the user's script failed: report where, in one line
+    except BaseException as exc:  # the script failed (sys.exit too): report where, in one line
         raise ExperimentError(
             f"{path}: experiment(config) failed: {describe_failure(exc, path)}"
         ) from exc
@@ -368,7 +368,9 @@ def import_script(path: Path) -> Any:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # sys.exit() at import too: one line, not a silent exit
         del sys.modules[module_name]
         raise ExperimentError(f"{path} failed to import: {describe_failure(exc, path)}") from exc
     return module
