@@ -335,6 +335,15 @@ def next_step(count: Any) -> Any:
     return count.to(torch.float64) + 1 if done is None else done + 1
 
 
+def adam_corrections(step: Any, beta1: Any, beta2: Any) -> tuple[Any, Any, Any]:
+    """Adam's bias corrections of update ``step`` (Kingma & Ba 2015, Alg. 1): ``1 - beta1^t``,
+    ``1 - beta2^t`` and its root."""
+    bias_correction2 = 1 - beta2**step
+    root = bias_correction2.sqrt() if isinstance(bias_correction2, Tensor) else \
+        math.sqrt(bias_correction2)
+    return 1 - beta1**step, bias_correction2, root
+
+
 def schedule_count(count: Any) -> Any:
     """What a schedule is called with: the updates done as an int, or the traced ``count``."""
     done = updates_done(count)

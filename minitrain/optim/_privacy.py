@@ -2,10 +2,12 @@
 ``contrib.differentially_private_aggregate``: per-example grads in (a leading batch dim on every
 leaf), each example clipped to global L2 norm ``l2_norm_clip``, summed, Gaussian noise of std
 ``l2_norm_clip * noise_multiplier`` added, divided by the batch size. Put it first in a chain;
-the noise key is in the state, split once per update as optax splits it."""
+the noise key is in the state, split once per update into the next key and one key whose single
+normal draw, sliced in leaf order, noises every leaf (optax splits one key per leaf)."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -53,14 +55,16 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
         if any(g.dim() == 0 or g.shape[0] != size for g in leaves):
             raise ValueError("differentially_private_aggregate takes per-example grads: every "
                              "leaf with the same leading batch dim")
-        # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1)
-        norms = torch.stack([g.reshape(size, -1).square().sum(1) for g in leaves]).sum(0).sqrt()
-        divisors = torch.clamp(norms / l2_norm_clip, min=1.0)
-        new_key, *keys = random.split(state.rng_key, len(leaves) + 1)
-        out = []
-        for g, k in zip(leaves, keys, strict=True):
-            clipped = (g / divisors.reshape(-1, *[1] * (g.dim() - 1)).to(g.dtype)).sum(0)
-            out.append((clipped + noise_std * random.normal(k, clipped.shape, g.dtype)) / size)
+        # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1); the
+        # sum over examples and the division by the batch size as one weighted contraction
+        norms = tree.per_example_global_norm(updates)
+        weights = 1.0 / (torch.clamp(norms / l2_norm_clip, min=1.0) * size)
+        new_key, noise_key = random.split(state.rng_key)
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
+        noise = random.normal(noise_key, (sum(g[0].numel() for g in leaves),), dtype)
+        noise = noise.mul_(noise_std / size).split([g[0].numel() for g in leaves])
+        out = [torch.tensordot(weights.to(g.dtype), g, dims=1).add_(z.view(g.shape[1:]))
+               for g, z in zip(leaves, noise, strict=True)]
         return tree.unflatten(tree.structure(updates), out), \
             DifferentiallyPrivateAggregateState(new_key)
 

@@ -288,7 +288,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     tensor_leaves("apply_updates", params, "param")
     tensor_leaves("apply_updates", updates, "updates leaf")
     tree.assert_same_structure(params, updates, names=("params", "updates"), check_shapes=True)
-    return tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
+    return tree.map(lambda p, u: p + u if p.dtype == u.dtype else (p + u).to(p.dtype), params,
+                    updates)
 
 
 def _writable(tensors: list) -> bool:

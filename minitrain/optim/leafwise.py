@@ -204,10 +204,12 @@ def _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper):
     new_buffers: dict[str, list[Tensor]] = {key: [] for key in buffer_leaves}
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves, strict=True)):
         u, out = update_leaf(g, {k: v[i] for k, v in buffer_leaves.items()}, p, step, **hyper)
-        new_u.append(u.to(g.dtype))  # 0-d leaves would promote to a traced step's float64
+        # 0-d leaves would promote to a traced step's float64; no no-op casts (vmap pays each)
+        new_u.append(u if u.dtype == g.dtype else u.to(g.dtype))
         for key, value in out.items():
             old = buffer_leaves[key][i]
-            new_buffers[key].append(value.to(old.dtype) if isinstance(old, Tensor) else ())
+            new_buffers[key].append(() if not isinstance(old, Tensor) else value
+                                    if value.dtype == old.dtype else value.to(old.dtype))
     return new_u, new_buffers
 
 

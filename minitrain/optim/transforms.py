@@ -20,6 +20,7 @@ from torch import Tensor
 from minitrain import _torch, tree
 from minitrain.optim._checks import (
     WeightDecayMask,
+    adam_corrections,
     check_hyperparameter,
     check_like,
     checked,
@@ -165,7 +166,7 @@ class ScaleByAdamState(NamedTuple):
     max_exp_avg_sq: Params
 
 
-def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
+def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root, corrections=None):
     """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
     torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2));
     optax's ``eps_root`` inside the root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
@@ -175,11 +176,9 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
     second = exp_avg_sq
     if amsgrad:
         second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
-    bias_correction1 = 1 - beta1**step
-    if is_zero(eps_root):
-        denom = second.sqrt() / sqrt(1 - beta2**step) + eps
-    else:
-        denom = (second / (1 - beta2**step) + eps_root).sqrt() + eps
+    bias_correction1, bias_correction2, root2 = corrections or adam_corrections(step, beta1, beta2)
+    denom = second.sqrt() / root2 + eps if is_zero(eps_root) else \
+        (second / bias_correction2 + eps_root).sqrt() + eps
     return (exp_avg / denom) / bias_correction1, new
 
 
@@ -207,7 +206,9 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
                 "max_exp_avg_sq": zeros(p) if amsgrad else ()}
 
     tx = leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
-                  dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root))
+                  dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root),
+                  advance=lambda step: ({}, {"corrections": adam_corrections(step, beta1, beta2)}
+                                        if isinstance(step, Tensor) else {}))  # once, not per leaf
     return tx if is_zero(eps_root) else off_kernels(tx, "eps_root")
 
 

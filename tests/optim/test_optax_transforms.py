@@ -289,12 +289,13 @@ def test_differentially_private_aggregate_matches_optax():
         # optax: clip each example to global norm clip, sum, add noise, divide by the batch
         norms = torch.sqrt(sum(leaf.reshape(batch, -1).pow(2).sum(1) for leaf in leaves))
         factors = 1 / torch.clamp(norms / clip, min=1.0)
-        keys = mt.random.split(key, len(leaves) + 1)
-        key = keys[0]
-        for leaf, k, (name, got) in zip(leaves, keys[1:], mt.tree.named_leaves(ours),
-                                        strict=True):
+        key, noise_key = mt.random.split(key)  # one draw for all leaves, sliced in leaf order
+        sizes = [leaf[0].numel() for leaf in leaves]
+        noises = mt.random.normal(noise_key, (sum(sizes),), F64).split(sizes)
+        for leaf, flat, (name, got) in zip(leaves, noises, mt.tree.named_leaves(ours),
+                                           strict=True):
             summed = sum(factors[i] * leaf[i] for i in range(batch))
-            noise = mt.random.normal(k, summed.shape, F64)
+            noise = flat.reshape(summed.shape)
             torch.testing.assert_close(got, (summed + clip * multiplier * noise) / batch,
                                        **CLOSE, msg=name)
     with pytest.raises(ValueError, match="per-example"):
