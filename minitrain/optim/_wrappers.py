@@ -398,6 +398,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
         schedules = {k: v for k, v in kwargs.items() if k not in static_names
                      and callable(v) and not isinstance(v, Tensor)}
         static = {k: v for k, v in kwargs.items() if k not in numeric and k not in schedules}
+        numbers = [k for k, v in numeric.items() if not isinstance(v, Tensor)]
 
         def values(count: Any) -> dict[str, Tensor]:
             out = {k: _hyper_tensor(k, v) for k, v in numeric.items()}
@@ -415,6 +416,10 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
         def update(updates, state, params=None):
             check_state_type("inject_hyperparams", InjectHyperparamsState, state)
             hyper = dict(state.hyperparams)
+            for k in numbers:  # a number set as ``torch.tensor(x)`` keeps init's float64
+                if isinstance(hyper.get(k), Tensor) and hyper[k].dtype != torch.float64 \
+                        and hyper[k].is_floating_point():
+                    hyper[k] = hyper[k].to(torch.float64)
             count = schedule_count(state.count)
             hyper.update({k: _scheduled(k, fn, count) for k, fn in schedules.items()})
             inner = factory(**static, **hyper)
