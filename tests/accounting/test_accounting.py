@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import minitrain as mt
 from minitrain import accounting as acc
-from tests.accounting.conftest import TORCH_REFERENCED
+from tests.references import TORCH_REFERENCED
 
 DAY = 86_400
 

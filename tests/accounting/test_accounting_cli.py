@@ -5,7 +5,7 @@ import json
 import pytest
 
 from minitrain.cli import main
-from tests.accounting.conftest import require
+from tests.references import require
 
 
 def invoke(capsys, *args):

@@ -16,7 +16,7 @@ import minitrain as mt
 from minitrain import accounting as acc
 from minitrain.accounting import memory
 from minitrain.cli import main
-from tests.accounting.conftest import TORCH_REFERENCED
+from tests.references import TORCH_REFERENCED
 
 NAMES = TORCH_REFERENCED  # every optimizer with a torch-ecosystem reference, "momentum" too
 FACTORIES = {name: (mt.optim.sgd, dict(momentum=0.9)) if name == "momentum"

@@ -10,7 +10,7 @@ import torch
 from minitrain import accounting as acc
 from minitrain.cli import main
 from minitrain.cli.estimate import estimate
-from tests.accounting.conftest import TORCH_REFERENCED
+from tests.references import TORCH_REFERENCED
 
 FLAGS = ("amsgrad", "momentum", "centered")
 NAMES = TORCH_REFERENCED

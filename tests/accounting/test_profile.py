@@ -15,7 +15,7 @@ import minitrain as mt
 from minitrain.cli.profile import profile
 from minitrain.train import load_experiment, make_train_step
 from minitrain.train.loop import run_generators, to_backend
-from tests.accounting.conftest import require
+from tests.references import require
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LINREG = EXAMPLES / "linreg.py"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from minitrain.accounting import roofline as R
 from minitrain.accounting.plots import plot
 from minitrain.cli.roofline import roofline as roofline_command
-from tests.accounting.conftest import require
+from tests.references import require
 
 positive = st.floats(1e-3, 1e18, allow_nan=False, allow_infinity=False)
 non_negative = st.floats(0, 1e18, allow_nan=False, allow_infinity=False)

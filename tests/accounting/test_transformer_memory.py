@@ -13,7 +13,7 @@ from minitrain.accounting.transformer import (
     transformer_activation_terms,
     transformer_layer_activation_bytes,
 )
-from tests.accounting.conftest import require
+from tests.references import require
 
 transformers = require("transformers")
 

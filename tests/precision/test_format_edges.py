@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain import precision
-from tests.precision.conftest import reference
+from tests.references import require as reference
 
 ml_dtypes = reference("ml_dtypes")
 reference("torchao")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.precision.conftest import reference
+from tests.references import require as reference
 
 ml_dtypes = reference("ml_dtypes")
 reference("torchao")

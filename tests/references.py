@@ -1,4 +1,4 @@
-"""Packages the accounting tests need (references, plots): missing, a test fails (never skips)."""
+"""The reference packages tests compare with: a missing one fails the test (never skips)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import minitrain.accounting as acc
 
 
 def require(module: str):
-    """Import ``module``, or fail saying how to install it."""
+    """Import ``module`` (a reference or a test extra), or fail saying how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
