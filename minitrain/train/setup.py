@@ -89,3 +89,8 @@ def check_params(params: Any, what: str = "init(generator)") -> None:
                 f"{what} returned an integer tensor at {name!r} ({leaf.dtype}); params must be "
                 "floating point: create them with dtype=torch.float32"
             )
+        if leaf.device.type == "meta":
+            raise ExperimentError(
+                f"{what} returned a meta tensor (no data) at {name!r}; create the params on a "
+                "real device (drop device='meta'); the run moves them to the backend's device"
+            )

@@ -1,0 +1,35 @@
+"""Params on the meta device (no data) are refused before the first step, in one line naming the
+leaf, under both training commands."""
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import torch
+import minitrain as mt
+
+CONFIG = {"lr": 0.1}
+
+def experiment(config):
+    return mt.Experiment(
+        init=lambda g: {"w": torch.zeros(3), "b": torch.zeros((), device="meta")},
+        loss=lambda p, batch: ((batch @ p["w"] + p["b"]) ** 2).mean(),
+        next_batch=lambda g: torch.randn(4, 3, generator=g),
+        optimizer=mt.optim.sgd(lr=config["lr"]), steps=2)
+"""
+
+
+@pytest.mark.parametrize("command", [["run"], ["sweep", "--set", "lr=0.1,0.2"]],
+                         ids=["run", "sweep"])
+def test_meta_params_are_one_line_naming_the_leaf(command, tmp_path):
+    path = tmp_path / "meta.py"
+    path.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "minitrain", command[0], str(path), *command[1:],
+                           "--out", str(tmp_path / "out"), "--no-report"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "meta tensor" in errors[0] and "'b'" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
