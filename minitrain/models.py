@@ -133,6 +133,10 @@ class GPTConfig:
 
     ``bias``: biases in the linear layers and LayerNorms (GPT-2 has them; without is a bit
     better and faster, as nanoGPT notes).
+
+    >>> config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    >>> config.n_embd // config.n_head  # each head's width
+    32
     """
 
     vocab_size: int = 50304

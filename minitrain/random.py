@@ -46,7 +46,12 @@ def key(seed: int) -> Key:
 
 def threefry2x32(k: Key, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
     """Threefry-2x32, 20 rounds: the counters ``(x0, x1)`` (32-bit words in int64) enciphered
-    under key ``k``; five groups of four rounds, a key injection after each (Random123)."""
+    under key ``k``; five groups of four rounds, a key injection after each (Random123).
+
+    >>> k = torch.tensor([0x13198A2E, 0x03707344])  # Random123's known-answer test
+    >>> [hex(int(w)) for w in threefry2x32(k, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))]
+    ['0xc4923a9c', '0x483df7a0']
+    """
     k0, k1 = k[0], k[1]
     ks = (k0, k1, k0 ^ k1 ^ _PARITY)
     x0, x1 = (x0 + ks[0]) & _MASK, (x1 + ks[1]) & _MASK

@@ -72,7 +72,12 @@ def named_leaves(tree: PyTree) -> list[tuple[str, Any]]:
 
 
 def structure(tree: PyTree) -> _pytree.TreeSpec:
-    """The tree's structure (a ``TreeSpec``), for :func:`unflatten`."""
+    """The tree's structure (a ``TreeSpec``), for :func:`unflatten`.
+
+    >>> import torch
+    >>> structure({"w": torch.zeros(2), "b": [torch.zeros(1)]}).num_leaves
+    2
+    """
     return _pytree.tree_structure(tree)
 
 
@@ -88,17 +93,32 @@ def unflatten(spec: _pytree.TreeSpec, leaves: list[Any]) -> PyTree:
 
 
 def zeros_like(tree: PyTree) -> PyTree:
-    """A tree of zeros with the shapes, dtypes and devices of ``tree``'s leaves."""
+    """A tree of zeros with the shapes, dtypes and devices of ``tree``'s leaves.
+
+    >>> import torch
+    >>> zeros_like({"w": torch.ones(2, dtype=torch.float64)})
+    {'w': tensor([0., 0.], dtype=torch.float64)}
+    """
     return _pytree.tree_map(torch.zeros_like, tree)
 
 
 def size(tree: PyTree) -> int:
-    """Total number of elements over all tensor leaves (``sum(t.numel())``)."""
+    """Total number of elements over all tensor leaves (``sum(t.numel())``).
+
+    >>> import torch
+    >>> size({"w": torch.zeros(3, 4), "b": torch.zeros(4)})
+    16
+    """
     return builtins.sum(leaf.numel() for leaf in leaves(tree) if isinstance(leaf, torch.Tensor))
 
 
 def nbytes(tree: PyTree) -> int:
-    """Total bytes of all tensor leaves: ``numel * element_size`` summed."""
+    """Total bytes of all tensor leaves: ``numel * element_size`` summed.
+
+    >>> import torch
+    >>> nbytes({"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)})
+    56
+    """
     return builtins.sum(
         leaf.numel() * leaf.element_size()
         for leaf in leaves(tree)
