@@ -37,7 +37,12 @@ _MT_WORDS = 624  # mt19937's state: 624 32-bit words (numpy's and Python's rando
 
 
 def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and every CUDA device), numpy and Python's ``random`` with ``seed``."""
+    """Seed torch (CPU and every CUDA device), numpy and Python's ``random`` with ``seed``.
+
+    >>> import random
+    >>> seed_everything(0); round(random.random(), 4)
+    0.8444
+    """
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     random.seed(seed)

@@ -68,7 +68,11 @@ def _frozen(mapping: Mapping[str, float]) -> Mapping[str, float]:
 class Hardware:
     """One accelerator's published (or measured) limits, per device in SI units: dense
     ``peak_flops`` by dtype name, ``sparse_flops`` with 2:4 structured sparsity (NVIDIA's
-    headline figures, never for dense training), ``memory_bytes`` as marketed (80 GB = 80e9)."""
+    headline figures, never for dense training), ``memory_bytes`` as marketed (80 GB = 80e9).
+
+    >>> hardware("h100").memory_bytes
+    80000000000
+    """
 
     name: str
     description: str

@@ -35,7 +35,11 @@ __all__ = ["ATTENTION", "PRESETS", "RECOMPUTE", "TransformerConfig", "preset",
 @dataclass(frozen=True)
 class TransformerConfig:
     """A decoder-only transformer's shape: ``ffn`` the MLP's width, ``gated_mlp`` (SwiGLU) three
-    ``d×ffn`` matrices instead of two, ``kv_heads < heads`` grouped-query attention."""
+    ``d×ffn`` matrices instead of two, ``kv_heads < heads`` grouped-query attention.
+
+    >>> preset("gpt2").hidden, preset("gpt2").ffn
+    (768, 3072)
+    """
 
     name: str
     num_layers: int

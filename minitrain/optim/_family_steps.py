@@ -148,7 +148,14 @@ def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75, t0: Scalar 
 
 
 def asgd_average(state: Any) -> Params:
-    """The averaged params ``ax`` held in an ASGD state (also inside a chain's state)."""
+    """The averaged params ``ax`` held in an ASGD state (also inside a chain's state).
+
+    >>> import torch, minitrain as mt
+    >>> opt, params = mt.optim.asgd(lr=0.1), {"w": torch.ones(2)}
+    >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+    >>> asgd_average(state)
+    {'w': tensor([0.9000, 0.9000])}
+    """
     found = find_state(state, ScaleByAsgdState)
     if found is None:
         raise ValueError("asgd_average expects the state of mt.optim.asgd or scale_by_asgd")
@@ -363,7 +370,14 @@ def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
 
 def schedule_free_eval_params(state: Any, params: Params) -> Params:
     """The averaged point ``x = y + (1 - 1/b1) (z - y)`` to evaluate at (pure), from the state
-    of :func:`schedule_free_adamw` or of a chain holding its rule."""
+    of :func:`schedule_free_adamw` or of a chain holding its rule.
+
+    >>> import torch, minitrain as mt
+    >>> opt, params = mt.optim.schedule_free_adamw(lr=0.1), {"w": torch.ones(2)}
+    >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+    >>> schedule_free_eval_params(state, params)
+    {'w': tensor([0.9000, 0.9000])}
+    """
     inner = find_state(state, ScheduleFreeAdamwState)
     if inner is None:
         raise ValueError(

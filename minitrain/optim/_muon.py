@@ -186,7 +186,14 @@ def scale_by_muon(momentum: Any = 0.95, nesterov: bool = True,
                   ns_coefficients: Coefficients = NS_COEFFICIENTS,
                   eps: Any = EPS, ns_steps: int = NS_STEPS,
                   adjust_lr_fn: str | None = None) -> GradientTransformation:
-    """Muon's direction (before weight decay and ``-lr``): momentum, then orthogonalized."""
+    """Muon's direction (before weight decay and ``-lr``): momentum, then orthogonalized.
+
+    >>> import torch
+    >>> tx, params = scale_by_muon(), {"w": torch.eye(3)}
+    >>> updates, state = tx.update({"w": torch.randn(3, 3)}, tx.init(params), params)
+    >>> updates["w"].shape
+    torch.Size([3, 3])
+    """
     return chain(muon_momentum(momentum, nesterov),
                  orthogonalize_by_newton_schulz(ns_coefficients, ns_steps, eps, adjust_lr_fn))
 

@@ -331,6 +331,14 @@ def fit(experiment: Experiment, backend: Backend, *, seed: int = 0,
         parallel: Any = None) -> FitResult:
     """Train ``experiment`` on ``backend``; return params, optimizer state and the summary.
 
+    >>> import torch, minitrain as mt
+    >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
+    ...     loss=lambda p, batch: ((batch @ p["w"] - 1) ** 2).mean(),
+    ...     next_batch=lambda g: torch.randn(8, 2, generator=g),
+    ...     optimizer=mt.optim.sgd(lr=0.1), steps=5)
+    >>> fit(exp, mt.get_backend("cpu"), progress=False).summary["steps"]
+    5
+
     Args:
         out_dir: run directory for ``metrics.jsonl``, checkpoints and ``summary.json``.
         log_every: log every this many steps (every step is checked for finiteness).
