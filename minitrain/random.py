@@ -140,8 +140,8 @@ def bits(k: Key, shape: Shape) -> Int[Tensor, "..."]:
     n = math.prod(shape)
     if n <= _CHUNK or torch.compiler.is_compiling():  # compiled, the ops fuse into one loop
         return _words(k, 0, n).reshape(shape)
-    # Eagerly each of Threefry's ~170 ops is a pass over memory: in pieces that stay in cache
-    # a large draw runs ~10x faster on a CPU.
+    # Eagerly each of Threefry's ~170 ops is a pass over memory: pieces that stay in cache
+    # keep those passes out of main memory.
     pieces = [_words(k, start, min(n, start + _CHUNK)) for start in range(0, n, _CHUNK)]
     return torch.cat(pieces, dim=-1).reshape(shape)
 

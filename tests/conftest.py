@@ -1,8 +1,9 @@
-"""Fixtures shared by the hostile-input corpus (tests/*/test_hostile_*.py)."""
+"""Shared fixtures: the hostile-input corpus (tests/*/test_hostile_*.py) and tiny-op runs."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_hostile_harness import recorded_signals, write_script
 
 
@@ -18,3 +19,12 @@ def safe_signals():
     not fatal; yields the list of those signals."""
     with recorded_signals() as seen:
         yield seen
+
+
+@pytest.fixture
+def one_thread():
+    """The ops are tiny: one intra-op thread is fastest, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,13 +18,7 @@ from minitrain.train import load_experiment
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The ops are tiny: one intra-op thread is fastest, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def load_example(name: str):

@@ -10,22 +10,10 @@ import click
 import pytest
 
 from minitrain.cli import cli
-
-
-def leaf_commands(group: click.Group, ctx: click.Context, prefix: str = "") -> list[str]:
-    """The path of every command, nested groups included."""
-    found = []
-    for name in group.list_commands(ctx):
-        command = group.get_command(ctx, name)
-        if isinstance(command, click.Group):
-            found += leaf_commands(command, ctx, f"{prefix}{name} ")
-        else:
-            found.append(f"{prefix}{name}")
-    return found
-
+from tests.cli.test_script_folder import command_paths
 
 with click.Context(cli) as _ctx:
-    COMMANDS = leaf_commands(cli, _ctx)
+    COMMANDS = command_paths(cli, _ctx)
 
 
 def minitrain(args: list[str], closed: int, cwd) -> subprocess.CompletedProcess:

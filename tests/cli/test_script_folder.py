@@ -19,16 +19,22 @@ INVOCATIONS = {
 }
 
 
-def script_commands(group: click.Group, ctx: click.Context, prefix: str = "") -> list[str]:
-    """The path of every command, nested groups included, that takes a SCRIPT argument."""
+def command_paths(group: click.Group, ctx: click.Context, keep=lambda command: True,
+                  prefix: str = "") -> list[str]:
+    """The path of every command, nested groups included, for which ``keep(command)``."""
     found = []
     for name in group.list_commands(ctx):
         command = group.get_command(ctx, name)
         if isinstance(command, click.Group):
-            found += script_commands(command, ctx, f"{prefix}{name} ")
-        elif any(param.name == "script" for param in command.params):
+            found += command_paths(command, ctx, keep, f"{prefix}{name} ")
+        elif keep(command):
             found.append(f"{prefix}{name}")
     return found
+
+
+def script_commands(group: click.Group, ctx: click.Context) -> list[str]:
+    """The path of every command that takes a SCRIPT argument."""
+    return command_paths(group, ctx, lambda c: any(p.name == "script" for p in c.params))
 
 
 def write_script(folder, tag):

@@ -15,13 +15,7 @@ SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "maml_sine.py")
 SMALL = {"tasks": "5", "inner_steps": "2", "inner_lr": "0.02", "lr": "0.01"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The ops are tiny: one intra-op thread is fastest, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_meta_training_beats_the_unadapted_model_and_its_start(seed=0):
