@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import click
 
 from minitrain.cli.errors import Command, UserError
+from minitrain.cli.options import echo_json
 from minitrain.cli.roofline import print_table
 
 
@@ -60,7 +60,7 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
         for record in records:
             record["stats"] = stats_record(record["name"], std, seed)
     if as_json:
-        click.echo(json.dumps(records, indent=2))
+        echo_json(records)
         return
     columns = ["format", "bits", "E", "M", "bias", "max", "min normal", "min subnormal", "eps"]
     columns += ["inf", "NaN", "block", "bits/elem"]
@@ -88,7 +88,7 @@ def _print_values(name: str, codes: list[tuple[int, float]], as_json: bool) -> N
 
     bits = spec(name).bits
     if as_json:
-        click.echo(json.dumps([{"code": c, "value": v} for c, v in codes], indent=2))
+        echo_json([{"code": c, "value": v if math.isfinite(v) else str(v)} for c, v in codes])
         return
     rows = [[f"{c:0{bits}b}", f"{c}", f"{v:g}"] for c, v in codes]
     print_table(f"{name}: all {len(codes)} codes", ["bits", "code", "value"], rows)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
+from minitrain.cli.options import echo_json
 
 
 @click.command(cls=Command)
@@ -32,7 +31,7 @@ def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     specs = [acc.hardware(n) for n in ([name] if name else acc.hardware_names())]
     if as_json:
         records = [spec.to_dict() | {"intensity_bf16": spec.intensity("bf16")} for spec in specs]
-        click.echo(json.dumps(records if name is None else records[0], indent=2))
+        echo_json(records if name is None else records[0])
         return
     header = (f"{'name':<11}{'bf16 dense':>12}{'bf16 sparse':>13}{'fp32':>10}{'memory':>9}"
               f"{'bandwidth':>11}{'FLOP/B':>8}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,9 +67,20 @@ def check_out(out: Path | None, resume: bool, overwrite: bool) -> None:
         raise UserError("--resume continues the run in --out and --overwrite replaces it; pass one")
 
 
+def echo_json(value: Any) -> None:
+    """``value`` as strict JSON on stdout: NaN and infinities become null, which every JSON
+    parser reads (``json.dumps`` would write ``NaN``, which strict parsers refuse)."""
+    from minitrain.train.loop import dumps_finite
+
+    click.echo(dumps_finite(value, indent=2))
+
+
 def emit(result: dict[str, Any], lines: list[str], as_json: bool) -> None:
     """``result`` as JSON, or ``lines`` as text."""
-    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(lines))
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo("\n".join(lines))
 
 
 def number(value: float | None, digits: int = 6) -> str:
@@ -81,11 +91,9 @@ def print_summary(summary: dict[str, Any], out: Path | None, as_json: bool,
                   show: Callable[[Any, dict[str, Any]], None], resources_title: str) -> None:
     """The summary as JSON, or as ``show(console, summary)`` prints it and the resource report;
     a failed write to stdout is one line naming the saved summary."""
-    from minitrain.train.loop import dumps_finite
-
     with output_errors(out / "summary.json" if out is not None else None):
         if as_json:
-            click.echo(dumps_finite(summary, indent=2))
+            echo_json(summary)
             return
         console = rich_console()
         try:
@@ -103,4 +111,4 @@ def print_summary(summary: dict[str, Any], out: Path | None, as_json: bool,
 
             click.echo(f"warning: could not compute the summary table: {one_line(exc)}",
                        err=True)
-            click.echo(dumps_finite(summary, indent=2))
+            echo_json(summary)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from minitrain.cli.errors import Command, UserError
+from minitrain.cli.options import echo_json
 
 
 def _summary(records: list[dict]) -> dict:
@@ -77,7 +77,7 @@ def plot(run_dirs: tuple[Path, ...], out: Path | None, keys: tuple[str, ...],
                                                                          strict=True)],
         }
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        echo_json(result)
     elif len(run_dirs) == 1:
         steps = f"steps {result['first_step']}..{result['last_step']}"
         click.echo(f"wrote {png} ({result['records']} records, {steps})")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from minitrain.cli.errors import Command
+from minitrain.cli.options import echo_json
 
 
 @click.command(cls=Command)
@@ -38,7 +38,7 @@ def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json:
     out_dir = out if out is not None else data.default_data_dir()
     summary = {"out": str(out_dir), **{k: v for k, v in meta.items() if k != "val_files"}}
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        echo_json(summary)
         return
     tokens, files = meta["tokens"], meta["files"]
     click.echo(

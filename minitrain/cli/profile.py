@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import script_argument
+from minitrain.cli.options import echo_json, script_argument
 from minitrain.cli.roofline import placement_record, print_table, roof_line
 
 
@@ -176,7 +175,7 @@ def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: s
         record = _record(script, config, result, counter, plot_path)
         if memory is not None:
             record["memory"] = memory
-        click.echo(json.dumps(record, indent=2))
+        echo_json(record)
         return
     _print(script, result, counter, top)
     if plot_path is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -10,6 +9,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command
+from minitrain.cli.options import echo_json
 
 
 def placement_record(p: Any) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_j
             "ops": [placement_record(p) for p in placements], "plot": plot_path,
             "source": r.source,
         }
-        click.echo(json.dumps(record, indent=2))
+        echo_json(record)
         return
     click.echo(roof_line(r))
     columns = ["op", "FLOPs", "bytes", "FLOP/byte", "bound", "attainable", "MFU ≤", "time"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from minitrain.cli.errors import Command, RunFailed, UserError, training_errors
 from minitrain.cli.options import (
     SEED,
     check_out,
+    echo_json,
     number,
     print_summary,
     script_argument,
@@ -130,7 +130,7 @@ def backends(as_json: bool) -> None:
 
     statuses = backend_statuses()
     if as_json:
-        click.echo(json.dumps([status._asdict() for status in statuses], indent=2))
+        echo_json([status._asdict() for status in statuses])
         return
     for status in statuses:
         mark = "yes" if status.usable else "no "

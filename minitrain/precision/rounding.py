@@ -232,10 +232,12 @@ def values(fmt: str | FormatSpec) -> list[tuple[int, float]]:
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
     """
     s = spec(fmt)
-    if s.is_block or s.bits > 8:
-        raise ValueError(
-            f"{s.name} has {2**s.bits} codes; list values of an element format of 8 bits or fewer"
-        )
+    if s.is_block:
+        raise ValueError(f"{s.name} is a block format of {s.element} elements sharing a "
+                         f"{s.scale_format} scale; list its elements: --values {s.element}")
+    if s.bits > 8:
+        raise ValueError(f"{s.name} has {2**s.bits} codes; list a format of 8 bits or fewer "
+                         "(fp8_e4m3, fp8_e5m2, fp6_e2m3, fp6_e3m2, fp4_e2m1, e8m0)")
     codes = torch.arange(2**s.bits)
     return list(zip(codes.tolist(), decode(codes, s).tolist(), strict=True))
 
