@@ -45,28 +45,20 @@ def grad_leaf_error(grads: Any) -> ValueError | None:
     return None
 
 
-def _explaining(fn: Callable[..., Any], explain: Callable[[Any], ValueError | None],
-                caught: tuple[type[Exception], ...]) -> Callable[..., Any]:
-    """``fn(first, ...)`` whose ``caught`` error, where ``explain(first)`` blames an input, is
-    re-raised as that one-line ``ValueError``. Costs nothing until something raises."""
+def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update(grads, ...)`` whose error over a None or sparse grad is re-raised as
+    :func:`grad_leaf_error`'s one line. Costs nothing until something raises."""
 
-    @functools.wraps(fn)
-    def checked(first: Any, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(update)
+    def checked(grads: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(first, *args, **kwargs)
-        except caught:
-            if (named := explain(first)) is not None:
+            return update(grads, *args, **kwargs)
+        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
+            if (named := grad_leaf_error(grads)) is not None:
                 raise named from None
             raise
 
     return checked
-
-
-def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
-    """``update(grads, ...)`` whose error over a None or sparse grad is
-    :func:`grad_leaf_error`'s."""
-    return _explaining(update, grad_leaf_error,
-                       (NotImplementedError, RuntimeError, AttributeError, TypeError))
 
 
 def none_param_error(params: Any) -> ValueError | None:
@@ -206,27 +198,18 @@ def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
 
 def check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
     """``ValueError`` naming the first tensor of ``slots`` (rows of leaves, the params first)
-    that the C kernel would read or write out of bounds: per leaf, every tensor must be a
-    contiguous float32 CPU tensor of the param's shape whose storage holds it."""
+    that the C kernel would read or write out of bounds."""
     for index, slot in enumerate(slots):
         if slot is not None and len(slot) != n_leaves:
             raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
-    for index, slot in enumerate(slots):
-        for leaf, t in enumerate(slot or ()):
-            p = slots[0][leaf]
-            if pointers([[p], [t]], dtype=torch.float32) is not None:
-                continue
-            held = t.untyped_storage().nbytes()
-            if t.dtype is torch.float32 and t.is_contiguous() and t.numel() == p.numel() and \
-                    not storage_holds(t):
+        for leaf, (t, p) in enumerate(zip(slot or (), slots[0], strict=True)):
+            if pointers([[p], [t]], dtype=torch.float32) is None:
+                held = "" if storage_holds(t) else " whose storage is too small (was it resized?)"
                 raise ValueError(
-                    f"streaming slot {index} leaf {leaf}: a {tuple(t.shape)} tensor whose "
-                    f"storage holds {held} bytes (was it resized?); pass tensors whose "
-                    f"storage holds them")
-            raise ValueError(
-                f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} {t.device} "
-                f"stride {t.stride()} does not match its param {tuple(p.shape)}; pass "
-                f"contiguous float32 CPU tensors of the param's shape")
+                    f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} {t.device} "
+                    f"stride {t.stride()}{held} does not fit its param {tuple(p.shape)}; pass "
+                    f"contiguous float32 CPU tensors of the param's shape whose storage holds "
+                    f"them")
 
 
 def check_storages(trees: Sequence[tuple[str, Any]]) -> None:

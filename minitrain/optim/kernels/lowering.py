@@ -1,23 +1,17 @@
 """The one lowering: a chain shaped like a torch.optim update runs as one kernel call.
 
-:func:`lower` recognises the chain torch.optim's update is,
+:func:`lower` recognises the chain
 
     [clip_by_global_norm] [scale(-1)] [add_decayed_weights] RULE [add_decayed_weights]
     [scale_by_learning_rate]
 
-where RULE is a row of :data:`RULES` (Adam's ``scale_by_adam``, SGD's ``trace`` or nothing,
-RMSprop's ``scale_by_rms`` with its ``trace``, the family's rules), and returns an update that
-runs it as one pass per weight-decay group over all leaves:
-
-* on contiguous float32 CPU leaves: the streaming C kernel (``minitrain::stream_update``'s
-  body), into recycled buffers, or in place when donated (the same kernel, so the same bits);
-* on other contiguous CPU leaves (float64, half precision), where torch has a fused kernel for
-  the rule (``_fused_adam(w)_``, ``_fused_sgd_``, ``_fused_adagrad_``): that kernel, in place
-  when donated, else on copies.
-
-Whenever it cannot take a call (under vmap, grad or torch.compile, a torch mode active, leaves
-the kernels cannot address, a traced or differentiable hyperparameter, ...) the update returns
-None and the chain itself runs: the chain is the definition, the kernels are tested equal to it.
+where RULE is a row of :data:`RULES` or one of the family's rules, and runs it as one pass per
+weight-decay group over all leaves: the streaming C kernel on float32 CPU leaves (into recycled
+buffers, or in place when donated), else torch's fused kernel for the rule where it has one.
+Whenever it cannot take a call (vmap, grad, torch.compile, a torch mode, leaves the kernels
+cannot address, a traced hyperparameter, ...) the update returns None and the chain runs: the
+chain is the definition, the kernels are tested equal to it
+(``docs/explanation/kernels.md``).
 """
 
 from __future__ import annotations
@@ -59,7 +53,10 @@ class Rule(NamedTuple):
     kernel: Callable[..., tuple[str, list, tuple] | None]
     fused: Callable[..., None] | None = None
     folds_sign: bool = False  # the kernel multiplies the grads by ``frame.sign`` itself
-    fused_halves: bool = True  # torch's CPU fused kernel takes bfloat16 and float16 leaves
+    # what torch's CPU fused kernel takes (its fused SGD skips half-precision elements in
+    # whole SIMD blocks)
+    fused_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16,
+                                             torch.float16)
 
 
 def _adam(step, h, per_step, f):
@@ -127,10 +124,11 @@ def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
                           weight_decay=f.l2, eps=h["eps"], maximize=maximize)
 
 
+_FULL = (torch.float32, torch.float64)
 RULES: dict[tuple[str, ...], Rule] = {
     ("scale_by_adam",): Rule(_adam, _fused_adam, folds_sign=True),
-    (): Rule(_sgd, _fused_sgd, fused_halves=False),
-    ("trace",): Rule(_sgd, _fused_sgd, fused_halves=False),
+    (): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
+    ("trace",): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
     ("scale_by_adagrad",): Rule(_adagrad, _fused_adagrad),
     ("scale_by_rms",): Rule(_rmsprop),
     ("scale_by_rms", "trace"): Rule(_rmsprop),
@@ -324,8 +322,8 @@ def _run(shape, groups, grads, state, params, donate):
     rows = [p_leaves, g_leaves, *buffers]
     found = pointers(rows, read=1 if donate else None)  # checked once, after every read
     use_c = all(p.dtype is torch.float32 for p in p_leaves) and streaming.available()
-    if found is None or not use_c and (
-            shape.rule.fused is None or not _fusable(p_leaves, shape.rule.fused_halves)):
+    if found is None or not use_c and (shape.rule.fused is None or any(
+            p.dtype not in shape.rule.fused_dtypes for p in p_leaves)):
         return None
     if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
         flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
@@ -426,14 +424,6 @@ def _stream(shape, rows, found, read, frame, planned, donate):
         torch.autograd.graph.increment_version([t for row in results if row is not None
                                                 for t in row])
     return results[0], results[1:]
-
-
-def _fusable(ps: list[Tensor], halves: bool) -> bool:
-    """torch's fused kernels on the CPU take float32 and float64, and bfloat16 and float16
-    where the rule's kernel takes them (its CPU fused SGD skips half-precision elements in
-    whole SIMD blocks)."""
-    dtypes = (torch.float32, torch.float64) + ((torch.bfloat16, torch.float16) if halves else ())
-    return all(p.dtype in dtypes for p in ps)
 
 
 def _fused(shape, rows, found, read, frame, planned, donate):

@@ -7,7 +7,6 @@ The pool keeps an alias of each buffer it hands out; once the caller has dropped
 and view of it (the storage's use count, as inductor's cudagraph trees check it, is back to the
 alias alone), the next update reuses the memory. Nobody can observe the reuse, so the update
 stays pure; up to two generations of params and state stay allocated between updates.
-Nothing outside ``minitrain.optim.kernels`` sees a pool.
 """
 
 from __future__ import annotations
@@ -29,43 +28,37 @@ class BufferPool:
     """Output buffers for pure CPU updates, recycled once nothing outside the pool holds them."""
 
     def __init__(self) -> None:
-        # per (shape, strides, dtype): (alias, its StorageImpl's address) of each buffer handed
-        # out; the pool alone holds the alias (a storage object kept would count as a use)
+        # per (shape, dtype): (alias, its StorageImpl's address) of each buffer handed out; the
+        # pool alone holds the alias (a storage object kept would count as a use)
         self._held: dict[tuple, list[tuple[Tensor, int]]] = {}
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
 
+    def _idle(self, held: list[tuple[Tensor, int]]) -> list[Tensor]:
+        alone = _alone()
+        return [alias for alias, storage in held if _torch.storage_use_count(storage) <= alone]
+
     def idle_bytes(self) -> int:
         """Bytes of buffers that only this pool holds: its extra memory right now."""
         return sum(alias.untyped_storage().nbytes() for held in self._held.values()
-                   for alias, _ in held if _only_alias_left(alias))
+                   for alias in self._idle(held))
 
     def begin_update(self) -> None:
         """Find the buffers nobody else holds any more; call once before an update."""
         self._demand = {}
-        self._free = {}
-        if _CAN_COUNT_STORAGE_USES:
-            uses, alone = _torch.storage_use_count, _alone()
-            for key, held in self._held.items():
-                self._free[key] = [alias for alias, storage in held if uses(storage) <= alone]
+        self._free = {key: self._idle(held) for key, held in self._held.items()}
 
     def __call__(self, like: list[Tensor]) -> list[Tensor]:
-        """An uninitialized buffer of each tensor's shape, dtype and strides (contiguous where
-        a tensor is not dense, as ``torch.empty_like``), recycled where one is free."""
-        out = []
-        key = free = nbytes = None
-        for t in like:
-            if not t.is_cpu or not _CAN_COUNT_STORAGE_USES:
-                out.append(torch.empty_like(t, memory_format=torch.preserve_format))
-                continue
-            if key is None or key[0] != t.shape or key[1] != t.stride() or key[2] is not t.dtype:
-                key = _key(t)
-                free, nbytes = self._free.get(key), _storage_nbytes(key)
-            out.append(self._take(key, free, nbytes))
-        return out
+        """An uninitialized contiguous CPU buffer of each tensor's shape and dtype, recycled
+        where one is free."""
+        if _torch.storage_use_count is None:  # no way to tell a free buffer
+            return [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in like]
+        return [self._take((t.shape, t.dtype)) for t in like]
 
-    def _take(self, key: tuple, free: list[Tensor] | None, nbytes: int) -> Tensor:
+    def _take(self, key: tuple) -> Tensor:
+        shape, dtype = key
         demand = self._demand[key] = self._demand.get(key, 0) + 1
+        free, nbytes = self._free.get(key), shape.numel() * dtype.itemsize
         while free:
             alias = free.pop()
             storage = alias.untyped_storage()
@@ -78,7 +71,7 @@ class BufferPool:
         _from_the_heap(nbytes)
         # CPU by name: under torch.set_default_device('cuda' or 'meta') a kernel would get a
         # pointer it cannot write.
-        buffer = torch.empty_strided(key[0], key[1], dtype=key[2], device="cpu")
+        buffer = torch.empty(shape, dtype=dtype, device="cpu")
         held = self._held.setdefault(key, [])
         if len(held) < 2 * demand:  # two generations (inputs and outputs) at most
             held.append((buffer, buffer.untyped_storage()._cdata))
@@ -98,14 +91,11 @@ _HEAP_SIZES: set[int] = set()
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """The process's C library when it is glibc, whose malloc torch's CPU tensors use."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
-        libc = ctypes.CDLL(None)
+        libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
     except OSError:
         return None
-    if not all(hasattr(libc, name) for name in ("gnu_get_libc_version", "posix_memalign",
-                                                "free")):
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
         return None
     libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                     ctypes.c_size_t]
@@ -117,9 +107,8 @@ def _glibc() -> ctypes.CDLL | None:
 
 def _from_the_heap(nbytes: int) -> None:
     """Let buffers of ``nbytes`` come from malloc's heap, not from fresh mmaps (each at the
-    same offset in a page: 1.58x torch's fused AdamW against 1.20x from the heap, 2-core EPYC),
-    by freeing one mmapped block of that size first, as glibc's own rule does after the first
-    such free. Once per size, on glibc only; malloc's own block, never touched."""
+    same offset in a page, which is slower), by freeing one mmapped block of that size first,
+    as glibc's own rule does after the first such free. Once per size, on glibc only."""
     if nbytes in _HEAP_SIZES or not _MMAP_THRESHOLD <= nbytes <= _MMAP_THRESHOLD_MAX - _PAGE:
         return
     _HEAP_SIZES.add(nbytes)
@@ -127,30 +116,6 @@ def _from_the_heap(nbytes: int) -> None:
     block = ctypes.c_void_p()
     if libc is not None and libc.posix_memalign(ctypes.byref(block), _ALIGNMENT, nbytes) == 0:
         libc.free(block)
-
-
-def _storage_nbytes(key: tuple) -> int:
-    """Bytes of a buffer of ``key``'s shape, strides and dtype.
-
-    >>> _storage_nbytes(((3, 2), (1, 3), torch.float32))
-    24
-    """
-    shape, stride, dtype = key
-    if 0 in shape:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * dtype.itemsize
-
-
-def _key(t: Tensor) -> tuple:
-    """``(shape, strides, dtype)`` of a buffer for ``t``: ``t``'s strides where it is dense
-    and no two elements share an address, else contiguous ones (as ``torch.empty_like``).
-
-    >>> _key(torch.ones(3, 2).t())[1], _key(torch.ones(2).expand(3, 2))[1]
-    ((1, 2), (2, 1))
-    """
-    if t.is_contiguous() or _torch.is_non_overlapping_and_dense_or_false(t):
-        return t.shape, t.stride(), t.dtype
-    return t.shape, _torch.make_contiguous_strides_for(t.shape), t.dtype
 
 
 _THREAD = threading.local()
@@ -178,13 +143,6 @@ def idle_bytes() -> int:
     return 0 if pool is None else pool.idle_bytes()
 
 
-_CAN_COUNT_STORAGE_USES = _torch.storage_use_count is not None
-
-
-def _storage_uses(t: Tensor) -> int:
-    return _torch.storage_use_count(t.untyped_storage()._cdata)
-
-
 def _probe() -> Tensor:
     """A plain one-element CPU tensor made outside any dispatch mode (a probe is not part of
     the update a mode such as the accounting ``Counter`` watches)."""
@@ -196,7 +154,8 @@ def _probe() -> Tensor:
 def _alone() -> int:
     """The use count of a storage held by one tensor (measured on first use, not at import:
     the module may first be imported under a functorch transform)."""
-    return _storage_uses(_probe())
+    probe = _probe()  # alive while its storage is counted
+    return _torch.storage_use_count(probe.untyped_storage()._cdata)
 
 
 @functools.cache
@@ -206,7 +165,3 @@ def _storage_refs_alone() -> int:
     probe = _probe()
     storage = probe.untyped_storage()
     return sys.getrefcount(storage)
-
-
-def _only_alias_left(alias: Tensor) -> bool:
-    return _storage_uses(alias) <= _alone()

@@ -5,8 +5,8 @@ and state first: two passes over memory. A single pass that writes into fresh bu
 plain stores still reads every output line first (read for ownership); non-temporal stores skip
 that read, and neither aten nor inductor emits them. So ``_streaming.c`` (the update rules of
 the torch.optim family) is built with the system C compiler on first use, cached (verified by
-size and sha256 before loading) and exposed as the ops ``minitrain::stream_update``,
-``minitrain::sum_of_squares`` and ``minitrain::decode_div``, each with a fake implementation.
+size and sha256 before loading) and exposed as the ops ``minitrain::stream_update`` and
+``minitrain::decode_div``, each with a fake implementation.
 
 Every tensor is checked before its pointer reaches C (:func:`.checks.pointers`). The kernels
 cover contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require``
@@ -43,8 +43,8 @@ from torch import Tensor
 from minitrain import _torch
 from minitrain.optim.kernels.checks import check_slots, plain_cpu, pointers
 
-__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "global_norm", "norm",
-           "quiet", "run", "sum_of_squares", "sums_of_squares", "update", "usable"]
+__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "norm", "quiet", "run",
+           "sums_of_squares", "update", "usable"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
          "radam": (5, 12), "adamax": (6, 9), "lion": (7, 7), "schedule_free_adamw": (8, 13),
@@ -53,9 +53,8 @@ RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "
 
 STREAMING_BYTES = 80 * 2**20
 """A pure update writes with streaming stores once it touches this many bytes (inputs and
-outputs); below, plain stores, whose lines stay in the last-level cache for the next update.
-Measured on a 2-core Xeon (260 MB L3), 8-leaf Adam: plain stores 11% faster at 56 MB touched,
-streaming stores 28% faster at 112 MB and 39% at 224 MB."""
+outputs); below, plain stores, whose lines stay in the last-level cache for the next update
+(``benchmarks/optim.py --breakdown`` times both)."""
 
 SOURCE = Path(__file__).with_name("_streaming.c")
 ENV = "MINITRAIN_STREAMING"
@@ -198,6 +197,13 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def _loaded() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
+    return library
+
+
 def fresh(like: list[Tensor]) -> list[Tensor]:
     """New uninitialized buffers shaped like ``like`` (optimizers pass a recycling pool)."""
     return [torch.empty_like(t) for t in like]
@@ -212,28 +218,18 @@ def available() -> bool:
     return _library() is not None
 
 
-def watched() -> bool:
-    """Whether a ``TorchFunctionMode`` other than torch's default-device one is active: it would
-    see the torch calls an update makes between its checks and a kernel, so the kernels give
-    way to torch's ops.
-
-    >>> watched()
-    False
-    """
-    if not _torch.is_torch_function_mode_enabled():
-        return False
-    return any(not isinstance(mode, _torch.DeviceContext)
-               for mode in _torch.get_current_function_mode_stack())
-
-
 def quiet() -> bool:
     """Whether no torch mode watches the torch calls made here: no ``TorchDispatchMode`` (the
-    accounting ``Counter``, ``FlopCounterMode``, fake tensors) and :func:`watched` is False.
+    accounting ``Counter``, ``FlopCounterMode``, fake tensors) and no ``TorchFunctionMode`` but
+    torch's default-device one; where one watches, the kernels give way to torch's ops.
 
     >>> quiet()
     True
     """
-    return _torch.get_current_dispatch_mode() is None and not watched()
+    if _torch.get_current_dispatch_mode() is not None:
+        return False
+    return not _torch.is_torch_function_mode_enabled() or all(
+        isinstance(mode, _torch.DeviceContext) for mode in _torch.get_current_function_mode_stack())
 
 
 def usable(tensors: Sequence[Tensor]) -> bool:
@@ -290,15 +286,12 @@ def run(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
     :func:`.checks.pointers` over float32 leaves of ``sizes`` elements: the body of
     ``minitrain::stream_update``, for callers that checked their tensors where no mode or
     compiler would see the op."""
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
     zeros = [0] * len(sizes)
     columns = [zeros if row is None else row for row in rows]
     # The arrays are named: C reads them after the expression that made them.
     hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
     addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
-    status = library.minitrain_update(
+    status = _loaded().minitrain_update(
         rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
         len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
     if status != 0:
@@ -328,63 +321,22 @@ def _(rule, hyperparameters, inputs, outputs, present, nontemporal) -> None:
     return None
 
 
-def sum_of_squares(leaves: Sequence[Tensor]) -> list[float]:
-    """``sum(x * x)`` of each leaf, accumulated in float64 by one pass over all leaves (the
-    same for any number of threads). Call :func:`usable` first.
-
-    >>> leaves = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
-    >>> sum_of_squares(leaves) if usable(leaves) else [25.0, 1.0]
-    [25.0, 1.0]
-    """
-    return torch.ops.minitrain.sum_of_squares(list(leaves)).tolist()
-
-
 def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
     """Per leaf, ``sum(x * x)`` in float64 over float32 leaves at checked ``addresses``
     (:func:`.checks.pointers`) of ``sizes`` elements: ``minitrain::sum_of_squares``' body."""
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
     out = torch.zeros(len(sizes), dtype=torch.float64, device="cpu")
     starts, counts = array.array("Q", addresses), array.array("q", sizes)
-    status = library.minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
+    status = _loaded().minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
                                      len(sizes), max(1, torch.get_num_threads()), out.data_ptr())
     if status != 0:
         raise RuntimeError(f"streaming sum of squares failed with status {status}")
     return out
 
 
-@torch.library.custom_op("minitrain::sum_of_squares", mutates_args=(), device_types="cpu",
-                         schema="(Tensor[] leaves) -> Tensor")
-def _sum_of_squares(leaves: list[Tensor]) -> Tensor:
-    found = pointers([leaves], dtype=torch.float32)
-    if found is None:
-        check_slots([leaves], len(leaves))
-        raise ValueError("sum_of_squares: pass plain float32 CPU tensors not requiring grad")
-    return sums_of_squares(found[0], [t.numel() for t in leaves])
-
-
-@_sum_of_squares.register_fake
-def _(leaves):
-    return torch.empty(len(leaves), dtype=torch.float64, device="cpu")
-
-
 def norm(squares: Tensor) -> Tensor:
     """The global norm from per-leaf float64 sums of squares, in ``clip_grad_norm_``'s form:
     each leaf's norm in float32, then the norm of those norms (a 0-d float32 tensor)."""
     return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)
-
-
-def global_norm(leaves: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of float32 CPU leaves taken together, as :func:`norm` of their sums of
-    squares (torch accumulates those in float32: the two differ by float32 rounding). Call
-    :func:`usable` first.
-
-    >>> leaves = [torch.tensor([3.0]), torch.tensor([4.0])]
-    >>> global_norm(leaves) if usable(leaves) else torch.tensor(5.)
-    tensor(5.)
-    """
-    return norm(torch.ops.minitrain.sum_of_squares(list(leaves)))
 
 
 def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
@@ -406,25 +358,29 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
     if (_library() is None or _torch.get_current_dispatch_mode() is not None
             or type(codes) is not Tensor or type(table) is not Tensor):
         return None
-    divisor = float(scale)
-    if (not plain_cpu(codes) or codes.element_size() != 1
-            or codes.is_floating_point() and codes.dtype not in
-            (torch.float8_e4m3fn, torch.float8_e5m2)
-            or not plain_cpu(table) or table.dtype is not torch.float32
-            or table.numel() != 256):
+    divisor = float(scale)  # the caller's code, before the checks
+    if not _decodable(codes, table):
         return None
     return torch.ops.minitrain.decode_div(codes, table, divisor)
+
+
+def _decodable(codes: Tensor, table: Tensor) -> bool:
+    """One-byte integer or fp8 codes and a 256-entry float32 table, both plain contiguous CPU
+    tensors whose storages hold them."""
+    return (plain_cpu(codes) and codes.element_size() == 1
+            and (not codes.is_floating_point()
+                 or codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+            and plain_cpu(table) and table.dtype is torch.float32 and table.numel() == 256)
 
 
 @torch.library.custom_op("minitrain::decode_div", mutates_args=(), device_types="cpu",
                          schema="(Tensor codes, Tensor table, float scale) -> Tensor")
 def _decode_div(codes: Tensor, table: Tensor, scale: float) -> Tensor:
-    if not (plain_cpu(codes) and codes.element_size() == 1 and plain_cpu(table)
-            and table.dtype is torch.float32 and table.numel() == 256):
+    if not _decodable(codes, table):
         raise ValueError("decode_div takes contiguous one-byte CPU codes and a 256-entry "
                          "float32 table")
     out = torch.empty(codes.shape, dtype=torch.float32, device="cpu")
-    status = _library().minitrain_decode_div(
+    status = _loaded().minitrain_decode_div(
         codes.data_ptr(), table.data_ptr(), scale, out.data_ptr(), codes.numel(),
         max(1, torch.get_num_threads()))
     if status != 0:
