@@ -165,20 +165,43 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 
 @estimate.command("memory")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
-@click.option("--gpus", type=click.IntRange(min=1), default=8, help="Number of devices.")
+@click.option("--gpus", type=click.IntRange(min=1), default=8, help="Devices per node.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, help="Nodes.")
 @_optimizer_options
 @click.option("--precision", default="fp32", help=_PRECISION_HELP)
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
                    "assumption).")
+@click.option("--params", type=QUANTITY, default=None,
+              help="A model's parameters (7e9 or 7B): add its model states per GPU and per node's "
+                   "CPU as DeepSpeed's ZeRO estimators count them.")
+@click.option("--largest-layer", type=QUANTITY, default=None,
+              help="With --params and --zero 3: parameters of the largest layer, which stage 3 "
+                   "gathers on every GPU.")
+@click.option("--offload", type=click.Choice(["optimizer", "params"]), multiple=True,
+              help="With --params: ZeRO-Offload of the optimizer state (stages 1-3) or of the "
+                   "params (stage 3) to the CPU; repeatable.")
+@click.option("--zero-init/--no-zero-init", default=True,
+              help="With --params and --zero 3: build the model partitioned (deepspeed.zero.Init), "
+                   "so each node's CPU loads one layer at a time.")
+@click.option("--buffer-factor", type=QUANTITY, default=1.5,
+              help="With --params: padding of the CPU figure, as DeepSpeed's estimators apply it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentum: bool,
-           centered: bool, precision: str, zero_stage: int, as_json: bool) -> None:
-    """Bytes per parameter and the largest model that fits (chapter 3.1.2)."""
+def memory(hardware_name: str, gpus: int, nodes: int, optimizer: str, amsgrad: bool,
+           momentum: bool, centered: bool, precision: str, zero_stage: int, params: float | None,
+           largest_layer: float | None, offload: tuple[str, ...], zero_init: bool,
+           buffer_factor: float, as_json: bool) -> None:
+    """Bytes per parameter and the largest model that fits (chapter 3.1.2); with --params, the
+    model states of one model under ZeRO as DeepSpeed estimates them."""
     from minitrain import accounting as acc
 
     spec = acc.hardware(hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
+    zero = None
+    if params is not None:
+        zero = _zero_states(params, largest_layer, zero_stage, gpus, nodes, offload, zero_init,
+                            buffer_factor, key, precision, options)
+    gpus *= nodes
     chosen = acc.bytes_per_param(key, precision, **options)
     table = {
         name: row._asdict() | {"total": row.total}
@@ -214,7 +237,48 @@ def memory(hardware_name: str, gpus: int, optimizer: str, amsgrad: bool, momentu
         f"{si(by_stage[zero_stage])} params (activations not included)",
         "by ZeRO stage: " + ", ".join(f"{s}: {si(n)}" for s, n in by_stage.items()),
     ]
+    if zero is not None:
+        result["zero"] = zero
+        lines += _zero_lines(zero, spec)
     emit(result, lines, as_json)
+
+
+def _zero_states(params: float, largest_layer: float | None, zero_stage: int, gpus: int,
+                 nodes: int, offload: tuple[str, ...], zero_init: bool, buffer_factor: float,
+                 optimizer: str, precision: str, options: dict[str, bool]) -> dict[str, Any]:
+    """``accounting.zero_memory`` of the command's options, as a JSON record."""
+    from minitrain import accounting as acc
+    from minitrain.cli.errors import UserError
+
+    if zero_stage == 0:
+        raise UserError("--params counts a ZeRO optimizer's model states: pass --zero 1, 2 or 3")
+    if zero_stage == 3 and largest_layer is None:
+        raise UserError("--zero 3 gathers the largest layer on every GPU: pass --largest-layer N "
+                        "(the parameters of the biggest module, e.g. 5e8)")
+    if largest_layer is not None and largest_layer > params:
+        raise UserError(f"--largest-layer {largest_layer:g} is more than --params {params:g}")
+    if "params" in offload and zero_stage != 3:
+        raise UserError("--offload params needs --zero 3 (only stage 3 partitions the params)")
+    states = acc.zero_memory(
+        params, largest_layer=largest_layer, zero_stage=zero_stage, gpus_per_node=gpus,
+        nodes=nodes, offload_optimizer="optimizer" in offload, offload_params="params" in offload,
+        zero_init=zero_init, buffer_factor=buffer_factor, optimizer=optimizer,
+        precision=precision, **{name: on for name, on in options.items() if on})
+    return {"params": params, "largest_layer": largest_layer, "offload": sorted(offload),
+            "zero_init": zero_init, "buffer_factor": buffer_factor, **states._asdict()}
+
+
+def _zero_lines(zero: dict[str, Any], spec: Any) -> list[str]:
+    gathered = f", {si(zero['gathered'], 'B')} of it the gathered layer" if zero["gathered"] else ""
+    fits = "fits" if zero["gpu"] <= spec.memory_bytes else "does not fit"
+    return [
+        "",
+        f"model states of {si(zero['params'])} params (DeepSpeed's ZeRO estimators, activations "
+        "not included):",
+        f"  per GPU        {si(zero['gpu'], 'B')}{gathered}: {fits} in "
+        f"{si(spec.memory_bytes, 'B')}",
+        f"  per node CPU   {si(zero['cpu'], 'B')} (× {zero['buffer_factor']:g} buffer)",
+    ]
 
 
 @estimate.command("transformer")
