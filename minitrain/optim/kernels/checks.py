@@ -2,8 +2,7 @@
 
 Those kernels walk raw storage: a state leaf of another shape, or a grad whose strides differ
 from its param's (expanded, transposed, sliced, overlapping), would be read out of bounds or in
-the wrong order. :func:`pointers` runs before any of them; :func:`check_slots` names what it
-refuses.
+the wrong order. :func:`pointers` runs before any of them.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 
-__all__ = ["check_slots", "check_storages", "donatable", "grad_leaf_error", "naming_bad_grads",
-           "none_param_error", "plain_cpu", "pointers", "storage_holds"]
+__all__ = ["check_storages", "donatable", "grad_leaf_error", "naming_bad_grads",
+           "none_param_error", "pointers", "storage_holds"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -196,22 +195,6 @@ def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
     return None if read is not None and _overlapping(*spans) else found
 
 
-def check_slots(slots: Sequence[list[Tensor] | None], n_leaves: int) -> None:
-    """``ValueError`` naming the first tensor of ``slots`` (rows of leaves, the params first)
-    that the C kernel would read or write out of bounds."""
-    for index, slot in enumerate(slots):
-        if slot is not None and len(slot) != n_leaves:
-            raise ValueError(f"streaming slot {index} has {len(slot)} leaves, expected {n_leaves}")
-        for leaf, (t, p) in enumerate(zip(slot or (), slots[0], strict=True)):
-            if pointers([[p], [t]], dtype=torch.float32) is None:
-                held = "" if storage_holds(t) else " whose storage is too small (was it resized?)"
-                raise ValueError(
-                    f"streaming slot {index} leaf {leaf}: {tuple(t.shape)} {t.dtype} {t.device} "
-                    f"stride {t.stride()}{held} does not fit its param {tuple(p.shape)}; pass "
-                    f"contiguous float32 CPU tensors of the param's shape whose storage holds "
-                    f"them")
-
-
 def check_storages(trees: Sequence[tuple[str, Any]]) -> None:
     """``ValueError`` naming the first plain tensor leaf of ``trees`` (``(what, tree)`` pairs)
     whose storage holds fewer bytes than the tensor addresses (one resized by hand).
@@ -243,9 +226,3 @@ def storage_holds(t: Tensor) -> bool:
     extent = n if t.is_contiguous() else 1 + sum(
         (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
-
-
-def plain_cpu(t: Tensor) -> bool:
-    """A plain contiguous CPU tensor whose storage holds it (what a kernel may read)."""
-    return (type(t) is Tensor and t.device.type == "cpu" and t.is_contiguous()
-            and storage_holds(t))

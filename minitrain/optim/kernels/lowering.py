@@ -25,7 +25,7 @@ from torch import Tensor
 
 from minitrain import _torch
 from minitrain.optim import _flat
-from minitrain.optim._checks import decay_flags
+from minitrain.optim._checks import decay_flags, is_traced
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import pointers
 from minitrain.optim.kernels.family import FAMILY
@@ -46,9 +46,8 @@ class Frame(NamedTuple):
 
 class Rule(NamedTuple):
     """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's
-    rule name, hyperparameters and the state buffers it reads and writes in its slot order
-    (``(rule transformation index, field)`` or None), or None for a frame it does not take;
-    ``fused`` is torch's fused kernel for the rule."""
+    rule name, hyperparameters and state buffers (``(rule transformation index, field)`` or
+    None) in its slot order, None for a frame it does not take; ``fused``: torch's kernel."""
 
     kernel: Callable[..., tuple[str, list, tuple] | None]
     fused: Callable[..., None] | None = None
@@ -179,9 +178,7 @@ def _recognise(tx: Any) -> Shape | None:
     if j > i and names[j - 1] == "add_decayed_weights":
         decoupled, j = (specs[j - 1][1]["weight_decay"], specs[j - 1][1]["mask"]), j - 1
     rule_names = tuple(names[i:j])
-    hyper: dict[str, Any] = {}
-    for position in range(i, j):
-        hyper.update(specs[position][1])
+    hyper = {key: value for _, arguments in specs[i:j] for key, value in arguments.items()}
     rule = RULES.get(rule_names)
     if rule is None and len(rule_names) == 1 and rule_names[0] in FAMILY and "rule" in hyper:
         rule = _FAMILY
@@ -201,7 +198,7 @@ def _number(value: Any) -> float | None:
         return None
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.requires_grad or type(value) not in _PLAIN or \
-                torch.compiler.is_compiling() or _torch.is_functorch_wrapped_tensor(value):
+                is_traced(value):
             return None
         return float(value.detach().reshape(()).item())
     return float(value)

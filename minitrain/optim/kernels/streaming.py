@@ -1,16 +1,13 @@
 """One-pass CPU updates with streaming stores, registered as torch custom ops.
 
-torch's fused optimizer kernels update in place, so a pure update built on them copies params
-and state first: two passes over memory. A single pass that writes into fresh buffers with
-plain stores still reads every output line first (read for ownership); non-temporal stores skip
-that read, and neither aten nor inductor emits them. So ``_streaming.c`` (the update rules of
+A pure update built on torch's in-place fused kernels copies params and state first: two passes
+over memory. One pass into fresh buffers with non-temporal stores (which aten and inductor do
+not emit) skips even the read for ownership of each output line. ``_streaming.c`` (the rules of
 the torch.optim family) is built with the system C compiler on first use, cached (verified by
 size and sha256 before loading) and exposed as the ops ``minitrain::stream_update`` and
-``minitrain::decode_div``, each with a fake implementation.
-
-Every tensor is checked before its pointer reaches C (:func:`.checks.pointers`). The kernels
-cover contiguous float32 CPU tensors; ``MINITRAIN_STREAMING=0`` turns them off, ``=require``
-turns a failed build into a :class:`BuildError` that shows the compiler's output.
+``minitrain::decode_div``, each with a fake implementation. Every tensor is checked before its
+pointer reaches C (:func:`.checks.pointers`). ``MINITRAIN_STREAMING=0`` turns the kernels off,
+``=require`` turns a failed build into a :class:`BuildError` that shows the compiler's output.
 
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
@@ -41,7 +38,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch
-from minitrain.optim.kernels.checks import check_slots, plain_cpu, pointers
+from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "norm", "quiet", "run",
            "sums_of_squares", "update", "usable"]
@@ -164,13 +161,6 @@ def _load(path: Path, openmp: bool) -> ctypes.CDLL:
     return library
 
 
-def _describe(error: BaseException) -> str:
-    if isinstance(error, subprocess.CalledProcessError):
-        output = (error.stderr or b"").decode(errors="replace").strip()
-        return f"{' '.join(map(str, error.cmd))} failed:\n{output}"
-    return f"{type(error).__name__}: {error}"
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if _setting() in {"0", "off", "false", "no"} or sys.platform == "win32":
@@ -182,7 +172,8 @@ def _library() -> ctypes.CDLL | None:
             library = _load(_build(compiler, attempt), "-fopenmp" in attempt)
             break
         except (OSError, subprocess.SubprocessError) as error:
-            failures.append(_describe(error))
+            output = getattr(error, "stderr", None) or b""  # the compiler's
+            failures.append(f"{type(error).__name__}: {error}\n{output.decode(errors='replace')}")
     else:
         if _setting() == "require":
             raise BuildError(f"{ENV}=require but the streaming kernels did not build or "
@@ -234,15 +225,12 @@ def quiet() -> bool:
 
 def usable(tensors: Sequence[Tensor]) -> bool:
     """Whether the kernels can run over these tensors here: built, no mode watching
-    (:func:`quiet`), and all plain contiguous float32 CPU tensors not requiring grad.
+    (:func:`quiet`), and all tensors :func:`.checks.pointers` takes as float32.
 
     >>> usable([torch.ones(2, dtype=torch.bfloat16)])
     False
     """
-    float32, plain = torch.float32, (Tensor, torch.nn.Parameter)
-    return quiet() and available() and all(
-        type(t) in plain and t.dtype is float32 and t.is_cpu and not t.requires_grad
-        and t.is_contiguous() and not t.is_neg() for t in tensors)
+    return quiet() and available() and pointers([list(tensors)], dtype=torch.float32) is not None
 
 
 def update(rule: str, hyperparameters: Sequence[SupportsFloat],
@@ -281,11 +269,9 @@ def streams(params: list[Tensor], rows: int) -> bool:
 
 def run(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
         sizes: list[int], nontemporal: bool) -> None:
-    """Rule ``rule`` (:data:`RULES`' index) of the C kernel over rows of data pointers
-    (``[params, grads, *buffers, *outputs]``, None for an absent row), each row from
-    :func:`.checks.pointers` over float32 leaves of ``sizes`` elements: the body of
-    ``minitrain::stream_update``, for callers that checked their tensors where no mode or
-    compiler would see the op."""
+    """The body of ``minitrain::stream_update``: rule ``rule`` (:data:`RULES`' index) over rows
+    of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) from
+    :func:`.checks.pointers` over float32 leaves of ``sizes`` elements."""
     zeros = [0] * len(sizes)
     columns = [zeros if row is None else row for row in rows]
     # The arrays are named: C reads them after the expression that made them.
@@ -311,8 +297,8 @@ def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor]
     rows = [[next(tensors) for _ in range(n_leaves)] if on else None for on in present]
     found = pointers(rows, dtype=torch.float32)  # the last guard before raw pointers reach C
     if found is None:
-        check_slots(rows, n_leaves)
-        raise ValueError("streaming update: pass plain float32 CPU tensors not requiring grad")
+        raise ValueError("streaming update: pass plain contiguous float32 CPU tensors of their "
+                         "params' shapes, whose storages hold them, not requiring grad")
     run(rule, hyperparameters, found, [t.numel() for t in rows[0]], nontemporal)
 
 
@@ -367,10 +353,11 @@ def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | 
 def _decodable(codes: Tensor, table: Tensor) -> bool:
     """One-byte integer or fp8 codes and a 256-entry float32 table, both plain contiguous CPU
     tensors whose storages hold them."""
-    return (plain_cpu(codes) and codes.element_size() == 1
+    return (codes.element_size() == 1 and table.dtype is torch.float32
+            and table.numel() == 256 and pointers([[codes]]) is not None
+            and pointers([[table]]) is not None
             and (not codes.is_floating_point()
-                 or codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
-            and plain_cpu(table) and table.dtype is torch.float32 and table.numel() == 256)
+                 or codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)))
 
 
 @torch.library.custom_op("minitrain::decode_div", mutates_args=(), device_types="cpu",
