@@ -72,16 +72,18 @@ def _load(script: Path, overrides: tuple[str, ...]) -> Any:
     return with_fixed_key(load_experiment(script, parse_overrides(overrides))[0])
 
 
-def _failed(script: Path, exc: BaseException) -> UserError:
+def _reason(exc: BaseException) -> str:
     from minitrain.accounting import PredictionError
 
     if isinstance(exc, PredictionError):
-        text = exc.reason
-    else:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        return exc.reason
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _failed(script: Path, exc: BaseException) -> UserError:
     return UserError(
-        f"{script}: cannot predict the step on fake tensors: {text}; "
+        f"{script}: cannot predict the step on fake tensors: {_reason(exc)}; "
         "run one real step instead with --measure"
     )
 
@@ -117,10 +119,10 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
     experiment = _fake_or_real(mode, lambda: _load(script, overrides), built)
     try:
         generator = torch.Generator().manual_seed(seed)
-        params = _fake_or_real(mode, lambda: experiment.init(generator), built)
+        params = _fake_only(mode, lambda: experiment.init(generator), "init", script)
         init_state = getattr(experiment, "init_state", None)
         model_state = (None if init_state is None
-                       else _fake_or_real(mode, lambda: init_state(generator), built))
+                       else _fake_only(mode, lambda: init_state(generator), "init_state", script))
         batch = _fake_or_real(mode, lambda: experiment.next_batch(generator), built)
         if gpus > 1:
             batch = _shard(batch, gpus)
@@ -137,6 +139,22 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
 
     return {"measured": False, "params": size(params),
             "built_on": "real tensors" if built else "fake tensors"} | prediction.summary()
+
+
+def _fake_only(mode: Any, build: Any, what: str, script: Path) -> Any:
+    """``build()`` on fake tensors: the model is never built for real by surprise (it may be
+    the size the prediction is asked about)."""
+    try:
+        with mode:
+            return build()
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(
+            f"{script}: {what} cannot run on fake tensors ({_reason(exc)}), and building the "
+            "model for real could take the memory being predicted; run one real step with "
+            "--measure"
+        ) from None
 
 
 def _fake_or_real(mode: Any, build: Any, built: list[str]) -> Any:
