@@ -42,6 +42,7 @@ from minitrain.checkpoint_state import (
     MAX_STEP,
     CheckpointError,
     check_state_fields,
+    check_step,
     rebuild,
     refuse_pickle,
     save_tensors,
@@ -82,7 +83,7 @@ def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
     >>> checkpoint_path("runs/a", 120).as_posix()
     'runs/a/checkpoints/step-00000120'
     """
-    _check_step(step)
+    check_step(step)
     return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
 
 
@@ -104,11 +105,6 @@ def _canonical_step(name: str) -> int | None:
     return step if step <= MAX_STEP and name == f"step-{step:08d}" else None
 
 
-def _check_step(step: int) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-        raise CheckpointError(f"step must be an integer in [0, 2**63), got {step!r}")
-
-
 def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: tree.OptState,
          meta: dict[str, Any] | None = None, *, generator: torch.Generator | None = None,
          keep: int | None = None) -> Path:
@@ -124,7 +120,7 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
     >>> [path.name for path in list_checkpoints(run)]
     ['step-00000002', 'step-00000003']
     """
-    _check_step(step)
+    check_step(step)
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep must be a positive integer or None, got {keep!r}")
     target = checkpoint_path(run_dir, step)
@@ -252,13 +248,12 @@ def restore_rng(checkpoint: Checkpoint, generator: torch.Generator | None = None
             f"checkpoint {checkpoint.path} holds no data generator state; it was saved "
             "without generator=..."
         )
-    try:  # both are checked before either is set
-        rng.check_rng_state(checkpoint.rng_state)
+    try:  # the generator's state is checked before the global ones are set (checked too)
         if generator is not None:
             rng.check_generator_state(checkpoint.generator_state, generator.device)
+        rng.set_rng_state(checkpoint.rng_state)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {checkpoint.path}: {exc}") from None
-    rng.set_rng_state(checkpoint.rng_state)
     if generator is not None:
         rng.set_generator_state(generator, checkpoint.generator_state)
 

@@ -25,7 +25,7 @@ from minitrain.optim import _groups as groups
 
 __all__ = [
     "MAX_STEP", "NAMEDTUPLES_KEY", "STATE_FIELDS", "CheckpointError", "check_state_fields",
-    "namedtuple_types", "rebuild", "refuse_pickle", "save_tensors", "split_leaves",
+    "check_step", "namedtuple_types", "rebuild", "refuse_pickle", "save_tensors", "split_leaves",
 ]
 
 
@@ -63,8 +63,7 @@ def check_state_fields(state: dict[str, Any], file_names: Iterable[str]) -> None
         raise ValueError(
             f"lacks {sorted(missing)}" if missing else f"has unknown fields {sorted(unknown)}"
         )
-    if not _is_int(state["step"]) or not 0 <= state["step"] <= MAX_STEP:
-        raise ValueError(f"step must be an integer in [0, 2**63), got {state['step']!r}")
+    check_step(state["step"])
     for key in ("meta", "versions", "scalars", "files"):
         if not isinstance(state[key], dict):
             raise ValueError(f"field {key!r} is a {type(state[key]).__name__}, not an object")
@@ -90,13 +89,15 @@ def check_state_fields(state: dict[str, Any], file_names: Iterable[str]) -> None
         raise ValueError(f"files must list exactly {names}")
     for name, record in state["files"].items():
         if not (isinstance(record, dict) and set(record) == {"bytes", "sha256"}
-                and _is_int(record["bytes"]) and record["bytes"] >= 0
+                and type(record["bytes"]) is int and record["bytes"] >= 0
                 and isinstance(record["sha256"], str) and _SHA256.fullmatch(record["sha256"])):
             raise ValueError(f"record of {name} must be {{'bytes': size, 'sha256': hex digest}}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def check_step(step: Any) -> None:
+    """Raise :class:`CheckpointError` unless ``step`` is an integer in ``[0, MAX_STEP]``."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"step must be an integer in [0, 2**63), got {step!r}")
 
 
 def refuse_pickle(head: bytes, name: str) -> None:

@@ -96,15 +96,12 @@ def _plain_cpu(k: Tensor) -> bool:
             and not _torch.is_torch_function_mode_enabled())
 
 
-def _counters(start: int, stop: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    index = torch.arange(start, stop, dtype=torch.int64, device=device)
-    return index >> 32, index & _MASK
-
-
 def _enciphered(k: Key, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Counters ``start..stop`` (high and low 32-bit words) enciphered under ``k``."""
     if _plain_cpu(k):
         return _numpy_threefry(k, start, stop)
-    return threefry2x32(k, *_counters(start, stop, k.device))
+    index = torch.arange(start, stop, dtype=torch.int64, device=k.device)
+    return threefry2x32(k, index >> 32, index & _MASK)
 
 
 def _words(k: Key, start: int, stop: int) -> Tensor:

@@ -44,9 +44,8 @@ def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa:
     >>> map(lambda a, b: a + b, {"w": torch.tensor(1.)}, {"w": torch.tensor(2.)})
     {'w': tensor(3.)}
     """
-    if rest:
-        for index, other in enumerate(rest, start=1):
-            assert_same_structure(tree, other, names=("tree", f"rest[{index - 1}]"))
+    for index, other in enumerate(rest):
+        assert_same_structure(tree, other, names=("tree", f"rest[{index}]"))
     return _pytree.tree_map(fn, tree, *rest)
 
 
@@ -249,39 +248,18 @@ def stack(trees: list[PyTree] | tuple[PyTree, ...]) -> PyTree:
     >>> stack([{"w": torch.zeros(2)}, {"w": torch.ones(2)}])["w"]
     tensor([[0., 0.],
             [1., 1.]])
-    """  # noqa: E501
+    """
     trees = list(trees)
     if not trees:
         raise ValueError("stack() needs at least one tree; pass a non-empty list of pytrees")
-    flat = [_pytree.tree_flatten(tree) for tree in trees]
-    (first_leaves, spec), others = flat[0], flat[1:]
-    if not all(other_spec == spec and _same_leaves(first_leaves, other)
-               for other, other_spec in others):
-        _explain_unstackable(trees)
-    columns = zip(*(tree_leaves for tree_leaves, _ in flat), strict=True)
-    stacked = [torch.stack(c) if isinstance(c[0], torch.Tensor) else c[0] for c in columns]
-    return _pytree.tree_unflatten(stacked, spec)
-
-
-def _same_leaves(a: list[Any], b: list[Any]) -> bool:
-    """Whether two leaf lists stack: tensors of one shape, dtype and device; equal others."""
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-                return False
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
-            return False
-    return True
-
-
-def _explain_unstackable(trees: list[PyTree]) -> None:
-    """Raise the ``ValueError`` that names the first leaf keeping ``trees`` from stacking."""
     first = trees[0]
     for index, other in enumerate(trees[1:], start=1):
-        names = ("trees[0]", f"trees[{index}]")
-        assert_same_structure(first, other, names=names, check_shapes=True)
+        assert_same_structure(first, other, ("trees[0]", f"trees[{index}]"), check_shapes=True)
         for (name, a), b in zip(named_leaves(first), leaves(other), strict=True):
             _check_stackable(name, a, b, index)
+    columns = zip(*(leaves(tree) for tree in trees), strict=True)
+    stacked = [torch.stack(c) if isinstance(c[0], torch.Tensor) else c[0] for c in columns]
+    return unflatten(structure(first), stacked)
 
 
 def unstack(tree: PyTree) -> list[PyTree]:
