@@ -13,18 +13,14 @@ that backward (gradients of the inputs and of the weights): Kaplan et al. 2020, 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
 
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
 from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
-__all__ = [
-    "cruncher_flops", "effective_throughput", "fused_kernel_flops_per_element",
-    "optimizer_flops_per_element", "training_flops", "training_time",
-]
+__all__ = ["cruncher_flops", "effective_throughput", "optimizer_flops_per_element",
+           "training_flops", "training_time"]
 
 
 def _positive(name: str, value: Number, *, allow_zero: bool = True) -> None:
@@ -153,22 +149,3 @@ def optimizer_flops_per_element(
         return common + 8
     return common + 13 + bool(amsgrad)
 
-
-def fused_kernel_flops_per_element(optimizer: str, arguments: Mapping[str, Any]) -> int:
-    """:func:`optimizer_flops_per_element` from a fused kernel's arguments by their schema names
-    (``aten::_fused_adamw_(..., float lr, ..., float weight_decay, ..., bool amsgrad, ...)``);
-    arguments a kernel does not take count as off.
-
-    >>> fused_kernel_flops_per_element("sgd", {"momentum": 0.9, "is_first_step": False})
-    3
-    """
-    return optimizer_flops_per_element(
-        optimizer,
-        maximize=bool(arguments.get("maximize")),
-        weight_decay=float(arguments.get("weight_decay") or 0.0),
-        momentum=float(arguments.get("momentum") or 0.0),
-        nesterov=bool(arguments.get("nesterov")),
-        first_step=bool(arguments.get("is_first_step")),
-        amsgrad=bool(arguments.get("amsgrad")),
-        grad_scale=arguments.get("grad_scale") is not None,
-    )

@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from minitrain._torch import aten_native_batch_norm_legit_no_training, pytree
-from minitrain.accounting.flops import fused_kernel_flops_per_element
+from minitrain.accounting.flops import optimizer_flops_per_element
 
 __all__ = ["FORMULA_OPS", "elements", "tensors"]
 
@@ -30,8 +30,12 @@ def elements(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
-    """The value of argument ``name`` of an aten call; its schema default when not passed."""
+_REQUIRED = object()
+
+
+def _argument(func: Any, args: Any, kwargs: Any, name: str, missing: Any = _REQUIRED) -> Any:
+    """The value of argument ``name`` of an aten call; its schema default when not passed, and
+    ``missing`` (if given) when this overload has no such argument."""
     for position, argument in enumerate(func._schema.arguments):
         if argument.name != name:
             continue
@@ -40,21 +44,16 @@ def _argument(func: Any, args: Any, kwargs: Any, name: str) -> Any:
         if not argument.kwarg_only and position < len(args):
             return args[position]
         return argument.default_value if argument.has_default_value() else None
-    raise KeyError(f"{func} has no argument {name!r}")
+    if missing is _REQUIRED:
+        raise KeyError(f"{func} has no argument {name!r}")
+    return missing
 
 
-def _attention_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # torch.utils.flop_counter's formula for the CUDA SDPA kernels (FlashAttention, Dao et al.
-    # 2022): QKᵀ and scores·V, two bmms, 4·B·H·S_q·S_k·D; a causal mask is counted in full.
-    shapes = [_argument(func, args, kwargs, n).shape for n in ("query", "key", "value")]
-    return sdpa_flop_count(*shapes)
+def _shapes_into(count: Callable[..., int], *names: str) -> Callable[[Any, Any, Any], int]:
+    def flops(func: Any, args: Any, kwargs: Any) -> int:
+        return count(*[_argument(func, args, kwargs, n).shape for n in names])
 
-
-def _attention_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # torch.utils.flop_counter's backward formula: the scores recomputed, then the gradients of
-    # scores, V, Q and K; five bmms, 2.5 times the forward's FLOPs.
-    names = ("grad_out", "query", "key", "value")
-    return sdpa_backward_flop_count(*[_argument(func, args, kwargs, n).shape for n in names])
+    return flops
 
 
 def _layer_norm_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
@@ -75,11 +74,6 @@ def _nll_loss_flops(func: Any, args: Any, kwargs: Any) -> int:
     return (1 + 2 * weighted) * _argument(func, args, kwargs, "target").numel()
 
 
-def _nll_loss_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # Zeros with -g·w[t]/Σw written at each target (ATen's LossNLL.cpp): one per target.
-    return _argument(func, args, kwargs, "target").numel()
-
-
 def _embedding_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
     # Each gradient row is added into its token's row: one add per element, and a divide by
     # the token's count with scale_grad_by_freq.
@@ -93,14 +87,6 @@ def _index_put_flops(func: Any, args: Any, kwargs: Any) -> int:
     return accumulate * _argument(func, args, kwargs, "values").numel()
 
 
-def _optional(func: Any, args: Any, kwargs: Any, name: str) -> Any:
-    """Argument ``name`` of an aten call, None when this overload has no such argument."""
-    try:
-        return _argument(func, args, kwargs, name)
-    except KeyError:
-        return None
-
-
 def _batch_norm_flops(func: Any, args: Any, kwargs: Any) -> int:
     # N elements of C channels (ATen's Normalization.cpp, batch_norm_cpu). Training: the
     # batch's variance and mean (3 per element, as var_mean), (x - μ)·rstd (2), then ·γ and
@@ -108,11 +94,11 @@ def _batch_norm_flops(func: Any, args: Any, kwargs: Any) -> int:
     # r_μ·(1 - m) + m·μ (2) and r_σ²·(1 - m) + m·var·n/(n - 1) (3). Eval: (x - r_μ)·rstd (2)
     # and the affine (1 each) per element, rstd from the running variance (2) per channel.
     x = _argument(func, args, kwargs, "input")
-    training = _optional(func, args, kwargs, "training")
+    training = _argument(func, args, kwargs, "training", None)
     training = bool(training) if training is not None else func._overloadpacket is not (
         aten_native_batch_norm_legit_no_training)
     affine = sum(_argument(func, args, kwargs, n) is not None for n in ("weight", "bias"))
-    running = _optional(func, args, kwargs, "running_mean") is not None
+    running = _argument(func, args, kwargs, "running_mean", None) is not None
     channels = x.shape[1] if x.dim() > 1 else 1
     if training:
         return (5 + affine) * x.numel() + (2 + 5 * running) * channels
@@ -138,44 +124,32 @@ def _batch_norm_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
     return per_element * x.numel() + per_channel * channels
 
 
-def _window(func: Any, args: Any, kwargs: Any, dims: int) -> int:
-    kernel = list(_argument(func, args, kwargs, "kernel_size"))
-    return math.prod(kernel * dims if len(kernel) == 1 else kernel)
-
-
 def _max_pool_flops(dims: int) -> Callable[[Any, Any, Any], int]:
-    # One comparison per element of each window (as amax over the unfolded windows counts).
+    # One comparison per element of each window (as amax over the unfolded windows counts), the
+    # output's size from the arguments as PyTorch's pooling_output_shape computes it.
     def flops(func: Any, args: Any, kwargs: Any) -> int:
+        def expand(name: str, default: list[int]) -> list[int]:
+            value = list(_argument(func, args, kwargs, name) or default)
+            return value * dims if len(value) == 1 else value
+
         x = _argument(func, args, kwargs, "self")
-        out = _max_pool_output_numel(x, func, args, kwargs, dims)
-        return _window(func, args, kwargs, dims) * out
+        kernel = expand("kernel_size", [1])
+        stride = expand("stride", kernel)
+        padding, dilation = expand("padding", [0]), expand("dilation", [1])
+        ceil = bool(_argument(func, args, kwargs, "ceil_mode"))
+        out = math.prod(x.shape[:-dims])
+        for size, k, s, p, d in zip(x.shape[-dims:], kernel, stride, padding, dilation,
+                                    strict=True):
+            n = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)) // s + 1
+            out *= n - 1 if ceil and (n - 1) * s >= size + p else n
+        return math.prod(kernel) * out
 
     return flops
 
 
-def _max_pool_output_numel(x: torch.Tensor, func: Any, args: Any, kwargs: Any, dims: int) -> int:
-    """Elements of a max pool's output, from its arguments (PyTorch's pooling_output_shape)."""
-    def expand(name: str, default: list[int]) -> list[int]:
-        value = list(_argument(func, args, kwargs, name) or default)
-        return value * dims if len(value) == 1 else value
-
-    kernel = expand("kernel_size", [1])
-    stride = expand("stride", kernel)
-    padding, dilation = expand("padding", [0]), expand("dilation", [1])
-    ceil = bool(_argument(func, args, kwargs, "ceil_mode"))
-    sizes = []
-    for size, k, s, p, d in zip(x.shape[-dims:], kernel, stride, padding, dilation, strict=True):
-        span = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)
-        out = span // s + 1
-        if ceil and (out - 1) * s >= size + p:
-            out -= 1
-        sizes.append(out)
-    return math.prod(x.shape[:-dims]) * math.prod(sizes)
-
-
-def _max_pool_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
-    # Zeros of the input's shape, each output gradient added at its argmax: one per element.
-    return _argument(func, args, kwargs, "grad_output").numel()
+def _numel(name: str) -> Callable[[Any, Any, Any], int]:
+    # One FLOP per element of argument ``name``.
+    return lambda func, args, kwargs: _argument(func, args, kwargs, name).numel()
 
 
 # GeLU's gradient per element (ATen's cpu/Activation.cpp GeluBackwardKernelImpl). Exact:
@@ -191,23 +165,37 @@ def _gelu_backward_flops(func: Any, args: Any, kwargs: Any) -> int:
 
 
 def _fused_optimizer_flops(optimizer: str) -> Callable[[Any, Any, Any], int]:
-    # torch's fused kernels by their own hyperparameters (flops.fused_kernel_flops_per_element)
+    # torch's fused kernels by their own hyperparameters; arguments a kernel does not take
+    # (aten::_fused_adamw_(..., float weight_decay, ..., bool amsgrad, ...)) count as off.
     def flops(func: Any, args: Any, kwargs: Any) -> int:
         named = {a.name: _argument(func, args, kwargs, a.name) for a in func._schema.arguments}
-        return fused_kernel_flops_per_element(optimizer, named) * elements(tensors(named["self"]))
+        per_element = optimizer_flops_per_element(
+            optimizer, maximize=bool(named.get("maximize")),
+            weight_decay=float(named.get("weight_decay") or 0.0),
+            momentum=float(named.get("momentum") or 0.0), nesterov=bool(named.get("nesterov")),
+            first_step=bool(named.get("is_first_step")), amsgrad=bool(named.get("amsgrad")),
+            grad_scale=named.get("grad_scale") is not None,
+        )
+        return per_element * elements(tensors(named["self"]))
 
     return flops
 
 
 # Ops whose FLOPs depend on more than an element count: base name -> f(func, args, kwargs).
 FORMULA_OPS: dict[str, Callable[[Any, Any, Any], int]] = {
-    "_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
-    "_scaled_dot_product_flash_attention_for_cpu_backward": _attention_backward_flops,
+    # torch.utils.flop_counter's formulas for the CUDA SDPA kernels (FlashAttention, Dao et al.
+    # 2022): QKᵀ and scores·V, 4·B·H·S_q·S_k·D, a causal mask counted in full; the backward
+    # recomputes the scores, then five bmms, 2.5 times the forward's FLOPs.
+    "_scaled_dot_product_flash_attention_for_cpu": _shapes_into(
+        sdpa_flop_count, "query", "key", "value"),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _shapes_into(
+        sdpa_backward_flop_count, "grad_out", "query", "key", "value"),
     "native_layer_norm_backward": _layer_norm_backward_flops,
     "nll_loss_forward": _nll_loss_flops,
     "nll_loss2d_forward": _nll_loss_flops,
-    "nll_loss_backward": _nll_loss_backward_flops,
-    "nll_loss2d_backward": _nll_loss_backward_flops,
+    # zeros with -g·w[t]/Σw written at each target (ATen's LossNLL.cpp): one per target
+    "nll_loss_backward": _numel("target"),
+    "nll_loss2d_backward": _numel("target"),
     "embedding_dense_backward": _embedding_backward_flops,
     "index_put": _index_put_flops,
     "_index_put_impl": _index_put_flops,
@@ -219,8 +207,9 @@ FORMULA_OPS: dict[str, Callable[[Any, Any, Any], int]] = {
     "native_batch_norm_backward": _batch_norm_backward_flops,
     "max_pool2d_with_indices": _max_pool_flops(2),
     "max_pool3d_with_indices": _max_pool_flops(3),
-    "max_pool2d_with_indices_backward": _max_pool_backward_flops,
-    "max_pool3d_with_indices_backward": _max_pool_backward_flops,
+    # zeros of the input's shape, each output gradient added at its argmax
+    "max_pool2d_with_indices_backward": _numel("grad_output"),
+    "max_pool3d_with_indices_backward": _numel("grad_output"),
     "_fused_sgd": _fused_optimizer_flops("sgd"),
     "_fused_adam": _fused_optimizer_flops("adam"),
     "_fused_adamw": _fused_optimizer_flops("adamw"),

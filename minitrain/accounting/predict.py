@@ -39,7 +39,7 @@ from minitrain.accounting.counter import Counter
 from minitrain.accounting.hardware import Hardware, hardware
 from minitrain.accounting.op_formulas import tensors
 from minitrain.accounting.roofline import step_time
-from minitrain.accounting.timeline import CATEGORIES, Ledger, category
+from minitrain.accounting.timeline import Ledger
 from minitrain.errors import UserError
 from minitrain.func import value_and_grad
 from minitrain.tree import global_norm
@@ -103,12 +103,6 @@ def fake_tree(mode: FakeTensorMode, tree: Any) -> Any:
     return pytree.tree_map(lambda x: _to_fake(mode, x), tree, is_leaf=_is_spec)
 
 
-def meta_tree(tree: Any) -> Any:
-    """The twins of ``tree``'s fake tensors on the meta device, made outside the fake mode (the
-    update runs on them: see :mod:`minitrain.accounting.predict`)."""
-    return pytree.tree_map(_to_meta, tree, is_leaf=_is_spec)
-
-
 def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
     if _is_spec(x):
         spec = x if isinstance(x, TensorSpec) else TensorSpec(tuple(x[0]), x[1])
@@ -126,18 +120,30 @@ def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
     return mode.from_tensor(x)
 
 
-def _to_meta(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+def _meta_twin(counter: Counter, tree: Any) -> Any:
+    """The twins of ``tree``'s fake tensors on the meta device, made outside the fake mode and
+    standing for the same allocations (the update runs on them)."""
+    twin = pytree.tree_map(lambda x: torch.empty_strided(
+        x.shape, x.stride(), dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x,
+        tree)
+    counter.ledger.alias(twin, tree)
+    return twin
 
 
-def find_mode(tree: Any) -> FakeTensorMode | None:
-    leaves, _ = pytree.tree_flatten(tree)
-    for leaf in leaves:
-        if isinstance(leaf, FakeTensor):
-            return leaf.fake_mode
-    return None
+def _start(hardware: str | Hardware, trees: tuple[Any, ...]
+           ) -> tuple[Hardware, FakeTensorMode, Counter]:
+    """The spec, the fake mode of ``trees`` (or a new one) and a counter over fake storages."""
+    spec = hardware if isinstance(hardware, Hardware) else _lookup(hardware)
+    fakes = [leaf for leaf in pytree.tree_leaves(trees) if isinstance(leaf, FakeTensor)]
+    mode = fakes[0].fake_mode if fakes else fake_mode()
+    return spec, mode, Counter(ledger=Ledger(fake=True, inputs="buffers"))
+
+
+def _inputs(counter: Counter, mode: FakeTensorMode, tree: Any, kind: str) -> Any:
+    """``tree`` as fake tensors, counted as live from the start in category ``kind``."""
+    fake = fake_tree(mode, tree)
+    counter.track(fake, category=kind)
+    return fake
 
 
 def _describe(func: Any) -> str:
@@ -235,39 +241,17 @@ class _MetaInPlace(TorchDispatchMode):
             return None
 
 
-class _Trace:
-    """Runs the step under the modes; its counter's ledger follows every fake storage."""
-
-    def __init__(self) -> None:
-        self.counter = Counter(ledger=Ledger(fake=True, inputs="buffers"))
-        self.ledger = self.counter.ledger
-
-    def inputs(self, tree: Any, kind: str) -> Any:
-        """``tree`` counted as live from the start, in category ``kind``."""
-        for t in tensors(tree):
-            self.ledger.add(t, phase="input", category=kind)
-        return tree
-
-    def meta(self, tree: Any) -> Any:
-        """``tree``'s twin on the meta device, standing for the same allocations."""
-        twin = meta_tree(tree)
-        self.ledger.alias(twin, tree)
-        return twin
-
-    def categorize(self, tree: Any, kind: str) -> None:
-        self.counter.categorize(tree, category=kind)
-
-    @contextlib.contextmanager
-    def watching(self, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
-        # The counter decomposes composite ops and its ledger sees each part.
-        self.counter.set_phase(phase)
-        with contextlib.ExitStack() as stack:
-            if mode is not None:
-                stack.enter_context(mode)
-            stack.enter_context(_MetaInPlace())
-            stack.enter_context(self.counter)
-            stack.enter_context(_Metadata())
-            yield
+@contextlib.contextmanager
+def _watching(counter: Counter, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
+    # The counter decomposes composite ops and its ledger sees each part.
+    counter.set_phase(phase)
+    with contextlib.ExitStack() as stack:
+        if mode is not None:
+            stack.enter_context(mode)
+        stack.enter_context(_MetaInPlace())
+        stack.enter_context(counter)
+        stack.enter_context(_Metadata())
+        yield
 
 
 def predict_step(
@@ -299,46 +283,44 @@ def predict_step(
     >>> pred.matmul_flops  # forward 2·32·64·8, backward the same again for w's grad
     65536
     """
-    spec = hardware if isinstance(hardware, Hardware) else _lookup(hardware or "h100")
-    mode = find_mode((params, batch)) or fake_mode()
-    trace = _Trace()
-    fake_params = trace.inputs(fake_tree(mode, params), "params")
-    fake_batch = trace.inputs(fake_tree(mode, batch), "batch")
-    meta_params = trace.meta(fake_params)
-    state = None
-    if optimizer is not None:
-        state = trace.inputs(optimizer.init(meta_params), "optimizer_state")
+    spec, mode, counter = _start(hardware or "h100", (params, batch))
+    fake_params = _inputs(counter, mode, params, "params")
+    fake_batch = _inputs(counter, mode, batch, "batch")
+    meta_params = _meta_twin(counter, fake_params)
+    state = None if optimizer is None else optimizer.init(meta_params)  # on meta, as the update
+    counter.track(state, category="optimizer_state")
     objective, aux = loss_fn, has_aux
     if model_state is not None:
-        fake_state = trace.inputs(fake_tree(mode, model_state), "buffers")
+        fake_state = _inputs(counter, mode, model_state, "buffers")
         objective, aux = _with_state(loss_fn, fake_state, has_aux), True
-    persistent = _live_by_category(trace.ledger)
+    persistent = counter.ledger.live_by_category()
     gradients = value_and_grad(objective, has_aux=aux)
     with one_line_errors():
-        meta_grads, new_state = _backward(trace, mode, gradients, fake_params, fake_batch,
+        meta_grads, new_state = _backward(counter, mode, gradients, fake_params, fake_batch,
                                           autocast, model_state is not None)
         # The grads go in a box the update empties: once clipped, the unclipped grads die as
         # they do in the train step (which rebinds its one reference).
         box = [meta_grads]
         del meta_grads
-        end_state = _update(trace, optimizer, meta_params, box, state, donate, max_grad_norm)
-    end = _live_by_category(trace.ledger)
+        end_state = _update(counter, optimizer, meta_params, box, state, donate, max_grad_norm)
+    end = counter.ledger.live_by_category()
     del end_state, new_state
-    return _prediction(trace, spec, dtype, persistent, end, top_saved)
+    return _prediction(counter, spec, dtype, persistent, end, top_saved)
 
 
-def _backward(trace: _Trace, mode: FakeTensorMode, gradients: Callable[..., Any], params: Any,
-              batch: Any, autocast: Callable[[], Any] | None, stateful: bool) -> tuple[Any, Any]:
+def _backward(counter: Counter, mode: FakeTensorMode, gradients: Callable[..., Any],
+              params: Any, batch: Any, autocast: Callable[[], Any] | None,
+              stateful: bool) -> tuple[Any, Any]:
     """Forward and backward on fake tensors: the grads' meta twins, and the new model state."""
-    with trace.watching(mode, "forward"), autocast() if autocast else contextlib.nullcontext():
+    with _watching(counter, mode, "forward"), autocast() if autocast else contextlib.nullcontext():
         value, grads = gradients(params, batch)
     new_state = None
     if stateful:
         new_state = value[1][1]
-        trace.categorize(new_state, "buffers")
+        counter.categorize(new_state, category="buffers")
     del value
-    trace.categorize(grads, "grads")
-    return trace.meta(grads), new_state
+    counter.categorize(grads, category="grads")
+    return _meta_twin(counter, grads), new_state
 
 
 def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Callable[..., Any]:
@@ -374,55 +356,47 @@ def predict_call(step: Callable[..., Any], params: Any, opt_state: Any, batch: A
     >>> pred.memory["persistent"]["params"], pred.matmul_flops == 2 * (2 * 64 * 256 * 256)
     (262144, True)
     """
-    spec = hardware if isinstance(hardware, Hardware) else _lookup(hardware)
-    mode = find_mode((params, opt_state, batch)) or fake_mode()
-    trace = _Trace()
-    fakes = [trace.inputs(fake_tree(mode, tree), kind) for tree, kind in
+    spec, mode, counter = _start(hardware, (params, opt_state, batch))
+    fakes = [_inputs(counter, mode, tree, kind) for tree, kind in
              zip((params, opt_state, batch), ("params", "optimizer_state", "batch"), strict=True)]
-    persistent = _live_by_category(trace.ledger)
-    with one_line_errors(), trace.watching(mode, "forward"):
+    persistent = counter.ledger.live_by_category()
+    with one_line_errors(), _watching(counter, mode, "forward"):
         out = step(*fakes)
-    end = _live_by_category(trace.ledger)
+    end = counter.ledger.live_by_category()
     del out
-    return _prediction(trace, spec, dtype, persistent, end, top_saved)
+    return _prediction(counter, spec, dtype, persistent, end, top_saved)
 
 
-def _update(trace: _Trace, optimizer: Any, params: Any, box: list[Any], state: Any,
+def _update(counter: Counter, optimizer: Any, params: Any, box: list[Any], state: Any,
             donate: bool, max_grad_norm: float | None) -> Any:
     """Clip (or take the norm of) the grads, then update, on meta, as the train step does;
     the grads come in a box so that only this frame holds them."""
     grads = box.pop()
-    with trace.watching(None, "clip"):
+    with _watching(counter, None, "clip"):
         if max_grad_norm is not None:
             from minitrain.optim import clip_by_global_norm
 
             grads, norm = clip_by_global_norm(grads, max_grad_norm)
-            trace.categorize(grads, "grads")
+            counter.categorize(grads, category="grads")
         else:
             norm = global_norm(grads)
     if optimizer is None:
         return norm
-    with trace.watching(None, "update"):
+    with _watching(counter, None, "update"):
         options = {"donate": True} if donate else {}
         new_params, new_state = optimizer.update(grads, state, params, **options)
         del grads
-    trace.categorize(new_params, "params")
-    trace.categorize(new_state, "optimizer_state")
+    counter.categorize(new_params, category="params")
+    counter.categorize(new_state, category="optimizer_state")
     return new_params, new_state, norm
 
 
 _lookup = hardware  # predict_step's own ``hardware`` argument hides the function
 
-def _live_by_category(ledger: Ledger) -> dict[str, int]:
-    totals = dict.fromkeys(CATEGORIES, 0)
-    for allocation in ledger.live_allocations():
-        totals[category(allocation)] += allocation.nbytes
-    return {k: v for k, v in totals.items() if v}
 
-
-def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str, int],
+def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[str, int],
                 end: dict[str, int], top_saved: int) -> StepPrediction:
-    ledger, counter = trace.ledger, trace.counter
+    ledger = counter.ledger
     ledger.close()
     result = ledger.replay()
     seconds, per_op, main_dtype, mfu = step_time(counter, spec, dtype)
@@ -441,7 +415,7 @@ def _prediction(trace: _Trace, spec: Hardware, dtype: Any, persistent: dict[str,
         peak_op=peak_name,
         peak_module=peak_module,
         memory={
-            "at_peak": {k: v for k, v in result.at_peak.items() if v},
+            "at_peak": result.at_peak,
             "persistent": persistent,
             "saved_for_backward": sum(a.nbytes for a in saved),
             "largest": {k: v for k, v in result.largest.items() if v},

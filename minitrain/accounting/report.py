@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from minitrain.accounting.counter import Counter
-from minitrain.accounting.memory import optimizer_state_elements
+from minitrain.accounting.memory import state_bytes
 from minitrain.accounting.predict import PredictionError, predict_call, predict_step
 from minitrain.accounting.units import si
 from minitrain.tree import leaves, nbytes, size
@@ -77,16 +77,10 @@ def resource_report(
     True
     """
     device = _cuda_device((params, batch))
-    if loss_fn is not None and hasattr(optimizer, "update"):
-        prediction = predict_step(
-            loss_fn, params, batch, optimizer=optimizer, donate=donate, has_aux=has_aux,
-            max_grad_norm=max_grad_norm, autocast=autocast, hardware=hardware or "h100",
-            model_state=model_state,
-        )
-        predicted = _traced_memory(prediction, donate) | {"source": "predict_step (fake tensors)"}
-    else:
-        prediction, predicted = _predict_any(step, params, opt_state, batch, hardware or "h100",
-                                             optimizer, activation_bytes, donate)
+    step_options = dict(has_aux=has_aux, max_grad_norm=max_grad_norm, autocast=autocast,
+                        model_state=model_state)
+    prediction, predicted = _predict(step, params, opt_state, batch, loss_fn, optimizer,
+                                     hardware or "h100", activation_bytes, donate, step_options)
     counter, peak = _measure(step, params, opt_state, batch, device)
     measured = _measured_memory(counter, peak, device, params, opt_state, batch)
     examples = examples_per_step if examples_per_step is not None else _first_dim(batch)
@@ -157,16 +151,23 @@ def _ratio(measured: int | float | None, predicted: int | float | None) -> int |
     return measured / predicted if measured is not None and predicted else None
 
 
-def _predict_any(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
-                 hardware: str, optimizer: Any, activation_bytes: int | None,
-                 donate: bool) -> tuple[Any, dict[str, Any]]:
-    """The whole step traced on fake tensors, or (when it needs data) the chapter's formula."""
-    try:
-        prediction = predict_call(step, params, opt_state, batch, hardware=hardware)
-    except PredictionError:
-        return None, _formula_memory(optimizer, params, opt_state, batch, activation_bytes,
-                                     donate)
-    source = "predict_call: the whole step on fake tensors (update on its plain path)"
+def _predict(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
+             loss_fn: Callable[..., Any] | None, optimizer: Any, hardware: str,
+             activation_bytes: int | None, donate: bool,
+             step_options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """:func:`predict_step` given a loss and an ``mt.optim`` optimizer, else the whole step
+    traced, else (when the step needs data) the chapter's formula."""
+    if loss_fn is not None and hasattr(optimizer, "update"):
+        prediction = predict_step(loss_fn, params, batch, optimizer=optimizer, donate=donate,
+                                  hardware=hardware, **step_options)
+        source = "predict_step (fake tensors)"
+    else:
+        try:
+            prediction = predict_call(step, params, opt_state, batch, hardware=hardware)
+        except PredictionError:
+            return None, _formula_memory(optimizer, params, opt_state, batch, activation_bytes,
+                                         donate)
+        source = "predict_call: the whole step on fake tensors (update on its plain path)"
     return prediction, _traced_memory(prediction, donate) | {"source": source}
 
 
@@ -212,29 +213,26 @@ def _measured_memory(counter: Counter, peak: int, device: torch.device | None, p
     }
 
 
+def _memory(params: int, optimizer_state: int, batch: int, grads: int | None,
+            activations: int | None, donate: bool) -> dict[str, Any]:
+    """The sizes, and the chapter's two moments over them (:func:`predicted_peak_bytes`)."""
+    peaks = predicted_peak_bytes(params=params, optimizer_state=optimizer_state, batch=batch,
+                                 activations=activations or 0, grads=grads, donate=donate)
+    return {"params": params, "grads": grads, "optimizer_state": optimizer_state, "batch": batch,
+            "activations": activations, "backward_peak": peaks["backward"],
+            "update_peak": peaks["update"], "peak": peaks["peak"]}
+
+
 def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
     memory = prediction.memory
-    persistent, largest = memory["persistent"], memory["largest"]
-    # The chapter's two moments (predicted_peak_bytes) over the traced sizes, beside the
-    # traced peak itself.
-    chapter = predicted_peak_bytes(
-        params=persistent.get("params", 0), optimizer_state=persistent.get("optimizer_state", 0),
-        batch=persistent.get("batch", 0), activations=memory["saved_for_backward"],
-        grads=largest.get("grads", persistent.get("params", 0)), donate=donate,
-    )
-    return {
-        "backward_peak": chapter["backward"],
-        "update_peak": chapter["update"],
-        "params": persistent.get("params", 0),
-        "grads": largest.get("grads"),  # None: a whole-step trace cannot tell grads apart
-        "optimizer_state": persistent.get("optimizer_state", 0),
-        "batch": persistent.get("batch", 0),
-        "activations": memory["saved_for_backward"],
+    sizes = {key: memory["persistent"].get(key, 0) for key in ("params", "optimizer_state",
+                                                                 "batch")}
+    # grads None: a whole-step trace cannot tell grads apart
+    return _memory(**sizes, grads=memory["largest"].get("grads"),
+                   activations=memory["saved_for_backward"], donate=donate) | {
         "activations_source": "predict_step: alive from the forward into the backward pass",
-        "at_peak": memory["at_peak"],
-        "peak": prediction.peak_bytes,
-        "peak_phase": prediction.peak_phase,
-        "peak_op": prediction.peak_op,
+        "at_peak": memory["at_peak"], "peak": prediction.peak_bytes,
+        "peak_phase": prediction.peak_phase, "peak_op": prediction.peak_op,
         "peak_module": prediction.peak_module,
     }
 
@@ -242,23 +240,10 @@ def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
 def _formula_memory(optimizer: Any, params: Any, opt_state: Any, batch: Any,
                     activation_bytes: int | None, donate: bool) -> dict[str, Any]:
     """The chapter's formula; an optimizer's state by name from the table, shape by shape."""
-    params_bytes, batch_bytes = nbytes(params), nbytes(batch)
-    state = nbytes(opt_state)
-    if isinstance(optimizer, str):
-        state = sum(optimizer_state_elements(optimizer, tuple(t.shape), scalars=False)
-                    * t.element_size() for t in leaves(params) if isinstance(t, torch.Tensor))
-    peaks = predicted_peak_bytes(params=params_bytes, optimizer_state=state, batch=batch_bytes,
-                                 activations=activation_bytes or 0, donate=donate)
-    return {
-        "params": params_bytes,
-        "grads": params_bytes,
-        "optimizer_state": state,
-        "activations": activation_bytes,
+    state = state_bytes(optimizer, params) if isinstance(optimizer, str) else nbytes(opt_state)
+    return _memory(nbytes(params), state, nbytes(batch), nbytes(params), activation_bytes,
+                   donate) | {
         "activations_source": "model formula" if activation_bytes is not None else None,
-        "batch": batch_bytes,
-        "backward_peak": peaks["backward"],
-        "update_peak": peaks["update"],
-        "peak": peaks["peak"],
         "source": "formula (pass loss_fn and the optimizer for a traced prediction)",
     }
 

@@ -201,6 +201,13 @@ class Ledger:
     def live_allocations(self) -> list[Allocation]:
         return list({id(a): a for a in self._by_storage.values()}.values())
 
+    def live_by_category(self) -> dict[str, int]:
+        """Bytes of the live storages by category (categories holding none left out)."""
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for allocation in self.live_allocations():
+            totals[category(allocation)] += allocation.nbytes
+        return _nonzero(totals)
+
     def close(self) -> None:
         """Stop watching: storages that outlive the step no longer call back."""
         for finalizer in self._finalizers:
@@ -219,8 +226,7 @@ class Ledger:
         for index, sign in self.events:
             if index == _OP:
                 last_op = sign
-                result.timeline.append((sign, self.ops[sign][1], {k: v for k, v in live.items()
-                                                                  if v}))
+                result.timeline.append((sign, self.ops[sign][1], _nonzero(live)))
                 continue
             kind, nbytes = kinds[index], sign * self.allocations[index].nbytes
             live[kind] += nbytes
@@ -229,9 +235,13 @@ class Ledger:
             if total > result.peak_bytes:
                 # An allocation belongs to the op whose outputs are being registered: the next
                 # op when inside one, else the last op seen.
-                result.peak_bytes, result.at_peak = total, {k: v for k, v in live.items() if v}
+                result.peak_bytes, result.at_peak = total, _nonzero(live)
                 result.peak_op = min(last_op + 1, len(self.ops) - 1)
         return result
+
+
+def _nonzero(totals: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in totals.items() if v}
 
 
 def check_category(name: str) -> None:

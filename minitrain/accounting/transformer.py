@@ -13,6 +13,7 @@ weights, LM head included, plus attention scores and values over a context of ``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,41 +104,11 @@ def preset(name: str) -> TransformerConfig:
     return PRESETS[key]
 
 
-def _layer_matmul_params(c: TransformerConfig) -> int:
-    kv_width = c.hidden * c.kv_heads // c.heads
-    attention = 2 * c.hidden * c.hidden + 2 * c.hidden * kv_width  # q, o and k, v
-    mlp = (3 if c.gated_mlp else 2) * c.hidden * c.ffn
-    return attention + mlp
-
-
-def _layer_other_params(c: TransformerConfig) -> int:
-    kv_width = c.hidden * c.kv_heads // c.heads
-    biases = (2 * c.hidden + 2 * kv_width) + (c.ffn + c.hidden) if c.biases else 0
-    return biases + 2 * c.norm_params * c.hidden
-
-
-def transformer_params(config: TransformerConfig) -> int:
-    """Every parameter: embeddings, layers (matrices, biases, norms), final norm, LM head.
-
-    >>> transformer_params(preset("gpt2-xl"))   # Hugging Face "gpt2-xl": 1,557,611,200
-    1557611200
-    """
-    c = config
-    embeddings = c.vocab * c.hidden + (c.seq_len * c.hidden if c.learned_positions else 0)
-    layers = c.num_layers * (_layer_matmul_params(c) + _layer_other_params(c))
-    head = 0 if c.tied_embeddings else c.vocab * c.hidden
-    return embeddings + layers + c.norm_params * c.hidden + head
-
-
 def transformer_tensors(config: TransformerConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Each parameter tensor's ``(role, shape)``, role ``"hidden"`` (a layer's matrices),
     ``"embedding"``, ``"head"``, ``"bias"`` or ``"norm"``; shapes as Hugging Face keeps them.
 
-    >>> import math
-    >>> tensors = transformer_tensors(preset("gpt2"))
-    >>> sum(math.prod(shape) for _, shape in tensors) == transformer_params(preset("gpt2"))
-    True
-    >>> sorted({shape for role, shape in tensors if role == "hidden"})
+    >>> sorted({shape for role, shape in transformer_tensors(preset("gpt2")) if role == "hidden"})
     [(768, 768), (768, 2304), (768, 3072), (3072, 768)]
     """
     c = config
@@ -157,6 +128,15 @@ def transformer_tensors(config: TransformerConfig) -> list[tuple[str, tuple[int,
     return tensors
 
 
+def transformer_params(config: TransformerConfig) -> int:
+    """Every parameter: embeddings, layers (matrices, biases, norms), final norm, LM head.
+
+    >>> transformer_params(preset("gpt2-xl"))   # Hugging Face "gpt2-xl": 1,557,611,200
+    1557611200
+    """
+    return sum(math.prod(shape) for _, shape in transformer_tensors(config))
+
+
 def transformer_optimizer_state_elements(
     config: TransformerConfig, optimizer: str = "adamw", *, amsgrad: bool = False,
     momentum: bool = False, centered: bool = False,
@@ -168,8 +148,8 @@ def transformer_optimizer_state_elements(
     >>> c = preset("gpt2")
     >>> transformer_optimizer_state_elements(c, "adamw") == 2 * transformer_params(c)
     True
-    >>> muon = transformer_optimizer_state_elements(c, "muon")
-    >>> muon == 2 * transformer_params(c) - 12 * _layer_matmul_params(c)
+    >>> muon = transformer_optimizer_state_elements(c, "muon")   # one state per matrix element
+    >>> muon == 2 * transformer_params(c) - (transformer_matmul_params(c) - 50257 * 768)
     True
     """
     key = optimizer_key(optimizer)
@@ -188,8 +168,9 @@ def transformer_matmul_params(config: TransformerConfig) -> int:
     >>> transformer_matmul_params(preset("gpt2"))
     123532032
     """
-    c = config
-    return c.num_layers * _layer_matmul_params(c) + c.vocab * c.hidden
+    tensors = transformer_tensors(config)
+    layers = sum(math.prod(shape) for role, shape in tensors if role == "hidden")
+    return layers + config.vocab * config.hidden
 
 
 def transformer_flops_per_token(
