@@ -104,8 +104,7 @@ def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> fl
             type(adjust_lr_fn).__name__
         raise ValueError(f"invalid adjust_lr_fn={shown}: choose None, 'original', "
                          f"'match_rms_adamw' or 'spectral_unclamped'")
-    rows, cols = shape[:2]
-    cols = max(cols, 1)  # a 0-column matrix has no update to scale
+    rows, cols = shape[0], max(shape[1], 1)  # a 0-column matrix has no update to scale
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     if adjust_lr_fn == "spectral_unclamped":
@@ -113,16 +112,16 @@ def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> fl
     return math.sqrt(max(1, rows / cols))
 
 
-def _check_matrices(params: Params) -> None:
-    for name, leaf in tree.named_leaves(params):
+def _check_matrices(values: Any, what: str) -> list[Tensor]:
+    """The leaves of ``values``, each a real 2-D tensor, else a ``ValueError`` naming it."""
+    for name, leaf in tree.named_leaves(values):
         if not isinstance(leaf, Tensor) or leaf.dim() != 2:
             shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
-            raise ValueError(
-                f"Muon updates 2-D params only, but {name!r} has shape {shape}; route other "
-                f"leaves to AdamW with mt.optim.multi_transform"
-            )
+            raise ValueError(f"Muon updates 2-D params only, but {what} {name!r} has shape "
+                             f"{shape}; route other leaves to AdamW with mt.optim.multi_transform")
         if leaf.is_complex():
-            raise ValueError(f"Muon does not support complex params ({name!r}); pass real ones")
+            raise ValueError(f"Muon does not support complex {what}s ({name!r}); pass real ones")
+    return tree.leaves(values)
 
 
 def _check_ns_arguments(ns_coefficients: Any, ns_steps: Any, eps: Any) -> tuple[Coefficients, Any]:
@@ -161,15 +160,11 @@ def orthogonalize_by_newton_schulz(
     muon_lr_ratio((1, 1), adjust_lr_fn)  # refuse an unknown adjust_lr_fn now
 
     def init(params: Params) -> EmptyState:
-        _check_matrices(params)
+        _check_matrices(params, "param")
         return EmptyState()
 
     def update(updates, state, params=None):
-        leaves = tree.leaves(updates)
-        for u in leaves:
-            if not isinstance(u, Tensor) or u.dim() != 2:
-                shape = tuple(u.shape) if isinstance(u, Tensor) else type(u).__name__
-                raise ValueError(f"Muon updates 2-D params only, got an update of shape {shape}")
+        leaves = _check_matrices(updates, "update")
         ortho = newton_schulz_each(leaves, coefficients, ns_steps, eps)
         new = []
         for q, u in zip(ortho, leaves, strict=True):

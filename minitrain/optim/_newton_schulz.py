@@ -113,16 +113,13 @@ def _each_matrix(info, in_dims, g, a, b, c, steps, eps):
                         for m in matrices]), 0
 
 
-_HAS_VMAP_RULES = hasattr(torch.library, "register_vmap")  # torch >= 2.5
-if _HAS_VMAP_RULES:
-    newton_schulz_per_matrix.register_vmap(_each_matrix)
+newton_schulz_per_matrix.register_vmap(_each_matrix)
 
 
 def _takes_per_matrix_op(g: Tensor, *hyperparameters: object) -> bool:
     """Whether ``g`` is batched by ``vmap`` with nothing to differentiate (the op has no
     backward)."""
-    if not _HAS_VMAP_RULES or g.requires_grad or any(
-            isinstance(v, Tensor) for v in hyperparameters):
+    if g.requires_grad or any(isinstance(v, Tensor) for v in hyperparameters):
         return False
     wrappers = functorch_wrappers(g)
     return "batched" in wrappers and "grad" not in wrappers
@@ -178,15 +175,12 @@ def newton_schulz_each(matrices: list[Tensor], coefficients: Coefficients = NS_C
 
 
 def _stacks(matrices: list[Tensor], coefficients: Coefficients, steps: int, eps: Any) -> bool:
-    """Whether these same-shape matrices run as one batched Newton-Schulz run.
-
-    Whether a batched run rounds as one matrix at a time does depends on the GEMM kernels, not
-    the data (oneDNN's bfloat16 GEMMs round most shapes alike, not all), so the first stack of
-    each shape, size, device, thread count and GEMM setting is tried both ways on random
-    matrices (:func:`_stacking_is_exact`). Never stacked, and nothing probed: tiny or
-    non-contiguous matrices, tensor hyperparameters, matrices under a functorch transform, a
-    compiler, autograd or a dispatch mode (a probe would be counted), fake or meta ones.
-    """
+    """Whether these same-shape matrices run as one batched Newton-Schulz run: whether it
+    rounds as one matrix at a time does depends on the GEMM kernels, not the data, so the first
+    stack of each key is probed both ways on random matrices (:func:`_stacking_is_exact`).
+    Never stacked nor probed: tiny or non-contiguous matrices, tensor hyperparameters, a
+    functorch transform, a compiler, autograd, a dispatch mode (a probe would be counted), fake
+    or meta tensors, CUDA graph capture."""
     first = matrices[0]
     if len(matrices) == 1 or min(first.shape) < STACK_MIN_SIDE \
             or torch.compiler.is_compiling() \
@@ -194,7 +188,9 @@ def _stacks(matrices: list[Tensor], coefficients: Coefficients, steps: int, eps:
             or not all(m.is_contiguous() for m in matrices) \
             or any(_torch.is_functorch_wrapped_tensor(m) for m in matrices) \
             or (torch.is_grad_enabled() and any(m.requires_grad for m in matrices)) \
-            or not _can_compare(matrices):
+            or _torch.get_current_dispatch_mode() is not None \
+            or any(m.is_meta or isinstance(m, _torch.FakeTensor) for m in matrices) \
+            or first.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     key = (tuple(first.shape), first.dtype, first.device, len(matrices),
            torch.get_num_threads(), torch.backends.mkldnn.enabled,
@@ -212,23 +208,8 @@ def _blas_library() -> str:
     return str(torch.backends.cuda.preferred_blas_library())
 
 
-def _can_compare(matrices: list[Tensor]) -> bool:
-    """Whether a probe can run here: real data, no dispatch mode, no CUDA graph capture."""
-    if _torch.get_current_dispatch_mode() is not None or any(
-        m.device.type == "meta" or isinstance(m, _torch.FakeTensor) for m in matrices
-    ):
-        return False
-    return not (matrices[0].is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def _bf16_stack(matrices: list[Tensor]) -> Tensor:
-    """``torch.stack([m.bfloat16() for m in matrices])``, cast straight into the stack."""
-    first = matrices[0]
-    stacked = torch.empty((len(matrices), *first.shape), dtype=torch.bfloat16,
-                          device=first.device)
-    for row, m in zip(stacked.unbind(0), matrices, strict=True):
-        row.copy_(m)
-    return stacked
+    return torch.stack([m.bfloat16() for m in matrices])
 
 
 def _stacking_is_exact(like: Tensor, count: int, coefficients: Coefficients, steps: int,

@@ -111,9 +111,7 @@ def _check_common(peak_value: float, warmup_steps: int, init_value: float) -> No
 
 def _warmup(step: Any, peak_value: float, warmup_steps: int, init_value: float) -> Any:
     if warmup_steps == 0:
-        return peak_value if not isinstance(step, Tensor) else torch.full_like(
-            step, peak_value, dtype=torch.float32
-        )
+        return peak_value
     fraction = _clip(step / warmup_steps, 0.0, 1.0)
     return init_value + (peak_value - init_value) * fraction
 

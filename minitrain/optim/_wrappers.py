@@ -49,21 +49,17 @@ def _labels(labels: Any, params: Params, what: str, named: list[tuple[str, Any]]
     return tree.leaves(labels)
 
 
-def _select(names: list[str], leaves: list[Any], indices: list[int]) -> LeafGroup:
-    """The leaves at ``indices``, keyed by their names in the whole params."""
-    return group([(names[i], leaves[i]) for i in indices])
-
-
-def _unzip(named: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
-    return [name for name, _ in named], [leaf for _, leaf in named]
+def _select(named: list[tuple[str, Any]], leaves: list[Any], indices: list[int]) -> LeafGroup:
+    """The ``leaves`` at ``indices``, keyed by their names in the whole params."""
+    return group([(named[i][0], leaves[i]) for i in indices])
 
 
 def _route_init(params: Params, transforms: dict, pick: Callable) -> dict[Any, Any]:
     """Each transformation's state over the leaves ``pick(params, named) -> {label: indices}``
     gives it."""
     named = tree.named_leaves(params)
-    names, leaves = _unzip(named)
-    return {label: transforms[label].init(_select(names, leaves, indices))
+    leaves = [leaf for _, leaf in named]
+    return {label: transforms[label].init(_select(named, leaves, indices))
             for label, indices in pick(params, named).items()}
 
 
@@ -72,16 +68,16 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
     """Each transformation's update of the leaves ``pick`` gives it (a :class:`LeafGroup`, so
     its state is named after them); the other leaves pass through."""
     named = tree.named_leaves(updates)
-    names, leaves = _unzip(named)
     named_params = named if params is None else tree.named_leaves(params)
-    p_leaves = None if params is None else _unzip(named_params)[1]
+    leaves = [leaf for _, leaf in named]
+    p_leaves = None if params is None else [leaf for _, leaf in named_params]
     out, new_states = list(leaves), {}
     for label, indices in pick(updates if params is None else params, named_params).items():
         new, new_states[label] = transforms[label].update(
-            _select(names, leaves, indices), states[label],
-            None if p_leaves is None else _select(names, p_leaves, indices),
+            _select(named, leaves, indices), states[label],
+            None if p_leaves is None else _select(named, p_leaves, indices),
             **select_extra_args(transforms[label], extra))
-        if isinstance(new, dict) and list(new) == [names[i] for i in indices]:
+        if isinstance(new, dict) and list(new) == [named[i][0] for i in indices]:
             new = list(new.values())
         if not isinstance(new, list | tuple) or len(new) != len(indices):
             raise ValueError(
@@ -91,6 +87,15 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
         for i, value in zip(indices, new, strict=True):
             out[i] = value
     return tree.unflatten(tree.structure(updates), out), new_states
+
+
+def _where(condition: Tensor, new: Any, old: Any) -> Any:
+    """``new`` where ``condition`` holds, else ``old``, leaf by leaf (a traced branch)."""
+    return tree.map(lambda n, o: torch.where(condition, n, o), new, old)
+
+
+def _zeros_unless(condition: Tensor, updates: Any) -> Any:
+    return tree.map(lambda u: torch.where(condition, u, torch.zeros_like(u)), updates)
 
 
 class MaskedState(NamedTuple):
@@ -225,12 +230,9 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         if is_traced(mini_step):
             boundary = mini_step == every_k
             new, inner_state = inner.update(acc, state.inner_state, params, **extra)
-            inner_state = tree.map(lambda n, o: torch.where(boundary, n, o),
-                                   inner_state, state.inner_state)
-            out = tree.map(lambda u: torch.where(boundary, u, torch.zeros_like(u)), new)
-            acc = tree.map(lambda a: torch.where(boundary, torch.zeros_like(a), a), acc)
-            return out, MultiStepsState(torch.where(boundary, 0, mini_step),
-                                        state.gradient_step + boundary.long(), inner_state, acc)
+            return _zeros_unless(boundary, new), MultiStepsState(
+                torch.where(boundary, 0, mini_step), state.gradient_step + boundary.long(),
+                _where(boundary, inner_state, state.inner_state), _zeros_unless(~boundary, acc))
         if int(mini_step) < every_k:
             zeros = tree.map(torch.zeros_like, updates)
             return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
@@ -284,22 +286,20 @@ def apply_if_finite(inner: GradientTransformation,
         leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
             torch.tensor(True, device="cpu"))
-        if not is_traced(finite) and not is_traced(state.notfinite_count):
-            ok = bool(finite)
-            count = zero_count() if ok else state.notfinite_count + 1
-            total = state.total_notfinite + (0 if ok else 1)
-            flag = torch.tensor(ok, device="cpu")
-            if ok or (max_consecutive_errors is not None and int(count) > max_consecutive_errors):
-                return new, ApplyIfFiniteState(count, flag, total, inner_state)
-            return tree.map(torch.zeros_like, new), ApplyIfFiniteState(
-                count, flag, total, state.inner_state)
+        traced = is_traced(finite) or is_traced(state.notfinite_count)
+        finite = finite if traced else finite.cpu()  # the counters stay on the host
         bad = (~finite).long()
         count = (state.notfinite_count + bad) * bad
         apply = finite if max_consecutive_errors is None else (
             finite | (count > max_consecutive_errors))
-        keep = tree.map(lambda n, o: torch.where(apply, n, o), inner_state, state.inner_state)
-        out = tree.map(lambda u: torch.where(apply, u, torch.zeros_like(u)), new)
-        return out, ApplyIfFiniteState(count, finite, state.total_notfinite + bad, keep)
+        total = state.total_notfinite + bad
+        if traced:
+            return _zeros_unless(apply, new), ApplyIfFiniteState(
+                count, finite, total, _where(apply, inner_state, state.inner_state))
+        if bool(apply):
+            return new, ApplyIfFiniteState(count, finite, total, inner_state)
+        return tree.map(torch.zeros_like, new), ApplyIfFiniteState(
+            count, finite, total, state.inner_state)
 
     forwards_extra_args(update, [inner])
     return tagged("apply_if_finite", GradientTransformation(init, update), inner=inner)
@@ -341,15 +341,15 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
         check_like(params, state.ema, ("params", "state.ema"))
         new_params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
         done = updates_done(state.count)
-        if done is not None:
-            if done == 0:
-                average = tree.map(lambda p: p.detach().clone(), new_params)
-            else:
-                average = tree.map(lambda a, p: torch.lerp(a, p.detach(), 1 - decay),
-                                   state.ema, new_params)
+        if done == 0:
+            average = tree.map(lambda p: p.detach().clone(), new_params)
+        elif done is not None:
+            average = tree.map(lambda a, p: torch.lerp(a, p.detach(), 1 - decay),
+                               state.ema, new_params)
         else:
-            average = tree.map(lambda a, p: torch.where(state.count == 0, p, torch.lerp(
-                a, p, 1 - decay)), state.ema, new_params)
+            average = _where(state.count == 0, new_params,
+                             tree.map(lambda a, p: torch.lerp(a, p, 1 - decay), state.ema,
+                                      new_params))
         return updates, EmaState(state.count + 1, average)
 
     return tagged("ema", GradientTransformation(init, update), decay=decay)
@@ -400,18 +400,13 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
         static = {k: v for k, v in kwargs.items() if k not in numeric and k not in schedules}
         numbers = [k for k, v in numeric.items() if not isinstance(v, Tensor)]
 
-        def values(count: Any) -> dict[str, Tensor]:
-            out = {k: _hyper_tensor(k, v) for k, v in numeric.items()}
-            step = count if is_traced(count) else int(count)
-            out.update({k: _scheduled(k, fn, step) for k, fn in schedules.items()})
-            return out
-
         def init(params):
-            count = zero_count()
-            hyper = values(count)
+            hyper = {k: _hyper_tensor(k, v) for k, v in numeric.items()}
+            hyper.update({k: _scheduled(k, fn, 0) for k, fn in schedules.items()})
             inner = factory(**static, **hyper)
-            check_transformation(inner, f"what inject_hyperparams({_name(factory)}) built")
-            return InjectHyperparamsState(count, hyper, inner.init(params))
+            built = getattr(factory, "__name__", type(factory).__name__)
+            check_transformation(inner, f"what inject_hyperparams({built}) built")
+            return InjectHyperparamsState(zero_count(), hyper, inner.init(params))
 
         def update(updates, state, params=None):
             check_state_type("inject_hyperparams", InjectHyperparamsState, state)
@@ -430,10 +425,6 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
                       factory=factory, **kwargs)
 
     return build
-
-
-def _name(factory: Any) -> str:
-    return getattr(factory, "__name__", type(factory).__name__)
 
 
 def _hyper_tensor(name: str, value: Any) -> Tensor:

@@ -332,17 +332,13 @@ def one_cycle_schedule(max_lr: Value, total_steps: int, pct_start: float = 0.3,
         return anneal(start_lr, end_lr, (t - starts[index]) / (end_step - starts[index]))
 
     def schedule(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            if t > total_steps:
-                raise ValueError(f"one_cycle_schedule was asked for step {t} past total_steps="
-                                 f"{total_steps}; build it with total_steps at least the number "
-                                 "of updates")
-            index = next(i for i, (end, _, _) in enumerate(phases) if t <= end or
-                         i == len(phases) - 1)
-            return phase_value(t, index)
+        if not isinstance(t, Tensor) and t > total_steps:
+            raise ValueError(f"one_cycle_schedule was asked for step {t} past total_steps="
+                             f"{total_steps}; build it with total_steps at least the number "
+                             "of updates")
         value = phase_value(t, len(phases) - 1)
         for index in reversed(range(len(phases) - 1)):  # torch takes the first phase that fits
-            value = torch.where(t <= phases[index][0], phase_value(t, index), value)
+            value = _where(t <= phases[index][0], phase_value(t, index), value)
         return value
 
     return _tensor_friendly(schedule)
@@ -365,21 +361,17 @@ def cyclic_schedule(base_lr: Value, max_lr: Value, step_size_up: int = 2000,
     _check_count("step_size_down", down, 0)
     if scale_fn is not None and not callable(scale_fn):
         raise ValueError(f"invalid scale_fn={scale_fn!r}: pass a function of the cycle or step")
+    # torch CyclicLR._init_scale_fn: the modes set their own scale_mode. torch's triangular2
+    # is 1 / (2.0 ** (x - 1)), the same powers of two, but it overflows (raises) after 1025
+    # cycles where this one underflows to 0.
+    modes = {"triangular": ((lambda x: 1.0), "cycle"),
+             "triangular2": ((lambda x: 0.5 ** (x - 1)), "cycle"),
+             "exp_range": ((lambda x: gamma**x), "iterations")}
     if scale_fn is None:
-        # torch CyclicLR._init_scale_fn: the modes set their own scale_mode
-        if mode == "triangular":
-            scale_fn, scale_mode = (lambda x: 1.0), "cycle"
-        elif mode == "triangular2":
-            # torch: 1 / (2.0 ** (x - 1)), the same powers of two, but it overflows (raises)
-            # after 1025 cycles where this one underflows to 0.
-            scale_fn, scale_mode = (lambda x: 0.5 ** (x - 1)), "cycle"
-        elif mode == "exp_range":
-            scale_fn, scale_mode = (lambda x: gamma**x), "iterations"
-        else:
-            raise ValueError(
-                f"invalid mode={mode!r}: choose 'triangular', 'triangular2' or 'exp_range', "
-                "or pass scale_fn"
-            )
+        if mode not in modes:
+            raise ValueError(f"invalid mode={mode!r}: choose 'triangular', 'triangular2' or "
+                             "'exp_range', or pass scale_fn")
+        scale_fn, scale_mode = modes[mode]
     if scale_mode not in ("cycle", "iterations"):
         raise ValueError(f"invalid scale_mode={scale_mode!r}: choose 'cycle' or 'iterations'")
     total_size = float(step_size_up) + float(down)
