@@ -1,11 +1,9 @@
 """Count FLOPs, bytes moved and live memory of every aten op, per op and per module.
 
-:class:`Counter` is a ``TorchDispatchMode``, so backward and update count like the forward.
-FLOPs: matmuls, convolutions and attention by ``torch.utils.flop_counter`` (equal to
-``FlopCounterMode``), elementwise ops and reductions by the tables below, other ops by
-:data:`FORMULA_OPS`; an op without a formula goes into ``unknown``, never a silent zero.
-Bytes: inputs read and outputs written; views move nothing. Memory: every storage seen is live
-until freed (:mod:`.timeline`). Modules are named as ``FlopCounterMode`` names them.
+:class:`Counter` is a ``TorchDispatchMode``: backward and update count like the forward.
+FLOPs: matmuls, convolutions and attention as ``FlopCounterMode``, other ops by the tables
+below or :data:`FORMULA_OPS`; an op without a formula goes into ``unknown``, never a silent
+zero. Bytes: inputs read and outputs written; views move nothing. Memory: :mod:`.timeline`.
 
 >>> import torch
 >>> a, b = torch.ones(64, 32), torch.ones(32, 16)
@@ -185,25 +183,16 @@ def _unique_bytes(t: torch.Tensor) -> int:
     return numel * t.element_size() if t.numel() else 0
 
 
-def _returns_aliases(func: Any) -> bool:
-    """The schema says every output aliases an input and nothing is written (``Tensor(a)``)."""
-    returns = func._schema.returns
-    return bool(returns) and all(
-        r.alias_info is not None and not r.alias_info.is_write for r in returns
-    )
-
-
 def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
              mutated: list[torch.Tensor]) -> bool:
-    """No data moves: the schema returns an alias, or (``aten._unsafe_view``) every output
-    shares an input's storage and nothing is written."""
-    if _returns_aliases(func):
+    """No data moves: the schema says every output aliases an input and nothing is written
+    (``Tensor(a)``), or (``aten._unsafe_view``) every output shares an input's storage."""
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return True
     if mutated or not outputs:
         return False
     return all(any(_torch.is_alias_of(out, t) for t in inputs) for out in outputs)
-
-
 
 
 def _dtype_label(tensors: list[torch.Tensor]) -> str:
@@ -302,7 +291,7 @@ class Counter:
         if category is not None:
             check_category(category)
         for t in tensors(trees) if self.track_memory else ():
-            allocation = self.ledger.add(t, phase="input", category=category)
+            allocation = self.ledger.add(t, phase="input")
             if allocation is not None and allocation.category is None:
                 allocation.category = category
 
@@ -318,8 +307,7 @@ class Counter:
         self._phase = phase
 
     def timeline(self) -> Timeline:
-        """Live bytes by category after every op: ``[(op_index, phase, {category: bytes})]``,
-        the format of ``predict_step``'s."""
+        """Live bytes by category after every op: ``[(op_index, phase, {category: bytes})]``."""
         return self.ledger.replay(guess_grads=True).timeline
 
     @property

@@ -1,7 +1,6 @@
 """Accelerator specs: peak FLOP/s by dtype (dense and 2:4-sparse apart), memory, bandwidth.
 
-Every published figure names its source; ``cpu`` is bounded from its spec and measured here
-(:func:`measure_cpu`).
+Every published figure names its source; ``cpu`` is measured here (:func:`measure_cpu`).
 
 >>> h100 = hardware("h100")
 >>> h100.peak_flops["bf16"], h100.sparse_flops["bf16"]
@@ -93,10 +92,8 @@ class Hardware:
         name = dtype_name(dtype)
         table = self.sparse_flops if sparse else self.peak_flops
         if name not in table:
-            kind = "sparse" if sparse else "dense"
-            raise HardwareError(
-                f"{self.name} has no {kind} {name} peak; it lists {', '.join(table) or 'none'}"
-            )
+            raise HardwareError(f"{self.name} has no {'sparse' if sparse else 'dense'} {name} "
+                                f"peak; it lists {', '.join(table) or 'none'}")
         return table[name]
 
     def intensity(self, dtype: Any = "bf16") -> float:
@@ -110,68 +107,53 @@ class Hardware:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy of every field."""
         record = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        for key in ("peak_flops", "sparse_flops", "details"):
-            record[key] = dict(record[key])
-        return record
-
-
-def _sparse_twice(dense: Mapping[str, float], dtypes: tuple[str, ...]) -> Mapping[str, float]:
-    # NVIDIA's sparse figures are exactly 2x dense for the Tensor Core dtypes (2:4 sparsity).
-    return _frozen({name: 2 * dense[name] for name in dtypes})
+        return record | {key: dict(record[key]) for key in ("peak_flops", "sparse_flops",
+                                                            "details")}
 
 
 _TENSOR_CORE = ("tf32", "bf16", "fp16", "fp8", "int8")
-
-_H100_SXM = _frozen(
-    {"fp64": 67e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
-     "fp8": 1978.9e12, "int8": 1978.9e12}
-)
-_H100_PCIE = _frozen(
-    {"fp64": 51e12, "fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12,
-     "fp8": 1513e12, "int8": 1513e12}
-)
-_H100_NVL = _frozen(
-    {"fp64": 60e12, "fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12,
-     "fp8": 1670.5e12, "int8": 1670.5e12}
-)
-_A100 = _frozen(
-    {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12,
-     "int8": 624e12}
-)
-_B200 = _frozen(
-    {"fp64": 40e12, "fp32": 80e12, "tf32": 1125e12, "bf16": 2250e12, "fp16": 2250e12,
-     "fp8": 4500e12, "int8": 4500e12, "fp4": 9000e12}
-)
-
-_H100_SOURCE = (
-    "NVIDIA H100 Tensor Core GPU datasheet and Hopper architecture whitepaper (2022), SXM5: "
-    "dense BF16 989.4 TFLOP/s (1979 with sparsity), 80 GB HBM3 at 3.35 TB/s"
-)
-
+_H100_SXM = {"fp64": 67e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
+             "fp8": 1978.9e12, "int8": 1978.9e12}
+_A100 = {"fp64": 19.5e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12,
+         "int8": 624e12}
 _A100_CORES = ("tf32", "bf16", "fp16", "int8")
-# name, product, dense peaks, the dtypes with a 2:4-sparse peak, GB, bytes/s, source
+_A100_SOURCE = "NVIDIA A100 Tensor Core GPU datasheet (2021)"
+# name, product, dense peaks, the dtypes with a 2:4-sparse peak (NVIDIA's sparse figures are
+# exactly twice dense), GB, bytes/s, source
 _REGISTRY: dict[str, Hardware] = {
-    name: Hardware(name, product, dense, _sparse_twice(dense, sparse), gb * 10**9, bandwidth,
-                   source)
+    name: Hardware(name, product, _frozen(dense), _frozen({k: 2 * dense[k] for k in sparse}),
+                   gb * 10**9, bandwidth, source)
     for name, product, dense, sparse, gb, bandwidth, source in (
-        ("h100", "NVIDIA H100 SXM5 80GB", _H100_SXM, _TENSOR_CORE, 80, 3.35e12, _H100_SOURCE),
-        ("h100-pcie", "NVIDIA H100 PCIe 80GB", _H100_PCIE, _TENSOR_CORE, 80, 2.0e12,
+        ("h100", "NVIDIA H100 SXM5 80GB", _H100_SXM, _TENSOR_CORE, 80, 3.35e12,
+         "NVIDIA H100 Tensor Core GPU datasheet and Hopper architecture whitepaper (2022), SXM5: "
+         "dense BF16 989.4 TFLOP/s (1979 with sparsity), 80 GB HBM3 at 3.35 TB/s"),
+        ("h100-pcie", "NVIDIA H100 PCIe 80GB",
+         {"fp64": 51e12, "fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12,
+          "fp8": 1513e12, "int8": 1513e12}, _TENSOR_CORE, 80, 2.0e12,
          "NVIDIA H100 Tensor Core GPU datasheet (2022), PCIe: 80 GB HBM2e at 2.0 TB/s"),
-        ("h100-nvl", "NVIDIA H100 NVL 94GB", _H100_NVL, _TENSOR_CORE, 94, 3.9e12,
+        ("h100-nvl", "NVIDIA H100 NVL 94GB",
+         {"fp64": 60e12, "fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12,
+          "fp8": 1670.5e12, "int8": 1670.5e12}, _TENSOR_CORE, 94, 3.9e12,
          "NVIDIA H100 Tensor Core GPU datasheet (2023), NVL: 94 GB HBM3 at 3.9 TB/s"),
         ("h200", "NVIDIA H200 SXM 141GB", _H100_SXM, _TENSOR_CORE, 141, 4.8e12,
          "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: H100 SXM compute, "
          "141 GB HBM3e at 4.8 TB/s"),
         ("a100-40gb", "NVIDIA A100 SXM4 40GB", _A100, _A100_CORES, 40, 1.555e12,
-         "NVIDIA A100 Tensor Core GPU datasheet (2021): 40 GB HBM2 at 1,555 GB/s"),
+         f"{_A100_SOURCE}: 40 GB HBM2 at 1,555 GB/s"),
         ("a100-80gb", "NVIDIA A100 SXM4 80GB", _A100, _A100_CORES, 80, 2.039e12,
-         "NVIDIA A100 Tensor Core GPU datasheet (2021): 80 GB HBM2e at 2,039 GB/s"),
-        ("b200", "NVIDIA B200 (HGX, 1000 W)", _B200, (*_TENSOR_CORE, "fp4"), 180, 8.0e12,
+         f"{_A100_SOURCE}: 80 GB HBM2e at 2,039 GB/s"),
+        ("b200", "NVIDIA B200 (HGX, 1000 W)",
+         {"fp64": 40e12, "fp32": 80e12, "tf32": 1125e12, "bf16": 2250e12, "fp16": 2250e12,
+          "fp8": 4500e12, "int8": 4500e12, "fp4": 9000e12}, (*_TENSOR_CORE, "fp4"), 180, 8.0e12,
          "NVIDIA HGX B200 datasheet (2024), per GPU: dense BF16 2.25 PFLOP/s "
          "(4.5 with sparsity), 180 GB HBM3e at 8 TB/s"),
     )
 }
 _ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200"}
+# Words of a torch.cuda.get_device_name, most specific first, and the entry they name.
+_CUDA_NAMES = ((("H100", "PCIE"), "h100-pcie"), (("H100", "NVL"), "h100-nvl"), (("H100",), "h100"),
+               (("H200",), "h200"), (("B200",), "b200"), (("A100", "40GB"), "a100-40gb"),
+               (("A100",), "a100-80gb"))
 
 
 def hardware_names() -> list[str]:
@@ -213,33 +195,21 @@ def hardware_for_cuda_device(device_name: str) -> Hardware | None:
     >>> hardware_for_cuda_device("NVIDIA GeForce RTX 4090") is None
     True
     """
-    text = device_name.upper().replace("-", " ")
-    words = set(text.split())
-    if "H100" in words:
-        if "PCIE" in words:
-            return _REGISTRY["h100-pcie"]
-        return _REGISTRY["h100-nvl"] if "NVL" in words else _REGISTRY["h100"]
-    if "H200" in words:
-        return _REGISTRY["h200"]
-    if "B200" in words:
-        return _REGISTRY["b200"]
-    if "A100" in words:
-        return _REGISTRY["a100-40gb"] if "40GB" in words else _REGISTRY["a100-80gb"]
-    return None
+    words = set(device_name.upper().replace("-", " ").split())
+    return next((_REGISTRY[name] for needed, name in _CUDA_NAMES if words.issuperset(needed)),
+                None)
 
 
 # The CPU, measured: best-of-N timings of torch.mm and of a large copy.
 _MATMUL_SIZE = {"fp32": 1024, "bf16": 512, "fp16": 512}
 _COPY_BYTES = 64 * 2**20
-_MIN_SECONDS = 0.05
-_MIN_REPEATS = 3
 
 
-def _best_seconds(fn: Any, min_seconds: float = _MIN_SECONDS) -> float:
-    """The fastest of several timed calls of ``fn`` (after one warm-up)."""
+def _best_seconds(fn: Any) -> float:
+    """The fastest of at least 3 timed calls of ``fn`` over 50 ms (after one warm-up)."""
     fn()
     best, spent, repeats = float("inf"), 0.0, 0
-    while repeats < _MIN_REPEATS or spent < min_seconds:
+    while repeats < 3 or spent < 0.05:
         start = time.perf_counter()
         fn()
         elapsed = time.perf_counter() - start
@@ -248,8 +218,7 @@ def _best_seconds(fn: Any, min_seconds: float = _MIN_SECONDS) -> float:
 
 
 def _matmul_flops_per_second(torch: Any, dtype: Any, n: int) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     # 2·n³ FLOPs for an n×n by n×n matmul (one multiply and one add per term).
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out))
@@ -324,34 +293,19 @@ def _spec_bound(threads: int) -> dict[str, Any]:
     """This process's bound: its torch threads, at most the cores it may run on."""
     info = _cpuinfo()
     flags = set((info.get("flags") or info.get("Features") or "").split())
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:
-        available = os.cpu_count() or 1
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
     cores, clock = min(threads, available), _max_clock_hz(info)
     return {"cores": cores, "clock_hz": clock, "flops": cpu_peak_bound(cores, flags, clock)}
 
 
-def _load_average() -> float | None:
-    """The 1-minute load average, None where the OS has none (a busy machine measures low)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
-
-
 def _machine_key(torch: Any) -> dict[str, Any]:
     """What the figures depend on: the machine, the torch build and its thread count."""
-    return {
-        "cpu": _cpu_model(),
-        "host": platform.node(),
-        "logical_cpus": os.cpu_count(),
-        "memory_bytes": _physical_memory_bytes(),
-        "torch": torch.__version__,
-        "torch_git": torch.version.git_version,
-        "threads": torch.get_num_threads(),
-        "bound": _spec_bound(torch.get_num_threads()),
-    }
+    threads = torch.get_num_threads()
+    return {"cpu": _cpu_model(), "host": platform.node(), "logical_cpus": os.cpu_count(),
+            "memory_bytes": _physical_memory_bytes(), "torch": torch.__version__,
+            "torch_git": torch.version.git_version, "threads": threads,
+            "bound": _spec_bound(threads)}
 
 
 def _cache_path(key: Mapping[str, Any]) -> Path | None:
@@ -370,9 +324,8 @@ def _cache_path(key: Mapping[str, Any]) -> Path | None:
 def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
     """Measured with this key at most ``max_age`` seconds ago, with every dtype the probe
     measures."""
-    if spec is None or spec.details.get("key") != dict(key):
-        return False
-    if not set(_MATMUL_SIZE) <= set(spec.peak_flops):
+    if spec is None or spec.details.get("key") != dict(key) or not (
+            set(_MATMUL_SIZE) <= set(spec.peak_flops)):
         return False
     measured_at = spec.details.get("measured_unix")
     return measured_at is not None and 0 <= time.time() - float(measured_at) <= max_age
@@ -383,10 +336,8 @@ def _load_cached(path: Path | None) -> Hardware | None:
         return None
     try:
         r = json.loads(path.read_text())
-        return Hardware(r["name"], r["description"], _frozen(r["peak_flops"]),
-                        _frozen(r["sparse_flops"]), int(r["memory_bytes"]),
-                        float(r["memory_bandwidth"]), r["source"], bool(r["measured"]),
-                        MappingProxyType(dict(r["details"])))
+        return Hardware(**r | {"peak_flops": _frozen(r["peak_flops"]), "details": MappingProxyType(
+            r["details"]), "sparse_flops": _frozen(r["sparse_flops"])})
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable or an older layout: measure again
 
@@ -410,7 +361,11 @@ def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
     # The peak for MFU is one no step can exceed: the spec bound (a timing under load is low).
     peaks = {name: max(key["bound"]["flops"][name], value) for name, value in measured.items()}
     bandwidth = _copy_bytes_per_second(torch)
-    now, load = time.time(), _load_average()
+    try:  # the 1-minute load average: a busy machine measures low
+        load = round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        load = None
+    now = time.time()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     busy = "" if load is None else f", 1-min load {load:g} on {key['logical_cpus']} CPUs"
     bound = key["bound"]
