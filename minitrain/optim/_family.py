@@ -1,10 +1,6 @@
-"""The torch.optim family beyond Adam, SGD, AdaGrad and RMSprop: each optimizer is a
-:class:`Rule` (a per-leaf function, its buffers and hyperparameters), the transformation
-``scale_by_<name>`` of that rule, and an alias chaining it in torch's order.
-
-This module holds the machinery and the rules that scale by ``-lr`` afterwards (Adadelta,
-Adamax, Lion, NAdam, RAdam); ``_family_steps`` those whose rule is the whole step.
-"""
+"""The torch.optim family beyond Adam, SGD, AdaGrad and RMSprop, and Lion: each a per-leaf rule
+made the transformation ``scale_by_<name>`` by :func:`family`, and an alias chaining it in
+torch's order. Here the rules scaled by ``-lr``; ``_family_steps`` those that are the step."""
 
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ from minitrain.optim._checks import (
     WeightDecayMask,
     check_betas,
     check_maximize,
+    check_pair,
     checked,
     float32,
     is_traced,
@@ -41,47 +38,45 @@ __all__ = [
 
 
 class Rule(NamedTuple):
-    """A family member's per-leaf rule (:func:`~minitrain.optim.leafwise`'s arguments). The
-    lowering reads ``name``, ``scalars``, ``advance`` and ``state_hyperparams``: the
-    hyperparameters that reach the rule only through ``advance`` or its initial state (ASGD's
-    lr, NAdam's momentum_decay), which keep the update off the kernels when traced."""
+    """What the lowering reads of a family transformation (its spec's ``rule``). The
+    hyperparameters reaching the update only through ``advance`` or the state (ASGD's lr,
+    NAdam's momentum_decay) keep it off the kernels when traced."""
 
     name: str
-    state_type: type
-    init_leaf: Callable[[Tensor], dict[str, Tensor]]
-    update_leaf: Callable[..., Any]
-    hyperparams: dict[str, Any]
-    scalars: dict[str, Callable[[], Tensor]] | None = None
-    advance: Callable[..., Any] | None = None
-    needs_params: bool = False
-    state_hyperparams: tuple[Any, ...] = ()
+    scalars: dict[str, Callable[[], Tensor]] | None
+    advance: Callable[..., Any] | None
+    state_hyperparams: tuple[Any, ...]
 
 
-def rule_transform(rule: Rule) -> GradientTransformation:
-    """``rule`` as a transformation; its spec carries the rule for the lowering."""
-    tx = leafwise(rule.name, rule.init_leaf, rule.update_leaf, rule.state_type,
-                  rule.hyperparams, needs_params=rule.needs_params, scalars=rule.scalars,
-                  advance=rule.advance)
-    tx.update.minitrain_spec[1]["rule"] = rule
+def family(name: str, state_type: type, update_leaf: Callable[..., Any],
+           hyperparams: dict[str, Any], *, init_leaf: Callable[[Tensor], dict] | None = None,
+           scalars: dict[str, Callable[[], Tensor]] | None = None,
+           advance: Callable[..., Any] | None = None, needs_params: bool = False,
+           state_hyperparams: tuple[Any, ...] = ()) -> GradientTransformation:
+    """:func:`leafwise` of a rule (its buffers zeros unless ``init_leaf``), its spec carrying
+    the :class:`Rule`."""
+    buffers = state_type._fields[1 + len(scalars or {}):]
+    tx = leafwise(name, init_leaf or (lambda p: {key: zeros(p) for key in buffers}),
+                  update_leaf, state_type, hyperparams, needs_params=needs_params,
+                  scalars=scalars, advance=advance)
+    tx.update.minitrain_spec[1]["rule"] = Rule(name, scalars, advance, state_hyperparams)
     return tx
 
 
-def family_optimizer(rule: Rule, lr: Any = None, *, maximize: bool = False,
+def family_optimizer(tx: GradientTransformation, lr: Any = None, *, maximize: bool = False,
                      weight_decay: Any = 0.0, mask: WeightDecayMask = None,
                      decoupled: bool = False) -> Optimizer:
-    """``as_optimizer(chain(-g if maximize, L2 decay, rule, decoupled decay, -lr))``; with
-    ``lr=None`` the rule's output is the whole step."""
+    """``tx`` in torch's order (:func:`torch_order`); with ``lr=None`` it is the whole step."""
     check_maximize(maximize)
     weight_decay = checked("weight_decay", weight_decay, 0.0)
-    decays = not is_zero(weight_decay)
-    return as_optimizer(torch_order(
-        [rule_transform(rule)], lr, maximize=maximize, decoupled=decoupled,
-        decay=add_decayed_weights(weight_decay, mask) if decays else None), strict=True)
+    decay = None if is_zero(weight_decay) else add_decayed_weights(weight_decay, mask)
+    return as_optimizer(torch_order([tx], lr, maximize=maximize, decay=decay,
+                                    decoupled=decoupled), strict=True)
 
 
 def find_state(state: Any, state_type: type) -> Any:
-    """The first ``state_type`` in ``state`` (inside chains' tuples and ``multi_transform``'s
-    dicts too), or None."""
+    """The first ``state_type`` in ``state`` (chains' tuples and ``multi_transform``'s dicts
+    included), or None."""
     if isinstance(state, state_type):
         return state
     if isinstance(state, tuple | list | dict):
@@ -93,20 +88,21 @@ def find_state(state: Any, state_type: type) -> Any:
 
 
 def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
-    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``; with a traced
-    ``beta2`` or one that requires grad, the same products in the kernel's order."""
+    """torch's ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)`` (the kernel's order
+    for a traced ``beta2`` or one that requires grad)."""
     if is_traced(beta2) or (isinstance(beta2, Tensor) and beta2.requires_grad):
         return beta2 * exp_avg_sq + (1 - beta2) * g * g
     return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
 
 
-def _moments(name: str, state_type: type, update_leaf: Callable, b1: Any, b2: Any,
-             eps: Any, scalars: tuple[str, ...] = ()) -> Rule:
-    """A rule with Adam's hyperparameters whose buffers start at zero."""
+def first_moment(exp_avg: Any, g: Any, beta1: Any) -> Any:
+    """torch's ``exp_avg.lerp_(g, 1 - beta1)``."""
+    return torch.lerp(exp_avg, g, lerp_weight(1 - beta1, exp_avg))
+
+
+def _adam_like(b1: Any, b2: Any, eps: Any) -> dict[str, Any]:
     beta1, beta2 = check_betas((b1, b2))
-    buffers = state_type._fields[1 + len(scalars):]
-    return Rule(name, state_type, lambda p: {b: zeros(p) for b in buffers}, update_leaf,
-                dict(beta1=beta1, beta2=beta2, eps=checked("eps", eps, 0.0)))
+    return dict(beta1=beta1, beta2=beta2, eps=checked("eps", eps, 0.0))
 
 
 # -- Adadelta ---------------------------------------------------------------------------------
@@ -121,18 +117,11 @@ class ScaleByAdadeltaState(NamedTuple):
 
 
 def adadelta_leaf(g, buffers, p, step, rho, eps):
-    """Zeiler 2012, Algorithm 1 (torch's ``_single_tensor_adadelta``): the step is
-    ``sqrt(E[Δx²] + eps) / sqrt(E[g²] + eps) * g``, before ``-lr``."""
+    """Zeiler 2012, Algorithm 1 (torch's ``_single_tensor_adadelta``)."""
     square_avg = second_moment(buffers["square_avg"], g, rho)
     delta = (buffers["acc_delta"] + eps).sqrt() / (square_avg + eps).sqrt() * g
     acc_delta = second_moment(buffers["acc_delta"], delta, rho)
     return delta, {"square_avg": square_avg, "acc_delta": acc_delta}
-
-
-def _adadelta(rho: Any, eps: Any) -> Rule:
-    return Rule("scale_by_adadelta", ScaleByAdadeltaState,
-                lambda p: {"square_avg": zeros(p), "acc_delta": zeros(p)}, adadelta_leaf,
-                dict(rho=checked("rho", rho, 0.0, 1.0), eps=checked("eps", eps, 0.0)))
 
 
 def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6) -> GradientTransformation:
@@ -143,7 +132,8 @@ def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6) -> GradientTransfor
     >>> tx.update([torch.tensor([2.0])], tx.init([torch.zeros(1)]))[0]
     [tensor([0.0010])]
     """
-    return rule_transform(_adadelta(rho, eps))
+    return family("scale_by_adadelta", ScaleByAdadeltaState, adadelta_leaf,
+                  dict(rho=checked("rho", rho, 0.0, 1.0), eps=checked("eps", eps, 0.0)))
 
 
 def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
@@ -156,7 +146,7 @@ def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.9990])
     """
-    return family_optimizer(_adadelta(rho, eps), lr, maximize=maximize,
+    return family_optimizer(scale_by_adadelta(rho, eps), lr, maximize=maximize,
                             weight_decay=weight_decay, mask=mask)
 
 
@@ -172,9 +162,8 @@ class ScaleByAdamaxState(NamedTuple):
 
 
 def adamax_leaf(g, buffers, p, step, beta1, beta2, eps):
-    """Kingma & Ba 2015, Algorithm 2, with torch's eps inside the max:
-    ``u = max(beta2 * u, |g| + eps)``; the step is ``m / u / (1 - beta1^t)``."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    """Kingma & Ba 2015, Algorithm 2, with torch's eps inside ``max(beta2 u, |g| + eps)``."""
+    exp_avg = first_moment(buffers["exp_avg"], g, beta1)
     exp_inf = torch.maximum(beta2 * buffers["exp_inf"], g.abs() + eps)
     return exp_avg / exp_inf / (1 - beta1**step), {"exp_avg": exp_avg, "exp_inf": exp_inf}
 
@@ -188,8 +177,7 @@ def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999,
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1., -1.])]
     """
-    return rule_transform(_moments("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, b1, b2,
-                                   eps))
+    return family("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, _adam_like(b1, b2, eps))
 
 
 def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999),
@@ -202,9 +190,8 @@ def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999),
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.9000])
     """
-    rule = _moments("scale_by_adamax", ScaleByAdamaxState, adamax_leaf, *check_betas(betas),
-                    eps)
-    return family_optimizer(rule, lr, maximize=maximize, weight_decay=weight_decay, mask=mask)
+    return family_optimizer(scale_by_adamax(*check_pair("betas", betas), eps), lr,
+                            maximize=maximize, weight_decay=weight_decay, mask=mask)
 
 
 # -- Lion -------------------------------------------------------------------------------------
@@ -221,14 +208,7 @@ def lion_leaf(g, buffers, p, step, beta1, beta2):
     """Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2: the step
     is ``sign(beta1 m + (1 - beta1) g)``; then ``m <- beta2 m + (1 - beta2) g``."""
     m = buffers["exp_avg"]
-    return (torch.sign(torch.lerp(m, g, lerp_weight(1 - beta1, m))),
-            {"exp_avg": torch.lerp(m, g, lerp_weight(1 - beta2, m))})
-
-
-def _lion(betas: Any) -> Rule:
-    beta1, beta2 = check_betas(betas, high_open=False)
-    return Rule("scale_by_lion", ScaleByLionState, lambda p: {"exp_avg": zeros(p)}, lion_leaf,
-                dict(beta1=beta1, beta2=beta2))
+    return torch.sign(first_moment(m, g, beta1)), {"exp_avg": first_moment(m, g, beta2)}
 
 
 def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99) -> GradientTransformation:
@@ -239,7 +219,8 @@ def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99) -> GradientTransformation
     >>> tx.update([torch.tensor([3.0, -0.5, 0.0])], tx.init([torch.zeros(3)]))[0]
     [tensor([ 1., -1.,  0.])]
     """
-    return rule_transform(_lion((b1, b2)))
+    beta1, beta2 = check_betas((b1, b2), high_open=False)
+    return family("scale_by_lion", ScaleByLionState, lion_leaf, dict(beta1=beta1, beta2=beta2))
 
 
 def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
@@ -253,16 +234,16 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
     >>> opt.update({"w": torch.tensor([2.0, -3.0])}, opt.init(params), params)[0]["w"]
     tensor([0.9000, 1.1000])
     """
-    return family_optimizer(_lion(betas), lr, maximize=maximize, weight_decay=weight_decay,
-                            mask=mask, decoupled=True)
+    return family_optimizer(scale_by_lion(*check_pair("betas", betas)), lr, maximize=maximize,
+                            weight_decay=weight_decay, mask=mask, decoupled=True)
 
 
 # -- NAdam ------------------------------------------------------------------------------------
 
 
 class ScaleByNadamState(NamedTuple):
-    """``count``, ``mu_product`` (the momentum schedule's product so far, float32 0-d as torch
-    keeps it), ``exp_avg`` and ``exp_avg_sq``."""
+    """``count``, ``mu_product`` (of the momentum schedule, float32 0-d as torch keeps it),
+    ``exp_avg`` and ``exp_avg_sq``."""
 
     count: Tensor
     mu_product: Tensor
@@ -271,36 +252,14 @@ class ScaleByNadamState(NamedTuple):
 
 
 def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
-    """torch's ``_single_tensor_nadam`` (Dozat 2016): ``(grad_coef g + avg_coef m) /
-    (sqrt(v_hat) + eps)``, before ``-lr``."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    """torch's ``_single_tensor_nadam`` (Dozat 2016): ``(c_g g + c_m m) / (sqrt(v_hat) + eps)``."""
+    exp_avg = first_moment(buffers["exp_avg"], g, beta1)
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
-    # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): the 1 / sqrt(bc2) moves
-    # into the two coefficients, a pass less over v.
+    # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): a pass less over v
     root = sqrt(1 - beta2**step)
     denom = exp_avg_sq.sqrt() + eps * root
     direction = add_scaled(g * (grad_coef * root), exp_avg, avg_coef * root) / denom
     return direction, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-
-
-def _nadam(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> Rule:
-    rule = _moments("scale_by_nadam", ScaleByNadamState, nadam_leaf, b1, b2, eps,
-                    scalars=("mu_product",))
-    beta1, momentum_decay = rule.hyperparams["beta1"], checked("momentum_decay",
-                                                               momentum_decay, 0.0)
-
-    def mu_at(step):  # Dozat 2016: mu_t = beta1 (1 - 0.5 * 0.96^(t * psi))
-        return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
-
-    def advance(step, mu_product):
-        mu, mu_next = mu_at(step), mu_at(step + 1)
-        mu_product = float32(mu_product * mu)  # torch keeps a float32 mu_product
-        return {"mu_product": mu_product}, {"grad_coef": (1.0 - mu) / (1.0 - mu_product),
-                                            "avg_coef": mu_next / (1.0 - mu_product * mu_next)}
-
-    return rule._replace(
-        scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
-        advance=advance, state_hyperparams=(momentum_decay,))
 
 
 def scale_by_nadam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
@@ -312,7 +271,21 @@ def scale_by_nadam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1.0565, -1.0565])]
     """
-    return rule_transform(_nadam(b1, b2, eps, momentum_decay))
+    hyper = _adam_like(b1, b2, eps)
+    beta1, momentum_decay = hyper["beta1"], checked("momentum_decay", momentum_decay, 0.0)
+
+    def mu_at(step):  # Dozat 2016: mu_t = beta1 (1 - 0.5 * 0.96^(t * psi))
+        return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+
+    def advance(step, mu_product):
+        mu, mu_next = mu_at(step), mu_at(step + 1)
+        mu_product = float32(mu_product * mu)  # torch keeps a float32 mu_product
+        return {"mu_product": mu_product}, {"grad_coef": (1.0 - mu) / (1.0 - mu_product),
+                                            "avg_coef": mu_next / (1.0 - mu_product * mu_next)}
+
+    return family("scale_by_nadam", ScaleByNadamState, nadam_leaf, hyper, advance=advance,
+                  scalars={"mu_product": lambda: torch.ones((), dtype=torch.float32, device="cpu")},
+                  state_hyperparams=(momentum_decay,))
 
 
 def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
@@ -327,8 +300,8 @@ def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.8844])
     """
-    return family_optimizer(_nadam(*check_betas(betas), eps, momentum_decay), lr,
-                            maximize=maximize, weight_decay=weight_decay, mask=mask,
+    return family_optimizer(scale_by_nadam(*check_pair("betas", betas), eps, momentum_decay),
+                            lr, maximize=maximize, weight_decay=weight_decay, mask=mask,
                             decoupled=bool(decoupled_weight_decay))
 
 
@@ -344,14 +317,12 @@ class ScaleByRadamState(NamedTuple):
 
 
 def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
-    """Liu et al. 2020, Algorithm 2 (torch's ``_single_tensor_radam``): while the approximated
-    SMA ``rho_t`` is at most 5 the step is the bias-corrected momentum; after, it is rectified
-    by ``r_t`` and divided by ``sqrt(v_t) + eps`` (before ``-lr``)."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    """Liu et al. 2020, Algorithm 2 (torch's ``_single_tensor_radam``): bias-corrected
+    momentum while the approximated SMA ``rho_t <= 5``, then rectified by ``r_t``."""
+    exp_avg = first_moment(buffers["exp_avg"], g, beta1)
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
     traced = isinstance(rho_t, Tensor)
@@ -378,8 +349,7 @@ def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999,
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 3.0000, -0.5000])]
     """
-    return rule_transform(_moments("scale_by_radam", ScaleByRadamState, radam_leaf, b1, b2,
-                                   eps))
+    return family("scale_by_radam", ScaleByRadamState, radam_leaf, _adam_like(b1, b2, eps))
 
 
 def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
@@ -392,6 +362,6 @@ def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.8000])
     """
-    rule = _moments("scale_by_radam", ScaleByRadamState, radam_leaf, *check_betas(betas), eps)
-    return family_optimizer(rule, lr, maximize=maximize, weight_decay=weight_decay, mask=mask,
+    return family_optimizer(scale_by_radam(*check_pair("betas", betas), eps), lr,
+                            maximize=maximize, weight_decay=weight_decay, mask=mask,
                             decoupled=bool(decoupled_weight_decay))

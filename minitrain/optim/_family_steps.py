@@ -1,9 +1,8 @@
 """The family's rules whose output is the whole step (no ``-lr`` after them): ASGD, Rprop and
-schedule-free AdamW. Each keeps its lr (and more scalars) in its state; see ``_family``."""
+schedule-free AdamW, each keeping its lr (and more scalars) in its state; see ``_family``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -11,6 +10,7 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim._checks import (
+    Scalar,
     WeightDecayMask,
     check_hyperparameter,
     check_pair,
@@ -21,16 +21,9 @@ from minitrain.optim._checks import (
     is_zero,
     scalar,
 )
-from minitrain.optim._family import (
-    Rule,
-    Scalar,
-    family_optimizer,
-    find_state,
-    rule_transform,
-    second_moment,
-)
+from minitrain.optim._family import family, family_optimizer, find_state, second_moment
 from minitrain.optim.base import GradientTransformation, Optimizer
-from minitrain.optim.transforms import add_scaled, zeros
+from minitrain.optim.transforms import add_scaled, filled, zeros
 from minitrain.tree import Params
 
 __all__ = [
@@ -39,10 +32,6 @@ __all__ = [
     "schedule_free_adamw", "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState",
     "schedule_free_eval_params",
 ]
-
-
-def _f32(value: Any) -> Callable[[], Tensor]:
-    return lambda: f32_tensor(value)
 
 
 def _no_schedule(lr: Any, why: str) -> Any:
@@ -55,8 +44,8 @@ def _no_schedule(lr: Any, why: str) -> Any:
 
 
 class ScaleByAsgdState(NamedTuple):
-    """``count``, ``lr`` (the step size ``eta`` of the last update, float32 as torch keeps
-    it) and ``ax``, the running average of the params (torch's ``ax``)."""
+    """``count``, ``lr`` (``eta`` of the last update, float32 as torch keeps it) and ``ax``,
+    the running average of the params."""
 
     count: Tensor
     lr: Tensor
@@ -74,13 +63,14 @@ def asgd_step_sizes(step: Any, lr: Any, lambd: Any, alpha: Any, t0: Any) -> tupl
     eta = lr / (1 + lambd * lr * (step - 1)) ** alpha
     if isinstance(step, Tensor):
         mu = torch.where(step == 1, 1.0, 1 / torch.clamp(step - 1 - t0, min=1.0))
-        return float32(eta), mu.to(torch.float32).to(step.dtype)
-    return float32(eta), float32(1.0 if step == 1 else 1 / max(1.0, step - 1 - t0))
+    else:
+        mu = 1.0 if step == 1 else 1 / max(1.0, step - 1 - t0)
+    return float32(eta), float32(mu)
 
 
 def asgd_leaf(g, buffers, p, step, lambd, eta, mu):
-    """torch's ``_single_tensor_asgd``: ``p <- p (1 - lambd eta) - eta g``, then the average
-    ``ax <- ax + mu (p - ax)`` (a copy while ``mu == 1``). The update is the full step."""
+    """torch's ``_single_tensor_asgd``: ``p <- p (1 - lambd eta) - eta g``, then
+    ``ax <- ax + mu (p - ax)`` (a copy while ``mu == 1``)."""
     update = add_scaled(g, p, lambd) * -eta
     new_p = p + update
     ax = buffers["ax"]
@@ -92,7 +82,18 @@ def asgd_leaf(g, buffers, p, step, lambd, eta, mu):
     return update, {"ax": averaged}
 
 
-def _asgd(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
+def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
+                  t0: Scalar = 1e6) -> GradientTransformation:
+    """ASGD's whole step ``-eta_t (g + lambd p)``, keeping the average of the params in
+    ``ax`` (read it with :func:`asgd_average`).
+
+    >>> import torch
+    >>> tx = scale_by_asgd(lr=0.5, lambd=0.0)
+    >>> params = [torch.ones(1)]
+    >>> updates, state = tx.update([torch.ones(1)], tx.init(params), params)
+    >>> updates, state.ax
+    ([tensor([-0.5000])], [tensor([0.5000])])
+    """
     if callable(lr) and not isinstance(lr, Tensor):  # done -> lr, checked as torch's group lr
         lr_after = lambda done: checked("lr (from the schedule)", lr(done), 0.0)  # noqa: E731
     else:
@@ -109,25 +110,9 @@ def _asgd(lr: Any, lambd: Any, alpha: Any, t0: Any) -> Rule:
         eta, mu = asgd_step_sizes(step, lr_after(done), lambd, alpha, t0)
         return {"lr": eta}, {"eta": eta, "mu": mu}
 
-    return Rule("scale_by_asgd", ScaleByAsgdState, lambda p: {"ax": zeros(p)}, asgd_leaf,
-                dict(lambd=lambd), advance=advance,
-                scalars={"lr": lambda: host_tensor(lr_after(0), torch.float32).clone()},
-                needs_params=True, state_hyperparams=(lr, alpha, t0))
-
-
-def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
-                  t0: Scalar = 1e6) -> GradientTransformation:
-    """ASGD's whole step ``-eta_t (g + lambd p)``, keeping the average of the params in
-    ``ax`` (read it with :func:`asgd_average`).
-
-    >>> import torch
-    >>> tx = scale_by_asgd(lr=0.5, lambd=0.0)
-    >>> params = [torch.ones(1)]
-    >>> updates, state = tx.update([torch.ones(1)], tx.init(params), params)
-    >>> updates, state.ax
-    ([tensor([-0.5000])], [tensor([0.5000])])
-    """
-    return rule_transform(_asgd(lr, lambd, alpha, t0))
+    return family("scale_by_asgd", ScaleByAsgdState, asgd_leaf, dict(lambd=lambd),
+                  advance=advance, needs_params=True, state_hyperparams=(lr, alpha, t0),
+                  scalars={"lr": lambda: host_tensor(lr_after(0), torch.float32).clone()})
 
 
 def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75, t0: Scalar = 1e6,
@@ -143,7 +128,7 @@ def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75, t0: Scalar 
     >>> params["w"], mt.optim.asgd_average(state)["w"]
     (tensor([0.5000]), tensor([0.5000]))
     """
-    return family_optimizer(_asgd(lr, lambd, alpha, t0), maximize=maximize,
+    return family_optimizer(scale_by_asgd(lr, lambd, alpha, t0), maximize=maximize,
                             weight_decay=weight_decay, mask=mask)
 
 
@@ -176,39 +161,14 @@ class ScaleByRpropState(NamedTuple):
 
 
 def rprop_leaf(g, buffers, p, step, etaminus, etaplus, step_size_min, step_size_max):
-    """torch's ``_single_tensor_rprop``: grow each step size by ``etaplus`` where the gradient
-    kept its sign, shrink it by ``etaminus`` (and skip the step) where it flipped; the update
-    is ``-sign(g) * step_size``."""
+    """torch's ``_single_tensor_rprop``: each step size grows by ``etaplus`` where the
+    gradient kept its sign, shrinks by ``etaminus`` (no step) where it flipped."""
     sign = torch.sign(g * buffers["prev"])
     # The factors in the leaf's dtype, as torch writes them into its ``sign`` tensor.
     factor = torch.where(sign > 0, etaplus, torch.where(sign < 0, etaminus, torch.ones_like(sign)))
     step_size = torch.clamp(buffers["step_size"] * factor, step_size_min, step_size_max)
     kept = torch.where(sign < 0, 0.0, g)
     return -torch.sign(kept) * step_size, {"prev": kept, "step_size": step_size}
-
-
-def _rprop(lr: Any, etas: Any, step_sizes: Any) -> Rule:
-    lr = _no_schedule(lr, "Rprop's lr is its initial step size; pass a number")
-    etaminus, etaplus = check_pair("etas", etas)
-    low, high = scalar(etaminus), scalar(etaplus)  # traced ones (vmap) stay unchecked
-    if isinstance(low, int | float) and not 0.0 < low < 1.0 \
-            or isinstance(high, int | float) and not 1.0 < high:
-        raise ValueError(f"invalid etas=({low}, {high}): they must satisfy 0 < etas[0] < 1 < "
-                         f"etas[1]; pass e.g. (0.5, 1.2)")
-    smallest, largest = check_pair("step_sizes", step_sizes)
-    check_hyperparameter("step_sizes[0]", smallest, 0.0)
-    floor = scalar(smallest)  # a traced one (torch.func) bounds step_sizes[1] by 0 alone
-    check_hyperparameter("step_sizes[1]", largest, floor if isinstance(floor, int | float)
-                         else 0.0)
-
-    def init_leaf(p):  # torch's full_like(grad, lr); a tensor lr (traced) is added to zeros
-        return {"prev": zeros(p), "step_size": zeros(p) + lr if isinstance(lr, Tensor) else
-                torch.full_like(p, lr, memory_format=torch.preserve_format)}
-
-    return Rule("scale_by_rprop", ScaleByRpropState, init_leaf, rprop_leaf,
-                dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
-                     step_size_max=largest),
-                scalars={"lr": _f32(lr)}, advance=lambda step, lr: ({"lr": lr}, {}))
 
 
 def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
@@ -223,7 +183,20 @@ def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
     >>> updates
     [tensor([-0.1200, -0.0000])]
     """
-    return rule_transform(_rprop(lr, etas, step_sizes))
+    lr = _no_schedule(lr, "Rprop's lr is its initial step size; pass a number")
+    etaminus, etaplus = check_pair("etas", etas)
+    check_hyperparameter("etas[0]", etaminus, 0.0, 1.0, low_open=True, high_open=True)
+    check_hyperparameter("etas[1]", etaplus, 1.0, low_open=True)
+    smallest, largest = check_pair("step_sizes", step_sizes)
+    check_hyperparameter("step_sizes[0]", smallest, 0.0)
+    floor = scalar(smallest)  # a traced one (torch.func) bounds step_sizes[1] by 0 alone
+    check_hyperparameter("step_sizes[1]", largest, floor if isinstance(floor, int | float)
+                         else 0.0)
+    return family("scale_by_rprop", ScaleByRpropState, rprop_leaf,
+                  dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
+                       step_size_max=largest),
+                  init_leaf=lambda p: {"prev": zeros(p), "step_size": filled(p, lr)},
+                  scalars={"lr": lambda: f32_tensor(lr)}, advance=lambda step, lr: ({"lr": lr}, {}))
 
 
 def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
@@ -235,7 +208,7 @@ def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
     >>> opt.update({"w": torch.tensor([2.0, -3.0])}, opt.init(params), params)[0]["w"]
     tensor([0.9000, 1.1000])
     """
-    return family_optimizer(_rprop(lr, etas, step_sizes), maximize=maximize)
+    return family_optimizer(scale_by_rprop(lr, etas, step_sizes), maximize=maximize)
 
 
 # -- schedule-free AdamW (Defazio et al. 2024, "The Road Less Scheduled") ---------------------
@@ -246,9 +219,8 @@ def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
 
 
 class ScheduleFreeAdamwState(NamedTuple):
-    """``count``; ``b1``, ``weight_sum`` and ``lr_max`` (float64 0-d, the reference's group
-    entries); ``lr``, the warmed-up lr of the last update (float32); per leaf ``z`` and
-    ``exp_avg_sq``."""
+    """``count``; ``b1``, ``weight_sum`` and ``lr_max`` (float64, the reference's group
+    entries); ``lr``, the last warmed-up lr (float32); per leaf ``z`` and ``exp_avg_sq``."""
 
     count: Tensor
     b1: Tensor
@@ -262,8 +234,7 @@ class ScheduleFreeAdamwState(NamedTuple):
 def schedule_free_leaf(g, buffers, y, step, beta1, beta2, eps, weight_decay, lr_t,
                        bias_correction2, ckp1):
     """The reference's per-param step: ``g' = g / (sqrt(v / bc2) + eps) + wd y``;
-    ``y <- lerp(y, z, c) + lr (beta1 (1 - c) - 1) g'``; ``z <- z - lr g'``. The update is the
-    change of ``y``."""
+    ``y <- lerp(y, z, c) + lr (beta1 (1 - c) - 1) g'``; ``z <- z - lr g'``."""
     z = buffers["z"]
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     normalized = g / ((exp_avg_sq / bias_correction2).sqrt() + eps)
@@ -272,62 +243,6 @@ def schedule_free_leaf(g, buffers, y, step, beta1, beta2, eps, weight_decay, lr_
     # lerp(y, z, c) + k g' - y = k g' + c (z - y)
     change = add_scaled(normalized * (lr_t * (beta1 * (1 - ckp1) - 1)), z - y, ckp1)
     return change, {"z": add_scaled(z, normalized, -lr_t), "exp_avg_sq": exp_avg_sq}
-
-
-def _weights(step, lr, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_max):
-    """The reference's per-step scalars: warmed-up lr, bias correction, and ``ckp1``, the
-    weight of this iterate in the average ``x``."""
-    k = step - 1
-    if isinstance(step, Tensor):
-        sched = torch.where(k < warmup_steps, (k + 1) / max(warmup_steps, 1), 1.0)
-    else:
-        sched = (k + 1) / warmup_steps if k < warmup_steps else 1.0
-    lr_t = lr * sched
-    if isinstance(lr_t, Tensor) or isinstance(lr_max, Tensor):
-        device = (lr_t if isinstance(lr_t, Tensor) else lr_max).device
-        lr_max = torch.maximum(torch.as_tensor(lr_t, dtype=torch.float64, device=device),
-                               torch.as_tensor(lr_max, dtype=torch.float64, device=device))
-    else:
-        lr_max = max(lr_t, lr_max)
-    weight = (k + 1) ** r * lr_max**weight_lr_power
-    weight_sum = weight_sum + weight
-    if isinstance(weight_sum, Tensor):
-        ckp1 = torch.where(weight_sum == 0, 0.0,
-                           weight / torch.where(weight_sum == 0, 1.0, weight_sum))
-    else:
-        ckp1 = weight / weight_sum if weight_sum != 0 else 0.0
-    return lr_t, 1 - beta2 ** (k + 1), ckp1, weight_sum, lr_max
-
-
-def _schedule_free(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power) -> Rule:
-    lr = _no_schedule(lr, "schedule-free AdamW needs no schedule; pass a number (and "
-                          "warmup_steps for a warmup)")
-    beta1, beta2 = check_pair("betas", betas)
-    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, low_open=True, high_open=True)
-    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
-    eps, weight_decay = checked("eps", eps, 0.0), checked("weight_decay", weight_decay, 0.0)
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"invalid warmup_steps={warmup_steps!r}: pass an int >= 0")
-    r, weight_lr_power = checked("r", r, 0.0), checked("weight_lr_power", weight_lr_power, 0.0)
-
-    def advance(step, b1, weight_sum, lr_max, lr):
-        lr_t, bias_correction2, ckp1, weight_sum, lr_max = _weights(
-            step, lr_value, warmup_steps, r, weight_lr_power, beta2, weight_sum, lr_max)
-        return {"b1": b1, "weight_sum": weight_sum, "lr_max": lr_max, "lr": lr_t}, {
-            "lr_t": lr_t, "bias_correction2": bias_correction2, "ckp1": ckp1}
-
-    def f64(value: Any) -> Callable[[], Tensor]:
-        return lambda: host_tensor(value, torch.float64).clone()
-
-    lr_value = lr
-    return Rule(
-        "scale_by_schedule_free_adamw", ScheduleFreeAdamwState,
-        # a clone, not a detached one: z keeps the gradient with respect to the initial params
-        lambda p: {"z": p.clone(memory_format=torch.preserve_format), "exp_avg_sq": zeros(p)},
-        schedule_free_leaf, dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
-        scalars={"b1": f64(beta1), "weight_sum": f64(0.0), "lr_max": f64(-1.0),
-                 "lr": _f32(lr / warmup_steps if warmup_steps else lr)},
-        advance=advance, needs_params=True, state_hyperparams=(lr, r, weight_lr_power))
 
 
 def scale_by_schedule_free_adamw(
@@ -344,8 +259,51 @@ def scale_by_schedule_free_adamw(
     >>> updates, state.z
     ([tensor([-0.1000,  0.1000])], [tensor([0.9000, 1.1000])])
     """
-    return rule_transform(_schedule_free(lr, betas, eps, weight_decay, warmup_steps, r,
-                                         weight_lr_power))
+    lr = _no_schedule(lr, "schedule-free AdamW needs no schedule; pass a number (and "
+                          "warmup_steps for a warmup)")
+    beta1, beta2 = check_pair("betas", betas)
+    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, low_open=True, high_open=True)
+    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
+    eps, weight_decay = checked("eps", eps, 0.0), checked("weight_decay", weight_decay, 0.0)
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"invalid warmup_steps={warmup_steps!r}: pass an int >= 0")
+    r, weight_lr_power = checked("r", r, 0.0), checked("weight_lr_power", weight_lr_power, 0.0)
+
+    def advance(step, b1, weight_sum, lr_max, lr):
+        """The reference's per-step scalars: the warmed-up lr, the bias correction and
+        ``ckp1``, this iterate's weight in the average ``x``."""
+        warmup = step / max(warmup_steps, 1)
+        lr_t = lr_value * (warmup.clamp(max=1.0) if isinstance(warmup, Tensor)
+                           else min(warmup, 1.0))
+        if isinstance(lr_t, Tensor) or isinstance(lr_max, Tensor):
+            device = (lr_t if isinstance(lr_t, Tensor) else lr_max).device
+            lr_max = torch.maximum(torch.as_tensor(lr_t, dtype=torch.float64, device=device),
+                                   torch.as_tensor(lr_max, dtype=torch.float64, device=device))
+        else:
+            lr_max = max(lr_t, lr_max)
+        weight = step**r * lr_max**weight_lr_power
+        weight_sum = weight_sum + weight
+        if isinstance(weight_sum, Tensor):
+            ckp1 = torch.where(weight_sum == 0, 0.0,
+                               weight / torch.where(weight_sum == 0, 1.0, weight_sum))
+        else:
+            ckp1 = weight / weight_sum if weight_sum != 0 else 0.0
+        return {"b1": b1, "weight_sum": weight_sum, "lr_max": lr_max, "lr": lr_t}, {
+            "lr_t": lr_t, "bias_correction2": 1 - beta2**step, "ckp1": ckp1}
+
+    def f64(value: Any) -> Any:
+        return lambda: host_tensor(value, torch.float64).clone()
+
+    lr_value = lr
+    return family(
+        "scale_by_schedule_free_adamw", ScheduleFreeAdamwState, schedule_free_leaf,
+        dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
+        # a clone, not a detached one: z keeps the gradient with respect to the initial params
+        init_leaf=lambda p: {"z": p.clone(memory_format=torch.preserve_format),
+                             "exp_avg_sq": zeros(p)},
+        scalars={"b1": f64(beta1), "weight_sum": f64(0.0), "lr_max": f64(-1.0),
+                 "lr": lambda: f32_tensor(lr / warmup_steps if warmup_steps else lr)},
+        advance=advance, needs_params=True, state_hyperparams=(lr, r, weight_lr_power))
 
 
 def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
@@ -364,8 +322,8 @@ def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
     >>> params["w"], mt.optim.schedule_free_eval_params(state, params)["w"]
     (tensor([0.7900, 1.2100]), tensor([0.8000, 1.2000]))
     """
-    return family_optimizer(_schedule_free(lr, betas, eps, weight_decay, warmup_steps, r,
-                                           weight_lr_power), maximize=maximize)
+    return family_optimizer(scale_by_schedule_free_adamw(
+        lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power), maximize=maximize)
 
 
 def schedule_free_eval_params(state: Any, params: Params) -> Params:

@@ -1,5 +1,5 @@
 """optax's optimizers that torch.optim lacks (optax ``_src/transform.py``, ``alias.py``), with
-optax's names, arguments and defaults; an alias takes ``lr`` first, as every alias here does."""
+optax's names, arguments and defaults (``lr`` first, as in every alias here)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ def _moment(old: Any, g: Any, decay: Any) -> Any:
     return (1 - decay) * g + decay * old
 
 
-def _betas(b1: Any, b2: Any) -> dict[str, Any]:
+def _hyper(b1: Any, b2: Any, eps: Any, eps_root: Any) -> dict[str, Any]:
     check_hyperparameter("b1", b1, 0.0, 1.0, high_open=True)
     check_hyperparameter("b2", b2, 0.0, 1.0, high_open=True)
-    return dict(beta1=b1, beta2=b2)
+    return dict(beta1=b1, beta2=b2, eps=checked("eps", eps, 0.0),
+                eps_root=checked("eps_root", eps_root, 0.0))
 
 
 # -- AdaBelief (Zhuang et al. 2020) and Yogi (Zaheer et al. 2018) -----------------------------
@@ -87,8 +88,7 @@ def scale_by_belief(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-16,
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1.1111, -1.1111])]
     """
-    hyper = dict(_betas(b1, b2), eps=checked("eps", eps, 0.0),
-                 eps_root=checked("eps_root", eps_root, 0.0), nesterov=bool(nesterov))
+    hyper = dict(_hyper(b1, b2, eps, eps_root), nesterov=bool(nesterov))
     return leafwise("scale_by_belief", lambda p: {"mu": zeros(p), "nu": zeros(p)}, belief_leaf,
                     ScaleByBeliefState, hyper)
 
@@ -103,8 +103,7 @@ def adabelief(lr: ScalarOrSchedule = 1e-3, b1: Scalar = 0.9, b2: Scalar = 0.999,
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.8889])
     """
-    decay = [] if weight_decay is None else [add_decayed_weights(weight_decay,
-                                                                 weight_decay_mask)]
+    decay = [] if weight_decay is None else [add_decayed_weights(weight_decay, weight_decay_mask)]
     return as_optimizer(chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov),
                               *decay, scale_by_learning_rate(lr)))
 
@@ -138,11 +137,8 @@ def scale_by_yogi(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3,
     [tensor([ 0.9996, -0.9960])]
     """
     initial = checked("initial_accumulator_value", initial_accumulator_value, 0.0)
-    hyper = dict(_betas(b1, b2), eps=checked("eps", eps, 0.0),
-                 eps_root=checked("eps_root", eps_root, 0.0))
-    return leafwise("scale_by_yogi", lambda p: {"mu": filled(p, initial),
-                                                "nu": filled(p, initial)},
-                    yogi_leaf, ScaleByYogiState, hyper,
+    return leafwise("scale_by_yogi", lambda p: {"mu": filled(p, initial), "nu": filled(p, initial)},
+                    yogi_leaf, ScaleByYogiState, _hyper(b1, b2, eps, eps_root),
                     also_watch=(initial,) if isinstance(initial, Tensor) else ())
 
 
