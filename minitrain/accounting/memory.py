@@ -1,10 +1,8 @@
 """Memory napkin math: bytes per parameter, the largest trainable model, ZeRO as DeepSpeed
-counts it (:func:`zero_memory`), activations, and the one table of optimizer-state sizes
-(:data:`OPTIMIZER_STATES`, read by :func:`state_bytes`).
+counts it, and the one table of optimizer-state sizes (:data:`OPTIMIZER_STATES`).
 
-Pure Python; no torch at import. Training holds four kinds of tensors (chapter 3.1.2 and
-3.5.6): params, grads, optimizer state (plus fp32 master weights under mixed precision) and
-activations.
+Pure Python at import. Training holds params, grads, optimizer state (plus fp32 master weights
+under mixed precision) and activations (chapter 3.1.2 and 3.5.6).
 
 >>> bytes_per_param("adamw", "fp32").total     # 4 params + 4 grads + 8 Adam moments
 16
@@ -88,13 +86,6 @@ def optimizer_key(optimizer: str) -> str:
     return key
 
 
-def _check_options(key: str, options: dict[str, bool]) -> None:
-    for name, value in options.items():
-        if value and key not in STATE_OPTIONS[name]:
-            takers = " and ".join(STATE_OPTIONS[name])
-            raise UserError(f"{name} does not apply to {key}; it is an option of {takers} only")
-
-
 def optimizer_states(
     optimizer: str, *, amsgrad: bool = False, momentum: bool = False, centered: bool = False
 ) -> int:
@@ -107,7 +98,10 @@ def optimizer_states(
     3
     """
     key = optimizer_key(optimizer)
-    _check_options(key, dict(amsgrad=amsgrad, momentum=momentum, centered=centered))
+    for name, value in dict(amsgrad=amsgrad, momentum=momentum, centered=centered).items():
+        if value and key not in STATE_OPTIONS[name]:
+            takers = " and ".join(STATE_OPTIONS[name])
+            raise UserError(f"{name} does not apply to {key}; it is an option of {takers} only")
     extra = bool(amsgrad) + bool(centered) + bool(momentum and key != "momentum")
     return OPTIMIZER_STATES[key] + extra
 
@@ -140,10 +134,9 @@ def optimizer_state_elements(
     if key == "muon" and len(shape) != 2:
         full, scalar = OPTIMIZER_STATES["adamw"], _SCALAR_STATES["adamw"]
     elements = full * math.prod(shape)
-    if key == "adafactor" and len(shape) >= 2:
-        elements = math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
-    elif key == "adafactor":
-        elements = math.prod(shape)
+    if key == "adafactor":
+        elements = (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] if len(shape) >= 2
+                    else math.prod(shape))
     return elements + (scalar if scalars else 0)
 
 
@@ -164,8 +157,7 @@ def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32", *,
                     amsgrad: bool = False, momentum: bool = False,
                     centered: bool = False) -> BytesPerParam:
     """Bytes per parameter for ``optimizer`` under a precision recipe (see ``PRECISIONS``);
-    ``amsgrad``, ``momentum`` and ``centered`` as in :func:`optimizer_states`. Adafactor counts
-    0 (its factored moments vanish for large matrices) and Muon 1 (matrices).
+    options as in :func:`optimizer_states`. Adafactor counts 0, Muon 1 (large matrices).
 
     >>> bytes_per_param("adamw", "bf16-mixed")   # ZeRO paper: 2 + 2 + (4 + 8) = 16
     BytesPerParam(params=2, grads=2, optimizer_state=8, master_weights=4)
@@ -184,21 +176,16 @@ def per_device_bytes_per_param(per_param: BytesPerParam, gpus: int, zero_stage: 
     >>> per_device_bytes_per_param(bytes_per_param("adamw", "bf16-mixed"), 64, 1)  # 4 + 12/64
     4.1875
     """
+    sharded = sum(getattr(per_param, kind) for kind in _sharded(gpus, zero_stage))
+    return per_param.total - sharded + sharded / gpus
+
+
+def _sharded(gpus: int, zero_stage: int) -> tuple[str, ...]:
     if gpus < 1:
         raise UserError(f"gpus must be >= 1, got {gpus}")
     if zero_stage not in _SHARDED:
         raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    sharded = sum(getattr(per_param, kind) for kind in _SHARDED[zero_stage])
-    return per_param.total - sharded + sharded / gpus
-
-
-def _memory_bytes(memory: str | Hardware | Number) -> float:
-    if isinstance(memory, str):
-        memory = lookup_hardware(memory)
-    value = memory.memory_bytes if isinstance(memory, Hardware) else memory
-    if value <= 0:
-        raise UserError(f"memory must be a positive number of bytes, got {value}")
-    return float(value)
+    return _SHARDED[zero_stage]
 
 
 def max_params(
@@ -207,13 +194,17 @@ def max_params(
 ) -> float:
     """The most parameters that fit: per-device memory (bytes, or a hardware name) less
     ``reserved_bytes`` (e.g. activations), over per-device bytes per parameter. The default
-    ``zero_stage=3`` spreads every byte evenly over the devices, the chapter's assumption in
-    3.1.2 (640 GB / 16 B); ``state_options`` go to :func:`bytes_per_param`.
+    ``zero_stage=3`` spreads every byte over the devices, as the chapter's 3.1.2 (640 GB / 16 B).
 
     >>> max_params("h100", gpus=8, zero_stage=0) / 1e9    # replicated: one device's 80 GB / 16
     5.0
     """
-    free = _memory_bytes(memory) - reserved_bytes
+    if isinstance(memory, str):
+        memory = lookup_hardware(memory)
+    total = memory.memory_bytes if isinstance(memory, Hardware) else memory
+    if total <= 0:
+        raise UserError(f"memory must be a positive number of bytes, got {total}")
+    free = total - reserved_bytes
     if free <= 0:
         raise UserError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
     per_param = bytes_per_param(optimizer, precision, **state_options)
@@ -240,7 +231,7 @@ def training_memory(
     momentum: bool = False, centered: bool = False,
 ) -> MemoryBreakdown:
     """Bytes on one device to train ``params`` parameters (activations given per device);
-    ``amsgrad``, ``momentum`` and ``centered`` as in :func:`optimizer_states`.
+    options as in :func:`optimizer_states`.
 
     >>> training_memory(1e9, optimizer="adamw", precision="fp32").total / 1e9
     16.0
@@ -249,9 +240,8 @@ def training_memory(
     """
     per_param = bytes_per_param(optimizer, precision, amsgrad=amsgrad, momentum=momentum,
                                 centered=centered)
-    per_device_bytes_per_param(per_param, gpus, zero_stage)  # validates gpus and zero_stage
-    parts = {kind: float(params * getattr(per_param, kind)
-                         / (gpus if kind in _SHARDED[zero_stage] else 1))
+    sharded = _sharded(gpus, zero_stage)
+    parts = {kind: float(params * getattr(per_param, kind) / (gpus if kind in sharded else 1))
              for kind in BytesPerParam._fields}
     return MemoryBreakdown(activations=float(activation_bytes), **parts)
 
