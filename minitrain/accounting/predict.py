@@ -1,12 +1,10 @@
 """Predict one training step before running it: memory, FLOPs, bytes and time, on fake tensors.
 
-:func:`predict_step` traces forward, backward (:func:`minitrain.value_and_grad`), clipping and
-``optimizer.update`` on tensors with a shape, a dtype and a device but no data: fake tensors
-for the forward and backward pass, meta tensors for the update (which then takes the kernels a
-real step takes). FLOPs, bytes and memory are what a :class:`~minitrain.accounting.Counter`
-and its :class:`~minitrain.accounting.timeline.Ledger` see, so the peak and its moment are
-found, not assumed; time is every op on the roofline, ``max(flops / peak, bytes /
-bandwidth)`` (chapter 3.6.2), summed.
+:func:`predict_step` traces forward, backward, clipping and ``optimizer.update`` on tensors
+without data: fake tensors for forward and backward, meta tensors for the update (which then
+takes the kernels a real step takes). A :class:`~minitrain.accounting.Counter` counts FLOPs,
+bytes and memory, so the peak is found, not assumed; time is every op on the roofline,
+``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2), summed.
 
 >>> import torch, minitrain as mt
 >>> loss = lambda p, x: (x @ p["w"]).tanh().sum()
@@ -48,9 +46,6 @@ __all__ = [
     "PredictionError", "SavedTensor", "StepPrediction", "TensorSpec", "fake_mode", "predict_call",
     "predict_step",
 ]
-
-
-# -- tensors without data: specs and fake tensors -------------------------------------------
 
 
 class PredictionError(UserError):
@@ -146,27 +141,20 @@ def _inputs(counter: Counter, mode: FakeTensorMode, tree: Any, kind: str) -> Any
     return fake
 
 
-def _describe(func: Any) -> str:
-    name = str(func).removesuffix(".default")
-    if "_local_scalar_dense" in name:
-        return f"{name} (.item(), float() or int() of a tensor) needs the tensor's data"
-    return f"{name} needs the tensor's data (its output shape depends on the values)"
-
-
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
     """What fake tensors raise for a step that needs data, as a :class:`PredictionError`."""
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-        reason = f"{_describe(exc.func)}, which fake tensors do not have"
+        name = str(exc.func).removesuffix(".default")
+        why = ("(.item(), float() or int() of a tensor)" if "_local_scalar_dense" in name
+               else "(its output shape depends on the values)")
+        reason = f"{name} {why} needs the tensor's data, which fake tensors do not have"
         raise PredictionError(f"{reason}: measure one real step instead", reason) from None
     except UnsupportedOperatorException as exc:
         reason = f"{exc.func} has no fake-tensor implementation"
         raise PredictionError(f"{reason}: measure one real step instead", reason) from None
-
-
-# -- the prediction ----------------------------------------------------------------------------
 
 
 class SavedTensor(NamedTuple):
@@ -221,10 +209,9 @@ class _Metadata(TorchDispatchMode):
     never do (the counter would count it as an op without a formula)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.prim.device.default:
-            with disable_current_modes():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        device = func is torch.ops.prim.device.default
+        with disable_current_modes() if device else contextlib.nullcontext():
+            return func(*args, **(kwargs or {}))
 
 
 class _MetaInPlace(TorchDispatchMode):
@@ -245,12 +232,8 @@ class _MetaInPlace(TorchDispatchMode):
 def _watching(counter: Counter, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
     # The counter decomposes composite ops and its ledger sees each part.
     counter.set_phase(phase)
-    with contextlib.ExitStack() as stack:
-        if mode is not None:
-            stack.enter_context(mode)
-        stack.enter_context(_MetaInPlace())
-        stack.enter_context(counter)
-        stack.enter_context(_Metadata())
+    with mode if mode is not None else contextlib.nullcontext(), _MetaInPlace(), counter, (
+            _Metadata()):
         yield
 
 

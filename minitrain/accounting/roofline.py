@@ -31,16 +31,11 @@ __all__ = ["DTYPE_BYTES", "Op", "Placement", "Roof", "StepProfile", "accelerator
 MEMORY, COMPUTE = "memory", "compute"
 
 
-def _non_negative(**values: Number) -> None:
+def _check(positive: bool = False, **values: Number) -> None:
     for name, value in values.items():
-        if not value >= 0:  # catches NaN too
-            raise UserError(f"{name} must be a non-negative number, got {value!r}")
-
-
-def _positive(**values: Number) -> None:
-    for name, value in values.items():
-        if not value > 0:  # catches NaN too
-            raise UserError(f"{name} must be a positive number, got {value!r}")
+        if not (value > 0 if positive else value >= 0):  # catches NaN too
+            kind = "positive" if positive else "non-negative"
+            raise UserError(f"{name} must be a {kind} number, got {value!r}")
 
 
 def arithmetic_intensity(flops: Number, bytes_moved: Number) -> float:
@@ -49,7 +44,7 @@ def arithmetic_intensity(flops: Number, bytes_moved: Number) -> float:
     >>> arithmetic_intensity(flops=1024, bytes_moved=4096)
     0.25
     """
-    _non_negative(flops=flops, bytes_moved=bytes_moved)
+    _check(flops=flops, bytes_moved=bytes_moved)
     if bytes_moved == 0:
         return math.inf if flops else math.nan
     return flops / bytes_moved
@@ -61,7 +56,7 @@ def accelerator_intensity(peak_flops: Number, bandwidth: Number) -> float:
     >>> round(accelerator_intensity(989.4e12, 3.35e12))  # H100 SXM, dense bf16
     295
     """
-    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    _check(True, peak_flops=peak_flops, bandwidth=bandwidth)
     return peak_flops / bandwidth
 
 
@@ -71,7 +66,7 @@ def bound(intensity: Number, ridge: Number) -> str:
     >>> bound(0.25, 295), bound(341, 295)
     ('memory', 'compute')
     """
-    _positive(ridge=ridge)
+    _check(True, ridge=ridge)
     return COMPUTE if intensity >= ridge else MEMORY
 
 
@@ -81,7 +76,7 @@ def attainable_flops(intensity: Number, peak_flops: Number, bandwidth: Number) -
     >>> attainable_flops(1.0, peak_flops=100.0, bandwidth=10.0)
     10.0
     """
-    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    _check(True, peak_flops=peak_flops, bandwidth=bandwidth)
     return float(min(peak_flops, intensity * bandwidth))
 
 
@@ -91,7 +86,7 @@ def mfu_bound(intensity: Number, ridge: Number) -> float:
     >>> mfu_bound(5.0, 295.0) < 0.02, mfu_bound(341.0, 295.0)
     (True, 1.0)
     """
-    _positive(ridge=ridge)
+    _check(True, ridge=ridge)
     return min(1.0, intensity / ridge)
 
 
@@ -103,8 +98,8 @@ def predicted_seconds(flops: Number, bytes_moved: Number, peak_flops: Number,
     >>> f"{predicted_seconds(n, 4 * n, 989.5e12, 3.35e12):.1e}"
     '1.3e-06'
     """
-    _non_negative(flops=flops, bytes_moved=bytes_moved)
-    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    _check(flops=flops, bytes_moved=bytes_moved)
+    _check(True, peak_flops=peak_flops, bandwidth=bandwidth)
     return max(flops / peak_flops, bytes_moved / bandwidth)
 
 
@@ -261,17 +256,14 @@ def profile_records(records: Iterable[object], on: Roof,
         place(Op(f"{r.op} ({phase})", r.flops, r.bytes_read + r.bytes_written), on)
         for r, phase in zip(records, labels, strict=True)
     ]
-    totals: dict[str, list[float]] = {}
+    by_name: dict[str, list[Placement]] = defaultdict(list)
     for c in calls:
-        total = totals.setdefault(c.name, [0.0, 0.0, 0, 0.0])
-        total[0] += c.flops
-        total[1] += c.bytes
-        total[2] += 1
-        total[3] += c.seconds
-    groups = []
-    for name, (flops, moved, count, seconds) in totals.items():
-        group = place(Op(name, flops, moved, int(count)), on)
-        groups.append(group._replace(seconds=seconds))  # max() is per call: sum the calls
+        by_name[c.name].append(c)
+    groups = [  # max() is per call: sum the calls' seconds
+        place(Op(name, sum(c.flops for c in same), sum(c.bytes for c in same), len(same)),
+              on)._replace(seconds=sum(c.seconds for c in same))
+        for name, same in by_name.items()
+    ]
     groups.sort(key=lambda g: -g.seconds)
     return StepProfile(on, calls, groups, sum(c.flops for c in calls),
                        sum(c.bytes for c in calls), sum(c.seconds for c in calls),
@@ -304,25 +296,18 @@ def step_time(counter: Any, spec: Hardware, dtype: Any = None
     >>> name, mm["flops"] == 2 * 256**3, round(mm["seconds"] * 1e9), round(seconds * 1e9)
     ('fp32', True, 501, 657)
     """
-    per_op: dict[str, dict[str, int | float]] = defaultdict(
-        lambda: {"calls": 0, "flops": 0, "bytes": 0, "seconds": 0.0}
-    )
+    by_op: dict[str, float] = defaultdict(float)
     seconds = 0.0
     for record in counter.records:
-        op_seconds = max(
-            record.flops / _peak_for(spec, dtype, record.dtype),
-            record.bytes / spec.memory_bandwidth,
-        )
-        row = per_op[record.op]
-        row["calls"] += 1
-        row["flops"] += record.flops
-        row["bytes"] += record.bytes
-        row["seconds"] += op_seconds
+        op_seconds = max(record.flops / _peak_for(spec, dtype, record.dtype),
+                         record.bytes / spec.memory_bandwidth)
+        by_op[record.op] += op_seconds
         seconds += op_seconds
+    per_op = {op: {"calls": t.calls, "flops": t.flops, "bytes": t.bytes_read + t.bytes_written,
+                   "seconds": by_op[op]} for op, t in counter.by_op.items()}
     main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
-    peak_flops = _peak_for(spec, dtype, main_dtype)
-    mfu = counter.flops / (seconds * peak_flops) if seconds else 0.0
-    return seconds, dict(per_op), main_dtype, mfu
+    mfu = counter.flops / (seconds * _peak_for(spec, dtype, main_dtype)) if seconds else 0.0
+    return seconds, per_op, main_dtype, mfu
 
 
 def _main_dtype(counter: Any) -> str:
