@@ -70,10 +70,9 @@ def none_param_error(params: Any) -> ValueError | None:
 
 def donatable(params: list, grads: list, buffers: Iterable[list]) -> bool:
     """Whether an update may write ``params`` and the state ``buffers`` in place: no two of
-    those non-empty tensors share memory (tied weights passed twice, two storages over one
-    memory from ``torch.from_dlpack``), none has two elements at one address, and no grad
-    shares memory with any of them (grads may share with each other: they are only read).
-    False where a leaf has no storage to compare (a functorch tensor).
+    them share memory (tied weights passed twice, ``torch.from_dlpack`` aliases), none has two
+    elements at one address, no grad shares memory with them (grads may share with each
+    other), and every leaf has a storage to compare (no functorch tensor).
 
     >>> w, g = torch.ones(3), torch.ones(3)
     >>> donatable([w], [g], [[torch.zeros(3)]]), donatable([w, g], [g, w], [])
@@ -150,11 +149,10 @@ def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
              dtype: torch.dtype | None = None,
              like: list[Tensor] | None = None) -> list[list[int] | None] | None:
     """Each row's data pointers where every tensor of ``rows`` (lists of leaves; None for an
-    absent row) is a plain contiguous CPU tensor of its param's shape and dtype (the params:
-    ``like``, else ``rows[0]``; ``dtype`` where given), not requiring grad, with no negative
-    bit, whose storage holds it; None otherwise. With ``read`` (the index of the grads' row)
-    the other rows are written in place: None too where two written storages meet, or the
-    grads' meet one.
+    absent row) is a plain contiguous CPU tensor of its param's shape and dtype (params:
+    ``like``, else ``rows[0]``; ``dtype`` where given), not requiring grad, not negated, held
+    by its storage; else None. With ``read`` (the grads' row) the other rows are written in
+    place: None too where two written storages meet, or the grads' meet one.
 
     >>> p = [torch.zeros(3)]
     >>> pointers([p, [torch.ones(1).expand(3)]]) is None  # stride 0

@@ -98,24 +98,10 @@ def _verified(target: Path) -> bool:
         return False
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, rename it over ``path``."""
-    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(scratch, path)
-    except BaseException:
-        Path(scratch).unlink(missing_ok=True)
-        raise
-
-
 def _build(compiler: str, flags: list[str]) -> Path:
     """Compile ``_streaming.c`` once per source, flags and compiler; return the library path.
-    The library is written atomically beside a record of its size and sha256 (written first);
-    a cached file that does not match its record (truncated, corrupted) is rebuilt, never
+    The library and the record of its size and sha256 each replace their file whole; a cached
+    library that does not match its record (truncated, torn by a crash) is rebuilt, never
     loaded."""
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
@@ -125,13 +111,13 @@ def _build(compiler: str, flags: list[str]) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        partial = Path(scratch) / target.name
+        partial, record = Path(scratch) / target.name, Path(scratch) / "record"
         subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
                        check=True, capture_output=True, timeout=120)
         data = partial.read_bytes()
-    record = f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
-    _write_durably(target.with_suffix(".sha256"), record)
-    _write_durably(target, data)
+        record.write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
+        os.replace(record, target.with_suffix(".sha256"))
+        os.replace(partial, target)
     return target
 
 
@@ -237,13 +223,10 @@ def update(rule: str, hyperparameters: Sequence[SupportsFloat],
            slots: Sequence[list[Tensor] | None],
            outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
            nontemporal: bool | None = None) -> list[list[Tensor] | None]:
-    """One update of ``rule`` over lists of leaves through ``minitrain::stream_update``; returns
-    the new ``[params, *buffers]``.
-
-    ``slots`` is ``[params, grads, *buffers]`` in the order ``_streaming.c`` documents for the
-    rule, None for a buffer the rule does not use. The results go into ``outputs(like)``
-    buffers, or, when ``outputs`` is None (donation), into the params and buffers themselves.
-    """
+    """One update of ``rule`` through ``minitrain::stream_update``: the new
+    ``[params, *buffers]`` from ``slots``, ``[params, grads, *buffers]`` in ``_streaming.c``'s
+    order (None for a buffer the rule does not use), into ``outputs(like)`` buffers or, where
+    ``outputs`` is None (donation), into the params and buffers themselves."""
     index, count = RULES[rule]
     if len(hyperparameters) != count:
         raise ValueError(f"streaming rule {rule!r} takes {count} hyperparameters, got "
