@@ -1,10 +1,7 @@
 """Lookahead (Zhang et al. 2019, "Lookahead Optimizer: k steps forward, 1 step back"), as optax
 ``lookahead``: a fast optimizer steps the fast params; every ``sync_period`` steps the slow
 params move ``slow_step_size`` of the way to the fast ones, and the fast params jump there.
-
-The params are a :class:`LookaheadParams` pair and the grads are taken at ``params.fast``;
-the updates are a pair too, so ``as_optimizer(lookahead(...)).update(grads, state, params)``
-returns the new pair (evaluate at ``params.slow``)."""
+Params and updates are :class:`LookaheadParams` pairs; grads are taken at ``params.fast``."""
 
 from __future__ import annotations
 

@@ -60,7 +60,12 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     """
     a, b, c = (as_number(v) for v in coefficients)
     eps = as_number(eps)
-    if _takes_per_matrix_op(g, a, b, c, eps):  # each matrix under vmap as in its own run
+    wrappers = functorch_wrappers(g)
+    batched = "batched" in wrappers
+    # under vmap with nothing to differentiate (the op has no backward): each matrix as in its
+    # own run
+    if batched and "grad" not in wrappers and not g.requires_grad \
+            and not any(isinstance(v, Tensor) for v in (a, b, c, eps)):
         return newton_schulz_per_matrix(g, float(a), float(b), float(c), steps, float(eps))
     if isinstance(eps, Tensor):  # clamp reads a number min in the input's dtype: so does this
         eps = eps.to(torch.bfloat16)
@@ -74,7 +79,6 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
         # contiguous: oneDNN's batched GEMM of transposed matrices rounds differently
         x = (x / norms[:, None, None]).contiguous()
         matmul, addmatmul = torch.bmm, torch.baddbmm
-    batched = "batched" in functorch_wrappers(g)  # with tensor hyperparameters: no custom op
     if any(isinstance(v, Tensor) for v in (a, b, c)) or batched:
         # addmm takes number beta/alpha, and vmap splits it into a bfloat16 bmm, scale and
         # add, each rounded: bfloat16 products are exact in float32, summed there, rounded once
@@ -114,15 +118,6 @@ def _each_matrix(info, in_dims, g, a, b, c, steps, eps):
 
 
 newton_schulz_per_matrix.register_vmap(_each_matrix)
-
-
-def _takes_per_matrix_op(g: Tensor, *hyperparameters: object) -> bool:
-    """Whether ``g`` is batched by ``vmap`` with nothing to differentiate (the op has no
-    backward)."""
-    if g.requires_grad or any(isinstance(v, Tensor) for v in hyperparameters):
-        return False
-    wrappers = functorch_wrappers(g)
-    return "batched" in wrappers and "grad" not in wrappers
 
 
 # -- stacks of same-shape matrices -------------------------------------------------------------

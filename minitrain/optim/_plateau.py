@@ -1,11 +1,9 @@
-"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a gradient transformation fed the metric.
-
-``update(updates, state, params=None, *, value)`` takes ``value`` as torch's
-``scheduler.step(value)`` does (its ``step`` line for line, each ``if`` a ``torch.where``, so the
-update runs under ``vmap`` and ``torch.compile``), then scales ``updates`` by ``lr / initial lr``;
-``value=None`` (no new metric) scales by the current lr and keeps the state. Apply it after
-``scale_by_learning_rate``. A torch loop steps the scheduler after the optimizer: to take its
-steps, pass ``value=None`` on the first update and the previous metric after that.
+"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a gradient transformation fed the metric:
+``update(updates, state, params=None, *, value)`` steps it as ``scheduler.step(value)`` (each
+``if`` a ``torch.where``: it runs under ``vmap`` and ``torch.compile``) and scales ``updates`` by
+``lr / initial lr``; ``value=None`` keeps the state. Apply it after ``scale_by_learning_rate``;
+to take a torch loop's steps (scheduler after optimizer), pass ``value=None`` first and the
+previous metric after that.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim._checks import checked, floating_updates
+from minitrain.optim._schedule_math import _check_step
 from minitrain.optim.base import GradientTransformation
 from minitrain.tree import Params
 
@@ -71,7 +70,7 @@ def reduce_on_plateau(
     factor = checked("factor", factor, 0.0, 1.0, high_open=True)
     threshold, min_lr = checked("threshold", threshold, 0.0), checked("min_lr", min_lr, 0.0)
     eps = checked("eps", eps, 0.0)
-    patience, cooldown = _count("patience", patience), _count("cooldown", cooldown)
+    patience, cooldown = _check_step(patience, "patience"), _check_step(cooldown, "cooldown")
     worst = math.inf if mode == "min" else -math.inf  # torch _init_is_better: mode_worse
 
     def init(params: Params) -> ReduceLROnPlateauState:
@@ -89,21 +88,15 @@ def reduce_on_plateau(
                              f"the state returned by its init(params)")
         _tensor_leaves(updates, "updates")
         state = _coerced(state)
-        if value is None:  # no new metric: scale by the current lr
-            return _scaled(updates, state.lr / lr), state
-        current = _metric(value, state.best)
-        better = _is_better(current, state.best, mode, threshold_mode, threshold)
-        new_state = _step(state, current, better, patience, cooldown, factor, min_lr, eps)
-        return _scaled(updates, new_state.lr / lr), new_state
+        if value is not None:  # a new metric: torch's step
+            current = _metric(value, state.best)
+            better = _is_better(current, state.best, mode, threshold_mode, threshold)
+            state = _step(state, current, better, patience, cooldown, factor, min_lr, eps)
+        scale = state.lr / lr  # integer and bool updates promoted first, as int_tensor * 0.5
+        floating = floating_updates("reduce_on_plateau", updates)
+        return tree.map(lambda u: u * scale.to(u.dtype), floating), state
 
     return GradientTransformation(init, update)
-
-
-def _count(name: str, value: Any) -> int:
-    """``patience`` or ``cooldown`` as an int (a numpy integer too, as torch takes it)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"invalid {name}={value!r}: it must be an int >= 0")
-    return int(value)
 
 
 def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
@@ -116,26 +109,18 @@ def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
                      f"a tree of tensors (e.g. torch.tensor(2.0) for a number)")
 
 
-def _scaled(updates: Any, scale: Tensor) -> Any:
-    """``updates * scale`` leaf by leaf, integer and bool leaves promoted first (to the default
-    float dtype, as torch's ``int_tensor * 0.5``)."""
-    floating = floating_updates("reduce_on_plateau", updates)
-    return tree.map(lambda u: u * scale.to(u.dtype), floating)
-
-
 def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
     """``state`` (edited by hand, say) with each field a 0-d tensor of init's dtype (float64
     ``lr`` and ``best``, int64 counters) on the device of its first tensor field."""
     device = next((field.device for field in state if isinstance(field, Tensor)), None)
-    return ReduceLROnPlateauState(*(
-        _field(name, value, name in ("lr", "best"), device)
-        for name, value in zip(state._fields, state, strict=True)
-    ))
+    return ReduceLROnPlateauState(*(_field(name, value, device)
+                                    for name, value in zip(state._fields, state, strict=True)))
 
 
-def _field(name: str, value: Any, real: bool, device: torch.device | None) -> Tensor:
-    """One state field as a 0-d float64 (``real``) or int64 tensor, refused in one line when it
-    holds no such number."""
+def _field(name: str, value: Any, device: torch.device | None) -> Tensor:
+    """One state field as a 0-d tensor of init's dtype, refused in one line when it holds no
+    such number."""
+    real = name in ("lr", "best")
     dtype = torch.float64 if real else torch.int64
     if isinstance(value, Tensor):
         ok = value.numel() == 1 and value.dtype != torch.bool and not value.is_complex() and (
@@ -157,13 +142,18 @@ def _field(name: str, value: Any, real: bool, device: torch.device | None) -> Te
 def _metric(value: Any, like: Tensor) -> Tensor:
     """The metric as a float64 0-d tensor on the state's device: whatever torch's
     ``float(metrics)`` takes (a number, a 0-d array, a one-element tensor), detached."""
-    if isinstance(value, np.ndarray):
-        if value.ndim:
-            raise ValueError(f"reduce_on_plateau value is an array of shape {value.shape}; pass "
-                             "one number (e.g. the mean validation loss)")
-        value = value[()]
+    if isinstance(value, np.ndarray) and value.ndim or isinstance(value, Tensor) and \
+            value.numel() != 1:  # torch's float() takes a one-element tensor, a 0-d array
+        raise ValueError(f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one "
+                         "number (e.g. the mean validation loss)")
     if isinstance(value, Tensor):
-        return _tensor_metric(value).to(dtype=torch.float64, device=like.device)
+        if value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            raise ValueError(f"reduce_on_plateau value is a {value.dtype} tensor on "
+                             f"{value.device}; pass a real number")
+        value = value.to_dense() if value.layout != torch.strided else value
+        return value.detach().reshape(()).to(dtype=torch.float64, device=like.device)
+    if isinstance(value, np.ndarray):
+        value = value[()]
     if isinstance(value, bool) or not isinstance(value, numbers.Real | decimal.Decimal):
         raise ValueError(f"reduce_on_plateau value is {type(value).__name__}; pass a float or "
                          f"0-d tensor")
@@ -175,28 +165,13 @@ def _metric(value: Any, like: Tensor) -> Tensor:
     return torch.tensor(number, dtype=torch.float64, device=like.device)
 
 
-def _tensor_metric(value: Tensor) -> Tensor:
-    """A one-element real tensor metric, detached, 0-d and dense."""
-    if value.numel() != 1:
-        raise ValueError(f"reduce_on_plateau value has shape {tuple(value.shape)}; pass one "
-                         "number (e.g. the mean validation loss)")
-    if value.is_complex() or value.dtype == torch.bool or value.is_meta:
-        raise ValueError(f"reduce_on_plateau value is a {value.dtype} tensor on {value.device}; "
-                         "pass a real number")
-    if value.layout != torch.strided:
-        value = value.to_dense()
-    return value.detach().reshape(())
-
-
 def _is_better(a: Tensor, best: Tensor, mode: str, threshold_mode: str, threshold: Any) -> Tensor:
     """torch's ``ReduceLROnPlateau._is_better``."""
-    if mode == "min" and threshold_mode == "rel":
-        return a < best * (1.0 - threshold)
-    if mode == "min":
-        return a < best - threshold
     if threshold_mode == "rel":
-        return a > best * (threshold + 1.0)
-    return a > best + threshold
+        bound = best * (1.0 - threshold) if mode == "min" else best * (threshold + 1.0)
+    else:
+        bound = best - threshold if mode == "min" else best + threshold
+    return a < bound if mode == "min" else a > bound
 
 
 def _step(state: ReduceLROnPlateauState, current: Tensor, better: Tensor, patience: int,

@@ -29,11 +29,11 @@ def _tensor_friendly(formula: Callable[[Any], Any]) -> Schedule:
     return schedule
 
 
-def _check_step(step: Any) -> int:
-    """``step`` as an int: a schedule counts updates from 0 (``numbers.Integral``, not bool)."""
+def _check_step(step: Any, name: str = "step") -> int:
+    """``step`` as an int: a number of updates, from 0 (``numbers.Integral``, not bool)."""
     if isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0:
         return int(step)
-    raise ValueError(f"invalid step={step!r}: pass the number of updates done, an int >= 0")
+    raise ValueError(f"invalid {name}={step!r}: pass a number of updates, an int >= 0")
 
 
 def _check_step_dtype(step: Tensor) -> None:
@@ -95,11 +95,7 @@ def _check_count(name: str, value: Any, low: int) -> None:
 def _check_steps(name: str, values: Sequence[int]) -> list[int]:
     if isinstance(values, str | bytes | Tensor) or not isinstance(values, Iterable):
         raise ValueError(f"invalid {name}={values!r}: pass a list of ints >= 0")
-    values = list(values)
-    for value in values:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"invalid {name}={values!r}: each must be an int >= 0")
-    return [int(value) for value in values]
+    return [_check_step(value, name) for value in values]
 
 
 def _check_common(peak_value: float, warmup_steps: int, init_value: float) -> None:
