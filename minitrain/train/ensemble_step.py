@@ -135,11 +135,11 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
     """
     member_step = make_member_step(ensemble.template, backend)
     binding = ensemble.binding
+    fp8, keyed = fp8_recipe_of(backend) is not None, ensemble.template.uses_key
 
-    def bound_step(
-        params: Params, opt_state: OptState, batch: PyTree, values: dict[str, torch.Tensor],
-        history: Any, key: Any,
-    ) -> StepOutput:
+    def bound_step(params: Params, opt_state: OptState, batch: PyTree,
+                   values: dict[str, torch.Tensor], *extra: Any) -> StepOutput:
+        history, key = extra[0] if fp8 else None, extra[-1] if keyed else None
         with binding.bind(values):
             out = member_step(params, opt_state, batch, history, key)
         # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry),
@@ -147,27 +147,25 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
         history = () if out.carry is None else out.carry.fp8_history
         return out._replace(carry=history, applied=())
 
-    history_dim = None if fp8_recipe_of(backend) is None else 0
-    key_dim = 0 if ensemble.template.uses_key else None
-    vmapped = torch.func.vmap(bound_step, in_dims=(0, 0, 0, 0, history_dim, key_dim),
-                              randomness="different")
+    # in_dims=0 for every argument: vmap then broadcasts no in_dims tree over the inputs
+    vmapped = torch.func.vmap(bound_step, randomness="different")
     attention = _batchable_attention(backend)
 
     def ensemble_step(params: Params, opt_state: OptState, batch: PyTree,
                       hyperparameters: dict[str, torch.Tensor], diverged_at: torch.Tensor,
                       step_number: int, fp8_history: torch.Tensor | None = None,
                       keys: torch.Tensor | None = None) -> EnsembleStepOutput:
+        extra = [value for value, used in ((fp8_history, fp8), (keys, keyed)) if used]
         with attention(), _vmap_errors(step_number):
-            out = vmapped(params, opt_state, batch, hyperparameters, fp8_history, keys)
+            out = vmapped(params, opt_state, batch, hyperparameters, *extra)
         alive = diverged_at == 0
         healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
         diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
-        def keep(new: PyTree, old: PyTree) -> PyTree:
-            return _keep_where(healthy, new, old)
-
-        history = None if fp8_history is None else keep(out.carry, fp8_history)
-        return EnsembleStepOutput(keep(out.params, params), keep(out.opt_state, opt_state),
-                                  out.loss, out.grad_norm, out.aux, diverged_at, history)
+        kept = _keep_where(healthy, (out.params, out.opt_state, out.carry if fp8 else ()),
+                           (params, opt_state, fp8_history if fp8 else ()))
+        new_params, new_state, history = kept
+        return EnsembleStepOutput(new_params, new_state, out.loss, out.grad_norm, out.aux,
+                                  diverged_at, history if fp8 else None)
 
     return ensemble_step
 
@@ -218,15 +216,14 @@ def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractCo
 
 def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """Leaf by leaf: member k's new value where ``healthy[k]``, else its old value."""
-
-    def choose(new_leaf: Any, old_leaf: Any) -> Any:
-        if not isinstance(new_leaf, torch.Tensor):
-            return new_leaf
-        mask = healthy.view(-1, *([1] * (new_leaf.dim() - 1)))
-        return torch.where(mask, new_leaf, old_leaf)
-
     # The step returns trees shaped like its inputs, so no structure check is needed here.
-    return _pytree.tree_map(choose, new, old)
+    flat, spec = _pytree.tree_flatten(new)
+    kept = [
+        torch.where(healthy.view(-1, *([1] * (a.dim() - 1))), a, b)
+        if isinstance(a, torch.Tensor) else a
+        for a, b in zip(flat, _pytree.tree_leaves(old), strict=True)
+    ]
+    return _pytree.tree_unflatten(kept, spec)
 
 
 def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,

@@ -225,7 +225,7 @@ class SweepRun:
             member_batches = draw_batches(ensemble.experiments, self.data_generators)
         if self.examples is None:
             self.examples = batch_examples(member_batches[0])
-        batch = self.backend.to_device(_stacked(member_batches, "batches"))
+        batch = self.backend.to_device(_stacked_batches(member_batches))
         self.keys = self._keys(step)
         with first_step_mistakes(self._steps_taken == 0), \
                 script_call("the train step (loss)", step), self._single_run_errors(batch):
@@ -353,6 +353,23 @@ def _checks(steps_taken: int) -> bool:
     [1, 2, 3, 4, 5, 8, 16, 32]
     """
     return steps_taken <= CHECKED_STEPS or steps_taken & (steps_taken - 1) == 0
+
+
+def _stacked_batches(batches: list[PyTree]) -> PyTree:
+    """The members' batches stacked; a draw that members share is flattened once."""
+    drawn = {id(batch): _pytree.tree_flatten(batch) for batch in batches}
+    first, spec = drawn[id(batches[0])]
+    if all(other == spec and all(_alike(a, b) for a, b in zip(flat, first, strict=True))
+           for flat, other in drawn.values()):
+        columns = zip(*(drawn[id(batch)][0] for batch in batches), strict=True)
+        return _pytree.tree_unflatten([torch.stack(column) for column in columns], spec)
+    return _stacked(batches, "batches")  # says what differs
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Whether ``torch.stack`` stacks ``a`` and ``b`` as :func:`~minitrain.tree.stack` does."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def _stacked(trees: list[PyTree], what: str) -> PyTree:
