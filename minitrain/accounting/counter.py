@@ -15,6 +15,7 @@ zero. Bytes: inputs read and outputs written; views move nothing. Memory: :mod:`
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -256,30 +257,22 @@ class Counter:
     backward_start_live_bytes: int | None = None
     record_timeline: bool = False
     ledger: Ledger = field(default_factory=Ledger, repr=False)
-    _hooks: Any = field(default=None, repr=False)
     _phase: str = field(default="forward", repr=False)
     _tracker: ModuleTracker | None = field(default=None, repr=False)
-    _mode: _Mode | None = field(default=None, repr=False)
+    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def __enter__(self) -> Counter:
+        if self.record_timeline and not self.track_memory:
+            raise ValueError("record_timeline needs track_memory=True")
         if self.record_timeline:
-            if not self.track_memory:
-                raise ValueError("record_timeline needs track_memory=True")
-            self._hooks = saved_tensor_hooks_inside(self._pack, lambda t: t)
-            self._hooks.__enter__()
-        self._tracker = ModuleTracker()
-        self._tracker.__enter__()
-        self._mode = _Mode(self)
-        self._mode.__enter__()
+            self._stack.enter_context(saved_tensor_hooks_inside(self._pack, lambda t: t))
+        self._tracker = self._stack.enter_context(ModuleTracker())
+        self._stack.enter_context(_Mode(self))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self._mode is not None and self._tracker is not None, "exit without enter"
-        self._mode.__exit__(*exc)
-        self._tracker.__exit__(*exc)
-        if self._hooks is not None:
-            self._hooks.__exit__(*exc)
-        self._mode = self._tracker = self._hooks = None
+        self._stack.__exit__(*exc)
+        self._tracker = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.ledger.saved(t, self._phase)

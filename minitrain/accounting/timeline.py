@@ -1,11 +1,10 @@
 """Live memory over one step, by category: the ledger of every storage's life.
 
-A :class:`Ledger` (``Counter``'s, also over ``predict_step``'s fake tensors) counts each
-storage from the first op that makes or reads it to the death of its last reference; its event
-log is replayed at the end, when it is known what was saved and what became grads. A
-storage's category: the one given (``Counter.track``, ``categorize``); ``activations`` if saved
-for backward (by a pack hook, else made by the forward pass and alive when the backward
-starts); maybe ``grads`` (:meth:`Ledger.replay`); else ``temporaries``.
+A :class:`Ledger` counts each storage from the first op that makes or reads it to the death of
+its last reference, and replays its event log at the end. A storage's category: the one given
+(``Counter.track``, ``categorize``); ``activations`` if saved for backward (by a pack hook, else
+made by the forward pass and alive when the backward starts); maybe ``grads``; else
+``temporaries``.
 
 >>> import torch, minitrain as mt
 >>> from minitrain.accounting import Counter
@@ -35,9 +34,8 @@ from minitrain.errors import UserError
 __all__ = ["CATEGORIES", "Allocation", "Ledger", "Replay", "Timeline", "innermost",
            "timeline_summary"]
 
-CATEGORIES = (
-    "params", "grads", "optimizer_state", "batch", "buffers", "activations", "temporaries",
-)
+CATEGORIES = ("params", "grads", "optimizer_state", "batch", "buffers", "activations",
+              "temporaries")
 # (op_index, phase, {category: live bytes}) after each op, categories with no bytes left out.
 Timeline = list[tuple[int, str, dict[str, int]]]
 _OP = -1  # an event "op number i has run": a point of the timeline
@@ -76,13 +74,6 @@ class Replay:
     largest: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under ``torch.func``'s wrappers (the one a dispatch mode sees)."""
-    while _torch.is_functorch_wrapped_tensor(t):
-        t = _torch.get_unwrapped(t)
-    return t
-
-
 class Ledger:
     """Live storages and their event log (see the module docstring). ``fake``: count meta and
     fake storages (a prediction); ``inputs``: the category of a storage first met as an op's
@@ -102,7 +93,8 @@ class Ledger:
     def _storage(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return None
-        t = _plain(t)
+        while _torch.is_functorch_wrapped_tensor(t):  # the tensor a dispatch mode sees
+            t = _torch.get_unwrapped(t)
         if t.layout != torch.strided or (t.is_meta and not self.fake):
             return None
         try:
