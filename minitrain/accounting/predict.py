@@ -84,12 +84,9 @@ def fake_mode() -> FakeTensorMode:
 
 
 def _is_spec(x: Any) -> bool:
-    if isinstance(x, TensorSpec):
-        return True
-    return (
+    return isinstance(x, TensorSpec) or (
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
-        and isinstance(x[0], tuple | list | torch.Size)
-        and all(isinstance(n, int) for n in x[0])
+        and isinstance(x[0], tuple | list | torch.Size) and all(isinstance(n, int) for n in x[0])
     )
 
 
@@ -123,6 +120,9 @@ def _meta_twin(counter: Counter, tree: Any) -> Any:
         tree)
     counter.ledger.alias(twin, tree)
     return twin
+
+
+_lookup = hardware  # predict_step's own ``hardware`` argument hides the function
 
 
 def _start(hardware: str | Hardware, trees: tuple[Any, ...]
@@ -374,53 +374,33 @@ def _update(counter: Counter, optimizer: Any, params: Any, box: list[Any], state
     return new_params, new_state, norm
 
 
-_lookup = hardware  # predict_step's own ``hardware`` argument hides the function
-
-
 def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[str, int],
                 end: dict[str, int], top_saved: int) -> StepPrediction:
     ledger = counter.ledger
     ledger.close()
     result = ledger.replay()
     seconds, per_op, main_dtype, mfu = step_time(counter, spec, dtype)
-    saved = sorted(
-        (a for a in ledger.allocations if a.saved), key=lambda a: (-a.nbytes, a.index)
-    )
+    saved = sorted((a for a in ledger.allocations if a.saved), key=lambda a: (-a.nbytes, a.index))
     by_module: dict[str, int] = defaultdict(int)
     for allocation in saved:
         by_module[allocation.module] += allocation.nbytes
-    peak_name, peak_phase, peak_module = (
-        ledger.ops[result.peak_op] if result.peak_op >= 0 else ("", "input", "Global")
-    )
+    peak_name, peak_phase, peak_module = (ledger.ops[result.peak_op] if result.peak_op >= 0
+                                          else ("", "input", "Global"))
     return StepPrediction(
-        peak_bytes=result.peak_bytes,
-        peak_phase=peak_phase,
-        peak_op=peak_name,
+        peak_bytes=result.peak_bytes, peak_phase=peak_phase, peak_op=peak_name,
         peak_module=peak_module,
-        memory={
-            "at_peak": result.at_peak,
-            "persistent": persistent,
-            "saved_for_backward": sum(a.nbytes for a in saved),
-            "largest": {k: v for k, v in result.largest.items() if v},
-            "end": end,
-        },
+        memory={"at_peak": result.at_peak, "persistent": persistent,
+                "saved_for_backward": sum(a.nbytes for a in saved),
+                "largest": {k: v for k, v in result.largest.items() if v}, "end": end},
         saved=[SavedTensor(a.nbytes, a.shape, a.dtype, a.module, a.op)
                for a in saved[:top_saved]],
         saved_by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
-        timeline=result.timeline,
-        flops=counter.flops,
-        matmul_flops=counter.matmul_flops,
-        bytes=counter.bytes_read + counter.bytes_written,
-        bytes_read=counter.bytes_read,
-        bytes_written=counter.bytes_written,
-        per_op=per_op,
+        timeline=result.timeline, flops=counter.flops, matmul_flops=counter.matmul_flops,
+        bytes=counter.bytes_read + counter.bytes_written, bytes_read=counter.bytes_read,
+        bytes_written=counter.bytes_written, per_op=per_op,
         per_module={name: {"calls": t.calls, "flops": t.flops,
                            "bytes": t.bytes_read + t.bytes_written}
                     for name, t in counter.by_module.items()},
-        unknown_ops=dict(counter.unknown),
-        hardware=spec.name,
-        dtype=main_dtype,
-        seconds_per_step=seconds,
-        mfu_bound=mfu,
-        fits=result.peak_bytes <= spec.memory_bytes,
+        unknown_ops=dict(counter.unknown), hardware=spec.name, dtype=main_dtype,
+        seconds_per_step=seconds, mfu_bound=mfu, fits=result.peak_bytes <= spec.memory_bytes,
     )

@@ -14,9 +14,10 @@ import torch
 
 from minitrain.accounting.counter import Counter
 from minitrain.accounting.memory import state_bytes
+from minitrain.accounting.op_formulas import tensors
 from minitrain.accounting.predict import PredictionError, predict_call, predict_step
 from minitrain.accounting.units import si
-from minitrain.tree import leaves, nbytes, size
+from minitrain.tree import nbytes, size
 
 __all__ = ["format_report", "predicted_peak_bytes", "resource_report"]
 
@@ -51,14 +52,12 @@ def resource_report(
 ) -> dict[str, Any]:
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
-    ``step`` (pure, uncompiled) runs once more here. The prediction is
-    :func:`~minitrain.accounting.predict_step` with ``loss_fn`` and an ``mt.optim``
-    optimizer (its other arguments as it takes them), else the whole ``step`` traced
-    (:func:`~minitrain.accounting.predict.predict_call`), else, for a step that needs data,
-    :func:`predicted_peak_bytes` (an ``optimizer`` by name, ``activation_bytes``).
-    ``examples_per_step`` is ``B`` of the ``6·B·P`` rule (default: the batch's leading dim);
-    ``peak_flops``, ``step_seconds``, ``steps_total`` and ``steps_done`` give MFU and the time
-    to finish. Returns a JSON-serializable dict.
+    ``step`` (pure, uncompiled) runs once more here. The prediction is :func:`predict_step`
+    given ``loss_fn`` and an ``mt.optim`` optimizer, else :func:`predict_call` of the whole
+    step, else, for a step that needs data, :func:`predicted_peak_bytes` (``optimizer`` by
+    name, ``activation_bytes``). ``examples_per_step`` is ``B`` of the ``6·B·P`` rule (default:
+    the batch's leading dim); ``peak_flops`` and the step counts give MFU and the time to
+    finish. Returns a JSON-serializable dict.
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.zeros(8, 4)}
@@ -109,15 +108,12 @@ def resource_report(
 
 
 def _first_dim(batch: Any) -> int:
-    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
-    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+    leaves = tensors(batch)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 1
 
 
 def _cuda_device(tree: Any) -> torch.device | None:
-    for leaf in leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device
-    return None
+    return next((t.device for t in tensors(tree) if t.is_cuda), None)
 
 
 def _measure(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
