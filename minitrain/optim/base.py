@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     WeightDecayMask,
     check_grads,
@@ -28,7 +29,13 @@ from minitrain.optim._checks import (
     floating_updates,
     tensor_leaves,
 )
-from minitrain.optim.kernels.checks import check_storages, donatable, naming_bad_grads
+from minitrain.optim.kernels.checks import (
+    check_storages,
+    donatable,
+    grad_leaf_error,
+    naming_bad_grads,
+    storage_holds,
+)
 from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
 
@@ -141,20 +148,28 @@ def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:
 def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientTransformation:
     """``tx`` with ``(name, arguments)`` attached to its update (see :func:`spec`), refusing
     leaves that are no tensors, promoting integer updates and naming a sparse grad."""
-    inner = naming_bad_grads(tx.update)
 
-    @functools.wraps(inner)
+    def params_checked(updates, state, params=None, **extra):  # what chain calls: it checked
+        updates = floating_updates(name, updates, params)
+        try:
+            return tx.update(updates, state, params, **extra)
+        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
+            if (named := grad_leaf_error(updates)) is not None:  # a None or sparse grad
+                raise named from None
+            raise
+
+    @functools.wraps(tx.update)
     def update(updates, state, params=None, **extra):
         if params is not None:
             tensor_leaves(name, params, "param")
-        return inner(floating_updates(name, updates, params), state, params, **extra)
+        return params_checked(updates, state, params, **extra)
 
-    @functools.wraps(tx.init)
     def init(params):
         tensor_leaves(name, params, "param")
         return tx.init(params)
 
     update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
+    update.params_checked = params_checked  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 
@@ -257,6 +272,8 @@ def chain(*transforms: Any) -> GradientTransformation:
     """
     for index, tx in enumerate(transforms):
         check_transformation(tx, f"chain argument {index}")
+    # The chain's own check of params holds for each transformation it runs.
+    steps = [getattr(tx.update, "params_checked", tx.update) for tx in transforms]
 
     def init(params):
         return tuple(tx.init(params) for tx in transforms)
@@ -268,12 +285,11 @@ def chain(*transforms: Any) -> GradientTransformation:
                              f"init(params)")
         check_extra_args("chain", update, extra)
         new_state = []
-        for tx, inner in zip(transforms, state, strict=True):
-            updates, inner = tx.update(updates, inner, params, **select_extra_args(tx, extra))
+        for tx, inner, step in zip(transforms, state, steps, strict=True):
+            updates, inner = step(updates, inner, params, **select_extra_args(tx, extra))
             new_state.append(inner)
         return updates, tuple(new_state)
 
-    update = naming_bad_grads(update)
     forwards_extra_args(update, transforms)
     return tagged("chain", GradientTransformation(init, update), transforms=transforms)
 
@@ -285,11 +301,20 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
     {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
     """
-    tensor_leaves("apply_updates", params, "param")
-    tensor_leaves("apply_updates", updates, "updates leaf")
-    tree.assert_same_structure(params, updates, names=("params", "updates"), check_shapes=True)
-    return tree.map(lambda p, u: p + u if p.dtype == u.dtype else (p + u).to(p.dtype), params,
-                    updates)
+    leaves, treespec = _pytree.tree_flatten(params)
+    u_leaves, u_treespec = _pytree.tree_flatten(updates)
+    if u_treespec != treespec or not all(
+            isinstance(p, Tensor) and isinstance(u, Tensor) and p.shape == u.shape
+            for p, u in zip(leaves, u_leaves, strict=True)):  # the first mismatch, named
+        tensor_leaves("apply_updates", params, "param")
+        tensor_leaves("apply_updates", updates, "updates leaf")
+        tree.assert_same_structure(params, updates, names=("params", "updates"),
+                                   check_shapes=True)
+    return _pytree.tree_unflatten([p + u if p.dtype == u.dtype else (p + u).to(p.dtype)
+                                   for p, u in zip(leaves, u_leaves, strict=True)], treespec)
+
+
+_PLAIN = (float, Tensor, torch.nn.Parameter)
 
 
 def _writable(tensors: list) -> bool:
@@ -301,20 +326,34 @@ def _writable(tensors: list) -> bool:
     return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
-def _read_hyperparameters(found: Any) -> None:
-    """Read every hyperparameter of a spec whose reading runs the caller's code (a ``float``
+def _hostile(found: Any) -> list[Any]:
+    """The hyperparameters of a spec whose reading runs the caller's code (a ``float``
     subclass's ``__float__``, a tensor subclass's torch function)."""
     if isinstance(found, GradientTransformation):
         found = spec(found)
     if isinstance(found, dict):
         found = list(found.values())
     if isinstance(found, tuple | list):
-        for value in found:
-            _read_hyperparameters(value)
-    elif isinstance(found, float) and type(found) is not float:
-        float(found)
-    elif isinstance(found, Tensor) and type(found) not in (Tensor, torch.nn.Parameter):
-        found.detach()
+        return [value for inner in found for value in _hostile(inner)]
+    return [found] if _runs_code(found) else []
+
+
+def _runs_code(value: Any) -> bool:
+    return type(value) not in _PLAIN and isinstance(value, float | Tensor)
+
+
+def _check_strict(hostile: list[Any], grads: Grads, params: Params, state: OptState) -> None:
+    """The aliases' checks before an update: grads like params, then (after reading the
+    ``hostile`` hyperparameters and the state's, which run the caller's code) every plain
+    tensor's storage holding it; one pass over the leaves, the paths only to name a fault."""
+    grad_leaves = check_grads(grads, params)
+    state_leaves = _pytree.tree_leaves(state)
+    for value in [*hostile, *(leaf for leaf in state_leaves if _runs_code(leaf))]:
+        float(value) if isinstance(value, float) else value.detach()
+    wrapped = _torch.is_functorch_wrapped_tensor
+    if not all(type(t) not in (Tensor, torch.nn.Parameter) or wrapped(t) or storage_holds(t)
+               for t in (*_pytree.tree_leaves(params), *grad_leaves, *state_leaves)):
+        check_storages((("param", params), ("grad", grads), ("state", state)))
 
 
 def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimizer:
@@ -331,6 +370,7 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
     """
     check_transformation(tx, "as_optimizer's argument")
     lowered = lower(tx)
+    hostile = _hostile(tx)
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
@@ -343,23 +383,21 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             if result is not None:
                 return result
         if strict and not torch.compiler.is_compiling():  # traced: checked when it was eager
-            check_grads(grads, params)
-            _read_hyperparameters((spec(tx), state))  # the caller's code, before the check
-            check_storages((("param", params), ("grad", grads), ("state", state)))
+            _check_strict(hostile, grads, params, state)
         try:
             updates, state = tx.update(grads, state, params, **extra)
         except ValueError:
             check_grads(grads, params)  # names the first grad unlike its param, where one is
             raise
-        leaves = tree.leaves(params)
-        u_leaves = tree.leaves(updates)
-        if donate and _writable([*leaves, *u_leaves]) and len(u_leaves) == len(leaves) and all(
-                u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)) and \
-                donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
-            with torch.no_grad():
-                _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
-                    u_leaves, leaves, strict=True)])
-            return params, state
+        if donate:
+            leaves, u_leaves = tree.leaves(params), tree.leaves(updates)
+            if _writable([*leaves, *u_leaves]) and len(u_leaves) == len(leaves) and all(
+                    u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)) and \
+                    donatable(leaves, [*u_leaves, *tree.leaves(state)], []):
+                with torch.no_grad():
+                    _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
+                        u_leaves, leaves, strict=True)])
+                return params, state
         return apply_updates(params, updates), state
 
     def init(params: Params) -> OptState:

@@ -184,19 +184,23 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
                 f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "
                 f"pass {what} for the same params (create the state with init(params))")
         raise ValueError(f"{what} and the updates differ in structure; pass matching pytrees")
-    for (path, _), leaf, g in zip(_pytree.tree_flatten_with_path(value)[0], leaves, g_leaves,
-                                  strict=True):
-        if isinstance(leaf, Tensor) and leaf.shape != g.shape:
+    for index, (leaf, g) in enumerate(zip(leaves, g_leaves, strict=True)):
+        if not isinstance(leaf, Tensor):
+            continue
+        if leaf.shape != g.shape:
             raise ValueError(
-                f"{what} leaf {tree._path_name(path)!r} has shape {tuple(leaf.shape)} but its "
-                f"update has {tuple(g.shape)}; create the state with init(params)")
-        if same_dtype and isinstance(leaf, Tensor) and isinstance(g, Tensor) and \
-                leaf.dtype != g.dtype:
+                f"{what} leaf {_leaf_name(value, index)!r} has shape {tuple(leaf.shape)} but "
+                f"its update has {tuple(g.shape)}; create the state with init(params)")
+        if same_dtype and isinstance(g, Tensor) and leaf.dtype != g.dtype:
             raise ValueError(
-                f"{what} leaf {tree._path_name(path)!r} is {leaf.dtype} but its update is "
+                f"{what} leaf {_leaf_name(value, index)!r} is {leaf.dtype} but its update is "
                 f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
                 f"create the state with init(params) for params of the updates' dtype")
     return leaves
+
+
+def _leaf_name(value: Any, index: int) -> str:
+    return tree.named_leaves(value)[index][0]
 
 
 def _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     WeightDecayMask,
     adam_corrections,
@@ -72,11 +73,11 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
 def _map(fn, updates, hyperparameters=()):
     """``fn(leaves, True)`` once over all leaves with foreach kernels when they take the batched
     path (:func:`use_plain_path`), else ``fn(leaf, False)`` per leaf."""
-    leaves = tree.leaves(updates)
+    leaves, treespec = _pytree.tree_flatten(updates)
     if leaves and not use_plain_path(leaves, hyperparameters):
         with torch.no_grad():
-            return tree.unflatten(tree.structure(updates), list(fn(leaves, True)))
-    return tree.map(lambda u: fn(u, False), updates)
+            return _pytree.tree_unflatten(list(fn(leaves, True)), treespec)
+    return _pytree.tree_unflatten([fn(u, False) for u in leaves], treespec)
 
 
 ScaleState = EmptyState
@@ -171,7 +172,8 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root, correct
     torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2));
     optax's ``eps_root`` inside the root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
     exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
-    exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g)
+    exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g) if isinstance(
+        beta2, Tensor) else torch.addcmul(buffers["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": ()}
     second = exp_avg_sq
     if amsgrad:
