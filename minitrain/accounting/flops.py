@@ -16,6 +16,7 @@ import math
 
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
+from minitrain.accounting.memory import cruncher_params
 from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
@@ -40,12 +41,8 @@ def training_flops(params: Number, tokens: Number) -> float:
     return 6.0 * params * tokens
 
 
-def effective_throughput(
-    hardware: str | Hardware | Number = "h100",
-    gpus: int = 1,
-    mfu: Number = 0.5,
-    dtype: str = "bf16",
-) -> float:
+def effective_throughput(hardware: str | Hardware | Number = "h100", gpus: int = 1,
+                         mfu: Number = 0.5, dtype: str = "bf16") -> float:
     """FLOP/s actually delivered: ``peak × gpus × mfu`` (dense peak; never the sparse one).
 
     ``hardware`` is a registry name, a :class:`Hardware`, or a per-device peak in FLOP/s.
@@ -64,13 +61,8 @@ def effective_throughput(
     return peak * gpus * mfu
 
 
-def training_time(
-    flops: Number,
-    hardware: str | Hardware | Number = "h100",
-    gpus: int = 1,
-    mfu: Number = 0.5,
-    dtype: str = "bf16",
-) -> float:
+def training_time(flops: Number, hardware: str | Hardware | Number = "h100", gpus: int = 1,
+                  mfu: Number = 0.5, dtype: str = "bf16") -> float:
     """Seconds to do ``flops`` of work: ``flops / (peak × gpus × mfu)`` (chapter 3.1.1).
 
     >>> days = training_time(6.3e24, hardware="h100", gpus=1024, mfu=0.5) / 86_400
@@ -92,12 +84,10 @@ def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = 
     >>> cruncher_flops(batch=4, dim=8, num_layers=2), 6 * 4 * (2 * 8 * 8 + 8)
     (2752, 3264)
     """
-    for name, value in (("batch", batch), ("dim", dim)):
-        if value < 1:
-            raise UserError(f"{name} must be >= 1, got {value}")
-    if num_layers < 0:
-        raise UserError(f"num_layers must be >= 0, got {num_layers}")
-    params = dim * dim * num_layers + dim
+    for name, value, least in (("batch", batch, 1), ("dim", dim, 1), ("num_layers", num_layers, 0)):
+        if value < least:
+            raise UserError(f"{name} must be >= {least}, got {value}")
+    params = cruncher_params(dim, num_layers)
     first_layer = dim * dim if num_layers else dim
     skipped = 0 if input_grad else 2 * batch * first_layer
     return 6 * batch * params - skipped
@@ -138,8 +128,8 @@ def optimizer_flops_per_element(
     """
     key = optimizer.strip().lower()
     if key not in FUSED_OPTIMIZERS:
-        choices = ", ".join(FUSED_OPTIMIZERS)
-        raise UserError(f"no fused-kernel formula for {optimizer!r}; choose one of {choices}")
+        raise UserError(f"no fused-kernel formula for {optimizer!r}; choose one of "
+                        f"{', '.join(FUSED_OPTIMIZERS)}")
     common = bool(maximize) + (weight_decay != 0) + bool(grad_scale)
     if key == "sgd":
         with_momentum = momentum != 0

@@ -45,15 +45,9 @@ def _save(plt: Any, fig: Any, path: str, **layout: Any) -> str:
 # -- the roofline -------------------------------------------------------------------------------
 
 
-def plot(
-    roofs: Sequence[Roof],
-    placements: Iterable[Placement],
-    path: str,
-    *,
-    title: str = "Roofline",
-    measured: Iterable[tuple[str, float, float]] = (),
-    label_top: int | None = None,
-) -> str:
+def plot(roofs: Sequence[Roof], placements: Iterable[Placement], path: str, *,
+         title: str = "Roofline", measured: Iterable[tuple[str, float, float]] = (),
+         label_top: int | None = None) -> str:
     """Draw the log-log roofline of each roof, mark ridge points and place the ops; save PNG.
 
     Ops sit on the first roof (red: memory-bound, green: compute-bound); ops with no FLOPs
