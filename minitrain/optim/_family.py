@@ -252,7 +252,8 @@ class ScaleByNadamState(NamedTuple):
 
 
 def nadam_leaf(g, buffers, p, step, beta1, beta2, eps, grad_coef, avg_coef):
-    """torch's ``_single_tensor_nadam`` (Dozat 2016): ``(c_g g + c_m m) / (sqrt(v_hat) + eps)``."""
+    """torch's ``_single_tensor_nadam`` (Dozat 2016): ``(grad_coef g + avg_coef m) /
+    (sqrt(v_hat) + eps)``."""
     exp_avg = first_moment(buffers["exp_avg"], g, beta1)
     exp_avg_sq = second_moment(buffers["exp_avg_sq"], g, beta2)
     # sqrt(v / bc2) + eps = (sqrt(v) + eps sqrt(bc2)) / sqrt(bc2): a pass less over v

@@ -259,8 +259,8 @@ def scale_by_schedule_free_adamw(
     >>> updates, state.z
     ([tensor([-0.1000,  0.1000])], [tensor([0.9000, 1.1000])])
     """
-    lr = _no_schedule(lr, "schedule-free AdamW needs no schedule; pass a number (and "
-                          "warmup_steps for a warmup)")
+    base_lr = _no_schedule(lr, "schedule-free AdamW needs no schedule; pass a number (and "
+                               "warmup_steps for a warmup)")
     beta1, beta2 = check_pair("betas", betas)
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, low_open=True, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
@@ -273,7 +273,7 @@ def scale_by_schedule_free_adamw(
         """The reference's per-step scalars: the warmed-up lr, the bias correction and
         ``ckp1``, this iterate's weight in the average ``x``."""
         warmup = step / max(warmup_steps, 1)
-        lr_t = lr_value * (warmup.clamp(max=1.0) if isinstance(warmup, Tensor)
+        lr_t = base_lr * (warmup.clamp(max=1.0) if isinstance(warmup, Tensor)
                            else min(warmup, 1.0))
         if isinstance(lr_t, Tensor) or isinstance(lr_max, Tensor):
             device = (lr_t if isinstance(lr_t, Tensor) else lr_max).device
@@ -294,7 +294,6 @@ def scale_by_schedule_free_adamw(
     def f64(value: Any) -> Any:
         return lambda: host_tensor(value, torch.float64).clone()
 
-    lr_value = lr
     return family(
         "scale_by_schedule_free_adamw", ScheduleFreeAdamwState, schedule_free_leaf,
         dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
@@ -302,8 +301,8 @@ def scale_by_schedule_free_adamw(
         init_leaf=lambda p: {"z": p.clone(memory_format=torch.preserve_format),
                              "exp_avg_sq": zeros(p)},
         scalars={"b1": f64(beta1), "weight_sum": f64(0.0), "lr_max": f64(-1.0),
-                 "lr": lambda: f32_tensor(lr / warmup_steps if warmup_steps else lr)},
-        advance=advance, needs_params=True, state_hyperparams=(lr, r, weight_lr_power))
+                 "lr": lambda: f32_tensor(base_lr / warmup_steps if warmup_steps else base_lr)},
+        advance=advance, needs_params=True, state_hyperparams=(base_lr, r, weight_lr_power))
 
 
 def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
