@@ -54,8 +54,7 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 
 
 def write_new_file(path: str | os.PathLike, data: bytes) -> None:
-    """Create ``path`` (it must not exist), write all of ``data`` (short writes retried), fsync it.
-    """
+    """Create ``path`` (it must not exist), write all of ``data`` and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(data)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minitrain.errors import DistributedError, ShardError
+from minitrain.atomic_io import write_atomic
+from minitrain.errors import DistributedError, ShardError, StorageError
 from minitrain.tree import PyTree, leaves, nbytes, structure, unflatten
 
 __all__ = [
@@ -61,19 +62,16 @@ def leave_report(kind: str, text: str, rank: int | None = None) -> bool:
     rank = str(os.environ.get("RANK", "") if rank is None else rank)
     if not folder or not rank.isdigit():
         return False
-    staging = Path(folder) / f".{kind}-{rank}.{os.getpid()}.tmp"
     try:
-        staging.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
-        staging.replace(Path(folder) / f"{kind}-{rank}")
-    except OSError:
+        write_atomic(Path(folder) / f"{kind}-{rank}", text.rstrip("\n") + "\n")
+    except StorageError:
         return False
     return True
 
 
 def timeout_seconds(environ: dict[str, str] | None = None) -> float:
     """Seconds a collective waits for the other ranks: ``MINITRAIN_DIST_TIMEOUT`` or 120."""
-    environ = os.environ if environ is None else environ
-    text = environ.get(TIMEOUT_ENV, "")
+    text = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "")
     if not text:
         return DEFAULT_TIMEOUT_S
     try:

@@ -80,8 +80,7 @@ def _refuse_constant(name: str) -> Any:
 
 
 def truncate_metrics(path: str | os.PathLike, step: int) -> int:
-    """Atomically drop the records after ``step`` (and any unfinished line); return how many stay.
-    """
+    """Atomically drop the records after ``step`` and any torn line; return how many stay."""
     path = _metrics_path(path)
     if not path.exists():
         return 0

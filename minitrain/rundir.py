@@ -44,8 +44,7 @@ class RunOwner:
     """The held lock of one run directory; :meth:`release` (or process exit) frees it."""
 
     def __init__(self, path: Path, fd: int | None) -> None:
-        self.path, self.pid = path, os.getpid()
-        self._fd = fd
+        self.path, self.pid, self._fd = path, os.getpid(), fd
         try:  # the directory itself, which a descriptor follows through a rename
             self._dir_fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError:
@@ -53,11 +52,8 @@ class RunOwner:
         self._identity = _identity(self._dir_fd if self._dir_fd is not None else path)
 
     def gone(self) -> Gone | None:
-        """None while ``path`` is still the directory this run claimed, with its lock file;
-        else what became of it. Two ``stat`` calls: cheap enough for every metrics write.
-
-        Raises :class:`UserError` in another process than the owner's (a forked child of the
-        script): only the process that owns the run writes to it."""
+        """None while ``path`` is still the claimed directory with its lock file, else what
+        became of it (two ``stat`` calls). A forked child calling it is a :class:`UserError`."""
         if os.getpid() != self.pid:
             raise UserError(
                 f"process {os.getpid()} (forked from the run, pid {self.pid}) tried to write to "
@@ -77,8 +73,7 @@ class RunOwner:
         return Gone("moved", moved_to) if moved_to is not None else Gone("removed")
 
     def _moved_to(self) -> Path | None:
-        """Where the claimed directory lives now, if it still exists and the OS can say (Linux's
-        ``/proc/self/fd``); None when it was deleted or cannot be found."""
+        """Where the claimed directory lives now (Linux's ``/proc/self/fd``), else None."""
         if self._dir_fd is None or _links(self._dir_fd) == 0:
             return None
         try:
@@ -100,8 +95,7 @@ class RunOwner:
 
 
 def _identity(where: int | str | Path, strict: bool = False) -> tuple[int, int] | None:
-    """``(device, inode)`` of a path or descriptor; None if it cannot be read (``strict``:
-    raise)."""
+    """``(device, inode)`` of a path or descriptor; None (``strict``: raise) if unreadable."""
     try:
         st = os.stat(where)
     except OSError:
@@ -126,8 +120,7 @@ def held() -> list[Path]:
 
 def holds_a_run(path: Path) -> bool:
     """Whether ``path`` holds metrics or checkpoints of an earlier run."""
-    checkpoints = path / "checkpoints"
-    metrics = path / "metrics.jsonl"
+    checkpoints, metrics = path / "checkpoints", path / "metrics.jsonl"
     try:
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
             return True
