@@ -63,12 +63,8 @@ def linear(
 ) -> Float[Tensor, "*batch out_dim"]:
     """``x @ weight``.
 
-    >>> p = {"weight": torch.ones(3, 2)}
-    >>> linear(p, torch.ones(4, 3))
-    tensor([[3., 3.],
-            [3., 3.],
-            [3., 3.],
-            [3., 3.]])
+    >>> linear({"weight": torch.ones(3, 2)}, torch.ones(4, 3))[0]
+    tensor([3., 3.])
     """
     return _matmul(x, params["weight"])
 

@@ -201,12 +201,11 @@ def attention(
 ) -> Float[Tensor, "*batch seq embd"]:
     """Multi-head causal self-attention (Vaswani et al. 2017), nanoGPT's ``CausalSelfAttention``.
 
-    ``impl="sdpa"`` runs ``F.scaled_dot_product_attention`` (a fused kernel where one applies;
-    ``torch.nn.attention.sdpa_kernel`` chooses); ``"math"`` writes ``softmax(QKᵀ/√d + mask) V``
-    out in plain ops, which every ``torch.func`` transform differentiates and batches (the CPU
-    flash kernel has neither a batching rule nor a second derivative). With a key and
-    ``dropout > 0`` the attention weights and the output drop out, drawn from ``key``: that
-    runs the math path, as SDPA's own dropout draws from torch's global generator.
+    ``impl="sdpa"`` runs ``F.scaled_dot_product_attention``; ``"math"`` writes
+    ``softmax(QKᵀ/√d + mask) V`` in plain ops, which every ``torch.func`` transform
+    differentiates and batches (the CPU flash kernel has no batching rule nor second
+    derivative). With a key and ``dropout > 0`` the weights and the output drop out, drawn from
+    ``key`` on the math path (SDPA's own dropout draws from torch's global generator).
 
     >>> p = attention_init(random.key(0), 8)
     >>> x = torch.randn(2, 5, 8)
