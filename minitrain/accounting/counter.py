@@ -29,7 +29,7 @@ from torch.utils.module_tracker import ModuleTracker
 from minitrain import _torch
 from minitrain._torch import TorchDispatchMode
 from minitrain.accounting.hardware import HardwareError, dtype_name
-from minitrain.accounting.op_formulas import FORMULA_OPS, elements, tensors
+from minitrain.accounting.op_formulas import FORMULA_OPS, arguments, elements, tensors
 from minitrain.accounting.timeline import Ledger, Timeline, check_category, innermost
 from minitrain.func import saved_tensor_hooks_inside
 
@@ -163,16 +163,9 @@ def _base_name(packet: Any) -> str:
 
 def _mutated(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     """Tensors an op writes in place (its schema marks them ``Tensor(a!)``)."""
-    mutated = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        if argument.kwarg_only or position >= len(args):
-            value = kwargs.get(argument.name)
-        else:
-            value = args[position]
-        mutated.extend(tensors(value))
-    return mutated
+    named = arguments(func, args, kwargs)
+    return tensors([named[a.name] for a in func._schema.arguments
+                    if a.alias_info is not None and a.alias_info.is_write])
 
 
 def _unique_bytes(t: torch.Tensor) -> int:
@@ -325,7 +318,7 @@ class Counter:
         if view or base in DATA_MOVEMENT or func.namespace == "profiler":
             return 0
         if base in FORMULA_OPS:
-            return int(FORMULA_OPS[base](func, args, kwargs))
+            return int(FORMULA_OPS[base](arguments(func, args, kwargs)))
         if base in POINTWISE_FLOPS:
             # In-place ``_foreach_*`` ops return nothing: count the tensors they write.
             written = tensors(out) or _mutated(func, args, kwargs)

@@ -16,10 +16,9 @@ from minitrain.errors import UserError
 
 __all__ = ["plot", "plot_memory_timeline"]
 
-_COLORS = {
-    "params": "#4e79a7", "grads": "#f28e2b", "optimizer_state": "#59a14f", "batch": "#b07aa1",
-    "buffers": "#9c755f", "activations": "#e15759", "temporaries": "#bab0ac",
-}
+_COLORS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer_state": "#59a14f",
+           "batch": "#b07aa1", "buffers": "#9c755f", "activations": "#e15759",
+           "temporaries": "#bab0ac"}
 
 
 def _pyplot(what: str) -> Any:
@@ -29,9 +28,8 @@ def _pyplot(what: str) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError(
-            f"{what} needs matplotlib; install it with: pip install 'minitrain[plot]'"
-        ) from None
+        raise UserError(f"{what} needs matplotlib; install it with: "
+                        "pip install 'minitrain[plot]'") from None
     return plt
 
 
@@ -40,9 +38,6 @@ def _save(plt: Any, fig: Any, path: str, **layout: Any) -> str:
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-# -- the roofline -------------------------------------------------------------------------------
 
 
 def plot(roofs: Sequence[Roof], placements: Iterable[Placement], path: str, *,
@@ -118,9 +113,6 @@ def _short(name: str, width: int = 36) -> str:
     base, _, phase = name.partition(" (")
     suffix = f" ({phase}" if phase else ""
     return base[: max(8, width - len(suffix) - 1)] + "…" + suffix
-
-
-# -- live memory over one step ------------------------------------------------------------------
 
 
 def plot_memory_timeline(

@@ -1,9 +1,8 @@
 """Arithmetic intensity and the roofline model (chapter 3.6; JAX Scaling Book, "Rooflines").
 
-An op of intensity ``flops / bytes`` on a device whose ridge point is ``peak / bandwidth``
-takes ``max(flops / peak, bytes / bandwidth)`` seconds (compute and transfers overlapped),
-attains ``min(peak, intensity · bandwidth)`` FLOP/s and at most ``min(1, intensity / ridge)``
-MFU. Plain numbers; :func:`roof` reads them from the hardware registry.
+An op of intensity ``flops / bytes`` on a device of ridge point ``peak / bandwidth`` takes
+``max(flops / peak, bytes / bandwidth)`` seconds, attains ``min(peak, intensity · bandwidth)``
+FLOP/s and at most ``min(1, intensity / ridge)`` MFU.
 
 >>> h100 = roof("h100", "bf16")
 >>> round(h100.ridge)
@@ -104,9 +103,8 @@ def predicted_seconds(flops: Number, bytes_moved: Number, peak_flops: Number,
 
 
 # Bytes per element of each dtype name of the hardware registry.
-DTYPE_BYTES: dict[str, float] = {
-    "fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp4": 0.5,
-}
+DTYPE_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1,
+                                 "int8": 1, "fp4": 0.5}
 
 
 class Roof(NamedTuple):
@@ -173,11 +171,9 @@ def place(op: Op, on: Roof) -> Placement:
     seconds = predicted_seconds(op.flops, op.bytes, on.peak_flops, on.bandwidth)
     if math.isnan(intensity):
         return Placement(op.name, op.flops, op.bytes, op.count, intensity, "none", 0.0, 0.0, 0.0)
-    return Placement(
-        op.name, op.flops, op.bytes, op.count, intensity, bound(intensity, on.ridge),
-        attainable_flops(intensity, on.peak_flops, on.bandwidth), mfu_bound(intensity, on.ridge),
-        seconds,
-    )
+    return Placement(op.name, op.flops, op.bytes, op.count, intensity, bound(intensity, on.ridge),
+                     attainable_flops(intensity, on.peak_flops, on.bandwidth),
+                     mfu_bound(intensity, on.ridge), seconds)
 
 
 def chapter_ops(n: int = 1024, bytes_per_element: Number = 2) -> list[Op]:
@@ -218,9 +214,7 @@ class StepProfile(NamedTuple):
     @property
     def achieved_flops(self) -> float | None:
         """FLOP/s the step reached on its measured time."""
-        if not self.measured_seconds:
-            return None
-        return self.flops / self.measured_seconds
+        return self.flops / self.measured_seconds if self.measured_seconds else None
 
 
 def phases(backward: Sequence[bool]) -> list[str]:
@@ -232,10 +226,8 @@ def phases(backward: Sequence[bool]) -> list[str]:
     """
     marked = [i for i, b in enumerate(backward) if b]
     first, last = (marked[0], marked[-1]) if marked else (len(backward), len(backward))
-    return [
-        "forward" if i < first else "update" if i > last else "backward"
-        for i in range(len(backward))
-    ]
+    return ["forward" if i < first else "update" if i > last else "backward"
+            for i in range(len(backward))]
 
 
 def profile_records(records: Iterable[object], on: Roof,
