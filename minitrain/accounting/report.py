@@ -266,49 +266,42 @@ def format_report(report: dict[str, Any]) -> str:
         f" ({predicted['peak_phase']}, {predicted['peak_op']} in {predicted['peak_module']})"
         if predicted.get("peak_phase") else ""
     )
+    def b(value: int | float | None) -> str:
+        return si(value, "B", 3)
+
+    def f(value: int | float | None, unit: str = "FLOP") -> str:
+        return si(value, unit, 3)
+
     lines = [("params", f"{report['params']:,}"), (
-        "peak memory", f"predicted {si(predicted['peak'], 'B', 3)}{moment}, measured "
-        f"{si(measured['peak'], 'B', 3)}" + (f" (x{ratio:.2f})" if ratio is not None else ""),
+        "peak memory", f"predicted {b(predicted['peak'])}{moment}, measured "
+        f"{b(measured['peak'])}" + (f" (x{ratio:.2f})" if ratio is not None else ""),
     )]
     both = [key for key in ("params", "optimizer_state", "batch", "activations")
             if predicted.get(key) is not None and measured.get(key) is not None]
     if both:
         lines.append(("  predicted/measured", ", ".join(
-            f"{key.replace('_', ' ')} {si(predicted[key], 'B', 3)}/{si(measured[key], 'B', 3)}"
-            for key in both)))
+            f"{key.replace('_', ' ')} {b(predicted[key])}/{b(measured[key])}" for key in both)))
     if measured.get("optimizer_buffer_pools"):
-        lines.append(("  optimizer pools", f"{si(measured['optimizer_buffer_pools'], 'B', 3)} "
-                      "of recycled buffers (pure updates), beyond the peak"))
+        lines.append(("  optimizer pools", f"{b(measured['optimizer_buffer_pools'])} of recycled "
+                      "buffers (pure updates), beyond the peak"))
     for index, saved in enumerate(memory.get("where", [])[:3]):
-        lines.append((
-            "  where it goes" if index == 0 else "",
-            f"{si(saved['bytes'], 'B', 3)} {tuple(saved['shape'])} saved by {saved['op']} in "
-            f"{saved['module']}",
-        ))
+        lines.append(("  where it goes" if index == 0 else "", f"{b(saved['bytes'])} "
+                      f"{tuple(saved['shape'])} saved by {saved['op']} in {saved['module']}"))
     predicted_flops = flops.get("predicted")
     lines += [
-        (
-            "FLOPs per step",
-            f"6·B·P {si(flops['rule_6bp'], 'FLOP', 3)}, exact {si(flops['exact'], 'FLOP', 3)}, "
-            + (f"predicted {si(predicted_flops, 'FLOP', 3)}, " if predicted_flops else "")
-            + f"counted {si(flops['counted'], 'FLOP', 3)} "
-            f"(matmul {si(flops['counted_matmul'], 'FLOP', 3)})",
-        ),
-        (
-            "achieved",
-            f"{si(speed['achieved_flops_per_second'], 'FLOP/s', 3)} "
-            f"(MFU {'-' if mfu is None else f'{mfu:.1%}'})",
-        ),
-        ("time to finish", si(speed["seconds_to_finish"], "s", 3)),
+        ("FLOPs per step", f"6·B·P {f(flops['rule_6bp'])}, exact {f(flops['exact'])}, "
+         + (f"predicted {f(predicted_flops)}, " if predicted_flops else "")
+         + f"counted {f(flops['counted'])} (matmul {f(flops['counted_matmul'])})"),
+        ("achieved", f"{f(speed['achieved_flops_per_second'], 'FLOP/s')} "
+                     f"(MFU {'-' if mfu is None else f'{mfu:.1%}'})"),
+        ("time to finish", f(speed["seconds_to_finish"], "s")),
     ]
     if flops["unknown_ops"]:
         lines.append(("ops without formula", ", ".join(sorted(flops["unknown_ops"]))))
     if report.get("communication"):  # data parallel: the gradient all-reduce of one rank
         comm = report["communication"]
-        lines.append((
-            "all-reduce per step",
-            f"{si(comm['allreduce_bytes_per_rank'], 'B', 3)} sent per rank "
-            f"(2·(N-1)/N × {si(comm['gradient_bytes'], 'B', 3)} of grads, N = {comm['ranks']}), "
-            f"{si(comm['reduce_seconds_per_step'], 's', 3)} measured ({comm['process_group']})",
-        ))
+        lines.append(("all-reduce per step", f"{b(comm['allreduce_bytes_per_rank'])} sent per "
+                      f"rank (2·(N-1)/N × {b(comm['gradient_bytes'])} of grads, N = "
+                      f"{comm['ranks']}), {f(comm['reduce_seconds_per_step'], 's')} measured "
+                      f"({comm['process_group']})"))
     return "\n".join(f"{name:<23}{value}" for name, value in lines)
