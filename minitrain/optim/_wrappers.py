@@ -412,8 +412,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
             check_state_type("inject_hyperparams", InjectHyperparamsState, state)
             hyper = dict(state.hyperparams)
             for k in numbers:  # a number set as ``torch.tensor(x)`` keeps init's float64
-                if isinstance(hyper.get(k), Tensor) and hyper[k].dtype != torch.float64 \
-                        and hyper[k].is_floating_point():
+                if isinstance(hyper.get(k), Tensor) and hyper[k].is_floating_point():
                     hyper[k] = hyper[k].to(torch.float64)
             count = schedule_count(state.count)
             hyper.update({k: _scheduled(k, fn, count) for k, fn in schedules.items()})
