@@ -153,12 +153,10 @@ def transformer_optimizer_state_elements(
     True
     """
     key = optimizer_key(optimizer)
-    flags = dict(amsgrad=amsgrad, momentum=momentum, centered=centered)
-    return sum(
-        optimizer_state_elements("adamw" if key == "muon" and role != "hidden" else key, shape,
-                                 scalars=False, **(flags if key != "muon" else {}))
-        for role, shape in transformer_tensors(config)
-    )
+    flags = dict(amsgrad=amsgrad, momentum=momentum, centered=centered) if key != "muon" else {}
+    return sum(optimizer_state_elements("adamw" if key == "muon" and role != "hidden" else key,
+                                        shape, scalars=False, **flags)
+               for role, shape in transformer_tensors(config))
 
 
 def transformer_matmul_params(config: TransformerConfig) -> int:
@@ -204,23 +202,22 @@ def transformer_memory(
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
     (3.12, 33.9)
     """
-    context = config.seq_len if seq_len is None else seq_len
+    recipe, options = precision(precision_name), dict(amsgrad=amsgrad, momentum=momentum,
+                                                      centered=centered)
     activations = transformer_activation_bytes(
-        seq_len=context, batch=batch, hidden=config.hidden, heads=config.heads,
-        num_layers=config.num_layers, recompute=recompute, tensor_parallel=tensor_parallel,
-        sequence_parallel=sequence_parallel,
-        bytes_per_element=precision(precision_name).activations, attention=attention,
+        seq_len=config.seq_len if seq_len is None else seq_len, batch=batch,
+        hidden=config.hidden, heads=config.heads, num_layers=config.num_layers,
+        recompute=recompute, tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel, bytes_per_element=recipe.activations,
+        attention=attention,
     )
     memory = training_memory(
         transformer_params(config) / tensor_parallel, optimizer=optimizer,
         precision=precision_name, activation_bytes=activations, gpus=gpus, zero_stage=zero_stage,
-        amsgrad=amsgrad, momentum=momentum, centered=centered,
-    )
-    state = transformer_optimizer_state_elements(config, optimizer, amsgrad=amsgrad,
-                                                 momentum=momentum, centered=centered)
+        **options)
+    state = transformer_optimizer_state_elements(config, optimizer, **options)
     shards = tensor_parallel * (gpus if zero_stage >= 1 else 1)
-    return memory._replace(
-        optimizer_state=float(state * precision(precision_name).optimizer_state / shards))
+    return memory._replace(optimizer_state=float(state * recipe.optimizer_state / shards))
 
 
 ATTENTION = ("eager", "selective", "flash")
