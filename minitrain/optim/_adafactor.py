@@ -168,8 +168,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             raise ValueError("scale_by_adafactor needs params: call update(updates, state, params)")
         spec = tree.structure(updates)
         g_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
-        buffers = [_entries(getattr(state, f), spec, f) for f in FIELDS]
-        _check_shapes(buffers, g_leaves, updates, momentum is not None)
+        buffers = _buffers(state, updates, momentum is not None)
         step, step_lr = next_step(state.count), lr_at(state.count)
         rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay,
                                momentum)
@@ -183,31 +182,28 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                   momentum=momentum)
 
 
-def _entries(buffer: Any, spec: Any, name: str) -> list[Any]:
-    """The per-leaf entries of a state field laid out like the updates (``()`` included)."""
-    if buffer is None:  # a state made before Adafactor had momentum
-        return [()] * spec.num_leaves
-    entries = _pytree.tree_flatten(
-        buffer, is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
-    if len(entries) != spec.num_leaves:
-        raise ValueError(f"state.{name} has {len(entries)} entries but the updates have "
-                         f"{spec.num_leaves} leaves; create the state with init(params)")
-    return entries
-
-
-def _check_shapes(buffers: list[list[Any]], g_leaves: list[Tensor], updates: Any,
-                  momentum: bool) -> None:
-    """``ValueError`` naming the first leaf whose buffers do not fit its update (a state from
-    another model would otherwise broadcast or fail deep inside the update)."""
-    for index, (g, *entries) in enumerate(zip(g_leaves, *buffers, strict=True)):
-        want = _buffer_shapes(tuple(g.shape), momentum)
-        for field, entry in zip(FIELDS, entries, strict=True):
+def _buffers(state: ScaleByAdafactorState, updates: Any, momentum: bool) -> list[list[Any]]:
+    """Per field, the state's per-leaf entries laid out like the updates (``()`` included),
+    refused naming the first leaf whose buffer does not fit its update (a state from another
+    model would otherwise broadcast or fail deep inside the update)."""
+    spec, g_leaves = tree.structure(updates), tree.leaves(updates)
+    fields = []
+    for field in FIELDS:
+        buffer = getattr(state, field)  # None: a state made before Adafactor had momentum
+        entries = [()] * spec.num_leaves if buffer is None else _pytree.tree_flatten(
+            buffer, is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
+        if len(entries) != spec.num_leaves:
+            raise ValueError(f"state.{field} has {len(entries)} entries but the updates have "
+                             f"{spec.num_leaves} leaves; create the state with init(params)")
+        for index, (g, entry) in enumerate(zip(g_leaves, entries, strict=True)):
+            want = _buffer_shapes(tuple(g.shape), momentum)[field] or ()
             got = tuple(entry.shape) if isinstance(entry, Tensor) else entry
-            if got != (want[field] or ()):
+            if got != want:
                 name = tree.named_leaves(updates)[index][0]
                 raise ValueError(f"state.{field} leaf {name!r} is {got} but a {tuple(g.shape)} "
-                                 f"update needs {want[field] or ()}; create the state with "
-                                 f"init(params)")
+                                 f"update needs {want}; create the state with init(params)")
+        fields.append(entries)
+    return fields
 
 
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
