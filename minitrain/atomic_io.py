@@ -106,21 +106,17 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, what: str = "write"
     '{"steps": 3}'
     """
     path = Path(path)
-    payload = data.encode() if isinstance(data, str) else bytes(data)
-    temp: str | None = None
-    try:
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    with storage_errors(path, what):
         if path.is_dir():
-            raise IsADirectoryError(21, os.strerror(21), str(path))
-        temp = str(path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"))
-        write_new_file(temp, payload)
-        os.replace(temp, path)
-        temp = None
-        fsync_dir(path.parent)
-    except OSError as exc:
-        raise StorageError.from_os_error(exc, path, what) from None
-    finally:
-        if temp is not None:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        try:
+            write_new_file(temp, data.encode() if isinstance(data, str) else bytes(data))
+            os.replace(temp, path)
+        except BaseException:
             _unlink_quietly(temp)
+            raise
+        fsync_dir(path.parent)
     return path
 
 

@@ -120,10 +120,9 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
     >>> [path.name for path in list_checkpoints(run)]
     ['step-00000002', 'step-00000003']
     """
-    check_step(step)
+    target = checkpoint_path(run_dir, step)  # checks the step
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep must be a positive integer or None, got {keep!r}")
-    target = checkpoint_path(run_dir, step)
     try:
         meta = json.loads(json.dumps(meta if meta is not None else {}))
     except (TypeError, ValueError) as exc:

@@ -60,9 +60,6 @@ class PreparedData(NamedTuple):
     meta: dict[str, Any]
 
 
-# --------------------------------------------------------------------------- token files
-
-
 def write_tokens(path: str | os.PathLike, tokens: Any, dtype: str = "uint16") -> Path:
     """Write token ids to ``path`` in the chapter's flat ``tofile`` format; return the path."""
     np_dtype = _token_dtype(dtype)
@@ -128,9 +125,6 @@ def _check_vocabulary(data: np.ndarray, vocab_size: int, path: Path) -> None:
             f"token file {path} holds id {int(data[bad])} at position {bad}, outside the "
             f"vocabulary [0, {vocab_size}); check the tokenizer or vocab_size"
         )
-
-
-# --------------------------------------------------------------------------- batches
 
 
 @typechecked
@@ -230,9 +224,6 @@ class Prefetcher(Generic[Batch]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-# --------------------------------------------------------------------------- prepared corpora
 
 
 def stdlib_dir() -> Path:
