@@ -19,21 +19,16 @@ from minitrain.errors import UserError
 __all__ = ["allreduce_bytes", "allreduce_seconds", "communication_time"]
 
 
-
-def _check(gradient_bytes: Number, ranks: int) -> None:
-    if not math.isfinite(gradient_bytes) or gradient_bytes < 0:
-        raise UserError(f"gradient_bytes must be a finite number >= 0, got {gradient_bytes!r}")
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise UserError(f"ranks must be an integer >= 1, got {ranks!r}")
-
-
 def allreduce_bytes(gradient_bytes: Number, ranks: int) -> float:
     """Bytes each rank sends in a ring all-reduce of ``gradient_bytes``: ``2·(N-1)/N × bytes``.
 
     >>> allreduce_bytes(1000, 1), allreduce_bytes(1000, 2), allreduce_bytes(1000, 4)
     (0.0, 1000.0, 1500.0)
     """
-    _check(gradient_bytes, ranks)
+    if not math.isfinite(gradient_bytes) or gradient_bytes < 0:
+        raise UserError(f"gradient_bytes must be a finite number >= 0, got {gradient_bytes!r}")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise UserError(f"ranks must be an integer >= 1, got {ranks!r}")
     return 2.0 * (ranks - 1) / ranks * gradient_bytes
 
 
@@ -59,10 +54,9 @@ def communication_time(params: Number, tokens: Number, batch_tokens: Number, ran
     >>> round(days, 1)   # 8B params, bf16 grads, 4M-token batches, 50 GB/s per rank
     27.8
     """
-    for name, value in (("tokens", tokens), ("batch_tokens", batch_tokens), ("params", params)):
+    for name, value in (("tokens", tokens), ("batch_tokens", batch_tokens), ("params", params),
+                        ("bytes_per_grad (2 for bf16)", bytes_per_grad)):
         if not math.isfinite(value) or value <= 0:
             raise UserError(f"{name} must be a positive number, got {value!r}")
-    if not math.isfinite(bytes_per_grad) or bytes_per_grad <= 0:
-        raise UserError(f"bytes_per_grad must be positive (2 for bf16), got {bytes_per_grad!r}")
     steps = tokens / batch_tokens
     return steps * allreduce_seconds(params * bytes_per_grad, ranks, bandwidth)

@@ -175,17 +175,12 @@ def _speed(exact_flops: int | None, counter: Counter, step_seconds: int | float 
     achieved = model_flops / step_seconds if step_seconds else None
     remaining = (steps_total - steps_done) if steps_total is not None else None
     return {
-        "step_seconds": step_seconds,
-        "model_flops_per_step": model_flops,
-        "model_flops_source": model_source,
-        "achieved_flops_per_second": achieved,
-        "peak_flops_per_second": peak_flops,
-        "mfu": _ratio(achieved, peak_flops),
-        "steps_total": steps_total,
-        "steps_done": steps_done,
-        "seconds_to_finish": (
-            remaining * step_seconds if remaining is not None and step_seconds else None
-        ),
+        "step_seconds": step_seconds, "model_flops_per_step": model_flops,
+        "model_flops_source": model_source, "achieved_flops_per_second": achieved,
+        "peak_flops_per_second": peak_flops, "mfu": _ratio(achieved, peak_flops),
+        "steps_total": steps_total, "steps_done": steps_done,
+        "seconds_to_finish": (remaining * step_seconds if remaining is not None and step_seconds
+                              else None),
     }
 
 
@@ -193,15 +188,12 @@ def _measured_memory(counter: Counter, peak: int, device: torch.device | None, p
                      opt_state: Any, batch: Any) -> dict[str, Any]:
     from minitrain.optim.kernels.pool import idle_bytes
 
-    resident = nbytes(params) + nbytes(opt_state) + nbytes(batch)
+    sizes = {"params": nbytes(params), "optimizer_state": nbytes(opt_state), "batch": nbytes(batch)}
     at_backward = counter.backward_start_live_bytes
     return {
-        "peak": peak,
-        "params": nbytes(params),
-        "optimizer_state": nbytes(opt_state),
-        "batch": nbytes(batch),
-        "activations": at_backward - resident if at_backward is not None and device is None
-        else None,
+        "peak": peak, **sizes,
+        "activations": (at_backward - sum(sizes.values())
+                        if at_backward is not None and device is None else None),
         # the pure fast path's recycled buffers, held beyond what the step returned
         "optimizer_buffer_pools": idle_bytes(),
         "source": "torch.cuda.max_memory_allocated" if device is not None
