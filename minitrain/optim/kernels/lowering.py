@@ -426,15 +426,10 @@ def _stream(shape, rows, found, read, frame, planned, donate):
 def _fused(shape, rows, found, read, frame, planned, donate):
     ps, gs, *buffers = rows
     if not donate:  # on copies
-        ps, buffers = _copies(ps), [None if row is None else _copies(row) for row in buffers]
+        ps, buffers = [t.clone() for t in ps], [
+            None if row is None else [t.clone() for t in row] for row in buffers]
     shape.rule.fused(ps, gs, buffers, read.step, read.hyper, frame, shape.maximize)
     return ps, buffers
-
-
-def _copies(tensors: list[Tensor]) -> list[Tensor]:
-    copies = [torch.empty_like(t) for t in tensors]
-    _torch.foreach["copy_"](copies, tensors)
-    return copies
 
 
 def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):

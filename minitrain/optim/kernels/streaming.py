@@ -291,12 +291,14 @@ def _(rule, hyperparameters, inputs, outputs, present, nontemporal) -> None:
 
 
 def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
-    """Per leaf, ``sum(x * x)`` in float64 over float32 leaves at checked ``addresses``
-    (:func:`.checks.pointers`) of ``sizes`` elements: ``minitrain::sum_of_squares``' body."""
+    """Per leaf, ``sum(x * x)`` (float32 lanes added in float64: the same for any number of
+    threads) over float32 leaves at checked ``addresses`` (:func:`.checks.pointers`) of
+    ``sizes`` elements: the global-norm clip's one pass over the grads."""
     out = torch.zeros(len(sizes), dtype=torch.float64, device="cpu")
     starts, counts = array.array("Q", addresses), array.array("q", sizes)
     status = _loaded().minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
-                                     len(sizes), max(1, torch.get_num_threads()), out.data_ptr())
+                                       len(sizes), max(1, torch.get_num_threads()),
+                                       out.data_ptr())
     if status != 0:
         raise RuntimeError(f"streaming sum of squares failed with status {status}")
     return out
