@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import signal
@@ -110,6 +111,7 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
             with _threads_per_worker(nproc), _environment(REPORTS_ENV, str(reports)):
                 elastic_launch(config, sys.executable)("-m", "minitrain", *argv)
         except ChildFailedError as exc:
+            _show_first_failure(exc, _read_reports(reports, "failed"))
             hangs = _read_reports(reports, "hang")
             if hangs:  # a rank stuck in the script; the others' lost peers are consequences
                 raise DistributedError(hangs[min(hangs)]) from None
@@ -135,6 +137,18 @@ def _read_reports(folder: Path, kind: str = "rank") -> dict[int, str]:
                 with contextlib.suppress(OSError, UnicodeDecodeError):
                     reports[int(rank_text)] = path.read_text(encoding="utf-8").strip()
     return {rank_: text for rank_, text in reports.items() if text}
+
+
+def _show_first_failure(exc: Any, failed: Mapping[int, str]) -> None:
+    """Print the error of the rank that failed first on its own (the script's frames and its
+    one line), and exit with its code; nothing when no rank reported one."""
+    if not failed:
+        return
+    failures = exc.failures
+    first = min(failed, key=lambda r: (failures[r].timestamp if r in failures else 0.0, r))
+    click.echo(failed[first], err=True)
+    code = failures[first].exitcode if first in failures else 1
+    raise SystemExit(code if code in _REPORTED_EXIT_CODES else 1)
 
 
 def _raise_failure(exc: Any, lost_peers: Mapping[int, str] | None = None) -> None:
@@ -197,10 +211,12 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
         yield
     except LostPeer as exc:
         _lost_peer_exit(parallel.rank, exc.format_message())
-    except (RunFailed, RunInterrupted) as exc:
+    except RunInterrupted as exc:  # a signal reaches every rank: they stop together
         if parallel.is_main:
             exc.show()
         code = exc.exit_code
+    except RunFailed as exc:  # this rank's own: the others may be waiting for it in a collective
+        _failed_exit(parallel.rank, exc)
     except click.ClickException as exc:
         click.echo(f"error: rank {parallel.rank}: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
@@ -218,6 +234,18 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
     parallel.close()
     if code:
         sys.exit(code)
+
+
+def _failed_exit(rank_: int, exc: RunFailed) -> None:
+    """Exit at once after this rank's own failure, without waiting for the others: its message
+    (with the script's frames) goes to the ``--nproc`` launcher's reports folder, which prints
+    the first failing rank's, or to stderr under torchrun."""
+    exc.message = f"rank {rank_}: {exc.message}"
+    text = io.StringIO()
+    exc.show(file=text)
+    if not leave_report("failed", text.getvalue(), rank_):
+        click.echo(text.getvalue(), err=True, nl=False)
+    sys.exit(exc.exit_code)
 
 
 def _lost_peer_exit(rank_: int, message: str) -> None:
