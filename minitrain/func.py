@@ -112,11 +112,9 @@ def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnu
     if not (isinstance(nums, tuple) and nums and len(set(nums)) == len(nums)
             and all(type(n) is int and 0 <= n < len(args) for n in nums)):
         return False  # torch.func words the error
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and (
-            leaf.requires_grad or _torch.is_functorch_wrapped_tensor(leaf)
-        ):
-            return False
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad or _torch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return False
     return all(
         isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
         for t in pytree.tree_leaves([args[n] for n in nums])
@@ -229,24 +227,17 @@ def from_module(
     params = {name: p for name, p, trained in named if trained}
     frozen = {name: p for name, p, trained in named if not trained}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    if with_state:
-        return params, buffers, _stateful_apply(module, frozen, set(buffers))
+    names = sorted(buffers)
 
     def apply(params: Params, *args: Any, **kwargs: Any) -> Any:
         return torch.func.functional_call(module, (params, frozen, buffers), args, kwargs)
 
-    return params, apply
-
-
-def _stateful_apply(
-    module: nn.Module, frozen: Params, names: set[str]
-) -> Callable[..., tuple[Any, Params]]:
-    def apply(params: Params, state: Params, *args: Any, **kwargs: Any) -> tuple[Any, Params]:
-        if not isinstance(state, dict) or set(state) != names:
+    def stateful(params: Params, state: Params, *args: Any, **kwargs: Any) -> tuple[Any, Params]:
+        if not isinstance(state, dict) or sorted(state) != names:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"state must be the dict of buffers from_module(..., with_state=True) returned "
-                f"(keys {sorted(names)}), got {got}; pass apply(params, state, *inputs)"
+                f"(keys {names}), got {got}; pass apply(params, state, *inputs)"
             )
         # Copies, made inside any torch.func transform: the forward pass may update them in
         # place (BatchNorm), and they are returned as the new state.
@@ -254,7 +245,7 @@ def _stateful_apply(
         out = torch.func.functional_call(module, (params, frozen, new_state), args, kwargs)
         return out, new_state
 
-    return apply
+    return (params, buffers, stateful) if with_state else (params, apply)
 
 
 def per_example_grads(
