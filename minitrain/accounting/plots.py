@@ -45,9 +45,8 @@ def plot(roofs: Sequence[Roof], placements: Iterable[Placement], path: str, *,
          label_top: int | None = None) -> str:
     """Draw the log-log roofline of each roof, mark ridge points and place the ops; save PNG.
 
-    Ops sit on the first roof (red: memory-bound, green: compute-bound); ops with no FLOPs
-    (copies) have no place on a log axis and are left out; ``label_top`` names only the ops
-    with the longest predicted time. ``measured`` adds points ``(label,
+    Ops sit on the first roof (red: memory-bound, green: compute-bound), those without FLOPs
+    left out; ``label_top`` names only the slowest ops; ``measured`` adds points ``(label,
     intensity, achieved FLOP/s)``. Returns ``path``.
     """
     plt = _pyplot("plotting")
@@ -69,12 +68,8 @@ def plot(roofs: Sequence[Roof], placements: Iterable[Placement], path: str, *,
         ax.scatter([x], [achieved], marker="x", color="black", zorder=4)
         ax.annotate(label, (x, achieved), textcoords="offset points", xytext=(-6, 6),
                     ha="right", fontsize=7)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("attainable FLOP/s")
-    ax.set_title(title)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), title=title,
+           xlabel="arithmetic intensity (FLOP / byte)", ylabel="attainable FLOP/s")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     return _save(plt, fig, path)
@@ -156,9 +151,8 @@ def _memory_panel(ax: Any, timeline: Timeline, used: list[str], top: Number, uni
         if start:
             ax.axvline(start, color="black", linestyle="--", linewidth=0.7)
         ax.text((start + end) / 2, top / scale * 1.1, phase, ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, top / scale * 1.22)
-    ax.set_xlim(xs[0], max(xs[-1], xs[0] + 1))
-    ax.set_ylabel(f"live {unit}")
+    ax.set(ylim=(0, top / scale * 1.22), xlim=(xs[0], max(xs[-1], xs[0] + 1)),
+           ylabel=f"live {unit}")
     ax.grid(alpha=0.3)
 
 
