@@ -19,11 +19,8 @@ from minitrain.typecheck import Float, Int, Tensor, typechecked
 
 __all__ = ["mse", "cross_entropy"]
 
-_REDUCTIONS = ("mean", "sum", "none")
-
-
 def _check_reduction(reduction: str) -> None:
-    if reduction not in _REDUCTIONS:
+    if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none' "
                          "(torch.nn.functional's choices)")
 

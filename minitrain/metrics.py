@@ -127,14 +127,12 @@ class MetricsWriter:
         self._tensorboard = None
         with storage_errors(self.path, "write"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if resume_step == 0:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            else:
+            if resume_step:
                 truncate_metrics(self.path, resume_step)
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | (0 if resume_step else os.O_TRUNC)
+            self._fd = os.open(self.path, flags, 0o644)
             # Whole lines only: os.write of one line per record, at the end of the file.
-            self._size = os.lseek(fd, 0, os.SEEK_END)
-            self._fd = fd
+            self._size = os.lseek(self._fd, 0, os.SEEK_END)
         if tensorboard:
             try:
                 import tensorboard  # noqa: F401
@@ -231,8 +229,8 @@ def plot(
     >>> plot(run).name
     'loss.png'
     """
-    several = not isinstance(run_dir, (str, os.PathLike))
-    run_dirs = [Path(path) for path in run_dir] if several else [Path(run_dir)]
+    one = isinstance(run_dir, (str, os.PathLike))
+    run_dirs = [Path(run_dir)] if one else [Path(path) for path in run_dir]
     if not run_dirs:
         raise MetricsError("no run directories to plot; pass at least one")
     if len(run_dirs) > 1 and out_png is None:
