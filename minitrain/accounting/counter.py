@@ -33,10 +33,8 @@ from minitrain.accounting.op_formulas import FORMULA_OPS, arguments, elements, t
 from minitrain.accounting.timeline import Ledger, Timeline, check_category, innermost
 from minitrain.func import saved_tensor_hooks_inside
 
-__all__ = [
-    "Counter", "DATA_MOVEMENT", "FORMULA_OPS", "OpRecord", "OpTotals", "POINTWISE_FLOPS",
-    "REDUCTION_FLOPS",
-]
+__all__ = ["Counter", "DATA_MOVEMENT", "FORMULA_OPS", "OpRecord", "OpTotals", "POINTWISE_FLOPS",
+           "REDUCTION_FLOPS"]
 
 # FLOPs per output element of elementwise ops: one per arithmetic operation or elementary
 # function in the op's definition (torch docs). Comparisons and logical ops count one.
@@ -155,9 +153,7 @@ class OpTotals:
 
 
 def _base_name(packet: Any) -> str:
-    name = packet.__name__
-    if name.startswith("_foreach_"):
-        name = name[len("_foreach_"):]
+    name = packet.__name__.removeprefix("_foreach_")
     return name.rstrip("_") if name.endswith("_") and not name.endswith("__") else name
 
 
@@ -170,11 +166,8 @@ def _mutated(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 def _unique_bytes(t: torch.Tensor) -> int:
     """Bytes a kernel must touch for ``t``: broadcast (stride-0) dims are read once."""
-    numel = 1
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        if stride != 0:
-            numel *= size
-    return numel * t.element_size() if t.numel() else 0
+    kept = math.prod(n for n, stride in zip(t.shape, t.stride(), strict=True) if stride)
+    return kept * t.element_size() if t.numel() else 0
 
 
 def _is_view(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],

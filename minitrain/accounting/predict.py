@@ -247,17 +247,15 @@ def predict_step(
 
     Args:
         loss_fn: ``(params, batch) -> loss`` (``(loss, aux)`` with ``has_aux``); with
-            ``model_state`` (buffers the forward pass updates, counted as ``buffers``),
+            ``model_state`` (buffers the forward pass updates),
             ``(params, model_state, batch) -> (value, new_state)``.
         params, batch: pytrees of real, fake (one :func:`fake_mode`) or meta tensors,
             :class:`TensorSpec` or ``(shape, dtype)`` tuples.
         optimizer: an ``mt.optim`` optimizer, or None (forward and backward only);
             ``donate``: the update writes in place; ``max_grad_norm``: clip as the train step.
         hardware: a registry name or :class:`Hardware` (default ``"h100"``); ``dtype``: of the
-            peak FLOP/s for every op (default: each op's own).
-        autocast: a context factory for forward and backward (the backend's ``autocast``).
-
-    Raises :class:`PredictionError` (one line, naming the op) when the step needs data.
+            peak FLOP/s for every op (default: each op's own); ``autocast``: a context factory
+            for forward and backward. Raises :class:`PredictionError` if the step needs data.
 
     >>> import torch, minitrain as mt
     >>> pred = predict_step(lambda p, x: (x @ p["w"]).square().mean(),

@@ -53,11 +53,12 @@ def resource_report(
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
     ``step`` (pure, uncompiled) runs once more here. The prediction is :func:`predict_step`
-    given ``loss_fn`` and an ``mt.optim`` optimizer, else :func:`predict_call` of the whole
-    step, else, for a step that needs data, :func:`predicted_peak_bytes` (``optimizer`` by
-    name, ``activation_bytes``). ``examples_per_step`` is ``B`` of the ``6·B·P`` rule (default:
-    the batch's leading dim); ``peak_flops`` and the step counts give MFU and the time to
-    finish. Returns a JSON-serializable dict.
+    given ``loss_fn`` and an ``mt.optim`` optimizer (the other arguments as it takes them),
+    else :func:`predict_call` of the whole step, else, for a step that needs data,
+    :func:`predicted_peak_bytes` (``optimizer`` by name, ``activation_bytes``).
+    ``examples_per_step`` is ``B`` of the ``6·B·P`` rule (default: the batch's leading dim);
+    ``peak_flops`` and the step counts give MFU and the time to finish. Returns a
+    JSON-serializable dict.
 
     >>> import torch, minitrain as mt
     >>> params = {"w": torch.zeros(8, 4)}
