@@ -61,14 +61,8 @@ def mlp_experiment(config: dict) -> Experiment:
         x, y = batch
         return mt.losses.mse(forward(params, x), y)
 
-    return Experiment(
-        name="mlp",
-        init=init,
-        loss=loss,
-        next_batch=next_batch,
-        optimizer=mt.optim.sgd(lr=config["lr"]),
-        steps=config["steps"],
-    )
+    return Experiment(name="mlp", init=init, loss=loss, next_batch=next_batch,
+                      optimizer=mt.optim.sgd(lr=config["lr"]), steps=config["steps"])
 
 
 def workloads() -> dict[str, tuple[dict[str, Any], Callable[[dict], Experiment]]]:
@@ -91,21 +85,17 @@ def learning_rates(count: int, low: float = 0.003, high: float = 0.1) -> list[fl
     return [float(f"{low * ratio**i:.6g}") for i in range(count)]
 
 
-def _sequential(
-    config: dict[str, Any], build: Callable[[dict], Experiment], lrs: list[float], steps: int
-) -> tuple[float, list[Any]]:
+def _sequential(config: dict[str, Any], build: Callable[[dict], Experiment], lrs: list[float],
+                steps: int) -> tuple[float, list[Any]]:
     backend = mt.get_backend("cpu")
     start = time.perf_counter()
-    finals = [
-        fit(build({**config, "lr": lr, "steps": steps}), backend, progress=False).params
-        for lr in lrs
-    ]
+    finals = [fit(build({**config, "lr": lr, "steps": steps}), backend, progress=False).params
+              for lr in lrs]
     return time.perf_counter() - start, finals
 
 
-def _swept(
-    config: dict[str, Any], build: Callable[[dict], Experiment], lrs: list[float], steps: int
-) -> tuple[float, list[Any]]:
+def _swept(config: dict[str, Any], build: Callable[[dict], Experiment], lrs: list[float],
+           steps: int) -> tuple[float, list[Any]]:
     backend = mt.get_backend("cpu")
     start = time.perf_counter()
     members = member_grid({**config, "steps": steps}, {}, {"lr": lrs}, [0])
@@ -132,15 +122,13 @@ def measure(name: str, members: int = 8, steps: int = 300, rounds: int = 3) -> d
         method(dict(config), build, lrs, 2)
     for round_index in range(rounds):
         order = (_sequential, _swept) if round_index % 2 == 0 else (_swept, _sequential)
-        timings = {}
-        for method in order:
-            seconds, finals = method(dict(config), build, lrs, steps)
-            timings[method] = (seconds, finals)
-        sequential.append(timings[_sequential][0])
-        swept.append(timings[_swept][0])
-        difference = max(
-            difference, _max_relative_difference(timings[_sequential][1], timings[_swept][1])
-        )
+        timings = {method: method(dict(config), build, lrs, steps) for method in order}
+        (seq_seconds, seq_finals), (sweep_seconds, sweep_finals) = map(
+            timings.get, (_sequential, _swept))
+        sequential.append(seq_seconds)
+        swept.append(sweep_seconds)
+        difference = max(difference, _max_relative_difference(seq_finals, sweep_finals))
+
     seq, sweep_ = statistics.median(sequential), statistics.median(swept)
     return {
         "workload": name,
@@ -159,45 +147,19 @@ def measure(name: str, members: int = 8, steps: int = 300, rounds: int = 3) -> d
 
 @click.command("sweep")
 @page("sweep", "Sweeps: one vmapped step for K members against K sequential runs")
-@click.option(
-    "--members",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="K learning rates (log-spaced from 0.003 to 0.1).",
-)
-@click.option(
-    "--steps",
-    default=300,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Training steps per run.",
-)
-@click.option(
-    "--rounds",
-    default=3,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Interleaved rounds; medians are reported.",
-)
-@click.option(
-    "--workload",
-    "names",
-    multiple=True,
-    type=click.Choice(["linreg", "mlp"]),
-    help="Measure only these (default: both).",
-)
-@click.option(
-    "--threads",
-    default=0,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="torch intra-op threads for both sides (0: leave torch's default).",
-)
+@click.option("--members", default=8, show_default=True, type=click.IntRange(min=1),
+              help="K learning rates (log-spaced from 0.003 to 0.1).")
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),
+              help="Training steps per run.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Interleaved rounds; medians are reported.")
+@click.option("--workload", "names", multiple=True, type=click.Choice(["linreg", "mlp"]),
+              help="Measure only these (default: both).")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
+              help="torch intra-op threads for both sides (0: leave torch's default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def sweep(
-    members: int, steps: int, rounds: int, names: tuple[str, ...], threads: int, as_json: bool
-) -> None:
+def sweep(members: int, steps: int, rounds: int, names: tuple[str, ...], threads: int,
+          as_json: bool) -> None:
     """K learning rates in one vmapped sweep vs K sequential runs (linreg and a small MLP)."""
     if threads:
         torch.set_num_threads(threads)

@@ -235,21 +235,12 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
     Returns whether the step moved any params. A leaf agrees when its update is within ``rtol``
     of the single run's in norm (plus two ulps); raises :class:`MemberMismatch` otherwise.
     """
-    singles = zip(*(_members(tree, ensemble.size) for tree in (params, opt_state, batch)),
-                  strict=True)
-    new_params = unstack(out.params)
-    moved = False
-    for k, (member_params, member_state, member_batch) in enumerate(singles):
-        if int(out.diverged_at[k]) != 0:
-            continue
-        member, experiment = ensemble.members[k], ensemble.experiments[k]
-        carry = None if fp8_history is None else Carry(fp8_history=fp8_history[k])
-        reference = make_train_step(experiment, backend)(
-            member_params, member_state, member_batch, carry, None if keys is None else keys[k]
-        )
+    new_params, moved = unstack(out.params), False
+    for k, member_params, reference in _single_run_steps(
+            ensemble, backend, params, opt_state, batch, out.diverged_at, fp8_history, keys):
         triples = zip(named_leaves(reference.params), leaves(new_params[k]),
                       leaves(member_params), strict=True)
-        for name, (expected, got, before) in ((n, (e, g, b)) for (n, e), g, b in triples):
+        for (name, expected), got, before in triples:
             if expected.numel() == 0:
                 continue
             update = float((expected.double() - before.double()).norm())
@@ -258,12 +249,13 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
             off = float((got.double() - expected.double()).norm())
             moved = moved or update > 0
             if not off <= rtol * update + ulps:  # NaN-safe
+                swept = ", ".join(ensemble.swept) or "none"
                 raise MemberMismatch(
-                    f"member {k} ({member_label(member)}) after one vmapped step differs from "
-                    f"its own run at param {name!r} (by {off:.3g} in norm, its update by "
-                    f"{update:.3g}); use swept keys ({', '.join(ensemble.swept) or 'none'}) only "
-                    "in tensor arithmetic or as mt.optim arguments (float(), .item(), "
-                    "torch.tensor() or torch.as_tensor() with a dtype keep member 0's value)"
+                    f"member {k} ({member_label(ensemble.members[k])}) after one vmapped step "
+                    f"differs from its own run at param {name!r} (by {off:.3g} in norm, its "
+                    f"update by {update:.3g}); use swept keys ({swept}) only in tensor "
+                    "arithmetic or as mt.optim arguments (float(), .item(), torch.tensor() or "
+                    "torch.as_tensor() with a dtype keep member 0's value)"
                 )
     return moved
 
@@ -274,18 +266,21 @@ def rerun_as_single_runs(ensemble: Ensemble, backend: Backend, params: Params,
                          keys: torch.Tensor | None = None) -> None:
     """Each healthy member's own single-run step, so that a mistake in the script raises as it
     does in ``minitrain run`` (the vmapped step's error names batched shapes)."""
-    singles = zip(*(_members(tree, ensemble.size) for tree in (params, opt_state, batch)),
-                  strict=True)
+    for _ in _single_run_steps(ensemble, backend, params, opt_state, batch, diverged_at,
+                               fp8_history, keys):
+        pass
+
+
+def _single_run_steps(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,
+                      batch: PyTree, diverged_at: torch.Tensor, fp8_history: Any, keys: Any
+                      ) -> Iterator[tuple[int, Params, StepOutput]]:
+    """``(k, params, its single run's step)`` of each member not diverged, in turn."""
+    stacked = (params, opt_state, batch)
+    singles = zip(*(unstack(tree) if any(isinstance(leaf, torch.Tensor) for leaf in leaves(tree))
+                    else [tree] * ensemble.size for tree in stacked), strict=True)
     for k, (member_params, member_state, member_batch) in enumerate(singles):
         if int(diverged_at[k]) == 0:
             carry = None if fp8_history is None else Carry(fp8_history=fp8_history[k])
-            make_train_step(ensemble.experiments[k], backend)(
+            yield k, member_params, make_train_step(ensemble.experiments[k], backend)(
                 member_params, member_state, member_batch, carry,
                 None if keys is None else keys[k])
-
-
-def _members(stacked: PyTree, count: int) -> list[PyTree]:
-    """Each member's tree of a stacked one (a tree without tensors is shared as it is)."""
-    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(stacked)):
-        return [stacked] * count
-    return unstack(stacked)

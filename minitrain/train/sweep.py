@@ -357,7 +357,10 @@ def _checks(steps_taken: int) -> bool:
 
 def _stacked_batches(batches: list[PyTree]) -> PyTree:
     """The members' batches stacked; a draw that members share is flattened once."""
-    drawn = {id(batch): _pytree.tree_flatten(batch) for batch in batches}
+    drawn: dict[int, tuple[list, Any]] = {}
+    for batch in batches:
+        if id(batch) not in drawn:
+            drawn[id(batch)] = _pytree.tree_flatten(batch)
     first, spec = drawn[id(batches[0])]
     if all(other == spec and all(_alike(a, b) for a, b in zip(flat, first, strict=True))
            for flat, other in drawn.values()):

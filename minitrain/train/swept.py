@@ -16,9 +16,20 @@ from typing import Any
 import torch
 
 from minitrain._torch import make_subclass
-from minitrain.train.member_checks import MemberMismatch, differing_members
+from minitrain.errors import ExperimentError
 
-__all__ = ["SweepBinding", "SweptValue"]
+__all__ = ["MemberMismatch", "SweepBinding", "SweptValue"]
+
+
+class MemberMismatch(ExperimentError):
+    """The members cannot share one vmapped step (their runs differ in more than values)."""
+
+
+SIZES_FIX = (
+    "the members of one vmapped step share every shape, size and count, so member 0's would be "
+    "everyone's: set sizes and counts with a CONFIG key of their own (not from a swept value), "
+    "or train each value with its own minitrain run --set key=value"
+)
 
 
 class SweepBinding:
@@ -136,9 +147,17 @@ _RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "r
            "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
            "native_dropout", "rrelu", "gumbel_softmax", "_standard_gamma", "_sample_dirichlet"}
 # Python numbers that pick a code path, a count or a shape (float() and .item() make values,
-# which the first-step check compares)
-_DECISIONS = {"__bool__": "bool", "__int__": "int", "__index__": "int"}
-
+# which the first-step check compares): what they are, and what to write instead
+_DECISIONS = {
+    "__bool__": ("bool", "an if or a comparison",
+                 "one vmapped step runs one code path for every member, so all would take "
+                 "member 0's branch, even a branch that only sets a name or a message: write it "
+                 "without an if on the swept value (torch.where(lr > 0.1, a, b) for a tensor, "
+                 "f\"lr={lr:g}\" for a name) or run one sweep per branch, each with values on "
+                 "one side of the condition"),
+    "__int__": ("int", "int(), round() or an index: a size, a length or a count", SIZES_FIX),
+}
+_DECISIONS["__index__"] = _DECISIONS["__int__"]
 
 def _in_place(func: Callable[..., Any]) -> bool:
     """``add_``, ``copy_``, ``__iadd__``, ``__setitem__``: ops that write into an input."""
@@ -163,14 +182,10 @@ def _redoable(func: Callable[..., Any], args: tuple) -> Callable[..., Any]:
 
 def _unbound_binding(values: tuple) -> SweepBinding | None:
     """The binding of the first swept value among ``values``, when no step has bound it."""
-    for value in values:
-        if isinstance(value, list | tuple):
-            found = _unbound_binding(tuple(value))
-            if found is not None:
-                return found
-        elif isinstance(value, SweptValue):
-            return value.swept_binding if value.swept_binding.values is None else None
-    return None
+    first = next(_swept_in(values), None)
+    if first is None or first.swept_binding.values is not None:
+        return None
+    return first.swept_binding
 
 
 def _derived(result: Any, binding: SweepBinding, recipe: tuple, number: bool) -> Any:
@@ -222,9 +237,14 @@ def _same_for_every_member(func: Callable[..., Any], args: tuple, kwargs: dict,
         with binding.bind(values):
             results.append(_call(func, args, kwargs))
     labels = [label for label, _ in binding.members or ()]
-    refused = differing_members(_DECISIONS[_name(func)], keys, results, labels)
-    if refused is not None:
-        raise refused
+    kind, what, fix = _DECISIONS[_name(func)]
+    for k, result in enumerate(results):
+        if result != results[0]:
+            raise MemberMismatch(
+                f"experiment(config) turns {keys} into a Python {kind} ({what}) while it is "
+                f"built that differs between members: {results[0]!r} for member 0 "
+                f"({labels[0]}), {result!r} for member {k} ({labels[k]}); {fix}"
+            )
 
 
 def _swept_keys(values: tuple) -> list[str]:

@@ -147,7 +147,7 @@ def test_an_int_that_differs_between_builds_of_one_member_is_no_size(tmp_path):
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 1000), st.integers(1, 1000), st.sampled_from(["list", "tensor", "int"]))
 def test_sizes_held_by_a_loss_are_compared_between_members(first, second, kind):
-    from minitrain.train.member_checks import check_same_sizes
+    from minitrain.train.members import check_same_sizes
 
     def loss_holding(n):
         held = {"list": [0.0] * n, "tensor": torch.zeros(n), "int": n}[kind]
@@ -255,7 +255,7 @@ def test_json_dumps_with_default_float_writes_member_zeros_values_while_the_temp
 
 def test_a_walk_that_grows_between_builds_hides_no_size():
     # a list every build appends to shifts the rebuilt walk: it proves nothing about decay_steps
-    from minitrain.train.member_checks import check_same_sizes
+    from minitrain.train.members import check_same_sizes
 
     builds = []
 
