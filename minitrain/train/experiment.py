@@ -49,12 +49,9 @@ class Experiment:
         init_state: ``init_state(generator) -> state`` for buffers a forward updates; then
             ``loss(params, state, batch) -> (loss, new_state)`` and ``evaluate(params, state)``.
         loss_scale: the dynamic loss scale of an fp16 run (default: GradScaler's).
-        uses_key: the loss draws its randomness (dropout, noise) from an explicit key:
-            ``loss(params, batch, key=key)`` (``loss(params, state, batch, key=key)`` with
-            ``init_state``), ``key = mt.random.fold_in(mt.random.key(seed), step)`` for
-            steps 1, 2, ... A function of the seed and the step only: a resumed run draws what
-            an uninterrupted one would, every rank of a data-parallel run draws the same, and
-            each member of a sweep draws from its own seed's keys.
+        uses_key: the loss draws its randomness from ``loss(..., key=key)``, ``key =
+            mt.random.fold_in(mt.random.key(seed), step)``: a resumed run draws what an
+            uninterrupted one would, ranks draw alike, sweep members from their own seeds.
 
     >>> import minitrain as mt
     >>> exp = Experiment(init=lambda g: {"w": torch.zeros(2)},
@@ -283,9 +280,8 @@ def apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, str]) -> 
     return merged
 
 
-def load_experiment(
-    path: str | Path, overrides: Mapping[str, str] | None = None, steps: int | None = None
-) -> tuple[Experiment, dict[str, Any]]:
+def load_experiment(path: str | Path, overrides: Mapping[str, str] | None = None,
+                    steps: int | None = None) -> tuple[Experiment, dict[str, Any]]:
     """Import a script; return ``(experiment, config)`` built from the overridden config.
 
     ``steps`` overrides CONFIG's ``steps`` (so schedules see it) and the step count. Every mistake

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from minitrain import checkpoint, rundir
 from minitrain.atomic_io import write_atomic
@@ -150,7 +150,7 @@ class _Loop:
         self.log_every, self.checkpoint_every, self.keep = log_every, checkpoint_every, keep
         self.say, self.stop = say, stop
         self.done = start  # the last finished, finiteness-checked step
-        self.saved: Path | None = None
+        self.saved: int | None = None  # the step of the last checkpoint (rank 0's, on a worker)
         self.timer = StepTimer(stepper.backend.synchronize)
         self.main = stepper.parallel is None or stepper.parallel.is_main
         self.writes = run_dir is not None and self.main
@@ -177,11 +177,11 @@ class _Loop:
                     self._after_step(step, metrics, advance)
             except (NonFiniteLoss, StorageError):
                 raise
-            except KeyboardInterrupt as exc:  # raised in the script, or outside our handlers
-                self._save_on_error(exc)
+            except KeyboardInterrupt:  # raised in the script, or outside our handlers
+                self._save_on_error()
                 raise Interrupted(self._stop_message(self.stepper.current_step)) from None
-            except BaseException as exc:
-                self._save_on_error(exc)
+            except BaseException:
+                self._save_on_error()
                 raise
 
     def _after_step(self, step: int, metrics: Any, advance: Any) -> None:
@@ -202,41 +202,41 @@ class _Loop:
         if is_checkpoint:
             self._save(step)
 
-    def _save(self, step: int) -> None:
-        if step <= self.start or step == getattr(self.saved, "step", None):
-            return
-        if not self.writes:
-            if self.run_dir is not None:  # a worker: rank 0 writes
-                self.saved = _Saved(checkpoint.checkpoint_path(self.run_dir, step), step)
-            return
-        self._check_run_dir(step)
-        with self._storage_errors(step):
-            path = self.stepper.save(self.run_dir, step, self.keep)
-        self.saved = _Saved(path, step)
+    def _path(self, step: int) -> Path:
+        return checkpoint.checkpoint_path(self.run_dir, step)
 
-    def stepper_finite_step(self) -> int:
+    def _save(self, step: int) -> None:
+        if step <= self.start or step == self.saved:
+            return
+        if self.writes:
+            self._check_run_dir(step)
+            with self._storage_errors(step):
+                self.stepper.save(self.run_dir, step, self.keep)
+        if self.run_dir is not None:
+            self.saved = step
+
+    def _finite_step(self) -> int:
         """The last step taken, checked finite (:class:`NonFiniteLoss` otherwise)."""
         step = self.stepper.current_step
         if step > self.done:
             self.stepper.check_finite()
         return step
 
-    def _save_on_error(self, exc: BaseException) -> None:
+    def _save_on_error(self) -> None:
         """An exception stopped the loop: save the last good step (never a bad one)."""
         if self.run_dir is None:
             return
         try:
-            step = self.stepper_finite_step()
-            self._save(step)
+            self._save(self._finite_step())
         except Exception as inner:  # the original error is what the user must see
             self.say(f"could not save a checkpoint after the error: {inner}")
             return
         if self.saved is not None and self.writes:
-            self.say(f"saved the last good step ({self.saved.step}) to {self.saved.path}")
+            self.say(f"saved the last good step ({self.saved}) to {self._path(self.saved)}")
 
     def finish(self, report: bool) -> FitResult:
         stepper = self.stepper
-        last = self.stepper_finite_step()
+        last = self._finite_step()
         stopped = last < stepper.experiment.steps
         if self.run_dir is not None and last > self.start:
             self._save(last)
@@ -257,10 +257,10 @@ class _Loop:
                 self._check_run_dir(last)
                 _write_summary(self.run_dir / SUMMARY_FILE, summary)
         if self.stop.requested:
+            where = f"is in {self._path(last)}" if self.saved else "was not written (no --out)"
             raise Interrupted(
                 f"stopped by {self.stop.first} after the last step ({last}); the checkpoint "
-                + (f"is in {self.saved.path}" if self.saved else "was not written (no --out)")
-                + (" and summary.json is written" if self.writes else "")
+                + where + (" and summary.json is written" if self.writes else "")
             )
         return _result(stepper, summary)
 
@@ -269,42 +269,32 @@ class _Loop:
         gone = self.owner.gone() if self.owner is not None else None
         if gone is None:
             return
-        run_dir, last = self.run_dir, self.saved
-        if last is None and self.start:
-            last = _Saved(checkpoint.checkpoint_path(run_dir, self.start), self.start)
-        path = last.path if last is not None else None
-        if path is not None and gone.moved_to is not None:
+        run_dir, moved, last = self.run_dir, gone.moved_to, self.saved or self.start or None
+        path = self._path(last) if last is not None else None
+        if path is not None and moved is not None:
             with contextlib.suppress(ValueError):
-                path = gone.moved_to / path.relative_to(run_dir)
+                path = moved / path.relative_to(run_dir)
         kept = path is not None and path.is_dir()
-        if kept and gone.moved_to is None:  # perhaps an `rm -rf` still at work: let it finish
+        if kept and moved is None:  # perhaps an `rm -rf` still at work: let it finish
             kept = _survives(path)
-        if gone.moved_to is not None:
-            what = f"the run directory {run_dir} was moved to {gone.moved_to}"
-        elif kept:  # its lock file is gone: removed in part, or still being removed
-            what = f"the run directory {run_dir} was removed in part"
-        else:
-            what = f"the run directory {run_dir} was removed"
-        what += f" while the run trained (noticed at step {step})"
+        what = (f"moved to {moved}" if moved is not None
+                else "removed in part" if kept  # its lock file is gone
+                else "removed")
+        what = f"the run directory {run_dir} was {what} while the run trained"
         if last is None:
             where = "no checkpoint had been saved; rerun it"
-        elif kept and gone.moved_to is not None:
-            where = (f"the last checkpoint (step {last.step}) is in {path}; continue with "
-                     f"--resume --out {gone.moved_to}")
         elif kept:
-            where = (f"the last checkpoint (step {last.step}) is still in {path}; continue from "
-                     f"it with --resume --out {run_dir}")
+            where = (f"the last checkpoint (step {last}) is {'in' if moved else 'still in'} "
+                     f"{path}; continue with --resume --out {moved or run_dir}")
         else:
-            where = (f"its checkpoints went with it (the last was step {last.step}), so "
+            where = (f"its checkpoints went with it (the last was step {last}), so "
                      "nothing of this run is kept; rerun it")
-        raise StorageError(f"{what}; {where}", run_dir)
+        raise StorageError(f"{what} (noticed at step {step}); {where}", run_dir)
 
     def _stop_message(self, step: int) -> str:
-        if self.saved is not None and self.saved.step == step:
-            return (
-                f"stopped at step {step}; checkpoint saved to {self.saved.path}; continue "
-                "with --resume"
-            )
+        if self.saved == step:
+            return (f"stopped at step {step}; checkpoint saved to {self._path(step)}; continue "
+                    "with --resume")
         where = "no --out was given" if self.run_dir is None else "no step finished"
         return f"stopped at step {step}; {where}, so no checkpoint was saved"
 
@@ -331,11 +321,6 @@ def _survives(path: Path, settle: float = 0.5) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-class _Saved(NamedTuple):
-    path: Path
-    step: int
 
 
 def _bare_summary(stepper: Stepper) -> dict[str, Any]:

@@ -1,12 +1,10 @@
 """Ctrl-C, SIGTERM and SIGHUP as requests to stop, recorded for the whole life of a run.
 
-The first signal is only recorded; the loop reads it between steps, saves the last finished
-step and raises ``Interrupted``. A second signal while a step still runs (code stuck in the
-script) raises ``KeyboardInterrupt`` there, so the loop saves and stops at once. A watchdog
-thread hears every signal through ``signal.set_wakeup_fd`` (also while the main thread is stuck
-in C code): a second signal, or a first one not obeyed within ``MINITRAIN_STOP_GRACE`` seconds,
-wakes the main thread; if the process is still alive a few seconds later it exits 130 naming
-the newest checkpoint.
+The first signal is recorded; the loop reads it between steps, saves and raises ``Interrupted``.
+A second one raises ``KeyboardInterrupt`` inside a step that still runs. A watchdog thread
+hears every signal through ``signal.set_wakeup_fd`` (also while the main thread is stuck in C
+code): a second signal, or a first not obeyed within ``MINITRAIN_STOP_GRACE`` seconds, wakes
+the main thread; a process still alive a few seconds later exits 130 naming its checkpoint.
 """
 
 from __future__ import annotations
@@ -69,8 +67,8 @@ _active: StopRequest | None = None
 def stop_signals() -> tuple[int, ...]:
     """SIGINT, SIGTERM, and SIGHUP unless the process was started to ignore it (``nohup``)."""
     hangup = getattr(signal, "SIGHUP", None)
-    ignored = hangup is not None and signal.getsignal(hangup) is signal.SIG_IGN
-    return tuple(sig for sig in _SIGNALS if not (sig == hangup and ignored))
+    return tuple(sig for sig in _SIGNALS
+                 if not (sig == hangup and signal.getsignal(sig) is signal.SIG_IGN))
 
 
 def grace_seconds() -> float:

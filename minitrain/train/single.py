@@ -1,13 +1,4 @@
-"""One model, in one process or as one rank of N: the :class:`Stepper` behind ``minitrain run``.
-
->>> import torch, minitrain as mt
->>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
-...     loss=lambda p, x: ((x @ p["w"] - 1) ** 2).mean(),
-...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=3)
->>> result = fit(exp, mt.get_backend("cpu"), progress=False)
->>> result.summary["steps"], round(result.summary["final_loss"], 4)
-(3, 0.1296)
-"""
+"""One model, in one process or as one rank of N: the :class:`Stepper` behind ``minitrain run``."""
 
 from __future__ import annotations
 
@@ -21,7 +12,7 @@ from typing import Any
 import torch
 
 from minitrain import checkpoint, rng
-from minitrain.errors import ExperimentError, NonFiniteLoss, ResumeError, ScriptError
+from minitrain.errors import ExperimentError, NonFiniteLoss, ScriptError
 from minitrain.optim import learning_rate
 from minitrain.precision import Backend
 from minitrain.train import stepper
@@ -71,8 +62,7 @@ class SingleRun:
         self._checked_step = 0
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._out: Any = None
-        self._last_eval: dict[str, float] = {}
-        self._evaluated_at = -1  # the step of the last evaluation
+        self._last_eval: dict[str, float] | None = None  # None: not evaluated yet
 
     # ------------------------------------------------------------------ start and resume
 
@@ -85,7 +75,12 @@ class SingleRun:
         with script_call("init_state(generator)"):  # model state and the loss scale, if any
             self.carry = init_carry(self.experiment, self.backend, init_generator)
         if fp8_recipe_of(self.backend) is not None:  # a checkpoint's shape, before any resume
-            self.carry = self._with_fp8_history(self.carry)
+            shard = self.parallel.shard if self.parallel is not None else None
+            with first_step_mistakes(True):  # empty, one per matmul of the first step's forward
+                history = probe_fp8_history(self.experiment, self.backend, self.params,
+                                            getattr(self.carry, "model_state", None),
+                                            self.data_generator, shard, self.seed)
+            self.carry = (self.carry or Carry())._replace(fp8_history=history)
         # The loop never reads the params and state it passes in again, so the update may
         # write into their buffers (torch.optim's in-place speed).
         parallel = self.parallel
@@ -95,43 +90,28 @@ class SingleRun:
             amax_reduce=parallel.max if parallel else None,
         )
 
-    def _with_fp8_history(self, carry: Carry | None) -> Carry:
-        """``carry`` plus empty amax histories, one per matmul of the first step's forward."""
-        model_state = carry.model_state if carry is not None else None
-        shard = self.parallel.shard if self.parallel is not None else None
-        with first_step_mistakes(True):
-            history = probe_fp8_history(self.experiment, self.backend, self.params, model_state,
-                                        self.data_generator, shard, self.seed)
-        return (carry or Carry())._replace(fp8_history=history)
-
     def _meta(self) -> dict[str, Any]:
-        return {
-            "experiment": self.experiment.name,
-            "seed": self.seed,
-            "backend": self.backend.name,
-            "config": self.config or {},
-        }
+        return {"experiment": self.experiment.name, "seed": self.seed,
+                "backend": self.backend.name, "config": self.config or {}}
 
     def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int:
         self._check_resumable(meta, run_dir)
-        saved, saved_carry = self._load(path)
+        saved, self.opt_state, self.carry = self._load(path)
+        check_fp8_history(self.carry.fp8_history if self.carry else None, str(path))
         checkpoint.restore_rng(saved, self.data_generator)
         self.params = saved.params
-        fresh_history = self.carry.fp8_history if self.carry is not None else None
-        self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, saved_carry)
-        check_fp8_history(self.carry.fp8_history if self.carry else None, str(path))
-        if fresh_history is not None and (self.carry is None or self.carry.fp8_history is None):
-            self.carry = (self.carry or Carry())._replace(fp8_history=fresh_history)
         if self.parallel is not None:
             self.parallel.check_same(saved.step, "the step to resume from")
         self.current_step = self._checked_step = saved.step
         return saved.step
 
-    def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Carry | None]:
-        """The checkpoint at ``path`` and its carry (missing fp8 histories start empty)."""
-        template = pack_checkpoint_state(self.opt_state, self.carry)
+    def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Any, Carry | None]:
+        """The checkpoint at ``path``, its optimizer state and carry (missing fp8 histories start
+        empty)."""
         try:
-            return checkpoint.load(path, self.params, template), self.carry
+            saved = checkpoint.load(path, self.params,
+                                    pack_checkpoint_state(self.opt_state, self.carry))
+            return (saved, *unpack_checkpoint_state(saved.opt_state, self.carry))
         except checkpoint.CheckpointError as error:
             if self.carry is None or self.carry.fp8_history is None:
                 raise
@@ -144,7 +124,8 @@ class SingleRun:
             raise first from None
         to_stderr(f"note: {path} holds no fp8 amax histories (saved with current scaling); "
                   "they start empty")
-        return saved, older
+        opt_state, carry = unpack_checkpoint_state(saved.opt_state, older)
+        return saved, opt_state, (carry or Carry())._replace(fp8_history=self.carry.fp8_history)
 
     def _check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
         current = self._meta()
@@ -153,11 +134,7 @@ class SingleRun:
         changed = stepper.changed_keys(old, new)
         if changed:
             key = changed[0]
-            raise ResumeError(
-                f"{run_dir} was trained with {key}={old.get(key)!r}, this run has "
-                f"{key}={new.get(key)!r}; pass --set {key}={old.get(key)} to resume, or a "
-                "new --out"
-            )
+            stepper.check_same(old, new, (key,), run_dir, "run", f"pass --set {key}={old.get(key)}")
 
     def save(self, run_dir: Path, step: int, keep: int) -> Path:
         return checkpoint.save(
@@ -220,29 +197,30 @@ class SingleRun:
             "rss_bytes": resident_bytes(),
         }
         if evaluate:
-            self._last_eval = self._final_eval(step)
-            record.update(self._last_eval)
+            record.update(self._evaluate(step))
         return [record] if self.main else []
 
-    def _final_eval(self, step: int | None) -> dict[str, float]:
-        """The evaluation at ``step``; the last step's, if it fails, is a warning and none."""
-        self._evaluated_at = self.current_step
-        if step is not None and step < self.experiment.steps:
-            return self._evaluate(step)
-        return stepper.after_last_step("the final evaluation", lambda: self._evaluate(step), {})
-
     def _evaluate(self, step: int | None) -> dict[str, float]:
-        carry = self.carry
-        state = () if carry is None or carry.model_state is None else (carry.model_state,)
-        return stepper.evaluated(self.experiment.evaluate, self.params, *state, step=step)
+        """The evaluation at ``step``; the last step's, if it fails, is a warning and none."""
+        model_state = getattr(self.carry, "model_state", None)
+        state = () if model_state is None else (model_state,)
+
+        def evaluate() -> dict[str, float]:
+            return stepper.evaluated(self.experiment.evaluate, self.params, *state, step=step)
+
+        if step is not None and step < self.experiment.steps:
+            self._last_eval = evaluate()
+        else:
+            self._last_eval = stepper.after_last_step("the final evaluation", evaluate, {})
+        return self._last_eval
 
     # ------------------------------------------------------------------ the end
 
     def summary(self, timer: stepper.StepTimer) -> dict[str, Any]:
         if self._out is not None:
             self.loss = float(self._out.loss)
-        if self.experiment.evaluate is not None and self.main and self._evaluated_at < 0:
-            self._last_eval = self._final_eval(None)
+        if self.experiment.evaluate is not None and self.main and self._last_eval is None:
+            self._evaluate(None)
         summary = stepper.run_summary(self, timer, {"seed": self.seed},
                                       {"params": size(self.params)})
         summary["final_loss"] = self.loss if math.isfinite(self.loss) else None
@@ -267,8 +245,8 @@ class SingleRun:
         share = self.parallel.weight if self.parallel is not None else 1.0
         step = functools.partial(make_train_step(self.experiment, self.backend), carry=self.carry,
                                  key=self.key)
-        report = stepper.step_report(self, step, summary, examples_scale=share, flops_scale=share,
-                             **self._prediction_inputs())
+        report = stepper.step_report(self, step, summary, examples_scale=share,
+                                     flops_scale=share, **self._prediction_inputs())
         if self.parallel is not None:
             from minitrain.distributed import gradient_bytes
 
@@ -284,8 +262,7 @@ class SingleRun:
         if carry is not None and (carry.loss_scale is not None or carry.fp8_history is not None):
             return {}
         return {
-            "loss_fn": (functools.partial(keyed_loss(experiment), key=self.key)
-                        if experiment.uses_key else experiment.loss),
+            "loss_fn": functools.partial(keyed_loss(experiment), key=self.key),
             "optimizer": experiment.optimizer,
             "has_aux": experiment.has_aux,
             "max_grad_norm": experiment.max_grad_norm,
@@ -334,10 +311,10 @@ def fit(experiment: Experiment, backend: Backend, *, seed: int = 0,
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
     ...     loss=lambda p, batch: ((batch @ p["w"] - 1) ** 2).mean(),
-    ...     next_batch=lambda g: torch.randn(8, 2, generator=g),
-    ...     optimizer=mt.optim.sgd(lr=0.1), steps=5)
-    >>> fit(exp, mt.get_backend("cpu"), progress=False).summary["steps"]
-    5
+    ...     next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=0.1), steps=3)
+    >>> result = fit(exp, mt.get_backend("cpu"), progress=False)
+    >>> result.summary["steps"], round(result.summary["final_loss"], 4)
+    (3, 0.1296)
 
     Args:
         out_dir: run directory for ``metrics.jsonl``, checkpoints and ``summary.json``.

@@ -22,16 +22,7 @@ from minitrain import random as mt_random
 from minitrain._torch import pytree
 from minitrain.errors import ExperimentError, ResumeError
 from minitrain.func import value_and_grad
-from minitrain.precision import (
-    Backend,
-    DynamicLossScale,
-    LossScaleState,
-    compute_context,
-    delayed_scaling,
-    dynamic_loss_scale,
-    select_tree,
-    without_matmul_format,
-)
+from minitrain.precision import Backend, DynamicLossScale, LossScaleState
 from minitrain.train.experiment import check_loss_output
 from minitrain.train.script_errors import script_call
 from minitrain.train.setup import probe_batch, to_backend
@@ -74,15 +65,16 @@ def can_donate(optimizer: Any) -> bool:
     return isinstance(optimizer, Optimizer)
 
 
-def _is_pair(value: Any) -> bool:
-    return isinstance(value, tuple | list) and len(value) == 2
+def _pair(value: Any, message: str) -> tuple[Any, Any]:
+    """``value`` if it is a pair, else an :class:`ExperimentError` (``message`` names its type)."""
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise ExperimentError(message.format(type(value).__name__))
+    return value
 
 
-def _checked(value: Any, has_aux: bool, shape: str) -> tuple[torch.Tensor, Any]:
+def _checked(value: Any, has_aux: bool, message: str) -> tuple[torch.Tensor, Any]:
     """``(loss, aux)`` from what a loss returned (``loss`` or, with aux, ``(loss, aux)``)."""
-    if has_aux and not _is_pair(value):
-        raise ExperimentError(shape.format(type(value).__name__))
-    loss, aux = value if has_aux else (value, {})
+    loss, aux = _pair(value, message) if has_aux else (value, {})
     check_loss_output(loss, aux)
     return loss, aux
 
@@ -133,9 +125,8 @@ def loss_with_aux(experiment: Any) -> Callable[..., tuple[torch.Tensor, dict]]:
     return checked
 
 
-def stateful_loss(
-    experiment: Any,
-) -> Callable[[Params, PyTree, PyTree], tuple[torch.Tensor, tuple[dict, PyTree]]]:
+def stateful_loss(experiment: Any
+                  ) -> Callable[[Params, PyTree, PyTree], tuple[torch.Tensor, tuple[dict, PyTree]]]:
     """The experiment's loss as ``(params, model_state, batch, key=None) -> (loss, (aux,
     new_state))``.
 
@@ -157,39 +148,29 @@ def stateful_loss(
         return stateless
 
     call = keyed_loss(experiment)
+    pair = ("the loss returned {}; an experiment with init_state has a loss(params, state, "
+            "batch) that returns (loss, new_state)"
+            + (" with loss a (loss, aux) pair" if experiment.has_aux else ""))
+    inner = "with has_aux=True and init_state the loss returns ((loss, aux), new_state)"
 
     def with_state(params: Params, model_state: PyTree, batch: PyTree, key: Any = None):
-        out = call(params, model_state, batch, key=key)
-        if not _is_pair(out):
+        value, new_state = _pair(call(params, model_state, batch, key=key), pair)
+        loss, aux = _checked(value, experiment.has_aux, inner)
+        if pytree.tree_structure(model_state) != pytree.tree_structure(new_state):
             raise ExperimentError(
-                f"the loss returned {type(out).__name__}; an experiment with init_state has a "
-                "loss(params, state, batch) that returns (loss, new_state)"
-                + (" with loss a (loss, aux) pair" if experiment.has_aux else "")
+                "the loss's new state is not shaped like the state it was given (init_state's); "
+                "return the new_state that apply(params, state, ...) returned"
             )
-        value, new_state = out
-        shape = "with has_aux=True and init_state the loss returns ((loss, aux), new_state)"
-        loss, aux = _checked(value, experiment.has_aux, shape)
-        _check_same_structure(model_state, new_state)
         return loss, (aux, new_state)
 
     return with_state
-
-
-def _check_same_structure(state: PyTree, new_state: PyTree) -> None:
-    old = pytree.tree_structure(state)
-    new = pytree.tree_structure(new_state)
-    if old != new:
-        raise ExperimentError(
-            "the loss's new state is not shaped like the state it was given (init_state's); "
-            "return the new_state that apply(params, state, ...) returned"
-        )
 
 
 def loss_scale_of(experiment: Any, backend: Backend) -> DynamicLossScale | None:
     """The dynamic loss scale of a run on ``backend`` (None unless its policy scales the loss)."""
     if not backend.policy.loss_scaling:
         return None
-    return getattr(experiment, "loss_scale", None) or dynamic_loss_scale()
+    return getattr(experiment, "loss_scale", None) or precision.dynamic_loss_scale()
 
 
 def fp8_recipe_of(backend: Backend) -> precision.Recipe | None:
@@ -199,13 +180,13 @@ def fp8_recipe_of(backend: Backend) -> precision.Recipe | None:
     >>> fp8_recipe_of(mt.get_backend("cpu-fp8")).forward, fp8_recipe_of(mt.get_backend("cpu"))
     ('fp8_e4m3', None)
     """
-    return delayed_scaling(backend.policy)
+    return precision.delayed_scaling(backend.policy)
 
 
 def fp8_context(backend: Backend) -> Callable[[], contextlib.AbstractContextManager]:
     """The context of a forward that simulates its own fp8 matmuls: autocast without matmul mode."""
-    policy = without_matmul_format(backend.policy)
-    return lambda: compute_context(policy, backend.device)
+    policy = precision.without_matmul_format(backend.policy)
+    return lambda: precision.compute_context(policy, backend.device)
 
 
 def init_fp8_history(experiment: Any, backend: Backend, params: Params, model_state: PyTree,
@@ -242,9 +223,7 @@ def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) ->
     loss_scale = loss_scale_of(experiment, backend)
     if init_state is None and loss_scale is None:
         return None
-    model_state = None
-    if init_state is not None:
-        model_state = to_backend(init_state(generator), backend)
+    model_state = None if init_state is None else to_backend(init_state(generator), backend)
     if loss_scale is None:
         return Carry(model_state)
     scale = backend.to_device(loss_scale.init())
@@ -294,9 +273,8 @@ def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptSta
     if carry.loss_scale is not None:
         saved = packed["loss_scale"]
         scale = LossScaleState(saved["scale"], saved["growth_tracker"])
-    carry = Carry(
-        packed.get("model_state"), scale, packed.get("skipped"), packed.get("fp8_history")
-    )
+    carry = Carry(packed.get("model_state"), scale, packed.get("skipped"),
+                  packed.get("fp8_history"))
     return packed["optimizer"], carry
 
 
@@ -324,21 +302,16 @@ def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor,
 GradTransform = Callable[[Grads, torch.Tensor, dict], tuple[Grads, torch.Tensor, dict]]
 
 
-def make_train_step(
-    experiment: Any,
-    backend: Backend,
-    grad_transform: GradTransform | None = None,
-    donate: bool = False,
-    compile: bool = False,
-    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> Callable[..., StepOutput]:
+def make_train_step(experiment: Any, backend: Backend, grad_transform: GradTransform | None = None,
+                    donate: bool = False, compile: bool = False,
+                    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> Callable[..., StepOutput]:
     """Build the pure step ``(params, opt_state, batch, carry=None, key=None) -> StepOutput``.
 
-    ``grad_transform(grads, loss, aux)`` runs before clipping (data parallel's all-reduce), and
-    ``amax_reduce`` on the fp8 histories. ``donate=True`` lets the update write into its inputs'
-    buffers; ``compile=True`` compiles forward and backward; ``key`` goes to a loss with
-    ``uses_key`` (:func:`step_key`). Under loss scaling a step with
-    non-finite grads leaves params and state as they were (``applied`` says which were taken).
+    ``grad_transform(grads, loss, aux)`` runs before clipping (data parallel's all-reduce),
+    ``amax_reduce`` on the fp8 histories. ``donate=True`` lets the update write into its inputs;
+    ``compile=True`` compiles forward and backward; ``key`` goes to a ``uses_key`` loss. Under
+    loss scaling a step with non-finite grads changes nothing (``applied`` is False).
 
     >>> import torch, minitrain as mt
     >>> exp = mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
@@ -393,10 +366,8 @@ def make_train_step(
     return train_step
 
 
-def loss_and_grads(
-    experiment: Any, backend: Backend, loss_scale: DynamicLossScale | None = None,
-    compile: bool = False,
-) -> Callable[..., Any]:
+def loss_and_grads(experiment: Any, backend: Backend, loss_scale: DynamicLossScale | None = None,
+                   compile: bool = False) -> Callable[..., Any]:
     """``(params, model_state, scale, history, batch, key) -> ((scaled, aux tuple), grads)``.
 
     On a delayed-fp8 backend ``grads`` is ``(grads, new_history)``.
@@ -432,15 +403,11 @@ def loss_and_grads(
 
 def _clip(max_grad_norm: Any) -> Callable[[Grads], tuple[Grads, torch.Tensor]]:
     """``grads -> (grads, global norm)``, clipped to ``max_grad_norm`` unless it is None."""
+    if max_grad_norm is None:
+        return lambda grads: (grads, global_norm(grads))
+    from minitrain.optim import clip_by_global_norm
 
-    def clip(grads: Grads) -> tuple[Grads, torch.Tensor]:
-        if max_grad_norm is None:
-            return grads, global_norm(grads)
-        from minitrain.optim import clip_by_global_norm
-
-        return clip_by_global_norm(grads, max_grad_norm)
-
-    return clip
+    return lambda grads: clip_by_global_norm(grads, max_grad_norm)
 
 
 def _update(optimizer: Any, donate: bool) -> Callable[..., tuple[Params, OptState]]:
@@ -456,5 +423,6 @@ def _update(optimizer: Any, donate: bool) -> Callable[..., tuple[Params, OptStat
         if donate:
             return params, opt_state
         new_params, new_state = optimizer.update(grads, opt_state, params)
-        return select_tree(finite, new_params, params), select_tree(finite, new_state, opt_state)
+        select = precision.select_tree
+        return select(finite, new_params, params), select(finite, new_state, opt_state)
     return update

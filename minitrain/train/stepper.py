@@ -115,7 +115,7 @@ def after_last_step(what: str, compute: Callable[[], T], default: T,
 
 
 def check_same(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...],
-               run_dir: Path, what: str) -> None:
+               run_dir: Path, what: str, advice: str = "use the same value") -> None:
     """Refuse to resume ``run_dir`` when one of ``keys`` of its checkpoint's meta differs.
 
     >>> check_same({"seed": 1}, {"seed": 2}, ("seed",), Path("out"), "run")
@@ -124,10 +124,10 @@ def check_same(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, 
     minitrain.errors.ResumeError: out was trained with seed=1, this run has seed=2; use the same value to resume, or a new --out
     """  # noqa: E501
     for key in keys:
-        if saved.get(key) != current[key]:
+        if saved.get(key) != current.get(key):
             raise ResumeError(
                 f"{run_dir} was trained with {key}={saved.get(key)!r}, this {what} has "
-                f"{key}={current[key]!r}; use the same value to resume, or a new --out"
+                f"{key}={current.get(key)!r}; {advice} to resume, or a new --out"
             )
 
 
