@@ -312,11 +312,10 @@ def _cache_path(key: Mapping[str, Any]) -> Path | None:
     """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``); ``MINITRAIN_CACHE_DIR=off``
     turns the disk cache off."""
     root = os.environ.get("MINITRAIN_CACHE_DIR")
-    if root is not None and root.strip().lower() in {"", "0", "off", "none"}:
-        return None
     if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(xdg) / "minitrain")
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain")
+    elif root.strip().lower() in {"", "0", "off", "none"}:
+        return None
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / f"hardware-cpu-{digest}.json"
 

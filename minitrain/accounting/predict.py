@@ -277,12 +277,10 @@ def predict_step(
     persistent = counter.ledger.live_by_category()
     gradients = value_and_grad(objective, has_aux=aux)
     with one_line_errors():
-        meta_grads, new_state = _backward(counter, mode, gradients, fake_params, fake_batch,
-                                          autocast, model_state is not None)
-        # The grads go in a box the update empties: once clipped, the unclipped grads die as
-        # they do in the train step (which rebinds its one reference).
-        box = [meta_grads]
-        del meta_grads
+        # The grads come in a box the update empties: once clipped, the unclipped grads die
+        # as they do in the train step (which rebinds its one reference).
+        box, new_state = _backward(counter, mode, gradients, fake_params, fake_batch, autocast,
+                                   model_state is not None)
         end_state = _update(counter, optimizer, meta_params, box, state, donate, max_grad_norm)
     end = counter.ledger.live_by_category()
     del end_state, new_state
@@ -291,8 +289,9 @@ def predict_step(
 
 def _backward(counter: Counter, mode: FakeTensorMode, gradients: Callable[..., Any],
               params: Any, batch: Any, autocast: Callable[[], Any] | None,
-              stateful: bool) -> tuple[Any, Any]:
-    """Forward and backward on fake tensors: the grads' meta twins, and the new model state."""
+              stateful: bool) -> tuple[list[Any], Any]:
+    """Forward and backward on fake tensors: the grads' meta twins in a box, and the new model
+    state."""
     with _watching(counter, mode, "forward"), autocast() if autocast else contextlib.nullcontext():
         value, grads = gradients(params, batch)
     new_state = None
@@ -301,7 +300,7 @@ def _backward(counter: Counter, mode: FakeTensorMode, gradients: Callable[..., A
         counter.categorize(new_state, category="buffers")
     del value
     counter.categorize(grads, category="grads")
-    return _meta_twin(counter, grads), new_state
+    return [_meta_twin(counter, grads)], new_state
 
 
 def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Callable[..., Any]:

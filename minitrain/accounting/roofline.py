@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from minitrain.accounting.hardware import Hardware, HardwareError, dtype_name, hardware
+from minitrain.accounting.hardware import DTYPE_NAMES, Hardware, dtype_name, hardware
 from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
@@ -263,12 +263,9 @@ def profile_records(records: Iterable[object], on: Roof,
 
 
 def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
-    if dtype is not None:
-        return spec.peak(dtype)
-    try:
-        return spec.peak(record_dtype)
-    except HardwareError:  # integer and bool ops: the fp32 peak
-        return spec.peak("fp32")
+    if dtype is None:  # the op's own; integer and bool ops (no peak listed) at the fp32 peak
+        dtype = record_dtype if record_dtype in spec.peak_flops else "fp32"
+    return spec.peak(dtype)
 
 
 def step_time(counter: Any, spec: Hardware, dtype: Any = None
@@ -303,13 +300,9 @@ def step_time(counter: Any, spec: Hardware, dtype: Any = None
 
 
 def _main_dtype(counter: Any) -> str:
-    # The dtype that did most of the FLOPs.
+    # The dtype that did most of the FLOPs, of those with a name in the hardware registry.
     flops: dict[str, int] = defaultdict(int)
     for record in counter.records:
         flops[record.dtype] += record.flops
-    for name, _ in sorted(flops.items(), key=lambda kv: -kv[1]):
-        try:
-            return dtype_name(name)
-        except HardwareError:
-            continue
-    return "fp32"
+    ranked = sorted((name for name in flops if name in DTYPE_NAMES), key=lambda n: -flops[n])
+    return ranked[0] if ranked else "fp32"
