@@ -136,36 +136,44 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
     member_step = make_member_step(ensemble.template, backend)
     binding = ensemble.binding
     fp8, keyed = fp8_recipe_of(backend) is not None, ensemble.template.uses_key
+    specs: dict[str, Any] = {}  # the inputs' and outputs' structures, set by each step
 
-    def bound_step(params: Params, opt_state: OptState, batch: PyTree,
-                   values: dict[str, torch.Tensor], *extra: Any) -> StepOutput:
-        history, key = extra[0] if fp8 else None, extra[-1] if keyed else None
+    # vmap walks its inputs' and outputs' trees several times per call: it gets flat lists, and
+    # the step flattens and unflattens each tree once
+    def flat_step(flat: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        (params, opt_state, history), (batch, values, key) = _pytree.tree_unflatten(
+            flat, specs["in"])
         with binding.bind(values):
-            out = member_step(params, opt_state, batch, history, key)
+            out = member_step(params, opt_state, batch, history if fp8 else None,
+                              key if keyed else None)
         # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry),
         # and the fp8 histories travel bare
-        history = () if out.carry is None else out.carry.fp8_history
-        return out._replace(carry=history, applied=())
+        history = out.carry.fp8_history if fp8 else ()
+        kept, _ = _pytree.tree_flatten((out.params, out.opt_state, history))
+        rest, specs["rest"] = _pytree.tree_flatten((out.loss, out.grad_norm, out.aux))
+        return kept, rest
 
-    # in_dims=0 for every argument: vmap then broadcasts no in_dims tree over the inputs
-    vmapped = torch.func.vmap(bound_step, randomness="different")
+    vmapped = torch.func.vmap(flat_step, randomness="different")
     attention = _batchable_attention(backend)
 
     def ensemble_step(params: Params, opt_state: OptState, batch: PyTree,
                       hyperparameters: dict[str, torch.Tensor], diverged_at: torch.Tensor,
                       step_number: int, fp8_history: torch.Tensor | None = None,
                       keys: torch.Tensor | None = None) -> EnsembleStepOutput:
-        extra = [value for value, used in ((fp8_history, fp8), (keys, keyed)) if used]
+        state = (params, opt_state, fp8_history if fp8 else ())
+        flat, specs["in"] = _pytree.tree_flatten((state, (batch, hyperparameters,
+                                                          keys if keyed else ())))
         with attention(), _vmap_errors(step_number):
-            out = vmapped(params, opt_state, batch, hyperparameters, *extra)
+            new, rest = vmapped(flat)
+        loss, grad_norm, aux = _pytree.tree_unflatten(rest, specs["rest"])
         alive = diverged_at == 0
-        healthy = alive & torch.isfinite(out.loss) & torch.isfinite(out.grad_norm)
+        healthy = alive & torch.isfinite(loss) & torch.isfinite(grad_norm)
         diverged_at = torch.where(alive & ~healthy, step_number, diverged_at)
-        kept = _keep_where(healthy, (out.params, out.opt_state, out.carry if fp8 else ()),
-                           (params, opt_state, fp8_history if fp8 else ()))
-        new_params, new_state, history = kept
-        return EnsembleStepOutput(new_params, new_state, out.loss, out.grad_norm, out.aux,
-                                  diverged_at, history if fp8 else None)
+        # the step returns the state's leaves in the order it took them
+        new_params, new_state, history = _pytree.tree_unflatten(
+            _keep_where(healthy, new, flat[:len(new)]), specs["in"].child(0))
+        return EnsembleStepOutput(new_params, new_state, loss, grad_norm, aux, diverged_at,
+                                  history if fp8 else None)
 
     return ensemble_step
 
@@ -214,16 +222,14 @@ def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractCo
     return lambda: sdpa_kernel([SDPBackend.MATH])
 
 
-def _keep_where(healthy: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+def _keep_where(healthy: torch.Tensor, new: list[torch.Tensor], old: list[torch.Tensor]
+                ) -> list[torch.Tensor]:
     """Leaf by leaf: member k's new value where ``healthy[k]``, else its old value."""
-    # The step returns trees shaped like its inputs, so no structure check is needed here.
-    flat, spec = _pytree.tree_flatten(new)
-    kept = [
-        torch.where(healthy.view(-1, *([1] * (a.dim() - 1))), a, b)
-        if isinstance(a, torch.Tensor) else a
-        for a, b in zip(flat, _pytree.tree_leaves(old), strict=True)
-    ]
-    return _pytree.tree_unflatten(kept, spec)
+    masks: dict[int, torch.Tensor] = {}
+    for leaf in new:
+        if leaf.dim() not in masks:
+            masks[leaf.dim()] = healthy.view(-1, *([1] * (leaf.dim() - 1)))
+    return [torch.where(masks[a.dim()], a, b) for a, b in zip(new, old, strict=True)]
 
 
 def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,

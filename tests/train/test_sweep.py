@@ -52,25 +52,12 @@ def experiment(config):
     else:
         optimizer = mt.optim.sgd(lr=lr, momentum=0.9, weight_decay=config["weight_decay"])
     return mt.Experiment(
-        name="toy",
-        init=lambda g: mt.models.cruncher_init(dim=dim, num_layers=1, generator=g),
-        loss=loss,
-        next_batch=next_batch,
-        optimizer=optimizer,
-        steps=config["steps"],
-    )
+        name="toy", init=lambda g: mt.models.cruncher_init(dim=dim, num_layers=1, generator=g),
+        loss=loss, next_batch=next_batch, optimizer=optimizer, steps=config["steps"])
 """
 
-SMALL_BYTELM = [
-    "d_model=16",
-    "n_layers=1",
-    "n_heads=2",
-    "seq_len=8",
-    "batch_size=2",
-    "eval_batches=1",
-    "eval_every=0",
-    "warmup_steps=1",
-]
+SMALL_BYTELM = ["d_model=16", "n_layers=1", "n_heads=2", "seq_len=8", "batch_size=2",
+                "eval_batches=1", "eval_every=0", "warmup_steps=1"]
 
 
 @pytest.fixture
@@ -122,18 +109,13 @@ def test_linreg_sgd_members_equal_single_runs_and_log_per_member(tmp_path):
     ensemble = load_sweep(LINREG, ["lr=0.01,0.05"], seeds=[0, 1], steps=60)
     result = fit_sweep(ensemble, CPU, out_dir=tmp_path, progress=False)
     assert result.params["final"]["weight"].shape == (4, 16, 1)
-    assert [(m.swept["lr"], m.seed) for m in ensemble.members] == [
-        (0.01, 0),
-        (0.01, 1),
-        (0.05, 0),
-        (0.05, 1),
-    ]
+    members = [(m.swept["lr"], m.seed) for m in ensemble.members]
+    assert members == [(0.01, 0), (0.01, 1), (0.05, 0), (0.05, 1)]
     assert_members_match_single_runs(LINREG, ensemble, result, 60)
     records = read_metrics(tmp_path)
     assert len(records) == 60 * 4
-    assert {(r["step"], r["member"]) for r in records} == {
-        (s, k) for s in range(1, 61) for k in range(4)
-    }
+    assert {(r["step"], r["member"]) for r in records} == {(s, k) for s in range(1, 61)
+                                                           for k in range(4)}
     assert all(r["config"] == {"lr": ensemble.members[r["member"]].swept["lr"]} for r in records)
     summary = json.loads((tmp_path / "summary.json").read_text())
     ranks = [row["smoothed_loss"] for row in summary["ranking"]]
@@ -157,23 +139,9 @@ def test_bytelm_sweep_equals_separate_runs(tmp_path, bytelm_data):
     and would refuse the swept tensor (see the module docstring of minitrain.train.sweep)."""
     items = [*SMALL_BYTELM, f"data_dir={bytelm_data}"]
     lrs = ["0.002", "0.01"]
-    command = [
-        sys.executable,
-        "-m",
-        "minitrain",
-        "sweep",
-        BYTELM,
-        "--set",
-        f"lr={','.join(lrs)}",
-        *(f"--set={item}" for item in items),
-        "--steps",
-        "4",
-        "--out",
-        str(tmp_path / "s"),
-        "--no-plot",
-        "--no-report",
-        "--json",
-    ]
+    command = [sys.executable, "-m", "minitrain", "sweep", BYTELM, "--set", f"lr={','.join(lrs)}",
+               *(f"--set={item}" for item in items), "--steps", "4", "--out",
+               str(tmp_path / "s"), "--no-plot", "--no-report", "--json"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
@@ -219,9 +187,8 @@ def test_a_diverging_member_is_frozen_reported_and_the_others_finish(tmp_path):
 def test_the_sweep_fails_only_when_every_member_diverges(capsys):
     with pytest.raises(NonFiniteLoss, match="every member diverged"):
         fit_sweep(load_sweep(LINREG, ["lr=2.0,5.0"], steps=200), CPU, progress=False)
-    code, _, err = invoke(
-        capsys, "sweep", LINREG, "--set", "lr=2.0,5.0", "--steps", "200", "--json"
-    )
+    code, _, err = invoke(capsys, "sweep", LINREG, "--set", "lr=2.0,5.0", "--steps", "200",
+                          "--json")
     assert code == 1 and "Traceback" not in err
     assert err.splitlines()[-1].startswith("error: every member diverged")
 
@@ -231,25 +198,15 @@ def test_the_sweep_fails_only_when_every_member_diverges(capsys):
 
 def test_an_interrupted_sweep_resumes_bit_identically(toy, tmp_path):
     items = ["lr=0.01,0.05", "weight_decay=0.0,0.1"]
-    whole = fit_sweep(
-        load_sweep(toy, items, [0, 1], steps=30), CPU, out_dir=tmp_path / "a", progress=False
-    )
+    whole = fit_sweep(load_sweep(toy, items, [0, 1], steps=30), CPU, out_dir=tmp_path / "a",
+                      progress=False)
     fit_sweep(load_sweep(toy, items, [0, 1], steps=12), CPU, out_dir=tmp_path / "b", progress=False)
     messages = []
-    resumed = fit_sweep(
-        load_sweep(toy, items, [0, 1], steps=30),
-        CPU,
-        out_dir=tmp_path / "b",
-        resume=True,
-        progress=False,
-        say=messages.append,
-    )
+    resumed = fit_sweep(load_sweep(toy, items, [0, 1], steps=30), CPU, out_dir=tmp_path / "b",
+                        resume=True, progress=False, say=messages.append)
     assert resumed.summary["resumed_from"] == 12 and "resuming from" in messages[0]
-    for a, b in zip(
-        leaves((whole.params, whole.opt_state)),
-        leaves((resumed.params, resumed.opt_state)),
-        strict=True,
-    ):
+    for a, b in zip(leaves((whole.params, whole.opt_state)),
+                    leaves((resumed.params, resumed.opt_state)), strict=True):
         assert torch.equal(a, b)
 
     def log(run):
@@ -258,13 +215,8 @@ def test_an_interrupted_sweep_resumes_bit_identically(toy, tmp_path):
     assert log("a") == log("b") and len(log("a")) == 30 * 8
     assert whole.summary["ranking"] == resumed.summary["ranking"]
     with pytest.raises(ResumeError, match="member 0 was trained with lr=0.01"):
-        fit_sweep(
-            load_sweep(toy, ["lr=0.02,0.05", items[1]], [0, 1], steps=30),
-            CPU,
-            out_dir=tmp_path / "b",
-            resume=True,
-            progress=False,
-        )
+        fit_sweep(load_sweep(toy, ["lr=0.02,0.05", items[1]], [0, 1], steps=30), CPU,
+                  out_dir=tmp_path / "b", resume=True, progress=False)
 
 
 # --------------------------------------------------------------------------- contract checks
@@ -283,16 +235,13 @@ def invoke(capsys, *args):
     return exit_info.value.code, captured.out, captured.err
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--set", "dim=8,16"], "only float CONFIG keys can take several values"),
-        (["--set", "lr=0.1,0.1"], "0.1 is listed twice"),
-        (["--set", "lrr=0.1,0.2"], "unknown config key 'lrr'"),
-        (["--set", "lr=0.1,x"], "expected a float"),
-        (["--seeds", "0,a"], "comma-separated integers"),
-    ],
-)
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "dim=8,16"], "only float CONFIG keys can take several values"),
+    (["--set", "lr=0.1,0.1"], "0.1 is listed twice"),
+    (["--set", "lrr=0.1,0.2"], "unknown config key 'lrr'"),
+    (["--set", "lr=0.1,x"], "expected a float"),
+    (["--seeds", "0,a"], "comma-separated integers"),
+])
 def test_cli_mistakes_are_one_line_errors(capsys, args, message):
     code, _, err = invoke(capsys, "sweep", LINREG, "--steps", "2", *args)
     assert code == 2 and message in err
@@ -304,29 +253,13 @@ def test_cli_mistakes_are_one_line_errors(capsys, args, message):
                    "value it cannot hold yet")
 def test_cli_sweep_writes_the_run_and_reports_the_whole_ensemble(capsys, tmp_path):
     out = tmp_path / "sweep"
-    code, stdout, err = invoke(
-        capsys,
-        "sweep",
-        LINREG,
-        "--set",
-        "lr=0.01,0.1",
-        "--seeds",
-        "0,1",
-        "--steps",
-        "20",
-        "--out",
-        out,
-        "--json",
-    )
+    code, stdout, err = invoke(capsys, "sweep", LINREG, "--set", "lr=0.01,0.1", "--seeds", "0,1",
+                               "--steps", "20", "--out", out, "--json")
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["members"] == 4 and summary["params"] == 4 * 16
-    assert {p.name for p in out.iterdir()} >= {
-        "metrics.jsonl",
-        "summary.json",
-        "sweep.png",
-        "checkpoints",
-    }
+    assert {p.name for p in out.iterdir()} >= {"metrics.jsonl", "summary.json", "sweep.png",
+                                               "checkpoints"}
     # The resource report covers K members: K x params, state and matmul FLOPs of one run.
     member = load_sweep(LINREG, ["lr=0.01"], steps=20).members[0]
     experiment, config = load_experiment(LINREG, {"lr": "0.01"}, steps=20)
@@ -357,10 +290,7 @@ def test_ctrl_c_checkpoints_and_the_resumed_sweep_matches_an_uninterrupted_one(t
     args = ["sweep", LINREG, "--set", "lr=0.01,0.02", "--seeds", "0,1", "--out", str(run_dir)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "minitrain", *args, "--steps", "100000", "--json", "--no-report"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 4 * 20:
         assert time.monotonic() < deadline and proc.poll() is None
@@ -370,47 +300,34 @@ def test_ctrl_c_checkpoints_and_the_resumed_sweep_matches_an_uninterrupted_one(t
     assert proc.returncode == 130 and "--resume" in err and "Traceback" not in err
     saved = checkpoint.verify(checkpoint.latest_valid(run_dir))["step"]
     total = saved + 10
-    resumed = fit_sweep(
-        load_sweep(LINREG, ["lr=0.01,0.02"], [0, 1], steps=total),
-        CPU,
-        out_dir=run_dir,
-        resume=True,
-        progress=False,
-        say=lambda message: None,
-    )
-    whole = fit_sweep(
-        load_sweep(LINREG, ["lr=0.01,0.02"], [0, 1], steps=total), CPU, progress=False
-    )
+    resumed = fit_sweep(load_sweep(LINREG, ["lr=0.01,0.02"], [0, 1], steps=total), CPU,
+                        out_dir=run_dir, resume=True, progress=False, say=lambda message: None)
+    whole = fit_sweep(load_sweep(LINREG, ["lr=0.01,0.02"], [0, 1], steps=total), CPU,
+                      progress=False)
     assert torch.equal(resumed.params["final"]["weight"], whole.params["final"]["weight"])
     assert len(read_metrics(run_dir)) == 4 * total
 
 
-NOISY = TOY.replace(
-    '"coerce": False, "steps": 40}',
-    '"coerce": False, "steps": 40, "noise": 0.0}',
-).replace(
-    "        return x, x @ true_w\n",
-    "        noise = torch.randn(x.shape[0], generator=generator)\n"
-    '        return x, x @ true_w + config["noise"] * noise\n',
-)
+NOISY = TOY.replace('"coerce": False, "steps": 40}', '"coerce": False, "steps": 40, "noise": 0.0}'
+                    ).replace("        return x, x @ true_w\n",
+                              "        noise = torch.randn(x.shape[0], generator=generator)\n"
+                              '        return x, x @ true_w + config["noise"] * noise\n')
 
 
 def test_members_with_one_seed_share_batch_draws_unless_next_batch_reads_a_swept_value(tmp_path):
-    from minitrain.train.ensemble_step import (
-        batches_ignore_swept_values,
-        draw_batches,
-        shared_by_seed,
-    )
+    from minitrain.train import ensemble_step
 
     path = tmp_path / "noisy.py"
     path.write_text(NOISY)
     by_lr = load_sweep(str(path), ["lr=0.01,0.05,0.1"], seeds=[0, 1], steps=40)
     by_noise = load_sweep(str(path), ["noise=0.0,0.5"], seeds=[0], steps=40)
-    assert batches_ignore_swept_values(by_lr)
-    assert not batches_ignore_swept_values(by_noise)  # its next_batch reads config["noise"]
+    assert ensemble_step.batches_ignore_swept_values(by_lr)
+    # its next_batch reads config["noise"]
+    assert not ensemble_step.batches_ignore_swept_values(by_noise)
 
     # Shared generators: one per seed; each draw happens once per seed, not once per member.
-    generators = shared_by_seed(by_lr.members, [torch.Generator() for _ in by_lr.members])
+    fresh = [torch.Generator() for _ in by_lr.members]
+    generators = ensemble_step.shared_by_seed(by_lr.members, fresh)
     assert len({id(g) for g in generators}) == 2
     calls = []
 
@@ -422,7 +339,7 @@ def test_members_with_one_seed_share_batch_draws_unless_next_batch_reads_a_swept
         return draw
 
     counted = [dataclasses.replace(e, next_batch=counting(e.next_batch)) for e in by_lr.experiments]
-    batches = draw_batches(counted, generators)
+    batches = ensemble_step.draw_batches(counted, generators)
     assert len(calls) == 2 and len(batches) == 6
     # Both kinds of sweep still equal their separate runs.
     assert_members_match_single_runs(str(path), by_lr, fit_sweep(by_lr, CPU, progress=False), 40)
