@@ -43,8 +43,7 @@ pytree = _pytree
 # The base class of a mode that sees every aten op below autograd (the counter, the predictor).
 # No public alternative: torch.overrides.TorchFunctionMode sees torch-level calls, above autograd.
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
-# Runs an op with every dispatch mode off (a metadata query under fake mode). No public
-# alternative.
+# Runs an op with every dispatch mode off (a query under fake mode). No public alternative.
 disable_current_modes = _python_dispatch._disable_current_modes
 # Tensors with a shape, dtype and device but no data, for predicting a step without computing
 # it. No public alternative (torch.empty(..., device="meta") loses the device and meets ops
@@ -123,8 +122,7 @@ fused_adam_ = torch._fused_adam_
 fused_adamw_ = torch._fused_adamw_
 fused_sgd_ = torch._fused_sgd_
 fused_adagrad_ = torch._fused_adagrad_
-# Whether a torch.func wrapper is grad's (or jvp's), to name the wrappers around a leaf. No
-# public alternative.
+# Whether a torch.func wrapper is grad's (or jvp's), to name a leaf's. No public alternative.
 is_gradtrackingtensor = torch._C._functorch.is_gradtrackingtensor
 # The innermost active TorchDispatchMode, or None: the C kernels and probes give way to torch's
 # ops where a mode (the accounting Counter, fake tensors) watches. No public alternative.
@@ -133,8 +131,7 @@ get_current_dispatch_mode = _python_dispatch._get_current_dispatch_mode
 # one other than torch's default-device mode watches. No public alternative.
 is_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 get_current_function_mode_stack = torch.overrides._get_current_function_mode_stack
-# The TorchFunctionMode that torch.set_default_device installs (not a watcher). No public
-# alternative.
+# The TorchFunctionMode torch.set_default_device installs (no watcher). No public alternative.
 DeviceContext = _device.DeviceContext
 # Whether a tensor's elements are dense and never share an address, and the contiguous strides
 # of a shape: the strides torch.empty_like gives a buffer, without allocating one. Public

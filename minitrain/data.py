@@ -30,7 +30,6 @@ import torch
 
 from minitrain.atomic_io import staged_dir, storage_errors
 from minitrain.errors import StorageError
-from minitrain.tree import map as tree_map
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
 __all__ = [
@@ -176,9 +175,8 @@ class Prefetcher(Generic[Batch]):
     generator stays the only RNG state.
     """
 
-    def __init__(self, sample: Callable[[torch.Generator], Batch], pin_memory: bool = False):
+    def __init__(self, sample: Callable[[torch.Generator], Batch]):
         self._sample = sample
-        self._pin_memory = pin_memory
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minitrain-data")
         # The generator state the next batch is drawn from, and the future (batch, state after).
         self._pending: tuple[torch.Tensor, Future[tuple[Batch, torch.Tensor]]] | None = None
@@ -197,21 +195,15 @@ class Prefetcher(Generic[Batch]):
         else:
             if pending is not None:
                 pending[1].cancel()
-            batch = self._draw(generator)
+            batch = self._sample(generator)
             after = generator.get_state()
         self._pending = (after, self._executor.submit(self._speculate, after, generator.device))
         return batch
 
-    def _draw(self, generator: torch.Generator) -> Batch:
-        batch = self._sample(generator)
-        if not self._pin_memory:
-            return batch
-        return tree_map(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t, batch)
-
     def _speculate(self, state: torch.Tensor, device: torch.device) -> tuple[Batch, torch.Tensor]:
         private = torch.Generator(device=device)
         private.set_state(state)
-        return self._draw(private), private.get_state()
+        return self._sample(private), private.get_state()
 
     def close(self) -> None:
         """Stop the worker thread (waits for the batch in flight, if any)."""
