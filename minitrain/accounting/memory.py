@@ -23,13 +23,11 @@ from minitrain.errors import UserError
 from minitrain.precision.policies import PRECISIONS, Precision
 from minitrain.precision.policies import element_bytes as precision
 
-__all__ = [
-    "OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
-    "Precision", "ZeroMemory", "bytes_per_param", "cruncher_activations", "cruncher_memory",
-    "cruncher_params", "max_params", "optimizer_key", "optimizer_state_elements",
-    "optimizer_states", "per_device_bytes_per_param", "state_bytes", "training_memory",
-    "zero_memory",
-]
+__all__ = ["OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
+           "Precision", "ZeroMemory", "bytes_per_param", "cruncher_activations", "cruncher_memory",
+           "cruncher_params", "max_params", "optimizer_key", "optimizer_state_elements",
+           "optimizer_states", "per_device_bytes_per_param", "state_bytes", "training_memory",
+           "zero_memory"]
 
 # Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
 # (the ``state[...] = torch.zeros_like(p)`` lines of each optimizer's ``_init_group`` in
@@ -60,10 +58,8 @@ _SCALAR_STATES: dict[str, int] = dict.fromkeys(OPTIMIZER_STATES, 1) | {
 # Options that add one parameter-sized tensor, and the optimizers that take each: Adam(W)'s
 # "max_exp_avg_sq", SGD's and RMSprop's "momentum_buffer", RMSprop's "grad_avg".
 STATE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "amsgrad": ("adam", "adamw"),
-    "momentum": ("sgd", "momentum", "rmsprop"),
-    "centered": ("rmsprop",),
-}
+    "amsgrad": ("adam", "adamw"), "momentum": ("sgd", "momentum", "rmsprop"),
+    "centered": ("rmsprop",)}
 # What each ZeRO stage shards over the devices (Rajbhandari et al. 2020, "ZeRO", figure 1):
 # stage 1 the optimizer state (with the master weights), stage 2 also the grads, stage 3 also
 # the params. Stage 0 replicates everything.
@@ -126,9 +122,7 @@ def optimizer_state_elements(
     """
     key = optimizer_key(optimizer)
     full = optimizer_states(key, amsgrad=amsgrad, momentum=momentum, centered=centered)
-    if not isinstance(shape, tuple | list) or any(
-        not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in shape
-    ):
+    if not _is_shape(shape) or any(n < 0 for n in shape):
         raise UserError(f"shape must be a tuple of sizes >= 0, got {shape!r}")
     scalar = _SCALAR_STATES[key]
     if key == "muon" and len(shape) != 2:
