@@ -66,6 +66,30 @@ def test_the_kernels_norm_rounds_as_torch_does_where_an_exact_sum_would_not(valu
         assert torch.equal(c, p.grad)
 
 
+HOSTILE_GRADS = {
+    "expanded": lambda: torch.ones(1).expand(4),
+    "strided": lambda: torch.ones(8)[::2],
+    "another shape": lambda: torch.ones(2, 2),
+    "float64": lambda: torch.ones(4, dtype=torch.float64),
+    "resized": lambda: _resized(torch.ones(4)),
+}
+
+
+def _resized(t):
+    t.untyped_storage().resize_(0)
+    return t
+
+
+@needs_kernels
+@pytest.mark.parametrize("grad", HOSTILE_GRADS)
+def test_the_op_refuses_a_grad_its_kernel_cannot_address(grad):
+    params = [torch.ones(4)]
+    with pytest.raises(ValueError, match="streaming update"):
+        streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], [params, [HOSTILE_GRADS[grad]()], None],
+                         streaming.fresh)
+    assert torch.equal(params[0], torch.ones(4))
+
+
 class _Shrinking(float):
     """A float hyperparameter whose ``__float__``, once armed, frees a param's storage."""
 
