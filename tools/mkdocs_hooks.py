@@ -17,6 +17,9 @@ from functools import cache
 from pathlib import Path
 
 MARKER = re.compile(r"<!-- api: ([\w.]+) -->")
+# An example for a public name whose docstring has none: the pycon block after the marker is
+# moved into that name's entry.
+EXAMPLE = re.compile(r"<!-- example: (?P<name>\w+) -->\n(?P<block>```pycon\n.*?\n```)\n", re.S)
 BENCHMARK_PAGES = "<!-- benchmark-pages -->"
 ROOT = Path(__file__).resolve().parents[1]
 # Modules with an API page of their own: the top-level page links to them.
@@ -110,15 +113,31 @@ def _first_line(module_name: str) -> str:
     return re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
 
 
-def api_markdown(module_name: str) -> str:
-    """The page body: names grouped by defining module, submodules linked or summarised."""
+def page_examples(markdown: str) -> dict[str, str]:
+    """``name -> pycon block`` of the examples a page holds.
+
+    >>> page_examples("<!-- example: Foo -->\\n```pycon\\n>>> 1\\n1\\n```\\n")
+    {'Foo': '```pycon\\n>>> 1\\n1\\n```'}
+    """
+    return {match["name"]: match["block"] for match in EXAMPLE.finditer(markdown)}
+
+
+def _is_private(module_name: str) -> bool:
+    return any(part.startswith("_") for part in module_name.split("."))
+
+
+def api_markdown(module_name: str, examples: dict[str, str] | None = None) -> str:
+    """The page body: names grouped by defining module, each documented under its public path
+    (``minitrain.optim.adam``, not the private module that defines it), an example from the
+    page after the entry of a name whose docstring has none, submodules linked or summarised."""
+    examples = examples or {}
     groups: dict[str, list[str]] = {}
     modules = []
     for name, identifier, is_module in api_entries(module_name):
         if is_module:
             modules.append((name, identifier))
         else:
-            groups.setdefault(identifier.rsplit(".", 1)[0], []).append(identifier)
+            groups.setdefault(identifier.rsplit(".", 1)[0], []).append(name)
     lines = []
     if modules:
         lines += ["## Modules", "", "| name | what it holds |", "|---|---|"]
@@ -127,17 +146,25 @@ def api_markdown(module_name: str) -> str:
             label = f"[`{name}`]({page})" if page else f"[`{name}`](#{identifier})"
             lines.append(f"| {label} | {_first_line(identifier)} |")
         lines.append("")
-    for source, identifiers in groups.items():
+    for source, names in groups.items():
         summary = _first_line(source) if source != module_name else ""
-        lines += [f"## `{source}`", "", summary, ""]
-        lines += [f"::: {identifier}\n" for identifier in identifiers]
-    for _, identifier in modules:
+        if _is_private(source):  # headed by what it holds, not by a path nobody imports
+            lines += [f"## {summary.split('. ')[0].rstrip('.')}", ""]
+        else:
+            lines += [f"## `{source}`", "", summary, ""]
+        for name in names:
+            lines += [f"::: {module_name}.{name}", ""]
+            if name in examples:
+                lines += [examples[name], ""]
+    for name, identifier in modules:
         if identifier in PAGES:
             continue
         # A submodule whose names the page already lists gets its docstring only.
         members = ["      members: false"] if identifier in groups else []
         lines += [f"## `{identifier}`", "", f"::: {identifier}", "    options:",
                   "      show_root_heading: false", *members, ""]
+        if name in examples:
+            lines += [examples[name], ""]
     return "\n".join(lines)
 
 
@@ -155,7 +182,10 @@ def benchmark_pages(docs_dir: Path) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 - mkdocs API
-    markdown = MARKER.sub(lambda m: api_markdown(m.group(1)), markdown)
+    if MARKER.search(markdown):
+        examples = page_examples(markdown)
+        markdown = EXAMPLE.sub("", markdown)
+        markdown = MARKER.sub(lambda m: api_markdown(m.group(1), examples), markdown)
     if BENCHMARK_PAGES in markdown:
         markdown = markdown.replace(BENCHMARK_PAGES, benchmark_pages(Path(config["docs_dir"])))
     return markdown
