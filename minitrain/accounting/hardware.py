@@ -27,18 +27,16 @@ from minitrain.errors import UserError
 __all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "cpu_peak_bound",
            "dtype_name", "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
 
-# Canonical dtype names and the spellings accepted for each (torch's and numpy's included).
+# Canonical dtype names and the spellings accepted for each (torch's, less "torch.", and
+# numpy's included).
 DTYPE_NAMES: dict[str, tuple[str, ...]] = {
-    "fp64": ("float64", "double", "torch.float64"),
-    "fp32": ("float32", "float", "torch.float32"),
-    "tf32": ("tensorfloat32",),
-    "bf16": ("bfloat16", "torch.bfloat16"),
-    "fp16": ("float16", "half", "torch.float16"),
-    "fp8": ("float8", "float8_e4m3fn", "float8_e5m2", "torch.float8_e4m3fn", "torch.float8_e5m2"),
-    "int8": ("torch.int8",),
+    "fp64": ("float64", "double"), "fp32": ("float32", "float"), "tf32": ("tensorfloat32",),
+    "bf16": ("bfloat16",), "fp16": ("float16", "half"),
+    "fp8": ("float8", "float8_e4m3fn", "float8_e5m2"), "int8": (),
     "fp4": ("float4", "nvfp4", "mxfp4"),
 }
-_DTYPE_ALIASES = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
+_DTYPE_ALIASES = {alias: name for name, aliases in DTYPE_NAMES.items()
+                  for alias in (name, *aliases)}
 
 
 class HardwareError(UserError):
@@ -51,9 +49,7 @@ def dtype_name(dtype: Any) -> str:
     >>> dtype_name("bfloat16"), dtype_name("fp32")
     ('bf16', 'fp32')
     """
-    text = str(dtype).strip().lower()
-    if text in DTYPE_NAMES:
-        return text
+    text = str(dtype).strip().lower().removeprefix("torch.")
     if text in _DTYPE_ALIASES:
         return _DTYPE_ALIASES[text]
     raise HardwareError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
