@@ -122,13 +122,9 @@ def _meta_twin(counter: Counter, tree: Any) -> Any:
     return twin
 
 
-_lookup = hardware  # predict_step's own ``hardware`` argument hides the function
-
-
-def _start(hardware: str | Hardware, trees: tuple[Any, ...]
-           ) -> tuple[Hardware, FakeTensorMode, Counter]:
+def _start(on: str | Hardware, trees: tuple[Any, ...]) -> tuple[Hardware, FakeTensorMode, Counter]:
     """The spec, the fake mode of ``trees`` (or a new one) and a counter over fake storages."""
-    spec = hardware if isinstance(hardware, Hardware) else _lookup(hardware)
+    spec = on if isinstance(on, Hardware) else hardware(on)
     fakes = [leaf for leaf in pytree.tree_leaves(trees) if isinstance(leaf, FakeTensor)]
     mode = fakes[0].fake_mode if fakes else fake_mode()
     return spec, mode, Counter(ledger=Ledger(fake=True, inputs="buffers"))
