@@ -381,12 +381,10 @@ _MEASURED: dict[str, Hardware] = {}
 
 def measure_cpu(refresh: bool = False, max_age: float | int = MAX_AGE_SECONDS) -> Hardware:
     """This CPU for this process: peak FLOP/s in fp32, bf16 and fp16 bounded from the spec
-    (:func:`cpu_peak_bound` on ``torch.get_num_threads()`` cores; at least the ``torch.mm`` rate
-    measured, kept in ``details``), so MFU stays at most 1; copy bandwidth (bytes/s) measured.
-
-    Kept for the process and on disk, reused on the same machine, torch build and thread
-    count for ``max_age`` seconds (``details`` records them, the time and the load average);
-    ``refresh=True`` measures again (``minitrain hardware cpu --measure``).
+    (:func:`cpu_peak_bound` on ``torch.get_num_threads()`` cores; at least the measured
+    ``torch.mm`` rate), so MFU stays at most 1; copy bandwidth (bytes/s) measured. Reused on the
+    same machine, torch build and thread count for ``max_age`` seconds (kept in memory and on
+    disk, ``details`` says what and when); ``refresh=True`` measures again.
 
     >>> MAX_AGE_SECONDS / 86_400  # days a measurement is reused by default
     7.0

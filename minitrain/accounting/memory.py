@@ -106,12 +106,11 @@ def optimizer_state_elements(
     optimizer: str, shape: tuple[int, ...], *, amsgrad: bool = False, momentum: bool = False,
     centered: bool = False, scalars: bool = True,
 ) -> int:
-    """Elements of optimizer state torch keeps for one parameter of ``shape`` (torch's layouts,
-    see :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``; the
-    options as in :func:`optimizer_states`. Adafactor keeps ``prod(shape[:-1])`` row and
-    ``prod(shape[:-2])·shape[-1]`` column elements for a matrix (or a stack of them). Muon
-    takes matrices only: any other param falls back to AdamW, as Muon is used (Jordan et al.
-    2024).
+    """Elements of optimizer state torch keeps for one parameter of ``shape`` (see
+    :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``; options as
+    in :func:`optimizer_states`. Adafactor keeps ``prod(shape[:-1])`` row and
+    ``prod(shape[:-2])·shape[-1]`` column elements for a matrix (or a stack of them); Muon
+    takes matrices only, other params fall back to AdamW (Jordan et al. 2024).
 
     >>> optimizer_state_elements("adamw", (768, 3072))    # two moments and the step
     4718593
