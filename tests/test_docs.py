@@ -3,9 +3,12 @@ the site builds strictly, and every public name has an API entry."""
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import importlib.util
+import inspect
+import json
 import os
 import re
 import subprocess
@@ -194,7 +197,88 @@ def test_every_public_name_has_an_entry(module_name, site):
         source, _, attr = identifier.rpartition(".")
         defined = getattr(importlib.import_module(source), attr)
         assert defined is obj or defined == obj, f"{identifier} is not {module_name}.{name}"
-        assert f'id="{identifier}"' in html, f"no API entry for {module_name}.{name}"
+        # Under its public path: the private module that defines it shows nowhere.
+        assert f'id="{module_name}.{name}"' in html, f"no API entry for {module_name}.{name}"
+    assert not re.search(r'id="minitrain(\.\w+)*\._', html), "a private path in a heading"
+
+
+def test_precision_lists_the_names_of_its_modules():
+    """``mt.precision`` loads its names lazily; its ``__all__`` is every module's, no more."""
+    import minitrain.precision as precision
+
+    union = [name for module in mkdocs_hooks.submodule_names(precision)[1:]
+             for name in getattr(importlib.import_module(module), "__all__", [])]
+    assert sorted(precision.__all__) == sorted(union) and len(set(union)) == len(union)
+    namespace: dict = {}
+    exec("from minitrain.precision import *", namespace)
+    assert set(precision.__all__) <= set(namespace) & set(dir(precision))
+
+
+def own_docstring(module_name: str, name: str, obj: object) -> str:
+    """The docstring written for a public name: a class's, function's or module's own, or the
+    string literal after the assignment that defines a constant or type alias."""
+    if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj):
+        return obj.__doc__ or ""
+    identifier = dict((n, i) for n, i, _ in mkdocs_hooks.api_entries(module_name))[name]
+    source = importlib.util.find_spec(identifier.rpartition(".")[0]).origin
+    body = ast.parse(Path(source).read_text()).body
+    for node, after in zip(body, body[1:], strict=False):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                return str(after.value.value)
+    return ""
+
+
+def api_page(module_name: str) -> Path:
+    [path] = [p for p in (ROOT / "docs" / "api").glob("*.md")
+              if f"<!-- api: {module_name} -->" in p.read_text()]
+    return path
+
+
+@pytest.mark.parametrize("module_name", API_MODULES)
+def test_every_public_name_has_an_example(module_name):
+    """In its docstring, or, where the library keeps it short, in its entry on the API page."""
+    module = importlib.import_module(module_name)
+    names = mkdocs_hooks.public_names(module)
+    examples = mkdocs_hooks.page_examples(api_page(module_name).read_text())
+    assert not set(examples) - set(names), "an example for a name the module does not have"
+    without = [name for name in names if name not in examples
+               and ">>>" not in own_docstring(module_name, name, getattr(module, name))]
+    assert not without, f"{module_name}: no example for {without}"
+    twice = [name for name in examples if ">>>" in own_docstring(module_name, name,
+                                                                getattr(module, name))]
+    assert not twice, f"{module_name}: an example on the page and in the docstring: {twice}"
+
+
+PYCON = {path: [textwrap.dedent(m["code"]) for m in FENCE.finditer(path.read_text())
+                if m["lang"] == "pycon"] for path in pages()}
+PYCON = {path: blocks for path, blocks in PYCON.items() if blocks}
+# Each block a doctest of its own, with fresh globals, in a process apart from the tests'
+# (an example may register a backend).
+RUN_EXAMPLES = """
+import doctest, json, sys
+failed = []
+for i, code in enumerate(json.load(sys.stdin)):
+    test = doctest.DocTestParser().get_doctest(code, {}, f"block {i}", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    failed += [code] if runner.failures else []
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_the_api_pages_hold_examples():
+    assert sum(len(blocks) for path, blocks in PYCON.items() if path.parent.name == "api") >= 70
+
+
+@pytest.mark.parametrize("path", list(PYCON), ids=[str(p.relative_to(ROOT)) for p in PYCON])
+def test_every_example_prints_what_it_shows(path):
+    """Each ``pycon`` block runs alone (fresh globals) and prints what it quotes."""
+    proc = subprocess.run([sys.executable, "-c", RUN_EXAMPLES], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, input=json.dumps(PYCON[path]))
+    assert proc.returncode == 0, (f"{path.relative_to(ROOT)}: run python tools/generate_docs.py"
+                                  f"\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
 
 
 def test_the_cli_reference_lists_every_command(site):
@@ -210,7 +294,7 @@ def test_doctests_become_code_in_the_api_pages():
     text = "Doubles.\n\n    >>> 2 * 2\n    4\n"
     assert griffe_doctests.fence_doctests(text) == (
         "Doubles.\n\n    ```pycon\n    >>> 2 * 2\n    4\n    ```\n")
-    for module in (griffe_doctests, mkdocs_hooks, load_benchmark("_pages")):
+    for module in (griffe_doctests, mkdocs_hooks, generate_docs, load_benchmark("_pages")):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
 

@@ -11,7 +11,9 @@ the repository root)::
     <!-- /output -->
 
 ``output-md`` instead of ``output`` inserts what the command prints as Markdown (a table of
-figures), unfenced. ``python tools/generate_docs.py`` rewrites the blocks;
+figures), unfenced. A ``pycon`` block (an example on an API page) gets, after each ``>>>``
+statement, what that statement prints when the block runs alone, as a doctest shows it.
+``python tools/generate_docs.py`` rewrites the blocks;
 ``python tools/generate_docs.py --check`` exits 1 naming each block whose text differs from
 what the code prints now (``tests/test_docs.py`` runs it).
 """
@@ -19,6 +21,8 @@ what the code prints now (``tests/test_docs.py`` runs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -58,6 +62,50 @@ def render(kind: str, command: str, output: str) -> str:
     return f"```text\n$ {shown}\n{output}\n```\n"
 
 
+PYCON = re.compile(r"(?P<open>^```pycon\n)(?P<code>.*?)(?P<close>^```$)", re.S | re.M)
+
+
+def run_pycon(code: str) -> str:
+    r"""A pycon block's statements, each followed by what it prints (its value's repr at the
+    prompt, as the interactive interpreter shows it); the old outputs are dropped.
+
+    >>> run_pycon(">>> 1 + 2\n41\n>>> print('a\\n')\n").split("\n")
+    ['>>> 1 + 2', '3', ">>> print('a\\n')", 'a', '<BLANKLINE>', '']
+    """
+    statements: list[list[str]] = []
+    for line in code.split("\n"):
+        if line.startswith(">>>"):
+            statements.append([line])
+        elif line.startswith("...") and statements:
+            statements[-1].append(line)
+    namespace: dict = {"__name__": "docs_example"}
+    out: list[str] = []
+    for lines in statements:
+        source = "\n".join(line[4:] for line in lines)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(source + "\n", "<example>", "single"), namespace)
+        out += lines
+        text = printed.getvalue().removesuffix("\n")
+        if printed.getvalue():
+            out += [line.rstrip() or "<BLANKLINE>" for line in text.split("\n")]
+    return "\n".join(out) + "\n"
+
+
+def regenerate_examples(text: str) -> tuple[str, list[str]]:
+    """The page with the outputs of every pycon block regenerated, and the first line of each
+    block that changed."""
+    changed: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        code = run_pycon(match["code"])
+        if code != match["code"]:
+            changed.append(match["code"].split("\n", 1)[0])
+        return f"{match['open']}{code}{match['close']}"
+
+    return PYCON.sub(replace, text), changed
+
+
 def regenerate(text: str) -> tuple[str, list[str]]:
     """The page with every block regenerated, and the commands whose blocks changed."""
     changed: list[str] = []
@@ -80,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in pages():
         text = path.read_text()
         new, changed = regenerate(text)
+        new, changed_examples = regenerate_examples(new)
+        changed += changed_examples
         stale += [f"{path.relative_to(ROOT)}: {command}" for command in changed]
         if changed and not args.check:
             path.write_text(new)
