@@ -203,28 +203,25 @@ def _lost_peer(exc: RuntimeError) -> bool:
 def worker_outcome(parallel: DataParallel) -> Iterator[None]:
     """Around one worker's part of a command: end it as the whole job should.
 
-    Outcomes all ranks reach together end with a barrier and rank 0 prints them; anything else is
-    printed with the rank and exits at once; a lost peer goes to the launcher's reports.
+    A stop by signal reaches every rank: they end with a barrier and rank 0 prints it. A rank's
+    own failure exits at once, its error to the launcher (which prints the first failing
+    rank's, once); a lost peer goes to the launcher's reports.
     """
     code = 0
     try:
         yield
     except LostPeer as exc:
         _lost_peer_exit(parallel.rank, exc.format_message())
-    except RunInterrupted as exc:  # a signal reaches every rank: they stop together
+    except RunInterrupted as exc:
         if parallel.is_main:
             exc.show()
         code = exc.exit_code
-    except RunFailed as exc:  # this rank's own: the others may be waiting for it in a collective
+    except click.ClickException as exc:  # the others may be waiting for this rank
         _failed_exit(parallel.rank, exc)
-    except click.ClickException as exc:
-        click.echo(f"error: rank {parallel.rank}: {exc.format_message()}", err=True)
-        sys.exit(exc.exit_code)
     except DistributedError as exc:
         if getattr(exc, "lost_peer", False):
             _lost_peer_exit(parallel.rank, str(exc))
-        click.echo(f"error: rank {parallel.rank}: {exc}", err=True)
-        sys.exit(1)
+        _failed_exit(parallel.rank, RunFailed(str(exc)))
     except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
         if not _lost_peer(exc):
             raise
@@ -236,7 +233,7 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
         sys.exit(code)
 
 
-def _failed_exit(rank_: int, exc: RunFailed) -> None:
+def _failed_exit(rank_: int, exc: click.ClickException) -> None:
     """Exit at once after this rank's own failure, without waiting for the others: its message
     (with the script's frames) goes to the ``--nproc`` launcher's reports folder, which prints
     the first failing rank's, or to stderr under torchrun."""

@@ -17,6 +17,22 @@ MAX_STEPS = 2**63 - 1
 MAX_SEED = 2**63 - 1
 SEED = click.IntRange(min=0, max=MAX_SEED)
 
+class PngPath(click.ParamType):
+    """A path for a plot: it must end in ``.png`` (plots are written as PNG)."""
+
+    name = "FILE.png"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        if not str(value).lower().endswith(".png"):
+            option = param.opts[0] if param is not None else "the plot path"
+            raise UserError(f"{option} {value} does not end in .png; plots are written as PNG: "
+                            "give a path ending in .png")
+        return str(value)
+
+
+PNG = PngPath()
+
+
 _SHARED = (
     click.option("--backend", default="cpu",
                  help="cpu (fp32), cpu-bf16, cpu-fp16, cpu-fp8, cpu-mxfp8, cpu-mxfp4, cpu-nvfp4, "

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import echo_json
+from minitrain.cli.options import PNG, echo_json
 
 
 def _summary(records: list[dict]) -> dict:
@@ -28,7 +28,7 @@ def _is_sweep(records: list[dict]) -> bool:
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=PNG,
     default=None,
     help="PNG file to write [default: RUN_DIR/loss.png; needed with several RUN_DIRS].",
 )
@@ -39,7 +39,7 @@ def _is_sweep(records: list[dict]) -> bool:
     help="Series to plot (repeatable) [default: loss and every val*/eval* key].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def plot(run_dirs: tuple[Path, ...], out: Path | None, keys: tuple[str, ...],
+def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
          as_json: bool) -> None:
     """Plot the metrics.jsonl of RUN_DIRS (written by minitrain run --out RUN_DIR).
 

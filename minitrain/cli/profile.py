@@ -18,7 +18,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import echo_json, script_argument
+from minitrain.cli.options import PNG, echo_json, script_argument
 from minitrain.cli.roofline import placement_record, print_table, roof_line
 
 
@@ -145,8 +145,8 @@ def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
 @click.option("--warmup", type=click.IntRange(min=0), default=2, help="Untimed steps first.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, help="Timed steps (median).")
 @click.option("--top", type=click.IntRange(min=1), default=15, help="Rows of the op table.")
-@click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Draw the roofline.")
-@click.option("--memory", "memory_path", default=None, metavar="FILE.png",
+@click.option("--plot", "plot_path", type=PNG, default=None, help="Draw the roofline.")
+@click.option("--memory", "memory_path", type=PNG, default=None,
               help="Draw predicted and measured live memory over one step, by category.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: str,
