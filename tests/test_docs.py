@@ -199,7 +199,8 @@ def test_every_public_name_has_an_entry(module_name, site):
         assert defined is obj or defined == obj, f"{identifier} is not {module_name}.{name}"
         # Under its public path: the private module that defines it shows nowhere.
         assert f'id="{module_name}.{name}"' in html, f"no API entry for {module_name}.{name}"
-    assert not re.search(r'id="minitrain(\.\w+)*\._', html), "a private path in a heading"
+    private = re.search(r'id="minitrain(\.\w+)*\._(?!_)[^"]*"', html)
+    assert not private, f"a private path in a heading: {private and private[0]}"
 
 
 def test_precision_lists_the_names_of_its_modules():
@@ -237,8 +238,9 @@ def api_page(module_name: str) -> Path:
 
 
 @pytest.mark.parametrize("module_name", API_MODULES)
-def test_every_public_name_has_an_example(module_name):
-    """In its docstring, or, where the library keeps it short, in its entry on the API page."""
+def test_every_public_name_has_a_summary_and_an_example(module_name):
+    """In its docstring, or, where the library keeps it short, in its entry on the API page;
+    so is a one-line summary."""
     module = importlib.import_module(module_name)
     names = mkdocs_hooks.public_names(module)
     examples = mkdocs_hooks.page_examples(api_page(module_name).read_text())
@@ -246,6 +248,10 @@ def test_every_public_name_has_an_example(module_name):
     without = [name for name in names if name not in examples
                and ">>>" not in own_docstring(module_name, name, getattr(module, name))]
     assert not without, f"{module_name}: no example for {without}"
+    summaries = {name: not example.startswith("```") for name, example in examples.items()}
+    unsummarised = [name for name in names if not summaries.get(name)
+                    and not own_docstring(module_name, name, getattr(module, name)).strip()]
+    assert not unsummarised, f"{module_name}: no one-line summary for {unsummarised}"
     twice = [name for name in examples if ">>>" in own_docstring(module_name, name,
                                                                 getattr(module, name))]
     assert not twice, f"{module_name}: an example on the page and in the docstring: {twice}"

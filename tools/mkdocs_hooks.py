@@ -1,9 +1,11 @@
 """mkdocs hooks: API reference pages generated from each module's ``__all__`` at build time.
 
 A page holding ``<!-- api: minitrain.optim -->`` gets one mkdocstrings entry (``::: path``) per
-public name of ``minitrain.optim``, grouped by the module that defines it, so a name added to
-``__all__`` appears in the docs with no edit to the page. ``api_entries`` is what
-``tests/test_docs.py`` checks.
+public name of ``minitrain.optim``, under its public path and grouped by the module that
+defines it, so a name added to ``__all__`` appears in the docs with no edit to the page. A name
+whose docstring has no example gets the one the page holds for it (``<!-- example: name -->``
+and a pycon block). ``api_entries`` and ``page_examples`` are what ``tests/test_docs.py``
+checks.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from functools import cache
 from pathlib import Path
 
 MARKER = re.compile(r"<!-- api: ([\w.]+) -->")
-# An example for a public name whose docstring has none: the pycon block after the marker is
-# moved into that name's entry.
-EXAMPLE = re.compile(r"<!-- example: (?P<name>\w+) -->\n(?P<block>```pycon\n.*?\n```)\n", re.S)
+# An example for a public name whose docstring has none: the pycon block after the marker (and
+# a summary before it, for a constant the library leaves without a docstring) is moved into
+# that name's entry.
+EXAMPLE = re.compile(r"<!-- example: (?P<name>\w+) -->\n"
+                     r"(?P<block>(?:[^`\n][^\n]*\n\n)?```pycon\n.*?\n```)\n", re.S)
 BENCHMARK_PAGES = "<!-- benchmark-pages -->"
 ROOT = Path(__file__).resolve().parents[1]
 # Modules with an API page of their own: the top-level page links to them.
@@ -114,12 +118,22 @@ def _first_line(module_name: str) -> str:
 
 
 def page_examples(markdown: str) -> dict[str, str]:
-    """``name -> pycon block`` of the examples a page holds.
+    """``name -> summary and pycon block`` of the examples a page holds.
 
     >>> page_examples("<!-- example: Foo -->\\n```pycon\\n>>> 1\\n1\\n```\\n")
     {'Foo': '```pycon\\n>>> 1\\n1\\n```'}
     """
     return {match["name"]: match["block"] for match in EXAMPLE.finditer(markdown)}
+
+
+def _title(summary: str) -> str:
+    """A heading from a module's summary: its words up to the first colon, parenthesis or
+    sentence end.
+
+    >>> _title("Lookahead (Zhang et al. 2019): a slow copy of the params.")
+    'Lookahead'
+    """
+    return re.split(r": | \(|\. ", summary, maxsplit=1)[0].rstrip(".")
 
 
 def _is_private(module_name: str) -> bool:
@@ -149,7 +163,7 @@ def api_markdown(module_name: str, examples: dict[str, str] | None = None) -> st
     for source, names in groups.items():
         summary = _first_line(source) if source != module_name else ""
         if _is_private(source):  # headed by what it holds, not by a path nobody imports
-            lines += [f"## {summary.split('. ')[0].rstrip('.')}", ""]
+            lines += [f"## {_title(summary)}", "", summary, ""]
         else:
             lines += [f"## `{source}`", "", summary, ""]
         for name in names:
