@@ -361,10 +361,16 @@ def _sizes(root: Any) -> list[tuple[str, str, Any]]:
     return found
 
 
+@functools.lru_cache(maxsize=1024)
+def _user_file(filename: str) -> bool:
+    """:func:`is_user_file`, once per file (it resolves several paths per call)."""
+    return is_user_file(filename)
+
+
 def _children(value: Any, name: str, where: str) -> list[tuple[Any, str, str]]:
     if isinstance(value, types.FunctionType):
         code = value.__code__
-        if is_user_file(code.co_filename):
+        if _user_file(code.co_filename):
             where = f" (held by the function at {Path(code.co_filename).name} line " \
                     f"{code.co_firstlineno})"
         cells = [(var, cell) for var, cell in zip(code.co_freevars, value.__closure__ or (),

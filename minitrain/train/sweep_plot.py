@@ -10,14 +10,12 @@ from typing import Any
 from minitrain.atomic_io import storage_errors
 from minitrain.metrics import MissingExtra, read_metrics
 from minitrain.train.experiment import ExperimentError
+from minitrain.train.loop import SUMMARY_FILE
 from minitrain.train.ranking import rank_value
 
 __all__ = ["PLOT_FILE", "plot_sweep"]
 
 PLOT_FILE = "sweep.png"
-SUMMARY_FILE = "summary.json"
-
-# --------------------------------------------------------------------------- the plot
 
 
 def plot_sweep(run_dir: str | Path, out_png: str | Path | None = None) -> Path:

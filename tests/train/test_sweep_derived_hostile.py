@@ -15,10 +15,9 @@ import torch
 import minitrain as mt
 from minitrain.errors import ScriptError
 from minitrain.train.ensemble_step import batches_ignore_swept_values
-from minitrain.train.members import MemberMismatch
 from minitrain.train.sweep import fit_sweep, load_sweep
 from minitrain.tree import leaves
-from tests.sweep_harness import CPU, separate_runs
+from tests.sweep_harness import CPU, assert_members_equal_single_runs, refused, separate_runs
 
 # A 6x3 least-squares problem; ``setup`` runs inside experiment(config) with ``lr`` and ``wd``
 # taken from config, and may set ``optimizer``, ``weights`` (the loss's per-column weights),
@@ -68,21 +67,9 @@ def write(tmp_path, setup):
     return str(path)
 
 
-def assert_sweep_equals_single_runs(path, items, steps=4):
-    ensemble = load_sweep(path, items, steps=steps)
-    result = fit_sweep(ensemble, CPU, progress=False)  # the check is on
-    swept = mt.tree.unstack(result.params)
-    for got, want in zip(swept, separate_runs(path, ensemble, steps), strict=True):
-        torch.testing.assert_close(got["w"], want["w"], rtol=1e-5, atol=1e-6)
+def assert_sweep_equals_single_runs(path, items):
+    swept = assert_members_equal_single_runs(path, items)
     assert not torch.allclose(swept[0]["w"], swept[1]["w"], rtol=1e-3)  # the values mattered
-    return result
-
-
-def one_line_mismatch(path, items, steps=4):
-    with pytest.raises(MemberMismatch) as info:
-        fit_sweep(load_sweep(path, items, steps=steps), CPU, progress=False)
-    assert "\n" not in str(info.value)
-    return str(info.value)
 
 
 # --------------------------------------------------------------------------- trains as single runs
@@ -189,14 +176,14 @@ def test_regression_guard_a_derived_value_read_by_next_batch_unshares_the_draws(
     "root = torch.sqrt(torch.as_tensor(lr))\nroot.mul_(0.5)\noptimizer = mt.optim.sgd(lr=root)",
 ], ids=["setitem", "add_-into-a-plain-tensor", "mul_-of-a-derived-tensor"])
 def test_writing_a_swept_value_in_place_at_build_is_refused(tmp_path, setup):
-    message = one_line_mismatch(write(tmp_path, setup), ["lr=0.05,0.2"])
+    message = refused(write(tmp_path, setup), ["lr=0.05,0.2"])
     assert "writes lr into a tensor in place" in message
     assert "(hostile.py line 2" in message  # the script's line (19-21)
 
 
 def test_a_random_draw_from_a_swept_value_at_build_is_refused(tmp_path):
     setup = "optimizer = mt.optim.sgd(lr=torch.normal(torch.as_tensor(lr), 0.001))"
-    message = one_line_mismatch(write(tmp_path, setup), ["lr=0.05,0.2"])
+    message = refused(write(tmp_path, setup), ["lr=0.05,0.2"])
     assert "draws random numbers from lr (normal)" in message
 
 
@@ -213,7 +200,7 @@ def test_a_random_draw_from_a_swept_value_at_build_is_refused(tmp_path):
      """, "False for member 0 (lr=0.05 seed=0), True for member 1 (lr=0.2 seed=0)"),
 ], ids=["int", "if"])
 def test_a_count_or_branch_that_differs_between_members_is_refused(tmp_path, setup, values):
-    message = one_line_mismatch(write(tmp_path, setup), ["lr=0.05,0.2"])
+    message = refused(write(tmp_path, setup), ["lr=0.05,0.2"])
     assert "while it is built that differs between members: " + values in message
 
 
@@ -236,7 +223,7 @@ def zero_then(steps_at_zero, coerce):
 
 def test_a_float_behind_an_lr_at_zero_past_the_first_checked_steps_is_caught(tmp_path):
     # six steps at lr 0 hid the frozen value from the five first-step checks
-    message = one_line_mismatch(write(tmp_path, zero_then(6, coerce=True)), ["lr=0.05,0.2"],
+    message = refused(write(tmp_path, zero_then(6, coerce=True)), ["lr=0.05,0.2"],
                                 steps=8)
     assert "member 1 (lr=0.2 seed=0) after one vmapped step differs from its own run" in message
 

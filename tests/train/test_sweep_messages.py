@@ -15,11 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minitrain as mt
 from minitrain.cli import main
 from minitrain.train.members import MemberMismatch
-from minitrain.train.sweep import fit_sweep, load_sweep
-from tests.sweep_harness import CPU, separate_runs
+from minitrain.train.sweep import load_sweep
+from tests.sweep_harness import assert_members_equal_single_runs, refused
 
 # A least-squares problem; ``setup`` runs inside experiment(config) (after ``lr``, ``width``,
 # ``name``, ``schedule`` and ``weights`` are set), ``in_loss`` at the start of the loss.
@@ -73,22 +72,6 @@ def line_of(path, text):
     """The line number of the first line of ``path`` that holds ``text``."""
     lines = Path(path).read_text().splitlines()
     return next(number for number, line in enumerate(lines, start=1) if text in line)
-
-
-def refused(path, items, steps=4):
-    with pytest.raises(MemberMismatch) as info:
-        fit_sweep(load_sweep(path, items, steps=steps), CPU, progress=False)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
-
-
-def assert_members_equal_single_runs(path, items, steps=4):
-    ensemble = load_sweep(path, items, steps=steps)
-    result = fit_sweep(ensemble, CPU, progress=False)
-    for got, want in zip(mt.tree.unstack(result.params), separate_runs(path, ensemble, steps),
-                         strict=True):
-        torch.testing.assert_close(got["w"], want["w"], rtol=1e-5, atol=1e-6)
 
 
 def cli(capsys, path, *items):
