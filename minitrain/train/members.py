@@ -130,7 +130,6 @@ def _check_distinct(what: str, values: list[Any]) -> None:
         seen.add(value)
 
 
-
 @dataclass(frozen=True)
 class Ensemble:
     """K members, their experiments, and the template experiment whose step they share."""
@@ -207,7 +206,6 @@ def _template_failed(swept: tuple[str, ...], exc: Exception) -> MemberMismatch:
         "dampening, alpha and the like; both betas or neither) or use them in tensor "
         "arithmetic"
     )
-
 
 
 def _parts(experiment: Experiment) -> dict[str, Any]:
