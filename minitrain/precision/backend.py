@@ -25,10 +25,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minitrain.errors import ExperimentError
 from minitrain.precision.matmuls import PER_TENSOR, Recipe, recipe
 from minitrain.precision.policies import Policy, policy
 from minitrain.precision.simulation import simulate
 from minitrain.tree import map as tree_map
+from minitrain.tree import named_leaves
 
 __all__ = [
     "ENTRY_POINT_GROUP", "FP8_MIN_CAPABILITY", "Backend", "BackendError", "BackendStatus",
@@ -172,6 +174,11 @@ class Backend:
         def move(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.device == self.device:
                 return leaf
+            if leaf.device.type == "meta":
+                name = next(n for n, t in named_leaves(batch) if t is leaf)
+                raise ExperimentError(
+                    f"the batch has a meta tensor (no data) at {name!r}; next_batch must return "
+                    "tensors with data (drop device='meta')")
             if pin and leaf.device.type == "cpu":
                 return leaf.pin_memory().to(self.device, non_blocking=True)
             return leaf.to(self.device)

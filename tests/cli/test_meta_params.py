@@ -33,3 +33,38 @@ def test_meta_params_are_one_line_naming_the_leaf(command, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "meta tensor" in errors[0] and "'b'" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+BATCH_SCRIPT = """
+import torch
+import minitrain as mt
+
+CONFIG = {"lr": 0.1, "where": "x"}
+
+def experiment(config):
+    def next_batch(g):
+        batch = {"x": torch.randn(4, 3, generator=g), "y": torch.randn(4, generator=g)}
+        batch[config["where"]] = torch.empty(batch[config["where"]].shape, device="meta")
+        return batch
+
+    return mt.Experiment(
+        init=lambda g: {"w": torch.zeros(3)},
+        loss=lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean(),
+        next_batch=next_batch, optimizer=mt.optim.sgd(lr=config["lr"]), steps=2)
+"""
+
+
+@pytest.mark.parametrize("command", [["run"], ["sweep", "--set", "lr=0.1,0.2"]],
+                         ids=["run", "sweep"])
+@pytest.mark.parametrize("where", ["x", "y"])
+def test_a_meta_batch_is_one_line_naming_the_leaf(command, where, tmp_path):
+    path = tmp_path / "meta_batch.py"
+    path.write_text(BATCH_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "minitrain", command[0], str(path), *command[1:],
+                           "--set", f"where={where}", "--no-report"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "meta tensor" in errors[0] and f"'{where}'" in errors[0], \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
