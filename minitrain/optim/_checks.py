@@ -15,6 +15,7 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
+from minitrain.optim import _flat
 from minitrain.optim.kernels.checks import grad_leaf_error, none_param_error
 from minitrain.tree import Grads, Params
 
@@ -32,6 +33,9 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 def check_params(params: Params) -> list[Tensor]:
     """The leaves of ``params``, checked to be floating-point tensors."""
+    fast = _flat.flatten(params)[0]
+    if fast and all(isinstance(leaf, Tensor) and leaf.is_floating_point() for leaf in fast):
+        return fast
     leaves = tree.named_leaves(params)
     if not leaves:
         raise ValueError("params has no tensor leaves; pass a pytree of floating-point tensors")
@@ -46,8 +50,8 @@ def check_params(params: Params) -> list[Tensor]:
 def check_grads(grads: Grads, params: Params) -> list[Tensor]:
     """The leaves of ``grads``, checked to be dense and like ``params`` (structure, shape,
     dtype) leaf by leaf (one pass over the leaves; the paths only to name a mismatch)."""
-    grad_leaves, grad_spec = _pytree.tree_flatten(grads)
-    param_leaves, param_spec = _pytree.tree_flatten(params)
+    grad_leaves, grad_spec = _flat.flatten(grads)
+    param_leaves, param_spec = _flat.flatten(params)
     if grad_spec == param_spec and all(
             type(g) in _PLAIN and type(p) in _PLAIN and g.layout is torch.strided
             and g.shape == p.shape and g.dtype == p.dtype
@@ -90,7 +94,7 @@ def tensor_leaves(name: str, values: Any, what: str, floating: bool = False) -> 
     ...
     ValueError: scale: updates leaf 'a' is of type float, not a tensor; pass torch.tensor(2.0)
     """
-    leaves = _pytree.tree_leaves(values)
+    leaves = _flat.flatten(values)[0]
     if all(isinstance(x, Tensor) and (not floating or _inexact(x)) for x in leaves):
         return leaves
     at, leaf = next((n, x) for n, x in tree.named_leaves(values)
@@ -136,13 +140,8 @@ def check_state_type(name: str, state_type: type, state: Any) -> None:
 
 def check_like(a: Any, b: Any, names: tuple[str, str]) -> None:
     """``ValueError`` naming the first leaf where ``a`` and ``b`` differ in structure or in a
-    tensor's shape (a cheap pass first; the named check only on a mismatch)."""
-    leaves_a, leaves_b = tree.leaves(a), tree.leaves(b)
-    if len(leaves_a) != len(leaves_b) or any(
-        isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape != y.shape
-        for x, y in zip(leaves_a, leaves_b, strict=True)
-    ) or tree.structure(a) != tree.structure(b):
-        tree.assert_same_structure(a, b, names=names, check_shapes=True)
+    tensor's shape."""
+    tree.assert_same_structure(a, b, names=names, check_shapes=True)
 
 
 # -- hyperparameters --------------------------------------------------------------------------

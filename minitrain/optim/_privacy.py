@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from minitrain import random, tree
+from minitrain.optim import _flat
 from minitrain.optim._checks import check_state_type, checked
 from minitrain.optim.base import GradientTransformation, tagged
 
@@ -48,7 +49,7 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
     def update(updates, state, params=None):
         check_state_type("differentially_private_aggregate",
                          DifferentiallyPrivateAggregateState, state)
-        leaves = tree.leaves(updates)
+        leaves, structure = _flat.flatten(updates)
         if not leaves:
             return updates, state
         size = leaves[0].shape[0] if leaves[0].dim() else 0
@@ -61,12 +62,12 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
         weights = 1.0 / (torch.clamp(norms / l2_norm_clip, min=1.0) * size)
         new_key, noise_key = random.split(state.rng_key)
         dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
-        noise = random.normal(noise_key, (sum(g[0].numel() for g in leaves),), dtype)
-        noise = noise.mul_(noise_std / size).split([g[0].numel() for g in leaves])
-        out = [torch.tensordot(weights.to(g.dtype), g, dims=1).add_(z.view(g.shape[1:]))
+        sizes = [g[0].numel() for g in leaves]
+        noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(noise_std / size).split(sizes)
+        out = [torch.tensordot(weights if weights.dtype == g.dtype else weights.to(g.dtype), g,
+                               dims=1).add_(z.view(g.shape[1:]))
                for g, z in zip(leaves, noise, strict=True)]
-        return tree.unflatten(tree.structure(updates), out), \
-            DifferentiallyPrivateAggregateState(new_key)
+        return _flat.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
 
     return tagged("differentially_private_aggregate", GradientTransformation(init, update),
                   l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier)

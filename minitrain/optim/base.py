@@ -22,6 +22,7 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
+from minitrain.optim import _flat
 from minitrain.optim._checks import (
     WeightDecayMask,
     check_grads,
@@ -149,8 +150,9 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
     """``tx`` with ``(name, arguments)`` attached to its update (see :func:`spec`), refusing
     leaves that are no tensors, promoting integer updates and naming a sparse grad."""
 
-    def params_checked(updates, state, params=None, **extra):  # what chain calls: it checked
-        updates = floating_updates(name, updates, params)
+    def params_checked(updates, state, params=None, *, checked=False, **extra):
+        """The update, where ``params`` were checked (by a chain; ``checked``: updates too)."""
+        updates = updates if checked else floating_updates(name, updates, params)
         try:
             return tx.update(updates, state, params, **extra)
         except (NotImplementedError, RuntimeError, AttributeError, TypeError):
@@ -284,9 +286,11 @@ def chain(*transforms: Any) -> GradientTransformation:
                              f"{type(state).__name__}; pass the state returned by its "
                              f"init(params)")
         check_extra_args("chain", update, extra)
-        new_state = []
+        new_state, checked = [], updates  # tagged checked these: each step takes them as they are
         for tx, inner, step in zip(transforms, state, steps, strict=True):
-            updates, inner = step(updates, inner, params, **select_extra_args(tx, extra))
+            trusted = {"checked": True} if updates is checked and step is not tx.update else {}
+            updates, inner = step(updates, inner, params, **trusted,
+                                  **select_extra_args(tx, extra))
             new_state.append(inner)
         return updates, tuple(new_state)
 
@@ -301,8 +305,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
     {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
     """
-    leaves, treespec = _pytree.tree_flatten(params)
-    u_leaves, u_treespec = _pytree.tree_flatten(updates)
+    leaves, treespec = _flat.flatten(params)
+    u_leaves, u_treespec = _flat.flatten(updates)
     if u_treespec != treespec or not all(
             isinstance(p, Tensor) and isinstance(u, Tensor) and p.shape == u.shape
             for p, u in zip(leaves, u_leaves, strict=True)):  # the first mismatch, named
@@ -310,8 +314,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         tensor_leaves("apply_updates", updates, "updates leaf")
         tree.assert_same_structure(params, updates, names=("params", "updates"),
                                    check_shapes=True)
-    return _pytree.tree_unflatten([p + u if p.dtype == u.dtype else (p + u).to(p.dtype)
-                                   for p, u in zip(leaves, u_leaves, strict=True)], treespec)
+    return _flat.unflatten(treespec, [p + u if p.dtype == u.dtype else (p + u).to(p.dtype)
+                                      for p, u in zip(leaves, u_leaves, strict=True)])
 
 
 _PLAIN = (float, Tensor, torch.nn.Parameter)
@@ -352,7 +356,7 @@ def _check_strict(hostile: list[Any], grads: Grads, params: Params, state: OptSt
         float(value) if isinstance(value, float) else value.detach()
     wrapped = _torch.is_functorch_wrapped_tensor
     if not all(type(t) not in (Tensor, torch.nn.Parameter) or wrapped(t) or storage_holds(t)
-               for t in (*_pytree.tree_leaves(params), *grad_leaves, *state_leaves)):
+               for t in (*_flat.flatten(params)[0], *grad_leaves, *state_leaves)):
         check_storages((("param", params), ("grad", grads), ("state", state)))
 
 

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
+from minitrain.optim import _flat
 from minitrain.optim._checks import (
     check_state_type,
     hyperparameter,
@@ -115,7 +116,7 @@ def leafwise(
         check_state_type(name, state_type, state)
         if needs_params and params is None:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
-        g_leaves, treespec = _pytree.tree_flatten(updates)
+        g_leaves, treespec = _flat.flatten(updates)
         p_leaves = [None] * len(g_leaves) if params is None else _leaves_like(
             params, g_leaves, treespec, "params", same_dtype=False)
         buffer_leaves = {
@@ -138,9 +139,9 @@ def leafwise(
                                               step, numbers)
             count = torch.tensor(step, dtype=torch.int64, device="cpu")
         kept = [_like(new_scalars[key], old[key]) for key in names]
-        return _pytree.tree_unflatten(new_u, treespec), state_type(count, *kept, *(
+        return _flat.unflatten(treespec, new_u), state_type(count, *kept, *(
             () if _empty(getattr(state, key)) else
-            _pytree.tree_unflatten(new_buffers[key], treespec) for key in buffers))
+            _flat.unflatten(treespec, new_buffers[key]) for key in buffers))
 
     watched = {"also_watch": also_watch} if also_watch else {}  # a lowering watches them too
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper,
@@ -177,8 +178,9 @@ def _like(value: Any, old: Tensor) -> Tensor:
 
 def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
                  same_dtype: bool = True) -> list[Any]:
-    leaves, value_spec = _pytree.tree_flatten(value)
-    if value_spec != treespec:
+    leaves, value_spec = _flat.flatten(value)
+    if value_spec != treespec and _pytree.tree_structure(value) != _pytree.tree_structure(
+            _flat.unflatten(treespec, g_leaves)):  # _flat's or _pytree's structures: compare
         if len(leaves) != len(g_leaves):
             raise ValueError(
                 f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain._torch import pytree as _pytree
+from minitrain.optim import _flat
 from minitrain.optim._checks import (
     WeightDecayMask,
     adam_corrections,
@@ -73,11 +73,11 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
 def _map(fn, updates, hyperparameters=()):
     """``fn(leaves, True)`` once over all leaves with foreach kernels when they take the batched
     path (:func:`use_plain_path`), else ``fn(leaf, False)`` per leaf."""
-    leaves, treespec = _pytree.tree_flatten(updates)
+    leaves, structure = _flat.flatten(updates)
     if leaves and not use_plain_path(leaves, hyperparameters):
         with torch.no_grad():
-            return _pytree.tree_unflatten(list(fn(leaves, True)), treespec)
-    return _pytree.tree_unflatten([fn(u, False) for u in leaves], treespec)
+            return _flat.unflatten(structure, list(fn(leaves, True)))
+    return _flat.unflatten(structure, [fn(u, False) for u in leaves])
 
 
 ScaleState = EmptyState
@@ -395,12 +395,9 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, "
                              "params)")
-        flags = decay_flags(mask, params)
-        u_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
-        if len(u_leaves) != len(p_leaves):
-            raise ValueError(f"updates have {len(u_leaves)} leaves but params {len(p_leaves)}; "
-                             f"pass the params the updates are for")
         check_like(params, updates, ("params", "updates"))
+        flags = decay_flags(mask, params)
+        (u_leaves, structure), p_leaves = _flat.flatten(updates), _flat.flatten(params)[0]
         on = [i for i, flag in enumerate(flags) if flag]
         if not on:  # the mask selects no leaf (say, a model of biases and norms only)
             return updates, state
@@ -414,7 +411,7 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
         else:
             out = [add_scaled(u, p, weight_decay) if flag else u
                    for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
-        return tree.unflatten(tree.structure(updates), out), state
+        return _flat.unflatten(structure, out), state
 
     return _stateless("add_decayed_weights", update, weight_decay=weight_decay, mask=mask)
 
