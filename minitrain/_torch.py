@@ -13,7 +13,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch._prims_common as _prims_common
 import torch.utils._device as _device
 import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as _pytree
@@ -24,11 +23,10 @@ __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
     "saved_tensors_hooks_enable", "peek_interpreter_stack", "is_functorch_wrapped_tensor",
     "get_unwrapped", "foreach_norm", "is_alias_of", "current_autograd_node", "make_subclass",
-    "aten_native_batch_norm_legit_no_training", "is_batchedtensor", "maybe_get_level", "scaled_mm",
+    "is_batchedtensor", "maybe_get_level", "scaled_mm",
     "disable_dynamo", "foreach", "fused_adam_", "fused_adamw_", "fused_sgd_", "fused_adagrad_",
     "is_gradtrackingtensor", "get_current_dispatch_mode", "is_torch_function_mode_enabled",
-    "get_current_function_mode_stack", "DeviceContext", "is_non_overlapping_and_dense_or_false",
-    "make_contiguous_strides_for", "storage_use_count",
+    "get_current_function_mode_stack", "DeviceContext", "storage_use_count",
 ]
 
 # -- pytrees ------------------------------------------------------------------------------------
@@ -86,9 +84,6 @@ is_alias_of = torch._C._is_alias_of
 # A tensor subclass instance on the same data, detached (a swept hyperparameter). Public
 # alternative: Tensor.as_subclass, which keeps the autograd graph of its input.
 make_subclass = torch.Tensor._make_subclass
-# The packet of eval-mode batch norm's aten op, which carries no ``training`` argument (the
-# counter's FLOP formula). No public alternative: torch.ops.aten names it with an underscore.
-aten_native_batch_norm_legit_no_training = torch.ops.aten._native_batch_norm_legit_no_training
 
 # -- simulated low-precision matmuls (minitrain.precision) --------------------------------------
 
@@ -133,11 +128,6 @@ is_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 get_current_function_mode_stack = torch.overrides._get_current_function_mode_stack
 # The TorchFunctionMode torch.set_default_device installs (no watcher). No public alternative.
 DeviceContext = _device.DeviceContext
-# Whether a tensor's elements are dense and never share an address, and the contiguous strides
-# of a shape: the strides torch.empty_like gives a buffer, without allocating one. Public
-# alternative: torch.empty_like(t, device="meta").stride(), which builds a tensor per call.
-is_non_overlapping_and_dense_or_false = _prims_common.is_non_overlapping_and_dense_or_false
-make_contiguous_strides_for = _prims_common.make_contiguous_strides_for
 # How many tensors hold a storage (by its ``_cdata``), for the buffer pool's reuse of outputs
 # nobody holds; None on a torch without it (the pool then allocates). No public alternative
 # (sys.getrefcount counts the Python object, not the storage's users).

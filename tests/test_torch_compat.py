@@ -246,20 +246,6 @@ def test_make_subclass():
     assert marked.instance_attribute == "kept"
 
 
-def test_aten_native_batch_norm_legit_no_training():
-    op = _torch.aten_native_batch_norm_legit_no_training
-    assert type(op) is type(torch.ops.aten.mm)
-    assert op.default.overloadpacket is op
-    names = [argument.name for argument in op.default._schema.arguments]
-    assert "training" not in names and names[:5] == [
-        "input", "weight", "bias", "running_mean", "running_var"
-    ]
-    x, mean, var = torch.randn(4, 3), torch.randn(3), torch.rand(3) + 0.5
-    out = op.default(x, None, None, mean, var, 0.1, 1e-5)[0]
-    expected = torch.nn.functional.batch_norm(x, mean, var, training=False, eps=1e-5)
-    assert torch.allclose(out, expected)
-
-
 # -- simulated low-precision matmuls (minitrain.precision) ----------------------------------------
 
 
@@ -408,17 +394,6 @@ def test_DeviceContext():
         stack = _torch.get_current_function_mode_stack()
         assert torch.empty(1).is_meta
     assert [type(mode) for mode in stack] == [_torch.DeviceContext]
-
-
-def test_is_non_overlapping_and_dense_or_false():
-    dense = _torch.is_non_overlapping_and_dense_or_false
-    assert dense(torch.ones(3, 2)) and dense(torch.ones(3, 2).t())
-    assert not dense(torch.ones(2).expand(3, 2)) and not dense(torch.ones(4, 4)[:, :2])
-
-
-def test_make_contiguous_strides_for():
-    assert tuple(_torch.make_contiguous_strides_for((3, 2, 4))) == (8, 4, 1)
-    assert tuple(_torch.make_contiguous_strides_for(torch.Size([5]))) == (1,)
 
 
 def test_storage_use_count():
