@@ -7,14 +7,17 @@
 from __future__ import annotations
 
 import math
+import re
 
-__all__ = ["Number", "SECONDS_PER_DAY", "round_significant", "si"]
+__all__ = ["Number", "SECONDS_PER_DAY", "parse_number", "round_significant", "si"]
 
 Number = int | float
 SECONDS_PER_DAY = 86_400
 
 _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 _BELOW_ONE_SECOND = ((1e-3, "m"), (1e-6, "µ"), (1e-9, "n"), (1e-12, "p"))
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12, "p": 10**15}
+_NUMBER = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)([kmbgtp]?)", re.IGNORECASE)
 
 
 def si(value: Number | None, unit: str = "", digits: int = 4) -> str:
@@ -44,3 +47,38 @@ def round_significant(value: Number, digits: int = 1) -> float:
     if value == 0:
         return 0.0
     return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def parse_number(text: str, name: str, *, whole: bool = False, low: Number | None = None,
+                 high: Number | None = None, above: Number | None = None) -> Number:
+    """A number typed on the command line, as napkin math writes it (``70e9``, ``70B``,
+    ``1.5k``, ``1_000``): finite, an int when ``whole``, at least ``low``, above ``above`` and
+    at most ``high``; else a ``ValueError`` naming ``name`` (if given) and what to write.
+
+    >>> parse_number("70B", "--params"), parse_number("1e3", "--seed", whole=True)
+    (70000000000.0, 1000)
+    >>> parse_number("inf", "--set lr")
+    Traceback (most recent call last):
+    ...
+    ValueError: --set lr: 'inf' is not a finite number; write e.g. 0.01, 1e-3, 1.5k or 70B
+    """
+    where = f"{name}: {text!r}" if name else repr(text)
+    match = _NUMBER.fullmatch(str(text).strip().replace("_", ""))
+    if match is None:
+        raise ValueError(f"{where} is not a finite number; write e.g. 0.01, 1e-3, 1.5k or 70B")
+    digits, scale = match.group(1), _SUFFIXES[match.group(2).lower()]
+    if whole and re.fullmatch(r"[+-]?\d+", digits):
+        value: Number = int(digits) * scale  # exact, however many digits
+    else:
+        value = float(digits) * scale
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is too large for a finite number")
+        if whole and not value.is_integer():
+            raise ValueError(f"{where} is not a whole number")
+        value = int(value) if whole else value
+    for bound, fails, says in ((low, lambda b: value < b, "at least"),
+                               (above, lambda b: value <= b, "above"),
+                               (high, lambda b: value > b, "at most")):
+        if bound is not None and fails(bound):
+            raise ValueError(f"{where} must be {says} {bound}")
+    return value

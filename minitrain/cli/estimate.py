@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import click
@@ -10,30 +9,9 @@ import click
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Group
 from minitrain.cli.estimate_step import step
-from minitrain.cli.options import emit
+from minitrain.cli.options import Real, Whole, emit
 
-_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
-
-
-class Quantity(click.ParamType):
-    """A positive number: ``70e9``, ``70B``, ``15T``, ``1.5k``."""
-
-    name = "number"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        if isinstance(value, int | float):
-            return float(value)
-        text = str(value).strip().replace("_", "").replace(",", "")
-        match = re.fullmatch(r"([0-9.]+(?:e[+-]?\d+)?)([kmbgtp]?)", text, flags=re.IGNORECASE)
-        if match is None:
-            self.fail(f"{value!r} is not a number; write e.g. 70e9 or 70B", param, ctx)
-        number = float(match.group(1)) * _SUFFIXES.get(match.group(2).lower(), 1.0)
-        if number <= 0:
-            self.fail(f"{value!r} must be positive", param, ctx)
-        return number
-
-
-QUANTITY = Quantity()
+QUANTITY = Real(min=0, min_open=True)  # 70e9, 70B, 15T, 1.5k
 _PRECISION_HELP = ("A backend's precision (fp32, bf16: autocast, fp16, fp8, mxfp8, mxfp4, nvfp4; "
                    "cpu-bf16 runs bf16), or bf16-mixed (fp32 master weights), bf16-pure.")
 
@@ -77,8 +55,8 @@ def estimate() -> None:
 @click.option("--params", type=QUANTITY, required=True, help="Parameters N (70e9 or 70B).")
 @click.option("--tokens", type=QUANTITY, required=True, help="Training tokens D (15e12 or 15T).")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
-@click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
-@click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5,
+@click.option("--gpus", type=Whole(min=1), default=1, help="Number of devices.")
+@click.option("--mfu", type=Real(0, 1, min_open=True), default=0.5,
               help="Model FLOPs utilization (0.3-0.6 is realistic).")
 @click.option("--dtype", default="bf16", help="Dtype of the dense peak (bf16, fp32, fp8...).")
 @click.option("--interconnect-bandwidth", type=QUANTITY, default=None,
@@ -165,11 +143,11 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
 
 @estimate.command("memory")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
-@click.option("--gpus", type=click.IntRange(min=1), default=8, help="Devices per node.")
-@click.option("--nodes", type=click.IntRange(min=1), default=1, help="Nodes.")
+@click.option("--gpus", type=Whole(min=1), default=8, help="Devices per node.")
+@click.option("--nodes", type=Whole(min=1), default=1, help="Nodes.")
 @_optimizer_options
 @click.option("--precision", default="fp32", help=_PRECISION_HELP)
-@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3,
+@click.option("--zero", "zero_stage", type=Whole(0, 3), default=3,
               help="ZeRO stage: 0 replicates, 3 shards params, grads and state (the chapter's "
                    "assumption).")
 @click.option("--params", type=QUANTITY, default=None,
@@ -284,20 +262,20 @@ def _zero_lines(zero: dict[str, Any], spec: Any) -> list[str]:
 @estimate.command("transformer")
 @click.option("--preset", "preset_name", required=True,
               help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b, llama3-8b/70b/405b.")
-@click.option("--batch", type=click.IntRange(min=1), default=1, help="Sequences per device.")
-@click.option("--seq-len", type=click.IntRange(min=1), default=None,
+@click.option("--batch", type=Whole(min=1), default=1, help="Sequences per device.")
+@click.option("--seq-len", type=Whole(min=1), default=None,
               help="Context length (default: the preset's).")
 @click.option("--tokens", type=QUANTITY, default=None, help="Training tokens, for the time.")
 @_optimizer_options
 @click.option("--precision", default="bf16-mixed", help=_PRECISION_HELP)
-@click.option("--gpus", type=click.IntRange(min=1), default=1, help="Number of devices.")
-@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=0, help="ZeRO stage.")
+@click.option("--gpus", type=Whole(min=1), default=1, help="Number of devices.")
+@click.option("--zero", "zero_stage", type=Whole(0, 3), default=0, help="ZeRO stage.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
               help="Activation recomputation (Korthikanti et al. 2022).")
 @click.option("--attention", type=click.Choice(["eager", "flash"]), default="eager",
               help="eager: the a·s² scores saved; flash: a fused kernel saves none.")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
-@click.option("--mfu", type=click.FloatRange(0, 1, min_open=True), default=0.5, help="For time.")
+@click.option("--mfu", type=Real(0, 1, min_open=True), default=0.5, help="For time.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float | None,
                 optimizer: str, amsgrad: bool, momentum: bool, centered: bool, precision: str,

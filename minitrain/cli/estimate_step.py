@@ -10,7 +10,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import emit, script_argument
+from minitrain.cli.options import SEED, Whole, emit, script_argument
 
 
 @click.command("step", cls=Command)
@@ -18,7 +18,7 @@ from minitrain.cli.options import emit, script_argument
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a CONFIG key of the script (repeatable), e.g. --set n_layer=48.")
 @click.option("--hardware", "hardware_name", default="h100", help="See `minitrain hardware`.")
-@click.option("--gpus", type=click.IntRange(min=1), default=1,
+@click.option("--gpus", type=Whole(min=1), default=1,
               help="Data parallel: each device gets 1/N of the batch (the all-reduce of the "
                    "grads is not included).")
 @click.option("--dtype", default=None,
@@ -29,7 +29,7 @@ from minitrain.cli.options import emit, script_argument
                    "CUDA backend does in bf16); the update stays fp32.")
 @click.option("--donate/--pure", default=True,
               help="Donated update (in place, as `minitrain run` does) or a pure one.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
+@click.option("--seed", type=SEED, default=0, help="Seed for init and data.")
 @click.option("--measure", is_flag=True,
               help="Run one real step on this machine and count it, instead of predicting "
                    "on fake tensors (for scripts that need data, e.g. .item() in the loss).")

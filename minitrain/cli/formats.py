@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import echo_json
+from minitrain.cli.options import SEED, Real, echo_json
 from minitrain.cli.roofline import print_table
 
 
@@ -39,8 +39,9 @@ def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
 @click.command(cls=Command)
 @click.option("--values", "values_of", default=None, metavar="FORMAT", help="List every code.")
 @click.option("--stats", is_flag=True, help="Add error statistics on Gaussian samples.")
-@click.option("--std", type=float, default=1.0, help="Standard deviation of the samples.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed of the samples.")
+@click.option("--std", type=Real(min=0, min_open=True), default=1.0,
+              help="Standard deviation of the samples.")
+@click.option("--seed", type=SEED, default=0, help="Seed of the samples.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: bool) -> None:
     """Number formats: bits, range, precision and encodings (fp32 ... fp4, MX and NVFP4)."""
@@ -53,8 +54,6 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
             raise UserError(str(exc)) from None
         _print_values(values_of, codes, as_json)
         return
-    if not (std > 0 and math.isfinite(std)):
-        raise UserError(f"--std must be a positive number, got {std}")
     records = [spec_record(name) for name in FORMATS]
     if stats:
         for record in records:

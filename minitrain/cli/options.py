@@ -15,7 +15,33 @@ from minitrain.cli.errors import UserError, output_errors, rich_console
 # both take values below 2**63.
 MAX_STEPS = 2**63 - 1
 MAX_SEED = 2**63 - 1
-SEED = click.IntRange(min=0, max=MAX_SEED)
+
+
+def _parsed(number_type: Any, value: Any, param: Any, ctx: Any, whole: bool) -> Any:
+    from minitrain.accounting.units import parse_number
+
+    try:  # click names the option in its message
+        return parse_number(str(value), "", whole=whole)
+    except ValueError as exc:
+        number_type.fail(str(exc), param, ctx)
+
+
+class Whole(click.IntRange):
+    """An int option read by the one number parser (``accounting.units.parse_number``: ``1e3``,
+    ``4k``, ``1_000``; finite); click checks its range and shows it in ``--help``."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        return super().convert(_parsed(self, value, param, ctx, whole=True), param, ctx)
+
+
+class Real(click.FloatRange):
+    """A float option read by the one number parser (``70e9``, ``70B``, ``1.5k``; finite)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        return super().convert(_parsed(self, value, param, ctx, whole=False), param, ctx)
+
+
+SEED = Whole(min=0, max=MAX_SEED)
 
 class PngPath(click.ParamType):
     """A path for a plot: it must end in ``.png`` (plots are written as PNG)."""
@@ -38,13 +64,13 @@ _SHARED = (
                  help="cpu (fp32), cpu-bf16, cpu-fp16, cpu-fp8, cpu-mxfp8, cpu-mxfp4, cpu-nvfp4, "
                       "cuda (bf16 autocast), cuda-fp16, cuda-fp8, auto, or an installed backend "
                       "(see minitrain backends)."),
-    click.option("--steps", type=click.IntRange(min=0, max=MAX_STEPS), default=None,
+    click.option("--steps", type=Whole(min=0, max=MAX_STEPS), default=None,
                  help="Override the step count."),
     click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory."),
-    click.option("--log-every", type=click.IntRange(min=1), default=1, help="Log every N steps."),
-    click.option("--checkpoint-every", type=click.IntRange(min=0), default=0,
+    click.option("--log-every", type=Whole(min=1), default=1, help="Log every N steps."),
+    click.option("--checkpoint-every", type=Whole(min=0), default=0,
                  help="Checkpoint every N steps (0: only at the end and on Ctrl-C). Needs --out."),
-    click.option("--keep", type=click.IntRange(min=1), default=3, help="Checkpoints to keep."),
+    click.option("--keep", type=Whole(min=1), default=3, help="Checkpoints to keep."),
     click.option("--resume", is_flag=True,
                  help="Continue from the latest valid checkpoint in --out."),
     click.option("--overwrite", is_flag=True,

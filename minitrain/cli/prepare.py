@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from minitrain.cli.errors import Command
-from minitrain.cli.options import echo_json
+from minitrain.cli.options import Real, echo_json
 
 
 @click.command(cls=Command)
@@ -25,7 +25,7 @@ from minitrain.cli.options import echo_json
 )
 @click.option(
     "--val-fraction",
-    type=click.FloatRange(min=0.0, max=1.0, min_open=True, max_open=True),
+    type=Real(min=0.0, max=1.0, min_open=True, max_open=True),
     default=0.05,
     help="Share of the files held out for evaluation (chosen by a hash of each path).",
 )

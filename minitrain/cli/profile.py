@@ -18,7 +18,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import PNG, echo_json, script_argument
+from minitrain.cli.options import PNG, SEED, Whole, echo_json, script_argument
 from minitrain.cli.roofline import placement_record, print_table, roof_line
 
 
@@ -141,10 +141,10 @@ def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
 @click.option("--dtype", default=None, help="Peak of this dtype [default: the backend's].")
 @click.option("--backend", "backend_name", default="cpu", help="Backend the step runs on.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override CONFIG.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seed for init and data.")
-@click.option("--warmup", type=click.IntRange(min=0), default=2, help="Untimed steps first.")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, help="Timed steps (median).")
-@click.option("--top", type=click.IntRange(min=1), default=15, help="Rows of the op table.")
+@click.option("--seed", type=SEED, default=0, help="Seed for init and data.")
+@click.option("--warmup", type=Whole(min=0), default=2, help="Untimed steps first.")
+@click.option("--repeats", type=Whole(min=1), default=5, help="Timed steps (median).")
+@click.option("--top", type=Whole(min=1), default=15, help="Rows of the op table.")
 @click.option("--plot", "plot_path", type=PNG, default=None, help="Draw the roofline.")
 @click.option("--memory", "memory_path", type=PNG, default=None,
               help="Draw predicted and measured live memory over one step, by category.")

@@ -9,7 +9,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command
-from minitrain.cli.options import PNG, echo_json
+from minitrain.cli.options import PNG, Whole, echo_json
 
 
 def placement_record(p: Any) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def roof_line(r: Any) -> str:
 @click.command(cls=Command)
 @click.option("--hardware", "hardware_name", default="h100", help="A registered device or cpu.")
 @click.option("--dtype", default="bf16", help="Peak FLOP/s and element size of this dtype.")
-@click.option("--n", type=click.IntRange(min=1), default=1024, help="Operand size n of the ops.")
+@click.option("--n", type=Whole(min=1), default=1024, help="Operand size n of the ops.")
 @click.option("--plot", "plot_path", type=PNG, default=None, help="Draw the roofline.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_json: bool) -> None:

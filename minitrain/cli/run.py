@@ -11,6 +11,7 @@ import click
 from minitrain.cli.errors import Command, RunFailed, UserError, training_errors
 from minitrain.cli.options import (
     SEED,
+    Whole,
     check_out,
     echo_json,
     number,
@@ -30,7 +31,7 @@ from minitrain.cli.options import (
 @click.option("--report/--no-report", default=True, help="Add the resource report.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile forward and backward (the update stays eager).")
-@click.option("--nproc", type=click.IntRange(min=1), default=None,
+@click.option("--nproc", type=Whole(min=1), default=None,
               help="Data parallel: start N workers with torch.distributed's elastic agent (as "
                    "torchrun); gloo on CPU, NCCL on CUDA. The global batch stays the same.")
 def run(script: Path, backend: str, steps: int | None, seed: int, overrides: tuple[str, ...],

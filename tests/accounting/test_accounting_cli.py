@@ -80,7 +80,7 @@ def test_hardware_lists_the_registry_with_sources(capsys, tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("estimate", "time", "--params", "lots", "--tokens", "1"), "not a number"),
+        (("estimate", "time", "--params", "lots", "--tokens", "1"), "not a finite number"),
         (("estimate", "time", "--params", "1", "--tokens", "1", "--hardware", "tpu"),
          "unknown hardware"),
         (("estimate", "time", "--params", "1", "--tokens", "1", "--dtype", "fp5"),

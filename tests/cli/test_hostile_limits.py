@@ -22,7 +22,7 @@ from test_hostile_harness import (
 from minitrain import checkpoint
 
 REFUSED = {  # id: (args, words of the error line)
-    "--steps 1e8": (("--steps", "1e8"), "--steps"),
+    "--steps 1e19": (("--steps", "1e19"), "--steps"),
     "--steps -1": (("--steps", "-1"), "--steps"),
     "--steps nan": (("--steps", "nan"), "--steps"),
     "--seed 1e400": (("--seed", "1e400"), "--seed"),
@@ -40,7 +40,7 @@ REFUSED = {  # id: (args, words of the error line)
     "--keep -1": (("--keep", "-1"), "--keep"),
     "--steps 1.5": (("--steps", "1.5"), "--steps"),
     "--steps empty": (("--steps", ""), "--steps"),
-    "--log-every 1e3": (("--log-every", "1e3"), "--log-every"),
+    "--log-every 1.5": (("--log-every", "1.5"), "--log-every"),
     "--nproc 0": (("--nproc", "0"), "--nproc"),
     "--backend nope": (("--backend", "nope"), "nope"),
     "--set has_aux=maybe": (("--set", "has_aux=maybe"), "has_aux"),
