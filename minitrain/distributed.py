@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -23,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from minitrain.atomic_io import write_atomic
-from minitrain.errors import DistributedError, ShardError, StorageError
-from minitrain.tree import PyTree, leaves, nbytes, structure, unflatten
+from minitrain.errors import DistributedError, ExperimentError, ShardError, StorageError
+from minitrain.tree import PyTree, leaves, named_leaves, nbytes, structure, unflatten
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DataParallel", "DistributedError", "LostPeer", "ShardError",
@@ -260,6 +261,28 @@ class DataParallel:
                 f"the ranks disagree on {what} ({low} to {high}; rank {self.rank} has {value}); "
                 "every rank must see the same --out directory (a shared filesystem)"
             )
+
+    def check_params(self, params: PyTree) -> None:
+        """Raise :class:`ExperimentError` naming the first leaf whose name, shape, dtype or
+        values differ between ranks (a rank-dependent init would train the ranks apart)."""
+        named = [(name, leaf.detach()) for name, leaf in named_leaves(params)]
+        layout = [f"{name!r} of shape {tuple(t.shape)} and {t.dtype}" for name, t in named]
+        layouts: list[Any] = [None] * self.world_size
+        with collective("comparing the params across ranks"):
+            dist.all_gather_object(layouts, layout, group=self.group)
+        for rank, other in enumerate(layouts):
+            for mine, theirs in itertools.zip_longest(layouts[0], other, fillvalue="no leaf"):
+                if mine != theirs:
+                    raise ExperimentError(
+                        f"init(generator) gave rank 0 {mine} but rank {rank} {theirs}; every "
+                        "rank must create the same params (draw them from the generator only)")
+        for name, leaf in named:  # equal on every rank iff max(x) == -max(-x)
+            both = self._all_max(torch.stack([leaf, -leaf]).to(self.device),
+                                 "comparing the params across ranks")
+            if not torch.allclose(both[0], -both[1], rtol=0, atol=0, equal_nan=True):
+                raise ExperimentError(
+                    f"init(generator) gave the ranks different values at {name!r}; every rank "
+                    "must create the same params (draw them from the generator only)")
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the process group's timeout)."""

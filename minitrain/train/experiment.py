@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import reprlib
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from minitrain.checkpoint import _MAX_STATE_BYTES
 from minitrain.errors import ExperimentError, ResumeError
 from minitrain.train.script_errors import raised_at
 from minitrain.tree import Params, PyTree
@@ -91,6 +93,10 @@ class Experiment:
 
 
 _PLAIN = (int, float, str, type(None))
+# How deep lists and dicts may nest in a config (checked without recursion).
+MAX_CONFIG_DEPTH = 100
+# JSON bytes a config may take: what a checkpoint's state.json may hold, less room for the rest.
+MAX_CONFIG_BYTES = _MAX_STATE_BYTES - 4 * 2**20
 
 
 def check_seed(seed: Any, what: str = "seed") -> None:
@@ -172,7 +178,8 @@ def check_loss_output(loss: Any, aux: Any) -> None:
 
 
 def check_config_value(where: str, value: Any) -> None:
-    """Refuse a config value a checkpoint cannot record (JSON data with finite numbers only).
+    """Refuse a config value a checkpoint cannot record (JSON data with finite numbers only,
+    ints in ``[-2**63, 2**63)``, lists and dicts nested at most ``MAX_CONFIG_DEPTH`` deep).
 
     >>> check_config_value("CONFIG['lr']", float("nan"))
     Traceback (most recent call last):
@@ -181,23 +188,38 @@ def check_config_value(where: str, value: Any) -> None:
     """
     kind = "config values must be finite numbers, strings, booleans, None, or lists and dicts of "
     kind += "them (each checkpoint records the config); build other objects in experiment(config)"
-    if value is None or isinstance(value, bool | int | str):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
+    todo = [(where, value, 0, where)]
+    while todo:  # depth first, without recursion; ``top``: the key of CONFIG it is under
+        where, value, depth, top = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
             raise ExperimentError(f"{where} is {value}; {kind}")
-        return
-    if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            check_config_value(f"{where}[{index}]", item)
-        return
-    if isinstance(value, Mapping):
-        for key, item in value.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not _int(value, -(2**63)):
+            raise ExperimentError(f"{where} is an int outside [-2**63, 2**63); {kind}")
+        if value is None or isinstance(value, bool | int | float | str):
+            continue
+        if not isinstance(value, list | tuple | dict):
+            raise ExperimentError(f"{where} is a {type(value).__name__}; {kind}")
+        if depth > MAX_CONFIG_DEPTH:
+            raise ExperimentError(f"{top} nests lists and dicts deeper than {MAX_CONFIG_DEPTH} "
+                                  f"levels; {kind}")
+        for key in value if isinstance(value, dict) else ():
             if not isinstance(key, str):
-                raise ExperimentError(f"{where} has the key {key!r}; {kind} (with str keys)")
-            check_config_value(f"{where}[{key!r}]", item)
-        return
-    raise ExperimentError(f"{where} is a {type(value).__name__}; {kind}")
+                raise ExperimentError(f"{where} has the key {reprlib.repr(key)}; {kind} "
+                                      "(with str keys)")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in reversed(list(items)):
+            child = f"{where}[{key!r}]"
+            todo.append((child, item, depth + 1, top if depth else child))
+
+
+def _check_config_size(where: str, config: Mapping[str, Any]) -> None:
+    """Refuse a config larger than a checkpoint's ``state.json`` can hold beside the rest."""
+    size = len(json.dumps({"meta": {"config": dict(config)}}, indent=1))  # as checkpoint.save
+    if size > MAX_CONFIG_BYTES:
+        raise ExperimentError(
+            f"{where} takes {size} bytes as JSON, over the {MAX_CONFIG_BYTES} a checkpoint "
+            "records; read large data from a file in experiment(config)"
+        )
 
 
 def as_recorded(value: Any) -> Any:
@@ -337,8 +359,8 @@ def load_script(path: str | Path) -> tuple[Mapping[str, Any], Callable[[dict], A
     config = getattr(module, "CONFIG", {})
     if not isinstance(config, Mapping):
         raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
-    for key, value in config.items():
-        check_config_value(f"{path}: CONFIG[{key!r}]", value)
+    check_config_value(f"{path}: CONFIG", dict(config))
+    _check_config_size(f"{path}: CONFIG", config)
     build = getattr(module, "experiment", None)
     if not callable(build):
         raise ExperimentError(

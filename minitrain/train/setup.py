@@ -44,7 +44,7 @@ def init_params(experiment: Any, generator: torch.Generator, backend: Backend) -
     """``experiment.init(generator)``, checked and moved to the backend."""
     with script_call("init(generator)"):
         params = experiment.init(generator)
-    check_params(params)
+    check_params(params, param_dtype=backend.param_dtype)
     return to_backend(params, backend)
 
 
@@ -65,8 +65,10 @@ def batch_examples(batch: Any) -> int:
     return int(tensors[0].shape[0])
 
 
-def check_params(params: Any, what: str = "init(generator)") -> None:
-    """Raise :class:`ExperimentError` unless ``params`` is a pytree with floating tensors only."""
+def check_params(params: Any, what: str = "init(generator)",
+                 param_dtype: torch.dtype = torch.float32) -> None:
+    """Raise :class:`ExperimentError` unless ``params`` is a pytree of float32 (or
+    ``param_dtype``) tensors: a backend casts float32 params to its ``param_dtype``."""
     from minitrain.tree import named_leaves
 
     try:
@@ -93,4 +95,9 @@ def check_params(params: Any, what: str = "init(generator)") -> None:
             raise ExperimentError(
                 f"{what} returned a meta tensor (no data) at {name!r}; create the params on a "
                 "real device (drop device='meta'); the run moves them to the backend's device"
+            )
+        if leaf.dtype not in (torch.float32, param_dtype):
+            raise ExperimentError(
+                f"{what} returned a {leaf.dtype} tensor at {name!r}; create the params as "
+                f"torch.float32 (the backend casts them to its param dtype, here {param_dtype})"
             )
