@@ -54,9 +54,9 @@ def experiment(config):
 """
 
 
-@pytest.mark.parametrize("command", [["run"], ["sweep", "--set", "lr=0.1,0.2"]],
+@pytest.mark.parametrize("command, where",
+                         [(["run"], "x"), (["sweep", "--set", "lr=0.1,0.2"], "y")],
                          ids=["run", "sweep"])
-@pytest.mark.parametrize("where", ["x", "y"])
 def test_a_meta_batch_is_one_line_naming_the_leaf(command, where, tmp_path):
     path = tmp_path / "meta_batch.py"
     path.write_text(BATCH_SCRIPT)
