@@ -70,7 +70,7 @@ class SingleRun:
         rng.seed_everything(self.seed)
         init_generator, self.data_generator = run_generators(self.seed)
         self.params = init_params(self.experiment, init_generator, self.backend)
-        if self.parallel is not None:  # a checkpoint loads alike on every rank: checked once
+        if self.parallel is not None:  # every rank starts from the same params
             self.parallel.check_params(self.params)
         with script_call("optimizer.init(params)"):
             self.opt_state = self.experiment.optimizer.init(self.params)
