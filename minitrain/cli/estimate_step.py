@@ -113,6 +113,8 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
     import torch
 
     from minitrain import accounting as acc
+    from minitrain.errors import ExperimentError
+    from minitrain.train.setup import check_params
 
     mode = acc.fake_mode()
     built = []
@@ -120,6 +122,7 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
     try:
         generator = torch.Generator().manual_seed(seed)
         params = _fake_only(mode, lambda: experiment.init(generator), "init", script)
+        check_params(params)
         init_state = getattr(experiment, "init_state", None)
         model_state = (None if init_state is None
                        else _fake_only(mode, lambda: init_state(generator), "init_state", script))
@@ -131,7 +134,7 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
             has_aux=experiment.has_aux, max_grad_norm=experiment.max_grad_norm,
             hardware=spec, dtype=dtype, autocast=cast, model_state=model_state,
         )
-    except UserError:
+    except (UserError, ExperimentError):
         raise
     except Exception as exc:  # the script's code failed on fake tensors: one line
         raise _failed(script, exc) from None
@@ -176,13 +179,14 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
 
     from minitrain import accounting as acc
     from minitrain.precision import get_backend
+    from minitrain.train.setup import init_params
     from minitrain.train.step import init_carry, make_train_step
     from minitrain.tree import size
 
     experiment = _load(script, overrides)
     backend = get_backend("auto")
     generator = torch.Generator().manual_seed(seed)
-    params = backend.to_device(experiment.init(generator))
+    params = init_params(experiment, generator, backend)
     carry = init_carry(experiment, backend, generator)
     batch = backend.to_device(experiment.next_batch(generator))
     state = experiment.optimizer.init(params)

@@ -44,7 +44,8 @@ def profile_script(
     from minitrain.accounting.roofline import profile_records, roof
     from minitrain.precision import get_backend
     from minitrain.train import load_experiment, make_train_step
-    from minitrain.train.loop import run_generators, to_backend
+    from minitrain.train.loop import run_generators
+    from minitrain.train.setup import init_params
     from minitrain.train.step import init_carry, with_fixed_key
 
     experiment, config = load_experiment(script, overrides)
@@ -52,7 +53,7 @@ def profile_script(
     backend = get_backend(backend_name)
     on = roof(hardware_name, dtype or dtype_name(str(backend.compute_dtype)))
     init_generator, data_generator = run_generators(seed)
-    params = to_backend(experiment.init(init_generator), backend)
+    params = init_params(experiment, init_generator, backend)
     opt_state = experiment.optimizer.init(params)
     # The model state (BatchNorm statistics) and loss scale the run carries from step to step.
     carry = init_carry(experiment, backend, init_generator)
