@@ -15,6 +15,7 @@ numbers); the same key gives the same numbers eagerly, vmapped and compiled.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,10 @@ _MASK = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32 rotation constants (Random123)
 _PARITY = 0x1BD11BDA  # Skein's key-schedule parity constant
 _CHUNK = 1 << 15  # counters per eager pass: 256 kB int64 arrays
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
+_FEW = 8  # counters enciphered on Python ints rather than numpy arrays
+_NUMPY_ROTATIONS = tuple(tuple((np.uint32(r), np.uint32(32 - r)) for r in rotations)
+                         for rotations in _ROTATIONS)
 
 
 def key(seed: int) -> Key:
@@ -52,8 +57,11 @@ def threefry2x32(k: Key, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
     >>> [hex(int(w)) for w in threefry2x32(k, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))]
     ['0xc4923a9c', '0x483df7a0']
     """
-    k0, k1 = k[0], k[1]
-    ks = (k0, k1, k0 ^ k1 ^ _PARITY)
+    return _rounds((k[0], k[1], k[0] ^ k[1] ^ _PARITY), x0, x1)
+
+
+def _rounds(ks: tuple, x0: Any, x1: Any) -> tuple[Any, Any]:
+    """:func:`threefry2x32` under the key schedule ``ks``, on tensors or on Python ints."""
     x0, x1 = (x0 + ks[0]) & _MASK, (x1 + ks[1]) & _MASK
     for i in range(5):
         for r in _ROTATIONS[i % 2]:
@@ -64,49 +72,64 @@ def threefry2x32(k: Key, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
     return x0, x1
 
 
-def _numpy_threefry(k: Key, start: int, stop: int) -> tuple[Tensor, Tensor]:
+def _numpy_threefry(k: Key, start: int, stop: int) -> np.ndarray:
     """Counters ``start..stop`` enciphered in numpy ``uint32`` (wrapping adds and shifts are
-    32-bit): :func:`threefry2x32`'s words, at ~0.5 us a pass over a small draw instead of ~2 us
-    an eager torch op."""
-    k0, k1 = (int(w) for w in k.tolist())
+    32-bit): :func:`threefry2x32`'s words as rows ``(2, stop - start)``, at ~0.5 us a pass over
+    a small draw instead of ~2 us an eager torch op."""
+    k0, k1 = k.tolist()
     ks = (k0, k1, k0 ^ k1 ^ _PARITY)
-    index = np.arange(start, stop, dtype=np.uint64)
     x = np.empty((2, stop - start), dtype=np.uint32)
-    x[0], x[1] = index >> np.uint64(32), index & np.uint64(_MASK)
+    if stop <= 1 << 32:  # the high words are zero
+        x[0] = 0
+        x[1] = np.arange(start, stop, dtype=np.uint32)
+    else:
+        index = np.arange(start, stop, dtype=np.uint64)
+        x[0], x[1] = index >> np.uint64(32), index & np.uint64(_MASK)
+    # the six key injections: (ks[s % 3], ks[(s + 1) % 3] + s) after group s (the first: s = 0)
+    injections = np.array([[ks[s % 3], (ks[(s + 1) % 3] + s) & _MASK] for s in range(6)],
+                          dtype=np.uint32)[:, :, None]
     x0, x1, left = x[0], x[1], np.empty(stop - start, dtype=np.uint32)
-    x += np.array([[ks[0]], [ks[1]]], dtype=np.uint32)
+    x += injections[0]
     for i in range(5):
-        for r in _ROTATIONS[i % 2]:
+        for r, back in _NUMPY_ROTATIONS[i % 2]:
             np.add(x0, x1, out=x0)
             np.left_shift(x1, r, out=left)
-            np.right_shift(x1, 32 - r, out=x1)
+            np.right_shift(x1, back, out=x1)
             np.bitwise_or(x1, left, out=x1)
             np.bitwise_xor(x1, x0, out=x1)
-        s = i + 1
-        x += np.array([[ks[s % 3]], [(ks[(s + 1) % 3] + s) & _MASK]], dtype=np.uint32)
-    return torch.from_numpy(x0).to(torch.int64), torch.from_numpy(x1).to(torch.int64)
+        x += injections[i + 1]
+    return x
 
 
 def _plain_cpu(k: Tensor) -> bool:
     """Whether ``k`` is a plain CPU tensor outside torch.compile, vmap / grad wrappers and
-    dispatch or function modes: numpy may draw its words."""
+    dispatch or function modes: numpy or Python ints may draw its words."""
     return (type(k) is torch.Tensor and k.device.type == "cpu"
             and not torch.compiler.is_compiling() and not _torch.is_functorch_wrapped_tensor(k)
             and _torch.get_current_dispatch_mode() is None
             and not _torch.is_torch_function_mode_enabled())
 
 
-def _enciphered(k: Key, start: int, stop: int) -> tuple[Tensor, Tensor]:
-    """Counters ``start..stop`` (high and low 32-bit words) enciphered under ``k``."""
+def _enciphered(k: Key, start: int, stop: int) -> Tensor:
+    """Counters ``start..stop`` enciphered under ``k``: rows of (high, low) 32-bit words."""
     if _plain_cpu(k):
-        return _numpy_threefry(k, start, stop)
+        if stop - start <= _FEW:  # Python ints: a key split in ~10 us, not ~80 us of numpy calls
+            k0, k1 = k.tolist()
+            ks = (k0, k1, k0 ^ k1 ^ _PARITY)
+            words = [_rounds(ks, i >> 32, i & _MASK) for i in range(start, stop)]
+            return torch.tensor(words, dtype=torch.int64).reshape(-1, 2)
+        return torch.from_numpy(_numpy_threefry(k, start, stop).T.astype(np.int64, order="C"))
     index = torch.arange(start, stop, dtype=torch.int64, device=k.device)
-    return threefry2x32(k, index >> 32, index & _MASK)
+    return torch.stack(threefry2x32(k, index >> 32, index & _MASK), dim=-1)
 
 
 def _words(k: Key, start: int, stop: int) -> Tensor:
-    x0, x1 = _enciphered(k, start, stop)
-    return x0 ^ x1
+    """The words ``high ^ low`` of counters ``start..stop``."""
+    if _plain_cpu(k) and stop - start > _FEW:
+        x = _numpy_threefry(k, start, stop)
+        return torch.from_numpy(np.bitwise_xor(x[0], x[1]).astype(np.int64))
+    x = _enciphered(k, start, stop)
+    return x[..., 0] ^ x[..., 1]
 
 
 def split(k: Key, num: int = 2) -> Int[Tensor, "num 2"]:
@@ -115,7 +138,7 @@ def split(k: Key, num: int = 2) -> Int[Tensor, "num 2"]:
     >>> split(key(0), 3).shape
     torch.Size([3, 2])
     """
-    return torch.stack(_enciphered(k, 0, num), dim=-1)
+    return _enciphered(k, 0, num)
 
 
 def fold_in(k: Key, data: int | Tensor) -> Key:
@@ -124,6 +147,8 @@ def fold_in(k: Key, data: int | Tensor) -> Key:
     >>> bool((fold_in(key(0), 1) == split(key(0), 2)[1]).all())
     True
     """
+    if isinstance(data, int) and _plain_cpu(k):
+        return _enciphered(k, data & _MASK, (data & _MASK) + 1)[0]
     data = torch.as_tensor(data, dtype=torch.int64, device=k.device) & _MASK
     return torch.stack(threefry2x32(k, torch.zeros_like(data), data))
 
@@ -155,8 +180,26 @@ def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
     if not dtype.is_floating_point:
         raise ValueError(f"uniform draws floating-point numbers, got dtype={dtype}")
     m = min(32, -int(math.log2(torch.finfo(dtype).eps)))
+    n = math.prod(shape)
+    if (dtype in _NUMPY_FLOATS and _FEW < n <= _CHUNK and _plain_cpu(k)
+            and all(isinstance(v, int | float) for v in (minval, maxval))):
+        return torch.from_numpy(_numpy_uniform(k, n, _NUMPY_FLOATS[dtype], m, minval,
+                                               maxval)).reshape(shape)
     unit = (bits(k, shape) >> (32 - m)).to(dtype) * 2.0**-m
     return torch.clamp(minval + unit * (maxval - minval), min=minval)
+
+
+def _numpy_uniform(k: Key, n: int, dtype: type, m: int, minval: float,
+                   maxval: float) -> np.ndarray:
+    """:func:`uniform`'s numbers in numpy, op for op in ``dtype`` (torch casts the scalars to
+    it too): ~10 us of torch ops fewer on a small draw."""
+    x = _numpy_threefry(k, 0, n)
+    words = np.bitwise_xor(x[0], x[1], out=x[0])
+    unit = np.right_shift(words, np.uint32(32 - m), out=words).astype(dtype)
+    unit *= dtype(2.0**-m)
+    unit *= dtype(maxval - minval)
+    unit += dtype(minval)
+    return np.maximum(unit, dtype(minval), out=unit)
 
 
 def normal(k: Key, shape: Shape, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -8,12 +8,13 @@ normal draw, sliced in leaf order, noises every leaf (optax splits one key per l
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from minitrain import random, tree
+from minitrain import random
 from minitrain.optim import _flat
 from minitrain.optim._checks import check_state_type, checked
 from minitrain.optim.base import GradientTransformation, tagged
@@ -57,16 +58,18 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
             raise ValueError("differentially_private_aggregate takes per-example grads: every "
                              "leaf with the same leading batch dim")
         # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1); the
-        # sum over examples and the division by the batch size as one weighted contraction
-        norms = tree.per_example_global_norm(updates)
+        # sum over examples, the division by the batch size and the noise as one addmv a leaf
+        rows = [g.reshape(size, math.prod(g.shape[1:])) for g in leaves]
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
+        wide = torch.promote_types(dtype, torch.float32)
+        norms = torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(r, 2, dim=1, dtype=wide) for r in rows]), 2, dim=0)
         weights = 1.0 / (torch.clamp(norms / l2_norm_clip, min=1.0) * size)
         new_key, noise_key = random.split(state.rng_key)
-        dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
-        sizes = [g[0].numel() for g in leaves]
+        sizes = [r.shape[1] for r in rows]
         noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(noise_std / size).split(sizes)
-        out = [torch.tensordot(weights if weights.dtype == g.dtype else weights.to(g.dtype), g,
-                               dims=1).add_(z.view(g.shape[1:]))
-               for g, z in zip(leaves, noise, strict=True)]
+        out = [torch.addmv(z.to(r.dtype), r.t(), weights.to(r.dtype)).view(g.shape[1:])
+               for g, r, z in zip(leaves, rows, noise, strict=True)]
         return _flat.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
 
     return tagged("differentially_private_aggregate", GradientTransformation(init, update),
