@@ -75,7 +75,20 @@ def linear(params: Params, x: Float[Tensor, "*batch in_features"]) -> Float[Tens
     >>> linear({"weight": torch.ones(2, 3)}, torch.ones(4, 3))[0]
     tensor([3., 3.])
     """
-    return _affine(x, params["weight"], params.get("bias"))
+    weight, bias = params["weight"], params.get("bias")
+    if _fits(x, weight, bias):  # what _affine's annotations check, in a few attribute reads
+        return F.linear(x, weight, bias)
+    return _affine(x, weight, bias)  # refuses, naming the mismatched dimension
+
+
+def _fits(x: object, weight: object, bias: object) -> bool:
+    """Whether :func:`_affine`'s annotations hold: floating ``x (*batch, in)``,
+    ``weight (out, in)`` and ``bias (out,)`` or None."""
+    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and x.is_floating_point() and weight.is_floating_point()
+            and x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1]
+            and (bias is None or (isinstance(bias, torch.Tensor) and bias.is_floating_point()
+                                  and bias.dim() == 1 and bias.shape[0] == weight.shape[0])))
 
 
 @typechecked  # x, weight and bias together, so a mismatch names in_features or out
