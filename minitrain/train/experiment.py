@@ -28,7 +28,8 @@ from minitrain.tree import Params, PyTree
 
 __all__ = [
     "Experiment", "check_loss_output", "ExperimentError", "ResumeError", "apply_overrides",
-    "as_recorded", "build_experiment", "check_config_value", "check_seed", "coerce_value",
+    "as_recorded", "build_experiment", "check_config_size", "check_config_value", "check_seed",
+    "coerce_value",
     "load_experiment", "load_script", "parse_overrides", "script_folder",
 ]
 
@@ -212,7 +213,7 @@ def check_config_value(where: str, value: Any) -> None:
             todo.append((child, item, depth + 1, top if depth else child))
 
 
-def _check_config_size(where: str, config: Mapping[str, Any]) -> None:
+def check_config_size(where: str, config: Mapping[str, Any]) -> None:
     """Refuse a config larger than a checkpoint's ``state.json`` can hold beside the rest."""
     size = len(json.dumps({"meta": {"config": dict(config)}}, indent=1))  # as checkpoint.save
     if size > MAX_CONFIG_BYTES:
@@ -360,7 +361,7 @@ def load_script(path: str | Path) -> tuple[Mapping[str, Any], Callable[[dict], A
     if not isinstance(config, Mapping):
         raise ExperimentError(f"{path}: CONFIG must be a dict, got {type(config).__name__}")
     check_config_value(f"{path}: CONFIG", dict(config))
-    _check_config_size(f"{path}: CONFIG", config)
+    check_config_size(f"{path}: CONFIG", config)
     build = getattr(module, "experiment", None)
     if not callable(build):
         raise ExperimentError(

@@ -46,7 +46,7 @@ from minitrain.train.ensemble_step import (
     rerun_as_single_runs,
     shared_by_seed,
 )
-from minitrain.train.experiment import as_recorded
+from minitrain.train.experiment import as_recorded, check_config_size
 from minitrain.train.loop import FitResult, run_loop
 from minitrain.train.members import (
     Ensemble,
@@ -124,6 +124,8 @@ class SweepRun:
 
     def init(self) -> None:
         ensemble, members = self.ensemble, self.ensemble.members
+        # each checkpoint records every member's config: all of them must fit its state.json
+        check_config_size(f"CONFIG × {len(members)} members", self._meta())
         rng.seed_everything(members[0].seed)
         generators = [run_generators(member.seed) for member in members]
         data_generators = [data for _, data in generators]

@@ -158,3 +158,35 @@ def test_params_in_the_backends_own_param_dtype_are_kept():
         assert fit(tiny(dtype), pure_bf16, progress=False).params["w"].dtype == torch.bfloat16
     with pytest.raises(ExperimentError, match="torch.float16 tensor at 'w'.*here torch.bfloat16"):
         fit(tiny(torch.float16), pure_bf16, progress=False)
+
+
+SWEEP_SCRIPT = textwrap.dedent("""
+    import torch
+    import minitrain as mt
+
+    CONFIG = {"lr": 0.1, "text": "x" * (20 * 2**20)}
+
+
+    def experiment(config):
+        return mt.Experiment(init=lambda g: {"w": torch.zeros(2)},
+                             loss=lambda p, x: (x @ p["w"] - 1).square().mean(),
+                             next_batch=lambda g: torch.randn(4, 2, generator=g),
+                             optimizer=mt.optim.sgd(lr=config["lr"]), steps=3)
+""")
+
+
+def test_a_sweep_records_every_members_config_and_resumes_what_it_wrote(tmp_path, capsys):
+    """A sweep's checkpoint holds each member's config: K × CONFIG must fit, and then resumes."""
+    path = tmp_path / "sweep_big.py"
+    path.write_text(SWEEP_SCRIPT)
+    assert "CONFIG × 4 members" in cli_error(capsys, ["sweep", str(path), "--set",
+                                                      "lr=0.1,0.2,0.3,0.4"])
+    out = tmp_path / "sweep"
+    args = ["sweep", str(path), "--set", "lr=0.1,0.2", "--out", str(out), "--checkpoint-every",
+            "1", "--no-report", "--no-plot"]
+    for more in (["--steps", "2"], ["--resume", "--json"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, *more])
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 0, captured.err
+    assert json.loads(captured.out)["steps"] == 3
