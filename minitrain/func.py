@@ -165,17 +165,19 @@ def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, .
 def _reaches_other_leaves(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     """Whether ``output``'s autograd graph reaches a leaf other than ``inputs``: a tensor the
     differentiated function closed over that requires grad (a meta-learned hyperparameter)."""
-    own = {id(t) for t in inputs}
-    seen, stack = set(), [output.grad_fn]
+    own, start = {id(t) for t in inputs}, output.grad_fn
+    seen, stack = {start}, [start] if start is not None else []
     while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in own:
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        for node, _ in stack.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node.next_functions:
+                stack.append(node)
+                continue
+            variable = getattr(node, "variable", None)  # only leaves' AccumulateGrad have one
+            if variable is not None and id(variable) not in own:
+                return True
     return False
 
 

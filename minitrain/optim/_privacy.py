@@ -68,8 +68,9 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
         new_key, noise_key = random.split(state.rng_key)
         sizes = [r.shape[1] for r in rows]
         noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(noise_std / size).split(sizes)
-        out = [torch.addmv(z.to(r.dtype), r.t(), weights.to(r.dtype)).view(g.shape[1:])
-               for g, r, z in zip(leaves, rows, noise, strict=True)]
+        weights = {kind: weights.to(kind) for kind in {wide, *(g.dtype for g in leaves)}}
+        out = [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
+               .view(g.shape[1:]) for g, r, z in zip(leaves, rows, noise, strict=True)]
         return _flat.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
 
     return tagged("differentially_private_aggregate", GradientTransformation(init, update),
