@@ -23,6 +23,7 @@ from test_hostile_harness import (
 )
 
 from minitrain import data, metrics
+from tests.references import require
 
 CAUSE = {code: os.strerror(code).lower() for code in errno.errorcode}
 
@@ -100,7 +101,7 @@ def logged(tmp_path):
 
 
 def test_plot_into_a_directory(capsys, logged):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     (logged / "taken.png").mkdir()
     code, stdout, err = invoke(capsys, "plot", logged, "--out", logged / "taken.png")
     assert code == 1
@@ -108,7 +109,7 @@ def test_plot_into_a_directory(capsys, logged):
 
 
 def test_plot_under_a_regular_file(capsys, logged):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     (logged / "file").write_text("x")
     code, stdout, err = invoke(capsys, "plot", logged, "--out", logged / "file" / "loss.png")
     assert code == 1
@@ -116,7 +117,7 @@ def test_plot_under_a_regular_file(capsys, logged):
 
 
 def test_plot_on_a_full_disk_leaves_no_png(capsys, logged, monkeypatch):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     fail_writes(monkeypatch, ("loss.png",), errno.ENOSPC)
     code, stdout, err = invoke(capsys, "plot", logged)
     monkeypatch.undo()

@@ -18,6 +18,7 @@ from minitrain import metrics
 from minitrain.cli import cli
 from minitrain.errors import StorageError
 from minitrain.metrics import MetricsError, MetricsWriter, MissingExtra, read_metrics
+from tests.references import require
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -96,7 +97,7 @@ def read_scalars(log_dir, tag):
 
 
 def test_tensorboard_scalars_match_the_jsonl(tmp_path):
-    pytest.importorskip("tensorboard")
+    require("tensorboard")
     log_steps(tmp_path, range(1, 6), tensorboard=True)
     scalars = read_scalars(tmp_path / "tensorboard", "loss")
     expected = [(row["step"], row["loss"]) for row in read_metrics(tmp_path)]
@@ -105,7 +106,7 @@ def test_tensorboard_scalars_match_the_jsonl(tmp_path):
 
 
 def test_tensorboard_resume_purges_the_dead_steps(tmp_path):
-    pytest.importorskip("tensorboard")
+    require("tensorboard")
     log_steps(tmp_path, range(1, 9), tensorboard=True)
     log_steps(tmp_path, range(4, 7), resume_step=3, tensorboard=True)
     assert [step for step, _ in read_scalars(tmp_path / "tensorboard", "loss")] == [
@@ -339,7 +340,7 @@ def test_a_value_that_is_not_json_is_named(tmp_path):
 
 def test_plot_into_a_directory_or_under_a_file_is_a_storage_error(tmp_path):
     log_steps(tmp_path, range(1, 4))
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     (tmp_path / "taken.png").mkdir()
     with pytest.raises(StorageError, match="cannot write the plot to .*taken.png: is a dir"):
         metrics.plot(tmp_path, tmp_path / "taken.png")

@@ -29,6 +29,7 @@ from test_hostile_harness import (
 )
 
 from minitrain import data
+from tests.references import require
 
 CKPT = "checkpoints/step-{:08d}"
 
@@ -259,7 +260,7 @@ def test_metrics_that_can_be_mended_are_on_resume(capsys, used, case):
 
 
 def test_plot_names_a_damaged_metrics_line(capsys, used):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     script_path, out = used
     edit_metrics(out, lambda lines: [*lines[:2], "garbage\n", *lines[2:]])
     code, stdout, err = invoke(capsys, "plot", out)

@@ -20,8 +20,9 @@ import minitrain as mt
 from minitrain.accounting.predict import predict_step
 from minitrain.train import Experiment
 from minitrain.train.step import init_carry, make_train_step
+from tests.references import require
 
-transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+transformers = require("transformers")
 
 # Ops the Counter has no FLOP formula for (each named in the README); nothing else may be.
 WITHOUT_FORMULA: set[str] = set()
