@@ -350,6 +350,15 @@ def adam_corrections(step: Any, beta1: Any, beta2: Any) -> tuple[Any, Any, Any]:
     return 1 - beta1**step, bias_correction2, root
 
 
+def traced_corrections(step: Tensor, beta1: Any, beta2: Any) -> dict[Any, tuple]:
+    """:func:`adam_corrections` of a traced step by leaf dtype: for float32 leaves cast once an
+    update (the cast that dividing by a float64 0-d tensor makes on every leaf, ops under vmap),
+    for the others (key None) as they are."""
+    found = adam_corrections(step, beta1, beta2)
+    return {None: found, torch.float32: tuple(
+        c.to(torch.float32) if isinstance(c, Tensor) else c for c in found)}
+
+
 def schedule_count(count: Any) -> Any:
     """What a schedule is called with: the updates done as an int, or the traced ``count``."""
     done = updates_done(count)
