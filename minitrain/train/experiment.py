@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from minitrain.accounting.units import parse_number
 from minitrain.checkpoint import _MAX_STATE_BYTES
 from minitrain.errors import ExperimentError, ResumeError
 from minitrain.train.script_errors import raised_at
@@ -257,10 +258,10 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
 
     >>> coerce_value("lr", "1e-3", 0.01), coerce_value("dim", "8", 16)
     (0.001, 8)
-    >>> coerce_value("dim", "8.5", 16)
+    >>> coerce_value("dim", "8.5", 16)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    minitrain.errors.ExperimentError: --set dim=8.5: expected an int (the default is 16)
+    minitrain.errors.ExperimentError: --set dim=8.5: expected an int ...: '8.5' is not a whole ...
     """
     kind = type(default)
     expected = f"--set {key}={text}: expected {{}} (the default is {default!r})"
@@ -275,16 +276,14 @@ def coerce_value(key: str, text: str, default: Any) -> Any:
             f"config key {key!r} has a default of type {kind.__name__}, which --set cannot "
             "override; use an int, float, bool or str default"
         )
+    whole = kind is int  # the command line's one number parser: 1e-3, 4k, 1_000; finite
     try:
-        value = kind(text)
-    except ValueError:
-        raise ExperimentError(expected.format(f"{'an' if kind is int else 'a'} {kind.__name__}")
-                              ) from None
-    if kind is int and not -(2**63) <= value < 2**63:
-        raise ExperimentError(expected.format("an int in [-2**63, 2**63)"))
-    if kind is float and not math.isfinite(value):
-        raise ExperimentError(expected.format("a finite float"))
-    return value
+        value = parse_number(text, "", whole=whole, low=-(2**63) if whole else None,
+                             high=2**63 - 1 if whole else None)
+    except ValueError as exc:
+        what = "an int in [-2**63, 2**63)" if whole else "a float"
+        raise ExperimentError(expected.format(f"{what}: {exc}")) from None
+    return kind(value)
 
 
 def apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, str]) -> dict[str, Any]:

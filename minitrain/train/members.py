@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minitrain.accounting.units import parse_number
 from minitrain.train.experiment import (
     Experiment,
     ExperimentError,
@@ -73,15 +74,14 @@ def parse_sweep(items: Sequence[str]) -> tuple[dict[str, str], dict[str, list[st
 
 def parse_seeds(text: str) -> list[int]:
     """``"0,1,2" -> [0, 1, 2]``; each seed a distinct non-negative int."""
-    try:
-        seeds = [int(part) for part in text.split(",")]
-    except ValueError:
+    try:  # the command line's one number parser: 1e3, 1_000; whole, in [0, 2**63)
+        seeds = [parse_number(part, "", whole=True, low=0, high=2**63 - 1)
+                 for part in text.split(",")]
+    except ValueError as exc:
         raise ExperimentError(
-            f"--seeds {text}: expected comma-separated integers, e.g. --seeds 0,1,2"
-        ) from None
+            f"--seeds {text}: expected comma-separated integers in [0, 2**63), e.g. --seeds "
+            f"0,1,2 ({exc})") from None
     _check_distinct("--seeds", seeds)
-    if any(seed < 0 for seed in seeds):
-        raise ExperimentError(f"--seeds {text}: seeds must be non-negative integers")
     return seeds
 
 

@@ -32,7 +32,7 @@ REFUSED = {  # id: (args, words of the error line)
     "--set lr=-inf": (("--set", "lr=-inf"), "lr"),
     "--set lr=nan": (("--set", "lr=nan"), "lr"),
     "--set dim=1e400": (("--set", "dim=1e400"), "dim"),
-    "--set steps=1e8": (("--set", "steps=1e8"), "steps"),
+    "--set steps=1e19": (("--set", "steps=1e19"), "steps"),
     "--set unknown key": (("--set", "nope=1"), "nope"),
     "--log-every 0": (("--log-every", "0"), "--log-every"),
     "--checkpoint-every -1": (("--checkpoint-every", "-1"), "--checkpoint-every"),

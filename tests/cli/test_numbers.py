@@ -89,3 +89,25 @@ def test_napkin_spellings(text, value):
 def test_refusals_name_the_rule(text, kwargs, says):
     with pytest.raises(ValueError, match=says):
         parse_number(text, "--x", **kwargs)
+
+
+BAD = ["nan", "inf", "-inf", "1e400", "ten", "", "1e3x", "0x10"]
+
+
+@pytest.mark.parametrize("where", ["--set lr", "--set dim", "--seeds"])
+@pytest.mark.parametrize("bad", BAD)
+def test_set_and_seeds_take_the_same_rules(where, bad, capsys):
+    command = "sweep" if where == "--seeds" else "run"
+    value = [where, bad] if where == "--seeds" else ["--set", f"{where.split()[1]}={bad}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, ARGUMENTS["run"][0], "--steps", "1", *value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2, err
+    assert len(err) == 1 and err[0].startswith(f"error: {where}"), err
+
+
+def test_set_reads_every_spelling_of_a_number():
+    from minitrain.train.experiment import coerce_value
+
+    assert [coerce_value("dim", text, 16) for text in ("10", "1e1", "1_0")] == [10, 10, 10]
+    assert coerce_value("lr", "1.5k", 0.1) == 1500.0
