@@ -20,8 +20,10 @@ from torch import Tensor
 from minitrain import _torch, tree
 from minitrain.optim import _flat
 from minitrain.optim._checks import (
+    TracedCorrections,
     WeightDecayMask,
     adam_corrections,
+    batched_like,
     check_hyperparameter,
     check_like,
     checked,
@@ -34,7 +36,6 @@ from minitrain.optim._checks import (
     scalar,
     schedule_count,
     tensor_leaves,
-    traced_corrections,
     use_plain_path,
     zero_count,
 )
@@ -107,7 +108,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
 
 def _scaled(updates, factor):
     def fn(u, batched):
-        return _torch.foreach["mul"](u, scalar(factor)) if batched else factor * u
+        return _torch.foreach["mul"](u, scalar(factor)) if batched else batched_like(factor, u) * u
 
     return _map(fn, updates, [factor])
 
@@ -179,8 +180,8 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root, correct
     second = exp_avg_sq
     if amsgrad:
         second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
-    bias_correction1, bias_correction2, root2 = corrections.get(g.dtype, corrections[None]) \
-        if corrections else adam_corrections(step, beta1, beta2)
+    bias_correction1, bias_correction2, root2 = adam_corrections(step, beta1, beta2) \
+        if corrections is None else corrections[g.dtype, g.dim()]
     denom = second.sqrt() / root2 + eps if is_zero(eps_root) else \
         (second / bias_correction2 + eps_root).sqrt() + eps
     return (exp_avg / denom) / bias_correction1, new
@@ -211,7 +212,7 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
 
     tx = leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
                   dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root),
-                  advance=lambda step: ({}, {"corrections": traced_corrections(step, beta1, beta2)}
+                  advance=lambda step: ({}, {"corrections": TracedCorrections(step, beta1, beta2)}
                                         if isinstance(step, Tensor) else {}))  # once, not per leaf
     return tx if is_zero(eps_root) else off_kernels(tx, "eps_root")
 
