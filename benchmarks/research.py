@@ -36,6 +36,7 @@ from typing import Any
 import click
 import torch
 import torch.nn.functional as F
+from _pages import page
 from _timing import main, paired, paired_median_ratio, paired_ratio_interval, time_rounds
 from torch import nn
 
@@ -298,6 +299,7 @@ def measure(size: dict, rounds: int, inner: int, rows: list[str]) -> dict[str, A
 
 
 @click.command()
+@page("research", "Research patterns: minitrain against plain torch.func and hand-written steps")
 @click.option("--size", type=click.Choice(sorted(SIZES)), default="default", show_default=True,
               help="tiny: a smoke run of every row in seconds.")
 @click.option("--rows", "rows", multiple=True, type=click.Choice(list(TARGETS)),
