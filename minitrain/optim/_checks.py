@@ -247,14 +247,13 @@ def scalar(value: Any) -> Any:
 
 
 def is_traced(value: Any) -> bool:
-    """True for a tensor seen through vmap / grad transforms or by a compiler's tracer, or one
-    without data (meta, fake: a prediction), whose values no branch may read."""
+    """True for a tensor seen through vmap / grad transforms or by a compiler's tracer."""
     if not isinstance(value, Tensor):
         return False
     if torch.compiler.is_compiling():
         return True
     if type(value) in _PLAIN:  # no subclass, so not fake
-        return value.is_meta or _torch.is_functorch_wrapped_tensor(value)
+        return _torch.is_functorch_wrapped_tensor(value)
     if _torch.is_functorch_wrapped_tensor(value) or isinstance(value, _torch.FakeTensor):
         return True
     try:

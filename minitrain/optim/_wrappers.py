@@ -286,7 +286,8 @@ def apply_if_finite(inner: GradientTransformation,
         leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
             torch.tensor(True, device="cpu"))
-        traced = is_traced(finite) or is_traced(state.notfinite_count)
+        # traced, or without data (a prediction's meta tensors): no host copy, no branch
+        traced = is_traced(finite) or is_traced(state.notfinite_count) or finite.is_meta
         finite = finite if traced else finite.cpu()  # the counters stay on the host
         bad = (~finite).long()
         count = (state.notfinite_count + bad) * bad
