@@ -13,20 +13,13 @@ from minitrain.accounting.units import parse_number
 from minitrain.cli import cli, main
 from minitrain.cli.options import Real, Whole
 from tests.cli.test_json_output import ARGUMENTS
-from tests.cli.test_script_folder import command_paths
+from tests.cli.test_script_folder import command_options
 
 
 def numeric_options() -> list[tuple[str, click.Option]]:
     """(command, option) for every option of every command whose value is a number."""
-    found = []
-    with click.Context(cli) as ctx:
-        for path in command_paths(cli, ctx):
-            command = cli
-            for name in path.split():
-                command = command.get_command(ctx, name)
-            found += [(path, p) for p in command.params
-                      if isinstance(p.type, click.types.IntParamType | click.types.FloatParamType)]
-    return found
+    return command_options(cli, lambda p: isinstance(
+        p.type, click.types.IntParamType | click.types.FloatParamType))
 
 
 OPTIONS = numeric_options()

@@ -1,25 +1,17 @@
 """Every option that names a plot file takes a ``.png`` path: anything else is one line,
 exit 2, before any work (matplotlib's own error was a traceback)."""
 
-import click
 import pytest
 
 from minitrain.cli import cli, main
 from minitrain.cli.options import PNG
 from tests.cli.test_json_output import ARGUMENTS
-from tests.cli.test_script_folder import command_paths
+from tests.cli.test_script_folder import command_options
 
 
 def plot_options() -> list[tuple[str, str]]:
     """(command, option) for every option of type PNG."""
-    with click.Context(cli) as ctx:
-        found = []
-        for path in command_paths(cli, ctx):
-            command = cli
-            for name in path.split():
-                command = command.get_command(ctx, name)
-            found += [(path, p.opts[0]) for p in command.params if p.type is PNG]
-        return found
+    return [(path, p.opts[0]) for path, p in command_options(cli, lambda p: p.type is PNG)]
 
 
 def test_the_plot_options_are_found():

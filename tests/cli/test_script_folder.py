@@ -32,6 +32,18 @@ def command_paths(group: click.Group, ctx: click.Context, keep=lambda command: T
     return found
 
 
+def command_options(group: click.Group, keep) -> list[tuple[str, click.Parameter]]:
+    """``(command path, param)`` for every param of every command for which ``keep(param)``."""
+    found = []
+    with click.Context(group) as ctx:
+        for path in command_paths(group, ctx):
+            command = group
+            for name in path.split():
+                command = command.get_command(ctx, name)
+            found += [(path, p) for p in command.params if keep(p)]
+    return found
+
+
 def script_commands(group: click.Group, ctx: click.Context) -> list[str]:
     """The path of every command that takes a SCRIPT argument."""
     return command_paths(group, ctx, lambda c: any(p.name == "script" for p in c.params))

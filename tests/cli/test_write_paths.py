@@ -8,21 +8,13 @@ import pytest
 from minitrain.cli import cli, main
 from minitrain.cli.options import PNG
 from tests.cli.test_json_output import ARGUMENTS
-from tests.cli.test_script_folder import command_paths
+from tests.cli.test_script_folder import command_options
 
 WRITE_OPTIONS = {"out", "plot_path", "memory_path"}
 
 
 def write_options() -> list[tuple[str, click.Option]]:
-    found = []
-    with click.Context(cli) as ctx:
-        for path in command_paths(cli, ctx):
-            command = cli
-            for name in path.split():
-                command = command.get_command(ctx, name)
-            found += [(path, p) for p in command.params
-                      if isinstance(p, click.Option) and p.name in WRITE_OPTIONS]
-    return found
+    return command_options(cli, lambda p: isinstance(p, click.Option) and p.name in WRITE_OPTIONS)
 
 
 OPTIONS = write_options()
