@@ -40,7 +40,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "counter": ("Counter", "OpRecord"),
     "predict": ("PredictionError", "StepPrediction", "TensorSpec", "fake_mode", "predict_call",
                 "predict_step"),
-    "report": ("predicted_peak_bytes", "resource_report"),
+    "report": ("resource_report",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 # Modules used by their own name: mt.accounting.roofline.roof("h100").

@@ -13,38 +13,18 @@ from typing import Any
 import torch
 
 from minitrain.accounting.counter import Counter
-from minitrain.accounting.memory import state_bytes
 from minitrain.accounting.op_formulas import tensors
 from minitrain.accounting.predict import PredictionError, predict_call, predict_step
 from minitrain.accounting.units import si
 from minitrain.tree import nbytes, size
 
-__all__ = ["format_report", "predicted_peak_bytes", "resource_report"]
-
-
-def predicted_peak_bytes(*, params: int, optimizer_state: int, batch: int, activations: int,
-                         grads: int | None = None, donate: bool = False) -> dict[str, int]:
-    """Peak bytes of one pure training step, and the two moments that compete for it.
-
-    Params, optimizer state and batch stay resident. At the end of the backward pass the grads
-    and, as an upper bound, all saved activations exist (the chapter's 3.5.6); during a pure
-    update the grads and old and new params and state, unless the update donates its inputs.
-
-    >>> predicted_peak_bytes(params=100, optimizer_state=200, batch=10, activations=30)
-    {'backward': 440, 'update': 710, 'peak': 710}
-    """
-    grads = params if grads is None else grads
-    resident = params + optimizer_state + batch
-    backward = resident + activations + grads
-    update = resident + grads + (0 if donate else params + optimizer_state)
-    return {"backward": backward, "update": update, "peak": max(backward, update)}
+__all__ = ["format_report", "resource_report"]
 
 
 def resource_report(
     step: Callable[[Any, Any, Any], Any], params: Any, opt_state: Any, batch: Any, *,
     optimizer: Any = None, examples_per_step: int | None = None,
-    exact_flops_per_step: int | None = None, activation_bytes: int | None = None,
-    donate: bool = False, peak_flops: int | float | None = None,
+    exact_flops_per_step: int | None = None, donate: bool = False, peak_flops: int | float | None = None,
     step_seconds: int | float | None = None, steps_total: int | None = None, steps_done: int = 0,
     loss_fn: Callable[..., Any] | None = None, has_aux: bool = False,
     max_grad_norm: float | None = None, autocast: Callable[[], Any] | None = None,
@@ -54,8 +34,8 @@ def resource_report(
 
     ``step`` (pure, uncompiled) runs once more here. The prediction is :func:`predict_step`
     given ``loss_fn`` and an ``mt.optim`` optimizer (the other arguments as it takes them),
-    else :func:`predict_call` of the whole step, else, for a step that needs data,
-    :func:`predicted_peak_bytes` (``optimizer`` by name, ``activation_bytes``).
+    else :func:`predict_call` of the whole step; a step that needs data has none (``source``
+    says why).
     ``examples_per_step`` is ``B`` of the ``6·B·P`` rule (default: the batch's leading dim);
     ``peak_flops`` and the step counts give MFU and the time to finish. Returns a
     JSON-serializable dict.
@@ -80,7 +60,7 @@ def resource_report(
     step_options = dict(has_aux=has_aux, max_grad_norm=max_grad_norm, autocast=autocast,
                         model_state=model_state)
     prediction, predicted = _predict(step, params, opt_state, batch, loss_fn, optimizer,
-                                     hardware or "h100", activation_bytes, donate, step_options)
+                                     hardware or "h100", donate, step_options)
     counter, peak = _measure(step, params, opt_state, batch, device)
     measured = _measured_memory(counter, peak, device, params, opt_state, batch)
     examples = examples_per_step if examples_per_step is not None else _first_dim(batch)
@@ -149,11 +129,10 @@ def _ratio(measured: int | float | None, predicted: int | float | None) -> int |
 
 
 def _predict(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
-             loss_fn: Callable[..., Any] | None, optimizer: Any, hardware: str,
-             activation_bytes: int | None, donate: bool,
+             loss_fn: Callable[..., Any] | None, optimizer: Any, hardware: str, donate: bool,
              step_options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """:func:`predict_step` given a loss and an ``mt.optim`` optimizer, else the whole step
-    traced, else (when the step needs data) the chapter's formula."""
+    traced; no prediction (``peak`` None) for a step that needs data."""
     if loss_fn is not None and hasattr(optimizer, "update"):
         prediction = predict_step(loss_fn, params, batch, optimizer=optimizer, donate=donate,
                                   hardware=hardware, **step_options)
@@ -161,11 +140,10 @@ def _predict(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
     else:
         try:
             prediction = predict_call(step, params, opt_state, batch, hardware=hardware)
-        except PredictionError:
-            return None, _formula_memory(optimizer, params, opt_state, batch, activation_bytes,
-                                         donate)
+        except PredictionError as error:
+            return None, {"peak": None, "source": f"no prediction: {error.reason}"}
         source = "predict_call: the whole step on fake tensors (update on its plain path)"
-    return prediction, _traced_memory(prediction, donate) | {"source": source}
+    return prediction, _traced_memory(prediction) | {"source": source}
 
 
 def _speed(exact_flops: int | None, counter: Counter, step_seconds: int | float | None,
@@ -202,38 +180,17 @@ def _measured_memory(counter: Counter, peak: int, device: torch.device | None, p
     }
 
 
-def _memory(params: int, optimizer_state: int, batch: int, grads: int | None,
-            activations: int | None, donate: bool) -> dict[str, Any]:
-    """The sizes, and the chapter's two moments over them (:func:`predicted_peak_bytes`)."""
-    peaks = predicted_peak_bytes(params=params, optimizer_state=optimizer_state, batch=batch,
-                                 activations=activations or 0, grads=grads, donate=donate)
-    return {"params": params, "grads": grads, "optimizer_state": optimizer_state, "batch": batch,
-            "activations": activations, "backward_peak": peaks["backward"],
-            "update_peak": peaks["update"], "peak": peaks["peak"]}
-
-
-def _traced_memory(prediction: Any, donate: bool) -> dict[str, Any]:
+def _traced_memory(prediction: Any) -> dict[str, Any]:
     memory = prediction.memory
     sizes = {key: memory["persistent"].get(key, 0) for key in ("params", "optimizer_state",
                                                                  "batch")}
     # grads None: a whole-step trace cannot tell grads apart
-    return _memory(**sizes, grads=memory["largest"].get("grads"),
-                   activations=memory["saved_for_backward"], donate=donate) | {
+    return sizes | {
+        "grads": memory["largest"].get("grads"), "activations": memory["saved_for_backward"],
         "activations_source": "predict_step: alive from the forward into the backward pass",
         "at_peak": memory["at_peak"], "peak": prediction.peak_bytes,
         "peak_phase": prediction.peak_phase, "peak_op": prediction.peak_op,
         "peak_module": prediction.peak_module,
-    }
-
-
-def _formula_memory(optimizer: Any, params: Any, opt_state: Any, batch: Any,
-                    activation_bytes: int | None, donate: bool) -> dict[str, Any]:
-    """The chapter's formula; an optimizer's state by name from the table, shape by shape."""
-    state = state_bytes(optimizer, params) if isinstance(optimizer, str) else nbytes(opt_state)
-    return _memory(nbytes(params), state, nbytes(batch), nbytes(params), activation_bytes,
-                   donate) | {
-        "activations_source": "model formula" if activation_bytes is not None else None,
-        "source": "formula (pass loss_fn and the optimizer for a traced prediction)",
     }
 
 
