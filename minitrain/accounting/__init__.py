@@ -30,7 +30,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "memory": ("OPTIMIZER_STATES", "PRECISIONS", "BytesPerParam", "MemoryBreakdown",
                "bytes_per_param", "cruncher_activations", "cruncher_memory", "cruncher_params",
                "max_params", "optimizer_state_elements", "optimizer_states",
-               "per_device_bytes_per_param", "state_bytes", "training_memory", "ZeroMemory",
+               "state_bytes", "training_memory", "ZeroMemory",
                "zero_memory"),
     "transformer": ("PRESETS", "TransformerConfig", "preset", "transformer_activation_bytes",
                     "transformer_activation_terms", "transformer_flops_per_token",

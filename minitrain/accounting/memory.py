@@ -26,7 +26,7 @@ from minitrain.precision.policies import element_bytes as precision
 __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
            "Precision", "ZeroMemory", "bytes_per_param", "cruncher_activations", "cruncher_memory",
            "cruncher_params", "max_params", "optimizer_key", "optimizer_state_elements",
-           "optimizer_states", "per_device_bytes_per_param", "state_bytes", "training_memory",
+           "optimizer_states", "state_bytes", "training_memory",
            "zero_memory"]
 
 # Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
@@ -163,16 +163,6 @@ def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32", *,
                          recipe.master_weights)
 
 
-def per_device_bytes_per_param(per_param: BytesPerParam, gpus: int, zero_stage: int) -> float:
-    """Bytes per parameter on one device when sharded over ``gpus`` (ZeRO stage 0-3).
-
-    >>> per_device_bytes_per_param(bytes_per_param("adamw", "bf16-mixed"), 64, 1)  # 4 + 12/64
-    4.1875
-    """
-    sharded = sum(getattr(per_param, kind) for kind in _sharded(gpus, zero_stage))
-    return per_param.total - sharded + sharded / gpus
-
-
 def _sharded(gpus: int, zero_stage: int) -> tuple[str, ...]:
     if gpus < 1:
         raise UserError(f"gpus must be >= 1, got {gpus}")
@@ -200,8 +190,9 @@ def max_params(
     free = total - reserved_bytes
     if free <= 0:
         raise UserError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
-    per_param = bytes_per_param(optimizer, precision, **state_options)
-    return free / per_device_bytes_per_param(per_param, gpus, zero_stage)
+    per_param = training_memory(1, optimizer=optimizer, precision=precision, gpus=gpus,
+                                zero_stage=zero_stage, **state_options)
+    return free / per_param.total
 
 
 class MemoryBreakdown(NamedTuple):
