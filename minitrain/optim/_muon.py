@@ -1,8 +1,8 @@
 """Muon (Jordan et al. 2024), as torch.optim.Muon computes it: momentum, then the update
 orthogonalized by a quintic Newton-Schulz iteration in bfloat16, for 2-D params only (the rest
-go to AdamW with ``multi_transform``, as ``examples/bytelm_muon.py`` does)."""
-
-from __future__ import annotations
+go to AdamW with ``multi_transform``, as ``examples/bytelm_muon.py`` does). Under ``vmap`` the
+iteration is a custom op whose batching rule runs each matrix on its own, so a sweep's member
+gets its own run's bits."""
 
 import math
 from typing import Any, NamedTuple
@@ -10,17 +10,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import tree
+from minitrain import _torch, tree
 from minitrain.optim._checks import check_maximize, checked, is_traced
-from minitrain.optim._newton_schulz import (
-    EPS,
-    NS_COEFFICIENTS,
-    NS_STEPS,
-    Coefficients,
-    as_number,
-    newton_schulz,
-    newton_schulz_each,
-)
 from minitrain.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -43,6 +34,104 @@ __all__ = [
     "newton_schulz",
     "muon_lr_ratio",
 ]
+
+Coefficients = tuple[Any, Any, Any]
+
+# Keller Jordan's coefficients and steps (torch.optim._muon, from github.com/KellerJordan/Muon).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+EPS = 1e-7
+
+
+def as_number(value: Any) -> Any:
+    """A concrete tensor hyperparameter as its float; one that is traced, or carries a gradient
+    under grad mode, unchanged."""
+    if isinstance(value, Tensor) and not is_traced(value) \
+            and not (value.requires_grad and torch.is_grad_enabled()):
+        return float(value.detach().reshape(()).item())
+    return value
+
+
+def functorch_wrappers(value: Tensor) -> list[str]:
+    """The torch.func wrappers around ``value``, outermost first: ``"batched"`` (``vmap``),
+    ``"grad"`` (``grad``, ``jvp``) or ``"other"``."""
+    kinds = []
+    while _torch.is_functorch_wrapped_tensor(value):
+        kinds.append("batched" if _torch.is_batchedtensor(value) else
+                     "grad" if _torch.is_gradtrackingtensor(value) else "other")
+        value = _torch.get_unwrapped(value)
+    return kinds
+
+
+def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
+                  steps: int = NS_STEPS, eps: Any = EPS) -> Tensor:
+    """An approximate ``U V^T`` of a matrix ``g = U S V^T`` by ``steps`` quintic Newton-Schulz
+    steps in bfloat16, torch's ``_zeropower_via_newtonschulz`` op for op. Traced or
+    differentiable tensor ``coefficients`` and ``eps`` stay in the graph.
+
+    >>> import torch
+    >>> q = newton_schulz(torch.diag(torch.tensor([3.0, 0.5])))
+    >>> [round(float(v), 1) for v in torch.diagonal(q)]  # both singular values now near 1
+    [0.7, 1.0]
+    """
+    if g.dim() != 2:
+        raise ValueError(f"newton_schulz takes one matrix, got shape {tuple(g.shape)}; "
+                         "orthogonalize a stack with torch.func.vmap")
+    a, b, c = (as_number(v) for v in coefficients)
+    eps = as_number(eps)
+    wrappers = functorch_wrappers(g)
+    batched = "batched" in wrappers
+    # under vmap with nothing to differentiate (the op has no backward): each matrix as in its
+    # own run
+    if batched and "grad" not in wrappers and not g.requires_grad \
+            and not any(isinstance(v, Tensor) for v in (a, b, c, eps)):
+        return newton_schulz_per_matrix(g, float(a), float(b), float(c), steps, float(eps))
+    if isinstance(eps, Tensor):  # clamp reads a number min in the input's dtype: so does this
+        eps = eps.to(torch.bfloat16)
+    tall = g.size(0) > g.size(1)
+    x = g.bfloat16().T if tall else g.bfloat16()
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    matmul, addmatmul = torch.mm, torch.addmm
+    if any(isinstance(v, Tensor) for v in (a, b, c)) or batched:
+        # addmm takes number beta/alpha, and vmap splits it into a bfloat16 bmm, scale and
+        # add, each rounded: bfloat16 products are exact in float32, summed there, rounded once
+        def addmatmul(x, m1, m2, beta, alpha=1):
+            return (beta * x.float() + alpha * (m1.float() @ m2.float())).bfloat16()
+        if batched:  # a bmm may sum in another order than mm
+            matmul = lambda m1, m2: (m1.float() @ m2.float()).bfloat16()  # noqa: E731
+    for _ in range(steps):
+        gram = matmul(x, x.T)
+        x = addmatmul(x, addmatmul(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+# -- under vmap: one matrix at a time ----------------------------------------------------------
+# vmap turns an addmm into a batched GEMM, a rounded scale and a rounded add, and a batched
+# GEMM may sum in another order than one matrix's; this op's batching rule avoids both.
+
+
+@torch.library.custom_op("minitrain::newton_schulz", mutates_args=())
+def newton_schulz_per_matrix(g: Tensor, a: float, b: float, c: float, steps: int,
+                             eps: float) -> Tensor:
+    """:func:`newton_schulz` of ``g`` with number coefficients."""
+    return newton_schulz(g, (a, b, c), steps, eps)
+
+
+@newton_schulz_per_matrix.register_fake
+def _(g: Tensor, a: float, b: float, c: float, steps: int, eps: float) -> Tensor:
+    return torch.empty(g.shape, dtype=torch.bfloat16, device=g.device)
+
+
+def _each_matrix(info, in_dims, g, a, b, c, steps, eps):
+    if in_dims[0] is None:
+        return newton_schulz_per_matrix(g, a, b, c, steps, eps), None
+    matrices = g.movedim(in_dims[0], 0)
+    return torch.stack([newton_schulz_per_matrix(m, a, b, c, steps, eps)
+                        for m in matrices]), 0
+
+
+newton_schulz_per_matrix.register_vmap(_each_matrix)
+
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
@@ -165,11 +254,11 @@ def orthogonalize_by_newton_schulz(
 
     def update(updates, state, params=None):
         leaves = _check_matrices(updates, "update")
-        ortho = newton_schulz_each(leaves, coefficients, ns_steps, eps)
         new = []
-        for q, u in zip(ortho, leaves, strict=True):
+        for u in leaves:
+            q = newton_schulz(u, coefficients, ns_steps, eps).to(u.dtype)
             ratio = muon_lr_ratio(tuple(u.shape), adjust_lr_fn)
-            new.append(q.to(u.dtype) if ratio == 1 else q.to(u.dtype) * ratio)
+            new.append(q if ratio == 1 else q * ratio)
         return tree.unflatten(tree.structure(updates), new), state
 
     return tagged("orthogonalize_by_newton_schulz", GradientTransformation(init, update),
