@@ -20,13 +20,10 @@ from minitrain.train.step import (
     Carry,
     StepOutput,
     fp8_recipe_of,
-    loss_and_grads,
     loss_scale_of,
     make_train_step,
-    next_fp8_history,
 )
-from minitrain.tree import OptState, Params, PyTree, global_norm, leaves, named_leaves, unstack
-from minitrain.tree import map as tree_map
+from minitrain.tree import OptState, Params, PyTree, leaves, named_leaves, unstack
 
 __all__ = [
     "EnsembleStepOutput", "batches_ignore_swept_values", "check_members", "draw_batches",
@@ -47,36 +44,11 @@ class EnsembleStepOutput(NamedTuple):
 
 
 def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., StepOutput]:
-    """One member's train step ``(params, opt_state, batch, fp8_history=None, key=None)`` in
-    vmappable ops.
-
-    Clipping is ``clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))``, so a swept
-    ``max_grad_norm`` works too.
-    """
+    """One member's train step: :func:`~minitrain.train.step.make_train_step`, whose ops all
+    batch under vmap (clipping by a swept ``max_grad_norm`` too), for a run that carries no
+    model state or loss scale."""
     refuse_carry(experiment, backend)
-    recipe, gradients = fp8_recipe_of(backend), loss_and_grads(experiment, backend)
-    optimizer, max_grad_norm = experiment.optimizer, experiment.max_grad_norm
-
-    def member_step(params: Params, opt_state: OptState, batch: PyTree, fp8_history: Any = None,
-                    key: Any = None) -> StepOutput:
-        if recipe is not None and fp8_history is None:
-            raise ValueError(f"{backend.name} steps take each member's fp8_history")
-        (_, (loss, aux, _, forward_history)), grads = gradients(
-            params, None, None, fp8_history, batch, key
-        )
-        carry = None
-        if recipe is not None:
-            grads, new_history = grads
-            carry = Carry(fp8_history=next_fp8_history(new_history, fp8_history,
-                                                       forward_history))
-        grad_norm = global_norm(grads)
-        if max_grad_norm is not None:
-            scale = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
-        params, opt_state = optimizer.update(grads, opt_state, params)
-        return StepOutput(params, opt_state, loss, grad_norm, aux, carry)
-
-    return member_step
+    return make_train_step(experiment, backend)
 
 
 def refuse_carry(experiment: Experiment, backend: Backend) -> None:
@@ -144,8 +116,8 @@ def make_ensemble_step(ensemble: Ensemble, backend: Backend) -> Callable[..., En
         (params, opt_state, history), (batch, values, key) = _pytree.tree_unflatten(
             flat, specs["in"])
         with binding.bind(values):
-            out = member_step(params, opt_state, batch, history if fp8 else None,
-                              key if keyed else None)
+            out = member_step(params, opt_state, batch,
+                              Carry(fp8_history=history) if fp8 else None, key if keyed else None)
         # vmap returns tensors only: sweeps carry no model state or loss scale (refuse_carry),
         # and the fp8 histories travel bare
         history = out.carry.fp8_history if fp8 else ()
