@@ -41,17 +41,16 @@ __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState", "factored
 class ScaleByAdafactorState(NamedTuple):
     """``count``; ``lr`` of the last update (float32); per leaf of two or more dims
     ``row_var`` (shape ``(..., m, 1)``) and ``col_var`` (``(..., 1, n)``), per smaller leaf
-    ``variance``; with ``momentum``, ``exp_avg`` per leaf; other entries are ``()``."""
+    ``variance``; other entries are ``()``."""
 
     count: Tensor
     lr: Tensor
     row_var: Any
     col_var: Any
     variance: Any
-    exp_avg: Any = None
 
 
-FIELDS = ("row_var", "col_var", "variance", "exp_avg")
+FIELDS = ("row_var", "col_var", "variance")
 
 
 def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -65,22 +64,20 @@ def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [tuple(shape)]
 
 
-def _buffer_shapes(shape: tuple[int, ...], momentum: bool) -> dict[str, Any]:
+def _buffer_shapes(shape: tuple[int, ...]) -> dict[str, Any]:
     """Per field, the shape of a leaf's buffer, or None where it keeps none."""
     shapes = factored_shapes(shape)
     kept = dict(zip(FIELDS[:2], shapes, strict=True)) if len(shape) > 1 else \
         {"variance": shapes[0]}
-    return {**dict.fromkeys(FIELDS), **kept, **({"exp_avg": shape} if momentum else {})}
+    return {**dict.fromkeys(FIELDS), **kept}
 
 
-def adafactor_leaf(g, row_var, col_var, variance, exp_avg, p, step, lr, beta2_decay, eps1,
-                   eps2, d, weight_decay, momentum):
+def adafactor_leaf(g, row_var, col_var, variance, p, step, lr, beta2_decay, eps1, eps2, d,
+                   weight_decay):
     """One leaf's full update, torch's ``_single_tensor_adafactor``:
     ``beta2_t = 1 - t^decay``, ``rho_t = min(lr, 1/sqrt(t))``, ``alpha_t = max(eps2, RMS(p))
     rho_t``; ``V`` from the factored (or plain) running means of ``g²``; ``U = g / max(sqrt(V),
-    eps1)`` clipped to RMS ``d``; the update is ``-alpha_t U - lr wd p``. With ``momentum``,
-    ``alpha_t U`` is first averaged as optax's adafactor does (``ema(momentum, debias=False)``
-    before the decay): ``m = (1 - momentum) alpha_t U + momentum m``."""
+    eps1)`` clipped to RMS ``d``; the update is ``-alpha_t U - lr wd p``."""
     traced = isinstance(step, Tensor)
     if eps1 is None:
         eps1 = torch.finfo(p.dtype).eps
@@ -104,21 +101,18 @@ def adafactor_leaf(g, row_var, col_var, variance, exp_avg, p, step, lr, beta2_de
         estimate = variance
     scaled = estimate.clamp(min=eps1 * eps1).rsqrt() * g
     clip = torch.clamp(torch.linalg.vector_norm(scaled) / (math.sqrt(scaled.numel()) * d), min=1)
-    step_ = scaled * (alpha / clip)
-    if momentum is not None:
-        step_ = exp_avg = (1 - momentum) * step_ + momentum * exp_avg
-    update = -step_
+    update = scaled * (-alpha / clip)
     if not is_zero(weight_decay):
         update = update - (lr * weight_decay) * p
-    return update, row_var, col_var, variance, exp_avg
+    return update, row_var, col_var, variance
 
 
 def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
                        eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
-                       weight_decay: Scalar = 0.0,
-                       momentum: Scalar | None = None) -> GradientTransformation:
-    """Adafactor's whole update (``lr`` caps the relative step size and scales the decay;
-    ``momentum``: optax adafactor's, an average of the steps).
+                       weight_decay: Scalar = 0.0) -> GradientTransformation:
+    """Adafactor's whole update (``lr`` caps the relative step size and scales the decay).
+    optax adafactor's ``momentum`` is ``ema_updates(momentum, debias=False)`` after it (with
+    no weight decay).
 
     >>> import torch, minitrain as mt
     >>> tx = scale_by_adafactor()
@@ -140,8 +134,6 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     eps2 = checked("eps[1] (epsilon2)", eps[1], 0.0)
     d = checked("d (clipping threshold)", d, 1.0)
     weight_decay = checked("weight_decay", weight_decay, 0.0)
-    if momentum is not None:
-        momentum = checked("momentum", momentum, 0.0, 1.0)
 
     def lr_at(count: Any) -> Any:
         value = lr(schedule_count(count)) if schedule else lr
@@ -157,7 +149,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
         spec = tree.structure(params)
         columns: dict[str, list] = {f: [] for f in FIELDS}
         for p in tree.leaves(params):
-            for field, shape in _buffer_shapes(tuple(p.shape), momentum is not None).items():
+            for field, shape in _buffer_shapes(tuple(p.shape)).items():
                 columns[field].append(() if shape is None else p.new_zeros(shape))
         return ScaleByAdafactorState(zero_count(), f32_tensor(lr_at(zero_count())), *(
             tree.unflatten(spec, c) for c in columns.values()))
@@ -168,35 +160,32 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             raise ValueError("scale_by_adafactor needs params: call update(updates, state, params)")
         spec = tree.structure(updates)
         g_leaves, p_leaves = tree.leaves(updates), tree.leaves(params)
-        buffers = _buffers(state, updates, momentum is not None)
+        buffers = _buffers(state, updates)
         step, step_lr = next_step(state.count), lr_at(state.count)
-        rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay,
-                               momentum)
+        rows = [adafactor_leaf(g, *b, p, step, step_lr, beta2_decay, eps1, eps2, d, weight_decay)
                 for g, p, *b in zip(g_leaves, p_leaves, *buffers, strict=True)]
-        out, *columns = zip(*rows, strict=True) if rows else [()] * 5
+        out, *columns = zip(*rows, strict=True) if rows else [()] * 4
         return tree.unflatten(spec, list(out)), ScaleByAdafactorState(
             state.count + 1, f32_tensor(step_lr), *(tree.unflatten(spec, list(c)) for c in columns))
 
     return tagged("scale_by_adafactor", GradientTransformation(init, update), lr=lr,
-                  beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay,
-                  momentum=momentum)
+                  beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=weight_decay)
 
 
-def _buffers(state: ScaleByAdafactorState, updates: Any, momentum: bool) -> list[list[Any]]:
+def _buffers(state: ScaleByAdafactorState, updates: Any) -> list[list[Any]]:
     """Per field, the state's per-leaf entries laid out like the updates (``()`` included),
     refused naming the first leaf whose buffer does not fit its update (a state from another
     model would otherwise broadcast or fail deep inside the update)."""
     spec, g_leaves = tree.structure(updates), tree.leaves(updates)
     fields = []
     for field in FIELDS:
-        buffer = getattr(state, field)  # None: a state made before Adafactor had momentum
-        entries = [()] * spec.num_leaves if buffer is None else _pytree.tree_flatten(
-            buffer, is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
+        entries = _pytree.tree_flatten(getattr(state, field),
+                                       is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
         if len(entries) != spec.num_leaves:
             raise ValueError(f"state.{field} has {len(entries)} entries but the updates have "
                              f"{spec.num_leaves} leaves; create the state with init(params)")
         for index, (g, entry) in enumerate(zip(g_leaves, entries, strict=True)):
-            want = _buffer_shapes(tuple(g.shape), momentum)[field] or ()
+            want = _buffer_shapes(tuple(g.shape))[field] or ()
             got = tuple(entry.shape) if isinstance(entry, Tensor) else entry
             if got != want:
                 name = tree.named_leaves(updates)[index][0]
@@ -208,11 +197,10 @@ def _buffers(state: ScaleByAdafactorState, updates: Any, momentum: bool) -> list
 
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
               eps: tuple[Any, Any] = (None, 1e-3), d: Scalar = 1.0,
-              weight_decay: Scalar = 0.0, *, maximize: bool = False,
-              momentum: Scalar | None = None) -> Optimizer:
+              weight_decay: Scalar = 0.0, *, maximize: bool = False) -> Optimizer:
     """torch.optim.Adafactor (Shazeer & Stern 2018): ``scale_by_adafactor``, after ``scale(-1)``
     with ``maximize``. ``eps = (eps1, eps2)`` floor the second moments (None: the dtype's eps)
-    and the param's RMS; ``momentum`` (optax's; None in torch) averages the steps.
+    and the param's RMS.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.adafactor()
@@ -223,5 +211,5 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             [0.9900, 0.9900]])
     """
     return as_optimizer(chain(*([scale(-1.0)] if check_maximize(maximize) else []),
-                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay,
-                                                 momentum)), strict=True)
+                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)),
+                        strict=True)

@@ -104,8 +104,8 @@ def test_scale_by_rms_bias_correction_matches_optax(centered):
                       run_leaves(step, tree(), grads_seq, zeros("nu", "mu")))
 
 
-def test_adafactor_momentum_averages_its_steps_as_optax():
-    lr, decay, eps1, eps2, d, wd, momentum = 0.05, -0.8, 1e-30, 1e-3, 1.0, 0.1, 0.9
+def test_adafactor_then_ema_updates_is_optax_adafactors_momentum():
+    lr, decay, eps1, eps2, d, momentum = 0.05, -0.8, 1e-30, 1e-3, 1.0, 0.9
 
     def step(t, g, p, s):  # torch's Adafactor; optax's ema(momentum, debias=False) of the step
         beta = t**decay
@@ -120,7 +120,7 @@ def test_adafactor_momentum_averages_its_steps_as_optax():
         u = u / max(1.0, float(u.pow(2).mean().sqrt()) / d)
         alpha = max(eps2, float(p.pow(2).mean().sqrt())) * min(lr, 1 / math.sqrt(t))
         s["m"] = (1 - momentum) * alpha * u + momentum * s["m"]
-        return p - s["m"] - lr * wd * p
+        return p - s["m"]
 
     def init(p):
         shape = p.shape
@@ -128,8 +128,9 @@ def test_adafactor_momentum_averages_its_steps_as_optax():
                 "c": torch.zeros(*shape[:-2], 1, shape[-1], dtype=F64) if p.dim() > 1 else None,
                 "v": torch.zeros_like(p), "m": torch.zeros_like(p)}
 
-    opt = optim.adafactor(lr=lr, beta2_decay=decay, eps=(eps1, eps2), d=d, weight_decay=wd,
-                          momentum=momentum)
+    opt = optim.as_optimizer(optim.chain(
+        optim.scale_by_adafactor(lr=lr, beta2_decay=decay, eps=(eps1, eps2), d=d),
+        optim.ema_updates(momentum, debias=False)))
     assert_runs_close(run_optimizer(opt, tree(), grads()), run_leaves(step, tree(), grads(), init))
 
 
