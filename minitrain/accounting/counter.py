@@ -3,7 +3,7 @@
 :class:`Counter` is a ``TorchDispatchMode``: backward and update count like the forward.
 FLOPs: matmuls, convolutions and attention as ``FlopCounterMode``, other ops by the tables
 below or :data:`FORMULA_OPS`; an op without a formula goes into ``unknown``, never a silent
-zero. Bytes: inputs read and outputs written; views move nothing. Memory: :mod:`.timeline`.
+zero. Bytes: inputs read and outputs written; views move nothing. Memory: :mod:`.ledger`.
 
 >>> import torch
 >>> a, b = torch.ones(64, 32), torch.ones(32, 16)
@@ -29,8 +29,8 @@ from torch.utils.module_tracker import ModuleTracker
 from minitrain import _torch
 from minitrain._torch import TorchDispatchMode
 from minitrain.accounting.hardware import HardwareError, dtype_name
+from minitrain.accounting.ledger import Ledger, check_category, innermost
 from minitrain.accounting.op_formulas import FORMULA_OPS, arguments, elements, tensors
-from minitrain.accounting.timeline import Ledger, Timeline, check_category, innermost
 from minitrain.func import saved_tensor_hooks_inside
 
 __all__ = ["Counter", "DATA_MOVEMENT", "FORMULA_OPS", "OpRecord", "OpTotals", "POINTWISE_FLOPS",
@@ -216,8 +216,10 @@ class Counter:
     """Context manager counting FLOPs, bytes and live memory of every aten op inside it.
 
     ``keep_records``: one :class:`OpRecord` per call in ``records``; ``track_memory``: the
-    :class:`~minitrain.accounting.timeline.Ledger` of live storages; ``record_timeline``: also
-    see what autograd saves (inside :func:`minitrain.value_and_grad`).
+    :class:`~minitrain.accounting.ledger.Ledger` of live storages, and ``live_at_backward``,
+    its bytes by category when the backward pass starts; ``watch_saved``: see what autograd
+    saves (inside :func:`minitrain.value_and_grad`) instead of counting all the forward pass
+    left alive as saved.
 
     >>> import torch
     >>> with Counter() as c:
@@ -240,17 +242,17 @@ class Counter:
     )
     unknown: dict[str, int] = field(default_factory=dict)
     records: list[OpRecord] = field(default_factory=list)
-    backward_start_live_bytes: int | None = None
-    record_timeline: bool = False
+    live_at_backward: dict[str, int] | None = None
+    watch_saved: bool = False
     ledger: Ledger = field(default_factory=Ledger, repr=False)
     _phase: str = field(default="forward", repr=False)
     _tracker: ModuleTracker | None = field(default=None, repr=False)
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def __enter__(self) -> Counter:
-        if self.record_timeline and not self.track_memory:
-            raise ValueError("record_timeline needs track_memory=True")
-        if self.record_timeline:
+        if self.watch_saved and not self.track_memory:
+            raise ValueError("watch_saved needs track_memory=True")
+        if self.watch_saved:
             self._stack.enter_context(saved_tensor_hooks_inside(self._pack, lambda t: t))
         self._tracker = self._stack.enter_context(ModuleTracker())
         self._stack.enter_context(_Mode(self))
@@ -266,7 +268,7 @@ class Counter:
 
     def track(self, *trees: Any, category: str | None = None) -> None:
         """Count the tensors of ``trees`` (params, optimizer state, batch) as live memory now,
-        in ``category`` of the timeline."""
+        in ``category``."""
         if category is not None:
             check_category(category)
         for t in tensors(trees) if self.track_memory else ():
@@ -275,8 +277,8 @@ class Counter:
                 allocation.category = category
 
     def categorize(self, *trees: Any, category: str) -> None:
-        """Put the live storages of ``trees`` (grads, new params...) in ``category`` of the
-        timeline, unless :meth:`track` counted them as inputs."""
+        """Put the live storages of ``trees`` (grads, new params...) in ``category``, unless
+        :meth:`track` counted them as inputs."""
         for t in tensors(trees):
             self.ledger.categorize(t, category)
 
@@ -284,10 +286,6 @@ class Counter:
         """Name the phase of the ops from now on (``"clip"``, ``"update"``); the counter
         itself tells ``forward``, ``backward`` and ``update`` (anything after the backward)."""
         self._phase = phase
-
-    def timeline(self) -> Timeline:
-        """Live bytes by category after every op: ``[(op_index, phase, {category: bytes})]``."""
-        return self.ledger.replay(guess_grads=True).timeline
 
     @property
     def live_bytes(self) -> int:
@@ -333,9 +331,9 @@ class Counter:
             self.unknown[name] = self.unknown.get(name, 0) + 1
         moved = not view
         backward = _torch.current_autograd_node() is not None
-        if backward and self.track_memory and self.backward_start_live_bytes is None:
-            self.backward_start_live_bytes = self.ledger.live
+        if backward and self.track_memory and self.live_at_backward is None:
             self.ledger.backward_starts()
+            self.live_at_backward = self.ledger.live_by_category()
         if backward:
             self._phase = "backward"
         elif self._phase == "backward":

@@ -35,9 +35,9 @@ from minitrain._torch import (
 )
 from minitrain.accounting.counter import Counter
 from minitrain.accounting.hardware import Hardware, hardware
+from minitrain.accounting.ledger import Ledger
 from minitrain.accounting.op_formulas import tensors
 from minitrain.accounting.roofline import step_time
-from minitrain.accounting.timeline import Ledger
 from minitrain.errors import UserError
 from minitrain.func import value_and_grad
 from minitrain.tree import global_norm
@@ -166,7 +166,7 @@ class SavedTensor(NamedTuple):
 class StepPrediction(NamedTuple):
     """What :func:`predict_step` returns: memory in bytes by category (``memory`` holds
     ``at_peak``, ``persistent``, ``largest``, ``end`` and ``saved_for_backward``), the largest
-    ``saved`` tensors, the ``timeline``; work (``per_module`` nested as ``FlopCounterMode``);
+    ``saved`` tensors; work (``per_module`` nested as ``FlopCounterMode``);
     time on ``hardware`` (``mfu_bound`` is ``flops / (seconds_per_step · peak)``)."""
 
     peak_bytes: int
@@ -176,7 +176,6 @@ class StepPrediction(NamedTuple):
     memory: dict[str, Any]
     saved: list[SavedTensor]
     saved_by_module: dict[str, int]
-    timeline: list[tuple[int, str, dict[str, int]]]
     flops: int
     matmul_flops: int
     bytes: int
@@ -192,7 +191,7 @@ class StepPrediction(NamedTuple):
     fits: bool
 
     def summary(self) -> dict[str, Any]:
-        """The totals as plain JSON-serializable values (no timeline, no tables)."""
+        """The totals as plain JSON-serializable values (no tables)."""
         keys = ("peak_bytes", "peak_phase", "peak_op", "peak_module", "memory", "saved",
                 "flops", "matmul_flops", "bytes", "unknown_ops", "hardware", "dtype",
                 "seconds_per_step", "mfu_bound", "fits")
@@ -388,7 +387,7 @@ def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[s
         saved=[SavedTensor(a.nbytes, a.shape, a.dtype, a.module, a.op)
                for a in saved[:top_saved]],
         saved_by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
-        timeline=result.timeline, flops=counter.flops, matmul_flops=counter.matmul_flops,
+        flops=counter.flops, matmul_flops=counter.matmul_flops,
         bytes=counter.bytes_read + counter.bytes_written, bytes_read=counter.bytes_read,
         bytes_written=counter.bytes_written, per_op=per_op,
         per_module={name: {"calls": t.calls, "flops": t.flops,

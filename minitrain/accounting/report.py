@@ -24,8 +24,9 @@ __all__ = ["format_report", "resource_report"]
 def resource_report(
     step: Callable[[Any, Any, Any], Any], params: Any, opt_state: Any, batch: Any, *,
     optimizer: Any = None, examples_per_step: int | None = None,
-    exact_flops_per_step: int | None = None, donate: bool = False, peak_flops: int | float | None = None,
-    step_seconds: int | float | None = None, steps_total: int | None = None, steps_done: int = 0,
+    exact_flops_per_step: int | None = None, donate: bool = False,
+    peak_flops: int | float | None = None, step_seconds: int | float | None = None,
+    steps_total: int | None = None, steps_done: int = 0,
     loss_fn: Callable[..., Any] | None = None, has_aux: bool = False,
     max_grad_norm: float | None = None, autocast: Callable[[], Any] | None = None,
     hardware: str | None = None, model_state: Any = None,
@@ -168,10 +169,10 @@ def _measured_memory(counter: Counter, peak: int, device: torch.device | None, p
     from minitrain.optim.kernels.pool import idle_bytes
 
     sizes = {"params": nbytes(params), "optimizer_state": nbytes(opt_state), "batch": nbytes(batch)}
-    at_backward = counter.backward_start_live_bytes
+    at_backward = counter.live_at_backward
     return {
         "peak": peak, **sizes,
-        "activations": (at_backward - sum(sizes.values())
+        "activations": (at_backward.get("activations", 0)
                         if at_backward is not None and device is None else None),
         # the pure fast path's recycled buffers, held beyond what the step returned
         "optimizer_buffer_pools": idle_bytes(),

@@ -243,12 +243,12 @@ def streaming_available() -> bool:
     return streaming.available()
 
 
-# --- memory timeline and activation checkpointing ----------------------------------------------
+# --- live memory by category and activation checkpointing -------------------------------
 
 
 def recorded_step(loss_fn, params, batch, optimizer):
     state = optimizer.init(params)
-    with acc.Counter(record_timeline=True) as counter:
+    with acc.Counter(watch_saved=True) as counter:
         counter.track(params, category="params")
         counter.track(state, category="optimizer_state")
         counter.track(batch, category="batch")
@@ -260,27 +260,23 @@ def recorded_step(loss_fn, params, batch, optimizer):
     return counter, grads
 
 
-def test_timeline_of_a_cruncher_step_by_category():
+def test_live_memory_of_a_cruncher_step_by_category():
     batch, dim, layers = 32, 64, 3
     params, data = cruncher_setup(batch, dim, layers)
     counter, grads = recorded_step(cruncher_loss, params, data, mt.optim.adamw(lr=1e-3))
-    timeline = counter.timeline()
-    assert [i for i, _, _ in timeline] == list(range(len(counter.records)))
-    assert [sum(live.values()) for _, _, live in timeline] == [
-        r.live_bytes for r in counter.records
-    ]
     assert max(r.live_bytes for r in counter.records) == counter.peak_bytes
-    phases = [phase for _, phase, _ in timeline]
-    assert phases == sorted(phases, key=["forward", "backward", "update"].index)
-    first_backward = timeline[phases.index("backward")][2]
+    first_backward = counter.live_at_backward
     # What autograd saved: each layer's output, the next matmul's input (B·D·L, chapter 3.5.6),
     # and the prediction error the square saves (B); the batch and weights are their own.
     assert first_backward["activations"] == 4 * (acc.cruncher_activations(batch, dim, layers)
                                                  + batch)
     assert first_backward["params"] == mt.tree.nbytes(params)
     assert first_backward["batch"] == mt.tree.nbytes(data)
-    assert max(live.get("grads", 0) for _, _, live in timeline) == mt.tree.nbytes(grads)
-    assert "activations" not in timeline[-1][2]  # freed by the end of the backward pass
+    replay = counter.ledger.replay()
+    assert replay.largest["grads"] == mt.tree.nbytes(grads)
+    assert replay.peak_bytes == counter.peak_bytes == sum(replay.at_peak.values())
+    # freed by the end of the backward pass
+    assert "activations" not in counter.ledger.live_by_category()
 
 
 def mlp_loss(checkpointed):
@@ -318,8 +314,7 @@ def test_activation_checkpointing_recomputes_the_forward_and_saves_less():
             == counters["plain"].matmul_flops + forward.matmul_flops)
 
     def saved_at_backward_start(counter):
-        timeline = counter.timeline()
-        return next(live for _, phase, live in timeline if phase == "backward")["activations"]
+        return counter.live_at_backward["activations"]
 
     # Plain: each block saves its tanh and relu outputs (the relu output is also the next
     # matmul's saved input; the first's is the batch, the weights are params): 2·B·D floats per

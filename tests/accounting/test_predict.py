@@ -115,19 +115,12 @@ def test_the_peak_and_its_moment_are_found():
     assert donated.peak_bytes <= small.peak_bytes
     for pred in (big, small, donated):
         assert sum(pred.memory["at_peak"].values()) == pred.peak_bytes
-        assert max(sum(sample.values()) for _, _, sample in pred.timeline) == pred.peak_bytes
 
 
-def test_timeline_format_and_saved_tensors_name_their_module():
+def test_saved_tensors_name_their_module():
     params, loss = mlp()
     pred = predict_step(loss, params, (TensorSpec((16, 64)), ((16,), torch.int64)),
                         optimizer=mt.optim.sgd(lr=0.1), max_grad_norm=1.0)
-    phases = [phase for _, phase, _ in pred.timeline]
-    order = ["forward", "backward", "clip", "update"]
-    assert sorted(set(phases), key=order.index) == order
-    assert phases == sorted(phases, key=order.index)  # one run of each, in order
-    assert [index for index, _, _ in pred.timeline] == list(range(len(pred.timeline)))
-    assert sum(totals["calls"] for totals in pred.per_op.values()) == len(pred.timeline)
     assert pred.saved and pred.saved == sorted(pred.saved, key=lambda s: -s.bytes)
     modules = {saved.module for saved in pred.saved}
     assert {"Sequential.0", "Sequential.2"} & modules  # the first Linear's output, LayerNorm's

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -131,56 +130,3 @@ def test_counter_records_drive_the_profile():
     assert names == ["aten.mm (forward)", "aten.relu (forward)"]
     assert result.calls[0].flops == 2 * 64 * 32 * 16
     assert result.calls[0].bytes == 4 * (64 * 32 + 32 * 16 + 64 * 16)
-
-
-def test_profile_memory_timeline_predicted_and_measured(tmp_path):
-    png = tmp_path / "memory.png"
-    record = run_profile(str(LINREG), "--set", "num_layers=2", "--memory", str(png))
-    assert png.stat().st_size > 0
-    memory = record["memory"]
-    measured, predicted = memory["measured"], memory["predicted"]
-    assert measured["peak_bytes"] > 0 and predicted["peak_bytes"] > 0
-    assert abs(predicted["peak_bytes"] / measured["peak_bytes"] - 1) < 0.1
-    for side in (measured, predicted):
-        assert {"params", "grads", "batch"} <= set(side["at_peak"])
-
-
-def test_profile_memory_of_a_model_with_batchnorm_state(tmp_path):
-    from test_accounting_cli import BATCHNORM_SCRIPT
-
-    script = tmp_path / "batchnorm.py"
-    script.write_text(BATCHNORM_SCRIPT)
-    record = run_profile(str(script), "--memory", str(tmp_path / "memory.png"))
-    measured, predicted = record["memory"]["measured"], record["memory"]["predicted"]
-    assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.02)
-    assert predicted["at_peak"]["buffers"] == measured["at_peak"]["buffers"] > 0
-    assert record["unknown_ops"] == {}
-
-
-def test_measured_timeline_categories_on_a_real_step():
-    from minitrain.cli.profile import measured_timeline
-
-    experiment, _ = load_experiment(LINREG, {"num_layers": "2"})
-    backend = mt.get_backend("cpu")
-    init_generator, data_generator = run_generators(0)
-    params = to_backend(experiment.init(init_generator), backend)
-    state = experiment.optimizer.init(params)
-    batch = experiment.next_batch(data_generator)
-    timeline = measured_timeline(experiment, backend, params, state, batch)
-    phases = [phase for _, phase, _ in timeline]
-    assert phases == sorted(phases, key=["forward", "backward", "clip", "update"].index)
-    assert set(phases) == {"forward", "backward", "clip", "update"}
-    first = timeline[0][2]
-    assert first["params"] == mt.tree.nbytes(params) and first["batch"] == mt.tree.nbytes(batch)
-    clip = next(live for _, phase, live in timeline if phase == "clip")
-    assert clip["grads"] == mt.tree.nbytes(params)  # one gradient per parameter
-    # The pure update: the new params beside the old ones at the end.
-    assert timeline[-1][2]["params"] == 2 * mt.tree.nbytes(params)
-
-
-def test_profile_memory_without_matplotlib_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    result = CliRunner().invoke(profile, [str(LINREG), "--memory", str(tmp_path / "m.png")])
-    assert result.exit_code != 0
-    assert "pip install 'minitrain[plot]'" in result.output
-    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

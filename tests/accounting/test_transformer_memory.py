@@ -77,12 +77,11 @@ def predicted_per_layer(attention, activation, dropout):
 def measured_saved(layers, attention, activation, dropout):
     params, loss = gpt2(layers, attention, activation, dropout)
     ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
-    with acc.Counter(record_timeline=True, keep_records=False) as counter:
+    with acc.Counter(watch_saved=True, keep_records=False) as counter:
         counter.track(params, category="params")
         counter.track(ids, category="batch")
         mt.value_and_grad(loss)(params, ids)
-    return next(live for _, phase, live in counter.timeline() if phase == "backward")[
-        "activations"]
+    return counter.live_at_backward["activations"]
 
 
 # PyTorch's layer, fp32, under torch.func: the paper's terms at 4 bytes, dropout masks as wide

@@ -1,21 +1,19 @@
 """Live memory over one step, by category: the ledger of every storage's life.
 
 A :class:`Ledger` counts each storage from the first op that makes or reads it to the death of
-its last reference, and replays its event log at the end. A storage's category: the one given
-(``Counter.track``, ``categorize``); ``activations`` if saved for backward (by a pack hook, else
-made by the forward pass and alive when the backward starts); maybe ``grads``; else
-``temporaries``.
+its last reference, and replays its event log at the end for the peak and what each category
+held then. A storage's category: the one given (``Counter.track``, ``categorize``);
+``activations`` if saved for backward (by a pack hook, else made by the forward pass and alive
+when the backward starts); else ``temporaries``.
 
 >>> import torch, minitrain as mt
 >>> from minitrain.accounting import Counter
 >>> w = torch.ones(256, 256)
->>> with Counter(record_timeline=True) as c:
+>>> with Counter(watch_saved=True) as c:
 ...     c.track(w, category="params")
 ...     loss, grads = mt.value_and_grad(lambda w: w.tanh().sum())(w)
->>> [(i, phase, sorted(live)) for i, phase, live in c.timeline()][:2]  # detach (an alias), tanh
-[(0, 'forward', ['params']), (1, 'forward', ['activations', 'params'])]
->>> max(live.get("grads", 0) for _, _, live in c.timeline()) == 256 * 256 * 4
-True
+>>> c.live_at_backward  # the tanh output saved, the 0-d loss a temporary
+{'params': 262144, 'activations': 262144, 'temporaries': 8}
 """
 
 from __future__ import annotations
@@ -31,14 +29,11 @@ from minitrain import _torch
 from minitrain.accounting.op_formulas import tensors
 from minitrain.errors import UserError
 
-__all__ = ["CATEGORIES", "Allocation", "Ledger", "Replay", "Timeline", "innermost",
-           "timeline_summary"]
+__all__ = ["CATEGORIES", "Allocation", "Ledger", "Replay", "innermost"]
 
 CATEGORIES = ("params", "grads", "optimizer_state", "batch", "buffers", "activations",
               "temporaries")
-# (op_index, phase, {category: live bytes}) after each op, categories with no bytes left out.
-Timeline = list[tuple[int, str, dict[str, int]]]
-_OP = -1  # an event "op number i has run": a point of the timeline
+_OP = -1  # an event "op number i has run"
 
 
 def innermost(parents: set[str]) -> str:
@@ -59,15 +54,13 @@ class Allocation:
     dtype: str
     category: str | None = None
     saved: bool = False  # saved for the backward pass
-    died: int | None = None  # ops run before its last reference died
     handles: int = 0  # live storages standing for it
 
 
 @dataclass
 class Replay:
-    """The event log replayed: ``timeline``, the peak, its op and what each category holds."""
+    """The event log replayed: the peak, its op and what each category holds."""
 
-    timeline: Timeline = field(default_factory=list)
     peak_bytes: int = 0
     peak_op: int = -1
     at_peak: dict[str, int] = field(default_factory=dict)
@@ -145,7 +138,6 @@ class Ledger:
             return
         allocation.handles -= 1
         if allocation.handles == 0:
-            allocation.died = len(self.ops)
             self.events.append((allocation.index, -1))
             self.live -= allocation.nbytes
 
@@ -171,7 +163,7 @@ class Ledger:
 
     def op(self, name: str, phase: str, module: str, inputs: Sequence[torch.Tensor],
            outputs: Sequence[torch.Tensor]) -> None:
-        """One op has run: its inputs and outputs are live, a point of the timeline."""
+        """One op has run: its inputs and outputs are live."""
         for t in inputs:
             self.add(t, phase="input" if self.inputs else phase, module=module,
                      category=self.inputs)
@@ -206,19 +198,13 @@ class Ledger:
             finalizer.detach()
         self._finalizers.clear()
 
-    def replay(self, guess_grads: bool = False) -> Replay:
-        """Live bytes per category after every op, and the highest total (and its op);
-        ``guess_grads``: when nothing was categorized as grads, what the backward pass made
-        and outlived it are grads."""
-        backward = [i for i, (_, phase, _) in enumerate(self.ops) if phase == "backward"]
-        end = backward[-1] + 1 if guess_grads and backward and all(
-            a.category != "grads" for a in self.allocations) else None
-        kinds = [category(a, end) for a in self.allocations]
+    def replay(self) -> Replay:
+        """The highest total of live bytes, its op, and the bytes of each category then."""
+        kinds = [category(a) for a in self.allocations]
         result, live, total, last_op = Replay(), dict.fromkeys(CATEGORIES, 0), 0, -1
         for index, sign in self.events:
             if index == _OP:
                 last_op = sign
-                result.timeline.append((sign, self.ops[sign][1], _nonzero(live)))
                 continue
             kind, nbytes = kinds[index], sign * self.allocations[index].nbytes
             live[kind] += nbytes
@@ -241,23 +227,8 @@ def check_category(name: str) -> None:
         raise UserError(f"unknown category {name!r}; choose one of {CATEGORIES}")
 
 
-def category(allocation: Allocation, backward_end: int | None = None) -> str:
-    """The final category of an allocation; with ``backward_end``, what the backward pass made
-    and outlived it counts as grads."""
+def category(allocation: Allocation) -> str:
+    """The final category of an allocation."""
     if allocation.category is not None:
         return allocation.category
-    if allocation.saved:
-        return "activations"
-    if backward_end is not None and allocation.phase == "backward" and (
-            allocation.died is None or allocation.died > backward_end):
-        return "grads"
-    return "temporaries"
-
-
-def timeline_summary(timeline: Sequence[tuple[int, str, dict[str, int]]]) -> dict[str, Any]:
-    """Peak of a timeline: ``{"peak_bytes", "peak_op_index", "peak_phase", "at_peak"}``."""
-    if not timeline:
-        return {"peak_bytes": 0, "peak_op_index": None, "peak_phase": None, "at_peak": {}}
-    index, phase, live = max(timeline, key=lambda sample: sum(sample[2].values()))
-    return {"peak_bytes": sum(live.values()), "peak_op_index": index, "peak_phase": phase,
-            "at_peak": dict(live)}
+    return "activations" if allocation.saved else "temporaries"
