@@ -19,7 +19,7 @@ import click
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
 from minitrain.cli.options import PNG, SEED, Whole, echo_json, script_argument
-from minitrain.cli.roofline import placement_record, print_table, roof_line
+from minitrain.cli.roofline import print_table, roof_line
 
 
 def time_step(step: Any, params: Any, opt_state: Any, batch: Any, backend: Any, repeats: int):
@@ -44,20 +44,14 @@ def profile_script(
     from minitrain.accounting.roofline import profile_records, roof
     from minitrain.precision import get_backend
     from minitrain.train import load_experiment, make_train_step
-    from minitrain.train.loop import run_generators
-    from minitrain.train.setup import init_params
-    from minitrain.train.step import init_carry, with_fixed_key
+    from minitrain.train.step import first_step_inputs, with_fixed_key
 
     experiment, config = load_experiment(script, overrides)
     experiment = with_fixed_key(experiment, seed)
     backend = get_backend(backend_name)
     on = roof(hardware_name, dtype or dtype_name(str(backend.compute_dtype)))
-    init_generator, data_generator = run_generators(seed)
-    params = init_params(experiment, init_generator, backend)
-    opt_state = experiment.optimizer.init(params)
-    # The model state (BatchNorm statistics) and loss scale the run carries from step to step.
-    carry = init_carry(experiment, backend, init_generator)
-    batch = backend.to_device(experiment.next_batch(data_generator))
+    # the carry: the model state (BatchNorm statistics) and loss scale a run carries
+    params, opt_state, batch, carry = first_step_inputs(experiment, backend, seed)
     step = functools.partial(make_train_step(experiment, backend), carry=carry)
     for _ in range(warmup):  # first calls pay for lazy initialization
         out = step(params, opt_state, batch)
@@ -230,8 +224,8 @@ def _record(script: Path, config: dict, result: Any, counter: Any, plot_path: st
         "predicted_seconds": result.predicted_seconds,
         "measured_seconds": result.measured_seconds, "achieved_flops": result.achieved_flops,
         "unknown_ops": dict(counter.unknown),
-        "ops": [placement_record(g) for g in result.groups],
-        "calls": [placement_record(c) for c in result.calls],
+        "ops": [g._asdict() for g in result.groups],
+        "calls": [c._asdict() for c in result.calls],
         "plot": plot_path,
     }
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import click
@@ -10,14 +9,6 @@ import click
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command
 from minitrain.cli.options import PNG, Whole, echo_json
-
-
-def placement_record(p: Any) -> dict[str, Any]:
-    """A JSON-friendly dict of a Placement (non-finite numbers become null)."""
-    return {
-        k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-        for k, v in p._asdict().items()
-    }
 
 
 def print_table(title: str, columns: list[str], rows: list[list[str]], width: int = 120) -> None:
@@ -63,7 +54,7 @@ def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_j
             "hardware": r.name.split()[0], "dtype": name, "peak_flops": r.peak_flops,
             "bandwidth": r.bandwidth, "accelerator_intensity": r.ridge, "n": n,
             "bytes_per_element": DTYPE_BYTES[name],
-            "ops": [placement_record(p) for p in placements], "plot": plot_path,
+            "ops": [p._asdict() for p in placements], "plot": plot_path,
             "source": r.source,
         }
         echo_json(record)

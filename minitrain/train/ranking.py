@@ -20,7 +20,7 @@ from minitrain.errors import ExperimentError
 from minitrain.metrics import METRICS_FILE, read_metrics
 from minitrain.train.members import Ensemble, Member, member_label
 from minitrain.train.progress import resident_bytes
-from minitrain.train.stepper import after_last_step, evaluated
+from minitrain.train.stepper import evaluation
 from minitrain.tree import unstack
 
 __all__ = ["LOSSES", "RECENT_LOSSES", "MemberLog", "RankBy", "check_rank_by", "log_step",
@@ -119,13 +119,9 @@ def log_step(ensemble: Ensemble, out: Any, step: int, logs: list[MemberLog],
 def member_eval(ensemble: Ensemble, k: int, params: Any, log: MemberLog, step: int | None,
                 say: Callable[[str], None]) -> dict[str, float]:
     """Member ``k``'s evaluation at ``step``; the final one, if it fails, is a warning and none."""
-    def evaluate() -> dict[str, float]:
-        return evaluated(ensemble.experiments[k].evaluate, params, step=step)
-
-    if step is not None and step < ensemble.steps:
-        return evaluate()
-    log.final_evaluated = True
-    return after_last_step(f"the final evaluation of member {k}", evaluate, {}, say)
+    log.final_evaluated = step is None or step >= ensemble.steps
+    return evaluation(ensemble.experiments[k].evaluate, params, step=step, steps=ensemble.steps,
+                      what=f"the final evaluation of member {k}", say=say)
 
 
 def reload_logs(run_dir: Path, start: int, logs: list[MemberLog],

@@ -206,14 +206,8 @@ class SingleRun:
         """The evaluation at ``step``; the last step's, if it fails, is a warning and none."""
         model_state = getattr(self.carry, "model_state", None)
         state = () if model_state is None else (model_state,)
-
-        def evaluate() -> dict[str, float]:
-            return stepper.evaluated(self.experiment.evaluate, self.params, *state, step=step)
-
-        if step is not None and step < self.experiment.steps:
-            self._last_eval = evaluate()
-        else:
-            self._last_eval = stepper.after_last_step("the final evaluation", evaluate, {})
+        self._last_eval = stepper.evaluation(self.experiment.evaluate, self.params, *state,
+                                             step=step, steps=self.experiment.steps)
         return self._last_eval
 
     # ------------------------------------------------------------------ the end

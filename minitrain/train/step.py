@@ -25,14 +25,14 @@ from minitrain.func import value_and_grad
 from minitrain.precision import Backend, DynamicLossScale, LossScaleState
 from minitrain.train.experiment import check_loss_output
 from minitrain.train.script_errors import script_call
-from minitrain.train.setup import probe_batch, to_backend
+from minitrain.train.setup import init_params, probe_batch, run_generators, to_backend
 from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 
 __all__ = [
     "Carry", "StepOutput", "can_donate", "carry_metrics", "check_fp8_history", "checked_values",
-    "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history", "keyed_loss",
-    "loss_and_grads", "loss_scale_of", "loss_with_aux", "make_train_step", "next_fp8_history",
-    "pack_checkpoint_state", "probe_fp8_history", "stateful_loss", "step_key",
+    "first_step_inputs", "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history",
+    "keyed_loss", "loss_and_grads", "loss_scale_of", "loss_with_aux", "make_train_step",
+    "next_fp8_history", "pack_checkpoint_state", "probe_fp8_history", "stateful_loss", "step_key",
     "unpack_checkpoint_state", "with_fixed_key",
 ]
 
@@ -228,6 +228,17 @@ def init_carry(experiment: Any, backend: Backend, generator: torch.Generator) ->
         return Carry(model_state)
     scale = backend.to_device(loss_scale.init())
     return Carry(model_state, LossScaleState(*scale), backend.to_device(torch.tensor(0)))
+
+
+def first_step_inputs(experiment: Any, backend: Backend, seed: int = 0
+                      ) -> tuple[Params, OptState, PyTree, Carry | None]:
+    """``(params, opt_state, batch, carry)`` of a run's first step, drawn from ``seed`` as
+    ``minitrain run`` draws them: the inputs of a step measured on its own."""
+    init_generator, data_generator = run_generators(seed)
+    params = init_params(experiment, init_generator, backend)
+    opt_state = experiment.optimizer.init(params)
+    carry = init_carry(experiment, backend, init_generator)
+    return params, opt_state, backend.to_device(experiment.next_batch(data_generator)), carry
 
 
 def checked_values(out: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:

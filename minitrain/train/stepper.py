@@ -18,7 +18,7 @@ from minitrain.train.progress import to_stderr
 from minitrain.train.script_errors import script_call
 
 __all__ = ["RESUMABLE_CHANGES", "FitResult", "StepTimer", "Stepper", "after_last_step",
-           "changed_keys", "check_same", "evaluated", "fp8_scaling", "run_summary",
+           "changed_keys", "check_same", "evaluated", "evaluation", "fp8_scaling", "run_summary",
            "step_report"]
 
 # Config keys that may change between a run and its resumption.
@@ -152,6 +152,19 @@ def evaluated(evaluate: Callable[..., Any], *args: Any, step: int | None = None
                 f"{type(values).__name__}" + (f" at step {step}" if step else "")
             )
         return {str(key): float(value) for key, value in values.items()}
+
+
+def evaluation(evaluate: Callable[..., Any], *args: Any, step: int | None, steps: int,
+               what: str = "the final evaluation", say: Callable[[str], None] | None = None
+               ) -> dict[str, float]:
+    """:func:`evaluated` at ``step``; the final one (``step`` None or ``steps``), if it fails, is
+    one warning line naming ``what`` and no metrics."""
+    def compute() -> dict[str, float]:
+        return evaluated(evaluate, *args, step=step)
+
+    if step is not None and step < steps:
+        return compute()
+    return after_last_step(what, compute, {}, say)
 
 
 def run_summary(stepper: Stepper, timer: StepTimer, head: dict[str, Any],
