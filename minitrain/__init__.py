@@ -62,8 +62,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
         return getattr(module, name)
-    if name in ("backend", "formats", "lowp"):  # merged into one package
-        raise AttributeError(f"minitrain.{name} is now part of minitrain.precision")
     raise AttributeError(f"module 'minitrain' has no attribute {name!r}")
 
 

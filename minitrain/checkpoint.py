@@ -151,10 +151,7 @@ def save(run_dir: str | os.PathLike, step: int, params: tree.Params, opt_state: 
     with storage_errors(target, "write checkpoint"), staged_dir(target) as staging:
         for name, tensors, pytree in ((PARAMS_FILE, params_tensors, params),
                                       (OPT_STATE_FILE, opt_tensors, opt_state)):
-            save_tensors(tensors, staging / name, pytree)
-            with open(staging / name, "rb") as handle:
-                digest = hashlib.file_digest(handle, "sha256").hexdigest()
-            body["files"][name] = {"bytes": (staging / name).stat().st_size, "sha256": digest}
+            body["files"][name] = save_tensors(tensors, staging / name, pytree)
         record = {**body, "checksum": _checksum(body)}
         write_new_file(staging / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
     if keep is not None:
@@ -192,7 +189,7 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
     """Check a checkpoint directory fully (sizes, hashes, checksum); return its ``state.json``."""
-    state, _ = _read_checkpoint(Path(path), keep_bytes=False)
+    state, _ = _read_checkpoint(Path(path))
     return state
 
 
@@ -227,7 +224,7 @@ def load(
     minitrain.checkpoint_state.CheckpointError: checkpoint ...: params leaf 'w' has shape (2,) ...
     """  # noqa: E501
     path = Path(path)
-    state, blobs = _read_checkpoint(path, keep_bytes=True)
+    state, blobs = _read_checkpoint(path)
     scalars = state["scalars"]
     try:
         params = rebuild(params_template, blobs[PARAMS_FILE], scalars["params"], "params")
@@ -241,27 +238,23 @@ def load(
 
 
 def restore_rng(checkpoint: Checkpoint, generator: torch.Generator | None = None) -> None:
-    """Restore the global RNGs, and ``generator`` from the saved data-sampler state."""
+    """Restore the global RNGs, and ``generator`` from the saved data-sampler state (both
+    checked when :func:`load` read them)."""
     if generator is not None and checkpoint.generator_state is None:
         raise CheckpointError(
             f"checkpoint {checkpoint.path} holds no data generator state; it was saved "
             "without generator=..."
         )
-    try:  # the generator's state is checked before the global ones are set (checked too)
-        if generator is not None:
-            rng.check_generator_state(checkpoint.generator_state, generator.device)
-        rng.set_rng_state(checkpoint.rng_state)
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {checkpoint.path}: {exc}") from None
+    rng.set_rng_state(checkpoint.rng_state)
     if generator is not None:
         rng.set_generator_state(generator, checkpoint.generator_state)
 
 
-def _read_checkpoint(path: Path, keep_bytes: bool) -> tuple[dict[str, Any], dict[str, bytes]]:
+def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
     try:
         state = _read_state(path)
         blobs = {
-            name: _check_file(path / name, state["files"][name], keep_bytes)
+            name: _check_file(path / name, state["files"][name])
             for name in (PARAMS_FILE, OPT_STATE_FILE)
         }
     except CheckpointError as exc:
@@ -311,22 +304,16 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _check_file(path: Path, record: dict[str, Any], keep_bytes: bool) -> bytes:
+def _check_file(path: Path, record: dict[str, Any]) -> bytes:
     if not path.is_file():
         raise CheckpointError(f"{path.name} is missing")
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        refuse_pickle(handle.read(9), path.name)
-        if size != record["bytes"]:
-            raise CheckpointError(
-                f"{path.name} is {size} bytes where {record['bytes']} were written "
-                "(truncated or replaced)"
-            )
-        handle.seek(0)
-        content = handle.read() if keep_bytes else b""
-        digest = hashlib.sha256(content) if keep_bytes else hashlib.file_digest(handle, "sha256")
-    if digest.hexdigest() != record["sha256"]:
+    content = path.read_bytes()
+    refuse_pickle(content[:9], path.name)
+    if len(content) != record["bytes"]:
+        raise CheckpointError(
+            f"{path.name} is {len(content)} bytes where {record['bytes']} were written "
+            "(truncated or replaced)"
+        )
+    if hashlib.sha256(content).hexdigest() != record["sha256"]:
         raise CheckpointError(f"{path.name} does not match its recorded SHA-256 (corrupted)")
     return content
-
-

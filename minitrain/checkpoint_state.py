@@ -8,9 +8,9 @@ caller's template (:func:`rebuild`): no structure comes from the file, nothing i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +21,7 @@ import safetensors.torch
 import torch
 
 from minitrain import rng, tree
+from minitrain.atomic_io import write_new_file
 from minitrain.optim import _groups as groups
 
 __all__ = [
@@ -173,19 +174,14 @@ def split_leaves(pytree: tree.PyTree, label: str) -> tuple[dict[str, torch.Tenso
     return tensors, scalars
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, pytree: tree.PyTree) -> None:
-    """Write ``tensors`` and ``pytree``'s :func:`namedtuple_types` to a safetensors file; an I/O
-    failure is an ``OSError`` with its errno."""
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, pytree: tree.PyTree
+                 ) -> dict[str, Any]:
+    """Write ``tensors`` and ``pytree``'s :func:`namedtuple_types` as a new safetensors file
+    (fsynced); return its ``state.json`` record: size and SHA-256."""
     metadata = {NAMEDTUPLES_KEY: json.dumps(namedtuple_types(pytree), sort_keys=True)}
-    try:
-        safetensors.torch.save_file(tensors, path, metadata=metadata)
-    except safetensors.SafetensorError as exc:
-        # Rust's io::Error ends its message with "(os error N)".
-        match = re.search(r"\(os error (\d+)\)", str(exc))
-        if match is None:
-            raise CheckpointError(f"cannot serialize {path.name}: {exc}") from None
-        code = int(match.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from None
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    write_new_file(path, data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def rebuild(

@@ -28,7 +28,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from minitrain.atomic_io import staged_dir, storage_errors
+from minitrain.atomic_io import cache_dir, staged_dir, storage_errors
 from minitrain.errors import StorageError
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
@@ -236,14 +236,9 @@ def source_files(root: str | os.PathLike) -> list[Path]:
 
 
 def default_data_dir() -> Path:
-    """Where the stdlib corpus is cached (``$MINITRAIN_CACHE_DIR``, else XDG or ~/.cache)."""
-    chosen = os.environ.get("MINITRAIN_CACHE_DIR") or os.environ.get("MINITRAIN_CACHE")
-    if chosen and chosen.strip().lower() not in {"0", "off", "none"}:
-        root = Path(chosen)
-    else:  # "off" turns off the caches of measurements; the corpus still needs a home
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain"
+    """Where the stdlib corpus is cached: in :func:`~minitrain.atomic_io.cache_dir`."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return root / f"stdlib-bytes-py{version}"
+    return cache_dir(required=True) / f"stdlib-bytes-py{version}"
 
 
 def _held_out(names: list[str], val_fraction: float) -> list[bool]:
@@ -366,12 +361,11 @@ def load_prepared(data_dir: str | os.PathLike | None = None) -> PreparedData:
                     f"{path} has {size} bytes but meta.json records {meta['tokens'][split]} "
                     f"tokens ({expected} bytes); it changed after it was prepared; {rebuild}"
                 )
-            if "sha256" in meta:
-                with open(path, "rb") as handle:
-                    digest = hashlib.file_digest(handle, "sha256").hexdigest()
-                if digest != meta["sha256"][split]:
-                    raise DataError(f"{path} does not match the SHA-256 in meta.json (edited or "
-                                    f"corrupted); {rebuild}")
+            with open(path, "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").hexdigest()
+            if digest != meta["sha256"][split]:
+                raise DataError(f"{path} does not match the SHA-256 in meta.json (edited or "
+                                f"corrupted); {rebuild}")
         splits[split] = open_tokens(path, dtype=meta["dtype"], vocab_size=meta["vocab_size"])
     return PreparedData(splits["train"], splits["val"], meta)
 
@@ -410,7 +404,7 @@ def _meta_problem(meta: Any) -> str | None:
     tokens = meta.get("tokens")
     if not isinstance(tokens, dict) or not all(_is_count(tokens.get(s)) for s in ("train", "val")):
         return "must record positive token counts for 'train' and 'val'"
-    digests = meta.get("sha256", {"train": "0" * 64, "val": "0" * 64})
+    digests = meta.get("sha256")
     if not isinstance(digests, dict) or not all(
         isinstance(digests.get(s), str) and len(digests[s]) == 64 for s in ("train", "val")
     ):

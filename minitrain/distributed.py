@@ -28,14 +28,12 @@ from minitrain.errors import DistributedError, ExperimentError, ShardError, Stor
 from minitrain.tree import PyTree, leaves, named_leaves, nbytes, structure, unflatten
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "DataParallel", "DistributedError", "LostPeer", "ShardError",
-    "allreduce_sum", "bucket_plan", "check_splittable", "collective", "from_environment",
+    "DataParallel", "DistributedError", "LostPeer", "ShardError", "allreduce_sum",
+    "check_splittable", "collective", "from_environment",
     "REPORTS_ENV", "gradient_bytes", "in_worker", "leave_report", "shard", "shard_sizes",
     "timeout_seconds",
 ]
 
-# DistributedDataParallel's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 # How long a collective may wait for the other ranks before it fails (not the agent's job).
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "MINITRAIN_DIST_TIMEOUT"
@@ -127,46 +125,22 @@ def shard(batch: PyTree, rank: int, world_size: int) -> PyTree:
     return unflatten(structure(batch), pieces)
 
 
-def bucket_plan(
-    tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> list[list[int]]:
-    """Group tensor indices into buckets of one dtype and device, up to ``bucket_bytes`` (as DDP).
-
-    >>> ts = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float64), torch.zeros(8)]
-    >>> bucket_plan(ts, bucket_bytes=32)
-    [[0, 1], [3], [2]]
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
-    done: list[list[int]] = []
-    for index, tensor in enumerate(tensors):
-        key = (tensor.dtype, tensor.device)
-        size = tensor.numel() * tensor.element_size()
-        members, filled = open_buckets.get(key, ([], 0))
-        if members and filled + size > bucket_bytes:
-            done.append(members)
-            members, filled = [], 0
-        open_buckets[key] = (members + [index], filled + size)
-    return done + [members for members, _ in open_buckets.values() if members]
-
-
-def allreduce_sum(
-    tensors: Sequence[torch.Tensor],
-    group: Any = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> list[torch.Tensor]:
-    """The element-wise sum of ``tensors`` over all ranks, as new tensors, bucket by bucket."""
+def allreduce_sum(tensors: Sequence[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+    """The element-wise sum of ``tensors`` over all ranks, as new tensors: one flat buffer and
+    one all-reduce per dtype and device. (DDP's buckets overlap the all-reduce with the
+    backward pass; ``torch.func`` returns every grad at once, so there is nothing to overlap.)"""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [t.clone() for t in tensors]
-    plan = bucket_plan(tensors, bucket_bytes)
-    flats = [torch.cat([tensors[i].reshape(-1) for i in members]) for members in plan]
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.dtype, tensor.device), []).append(index)
+    flats = [torch.cat([tensors[i].reshape(-1) for i in members]) for members in groups.values()]
     with collective("the gradient all-reduce"):
         works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]  # SUM
         for work in works:
             work.wait()
-    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for members, flat in zip(plan, flats, strict=True):
+    out = list(tensors)
+    for members, flat in zip(groups.values(), flats, strict=True):
         pieces = flat.split([tensors[i].numel() for i in members])
         for i, piece in zip(members, pieces, strict=True):
             out[i] = piece.view_as(tensors[i])
@@ -194,10 +168,9 @@ class DataParallel:
     ({'w': tensor([1., 1.])}, tensor(3.), {})
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, group: Any = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device, group: Any = None
+                 ) -> None:
         self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
-        self.bucket_bytes = bucket_bytes
         self.weight = 1.0 / world_size  # this rank's share of the global batch
         self.reduce_seconds, self.reduce_calls, self.reduced_bytes = 0.0, 0, 0
 
@@ -225,7 +198,7 @@ class DataParallel:
         scalars = torch.stack([loss.detach().float(), *(v.detach().float() for v in aux.values())])
         weighted = [grad_leaves[i] * self.weight for i in tensor_at]
         weighted.append(scalars.to(self.device) * self.weight)
-        summed = allreduce_sum(weighted, self.group, self.bucket_bytes)
+        summed = allreduce_sum(weighted, self.group)
         new_leaves = list(grad_leaves)
         for i, reduced in zip(tensor_at, summed, strict=False):
             new_leaves[i] = reduced
@@ -300,7 +273,6 @@ class DataParallel:
             "gradient_bytes": gradient_bytes,
             "allreduce_bytes_per_rank": ring,
             "formula": "ring all-reduce: 2·(N-1)/N × gradient bytes per rank",
-            "bucket_bytes": self.bucket_bytes,
             "buffer_bytes": self.reduced_bytes,
             "reduce_seconds_per_step": seconds,
             "bus_bandwidth": ring / seconds if seconds else None,

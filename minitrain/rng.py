@@ -52,9 +52,7 @@ def seed_everything(seed: int) -> None:
 
 def generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A fresh ``torch.Generator`` on ``device`` seeded with ``seed``."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def generator_state(g: torch.Generator) -> str:
@@ -116,38 +114,34 @@ def _check_numpy_state(numpy_state: Any) -> None:
         raise ValueError(f"numpy rng state must be a dict with fields {sorted(fields)}")
     if numpy_state["kind"] != "MT19937":
         raise ValueError(f"numpy rng state kind is {numpy_state['kind']!r}, not 'MT19937'")
-    _check_words(numpy_state["keys"], _MT_WORDS, "numpy rng state keys")
-    if not _is_int(numpy_state["pos"]) or not 0 <= numpy_state["pos"] <= _MT_WORDS:
-        raise ValueError(f"numpy rng state pos must be in [0, 624], got {numpy_state['pos']!r}")
     if not _is_int(numpy_state["has_gauss"]) or numpy_state["has_gauss"] not in (0, 1):
         raise ValueError(f"numpy rng has_gauss must be 0 or 1, got {numpy_state['has_gauss']!r}")
-    if not _is_finite(numpy_state["cached_gaussian"]):
-        raise ValueError(
-            f"numpy rng cached_gaussian must be a finite number, got "
-            f"{numpy_state['cached_gaussian']!r}"
-        )
+    _check_mt19937(numpy_state["keys"], numpy_state["pos"], numpy_state["cached_gaussian"],
+                   "numpy rng state")
 
 
 def _check_random_state(random_state: Any) -> None:
-    if not isinstance(random_state, list) or len(random_state) != 3:
-        raise ValueError("random rng state must be [version, internal state, gauss]")
+    if not (isinstance(random_state, list) and len(random_state) == 3
+            and isinstance(random_state[1], list) and random_state[1]):
+        raise ValueError("random rng state must be [version, [624 words, pos], gauss]")
     version, internal, gauss = random_state
     if version != 3 or not _is_int(version):
         raise ValueError(f"random rng state version must be 3, got {version!r}")
-    if not isinstance(internal, list) or len(internal) != _MT_WORDS + 1:
-        raise ValueError("random rng internal state must be a list of 625 integers")
-    _check_words(internal[:-1], _MT_WORDS, "random rng internal state")
-    if not _is_int(internal[-1]) or not 0 <= internal[-1] <= _MT_WORDS:
-        raise ValueError(f"random rng state index must be in [0, 624], got {internal[-1]!r}")
-    if gauss is not None and not _is_finite(gauss):
-        raise ValueError(f"random rng gauss must be null or a finite number, got {gauss!r}")
+    _check_mt19937(internal[:-1], internal[-1], 0.0 if gauss is None else gauss,
+                   "random rng state")
 
 
-def _check_words(words: Any, count: int, label: str) -> None:
-    if not isinstance(words, list) or len(words) != count:
-        raise ValueError(f"{label} must be a list of {count} integers")
+def _check_mt19937(words: Any, pos: Any, gauss: Any, label: str) -> None:
+    """What numpy and ``random`` take unchecked (numpy crashes on a ``pos`` past 624): 624
+    words in [0, 2**32), a position in [0, 624] and a finite cached normal."""
+    if not isinstance(words, list) or len(words) != _MT_WORDS:
+        raise ValueError(f"{label} keys must be a list of {_MT_WORDS} integers")
     if not all(_is_int(word) and 0 <= word < 2**32 for word in words):
-        raise ValueError(f"{label} must hold integers in [0, 2**32)")
+        raise ValueError(f"{label} keys must hold integers in [0, 2**32)")
+    if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:
+        raise ValueError(f"{label} pos must be in [0, 624], got {pos!r}")
+    if not _is_finite(gauss):
+        raise ValueError(f"{label} gauss must be a finite number, got {gauss!r}")
 
 
 def _is_int(value: Any) -> bool:

@@ -383,32 +383,12 @@ def fail_writes(monkeypatch, name: str, errno_: int) -> None:
     monkeypatch.setattr(os, "write", write)
 
 
-def fail_tensor_writes(monkeypatch, name: str, errno_: int) -> None:
-    """safetensors' Rust writer fails on ``name`` after writing half of it, as it reports an
-    I/O error: a SafetensorError whose message ends in "(os error N)"."""
-    real_save_file = safetensors.torch.save_file
-
-    def save_file(tensors, filename, metadata=None):
-        if Path(filename).name != name:
-            return real_save_file(tensors, filename, metadata)
-        real_save_file(tensors, filename, metadata)
-        Path(filename).write_bytes(Path(filename).read_bytes()[:40])
-        raise safetensors.SafetensorError(
-            f"Error while serializing: I/O error: {os.strerror(errno_)} (os error {errno_})"
-        )
-
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
-
-
 @pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EFBIG, errno.EIO])
 @pytest.mark.parametrize("where", ["state.json", "opt_state.safetensors"])
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, errno_, where):
     older, newer, params, opt_state = save_pair(tmp_path)
     before = {p.name: p.read_bytes() for p in newer.iterdir()}
-    if where == "state.json":
-        fail_writes(monkeypatch, where, errno_)
-    else:
-        fail_tensor_writes(monkeypatch, where, errno_)
+    fail_writes(monkeypatch, where, errno_)
     cause = os.strerror(errno_).lower()
     with pytest.raises(StorageError, match=f"cannot write checkpoint .*step-00000200: {cause}"):
         checkpoint.save(tmp_path, 200, make_params(5), opt_state)  # would replace step 200
@@ -513,10 +493,10 @@ STATE_EDITS = {
     "numpy keys short": (_set("rng", "numpy", "keys", [1, 2]), "624 integers"),
     "numpy key too big": (_set("rng", "numpy", "keys", [2**32] * 624), "[0, 2**32)"),
     "numpy pos": (_set("rng", "numpy", "pos", 625), "pos must be in"),
-    "numpy gauss nan": (_set("rng", "numpy", "cached_gaussian", "x"), "cached_gaussian"),
+    "numpy gauss nan": (_set("rng", "numpy", "cached_gaussian", "x"), "gauss must be a finite"),
     "random version": (_set("rng", "random", [2, [0] * 625, None]), "version must be 3"),
-    "random short": (_set("rng", "random", [3, [0] * 10, None]), "625 integers"),
-    "random index": (_set("rng", "random", [3, [0] * 624 + [999], None]), "index"),
+    "random short": (_set("rng", "random", [3, [0] * 10, None]), "624 integers"),
+    "random index": (_set("rng", "random", [3, [0] * 624 + [999], None]), "pos must be in"),
     "data generator": (_set("data_generator", 5), "not base64 text"),
     "scalars": (_set("scalars", {"params": {}}), "scalars"),
     "scalar leaf a list": (_set("scalars", "opt_state", "step", [4]), "plain values"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain import data, rng
+from minitrain.atomic_io import cache_dir
 from minitrain.cli import cli
 from minitrain.data import DataError, Prefetcher, get_batch, open_tokens, write_tokens
 from minitrain.errors import StorageError
@@ -575,13 +577,16 @@ def test_bytelm_gradients_are_bit_identical_across_processes():
 
 
 def test_the_corpus_lives_under_the_shared_cache_folder(monkeypatch, tmp_path):
-    monkeypatch.delenv("MINITRAIN_CACHE", raising=False)
     monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path / "shared"))
     assert data.default_data_dir().parent == tmp_path / "shared"
     monkeypatch.delenv("MINITRAIN_CACHE_DIR")
-    monkeypatch.setenv("MINITRAIN_CACHE", str(tmp_path / "older-name"))
-    assert data.default_data_dir().parent == tmp_path / "older-name"
-    monkeypatch.setenv("MINITRAIN_CACHE_DIR", "off")
-    monkeypatch.delenv("MINITRAIN_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert data.default_data_dir().parent == tmp_path / "xdg" / "minitrain"
+    assert cache_dir() == tmp_path / "xdg" / "minitrain"
+    # Caches off: nothing is cached, and what needs a home gets a temporary one.
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", "off")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert cache_dir() is None
+    assert data.default_data_dir().parent == tmp_path / "tmp" / f"minitrain-{os.getuid()}"

@@ -1,4 +1,4 @@
-"""Data parallelism on torch.distributed: sharding, buckets, the ring formula, and real runs.
+"""Data parallelism on torch.distributed: sharding, the all-reduce, the ring formula, real runs.
 
 The end-to-end tests start real gloo workers (``minitrain run --nproc 2`` and ``torchrun``) and
 compare their final params with a one-process run of the same global batch and seed.
@@ -139,27 +139,7 @@ def test_weighted_shard_means_give_the_global_mean():
     assert torch.allclose(total, batch.mean(), atol=1e-6)
 
 
-# --------------------------------------------------------------------------- buckets
-
-
-dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
-
-
-@settings(deadline=None, max_examples=60)
-@given(
-    specs=st.lists(st.tuples(st.integers(0, 64), dtypes), min_size=0, max_size=12),
-    cap=st.integers(1, 300),
-)
-def test_bucket_plan_covers_each_tensor_once_within_the_cap(specs, cap):
-    tensors = [torch.zeros(n, dtype=dtype) for n, dtype in specs]
-    plan = distributed.bucket_plan(tensors, cap)
-    flat = [i for bucket in plan for i in bucket]
-    assert sorted(flat) == list(range(len(tensors)))
-    for bucket in plan:
-        assert len({tensors[i].dtype for i in bucket}) == 1
-        assert bucket == sorted(bucket)
-        size = sum(tensors[i].numel() * tensors[i].element_size() for i in bucket)
-        assert size <= cap or len(bucket) == 1
+# --------------------------------------------------------------------------- all-reduce
 
 
 def test_allreduce_without_a_process_group_is_a_copy():
