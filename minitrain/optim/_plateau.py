@@ -19,8 +19,8 @@ from torch import Tensor
 
 from minitrain import tree
 from minitrain.optim._checks import checked, floating_updates
-from minitrain.optim._schedule_math import _check_step
 from minitrain.optim.base import GradientTransformation
+from minitrain.optim.schedules import _check_step
 from minitrain.tree import Params
 
 __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]

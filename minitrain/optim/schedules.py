@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,25 +19,6 @@ import torch
 from torch import Tensor
 
 from minitrain.optim._checks import check_hyperparameter
-from minitrain.optim._schedule_math import (
-    _check_common,
-    _check_count,
-    _check_step,
-    _check_step_dtype,
-    _check_steps,
-    _check_value,
-    _check_values,
-    _clip,
-    _cos,
-    _decay,
-    _float64,
-    _floor,
-    _min,
-    _passed,
-    _tensor_friendly,
-    _warmup,
-    _where,
-)
 from minitrain.optim.base import Schedule
 
 __all__ = [
@@ -69,7 +51,8 @@ def linear_warmup_schedule(peak_value: float, warmup_steps: int,
     >>> [schedule(step) for step in range(6)]
     [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
-    _check_common(peak_value, warmup_steps, init_value)
+    _check_values(peak_value=peak_value, init_value=init_value)
+    warmup_steps = _check_step(warmup_steps, "warmup_steps", 0)
     return _tensor_friendly(lambda step: _warmup(step, peak_value, warmup_steps, init_value))
 
 
@@ -83,7 +66,8 @@ def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
     >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10, 20)]
     [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
-    _check_common(peak_value, warmup_steps, init_value)
+    _check_values(peak_value=peak_value, init_value=init_value)
+    warmup_steps = _check_step(warmup_steps, "warmup_steps", 0)
     check_hyperparameter("end_value", end_value, 0.0)
     if decay_steps <= warmup_steps:
         raise ValueError(f"invalid decay_steps={decay_steps}: it must exceed "
@@ -93,8 +77,6 @@ def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
         progress = _clip((step - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
         cosine = 0.5 * (1 + _cos(math.pi * progress))
         decayed = end_value + (peak_value - end_value) * cosine**exponent
-        if warmup_steps == 0:
-            return decayed
         warm = _warmup(step, peak_value, warmup_steps, init_value)
         return _where(step < warmup_steps, warm, decayed)
 
@@ -150,7 +132,7 @@ def step_schedule(init_value: Value, step_size: int, gamma: Value = 0.1) -> Sche
     [1.0, 1.0, 0.5, 0.5, 0.25]
     """
     _check_values(init_value=init_value, gamma=gamma)
-    _check_count("step_size", step_size, 1)
+    step_size = _check_step(step_size, "step_size", 1)
     # torch StepLR._get_closed_form_lr
     return _tensor_friendly(lambda t: _decay(init_value, gamma, t // step_size))
 
@@ -177,8 +159,7 @@ def exponential_schedule(init_value: Value, gamma: Value) -> Schedule:
     >>> [schedule(step) for step in range(4)]
     [1.0, 0.5, 0.25, 0.125]
     """
-    _check_values(init_value=init_value, gamma=gamma)
-    return _tensor_friendly(lambda t: _decay(init_value, gamma, t))
+    return step_schedule(init_value, 1, gamma)
 
 
 def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.0) -> Schedule:
@@ -190,11 +171,10 @@ def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.
     [1.0, 0.8536, 0.5, 0.1464, 0.0, 0.1464, 0.5, 0.8536, 1.0]
     """
     _check_values(init_value=init_value, eta_min=eta_min)
-    _check_count("T_max", T_max, 1)
+    T_max = _check_step(T_max, "T_max", 1)
     # torch CosineAnnealingLR._get_closed_form_lr
-    return _tensor_friendly(
-        lambda t: eta_min + (init_value - eta_min) * (1 + _cos(math.pi * t / T_max)) / 2
-    )
+    return _tensor_friendly(lambda t: eta_min + (init_value - eta_min)
+                            * (1 + _cos(math.pi * t / T_max)) / 2)
 
 
 def cosine_warm_restarts_schedule(
@@ -208,8 +188,8 @@ def cosine_warm_restarts_schedule(
     [1.0, 0.5, 1.0, 0.8535533905932737, 0.5, 0.14644660940672627, 1.0]
     """
     _check_values(init_value=init_value, eta_min=eta_min)
-    _check_count("T_0", T_0, 1)
-    _check_count("T_mult", T_mult, 1)
+    T_0 = _check_step(T_0, "T_0", 1)
+    T_mult = _check_step(T_mult, "T_mult", 1)
 
     def cycle_position(t: Any) -> tuple[Any, Any]:
         """``(T_cur, T_i)``: steps since the last restart and the length of this cycle."""
@@ -247,13 +227,13 @@ def linear_schedule(init_value: Value, start_factor: Value = 1.0 / 3, end_factor
     >>> [schedule(step) for step in range(5)]
     [0.25, 0.5, 0.75, 1.0, 1.0]
     """
-    _check_value("init_value", init_value)
-    _check_value("start_factor", start_factor, 0.0, 1.0, low_open=True)
-    _check_value("end_factor", end_factor, 0.0, 1.0)
-    _check_count("total_iters", total_iters, 1)
+    check_hyperparameter("init_value", init_value, 0.0)
+    check_hyperparameter("start_factor", start_factor, 0.0, 1.0, low_open=True)
+    check_hyperparameter("end_factor", end_factor, 0.0, 1.0)
+    total_iters = _check_step(total_iters, "total_iters", 1)
     # torch LinearLR._get_closed_form_lr
     return _tensor_friendly(lambda t: init_value * (
-        start_factor + (end_factor - start_factor) * _min(t, total_iters) / total_iters))
+        start_factor + (end_factor - start_factor) * _clip(t, 0, total_iters) / total_iters))
 
 
 def polynomial_schedule(init_value: Value, total_iters: int = 5, power: Value = 1.0) -> Schedule:
@@ -265,9 +245,9 @@ def polynomial_schedule(init_value: Value, total_iters: int = 5, power: Value = 
     [1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
     """
     _check_values(init_value=init_value, power=power)
-    _check_count("total_iters", total_iters, 1)
+    total_iters = _check_step(total_iters, "total_iters", 1)
     # torch PolynomialLR._get_closed_form_lr
-    return _tensor_friendly(lambda t: init_value * (1.0 - _min(t, total_iters) / total_iters)
+    return _tensor_friendly(lambda t: init_value * (1.0 - _clip(t, 0, total_iters) / total_iters)
                             ** power)
 
 
@@ -280,9 +260,9 @@ def constant_factor_schedule(init_value: Value, factor: Value = 1.0 / 3,
     >>> [schedule(step) for step in range(4)]
     [0.5, 0.5, 1.0, 1.0]
     """
-    _check_value("init_value", init_value)
-    _check_value("factor", factor, 0.0, 1.0, low_open=True)
-    _check_count("total_iters", total_iters, 1)
+    check_hyperparameter("init_value", init_value, 0.0)
+    check_hyperparameter("factor", factor, 0.0, 1.0, low_open=True)
+    total_iters = _check_step(total_iters, "total_iters", 1)
     # torch ConstantLR._get_closed_form_lr
     return _tensor_friendly(lambda t: _where(t >= total_iters, init_value, init_value * factor))
 
@@ -299,13 +279,13 @@ def one_cycle_schedule(max_lr: Value, total_steps: int, pct_start: float = 0.3,
     >>> [round(schedule(step), 4) for step in range(5)]
     [0.1, 1.0, 0.7, 0.4, 0.1]
     """
-    _check_value("max_lr", max_lr)
-    _check_count("total_steps", total_steps, 1)
+    check_hyperparameter("max_lr", max_lr, 0.0)
+    total_steps = _check_step(total_steps, "total_steps", 1)
     check_hyperparameter("pct_start", pct_start, 0.0, 1.0)
     if anneal_strategy not in ("cos", "linear"):
         raise ValueError(f"invalid anneal_strategy={anneal_strategy!r}: choose 'cos' or 'linear'")
-    _check_value("div_factor", div_factor, 0.0, low_open=True)
-    _check_value("final_div_factor", final_div_factor, 0.0, low_open=True)
+    check_hyperparameter("div_factor", div_factor, 0.0, low_open=True)
+    check_hyperparameter("final_div_factor", final_div_factor, 0.0, low_open=True)
     if not isinstance(three_phase, bool):
         raise ValueError(f"invalid three_phase={three_phase!r}: pass True or False")
     initial_lr = max_lr / div_factor
@@ -356,9 +336,9 @@ def cyclic_schedule(base_lr: Value, max_lr: Value, step_size_up: int = 2000,
     [0.0, 0.5, 1.0, 0.5, 0.0, 0.25, 0.5, 0.25, 0.0]
     """
     _check_values(base_lr=base_lr, max_lr=max_lr, gamma=gamma)
-    _check_count("step_size_up", step_size_up, 1)
+    step_size_up = _check_step(step_size_up, "step_size_up", 1)
     down = step_size_up if step_size_down is None else step_size_down
-    _check_count("step_size_down", down, 0)
+    down = _check_step(down, "step_size_down", 0)
     if scale_fn is not None and not callable(scale_fn):
         raise ValueError(f"invalid scale_fn={scale_fn!r}: pass a function of the cycle or step")
     # torch CyclicLR._init_scale_fn: the modes set their own scale_mode. torch's triangular2
@@ -406,10 +386,8 @@ def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]
     if not schedules or not all(callable(s) for s in schedules):
         raise ValueError("sequential_schedule needs a non-empty list of schedules (step -> lr)")
     if len(bounds) != len(schedules) - 1:
-        raise ValueError(
-            f"sequential_schedule got {len(schedules)} schedules and {len(bounds)} milestones; "
-            "pass one milestone fewer than schedules"
-        )
+        raise ValueError(f"sequential_schedule got {len(schedules)} schedules and {len(bounds)} "
+                         "milestones; pass one milestone fewer than schedules")
     if bounds != sorted(bounds):
         raise ValueError(f"invalid milestones={bounds}: list them in increasing order")
     offsets = [0, *bounds]
@@ -428,3 +406,93 @@ def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]
         return value
 
     return schedule
+
+
+# -- one formula for int and 0-d tensor steps, and the checks of a schedule's arguments ----
+
+
+def _tensor_friendly(formula: Callable[[Any], Any]) -> Schedule:
+    """A schedule from ``formula(t)``: ``t`` a Python int, or a float64 tensor for a tensor step
+    (integer math stays exact in float64 below 2**53)."""
+
+    def schedule(step: Any) -> Any:
+        if isinstance(step, Tensor):
+            _check_step_dtype(step)
+            return _float64(formula(step.to(torch.float64)), step)
+        return formula(_check_step(step))
+
+    return schedule
+
+
+def _check_step(value: Any, name: str = "step", low: int = 0) -> int:
+    """``value`` as an int >= ``low`` (a step: a number of updates), refused unless it is a
+    ``numbers.Integral`` other than bool."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low:
+        return int(value)
+    raise ValueError(f"invalid {name}={value!r}: pass an int >= {low}")
+
+
+def _check_step_dtype(step: Tensor) -> None:
+    """A tensor step must hold integers (its sign is not read: that would wait on the device)."""
+    if step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
+        raise ValueError(f"invalid step of dtype {step.dtype}: pass an integer tensor")
+
+
+def _decay(init_value: Any, gamma: Any, count: Any) -> Any:
+    """``init_value * gamma ** count`` in two halves (the same on int and tensor steps): past
+    the float range it is inf, as torch's recursive lr, where a Python ``gamma ** count``
+    raises even while the product still fits."""
+    half = count // 2
+    try:
+        return init_value * gamma**half * gamma ** (count - half)
+    except OverflowError:  # gamma ** half alone is past the range, so the product is too
+        return _where(init_value == 0, 0.0, init_value * math.inf)
+
+
+def _float64(value: Any, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(torch.float64)
+    return torch.full_like(like, value, dtype=torch.float64)
+
+
+def _passed(t: Any, bounds: list[int]) -> Any:
+    """How many of the sorted ``bounds`` are <= ``t`` (``bisect_right``)."""
+    if not isinstance(t, Tensor):
+        return bisect.bisect_right(bounds, t)
+    return sum(((t >= bound).to(torch.float64) for bound in bounds), torch.zeros_like(t))
+
+
+def _check_values(**values: Any) -> None:
+    for name, value in values.items():
+        check_hyperparameter(name, value, 0.0)
+
+
+def _check_steps(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, str | bytes | Tensor) or not isinstance(values, Iterable):
+        raise ValueError(f"invalid {name}={values!r}: pass a list of ints >= 0")
+    return [_check_step(value, name) for value in values]
+
+
+def _warmup(step: Any, peak_value: float, warmup_steps: int, init_value: float) -> Any:
+    if warmup_steps == 0:
+        return peak_value
+    fraction = _clip(step / warmup_steps, 0.0, 1.0)
+    return init_value + (peak_value - init_value) * fraction
+
+
+def _either(number_op: Callable[..., Any], tensor_op: Callable[..., Any]) -> Callable[..., Any]:
+    """One function of a Python number or a tensor (its first argument)."""
+    return lambda x, *args: tensor_op(x, *args) if isinstance(x, Tensor) else number_op(x, *args)
+
+
+_clip = _either(lambda value, low, high: min(max(value, low), high), torch.clamp)
+_cos = _either(math.cos, torch.cos)
+_floor = _either(math.floor, torch.floor)
+
+
+def _where(condition: Any, a: Any, b: Any) -> Any:
+    if isinstance(condition, Tensor):
+        if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+            a = _float64(a, condition)  # two Python numbers would give float32
+        return torch.where(condition, a, b)
+    return a if condition else b
