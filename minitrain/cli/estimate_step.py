@@ -74,11 +74,9 @@ def _load(script: Path, overrides: tuple[str, ...]) -> Any:
 
 def _reason(exc: BaseException) -> str:
     from minitrain.accounting import PredictionError
+    from minitrain.train.script_errors import one_line
 
-    if isinstance(exc, PredictionError):
-        return exc.reason
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return exc.reason if isinstance(exc, PredictionError) else one_line(exc)
 
 
 def _failed(script: Path, exc: BaseException) -> UserError:
@@ -175,21 +173,14 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
                    donate: bool, seed: int, cast: Any) -> dict[str, Any]:
     import contextlib
 
-    import torch
-
     from minitrain import accounting as acc
     from minitrain.precision import get_backend
-    from minitrain.train.setup import init_params
-    from minitrain.train.step import init_carry, make_train_step
+    from minitrain.train.step import first_step_inputs, make_train_step
     from minitrain.tree import size
 
     experiment = _load(script, overrides)
     backend = get_backend("auto")
-    generator = torch.Generator().manual_seed(seed)
-    params = init_params(experiment, generator, backend)
-    carry = init_carry(experiment, backend, generator)
-    batch = backend.to_device(experiment.next_batch(generator))
-    state = experiment.optimizer.init(params)
+    params, state, batch, carry = first_step_inputs(experiment, backend, seed)
     train_step = make_train_step(experiment, backend, donate=donate)
     counter = acc.Counter()
     try:

@@ -24,7 +24,7 @@ import torch
 from minitrain.accounting.units import parse_number
 from minitrain.checkpoint import _MAX_STATE_BYTES
 from minitrain.errors import ExperimentError, ResumeError
-from minitrain.train.script_errors import raised_at
+from minitrain.train.script_errors import one_line, raised_at
 from minitrain.tree import Params, PyTree
 
 __all__ = [
@@ -407,37 +407,3 @@ def describe_failure(exc: BaseException, path: str | Path) -> str:
         raised = f"{Path(frame.filename).name} line {frame.lineno}"
         where = f"{raised}, called from {where}" if where else raised
     return f"{one_line(exc)} ({where})" if where else one_line(exc)
-
-
-def one_line(exc: BaseException) -> str:
-    r"""``"Type: message"`` on one line; a jaxtyping shape error keeps the names of its dims.
-
-    >>> one_line(ValueError("bad\nmore detail"))
-    'ValueError: bad'
-    """
-    text = str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if type(exc).__name__ == "TypeCheckError" and lines:
-        return _shape_error_line(lines)
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
-def _shape_error_line(lines: list[str]) -> str:
-    """Condense jaxtyping's report: where, which argument, its shape, the expected dims."""
-    where = lines[0].removeprefix("Type-check error whilst checking the ").rstrip(".")
-    fields = {}
-    for line in lines:
-        for key in ("The problem arose whilst typechecking", "Actual value:", "Expected type:"):
-            if line.startswith(key):
-                fields[key] = line.removeprefix(key).strip().rstrip(".")
-    marker = "The current values for each jaxtyping axis annotation are as follows."
-    dims = lines[lines.index(marker) + 1 :] if marker in lines else []
-    parts = [f"shape mismatch in the {where}"]
-    if fields:
-        parts.append(
-            f"{fields.get('The problem arose whilst typechecking', 'a value')} is "
-            f"{fields.get('Actual value:', '?')}, expected {fields.get('Expected type:', '?')}"
-        )
-    if dims:
-        parts.append("bound so far: " + ", ".join(dims))
-    return "; ".join(parts)

@@ -25,7 +25,7 @@ from minitrain.train.experiment import (
     parse_overrides,
     script_folder,
 )
-from minitrain.train.script_errors import is_user_file, script_line
+from minitrain.train.script_errors import is_user_file, one_line, script_line
 from minitrain.train.swept import SIZES_FIX, MemberMismatch, SweepBinding, SweptValue
 
 __all__ = [
@@ -198,10 +198,9 @@ def _template_failed(swept: tuple[str, ...], exc: Exception) -> MemberMismatch:
             "the shared step is built, where they are per-member tensors; write "
             "json.dumps(config, default=float), which writes member 0's values there"
         )
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return MemberMismatch(
         f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
-        f"({type(exc).__name__}: {reason}); pass swept keys only to arguments that "
+        f"({one_line(exc)}); pass swept keys only to arguments that "
         "accept 0-d tensors (max_grad_norm, mt.optim's lr, weight_decay, eps, momentum, "
         "dampening, alpha and the like; both betas or neither) or use them in tensor "
         "arithmetic"

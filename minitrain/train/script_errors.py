@@ -14,7 +14,7 @@ from pathlib import Path
 
 from minitrain.errors import MinitrainError, ScriptError
 
-__all__ = ["ScriptError", "is_user_file", "raised_at", "script_call", "script_line",
+__all__ = ["ScriptError", "is_user_file", "one_line", "raised_at", "script_call", "script_line",
            "user_frames"]
 
 _OURS = Path(__file__).resolve().parents[1]  # minitrain/
@@ -58,11 +58,39 @@ def script_line(exc: BaseException) -> str:
     return f" ({Path(frame.filename).name} line {frame.lineno})" if frame is not None else ""
 
 
-def _describe(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    r"""``"Type: message"`` on one line; a jaxtyping shape error keeps the names of its dims.
+
+    >>> one_line(ValueError("bad\nmore detail"))
+    'ValueError: bad'
+    """
     if isinstance(exc, SystemExit):
         return f"SystemExit (sys.exit({exc.code!r}))"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if type(exc).__name__ == "TypeCheckError" and lines:
+        return _shape_error_line(lines)
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _shape_error_line(lines: list[str]) -> str:
+    """Condense jaxtyping's report: where, which argument, its shape, the expected dims."""
+    where = lines[0].removeprefix("Type-check error whilst checking the ").rstrip(".")
+    fields = {}
+    for line in lines:
+        for key in ("The problem arose whilst typechecking", "Actual value:", "Expected type:"):
+            if line.startswith(key):
+                fields[key] = line.removeprefix(key).strip().rstrip(".")
+    marker = "The current values for each jaxtyping axis annotation are as follows."
+    dims = lines[lines.index(marker) + 1 :] if marker in lines else []
+    parts = [f"shape mismatch in the {where}"]
+    if fields:
+        parts.append(
+            f"{fields.get('The problem arose whilst typechecking', 'a value')} is "
+            f"{fields.get('Actual value:', '?')}, expected {fields.get('Expected type:', '?')}"
+        )
+    if dims:
+        parts.append("bound so far: " + ", ".join(dims))
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager
@@ -84,4 +112,4 @@ def script_call(what: str, step: int | None = None) -> Iterator[None]:
         frames = user_frames(exc)
         shown = "".join(traceback.format_list(frames)) if frames else ""
         where = f" at step {step}" if step is not None else ""
-        raise ScriptError(f"{what} raised {_describe(exc)}{where}", shown) from exc
+        raise ScriptError(f"{what} raised {one_line(exc)}{where}", shown) from exc
