@@ -24,14 +24,10 @@ import torch
 __all__ = [
     "seed_everything", "generator", "get_rng_state", "set_rng_state", "generator_state",
     "set_generator_state", "check_rng_state", "check_generator_state", "MAX_SEED",
-    "TORCH_CPU_STATE_BYTES",
 ]
 
 MAX_SEED = 2**63 - 1
 """The largest seed accepted: torch's ``manual_seed`` takes a signed 64-bit value."""
-
-TORCH_CPU_STATE_BYTES = 5056
-"""Size of a torch CPU generator's state (mt19937: 624 words, plus the Philox/normal caches)."""
 
 _MT_WORDS = 624  # mt19937's state: 624 32-bit words (numpy's and Python's random too)
 
@@ -67,20 +63,17 @@ def set_generator_state(g: torch.Generator, state: str) -> None:
 
 
 def check_generator_state(state: Any, device: str | torch.device = "cpu") -> None:
-    """Raise ``ValueError`` unless ``state`` is a generator state :func:`generator_state` wrote.
+    """Raise ``ValueError`` unless ``state`` is a generator state :func:`generator_state` wrote
+    (a CPU one is tried on a scratch generator).
 
-    >>> check_generator_state("AAAA")
+    >>> check_generator_state("AAAA")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: torch generator state is 3 bytes, not 5056
+    ValueError: torch generator state is not valid (Expected ... size to be 3)
     """
     raw = _decode_checked(state, "torch generator state")
     if torch.device(device).type != "cpu":
         return
-    if len(raw) != TORCH_CPU_STATE_BYTES:
-        raise ValueError(
-            f"torch generator state is {len(raw)} bytes, not {TORCH_CPU_STATE_BYTES}"
-        )
     try:
         torch.Generator().set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     except RuntimeError as exc:
@@ -88,7 +81,8 @@ def check_generator_state(state: Any, device: str | torch.device = "cpu") -> Non
 
 
 def check_rng_state(state: Any) -> None:
-    """Raise ``ValueError`` unless ``state`` is what :func:`get_rng_state` returns (every field)."""
+    """Raise ``ValueError`` unless ``state`` is what :func:`get_rng_state` returns: each part
+    is set on a scratch generator first, after the checks numpy and ``random`` leave out."""
     if not isinstance(state, dict):
         raise ValueError(f"rng state is a {type(state).__name__}, not a dict")
     unknown = set(state) - {"torch", "numpy", "random", "cuda"}
@@ -98,8 +92,26 @@ def check_rng_state(state: Any) -> None:
         if key not in state:
             raise ValueError(f"rng state has no {key!r} field")
     check_generator_state(state["torch"])
-    _check_numpy_state(state["numpy"])
-    _check_random_state(state["random"])
+    numpy_state, random_state = state["numpy"], state["random"]
+    fields = {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}
+    if not isinstance(numpy_state, dict) or set(numpy_state) != fields:
+        raise ValueError(f"numpy rng state must be a dict with fields {sorted(fields)}")
+    if not _is_int(numpy_state["pos"]) or not 0 <= numpy_state["pos"] <= _MT_WORDS:
+        # numpy takes any position and then reads past its 624 words
+        raise ValueError(f"numpy rng state pos must be in [0, 624], got {numpy_state['pos']!r}")
+    if not (isinstance(random_state, list) and len(random_state) == 3 and random_state[0] == 3
+            and isinstance(random_state[1], list)):
+        raise ValueError("random rng state must be [3, internal state, gauss]")
+    if random_state[2] is not None and not _is_finite(random_state[2]):
+        raise ValueError(f"random rng gauss must be null or a number, got {random_state[2]!r}")
+    try:
+        np.random.RandomState().set_state(_numpy_state(numpy_state))
+    except (TypeError, ValueError, IndexError, OverflowError) as exc:
+        raise ValueError(f"numpy rng state is not valid ({exc})") from None
+    try:
+        random.Random().setstate(_random_state(random_state))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"random rng state is not valid ({exc})") from None
     if "cuda" in state:
         cuda = state["cuda"]
         if not isinstance(cuda, list):
@@ -108,40 +120,13 @@ def check_rng_state(state: Any) -> None:
             _decode_checked(entry, "cuda generator state")
 
 
-def _check_numpy_state(numpy_state: Any) -> None:
-    fields = {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}
-    if not isinstance(numpy_state, dict) or set(numpy_state) != fields:
-        raise ValueError(f"numpy rng state must be a dict with fields {sorted(fields)}")
-    if numpy_state["kind"] != "MT19937":
-        raise ValueError(f"numpy rng state kind is {numpy_state['kind']!r}, not 'MT19937'")
-    if not _is_int(numpy_state["has_gauss"]) or numpy_state["has_gauss"] not in (0, 1):
-        raise ValueError(f"numpy rng has_gauss must be 0 or 1, got {numpy_state['has_gauss']!r}")
-    _check_mt19937(numpy_state["keys"], numpy_state["pos"], numpy_state["cached_gaussian"],
-                   "numpy rng state")
+def _numpy_state(fields: dict[str, Any]) -> tuple:
+    keys = np.asarray(fields["keys"], dtype=np.uint32)
+    return fields["kind"], keys, fields["pos"], fields["has_gauss"], fields["cached_gaussian"]
 
 
-def _check_random_state(random_state: Any) -> None:
-    if not (isinstance(random_state, list) and len(random_state) == 3
-            and isinstance(random_state[1], list) and random_state[1]):
-        raise ValueError("random rng state must be [version, [624 words, pos], gauss]")
-    version, internal, gauss = random_state
-    if version != 3 or not _is_int(version):
-        raise ValueError(f"random rng state version must be 3, got {version!r}")
-    _check_mt19937(internal[:-1], internal[-1], 0.0 if gauss is None else gauss,
-                   "random rng state")
-
-
-def _check_mt19937(words: Any, pos: Any, gauss: Any, label: str) -> None:
-    """What numpy and ``random`` take unchecked (numpy crashes on a ``pos`` past 624): 624
-    words in [0, 2**32), a position in [0, 624] and a finite cached normal."""
-    if not isinstance(words, list) or len(words) != _MT_WORDS:
-        raise ValueError(f"{label} keys must be a list of {_MT_WORDS} integers")
-    if not all(_is_int(word) and 0 <= word < 2**32 for word in words):
-        raise ValueError(f"{label} keys must hold integers in [0, 2**32)")
-    if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:
-        raise ValueError(f"{label} pos must be in [0, 624], got {pos!r}")
-    if not _is_finite(gauss):
-        raise ValueError(f"{label} gauss must be a finite number, got {gauss!r}")
+def _random_state(fields: list) -> tuple:
+    return fields[0], tuple(fields[1]), fields[2]
 
 
 def _is_int(value: Any) -> bool:
@@ -181,12 +166,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     ``ValueError`` leaves every generator as it was)."""
     check_rng_state(state)
     torch.set_rng_state(_decode(state["torch"]))
-    numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["kind"], np.asarray(numpy_state["keys"], dtype=np.uint32),
-                         numpy_state["pos"], numpy_state["has_gauss"],
-                         numpy_state["cached_gaussian"]))
-    version, internal, gauss = state["random"]
-    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(_numpy_state(state["numpy"]))
+    random.setstate(_random_state(state["random"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
 
