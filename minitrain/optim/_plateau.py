@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import checked, floating_updates
+from minitrain.optim._checks import checked, floating_updates, tensor_leaves
 from minitrain.optim.base import GradientTransformation
 from minitrain.optim.schedules import _check_step
 from minitrain.tree import Params
@@ -74,7 +74,7 @@ def reduce_on_plateau(
     worst = math.inf if mode == "min" else -math.inf  # torch _init_is_better: mode_worse
 
     def init(params: Params) -> ReduceLROnPlateauState:
-        leaves = _tensor_leaves(params, "params")
+        leaves = tensor_leaves("reduce_on_plateau", params, "params leaf")
         device = leaves[0].device if leaves else None
         zero = torch.zeros((), dtype=torch.int64, device=device)
         return ReduceLROnPlateauState(torch.as_tensor(lr, dtype=torch.float64, device=device),
@@ -86,27 +86,16 @@ def reduce_on_plateau(
         if not isinstance(state, ReduceLROnPlateauState):
             raise ValueError(f"reduce_on_plateau got a state of {type(state).__name__}; pass "
                              f"the state returned by its init(params)")
-        _tensor_leaves(updates, "updates")
+        floating = floating_updates("reduce_on_plateau", updates)  # tensor leaves, named if not
         state = _coerced(state)
         if value is not None:  # a new metric: torch's step
             current = _metric(value, state.best)
             better = _is_better(current, state.best, mode, threshold_mode, threshold)
             state = _step(state, current, better, patience, cooldown, factor, min_lr, eps)
         scale = state.lr / lr  # integer and bool updates promoted first, as int_tensor * 0.5
-        floating = floating_updates("reduce_on_plateau", updates)
         return tree.map(lambda u: u * scale.to(u.dtype), floating), state
 
     return GradientTransformation(init, update)
-
-
-def _tensor_leaves(values: Any, what: str) -> list[Tensor]:
-    """The leaves of ``values``, refused with the first leaf's name unless all are tensors."""
-    leaves = tree.leaves(values)
-    if all(isinstance(leaf, Tensor) for leaf in leaves):
-        return leaves
-    name, leaf = next((n, v) for n, v in tree.named_leaves(values) if not isinstance(v, Tensor))
-    raise ValueError(f"reduce_on_plateau {what} leaf {name!r} is {type(leaf).__name__}; pass "
-                     f"a tree of tensors (e.g. torch.tensor(2.0) for a number)")
 
 
 def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
