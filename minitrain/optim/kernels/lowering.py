@@ -5,12 +5,12 @@
     [clip_by_global_norm] [scale(-1)] [add_decayed_weights] RULE [add_decayed_weights]
     [scale_by_learning_rate]
 
-where RULE is a row of :data:`RULES` or one of the family's rules, and runs it as one pass per
-weight-decay group over all leaves: the streaming C kernel on float32 CPU leaves (into recycled
-buffers, or in place when donated), else torch's fused kernel for the rule where it has one.
-Whenever it cannot take a call (vmap, grad, torch.compile, a torch mode, leaves the kernels
-cannot address, a traced hyperparameter, ...) the update returns None and the chain runs: the
-chain is the definition, the kernels are tested equal to it
+where RULE is a row of :data:`RULES` or one of the family's rules, and runs it as one call of
+the streaming C kernel (``minitrain::stream_update``) per weight-decay group over float32 CPU
+leaves, into recycled buffers (:mod:`.pool`) or, donated, in place. Whenever it cannot take a
+call (vmap, grad, torch.compile, a torch mode, another dtype or device, leaves the kernel cannot
+address, a traced hyperparameter, no C compiler, ...) the update returns None and the chain
+runs: the chain is the definition, the kernel is tested equal to it
 (``docs/explanation/kernels.md``).
 """
 
@@ -47,15 +47,10 @@ class Frame(NamedTuple):
 class Rule(NamedTuple):
     """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's
     rule name, hyperparameters and state buffers (``(rule transformation index, field)`` or
-    None) in its slot order, None for a frame it does not take; ``fused``: torch's kernel."""
+    None) in its slot order, None for a frame it does not take."""
 
     kernel: Callable[..., tuple[str, list, tuple] | None]
-    fused: Callable[..., None] | None = None
     folds_sign: bool = False  # the kernel multiplies the grads by ``frame.sign`` itself
-    # what torch's CPU fused kernel takes (its fused SGD skips half-precision elements in
-    # whole SIMD blocks)
-    fused_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16,
-                                             torch.float16)
 
 
 def _adam(step, h, per_step, f):
@@ -100,35 +95,11 @@ def _family(step, h, per_step, f):
     return name, frame + list(rule_hp), tuple((0, field) for field in fields)
 
 
-def _steps(step, ps):
-    return [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
-
-
-def _fused_adam(ps, gs, buffers, step, h, f, maximize):
-    kernel = _torch.fused_adamw_ if f.decoupled else _torch.fused_adam_
-    kernel(ps, gs, buffers[0], buffers[1], buffers[2] or [], _steps(step, ps), lr=f.lr,
-           beta1=h["beta1"], beta2=h["beta2"], weight_decay=f.decoupled or f.l2, eps=h["eps"],
-           amsgrad=h["amsgrad"], maximize=maximize)
-
-
-def _fused_sgd(ps, gs, buffers, step, h, f, maximize):
-    _torch.fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, lr=f.lr,
-                      momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
-                      nesterov=h.get("nesterov", False), maximize=maximize,
-                      is_first_step=step == 1)
-
-
-def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
-    _torch.fused_adagrad_(ps, gs, buffers[0], _steps(step, ps), lr=f.lr, lr_decay=h["lr_decay"],
-                          weight_decay=f.l2, eps=h["eps"], maximize=maximize)
-
-
-_FULL = (torch.float32, torch.float64)
 RULES: dict[tuple[str, ...], Rule] = {
-    ("scale_by_adam",): Rule(_adam, _fused_adam, folds_sign=True),
-    (): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
-    ("trace",): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
-    ("scale_by_adagrad",): Rule(_adagrad, _fused_adagrad),
+    ("scale_by_adam",): Rule(_adam, folds_sign=True),
+    (): Rule(_sgd),
+    ("trace",): Rule(_sgd),
+    ("scale_by_adagrad",): Rule(_adagrad),
     ("scale_by_rms",): Rule(_rmsprop),
     ("scale_by_rms", "trace"): Rule(_rmsprop),
 }
@@ -314,19 +285,17 @@ def _run(shape, groups, grads, state, params, donate):
     if read is None or not streaming.quiet():
         return None  # the caller's code (a subclass's value) may have entered a mode
     buffers, fields = _buffers(shape, rule_states, read)
-    if buffers is None:
+    if buffers is None or not streaming.available():
         return None
     rows = [p_leaves, g_leaves, *buffers]
-    found = pointers(rows, read=1 if donate else None)  # checked once, after every read
-    use_c = all(p.dtype is torch.float32 for p in p_leaves) and streaming.available()
-    if found is None or not use_c and (shape.rule.fused is None or any(
-            p.dtype not in shape.rule.fused_dtypes for p in p_leaves)):
+    # checked once, after every read; donated, no written storage meets another or a grad's
+    found = pointers(rows, read=1 if donate else None, dtype=torch.float32)
+    if found is None:
         return None
     if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
         flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
         groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
-    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate,
-                   use_c)
+    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate)
     if ran is None:
         return None
     new_params, new_buffers = ran
@@ -348,88 +317,42 @@ def _buffers(shape, rule_states, read):
     return buffers, found[2]
 
 
-def _clip(gs, found, read, use_c):
-    """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, with its ops."""
-    if use_c:
-        norm = streaming.norm(streaming.sums_of_squares(found[1], [g.numel() for g in gs]))
-    else:
-        norm = torch.linalg.vector_norm(torch.stack(_torch.foreach_norm(gs)))
+def _clip(gs, found, read):
+    """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, in one pass."""
+    norm = streaming.norm(streaming.sums_of_squares(found[1], [g.numel() for g in gs]))
     return float(torch.clamp(read.max_norm / (norm + 1e-6), max=1.0))
 
 
-def _kernels(shape, rows, found, read, groups, donate, use_c):
+def _kernels(shape, rows, found, read, groups, donate):
     """Each weight-decay group's kernel call: the new params and state rows; None where no
     kernel takes this frame."""
     rule, (ps, gs, *buffers) = shape.rule, rows
-    clip = 1.0 if shape.clip is None else _clip(gs, found, read, use_c)
+    clip = 1.0 if shape.clip is None else _clip(gs, found, read)
     sign = -clip if shape.maximize else clip
-    # What the grads are multiplied by first: the C kernels of folding rules take the sign
-    # (and the clip's factor) themselves, torch's fused kernels negate for maximize.
-    scale = (1.0 if rule.folds_sign else sign) if use_c else clip
-    if scale != 1.0:
-        gs = list(_torch.foreach["mul"](gs, scale))
-        scaled = pointers([gs], like=ps) if use_c else [None]
-        if scaled is None:
-            return None
-        found = [found[0], scaled[0], *found[2:]]
+    if not rule.folds_sign and sign != 1.0:  # the other kernels take the grads times it
+        gs = list(_torch.foreach["mul"](gs, sign))
     plans = []
-    for on, group in zip((True, False), groups or (None, range(len(ps))), strict=True):
+    for on, group in zip((True, False), groups or (range(len(ps)), None), strict=True):
         if group:
             l2 = read.wd if on and shape.l2 is not None else 0.0
             decoupled = read.wd if on and shape.decoupled is not None else 0.0
-            frame = Frame(sign if use_c and rule.folds_sign else 1.0, l2, read.lr, decoupled)
+            frame = Frame(sign if rule.folds_sign else 1.0, l2, read.lr, decoupled)
             planned = rule.kernel(read.step, read.hyper, read.per_step, frame)
             if planned is None:
                 return None
-            plans.append((group, frame, planned))
-    run = _stream if use_c else _fused
-    if len(plans) == 1 and len(plans[0][0]) == len(ps):  # one group: every leaf
-        return run(shape, [ps, gs, *buffers], found, read, *plans[0][1:], donate)
-    new_ps, new_buffers = list(ps), [None if row is None else list(row) for row in buffers]
-    for group, frame, planned in plans:
-        pick = [None if row is None else [row[i] for i in group] for row in (ps, gs, *buffers)]
-        at = [None if row is None else [row[i] for i in group] for row in found]
-        ran = run(shape, pick, at, read, frame, planned, donate)
-        if ran is None:
-            return None
-        for position, i in enumerate(group):
-            new_ps[i] = ran[0][position]
-            for row, out in zip(new_buffers, ran[1], strict=True):
-                if row is not None:
-                    row[i] = out[position]
-    return new_ps, new_buffers
-
-
-def _stream(shape, rows, found, read, frame, planned, donate):
-    """The C kernel over one group's checked rows, into the thread's pool or in place: the
-    op's own body, as no mode or compiler is there to see the op (checked before)."""
-    name, hp, _ = planned
-    ps, written = rows[0], [rows[0], *rows[2:]]
-    if donate:
-        results, addresses = written, [found[0], *found[2:]]
-    else:
-        outputs = pool.current()
+            plans.append((group, planned))
+    outputs = None if donate else pool.current()  # None: in place
+    if outputs is not None:
         outputs.begin_update()
-        results = [None if row is None else outputs(row) for row in written]
-        addresses = pointers(results, like=ps)  # every pointer handed to C is checked
-        if addresses is None:
-            return None
-    present = len(rows) + len(results) - rows.count(None) - results.count(None)
-    streaming.run(streaming.RULES[name][0], [float(v) for v in hp], [*found, *addresses],
-                  [p.numel() for p in ps], not donate and streaming.streams(ps, present))
-    if donate:  # written in place: bump their versions, as an in-place op does
-        torch.autograd.graph.increment_version([t for row in results if row is not None
-                                                for t in row])
-    return results[0], results[1:]
-
-
-def _fused(shape, rows, found, read, frame, planned, donate):
-    ps, gs, *buffers = rows
-    if not donate:  # on copies
-        ps, buffers = [t.clone() for t in ps], [
-            None if row is None else [t.clone() for t in row] for row in buffers]
-    shape.rule.fused(ps, gs, buffers, read.step, read.hyper, frame, shape.maximize)
-    return ps, buffers
+    new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
+    for group, (name, hp, _) in plans:
+        picked = [None if row is None else [row[i] for i in group] for row in (ps, gs, *buffers)]
+        results = streaming.update(name, hp, picked, outputs)
+        for new, out in zip(new_rows, results, strict=True):
+            if new is not None:
+                for position, i in enumerate(group):
+                    new[i] = out[position]
+    return new_rows[0], new_rows[1:]
 
 
 def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):

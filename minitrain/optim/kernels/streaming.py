@@ -40,7 +40,7 @@ from torch import Tensor
 from minitrain import _torch
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "norm", "quiet", "run",
+__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "norm", "quiet",
            "sums_of_squares", "update", "usable"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
@@ -250,23 +250,6 @@ def streams(params: list[Tensor], rows: int) -> bool:
     return 4 * rows * sum(p.numel() for p in params) >= STREAMING_BYTES
 
 
-def run(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
-        sizes: list[int], nontemporal: bool) -> None:
-    """The body of ``minitrain::stream_update``: rule ``rule`` (:data:`RULES`' index) over rows
-    of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) from
-    :func:`.checks.pointers` over float32 leaves of ``sizes`` elements."""
-    zeros = [0] * len(sizes)
-    columns = [zeros if row is None else row for row in rows]
-    # The arrays are named: C reads them after the expression that made them.
-    hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
-    addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
-    status = _loaded().minitrain_update(
-        rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
-        len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
-    if status != 0:
-        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
-
-
 @torch.library.custom_op(
     "minitrain::stream_update", mutates_args=("outputs",), device_types="cpu",
     schema="(int rule, float[] hyperparameters, Tensor[] inputs, Tensor(a!)[] outputs, "
@@ -282,7 +265,16 @@ def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor]
     if found is None:
         raise ValueError("streaming update: pass plain contiguous float32 CPU tensors of their "
                          "params' shapes, whose storages hold them, not requiring grad")
-    run(rule, hyperparameters, found, [t.numel() for t in rows[0]], nontemporal)
+    sizes = [t.numel() for t in rows[0]]
+    columns = [[0] * len(sizes) if row is None else row for row in found]
+    # The arrays are named: C reads them after the expression that made them.
+    hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
+    addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
+    status = _loaded().minitrain_update(
+        rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
+        len(sizes), len(found), torch.get_num_threads(), int(nontemporal))
+    if status != 0:
+        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
 
 
 @_stream_update.register_fake
