@@ -315,22 +315,18 @@ class SweepRun:
         return report
 
 
-def fit_sweep(ensemble: Ensemble, backend: Backend, *, out_dir: str | Path | None = None,
-              log_every: int = 1, checkpoint_every: int = 0, keep: int = 3, resume: bool = False,
-              overwrite: bool = False, progress: bool = True, report: bool = False,
-              check: bool = True, say: Callable[[str], None] | None = None,
-              rank_by: RankBy | None = None) -> FitResult:
+def fit_sweep(ensemble: Ensemble, backend: Backend, *, check: bool = True,
+              say: Callable[[str], None] | None = None, rank_by: RankBy | None = None,
+              **options: Any) -> FitResult:
     """Train every member of ``ensemble`` with one vmapped step per step; return the result.
 
-    Arguments are :func:`~minitrain.train.fit`'s; ``check`` compares the first steps that move the
-    params with each member's own single-run step; ``rank_by`` orders the summary's ranking
+    ``options`` are :func:`~minitrain.train.loop.run_loop`'s (``out_dir``, ``log_every``,
+    ``resume``, ...); ``check`` compares the first steps that move the params with each member's
+    own single-run step; ``rank_by`` orders the summary's ranking
     (:func:`~minitrain.train.ranking.parse_rank_by`; default: val_loss, else the train loss).
     """
     run = SweepRun(ensemble, backend, check=check, say=say, rank_by=rank_by)
-    return run_loop(
-        run, out_dir=out_dir, log_every=log_every, checkpoint_every=checkpoint_every,
-        keep=keep, resume=resume, overwrite=overwrite, progress=progress, report=report, say=say,
-    )
+    return run_loop(run, say=say, **options)
 
 
 def _check_same_state_layout(ensemble: Ensemble, states: list[PyTree]) -> None:
