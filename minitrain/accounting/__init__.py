@@ -34,7 +34,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                "zero_memory"),
     "transformer": ("PRESETS", "TransformerConfig", "preset", "transformer_activation_bytes",
                     "transformer_activation_terms", "transformer_flops_per_token",
-                    "transformer_layer_activation_bytes", "transformer_matmul_params",
+                    "transformer_matmul_params",
                     "transformer_memory", "transformer_optimizer_state_elements",
                     "transformer_params", "transformer_tensors"),
     "counter": ("Counter", "OpRecord"),

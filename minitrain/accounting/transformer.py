@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from minitrain.accounting.memory import (
     MemoryBreakdown,
@@ -28,8 +27,7 @@ from minitrain.errors import UserError
 
 __all__ = ["ATTENTION", "PRESETS", "RECOMPUTE", "TransformerConfig", "preset",
            "transformer_activation_bytes", "transformer_activation_terms",
-           "transformer_flops_per_token", "transformer_layer_activation_bytes",
-           "transformer_matmul_params", "transformer_memory",
+           "transformer_flops_per_token", "transformer_matmul_params", "transformer_memory",
            "transformer_optimizer_state_elements", "transformer_params", "transformer_tensors"]
 
 
@@ -309,13 +307,3 @@ def transformer_activation_bytes(
     replicated = sum(terms[name] for name in _REPLICATED)
     split = sum(terms.values()) - replicated
     return (replicated / sp + split / tensor_parallel) * num_layers
-
-
-def transformer_layer_activation_bytes(**kwargs: Any) -> float:
-    """The sum of :func:`transformer_activation_terms` (same arguments): bytes per layer.
-
-    >>> transformer_layer_activation_bytes(seq_len=1024, batch=8, hidden=1600, heads=25,
-    ...                                    attention="flash") / 1e9    # GPT-2 XL: 34·sbh + 4·asb
-    0.446464
-    """
-    return sum(transformer_activation_terms(**kwargs).values())

@@ -107,32 +107,17 @@ POLICIES: dict[str, Policy] = {
     )
 }
 
-# Names ``estimate --precision`` once took: refused, naming the new one.
-_RENAMED = {
-    "amp": "bf16 (autocast over fp32 params)",
-    "mixed": "bf16-mixed",
-    "float32": "fp32",
-    "bfloat16": "bf16-pure (everything bf16; bf16 is autocast over fp32 params)",
-}
-
-
 def policy(name: str | Policy) -> Policy:
     """The policy called ``name`` (see :data:`POLICIES`).
 
     >>> policy("fp16").loss_scaling, policy("fp8").matmul_format
     (True, 'fp8')
-    >>> policy("amp")
-    Traceback (most recent call last):
-    ...
-    minitrain.errors.UserError: precision 'amp' is now called bf16 (autocast over fp32 params)
     """
     if isinstance(name, Policy):
         return name
     key = name.strip().lower() if isinstance(name, str) else name
     if key in POLICIES:
         return POLICIES[key]
-    if key in _RENAMED:
-        raise UserError(f"precision {name!r} is now called {_RENAMED[key]}")
     raise UserError(f"unknown precision {name!r}; choose one of: {', '.join(POLICIES)}")
 
 
