@@ -14,6 +14,7 @@ from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     Scalar,
     check_hyperparameter,
+    check_like,
     check_maximize,
     check_state_type,
     checked,
@@ -64,12 +65,15 @@ def factored_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [tuple(shape)]
 
 
-def _buffer_shapes(shape: tuple[int, ...]) -> dict[str, Any]:
-    """Per field, the shape of a leaf's buffer, or None where it keeps none."""
-    shapes = factored_shapes(shape)
-    kept = dict(zip(FIELDS[:2], shapes, strict=True)) if len(shape) > 1 else \
-        {"variance": shapes[0]}
-    return {**dict.fromkeys(FIELDS), **kept}
+def _buffers_like(values: Any, make: Any) -> list[Any]:
+    """Per field, a tree like ``values`` of ``make(leaf, shape)`` for each leaf's buffer, and
+    ``()`` where the leaf keeps none (a matrix no ``variance``, a vector no row and column)."""
+    spec, leaves = tree.structure(values), tree.leaves(values)
+    shapes = [dict(zip(FIELDS, [*factored_shapes(v.shape), None] if v.dim() > 1
+                       else [None, None, tuple(v.shape)], strict=True)) for v in leaves]
+    return [tree.unflatten(spec, [() if s[field] is None else make(v, s[field])
+                                  for v, s in zip(leaves, shapes, strict=True)])
+            for field in FIELDS]
 
 
 def adafactor_leaf(g, row_var, col_var, variance, p, step, lr, beta2_decay, eps1, eps2, d,
@@ -146,13 +150,8 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
             if leaf.is_complex():
                 raise ValueError(f"Adafactor does not support complex params ({name!r}); "
                                  f"pass real ones (e.g. torch.view_as_real)")
-        spec = tree.structure(params)
-        columns: dict[str, list] = {f: [] for f in FIELDS}
-        for p in tree.leaves(params):
-            for field, shape in _buffer_shapes(tuple(p.shape)).items():
-                columns[field].append(() if shape is None else p.new_zeros(shape))
-        return ScaleByAdafactorState(zero_count(), f32_tensor(lr_at(zero_count())), *(
-            tree.unflatten(spec, c) for c in columns.values()))
+        return ScaleByAdafactorState(zero_count(), f32_tensor(lr_at(zero_count())),
+                                     *_buffers_like(params, lambda p, shape: p.new_zeros(shape)))
 
     def update(updates, state, params=None):
         check_state_type("scale_by_adafactor", ScaleByAdafactorState, state)
@@ -176,23 +175,12 @@ def _buffers(state: ScaleByAdafactorState, updates: Any) -> list[list[Any]]:
     """Per field, the state's per-leaf entries laid out like the updates (``()`` included),
     refused naming the first leaf whose buffer does not fit its update (a state from another
     model would otherwise broadcast or fail deep inside the update)."""
-    spec, g_leaves = tree.structure(updates), tree.leaves(updates)
-    fields = []
-    for field in FIELDS:
-        entries = _pytree.tree_flatten(getattr(state, field),
-                                       is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
-        if len(entries) != spec.num_leaves:
-            raise ValueError(f"state.{field} has {len(entries)} entries but the updates have "
-                             f"{spec.num_leaves} leaves; create the state with init(params)")
-        for index, (g, entry) in enumerate(zip(g_leaves, entries, strict=True)):
-            want = _buffer_shapes(tuple(g.shape))[field] or ()
-            got = tuple(entry.shape) if isinstance(entry, Tensor) else entry
-            if got != want:
-                name = tree.named_leaves(updates)[index][0]
-                raise ValueError(f"state.{field} leaf {name!r} is {got} but a {tuple(g.shape)} "
-                                 f"update needs {want}; create the state with init(params)")
-        fields.append(entries)
-    return fields
+    wanted = _buffers_like(updates, lambda g, shape: torch.empty(shape, device="meta"))
+    for field, want in zip(FIELDS, wanted, strict=True):
+        check_like(getattr(state, field), want, (f"state.{field}", "what these updates need"))
+    return [_pytree.tree_flatten(getattr(state, field),
+                                 is_leaf=lambda x: isinstance(x, Tensor) or x == ())[0]
+            for field in FIELDS]
 
 
 def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
