@@ -378,8 +378,6 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
-        # In place only where no grad is another leaf's param (a lowered update checks the state)
-        donate = donate and donatable(_flat.flatten(params)[0], _flat.flatten(grads)[0], [])
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             check_extra_args("as_optimizer", extra_args(tx), extra)
         elif lowered is not None:
@@ -393,11 +391,12 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
         except ValueError:
             check_grads(grads, params)  # names the first grad unlike its param, where one is
             raise
-        if donate:
+        if donate:  # in place where no grad, update or state leaf meets a param
             leaves, u_leaves = _flat.flatten(params)[0], _flat.flatten(updates)[0]
             if _writable([*leaves, *u_leaves]) and len(u_leaves) == len(leaves) and all(
                     u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)) and \
-                    donatable(leaves, [*u_leaves, *_flat.flatten(state)[0]], []):
+                    donatable(leaves, [*_flat.flatten(grads)[0], *u_leaves,
+                                       *_flat.flatten(state)[0]]):
                 with torch.no_grad():
                     _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
                         u_leaves, leaves, strict=True)])

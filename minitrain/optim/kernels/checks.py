@@ -8,7 +8,6 @@ the wrong order. :func:`pointers` runs before any of them.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -68,20 +67,19 @@ def none_param_error(params: Any) -> ValueError | None:
     return None
 
 
-def donatable(params: list, grads: list, buffers: Iterable[list]) -> bool:
-    """Whether an update may write ``params`` and the state ``buffers`` in place: no two of
+def donatable(written: Iterable[Any], read: Iterable[Any]) -> bool:
+    """Whether an update may write the tensors ``written`` (params, state) in place: no two of
     them share memory (tied weights passed twice, ``torch.from_dlpack`` aliases), none has two
-    elements at one address, no grad shares memory with them (grads may share with each
-    other), and every leaf has a storage to compare (no functorch tensor).
+    elements at one address, none shares memory with one it ``read`` (grads, which may share
+    with each other), and every leaf has a storage to compare (no functorch tensor).
 
     >>> w, g = torch.ones(3), torch.ones(3)
-    >>> donatable([w], [g], [[torch.zeros(3)]]), donatable([w, g], [g, w], [])
+    >>> donatable([w, torch.zeros(3)], [g]), donatable([w, g], [g, w])
     (True, False)
-    >>> donatable([w, torch.from_dlpack(w)], [g, g], []), donatable([w.expand(2, 3)], [g], [])
+    >>> donatable([w, torch.from_dlpack(w)], [g, g]), donatable([w.expand(2, 3)], [g])
     (False, False)
     """
-    written = _memory(itertools.chain(params, *buffers), written=True)
-    read = _memory(grads, written=False)
+    written, read = _memory(written, written=True), _memory(read, written=False)
     return written is not None and read is not None and not _overlapping(written, read)
 
 
@@ -145,19 +143,17 @@ def _overlapping(written: list[tuple[int, int]], read: list[tuple[int, int]]) ->
     return False
 
 
-def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
-             dtype: torch.dtype | None = None,
+def pointers(rows: Sequence[list[Tensor] | None], dtype: torch.dtype | None = None,
              like: list[Tensor] | None = None) -> list[list[int] | None] | None:
     """Each row's data pointers where every tensor of ``rows`` (lists of leaves; None for an
     absent row) is a plain contiguous CPU tensor of its param's shape and dtype (params:
     ``like``, else ``rows[0]``; ``dtype`` where given), not requiring grad, not negated, held
-    by its storage; else None. With ``read`` (the grads' row) the other rows are written in
-    place: None too where two written storages meet, or the grads' meet one.
+    by its storage; else None. Whether rows written in place may meet is :func:`donatable`'s.
 
     >>> p = [torch.zeros(3)]
     >>> pointers([p, [torch.ones(1).expand(3)]]) is None  # stride 0
     True
-    >>> pointers([p, p], read=1) is None  # the grad is the param: not in place
+    >>> pointers([p, [torch.ones(6)[::2]]]) is None  # strided
     True
     """
     like = rows[0] if like is None else like
@@ -168,14 +164,12 @@ def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
         metas.append((t.shape, kind, kind.itemsize, t.numel() * kind.itemsize))
     wrapped = _torch.is_functorch_wrapped_tensor
     found: list[list[int] | None] = []
-    spans: list[list[tuple[int, int]]] = [[], []]  # written, read
-    for index, row in enumerate(rows):
+    for row in rows:
         if row is None:
             found.append(None)
             continue
         if len(row) != n:
             return None
-        sink = None if read is None else spans[index == read]
         addresses = []
         for t, (shape, kind, size, nbytes) in zip(row, metas, strict=True):
             if not (type(t) in _PLAIN and t.dtype is kind and t.shape == shape and t.is_cpu
@@ -183,14 +177,12 @@ def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
                     and not wrapped(t)):
                 return None
             storage = t.untyped_storage()
-            start, held, offset = storage.data_ptr(), storage.nbytes(), t.storage_offset() * size
-            if offset + nbytes > held:
+            start, offset = storage.data_ptr(), t.storage_offset() * size
+            if offset + nbytes > storage.nbytes():
                 return None
-            if sink is not None and nbytes:
-                sink.append((start, start + held))
             addresses.append(start + offset)
         found.append(addresses)
-    return None if read is not None and _overlapping(*spans) else found
+    return found
 
 
 def check_storages(trees: Sequence[tuple[str, Any]]) -> None:

@@ -27,7 +27,7 @@ from minitrain import _torch
 from minitrain.optim import _flat
 from minitrain.optim._checks import decay_flags, is_traced
 from minitrain.optim.kernels import pool, streaming
-from minitrain.optim.kernels.checks import pointers
+from minitrain.optim.kernels.checks import donatable, pointers
 from minitrain.optim.kernels.family import FAMILY
 
 __all__ = ["lower", "RULES"]
@@ -288,10 +288,11 @@ def _run(shape, groups, grads, state, params, donate):
     if buffers is None or not streaming.available():
         return None
     rows = [p_leaves, g_leaves, *buffers]
-    # checked once, after every read; donated, no written storage meets another or a grad's
-    found = pointers(rows, read=1 if donate else None, dtype=torch.float32)
+    found = pointers(rows, dtype=torch.float32)  # checked once, after every read
     if found is None:
         return None
+    written = [t for row in (p_leaves, *buffers) if row is not None for t in row]
+    donate = donate and donatable(written, g_leaves)  # else into new buffers
     if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
         flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
         groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
