@@ -13,11 +13,15 @@ tensor([0., 4.])
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
-from minitrain.typecheck import Float, Int, Tensor, typechecked
+from minitrain.typecheck import Float, Int, Tensor, TypeCheckError
 
 __all__ = ["mse", "cross_entropy"]
+
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
 
 def _check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum", "none"):
@@ -25,7 +29,6 @@ def _check_reduction(reduction: str) -> None:
                          "(torch.nn.functional's choices)")
 
 
-@typechecked
 def mse(
     pred: Float[Tensor, "*batch"], target: Float[Tensor, "*batch"], reduction: str = "mean"
 ) -> Float[Tensor, ""] | Float[Tensor, "*batch"]:
@@ -38,11 +41,14 @@ def mse(
     >>> mse(torch.zeros(2), torch.tensor([1.0, 3.0]), reduction="sum")
     tensor(10.)
     """
-    _check_reduction(reduction)
+    _check_reduction(reduction)  # the annotations, checked in a few attribute reads
+    if not (isinstance(pred, Tensor) and isinstance(target, Tensor) and pred.is_floating_point()
+            and target.is_floating_point() and pred.shape == target.shape):
+        raise TypeCheckError(f"mse: pred {_described(pred)} and target {_described(target)} "
+                             "must be floating tensors of one shape (*batch), never broadcast")
     return F.mse_loss(pred, target.to(pred.dtype), reduction=reduction)
 
 
-@typechecked
 def cross_entropy(
     logits: Float[Tensor, "*batch vocab"], targets: Int[Tensor, "*batch"], reduction: str = "mean"
 ) -> Float[Tensor, ""] | Float[Tensor, "*batch"]:
@@ -55,7 +61,22 @@ def cross_entropy(
     >>> cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), "none").shape
     torch.Size([2, 3])
     """
-    _check_reduction(reduction)
+    _check_reduction(reduction)  # the annotations, checked in a few attribute reads
+    if not (isinstance(logits, Tensor) and isinstance(targets, Tensor)
+            and logits.is_floating_point() and logits.dim() >= 1 and targets.dtype in _INTS
+            and targets.shape == logits.shape[:-1]):
+        raise TypeCheckError(f"cross_entropy: logits {_described(logits)} (*batch vocab) and "
+                             f"targets {_described(targets)} (*batch) must be floating and "
+                             "integer tensors, targets shaped as logits without vocab")
+    if logits.dim() <= 2:  # F.cross_entropy's own layouts (C,) and (N, C): no reshapes
+        return F.cross_entropy(logits.float(), targets, reduction=reduction)
     flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                            reduction=reduction)
     return flat.reshape(targets.shape) if reduction == "none" else flat
+
+
+def _described(x: object) -> str:
+    """``float32(4, 1)``: a tensor's dtype and shape, for a one-line error."""
+    if isinstance(x, Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')}{tuple(x.shape)}"
+    return type(x).__name__

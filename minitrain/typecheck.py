@@ -22,10 +22,11 @@ from typing import Any, TypeVar
 
 import torch
 from beartype import beartype
-from jaxtyping import Bool, Float, Int, Integer, Num, Shaped, jaxtyped
+from jaxtyping import Bool, Float, Int, Integer, Num, Shaped, TypeCheckError, jaxtyped
 from torch import Tensor
 
-__all__ = ["ENABLED", "Bool", "Float", "Int", "Integer", "Num", "Shaped", "Tensor", "typechecked"]
+__all__ = ["ENABLED", "Bool", "Float", "Int", "Integer", "Num", "Shaped", "Tensor",
+           "TypeCheckError", "typechecked"]
 
 _OFF = {"0", "false", "no", "off"}
 ENABLED: bool = os.environ.get("MINITRAIN_TYPECHECK", "1").strip().lower() not in _OFF

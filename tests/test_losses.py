@@ -1,9 +1,12 @@
 """Per-example quantities: ``mt.losses`` reductions against ``torch.nn.functional``, and
 ``mt.tree.per_example_global_norm`` against ``vmap(global_norm)`` and a loop over examples."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
+from jaxtyping import TypeCheckError
 
 import minitrain as mt
 
@@ -86,3 +89,19 @@ def test_per_example_global_norm_refuses_leaves_without_the_batch_dim():
         mt.tree.per_example_global_norm(grads)
     with pytest.raises(ValueError, match="needs tensor leaves"):
         mt.tree.per_example_global_norm({"name": "x"})
+
+
+@pytest.mark.parametrize(("loss", "args", "message"), [
+    (mt.losses.mse, (torch.zeros(4), torch.zeros(4, 1)),
+     r"mse: pred float32\(4,\) and target float32\(4, 1\) must be floating tensors of one shape"),
+    (mt.losses.mse, (torch.zeros(3), torch.zeros(3, dtype=torch.long)), r"target int64\(3,\)"),
+    (mt.losses.cross_entropy, (torch.zeros(4, 3), torch.zeros(5, dtype=torch.long)),
+     r"logits float32\(4, 3\) \(\*batch vocab\) and targets int64\(5,\) \(\*batch\)"),
+    (mt.losses.cross_entropy, (torch.zeros(4, 3), torch.zeros(4)), r"targets float32\(4,\)"),
+    (mt.losses.cross_entropy, (torch.zeros(3), torch.zeros(3, dtype=torch.long)), "without vocab"),
+])
+def test_a_wrong_shape_or_dtype_is_a_one_line_error(loss, args, message):
+    """The loss's own check (unwrapped: the suite's import hook checks the annotations first)."""
+    with pytest.raises(TypeCheckError, match=message) as error:
+        inspect.unwrap(loss)(*args)
+    assert "\n" not in str(error.value)

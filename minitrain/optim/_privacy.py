@@ -64,7 +64,7 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
         wide = torch.promote_types(dtype, torch.float32)
         norms = torch.linalg.vector_norm(torch.stack(
             [torch.linalg.vector_norm(r, 2, dim=1, dtype=wide) for r in rows]), 2, dim=0)
-        weights = 1.0 / (torch.clamp(norms / l2_norm_clip, min=1.0) * size)
+        weights = (l2_norm_clip / size) / torch.clamp(norms, min=l2_norm_clip)  # 1/(max(.,1)B)
         new_key, noise_key = random.split(state.rng_key)
         sizes = [r.shape[1] for r in rows]
         noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(noise_std / size).split(sizes)
