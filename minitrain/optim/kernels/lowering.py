@@ -5,7 +5,7 @@
     [clip_by_global_norm] [scale(-1)] [add_decayed_weights] RULE [add_decayed_weights]
     [scale_by_learning_rate]
 
-where RULE is a row of :data:`RULES` or one of the family's rules, and runs it as one call of
+where RULE is a row of :data:`RULES`, and runs it as one call of
 the streaming C kernel (``minitrain::stream_update``) per weight-decay group over float32 CPU
 leaves, into recycled buffers (:mod:`.pool`) or, donated, in place. Whenever it cannot take a
 call (vmap, grad, torch.compile, a torch mode, another dtype or device, leaves the kernel cannot
@@ -28,7 +28,6 @@ from minitrain.optim import _flat
 from minitrain.optim._checks import decay_flags, is_traced
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import donatable, pointers
-from minitrain.optim.kernels.family import FAMILY
 
 __all__ = ["lower", "RULES"]
 
@@ -51,6 +50,7 @@ class Rule(NamedTuple):
 
     kernel: Callable[..., tuple[str, list, tuple] | None]
     folds_sign: bool = False  # the kernel multiplies the grads by ``frame.sign`` itself
+    family: bool = False  # a family rule: its own step without scale_by_learning_rate
 
 
 def _adam(step, h, per_step, f):
@@ -86,13 +86,80 @@ def _rmsprop(step, h, per_step, f):
                                         else None, (0, "grad_avg") if h["centered"] else None)
 
 
-def _family(step, h, per_step, f):
-    name, rule_hp, fields = FAMILY[h["rule"].name](step, h, per_step)
-    if f.decoupled and f.lr is None:
-        return None
-    lr = f.lr or 0.0
-    frame = [f.sign, f.l2, lr, 1 - lr * f.decoupled, float(f.lr is not None)]
-    return name, frame + list(rule_hp), tuple((0, field) for field in fields)
+def _family(kernel):
+    """A family rule (one transformation carrying its ``rule``): ``kernel(step, hyper,
+    per_step)`` gives its C kernel's name, its hyperparameters after the frame the family's
+    kernels share, and the state fields it reads and writes, in its slot order. Each is the
+    step of the rule's per-leaf function (``nadam_leaf``, ...) with the step-dependent scalars
+    computed here in float64; the tests hold each equal to its rule."""
+
+    def planned(step, h, per_step, f):
+        if f.decoupled and f.lr is None:
+            return None
+        name, rule_hp, fields = kernel(step, h, per_step)
+        lr = f.lr or 0.0
+        frame = [f.sign, f.l2, lr, 1 - lr * f.decoupled, float(f.lr is not None)]
+        return name, frame + list(rule_hp), tuple((0, field) for field in fields)
+
+    return Rule(planned, folds_sign=True, family=True)
+
+
+def _adadelta(step, hyper, per_step):
+    rho = hyper["rho"]
+    return "adadelta", [rho, 1 - rho, hyper["eps"]], ("square_avg", "acc_delta")
+
+
+def _adamax(step, hyper, per_step):
+    beta1, beta2 = hyper["beta1"], hyper["beta2"]
+    return "adamax", [1 - beta1, beta2, hyper["eps"], 1 - beta1**step], ("exp_avg", "exp_inf")
+
+
+def _asgd(step, hyper, per_step):
+    eta, mu = per_step["eta"], per_step["mu"]
+    return "asgd", [hyper["lambd"], -eta, mu, float(mu == 1)], ("ax",)
+
+
+def _lion(step, hyper, per_step):
+    return "lion", [1 - hyper["beta1"], 1 - hyper["beta2"]], ("exp_avg",)
+
+
+def _nadam(step, hyper, per_step):
+    # sqrt(1 - beta2^t) folded into the coefficients
+    beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
+    root = math.sqrt(1 - beta2**step)
+    return "nadam", [1 - beta1, beta2, 1 - beta2, eps * root, per_step["grad_coef"] * root,
+                     per_step["avg_coef"] * root], ("exp_avg", "exp_avg_sq")
+
+
+def _radam(step, hyper, per_step):
+    beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
+    rectified = rho_t > 5.0
+    factor = 0.0
+    if rectified:
+        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
+                         / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+        factor = rect * math.sqrt(bias_correction2) / bias_correction1
+    return "radam", [1 - beta1, beta2, 1 - beta2, eps, float(rectified), bias_correction1,
+                     factor], ("exp_avg", "exp_avg_sq")
+
+
+def _rprop(step, hyper, per_step):
+    return "rprop", [hyper["etaminus"], hyper["etaplus"], hyper["step_size_min"],
+                     hyper["step_size_max"]], ("prev", "step_size")
+
+
+def _schedule_free(step, hyper, per_step):
+    # the new y is y plus the change (see _family.Rule)
+    beta1, beta2 = hyper["beta1"], hyper["beta2"]
+    lr_t, ckp1 = per_step["lr_t"], per_step["ckp1"]
+    return "schedule_free_adamw", [
+        beta2, 1 - beta2, per_step["bias_correction2"], hyper["eps"], hyper["weight_decay"],
+        lr_t * (beta1 * (1 - ckp1) - 1), ckp1, lr_t,
+    ], ("z", "exp_avg_sq")
 
 
 RULES: dict[tuple[str, ...], Rule] = {
@@ -102,11 +169,16 @@ RULES: dict[tuple[str, ...], Rule] = {
     ("scale_by_adagrad",): Rule(_adagrad),
     ("scale_by_rms",): Rule(_rmsprop),
     ("scale_by_rms", "trace"): Rule(_rmsprop),
+    ("scale_by_adadelta",): _family(_adadelta),
+    ("scale_by_adamax",): _family(_adamax),
+    ("scale_by_asgd",): _family(_asgd),
+    ("scale_by_lion",): _family(_lion),
+    ("scale_by_nadam",): _family(_nadam),
+    ("scale_by_radam",): _family(_radam),
+    ("scale_by_rprop",): _family(_rprop),
+    ("scale_by_schedule_free_adamw",): _family(_schedule_free),
 }
-"""Rules by the names of their transformations; the family's rules (each one transformation
-carrying its ``rule``) take :func:`_family`'s frame."""
-
-_FAMILY = Rule(_family, folds_sign=True)
+"""Rules by the names of their transformations."""
 
 
 class Shape(NamedTuple):
@@ -151,10 +223,8 @@ def _recognise(tx: Any) -> Shape | None:
     rule_names = tuple(names[i:j])
     hyper = {key: value for _, arguments in specs[i:j] for key, value in arguments.items()}
     rule = RULES.get(rule_names)
-    if rule is None and len(rule_names) == 1 and rule_names[0] in FAMILY and "rule" in hyper:
-        rule = _FAMILY
-    if rule is None or (lr is None and rule is not _FAMILY) or \
-            (l2 is not None and decoupled is not None):
+    if rule is None or (rule.family and "rule" not in hyper) or \
+            (lr is None and not rule.family) or (l2 is not None and decoupled is not None):
         return None
     return Shape(clip, maximize, l2, rule, tuple(range(i, j)), hyper, decoupled, lr,
                  lr_position, len(names))
