@@ -103,7 +103,8 @@ _METADATA_OPS = frozenset(
         "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense", "size",
         "sym_size", "stride", "sym_stride", "storage_offset", "sym_storage_offset", "numel",
         "sym_numel", "dim")]
-    + [torch.ops.aten.is_contiguous.memory_format, torch.ops.prim.layout.default]
+    + [torch.ops.aten.is_contiguous.memory_format, torch.ops.prim.layout.default,
+       torch.ops.prim.device.default]  # fake tensors dispatch it, real ones never do
 )
 
 
@@ -201,7 +202,7 @@ class _Mode(TorchDispatchMode):
         if func in _METADATA_OPS:
             return NotImplemented
         # Like FlopCounterMode: decompose composite ops without a formula, count their parts.
-        if func._overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
+        if func._overloadpacket not in flop_registry:
             with self:
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:

@@ -30,7 +30,6 @@ from minitrain._torch import (
     FakeTensorMode,
     TorchDispatchMode,
     UnsupportedOperatorException,
-    disable_current_modes,
     pytree,
 )
 from minitrain.accounting.counter import Counter
@@ -199,16 +198,6 @@ class StepPrediction(NamedTuple):
             "saved": [s._asdict() for s in self.saved], "unknown_ops": dict(self.unknown_ops)}
 
 
-class _Metadata(TorchDispatchMode):
-    """Above the counter: answers ``prim.device``, which fake tensors dispatch where real ones
-    never do (the counter would count it as an op without a formula)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        device = func is torch.ops.prim.device.default
-        with disable_current_modes() if device else contextlib.nullcontext():
-            return func(*args, **(kwargs or {}))
-
-
 class _MetaInPlace(TorchDispatchMode):
     """Below the counter: an in-place kernel with no meta implementation (torch's
     ``_fused_sgd_``, ``_fused_adagrad_``) changes no shape and no byte on meta tensors."""
@@ -227,8 +216,7 @@ class _MetaInPlace(TorchDispatchMode):
 def _watching(counter: Counter, mode: FakeTensorMode | None, phase: str) -> Iterator[None]:
     # The counter decomposes composite ops and its ledger sees each part.
     counter.set_phase(phase)
-    with mode if mode is not None else contextlib.nullcontext(), _MetaInPlace(), counter, (
-            _Metadata()):
+    with mode if mode is not None else contextlib.nullcontext(), _MetaInPlace(), counter:
         yield
 
 
