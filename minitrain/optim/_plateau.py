@@ -18,7 +18,12 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import checked, floating_updates, tensor_leaves
+from minitrain.optim._checks import (
+    check_state_type,
+    checked,
+    floating_updates,
+    tensor_leaves,
+)
 from minitrain.optim.base import GradientTransformation
 from minitrain.optim.schedules import _check_step
 from minitrain.tree import Params
@@ -83,11 +88,8 @@ def reduce_on_plateau(
 
     def update(updates: Any, state: ReduceLROnPlateauState, params: Params | None = None, *,
                value: Any = None) -> tuple[Any, ReduceLROnPlateauState]:
-        if not isinstance(state, ReduceLROnPlateauState):
-            raise ValueError(f"reduce_on_plateau got a state of {type(state).__name__}; pass "
-                             f"the state returned by its init(params)")
+        state = _checked(state)
         floating = floating_updates("reduce_on_plateau", updates)  # tensor leaves, named if not
-        state = _coerced(state)
         if value is not None:  # a new metric: torch's step
             current = _metric(value, state.best)
             better = _is_better(current, state.best, mode, threshold_mode, threshold)
@@ -98,34 +100,20 @@ def reduce_on_plateau(
     return GradientTransformation(init, update)
 
 
-def _coerced(state: ReduceLROnPlateauState) -> ReduceLROnPlateauState:
-    """``state`` (edited by hand, say) with each field a 0-d tensor of init's dtype (float64
-    ``lr`` and ``best``, int64 counters) on the device of its first tensor field."""
-    device = next((field.device for field in state if isinstance(field, Tensor)), None)
-    return ReduceLROnPlateauState(*(_field(name, value, device)
-                                    for name, value in zip(state._fields, state, strict=True)))
-
-
-def _field(name: str, value: Any, device: torch.device | None) -> Tensor:
-    """One state field as a 0-d tensor of init's dtype, refused in one line when it holds no
-    such number."""
-    real = name in ("lr", "best")
-    dtype = torch.float64 if real else torch.int64
-    if isinstance(value, Tensor):
-        ok = value.numel() == 1 and value.dtype != torch.bool and not value.is_complex() and (
-            real or not value.is_floating_point())
-        kind = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    else:
-        ok = not isinstance(value, bool) and isinstance(
-            value, numbers.Real if real else numbers.Integral)
-        kind = type(value).__name__
-    if not ok:
-        number = "a real number" if real else "an integer"
-        raise ValueError(f"reduce_on_plateau state.{name} is {kind}; pass {number} or a "
-                         f"one-element tensor of one, as init returns ({dtype}, 0-d)")
-    if not isinstance(value, Tensor):
-        return torch.tensor(value, dtype=dtype, device=device)
-    return (value.reshape(()) if value.dim() else value).to(dtype)
+def _checked(state: Any) -> ReduceLROnPlateauState:
+    """``state``, refused in one line unless its fields are what init makes: 0-d tensors,
+    float64 ``lr`` and ``best``, int64 counters."""
+    check_state_type("reduce_on_plateau", ReduceLROnPlateauState, state)
+    for name, value in zip(state._fields, state, strict=True):
+        real = name in ("lr", "best")
+        dtype = torch.float64 if real else torch.int64
+        if not isinstance(value, Tensor) or value.dtype != dtype or value.dim():
+            kind = f"a {value.dtype} tensor of shape {tuple(value.shape)}" \
+                if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"reduce_on_plateau state.{name} is {kind}; pass "
+                             f"{'a real number' if real else 'an integer'} as a 0-d {dtype} "
+                             f"tensor, as init returns")
+    return state
 
 
 def _metric(value: Any, like: Tensor) -> Tensor:

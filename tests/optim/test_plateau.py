@@ -206,54 +206,22 @@ def test_numpy_integer_patience_and_cooldown_are_taken_like_torch():
 # State edited by hand
 
 
-def test_a_float32_lr_and_int32_counters_step_in_init_dtypes():
-    """A state whose lr was stored as float32 (e.g. by a checkpoint in float32) stepped in
-    float32, off torch's float64 lrs, and kept its float32 / int32 fields. Now each field is
-    read in init's dtype: torch's steps from the same (float32-rounded) lr."""
-    lr32 = torch.tensor(0.1, dtype=torch.float32)
-    tx = plateau(lr=0.1)
-    state = tx.init({"w": torch.ones(1)})
-    state = state._replace(lr=lr32, num_bad_epochs=torch.tensor(0, dtype=torch.int32),
-                           count=torch.tensor(0, dtype=torch.int16))
-    kwargs = {"factor": 0.3, "patience": 0, "min_lr": 1e-9}
-    metrics = [1.0] * 12
-    ours = our_states(metrics, 0.1, state=state, **kwargs)
-    assert ours == torch_states(metrics, float(lr32), **kwargs)
-
-
-def test_a_state_of_plain_numbers_steps_like_torch():
-    """torch keeps its counters as Python numbers; such a state (e.g. read back from JSON)
-    raised a TypeError from ``torch.where`` or an AttributeError."""
-    tx = plateau(lr=0.1, **SETTINGS)
-    state = mt.optim.ReduceLROnPlateauState(0.1, math.inf, 0, 0, 0)
-    assert our_states(LOSSES, 0.1, state=state, **SETTINGS) == torch_states(LOSSES, 0.1,
-                                                                            **SETTINGS)
-    _, state = tx.update({"w": torch.ones(1)}, mt.optim.ReduceLROnPlateauState(0.1, 1.0, 0, 0, 0))
-    assert isinstance(state.lr, torch.Tensor) and state.lr.dtype == torch.float64
-
-
-def test_a_one_element_state_field_keeps_updates_0d():
-    """A (1,)-shaped lr (e.g. a loader that stores scalars as 1-element arrays) made every
-    0-d update of shape (1,)."""
-    tx = plateau(lr=0.1)
-    updates = {"w": torch.ones(())}
-    state = tx.init(updates)._replace(lr=torch.tensor([0.05], dtype=torch.float64))
-    for value in (None, 1.0):
-        scaled, new_state = tx.update(updates, state, value=value)
-        assert scaled["w"].shape == () and new_state.lr.shape == (), value
-        assert float(scaled["w"]) == 0.5
-
-
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("num_bad_epochs", torch.tensor(1.5), ("num_bad_epochs", "torch.float32", "integer")),
     ("cooldown_counter", torch.tensor(True), ("cooldown_counter", "torch.bool", "integer")),
+    ("num_bad_epochs", torch.tensor(0, dtype=torch.int32), ("num_bad_epochs", "torch.int32")),
     ("count", 2.0, ("count", "float", "integer")),
+    ("count", 0, ("count", "int", "integer")),
+    ("lr", 0.1, ("lr", "float", "real number")),
+    ("lr", torch.tensor(0.1), ("lr", "torch.float32", "float64")),
     ("lr", torch.tensor(0.1 + 0j), ("lr", "complex", "real number")),
+    ("lr", torch.tensor([0.05], dtype=torch.float64), ("lr", "(1,)", "0-d")),
     ("best", torch.ones(2, dtype=torch.float64), ("best", "(2,)", "0-d")),
 ])
-def test_a_state_field_that_cannot_be_read_is_a_one_line_error(field, value, words):
-    """A float counter was taken and turned the state's counter into a float (a bool one raised
-    a RuntimeError, a complex lr or a two-element best were taken and broadcast)."""
+def test_a_state_field_init_would_not_make_is_a_one_line_error(field, value, words):
+    """A float counter turned the state's counter into a float, a bool one raised a
+    RuntimeError, a complex lr or a two-element best were taken and broadcast. A field is
+    taken as init makes it (and a checkpoint restores it): a 0-d tensor of init's dtype."""
     tx = plateau(lr=0.1)
     updates = {"w": torch.ones(())}
     state = tx.init(updates)._replace(**{field: value})
