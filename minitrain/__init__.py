@@ -19,23 +19,8 @@ __version__ = "0.1.0"
 
 # Submodules, imported on first attribute access.
 _SUBMODULES = (
-    "accounting",
-    "checkpoint",
-    "data",
-    "distributed",
-    "func",
-    "init",
-    "losses",
-    "models",
-    "nn",
-    "optim",
-    "precision",
-    "random",
-    "rng",
-    "strides",
-    "train",
-    "tree",
-    "typecheck",
+    "accounting", "checkpoint", "data", "distributed", "func", "init", "losses", "models", "nn",
+    "optim", "precision", "random", "rng", "strides", "train", "tree", "typecheck",
 )
 
 # Top-level names and the submodule that defines each.
