@@ -165,7 +165,6 @@ def build_ensemble(
     if not members:
         raise ExperimentError("a sweep needs at least one member")
     experiments = tuple(_built(build, member.config) for member in members)
-    _check_same_run_shape(members, experiments)
     binding = SweepBinding()
     swept = tuple(members[0].swept)
     template = experiments[0]
@@ -208,8 +207,18 @@ def _template_failed(swept: tuple[str, ...], exc: Exception) -> MemberMismatch:
 
 
 def _parts(experiment: Experiment) -> dict[str, Any]:
-    """What :func:`check_same_sizes` compares between members."""
-    return {"init": experiment.init, "loss": experiment.loss, "optimizer": experiment.optimizer}
+    """What :func:`check_same_sizes` compares between members: the run's counts and switches,
+    and what init, loss and optimizer hold."""
+    run = {name: getattr(experiment, name) for name in _RUN_FIELDS}
+    run |= {"evaluates": experiment.evaluate is not None,
+            "clips": experiment.max_grad_norm is not None}
+    return {"run": run, "init": experiment.init, "loss": experiment.loss,
+            "optimizer": experiment.optimizer}
+
+
+# Fields of the template experiment that the members share (the loop reads them once).
+_RUN_FIELDS = ("steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step",
+               "uses_key")
 
 
 def _built(build: Callable[[dict[str, Any]], Experiment], config: dict[str, Any]) -> Experiment:
@@ -220,30 +229,6 @@ def _built(build: Callable[[dict[str, Any]], Experiment], config: dict[str, Any]
             f"{type(experiment).__name__}"
         )
     return experiment
-
-
-_SHARED_FIELDS = ("steps", "has_aux", "eval_every", "tokens_per_batch", "flops_per_step",
-                  "uses_key")
-
-
-def _check_same_run_shape(members: Sequence[Member], experiments: Sequence[Experiment]) -> None:
-    first = experiments[0]
-    for member, experiment in zip(members[1:], experiments[1:], strict=True):
-        differing = [
-            (field, getattr(experiment, field), getattr(first, field))
-            for field in _SHARED_FIELDS
-            if getattr(experiment, field) != getattr(first, field)
-        ]
-        for field in ("evaluate", "max_grad_norm"):
-            if (getattr(experiment, field) is None) != (getattr(first, field) is None):
-                differing.append((field, getattr(experiment, field), getattr(first, field)))
-        if differing:
-            field, value, first_value = differing[0]
-            raise MemberMismatch(
-                f"member {member.index} ({member_label(member)}) has {field}={value!r} but "
-                f"member 0 has {first_value!r}; members of one vmapped step may differ only in "
-                "float hyperparameters such as lr or weight_decay"
-            )
 
 
 def load_sweep(path: str | Path, items: Sequence[str] = (), seeds: Sequence[int] = (0,),

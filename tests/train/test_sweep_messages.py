@@ -15,8 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minitrain as mt
 from minitrain.cli import main
-from minitrain.train.members import MemberMismatch
+from minitrain.train.members import MemberMismatch, build_ensemble, member_grid
 from minitrain.train.sweep import load_sweep
 from tests.sweep_harness import assert_members_equal_single_runs, refused
 
@@ -108,6 +109,25 @@ def test_a_tensor_length_from_float_of_a_swept_value_names_the_size_and_the_scri
         lr = lr * config["x"]
         """)
     assert_members_equal_single_runs(shared, ["x=2.0,2.5"])
+
+
+@pytest.mark.parametrize("every, evaluates, shown", [
+    (lambda lr: int(lr * 10), lambda lr: True, "eval_every is 2 where member 0's is 1"),
+    (lambda lr: 0, lambda lr: lr < 0.15, "evaluates is False where member 0's is True"),
+])
+def test_a_count_or_switch_of_the_run_from_float_of_a_swept_value_is_refused(every, evaluates,
+                                                                           shown):
+    # the loop reads eval_every and evaluate of the template (member 0's) for every member
+    def build(config):
+        lr = float(config["lr"])  # member 0's value in the template
+        return mt.Experiment(
+            init=lambda g: {"w": torch.zeros(2)}, loss=lambda p, x: (x @ p["w"]).square().mean(),
+            next_batch=lambda g: torch.ones(4, 2), optimizer=mt.optim.sgd(lr=config["lr"]),
+            steps=4, eval_every=every(lr), evaluate=(lambda p: {}) if evaluates(lr) else None)
+
+    with pytest.raises(MemberMismatch) as info:
+        build_ensemble(build, member_grid({"lr": 0.1}, {}, {"lr": ["0.1", "0.2"]}))
+    assert str(info.value).startswith(f"member 1 (lr=0.2 seed=0) builds a run whose {shown}; ")
 
 
 def test_an_int_that_differs_between_builds_of_one_member_is_no_size(tmp_path):
