@@ -5,6 +5,7 @@ flags stay 0-d on the CPU whatever ``torch.set_default_device`` says."""
 from __future__ import annotations
 
 import array
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -16,7 +17,6 @@ from torch import Tensor
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim import _flat
-from minitrain.optim.kernels.checks import grad_leaf_error, none_param_error
 from minitrain.tree import Grads, Params
 
 Scalar = int | float | Tensor
@@ -29,6 +29,43 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 # -- params and grads -------------------------------------------------------------------------
+
+
+def grad_leaf_error(grads: Any) -> ValueError | None:
+    """The error naming the first grad that is None (the ``.grad`` of a param the loss does
+    not use) or not dense (a sparse embedding grad); None when all are dense tensors.
+
+    >>> str(grad_leaf_error({"w": None})).split(";")[0]
+    "the grad of 'w' is None (a param the loss does not use?)"
+    """
+    for name, g in tree.named_leaves(grads):
+        if g is None:
+            return ValueError(
+                f"the grad of {name!r} is None (a param the loss does not use?); pass "
+                f"torch.zeros_like(param) for it, or leave the param out"
+            )
+        if isinstance(g, Tensor) and g.layout is not torch.strided:
+            return ValueError(
+                f"the grad of {name!r} is a {g.layout} tensor, but the optimizers take dense "
+                f"grads; pass grad.to_dense() (or build the embedding with sparse=False)"
+            )
+    return None
+
+
+def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update(grads, ...)`` whose error over a None or sparse grad is re-raised as
+    :func:`grad_leaf_error`'s one line. Costs nothing until something raises."""
+
+    @functools.wraps(update)
+    def checked(grads: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return update(grads, *args, **kwargs)
+        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
+            if (named := grad_leaf_error(grads)) is not None:
+                raise named from None
+            raise
+
+    return checked
 
 
 def check_params(params: Params) -> list[Tensor]:
@@ -69,6 +106,39 @@ def check_grads(grads: Grads, params: Params) -> list[Tensor]:
     return grad_leaves
 
 
+def check_storages(trees: Sequence[tuple[str, Any]]) -> None:
+    """``ValueError`` naming the first plain tensor leaf of ``trees`` (``(what, tree)`` pairs)
+    whose storage holds fewer bytes than the tensor addresses (one resized by hand).
+
+    >>> t = torch.ones(4); _ = t.untyped_storage().resize_(0)
+    >>> check_storages([("param", {"w": t})])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: param 'w': its storage holds 0 bytes, fewer than the tensor addresses (was it...
+    """
+    for what, values in trees:
+        for name, t in tree.named_leaves(values):
+            if type(t) in _PLAIN and not _torch.is_functorch_wrapped_tensor(t) \
+                    and not storage_holds(t):
+                where, _, leaf = name.rpartition(".")
+                # a state buffer is named by the param it is for
+                name = f"{where} leaf {leaf!r}" if what == "state" and where else repr(name)
+                raise ValueError(
+                    f"{what} {name}: its storage holds {t.untyped_storage().nbytes()} bytes, "
+                    f"fewer than the tensor addresses (was it resized?); pass tensors whose "
+                    f"storage holds them")
+
+
+def storage_holds(t: Tensor) -> bool:
+    """Whether ``t``'s storage holds every element ``t`` addresses."""
+    n = t.numel()
+    if n == 0:
+        return True
+    extent = n if t.is_contiguous() else 1 + sum(
+        (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
+
+
 def decay_flags(mask: WeightDecayMask, params: Params) -> list[bool]:
     """Per leaf: whether weight decay applies (all leaves when ``mask`` is None)."""
     named = tree.named_leaves(params)
@@ -99,8 +169,10 @@ def tensor_leaves(name: str, values: Any, what: str, floating: bool = False) -> 
         return leaves
     at, leaf = next((n, x) for n, x in tree.named_leaves(values)
                     if not isinstance(x, Tensor) or floating and not _inexact(x))
+    if leaf is None and what == "param":
+        raise ValueError(f"param {at!r} is None; pass a tensor for every param, or leave it out")
     if leaf is None:
-        raise grad_leaf_error(values) if what != "param" else none_param_error(values)
+        raise grad_leaf_error(values)
     if isinstance(leaf, Tensor):
         raise ValueError(f"{name} keeps state like each param, and param {at!r} is {leaf.dtype};"
                          f" pass floating-point params (optimizers update those only)")

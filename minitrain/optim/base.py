@@ -27,16 +27,13 @@ from minitrain.optim._checks import (
     WeightDecayMask,
     check_grads,
     check_params,
-    floating_updates,
-    tensor_leaves,
-)
-from minitrain.optim.kernels.checks import (
     check_storages,
-    donatable,
-    grad_leaf_error,
+    floating_updates,
     naming_bad_grads,
     storage_holds,
+    tensor_leaves,
 )
+from minitrain.optim.kernels.checks import donatable
 from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
 
@@ -150,15 +147,11 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
     """``tx`` with ``(name, arguments)`` attached to its update (see :func:`spec`), refusing
     leaves that are no tensors, promoting integer updates and naming a sparse grad."""
 
+    @naming_bad_grads
     def params_checked(updates, state, params=None, *, checked=False, **extra):
         """The update, where ``params`` were checked (by a chain; ``checked``: updates too)."""
         updates = updates if checked else floating_updates(name, updates, params)
-        try:
-            return tx.update(updates, state, params, **extra)
-        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
-            if (named := grad_leaf_error(updates)) is not None:  # a None or sparse grad
-                raise named from None
-            raise
+        return tx.update(updates, state, params, **extra)
 
     @functools.wraps(tx.update)
     def update(updates, state, params=None, **extra):
@@ -408,6 +401,5 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             check_params(params)
         return tx.init(params)
 
-    update = naming_bad_grads(update)
     update.transformation = tx  # type: ignore[attr-defined]
     return Optimizer(init, update)

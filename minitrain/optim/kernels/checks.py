@@ -1,70 +1,25 @@
-"""Checks that stand between an update's inputs and the fused / streaming kernels.
+"""The memory-safety checks between an update's inputs and the C kernel, and of an update
+written in place.
 
-Those kernels walk raw storage: a state leaf of another shape, or a grad whose strides differ
+The kernel walks raw storage: a state leaf of another shape, or a grad whose strides differ
 from its param's (expanded, transposed, sliced, overlapping), would be read out of bounds or in
-the wrong order. :func:`pointers` runs before any of them.
+the wrong order. :func:`pointers` runs before any call; :func:`donatable` before any update
+that writes its inputs.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from minitrain import _torch, tree
+from minitrain import _torch
 
-__all__ = ["check_storages", "donatable", "grad_leaf_error", "naming_bad_grads",
-           "none_param_error", "pointers", "storage_holds"]
+__all__ = ["donatable", "pointers"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def grad_leaf_error(grads: Any) -> ValueError | None:
-    """The error naming the first grad that is None (the ``.grad`` of a param the loss does
-    not use) or not dense (a sparse embedding grad); None when all are dense tensors.
-
-    >>> str(grad_leaf_error({"w": None})).split(";")[0]
-    "the grad of 'w' is None (a param the loss does not use?)"
-    """
-    for name, g in tree.named_leaves(grads):
-        if g is None:
-            return ValueError(
-                f"the grad of {name!r} is None (a param the loss does not use?); pass "
-                f"torch.zeros_like(param) for it, or leave the param out"
-            )
-        if isinstance(g, Tensor) and g.layout is not torch.strided:
-            return ValueError(
-                f"the grad of {name!r} is a {g.layout} tensor, but the optimizers take dense "
-                f"grads; pass grad.to_dense() (or build the embedding with sparse=False)"
-            )
-    return None
-
-
-def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
-    """``update(grads, ...)`` whose error over a None or sparse grad is re-raised as
-    :func:`grad_leaf_error`'s one line. Costs nothing until something raises."""
-
-    @functools.wraps(update)
-    def checked(grads: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return update(grads, *args, **kwargs)
-        except (NotImplementedError, RuntimeError, AttributeError, TypeError):
-            if (named := grad_leaf_error(grads)) is not None:
-                raise named from None
-            raise
-
-    return checked
-
-
-def none_param_error(params: Any) -> ValueError | None:
-    for name, p in tree.named_leaves(params):
-        if p is None:
-            return ValueError(f"param {name!r} is None; pass a tensor for every param, or "
-                              f"leave it out")
-    return None
 
 
 def donatable(written: Iterable[Any], read: Iterable[Any]) -> bool:
@@ -173,8 +128,8 @@ def pointers(rows: Sequence[list[Tensor] | None], dtype: torch.dtype | None = No
         addresses = []
         for t, (shape, kind, size, nbytes) in zip(row, metas, strict=True):
             if not (type(t) in _PLAIN and t.dtype is kind and t.shape == shape and t.is_cpu
-                    and t.is_contiguous() and not t.requires_grad and not t.is_neg()
-                    and not wrapped(t)):
+                    and t.layout is torch.strided and t.is_contiguous() and not t.requires_grad
+                    and not t.is_neg() and not wrapped(t)):
                 return None
             storage = t.untyped_storage()
             start, offset = storage.data_ptr(), t.storage_offset() * size
@@ -183,36 +138,3 @@ def pointers(rows: Sequence[list[Tensor] | None], dtype: torch.dtype | None = No
             addresses.append(start + offset)
         found.append(addresses)
     return found
-
-
-def check_storages(trees: Sequence[tuple[str, Any]]) -> None:
-    """``ValueError`` naming the first plain tensor leaf of ``trees`` (``(what, tree)`` pairs)
-    whose storage holds fewer bytes than the tensor addresses (one resized by hand).
-
-    >>> t = torch.ones(4); _ = t.untyped_storage().resize_(0)
-    >>> check_storages([("param", {"w": t})])  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: param 'w': its storage holds 0 bytes, fewer than the tensor addresses (was it...
-    """
-    for what, values in trees:
-        for name, t in tree.named_leaves(values):
-            if type(t) in _PLAIN and not _torch.is_functorch_wrapped_tensor(t) \
-                    and not storage_holds(t):
-                where, _, leaf = name.rpartition(".")
-                # a state buffer is named by the param it is for
-                name = f"{where} leaf {leaf!r}" if what == "state" and where else repr(name)
-                raise ValueError(
-                    f"{what} {name}: its storage holds {t.untyped_storage().nbytes()} bytes, "
-                    f"fewer than the tensor addresses (was it resized?); pass tensors whose "
-                    f"storage holds them")
-
-
-def storage_holds(t: Tensor) -> bool:
-    """Whether ``t``'s storage holds every element ``t`` addresses."""
-    n = t.numel()
-    if n == 0:
-        return True
-    extent = n if t.is_contiguous() else 1 + sum(
-        (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
