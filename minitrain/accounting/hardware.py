@@ -11,6 +11,8 @@ Every published figure names its source; ``cpu`` is measured here (:func:`measur
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import time
@@ -22,7 +24,7 @@ from typing import Any
 
 from minitrain.errors import UserError
 
-__all__ = ["DTYPE_NAMES", "Hardware", "HardwareError", "cpu_peak_bound",
+__all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "cpu_peak_bound",
            "dtype_name", "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
 
 # Canonical dtype names and the spellings accepted for each (torch's, less "torch.", and
@@ -194,10 +196,8 @@ def hardware_for_cuda_device(device_name: str) -> Hardware | None:
                 None)
 
 
-# The CPU, measured: best-of-N timings of torch.mm and of a large copy. The matmuls only keep
-# the peak at least what torch.mm reaches (the spec bound is far above it where the flags are
-# known); fp16 is small, as CPUs without fp16 units run it two orders of magnitude slower.
-_MATMUL_SIZE = {"fp32": 512, "bf16": 512, "fp16": 256}
+# The CPU, measured: best-of-N timings of torch.mm and of a large copy.
+_MATMUL_SIZE = {"fp32": 1024, "bf16": 512, "fp16": 512}
 _COPY_BYTES = 64 * 2**20
 
 
@@ -295,46 +295,113 @@ def _spec_bound(threads: int) -> dict[str, Any]:
     return {"cores": cores, "clock_hz": clock, "flops": cpu_peak_bound(cores, flags, clock)}
 
 
-def _measure(torch: Any, threads: int) -> Hardware:
+def _machine_key(torch: Any) -> dict[str, Any]:
+    """What the figures depend on: the machine, the torch build and its thread count."""
+    threads = torch.get_num_threads()
+    return {"cpu": _cpu_model(), "host": platform.node(), "logical_cpus": os.cpu_count(),
+            "memory_bytes": _physical_memory_bytes(), "torch": torch.__version__,
+            "torch_git": torch.version.git_version, "threads": threads,
+            "bound": _spec_bound(threads)}
+
+
+def _cache_path(key: Mapping[str, Any]) -> Path | None:
+    """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``); ``MINITRAIN_CACHE_DIR=off``
+    turns the disk cache off."""
+    root = os.environ.get("MINITRAIN_CACHE_DIR")
+    if root is None:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain")
+    elif root.strip().lower() in {"", "0", "off", "none"}:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"hardware-cpu-{digest}.json"
+
+
+def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
+    """Measured with this key at most ``max_age`` seconds ago, with every dtype the probe
+    measures."""
+    if spec is None or spec.details.get("key") != dict(key) or not (
+            set(_MATMUL_SIZE) <= set(spec.peak_flops)):
+        return False
+    measured_at = spec.details.get("measured_unix")
+    return measured_at is not None and 0 <= time.time() - float(measured_at) <= max_age
+
+
+def _load_cached(path: Path | None) -> Hardware | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        r = json.loads(path.read_text())
+        return Hardware(**r | {"peak_flops": _frozen(r["peak_flops"]), "details": MappingProxyType(
+            r["details"]), "sparse_flops": _frozen(r["sparse_flops"])})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or an older layout: measure again
+
+
+def _store(path: Path | None, spec: Hardware) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one writer per file; rename is atomic
+        tmp.write_text(json.dumps(spec.to_dict(), indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home directory only costs a re-measurement next time
+
+
+def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     measured = {name: _matmul_flops_per_second(torch, dtypes[name], n)
                 for name, n in _MATMUL_SIZE.items()}
     # The peak for MFU is one no step can exceed: the spec bound (a timing under load is low).
-    bound = _spec_bound(threads)
-    peaks = {name: max(bound["flops"][name], value) for name, value in measured.items()}
+    peaks = {name: max(key["bound"]["flops"][name], value) for name, value in measured.items()}
     bandwidth = _copy_bytes_per_second(torch)
     try:  # the 1-minute load average: a busy machine measures low
         load = round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
         load = None
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    busy = "" if load is None else f", 1-min load {load:g} on {os.cpu_count()} CPUs"
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
+    busy = "" if load is None else f", 1-min load {load:g} on {key['logical_cpus']} CPUs"
+    bound = key["bound"]
     source = (f"peak FLOP/s: {bound['cores']} cores x FMA units x SIMD lanes x 2 x "
               f"{bound['clock_hz'] / 1e9:g} GHz (an upper bound); bandwidth measured {stamp} "
-              f"with torch {torch.__version__}{busy}: a {_COPY_BYTES // 2**20} MiB copy "
-              "(read + write)")
-    details = {"bound": bound, "threads": threads, "measured_at": stamp, "load_average": load,
+              f"with torch {key['torch']}{busy}: a {_COPY_BYTES // 2**20} MiB copy (read + write)")
+    details = {"key": dict(key), "measured_at": stamp, "measured_unix": now, "load_average": load,
                "measured_matmul_flops": measured}
-    return Hardware("cpu", f"{_cpu_model()} ({threads} torch threads)", _frozen(peaks),
+    return Hardware("cpu", f"{key['cpu']} ({key['threads']} torch threads)", _frozen(peaks),
                     _frozen({}), _physical_memory_bytes(), bandwidth, source, True,
                     MappingProxyType(details))
 
 
-_MEASURED: dict[int, Hardware] = {}  # by torch thread count
+# A week: a measurement taken while the machine was busy does not stick for good.
+MAX_AGE_SECONDS = 7 * 86_400
+_MEASURED: dict[str, Hardware] = {}
 
 
-def measure_cpu(refresh: bool = False) -> Hardware:
+def measure_cpu(refresh: bool = False, max_age: float | int = MAX_AGE_SECONDS) -> Hardware:
     """This CPU for this process: peak FLOP/s in fp32, bf16 and fp16 bounded from the spec
     (:func:`cpu_peak_bound` on ``torch.get_num_threads()`` cores; at least the measured
-    ``torch.mm`` rate), so MFU stays at most 1; copy bandwidth (bytes/s) measured. Measured
-    once per process and thread count (``details`` says when); ``refresh=True`` measures again.
+    ``torch.mm`` rate), so MFU stays at most 1; copy bandwidth (bytes/s) measured. Reused on the
+    same machine, torch build and thread count for ``max_age`` seconds (kept in memory and on
+    disk, ``details`` says what and when); ``refresh=True`` measures again.
 
-    >>> measure_cpu() is measure_cpu()
-    True
+    >>> MAX_AGE_SECONDS / 86_400  # days a measurement is reused by default
+    7.0
     """
     import torch  # the only torch import in the napkin layer, deferred to this call
 
-    threads = torch.get_num_threads()
-    if refresh or threads not in _MEASURED:
-        _MEASURED[threads] = _measure(torch, threads)
-    return _MEASURED[threads]
+    if not max_age >= 0:
+        raise HardwareError(f"max_age must be a non-negative number of seconds, got {max_age!r}")
+    key = _machine_key(torch)
+    path = _cache_path(key)
+    memo = json.dumps(key, sort_keys=True)
+    if not refresh:
+        for cached in (_MEASURED.get(memo), _load_cached(path)):
+            if _fresh(cached, key, max_age):
+                _MEASURED[memo] = cached
+                return cached
+    spec = _measure(torch, key)
+    _store(path, spec)
+    _MEASURED[memo] = spec
+    return spec

@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -217,21 +218,18 @@ def test_cuda_device_names_map_to_registry_entries(device, expected):
     assert (spec.name if spec else None) == expected
 
 
-def test_cpu_is_measured_once_per_process_and_thread_count(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("minitrain.accounting.hardware"), "_MEASURED", {})
+def test_cpu_is_measured_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
     measured = acc.measure_cpu(refresh=True)
     assert measured.measured and measured.name == "cpu"
     assert measured.peak_flops["fp32"] > 1e8 and measured.peak_flops["bf16"] > 1e7
     assert measured.memory_bandwidth > 1e8 and measured.memory_bytes > 0
-    assert measured.details["measured_at"] in measured.source
-    assert acc.hardware("cpu") is measured
-    assert acc.measure_cpu(refresh=True) is not measured
-    before = torch.get_num_threads()
-    torch.set_num_threads(1 if before > 1 else 2)
-    try:
-        assert acc.hardware("cpu").details["threads"] == torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
+    assert acc.hardware("cpu") is measured  # per-process cache
+    (cached_file,) = tmp_path.glob("hardware-cpu-*.json")
+    monkeypatch.setattr(importlib.import_module("minitrain.accounting.hardware"), "_MEASURED", {})
+    from_disk = acc.hardware("cpu")
+    assert from_disk is not measured and from_disk == measured
+    assert json.loads(cached_file.read_text())["name"] == "cpu"
 
 
 @pytest.mark.parametrize(
@@ -258,12 +256,12 @@ def _best_matmul_flops(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> fl
 
 @pytest.mark.parametrize("loaded", [False, True])
 @pytest.mark.parametrize("threads", [1, None])
-def test_mfu_of_a_matmul_heavy_step_is_at_most_one(monkeypatch, threads, loaded):
+def test_mfu_of_a_matmul_heavy_step_is_at_most_one(tmp_path, monkeypatch, threads, loaded):
     """Per process, as data parallel runs it (one thread each under --nproc 2) and as one run;
     ``loaded``: the probe ran while the machine was busy (its matmuls timed at 1 MFLOP/s)."""
-    module = importlib.import_module("minitrain.accounting.hardware")
-    monkeypatch.setattr(module, "_MEASURED", {})
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
     if loaded:
+        module = importlib.import_module("minitrain.accounting.hardware")
         monkeypatch.setattr(module, "_matmul_flops_per_second", lambda *args: 1e6)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
@@ -272,7 +270,7 @@ def test_mfu_of_a_matmul_heavy_step_is_at_most_one(monkeypatch, threads, loaded)
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             mfu = _best_matmul_flops(dtype) / spec.peak(name)
             assert 0 < mfu <= 1, (name, mfu, spec.source)
-        bound = spec.details["bound"]
+        bound = spec.details["key"]["bound"]
         assert bound["cores"] == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
         assert spec.peak("fp32") >= bound["flops"]["fp32"] > 0
     finally:
@@ -322,17 +320,112 @@ def test_napkin_math_and_estimate_cli_import_without_torch():
     assert result.returncode == 0, result.stderr
 
 
-# --- the CPU measured from the shell ----------------------------------------------------------
+# --- the CPU measurement's cache: same machine, same torch build, at most a week old -----------
 
 
 @pytest.fixture
-def quick_cpu(monkeypatch):
-    """The hardware module with a small, fast measurement, none taken yet."""
+def quick_cpu(tmp_path, monkeypatch):
+    """The hardware module with a small, fast measurement and an empty cache in ``tmp_path``."""
     module = importlib.import_module("minitrain.accounting.hardware")
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(module, "_MATMUL_SIZE", {"fp32": 64, "bf16": 64, "fp16": 64})
     monkeypatch.setattr(module, "_COPY_BYTES", 2**20)
     monkeypatch.setattr(module, "_MEASURED", {})
     return module
+
+
+def test_cpu_cache_records_when_and_where_it_was_measured(quick_cpu, tmp_path):
+    import torch
+
+    before = time.time()
+    spec = quick_cpu.measure_cpu()
+    details = spec.details
+    assert before <= details["measured_unix"] <= time.time()
+    assert details["measured_at"] in spec.source and "UTC" in details["measured_at"]
+    assert details["key"]["torch"] == torch.__version__
+    assert details["key"]["torch_git"] == torch.version.git_version
+    assert details["key"]["cpu"] == quick_cpu._cpu_model()
+    assert details["key"]["host"] == platform.node()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    assert json.loads(path.read_text())["details"] == json.loads(json.dumps(dict(details)))
+
+
+def test_cpu_refresh_measures_again_and_rewrites_the_cache(quick_cpu, tmp_path):
+    first = quick_cpu.measure_cpu()
+    assert quick_cpu.measure_cpu() is first  # per-process cache
+    again = quick_cpu.measure_cpu(refresh=True)
+    assert again is not first
+    assert again.details["measured_unix"] > first.details["measured_unix"]
+    assert quick_cpu.measure_cpu() is again
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    assert json.loads(path.read_text())["details"]["measured_unix"] == again.details[
+        "measured_unix"]
+
+
+def rewrite_cached(path, **details):
+    record = json.loads(path.read_text())
+    record["details"].update(details)
+    path.write_text(json.dumps(record))
+    return record
+
+
+def test_cpu_cache_expires(quick_cpu, tmp_path, monkeypatch):
+    first = quick_cpu.measure_cpu()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    week_old = first.details["measured_unix"] - quick_cpu.MAX_AGE_SECONDS + 60
+    rewrite_cached(path, measured_unix=week_old)
+    assert quick_cpu.measure_cpu().details["measured_unix"] == week_old  # not yet expired
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    rewrite_cached(path, measured_unix=week_old - 120)
+    assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
+    assert quick_cpu.measure_cpu(max_age=0) is not quick_cpu.measure_cpu(max_age=0)
+
+
+def test_cpu_cache_from_a_probe_without_fp16_is_measured_again(quick_cpu, tmp_path, monkeypatch):
+    first = quick_cpu.measure_cpu()
+    assert set(first.peak_flops) == {"fp32", "bf16", "fp16"}
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    record = json.loads(path.read_text())
+    del record["peak_flops"]["fp16"]
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    again = quick_cpu.measure_cpu()
+    assert again.details["measured_unix"] > first.details["measured_unix"]
+    assert again.peak_flops["fp16"] > 0
+
+
+@pytest.mark.parametrize("field, other", [("torch", "1.0.0"), ("cpu", "Another CPU"),
+                                          ("host", "another-host"), ("torch_git", "0" * 40)])
+def test_cpu_cache_from_another_machine_or_torch_build_is_not_reused(quick_cpu, tmp_path,
+                                                                     monkeypatch, field, other):
+    first = quick_cpu.measure_cpu()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    rewrite_cached(path, key={**first.details["key"], field: other})
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    fresh = quick_cpu.measure_cpu()
+    assert fresh.details["key"] == first.details["key"]
+    assert fresh.details["measured_unix"] > first.details["measured_unix"]
+
+
+def test_cpu_measured_elsewhere_lands_in_another_cache_file(quick_cpu, tmp_path, monkeypatch):
+    quick_cpu.measure_cpu()
+    monkeypatch.setattr(quick_cpu, "_cpu_model", lambda: "Another CPU")
+    other = quick_cpu.measure_cpu()
+    assert other.details["key"]["cpu"] == "Another CPU"
+    assert len(list(tmp_path.glob("hardware-cpu-*.json"))) == 2
+
+
+def test_cpu_cache_of_an_older_layout_is_measured_again(quick_cpu, tmp_path, monkeypatch):
+    first = quick_cpu.measure_cpu()
+    (path,) = tmp_path.glob("hardware-cpu-*.json")
+    record = json.loads(path.read_text())
+    del record["details"]["measured_unix"]
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(quick_cpu, "_MEASURED", {})
+    assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
+    with pytest.raises(ValueError, match="max_age must be"):
+        quick_cpu.measure_cpu(max_age=-1)
 
 
 def test_hardware_cpu_measure_from_the_shell(quick_cpu, capsys):
@@ -343,7 +436,7 @@ def test_hardware_cpu_measure_from_the_shell(quick_cpu, capsys):
         main(["hardware", "cpu", "--measure", "--json"])
     assert exit_info.value.code == 0
     record = json.loads(capsys.readouterr().out)
-    assert quick_cpu.measure_cpu() is not first
+    assert record["details"]["measured_unix"] > first.details["measured_unix"]
     assert record["details"]["measured_at"] in record["source"]
     with pytest.raises(SystemExit) as exit_info:
         main(["hardware", "h100", "--measure"])

@@ -66,7 +66,8 @@ def test_estimate_transformer_preset(capsys):
     assert flash["activations_per_layer"] == 34 * s * b * h + 4 * a * s * b
 
 
-def test_hardware_lists_the_registry_with_sources(capsys):
+def test_hardware_lists_the_registry_with_sources(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINITRAIN_CACHE_DIR", str(tmp_path))
     records = as_json(capsys, "hardware")
     names = {record["name"] for record in records}
     assert {"h100", "h200", "a100-40gb", "a100-80gb", "b200", "cpu"} <= names
