@@ -61,32 +61,6 @@ def test_an_update_of_cpu_params_ignores_the_default_device(name, donate):
         torch.testing.assert_close(params[key], value, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
-def test_muons_exactness_probes_run_on_the_cpu(monkeypatch, donate):
-    """Muon's first update of a stack of one shape tries random matrices both ways: they are
-    made on the CPU, whatever the default device."""
-    from minitrain.optim import _newton_schulz as ns
-
-    g = torch.Generator().manual_seed(0)
-    shapes = {"a": (64, 64), "b": (64, 64), "big": (128, 128)}
-    params = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
-    grads = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
-    results = []
-    for default_device in (None, "meta"):
-        monkeypatch.setattr(ns, "_STACK_IS_EXACT", {})  # the probes run again
-        torch.set_default_device(default_device)
-        try:
-            opt = mt.optim.muon(lr=0.02)
-            p = {k: v.clone() for k, v in params.items()}
-            p, _ = opt.update(grads, opt.init(p), p, donate=donate)
-        finally:
-            torch.set_default_device(None)
-        assert len(ns._STACK_IS_EXACT) == 1  # the probe ran
-        results.append(p)
-    for key, value in results[0].items():
-        torch.testing.assert_close(results[1][key], value, rtol=0, atol=0)
-
-
 def test_the_norm_of_no_leaves_is_a_cpu_float32_zero():
     torch.set_default_device("meta")
     torch.set_default_dtype(torch.float64)
