@@ -11,7 +11,6 @@ stays pure; up to two generations of params and state stay allocated between upd
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import sys
 import threading
@@ -34,19 +33,29 @@ class BufferPool:
         self._free: dict[tuple, list[Tensor]] = {}
         self._demand: dict[tuple, int] = {}
 
-    def _idle(self, held: list[tuple[Tensor, int]]) -> list[Tensor]:
-        alone = _alone()
-        return [alias for alias, storage in held if _torch.storage_use_count(storage) <= alone]
+    def _idle(self, key: tuple) -> list[Tensor]:
+        """The buffers of ``key`` nobody else holds: no tensor, no storage object, and whole
+        (one resized by hand, ``resize_``, would let a kernel write past its end)."""
+        shape, dtype = key
+        alone, nbytes = _alone(), shape.numel() * dtype.itemsize
+        idle = []
+        for alias, address in self._held[key]:
+            if _torch.storage_use_count(address) <= alone:
+                storage = alias.untyped_storage()
+                if sys.getrefcount(storage) <= _storage_refs_alone() and \
+                        storage.nbytes() >= nbytes:
+                    idle.append(alias)
+        return idle
 
     def idle_bytes(self) -> int:
         """Bytes of buffers that only this pool holds: its extra memory right now."""
-        return sum(alias.untyped_storage().nbytes() for held in self._held.values()
-                   for alias in self._idle(held))
+        return sum(alias.untyped_storage().nbytes() for key in self._held
+                   for alias in self._idle(key))
 
     def begin_update(self) -> None:
         """Find the buffers nobody else holds any more; call once before an update."""
         self._demand = {}
-        self._free = {key: self._idle(held) for key, held in self._held.items()}
+        self._free = {key: self._idle(key) for key in self._held}
 
     def __call__(self, like: list[Tensor]) -> list[Tensor]:
         """An uninitialized contiguous CPU buffer of each tensor's shape and dtype, recycled
@@ -56,66 +65,16 @@ class BufferPool:
         return [self._take((t.shape, t.dtype)) for t in like]
 
     def _take(self, key: tuple) -> Tensor:
-        shape, dtype = key
         demand = self._demand[key] = self._demand.get(key, 0) + 1
-        free, nbytes = self._free.get(key), shape.numel() * dtype.itemsize
-        while free:
-            alias = free.pop()
-            storage = alias.untyped_storage()
-            if sys.getrefcount(storage) > _storage_refs_alone():
-                continue  # no tensor holds it, but someone holds its storage object
-            if storage.nbytes() >= nbytes:
-                return alias.detach()
-            # Resized by hand (``resize_``): a kernel writing into it would write past its end.
-            self._held[key] = [held for held in self._held[key] if held[0] is not alias]
-        _from_the_heap(nbytes)
+        if self._free.get(key):
+            return self._free[key].pop().detach()
         # CPU by name: under torch.set_default_device('cuda' or 'meta') a kernel would get a
         # pointer it cannot write.
-        buffer = torch.empty(shape, dtype=dtype, device="cpu")
+        buffer = torch.empty(key[0], dtype=key[1], device="cpu")
         held = self._held.setdefault(key, [])
         if len(held) < 2 * demand:  # two generations (inputs and outputs) at most
             held.append((buffer, buffer.untyped_storage()._cdata))
         return buffer.detach()
-
-
-# glibc's malloc serves a request of at least its mmap threshold (128 KiB at first) with a
-# fresh mmap, and raises the threshold to the size of such a chunk when one is freed, if the
-# chunk is at most 32 MiB (mallopt(3), M_MMAP_THRESHOLD).
-_MMAP_THRESHOLD = 128 * 1024
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
-_PAGE = 4096
-_ALIGNMENT = 64  # c10's alignment for CPU tensors (posix_memalign)
-_HEAP_SIZES: set[int] = set()
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """The process's C library when it is glibc, whose malloc torch's CPU tensors use."""
-    try:
-        libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-    except OSError:
-        return None
-    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
-        return None
-    libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
-                                    ctypes.c_size_t]
-    libc.posix_memalign.restype = ctypes.c_int
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.free.restype = None
-    return libc
-
-
-def _from_the_heap(nbytes: int) -> None:
-    """Let buffers of ``nbytes`` come from malloc's heap, not from fresh mmaps (each at the
-    same offset in a page, which is slower), by freeing one mmapped block of that size first,
-    as glibc's own rule does after the first such free. Once per size, on glibc only."""
-    if nbytes in _HEAP_SIZES or not _MMAP_THRESHOLD <= nbytes <= _MMAP_THRESHOLD_MAX - _PAGE:
-        return
-    _HEAP_SIZES.add(nbytes)
-    libc = _glibc()
-    block = ctypes.c_void_p()
-    if libc is not None and libc.posix_memalign(ctypes.byref(block), _ALIGNMENT, nbytes) == 0:
-        libc.free(block)
 
 
 _THREAD = threading.local()
@@ -160,7 +119,7 @@ def _alone() -> int:
 
 @functools.cache
 def _storage_refs_alone() -> int:
-    """References to a storage's Python object that nobody else holds, counted as ``_take``
+    """References to a storage's Python object that nobody else holds, counted as ``_idle``
     counts them (one local name and the call's argument)."""
     probe = _probe()
     storage = probe.untyped_storage()
