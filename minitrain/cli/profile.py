@@ -7,7 +7,6 @@ measured step time.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 import time
@@ -17,7 +16,7 @@ from typing import Any
 import click
 
 from minitrain.accounting.units import si
-from minitrain.cli.errors import Command, UserError
+from minitrain.cli.errors import Command
 from minitrain.cli.options import PNG, SEED, Whole, echo_json, script_argument
 from minitrain.cli.roofline import print_table, roof_line
 
@@ -36,9 +35,9 @@ def time_step(step: Any, params: Any, opt_state: Any, batch: Any, backend: Any, 
 
 def profile_script(
     script: Path, overrides: dict[str, str], backend_name: str, hardware_name: str,
-    dtype: str | None, seed: int, warmup: int, repeats: int, memory: bool = False,
-) -> tuple[Any, dict[str, Any], Any, dict[str, Any] | None]:
-    """Run a script's step under the counter, timed: ``(profile, config, counter, timelines)``."""
+    dtype: str | None, seed: int, warmup: int, repeats: int,
+) -> tuple[Any, dict[str, Any], Any]:
+    """Run a script's step under the counter, timed: ``(profile, config, counter)``."""
     from minitrain.accounting.counter import Counter
     from minitrain.accounting.hardware import dtype_name
     from minitrain.accounting.roofline import profile_records, roof
@@ -60,74 +59,7 @@ def profile_script(
     measured = time_step(step, params, opt_state, batch, backend, repeats)
     with Counter(track_memory=False) as counter:
         step(params, opt_state, batch)
-    timelines = None
-    if memory:
-        timelines = memory_timelines(experiment, backend, params, opt_state, batch,
-                                     step.keywords["carry"])
-    return profile_records(counter.records, on, measured), config, counter, timelines
-
-
-def measured_timeline(experiment: Any, backend: Any, params: Any, opt_state: Any,
-                      batch: Any, carry: Any = None) -> list:
-    """Live memory by category after every op of one real step (the counter's record);
-    ``carry`` holds the model state and loss scale of a run that carries them."""
-    from minitrain.accounting.counter import Counter
-    from minitrain.train import make_train_step
-
-    counters: list[Any] = []
-
-    def mark_grads(grads: Any, loss: Any, aux: Any) -> tuple[Any, Any, Any]:
-        counters[0].categorize(grads, category="grads")
-        counters[0].set_phase("clip")  # the grad norm (and clipping) come next
-        return grads, loss, aux
-
-    optimizer = experiment.optimizer
-
-    def update(grads: Any, *args: Any, **kwargs: Any) -> Any:
-        counters[0].categorize(grads, category="grads")  # clipped grads are new tensors
-        counters[0].set_phase("update")
-        return optimizer.update(grads, *args, **kwargs)
-
-    if hasattr(optimizer, "_replace"):  # an mt.optim Optimizer: mark where the update starts
-        experiment = dataclasses.replace(experiment, optimizer=optimizer._replace(update=update))
-    step = make_train_step(experiment, backend, grad_transform=mark_grads)
-    with Counter(record_timeline=True, keep_records=False) as counter:
-        counters.append(counter)
-        counter.track(params, category="params")
-        counter.track(opt_state, category="optimizer_state")
-        counter.track(batch, category="batch")
-        if carry is not None:
-            counter.track(carry, category="buffers")
-        out = step(params, opt_state, batch, carry=carry)
-        counter.categorize(out.params, category="params")
-        counter.categorize(out.opt_state, category="optimizer_state")
-        if out.carry is not None:
-            counter.categorize(out.carry, category="buffers")
-    return counter.timeline()
-
-
-def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
-                     batch: Any, carry: Any = None) -> dict[str, Any]:
-    """``{"predicted": timeline or an error line, "measured": timeline}`` of one step: the
-    prediction is ``predict_step``'s on fake tensors (no data, nothing computed)."""
-    from minitrain.accounting.predict import predict_step
-    from minitrain.train.step import loss_with_aux
-
-    model_state = carry.model_state if carry is not None else None
-    if model_state is None:
-        loss, has_aux = loss_with_aux(experiment), True
-    else:
-        loss, has_aux = experiment.loss, experiment.has_aux
-    try:
-        predicted: Any = predict_step(
-            loss, params, batch, optimizer=experiment.optimizer, has_aux=has_aux,
-            max_grad_norm=experiment.max_grad_norm, autocast=backend.autocast,
-            model_state=model_state,
-        ).timeline
-    except ValueError as exc:  # PredictionError: the step needs data (.item(), ...)
-        predicted = str(exc).splitlines()[0]
-    return {"predicted": predicted,
-            "measured": measured_timeline(experiment, backend, params, opt_state, batch, carry)}
+    return profile_records(counter.records, on, measured), config, counter
 
 
 @click.command(cls=Command)
@@ -141,77 +73,29 @@ def memory_timelines(experiment: Any, backend: Any, params: Any, opt_state: Any,
 @click.option("--repeats", type=Whole(min=1), default=5, help="Timed steps (median).")
 @click.option("--top", type=Whole(min=1), default=15, help="Rows of the op table.")
 @click.option("--plot", "plot_path", type=PNG, default=None, help="Draw the roofline.")
-@click.option("--memory", "memory_path", type=PNG, default=None,
-              help="Draw predicted and measured live memory over one step, by category.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: str,
             overrides: tuple[str, ...], seed: int, warmup: int, repeats: int, top: int,
-            plot_path: str | None, memory_path: str | None, as_json: bool) -> None:
+            plot_path: str | None, as_json: bool) -> None:
     """Place every op of one training step of SCRIPT on a roofline (see examples/linreg.py)."""
     from minitrain.accounting.plots import plot
     from minitrain.train.experiment import parse_overrides
 
-    parsed = parse_overrides(overrides)
-    if memory_path is not None:
-        _needs_matplotlib()
-    result, config, counter, timelines = profile_script(
-        script, parsed, backend_name, hardware_name, dtype, seed, warmup, repeats,
-        memory=memory_path is not None,
+    result, config, counter = profile_script(
+        script, parse_overrides(overrides), backend_name, hardware_name, dtype, seed, warmup,
+        repeats,
     )
-    memory = None
-    if timelines is not None and memory_path is not None:
-        memory = _draw_memory(script, timelines, memory_path)
     if plot_path is not None:
         achieved = result.achieved_flops
         measured = [("whole step, measured", result.intensity, achieved)] if achieved else []
         plot([result.roof], result.groups, plot_path, measured=measured, label_top=8,
              title=f"{script.name}: one training step on {result.roof.name}")
     if as_json:
-        record = _record(script, config, result, counter, plot_path)
-        if memory is not None:
-            record["memory"] = memory
-        echo_json(record)
+        echo_json(_record(script, config, result, counter, plot_path))
         return
     _print(script, result, counter, top)
     if plot_path is not None:
         click.echo(f"wrote {plot_path}")
-    if memory is not None:
-        _print_memory(memory)
-
-
-def _needs_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "--memory needs matplotlib; install it with: pip install 'minitrain[plot]'"
-        ) from None
-
-
-def _draw_memory(script: Path, timelines: dict[str, Any], path: str) -> dict[str, Any]:
-    """Draw the timelines; return their peaks (and why a prediction is missing)."""
-    from minitrain.accounting.plots import plot_memory_timeline
-    from minitrain.accounting.timeline import timeline_summary
-
-    drawn = {f"{label} ({'fake tensors' if label == 'predicted' else 'this run'})": t
-             for label, t in timelines.items() if isinstance(t, list)}
-    plot_memory_timeline(drawn, path, title=f"{script.name}: live memory over one step")
-    memory: dict[str, Any] = {"plot": path}
-    for label, t in timelines.items():
-        memory[label] = timeline_summary(t) if isinstance(t, list) else {"error": t}
-    return memory
-
-
-def _print_memory(memory: dict[str, Any]) -> None:
-    for label in ("predicted", "measured"):
-        m = memory[label]
-        if "error" in m:
-            click.echo(f"memory {label}: not available ({m['error']})")
-            continue
-        parts = ", ".join(f"{k} {si(v, 'B')}" for k, v in m["at_peak"].items())
-        click.echo(f"memory {label}: peak {si(m['peak_bytes'], 'B')} at op {m['peak_op_index']} "
-                   f"({m['peak_phase']}): {parts}")
-    click.echo(f"wrote {memory['plot']}")
 
 
 def _record(script: Path, config: dict, result: Any, counter: Any, plot_path: str | None) -> dict:

@@ -15,8 +15,7 @@ def plot_options() -> list[tuple[str, str]]:
 
 
 def test_the_plot_options_are_found():
-    assert {("roofline", "--plot"), ("profile", "--plot"), ("profile", "--memory"),
-            ("plot", "--out")} <= set(plot_options())
+    assert {("roofline", "--plot"), ("profile", "--plot"), ("plot", "--out")} <= set(plot_options())
 
 
 @pytest.mark.parametrize("command, option", plot_options())

@@ -10,7 +10,7 @@ from minitrain.cli.options import PNG
 from tests.cli.test_json_output import ARGUMENTS
 from tests.cli.test_script_folder import command_options
 
-WRITE_OPTIONS = {"out", "plot_path", "memory_path"}
+WRITE_OPTIONS = {"out", "plot_path"}
 
 
 def write_options() -> list[tuple[str, click.Option]]:
@@ -23,7 +23,7 @@ OPTIONS = write_options()
 def test_the_writing_options_are_found():
     assert {(c, o.opts[0]) for c, o in OPTIONS} >= {
         ("run", "--out"), ("sweep", "--out"), ("plot", "--out"), ("prepare", "--out"),
-        ("roofline", "--plot"), ("profile", "--plot"), ("profile", "--memory")}
+        ("roofline", "--plot"), ("profile", "--plot")}
 
 
 @pytest.mark.parametrize("path, option", OPTIONS, ids=[f"{c} {o.opts[0]}" for c, o in OPTIONS])
