@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import minitrain as mt
-from minitrain.data import Prefetcher, ensure_prepared, get_batch, load_prepared
+from minitrain.data import ensure_prepared, get_batch, load_prepared
 
 CONFIG = {
     "d_model": 128,
@@ -128,7 +128,6 @@ def experiment(config: dict) -> mt.Experiment:
         )
     data = load_data(config["data_dir"], config["source_dir"])
     batch_size, seq_len, n_heads = config["batch_size"], config["seq_len"], config["n_heads"]
-    sample = Prefetcher(lambda g: get_batch(data.train, batch_size, seq_len, g))
 
     def loss(params: dict, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
         x, y = batch
@@ -163,7 +162,7 @@ def experiment(config: dict) -> mt.Experiment:
         init=lambda generator: init_params(config, generator),
         loss=loss,
         has_aux=True,
-        next_batch=sample,
+        next_batch=lambda g: get_batch(data.train, batch_size, seq_len, g),
         optimizer=mt.optim.adamw(
             lr=schedule,
             betas=(0.9, 0.95),

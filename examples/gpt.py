@@ -20,7 +20,7 @@ import math
 import torch
 
 import minitrain as mt
-from minitrain.data import Prefetcher, ensure_prepared, get_batch, load_prepared
+from minitrain.data import ensure_prepared, get_batch, load_prepared
 
 CONFIG = {
     "n_layer": 2,
@@ -109,7 +109,7 @@ def experiment(config: dict) -> mt.Experiment:
         init=init,
         loss=loss,
         has_aux=True,
-        next_batch=Prefetcher(sample),
+        next_batch=sample,
         optimizer=mt.optim.adamw(lr=schedule, betas=(0.9, 0.95),
                                  weight_decay=config["weight_decay"], mask=decay),
         steps=config["steps"],

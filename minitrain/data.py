@@ -19,11 +19,8 @@ import json
 import os
 import sys
 import sysconfig
-import weakref
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +30,7 @@ from minitrain.errors import StorageError
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
 __all__ = [
-    "TOKEN_DTYPES", "DataError", "Prefetcher", "PreparedData", "default_data_dir",
+    "TOKEN_DTYPES", "DataError", "PreparedData", "default_data_dir",
     "ensure_prepared", "get_batch", "load_prepared", "open_tokens", "prepare", "source_files",
     "stdlib_dir", "write_tokens",
 ]
@@ -41,7 +38,6 @@ __all__ = [
 TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
 """The on-disk token formats: ``uint16`` (vocab <= 65,536) and ``int32``."""
 
-Batch = TypeVar("Batch")
 BYTE_VOCAB_SIZE = 256
 _PREPARED_FORMAT = "minitrain-tokens"
 _VAL_FRACTION = 0.05
@@ -165,57 +161,6 @@ def get_batch(
     x = torch.from_numpy(windows[:, :-1].astype(np.int64))
     y = torch.from_numpy(windows[:, 1:].astype(np.int64))
     return x.to(device), y.to(device)
-
-
-class Prefetcher(Generic[Batch]):
-    """Prepare the next batch in a background thread while the current step runs.
-
-    ``sample(generator)`` must be a pure function of the generator's state; the worker draws from
-    a private copy, used only if the caller's generator still holds that state, so the caller's
-    generator stays the only RNG state.
-    """
-
-    def __init__(self, sample: Callable[[torch.Generator], Batch]):
-        self._sample = sample
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minitrain-data")
-        # The generator state the next batch is drawn from, and the future (batch, state after).
-        self._pending: tuple[torch.Tensor, Future[tuple[Batch, torch.Tensor]]] | None = None
-        self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
-        self.hits = 0
-        """How many calls were served by the background thread."""
-
-    def __call__(self, generator: torch.Generator) -> Batch:
-        """Return ``sample(generator)`` (advancing ``generator``) and start on the next batch."""
-        state = generator.get_state()
-        pending, self._pending = self._pending, None
-        if pending is not None and torch.equal(pending[0], state):
-            batch, after = pending[1].result()
-            generator.set_state(after)
-            self.hits += 1
-        else:
-            if pending is not None:
-                pending[1].cancel()
-            batch = self._sample(generator)
-            after = generator.get_state()
-        self._pending = (after, self._executor.submit(self._speculate, after, generator.device))
-        return batch
-
-    def _speculate(self, state: torch.Tensor, device: torch.device) -> tuple[Batch, torch.Tensor]:
-        private = torch.Generator(device=device)
-        private.set_state(state)
-        return self._sample(private), private.get_state()
-
-    def close(self) -> None:
-        """Stop the worker thread (waits for the batch in flight, if any)."""
-        self._pending = None
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._finalizer.detach()
-
-    def __enter__(self) -> Prefetcher[Batch]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def stdlib_dir() -> Path:

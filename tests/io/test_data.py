@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from minitrain import data, rng
 from minitrain.atomic_io import cache_dir
 from minitrain.cli import cli
-from minitrain.data import DataError, Prefetcher, get_batch, open_tokens, write_tokens
+from minitrain.data import DataError, get_batch, open_tokens, write_tokens
 from minitrain.errors import StorageError
 
 # The chapter's and nanoGPT's loaders, the references get_batch is checked against
@@ -173,69 +173,6 @@ def test_get_batch_on_cuda_matches_cpu():
     x, y = get_batch(values, 4, 16, torch.Generator().manual_seed(0), device="cuda")
     cx, cy = get_batch(values, 4, 16, torch.Generator().manual_seed(0))
     assert x.device.type == "cuda" and torch.equal(x.cpu(), cx) and torch.equal(y.cpu(), cy)
-
-
-# --------------------------------------------------------------------------- prefetch
-
-
-def sampler(values):
-    return lambda g: get_batch(values, 4, 8, g)
-
-
-def test_prefetcher_returns_the_plain_batches_and_advances_the_generator_alike():
-    sample = sampler(np.arange(5000))
-    plain, fetched = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    with Prefetcher(sample) as prefetch:
-        for _ in range(10):
-            expected, got = sample(plain), prefetch(fetched)
-            assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
-            assert torch.equal(plain.get_state(), fetched.get_state())
-        assert prefetch.hits == 9  # every call after the first was served by the worker
-
-
-def test_prefetcher_resumes_exactly_from_a_saved_generator_state():
-    sample = sampler(np.arange(5000))
-    g = torch.Generator().manual_seed(7)
-    with Prefetcher(sample) as prefetch:
-        batches = [prefetch(g) for _ in range(5)]
-        saved = rng.generator_state(g)  # what a checkpoint at step 5 holds
-        uninterrupted = [prefetch(g) for _ in range(5)]
-    resumed_g = torch.Generator()
-    rng.set_generator_state(resumed_g, saved)
-    with Prefetcher(sample) as prefetch:
-        resumed = [prefetch(resumed_g) for _ in range(5)]
-    for a, b in zip(uninterrupted, resumed, strict=True):
-        assert torch.equal(a[0], b[0])
-    assert not torch.equal(batches[-1][0], uninterrupted[0][0])
-
-
-def test_prefetcher_discards_speculation_when_the_generator_is_moved():
-    sample = sampler(np.arange(5000))
-    g, reference = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    with Prefetcher(sample) as prefetch:
-        prefetch(g)
-        sample(reference)
-        g.manual_seed(123)  # e.g. a checkpoint restored between steps
-        reference.manual_seed(123)
-        assert torch.equal(prefetch(g)[0], sample(reference)[0])
-        assert prefetch.hits == 0
-
-
-def test_prefetcher_reraises_errors_from_the_worker():
-    calls = []
-
-    def sample(g):
-        calls.append(1)
-        if len(calls) > 1:
-            raise DataError("disk gone")
-        return torch.rand(2, generator=g)
-
-    generator = torch.Generator()
-    with Prefetcher(sample) as prefetch:
-        prefetch(generator)  # drawn in place; the worker's draw for the next call fails
-        with pytest.raises(DataError, match="disk gone"):
-            prefetch(generator)
-    assert len(calls) == 2
 
 
 # --------------------------------------------------------------------------- prepare
