@@ -61,6 +61,9 @@ params = mt.tree.stack([ensemble.init(k) for k in mt.random.split(mt.random.key(
 state = mt.vmap(lambda p: mt.optim.adam(lr=1e-3).init(p))(params)
 x, y = ensemble.data(64, seed=0)
 explain(ensemble.ensemble_step, params, state, lrs, x, y)
+compiled = torch.compile(ensemble.ensemble_step, backend="aot_eager", fullgraph=True)
+torch.testing.assert_close(compiled(params, state, lrs, x, y),
+                           ensemble.ensemble_step(params, state, lrs, x, y))
 """,
     "MAML with unroll": """
 experiment, _ = load_experiment(ROOT + "/examples/maml_sine.py", {"tasks": "4"})
