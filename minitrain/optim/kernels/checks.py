@@ -3,8 +3,8 @@ written in place.
 
 The kernel walks raw storage: a state leaf of another shape, or a grad whose strides differ
 from its param's (expanded, transposed, sliced, overlapping), would be read out of bounds or in
-the wrong order. :func:`pointers` runs before any call; :func:`donatable` before any update
-that writes its inputs.
+the wrong order. :func:`pointers` runs before any call (and, donated, checks that no storage
+it writes meets another); :func:`donatable` before any other update that writes its inputs.
 """
 
 from __future__ import annotations
@@ -98,17 +98,20 @@ def _overlapping(written: list[tuple[int, int]], read: list[tuple[int, int]]) ->
     return False
 
 
-def pointers(rows: Sequence[list[Tensor] | None], dtype: torch.dtype | None = None,
+def pointers(rows: Sequence[list[Tensor] | None], read: int | None = None,
+             dtype: torch.dtype | None = None,
              like: list[Tensor] | None = None) -> list[list[int] | None] | None:
     """Each row's data pointers where every tensor of ``rows`` (lists of leaves; None for an
     absent row) is a plain contiguous CPU tensor of its param's shape and dtype (params:
     ``like``, else ``rows[0]``; ``dtype`` where given), not requiring grad, not negated, held
-    by its storage; else None. Whether rows written in place may meet is :func:`donatable`'s.
+    by its storage; else None. With ``read`` (the grads' row) the other rows are written in
+    place: None too where two written storages meet, or the grads' meet one (what
+    :func:`donatable` checks of any tensors, in the same pass).
 
     >>> p = [torch.zeros(3)]
     >>> pointers([p, [torch.ones(1).expand(3)]]) is None  # stride 0
     True
-    >>> pointers([p, [torch.ones(6)[::2]]]) is None  # strided
+    >>> pointers([p, p], read=1) is None  # the grad is the param: not in place
     True
     """
     like = rows[0] if like is None else like
@@ -119,12 +122,14 @@ def pointers(rows: Sequence[list[Tensor] | None], dtype: torch.dtype | None = No
         metas.append((t.shape, kind, kind.itemsize, t.numel() * kind.itemsize))
     wrapped = _torch.is_functorch_wrapped_tensor
     found: list[list[int] | None] = []
-    for row in rows:
+    spans: list[list[tuple[int, int]]] = [[], []]  # written, read
+    for index, row in enumerate(rows):
         if row is None:
             found.append(None)
             continue
         if len(row) != n:
             return None
+        sink = None if read is None else spans[index == read]
         addresses = []
         for t, (shape, kind, size, nbytes) in zip(row, metas, strict=True):
             if not (type(t) in _PLAIN and t.dtype is kind and t.shape == shape and t.is_cpu
@@ -132,9 +137,11 @@ def pointers(rows: Sequence[list[Tensor] | None], dtype: torch.dtype | None = No
                     and not t.is_neg() and not wrapped(t)):
                 return None
             storage = t.untyped_storage()
-            start, offset = storage.data_ptr(), t.storage_offset() * size
-            if offset + nbytes > storage.nbytes():
+            start, held, offset = storage.data_ptr(), storage.nbytes(), t.storage_offset() * size
+            if offset + nbytes > held:
                 return None
+            if sink is not None and nbytes:
+                sink.append((start, start + held))
             addresses.append(start + offset)
         found.append(addresses)
-    return found
+    return None if read is not None and _overlapping(*spans) else found

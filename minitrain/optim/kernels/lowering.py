@@ -27,7 +27,7 @@ from minitrain import _torch
 from minitrain.optim import _flat
 from minitrain.optim._checks import decay_flags, is_traced
 from minitrain.optim.kernels import pool, streaming
-from minitrain.optim.kernels.checks import donatable, pointers
+from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["lower", "RULES"]
 
@@ -358,11 +358,12 @@ def _run(shape, groups, grads, state, params, donate):
     if buffers is None or not streaming.available():
         return None
     rows = [p_leaves, g_leaves, *buffers]
-    found = pointers(rows, dtype=torch.float32)  # checked once, after every read
+    # checked once, after every read; donated, no written storage meets another or a grad's
+    found = pointers(rows, read=1 if donate else None, dtype=torch.float32)
+    if found is None and donate:  # leaves that meet: into new buffers
+        donate, found = False, pointers(rows, dtype=torch.float32)
     if found is None:
         return None
-    written = [t for row in (p_leaves, *buffers) if row is not None for t in row]
-    donate = donate and donatable(written, g_leaves)  # else into new buffers
     if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
         flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
         groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
@@ -402,6 +403,10 @@ def _kernels(shape, rows, found, read, groups, donate):
     sign = -clip if shape.maximize else clip
     if not rule.folds_sign and sign != 1.0:  # the other kernels take the grads times it
         gs = list(_torch.foreach["mul"](gs, sign))
+        scaled = pointers([gs], like=ps)
+        if scaled is None:
+            return None
+        found = [found[0], scaled[0], *found[2:]]
     plans = []
     for on, group in zip((True, False), groups or (range(len(ps)), None), strict=True):
         if group:
@@ -417,13 +422,39 @@ def _kernels(shape, rows, found, read, groups, donate):
         outputs.begin_update()
     new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
     for group, (name, hp, _) in plans:
-        picked = [None if row is None else [row[i] for i in group] for row in (ps, gs, *buffers)]
-        results = streaming.update(name, hp, picked, outputs)
+        picked, at = ([None if row is None else [row[i] for i in group] for row in table]
+                      for table in ((ps, gs, *buffers), found))
+        results = _stream(name, hp, picked, at, outputs)
+        if results is None:
+            return None
         for new, out in zip(new_rows, results, strict=True):
             if new is not None:
                 for position, i in enumerate(group):
                     new[i] = out[position]
     return new_rows[0], new_rows[1:]
+
+
+def _stream(name, hp, rows, found, outputs):
+    """One group's C kernel call over checked ``rows`` (``found``: their addresses) into
+    ``outputs`` buffers or, None, in place: the body of ``minitrain::stream_update``, as no mode
+    or compiler is there to see the op (checked before), without its dispatch and second
+    check."""
+    ps, written = rows[0], [rows[0], *rows[2:]]
+    if outputs is None:
+        results, addresses = written, [found[0], *found[2:]]
+    else:
+        results = [None if row is None else outputs(row) for row in written]
+        addresses = pointers(results, like=ps)  # every pointer handed to C is checked
+        if addresses is None:
+            return None
+    present = len(rows) + len(results) - rows.count(None) - results.count(None)
+    streaming.launch(streaming.RULES[name][0], [float(v) for v in hp], [*found, *addresses],
+                     [p.numel() for p in ps],
+                     outputs is not None and streaming.streams(ps, present))
+    if outputs is None:  # written in place: bump their versions, as an in-place op does
+        torch.autograd.graph.increment_version([t for row in results if row is not None
+                                                for t in row])
+    return results
 
 
 def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):

@@ -40,7 +40,7 @@ from torch import Tensor
 from minitrain import _torch
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "norm", "quiet",
+__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "launch", "norm", "quiet",
            "sums_of_squares", "update", "usable"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
@@ -231,15 +231,14 @@ def update(rule: str, hyperparameters: Sequence[SupportsFloat],
     if len(hyperparameters) != count:
         raise ValueError(f"streaming rule {rule!r} takes {count} hyperparameters, got "
                          f"{len(hyperparameters)}; pass them in the order _streaming.c lists")
-    written = [slots[0], *slots[2:]]
-    results = [s if s is None or outputs is None else outputs(s) for s in written]
+    results = [s if s is None or outputs is None else outputs(s) for s in (slots[0], *slots[2:])]
     rows = [*slots, *results]
     if nontemporal is None:
         nontemporal = outputs is not None and streams(slots[0], len(rows) - rows.count(None))
     torch.ops.minitrain.stream_update(
         index, [float(v) for v in hyperparameters],
-        [t for row in rows[:len(slots)] if row is not None for t in row],
-        [t for row in rows[len(slots):] if row is not None for t in row],
+        [t for row in slots if row is not None for t in row],
+        [t for row in results if row is not None for t in row],
         [int(row is not None) for row in rows], nontemporal)
     return results
 
@@ -250,14 +249,27 @@ def streams(params: list[Tensor], rows: int) -> bool:
     return 4 * rows * sum(p.numel() for p in params) >= STREAMING_BYTES
 
 
-@torch.library.custom_op(
-    "minitrain::stream_update", mutates_args=("outputs",), device_types="cpu",
-    schema="(int rule, float[] hyperparameters, Tensor[] inputs, Tensor(a!)[] outputs, "
-           "int[] present, bool nontemporal) -> ()")
-def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor],
-                   outputs: list[Tensor], present: list[int], nontemporal: bool) -> None:
-    """The C kernel over rows of leaves: ``inputs`` and ``outputs`` hold the present rows one
-    after another (``present``: per pointer slot, whether its row is there)."""
+def launch(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
+           sizes: list[int], nontemporal: bool) -> None:
+    """The C call of ``minitrain::stream_update``: rule ``rule`` (:data:`RULES`' index) over rows
+    of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) that
+    :func:`.checks.pointers` gave for float32 leaves of ``sizes`` elements."""
+    columns = [[0] * len(sizes) if row is None else row for row in rows]
+    # The arrays are named: C reads them after the expression that made them.
+    hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
+    addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
+    status = _loaded().minitrain_update(
+        rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
+        len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
+    if status != 0:
+        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+
+
+def _stream(rule: int, hyperparameters: list[float], inputs: list[Tensor],
+            outputs: list[Tensor], present: list[int], nontemporal: bool) -> None:
+    """``minitrain::stream_update``: the C kernel over rows of leaves, ``inputs`` and
+    ``outputs`` holding the present rows one after another (``present``: per pointer slot,
+    whether its row is there)."""
     n_leaves = (len(inputs) + len(outputs)) // max(1, sum(present))
     tensors = iter([*inputs, *outputs])
     rows = [[next(tensors) for _ in range(n_leaves)] if on else None for on in present]
@@ -265,16 +277,13 @@ def _stream_update(rule: int, hyperparameters: list[float], inputs: list[Tensor]
     if found is None:
         raise ValueError("streaming update: pass plain contiguous float32 CPU tensors of their "
                          "params' shapes, whose storages hold them, not requiring grad")
-    sizes = [t.numel() for t in rows[0]]
-    columns = [[0] * len(sizes) if row is None else row for row in found]
-    # The arrays are named: C reads them after the expression that made them.
-    hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
-    addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
-    status = _loaded().minitrain_update(
-        rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
-        len(sizes), len(found), torch.get_num_threads(), int(nontemporal))
-    if status != 0:
-        raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+    launch(rule, hyperparameters, found, [t.numel() for t in rows[0]], nontemporal)
+
+
+_stream_update = torch.library.custom_op(
+    "minitrain::stream_update", mutates_args=("outputs",), device_types="cpu",
+    schema="(int rule, float[] hyperparameters, Tensor[] inputs, Tensor(a!)[] outputs, "
+           "int[] present, bool nontemporal) -> ()")(_stream)
 
 
 @_stream_update.register_fake
