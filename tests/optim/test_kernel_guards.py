@@ -1,6 +1,8 @@
-"""The streaming kernels' guards and build: their norm of norms against torch's ops, a decode
-table they cannot read, storages the caller's code frees while a kernel is about to read them, a
-failed or truncated build, and another OpenMP runtime in the process.
+"""The kernels' guards and build: torch's fused kernels where the C kernel takes no leaves
+(bf16, fp16, fp64, no C compiler) against ``torch.optim``'s ``fused=True``, the C kernel's norm
+of norms against torch's ops, a decode table they cannot read, storages the caller's code frees
+while a kernel is about to read them, a failed or truncated build, and another OpenMP runtime in
+the process.
 """
 
 from __future__ import annotations
@@ -21,6 +23,56 @@ from minitrain.optim.kernels.checks import pointers
 needs_kernels = pytest.mark.skipif(
     not streaming.available(), reason="no C compiler: the streaming kernels cannot be built"
 )
+
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float64)
+FUSED = {  # torch's fused SGD skips half-precision elements in whole SIMD blocks: fp64 only
+    "adam": (torch.optim.Adam, dict(lr=0.1, weight_decay=0.01, maximize=True), FLOATS),
+    "adamw": (torch.optim.AdamW, dict(lr=0.1, weight_decay=0.1, amsgrad=True), FLOATS),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.1, weight_decay=0.1, lr_decay=0.01), FLOATS),
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+            (torch.float64,)),
+}
+
+
+def _fused_against_torch(name: str, dtype: torch.dtype, donate: bool) -> None:
+    """Four steps (the first on a zero grad, where fp16's eps of 1e-8 is 0: the chain in fp16
+    gave 0/0) equal ``torch.optim``'s ``fused=True`` bit for bit; a pure update leaves its
+    inputs alone."""
+    cls, config, _ = FUSED[name]
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(300, generator=gen).to(dtype)
+    grads = [torch.zeros_like(p0)] + [torch.randn(300, generator=gen).to(dtype) for _ in "abc"]
+    reference = torch.nn.Parameter(p0.clone())
+    theirs = cls([reference], fused=True, **config)
+    opt = getattr(mt.optim, name)(**config)
+    params = {"w": p0.clone()}
+    state = opt.init(params)
+    for grad in grads:
+        reference.grad = grad.clone()
+        theirs.step()
+        before = params["w"].clone()
+        new, state = opt.update({"w": grad}, state, params, donate=donate)
+        assert donate or torch.equal(params["w"], before)
+        params = new
+    assert torch.isfinite(params["w"]).all() and torch.equal(params["w"], reference.detach())
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name, dtype", [(n, d) for n, (_, _, ds) in FUSED.items() for d in ds],
+                         ids=str)
+def test_leaves_the_c_kernel_does_not_take_run_torchs_fused_kernel(name, dtype, donate):
+    _fused_against_torch(name, dtype, donate)
+
+
+def test_without_the_c_kernel_float32_runs_torchs_fused_kernel():
+    code = ("import torch\n"
+            "from tests.optim.test_kernel_guards import FUSED, _fused_against_torch\n"
+            "for name in FUSED:\n"
+            "    for donate in (False, True):\n"
+            "        _fused_against_torch(name, torch.float32, donate)\n")
+    out = _python(code, {"MINITRAIN_STREAMING": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 @needs_kernels

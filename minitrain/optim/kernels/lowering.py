@@ -5,13 +5,13 @@
     [clip_by_global_norm] [scale(-1)] [add_decayed_weights] RULE [add_decayed_weights]
     [scale_by_learning_rate]
 
-where RULE is a row of :data:`RULES`, and runs it as one call of
-the streaming C kernel (``minitrain::stream_update``) per weight-decay group over float32 CPU
-leaves, into recycled buffers (:mod:`.pool`) or, donated, in place. Whenever it cannot take a
-call (vmap, grad, torch.compile, a torch mode, another dtype or device, leaves the kernel cannot
-address, a traced hyperparameter, no C compiler, ...) the update returns None and the chain
-runs: the chain is the definition, the kernel is tested equal to it
-(``docs/explanation/kernels.md``).
+where RULE is a row of :data:`RULES`, and runs it as one kernel call per weight-decay group
+over all leaves: the streaming C kernel on float32 CPU leaves (into recycled buffers
+(:mod:`.pool`) or, donated, in place), else torch's fused CPU kernel where the rule has one
+(bf16, fp16, fp64; float32 without a C compiler). Whenever it cannot take a call (vmap, grad,
+torch.compile, a torch mode, another device, leaves the kernels cannot address, a traced
+hyperparameter, ...) the update returns None and the chain runs: the chain is the
+definition, the kernels are tested equal to it (``docs/explanation/kernels.md``).
 """
 
 from __future__ import annotations
@@ -46,11 +46,16 @@ class Frame(NamedTuple):
 class Rule(NamedTuple):
     """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's
     rule name, hyperparameters and state buffers (``(rule transformation index, field)`` or
-    None) in its slot order, None for a frame it does not take."""
+    None) in its slot order, None for a frame it does not take; ``fused``: torch's kernel."""
 
     kernel: Callable[..., tuple[str, list, tuple] | None]
-    folds_sign: bool = False  # the kernel multiplies the grads by ``frame.sign`` itself
+    fused: Callable[..., None] | None = None
+    folds_sign: bool = False  # the C kernel multiplies the grads by ``frame.sign`` itself
     family: bool = False  # a family rule: its own step without scale_by_learning_rate
+    # what torch's CPU fused kernel takes (its fused SGD skips half-precision elements in
+    # whole SIMD blocks)
+    fused_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16,
+                                             torch.float16)
 
 
 def _adam(step, h, per_step, f):
@@ -162,11 +167,35 @@ def _schedule_free(step, hyper, per_step):
     ], ("z", "exp_avg_sq")
 
 
+def _steps(step, ps):
+    return [torch.tensor(float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
+
+
+def _fused_adam(ps, gs, buffers, step, h, f, maximize):
+    kernel = _torch.fused_adamw_ if f.decoupled else _torch.fused_adam_
+    kernel(ps, gs, buffers[0], buffers[1], buffers[2] or [], _steps(step, ps), lr=f.lr,
+           beta1=h["beta1"], beta2=h["beta2"], weight_decay=f.decoupled or f.l2, eps=h["eps"],
+           amsgrad=h["amsgrad"], maximize=maximize)
+
+
+def _fused_sgd(ps, gs, buffers, step, h, f, maximize):
+    _torch.fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, lr=f.lr,
+                      momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
+                      nesterov=h.get("nesterov", False), maximize=maximize,
+                      is_first_step=step == 1)
+
+
+def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
+    _torch.fused_adagrad_(ps, gs, buffers[0], _steps(step, ps), lr=f.lr, lr_decay=h["lr_decay"],
+                          weight_decay=f.l2, eps=h["eps"], maximize=maximize)
+
+
+_FULL = (torch.float32, torch.float64)
 RULES: dict[tuple[str, ...], Rule] = {
-    ("scale_by_adam",): Rule(_adam, folds_sign=True),
-    (): Rule(_sgd),
-    ("trace",): Rule(_sgd),
-    ("scale_by_adagrad",): Rule(_adagrad),
+    ("scale_by_adam",): Rule(_adam, _fused_adam, folds_sign=True),
+    (): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
+    ("trace",): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
+    ("scale_by_adagrad",): Rule(_adagrad, _fused_adagrad),
     ("scale_by_rms",): Rule(_rmsprop),
     ("scale_by_rms", "trace"): Rule(_rmsprop),
     ("scale_by_adadelta",): _family(_adadelta),
@@ -355,19 +384,22 @@ def _run(shape, groups, grads, state, params, donate):
     if read is None or not streaming.quiet():
         return None  # the caller's code (a subclass's value) may have entered a mode
     buffers, fields = _buffers(shape, rule_states, read)
-    if buffers is None or not streaming.available():
+    use_c = all(p.dtype is torch.float32 for p in p_leaves) and streaming.available()
+    if buffers is None or not use_c and (shape.rule.fused is None or any(
+            p.dtype not in shape.rule.fused_dtypes for p in p_leaves)):
         return None
     rows = [p_leaves, g_leaves, *buffers]
     # checked once, after every read; donated, no written storage meets another or a grad's
-    found = pointers(rows, read=1 if donate else None, dtype=torch.float32)
+    found = pointers(rows, read=1 if donate else None)
     if found is None and donate:  # leaves that meet: into new buffers
-        donate, found = False, pointers(rows, dtype=torch.float32)
+        donate, found = False, pointers(rows)
     if found is None:
         return None
     if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
         flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
         groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
-    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate)
+    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate,
+                   use_c)
     if ran is None:
         return None
     new_params, new_buffers = ran
@@ -389,20 +421,26 @@ def _buffers(shape, rule_states, read):
     return buffers, found[2]
 
 
-def _clip(gs, found, read):
-    """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, in one pass."""
-    norm = streaming.norm(streaming.sums_of_squares(found[1], [g.numel() for g in gs]))
+def _clip(gs, found, read, use_c):
+    """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, with its ops."""
+    if use_c:
+        norm = streaming.norm(streaming.sums_of_squares(found[1], [g.numel() for g in gs]))
+    else:
+        norm = torch.linalg.vector_norm(torch.stack(_torch.foreach_norm(gs)))
     return float(torch.clamp(read.max_norm / (norm + 1e-6), max=1.0))
 
 
-def _kernels(shape, rows, found, read, groups, donate):
+def _kernels(shape, rows, found, read, groups, donate, use_c):
     """Each weight-decay group's kernel call: the new params and state rows; None where no
     kernel takes this frame."""
     rule, (ps, gs, *buffers) = shape.rule, rows
-    clip = 1.0 if shape.clip is None else _clip(gs, found, read)
+    clip = 1.0 if shape.clip is None else _clip(gs, found, read, use_c)
     sign = -clip if shape.maximize else clip
-    if not rule.folds_sign and sign != 1.0:  # the other kernels take the grads times it
-        gs = list(_torch.foreach["mul"](gs, sign))
+    # What the grads are multiplied by first: the C kernels of folding rules take the sign
+    # (and the clip's factor) themselves, torch's fused kernels negate for maximize.
+    scale = (1.0 if rule.folds_sign else sign) if use_c else clip
+    if scale != 1.0:
+        gs = list(_torch.foreach["mul"](gs, scale))
         scaled = pointers([gs], like=ps)
         if scaled is None:
             return None
@@ -412,19 +450,20 @@ def _kernels(shape, rows, found, read, groups, donate):
         if group:
             l2 = read.wd if on and shape.l2 is not None else 0.0
             decoupled = read.wd if on and shape.decoupled is not None else 0.0
-            frame = Frame(sign if rule.folds_sign else 1.0, l2, read.lr, decoupled)
+            frame = Frame(sign if use_c and rule.folds_sign else 1.0, l2, read.lr, decoupled)
             planned = rule.kernel(read.step, read.hyper, read.per_step, frame)
             if planned is None:
                 return None
-            plans.append((group, planned))
-    outputs = None if donate else pool.current()  # None: in place
+            plans.append((group, frame, planned))
+    outputs = None if donate or not use_c else pool.current()  # None: in place, or torch's
     if outputs is not None:
         outputs.begin_update()
     new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
-    for group, (name, hp, _) in plans:
+    for group, frame, (name, hp, _) in plans:
         picked, at = ([None if row is None else [row[i] for i in group] for row in table]
                       for table in ((ps, gs, *buffers), found))
-        results = _stream(name, hp, picked, at, outputs)
+        results = streaming.run(name, hp, picked, at, outputs) if use_c else _fused(
+            shape, picked, read, frame, donate)
         if results is None:
             return None
         for new, out in zip(new_rows, results, strict=True):
@@ -434,27 +473,14 @@ def _kernels(shape, rows, found, read, groups, donate):
     return new_rows[0], new_rows[1:]
 
 
-def _stream(name, hp, rows, found, outputs):
-    """One group's C kernel call over checked ``rows`` (``found``: their addresses) into
-    ``outputs`` buffers or, None, in place: the body of ``minitrain::stream_update``, as no mode
-    or compiler is there to see the op (checked before), without its dispatch and second
-    check."""
-    ps, written = rows[0], [rows[0], *rows[2:]]
-    if outputs is None:
-        results, addresses = written, [found[0], *found[2:]]
-    else:
-        results = [None if row is None else outputs(row) for row in written]
-        addresses = pointers(results, like=ps)  # every pointer handed to C is checked
-        if addresses is None:
-            return None
-    present = len(rows) + len(results) - rows.count(None) - results.count(None)
-    streaming.launch(streaming.RULES[name][0], [float(v) for v in hp], [*found, *addresses],
-                     [p.numel() for p in ps],
-                     outputs is not None and streaming.streams(ps, present))
-    if outputs is None:  # written in place: bump their versions, as an in-place op does
-        torch.autograd.graph.increment_version([t for row in results if row is not None
-                                                for t in row])
-    return results
+def _fused(shape, rows, read, frame, donate):
+    """torch's fused kernel over one group's rows: in place when donated, else on copies."""
+    ps, gs, *buffers = rows
+    if not donate:
+        ps, buffers = [t.clone() for t in ps], [
+            None if row is None else [t.clone() for t in row] for row in buffers]
+    shape.rule.fused(ps, gs, buffers, read.step, read.hyper, frame, shape.maximize)
+    return [ps, *buffers]
 
 
 def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):

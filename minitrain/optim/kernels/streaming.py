@@ -41,7 +41,7 @@ from minitrain import _torch
 from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "launch", "norm", "quiet",
-           "sums_of_squares", "update", "usable"]
+           "run", "sums_of_squares", "update", "usable"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
          "radam": (5, 12), "adamax": (6, 9), "lion": (7, 7), "schedule_free_adamw": (8, 13),
@@ -263,6 +263,30 @@ def launch(rule: int, hyperparameters: list[float], rows: list[list[int] | None]
         len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
+
+
+def run(rule: str, hyperparameters: Sequence[SupportsFloat], rows: list[list[Tensor] | None],
+        found: list[list[int] | None],
+        outputs: Callable[[list[Tensor]], list[Tensor]] | None) -> list[list[Tensor] | None] | None:
+    """:func:`update`'s result from the C call alone, for callers that checked ``rows``
+    (``found``: their :func:`.checks.pointers` addresses) with no mode or compiler there to see
+    the op: no dispatch, no second check of the inputs. Into ``outputs`` buffers (checked here;
+    None where they do not fit) or, ``outputs`` None, in place."""
+    ps, written = rows[0], [rows[0], *rows[2:]]
+    if outputs is None:
+        results, addresses = written, [found[0], *found[2:]]
+    else:
+        results = [None if row is None else outputs(row) for row in written]
+        addresses = pointers(results, like=ps)  # every pointer handed to C is checked
+        if addresses is None:
+            return None
+    present = len(rows) + len(results) - rows.count(None) - results.count(None)
+    launch(RULES[rule][0], [float(v) for v in hyperparameters], [*found, *addresses],
+           [p.numel() for p in ps], outputs is not None and streams(ps, present))
+    if outputs is None:  # written in place: bump their versions, as an in-place op does
+        torch.autograd.graph.increment_version([t for row in results if row is not None
+                                                for t in row])
+    return results
 
 
 def _stream(rule: int, hyperparameters: list[float], inputs: list[Tensor],
