@@ -210,8 +210,6 @@ def test_sgd_half_precision_pure_update_leaves_inputs_alone(dtype):
     assert torch.equal(new["w"], donated["w"]) and not torch.equal(new["w"], p0)
 
 
-@pytest.mark.xfail(strict=False, reason="bf16/fp16 SGD runs its chain, which can round "
-                   "an element an ulp apart from torch's single-tensor loop")
 @pytest.mark.parametrize("n", [64, 1000])
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 @pytest.mark.parametrize("name, config", [
