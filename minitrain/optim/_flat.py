@@ -1,4 +1,4 @@
-"""Flattening an update's trees with less Python than ``torch.utils._pytree`` (whose many small
+"""Flattening an update's trees with less Python than torch's pytree module (whose many small
 functions cost most with the cold caches an update starts with): dicts, lists and tuples of
 tensors are walked here, anything else goes through ``_pytree``. Leaves come in ``_pytree``'s
 order; the structure is a hashable nested tuple, or a ``TreeSpec`` from the fallback.
