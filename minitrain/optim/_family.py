@@ -39,7 +39,7 @@ __all__ = [
 
 class Rule(NamedTuple):
     """What the lowering reads of a family transformation (its spec's ``rule``). The
-    hyperparameters reaching the update only through ``advance`` or the state (ASGD's lr,
+    hyperparameters reaching the update only through ``advance`` or the state (schedule-free's lr,
     NAdam's momentum_decay) keep it off the kernels when traced."""
 
     name: str

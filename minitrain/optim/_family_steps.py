@@ -1,5 +1,5 @@
-"""The family's rules whose output is the whole step (no ``-lr`` after them): ASGD, Rprop and
-schedule-free AdamW, each keeping its lr (and more scalars) in its state; see ``_family``."""
+"""Schedule-free AdamW, the family's rule whose output is the whole step (no ``-lr`` after it),
+keeping its lr (and more scalars) in its state; see ``_family``."""
 
 from __future__ import annotations
 
@@ -11,24 +11,19 @@ from torch import Tensor
 from minitrain import tree
 from minitrain.optim._checks import (
     Scalar,
-    WeightDecayMask,
     check_hyperparameter,
     check_pair,
     checked,
     f32_tensor,
-    float32,
     host_tensor,
     is_zero,
-    scalar,
 )
 from minitrain.optim._family import family, family_optimizer, find_state, second_moment
 from minitrain.optim.base import GradientTransformation, Optimizer
-from minitrain.optim.transforms import add_scaled, filled, zeros
+from minitrain.optim.transforms import add_scaled, zeros
 from minitrain.tree import Params
 
 __all__ = [
-    "asgd", "scale_by_asgd", "ScaleByAsgdState", "asgd_average",
-    "rprop", "scale_by_rprop", "ScaleByRpropState",
     "schedule_free_adamw", "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState",
     "schedule_free_eval_params",
 ]
@@ -38,177 +33,6 @@ def _no_schedule(lr: Any, why: str) -> Any:
     if callable(lr) and not isinstance(lr, Tensor):
         raise ValueError(f"invalid lr: {why}")
     return checked("lr", lr, 0.0)
-
-
-# -- ASGD (Polyak & Juditsky 1992; Bottou 2012's step sizes) ----------------------------------
-
-
-class ScaleByAsgdState(NamedTuple):
-    """``count``, ``lr`` (``eta`` of the last update, float32 as torch keeps it) and ``ax``,
-    the running average of the params."""
-
-    count: Tensor
-    lr: Tensor
-    ax: Params
-
-
-def asgd_step_sizes(step: Any, lr: Any, lambd: Any, alpha: Any, t0: Any) -> tuple[Any, Any]:
-    """``(eta_t, mu_t)`` of update ``t``, as torch sets them after update ``t - 1``:
-    ``eta = lr / (1 + lambd lr (t - 1))^alpha``, ``mu = 1 / max(1, t - 1 - t0)`` (both start at
-    ``lr`` and 1), each rounded to float32 as torch holds them.
-
-    >>> asgd_step_sizes(2, 0.1, 1.0, 1.0, 1e6)  # 0.1 / 1.1 in float32, and 1
-    (0.09090909361839294, 1.0)
-    """
-    eta = lr / (1 + lambd * lr * (step - 1)) ** alpha
-    if isinstance(step, Tensor):
-        mu = torch.where(step == 1, 1.0, 1 / torch.clamp(step - 1 - t0, min=1.0))
-    else:
-        mu = 1.0 if step == 1 else 1 / max(1.0, step - 1 - t0)
-    return float32(eta), float32(mu)
-
-
-def asgd_leaf(g, buffers, p, step, lambd, eta, mu):
-    """torch's ``_single_tensor_asgd``: ``p <- p (1 - lambd eta) - eta g``, then
-    ``ax <- ax + mu (p - ax)`` (a copy while ``mu == 1``)."""
-    update = add_scaled(g, p, lambd) * -eta
-    new_p = p + update
-    ax = buffers["ax"]
-    averaged = ax + (new_p - ax) * mu
-    if isinstance(mu, Tensor):
-        averaged = torch.where(mu == 1, new_p, averaged)
-    elif mu == 1:
-        averaged = new_p
-    return update, {"ax": averaged}
-
-
-def scale_by_asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75,
-                  t0: Scalar = 1e6) -> GradientTransformation:
-    """ASGD's whole step ``-eta_t (g + lambd p)``, keeping the average of the params in
-    ``ax`` (read it with :func:`asgd_average`).
-
-    >>> import torch
-    >>> tx = scale_by_asgd(lr=0.5, lambd=0.0)
-    >>> params = [torch.ones(1)]
-    >>> updates, state = tx.update([torch.ones(1)], tx.init(params), params)
-    >>> updates, state.ax
-    ([tensor([-0.5000])], [tensor([0.5000])])
-    """
-    if callable(lr) and not isinstance(lr, Tensor):  # done -> lr, checked as torch's group lr
-        lr_after = lambda done: checked("lr (from the schedule)", lr(done), 0.0)  # noqa: E731
-    else:
-        constant = checked("lr", lr, 0.0)
-        lr_after = lambda done: constant  # noqa: E731
-    lambd, alpha = checked("lambd", lambd, 0.0), checked("alpha", alpha, 0.0)
-    t0 = checked("t0", t0, -float("inf"))
-
-    def advance(step, lr):  # lr: eta of the last update (kept for learning_rate(state))
-        # eta_t is set at the end of update t - 1 from the lr of that update, as torch's ASGD
-        # does under an LRScheduler (its group lr then is the schedule's value after t - 2).
-        done = torch.clamp(step - 2, min=0).to(torch.int64) if isinstance(step, Tensor) \
-            else max(step - 2, 0)  # a traced step is a float64 tensor; counts are ints
-        eta, mu = asgd_step_sizes(step, lr_after(done), lambd, alpha, t0)
-        return {"lr": eta}, {"eta": eta, "mu": mu}
-
-    return family("scale_by_asgd", ScaleByAsgdState, asgd_leaf, dict(lambd=lambd),
-                  advance=advance, needs_params=True, state_hyperparams=(lr, alpha, t0),
-                  scalars={"lr": lambda: host_tensor(lr_after(0), torch.float32).clone()})
-
-
-def asgd(lr: Any = 1e-2, lambd: Scalar = 1e-4, alpha: Scalar = 0.75, t0: Scalar = 1e6,
-         weight_decay: Any = 0.0, *, maximize: bool = False,
-         mask: WeightDecayMask = None) -> Optimizer:
-    """torch.optim.ASGD: L2 decay, then ASGD's step; the averaged params are
-    ``asgd_average(state)``.
-
-    >>> import torch, minitrain as mt
-    >>> opt = mt.optim.asgd(lr=0.5, lambd=0.0)
-    >>> params = {"w": torch.tensor([1.0])}
-    >>> params, state = opt.update({"w": torch.tensor([1.0])}, opt.init(params), params)
-    >>> params["w"], mt.optim.asgd_average(state)["w"]
-    (tensor([0.5000]), tensor([0.5000]))
-    """
-    return family_optimizer(scale_by_asgd(lr, lambd, alpha, t0), maximize=maximize,
-                            weight_decay=weight_decay, mask=mask)
-
-
-def asgd_average(state: Any) -> Params:
-    """The averaged params ``ax`` held in an ASGD state (also inside a chain's state).
-
-    >>> import torch, minitrain as mt
-    >>> opt, params = mt.optim.asgd(lr=0.1), {"w": torch.ones(2)}
-    >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
-    >>> asgd_average(state)
-    {'w': tensor([0.9000, 0.9000])}
-    """
-    found = find_state(state, ScaleByAsgdState)
-    if found is None:
-        raise ValueError("asgd_average expects the state of mt.optim.asgd or scale_by_asgd")
-    return found.ax
-
-
-# -- Rprop (Riedmiller & Braun 1993) ----------------------------------------------------------
-
-
-class ScaleByRpropState(NamedTuple):
-    """``count``, ``lr`` (the initial step size, torch's group ``lr``), ``prev`` (last
-    gradient, zero where it changed sign) and ``step_size``."""
-
-    count: Tensor
-    lr: Tensor
-    prev: Params
-    step_size: Params
-
-
-def rprop_leaf(g, buffers, p, step, etaminus, etaplus, step_size_min, step_size_max):
-    """torch's ``_single_tensor_rprop``: each step size grows by ``etaplus`` where the
-    gradient kept its sign, shrinks by ``etaminus`` (no step) where it flipped."""
-    sign = torch.sign(g * buffers["prev"])
-    # The factors in the leaf's dtype, as torch writes them into its ``sign`` tensor.
-    factor = torch.where(sign > 0, etaplus, torch.where(sign < 0, etaminus, torch.ones_like(sign)))
-    step_size = torch.clamp(buffers["step_size"] * factor, step_size_min, step_size_max)
-    kept = torch.where(sign < 0, 0.0, g)
-    return -torch.sign(kept) * step_size, {"prev": kept, "step_size": step_size}
-
-
-def scale_by_rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
-                   step_sizes: tuple[Any, Any] = (1e-6, 50)) -> GradientTransformation:
-    """Rprop's whole step; ``lr`` is the initial step size of every coordinate.
-
-    >>> import torch
-    >>> tx = scale_by_rprop(lr=0.1)
-    >>> state = tx.init([torch.zeros(2)])
-    >>> for g in ([1.0, 1.0], [1.0, -1.0]):
-    ...     updates, state = tx.update([torch.tensor(g)], state)
-    >>> updates
-    [tensor([-0.1200, -0.0000])]
-    """
-    lr = _no_schedule(lr, "Rprop's lr is its initial step size; pass a number")
-    etaminus, etaplus = check_pair("etas", etas)
-    check_hyperparameter("etas[0]", etaminus, 0.0, 1.0, low_open=True, high_open=True)
-    check_hyperparameter("etas[1]", etaplus, 1.0, low_open=True)
-    smallest, largest = check_pair("step_sizes", step_sizes)
-    check_hyperparameter("step_sizes[0]", smallest, 0.0)
-    floor = scalar(smallest)  # a traced one (torch.func) bounds step_sizes[1] by 0 alone
-    check_hyperparameter("step_sizes[1]", largest, floor if isinstance(floor, int | float)
-                         else 0.0)
-    return family("scale_by_rprop", ScaleByRpropState, rprop_leaf,
-                  dict(etaminus=etaminus, etaplus=etaplus, step_size_min=smallest,
-                       step_size_max=largest),
-                  init_leaf=lambda p: {"prev": zeros(p), "step_size": filled(p, lr)},
-                  scalars={"lr": lambda: f32_tensor(lr)}, advance=lambda step, lr: ({"lr": lr}, {}))
-
-
-def rprop(lr: Any = 1e-2, etas: tuple[Any, Any] = (0.5, 1.2),
-          step_sizes: tuple[Any, Any] = (1e-6, 50), *, maximize: bool = False) -> Optimizer:
-    """torch.optim.Rprop.
-
-    >>> import torch
-    >>> opt, params = rprop(lr=0.1), {"w": torch.tensor([1.0, 1.0])}
-    >>> opt.update({"w": torch.tensor([2.0, -3.0])}, opt.init(params), params)[0]["w"]
-    tensor([0.9000, 1.1000])
-    """
-    return family_optimizer(scale_by_rprop(lr, etas, step_sizes), maximize=maximize)
 
 
 # -- schedule-free AdamW (Defazio et al. 2024, "The Road Less Scheduled") ---------------------

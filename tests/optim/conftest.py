@@ -90,16 +90,12 @@ OPTIMIZERS: list[Entry] = [
     Entry("adadelta", "adadelta", dict(lr=1.0), torch.optim.Adadelta),
     Entry("adafactor", "adafactor", dict(lr=0.01), torch.optim.Adafactor),
     Entry("adamax", "adamax", dict(lr=0.01), torch.optim.Adamax),
-    Entry("asgd", "asgd", dict(lr=0.05, t0=2), torch.optim.ASGD),  # averages from update 2
     Entry("nadam", "nadam", dict(lr=0.01), torch.optim.NAdam),
     Entry("nadam-decoupled", "nadam", dict(lr=0.01, decoupled_weight_decay=True),
           torch.optim.NAdam),
     Entry("radam", "radam", dict(lr=0.01), torch.optim.RAdam),
     Entry("radam-decoupled", "radam", dict(lr=0.01, decoupled_weight_decay=True),
           torch.optim.RAdam),
-    # torch's Rprop takes lr as the initial step size only: no schedule
-    Entry("rprop", "rprop", dict(lr=0.01), torch.optim.Rprop, schedule=False,
-          weight_decay=False),
     Entry("lion", "lion", dict(lr=1e-3), Lion),
     Entry("muon", "muon", dict(lr=0.02), None, matrices_only=True, harness=_muon_harness),
     # schedule-free AdamW refuses a schedule (its warmup is its own)

@@ -432,9 +432,8 @@ def test_a_state_round_trips_through_a_checkpoint(entry, tmp_path):
                  opt.update(grads_seq[2], state, params))
 
 
-@pytest.mark.parametrize("entry", [e for e in SCHEDULABLE if e.alias != "asgd"], ids=ids)
+@pytest.mark.parametrize("entry", SCHEDULABLE, ids=ids)
 def test_learning_rate_is_the_schedules_value_at_the_last_update(entry):
-    """(ASGD's is its averaged step size: see test_learning_rate_of_the_last_update.)"""
     schedule = halving(entry.kwargs["lr"])
     opt = entry.make(lr=schedule)
     params = make_params(entry)

@@ -1,7 +1,7 @@
 """torch.optim's semantics per alias where the registry's configurations do not reach: the
 chapter's own SGD and AdaGrad, Adam's first-step bound, a decay mask against torch's param
 groups, ``learning_rate`` where it is no schedule's value, SGD and the fused aliases on bf16 and
-fp16 leaves, Rprop's step sizes in the leaf's dtype, Adam's ``decoupled_weight_decay``, SGD
+fp16 leaves, Adam's ``decoupled_weight_decay``, SGD
 with a tensor momentum of 0, and an update traced whole by ``torch.compile``.
 """
 
@@ -149,8 +149,6 @@ def test_weight_decay_mask_matches_torch_param_groups(as_function):
 
 @pytest.mark.parametrize(("factory", "kwargs", "lrs"), [
     (mt.optim.nadam, dict(lr=0.01), [0.01, 0.01]),
-    (mt.optim.asgd, dict(lr=0.1, lambd=1.0, alpha=1.0), [0.1, 0.1 / 1.1]),  # lr / (1 + lr t)
-    (mt.optim.rprop, dict(lr=0.2), [0.2, 0.2]),
     (mt.optim.schedule_free_adamw, dict(lr=0.1, warmup_steps=4), [0.025, 0.05]),
     (mt.optim.adafactor, dict(lr=mt.optim.step_schedule(0.05, 1, gamma=0.5)), [0.05, 0.025]),
 ])
@@ -166,7 +164,7 @@ def test_learning_rate_reads_the_lr_of_the_last_update(factory, kwargs, lrs):
 
 
 # --------------------------------------------------------------------------------------------
-# bf16 and fp16 leaves; Rprop's step sizes; Adam's decoupled weight decay
+# bf16 and fp16 leaves; Adam's decoupled weight decay
 
 
 SGD_CONFIGS = [
@@ -227,30 +225,6 @@ def test_fused_aliases_update_every_half_precision_element(name, config, dtype, 
     assert torch.equal(ours, theirs)
     one, _ = _mt_steps(getattr(mt.optim, name)(**config), p0, grads[:1])
     assert bool((one != p0).all())
-
-
-@pytest.mark.parametrize("requires_grad", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=str)
-def test_rprop_step_sizes_in_leaf_dtype_equal_torch(dtype, requires_grad):
-    gen = torch.Generator().manual_seed(0)
-    p0 = torch.randn(40, generator=gen).to(dtype)
-    # Same signs for three steps (step sizes grow by etaplus), then some flips.
-    signs = torch.ones(40)
-    signs[::3] = -1
-    grads = [torch.ones(40, dtype=dtype)] * 3 + [
-        (signs * torch.rand(40, generator=gen)).to(dtype) for _ in range(3)]
-    config = dict(lr=0.1, etas=(0.3, 1.7), step_sizes=(1e-3, 0.9))
-    theirs, torch_state = _torch_steps(torch.optim.Rprop, p0, grads, **config)
-    ours, state = _mt_steps(mt.optim.rprop(**config), p0, grads, requires_grad=requires_grad)
-    step_size = buffer(state, "step_size")
-    assert step_size.dtype == dtype
-    assert torch.equal(step_size, torch_state["step_size"])
-    assert torch.equal(buffer(state, "prev"), torch_state["prev"])
-    assert torch.equal(ours, theirs)
-    if not requires_grad:
-        donated, donated_state = _mt_steps(mt.optim.rprop(**config), p0, grads, donate=True)
-        assert torch.equal(donated, ours)
-        assert torch.equal(buffer(donated_state, "step_size"), step_size)
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])

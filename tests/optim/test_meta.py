@@ -192,7 +192,7 @@ def test_a_tensor_lr_that_requires_grad_takes_the_plain_path(name, donate):
 # needed no grad, and the hypergradient was silently lost.
 
 optim = mt.optim
-FAMILY = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "asgd", "nadam",
+FAMILY = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "nadam",
           "radam", "adafactor", "lion", "muon"]
 CHAINS = {
     "adam_chain": lambda lr: optim.as_optimizer(optim.chain(optim.scale_by_adam(),

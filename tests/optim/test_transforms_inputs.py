@@ -61,13 +61,11 @@ FACTORIES = {
     "scale_by_lion": optim.scale_by_lion,
     "scale_by_adamax": optim.scale_by_adamax,
     "scale_by_nadam": optim.scale_by_nadam,
-    "scale_by_rprop": optim.scale_by_rprop,
-    "scale_by_asgd": optim.scale_by_asgd,
     "scale_by_adadelta": optim.scale_by_adadelta,
 }
 # Those that keep a state like each param.
 STATEFUL = ["chain", "scale_by_adam", "scale_by_rms", "scale_by_adagrad", "trace", "MultiSteps",
-            "ema", "scale_by_lion", "scale_by_adamax", "scale_by_rprop", "adam_chain"]
+            "ema", "scale_by_lion", "scale_by_adamax", "adam_chain"]
 
 
 def _params(dtype=torch.float32):

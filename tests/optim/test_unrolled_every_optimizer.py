@@ -11,8 +11,8 @@ modes), with a hand-built chain (global-norm clip, Adam, decay, a schedule),
 ``inject_hyperparams``, and the chains of SGD, AdaGrad and RMSprop through ``as_optimizer``
 (their transformations' hyperparameters: trace's dampening, scale_by_adagrad's and
 scale_by_rms's). Exceptions to "K=3, float64 finite differences at rtol 1e-5": RAdam
-takes 7 updates (its rectified branch starts at update 6); ASGD's eta and NAdam's mu_product
-are held in float32 as torch holds them, so their finite differences take a larger step and
+takes 7 updates (its rectified branch starts at update 6); NAdam's mu_product is held in
+float32 as torch holds it, so its finite differences take a larger step and
 rtol 2e-3; Muon orthogonalizes in bfloat16 (as torch.optim.Muon), so its
 hypergradients are checked over one update (lr, weight_decay), or against each other only
 (momentum, eps, the Newton-Schulz coefficients, the initialization), and its vmap members to
@@ -116,9 +116,6 @@ OPTIMIZERS: dict[str, Opt] = {
     "adamax": Opt(lambda lr, beta1, beta2, eps, weight_decay: optim.adamax(
         lr=lr, betas=pair(beta1, beta2), eps=eps, weight_decay=weight_decay),
         dict(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-2, weight_decay=0.05)),
-    "asgd": Opt(lambda lr, lambd, alpha, weight_decay: optim.asgd(
-        lr=lr, lambd=lambd, alpha=alpha, weight_decay=weight_decay),
-        dict(lr=0.1, lambd=0.5, alpha=0.75, weight_decay=0.05)),
     "nadam": Opt(lambda lr, beta1, beta2, eps, weight_decay, momentum_decay: optim.nadam(
         lr=lr, betas=pair(beta1, beta2), eps=eps, weight_decay=weight_decay,
         momentum_decay=momentum_decay),
@@ -135,9 +132,6 @@ OPTIMIZERS: dict[str, Opt] = {
         lr=lr, betas=pair(0.8, beta2), eps=1e-2, weight_decay=weight_decay,
         decoupled_weight_decay=True),
         dict(lr=0.05, beta2=0.999, weight_decay=0.2), steps=7),
-    "rprop": Opt(lambda lr, etaminus, etaplus, step_size_max: optim.rprop(
-        lr=lr, etas=pair(etaminus, etaplus), step_sizes=pair(1e-6, step_size_max)),
-        dict(lr=0.05, etaminus=0.5, etaplus=1.2, step_size_max=0.065)),
     "muon": Opt(lambda lr, weight_decay, momentum: optim.muon(
         lr=lr, weight_decay=weight_decay, momentum=momentum),
         # one update for the hypergradients: Newton-Schulz runs in bfloat16 (as torch's), so
@@ -213,7 +207,6 @@ def five_point(f, x: float, h: float) -> float:
 # Finite-difference step (relative to the value) and rtol where 1e-4 and 1e-5 cannot hold.
 FLOAT32_HELD = (1e-2, 2e-3)  # the loss is a float32 step function of this hyperparameter
 FD = {
-    **{("asgd", hp): FLOAT32_HELD for hp in ("lr", "lambd", "alpha")},  # eta held in float32
     ("nadam", "beta1"): FLOAT32_HELD,  # mu_product held in float32, as torch holds it
     ("nadam", "momentum_decay"): FLOAT32_HELD,
     ("nadam-decoupled", "beta1"): FLOAT32_HELD,
@@ -302,8 +295,6 @@ def sweep_values(hp: str, value: float) -> list[float]:
     step = (1 - value) / 2 if hp in BELOW_ONE else 0.2 * abs(value)
     if hp == "d":  # Adafactor's clipping threshold must stay >= 1
         step = 0.005
-    if hp == "etaplus":  # Rprop's etaplus must stay > 1
-        step = 0.1
     if hp == "alpha" and value + step > 1:  # RMSprop's alpha must stay <= 1
         step = (1 - value) / 2
     if hp.startswith("ns_"):  # Newton-Schulz's coefficients: 20% off, its iteration diverges

@@ -14,9 +14,9 @@
    (aten/src/ATen/native/cpu/Fused{Adam,SGD,Adagrad}Kernel.cpp, torch/optim/rmsprop.py).
    Scalars derived from the step (bias corrections, decayed lr) come in from Python as doubles.
 
-   The family rules (NAdam, RAdam, Adamax, Lion, schedule-free AdamW, Adadelta, ASGD, Rprop)
+   The family rules (NAdam, RAdam, Adamax, Lion, schedule-free AdamW, Adadelta)
    follow minitrain's own per-leaf functions (minitrain/optim/_nadam.py, ... which follow
-   torch/optim/nadam.py, radam.py, adamax.py, adadelta.py, asgd.py, rprop.py, lion-pytorch's
+   torch/optim/nadam.py, radam.py, adamax.py, adadelta.py, lion-pytorch's
    Lion and schedulefree's AdamWScheduleFree). They share
    torch.optim's frame: hp[0..4] = grad_sign (-1 for maximize), l2 (g += l2 * p), lr, decay
    (p *= decay before the step: decoupled weight decay 1 - lr * wd), has_lr; the new param is
@@ -355,24 +355,6 @@ static void sfadamw(const double *hp, float *const *ptr, int64_t lo, int64_t hi,
     }
 }
 
-/* Lanes of a where mask (a comparison's result: all ones where true) is set, else of b. */
-static inline vf vselect(vf mask, vf a, vf b) {
-    typedef int32_t i8 __attribute__((vector_size(W * sizeof(int32_t))));
-    i8 m, x, y;
-    memcpy(&m, &mask, sizeof m);
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    x = (m & x) | (~m & y);
-    memcpy(&a, &x, sizeof a);
-    return a;
-}
-
-static inline vf mask_of(const void *comparison) { /* an int vector's bits as a vf */
-    vf m;
-    memcpy(&m, comparison, sizeof m);
-    return m;
-}
-
 /* Adadelta (_adadelta.py adadelta_leaf; Zeiler 2012, Algorithm 1). hp[5..]: rho, 1 - rho,
    eps. ptr: p, g, square_avg, acc_delta | p, square_avg, acc_delta. */
 static void adadelta(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
@@ -390,55 +372,6 @@ static void adadelta(const double *hp, float *const *ptr, int64_t lo, int64_t hi
     }
 }
 
-/* ASGD (_asgd.py asgd_leaf; torch's _single_tensor_asgd), the whole step (has_lr 0).
-   hp[5..]: lambd, -eta, mu, mu == 1. ptr: p, g, ax | p, ax. */
-static void asgd(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
-    const frame_t f = frame(hp);
-    const float lambd = (float)hp[5], neg_eta = (float)hp[6], mu = (float)hp[7];
-    const int copy = hp[8] != 0.0;
-    const float *p_in = ptr[0], *g_in = ptr[1], *ax_in = ptr[2];
-    float *p_out = ptr[3], *ax_out = ptr[4];
-    UNROLL for (int64_t i = lo; i < hi; i += W) {
-        const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
-        const vf new_p = param_out(&f, p, (g + p * lambd) * neg_eta);
-        vf ax = new_p;
-        if (!copy) {
-            ax = load(ax_in + i);
-            ax = ax + (new_p - ax) * mu;
-        }
-        store(p_out + i, new_p, nt);
-        store(ax_out + i, ax, nt);
-    }
-}
-
-/* Rprop (_rprop.py rprop_leaf; torch's _single_tensor_rprop), the whole step (has_lr 0).
-   hp[5..]: etaminus, etaplus, step_size_min, step_size_max. ptr: p, g, prev, step_size | p,
-   prev, step_size. */
-static void rprop(const double *hp, float *const *ptr, int64_t lo, int64_t hi, int nt) {
-    typedef int32_t i8 __attribute__((vector_size(W * sizeof(int32_t))));
-    const frame_t f = frame(hp);
-    const float etaminus = (float)hp[5], etaplus = (float)hp[6];
-    const float smallest = (float)hp[7], largest = (float)hp[8];
-    const vf zero = {0}, one = zero + 1.0f, minus = zero + etaminus, plus = zero + etaplus;
-    const vf low = zero + smallest, high = zero + largest;
-    const float *p_in = ptr[0], *g_in = ptr[1], *prev_in = ptr[2], *size_in = ptr[3];
-    float *p_out = ptr[4], *prev_out = ptr[5], *size_out = ptr[6];
-    UNROLL for (int64_t i = lo; i < hi; i += W) {
-        const vf p = load(p_in + i), g = grad_in(&f, load(g_in + i), p);
-        const vf sign = vsign(g * load(prev_in + i));
-        const i8 grows = sign > zero, shrinks = sign < zero;
-        const vf factor = vselect(mask_of(&grows), plus, vselect(mask_of(&shrinks), minus, one));
-        vf size = load(size_in + i) * factor;
-        /* torch.clamp(size, min, max): NaN stays NaN */
-        const i8 below = size < low, above = size > high;
-        size = vselect(mask_of(&below), low, vselect(mask_of(&above), high, size));
-        const vf kept = vselect(mask_of(&shrinks), zero, g);
-        store(p_out + i, param_out(&f, p, -vsign(kept) * size), nt);
-        store(prev_out + i, kept, nt);
-        store(size_out + i, size, nt);
-    }
-}
-
 typedef struct {
     rule_fn update;
     int64_t inputs, pointers;
@@ -447,7 +380,7 @@ typedef struct {
 static const rule_t RULES[] = {{adam, 5, 9},   {sgd, 3, 5},    {adagrad, 3, 5},
                                {rmsprop, 5, 9}, {nadam, 4, 7},  {radam, 4, 7},
                                {adamax, 4, 7},  {lion, 3, 5},   {sfadamw, 4, 7},
-                               {adadelta, 4, 7}, {asgd, 3, 5},  {rprop, 4, 7}};
+                               {adadelta, 4, 7}};
 #define N_RULES ((int)(sizeof RULES / sizeof RULES[0]))
 
 /* Elements [lo, hi) of one leaf: whole vectors in place, streaming only where every output is
@@ -513,8 +446,8 @@ static int64_t chunk_range(const chunks_t *c, const int64_t *sizes, int64_t n_le
 }
 
 /* Run rule `rule` (0 Adam, 1 SGD, 2 AdaGrad, 3 RMSprop, 4 NAdam, 5 RAdam, 6 Adamax, 7 Lion,
-   8 schedule-free AdamW, 9 Adadelta, 10 ASGD, 11 Rprop) over n_leaves leaves of `sizes` elements, on up to n_threads
-   threads. `ptrs` holds n_ptrs pointers per leaf (the rule's inputs, then its outputs; NULL
+   8 schedule-free AdamW, 9 Adadelta) over n_leaves leaves of `sizes` elements, on up to
+   n_threads threads. `ptrs` holds n_ptrs pointers per leaf (the rule's inputs, then its outputs; NULL
    for unused buffers). Built with -fopenmp, the library's libgomp.so.1 resolves to the copy
    torch has already loaded, so the update runs on torch's own OpenMP threads. Returns 0, or
    -1 (nothing done) for an unknown rule or pointer count, -2 when out of memory. */

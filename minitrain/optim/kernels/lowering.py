@@ -119,11 +119,6 @@ def _adamax(step, hyper, per_step):
     return "adamax", [1 - beta1, beta2, hyper["eps"], 1 - beta1**step], ("exp_avg", "exp_inf")
 
 
-def _asgd(step, hyper, per_step):
-    eta, mu = per_step["eta"], per_step["mu"]
-    return "asgd", [hyper["lambd"], -eta, mu, float(mu == 1)], ("ax",)
-
-
 def _lion(step, hyper, per_step):
     return "lion", [1 - hyper["beta1"], 1 - hyper["beta2"]], ("exp_avg",)
 
@@ -150,11 +145,6 @@ def _radam(step, hyper, per_step):
         factor = rect * math.sqrt(bias_correction2) / bias_correction1
     return "radam", [1 - beta1, beta2, 1 - beta2, eps, float(rectified), bias_correction1,
                      factor], ("exp_avg", "exp_avg_sq")
-
-
-def _rprop(step, hyper, per_step):
-    return "rprop", [hyper["etaminus"], hyper["etaplus"], hyper["step_size_min"],
-                     hyper["step_size_max"]], ("prev", "step_size")
 
 
 def _schedule_free(step, hyper, per_step):
@@ -200,11 +190,9 @@ RULES: dict[tuple[str, ...], Rule] = {
     ("scale_by_rms", "trace"): Rule(_rmsprop),
     ("scale_by_adadelta",): _family(_adadelta),
     ("scale_by_adamax",): _family(_adamax),
-    ("scale_by_asgd",): _family(_asgd),
     ("scale_by_lion",): _family(_lion),
     ("scale_by_nadam",): _family(_nadam),
     ("scale_by_radam",): _family(_radam),
-    ("scale_by_rprop",): _family(_rprop),
     ("scale_by_schedule_free_adamw",): _family(_schedule_free),
 }
 """Rules by the names of their transformations."""

@@ -45,7 +45,7 @@ __all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "launch", 
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
          "radam": (5, 12), "adamax": (6, 9), "lion": (7, 7), "schedule_free_adamw": (8, 13),
-         "adadelta": (9, 8), "asgd": (10, 9), "rprop": (11, 9)}
+         "adadelta": (9, 8)}
 """Rule name -> its index in ``_streaming.c``'s table and how many hyperparameters it reads."""
 
 STREAMING_BYTES = 80 * 2**20
