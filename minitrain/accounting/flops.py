@@ -16,7 +16,6 @@ import math
 
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
-from minitrain.accounting.memory import cruncher_params
 from minitrain.accounting.units import Number
 from minitrain.errors import UserError
 
@@ -87,7 +86,9 @@ def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = 
     for name, value, least in (("batch", batch, 1), ("dim", dim, 1), ("num_layers", num_layers, 0)):
         if value < least:
             raise UserError(f"{name} must be >= {least}, got {value}")
-    params = cruncher_params(dim, num_layers)
+    from minitrain.models import cruncher_param_count  # torch, on this call only
+
+    params = cruncher_param_count(dim, num_layers)
     first_layer = dim * dim if num_layers else dim
     skipped = 0 if input_grad else 2 * batch * first_layer
     return 6 * batch * params - skipped

@@ -24,9 +24,8 @@ from minitrain.precision.policies import PRECISIONS, Precision
 from minitrain.precision.policies import element_bytes as precision
 
 __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "MemoryBreakdown",
-           "Precision", "ZeroMemory", "bytes_per_param", "cruncher_activations", "cruncher_memory",
-           "cruncher_params", "max_params", "optimizer_key", "optimizer_state_elements",
-           "optimizer_states", "state_bytes", "training_memory",
+           "Precision", "ZeroMemory", "bytes_per_param", "max_params", "optimizer_key",
+           "optimizer_state_elements", "optimizer_states", "state_bytes", "training_memory",
            "zero_memory"]
 
 # Parameter-sized tensors of optimizer state per parameter tensor, as torch.optim keeps them
@@ -34,24 +33,23 @@ __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "STATE_OPTIONS", "BytesPerParam", "
 # torch/optim/*.py): SGD none; SGD with momentum "momentum_buffer"; Adagrad "sum"; RMSprop
 # "square_avg" (no momentum, not centered); Adam/AdamW "exp_avg" and "exp_avg_sq"; Adadelta
 # "square_avg" and "acc_delta"; Adamax "exp_avg" and "exp_inf"; NAdam and RAdam "exp_avg" and
-# "exp_avg_sq"; ASGD "ax" (the average); Rprop "prev" and "step_size"; Muon (torch/optim/_muon.py)
-# "momentum_buffer"; Lion (Chen et al. 2023; lion-pytorch) its single "exp_avg"; schedule-free
-# AdamW (Defazio et al. 2024; schedulefree's AdamWScheduleFree) "z" and "exp_avg_sq". Adafactor
-# (torch/optim/_adafactor.py, Shazeer and Stern 2018) factors the second moment of a matrix into
-# "row_var" (rows) and "col_var" (columns), ``(r + c)/(r·c)`` elements per parameter, 0 in the
-# limit of large matrices; a vector keeps a full "variance" (see :func:`optimizer_state_elements`).
-# optax's aliases (optax/_src/alias.py): LAMB, AdaBelief and Yogi keep two moments ("mu", "nu"),
-# LARS one momentum "trace", Polyak SGD none.
+# "exp_avg_sq"; Muon (torch/optim/_muon.py) "momentum_buffer"; Lion (Chen et al. 2023;
+# lion-pytorch) its single "exp_avg"; schedule-free AdamW (Defazio et al. 2024; schedulefree's
+# AdamWScheduleFree) "z" and "exp_avg_sq". Adafactor (torch/optim/_adafactor.py, Shazeer and
+# Stern 2018) factors the second moment of a matrix into "row_var" (rows) and "col_var"
+# (columns), ``(r + c)/(r·c)`` elements per parameter, 0 in the limit of large matrices; a
+# vector keeps a full "variance" (see :func:`optimizer_state_elements`). optax's aliases
+# (optax/_src/alias.py): LAMB, AdaBelief and Yogi keep two moments ("mu", "nu"), LARS one
+# momentum "trace", Polyak SGD none.
 OPTIMIZER_STATES: dict[str, int] = {
     "sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2, "adadelta": 2,
-    "adamax": 2, "nadam": 2, "radam": 2, "asgd": 1, "rprop": 2, "adafactor": 0, "lion": 1,
-    "muon": 1, "schedule_free_adamw": 2, "lamb": 2, "lars": 1, "adabelief": 2, "yogi": 2,
-    "polyak_sgd": 0,
+    "adamax": 2, "nadam": 2, "radam": 2, "adafactor": 0, "lion": 1, "muon": 1,
+    "schedule_free_adamw": 2, "lamb": 2, "lars": 1, "adabelief": 2, "yogi": 2, "polyak_sgd": 0,
 }
 # 0-d tensors torch keeps per parameter tensor besides those: "step" (all but SGD, Lion and
-# Muon), NAdam's "mu_product", ASGD's "eta" and "mu".
+# Muon) and NAdam's "mu_product".
 _SCALAR_STATES: dict[str, int] = dict.fromkeys(OPTIMIZER_STATES, 1) | {
-    "sgd": 0, "momentum": 0, "lion": 0, "muon": 0, "nadam": 2, "asgd": 3,
+    "sgd": 0, "momentum": 0, "lion": 0, "muon": 0, "nadam": 2,
     "schedule_free_adamw": 0,  # its step count and weight sum live in the param group
     "lars": 0, "polyak_sgd": 0,
 }
@@ -305,42 +303,6 @@ def zero_memory(
     return ZeroMemory(
         gpu=gathered + params * (on_gpu + sharded / (gpus_per_node * nodes)),
         cpu=float(buffer_factor * max(loaded, params * on_cpu / nodes)), gathered=gathered)
-
-
-def cruncher_params(dim: int, num_layers: int) -> int:
-    """``D·D·num_layers + D``: the Cruncher's parameters (chapter 3.5.6).
-
-    >>> cruncher_params(1024, 8)
-    8389632
-    """
-    return dim * dim * num_layers + dim
-
-
-def cruncher_activations(batch: int, dim: int, num_layers: int) -> int:
-    """``B·D·num_layers``: activations the Cruncher saves for the backward pass (3.5.6): each
-    D×D layer's output is the next layer's saved input; the first layer's is the batch itself.
-
-    >>> cruncher_activations(256, 1024, 8)
-    2097152
-    """
-    return batch * dim * num_layers
-
-
-def cruncher_memory(
-    batch: int, dim: int, num_layers: int, *, optimizer: str = "adagrad", bytes_per_element: int = 4
-) -> MemoryBreakdown:
-    """The chapter's ``4·(params + activations + grads + optimizer states)`` (3.5.6), with its
-    AdaGrad by default (one state per parameter).
-
-    >>> m = cruncher_memory(256, 1024, 8, optimizer="adagrad")
-    >>> m.total == 4 * (3 * cruncher_params(1024, 8) + cruncher_activations(256, 1024, 8))
-    True
-    """
-    params = float(bytes_per_element * cruncher_params(dim, num_layers))
-    return MemoryBreakdown(
-        params, params, optimizer_states(optimizer) * params, 0.0,
-        float(bytes_per_element * cruncher_activations(batch, dim, num_layers)),
-    )
 
 
 def _is_shape(leaf: Any) -> bool:

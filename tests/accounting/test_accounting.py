@@ -50,9 +50,8 @@ def test_bytes_per_param_by_optimizer_and_precision():
     fp32 = {name: acc.bytes_per_param(name, "fp32").total for name in acc.OPTIMIZER_STATES}
     assert fp32 == {"sgd": 8, "momentum": 12, "adagrad": 12, "rmsprop": 12, "adam": 16,
                     "adamw": 16, "adadelta": 16, "adamax": 16, "nadam": 16, "radam": 16,
-                    "asgd": 12, "rprop": 16, "adafactor": 8, "lion": 12, "muon": 12,
-                    "schedule_free_adamw": 16, "lamb": 16, "lars": 12, "adabelief": 16,
-                    "yogi": 16, "polyak_sgd": 8}
+                    "adafactor": 8, "lion": 12, "muon": 12, "schedule_free_adamw": 16,
+                    "lamb": 16, "lars": 12, "adabelief": 16, "yogi": 16, "polyak_sgd": 8}
     # ZeRO paper section 3.1: mixed-precision Adam is 2 + 2 + 12 = 16 bytes per parameter.
     mixed = acc.bytes_per_param("adam", "bf16-mixed")
     assert (mixed.params, mixed.grads, mixed.optimizer_state + mixed.master_weights) == (2, 2, 12)
@@ -84,11 +83,13 @@ def test_zero_sharding_never_costs_more_and_stage_3_divides_everything(optimizer
 
 
 def test_cruncher_memory_is_the_chapters_formula():
+    # 3.5.6: 4·(params + activations + grads + optimizer states), AdaGrad's one state, the
+    # activations B·D·L (each layer's output, the next one's saved input).
     batch, dim, layers = 256, 1024, 8
     params = mt.tree.size(mt.models.cruncher_init(dim, layers, generator=mt.rng.generator(0)))
-    assert acc.cruncher_params(dim, layers) == params == dim * dim * layers + dim
-    assert acc.cruncher_activations(batch, dim, layers) == batch * dim * layers
-    memory = acc.cruncher_memory(batch, dim, layers, optimizer="adagrad")
+    assert mt.models.cruncher_param_count(dim, layers) == params == dim * dim * layers + dim
+    memory = acc.training_memory(params, optimizer="adagrad",
+                                 activation_bytes=4 * batch * dim * layers)
     num_gradients = num_optimizer_states = params
     assert memory.total == 4 * (params + batch * dim * layers + num_gradients
                                 + num_optimizer_states)
@@ -96,7 +97,7 @@ def test_cruncher_memory_is_the_chapters_formula():
 
 def test_cruncher_exact_flops_drop_the_first_layers_input_gradient():
     batch, dim, layers = 256, 1024, 8
-    params = acc.cruncher_params(dim, layers)
+    params = mt.models.cruncher_param_count(dim, layers)
     assert acc.cruncher_flops(batch, dim, layers, input_grad=True) == 6 * batch * params
     assert acc.cruncher_flops(batch, dim, layers) == 6 * batch * params - 2 * batch * dim * dim
     assert acc.cruncher_flops(4, 16, 0) == 6 * 4 * 16 - 2 * 4 * 16  # linear regression
@@ -476,9 +477,8 @@ def _torch_optimizers():
         "sgd": (o.SGD, {}), "momentum": (o.SGD, dict(momentum=0.9)), "adagrad": (o.Adagrad, {}),
         "rmsprop": (o.RMSprop, {}), "adam": (o.Adam, {}), "adamw": (o.AdamW, {}),
         "adadelta": (o.Adadelta, {}), "adamax": (o.Adamax, {}), "nadam": (o.NAdam, {}),
-        "radam": (o.RAdam, {}), "asgd": (o.ASGD, {}), "rprop": (o.Rprop, {}),
-        "adafactor": (o.Adafactor, {}), "lion": (lion_pytorch.Lion, {}), "muon": (o.Muon, {}),
-        "schedule_free_adamw": (schedulefree.AdamWScheduleFree, {}),
+        "radam": (o.RAdam, {}), "adafactor": (o.Adafactor, {}), "lion": (lion_pytorch.Lion, {}),
+        "muon": (o.Muon, {}), "schedule_free_adamw": (schedulefree.AdamWScheduleFree, {}),
     }
 
 

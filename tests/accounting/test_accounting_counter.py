@@ -183,11 +183,12 @@ def test_predicted_peak_memory_within_ten_percent_on_cpu(name, optimizer):
     assert memory["peak_ratio"] == pytest.approx(1.0, abs=0.10)
     # activations: the chapter's B·D·L, and the prediction error the square saves (B), predicted
     # on fake tensors (a few bytes of 0-d tensors besides) and measured
-    saved = 4 * (acc.cruncher_activations(batch, dim, layers) + batch)
+    activations = batch * dim * layers  # the chapter's B·D·L (3.5.6)
+    saved = 4 * (activations + batch)
     assert saved <= memory["predicted"]["activations"] <= saved + 64
-    assert memory["measured"]["activations"] == pytest.approx(
-        4 * acc.cruncher_activations(batch, dim, layers), rel=0.10)
-    chapter = acc.cruncher_memory(batch, dim, layers, optimizer=name)
+    assert memory["measured"]["activations"] == pytest.approx(4 * activations, rel=0.10)
+    chapter = acc.training_memory(mt.models.cruncher_param_count(dim, layers), optimizer=name,
+                                  activation_bytes=4 * activations)
     # the chapter's four kinds (grads the size of the params) and the batch; the error vector
     # and 0-d tensors are the rest
     predicted = memory["predicted"]
@@ -268,8 +269,7 @@ def test_live_memory_of_a_cruncher_step_by_category():
     first_backward = counter.live_at_backward
     # What autograd saved: each layer's output, the next matmul's input (B·D·L, chapter 3.5.6),
     # and the prediction error the square saves (B); the batch and weights are their own.
-    assert first_backward["activations"] == 4 * (acc.cruncher_activations(batch, dim, layers)
-                                                 + batch)
+    assert first_backward["activations"] == 4 * (batch * dim * layers + batch)
     assert first_backward["params"] == mt.tree.nbytes(params)
     assert first_backward["batch"] == mt.tree.nbytes(data)
     replay = counter.ledger.replay()

@@ -89,8 +89,6 @@ TRANSFORMS = {  # every transformation mt.optim exports, built with example argu
     "scale_by_lion": lambda: o.scale_by_lion(),
     "scale_by_nadam": lambda: o.scale_by_nadam(),
     "scale_by_radam": lambda: o.scale_by_radam(),
-    "scale_by_asgd": lambda: o.scale_by_asgd(),
-    "scale_by_rprop": lambda: o.scale_by_rprop(),
     "scale_by_schedule_free_adamw": lambda: o.scale_by_schedule_free_adamw(),
     "scale_by_belief": lambda: o.scale_by_belief(),
     "scale_by_yogi": lambda: o.scale_by_yogi(),
