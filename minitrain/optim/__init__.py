@@ -28,7 +28,6 @@ from minitrain.optim import (
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._family import *  # noqa: F403
 from minitrain.optim._family_steps import *  # noqa: F403
-from minitrain.optim._lookahead import LookaheadParams, LookaheadState, lookahead
 from minitrain.optim._muon import (
     muon,
     muon_momentum,
@@ -61,7 +60,6 @@ __all__ = [
     *_family.__all__,
     *_family_steps.__all__,
     *_optax.__all__,
-    "lookahead", "LookaheadParams", "LookaheadState",
     "differentially_private_aggregate", "DifferentiallyPrivateAggregateState",
     "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",
     "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
