@@ -1,7 +1,6 @@
 """The leaves ``multi_transform`` and ``masked`` hand to their inner transformations, keyed by
 their names in the whole params, so a group's state is named after its params
-(``inner_states.adam.mu.w``) and a checkpoint resumed with other labels fails to load. Those
-saved when groups were lists (``inner_states.adam.mu.0``) still load (:func:`legacy_template`).
+(``inner_states.adam.mu.w``) and a checkpoint resumed with other labels fails to load.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from typing import Any
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
 
-__all__ = ["LeafGroup", "group", "as_lists", "like", "legacy_template"]
+__all__ = ["LeafGroup", "group", "legacy_template"]
 
 
 class LeafGroup(dict):
@@ -42,32 +41,13 @@ def group(named: list[tuple[str, Any]]) -> LeafGroup:
     return LeafGroup(named)
 
 
-def _is_group(node: Any) -> bool:
-    return type(node) is LeafGroup
-
-
-def as_lists(pytree: Any) -> Any:
-    """``pytree`` with every :class:`LeafGroup` a list of its values: the old layout.
-
-    >>> as_lists({"a": group([("w", 1), ("b", 2)])})
-    {'a': [1, 2]}
-    """
-    return _pytree.tree_map(lambda node: list(node.values()) if _is_group(node) else node,
-                            pytree, is_leaf=_is_group)
-
-
-def like(template: Any, loaded: Any) -> Any:
-    """``loaded`` (shaped like ``as_lists(template)``) with ``template``'s structure."""
-    return tree.unflatten(tree.structure(template), tree.leaves(loaded))
-
-
-def legacy_template(template: Any, template_names: set[str], saved_names: list[str]) -> Any:
-    """``template`` (whose leaves are ``template_names``) in the layout of a checkpoint saved
-    when groups were lists, when ``saved_names`` are that layout's and not the template's; else
-    None."""
-    has_groups = any(map(_is_group, _pytree.tree_leaves(template, is_leaf=_is_group)))
-    if all(name in template_names for name in saved_names) or not has_groups:
-        return None
-    legacy = as_lists(template)
-    legacy_names = {name for name, _ in tree.named_leaves(legacy)}
-    return legacy if all(name in legacy_names for name in saved_names) else None
+def legacy_template(template: Any, template_names: set[str], saved_names: list[str]) -> None:
+    """``ValueError`` where ``saved_names`` are those of ``template`` (whose leaves are
+    ``template_names``) with each :class:`LeafGroup` a list (``inner_states.adam.mu.0``): a
+    checkpoint saved when groups were lists."""
+    unknown = [name for name in saved_names if name not in template_names]
+    lists = _pytree.tree_map(lambda node: list(node.values()) if type(node) is LeafGroup
+                             else node, template, is_leaf=lambda node: type(node) is LeafGroup)
+    if unknown and set(saved_names) <= {name for name, _ in tree.named_leaves(lists)}:
+        raise ValueError(f"the checkpoint predates named leaf groups (it names {unknown[0]!r}); "
+                         f"multi_transform and masked states saved as lists no longer load")
