@@ -100,10 +100,8 @@ def optimizer_states(
     return OPTIMIZER_STATES[key] + extra
 
 
-def optimizer_state_elements(
-    optimizer: str, shape: tuple[int, ...], *, amsgrad: bool = False, momentum: bool = False,
-    centered: bool = False, scalars: bool = True,
-) -> int:
+def optimizer_state_elements(optimizer: str, shape: tuple[int, ...], *, scalars: bool = True,
+                             **state_options: bool) -> int:
     """Elements of optimizer state torch keeps for one parameter of ``shape`` (see
     :data:`OPTIMIZER_STATES`), with its 0-d ``step`` (and the like) when ``scalars``; options as
     in :func:`optimizer_states`. Adafactor keeps ``prod(shape[:-1])`` row and
@@ -118,7 +116,7 @@ def optimizer_state_elements(
     1537
     """
     key = optimizer_key(optimizer)
-    full = optimizer_states(key, amsgrad=amsgrad, momentum=momentum, centered=centered)
+    full = optimizer_states(key, **state_options)
     if not _is_shape(shape) or any(n < 0 for n in shape):
         raise UserError(f"shape must be a tuple of sizes >= 0, got {shape!r}")
     scalar = _SCALAR_STATES[key]
@@ -144,9 +142,8 @@ class BytesPerParam(NamedTuple):
         return self.params + self.grads + self.optimizer_state + self.master_weights
 
 
-def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32", *,
-                    amsgrad: bool = False, momentum: bool = False,
-                    centered: bool = False) -> BytesPerParam:
+def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32",
+                    **state_options: bool) -> BytesPerParam:
     """Bytes per parameter for ``optimizer`` under a precision recipe (see ``PRECISIONS``);
     options as in :func:`optimizer_states`. Adafactor counts 0, Muon 1 (large matrices).
 
@@ -156,7 +153,7 @@ def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32", *,
     (8, 20)
     """
     recipe = precision(precision_name)
-    states = optimizer_states(optimizer, amsgrad=amsgrad, momentum=momentum, centered=centered)
+    states = optimizer_states(optimizer, **state_options)
     return BytesPerParam(recipe.params, recipe.grads, states * recipe.optimizer_state,
                          recipe.master_weights)
 
@@ -209,8 +206,7 @@ class MemoryBreakdown(NamedTuple):
 
 def training_memory(
     params: Number, *, optimizer: str = "adamw", precision: str = "fp32",
-    activation_bytes: Number = 0, gpus: int = 1, zero_stage: int = 0, amsgrad: bool = False,
-    momentum: bool = False, centered: bool = False,
+    activation_bytes: Number = 0, gpus: int = 1, zero_stage: int = 0, **state_options: bool,
 ) -> MemoryBreakdown:
     """Bytes on one device to train ``params`` parameters (activations given per device);
     options as in :func:`optimizer_states`.
@@ -220,8 +216,7 @@ def training_memory(
     >>> training_memory(1e9, optimizer="adam", precision="fp32", amsgrad=True).total / 1e9
     20.0
     """
-    per_param = bytes_per_param(optimizer, precision, amsgrad=amsgrad, momentum=momentum,
-                                centered=centered)
+    per_param = bytes_per_param(optimizer, precision, **state_options)
     sharded = _sharded(gpus, zero_stage)
     parts = {kind: float(params * getattr(per_param, kind) / (gpus if kind in sharded else 1))
              for kind in BytesPerParam._fields}

@@ -135,10 +135,8 @@ def transformer_params(config: TransformerConfig) -> int:
     return sum(math.prod(shape) for _, shape in transformer_tensors(config))
 
 
-def transformer_optimizer_state_elements(
-    config: TransformerConfig, optimizer: str = "adamw", *, amsgrad: bool = False,
-    momentum: bool = False, centered: bool = False,
-) -> int:
+def transformer_optimizer_state_elements(config: TransformerConfig, optimizer: str = "adamw",
+                                         **state_options: bool) -> int:
     """Elements of optimizer state torch.optim keeps for ``config``, tensor by tensor (0-d
     counters aside): Adafactor factored, Muon for the layers' matrices only and AdamW for the
     rest (Jordan et al. 2024; ``torch.optim.Muon``).
@@ -151,7 +149,7 @@ def transformer_optimizer_state_elements(
     True
     """
     key = optimizer_key(optimizer)
-    flags = dict(amsgrad=amsgrad, momentum=momentum, centered=centered) if key != "muon" else {}
+    flags = state_options if key != "muon" else {}
     return sum(optimizer_state_elements("adamw" if key == "muon" and role != "hidden" else key,
                                         shape, scalars=False, **flags)
                for role, shape in transformer_tensors(config))
@@ -189,8 +187,7 @@ def transformer_memory(
     config: TransformerConfig, *, batch: int, seq_len: int | None = None,
     optimizer: str = "adamw", precision_name: str = "bf16-mixed", gpus: int = 1,
     zero_stage: int = 0, recompute: str = "none", tensor_parallel: int = 1,
-    sequence_parallel: bool = False, attention: str = "eager", amsgrad: bool = False,
-    momentum: bool = False, centered: bool = False,
+    sequence_parallel: bool = False, attention: str = "eager", **state_options: bool,
 ) -> MemoryBreakdown:
     """Bytes per device to train ``config`` with ``batch`` sequences per device: params and
     grads by :func:`training_memory` (ZeRO or tensor-parallel shards), optimizer state tensor
@@ -200,8 +197,7 @@ def transformer_memory(
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
     (3.12, 33.9)
     """
-    recipe, options = precision(precision_name), dict(amsgrad=amsgrad, momentum=momentum,
-                                                      centered=centered)
+    recipe = precision(precision_name)
     activations = transformer_activation_bytes(
         seq_len=config.seq_len if seq_len is None else seq_len, batch=batch,
         hidden=config.hidden, heads=config.heads, num_layers=config.num_layers,
@@ -212,8 +208,8 @@ def transformer_memory(
     memory = training_memory(
         transformer_params(config) / tensor_parallel, optimizer=optimizer,
         precision=precision_name, activation_bytes=activations, gpus=gpus, zero_stage=zero_stage,
-        **options)
-    state = transformer_optimizer_state_elements(config, optimizer, **options)
+        **state_options)
+    state = transformer_optimizer_state_elements(config, optimizer, **state_options)
     shards = tensor_parallel * (gpus if zero_stage >= 1 else 1)
     return memory._replace(optimizer_state=float(state * recipe.optimizer_state / shards))
 
