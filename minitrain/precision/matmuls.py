@@ -5,8 +5,8 @@ Each GEMM (the forward one and both backward ones) quantizes its operands bit-ex
 (products of fp8 values are exact in fp32). Params, grads and the update stay fp32.
 
 fp8 is Transformer Engine's recipe (Micikevicius et al. 2022, "FP8 Formats for Deep
-Learning"): e4m3 forward, e5m2 for the output gradient, each tensor scaled by ``fp8_max / amax
-/ 2**margin`` (rounded as torchao's ``amax_to_scale``). The amax comes from the last
+Learning"): e4m3 forward, e5m2 for the output gradient, each tensor scaled by ``fp8_max / amax``
+(rounded as torchao's ``amax_to_scale``). The amax comes from the last
 ``history_len`` steps (TE's ``DelayedScaling``) or, without a history, from the tensor itself
 (``Float8CurrentScaling``). The history is pure state, ``(3, history_len)`` per matmul, whose
 *gradient* is the updated history (flax's ``fp8_ops`` trick), so it works under
@@ -49,7 +49,6 @@ class Recipe(NamedTuple):
     forward: str = "fp8_e4m3"  # activations and weights
     backward: str = "fp8_e5m2"  # gradient of the matmul's output
     history_len: int = 16  # delayed scaling: steps of amax history (TE default 1024)
-    margin: int = 0  # scale = fp8_max / amax / 2**margin (TE DelayedScaling.margin)
     gemm: str = "simulated"  # or "scaled_mm": real fp8 GEMMs through torch._scaled_mm
 
 
@@ -98,16 +97,15 @@ def _fp8_codes(x: torch.Tensor, fmt: str) -> torch.Tensor:
 AMAX_FLOOR = 1e-12
 
 
-def amax_to_scale(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """torchao's ``amax_to_scale``: ``fp8_max / max(amax, 1e-12)`` divided in float64, rounded
-    once to fp32 (the correctly rounded quotient), then ``/ 2**margin``. An inf amax gives 0 and
-    a NaN one NaN, so a tensor holding them quantizes to NaN, as torchao's does.
+    once to fp32 (the correctly rounded quotient). An inf amax gives 0 and a NaN one NaN, so a
+    tensor holding them quantizes to NaN, as torchao's does.
 
     >>> amax_to_scale(torch.tensor([3.0, 0.0]), "fp8_e4m3")
     tensor([1.4933e+02, 4.4800e+14])
     """
-    quotient = spec(fmt).max / amax.double().clamp(min=AMAX_FLOOR)
-    return quotient.float() / 2.0**margin
+    return (spec(fmt).max / amax.double().clamp(min=AMAX_FLOOR)).float()
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +113,7 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax() if x.numel() else x.new_zeros(())
 
 
-def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+def delayed_scale(history: torch.Tensor, fmt: str) -> torch.Tensor:
     """TE's scale from an amax history: :func:`amax_to_scale` of its largest finite entry, or 1
     while it holds no positive finite amax (a fresh history). An inf or NaN recorded by an
     overflowing step is skipped: TE's ``_default_sf_compute`` would keep its previous scale,
@@ -128,7 +126,7 @@ def delayed_scale(history: torch.Tensor, fmt: str, margin: int = 0) -> torch.Ten
     """
     finite = torch.where(torch.isfinite(history), history, 0.0)
     amax = finite.amax(dim=-1)
-    return torch.where(amax > 0, amax_to_scale(amax, fmt, margin), 1.0)
+    return torch.where(amax > 0, amax_to_scale(amax, fmt), 1.0)
 
 
 def _along_last(x: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
@@ -197,8 +195,7 @@ def scaled_mm_operands(
     (torch.float8_e4m3fn, (1, 32), 0.5, 0.25)
     """
     (fa, fb), (sa, sb) = formats, scales
-    a8 = (a.float() * sa).clamp(-spec(fa).max, spec(fa).max).to(_TORCH_FP8[fa])
-    b8 = (b.float() * sb).clamp(-spec(fb).max, spec(fb).max).to(_TORCH_FP8[fb])
+    a8, b8 = _fp8_codes(a.float() * sa, fa), _fp8_codes(b.float() * sb, fb)
     return a8.contiguous(), b8.mT.contiguous().mT, sa.reciprocal(), sb.reciprocal()
 
 
@@ -252,12 +249,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 return (qa @ qb).to(out_dtype), qa, qb, history, torch.ones(2, device=a.device)
             fmt = r.forward
             if history is None:  # current scaling
-                sa = amax_to_scale(_amax(a32), fmt, r.margin)
-                sb = amax_to_scale(_amax(b32), fmt, r.margin)
+                sa, sb = amax_to_scale(_amax(a32), fmt), amax_to_scale(_amax(b32), fmt)
                 new_history = None
             else:
-                sa = delayed_scale(history[0], fmt, r.margin)
-                sb = delayed_scale(history[1], fmt, r.margin)
+                sa, sb = delayed_scale(history[0], fmt), delayed_scale(history[1], fmt)
                 rows = [_record(history[0], _amax(a32)), _record(history[1], _amax(b32)),
                         history[2]]
                 new_history = torch.stack(rows)
@@ -288,9 +283,9 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 gb = quantize_operand(a, r.forward, -2).mT @ quantize_operand(g, r.backward, -2)
             else:
                 if history is None:
-                    sg = amax_to_scale(_amax(g), r.backward, r.margin)
+                    sg = amax_to_scale(_amax(g), r.backward)
                 else:
-                    sg = delayed_scale(history[2], r.backward, r.margin)
+                    sg = delayed_scale(history[2], r.backward)
                 if ctx.has_history:  # the "gradient" of the state is the updated state
                     g_row = _record(history[2], _amax(g))
                     new_history = torch.stack([history[0], history[1], g_row])
