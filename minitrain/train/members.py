@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +23,12 @@ from minitrain.train.experiment import (
     parse_overrides,
     script_folder,
 )
-from minitrain.train.script_errors import is_user_file, one_line, script_line
+from minitrain.train.script_errors import one_line, script_line
 from minitrain.train.swept import SIZES_FIX, MemberMismatch, SweepBinding, SweptValue
 
 __all__ = [
     "Ensemble", "Member", "MemberMismatch", "build_ensemble", "load_sweep", "member_grid",
-    "check_same_sizes", "member_label", "parse_seeds", "parse_sweep",
+    "check_same_run", "member_label", "parse_seeds", "parse_sweep",
 ]
 
 
@@ -182,9 +180,7 @@ def build_ensemble(
         except Exception as exc:  # e.g. an argument annotated float that refuses a tensor
             raise _template_failed(swept, exc) from exc
         template = dataclasses.replace(template, name=experiments[0].name)
-        check_same_sizes([_parts(e) for e in experiments],
-                         [member_label(member) for member in members],
-                         lambda: _parts(_built(build, members[0].config)))
+        check_same_run(experiments, [member_label(member) for member in members])
     return Ensemble(members, experiments, template, binding, swept)
 
 
@@ -206,14 +202,29 @@ def _template_failed(swept: tuple[str, ...], exc: Exception) -> MemberMismatch:
     )
 
 
-def _parts(experiment: Experiment) -> dict[str, Any]:
-    """What :func:`check_same_sizes` compares between members: the run's counts and switches,
-    and what init, loss and optimizer hold."""
+def check_same_run(experiments: Sequence[Experiment], labels: Sequence[str]) -> None:
+    """Refuse members whose runs differ in a count or switch that the loop reads once, from the
+    template (member 0's): e.g. an ``eval_every`` taken through ``float()`` of a swept value.
+
+    Shapes are compared where the members' params, states and batches are stacked; a swept value
+    reaches sizes only through ``int()``, refused by :class:`SweptValue` where it differs
+    (``float()`` of it is member 0's value, as the sweeps tutorial says).
+    """
+    first = _run(experiments[0])
+    for k, experiment in enumerate(experiments[1:], start=1):
+        for name, value in _run(experiment).items():
+            if value != first[name]:
+                raise MemberMismatch(
+                    f"member {k} ({labels[k]}) builds a run whose {name} is {value!r} where "
+                    f"member 0's is {first[name]!r}; {SIZES_FIX}"
+                )
+
+
+def _run(experiment: Experiment) -> dict[str, Any]:
+    """The counts and switches of ``experiment`` that the members share."""
     run = {name: getattr(experiment, name) for name in _RUN_FIELDS}
-    run |= {"evaluates": experiment.evaluate is not None,
-            "clips": experiment.max_grad_norm is not None}
-    return {"run": run, "init": experiment.init, "loss": experiment.loss,
-            "optimizer": experiment.optimizer}
+    return run | {"evaluates": experiment.evaluate is not None,
+                  "clips": experiment.max_grad_norm is not None}
 
 
 # Fields of the template experiment that the members share (the loop reads them once).
@@ -246,147 +257,3 @@ def load_sweep(path: str | Path, items: Sequence[str] = (), seeds: Sequence[int]
             return build_experiment(script_build, member_config, path, steps)
 
         return build_ensemble(build, members)
-
-
-def check_same_sizes(parts: Sequence[dict[str, Any]], labels: Sequence[str],
-                     rebuild_first: Callable[[], dict[str, Any]] | None = None) -> None:
-    """Refuse members whose ``parts`` hold a different int, bool or tensor shape.
-
-    ``rebuild_first`` builds member 0's parts again: a value that differs between two builds of
-    one member (a timestamp) comes from no swept value, and passes.
-
-    >>> labels = ["x=2 seed=0", "x=3 seed=0"]
-    >>> def schedule(n):
-    ...     return lambda count: count / n
-    >>> try:
-    ...     check_same_sizes([{"optimizer": schedule(10)}, {"optimizer": schedule(15)}], labels)
-    ... except MemberMismatch as exc:
-    ...     print(str(exc)[:78])
-    member 1 (x=3 seed=0) builds an optimizer whose n is 15 where member 0's is 10
-    """
-    first = [_sizes(part) for part in parts[0].values()]
-    again: list[list[tuple[str, str, Any]]] | None = None
-    for k, member_parts in enumerate(parts[1:], start=1):
-        for index, (what, want, got) in enumerate(
-                zip(parts[0], first, map(_sizes, member_parts.values()), strict=True)):
-            for at, ((path, where, value), (_, _, expected)) in enumerate(
-                    zip(got, want, strict=False)):
-                if _STRUCTURE in (value[0] if isinstance(value, tuple) else None,
-                                  expected[0] if isinstance(expected, tuple) else None):
-                    if value != expected:  # other code (weight_decay=0 leaves a step out): the
-                        break  # state layout and first-step checks tell what differs
-                elif value != expected:
-                    if rebuild_first is not None and again is None:
-                        again = [_sizes(part) for part in rebuild_first().values()]
-                    if again is not None and _unstable(again[index], want, at):
-                        continue
-                    raise MemberMismatch(
-                        f"member {k} ({labels[k]}) builds {_article(what)} whose {path}"
-                        f"{where} is {_shown(value)} where member 0's is {_shown(expected)}; "
-                        f"{SIZES_FIX}"
-                    )
-
-
-def _unstable(again: list[tuple[str, str, Any]], first: list[tuple[str, str, Any]],
-              at: int) -> bool:
-    """Whether entry ``at`` of member 0's sizes differs between two builds that walk alike."""
-    if len(again) != len(first) or any(
-            (path, where) != (path_0, where_0)
-            for (path, where, _), (path_0, where_0, _) in zip(again, first, strict=True)):
-        return False
-    return again[at][2] != first[at][2]
-
-
-def _article(what: str) -> str:
-    return f"an {what}" if what[0] in "aeiou" else f"a {what}"
-
-
-def _shown(value: Any) -> str:
-    return f"of shape {value[1]}" if isinstance(value, tuple) else repr(value)
-
-
-_STRUCTURE = "structure"  # the length of a container of code, not of numbers
-
-
-@dataclasses.dataclass(frozen=True)
-class _Length:
-    value: int | tuple[str, int]
-
-_DATA = (int, float, complex, str, bytes, type(None), torch.Tensor)
-
-
-_MAX_NODES = 5000  # objects looked into, per member's loss or optimizer
-_MAX_ITEMS = 256
-_LEAVES = (float, complex, str, bytes, type(None), type, types.ModuleType, torch.Generator,
-           torch.dtype, torch.device)
-
-
-def _sizes(root: Any) -> list[tuple[str, str, Any]]:
-    """``(name, where, value)`` of each int, bool, length and tensor shape reachable from ``root``.
-    """
-    found: list[tuple[str, str, Any]] = []
-    seen: set[int] = set()
-    pending: list[tuple[Any, str, str]] = [(root, "value", "")]
-    while pending and len(seen) < _MAX_NODES:
-        value, name, where = pending.pop()
-        if isinstance(value, bool | int | _Length):
-            found.append((name, where, value.value if isinstance(value, _Length) else value))
-            continue
-        if isinstance(value, torch.Tensor):
-            found.append((name, where, ("shape", tuple(value.shape))))
-            continue
-        if isinstance(value, _LEAVES) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        children = _children(value, name, where)
-        pending.extend(reversed(children))
-    return found
-
-
-@functools.lru_cache(maxsize=1024)
-def _user_file(filename: str) -> bool:
-    """:func:`is_user_file`, once per file (it resolves several paths per call)."""
-    return is_user_file(filename)
-
-
-def _children(value: Any, name: str, where: str) -> list[tuple[Any, str, str]]:
-    if isinstance(value, types.FunctionType):
-        code = value.__code__
-        if _user_file(code.co_filename):
-            where = f" (held by the function at {Path(code.co_filename).name} line " \
-                    f"{code.co_firstlineno})"
-        cells = [(var, cell) for var, cell in zip(code.co_freevars, value.__closure__ or (),
-                                                 strict=True)]
-        children = [(_contents(cell), var, where) for var, cell in cells]
-        defaults = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
-        return children + [(default, f"{value.__name__}'s default", where)
-                           for default in defaults]
-    if isinstance(value, functools.partial):
-        return [(value.func, name, where), *((arg, name, where) for arg in value.args),
-                *((arg, key, where) for key, arg in value.keywords.items())]
-    if isinstance(value, types.MethodType):
-        return [(value.__func__, name, where), (value.__self__, name, where)]
-    if isinstance(value, list | tuple | dict):
-        items = value.values() if isinstance(value, dict) else value
-        numbers = all(isinstance(item, _DATA) for item in items)
-        length = (_Length(len(value) if numbers else (_STRUCTURE, len(value))),
-                  f"length of {name}", where)
-        if len(value) > _MAX_ITEMS:  # data, not hyperparameters
-            return [length]
-        if isinstance(value, dict):
-            return [length, *((item, str(key), where) for key, item in value.items())]
-        fields = getattr(value, "_fields", None) or [name] * len(value)
-        return [length, *((item, field, where) for field, item in zip(fields, value, strict=True))]
-    if isinstance(value, torch.nn.Module):
-        return [(tensor, key, where) for key, tensor in value.state_dict().items()]
-    attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict):
-        return [(item, key, where) for key, item in attributes.items()]
-    return []
-
-
-def _contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # a closure variable not yet assigned
-        return None

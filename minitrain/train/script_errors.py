@@ -14,8 +14,7 @@ from pathlib import Path
 
 from minitrain.errors import MinitrainError, ScriptError
 
-__all__ = ["ScriptError", "is_user_file", "one_line", "raised_at", "script_call", "script_line",
-           "user_frames"]
+__all__ = ["ScriptError", "one_line", "raised_at", "script_call", "script_line", "user_frames"]
 
 _OURS = Path(__file__).resolve().parents[1]  # minitrain/
 
@@ -35,11 +34,6 @@ def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     roots = _library_roots()
     frames = traceback.extract_tb(exc.__traceback__)
     return [frame for frame in frames if _in_user_file(frame.filename, roots)]
-
-
-def is_user_file(filename: str) -> bool:
-    """Whether code of ``filename`` is the user's own (not minitrain's, torch's or Python's)."""
-    return _in_user_file(filename, _library_roots())
 
 
 def _in_user_file(filename: str, roots: tuple[str, ...]) -> bool:
