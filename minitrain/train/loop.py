@@ -20,7 +20,6 @@ from minitrain.atomic_io import write_atomic
 from minitrain.errors import Interrupted, NonFiniteLoss, ResumeError, StorageError
 from minitrain.metrics import MetricsWriter
 from minitrain.train.progress import progress_bar, to_stderr
-from minitrain.train.setup import run_generators, to_backend  # noqa: F401  (re-exported)
 from minitrain.train.signals import stop_requests
 from minitrain.train.stepper import FitResult, Stepper, StepTimer, after_last_step
 

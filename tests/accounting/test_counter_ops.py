@@ -21,7 +21,7 @@ import minitrain as mt
 from minitrain import accounting as acc
 from minitrain.accounting.counter import DATA_MOVEMENT, FORMULA_OPS, POINTWISE_FLOPS
 from minitrain.train import load_experiment, make_train_step
-from minitrain.train.loop import run_generators, to_backend
+from minitrain.train.setup import run_generators, to_backend
 
 aten = torch.ops.aten
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import minitrain as mt
 from minitrain.cli.profile import profile
 from minitrain.train import load_experiment, make_train_step
-from minitrain.train.loop import run_generators, to_backend
+from minitrain.train.setup import run_generators, to_backend
 from tests.references import require
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
