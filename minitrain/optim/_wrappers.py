@@ -26,10 +26,9 @@ from minitrain.optim._checks import (
 from minitrain.optim._groups import LeafGroup, group
 from minitrain.optim.base import (
     GradientTransformation,
-    check_extra_args,
     check_transformation,
     forwards_extra_args,
-    select_extra_args,
+    split_extra_args,
     tagged,
 )
 from minitrain.tree import Params
@@ -64,9 +63,12 @@ def _route_init(params: Params, transforms: dict, pick: Callable) -> dict[Any, A
 
 
 def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Callable,
-           extra: dict, what: Callable[[Any], str]) -> tuple[Any, dict]:
+           extra: dict, where: str) -> tuple[Any, dict]:
     """Each transformation's update of the leaves ``pick`` gives it (a :class:`LeafGroup`, so
-    its state is named after them); the other leaves pass through."""
+    its state is named after them) with the keyword arguments of ``extra`` it takes; the other
+    leaves pass through."""
+    extra = dict(zip(transforms, split_extra_args(where, list(transforms.values()), extra),
+                     strict=True))
     named = tree.named_leaves(updates)
     named_params = named if params is None else tree.named_leaves(params)
     leaves = [leaf for _, leaf in named]
@@ -76,12 +78,13 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
         new, new_states[label] = transforms[label].update(
             _select(named, leaves, indices), states[label],
             None if p_leaves is None else _select(named, p_leaves, indices),
-            **select_extra_args(transforms[label], extra))
+            **extra[label])
         if isinstance(new, dict) and list(new) == [named[i][0] for i in indices]:
             new = list(new.values())
         if not isinstance(new, list | tuple) or len(new) != len(indices):
+            name = where if len(transforms) == 1 else f"{where}'s {label!r}"
             raise ValueError(
-                f"{what(label)}'s inner transformation returned a {type(new).__name__} for a dict "
+                f"{name}'s inner transformation returned a {type(new).__name__} for a dict "
                 f"of {len(indices)} leaves; return updates shaped like the ones it was given "
                 "(tree.map over them)")
         for i, value in zip(indices, new, strict=True):
@@ -127,10 +130,9 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         return MaskedState(_route_init(params, {"inner": inner}, chosen)["inner"])
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("masked", update, extra)
         check_state_type("masked", MaskedState, state)
         out, states = _route(updates, {"inner": state.inner_state}, params, {"inner": inner},
-                             chosen, extra, lambda label: "masked")
+                             chosen, extra, "masked")
         return out, MaskedState(states["inner"])
 
     forwards_extra_args(update, [inner])
@@ -176,13 +178,12 @@ def multi_transform(transforms: dict[str, GradientTransformation],
         return MultiTransformState(_route_init(params, transforms, groups))
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("multi_transform", update, extra)
         check_state_type("multi_transform", MultiTransformState, state)
         if not isinstance(state.inner_states, dict) or set(state.inner_states) != set(transforms):
             raise ValueError(f"multi_transform with labels {sorted(transforms)} got a state for "
                              f"other labels; pass the state returned by its init(params)")
         out, states = _route(updates, state.inner_states, params, transforms, groups, extra,
-                             lambda label: f"multi_transform's {label!r}")
+                             "multi_transform")
         return out, MultiTransformState(states)
 
     forwards_extra_args(update, list(transforms.values()))
@@ -222,7 +223,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         return MultiStepsState(zero, zero.clone(), inner.init(params), tree.zeros_like(params))
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("MultiSteps", update, extra)
+        extra, = split_extra_args("MultiSteps", [inner], extra)
         check_state_type("MultiSteps", MultiStepsState, state)
         check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
@@ -280,7 +281,7 @@ def apply_if_finite(inner: GradientTransformation,
                                   inner.init(params))
 
     def update(updates, state, params=None, **extra):
-        check_extra_args("apply_if_finite", update, extra)
+        extra, = split_extra_args("apply_if_finite", [inner], extra)
         check_state_type("apply_if_finite", ApplyIfFiniteState, state)
         new, inner_state = inner.update(updates, state.inner_state, params, **extra)
         leaves = [*tree.leaves(updates), *tree.leaves(new)]

@@ -200,21 +200,15 @@ def extra_args(tx: GradientTransformation) -> frozenset[str] | None:
     inners = getattr(tx.update, "extra_inners", None)
     if inners is not None:  # a wrapper: what any of its transformations takes
         takes = [extra_args(inner) for inner in inners]
-        return None if any(t is None for t in takes) else frozenset().union(*takes)
-    declared = getattr(tx.update, "extra_args", False)
-    if declared is not False:
-        return declared
+        return None if None in takes else frozenset().union(*takes)
     try:
         parameters = list(inspect.signature(tx.update).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: no extra arguments
         return frozenset()
-    names = set()
-    for index, p in enumerate(parameters):
-        if p.kind is p.VAR_KEYWORD:
-            return None
-        if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and index >= 3):
-            names.add(p.name)
-    return frozenset(names)
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for index, p in enumerate(parameters) if p.kind is p.KEYWORD_ONLY
+                     or (p.kind is p.POSITIONAL_OR_KEYWORD and index >= 3))
 
 
 def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformation]) -> Callable:
@@ -223,26 +217,20 @@ def forwards_extra_args(update: Callable, inners: Sequence[GradientTransformatio
     return update
 
 
-def check_extra_args(where: str, accepted: Any, extra: dict[str, Any]) -> None:
-    """``ValueError`` for keyword arguments outside ``accepted``: a set of names, None for any,
-    or a wrapper's update function."""
+def split_extra_args(where: str, inners: Sequence[GradientTransformation],
+                     extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per transformation of ``inners``, the keyword arguments of ``extra`` it takes; a
+    ``ValueError`` naming ``where`` for one that none of them takes."""
     if not extra:
-        return
-    if callable(accepted):
-        accepted = extra_args(GradientTransformation(None, accepted))  # type: ignore[arg-type]
-    unknown = sorted(set(extra) - accepted) if accepted is not None else []
+        return [extra] * len(inners)
+    takes = [extra_args(tx) for tx in inners]
+    unknown = [] if None in takes else sorted(set(extra).difference(*takes))
     if unknown:
         raise ValueError(f"{where} got keyword argument(s) {unknown} that none of its "
-                         f"transformations take (they take {sorted(accepted)}); pass only those, "
-                         f"e.g. value= for reduce_on_plateau")
-
-
-def select_extra_args(tx: GradientTransformation, extra: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of ``extra`` that ``tx.update`` takes."""
-    if not extra:
-        return extra
-    takes = extra_args(tx)
-    return dict(extra) if takes is None else {k: v for k, v in extra.items() if k in takes}
+                         f"transformations take (they take {sorted(frozenset().union(*takes))}); "
+                         f"pass only those, e.g. value= for reduce_on_plateau")
+    return [dict(extra) if t is None else {k: v for k, v in extra.items() if k in t}
+            for t in takes]
 
 
 def check_transformation(tx: Any, what: str) -> None:
@@ -278,12 +266,12 @@ def chain(*transforms: Any) -> GradientTransformation:
             raise ValueError(f"chain of {len(transforms)} transformations got a state of "
                              f"{type(state).__name__}; pass the state returned by its "
                              f"init(params)")
-        check_extra_args("chain", update, extra)
         new_state, checked = [], updates  # tagged checked these: each step takes them as they are
-        for tx, inner, step in zip(transforms, state, steps, strict=True):
+        for tx, inner, step, kwargs in zip(transforms, state, steps,
+                                           split_extra_args("chain", transforms, extra),
+                                           strict=True):
             trusted = {"checked": True} if updates is checked and step is not tx.update else {}
-            updates, inner = step(updates, inner, params, **trusted,
-                                  **select_extra_args(tx, extra))
+            updates, inner = step(updates, inner, params, **trusted, **kwargs)
             new_state.append(inner)
         return updates, tuple(new_state)
 
@@ -372,7 +360,7 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
-            check_extra_args("as_optimizer", extra_args(tx), extra)
+            split_extra_args("as_optimizer", [tx], extra)
         elif lowered is not None:
             result = lowered(grads, state, params, donate)
             if result is not None:
