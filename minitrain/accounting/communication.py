@@ -11,9 +11,7 @@ A ring all-reduce over ``N`` ranks sends ``2·(N - 1)/N × bytes`` per rank (Pat
 
 from __future__ import annotations
 
-import math
-
-from minitrain.accounting.units import Number
+from minitrain.accounting.units import Number, check_numbers
 from minitrain.errors import UserError
 
 __all__ = ["allreduce_bytes", "allreduce_seconds", "communication_time"]
@@ -25,8 +23,7 @@ def allreduce_bytes(gradient_bytes: Number, ranks: int) -> float:
     >>> allreduce_bytes(1000, 1), allreduce_bytes(1000, 2), allreduce_bytes(1000, 4)
     (0.0, 1000.0, 1500.0)
     """
-    if not math.isfinite(gradient_bytes) or gradient_bytes < 0:
-        raise UserError(f"gradient_bytes must be a finite number >= 0, got {gradient_bytes!r}")
+    check_numbers(gradient_bytes=gradient_bytes)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise UserError(f"ranks must be an integer >= 1, got {ranks!r}")
     return 2.0 * (ranks - 1) / ranks * gradient_bytes
@@ -39,8 +36,7 @@ def allreduce_seconds(gradient_bytes: Number, ranks: int, bandwidth: Number) -> 
     >>> round(allreduce_seconds(gradient_bytes=2 * 7e9, ranks=1024, bandwidth=50e9), 4)
     0.5595
     """
-    if not math.isfinite(bandwidth) or bandwidth <= 0:
-        raise UserError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+    check_numbers(True, bandwidth=bandwidth)
     return allreduce_bytes(gradient_bytes, ranks) / bandwidth
 
 
@@ -54,9 +50,7 @@ def communication_time(params: Number, tokens: Number, batch_tokens: Number, ran
     >>> round(days, 1)   # 8B params, bf16 grads, 4M-token batches, 50 GB/s per rank
     27.8
     """
-    for name, value in (("tokens", tokens), ("batch_tokens", batch_tokens), ("params", params),
-                        ("bytes_per_grad (2 for bf16)", bytes_per_grad)):
-        if not math.isfinite(value) or value <= 0:
-            raise UserError(f"{name} must be a positive number, got {value!r}")
+    check_numbers(True, tokens=tokens, batch_tokens=batch_tokens, params=params,
+                  bytes_per_grad=bytes_per_grad)
     steps = tokens / batch_tokens
     return steps * allreduce_seconds(params * bytes_per_grad, ranks, bandwidth)

@@ -12,21 +12,13 @@ that backward (gradients of the inputs and of the weights): Kaplan et al. 2020, 
 
 from __future__ import annotations
 
-import math
-
 from minitrain.accounting.hardware import Hardware
 from minitrain.accounting.hardware import hardware as lookup_hardware
-from minitrain.accounting.units import Number
+from minitrain.accounting.units import Number, check_numbers
 from minitrain.errors import UserError
 
 __all__ = ["cruncher_flops", "effective_throughput", "optimizer_flops_per_element",
            "training_flops", "training_time"]
-
-
-def _positive(name: str, value: Number, *, allow_zero: bool = True) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise UserError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 def training_flops(params: Number, tokens: Number) -> float:
@@ -35,8 +27,7 @@ def training_flops(params: Number, tokens: Number) -> float:
     >>> training_flops(params=175e9, tokens=300e9)  # GPT-3: 3.14e23 reported
     3.15e+23
     """
-    _positive("params", params)
-    _positive("tokens", tokens)
+    check_numbers(params=params, tokens=tokens)
     return 6.0 * params * tokens
 
 
@@ -56,7 +47,7 @@ def effective_throughput(hardware: str | Hardware | Number = "h100", gpus: int =
     if isinstance(hardware, str):
         hardware = lookup_hardware(hardware)
     peak = hardware.peak(dtype) if isinstance(hardware, Hardware) else float(hardware)
-    _positive("peak FLOP/s", peak, allow_zero=False)
+    check_numbers(True, peak_flops=peak)
     return peak * gpus * mfu
 
 
@@ -68,7 +59,7 @@ def training_time(flops: Number, hardware: str | Hardware | Number = "h100", gpu
     >>> round(days, 1)
     143.9
     """
-    _positive("flops", flops)
+    check_numbers(flops=flops)
     return flops / effective_throughput(hardware, gpus=gpus, mfu=mfu, dtype=dtype)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from minitrain.accounting.hardware import DTYPE_NAMES, Hardware, dtype_name, hardware
-from minitrain.accounting.units import Number
+from minitrain.accounting.units import Number, check_numbers
 from minitrain.errors import UserError
 
 __all__ = ["DTYPE_BYTES", "Op", "Placement", "Roof", "StepProfile", "accelerator_intensity",
@@ -30,20 +30,13 @@ __all__ = ["DTYPE_BYTES", "Op", "Placement", "Roof", "StepProfile", "accelerator
 MEMORY, COMPUTE = "memory", "compute"
 
 
-def _check(positive: bool = False, **values: Number) -> None:
-    for name, value in values.items():
-        if not (value > 0 if positive else value >= 0):  # catches NaN too
-            kind = "positive" if positive else "non-negative"
-            raise UserError(f"{name} must be a {kind} number, got {value!r}")
-
-
 def arithmetic_intensity(flops: Number, bytes_moved: Number) -> float:
     """FLOPs per byte moved (chapter 3.6.3); inf for an op that moves nothing.
 
     >>> arithmetic_intensity(flops=1024, bytes_moved=4096)
     0.25
     """
-    _check(flops=flops, bytes_moved=bytes_moved)
+    check_numbers(flops=flops, bytes_moved=bytes_moved)
     if bytes_moved == 0:
         return math.inf if flops else math.nan
     return flops / bytes_moved
@@ -55,7 +48,7 @@ def accelerator_intensity(peak_flops: Number, bandwidth: Number) -> float:
     >>> round(accelerator_intensity(989.4e12, 3.35e12))  # H100 SXM, dense bf16
     295
     """
-    _check(True, peak_flops=peak_flops, bandwidth=bandwidth)
+    check_numbers(True, peak_flops=peak_flops, bandwidth=bandwidth)
     return peak_flops / bandwidth
 
 
@@ -65,7 +58,7 @@ def bound(intensity: Number, ridge: Number) -> str:
     >>> bound(0.25, 295), bound(341, 295)
     ('memory', 'compute')
     """
-    _check(True, ridge=ridge)
+    check_numbers(True, ridge=ridge)
     return COMPUTE if intensity >= ridge else MEMORY
 
 
@@ -75,7 +68,7 @@ def attainable_flops(intensity: Number, peak_flops: Number, bandwidth: Number) -
     >>> attainable_flops(1.0, peak_flops=100.0, bandwidth=10.0)
     10.0
     """
-    _check(True, peak_flops=peak_flops, bandwidth=bandwidth)
+    check_numbers(True, peak_flops=peak_flops, bandwidth=bandwidth)
     return float(min(peak_flops, intensity * bandwidth))
 
 
@@ -85,7 +78,7 @@ def mfu_bound(intensity: Number, ridge: Number) -> float:
     >>> mfu_bound(5.0, 295.0) < 0.02, mfu_bound(341.0, 295.0)
     (True, 1.0)
     """
-    _check(True, ridge=ridge)
+    check_numbers(True, ridge=ridge)
     return min(1.0, intensity / ridge)
 
 
@@ -97,8 +90,8 @@ def predicted_seconds(flops: Number, bytes_moved: Number, peak_flops: Number,
     >>> f"{predicted_seconds(n, 4 * n, 989.5e12, 3.35e12):.1e}"
     '1.3e-06'
     """
-    _check(flops=flops, bytes_moved=bytes_moved)
-    _check(True, peak_flops=peak_flops, bandwidth=bandwidth)
+    check_numbers(flops=flops, bytes_moved=bytes_moved)
+    check_numbers(True, peak_flops=peak_flops, bandwidth=bandwidth)
     return max(flops / peak_flops, bytes_moved / bandwidth)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["Number", "SECONDS_PER_DAY", "parse_number", "round_significant", "si"]
+from minitrain.errors import UserError
+
+__all__ = ["Number", "SECONDS_PER_DAY", "check_numbers", "parse_number", "round_significant", "si"]
 
 Number = int | float
 SECONDS_PER_DAY = 86_400
@@ -18,6 +20,15 @@ _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 _BELOW_ONE_SECOND = ((1e-3, "m"), (1e-6, "µ"), (1e-9, "n"), (1e-12, "p"))
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12, "p": 10**15}
 _NUMBER = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)([kmbgtp]?)", re.IGNORECASE)
+
+
+def check_numbers(positive: bool = False, **values: Number) -> None:
+    """A :class:`~minitrain.errors.UserError` naming the first of ``values`` that is not a
+    finite number ``>= 0`` (``> 0`` when ``positive``)."""
+    for name, value in values.items():
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            kind = "positive" if positive else "non-negative"
+            raise UserError(f"{name} must be a {kind} finite number, got {value!r}")
 
 
 def si(value: Number | None, unit: str = "", digits: int = 4) -> str:
