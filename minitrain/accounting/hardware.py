@@ -305,15 +305,12 @@ def _machine_key(torch: Any) -> dict[str, Any]:
 
 
 def _cache_path(key: Mapping[str, Any]) -> Path | None:
-    """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``); ``MINITRAIN_CACHE_DIR=off``
-    turns the disk cache off."""
-    root = os.environ.get("MINITRAIN_CACHE_DIR")
-    if root is None:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain")
-    elif root.strip().lower() in {"", "0", "off", "none"}:
-        return None
+    """The file in minitrain's cache folder (none when ``MINITRAIN_CACHE_DIR=off``)."""
+    from minitrain.atomic_io import cache_dir
+
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"hardware-cpu-{digest}.json"
+    root = cache_dir()
+    return None if root is None else root / f"hardware-cpu-{digest}.json"
 
 
 def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
@@ -338,14 +335,14 @@ def _load_cached(path: Path | None) -> Hardware | None:
 
 
 def _store(path: Path | None, spec: Hardware) -> None:
-    if path is None:
-        return
+    from minitrain.atomic_io import write_atomic
+    from minitrain.errors import StorageError
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one writer per file; rename is atomic
-        tmp.write_text(json.dumps(spec.to_dict(), indent=1))
-        tmp.replace(path)
-    except OSError:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(spec.to_dict(), indent=1))
+    except (OSError, StorageError):
         pass  # a read-only home directory only costs a re-measurement next time
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["FormatSpec", "FORMATS", "spec"]  # and names(), as formats.names()
+__all__ = ["FormatSpec", "FORMATS", "spec"]
 
 # How an element format spends its all-ones exponent field.
 IEEE = "ieee"  # exponent all ones: infinities (mantissa 0) and NaNs (IEEE 754)
@@ -129,15 +129,6 @@ def _build_formats() -> dict[str, FormatSpec]:
 
 
 FORMATS: dict[str, FormatSpec] = _build_formats()
-
-
-def names() -> list[str]:
-    """All format names, widest first.
-
-    >>> names()[:3]
-    ['fp32', 'tf32', 'fp16']
-    """
-    return list(FORMATS)
 
 
 def spec(name: str | FormatSpec) -> FormatSpec:

@@ -36,8 +36,8 @@ ML_DTYPES = {
     "fp6_e2m3": ml_dtypes.float6_e2m3fn, "fp6_e3m2": ml_dtypes.float6_e3m2fn,
     "fp4_e2m1": ml_dtypes.float4_e2m1fn, "e8m0": ml_dtypes.float8_e8m0fnu,
 }
-ELEMENTS = [name for name in precision.formats.names() if not precision.spec(name).is_block]
-BLOCKS = [name for name in precision.formats.names() if precision.spec(name).is_block]
+ELEMENTS = [name for name in precision.FORMATS if not precision.spec(name).is_block]
+BLOCKS = [name for name in precision.FORMATS if precision.spec(name).is_block]
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
