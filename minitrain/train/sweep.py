@@ -338,7 +338,7 @@ def _check_same_state_layout(ensemble: Ensemble, states: list[PyTree]) -> None:
             raise MemberMismatch(
                 f"member 0 ({first}) and member {k} ({other}) build optimizers whose states "
                 "differ in layout, so one vmapped step cannot update both: a swept value picks "
-                "a step in or out (adadelta, adamax, asgd, lion, nadam and radam leave out "
+                "a step in or out (adadelta, adamax, lion, nadam and radam leave out "
                 "weight decay at weight_decay=0); sweep values that all build the same steps "
                 "(weight_decay=1e-8 for none)"
             )

@@ -148,12 +148,10 @@ ALIASES = {
     "adadelta": lambda: optim.adadelta(lr=1.0, weight_decay=0.01),
     "adafactor": lambda: optim.adafactor(lr=0.01, weight_decay=0.01),
     "adamax": lambda: optim.adamax(lr=0.01, weight_decay=0.01),
-    "asgd": lambda: optim.asgd(lr=0.05, t0=3),  # averaging starts at step 3
     "nadam": lambda: optim.nadam(lr=0.01, weight_decay=0.01),
     "nadam-decoupled": lambda: optim.nadam(lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
     "radam": lambda: optim.radam(lr=0.01, weight_decay=0.01),
     "radam-decoupled": lambda: optim.radam(lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
-    "rprop": lambda: optim.rprop(lr=0.01),
     "muon+adamw": muon_and_adamw,
     "lion": lambda: optim.lion(lr=1e-3, weight_decay=0.1),
     "schedule-free-adamw": lambda: optim.schedule_free_adamw(lr=0.01, warmup_steps=3,
@@ -169,7 +167,6 @@ SCHEDULED = {
     "adadelta": lambda: optim.adadelta(lr=cosine(1.0)),
     "adafactor": lambda: optim.adafactor(lr=cosine(0.01)),
     "adamax": lambda: optim.adamax(lr=cosine(0.01)),
-    "asgd": lambda: optim.asgd(lr=cosine(0.05), t0=3),
     "nadam": lambda: optim.nadam(lr=cosine(0.01)),
     "radam": lambda: optim.radam(lr=cosine(0.01)),
     "lion": lambda: optim.lion(lr=cosine(1e-3)),
@@ -323,13 +320,12 @@ def updates(optimizer: optim.Optimizer, params: dict, state, batches: list) -> t
 @pytest.mark.parametrize(("dtype", "case"), [
     *[(torch.bfloat16, case) for case in (
         "alias-sgd-nesterov", "alias-adamw", "alias-lion", "alias-muon+adamw", "alias-adafactor",
-        "alias-schedule-free-adamw", "alias-rprop", "alias-nadam", "alias-asgd",
-        "alias-rmsprop-centered-momentum", "wrapper-multisteps-3", "wrapper-ema",
-        "wrapper-clip-adamw-scheduled")],
+        "alias-schedule-free-adamw", "alias-nadam", "alias-rmsprop-centered-momentum",
+        "wrapper-multisteps-3", "wrapper-ema", "wrapper-clip-adamw-scheduled")],
     *[(torch.float16, case) for case in (
         "alias-sgd-nesterov", "alias-adam-amsgrad", "alias-adafactor", "alias-lion")],
     *[(torch.float64, case) for case in (
-        "alias-adam-amsgrad", "alias-muon+adamw", "alias-schedule-free-adamw", "alias-asgd")],
+        "alias-adam-amsgrad", "alias-muon+adamw", "alias-schedule-free-adamw")],
 ])
 def test_low_precision_params_resume_exactly_through_a_checkpoint(tmp_path, dtype, case):
     """The fit loop keeps fp32 master params; a loop of its own keeps bf16, fp16 or fp64 params
