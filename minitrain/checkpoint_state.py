@@ -22,6 +22,7 @@ import torch
 
 from minitrain import rng, tree
 from minitrain.atomic_io import write_new_file
+from minitrain.errors import UserError
 from minitrain.optim import _groups as groups
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that is missing, damaged, not ours, or does not fit the templates."""
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from minitrain.atomic_io import cache_dir, staged_dir, storage_errors
-from minitrain.errors import StorageError
+from minitrain.errors import StorageError, UserError
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
 __all__ = [
@@ -43,7 +43,7 @@ _PREPARED_FORMAT = "minitrain-tokens"
 _VAL_FRACTION = 0.05
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A token file or data argument that cannot be used, with a one-line message."""
 
 

@@ -36,11 +36,9 @@ class Interrupted(MinitrainError, RuntimeError):
 class StorageError(RunFailed):
     """An OSError while reading or writing a path, as one line naming the path and the cause."""
 
-    def __init__(self, message: str, path: str | os.PathLike | None = None,
-                 errno_: int | None = None) -> None:
+    def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
         super().__init__(message)
         self.path = None if path is None else os.fspath(path)
-        self.errno = errno_
 
     @classmethod
     def from_os_error(cls, exc: OSError, path: str | os.PathLike | None = None,
@@ -49,7 +47,7 @@ class StorageError(RunFailed):
         where = path if path is not None else exc.filename
         cause = os_cause(exc)
         message = f"cannot {action} {os.fspath(where)}: {cause}" if where else f"{action}: {cause}"
-        return cls(message, where, exc.errno)
+        return cls(message, where)
 
 
 class ExperimentError(UserError):

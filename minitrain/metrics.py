@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from minitrain.atomic_io import storage_errors, write_atomic
-from minitrain.errors import StorageError
+from minitrain.errors import StorageError, UserError
 
 __all__ = [
     "METRICS_FILE", "MetricsError", "MissingExtra", "MetricsWriter", "read_metrics",
@@ -36,11 +36,11 @@ TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
 
 
-class MetricsError(ValueError):
+class MetricsError(UserError):
     """A metrics file or directory that cannot be read or plotted, with a one-line message."""
 
 
-class MissingExtra(ImportError):
+class MissingExtra(UserError, ImportError):
     """An optional dependency (an extra such as ``plot`` or ``tensorboard``) is not installed."""
 
 

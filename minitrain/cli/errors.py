@@ -64,16 +64,6 @@ class ScriptFailed(RunFailed):
         super().show(file)
 
 
-def _user_mistakes() -> tuple[type[BaseException], ...]:
-    """Errors raised by modules that predate :mod:`minitrain.errors` (all user mistakes)."""
-    from minitrain.checkpoint import CheckpointError
-    from minitrain.data import DataError
-    from minitrain.metrics import MetricsError, MissingExtra
-    from minitrain.precision import BackendError
-
-    return (CheckpointError, MetricsError, MissingExtra, DataError, BackendError)
-
-
 def as_cli_error(exc: BaseException) -> click.ClickException | None:
     """The CLI error for a library error (None: not one of ours)."""
     message = str(exc)
@@ -85,7 +75,9 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
         return LostPeer(message)
     if isinstance(exc, errors.RunFailed):
         return RunFailed(message)
-    if isinstance(exc, errors.UserError) or isinstance(exc, _user_mistakes()):
+    from minitrain.precision import BackendError
+
+    if isinstance(exc, errors.UserError | BackendError):
         return UserError(message)
     return None
 
@@ -126,13 +118,9 @@ class Command(click.Command):
 
 
 class Group(click.Group):
-    """A click group whose subcommands (and itself) run under :func:`cli_errors`."""
+    """A click group whose subcommands run under :func:`cli_errors`."""
 
     command_class = Command
-
-    def invoke(self, ctx: click.Context) -> object:
-        with cli_errors():
-            return super().invoke(ctx)
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
