@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import click
 import torch.distributed as dist
@@ -64,28 +65,6 @@ def _quiet_elastic() -> Iterator[None]:
             logger.setLevel(level)
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` while the workers start (they inherit it)."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
-def _threads_per_worker(nproc: int) -> contextlib.AbstractContextManager[None]:
-    """Split the cores between the workers (``OMP_NUM_THREADS``, as torchrun) unless the user chose.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return contextlib.nullcontext()
-    return _environment("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-
-
 def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> None:
     """Run ``python -m minitrain *argv`` in ``nproc`` workers under the elastic agent.
 
@@ -107,8 +86,13 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
             monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
+        # What the workers inherit: the reports folder, and (as torchrun does, unless the user
+        # chose) the cores split between them.
+        environ = {REPORTS_ENV: str(reports)}
+        if "OMP_NUM_THREADS" not in os.environ:
+            environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         try:
-            with _threads_per_worker(nproc), _environment(REPORTS_ENV, str(reports)):
+            with mock.patch.dict(os.environ, environ):
                 elastic_launch(config, sys.executable)("-m", "minitrain", *argv)
         except ChildFailedError as exc:
             _show_first_failure(exc, _read_reports(reports, "failed"))

@@ -120,10 +120,19 @@ def test_the_launcher_reads_only_the_reports_of_ranks(tmp_path):
 
 
 def test_the_launcher_sets_the_reports_folder_only_while_workers_run(monkeypatch):
+    import torch.distributed.launcher.api as launcher_api
+
+    seen = []
     monkeypatch.delenv(launch.REPORTS_ENV, raising=False)
-    with launch._environment(launch.REPORTS_ENV, "/somewhere"):
-        assert os.environ[launch.REPORTS_ENV] == "/somewhere"
-    assert launch.REPORTS_ENV not in os.environ
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def workers(*argv):
+        seen.append((os.environ[launch.REPORTS_ENV], os.environ["OMP_NUM_THREADS"]))
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", lambda config, entry: workers)
+    launch.launch(2, ["run", "script.py"])
+    assert seen[0][0].endswith("reports") and int(seen[0][1]) >= 1
+    assert launch.REPORTS_ENV not in os.environ and "OMP_NUM_THREADS" not in os.environ
 
 
 # --------------------------------------------------------------------------- a removed --out
