@@ -22,7 +22,7 @@ def _optimizer_options(command: Any) -> Any:
     options = [
         click.option("--optimizer", default="adamw",
                      help="sgd, momentum, adagrad, rmsprop, adam, adamw, adadelta, adamax, nadam, "
-                          "radam, asgd, rprop, adafactor, lion, muon, schedule_free_adamw."),
+                          "radam, adafactor, lion, muon, schedule_free_adamw."),
         click.option("--amsgrad", is_flag=True,
                      help="Adam(W) with amsgrad: one more state tensor."),
         click.option("--momentum", is_flag=True,

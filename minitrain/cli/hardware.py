@@ -11,11 +11,9 @@ from minitrain.cli.options import echo_json
 
 @click.command(cls=Command)
 @click.argument("name", required=False)
-@click.option(
-    "--measure", is_flag=True,
-    help="Measure the CPU again now (a kept measurement is reused for a week on the same "
-    "machine and torch build).",
-)
+@click.option("--measure", is_flag=True,
+              help="Measure the CPU again now (a kept measurement is reused for a week on the "
+                   "same machine and torch build).")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     """List accelerators (peak FLOP/s dense and sparse, memory, bandwidth, source), or NAME."""

@@ -19,25 +19,12 @@ def _summary(records: list[dict]) -> dict:
     }
 
 
-def _is_sweep(records: list[dict]) -> bool:
-    """Whether ``records`` come from ``minitrain sweep`` (each names its member)."""
-    return bool(records) and "member" in records[0]
-
-
 @click.command(cls=Command)
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option(
-    "--out",
-    type=PNG,
-    default=None,
-    help="PNG file to write [default: RUN_DIR/loss.png; needed with several RUN_DIRS].",
-)
-@click.option(
-    "--key",
-    "keys",
-    multiple=True,
-    help="Series to plot (repeatable) [default: loss and every val*/eval* key].",
-)
+@click.option("--out", type=PNG, default=None,
+              help="PNG file to write [default: RUN_DIR/loss.png; needed with several RUN_DIRS].")
+@click.option("--key", "keys", multiple=True,
+              help="Series to plot (repeatable) [default: loss and every val*/eval* key].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
          as_json: bool) -> None:
@@ -55,7 +42,8 @@ def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
     if len(run_dirs) > 1 and out is None:
         raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
     runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
-    sweeps = [d for d, r in zip(run_dirs, runs, strict=True) if _is_sweep(r)]
+    # a sweep's records name their member
+    sweeps = [d for d, r in zip(run_dirs, runs, strict=True) if r and "member" in r[0]]
     if sweeps and len(run_dirs) > 1:
         raise UserError(
             f"{sweeps[0]} is a sweep; plot it alone (minitrain plot {sweeps[0]}: one curve "

@@ -11,24 +11,13 @@ from minitrain.cli.options import Real, echo_json
 
 
 @click.command(cls=Command)
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Directory for train.bin, val.bin and meta.json [default: the minitrain cache].",
-)
-@click.option(
-    "--source",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Folder of .py files to read [default: this Python's standard library].",
-)
-@click.option(
-    "--val-fraction",
-    type=Real(min=0.0, max=1.0, min_open=True, max_open=True),
-    default=0.05,
-    help="Share of the files held out for evaluation (chosen by a hash of each path).",
-)
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Directory for train.bin, val.bin and meta.json [default: the minitrain cache].")
+@click.option("--source", type=click.Path(path_type=Path), default=None,
+              help="Folder of .py files to read [default: this Python's standard library].")
+@click.option("--val-fraction", type=Real(min=0.0, max=1.0, min_open=True, max_open=True),
+              default=0.05,
+              help="Share of the files held out for evaluation (chosen by a hash of each path).")
 @click.option("--json", "as_json", is_flag=True, help="Print the meta record as JSON.")
 def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json: bool) -> None:
     """Write the bytes of every .py file under SOURCE as uint16 token memmaps (vocab 256)."""
