@@ -3,7 +3,7 @@
 Where things live: ``base`` (transformations, ``chain``, ``as_optimizer``), ``transforms``
 (per-leaf rules and clipping), ``_wrappers`` (routing, accumulating, skipping, averaging),
 ``leafwise`` (rules written for one leaf), ``alias`` (SGD, Adam(W), AdaGrad, RMSprop),
-``_family`` and ``_family_steps`` (the rest of torch.optim, Lion, schedule-free AdamW),
+``_family`` (the rest of torch.optim, Lion, schedule-free AdamW), ``_optax`` (optax's own),
 ``_muon``, ``_adafactor``, ``schedules``, ``_plateau``, ``meta`` (unrolled updates);
 ``kernels/`` lowers recognised chains to fused kernels.
 
@@ -18,7 +18,6 @@ Where things live: ``base`` (transformations, ``chain``, ``as_optimizer``), ``tr
 
 from minitrain.optim import (
     _family,
-    _family_steps,
     _optax,
     _wrappers,
     base,
@@ -27,7 +26,6 @@ from minitrain.optim import (
 )
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._family import *  # noqa: F403
-from minitrain.optim._family_steps import *  # noqa: F403
 from minitrain.optim._muon import (
     muon,
     muon_momentum,
@@ -58,7 +56,6 @@ __all__ = [
     *transforms.__all__,
     *_wrappers.__all__,
     *_family.__all__,
-    *_family_steps.__all__,
     *_optax.__all__,
     "differentially_private_aggregate", "DifferentiallyPrivateAggregateState",
     "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",

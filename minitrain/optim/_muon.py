@@ -69,7 +69,6 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     steps in bfloat16, torch's ``_zeropower_via_newtonschulz`` op for op. Traced or
     differentiable tensor ``coefficients`` and ``eps`` stay in the graph.
 
-    >>> import torch
     >>> q = newton_schulz(torch.diag(torch.tensor([3.0, 0.5])))
     >>> [round(float(v), 1) for v in torch.diagonal(q)]  # both singular values now near 1
     [0.7, 1.0]
@@ -161,7 +160,6 @@ def muon_momentum_leaf(g, buffers, p, step, momentum, nesterov):
 def muon_momentum(momentum: Any = 0.95, nesterov: bool = True) -> GradientTransformation:
     """Muon's momentum (an EMA of the gradients, with Nesterov's look-ahead by default).
 
-    >>> import torch
     >>> tx = muon_momentum(momentum=0.5, nesterov=False)
     >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
     [tensor([0.5000])]
@@ -171,10 +169,7 @@ def muon_momentum(momentum: Any = 0.95, nesterov: bool = True) -> GradientTransf
             is_traced(nesterov) or nesterov.numel() != 1 or nesterov.is_meta):
         raise ValueError("invalid nesterov: a traced tensor, or one without one value, cannot "
                          "pick Nesterov's branch; pass True or False")
-    return leafwise("muon_momentum",
-                    lambda p: {"momentum_buffer": torch.zeros_like(
-                        p, memory_format=torch.preserve_format)},
-                    muon_momentum_leaf, MuonMomentumState,
+    return leafwise("muon_momentum", None, muon_momentum_leaf, MuonMomentumState,
                     dict(momentum=momentum, nesterov=bool(nesterov)))
 
 
@@ -238,7 +233,6 @@ def orthogonalize_by_newton_schulz(
     """Replace each 2-D update by :func:`newton_schulz` of it, times :func:`muon_lr_ratio`
     (in the update's dtype).
 
-    >>> import torch
     >>> tx = orthogonalize_by_newton_schulz()
     >>> params = [torch.zeros(4, 1)]
     >>> updates, _ = tx.update([torch.ones(4, 1)], tx.init(params), params)
@@ -272,7 +266,6 @@ def scale_by_muon(momentum: Any = 0.95, nesterov: bool = True,
                   adjust_lr_fn: str | None = None) -> GradientTransformation:
     """Muon's direction (before weight decay and ``-lr``): momentum, then orthogonalized.
 
-    >>> import torch
     >>> tx, params = scale_by_muon(), {"w": torch.eye(3)}
     >>> updates, state = tx.update({"w": torch.randn(3, 3)}, tx.init(params), params)
     >>> updates["w"].shape

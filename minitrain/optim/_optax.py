@@ -37,7 +37,6 @@ from minitrain.optim.transforms import (
     scale_by_adam,
     scale_by_learning_rate,
     trace,
-    zeros,
 )
 from minitrain.tree import Params
 
@@ -88,14 +87,12 @@ def scale_by_belief(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-16,
                     eps_root: Scalar = 1e-16, *, nesterov: bool = False) -> GradientTransformation:
     """AdaBelief's direction (before ``-lr``).
 
-    >>> import torch
     >>> tx = scale_by_belief()
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1.1111, -1.1111])]
     """
     hyper = dict(_hyper(b1, b2, eps, eps_root), nesterov=bool(nesterov))
-    return leafwise("scale_by_belief", lambda p: {"mu": zeros(p), "nu": zeros(p)}, belief_leaf,
-                    ScaleByBeliefState, hyper)
+    return leafwise("scale_by_belief", None, belief_leaf, ScaleByBeliefState, hyper)
 
 
 def adabelief(lr: ScalarOrSchedule = 1e-3, b1: Scalar = 0.9, b2: Scalar = 0.999,
@@ -103,7 +100,6 @@ def adabelief(lr: ScalarOrSchedule = 1e-3, b1: Scalar = 0.9, b2: Scalar = 0.999,
               weight_decay_mask: WeightDecayMask = None, *, nesterov: bool = False) -> Optimizer:
     """optax ``adabelief``: ``scale_by_belief``, decoupled decay when given, ``-lr``.
 
-    >>> import torch
     >>> opt, params = adabelief(lr=0.1), {"w": torch.tensor([1.0])}
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.8889])
@@ -136,7 +132,6 @@ def scale_by_yogi(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3,
                   initial_accumulator_value: Scalar = 1e-6) -> GradientTransformation:
     """Yogi's direction (before ``-lr``); both moments start at ``initial_accumulator_value``.
 
-    >>> import torch
     >>> tx = scale_by_yogi()
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 0.9996, -0.9960])]
@@ -151,7 +146,6 @@ def yogi(lr: ScalarOrSchedule = 1e-2, b1: Scalar = 0.9, b2: Scalar = 0.999,
          eps: Scalar = 1e-3) -> Optimizer:
     """optax ``yogi``: ``scale_by_yogi``, then ``-lr``.
 
-    >>> import torch
     >>> opt, params = yogi(lr=0.1), {"w": torch.tensor([1.0])}
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.9001])
@@ -173,7 +167,6 @@ def scale_by_trust_ratio(min_norm: Scalar = 0.0, trust_coefficient: Scalar = 1.0
     """Scale each leaf's update by ``trust_coefficient ||p|| / (||u|| + eps)`` (1 where either
     norm is 0), optax's ``scale_by_trust_ratio``.
 
-    >>> import torch
     >>> tx, params = scale_by_trust_ratio(), [torch.tensor([3.0, 4.0])]
     >>> tx.update([torch.tensor([0.0, 0.5])], tx.init(params), params)[0]
     [tensor([0., 5.])]
@@ -202,7 +195,6 @@ def lamb(lr: ScalarOrSchedule = 1e-3, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
          mask: WeightDecayMask = None) -> Optimizer:
     """optax ``lamb``: Adam's direction plus decoupled decay, scaled by the trust ratio.
 
-    >>> import torch
     >>> opt, params = lamb(lr=0.1), {"w": torch.tensor([3.0, 4.0])}
     >>> opt.update({"w": torch.tensor([1.0, 1.0])}, opt.init(params), params)[0]["w"]
     tensor([2.6464, 3.6464])
@@ -219,7 +211,6 @@ def lars(lr: ScalarOrSchedule = 1.0, weight_decay: Any = 0.0,
     """optax ``lars``: decay, the trust ratio (on the leaves ``trust_ratio_mask`` selects; None:
     all), ``-lr``, then momentum (optax's ``trace``, which is torch.optim.SGD's).
 
-    >>> import torch
     >>> opt, params = lars(lr=1.0), {"w": torch.tensor([3.0, 4.0])}
     >>> opt.update({"w": torch.tensor([1.0, 1.0])}, opt.init(params), params)[0]["w"]
     tensor([2.9965, 3.9965])
@@ -240,7 +231,6 @@ def scale_by_polyak(f_min: Scalar = 0.0, max_learning_rate: Scalar = 1.0, eps: S
     eps`` is within the dtype's eps of 0), ``f`` the loss passed as ``update(..., value=f)``;
     ``"sps+"`` clips the gap at 0 (optax ``scale_by_polyak``).
 
-    >>> import torch
     >>> tx = scale_by_polyak()
     >>> tx.update([torch.tensor([3.0, 4.0])], tx.init([torch.zeros(2)]), value=5.0)[0]
     [tensor([0.6000, 0.8000])]
@@ -275,7 +265,6 @@ def polyak_sgd(max_learning_rate: Scalar = 1.0, scaling: ScalarOrSchedule = 1.0,
     """optax ``polyak_sgd``: ``-scaling * g``, then Polyak's step size; pass the loss as
     ``opt.update(grads, state, params, value=loss)``.
 
-    >>> import torch
     >>> opt, params = polyak_sgd(), {"w": torch.tensor([3.0, 4.0])}
     >>> opt.update({"w": params["w"]}, opt.init(params), params, value=12.5)[0]["w"]
     tensor([1.5000, 2.0000])
@@ -304,21 +293,16 @@ def ema_updates(decay: Scalar, debias: bool = True) -> GradientTransformation:
     """Replace the updates by their exponential moving average: optax's ``ema`` (named apart
     from :func:`~minitrain.optim.ema`, which averages the params).
 
-    >>> import torch
     >>> tx = ema_updates(0.5, debias=False)
     >>> tx.update([torch.tensor([2.0])], tx.init([torch.zeros(1)]))[0]
     [tensor([1.])]
     """
     decay = checked("decay", decay, 0.0, 1.0)
-    return leafwise("ema_updates", lambda p: {"ema": zeros(p)}, ema_updates_leaf,
-                    EmaUpdatesState, dict(decay=decay, debias=bool(debias)))
+    return leafwise("ema_updates", None, ema_updates_leaf, EmaUpdatesState,
+                    dict(decay=decay, debias=bool(debias)))
 
 
 # -- Lookahead (Zhang et al. 2019, "Lookahead Optimizer: k steps forward, 1 step back") --------
-#
-# As optax ``lookahead``: a fast optimizer steps the fast params; every ``sync_period`` steps
-# the slow params move ``slow_step_size`` of the way to the fast ones, and the fast params
-# jump there. Params and updates are LookaheadParams pairs; grads are taken at params.fast.
 
 
 class LookaheadParams(NamedTuple):
@@ -343,7 +327,9 @@ class LookaheadState(NamedTuple):
 def lookahead(fast_optimizer: GradientTransformation, sync_period: int,
               slow_step_size: float | Tensor,
               reset_state: bool = False) -> GradientTransformation:
-    """Lookahead around ``fast_optimizer`` (``reset_state``: re-init its state at each sync).
+    """optax ``lookahead``: ``fast_optimizer`` steps the fast params; every ``sync_period``
+    steps the slow ones move ``slow_step_size`` of the way to them and the fast ones jump there
+    (``reset_state``: re-init its state then). Params and updates are :class:`LookaheadParams`.
 
     >>> import torch, minitrain as mt
     >>> opt = mt.optim.as_optimizer(lookahead(mt.optim.scale(-1.0), 2, 0.5))

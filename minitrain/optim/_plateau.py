@@ -58,7 +58,6 @@ def reduce_on_plateau(
     transformation fed the metric; ``lr`` is the starting lr (the optimizer's, in torch), and
     the updates are scaled by ``state.lr / lr``.
 
-    >>> import torch
     >>> tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=1)
     >>> grads = {"w": torch.ones(1)}
     >>> state = tx.init(grads)

@@ -34,7 +34,6 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
     """Clip each example's grads, sum, add noise, average (``key``: a seed or a
     ``mt.random.key``).
 
-    >>> import torch
     >>> tx = differentially_private_aggregate(1.0, 0.0, key=0)
     >>> per_example = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
     >>> tx.update(per_example, tx.init({"w": torch.zeros(2)}))[0]

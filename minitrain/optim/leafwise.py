@@ -2,7 +2,9 @@
 
 A rule is written once, as plain functions of one leaf:
 
-* ``init_leaf(p) -> dict`` gives the leaf's buffers, named like ``torch.optim``'s state keys;
+* ``init_leaf(p) -> dict`` gives the leaf's buffers, named like ``torch.optim``'s state keys
+  (None: zeros like ``p``, or of the shapes ``buffer_shapes(p)`` gives, for each buffer field
+  of ``state_type``);
 * ``update_leaf(g, buffers, p, step, **hyperparams) -> (u, buffers)`` maps the leaf's update
   ``g`` to ``u`` with out-of-place ops. ``step`` is the 1-based number of this update: an int,
   or a float64 0-d tensor when the count is traced (vmap, compile). ``p`` is the param (None
@@ -53,7 +55,7 @@ from minitrain.tree import OptState, Params
 __all__ = ["leafwise", "LeafBatch"]
 
 
-def _state_type(name: str, init_leaf: Callable, state_type: type | None,
+def _state_type(name: str, init_leaf: Callable | None, state_type: type | None,
                 scalars: tuple[str, ...]) -> tuple[type, tuple]:
     """``(state type, buffer names)``: ``state_type`` checked, or one made from ``name``."""
     if state_type is not None:
@@ -72,7 +74,7 @@ def _state_type(name: str, init_leaf: Callable, state_type: type | None,
 
 def leafwise(
     name: str,
-    init_leaf: Callable[[Tensor], dict[str, Tensor]],
+    init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
     update_leaf: Callable[..., tuple[Tensor, dict[str, Tensor]]],
     state_type: type | None = None,
     hyperparams: dict[str, Any] | None = None,
@@ -81,6 +83,7 @@ def leafwise(
     also_watch: tuple[Any, ...] = (),
     scalars: dict[str, Callable[[], Tensor]] | None = None,
     advance: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None,
+    buffer_shapes: Callable[[Tensor], dict[str, tuple[int, ...] | None]] | None = None,
 ) -> GradientTransformation:
     """A transformation from a per-leaf rule (see the module docstring for the contract).
 
@@ -88,17 +91,29 @@ def leafwise(
     holds ``count``, the 0-d ``scalars`` (each made by its function), then the buffers;
     ``advance(step, **scalars) -> (new_scalars, per_step)`` gives the next scalars and more
     keyword arguments for ``update_leaf``. ``also_watch``: values that still choose the plain
-    path when traced or requiring grad.
+    path when traced or requiring grad. ``buffer_shapes(p)``: the buffers' shapes where they
+    are not the param's (None: a buffer this leaf keeps none of, ``()`` in the state); such a
+    rule runs leaf by leaf.
 
-    >>> import torch
     >>> tx = leafwise("double", lambda p: {}, lambda g, b, p, step: (2 * g, b))
     >>> tx.update([torch.ones(2)], tx.init([torch.ones(2)]))[0]
     [tensor([2., 2.])]
     """
-    hyper = {key: hyperparameter(key, value) for key, value in (hyperparams or {}).items()}
+    hyper = {key: None if value is None else hyperparameter(key, value)  # None: unset
+             for key, value in (hyperparams or {}).items()}
     scalars = scalars or {}
     names = tuple(scalars)
     state_type, buffers = _state_type(name, init_leaf, state_type, names)
+    if init_leaf is None:
+        def init_leaf(p: Tensor) -> dict[str, Any]:
+            if buffer_shapes is None:
+                return {key: torch.zeros_like(p, memory_format=torch.preserve_format)
+                        for key in buffers}
+            return {key: () if shape is None else p.new_zeros(shape)
+                    for key, shape in buffer_shapes(p).items()}
+
+    def shape_of(key: str) -> Callable[[Tensor], Any] | None:
+        return None if buffer_shapes is None else lambda g: buffer_shapes(g)[key]
 
     def init(params: Params) -> OptState:
         tensor_leaves(name, params, "param", floating=bool(buffers))  # state in params' dtypes
@@ -121,13 +136,14 @@ def leafwise(
             params, g_leaves, treespec, "params", same_dtype=False)
         buffer_leaves = {
             key: [()] * len(g_leaves) if _empty(getattr(state, key)) else
-            _leaves_like(getattr(state, key), g_leaves, treespec, f"state.{key}")
-            for key in buffers}
+            _leaves_like(getattr(state, key), g_leaves, treespec, f"state.{key}",
+                         shape_of=shape_of(key)) for key in buffers}
         step = next_step(state.count)
         old = {key: getattr(state, key) for key in names}
         new_scalars, hyper_now = _advance(advance, step, state.count, old, hyper)
         tensors = [*g_leaves, *(p for p in p_leaves if p is not None), state.count]
-        if use_plain_path(tensors, [*hyper_now.values(), *also_watch, *old.values()]):
+        if buffer_shapes is not None or use_plain_path(
+                tensors, [*hyper_now.values(), *also_watch, *old.values()]):
             new_u, new_buffers = _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step,
                                         hyper_now)
             count = state.count + 1
@@ -177,32 +193,47 @@ def _like(value: Any, old: Tensor) -> Tensor:
 
 
 def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
-                 same_dtype: bool = True) -> list[Any]:
+                 same_dtype: bool = True, shape_of: Callable | None = None) -> list[Any]:
+    """The leaves of ``value`` (``()`` among them where ``shape_of`` gives None), refused
+    naming the first whose shape (``shape_of(g)``, else its update's) or dtype is not its
+    update's."""
     leaves, value_spec = _flat.flatten(value)
-    if value_spec != treespec and _pytree.tree_structure(value) != _pytree.tree_structure(
-            _flat.unflatten(treespec, g_leaves)):  # _flat's or _pytree's structures: compare
-        if len(leaves) != len(g_leaves):
-            raise ValueError(
-                f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "
-                f"pass {what} for the same params (create the state with init(params))")
-        raise ValueError(f"{what} and the updates differ in structure; pass matching pytrees")
+    if value_spec != treespec:  # _flat's or _pytree's structures, or () leaves: compare
+        leaves, value_spec = _pytree.tree_flatten(value, is_leaf=_empty if shape_of else None)
+        if value_spec != _pytree.tree_structure(_flat.unflatten(treespec, g_leaves)):
+            if len(leaves) != len(g_leaves):
+                raise ValueError(
+                    f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "
+                    f"pass {what} for the same params (create the state with init(params))")
+            raise ValueError(f"{what} and the updates differ in structure; pass matching "
+                             f"pytrees")
     for index, (leaf, g) in enumerate(zip(leaves, g_leaves, strict=True)):
-        if not isinstance(leaf, Tensor):
+        if shape_of is not None:
+            got, want = (leaf.shape if isinstance(leaf, Tensor) else None), shape_of(g)
+        elif not isinstance(leaf, Tensor):
             continue
-        if leaf.shape != g.shape:
+        else:
+            got, want = leaf.shape, g.shape
+        if got != want:
             raise ValueError(
-                f"{what} leaf {_leaf_name(value, index)!r} has shape {tuple(leaf.shape)} but "
-                f"its update has {tuple(g.shape)}; create the state with init(params)")
-        if same_dtype and isinstance(g, Tensor) and leaf.dtype != g.dtype:
+                f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} has shape "
+                f"{_shown(got)} but its update needs {_shown(want)}; create the state with "
+                f"init(params)")
+        if same_dtype and isinstance(leaf, Tensor) and leaf.dtype != g.dtype:
             raise ValueError(
-                f"{what} leaf {_leaf_name(value, index)!r} is {leaf.dtype} but its update is "
+                f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} is {leaf.dtype} but "
+                f"its update is "
                 f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
                 f"create the state with init(params) for params of the updates' dtype")
     return leaves
 
 
-def _leaf_name(value: Any, index: int) -> str:
-    return tree.named_leaves(value)[index][0]
+def _leaf_name(g_leaves: list[Tensor], treespec: Any, index: int) -> str:
+    return tree.named_leaves(_flat.unflatten(treespec, g_leaves))[index][0]
+
+
+def _shown(shape: Any) -> str:
+    return "none" if shape is None else str(tuple(shape))
 
 
 def _plain(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper):

@@ -94,7 +94,6 @@ def _stateless(name: str, update: Any, **arguments: Any) -> GradientTransformati
 def scale(step_size: float | Tensor) -> GradientTransformation:
     """Multiply updates by ``step_size``.
 
-    >>> import torch
     >>> scale(3.0).update([torch.ones(1)], EmptyState())[0]
     [tensor([3.])]
     """
@@ -125,7 +124,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
     """Multiply updates by ``-lr`` (``lr`` without ``flip_sign``); ``lr`` may be a schedule
     ``step -> lr`` of the updates done.
 
-    >>> import torch
     >>> tx = scale_by_learning_rate(lambda count: 1.0 if count < 1 else 0.5)
     >>> state = tx.init([torch.zeros(1)])
     >>> for _ in range(2):
@@ -193,7 +191,6 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
     """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad, and optax's
     ``eps_root`` (added to ``v_hat`` inside the root; 0 in torch).
 
-    >>> import torch
     >>> tx = scale_by_adam()
     >>> tx.update([torch.tensor([5.0, -0.01])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1.0000, -1.0000])]
@@ -248,7 +245,6 @@ def scale_by_rms(alpha: float | Tensor = 0.99, eps: float | Tensor = 1e-8,
     """Divide by the root of a running mean of squares, as torch.optim.RMSprop; optax's
     ``bias_correction`` divides the means by ``1 - alpha^t``.
 
-    >>> import torch
     >>> tx = scale_by_rms(alpha=0.0, eps=0.0)
     >>> tx.update([torch.tensor([4.0, -2.0])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1., -1.])]
@@ -284,7 +280,6 @@ def scale_by_adagrad(lr_decay: float | Tensor = 0.0,
                      eps: float | Tensor = 1e-10) -> GradientTransformation:
     """Divide by the root of the sum of squares so far, as torch.optim.Adagrad.
 
-    >>> import torch
     >>> tx = scale_by_adagrad()
     >>> tx.update([torch.tensor([3.0, -0.5])], tx.init([torch.zeros(2)]))[0]
     [tensor([ 1., -1.])]
@@ -319,7 +314,6 @@ def sign_leaf(g, buffers, p, step):
 def scale_by_sign() -> GradientTransformation:
     """Replace each update by its sign.
 
-    >>> import torch
     >>> tx = scale_by_sign()
     >>> tx.update([torch.tensor([3.0, -0.5, 0.0])], tx.init([torch.zeros(3)]))[0]
     [tensor([ 1., -1.,  0.])]
@@ -355,7 +349,6 @@ def trace(momentum: float | Tensor = 0.9, dampening: float | Tensor = 0.0,
           nesterov: bool = False) -> GradientTransformation:
     """Momentum as torch.optim.SGD has it (first step ``b = g``, dampening, Nesterov).
 
-    >>> import torch
     >>> tx = trace(momentum=0.9)
     >>> state = tx.init([torch.zeros(1)])
     >>> for _ in range(2):
@@ -369,7 +362,7 @@ def trace(momentum: float | Tensor = 0.9, dampening: float | Tensor = 0.0,
     if nesterov and (_concrete(momentum) == 0 or _concrete(dampening) not in (None, 0)):
         raise ValueError("invalid nesterov=True: it requires momentum > 0 and dampening = 0; "
                          "set momentum or turn nesterov off")
-    return leafwise("trace", lambda p: {"momentum_buffer": zeros(p)}, trace_leaf, TraceState,
+    return leafwise("trace", None, trace_leaf, TraceState,
                     dict(momentum=momentum, dampening=dampening, nesterov=nesterov))
 
 
@@ -383,7 +376,6 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
     """Add ``weight_decay * p`` to the updates of the leaves ``mask`` selects: torch's L2 decay
     before a scaling rule, decoupled decay (AdamW) after it.
 
-    >>> import torch
     >>> tx = add_decayed_weights(0.5, mask={"w": True, "b": False})
     >>> params = {"w": torch.ones(1), "b": torch.ones(1)}
     >>> tx.update({"w": torch.zeros(1), "b": torch.zeros(1)}, tx.init(params), params)[0]
@@ -422,7 +414,6 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
 def clip(max_delta: float | Tensor) -> GradientTransformation:
     """Clamp each element of the updates to ``[-max_delta, max_delta]``.
 
-    >>> import torch
     >>> clip(1.0).update([torch.tensor([3.0, -0.5, -2.0])], EmptyState())[0]
     [tensor([ 1.0000, -0.5000, -1.0000])]
     """
@@ -456,7 +447,6 @@ def clip_by_global_norm(grads_or_max_norm: Any = _NOT_GIVEN, max_norm: Any = Non
     ``clip_by_global_norm(max_norm)`` is the transformation (optax's form);
     ``clip_by_global_norm(grads, max_norm)`` returns the clipped grads and the norm before.
 
-    >>> import torch
     >>> grads, norm = clip_by_global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, 1.0)
     >>> norm, grads["a"], grads["b"]
     (tensor(5.), tensor([0.6000]), tensor([0.8000]))

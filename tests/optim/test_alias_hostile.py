@@ -289,11 +289,7 @@ def test_a_state_of_another_model_is_refused_naming_the_leaf(entry):
 
 
 @pytest.mark.parametrize("entry", OPTIMIZERS, ids=ids)
-def test_a_state_of_another_dtype_is_refused_naming_the_leaf(entry, request):
-    if entry.name == "adafactor":
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=(
-            "adafactor's factored moments of another dtype reach torch.lerp, which raises its "
-            "own RuntimeError")))
+def test_a_state_of_another_dtype_is_refused_naming_the_leaf(entry):
     opt = entry.make()
     params = make_params(entry)
     state = mt.tree.map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.dim() and
