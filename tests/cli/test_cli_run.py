@@ -134,38 +134,31 @@ def test_backends_command(capsys):
 
 
 def test_console_script_and_module_entry_points(tmp_path):
-    for command in (["minitrain"], [sys.executable, "-m", "minitrain"]):
-        proc = subprocess.run(
-            [*command, "run", LINREG, "--steps", "5", "--json"],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-        )
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["steps"] == 5
-    bad = subprocess.run(
-        [sys.executable, "-m", "minitrain", "run", LINREG, "--set", "nope=1"],
-        capture_output=True,
-        text=True,
-    )
+    good = subprocess.run(["minitrain", "run", LINREG, "--steps", "5", "--json"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["steps"] == 5
+    bad = subprocess.run([sys.executable, "-m", "minitrain", "run", LINREG, "--set", "nope=1"],
+                         capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
-def test_compile_trains_the_same_losses(tmp_path):
-    # A fresh interpreter: under pytest the jaxtyping import hook wraps every function in checks
-    # that dynamo cannot trace. --compile compiles forward and backward; the update stays eager
-    # (and donates), so the losses match an eager run.
-    def losses(*flags):
-        out = tmp_path / ("compiled" if flags else "eager")
-        result = subprocess.run(
-            [sys.executable, "-m", "minitrain", "run", LINREG, "--steps", "30", "--no-report",
-             "--out", str(out), *flags],
-            capture_output=True, text=True, timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["loss"] for line in lines]
-
-    eager, compiled = losses(), losses("--compile")
+def test_compile_trains_the_same_losses(tmp_path, capsys):
+    # The compiled run in a fresh interpreter: under pytest the jaxtyping import hook wraps
+    # every function in checks that dynamo cannot trace. --compile compiles forward and
+    # backward; the update stays eager (and donates), so the losses match an eager run.
+    args = ["run", LINREG, "--steps", "30", "--no-report", "--json"]
+    code, _, err = invoke(capsys, *args, "--out", str(tmp_path / "eager"))
+    assert code == 0, err
+    result = subprocess.run(
+        [sys.executable, "-m", "minitrain", *args, "--out", str(tmp_path / "compiled"),
+         "--compile"], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    eager, compiled = (
+        [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text()
+         .splitlines()]
+        for run in ("eager", "compiled")
+    )
     assert len(compiled) == 30
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)

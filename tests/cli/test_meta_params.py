@@ -1,10 +1,20 @@
 """Params on the meta device (no data) are refused before the first step, in one line naming the
 leaf, under both training commands."""
 
-import subprocess
-import sys
-
 import pytest
+
+from minitrain.cli import main
+
+
+def one_error_line(capsys, *args):
+    """Run the CLI in-process; assert exit 2 and return its one ``error:`` line."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2, (out, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
 
 SCRIPT = """
 import torch
@@ -23,16 +33,12 @@ def experiment(config):
 
 @pytest.mark.parametrize("command", [["run"], ["sweep", "--set", "lr=0.1,0.2"]],
                          ids=["run", "sweep"])
-def test_meta_params_are_one_line_naming_the_leaf(command, tmp_path):
+def test_meta_params_are_one_line_naming_the_leaf(command, tmp_path, capsys):
     path = tmp_path / "meta.py"
     path.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "minitrain", command[0], str(path), *command[1:],
-                           "--out", str(tmp_path / "out"), "--no-report"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "meta tensor" in errors[0] and "'b'" in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+    error = one_error_line(capsys, command[0], path, *command[1:], "--out", tmp_path / "out",
+                           "--no-report")
+    assert "meta tensor" in error and "'b'" in error, error
 
 
 BATCH_SCRIPT = """
@@ -57,14 +63,9 @@ def experiment(config):
 @pytest.mark.parametrize("command, where",
                          [(["run"], "x"), (["sweep", "--set", "lr=0.1,0.2"], "y")],
                          ids=["run", "sweep"])
-def test_a_meta_batch_is_one_line_naming_the_leaf(command, where, tmp_path):
+def test_a_meta_batch_is_one_line_naming_the_leaf(command, where, tmp_path, capsys):
     path = tmp_path / "meta_batch.py"
     path.write_text(BATCH_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "minitrain", command[0], str(path), *command[1:],
-                           "--set", f"where={where}", "--no-report"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "meta tensor" in errors[0] and f"'{where}'" in errors[0], \
-        proc.stderr
-    assert "Traceback" not in proc.stderr
+    error = one_error_line(capsys, command[0], path, *command[1:], "--set", f"where={where}",
+                           "--no-report")
+    assert "meta tensor" in error and f"'{where}'" in error, error
