@@ -27,7 +27,7 @@ from minitrain.tree import OptState, Params, PyTree, leaves, named_leaves, unsta
 
 __all__ = [
     "EnsembleStepOutput", "batches_ignore_swept_values", "check_members", "draw_batches",
-    "make_ensemble_step", "make_member_step", "refuse_carry", "rerun_as_single_runs",
+    "make_ensemble_step", "make_member_step", "rerun_as_single_runs",
     "shared_by_seed",
 ]
 
@@ -46,13 +46,7 @@ class EnsembleStepOutput(NamedTuple):
 def make_member_step(experiment: Experiment, backend: Backend) -> Callable[..., StepOutput]:
     """One member's train step: :func:`~minitrain.train.step.make_train_step`, whose ops all
     batch under vmap (clipping by a swept ``max_grad_norm`` too), for a run that carries no
-    model state or loss scale."""
-    refuse_carry(experiment, backend)
-    return make_train_step(experiment, backend)
-
-
-def refuse_carry(experiment: Experiment, backend: Backend) -> None:
-    """Refuse model state and loss scaling, which sweeps do not carry."""
+    model state or loss scale (sweeps carry neither)."""
     if getattr(experiment, "init_state", None) is not None:
         raise ExperimentError(
             "minitrain sweep does not carry model state (init_state) yet; train each config "
@@ -64,6 +58,7 @@ def refuse_carry(experiment: Experiment, backend: Backend) -> None:
             "sweep on cpu-bf16, or train each config with minitrain run --backend "
             f"{backend.name}"
         )
+    return make_train_step(experiment, backend)
 
 
 def batches_ignore_swept_values(ensemble: Ensemble) -> bool:
@@ -157,14 +152,11 @@ _UNBATCHABLE = (
      "value) into a Python bool or number (an if, while, and/or, float() or .item()); one step "
      "runs every member at once, so compute with tensor ops instead: torch.where(step > 10, a, "
      "b) or a 0/1 mask, not if; tensors, not float() or .item()"),
-    (("mutate a captured Tensor",),
+    (("mutate a captured Tensor", "inplace arithmetic(self, *extra_args) is not possible"),
      "writes in place into a tensor the loss did not make (one made by experiment(config), or "
      "torch.as_tensor() of a swept value, which holds member 0's value there), which every "
      "member's step shares; compute a new tensor from the value itself instead (y = x * 2, not "
      "x.mul_(2); config[\"lr\"] * 2, not torch.as_tensor(config[\"lr\"]).mul_(2))"),
-    (("inplace arithmetic(self, *extra_args) is not possible",),
-     "writes a value that differs between members in place into a tensor they share; compute "
-     "a new tensor instead (y = x + lr, not x.add_(lr))"),
 )
 
 
@@ -197,11 +189,8 @@ def _batchable_attention(backend: Backend) -> Callable[[], contextlib.AbstractCo
 def _keep_where(healthy: torch.Tensor, new: list[torch.Tensor], old: list[torch.Tensor]
                 ) -> list[torch.Tensor]:
     """Leaf by leaf: member k's new value where ``healthy[k]``, else its old value."""
-    masks: dict[int, torch.Tensor] = {}
-    for leaf in new:
-        if leaf.dim() not in masks:
-            masks[leaf.dim()] = healthy.view(-1, *([1] * (leaf.dim() - 1)))
-    return [torch.where(masks[a.dim()], a, b) for a, b in zip(new, old, strict=True)]
+    return [torch.where(healthy.view(-1, *([1] * (a.dim() - 1))), a, b)
+            for a, b in zip(new, old, strict=True)]
 
 
 def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,

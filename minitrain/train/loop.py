@@ -19,9 +19,15 @@ from minitrain import checkpoint, rundir
 from minitrain.atomic_io import write_atomic
 from minitrain.errors import Interrupted, NonFiniteLoss, ResumeError, StorageError
 from minitrain.metrics import MetricsWriter
-from minitrain.train.progress import progress_bar, to_stderr
 from minitrain.train.signals import stop_requests
-from minitrain.train.stepper import FitResult, Stepper, StepTimer, after_last_step
+from minitrain.train.stepper import (
+    FitResult,
+    Stepper,
+    StepTimer,
+    after_last_step,
+    progress_bar,
+    to_stderr,
+)
 
 __all__ = ["FitResult", "Stepper", "dumps_finite", "finite_json", "is_due", "run_loop"]
 

@@ -19,8 +19,7 @@ import torch
 from minitrain.errors import ExperimentError
 from minitrain.metrics import METRICS_FILE, read_metrics
 from minitrain.train.members import Ensemble, Member, member_label
-from minitrain.train.progress import resident_bytes
-from minitrain.train.stepper import evaluation
+from minitrain.train.stepper import evaluation, resident_bytes
 from minitrain.tree import unstack
 
 __all__ = ["LOSSES", "RECENT_LOSSES", "MemberLog", "RankBy", "check_rank_by", "log_step",
@@ -36,9 +35,6 @@ class RankBy(NamedTuple):
 
     name: str
     higher: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.name} ({'higher' if self.higher else 'lower'} is better)"
 
 
 def parse_rank_by(text: str) -> RankBy:

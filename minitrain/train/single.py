@@ -18,7 +18,6 @@ from minitrain.precision import Backend
 from minitrain.train import stepper
 from minitrain.train.experiment import Experiment, as_recorded, check_seed, one_line
 from minitrain.train.loop import FitResult, run_loop
-from minitrain.train.progress import resident_bytes, to_stderr
 from minitrain.train.script_errors import script_call, script_line
 from minitrain.train.setup import batch_examples, init_params, run_generators
 from minitrain.train.step import (
@@ -124,7 +123,7 @@ class SingleRun:
             saved = checkpoint.load(path, self.params, pack_checkpoint_state(self.opt_state, older))
         except checkpoint.CheckpointError:
             raise first from None
-        to_stderr(f"note: {path} holds no fp8 amax histories (saved with current scaling); "
+        stepper.to_stderr(f"note: {path} holds no fp8 amax histories (saved with current scaling); "
                   "they start empty")
         opt_state, carry = unpack_checkpoint_state(saved.opt_state, older)
         return saved, opt_state, (carry or Carry())._replace(fp8_history=self.carry.fp8_history)
@@ -196,7 +195,7 @@ class SingleRun:
             **aux,
             **carry_metrics(out.carry),
             **rates,
-            "rss_bytes": resident_bytes(),
+            "rss_bytes": stepper.resident_bytes(),
         }
         if evaluate:
             record.update(self._evaluate(step))

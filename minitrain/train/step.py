@@ -31,9 +31,8 @@ from minitrain.tree import Grads, OptState, Params, PyTree, global_norm
 __all__ = [
     "Carry", "StepOutput", "can_donate", "carry_metrics", "check_fp8_history", "checked_values",
     "first_step_inputs", "fp8_context", "fp8_recipe_of", "init_carry", "init_fp8_history",
-    "keyed_loss", "loss_and_grads", "loss_scale_of", "loss_with_aux", "make_train_step",
-    "next_fp8_history", "pack_checkpoint_state", "probe_fp8_history", "stateful_loss", "step_key",
-    "unpack_checkpoint_state", "with_fixed_key",
+    "keyed_loss", "loss_and_grads", "loss_scale_of", "make_train_step", "pack_checkpoint_state",
+    "probe_fp8_history", "stateful_loss", "step_key", "unpack_checkpoint_state", "with_fixed_key",
 ]
 
 
@@ -114,17 +113,6 @@ def with_fixed_key(experiment: Any, seed: int = 0, step: int = 1) -> Any:
     return dataclasses.replace(experiment, loss=loss, uses_key=False)
 
 
-def loss_with_aux(experiment: Any) -> Callable[..., tuple[torch.Tensor, dict]]:
-    """The experiment's loss as ``(params, batch, key=None) -> (loss, aux)``, aux or not."""
-    shape = "the loss returned {}; with has_aux=True return a (loss, aux dict) pair"
-    loss = keyed_loss(experiment)
-
-    def checked(params: Params, batch: PyTree, key: Any = None) -> tuple[torch.Tensor, dict]:
-        return _checked(loss(params, batch, key=key), experiment.has_aux, shape)
-
-    return checked
-
-
 def stateful_loss(experiment: Any
                   ) -> Callable[[Params, PyTree, PyTree], tuple[torch.Tensor, tuple[dict, PyTree]]]:
     """The experiment's loss as ``(params, model_state, batch, key=None) -> (loss, (aux,
@@ -138,16 +126,16 @@ def stateful_loss(experiment: Any
     >>> stateful_loss(exp)({"w": torch.ones(2)}, {"n": torch.tensor(0)}, torch.ones(4, 2))
     (tensor(2.), ({}, {'n': tensor(1)}))
     """
+    call = keyed_loss(experiment)
     if getattr(experiment, "init_state", None) is None:
-        plain = loss_with_aux(experiment)
+        shape = "the loss returned {}; with has_aux=True return a (loss, aux dict) pair"
 
         def stateless(params: Params, model_state: PyTree, batch: PyTree, key: Any = None):
-            loss, aux = plain(params, batch, key)
+            loss, aux = _checked(call(params, batch, key=key), experiment.has_aux, shape)
             return loss, (aux, None)
 
         return stateless
 
-    call = keyed_loss(experiment)
     pair = ("the loss returned {}; an experiment with init_state has a loss(params, state, "
             "batch) that returns (loss, new_state)"
             + (" with loss a (loss, aux) pair" if experiment.has_aux else ""))
@@ -302,13 +290,6 @@ def check_fp8_history(history: torch.Tensor | None, where: str) -> None:
         )
 
 
-def next_fp8_history(new_history: torch.Tensor, history: torch.Tensor,
-                     forward_history: torch.Tensor | None = None) -> torch.Tensor:
-    """The histories after a step; a matmul whose backward did not run keeps its forward amaxes."""
-    ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
-    return torch.where(ran, new_history, history if forward_history is None else forward_history)
-
-
 # (grads, loss, aux) -> (grads, loss, aux), applied between the backward pass and the update.
 GradTransform = Callable[[Grads, torch.Tensor, dict], tuple[Grads, torch.Tensor, dict]]
 
@@ -356,8 +337,9 @@ def make_train_step(experiment: Any, backend: Backend, grad_transform: GradTrans
             params, model_state, scale, history, batch, key
         )
         if recipe is not None:
-            grads, new_history = grads
-            history = next_fp8_history(new_history, history, forward_history)
+            grads, new_history = grads  # a matmul whose backward did not run keeps its forward's
+            ran = new_history.flatten(1).ne(0).any(dim=1).view(-1, 1, 1)
+            history = torch.where(ran, new_history, forward_history)
             if amax_reduce is not None:
                 history = amax_reduce(history)
         if grad_transform is not None:

@@ -7,19 +7,22 @@ The loop owns the run directory, signals and when to check, log, evaluate and sa
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from minitrain.errors import MinitrainError, ResumeError, ScriptError
 from minitrain.train.experiment import one_line
-from minitrain.train.progress import to_stderr
 from minitrain.train.script_errors import script_call
 
 __all__ = ["RESUMABLE_CHANGES", "FitResult", "StepTimer", "Stepper", "after_last_step",
-           "changed_keys", "check_same", "evaluated", "evaluation", "fp8_scaling", "run_summary",
-           "step_report"]
+           "changed_keys", "check_same", "evaluated", "evaluation", "fp8_scaling", "progress_bar",
+           "resident_bytes", "run_summary", "step_report", "to_stderr"]
 
 # Config keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = frozenset({"steps"})
@@ -68,7 +71,7 @@ class StepTimer:
         return rates
 
 
-@runtime_checkable
+@runtime_checkable  # beartype checks run_loop's argument against it
 class Stepper(Protocol):
     """What the loop needs from one kind of run (it reads ``params``, ``opt_state``, ``carry``)."""
 
@@ -219,3 +222,69 @@ def step_report(stepper: Any, step: Callable[..., Any], summary: dict[str, Any],
         steps_total=experiment.steps,
         steps_done=experiment.steps,
     )
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@contextlib.contextmanager
+def progress_bar(
+    name: str, total: int, start: int, enabled: bool
+) -> Iterator[Callable[[int, float], None]]:
+    """A rich progress bar on stderr (steps, elapsed, ETA, live loss); yields
+    ``advance(step, loss)``. Disabled, it yields a function that does nothing."""
+    if not enabled:
+        yield lambda step, loss: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        console=Console(stderr=True),
+        refresh_per_second=4,
+    )
+    with progress:
+        task = progress.add_task(name, total=total, completed=start, loss="-")
+
+        def advance(step: int, loss: float) -> None:
+            progress.update(task, completed=step, loss=f"{loss:.4g}")
+
+        yield advance
+
+
+def to_stderr(message: str) -> None:
+    """Print a progress message on stderr (stdout stays clean for ``--json``)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _statm() -> int | None:
+    try:
+        return os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (RSS) from ``/proc/self/statm``; None where unavailable."""
+    fd = _statm()
+    if fd is None:
+        return None
+    try:
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None

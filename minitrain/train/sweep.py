@@ -57,7 +57,6 @@ from minitrain.train.members import (
     member_label,
     parse_seeds,
 )
-from minitrain.train.progress import to_stderr
 from minitrain.train.ranking import (
     LOSSES,
     MemberLog,
@@ -101,7 +100,7 @@ class SweepRun:
                  ) -> None:
         self.ensemble, self.backend, self.check, self.rank_by = ensemble, backend, check, rank_by
         self.experiment = ensemble.template
-        self.say = say or to_stderr
+        self.say = say or stepper.to_stderr
         self.current_step = 0
         self.examples = ensemble.template.tokens_per_batch
         self.batch: Any = None
