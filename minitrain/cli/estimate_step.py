@@ -79,13 +79,6 @@ def _reason(exc: BaseException) -> str:
     return exc.reason if isinstance(exc, PredictionError) else one_line(exc)
 
 
-def _failed(script: Path, exc: BaseException) -> UserError:
-    return UserError(
-        f"{script}: cannot predict the step on fake tensors: {_reason(exc)}; "
-        "run one real step instead with --measure"
-    )
-
-
 def _shard(batch: Any, gpus: int) -> Any:
     """Each device's share of the batch: 1/gpus of the leading dim, as a shape spec."""
     import torch
@@ -135,7 +128,8 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
     except (UserError, ExperimentError):
         raise
     except Exception as exc:  # the script's code failed on fake tensors: one line
-        raise _failed(script, exc) from None
+        raise UserError(f"{script}: cannot predict the step on fake tensors: {_reason(exc)}; "
+                        "run one real step instead with --measure") from None
     from minitrain.tree import size
 
     return {"measured": False, "params": size(params),
