@@ -150,10 +150,9 @@ out = {}
 def gpt(params, key):
     return mt.models.gpt(params, ids, key, config=cfg)
 
-for name, fn, args in [("draws", draws, (random.key(1),)), ("gpt", gpt, (params, random.key(2)))]:
-    explained = torch._dynamo.explain(fn)(*args)
-    out[name] = [explained.graph_count, explained.graph_break_count]
-compiled = torch.compile(draws, fullgraph=True)
+explained = torch._dynamo.explain(gpt)(params, random.key(2))
+out["gpt"] = [explained.graph_count, explained.graph_break_count]
+compiled = torch.compile(draws, fullgraph=True)  # fails on a graph break: one graph, no break
 equal = []
 for seed in (1, 2):  # the key is an input, not a constant baked into the graph
     got, want = compiled(random.key(seed)), draws(random.key(seed))
@@ -172,5 +171,5 @@ def test_compiled_draws_equal_eager_and_keys_do_not_break_the_graph():
                           timeout=600, env={**os.environ, "MINITRAIN_TYPECHECK": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["draws"] == [1, 0] and out["gpt"] == [1, 0], out
+    assert out["gpt"] == [1, 0], out
     assert all(out["equal"]), out["equal"]
