@@ -271,35 +271,23 @@ def check_maximize(maximize: Any) -> bool:
 
 def check_hyperparameter(name: str, value: Any, low: float, high: float = math.inf,
                          *, low_open: bool = False, high_open: bool = False) -> None:
-    """``ValueError`` naming ``name`` when a concrete ``value`` is outside its range (a traced
-    one is not read)."""
-    number = _concrete_number(name, value)
-    if number is None:
+    """``ValueError`` naming ``name`` unless ``value`` is a :func:`hyperparameter` in its range
+    (a traced tensor, or a subclass of several elements such as a sweep's per-member values, is
+    not read)."""
+    if is_traced(value) or isinstance(value, Tensor) and value.numel() != 1 and \
+            type(value) is not Tensor:
         return
+    value = hyperparameter(name, value)
+    if isinstance(value, Tensor) and (value.is_complex() or value.is_meta):  # no real value
+        raise ValueError(f"invalid {name}: a {value.dtype} tensor on {value.device.type}; "
+                         f"pass a real number or a one-element real tensor holding data")
+    number = float(value.detach() if isinstance(value, Tensor) else value)
     too_low = number <= low if low_open else number < low
     too_high = number >= high if high_open else number > high
     if math.isnan(number) or too_low or too_high:
         left, right = "(" if low_open else "[", ")" if high_open else "]"
         raise ValueError(f"invalid {name}={number!r}: it must lie in {left}{low}, {high}{right}; "
                          f"pass a value in that range")
-
-
-def _concrete_number(name: str, value: Any) -> float | None:
-    """``value`` as a float; None where it is traced (or a subclass of several elements, such
-    as a sweep's per-member values)."""
-    if isinstance(value, bool | int | float):
-        return float(value)
-    if not isinstance(value, Tensor):
-        raise ValueError(f"invalid {name}={value!r}: pass a number or a one-element tensor")
-    if is_traced(value) or value.numel() != 1 and type(value) is not Tensor:
-        return None
-    if value.numel() != 1:
-        raise ValueError(f"invalid {name}: a tensor of shape {tuple(value.shape)}; pass a "
-                         f"number or a one-element tensor")
-    if value.is_complex() or value.is_meta:  # no real value to read
-        raise ValueError(f"invalid {name}: a {value.dtype} tensor on {value.device.type}; "
-                         f"pass a real number or a one-element real tensor holding data")
-    return float(value.detach().reshape(()).item())
 
 
 def is_zero(value: Any) -> bool:
