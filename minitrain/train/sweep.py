@@ -54,7 +54,6 @@ from minitrain.train.members import (
     build_ensemble,
     load_sweep,
     member_grid,
-    member_label,
     parse_seeds,
 )
 from minitrain.train.ranking import (
@@ -139,7 +138,6 @@ class SweepRun:
         with script_call("optimizer.init(params)"):
             states = [e.optimizer.init(p)
                       for e, p in zip(ensemble.experiments, member_params, strict=True)]
-        _check_same_state_layout(ensemble, states)
         self.opt_state = _stacked(states, "optimizer states")
         self.diverged_at = torch.zeros(ensemble.size, dtype=torch.int64, device=self.backend.device)
         self.hyperparameters = ensemble.hyperparameters(self.backend.device)
@@ -328,21 +326,6 @@ def fit_sweep(ensemble: Ensemble, backend: Backend, *, check: bool = True,
     return run_loop(run, say=say, **options)
 
 
-def _check_same_state_layout(ensemble: Ensemble, states: list[PyTree]) -> None:
-    """Refuse optimizer states laid out otherwise (a swept value picks a step in or out)."""
-    layouts = [_pytree.tree_structure(state) for state in states]
-    for k, layout in enumerate(layouts):
-        if layout != layouts[0]:
-            first, other = (member_label(ensemble.members[i]) for i in (0, k))
-            raise MemberMismatch(
-                f"member 0 ({first}) and member {k} ({other}) build optimizers whose states "
-                "differ in layout, so one vmapped step cannot update both: a swept value picks "
-                "a step in or out (adadelta, adamax, lion, nadam and radam leave out "
-                "weight decay at weight_decay=0); sweep values that all build the same steps "
-                "(weight_decay=1e-8 for none)"
-            )
-
-
 def _checks(steps_taken: int) -> bool:
     """Whether this process's ``steps_taken``-th step is checked: the first few, then powers of two.
 
@@ -373,10 +356,13 @@ def _alike(a: Any, b: Any) -> bool:
 
 
 def _stacked(trees: list[PyTree], what: str) -> PyTree:
+    """``trees``, member k's at k, stacked; else a :class:`MemberMismatch` saying what differs."""
     try:
         return stack(trees)
     except ValueError as exc:
         raise MemberMismatch(
-            f"the members' {what} cannot be stacked ({exc}); members of one vmapped step may "
-            "differ only in float hyperparameters such as lr or weight_decay"
+            f"the members' {what} cannot be stacked ({exc}; trees[k] is member k's); members of "
+            "one vmapped step may differ only in float hyperparameters that build the same "
+            "steps (adadelta, adamax, lion, nadam and radam leave the weight decay step out at "
+            "weight_decay=0: sweep 1e-8 for none)"
         ) from None
