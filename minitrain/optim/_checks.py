@@ -139,19 +139,20 @@ def storage_holds(t: Tensor) -> bool:
     return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
-def decay_flags(mask: WeightDecayMask, params: Params) -> list[bool]:
-    """Per leaf: whether weight decay applies (all leaves when ``mask`` is None)."""
+def decay_flags(mask: WeightDecayMask, params: Params,
+                what: str = "weight-decay mask") -> list[bool]:
+    """Per leaf: whether ``mask`` (a pytree of bools like params, ``fn(name, leaf) -> bool``, or
+    None for all leaves) selects it."""
     named = tree.named_leaves(params)
     if mask is None:
         return [True] * len(named)
     if callable(mask):
         return [bool(mask(name, leaf)) for name, leaf in named]
-    tree.assert_same_structure(params, mask, names=("params", "weight-decay mask"))
+    tree.assert_same_structure(params, mask, names=("params", what))
     flags = tree.leaves(mask)
     for (name, _), flag in zip(named, flags, strict=True):
         if not isinstance(flag, bool):
-            raise ValueError(
-                f"weight-decay mask leaf {name!r} is {type(flag).__name__}; use True or False")
+            raise ValueError(f"{what} leaf {name!r} is {type(flag).__name__}; use True or False")
     return flags
 
 

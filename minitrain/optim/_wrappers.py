@@ -4,7 +4,6 @@ hyperparameters kept in the state (optax ``_src/wrappers.py``, ``combine.py``,
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -15,6 +14,7 @@ from minitrain import tree
 from minitrain.optim._checks import (
     check_like,
     check_state_type,
+    decay_flags,
     host_tensor,
     hyperparameter,
     is_traced,
@@ -120,11 +120,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     check_transformation(inner, "masked's inner")
 
     def chosen(params: Params, named: list[tuple[str, Any]]) -> dict[str, list[int]]:
-        flags = _labels(mask, params, "mask", named)
-        for (name, _), flag in zip(named, flags, strict=True):
-            if not isinstance(flag, bool):
-                raise ValueError(f"mask leaf {name!r} is {type(flag).__name__}; use True or False")
-        return {"inner": [i for i, flag in enumerate(flags) if flag]}
+        return {"inner": [i for i, on in enumerate(decay_flags(mask, params, "mask")) if on]}
 
     def init(params):
         return MaskedState(_route_init(params, {"inner": inner}, chosen)["inner"])
@@ -381,18 +377,6 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
     [tensor([-0.5000])]
     """
     static_names = {static_args} if isinstance(static_args, str) else set(static_args)
-    try:
-        accepted = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C function: nothing to check against
-        accepted = None
-    if accepted is not None and not any(p.kind is p.VAR_KEYWORD for p in accepted):
-        unknown = static_names - {p.name for p in accepted}
-        if unknown:
-            raise ValueError(
-                f"inject_hyperparams: static_args {sorted(unknown)} are not arguments of "
-                f"{getattr(factory, '__name__', factory)!r}; pass names among "
-                f"{sorted(p.name for p in accepted)}"
-            )
 
     def build(**kwargs: Any) -> GradientTransformation:
         numeric = {k: v for k, v in kwargs.items() if k not in static_names and (

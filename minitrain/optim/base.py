@@ -117,20 +117,14 @@ def learning_rate(state: OptState) -> float:
 def _find_lr(state: Any) -> Any:
     """The first ``lr`` field (or injected ``lr`` / ``learning_rate``) in a state, chains'
     tuples and ``multi_transform``'s dicts included."""
-    if hasattr(state, "lr") and isinstance(state.lr, Tensor):
+    if isinstance(getattr(state, "lr", None), Tensor):
         return state.lr
     hyper = getattr(state, "hyperparams", None)
-    if isinstance(hyper, dict):
-        for key in ("lr", "learning_rate"):
-            if key in hyper:
-                return hyper[key]
+    if isinstance(hyper, dict) and ("lr" in hyper or "learning_rate" in hyper):
+        return hyper.get("lr", hyper.get("learning_rate"))
     inners = state.values() if isinstance(state, dict) else state
-    if isinstance(state, tuple | list | dict):
-        for inner in inners:
-            found = _find_lr(inner)
-            if found is not None:
-                return found
-    return None
+    found = map(_find_lr, inners if isinstance(state, tuple | list | dict) else ())
+    return next((lr for lr in found if lr is not None), None)
 
 
 def spec(tx: GradientTransformation) -> tuple[str, dict[str, Any]] | None:

@@ -391,12 +391,6 @@ def test_inject_hyperparams_hints_at_static_args_for_a_callable_that_is_no_sched
         build.init([torch.ones(2, 2)])
 
 
-def test_inject_hyperparams_refuses_static_args_that_are_no_arguments():
-    with pytest.raises(ValueError, match=r"static_args \['msk'\] are not arguments of "
-                                         r"'add_decayed_weights'"):
-        inject_hyperparams(add_decayed_weights, static_args="msk")
-
-
 def test_inject_hyperparams_passes_bools_strings_and_none_as_static():
     params = [torch.ones(2)]
     tx = inject_hyperparams(scale_by_adam)(b1=0.9, amsgrad=True)
