@@ -31,21 +31,40 @@ def _special_kind(s: FormatSpec) -> str:
     return FN if s.nan is not None else FINITE
 
 
+# The IEEE 754 layout of the dtypes the rounding runs in: integer view, mantissa bits, bias.
+_LAYOUT = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
+
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """``floor(log2 x)`` of a positive normal ``x``, read from its exponent field (``-bias`` for
+    zero and subnormals); ``torch.frexp`` is a scalar loop on the CPU."""
+    view, mantissa, bias = _LAYOUT[x.dtype]
+    return ((x.view(view) >> mantissa) & (2 * bias + 1)) - bias
+
+
+def _pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2**k`` for integers ``k`` in ``dtype``'s normal range, its exponent field written
+    directly (exact; ``torch.ldexp`` is a scalar loop on the CPU)."""
+    view, mantissa, bias = _LAYOUT[dtype]
+    return ((k.to(view) + bias) << mantissa).view(dtype)
+
+
 def _round_elements(x: torch.Tensor, s: FormatSpec, saturate: bool,
                     subnormals: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round float64 ``x`` to format ``s``; return (values, mask of values that overflowed).
+    """Round ``x`` to format ``s``; return (values, mask of values that overflowed).
 
-    Exact in float64: a value of at most 24 significant bits divided by a power of two is
-    exact, and ``torch.round`` rounds half to even (IEEE 754 roundTiesToEven).
+    Exact for float64 ``x`` (a value of at most 24 significant bits divided by a power of two
+    is exact, and ``torch.round`` rounds half to even, IEEE 754 roundTiesToEven), and for fp32
+    ``x`` when ``s`` is an fp8, fp6 or fp4 format (the quotients, below 2**4, are exact too).
     """
     magnitude = x.abs()
     finite = torch.isfinite(x)
-    _, exponent = torch.frexp(torch.where(finite, magnitude, 1.0))  # m * 2**exponent, m in [.5,1)
+    exponent = _exponent(torch.where(finite, magnitude, 1.0))  # floor(log2 |x|)
+    # Below the smallest normal the spacing stays 2**(emin - mantissa_bits); without
+    # subnormals, what lies below 2**(emin - 1) flushes to zero at any finer spacing.
     emin = 1 - s.bias
-    exponent = exponent - 1  # floor(log2 |x|)
-    if subnormals:  # below the smallest normal the spacing stays 2**(emin - mantissa_bits)
-        exponent = exponent.clamp(min=emin)
-    ulp = torch.ldexp(torch.ones_like(x), exponent - s.mantissa_bits)
+    exponent = exponent.clamp(min=emin if subnormals else emin - 1)
+    ulp = _pow2(exponent - s.mantissa_bits, x.dtype)
     rounded = torch.round(torch.where(finite, x, 0.0) / ulp) * ulp
     if not subnormals:  # flush results below the smallest normal to signed zero
         rounded = torch.where(rounded.abs() < s.min_normal, rounded * 0.0, rounded)
@@ -102,8 +121,8 @@ def _apply_block_scale(x: torch.Tensor, scale: torch.Tensor, element: FormatSpec
     scaled = blocks / scale if reciprocal is None else blocks * reciprocal
     overflow = scaled.abs() > element.max
     clamped = scaled.clamp(-element.max, element.max)
-    rounded, _ = _round_elements(clamped.double(), element, saturate=True, subnormals=True)
-    values = (rounded.to(x.dtype) * scale).reshape(x.shape)
+    rounded, _ = _round_elements(clamped, element, saturate=True, subnormals=True)
+    values = (rounded * scale).reshape(x.shape)
     return values, overflow.reshape(x.shape)
 
 
