@@ -640,16 +640,17 @@ def test_profile_on_cpu_fp8_places_the_simulated_step(capsys, mlp):
     assert "amax" in stdout  # the delayed-scaling ops are in the profiled step
 
 
-def test_compile_on_cpu_fp8_from_the_command_line_equals_eager(mlp, tmp_path):
-    # A fresh interpreter: under pytest the jaxtyping import hook defeats dynamo.
+def test_compile_on_cpu_fp8_from_the_command_line_equals_eager(capsys, mlp, tmp_path):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    for out, extra in ((eager, ()), (compiled, ("--compile",))):
-        proc = subprocess.run(
-            [sys.executable, "-m", "minitrain", "run", str(mlp), "--steps", "3", "--no-report",
-             "--json", "--out", str(out), *FP8, *extra],
-            capture_output=True, text=True, timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = run(capsys, mlp, eager, *FP8, steps=3)
+    assert code == 0, err
+    # A fresh interpreter: under pytest the jaxtyping import hook defeats dynamo.
+    proc = subprocess.run(
+        [sys.executable, "-m", "minitrain", "run", str(mlp), "--steps", "3", "--no-report",
+         "--json", "--out", str(compiled), *FP8, "--compile"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
     for name in FILES:  # inductor may reorder float ops around the eager matmuls: close
         left, right = (safetensors.torch.load((out / CKPT.format(3) / name).read_bytes())
                        for out in (eager, compiled))

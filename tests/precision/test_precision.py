@@ -144,9 +144,10 @@ CONFIG = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32}
 CORPUS = (ROOT / "tests/data/precision_corpus.txt").read_bytes()
 
 
-def train(name: str, steps: int = 6) -> list[float]:
+def train(name: str, steps: int = 4) -> list[float]:
     """Loss per step of bytelm's model on a fixed batch of Python source bytes, AdamW on fp32
-    master params."""
+    master params. The largest gap to fp32 of each format is reached within 4 steps (as
+    measured over 6)."""
     model = bytelm()
     g = torch.Generator().manual_seed(0)
     params = model.init_params(CONFIG, g)
