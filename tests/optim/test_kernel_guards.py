@@ -83,6 +83,8 @@ def test_without_the_c_kernel_float32_runs_torchs_fused_kernel():
 # A leaf whose float32 sum of squares, 191698560, torch's CPU sqrt rounds to 13845.5244140625
 # where the correctly rounded float32 is 13845.525390625.
 @example(sizes=[450, 1361, 2215, 785], scale=1000.0, seed=305)
+# One element whose square overflows float32: torch's norm of one element is its magnitude.
+@example(sizes=[1], scale=1e25, seed=0)
 def test_the_kernels_sums_of_squares_and_norm_equal_torchs(sizes, scale, seed):
     g = torch.Generator().manual_seed(seed)
     leaves = [torch.randn(n, generator=g) * scale * float(torch.rand((), generator=g))
@@ -95,7 +97,7 @@ def test_the_kernels_sums_of_squares_and_norm_equal_torchs(sizes, scale, seed):
     small = want < 3e38
     torch.testing.assert_close(sums[small], want[small], rtol=1e-5, atol=1e-34)
     assert bool((sums[~small] >= 3e38).all())
-    ours = streaming.norm(sums)
+    ours = streaming.norm(sums, sizes)
     theirs = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in leaves]))
     assert ours.dtype == torch.float32 and ours.shape == ()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-17)
@@ -116,6 +118,22 @@ def test_the_kernels_norm_rounds_as_torch_does_where_an_exact_sum_would_not(valu
     assert torch.equal(norm, want)
     for c, p in zip(clipped, ps, strict=True):
         assert torch.equal(c, p.grad)
+
+
+@needs_kernels
+@pytest.mark.parametrize("grad", [4.7e24, 1e-30, -3.0])
+def test_a_clipped_update_of_one_element_equals_torchs_where_its_square_overflows(grad):
+    """clip_grad_norm_ of a one-element grad divides by its magnitude, whose float32 square
+    may be inf or 0: the kernel's norm is that magnitude too (an inf norm zeroed the update)."""
+    param = torch.nn.Parameter(torch.ones(1))
+    param.grad = torch.tensor([grad])
+    torch.nn.utils.clip_grad_norm_([param], 1.0)
+    torch.optim.SGD([param], lr=0.1).step()
+    opt = mt.optim.as_optimizer(mt.optim.chain(mt.optim.clip_by_global_norm(1.0),
+                                               mt.optim.scale_by_learning_rate(0.1)))
+    params = {"w": torch.ones(1)}
+    assert opt.update({"w": torch.tensor([grad])}, opt.init(params), params)[0]["w"].equal(
+        param.detach())
 
 
 HOSTILE_GRADS = {

@@ -412,7 +412,8 @@ def _buffers(shape, rule_states, read):
 def _clip(gs, found, read, use_c):
     """``clip_by_global_norm``'s factor, ``min(1, max_norm / (norm + 1e-6))``, with its ops."""
     if use_c:
-        norm = streaming.norm(streaming.sums_of_squares(found[1], [g.numel() for g in gs]))
+        sizes = [g.numel() for g in gs]
+        norm = streaming.norm(streaming.sums_of_squares(found[1], sizes), sizes)
     else:
         norm = torch.linalg.vector_norm(torch.stack(_torch.foreach_norm(gs)))
     return float(torch.clamp(read.max_norm / (norm + 1e-6), max=1.0))

@@ -329,10 +329,14 @@ def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
     return out
 
 
-def norm(squares: Tensor) -> Tensor:
-    """The global norm from per-leaf float64 sums of squares, in ``clip_grad_norm_``'s form:
-    each leaf's norm in float32, then the norm of those norms (a 0-d float32 tensor)."""
-    return torch.linalg.vector_norm(squares.to(torch.float32).sqrt(), 2)
+def norm(squares: Tensor, sizes: list[int]) -> Tensor:
+    """The global norm from per-leaf float64 sums of squares of leaves of ``sizes`` elements,
+    in ``clip_grad_norm_``'s form: each leaf's norm in float32 (that of one element its
+    magnitude, as torch's, whose square may overflow float32), then the norm of those norms (a
+    0-d float32 tensor)."""
+    single = torch.tensor([n == 1 for n in sizes], device="cpu")
+    leaf_norms = torch.where(single, squares.sqrt(), squares.to(torch.float32).sqrt())
+    return torch.linalg.vector_norm(leaf_norms.to(torch.float32), 2)
 
 
 def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
