@@ -35,20 +35,6 @@ def _special_kind(s: FormatSpec) -> str:
 _LAYOUT = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 
 
-def _exponent(x: torch.Tensor) -> torch.Tensor:
-    """``floor(log2 x)`` of a positive normal ``x``, read from its exponent field (``-bias`` for
-    zero and subnormals); ``torch.frexp`` is a scalar loop on the CPU."""
-    view, mantissa, bias = _LAYOUT[x.dtype]
-    return ((x.view(view) >> mantissa) & (2 * bias + 1)) - bias
-
-
-def _pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``2**k`` for integers ``k`` in ``dtype``'s normal range, its exponent field written
-    directly (exact; ``torch.ldexp`` is a scalar loop on the CPU)."""
-    view, mantissa, bias = _LAYOUT[dtype]
-    return ((k.to(view) + bias) << mantissa).view(dtype)
-
-
 def _round_elements(x: torch.Tensor, s: FormatSpec, saturate: bool,
                     subnormals: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Round ``x`` to format ``s``; return (values, mask of values that overflowed).
@@ -59,12 +45,16 @@ def _round_elements(x: torch.Tensor, s: FormatSpec, saturate: bool,
     """
     magnitude = x.abs()
     finite = torch.isfinite(x)
-    exponent = _exponent(torch.where(finite, magnitude, 1.0))  # floor(log2 |x|)
+    # floor(log2 |x|) read from the exponent field, the spacing written into it (torch.frexp
+    # and torch.ldexp are scalar loops on the CPU); zero and subnormals read as -bias
+    view, mantissa, bias = _LAYOUT[x.dtype]
+    fields = torch.where(finite, magnitude, 1.0).view(view) >> mantissa
+    exponent = (fields & (2 * bias + 1)) - bias
     # Below the smallest normal the spacing stays 2**(emin - mantissa_bits); without
     # subnormals, what lies below 2**(emin - 1) flushes to zero at any finer spacing.
     emin = 1 - s.bias
     exponent = exponent.clamp(min=emin if subnormals else emin - 1)
-    ulp = _pow2(exponent - s.mantissa_bits, x.dtype)
+    ulp = ((exponent - s.mantissa_bits + bias) << mantissa).view(x.dtype)
     rounded = torch.round(torch.where(finite, x, 0.0) / ulp) * ulp
     if not subnormals:  # flush results below the smallest normal to signed zero
         rounded = torch.where(rounded.abs() < s.min_normal, rounded * 0.0, rounded)
