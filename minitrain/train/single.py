@@ -39,10 +39,6 @@ from minitrain.tree import size
 
 __all__ = ["SingleRun", "fit", "logged_lr"]
 
-# Finiteness flags are read (one host sync) at least this often.
-MAX_UNCHECKED_STEPS = 256
-
-
 class SingleRun:
     """The :class:`~minitrain.train.stepper.Stepper` of one model (optionally one rank of N)."""
 
@@ -58,8 +54,6 @@ class SingleRun:
         self.examples = experiment.tokens_per_batch
         self.batch: Any = None
         self.key: torch.Tensor | None = None  # the last step's (experiments with uses_key)
-        self._checked_step = 0
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._out: Any = None
         self._last_eval: dict[str, float] | None = None  # None: not evaluated yet
 
@@ -103,7 +97,7 @@ class SingleRun:
         self.params = saved.params
         if self.parallel is not None:
             self.parallel.check_same(saved.step, "the step to resume from")
-        self.current_step = self._checked_step = saved.step
+        self.current_step = saved.step
         return saved.step
 
     def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Any, Carry | None]:
@@ -146,7 +140,7 @@ class SingleRun:
     # ------------------------------------------------------------------ steps
 
     def step(self, step: int) -> None:
-        first = step == self._checked_step + 1 and self._out is None
+        first = self._out is None  # of this process
         with script_call("next_batch(generator)", step):
             batch = self.experiment.next_batch(self.data_generator)
         if self.examples is None:
@@ -160,28 +154,19 @@ class SingleRun:
             out = self._train_step(self.params, self.opt_state, batch, self.carry, self.key)
         self.params, self.opt_state, self.carry = out.params, out.opt_state, out.carry
         self._out, self.batch, self.current_step = out, batch, step
-        self._pending.append((step, *checked_values(out)))
-        if len(self._pending) >= MAX_UNCHECKED_STEPS:
-            self.check_finite()
+        self.check_finite()
 
     def check_finite(self) -> None:
-        """Raise :class:`NonFiniteLoss` naming the first non-finite step since the last check."""
-        if not self._pending:
+        """Raise :class:`NonFiniteLoss` if the last step's loss or grad norm is not finite (read
+        after every step: one host sync each)."""
+        if self._out is None:
             return
-        steps = [step for step, _, _ in self._pending]
-        values = torch.stack(
-            [torch.stack([loss.float(), norm.float()]) for _, loss, norm in self._pending]
-        )
-        self._pending.clear()
-        finite = torch.isfinite(values).all(dim=1)
-        if not bool(finite.all()):
-            bad = int((~finite).nonzero()[0, 0])
-            loss, norm = values[bad].tolist()
+        loss, norm = (float(value) for value in checked_values(self._out))
+        if not (math.isfinite(loss) and math.isfinite(norm)):
             raise NonFiniteLoss(
-                f"loss became {loss} (grad norm {norm}) at step {steps[bad]}; the last "
+                f"loss became {loss} (grad norm {norm}) at step {self.current_step}; the last "
                 "checkpoint is kept; lower the learning rate (--set lr=...) or clip gradients"
             )
-        self._checked_step = steps[-1]
 
     def records(self, step: int, rates: dict[str, float], evaluate: bool) -> list[dict]:
         out = self._out
