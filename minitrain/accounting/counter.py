@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,11 +129,6 @@ class OpRecord:
     def bytes(self) -> int:
         """Bytes moved: read plus written."""
         return self.bytes_read + self.bytes_written
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOPs per byte moved (chapter 3.6.3); ``inf`` if no bytes."""
-        return self.flops / self.bytes if self.bytes else math.inf
 
 
 @dataclass
@@ -363,6 +357,3 @@ class Counter:
                 self.matmul_by_module[parent][name] += record.flops
         if self.keep_records:
             self.records.append(record)
-
-    def __iter__(self) -> Iterator[OpRecord]:
-        return iter(self.records)

@@ -313,14 +313,14 @@ def _cache_path(key: Mapping[str, Any]) -> Path | None:
     return None if root is None else root / f"hardware-cpu-{digest}.json"
 
 
-def _fresh(spec: Hardware | None, key: Mapping[str, Any], max_age: float | int) -> bool:
-    """Measured with this key at most ``max_age`` seconds ago, with every dtype the probe
+def _fresh(spec: Hardware | None, key: Mapping[str, Any]) -> bool:
+    """Measured with this key at most :data:`MAX_AGE_SECONDS` ago, with every dtype the probe
     measures."""
     if spec is None or spec.details.get("key") != dict(key) or not (
             set(_MATMUL_SIZE) <= set(spec.peak_flops)):
         return False
     measured_at = spec.details.get("measured_unix")
-    return measured_at is not None and 0 <= time.time() - float(measured_at) <= max_age
+    return measured_at is not None and 0 <= time.time() - float(measured_at) <= MAX_AGE_SECONDS
 
 
 def _load_cached(path: Path | None) -> Hardware | None:
@@ -376,26 +376,24 @@ MAX_AGE_SECONDS = 7 * 86_400
 _MEASURED: dict[str, Hardware] = {}
 
 
-def measure_cpu(refresh: bool = False, max_age: float | int = MAX_AGE_SECONDS) -> Hardware:
+def measure_cpu(refresh: bool = False) -> Hardware:
     """This CPU for this process: peak FLOP/s in fp32, bf16 and fp16 bounded from the spec
     (:func:`cpu_peak_bound` on ``torch.get_num_threads()`` cores; at least the measured
     ``torch.mm`` rate), so MFU stays at most 1; copy bandwidth (bytes/s) measured. Reused on the
-    same machine, torch build and thread count for ``max_age`` seconds (kept in memory and on
-    disk, ``details`` says what and when); ``refresh=True`` measures again.
+    same machine, torch build and thread count for :data:`MAX_AGE_SECONDS` (kept in memory and
+    on disk, ``details`` says what and when); ``refresh=True`` measures again.
 
     >>> MAX_AGE_SECONDS / 86_400  # days a measurement is reused by default
     7.0
     """
     import torch  # the only torch import in the napkin layer, deferred to this call
 
-    if not max_age >= 0:
-        raise HardwareError(f"max_age must be a non-negative number of seconds, got {max_age!r}")
     key = _machine_key(torch)
     path = _cache_path(key)
     memo = json.dumps(key, sort_keys=True)
     if not refresh:
         for cached in (_MEASURED.get(memo), _load_cached(path)):
-            if _fresh(cached, key, max_age):
+            if _fresh(cached, key):
                 _MEASURED[memo] = cached
                 return cached
     spec = _measure(torch, key)

@@ -323,13 +323,11 @@ def _state_options(key: str, hyperparameters: dict[str, Any]) -> dict[str, bool]
     return {name: value for name, value in on.items() if key in STATE_OPTIONS[name]}
 
 
-def state_bytes(optimizer: str, params: Any, *, element_size: int | None = None,
-                **hyperparameters: Any) -> int:
+def state_bytes(optimizer: str, params: Any, **hyperparameters: Any) -> int:
     """Bytes of per-leaf state ``mt.optim.<optimizer>(**hyperparameters)`` keeps for ``params``
     (as its ``init`` makes them; O(1) scalars such as step counts are not counted).
 
-    ``params`` is a pytree of tensors (real, fake or meta) or of shapes (``element_size`` bytes
-    each, fp32 by default).
+    ``params`` is a pytree of tensors (real, fake or meta) or of shapes (fp32 elements).
 
     >>> state_bytes("adamw", [(1024, 1024)])
     8388608
@@ -341,9 +339,6 @@ def state_bytes(optimizer: str, params: Any, *, element_size: int | None = None,
     from minitrain._torch import pytree
 
     key = optimizer_key(optimizer)
-    if element_size is not None and (not isinstance(element_size, int)
-                                     or isinstance(element_size, bool) or element_size < 1):
-        raise UserError(f"element_size must be a whole number of bytes >= 1, got {element_size!r}")
     options = _state_options(key, hyperparameters)
     if isinstance(params, list) and all(_is_shape(p) for p in params):
         leaves = list(params)  # a list of shapes, [[3, 4], [4]] too
@@ -354,9 +349,7 @@ def state_bytes(optimizer: str, params: Any, *, element_size: int | None = None,
         if isinstance(leaf, torch.Tensor):
             shape, size = tuple(leaf.shape), leaf.element_size()
         elif _is_shape(leaf):
-            if any(d < 0 for d in leaf):
-                raise UserError(f"shape {tuple(leaf)} has a negative size; pass sizes >= 0")
-            shape, size = tuple(leaf), element_size or 4
+            shape, size = tuple(leaf), 4
         else:
             raise UserError(f"expected params as tensors (real, fake or meta) or shapes, got "
                             f"{type(leaf).__name__}")

@@ -152,6 +152,9 @@ def one_line_errors() -> Iterator[None]:
         raise PredictionError(f"{reason}: measure one real step instead", reason) from None
 
 
+_TOP_SAVED = 10  # the largest saved tensors a prediction lists
+
+
 class SavedTensor(NamedTuple):
     """A tensor saved for backward: size, shape, dtype, the module and op that made it."""
 
@@ -224,7 +227,7 @@ def predict_step(
     loss_fn: Callable[..., Any], params: Any, batch: Any, *, optimizer: Any = None,
     donate: bool = False, has_aux: bool = False, max_grad_norm: float | None = None,
     hardware: str | Hardware | None = None, dtype: Any = None,
-    autocast: Callable[[], Any] | None = None, top_saved: int = 10, model_state: Any = None,
+    autocast: Callable[[], Any] | None = None, model_state: Any = None,
 ) -> StepPrediction:
     """Predict one training step of ``loss_fn(params, batch)`` (see the module docstring).
 
@@ -267,7 +270,7 @@ def predict_step(
         end_state = _update(counter, optimizer, meta_params, box, state, donate, max_grad_norm)
     end = counter.ledger.live_by_category()
     del end_state, new_state
-    return _prediction(counter, spec, dtype, persistent, end, top_saved)
+    return _prediction(counter, spec, dtype, persistent, end)
 
 
 def _backward(counter: Counter, mode: FakeTensorMode, gradients: Callable[..., Any],
@@ -303,8 +306,7 @@ def _with_state(loss_fn: Callable[..., Any], state: Any, has_aux: bool) -> Calla
 
 
 def predict_call(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any, *,
-                 hardware: str | Hardware = "h100", dtype: Any = None,
-                 top_saved: int = 10) -> StepPrediction:
+                 hardware: str | Hardware = "h100", dtype: Any = None) -> StepPrediction:
     """Predict ``step(params, opt_state, batch)``, any pure train step (a vmapped ensemble), on
     fake tensors: an ``mt.optim`` update inside runs its chain, and the new params, state and
     grads count as temporaries. Prefer :func:`predict_step` for a loss and an optimizer.
@@ -327,7 +329,7 @@ def predict_call(step: Callable[..., Any], params: Any, opt_state: Any, batch: A
         out = step(*fakes)
     end = counter.ledger.live_by_category()
     del out
-    return _prediction(counter, spec, dtype, persistent, end, top_saved)
+    return _prediction(counter, spec, dtype, persistent, end)
 
 
 def _update(counter: Counter, optimizer: Any, params: Any, box: list[Any], state: Any,
@@ -355,7 +357,7 @@ def _update(counter: Counter, optimizer: Any, params: Any, box: list[Any], state
 
 
 def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[str, int],
-                end: dict[str, int], top_saved: int) -> StepPrediction:
+                end: dict[str, int]) -> StepPrediction:
     ledger = counter.ledger
     ledger.close()
     result = ledger.replay()
@@ -373,7 +375,7 @@ def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[s
                 "saved_for_backward": sum(a.nbytes for a in saved),
                 "largest": {k: v for k, v in result.largest.items() if v}, "end": end},
         saved=[SavedTensor(a.nbytes, a.shape, a.dtype, a.module, a.op)
-               for a in saved[:top_saved]],
+               for a in saved[:_TOP_SAVED]],
         saved_by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
         flops=counter.flops, matmul_flops=counter.matmul_flops,
         bytes=counter.bytes_read + counter.bytes_written, bytes_read=counter.bytes_read,

@@ -114,7 +114,7 @@ class Roof(NamedTuple):
         return accelerator_intensity(self.peak_flops, self.bandwidth)
 
 
-def roof(hardware_name: str = "h100", dtype: str = "bf16", *, sparse: bool = False) -> Roof:
+def roof(hardware_name: str = "h100", dtype: str = "bf16") -> Roof:
     """The roofline of a registered device (``"cpu"`` is measured here) in ``dtype``.
 
     >>> roof("a100-80gb", "bf16").peak_flops / 1e12
@@ -122,8 +122,7 @@ def roof(hardware_name: str = "h100", dtype: str = "bf16", *, sparse: bool = Fal
     """
     spec = hardware(hardware_name)
     name = dtype_name(dtype)
-    label = f"{spec.name} {name}" + (" sparse" if sparse else "")
-    return Roof(label, spec.peak(name, sparse=sparse), spec.memory_bandwidth, spec.source)
+    return Roof(f"{spec.name} {name}", spec.peak(name), spec.memory_bandwidth, spec.source)
 
 
 class Op(NamedTuple):

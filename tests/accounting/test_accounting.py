@@ -380,7 +380,6 @@ def test_cpu_cache_expires(quick_cpu, tmp_path, monkeypatch):
     monkeypatch.setattr(quick_cpu, "_MEASURED", {})
     rewrite_cached(path, measured_unix=week_old - 120)
     assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
-    assert quick_cpu.measure_cpu(max_age=0) is not quick_cpu.measure_cpu(max_age=0)
 
 
 def test_cpu_cache_from_a_probe_without_fp16_is_measured_again(quick_cpu, tmp_path, monkeypatch):
@@ -425,8 +424,6 @@ def test_cpu_cache_of_an_older_layout_is_measured_again(quick_cpu, tmp_path, mon
     path.write_text(json.dumps(record))
     monkeypatch.setattr(quick_cpu, "_MEASURED", {})
     assert quick_cpu.measure_cpu().details["measured_unix"] > first.details["measured_unix"]
-    with pytest.raises(ValueError, match="max_age must be"):
-        quick_cpu.measure_cpu(max_age=-1)
 
 
 def test_hardware_cpu_measure_from_the_shell(quick_cpu, capsys):

@@ -117,10 +117,8 @@ def test_state_bytes_take_a_pytree_of_shapes(name):
 
 
 @pytest.mark.parametrize(("params", "options", "message"), [
-    ([(-3, 4)], {}, "negative size"),
+    ([(-3, 4)], {}, "sizes >= 0"),
     ([(True, 4)], {}, "got bool"),
-    ([(3, 4)], dict(element_size=0), "element_size"),
-    ([(3, 4)], dict(element_size=-2), "element_size"),
 ])
 def test_state_bytes_refuse_impossible_sizes(params, options, message):
     with pytest.raises(ValueError, match=message):
