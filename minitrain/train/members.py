@@ -91,8 +91,6 @@ def member_grid(config: Mapping[str, Any], fixed: Mapping[str, Any],
     >>> [(m.index, m.seed, m.config) for m in grid[:2]]
     [(0, 0, {'lr': 0.1, 'dim': 8}), (1, 1, {'lr': 0.1, 'dim': 8})]
     """
-    if not seeds:
-        raise ExperimentError("a sweep needs at least one seed; pass --seeds 0")
     _check_distinct("seeds", list(seeds))
     for seed in seeds:
         check_seed(seed, "each seed")
@@ -187,15 +185,9 @@ def build_ensemble(
 def _template_failed(swept: tuple[str, ...], exc: Exception) -> MemberMismatch:
     """Why the template experiment, built with per-member tensors, failed."""
     cause = exc.__cause__ if isinstance(exc, ExperimentError) and exc.__cause__ else exc
-    if isinstance(cause, TypeError) and "JSON serializable" in str(cause):
-        return MemberMismatch(
-            f"experiment(config) writes {', '.join(swept)} to JSON{script_line(cause)} while "
-            "the shared step is built, where they are per-member tensors; write "
-            "json.dumps(config, default=float), which writes member 0's values there"
-        )
     return MemberMismatch(
         f"experiment(config) with {', '.join(swept)} as per-member tensors failed "
-        f"({one_line(exc)}); pass swept keys only to arguments that "
+        f"({one_line(cause)}{script_line(cause)}); pass swept keys only to arguments that "
         "accept 0-d tensors (max_grad_norm, mt.optim's lr, weight_decay, eps, momentum, "
         "dampening, alpha and the like; both betas or neither) or use them in tensor "
         "arithmetic"

@@ -172,14 +172,15 @@ def test_json_dumps_of_the_config_with_default_float_trains_as_single_runs(tmp_p
     assert_members_equal_single_runs(path, ["lr=0.05,0.2"])
 
 
-def test_plain_json_dumps_of_a_swept_value_is_one_line_naming_the_fix(tmp_path, capsys):
+def test_plain_json_dumps_of_a_swept_value_is_one_line_naming_the_script(tmp_path, capsys):
     path = write(tmp_path, 'name = "messages " + json.dumps(config)')
     with pytest.raises(MemberMismatch) as info:
         load_sweep(path, ["lr=0.05,0.2"])
     message = str(info.value)
-    assert message.startswith(f"experiment(config) writes lr to JSON (messages.py line "
-                              f"{line_of(path, 'json.dumps')}) while the shared step is built")
-    assert "json.dumps(config, default=float)" in message and "\n" not in message
+    assert message.startswith("experiment(config) with lr as per-member tensors failed "
+                              "(TypeError: Object of type SweptValue is not JSON serializable "
+                              f"(messages.py line {line_of(path, 'json.dumps')}))")
+    assert "\n" not in message
     code, err = cli(capsys, path, "lr=0.05,0.2")
     assert code == 2 and "Traceback" not in err and err.count("\n") == 1
 
