@@ -29,8 +29,9 @@ from minitrain import _torch
 from minitrain._torch import TorchDispatchMode
 from minitrain.accounting.hardware import HardwareError, dtype_name
 from minitrain.accounting.ledger import Ledger, check_category, innermost
-from minitrain.accounting.op_formulas import FORMULA_OPS, arguments, elements, tensors
+from minitrain.accounting.op_formulas import FORMULA_OPS, arguments, tensors
 from minitrain.func import saved_tensor_hooks_inside
+from minitrain.tree import size
 
 __all__ = ["Counter", "DATA_MOVEMENT", "FORMULA_OPS", "OpRecord", "OpTotals", "POINTWISE_FLOPS",
            "REDUCTION_FLOPS"]
@@ -308,10 +309,9 @@ class Counter:
         if base in POINTWISE_FLOPS:
             # In-place ``_foreach_*`` ops return nothing: count the tensors they write.
             written = tensors(out) or _mutated(func, args, kwargs)
-            return POINTWISE_FLOPS[base] * elements(written)
-        first = tensors(args[0] if args else ())
+            return POINTWISE_FLOPS[base] * size(written)
         if base in REDUCTION_FLOPS:
-            return REDUCTION_FLOPS[base] * elements(first)
+            return REDUCTION_FLOPS[base] * size(args[0] if args else ())
         return None
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:

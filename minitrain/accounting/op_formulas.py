@@ -17,17 +17,14 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from minitrain._torch import pytree
 from minitrain.accounting.flops import optimizer_flops_per_element
+from minitrain.tree import size
 
-__all__ = ["FORMULA_OPS", "arguments", "elements", "tensors"]
+__all__ = ["FORMULA_OPS", "arguments", "tensors"]
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:
     """The tensors among the leaves of ``tree`` (an op's arguments or outputs)."""
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
-
-
-def elements(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() for t in tensors)
 
 
 def arguments(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -107,10 +104,10 @@ def _max_pool_flops(dims: int) -> Callable[[dict[str, Any]], int]:
         stride = expand("stride", kernel)
         padding, dilation = expand("padding", [0]), expand("dilation", [1])
         out = math.prod(x.shape[:-dims])
-        for size, k, s, p, d in zip(x.shape[-dims:], kernel, stride, padding, dilation,
-                                    strict=True):
-            n = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)) // s + 1
-            out *= n - 1 if ceil and (n - 1) * s >= size + p else n
+        for length, k, s, p, d in zip(x.shape[-dims:], kernel, stride, padding, dilation,
+                                      strict=True):
+            n = (length + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)) // s + 1
+            out *= n - 1 if ceil and (n - 1) * s >= length + p else n
         return math.prod(kernel) * out
 
     return flops
@@ -134,7 +131,7 @@ def _fused_optimizer_flops(optimizer: str) -> Callable[[dict[str, Any]], int]:
             first_step=bool(a.get("is_first_step")), amsgrad=bool(a.get("amsgrad")),
             grad_scale=a.get("grad_scale") is not None,
         )
-        return per_element * elements(tensors(a["self"]))
+        return per_element * size(a["self"])
 
     return flops
 
