@@ -27,8 +27,7 @@ from minitrain.tree import OptState, Params, PyTree, leaves, named_leaves, unsta
 
 __all__ = [
     "EnsembleStepOutput", "batches_ignore_swept_values", "check_members", "draw_batches",
-    "make_ensemble_step", "make_member_step", "rerun_as_single_runs",
-    "shared_by_seed",
+    "make_ensemble_step", "make_member_step", "shared_by_seed", "single_run_steps",
 ]
 
 class EnsembleStepOutput(NamedTuple):
@@ -203,7 +202,7 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
     of the single run's in norm (plus two ulps); raises :class:`MemberMismatch` otherwise.
     """
     new_params, moved = unstack(out.params), False
-    for k, member_params, reference in _single_run_steps(
+    for k, member_params, reference in single_run_steps(
             ensemble, backend, params, opt_state, batch, out.diverged_at, fp8_history, keys):
         triples = zip(named_leaves(reference.params), leaves(new_params[k]),
                       leaves(member_params), strict=True)
@@ -227,21 +226,12 @@ def check_members(ensemble: Ensemble, backend: Backend, params: Params, opt_stat
     return moved
 
 
-def rerun_as_single_runs(ensemble: Ensemble, backend: Backend, params: Params,
-                         opt_state: OptState, batch: PyTree, diverged_at: torch.Tensor,
-                         fp8_history: torch.Tensor | None = None,
-                         keys: torch.Tensor | None = None) -> None:
-    """Each healthy member's own single-run step, so that a mistake in the script raises as it
-    does in ``minitrain run`` (the vmapped step's error names batched shapes)."""
-    for _ in _single_run_steps(ensemble, backend, params, opt_state, batch, diverged_at,
-                               fp8_history, keys):
-        pass
-
-
-def _single_run_steps(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,
-                      batch: PyTree, diverged_at: torch.Tensor, fp8_history: Any, keys: Any
-                      ) -> Iterator[tuple[int, Params, StepOutput]]:
-    """``(k, params, its single run's step)`` of each member not diverged, in turn."""
+def single_run_steps(ensemble: Ensemble, backend: Backend, params: Params, opt_state: OptState,
+                     batch: PyTree, diverged_at: torch.Tensor, fp8_history: Any, keys: Any
+                     ) -> Iterator[tuple[int, Params, StepOutput]]:
+    """``(k, params, its single run's step)`` of each member not diverged, in turn (a mistake
+    in the script raises as in ``minitrain run``, where the vmapped step names batched shapes).
+    """
     stacked = (params, opt_state, batch)
     singles = zip(*(unstack(tree) if any(isinstance(leaf, torch.Tensor) for leaf in leaves(tree))
                     else [tree] * ensemble.size for tree in stacked), strict=True)

@@ -141,10 +141,6 @@ class Ensemble:
         """K, the number of members."""
         return len(self.members)
 
-    @property
-    def steps(self) -> int:
-        return self.template.steps
-
     def hyperparameters(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Each swept key's per-member values as a float64 tensor of shape ``(K,)``."""
         return {

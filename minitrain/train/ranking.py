@@ -115,8 +115,9 @@ def log_step(ensemble: Ensemble, out: Any, step: int, logs: list[MemberLog],
 def member_eval(ensemble: Ensemble, k: int, params: Any, log: MemberLog, step: int | None,
                 say: Callable[[str], None]) -> dict[str, float]:
     """Member ``k``'s evaluation at ``step``; the final one, if it fails, is a warning and none."""
-    log.final_evaluated = step is None or step >= ensemble.steps
-    return evaluation(ensemble.experiments[k].evaluate, params, step=step, steps=ensemble.steps,
+    steps = ensemble.template.steps
+    log.final_evaluated = step is None or step >= steps
+    return evaluation(ensemble.experiments[k].evaluate, params, step=step, steps=steps,
                       what=f"the final evaluation of member {k}", say=say)
 
 

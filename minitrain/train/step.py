@@ -406,9 +406,7 @@ def _clip(max_grad_norm: Any) -> Callable[[Grads], tuple[Grads, torch.Tensor]]:
 def _update(optimizer: Any, donate: bool) -> Callable[..., tuple[Params, OptState]]:
     """``(grads, opt_state, params, finite) -> (params, opt_state)``, applied only where ``finite``.
     """
-    options = {"donate": True} if donate else {}
-    if donate and not can_donate(optimizer):
-        raise ValueError("donate=True needs an mt.optim optimizer (its update takes donate=)")
+    options = {"donate": True} if donate else {}  # mt.optim's update takes donate=
 
     def update(grads: Grads, opt_state: OptState, params: Params, finite: Any) -> tuple:
         if finite is None or donate and bool(finite):  # a donated update overwrites its inputs:

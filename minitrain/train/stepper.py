@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from minitrain.errors import MinitrainError, ResumeError, ScriptError
+from minitrain.errors import MinitrainError, ResumeError
 from minitrain.train.experiment import one_line
 from minitrain.train.script_errors import script_call
 
@@ -148,13 +148,7 @@ def evaluated(evaluate: Callable[..., Any], *args: Any, step: int | None = None
               ) -> dict[str, float]:
     """``evaluate(*args)`` as a dict of floats; anything else is a :class:`ScriptError`."""
     with script_call("evaluate(params)", step):
-        values = evaluate(*args)
-        if not hasattr(values, "items"):
-            raise ScriptError(
-                f"evaluate(params) must return a dict of numbers, got "
-                f"{type(values).__name__}" + (f" at step {step}" if step else "")
-            )
-        return {str(key): float(value) for key, value in values.items()}
+        return {str(key): float(value) for key, value in evaluate(*args).items()}
 
 
 def evaluation(evaluate: Callable[..., Any], *args: Any, step: int | None, steps: int,

@@ -24,9 +24,8 @@ loss goes non-finite is frozen and ranked last; the sweep fails only if all dive
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,8 @@ from minitrain.train.ensemble_step import (
     check_members,
     draw_batches,
     make_ensemble_step,
-    rerun_as_single_runs,
     shared_by_seed,
+    single_run_steps,
 )
 from minitrain.train.experiment import as_recorded, check_config_size
 from minitrain.train.loop import FitResult, run_loop
@@ -227,9 +226,15 @@ class SweepRun:
         batch = self.backend.to_device(_stacked_batches(member_batches))
         self.keys = self._keys(step)
         with first_step_mistakes(self._steps_taken == 0), \
-                script_call("the train step (loss)", step), self._single_run_errors(batch):
-            out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
-                               self.diverged_at, step, self.fp8_history, self.keys)
+                script_call("the train step (loss)", step):
+            try:
+                out = self.step_fn(self.params, self.opt_state, batch, self.hyperparameters,
+                                   self.diverged_at, step, self.fp8_history, self.keys)
+            except Exception:  # fail as the members' single runs do, where one of them does
+                for _ in single_run_steps(ensemble, self.backend, self.params, self.opt_state,
+                                          batch, self.diverged_at, self.fp8_history, self.keys):
+                    pass
+                raise  # else as it did: e.g. a refusal of what only one vmapped step cannot run
         self._steps_taken += 1
         if self.check and not self._checked and _checks(self._steps_taken):
             with script_call("the train step (loss)", step):  # each member's own run's step
@@ -239,17 +244,6 @@ class SweepRun:
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
         self.fp8_history = out.fp8_history
         self._out, self.batch, self.current_step = out, batch, step
-
-    @contextlib.contextmanager
-    def _single_run_errors(self, batch: PyTree) -> Iterator[None]:
-        """A failed vmapped step fails as the members' single runs do, where one of them does
-        (else as it did: e.g. a refusal of what only one vmapped step cannot run)."""
-        try:
-            yield
-        except Exception:
-            rerun_as_single_runs(self.ensemble, self.backend, self.params, self.opt_state, batch,
-                                 self.diverged_at, self.fp8_history, self.keys)
-            raise
 
     def _keys(self, step: int) -> torch.Tensor | None:
         """Each member's key of ``step`` (its own seed's), when the loss ``uses_key``."""
