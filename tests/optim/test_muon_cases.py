@@ -81,9 +81,10 @@ def test_bytelm_muon_reports_its_learning_rate_in_the_run_loop(tmp_path):
     """The example's optimizer (multi_transform then one schedule) gives learning_rate() the
     warmup's values, and ``minitrain run`` logs them for 3 steps of a small model."""
     import json
-    import subprocess
-    import sys
 
+    from click.testing import CliRunner
+
+    from minitrain.cli import cli
     from minitrain.data import source_files, stdlib_dir
 
     example = _load_example("bytelm_muon")
@@ -107,12 +108,10 @@ def test_bytelm_muon_reports_its_learning_rate_in_the_run_loop(tmp_path):
             "eval_every=0", "eval_batches=1", "lr=0.01", "warmup_steps=2",
             f"source_dir={source}", f"data_dir={tmp_path / 'data'}"]
     script = str(Path(__file__).resolve().parents[2] / "examples" / "bytelm_muon.py")
-    done = subprocess.run(
-        [sys.executable, "-m", "minitrain", "run", script, "--steps", "3", "--log-every", "1",
-         "--out", str(tmp_path / "run"), "--json", *(a for s in sets for a in ("--set", s))],
-        capture_output=True, text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(cli, [
+        "run", script, "--steps", "3", "--log-every", "1", "--out", str(tmp_path / "run"),
+        "--json", *(a for s in sets for a in ("--set", s))])
+    assert done.exit_code == 0, done.output
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
             .splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == pytest.approx(want)
