@@ -6,7 +6,7 @@ import click
 
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import echo_json
+from minitrain.cli.options import emit
 
 
 @click.command(cls=Command)
@@ -27,22 +27,16 @@ def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     if measure:
         acc.measure_cpu(refresh=True)
     specs = [acc.hardware(n) for n in ([name] if name else acc.hardware_names())]
-    if as_json:
-        records = [spec.to_dict() | {"intensity_bf16": spec.intensity("bf16")} for spec in specs]
-        echo_json(records if name is None else records[0])
-        return
-    header = (f"{'name':<11}{'bf16 dense':>12}{'bf16 sparse':>13}{'fp32':>10}{'memory':>9}"
-              f"{'bandwidth':>11}{'FLOP/B':>8}")
-    click.echo(header)
+    records = [spec.to_dict() | {"intensity_bf16": spec.intensity("bf16")} for spec in specs]
+    lines = [f"{'name':<11}{'bf16 dense':>12}{'bf16 sparse':>13}{'fp32':>10}{'memory':>9}"
+             f"{'bandwidth':>11}{'FLOP/B':>8}"]
     for spec in specs:
         sparse = spec.sparse_flops.get("bf16")
-        click.echo(
+        lines.append(
             f"{spec.name:<11}{si(spec.peak('bf16')):>12}"
             f"{'-' if sparse is None else si(sparse):>13}"
             f"{si(spec.peak('fp32')):>10}{spec.memory_bytes / 1e9:>7.0f} G"
             f"{si(spec.memory_bandwidth) + '/s':>11}{spec.intensity('bf16'):>8.0f}"
         )
-    click.echo("")
-    for spec in specs:
-        click.echo(f"{spec.name}: {spec.description}. {spec.source}")
-
+    lines += ["", *(f"{spec.name}: {spec.description}. {spec.source}" for spec in specs)]
+    emit(records if name is None else records[0], lines, as_json)

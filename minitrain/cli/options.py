@@ -117,8 +117,8 @@ def echo_json(value: Any) -> None:
     click.echo(dumps_finite(value, indent=2))
 
 
-def emit(result: dict[str, Any], lines: list[str], as_json: bool) -> None:
-    """``result`` as JSON, or ``lines`` as text."""
+def emit(result: Any, lines: list[str], as_json: bool) -> None:
+    """``result`` (JSON data) as JSON, or ``lines`` as text."""
     if as_json:
         echo_json(result)
     else:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import PNG, echo_json
+from minitrain.cli.options import PNG, emit
 
 
 def _summary(records: list[dict]) -> dict:
@@ -42,8 +42,8 @@ def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
     if len(run_dirs) > 1 and out is None:
         raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
     runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
-    # a sweep's records name their member
-    sweeps = [d for d, r in zip(run_dirs, runs, strict=True) if r and "member" in r[0]]
+    pairs = list(zip(run_dirs, runs, strict=True))
+    sweeps = [d for d, r in pairs if r and "member" in r[0]]  # a sweep's records name members
     if sweeps and len(run_dirs) > 1:
         raise UserError(
             f"{sweeps[0]} is a sweep; plot it alone (minitrain plot {sweeps[0]}: one curve "
@@ -58,18 +58,10 @@ def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
         png = metrics.plot(target, out, keys=keys or None)
     if len(run_dirs) == 1:
         result = {"png": str(png), **_summary(runs[0])}
+        line = (f"wrote {png} ({result['records']} records, steps {result['first_step']}.."
+                f"{result['last_step']})")
     else:
-        result = {
-            "png": str(png),
-            "runs": [{"run_dir": str(d), **_summary(r)} for d, r in zip(run_dirs, runs,
-                                                                         strict=True)],
-        }
-    if as_json:
-        echo_json(result)
-    elif len(run_dirs) == 1:
-        steps = f"steps {result['first_step']}..{result['last_step']}"
-        click.echo(f"wrote {png} ({result['records']} records, {steps})")
-    else:
-        each = ", ".join(f"{d.name}: {len(r)} records" for d, r in zip(run_dirs, runs,
-                                                                       strict=True))
-        click.echo(f"wrote {png} ({len(run_dirs)} runs; {each})")
+        result = {"png": str(png), "runs": [{"run_dir": str(d), **_summary(r)} for d, r in pairs]}
+        each = ", ".join(f"{d.name}: {len(r)} records" for d, r in pairs)
+        line = f"wrote {png} ({len(run_dirs)} runs; {each})"
+    emit(result, [line], as_json)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from minitrain.cli.errors import Command
-from minitrain.cli.options import Real, echo_json
+from minitrain.cli.options import Real, emit
 
 
 @click.command(cls=Command)
@@ -26,11 +26,7 @@ def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json:
     meta = data.prepare(out, source, val_fraction=val_fraction)
     out_dir = out if out is not None else data.default_data_dir()
     summary = {"out": str(out_dir), **{k: v for k, v in meta.items() if k != "val_files"}}
-    if as_json:
-        echo_json(summary)
-        return
     tokens, files = meta["tokens"], meta["files"]
-    click.echo(
-        f"wrote {out_dir}: train {tokens['train']:,} bytes from {files['train']:,} files, "
-        f"val {tokens['val']:,} bytes from {files['val']:,} files ({meta['source']})"
-    )
+    emit(summary, [f"wrote {out_dir}: train {tokens['train']:,} bytes from {files['train']:,} "
+                   f"files, val {tokens['val']:,} bytes from {files['val']:,} files "
+                   f"({meta['source']})"], as_json)

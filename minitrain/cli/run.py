@@ -13,7 +13,7 @@ from minitrain.cli.options import (
     SEED,
     Whole,
     check_out,
-    echo_json,
+    emit,
     number,
     print_summary,
     script_argument,
@@ -130,9 +130,6 @@ def backends(as_json: bool) -> None:
     from minitrain.precision import backend_statuses
 
     statuses = backend_statuses()
-    if as_json:
-        echo_json([status._asdict() for status in statuses])
-        return
-    for status in statuses:
-        mark = "yes" if status.usable else "no "
-        click.echo(f"{status.name:10s} usable: {mark}  {status.reason}  ({status.source})")
+    emit([status._asdict() for status in statuses],
+         [f"{s.name:10s} usable: {'yes' if s.usable else 'no '}  {s.reason}  ({s.source})"
+          for s in statuses], as_json)
