@@ -173,6 +173,21 @@ class _Shrinking(float):
 
 
 @needs_kernels
+@pytest.mark.parametrize("hp, rows", [
+    ([0.5], 2),  # too few hyperparameters: C would read past them
+    ([0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0, 1, 1.0], 4),  # amsgrad without max_exp_avg_sq
+    ([0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0, 0, 1.0], 3),  # no exp_avg_sq
+], ids=["hyperparameters", "amsgrad", "exp_avg_sq"])
+def test_the_op_refuses_hyperparameters_and_rows_its_kernel_would_read_past(hp, rows):
+    leaves = [[torch.ones(64)] for _ in range(rows)]
+    present = [1] * rows + [0] * (5 - rows)
+    with pytest.raises(ValueError, match="streaming rule 0"):
+        torch.ops.minitrain.stream_update(0, hp, [row[0] for row in leaves],
+                                          [torch.empty(64) for _ in range(rows - 1)],
+                                          present + [1] * (rows - 1) + [0] * (5 - rows), False)
+
+
+@needs_kernels
 def test_decode_div_refuses_a_table_it_cannot_read_and_reads_the_scale_first():
     codes = torch.randn(64).to(torch.float8_e4m3fn)
     table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

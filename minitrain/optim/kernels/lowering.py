@@ -46,12 +46,14 @@ class Frame(NamedTuple):
 class Rule(NamedTuple):
     """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's
     rule name, hyperparameters and state buffers (``(rule transformation index, field)`` or
-    None) in its slot order, None for a frame it does not take; ``fused``: torch's kernel."""
+    None) in its slot order, None for hyperparameters it does not take; ``fused``: torch's
+    kernel."""
 
     kernel: Callable[..., tuple[str, list, tuple] | None]
     fused: Callable[..., None] | None = None
     folds_sign: bool = False  # the C kernel multiplies the grads by ``frame.sign`` itself
     family: bool = False  # a family rule: its own step without scale_by_learning_rate
+    decoupled: bool = True  # it takes decoupled weight decay (AdamW's)
     # what torch's CPU fused kernel takes (its fused SGD skips half-precision elements in
     # whole SIMD blocks)
     fused_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16,
@@ -59,8 +61,6 @@ class Rule(NamedTuple):
 
 
 def _adam(step, h, per_step, f):
-    if f.lr is None or (f.l2 and f.decoupled):
-        return None
     b1, b2, decoupled = h["beta1"], h["beta2"], f.decoupled != 0
     return "adam", [b1, b2, h["eps"], f.decoupled if decoupled else f.l2, f.lr,
                     f.lr / (1 - b1**step), math.sqrt(1 - b2**step), decoupled, h["amsgrad"],
@@ -69,21 +69,17 @@ def _adam(step, h, per_step, f):
 
 
 def _sgd(step, h, per_step, f):
-    if f.lr is None or f.decoupled:
-        return None
     momentum = h.get("momentum", 0.0)
     return "sgd", [f.lr, momentum, h.get("dampening", 0.0), f.l2, h.get("nesterov", False),
                    step == 1, momentum != 0], ((0, "momentum_buffer") if momentum else None,)
 
 
 def _adagrad(step, h, per_step, f):
-    if f.lr is None or f.decoupled:
-        return None
     return "adagrad", [f.lr / (1 + (step - 1) * h["lr_decay"]), f.l2, h["eps"]], ((0, "sum"),)
 
 
 def _rmsprop(step, h, per_step, f):
-    if f.lr is None or f.decoupled or h.get("dampening", 0.0) != 0 or h.get("nesterov"):
+    if h.get("dampening", 0.0) != 0 or h.get("nesterov"):
         return None
     momentum = h.get("momentum", 0.0)
     return "rmsprop", [f.lr, h["alpha"], h["eps"], f.l2, momentum, h["centered"],
@@ -99,8 +95,6 @@ def _family(kernel):
     computed here in float64; the tests hold each equal to its rule."""
 
     def planned(step, h, per_step, f):
-        if f.decoupled and f.lr is None:
-            return None
         name, rule_hp, fields = kernel(step, h, per_step)
         lr = f.lr or 0.0
         frame = [f.sign, f.l2, lr, 1 - lr * f.decoupled, float(f.lr is not None)]
@@ -183,11 +177,11 @@ def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
 _FULL = (torch.float32, torch.float64)
 RULES: dict[tuple[str, ...], Rule] = {
     ("scale_by_adam",): Rule(_adam, _fused_adam, folds_sign=True),
-    (): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
-    ("trace",): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL),
-    ("scale_by_adagrad",): Rule(_adagrad, _fused_adagrad),
-    ("scale_by_rms",): Rule(_rmsprop),
-    ("scale_by_rms", "trace"): Rule(_rmsprop),
+    (): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL, decoupled=False),
+    ("trace",): Rule(_sgd, _fused_sgd, fused_dtypes=_FULL, decoupled=False),
+    ("scale_by_adagrad",): Rule(_adagrad, _fused_adagrad, decoupled=False),
+    ("scale_by_rms",): Rule(_rmsprop, decoupled=False),
+    ("scale_by_rms", "trace"): Rule(_rmsprop, decoupled=False),
     ("scale_by_adadelta",): _family(_adadelta),
     ("scale_by_adamax",): _family(_adamax),
     ("scale_by_lion",): _family(_lion),
@@ -241,7 +235,8 @@ def _recognise(tx: Any) -> Shape | None:
     hyper = {key: value for _, arguments in specs[i:j] for key, value in arguments.items()}
     rule = RULES.get(rule_names)
     if rule is None or (rule.family and "rule" not in hyper) or \
-            (lr is None and not rule.family) or (l2 is not None and decoupled is not None):
+            (lr is None and not rule.family) or (l2 is not None and decoupled is not None) or \
+            (decoupled is not None and (lr is None or not rule.decoupled)):
         return None
     return Shape(clip, maximize, l2, rule, tuple(range(i, j)), hyper, decoupled, lr,
                  lr_position, len(names))
@@ -420,8 +415,8 @@ def _clip(gs, found, read, use_c):
 
 
 def _kernels(shape, rows, found, read, groups, donate, use_c):
-    """Each weight-decay group's kernel call: the new params and state rows; None where no
-    kernel takes this frame."""
+    """Each weight-decay group's kernel call: the new params and state rows; None where the
+    kernel cannot take them."""
     rule, (ps, gs, *buffers) = shape.rule, rows
     clip = 1.0 if shape.clip is None else _clip(gs, found, read, use_c)
     sign = -clip if shape.maximize else clip
@@ -440,10 +435,7 @@ def _kernels(shape, rows, found, read, groups, donate, use_c):
             l2 = read.wd if on and shape.l2 is not None else 0.0
             decoupled = read.wd if on and shape.decoupled is not None else 0.0
             frame = Frame(sign if use_c and rule.folds_sign else 1.0, l2, read.lr, decoupled)
-            planned = rule.kernel(read.step, read.hyper, read.per_step, frame)
-            if planned is None:
-                return None
-            plans.append((group, frame, planned))
+            plans.append((group, frame, rule.kernel(read.step, read.hyper, read.per_step, frame)))
     outputs = None if donate or not use_c else pool.current()  # None: in place, or torch's
     if outputs is not None:
         outputs.begin_update()

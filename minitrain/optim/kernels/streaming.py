@@ -48,6 +48,10 @@ RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "
          "adadelta": (9, 8)}
 """Rule name -> its index in ``_streaming.c``'s table and how many hyperparameters it reads."""
 
+OPTIONAL = {0: {4: 8}, 1: {2: 6}, 3: {3: 6, 4: 5}}
+"""Per rule index: the input rows it can go without (Adam's max_exp_avg_sq, SGD's and RMSprop's
+momentum buffer, RMSprop's grad_avg), each with the hyperparameter that turns its use on."""
+
 STREAMING_BYTES = 80 * 2**20
 """A pure update writes with streaming stores once it touches this many bytes (inputs and
 outputs); below, plain stores, whose lines stay in the last-level cache for the next update
@@ -227,10 +231,7 @@ def update(rule: str, hyperparameters: Sequence[SupportsFloat],
     ``[params, *buffers]`` from ``slots``, ``[params, grads, *buffers]`` in ``_streaming.c``'s
     order (None for a buffer the rule does not use), into ``outputs(like)`` buffers or, where
     ``outputs`` is None (donation), into the params and buffers themselves."""
-    index, count = RULES[rule]
-    if len(hyperparameters) != count:
-        raise ValueError(f"streaming rule {rule!r} takes {count} hyperparameters, got "
-                         f"{len(hyperparameters)}; pass them in the order _streaming.c lists")
+    index = RULES[rule][0]
     results = [s if s is None or outputs is None else outputs(s) for s in (slots[0], *slots[2:])]
     rows = [*slots, *results]
     if nontemporal is None:
@@ -254,6 +255,15 @@ def launch(rule: int, hyperparameters: list[float], rows: list[list[int] | None]
     """The C call of ``minitrain::stream_update``: rule ``rule`` (:data:`RULES`' index) over rows
     of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) that
     :func:`.checks.pointers` gave for float32 leaves of ``sizes`` elements."""
+    takes = {index: count for index, count in RULES.values()}.get(rule, len(hyperparameters))
+    if len(hyperparameters) != takes:  # (an unknown rule is C's to refuse)
+        raise ValueError(f"streaming rule {rule!r} takes {takes} hyperparameters, got "
+                         f"{len(hyperparameters)}; pass them in the order _streaming.c lists")
+    inputs = (len(rows) + 1) // 2  # then the outputs of the params and buffers
+    for row, slot in zip(rows, [*range(inputs), 0, *range(2, inputs)], strict=False):
+        flag = OPTIONAL.get(rule, {}).get(slot)
+        if row is None and (flag is None or hyperparameters[flag] != 0):
+            raise ValueError(f"streaming rule {rule!r} reads row {slot}; pass it")
     columns = [[0] * len(sizes) if row is None else row for row in rows]
     # The arrays are named: C reads them after the expression that made them.
     hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
