@@ -340,10 +340,5 @@ def recording_matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            r: Recipe | str, history: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with quantized operands; the bias is added in fp32."""
-    return recording_linear(x, weight, bias, r, history)[0]
-
-
-def recording_linear(x, weight, bias, r, history):
-    """:func:`linear`, and the history as :func:`recording_matmul` gives it."""
-    y, recorded = recording_matmul(x, weight.mT, r, history)
-    return (y if bias is None else y + bias), recorded
+    y = matmul(x, weight.mT, r, history)
+    return y if bias is None else y + bias

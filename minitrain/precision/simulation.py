@@ -32,7 +32,6 @@ from minitrain.precision.matmuls import (
     Recipe,
     bypassing,
     recipe,
-    recording_linear,
     recording_matmul,
 )
 
@@ -104,27 +103,20 @@ class _Simulate(TorchFunctionMode):
         kwargs = kwargs or {}
         if bypassing():
             return func(*args, **kwargs)
-        if func is F.linear and _is_float(*args[:2]):
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            history = self._history(x, weight)
-            if self.count_only:
-                return func(*args, **kwargs)
-            _refuse_reentrant_checkpoint()
-            y, recorded = recording_linear(x, weight, bias, self.recipe, history)
-            return self._keep(recorded, y)
-        if func in _MATMULS and _is_float(*args[:2]) and not kwargs:
-            history = self._history(args[0], args[1])
-            if self.count_only:
-                return func(*args, **kwargs)
-            _refuse_reentrant_checkpoint()
-            return self._keep(*recording_matmul(args[0], args[1], self.recipe, history)[::-1])
-        return func(*args, **kwargs)
-
-    def _keep(self, recorded: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+        linear = func is F.linear
+        if not ((linear or (func in _MATMULS and not kwargs)) and _is_float(*args[:2])):
+            return func(*args, **kwargs)
+        a, b = args[0], args[1]
+        history = self._history(a, b)
+        if self.count_only:
+            return func(*args, **kwargs)
+        _refuse_reentrant_checkpoint()
+        # F.linear(x, weight, bias) is x @ weight.T, the bias added in fp32
+        y, recorded = recording_matmul(a, b.mT if linear else b, self.recipe, history)
         if recorded is not None:
             self.recorded[self.calls - 1] = recorded
-        return y
+        bias = args[2] if linear and len(args) > 2 else kwargs.get("bias")
+        return y if bias is None else y + bias
 
 
 # Entered simulations, innermost last, per thread (as a TorchFunctionMode is).
