@@ -37,7 +37,7 @@ from minitrain.train.step import (
 )
 from minitrain.tree import size
 
-__all__ = ["SingleRun", "fit", "logged_lr"]
+__all__ = ["SingleRun", "fit"]
 
 class SingleRun:
     """The :class:`~minitrain.train.stepper.Stepper` of one model (optionally one rank of N)."""
@@ -173,9 +173,13 @@ class SingleRun:
         self.loss = float(out.loss)
         with script_call("the loss's aux values", step):
             aux = {key: float(value) for key, value in out.aux.items()}
+        try:
+            lr = learning_rate(out.opt_state)
+        except ValueError:  # a state that holds no lr
+            lr = None
         record = {
             "loss": self.loss,
-            "lr": logged_lr(out.opt_state),
+            "lr": lr,
             "grad_norm": float(out.grad_norm),
             **aux,
             **carry_metrics(out.carry),
@@ -249,20 +253,6 @@ class SingleRun:
             "autocast": self.backend.autocast,
             "model_state": carry.model_state if carry is not None else None,
         }
-
-
-def logged_lr(opt_state: Any) -> float | None:
-    """The lr of the last update, or None for a state that holds none.
-
-    >>> import torch, minitrain as mt
-    >>> params = {"w": torch.ones(1)}
-    >>> logged_lr(mt.optim.sgd(0.5).init(params))
-    0.5
-    """
-    try:
-        return learning_rate(opt_state)
-    except ValueError:  # no lr field anywhere in the state
-        return None
 
 
 @contextlib.contextmanager
