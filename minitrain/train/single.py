@@ -91,7 +91,9 @@ class SingleRun:
 
     def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int:
         self._check_resumable(meta, run_dir)
-        saved, self.opt_state, self.carry = self._load(path)
+        saved = checkpoint.load(path, self.params,
+                                pack_checkpoint_state(self.opt_state, self.carry))
+        self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, self.carry)
         check_fp8_history(self.carry.fp8_history if self.carry else None, str(path))
         checkpoint.restore_rng(saved, self.data_generator)
         self.params = saved.params
@@ -99,28 +101,6 @@ class SingleRun:
             self.parallel.check_same(saved.step, "the step to resume from")
         self.current_step = saved.step
         return saved.step
-
-    def _load(self, path: Path) -> tuple[checkpoint.Checkpoint, Any, Carry | None]:
-        """The checkpoint at ``path``, its optimizer state and carry (missing fp8 histories start
-        empty)."""
-        try:
-            saved = checkpoint.load(path, self.params,
-                                    pack_checkpoint_state(self.opt_state, self.carry))
-            return (saved, *unpack_checkpoint_state(saved.opt_state, self.carry))
-        except checkpoint.CheckpointError as error:
-            if self.carry is None or self.carry.fp8_history is None:
-                raise
-            first = error
-        older = self.carry._replace(fp8_history=None)
-        older = None if all(part is None for part in older) else older
-        try:
-            saved = checkpoint.load(path, self.params, pack_checkpoint_state(self.opt_state, older))
-        except checkpoint.CheckpointError:
-            raise first from None
-        stepper.to_stderr(f"note: {path} holds no fp8 amax histories (saved with current scaling); "
-                  "they start empty")
-        opt_state, carry = unpack_checkpoint_state(saved.opt_state, older)
-        return saved, opt_state, (carry or Carry())._replace(fp8_history=self.carry.fp8_history)
 
     def _check_resumable(self, saved: dict[str, Any], run_dir: Path) -> None:
         current = self._meta()
