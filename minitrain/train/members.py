@@ -56,11 +56,7 @@ def parse_sweep(items: Sequence[str]) -> tuple[dict[str, str], dict[str, list[st
     swept: dict[str, list[str]] = {}
     for item in items:
         ((key, text),) = parse_overrides([item]).items()
-        values = [value.strip() for value in text.split(",")]
-        if len(values) > 1 and not all(values):
-            raise ExperimentError(
-                f"--set {item}: an empty value in the list; write values like key=0.01,0.1"
-            )
+        values = [value.strip() for value in text.split(",")]  # an empty one fails to parse
         fixed.pop(key, None)
         swept.pop(key, None)
         if len(values) == 1:
@@ -105,8 +101,6 @@ def member_grid(config: Mapping[str, Any], fixed: Mapping[str, Any],
                 f"several values (members must share shapes and code); {key}'s default "
                 f"{default!r} is a {type(default).__name__}, so run one sweep per value"
             )
-        if not texts:
-            raise ExperimentError(f"--set {key}=: give at least one value")
         values = [coerce_value(key, str(text), default) for text in texts]
         _check_distinct(f"--set {key}", values)
         grids[key] = values
