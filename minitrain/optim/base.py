@@ -142,10 +142,9 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
     leaves that are no tensors, promoting integer updates and naming a sparse grad."""
 
     @naming_bad_grads
-    def params_checked(updates, state, params=None, *, checked=False, **extra):
-        """The update, where ``params`` were checked (by a chain; ``checked``: updates too)."""
-        updates = updates if checked else floating_updates(name, updates, params)
-        return tx.update(updates, state, params, **extra)
+    def params_checked(updates, state, params=None, **extra):
+        """The update, where ``params`` were checked (by a chain)."""
+        return tx.update(floating_updates(name, updates, params), state, params, **extra)
 
     @functools.wraps(tx.update)
     def update(updates, state, params=None, **extra):
@@ -260,12 +259,10 @@ def chain(*transforms: Any) -> GradientTransformation:
             raise ValueError(f"chain of {len(transforms)} transformations got a state of "
                              f"{type(state).__name__}; pass the state returned by its "
                              f"init(params)")
-        new_state, checked = [], updates  # tagged checked these: each step takes them as they are
-        for tx, inner, step, kwargs in zip(transforms, state, steps,
-                                           split_extra_args("chain", transforms, extra),
-                                           strict=True):
-            trusted = {"checked": True} if updates is checked and step is not tx.update else {}
-            updates, inner = step(updates, inner, params, **trusted, **kwargs)
+        new_state = []
+        for inner, step, kwargs in zip(state, steps, split_extra_args("chain", transforms, extra),
+                                       strict=True):
+            updates, inner = step(updates, inner, params, **kwargs)
             new_state.append(inner)
         return updates, tuple(new_state)
 
