@@ -16,14 +16,7 @@ Where things live: ``base`` (transformations, ``chain``, ``as_optimizer``), ``tr
 0.0
 """
 
-from minitrain.optim import (
-    _family,
-    _optax,
-    _wrappers,
-    base,
-    schedules,
-    transforms,
-)
+from minitrain.optim import _family, _optax, _wrappers, base, schedules, transforms
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._family import *  # noqa: F403
 from minitrain.optim._muon import (

@@ -9,23 +9,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain.optim._checks import (
-    Scalar,
-    check_hyperparameter,
-    check_maximize,
-    checked,
-    f32_tensor,
-    is_zero,
-)
-from minitrain.optim.base import (
-    GradientTransformation,
-    Optimizer,
-    ScalarOrSchedule,
-    as_optimizer,
-    chain,
-)
+from minitrain.optim._checks import Scalar, checked, f32_tensor, is_zero
+from minitrain.optim._family import family_optimizer
+from minitrain.optim.base import GradientTransformation, Optimizer, ScalarOrSchedule
 from minitrain.optim.leafwise import leafwise
-from minitrain.optim.transforms import scale
+from minitrain.optim.transforms import lr_function
 
 __all__ = ["adafactor", "scale_by_adafactor", "ScaleByAdafactorState"]
 
@@ -101,9 +89,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     >>> [tuple(t.shape) for t in (state.row_var["w"], state.col_var["w"], state.variance["b"])]
     [(2, 1), (1, 3), (3,)]
     """
-    schedule = callable(lr) and not isinstance(lr, Tensor)
-    if not schedule:
-        lr = checked("lr", lr, 0.0)
+    lr, lr_at = lr_function(lr)
     beta2_decay = checked("beta2_decay", beta2_decay, -float("inf"), 0.0)
     if not isinstance(eps, tuple | list) or len(eps) != 2:
         raise ValueError(f"invalid eps={eps!r}: pass a pair (eps1 or None, eps2)")
@@ -111,11 +97,6 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     eps2 = checked("eps[1] (epsilon2)", eps[1], 0.0)
     d = checked("d (clipping threshold)", d, 1.0)
     weight_decay = checked("weight_decay", weight_decay, 0.0)
-
-    def lr_at(done: Any) -> Any:
-        value = lr(done) if schedule else lr
-        check_hyperparameter("lr (from the schedule)", value, 0.0)
-        return value
 
     def advance(step, lr):  # the lr of this update, kept in the state as the last one
         now = lr_at(step - 1 if isinstance(step, int) else (step - 1).to(torch.int64))
@@ -142,6 +123,5 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
     tensor([[0.9900, 0.9900],
             [0.9900, 0.9900]])
     """
-    return as_optimizer(chain(*([scale(-1.0)] if check_maximize(maximize) else []),
-                              scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay)),
-                        strict=True)
+    return family_optimizer(scale_by_adafactor(lr, beta2_decay, eps, d, weight_decay),
+                            maximize=maximize)

@@ -18,12 +18,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import (
-    check_state_type,
-    checked,
-    floating_updates,
-    tensor_leaves,
-)
+from minitrain.optim._checks import check_state_type, checked, floating_updates, tensor_leaves
 from minitrain.optim.base import GradientTransformation
 from minitrain.optim.schedules import _check_step
 from minitrain.tree import Params

@@ -15,15 +15,6 @@ update runs ``update_leaf`` once per group of leaves sharing a device and dtype,
 :class:`LeafBatch` lists whose arithmetic maps to ``torch._foreach_*`` kernels, so a new rule
 gets a batched path without writing one. Under vmap, grad, ``torch.compile`` or with leaves
 that require grad it loops over leaves with ordinary ops.
-
->>> import torch, minitrain as mt
->>> def sign_leaf(g, buffers, p, step, beta):  # Lion's direction (Chen et al. 2023, Alg. 2)
-...     m = buffers["exp_avg"]
-...     return torch.sign(torch.lerp(m, g, 1 - beta)), {"exp_avg": torch.lerp(m, g, 0.01)}
->>> tx = leafwise("scale_by_lion_like", lambda p: {"exp_avg": torch.zeros_like(p)}, sign_leaf,
-...               hyperparams={"beta": 0.9})
->>> tx.update({"w": torch.tensor([3.0, -0.5])}, tx.init({"w": torch.zeros(2)}))[0]
-{'w': tensor([ 1., -1.])}
 """
 
 from __future__ import annotations
@@ -95,9 +86,13 @@ def leafwise(
     are not the param's (None: a buffer this leaf keeps none of, ``()`` in the state); such a
     rule runs leaf by leaf.
 
-    >>> tx = leafwise("double", lambda p: {}, lambda g, b, p, step: (2 * g, b))
-    >>> tx.update([torch.ones(2)], tx.init([torch.ones(2)]))[0]
-    [tensor([2., 2.])]
+    >>> def sign_leaf(g, buffers, p, step, beta):  # Lion's direction (Chen et al. 2023)
+    ...     m = buffers["exp_avg"]
+    ...     return torch.sign(torch.lerp(m, g, 1 - beta)), {"exp_avg": torch.lerp(m, g, 0.01)}
+    >>> tx = leafwise("scale_by_lion_like", lambda p: {"exp_avg": torch.zeros_like(p)},
+    ...               sign_leaf, hyperparams={"beta": 0.9})
+    >>> tx.update({"w": torch.tensor([3.0, -0.5])}, tx.init({"w": torch.zeros(2)}))[0]
+    {'w': tensor([ 1., -1.])}
     """
     hyper = {key: None if value is None else hyperparameter(key, value)  # None: unset
              for key, value in (hyperparams or {}).items()}

@@ -112,6 +112,17 @@ def _scaled(updates, factor):
     return _map(fn, updates, [factor])
 
 
+def lr_function(learning_rate: ScalarOrSchedule) -> tuple[Any, Any]:
+    """``learning_rate`` checked (a number or a 0-d tensor) or the schedule, and ``lr_at(count)``,
+    the lr after ``count`` updates (an int or a count tensor), a schedule's value checked too."""
+    if not callable(learning_rate) or isinstance(learning_rate, Tensor):
+        lr = checked("lr", learning_rate, 0.0)
+        return lr, lambda count: lr
+    return learning_rate, lambda count: checked(  # a (1,) tensor as 0-d
+        "lr (from the schedule)",
+        learning_rate(count if isinstance(count, int) else schedule_count(count)), 0.0)
+
+
 class ScaleByLearningRateState(NamedTuple):
     """``count`` updates done and ``lr``, the learning rate of the last one."""
 
@@ -131,16 +142,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
     >>> updates, float(state.lr)
     ([tensor([-0.5000])], 0.5)
     """
-    is_schedule = callable(learning_rate) and not isinstance(learning_rate, Tensor)
-    if not is_schedule:
-        learning_rate = checked("lr", learning_rate, 0.0)
+    learning_rate, lr_at = lr_function(learning_rate)
     sign = -1 if flip_sign else 1
-
-    def lr_at(count):
-        if is_schedule:
-            value = learning_rate(count if isinstance(count, int) else schedule_count(count))
-            return checked("lr (from the schedule)", value, 0.0)  # a (1,) tensor as 0-d
-        return learning_rate
 
     def init(params):
         return ScaleByLearningRateState(zero_count(), f32_tensor(lr_at(0)))
@@ -419,17 +422,14 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
     """
     max_delta = checked("max_delta", max_delta, 0.0)
 
+    def fn(u, batched):
+        if batched:  # a concrete 0-d tensor as its number
+            bound = scalar(max_delta)
+            return _torch.foreach["clamp_max"](_torch.foreach["clamp_min"](u, -bound), bound)
+        return torch.clamp(u, -max_delta, max_delta)
+
     def update(updates, state, params=None):
-        if isinstance(max_delta, Tensor):
-            return tree.map(lambda u: torch.clamp(u, -max_delta, max_delta), updates), state
-
-        def fn(u, batched):
-            if batched:
-                low = _torch.foreach["clamp_min"](u, -max_delta)
-                return _torch.foreach["clamp_max"](low, max_delta)
-            return torch.clamp(u, -max_delta, max_delta)
-
-        return _map(fn, updates), state
+        return _map(fn, updates, [max_delta]), state
 
     return _stateless("clip", update, max_delta=max_delta)
 
