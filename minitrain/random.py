@@ -30,7 +30,7 @@ Shape = tuple[int, ...]
 _MASK = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32 rotation constants (Random123)
 _PARITY = 0x1BD11BDA  # Skein's key-schedule parity constant
-_CHUNK = 1 << 15  # counters per eager pass: 256 kB int64 arrays
+_SMALL = 1 << 15  # the most counters numpy's single-threaded floats draw (torch's above)
 _NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
 _FEW = 8  # counters enciphered on Python ints rather than numpy arrays
 _NUMPY_ROTATIONS = tuple(tuple((np.uint32(r), np.uint32(32 - r)) for r in rotations)
@@ -159,13 +159,7 @@ def bits(k: Key, shape: Shape) -> Int[Tensor, "..."]:
     >>> bits(key(0), (2, 3)).shape
     torch.Size([2, 3])
     """
-    n = math.prod(shape)
-    if n <= _CHUNK or torch.compiler.is_compiling():  # compiled, the ops fuse into one loop
-        return _words(k, 0, n).reshape(shape)
-    # Eagerly each of Threefry's ~170 ops is a pass over memory: pieces that stay in cache
-    # keep those passes out of main memory.
-    pieces = [_words(k, start, min(n, start + _CHUNK)) for start in range(0, n, _CHUNK)]
-    return torch.cat(pieces, dim=-1).reshape(shape)
+    return _words(k, 0, math.prod(shape)).reshape(shape)
 
 
 def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
@@ -181,7 +175,7 @@ def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
         raise ValueError(f"uniform draws floating-point numbers, got dtype={dtype}")
     m = min(32, -int(math.log2(torch.finfo(dtype).eps)))
     n = math.prod(shape)
-    if (dtype in _NUMPY_FLOATS and _FEW < n <= _CHUNK and _plain_cpu(k)
+    if (dtype in _NUMPY_FLOATS and _FEW < n <= _SMALL and _plain_cpu(k)
             and all(isinstance(v, int | float) for v in (minval, maxval))):
         return torch.from_numpy(_numpy_uniform(k, n, _NUMPY_FLOATS[dtype], m, minval,
                                                maxval)).reshape(shape)
