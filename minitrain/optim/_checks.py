@@ -139,21 +139,25 @@ def storage_holds(t: Tensor) -> bool:
     return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
+def leaf_labels(labels: Any, params: Params, what: str) -> list[Any]:
+    """Per leaf of ``params``: its label from ``labels``, a pytree like params or
+    ``fn(name, leaf) -> label``."""
+    if callable(labels):
+        return [labels(name, leaf) for name, leaf in tree.named_leaves(params)]
+    tree.assert_same_structure(params, labels, names=("params", what))
+    return tree.leaves(labels)
+
+
 def decay_flags(mask: WeightDecayMask, params: Params,
                 what: str = "weight-decay mask") -> list[bool]:
-    """Per leaf: whether ``mask`` (a pytree of bools like params, ``fn(name, leaf) -> bool``, or
-    None for all leaves) selects it."""
-    named = tree.named_leaves(params)
-    if mask is None:
-        return [True] * len(named)
-    if callable(mask):
-        return [bool(mask(name, leaf)) for name, leaf in named]
-    tree.assert_same_structure(params, mask, names=("params", what))
-    flags = tree.leaves(mask)
-    for (name, _), flag in zip(named, flags, strict=True):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{what} leaf {name!r} is {type(flag).__name__}; use True or False")
-    return flags
+    """Per leaf: whether ``mask`` (:func:`leaf_labels` of bools; None: every leaf) selects it."""
+    flags = leaf_labels(mask if mask is not None else lambda name, leaf: True, params, what)
+    if not callable(mask):
+        for (name, _), flag in zip(tree.named_leaves(params), flags, strict=True):
+            if not isinstance(flag, bool):
+                raise ValueError(
+                    f"{what} leaf {name!r} is {type(flag).__name__}; use True or False")
+    return [bool(flag) for flag in flags]
 
 
 def tensor_leaves(name: str, values: Any, what: str, floating: bool = False) -> list[Tensor]:

@@ -18,6 +18,7 @@ from minitrain.optim._checks import (
     host_tensor,
     hyperparameter,
     is_traced,
+    leaf_labels,
     schedule_count,
     tensor_leaves,
     updates_done,
@@ -38,14 +39,6 @@ __all__ = [
     "MultiStepsState", "apply_if_finite", "ApplyIfFiniteState", "ema", "EmaState",
     "inject_hyperparams", "InjectHyperparamsState",
 ]
-
-
-def _labels(labels: Any, params: Params, what: str, named: list[tuple[str, Any]]) -> list[Any]:
-    """Per leaf of ``params``: its label from a pytree like params or ``fn(name, leaf)``."""
-    if callable(labels):
-        return [labels(name, leaf) for name, leaf in named]
-    tree.assert_same_structure(params, labels, names=("params", what))
-    return tree.leaves(labels)
 
 
 def _select(named: list[tuple[str, Any]], leaves: list[Any], indices: list[int]) -> LeafGroup:
@@ -163,7 +156,7 @@ def multi_transform(transforms: dict[str, GradientTransformation],
     def groups(params: Params, named: list[tuple[str, Any]]) -> dict[str, list[int]]:
         found: dict[str, list[int]] = {label: [] for label in transforms}
         for index, ((name, _), label) in enumerate(
-                zip(named, _labels(labels, params, "labels", named), strict=True)):
+                zip(named, leaf_labels(labels, params, "labels"), strict=True)):
             if label not in transforms:
                 raise ValueError(f"leaf {name!r} has label {label!r}, which has no "
                                  f"transformation; labels are {sorted(transforms)}")
