@@ -34,13 +34,12 @@ def unroll(
     loss_fn: Callable[[Params, PyTree], Tensor],
     params: Params,
     batches: Iterable[PyTree],
-    state: OptState | None = None,
 ) -> Unrolled:
     """Take one update per batch of ``loss_fn(params, batch)``; differentiable throughout.
 
     ``optimizer`` is an optimizer or a gradient transformation (whose updates are added to the
-    params); ``state`` defaults to ``optimizer.init(params)``. Hyperparameters to differentiate
-    are passed to the optimizer as tensors (``sgd(lr=lr_tensor)``).
+    params), started from ``optimizer.init(params)``. Hyperparameters to differentiate are
+    passed to the optimizer as tensors (``sgd(lr=lr_tensor)``).
 
     >>> import torch, minitrain as mt
     >>> lr = torch.tensor(0.1, requires_grad=True)
@@ -59,8 +58,7 @@ def unroll(
     if not callable(loss_fn):
         raise ValueError("unroll needs loss_fn(params, batch) -> 0-d tensor")
     params = _differentiable(params)
-    if state is None:
-        state = optimizer.init(params)
+    state = optimizer.init(params)
     grad_and_value = torch.func.grad_and_value(loss_fn)
     losses = []
     for batch in batches:
