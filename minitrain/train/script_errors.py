@@ -6,38 +6,29 @@ The user sees the frames of their own files, then one line naming the function a
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
+import sysconfig
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 from minitrain.errors import MinitrainError, ScriptError
 
-__all__ = ["ScriptError", "one_line", "raised_at", "script_call", "script_line", "user_frames"]
+__all__ = ["LIBRARY", "ScriptError", "one_line", "raised_at", "script_call", "script_line",
+           "user_frames"]
 
-_OURS = Path(__file__).resolve().parents[1]  # minitrain/
-
-
-def _library_roots() -> tuple[str, ...]:
-    roots = {str(_OURS)}
-    for name in ("torch", "functorch", "beartype", "jaxtyping", "numpy"):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "__file__", None):
-            roots.add(str(Path(module.__file__).resolve().parent))
-    roots.add(str(Path(os.__file__).resolve().parent))  # the standard library
-    return tuple(roots)
+# Folders of code that is not the user's: minitrain, the standard library, installed packages.
+LIBRARY = tuple(
+    {str(Path(__file__).resolve().parents[1])}
+    | {str(Path(sysconfig.get_paths()[k]).resolve())
+       for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
-    """The traceback frames of ``exc`` that lie in the user's files (not in libraries)."""
-    roots = _library_roots()
-    frames = traceback.extract_tb(exc.__traceback__)
-    return [frame for frame in frames if _in_user_file(frame.filename, roots)]
-
-
-def _in_user_file(filename: str, roots: tuple[str, ...]) -> bool:
-    return not filename.startswith("<") and not str(Path(filename).resolve()).startswith(roots)
+    """The traceback frames of ``exc`` that lie in the user's files (not in :data:`LIBRARY`)."""
+    return [frame for frame in traceback.extract_tb(exc.__traceback__)
+            if not frame.filename.startswith("<")
+            and not str(Path(frame.filename).resolve()).startswith(LIBRARY)]
 
 
 def raised_at(exc: BaseException) -> traceback.FrameSummary | None:

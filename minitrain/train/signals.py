@@ -16,12 +16,12 @@ import select
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
+
+from minitrain.train.script_errors import LIBRARY
 
 __all__ = ["GRACE_ENV", "StopRequest", "stop_requests", "stop_signals"]
 
@@ -31,10 +31,6 @@ _SIGNALS = tuple(
 GRACE_ENV = "MINITRAIN_STOP_GRACE"
 DEFAULT_GRACE_S = 10.0
 FORCE_AFTER_S = 5.0  # after waking the main thread, how long it has to save and exit
-_LIBRARY = tuple(
-    {str(Path(__file__).resolve().parents[1])}
-    | {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-)
 
 
 class StopRequest:
@@ -95,7 +91,7 @@ def doing(thread_id: int) -> tuple[str, int, bool]:
     whether it is the script's."""
     frame = sys._current_frames().get(thread_id)
     innermost = frame
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
+    while frame is not None and frame.f_code.co_filename.startswith(LIBRARY):
         frame = frame.f_back
     script, frame = frame is not None, frame or innermost
     return (frame.f_code.co_name, id(frame), script) if frame is not None else ("?", 0, False)
