@@ -67,7 +67,8 @@ def parse_sweep(items: Sequence[str]) -> tuple[dict[str, str], dict[str, list[st
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"0,1,2" -> [0, 1, 2]``; each seed a distinct non-negative int."""
+    """``"0,1,2" -> [0, 1, 2]``; each a non-negative int (:func:`member_grid` refuses one listed
+    twice)."""
     try:  # the command line's one number parser: 1e3, 1_000; whole, in [0, 2**63)
         seeds = [parse_number(part, "", whole=True, low=0, high=2**63 - 1)
                  for part in text.split(",")]
@@ -75,7 +76,6 @@ def parse_seeds(text: str) -> list[int]:
         raise ExperimentError(
             f"--seeds {text}: expected comma-separated integers in [0, 2**63), e.g. --seeds "
             f"0,1,2 ({exc})") from None
-    _check_distinct("--seeds", seeds)
     return seeds
 
 
@@ -87,7 +87,7 @@ def member_grid(config: Mapping[str, Any], fixed: Mapping[str, Any],
     >>> [(m.index, m.seed, m.config) for m in grid[:2]]
     [(0, 0, {'lr': 0.1, 'dim': 8}), (1, 1, {'lr': 0.1, 'dim': 8})]
     """
-    _check_distinct("seeds", list(seeds))
+    _check_distinct("--seeds", list(seeds))
     for seed in seeds:
         check_seed(seed, "each seed")
     base = apply_overrides(config, {key: str(value) for key, value in fixed.items()})

@@ -142,16 +142,12 @@ class SweepRun:
         self.hyperparameters = ensemble.hyperparameters(self.backend.device)
         self.fp8_history = self._fp8_histories(member_params[0])
         self.step_fn = make_ensemble_step(ensemble, self.backend)
-        self._check_rank_by(member_params[0])
-
-    def _check_rank_by(self, params: Params) -> None:
-        """Refuse a --rank-by metric no member reports, before the first step (a metric of
-        evaluate is looked for in member 0's evaluation of its initial params)."""
-        rank_by, evaluate = self.rank_by, self.experiment.evaluate
-        if rank_by is None or rank_by.name in LOSSES:
-            return
-        check_rank_by(rank_by, {} if evaluate is None else
-                      stepper.evaluated(self.ensemble.experiments[0].evaluate, params))
+        # a --rank-by metric no member reports is refused before the first step (one of
+        # evaluate's is looked for in member 0's evaluation of its initial params)
+        evaluate = ensemble.experiments[0].evaluate
+        if self.rank_by is not None and self.rank_by.name not in LOSSES:
+            check_rank_by(self.rank_by, {} if evaluate is None else
+                          stepper.evaluated(evaluate, member_params[0]))
 
     def _fp8_histories(self, params: Params) -> torch.Tensor | None:
         """Each member's empty amax histories on a delayed-fp8 backend (else None)."""
@@ -224,7 +220,9 @@ class SweepRun:
         if self.examples is None:
             self.examples = batch_examples(member_batches[0])
         batch = self.backend.to_device(_stacked_batches(member_batches))
-        self.keys = self._keys(step)
+        if self.experiment.uses_key:  # each member's key of this step, from its own seed
+            keys = [step_key(member.seed, step) for member in ensemble.members]
+            self.keys = torch.stack(keys).to(self.backend.device)
         with first_step_mistakes(self._steps_taken == 0), \
                 script_call("the train step (loss)", step):
             try:
@@ -244,13 +242,6 @@ class SweepRun:
         self.params, self.opt_state, self.diverged_at = out.params, out.opt_state, out.diverged_at
         self.fp8_history = out.fp8_history
         self._out, self.batch, self.current_step = out, batch, step
-
-    def _keys(self, step: int) -> torch.Tensor | None:
-        """Each member's key of ``step`` (its own seed's), when the loss ``uses_key``."""
-        if not self.experiment.uses_key:
-            return None
-        keys = [step_key(member.seed, step) for member in self.ensemble.members]
-        return torch.stack(keys).to(self.backend.device)
 
     def check_finite(self) -> None:
         """A diverged member is frozen, not fatal; the sweep fails when all have diverged."""
