@@ -11,18 +11,17 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._checks import check_maximize, checked, is_traced
+from minitrain.optim._checks import checked, is_traced
+from minitrain.optim._family import family_optimizer
 from minitrain.optim.base import (
     EmptyState,
     GradientTransformation,
     Optimizer,
     ScalarOrSchedule,
-    as_optimizer,
     chain,
     tagged,
 )
 from minitrain.optim.leafwise import leafwise
-from minitrain.optim.transforms import add_decayed_weights, scale, scale_by_learning_rate
 from minitrain.tree import Params
 
 __all__ = [
@@ -280,18 +279,15 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
          eps: Any = EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None,
          *, maximize: bool = False) -> Optimizer:
     """torch.optim.Muon, ``p <- p - lr (ratio NS(momentum(g)) + wd p)`` for 2-D params: the
-    chain ``scale_by_muon``, ``add_decayed_weights(weight_decay)``, ``scale_by_learning_rate``.
+    chain ``scale_by_muon``, ``add_decayed_weights(weight_decay)`` (none for 0),
+    ``scale_by_learning_rate``.
     The buffers and direction carry torch's bits; the params agree with it to rounding.
 
-    >>> import torch, minitrain as mt
-    >>> opt = mt.optim.muon(lr=0.02)
-    >>> params = {"w": torch.zeros(3, 3)}
+    >>> opt, params = muon(lr=0.02), {"w": torch.zeros(3, 3)}
     >>> params, state = opt.update({"w": torch.eye(3)}, opt.init(params), params)
     >>> round(float(params["w"][0, 0]), 3)
     -0.014
     """
-    return as_optimizer(chain(
-        *([scale(-1.0)] if check_maximize(maximize) else []),
-        scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn),
-        add_decayed_weights(checked("weight_decay", weight_decay, 0.0)),
-        scale_by_learning_rate(lr)), strict=True)
+    return family_optimizer(
+        scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn), lr,
+        maximize=maximize, weight_decay=weight_decay, decoupled=True)

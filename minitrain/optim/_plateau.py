@@ -38,17 +38,11 @@ class ReduceLROnPlateauState(NamedTuple):
     count: Tensor
 
 
-def reduce_on_plateau(
-    lr: float | Tensor = 1.0,
-    mode: str = "min",
-    factor: float | Tensor = 0.1,
-    patience: int | np.integer = 10,
-    threshold: float | Tensor = 1e-4,
-    threshold_mode: str = "rel",
-    cooldown: int | np.integer = 0,
-    min_lr: float | Tensor = 0.0,
-    eps: float | Tensor = 1e-8,
-) -> GradientTransformation:
+def reduce_on_plateau(lr: float | Tensor = 1.0, mode: str = "min", factor: float | Tensor = 0.1,
+                      patience: int | np.integer = 10, threshold: float | Tensor = 1e-4,
+                      threshold_mode: str = "rel", cooldown: int | np.integer = 0,
+                      min_lr: float | Tensor = 0.0,
+                      eps: float | Tensor = 1e-8) -> GradientTransformation:
     """``torch.optim.lr_scheduler.ReduceLROnPlateau`` (its arguments and defaults) as a
     transformation fed the metric; ``lr`` is the starting lr (the optimizer's, in torch), and
     the updates are scaled by ``state.lr / lr``.

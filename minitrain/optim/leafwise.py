@@ -63,19 +63,14 @@ def _state_type(name: str, init_leaf: Callable | None, state_type: type | None,
     return state_type, buffers
 
 
-def leafwise(
-    name: str,
-    init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
-    update_leaf: Callable[..., tuple[Tensor, dict[str, Tensor]]],
-    state_type: type | None = None,
-    hyperparams: dict[str, Any] | None = None,
-    *,
-    needs_params: bool = False,
-    also_watch: tuple[Any, ...] = (),
-    scalars: dict[str, Callable[[], Tensor]] | None = None,
-    advance: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None,
-    buffer_shapes: Callable[[Tensor], dict[str, tuple[int, ...] | None]] | None = None,
-) -> GradientTransformation:
+def leafwise(name: str, init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
+             update_leaf: Callable[..., tuple[Tensor, dict[str, Tensor]]],
+             state_type: type | None = None, hyperparams: dict[str, Any] | None = None, *,
+             needs_params: bool = False, also_watch: tuple[Any, ...] = (),
+             scalars: dict[str, Callable[[], Tensor]] | None = None,
+             advance: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None,
+             buffer_shapes: Callable[[Tensor], dict[str, tuple[int, ...] | None]] | None = None,
+             ) -> GradientTransformation:
     """A transformation from a per-leaf rule (see the module docstring for the contract).
 
     ``state_type`` (made from ``name`` when None: ``scale_by_foo`` -> ``ScaleByFooState``)

@@ -29,12 +29,8 @@ class Unrolled(NamedTuple):
     losses: Tensor
 
 
-def unroll(
-    optimizer: Any,
-    loss_fn: Callable[[Params, PyTree], Tensor],
-    params: Params,
-    batches: Iterable[PyTree],
-) -> Unrolled:
+def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: Params,
+           batches: Iterable[PyTree]) -> Unrolled:
     """Take one update per batch of ``loss_fn(params, batch)``; differentiable throughout.
 
     ``optimizer`` is an optimizer or a gradient transformation (whose updates are added to the

@@ -164,9 +164,8 @@ def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.
                             * (1 + _cos(math.pi * t / T_max)) / 2)
 
 
-def cosine_warm_restarts_schedule(
-    init_value: Value, T_0: int, T_mult: int = 1, eta_min: Value = 0.0
-) -> Schedule:
+def cosine_warm_restarts_schedule(init_value: Value, T_0: int, T_mult: int = 1,
+                                  eta_min: Value = 0.0) -> Schedule:
     """Cosine annealing restarted after ``T_0``, then ``T_0 * T_mult``, ... steps
     (``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts``; SGDR, Loshchilov & Hutter 2017).
 
