@@ -228,6 +228,14 @@ def bypassing() -> bool:
     return _BYPASS[0] > 0
 
 
+def _scale(x: torch.Tensor, fmt: str, history: torch.Tensor | None) -> torch.Tensor:
+    """Operand ``x``'s scale: from its amax ``history`` (delayed scaling), else from its own
+    amax (current scaling); 1 in a block format, whose scales are per block."""
+    if fmt in BLOCK:
+        return x.new_ones(())
+    return amax_to_scale(_amax(x), fmt) if history is None else delayed_scale(history, fmt)
+
+
 def _record(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """Newest amax first, oldest dropped (TE rolls its ``amax_history`` the same way)."""
     return torch.cat([amax.reshape(1), history[:-1]])
@@ -241,24 +249,17 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b, history, r: Recipe):
-        a32, b32 = a.float(), b.float()
-        out_dtype = torch.promote_types(a.dtype, b.dtype)
+        a32, b32, fmt = a.float(), b.float(), r.forward
+        rows = (None, None) if history is None else (history[0], history[1])
         with _bypass(), torch.autocast(a.device.type, enabled=False):
-            if r.forward in BLOCK:
-                qa, qb = quantize_operand(a32, r.forward, -1), quantize_operand(b32, r.forward, -2)
-                return (qa @ qb).to(out_dtype), qa, qb, history, torch.ones(2, device=a.device)
-            fmt = r.forward
-            if history is None:  # current scaling
-                sa, sb = amax_to_scale(_amax(a32), fmt), amax_to_scale(_amax(b32), fmt)
-                new_history = None
-            else:
-                sa, sb = delayed_scale(history[0], fmt), delayed_scale(history[1], fmt)
-                rows = [_record(history[0], _amax(a32)), _record(history[1], _amax(b32)),
-                        history[2]]
-                new_history = torch.stack(rows)
-            qa, qb = quantize_operand(a32, fmt, scale=sa), quantize_operand(b32, fmt, scale=sb)
+            sa, sb = _scale(a32, fmt, rows[0]), _scale(b32, fmt, rows[1])
+            # block formats scale blocks along the reduction dimension: a's rows, b's columns
+            qa, qb = quantize_operand(a32, fmt, -1, sa), quantize_operand(b32, fmt, -2, sb)
             y = _gemm(a32, b32, (fmt, fmt), (sa, sb), r, qa, qb)
-        return y.to(out_dtype), qa, qb, new_history, torch.stack([sa, sb])
+            if history is not None:
+                history = torch.stack([_record(history[0], _amax(a32)),
+                                       _record(history[1], _amax(b32)), history[2]])
+        return y.to(torch.promote_types(a.dtype, b.dtype)), qa, qb, history, torch.stack([sa, sb])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -266,34 +267,25 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         _, qa, qb, new_history, scales = output
         ctx.recipe = r
         ctx.dtypes = (a.dtype, b.dtype)
-        ctx.has_history = history is not None
         ctx.save_for_backward(a, b, qa, qb, new_history, scales)
         ctx.mark_non_differentiable(qa, qb, scales)
 
     @staticmethod
     def backward(ctx, grad_y, _qa, _qb, _history, _scales):
         a, b, qa, qb, history, scales = ctx.saved_tensors
-        sa, sb = scales[0], scales[1]
-        r = ctx.recipe
-        g = grad_y.float()
-        new_history = None
+        r, g, (sa, sb) = ctx.recipe, grad_y.float(), scales
+        fmts = (r.backward, r.forward)
         with _bypass(), torch.autocast(g.device.type, enabled=False):
-            if r.forward in BLOCK:
-                ga = quantize_operand(g, r.backward, -1) @ quantize_operand(b, r.forward, -1).mT
-                gb = quantize_operand(a, r.forward, -2).mT @ quantize_operand(g, r.backward, -2)
-            else:
-                if history is None:
-                    sg = amax_to_scale(_amax(g), r.backward)
-                else:
-                    sg = delayed_scale(history[2], r.backward)
-                if ctx.has_history:  # the "gradient" of the state is the updated state
-                    g_row = _record(history[2], _amax(g))
-                    new_history = torch.stack([history[0], history[1], g_row])
-                qg = quantize_operand(g, r.backward, scale=sg)
-                fmts = (r.backward, r.forward)
-                ga = _gemm(g, b.float().mT, fmts, (sg, sb), r, qg, qb.mT)
-                gb = _gemm(a.float().mT, g, fmts[::-1], (sa, sg), r, qa.mT, qg)
-        return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), new_history, None
+            sg = _scale(g, r.backward, None if history is None else history[2])
+            qg = quantize_operand(g, r.backward, -1, sg)
+            qg_columns = quantize_operand(g, r.backward, -2, sg) if r.backward in BLOCK else qg
+            if r.forward in BLOCK:  # blocks along each backward GEMM's reduction dimension
+                qa, qb = quantize_operand(a, r.forward, -2), quantize_operand(b, r.forward, -1)
+            ga = _gemm(g, b.float().mT, fmts, (sg, sb), r, qg, qb.mT)
+            gb = _gemm(a.float().mT, g, fmts[::-1], (sa, sg), r, qa.mT, qg_columns)
+            if history is not None:  # the "gradient" of the state is the updated state
+                history = torch.stack([history[0], history[1], _record(history[2], _amax(g))])
+        return ga.to(ctx.dtypes[0]), gb.to(ctx.dtypes[1]), history, None
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, r: Recipe | str,
