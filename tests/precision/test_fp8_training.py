@@ -10,6 +10,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -253,22 +254,21 @@ def test_a_compiled_block_format_step_equals_the_eager_one():
     assert result.stdout.strip().endswith("ok")
 
 
-def test_a_checkpoint_saved_with_current_scaling_resumes_with_empty_histories(
-    tmp_path, monkeypatch, capsys
-):
+def test_a_checkpoint_saved_with_current_scaling_is_refused_naming_the_leaf(tmp_path,
+                                                                           monkeypatch):
     import minitrain.train.single
     import minitrain.train.step
+    from minitrain.checkpoint_state import CheckpointError
 
     with monkeypatch.context() as patch:  # a run that scaled each tensor by its own amax
         for module in (minitrain.train.single, minitrain.train.step):
             patch.setattr(module, "fp8_recipe_of", lambda backend: None)
         older = mt.fit(experiment(5), FP8, progress=False, out_dir=tmp_path)
     assert older.state is None
-    resumed = mt.fit(experiment(8), FP8, progress=False, out_dir=tmp_path, resume=True)
-    assert "holds no fp8 amax histories" in capsys.readouterr().err
-    assert resumed.summary["steps"] == 8
-    assert not resumed.state.fp8_history[:, :, 3:].any()  # three steps recorded since
-    assert resumed.state.fp8_history[:, :, :3].all()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="leaf"):
+        mt.fit(experiment(8), FP8, progress=False, out_dir=tmp_path, resume=True)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
 
 
 VARYING = """
