@@ -11,17 +11,19 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._checks import checked, is_traced
-from minitrain.optim._family import family_optimizer
+from minitrain.optim._checks import check_maximize, checked, is_traced
+from minitrain.optim.alias import torch_order
 from minitrain.optim.base import (
     EmptyState,
     GradientTransformation,
     Optimizer,
     ScalarOrSchedule,
+    as_optimizer,
     chain,
     tagged,
 )
 from minitrain.optim.leafwise import leafwise
+from minitrain.optim.transforms import add_decayed_weights
 from minitrain.tree import Params
 
 __all__ = [
@@ -279,8 +281,7 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
          eps: Any = EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None,
          *, maximize: bool = False) -> Optimizer:
     """torch.optim.Muon, ``p <- p - lr (ratio NS(momentum(g)) + wd p)`` for 2-D params: the
-    chain ``scale_by_muon``, ``add_decayed_weights(weight_decay)`` (none for 0),
-    ``scale_by_learning_rate``.
+    chain ``scale_by_muon``, ``add_decayed_weights(weight_decay)``, ``scale_by_learning_rate``.
     The buffers and direction carry torch's bits; the params agree with it to rounding.
 
     >>> opt, params = muon(lr=0.02), {"w": torch.zeros(3, 3)}
@@ -288,6 +289,7 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
     >>> round(float(params["w"][0, 0]), 3)
     -0.014
     """
-    return family_optimizer(
-        scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn), lr,
-        maximize=maximize, weight_decay=weight_decay, decoupled=True)
+    return as_optimizer(torch_order(
+        [scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)], lr,
+        maximize=check_maximize(maximize), decoupled=True,
+        decay=add_decayed_weights(checked("weight_decay", weight_decay, 0.0))), strict=True)
