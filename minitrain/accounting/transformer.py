@@ -186,12 +186,12 @@ def transformer_flops_per_token(
 def transformer_memory(
     config: TransformerConfig, *, batch: int, seq_len: int | None = None,
     optimizer: str = "adamw", precision_name: str = "bf16-mixed", gpus: int = 1,
-    zero_stage: int = 0, recompute: str = "none", tensor_parallel: int = 1,
-    sequence_parallel: bool = False, attention: str = "eager", **state_options: bool,
+    zero_stage: int = 0, recompute: str = "none", attention: str = "eager",
+    **state_options: bool,
 ) -> MemoryBreakdown:
     """Bytes per device to train ``config`` with ``batch`` sequences per device: params and
-    grads by :func:`training_memory` (ZeRO or tensor-parallel shards), optimizer state tensor
-    by tensor, activations by :func:`transformer_activation_bytes`.
+    grads by :func:`training_memory` (ZeRO shards), optimizer state tensor by tensor,
+    activations by :func:`transformer_activation_bytes`.
 
     >>> m = transformer_memory(preset("gpt2-xl"), batch=1, precision_name="bf16-mixed")
     >>> round(m.params / 1e9, 2), round(m.total / 1e9, 1)
@@ -201,16 +201,13 @@ def transformer_memory(
     activations = transformer_activation_bytes(
         seq_len=config.seq_len if seq_len is None else seq_len, batch=batch,
         hidden=config.hidden, heads=config.heads, num_layers=config.num_layers,
-        recompute=recompute, tensor_parallel=tensor_parallel,
-        sequence_parallel=sequence_parallel, bytes_per_element=recipe.activations,
-        attention=attention,
+        recompute=recompute, bytes_per_element=recipe.activations, attention=attention,
     )
     memory = training_memory(
-        transformer_params(config) / tensor_parallel, optimizer=optimizer,
-        precision=precision_name, activation_bytes=activations, gpus=gpus, zero_stage=zero_stage,
-        **state_options)
+        transformer_params(config), optimizer=optimizer, precision=precision_name,
+        activation_bytes=activations, gpus=gpus, zero_stage=zero_stage, **state_options)
     state = transformer_optimizer_state_elements(config, optimizer, **state_options)
-    shards = tensor_parallel * (gpus if zero_stage >= 1 else 1)
+    shards = gpus if zero_stage >= 1 else 1
     return memory._replace(optimizer_state=float(state * recipe.optimizer_state / shards))
 
 
@@ -264,24 +261,16 @@ def transformer_activation_terms(
 
 
 RECOMPUTE = ("none", "selective", "full")
-# Terms every tensor-parallel rank holds whole (Korthikanti et al. 2022, eq. 2); the others are
-# split over the ranks. Sequence parallelism splits these too (eq. 4).
-_REPLICATED = ("qkv_input", "mlp_input", "layernorm_inputs", "projection_dropout_mask",
-               "mlp_dropout_mask")
 
 
 def transformer_activation_bytes(
     *, seq_len: int, batch: int, hidden: int, heads: int, num_layers: int,
-    recompute: str = "none", tensor_parallel: int = 1, sequence_parallel: bool = False,
-    bytes_per_element: int = 2, attention: str = "eager", mask_bytes: int = 1,
+    recompute: str = "none", bytes_per_element: int = 2, attention: str = "eager",
+    mask_bytes: int = 1,
 ) -> float:
     """Activation bytes of a transformer's layers (Korthikanti et al. 2022, section 4): eq. 1
-    per layer (:func:`transformer_activation_terms`); with tensor parallelism ``t``,
-    ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (eq. 2), all over ``t`` with sequence parallelism
-    (eq. 4). Full recomputation keeps each layer's input, ``2·s·b·h`` (Table 2), whole on
-    every tensor-parallel rank; with sequence parallelism that input lies in the
-    sequence-parallel region, split along ``s`` (Megatron-LM checkpoints ``[s/t, b, h]``), so
-    ``2·s·b·h/t``, where Table 2 lists ``2·s·b·h`` for every configuration.
+    per layer (:func:`transformer_activation_terms`); selective recomputation drops the ``s²``
+    terms (eq. 6), full recomputation keeps each layer's input, ``2·s·b·h`` (Table 2).
 
     >>> transformer_activation_bytes(seq_len=2048, batch=1, hidden=12288, heads=96,
     ...                              num_layers=1) / 2**30   # GPT-3, one layer
@@ -289,17 +278,13 @@ def transformer_activation_bytes(
     """
     if recompute not in RECOMPUTE:
         raise UserError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
-    for name, value in (("num_layers", num_layers), ("tensor_parallel", tensor_parallel)):
-        if value < 1:
-            raise UserError(f"{name} must be >= 1, got {value}")
+    if num_layers < 1:
+        raise UserError(f"num_layers must be >= 1, got {num_layers}")
     kept = "selective" if attention == "eager" and recompute == "selective" else attention
     terms = transformer_activation_terms(
         seq_len=seq_len, batch=batch, hidden=hidden, heads=heads, attention=kept,
         bytes_per_element=bytes_per_element, mask_bytes=mask_bytes,
     )
-    sp = tensor_parallel if sequence_parallel else 1
-    if recompute == "full":  # the layer input, a replicated term (split by sequence parallelism)
-        return bytes_per_element * seq_len * batch * hidden / sp * num_layers
-    replicated = sum(terms[name] for name in _REPLICATED)
-    split = sum(terms.values()) - replicated
-    return (replicated / sp + split / tensor_parallel) * num_layers
+    if recompute == "full":  # each layer's input
+        return float(bytes_per_element * seq_len * batch * hidden * num_layers)
+    return sum(terms.values()) * num_layers

@@ -77,14 +77,13 @@ def test_state_elements_equal_what_torch_optim_allocates(config, optimizer):
 @pytest.mark.parametrize("optimizer", ["muon", "adafactor", "adamw"])
 @pytest.mark.parametrize(("precision", "state_bytes"),
                          [("fp32", 4), ("bf16-pure", 2), ("bf16", 4)])
-@pytest.mark.parametrize(("gpus", "zero", "tensor_parallel"), [(1, 0, 1), (4, 1, 1), (1, 0, 2)])
+@pytest.mark.parametrize(("gpus", "zero"), [(1, 0), (4, 1), (4, 0)])
 def test_memory_reports_those_elements_in_the_recipes_bytes_and_shards(
-        optimizer, precision, state_bytes, gpus, zero, tensor_parallel):
+        optimizer, precision, state_bytes, gpus, zero):
     memory = acc.transformer_memory(TINY_GPT2, batch=1, optimizer=optimizer,
-                                    precision_name=precision, gpus=gpus, zero_stage=zero,
-                                    tensor_parallel=tensor_parallel)
+                                    precision_name=precision, gpus=gpus, zero_stage=zero)
     elements = torch_state_elements(hugging_face(TINY_GPT2), optimizer)
-    shards = tensor_parallel * (gpus if zero >= 1 else 1)
+    shards = gpus if zero >= 1 else 1
     assert memory.optimizer_state == pytest.approx(elements * state_bytes / shards, rel=1e-12)
 
 
