@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     Scalar,
     WeightDecayMask,
@@ -73,19 +74,6 @@ def family_optimizer(tx: GradientTransformation, lr: Any = None, *, maximize: bo
     decay = None if is_zero(weight_decay) else add_decayed_weights(weight_decay, mask)
     return as_optimizer(torch_order([tx], lr, maximize=maximize, decay=decay,
                                     decoupled=decoupled), strict=True)
-
-
-def find_state(state: Any, state_type: type) -> Any:
-    """The first ``state_type`` in ``state`` (chains' tuples and ``multi_transform``'s dicts
-    included), or None."""
-    if isinstance(state, state_type):
-        return state
-    if isinstance(state, tuple | list | dict):
-        for inner in state.values() if isinstance(state, dict) else state:
-            found = find_state(inner, state_type)
-            if found is not None:
-                return found
-    return None
 
 
 def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
@@ -476,8 +464,9 @@ def schedule_free_eval_params(state: Any, params: Params) -> Params:
     >>> schedule_free_eval_params(state, params)
     {'w': tensor([0.9000, 0.9000])}
     """
-    inner = find_state(state, ScheduleFreeAdamwState)
-    if inner is None:
+    found = _pytree.tree_leaves(state, is_leaf=lambda x: isinstance(x, ScheduleFreeAdamwState))
+    inner = next((x for x in found if isinstance(x, ScheduleFreeAdamwState)), None)
+    if inner is None:  # it may sit in a chain's tuple or multi_transform's dict
         raise ValueError(
             "schedule_free_eval_params expects the state of mt.optim.schedule_free_adamw "
             f"(or a chain with scale_by_schedule_free_adamw), got {type(state).__name__}")
