@@ -89,11 +89,6 @@ def _is_spec(x: Any) -> bool:
     )
 
 
-def fake_tree(mode: FakeTensorMode, tree: Any) -> Any:
-    """``tree`` with each spec and tensor (real, meta or fake) as a fake tensor of ``mode``."""
-    return pytree.tree_map(lambda x: _to_fake(mode, x), tree, is_leaf=_is_spec)
-
-
 def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
     if _is_spec(x):
         spec = x if isinstance(x, TensorSpec) else TensorSpec(tuple(x[0]), x[1])
@@ -130,8 +125,9 @@ def _start(on: str | Hardware, trees: tuple[Any, ...]) -> tuple[Hardware, FakeTe
 
 
 def _inputs(counter: Counter, mode: FakeTensorMode, tree: Any, kind: str) -> Any:
-    """``tree`` as fake tensors, counted as live from the start in category ``kind``."""
-    fake = fake_tree(mode, tree)
+    """``tree`` (specs and tensors: real, meta or fake) as fake tensors of ``mode``, counted
+    as live from the start in category ``kind``."""
+    fake = pytree.tree_map(lambda x: _to_fake(mode, x), tree, is_leaf=_is_spec)
     counter.track(fake, category=kind)
     return fake
 

@@ -13,7 +13,7 @@ policies and formats need no torch.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # Each module's __all__, written out so that no module loads before one of its names is used;
 # the torch-free modules come first.
@@ -45,13 +45,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*_NAMES, *__all__})
-
-
-if TYPE_CHECKING:  # pragma: no cover - for static type checkers and IDEs only
-    from minitrain.precision.backend import *  # noqa: F403
-    from minitrain.precision.formats import *  # noqa: F403
-    from minitrain.precision.loss_scale import *  # noqa: F403
-    from minitrain.precision.matmuls import *  # noqa: F403
-    from minitrain.precision.policies import *  # noqa: F403
-    from minitrain.precision.rounding import *  # noqa: F403
-    from minitrain.precision.simulation import *  # noqa: F403
