@@ -122,9 +122,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, what: str = "write"
     path = Path(path)
     temp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     with storage_errors(path, what):
-        if path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        try:
+        try:  # rename refuses to replace a directory (EISDIR)
             write_new_file(temp, data.encode() if isinstance(data, str) else bytes(data))
             os.replace(temp, path)
         except BaseException:
