@@ -298,35 +298,23 @@ class LeafBatch(list):
         return _per_leaf(func, args, kwargs)
 
     def _binary(self, other, name):
+        """``self <op> other``: one foreach call with a batch, a number or a 0-d tensor."""
         if isinstance(other, LeafBatch) or isinstance(other, int | float) and not isinstance(
                 other, bool) or isinstance(other, Tensor) and other.dim() == 0:
             return _fe(name, self, other)
         method = {"div": "__truediv__"}.get(name, f"__{name}__")
         return _per_leaf(getattr(Tensor, method), (self, other), {})
 
-    def __add__(self, other):
-        return self._binary(other, "add")
-
-    def __mul__(self, other):
-        return self._binary(other, "mul")
-
-    def __truediv__(self, other):
-        return self._binary(other, "div")
-
-    def __sub__(self, other):
-        if isinstance(other, LeafBatch) or isinstance(other, int | float):
-            return _fe("sub", self, other)
-        return _per_leaf(Tensor.__sub__, (self, other), {})
+    __add__ = functools.partialmethod(_binary, name="add")
+    __mul__ = functools.partialmethod(_binary, name="mul")
+    __truediv__ = functools.partialmethod(_binary, name="div")
+    __sub__ = functools.partialmethod(_binary, name="sub")
+    __pow__ = functools.partialmethod(_binary, name="pow")
 
     def __rsub__(self, other):
         if isinstance(other, int | float):  # -x + c equals c - x exactly
             return _fe("add", _fe("neg", self), other)
         return _per_leaf(Tensor.__rsub__, (self, other), {})
-
-    def __pow__(self, other):
-        if isinstance(other, int | float):
-            return _fe("pow", self, other)
-        return _per_leaf(Tensor.__pow__, (self, other), {})
 
     def __neg__(self):
         return _fe("neg", self)
