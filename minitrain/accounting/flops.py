@@ -2,12 +2,6 @@
 
 Pure Python. ``6·N·D`` counts a multiply and an add per parameter per token forward, twice
 that backward (gradients of the inputs and of the weights): Kaplan et al. 2020, section 2.1.
-
->>> flops = training_flops(params=70e9, tokens=15e12)
->>> flops
-6.3e+24
->>> round(training_time(flops, hardware="h100", gpus=1024, mfu=0.5) / 86400)
-144
 """
 
 from __future__ import annotations

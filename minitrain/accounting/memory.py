@@ -158,14 +158,6 @@ def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32",
                          recipe.master_weights)
 
 
-def _sharded(gpus: int, zero_stage: int) -> tuple[str, ...]:
-    if gpus < 1:
-        raise UserError(f"gpus must be >= 1, got {gpus}")
-    if zero_stage not in _SHARDED:
-        raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    return _SHARDED[zero_stage]
-
-
 def max_params(
     memory: str | Hardware | Number, *, optimizer: str = "adamw", precision: str = "fp32",
     gpus: int = 1, zero_stage: int = 3, reserved_bytes: Number = 0, **state_options: bool,
@@ -217,7 +209,11 @@ def training_memory(
     20.0
     """
     per_param = bytes_per_param(optimizer, precision, **state_options)
-    sharded = _sharded(gpus, zero_stage)
+    if gpus < 1:
+        raise UserError(f"gpus must be >= 1, got {gpus}")
+    if zero_stage not in _SHARDED:
+        raise UserError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    sharded = _SHARDED[zero_stage]
     parts = {kind: float(params * getattr(per_param, kind) / (gpus if kind in sharded else 1))
              for kind in BytesPerParam._fields}
     return MemoryBreakdown(activations=float(activation_bytes), **parts)

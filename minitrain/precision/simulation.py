@@ -5,12 +5,6 @@ and ``bmm`` through :mod:`minitrain.precision.matmuls`, so any model runs unchan
 ``vmap``). Matmul ``i`` of a forward pass reads row ``i`` of the amax histories of delayed fp8
 scaling (:func:`init_state`, :func:`count_matmuls`); :func:`recompute_context` makes
 ``torch.utils.checkpoint`` recompute inside the simulation.
-
->>> import torch
->>> a = torch.tensor([[1.0, 3.3]])
->>> with simulate("fp8"):
-...     (a @ torch.eye(2)).tolist()  # x 448 / 3.3: 1.0 -> 135.8 -> 128 in e4m3 -> 0.943
-[[0.9428570866584778, 3.299999713897705]]
 """
 
 from __future__ import annotations
@@ -210,7 +204,7 @@ def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Any
     and the gradient with respect to ``state`` is the updated histories (the context's
     ``forward_history()`` has the forward amaxes alone). Other ops keep their precision, as in TE.
 
-    >>> with simulate(RECIPES["fp8"]):
+    >>> with simulate(RECIPES["fp8"]):  # x 448 / 3.3: 1.0 -> 135.8 -> 128 in e4m3 -> 0.943
     ...     (torch.tensor([[1.0, 3.3]]) @ torch.eye(2)).tolist()
     [[0.9428570866584778, 3.299999713897705]]
     """
