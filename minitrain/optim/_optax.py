@@ -331,8 +331,7 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int,
     steps the slow ones move ``slow_step_size`` of the way to them and the fast ones jump there
     (``reset_state``: re-init its state then). Params and updates are :class:`LookaheadParams`.
 
-    >>> import torch, minitrain as mt
-    >>> opt = mt.optim.as_optimizer(lookahead(mt.optim.scale(-1.0), 2, 0.5))
+    >>> opt = as_optimizer(lookahead(scale_by_learning_rate(1.0), 2, 0.5))
     >>> params = LookaheadParams.init_synced([torch.zeros(1)])
     >>> state = opt.init(params)
     >>> for _ in range(2):

@@ -1,10 +1,4 @@
-"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a gradient transformation fed the metric:
-``update(updates, state, params=None, *, value)`` steps it as ``scheduler.step(value)`` (each
-``if`` a ``torch.where``: it runs under ``vmap`` and ``torch.compile``) and scales ``updates`` by
-``lr / initial lr``; ``value=None`` keeps the state. Apply it after ``scale_by_learning_rate``;
-to take a torch loop's steps (scheduler after optimizer), pass ``value=None`` first and the
-previous metric after that.
-"""
+"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as a gradient transformation fed the metric."""
 
 from __future__ import annotations
 
@@ -43,12 +37,14 @@ def reduce_on_plateau(lr: float | Tensor = 1.0, mode: str = "min", factor: float
                       threshold_mode: str = "rel", cooldown: int | np.integer = 0,
                       min_lr: float | Tensor = 0.0,
                       eps: float | Tensor = 1e-8) -> GradientTransformation:
-    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` (its arguments and defaults) as a
-    transformation fed the metric; ``lr`` is the starting lr (the optimizer's, in torch), and
-    the updates are scaled by ``state.lr / lr``.
+    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` (its arguments and defaults):
+    ``update(updates, state, params=None, *, value)`` steps it as ``scheduler.step(value)``
+    (each ``if`` a ``torch.where``: it runs under ``vmap`` and ``torch.compile``) and scales
+    ``updates`` by ``state.lr / lr`` (``lr``: the optimizer's starting lr); ``value=None`` keeps
+    the state. Apply it after ``scale_by_learning_rate``; to take a torch loop's steps
+    (scheduler after optimizer), pass ``value=None`` first and the previous metric after that.
 
-    >>> tx = reduce_on_plateau(lr=0.1, factor=0.5, patience=1)
-    >>> grads = {"w": torch.ones(1)}
+    >>> tx, grads = reduce_on_plateau(lr=0.1, factor=0.5, patience=1), {"w": torch.ones(1)}
     >>> state = tx.init(grads)
     >>> for loss in [1.0, 0.5, 0.6, 0.7, 0.8]:
     ...     updates, state = tx.update(grads, state, value=loss)

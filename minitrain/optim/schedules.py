@@ -360,7 +360,6 @@ def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]
     """``schedules[i]`` from ``milestones[i - 1]`` on, restarted at step 0 there
     (``torch.optim.lr_scheduler.SequentialLR``).
 
-    >>> from minitrain.optim import exponential_schedule, linear_schedule
     >>> warmup = linear_schedule(1.0, start_factor=0.5, total_iters=2)
     >>> decay = exponential_schedule(1.0, gamma=0.5)
     >>> schedule = sequential_schedule([warmup, decay], milestones=[3])

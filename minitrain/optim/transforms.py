@@ -200,9 +200,8 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
     """
     # A float and a tensor may mix here (inject_hyperparams makes one a tensor); the aliases
     # refuse the mix as torch.optim.Adam does.
-    beta1, beta2 = hyperparameter("betas[0]", b1), hyperparameter("betas[1]", b2)
-    check_hyperparameter("betas[0]", beta1, 0.0, 1.0, high_open=True)
-    check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)
+    beta1 = checked("betas[0]", b1, 0.0, 1.0, high_open=True)
+    beta2 = checked("betas[1]", b2, 0.0, 1.0, high_open=True)
     check_hyperparameter("eps", eps, 0.0)
     check_hyperparameter("eps_root", eps_root, 0.0)
 
@@ -288,9 +287,8 @@ def scale_by_adagrad(lr_decay: float | Tensor = 0.0,
     [tensor([ 1., -1.])]
     """
     check_hyperparameter("lr_decay", lr_decay, 0.0)
-    check_hyperparameter("initial_accumulator_value", initial_accumulator_value, 0.0)
     check_hyperparameter("eps", eps, 0.0)
-    initial = hyperparameter("initial_accumulator_value", initial_accumulator_value)
+    initial = checked("initial_accumulator_value", initial_accumulator_value, 0.0)
 
     def init_leaf(p):
         return {"sum": filled(p, initial)}
