@@ -4,6 +4,7 @@ chaining it in torch's order (schedule-free AdamW's rule is the whole step, no `
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -307,19 +308,16 @@ def radam_leaf(g, buffers, p, step, beta1, beta2, eps):
     bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
-    traced = isinstance(rho_t, Tensor)
-    if not traced and rho_t <= 5.0:
+    if not isinstance(rho_t, Tensor) and rho_t <= 5.0:
         return exp_avg / bias_correction1, new
-    # The clamp only keeps the (unused) early branch of torch.where finite under tracing.
-    safe_rho = rho_t.clamp(min=5.0) if traced else rho_t
+    # The clip only keeps the (unused) early branch of torch.where finite under tracing.
+    safe_rho = _clip(rho_t, 5.0, math.inf)
     rect = sqrt((safe_rho - 4) * (safe_rho - 2) * rho_inf
                 / ((rho_inf - 4) * (rho_inf - 2) * safe_rho))
     # m_t / (1 - b1^t) * r_t * sqrt(1 - b2^t) / (sqrt(v_t) + eps), the scalars in one factor
     factor = rect * sqrt(bias_correction2) / bias_correction1
     rectified = exp_avg * factor / (exp_avg_sq.sqrt() + eps)
-    if traced:
-        return torch.where(rho_t > 5.0, rectified, exp_avg / bias_correction1), new
-    return rectified, new
+    return _where(rho_t > 5.0, rectified, exp_avg / bias_correction1), new
 
 
 def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999,
