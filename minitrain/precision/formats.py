@@ -39,6 +39,7 @@ class FormatSpec:
     inf: str | None  # encoding of infinity, None if the format has none
     nan: str | None  # encoding of NaN, None if the format has none
     signed: bool = True
+    special: str = IEEE  # how the all-ones exponent is spent: IEEE, FN, FINITE or UNSIGNED_POW2
     block_size: int | None = None
     scale_format: str | None = None
     tensor_scale: bool = False
@@ -84,15 +85,16 @@ def _element_spec(name: str, exponent_bits: int, mantissa_bits: int, special: st
         name, 1 + exponent_bits + mantissa_bits, exponent_bits, mantissa_bits, bias,
         max=largest_fraction * 2.0**emax, min_normal=2.0**emin,
         min_subnormal=2.0 ** (emin - mantissa_bits), epsilon=2.0**-mantissa_bits, inf=inf,
-        nan=nan, storage_bits=storage_bits, torch_dtype=torch_dtype, source=source,
+        nan=nan, special=special, storage_bits=storage_bits, torch_dtype=torch_dtype,
+        source=source,
     )
 
 
 # An unsigned power of two: the OCP MX block scale.
 _E8M0 = FormatSpec(
     "e8m0", 8, 8, 0, 127, max=2.0**127, min_normal=2.0**-127, min_subnormal=2.0**-127,
-    epsilon=1.0, inf=None, nan="0xFF", signed=False, torch_dtype="float8_e8m0fnu",
-    source="OCP Microscaling Formats (MX) v1.0, 5.4.1",
+    epsilon=1.0, inf=None, nan="0xFF", signed=False, special=UNSIGNED_POW2,
+    torch_dtype="float8_e8m0fnu", source="OCP Microscaling Formats (MX) v1.0, 5.4.1",
 )
 
 

@@ -17,18 +17,10 @@ from typing import NamedTuple
 
 import torch
 
-from minitrain.precision.formats import FINITE, FN, IEEE, UNSIGNED_POW2, FormatSpec, spec
+from minitrain.precision.formats import FINITE, FN, IEEE, FormatSpec, spec
 from minitrain.typecheck import Float, Int, Tensor, typechecked
 
 __all__ = ["ErrorStats", "quantize", "decode", "values", "error_stats"]
-
-
-def _special_kind(s: FormatSpec) -> str:
-    if s.name == "e8m0":
-        return UNSIGNED_POW2
-    if s.inf is not None:
-        return IEEE
-    return FN if s.nan is not None else FINITE
 
 
 # The IEEE 754 layout of the dtypes the rounding runs in: integer view, mantissa bits, bias.
@@ -60,10 +52,9 @@ def _round_elements(x: torch.Tensor, s: FormatSpec, saturate: bool,
         rounded = torch.where(rounded.abs() < s.min_normal, rounded * 0.0, rounded)
     overflow = (rounded.abs() > s.max) | torch.isinf(x)
     limit = torch.full_like(x, s.max).copysign(x)
-    kind = _special_kind(s)
-    if saturate or kind == FINITE:  # FINITE formats have no other encoding for overflow
+    if saturate or s.special == FINITE:  # FINITE formats have no other encoding for overflow
         replacement = limit
-    elif kind == IEEE:
+    elif s.special == IEEE:
         replacement = torch.full_like(x, math.inf).copysign(x)
     else:
         replacement = torch.full_like(x, math.nan)
@@ -225,11 +216,10 @@ def decode(codes: Int[Tensor, "*shape"], fmt: str | FormatSpec) -> Float[Tensor,
     exponent = torch.where(normal, field, 1) - s.bias
     value = sign * torch.ldexp(significand, exponent)
     top = field == 2**s.exponent_bits - 1
-    kind = _special_kind(s)
-    if kind == IEEE:
+    if s.special == IEEE:
         value = torch.where(top & (mantissa == 0), sign * math.inf, value)
         value = torch.where(top & (mantissa != 0), math.nan, value)
-    elif kind == FN:
+    elif s.special == FN:
         value = torch.where(top & (mantissa == 1 - 2.0**-m_bits), math.nan, value)
     return value.float()
 
