@@ -177,9 +177,6 @@ class StepPrediction(NamedTuple):
     flops: int
     matmul_flops: int
     bytes: int
-    bytes_read: int
-    bytes_written: int
-    per_op: dict[str, dict[str, int | float]]
     per_module: dict[str, dict[str, int]]
     unknown_ops: dict[str, int]
     hardware: str
@@ -357,7 +354,7 @@ def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[s
     ledger = counter.ledger
     ledger.close()
     result = ledger.replay()
-    seconds, per_op, main_dtype, mfu = step_time(counter, spec, dtype)
+    seconds, _, main_dtype, mfu = step_time(counter, spec, dtype)
     saved = sorted((a for a in ledger.allocations if a.saved), key=lambda a: (-a.nbytes, a.index))
     by_module: dict[str, int] = defaultdict(int)
     for allocation in saved:
@@ -374,8 +371,7 @@ def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[s
                for a in saved[:_TOP_SAVED]],
         saved_by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
         flops=counter.flops, matmul_flops=counter.matmul_flops,
-        bytes=counter.bytes_read + counter.bytes_written, bytes_read=counter.bytes_read,
-        bytes_written=counter.bytes_written, per_op=per_op,
+        bytes=counter.bytes_read + counter.bytes_written,
         per_module={name: {"calls": t.calls, "flops": t.flops,
                            "bytes": t.bytes_read + t.bytes_written}
                     for name, t in counter.by_module.items()},
