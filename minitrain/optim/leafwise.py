@@ -94,16 +94,7 @@ def leafwise(name: str, init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
     scalars = scalars or {}
     names = tuple(scalars)
     state_type, buffers = _state_type(name, init_leaf, state_type, names)
-    if init_leaf is None:
-        def init_leaf(p: Tensor) -> dict[str, Any]:
-            if buffer_shapes is None:
-                return {key: torch.zeros_like(p, memory_format=torch.preserve_format)
-                        for key in buffers}
-            return {key: () if shape is None else p.new_zeros(shape)
-                    for key, shape in buffer_shapes(p).items()}
-
-    def shape_of(key: str) -> Callable[[Tensor], Any] | None:
-        return None if buffer_shapes is None else lambda g: buffer_shapes(g)[key]
+    init_leaf = init_leaf or functools.partial(_zeros, buffers, buffer_shapes)
 
     def init(params: Params) -> OptState:
         tensor_leaves(name, params, "param", floating=bool(buffers))  # state in params' dtypes
@@ -127,7 +118,7 @@ def leafwise(name: str, init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
         buffer_leaves = {
             key: [()] * len(g_leaves) if _empty(getattr(state, key)) else
             _leaves_like(getattr(state, key), g_leaves, treespec, f"state.{key}",
-                         shape_of=shape_of(key)) for key in buffers}
+                         shapes=buffer_shapes and (buffer_shapes, key)) for key in buffers}
         step = next_step(state.count)
         old = {key: getattr(state, key) for key in names}
         new_scalars, hyper_now = _advance(advance, step, state.count, old, hyper)
@@ -152,6 +143,15 @@ def leafwise(name: str, init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
     watched = {"also_watch": also_watch} if also_watch else {}  # a lowering watches them too
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper,
                   **watched)
+
+
+def _zeros(buffers: tuple[str, ...], buffer_shapes: Callable | None, p: Tensor) -> dict:
+    """The buffers of a rule without ``init_leaf``: zeros like ``p``, or of the shapes
+    ``buffer_shapes(p)`` gives (``()`` for None)."""
+    if buffer_shapes is None:
+        return {key: torch.zeros_like(p, memory_format=torch.preserve_format) for key in buffers}
+    return {key: () if shape is None else p.new_zeros(shape)
+            for key, shape in buffer_shapes(p).items()}
 
 
 def _advance(advance: Callable | None, step: Any, count: Tensor, old: dict[str, Any],
@@ -183,13 +183,13 @@ def _like(value: Any, old: Tensor) -> Tensor:
 
 
 def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
-                 same_dtype: bool = True, shape_of: Callable | None = None) -> list[Any]:
-    """The leaves of ``value`` (``()`` among them where ``shape_of`` gives None), refused
-    naming the first whose shape (``shape_of(g)``, else its update's) or dtype is not its
-    update's."""
+                 same_dtype: bool = True, shapes: tuple[Callable, str] | None = None) -> list[Any]:
+    """The leaves of ``value``, refused naming the first whose shape or dtype is not its
+    update's; with ``shapes = (buffer_shapes, key)``, whose shape is not
+    ``buffer_shapes(g)[key]`` (None: ``()``, a buffer that leaf keeps none of)."""
     leaves, value_spec = _flat.flatten(value)
     if value_spec != treespec:  # _flat's or _pytree's structures, or () leaves: compare
-        leaves, value_spec = _pytree.tree_flatten(value, is_leaf=_empty if shape_of else None)
+        leaves, value_spec = _pytree.tree_flatten(value, is_leaf=_empty if shapes else None)
         if value_spec != _pytree.tree_structure(_flat.unflatten(treespec, g_leaves)):
             if len(leaves) != len(g_leaves):
                 raise ValueError(
@@ -198,8 +198,9 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
             raise ValueError(f"{what} and the updates differ in structure; pass matching "
                              f"pytrees")
     for index, (leaf, g) in enumerate(zip(leaves, g_leaves, strict=True)):
-        if shape_of is not None:
-            got, want = (leaf.shape if isinstance(leaf, Tensor) else None), shape_of(g)
+        if shapes is not None:
+            got = leaf.shape if isinstance(leaf, Tensor) else None
+            want = shapes[0](g)[shapes[1]]
         elif not isinstance(leaf, Tensor):
             continue
         else:
