@@ -10,14 +10,14 @@ from typing import Any
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
 
-__all__ = ["LeafGroup", "group", "legacy_template"]
+__all__ = ["LeafGroup", "legacy_template"]
 
 
 class LeafGroup(dict):
     """A dict of one transformation's leaves, keyed by their names in the whole params.
 
     >>> import torch, minitrain as mt
-    >>> g = group([("w", torch.ones(2)), ("b", torch.zeros(1))])
+    >>> g = LeafGroup([("w", torch.ones(2)), ("b", torch.zeros(1))])
     >>> mt.tree.named_leaves(mt.tree.map(lambda t: t * 2, g))
     [('w', tensor([2., 2.])), ('b', tensor([0.]))]
     """
@@ -34,11 +34,6 @@ _pytree.register_pytree_node(
     flatten_with_keys_fn=lambda g: ([(_pytree.MappingKey(k), v) for k, v in g.items()],
                                     list(g.keys())),
 )
-
-
-def group(named: list[tuple[str, Any]]) -> LeafGroup:
-    """A :class:`LeafGroup` of ``(name, leaf)`` pairs, in their order."""
-    return LeafGroup(named)
 
 
 def legacy_template(template: Any, template_names: set[str], saved_names: list[str]) -> None:

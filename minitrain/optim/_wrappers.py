@@ -24,7 +24,7 @@ from minitrain.optim._checks import (
     updates_done,
     zero_count,
 )
-from minitrain.optim._groups import LeafGroup, group
+from minitrain.optim._groups import LeafGroup
 from minitrain.optim.base import (
     GradientTransformation,
     check_transformation,
@@ -43,7 +43,7 @@ __all__ = [
 
 def _select(named: list[tuple[str, Any]], leaves: list[Any], indices: list[int]) -> LeafGroup:
     """The ``leaves`` at ``indices``, keyed by their names in the whole params."""
-    return group([(named[i][0], leaves[i]) for i in indices])
+    return LeafGroup([(named[i][0], leaves[i]) for i in indices])
 
 
 def _route_init(params: Params, transforms: dict, pick: Callable) -> dict[Any, Any]:

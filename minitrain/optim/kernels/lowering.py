@@ -297,15 +297,11 @@ def _read(shape: Shape, state: tuple, rule_states: list) -> Read | None:
     done = [_number(c) if type(c) is Tensor and not c.is_meta else None for c in counts]
     if None in done or min(done) < 0 or any(d != int(d) for d in done):
         return None  # a hand-edited count, or one under vmap or grad: the chain
-    hyper = {}
-    for key, value in shape.hyper.items():
-        if isinstance(value, Tensor):
-            value = _number(value)
-            if value is None:
-                return None
-        elif isinstance(value, float) and type(value) is not float:
-            value = float(value)  # a subclass's __float__ is the caller's code: read it now
-        hyper[key] = value
+    # a float subclass's __float__ is the caller's code: read it now
+    numbers = {k: _number(v) for k, v in shape.hyper.items() if isinstance(v, Tensor | float)}
+    if None in numbers.values():
+        return None
+    hyper = {**shape.hyper, **numbers}
     wd = _number((shape.l2 or shape.decoupled or (0.0, None))[0])
     max_norm = None if shape.clip is None else _number(shape.clip)
     if wd is None or (shape.clip is not None and max_norm is None):
@@ -327,24 +323,25 @@ def _read(shape: Shape, state: tuple, rule_states: list) -> Read | None:
 
 
 def _advance(shape: Shape, rule_states: list, step: int):
-    """Per-step arguments and next scalars of a family rule that keeps scalars in its state."""
+    """Per-step arguments and next scalars of a family rule that keeps scalars in its state;
+    ``(None, None)`` where one, or a hyperparameter the state holds, is traced or needs grad."""
     rule = shape.hyper.get("rule")
-    if rule is not None and any(isinstance(v, Tensor) and _number(v) is None
-                                for v in rule.state_hyperparams):
-        return None, None  # a hyperparameter held in the state is traced or needs grad
-    if rule is None or not rule.scalars:
+    if rule is None:
+        return {}, {}
+    if any(isinstance(v, Tensor) and _number(v) is None for v in rule.state_hyperparams):
+        return None, None
+    if not rule.scalars:
         return {}, {}
     old = {key: _number(getattr(rule_states[0], key)) for key in rule.scalars}
-    if any(v is None for v in old.values()):
+    if None in old.values():
         return None, None
     new_scalars, per_step = rule.advance(step, **old)
     per_step = {k: _number(v) if isinstance(v, Tensor) else v for k, v in per_step.items()}
-    if any(v is None for v in (*per_step.values(), *new_scalars.values())) or any(
-            isinstance(v, Tensor) and _number(v) is None for v in new_scalars.values()):
+    new = {key: _number(new_scalars[key]) for key in rule.scalars}
+    if None in (*per_step.values(), *new.values()):
         return None, None
-    kept = {key: torch.as_tensor(float(new_scalars[key]), dtype=getattr(
-        rule_states[0], key).dtype, device="cpu") for key in rule.scalars}
-    return per_step, kept
+    return per_step, {key: torch.as_tensor(value, dtype=getattr(rule_states[0], key).dtype,
+                                           device="cpu") for key, value in new.items()}
 
 
 def _run(shape, groups, grads, state, params, donate):
@@ -364,8 +361,12 @@ def _run(shape, groups, grads, state, params, donate):
            for t in (*p_leaves, *g_leaves)):
         return None  # under vmap or grad, a subclass, or a differentiable update: the chain
     read = _read(shape, state, rule_states)
+    if read is not None and read.wd != 0 and structure not in groups:
+        # the mask is the caller's code too: read once per tree structure, before the checks
+        flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
+        groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
     if read is None or not streaming.quiet():
-        return None  # the caller's code (a subclass's value) may have entered a mode
+        return None  # the caller's code (a subclass's value, a mask) may have entered a mode
     buffers, fields = _buffers(shape, rule_states, read)
     use_c = all(p.dtype is torch.float32 for p in p_leaves) and streaming.available()
     if buffers is None or not use_c and (shape.rule.fused is None or any(
@@ -378,9 +379,6 @@ def _run(shape, groups, grads, state, params, donate):
         donate, found = False, pointers(rows)
     if found is None:
         return None
-    if read.wd != 0 and structure not in groups:  # the mask is read once per tree structure
-        flags = decay_flags((shape.l2 or shape.decoupled)[1], params)
-        groups[structure] = [[i for i, f in enumerate(flags) if f is on] for on in (True, False)]
     ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate,
                    use_c)
     if ran is None:

@@ -231,23 +231,26 @@ def update(rule: str, hyperparameters: Sequence[SupportsFloat],
     ``[params, *buffers]`` from ``slots``, ``[params, grads, *buffers]`` in ``_streaming.c``'s
     order (None for a buffer the rule does not use), into ``outputs(like)`` buffers or, where
     ``outputs`` is None (donation), into the params and buffers themselves."""
-    index = RULES[rule][0]
-    results = [s if s is None or outputs is None else outputs(s) for s in (slots[0], *slots[2:])]
-    rows = [*slots, *results]
-    if nontemporal is None:
-        nontemporal = outputs is not None and streams(slots[0], len(rows) - rows.count(None))
+    results, streaming_stores = _written(slots, outputs)
     torch.ops.minitrain.stream_update(
-        index, [float(v) for v in hyperparameters],
+        RULES[rule][0], [float(v) for v in hyperparameters],
         [t for row in slots if row is not None for t in row],
         [t for row in results if row is not None for t in row],
-        [int(row is not None) for row in rows], nontemporal)
+        [int(row is not None) for row in (*slots, *results)],
+        streaming_stores if nontemporal is None else nontemporal)
     return results
 
 
-def streams(params: list[Tensor], rows: int) -> bool:
-    """Whether a pure update of ``rows`` rows of float32 leaves like ``params`` writes with
-    streaming stores: from :data:`STREAMING_BYTES` touched on."""
-    return 4 * rows * sum(p.numel() for p in params) >= STREAMING_BYTES
+def _written(rows: Sequence[list[Tensor] | None],
+             outputs: Callable[[list[Tensor]], list[Tensor]] | None) -> tuple[list, bool]:
+    """The rows an update of ``rows`` writes (its params and buffers: into ``outputs``
+    buffers, else in place) and whether it writes them with streaming stores: a pure update
+    from :data:`STREAMING_BYTES` touched on."""
+    results = [row if row is None or outputs is None else outputs(row)
+               for row in (rows[0], *rows[2:])]
+    touched = len(rows) + len(results) - list(rows).count(None) - results.count(None)
+    return results, outputs is not None and \
+        4 * touched * sum(p.numel() for p in rows[0]) >= STREAMING_BYTES
 
 
 def launch(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
@@ -282,17 +285,13 @@ def run(rule: str, hyperparameters: Sequence[SupportsFloat], rows: list[list[Ten
     (``found``: their :func:`.checks.pointers` addresses) with no mode or compiler there to see
     the op: no dispatch, no second check of the inputs. Into ``outputs`` buffers (checked here;
     None where they do not fit) or, ``outputs`` None, in place."""
-    ps, written = rows[0], [rows[0], *rows[2:]]
-    if outputs is None:
-        results, addresses = written, [found[0], *found[2:]]
-    else:
-        results = [None if row is None else outputs(row) for row in written]
-        addresses = pointers(results, like=ps)  # every pointer handed to C is checked
-        if addresses is None:
-            return None
-    present = len(rows) + len(results) - rows.count(None) - results.count(None)
+    results, nontemporal = _written(rows, outputs)
+    # every pointer handed to C is checked
+    addresses = [found[0], *found[2:]] if outputs is None else pointers(results, like=rows[0])
+    if addresses is None:
+        return None
     launch(RULES[rule][0], [float(v) for v in hyperparameters], [*found, *addresses],
-           [p.numel() for p in ps], outputs is not None and streams(ps, present))
+           [p.numel() for p in rows[0]], nontemporal)
     if outputs is None:  # written in place: bump their versions, as an in-place op does
         torch.autograd.graph.increment_version([t for row in results if row is not None
                                                 for t in row])
