@@ -156,12 +156,6 @@ def yogi(lr: ScalarOrSchedule = 1e-2, b1: Scalar = 0.9, b2: Scalar = 0.999,
 # -- the trust ratio: LAMB (You et al. 2020) and LARS (You et al. 2017) -----------------------
 
 
-def _safe_norm(x: Tensor, min_norm: Any) -> Tensor:
-    """optax ``numerics.safe_norm``: ``||x||``, or ``min_norm`` where that is not above it."""
-    norm = torch.linalg.vector_norm(x)
-    return torch.where(norm <= min_norm, min_norm, norm)
-
-
 def scale_by_trust_ratio(min_norm: Scalar = 0.0, trust_coefficient: Scalar = 1.0,
                          eps: Scalar = 0.0) -> GradientTransformation:
     """Scale each leaf's update by ``trust_coefficient ||p|| / (||u|| + eps)`` (1 where either
@@ -175,7 +169,8 @@ def scale_by_trust_ratio(min_norm: Scalar = 0.0, trust_coefficient: Scalar = 1.0
     trust_coefficient = checked("trust_coefficient", trust_coefficient, 0.0)
 
     def scaled(u: Tensor, p: Tensor) -> Tensor:
-        p_norm, u_norm = _safe_norm(p, min_norm), _safe_norm(u, min_norm)
+        # optax numerics.safe_norm: ||x||, or min_norm where that is not above it
+        p_norm, u_norm = (torch.linalg.vector_norm(x).clamp(min=min_norm) for x in (p, u))
         ratio = trust_coefficient * p_norm / (u_norm + eps)
         return u * torch.where((p_norm == 0) | (u_norm == 0), 1.0, ratio).to(u.dtype)
 

@@ -47,6 +47,7 @@ from minitrain.optim.base import (
     tagged,
 )
 from minitrain.optim.leafwise import leafwise
+from minitrain.optim.schedules import _either
 from minitrain.tree import Grads, Params
 
 __all__ = [
@@ -62,8 +63,7 @@ def zeros(p: Tensor) -> Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def sqrt(value: Any) -> Any:
-    return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
+sqrt = _either(math.sqrt, torch.sqrt)
 
 
 def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
