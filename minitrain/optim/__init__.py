@@ -16,22 +16,13 @@ Where things live: ``base`` (transformations, ``chain``, ``as_optimizer``), ``tr
 0.0
 """
 
-from minitrain.optim import _family, _optax, _wrappers, base, schedules, transforms
+from minitrain.optim import _family, _muon, _optax, _privacy, _wrappers, base, schedules, transforms
 from minitrain.optim._adafactor import ScaleByAdafactorState, adafactor, scale_by_adafactor
 from minitrain.optim._family import *  # noqa: F403
-from minitrain.optim._muon import (
-    muon,
-    muon_momentum,
-    newton_schulz,
-    orthogonalize_by_newton_schulz,
-    scale_by_muon,
-)
+from minitrain.optim._muon import *  # noqa: F403
 from minitrain.optim._optax import *  # noqa: F403
 from minitrain.optim._plateau import ReduceLROnPlateauState, reduce_on_plateau
-from minitrain.optim._privacy import (
-    DifferentiallyPrivateAggregateState,
-    differentially_private_aggregate,
-)
+from minitrain.optim._privacy import *  # noqa: F403
 from minitrain.optim._wrappers import *  # noqa: F403
 from minitrain.optim.alias import adagrad, adam, adamw, rmsprop, sgd
 from minitrain.optim.base import *  # noqa: F403
@@ -50,7 +41,7 @@ __all__ = [
     *_wrappers.__all__,
     *_family.__all__,
     *_optax.__all__,
-    "differentially_private_aggregate", "DifferentiallyPrivateAggregateState",
+    *_privacy.__all__,
     "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",
-    "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
+    *_muon.__all__,
 ]

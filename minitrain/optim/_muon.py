@@ -27,8 +27,7 @@ from minitrain.optim.transforms import add_decayed_weights
 from minitrain.tree import Params
 
 __all__ = [
-    "muon", "scale_by_muon", "muon_momentum", "MuonMomentumState",
-    "orthogonalize_by_newton_schulz", "newton_schulz", "muon_lr_ratio",
+    "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
 ]
 
 Coefficients = tuple[Any, Any, Any]
