@@ -326,36 +326,25 @@ def test_linreg_two_ranks_match_one_and_resume_with_one(tmp_path):
     assert_close(params_at(resumed), params_at(one))
 
 
-def test_bytelm_through_torchrun_and_a_one_rank_checkpoint_resumed_with_two(
-    tmp_path, bytelm_data
-):
+def test_bytelm_through_torchrun_resumes_a_one_rank_checkpoint_with_two(tmp_path, bytelm_data):
+    # one launch checks both: torchrun's workers (--nproc's are checked on linreg) and a
+    # checkpoint that one rank wrote, trained on by two to where one rank ends
     overrides = {**BYTELM_SETS, "data_dir": str(bytelm_data)}
     one = tmp_path / "one"
     one_process(BYTELM, one, 16, overrides, checkpoint_every=8, keep=5)
 
-    via_torchrun = tmp_path / "torchrun"
-    proc = subprocess.run(
-        torchrun("--nproc-per-node", "2", "-m", "minitrain", "run", BYTELM, *sets(overrides),
-                 "--steps", "16", "--out", str(via_torchrun), "--no-report", "--json"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["ranks"] == 2
-    assert_close(params_at(via_torchrun), params_at(one))
-
     resumed = tmp_path / "one-then-two"
     copy_checkpoint(one, 8, resumed)
     proc = subprocess.run(
-        cli("run", BYTELM, *sets(overrides), "--steps", "16", "--out", str(resumed), "--resume",
-            "--nproc", "2", "--no-report", "--json"),
+        torchrun("--nproc-per-node", "2", "-m", "minitrain", "run", BYTELM, *sets(overrides),
+                 "--steps", "16", "--out", str(resumed), "--resume", "--no-report", "--json"),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["resumed_from"] == 8
+    summary = json.loads(proc.stdout)
+    assert summary["ranks"] == 2 and summary["resumed_from"] == 8
     assert_close(params_at(resumed), params_at(one))
 
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LINREG = str(ROOT / "examples" / "linreg.py")
 BYTELM = str(ROOT / "examples" / "bytelm.py")
 
-LINREG_ARGS = ["--steps", "3000", "--checkpoint-every", "50", "--log-every", "10"]
+LINREG_ARGS = ["--steps", "1000", "--checkpoint-every", "50", "--log-every", "5", "--no-report"]
 # A small byte-level model on a small prepared corpus: slow enough to kill mid-run, fast in CI.
 BYTELM_SETS = [
     "d_model=32",
@@ -31,7 +31,11 @@ BYTELM_SETS = [
     "eval_every=0",
     "eval_batches=2",
 ]
-BYTELM_ARGS = ["--steps", "120", "--checkpoint-every", "4", "--log-every", "2"]
+BYTELM_ARGS = ["--steps", "60", "--checkpoint-every", "4", "--log-every", "2", "--no-report"]
+
+
+# The ops are tiny: one intra-op thread is fastest, and far faster on a busy machine.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def cli(*args, cwd=None):
@@ -70,17 +74,19 @@ def kill_at_random_points(args, run_dir: Path, total: int, kills: int, seed: int
             cli(*args, "--out", str(run_dir), "--resume", "--json"),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=ONE_THREAD,
         )
         deadline = time.monotonic() + 120
         while proc.poll() is None and logged_steps(run_dir) < target:
             assert time.monotonic() < deadline, "run made no progress"
-            time.sleep(0.005)
+            time.sleep(0.01)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             killed += 1
         proc.wait()
     finish = subprocess.run(
-        cli(*args, "--out", str(run_dir), "--resume", "--json"), capture_output=True, text=True
+        cli(*args, "--out", str(run_dir), "--resume", "--json"), capture_output=True, text=True,
+        env=ONE_THREAD,
     )
     assert finish.returncode == 0, finish.stderr
     return killed
@@ -89,8 +95,8 @@ def kill_at_random_points(args, run_dir: Path, total: int, kills: int, seed: int
 @pytest.mark.parametrize(
     ("script", "args", "total"),
     [
-        (LINREG, LINREG_ARGS, 3000),
-        (BYTELM, [*BYTELM_ARGS, *sum((["--set", s] for s in BYTELM_SETS), [])], 120),
+        (LINREG, LINREG_ARGS, 1000),
+        (BYTELM, [*BYTELM_ARGS, *sum((["--set", s] for s in BYTELM_SETS), [])], 60),
     ],
     ids=["linreg", "bytelm"],
 )
@@ -102,10 +108,11 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, script, args, total, byte
         cli("run", script, *args, "--out", str(tmp_path / "ref"), "--json"),
         capture_output=True,
         text=True,
+        env=ONE_THREAD,
     )
     assert reference.returncode == 0, reference.stderr
-    killed = kill_at_random_points(["run", script, *args], tmp_path / "run", total, 5, seed=0)
-    assert killed >= 3  # most kills land mid-run
+    killed = kill_at_random_points(["run", script, *args], tmp_path / "run", total, 3, seed=0)
+    assert killed >= 2  # most kills land mid-run
     assert_bit_identical(final_params(tmp_path / "ref"), final_params(tmp_path / "run"))
     # The log reads as one uninterrupted run.
     ref_log = [(row["step"], row["loss"]) for row in read_metrics(tmp_path / "ref")]
@@ -223,6 +230,7 @@ def test_resident_memory_stays_flat_over_20000_steps(tmp_path):
         ),
         capture_output=True,
         text=True,
+        env=ONE_THREAD,
     )
     assert proc.returncode == 0, proc.stderr
     rows = read_metrics(run_dir)

@@ -62,7 +62,7 @@ def start(tmp_path, *args, env=None):
         [sys.executable, "-m", "minitrain", "run", script, "--out", tmp_path / "run", "--json",
          "--no-report", "--checkpoint-every", "2", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "MINITRAIN_STOP_GRACE": "3", **(env or {})},
+        env={**os.environ, "MINITRAIN_STOP_GRACE": "1", "OMP_NUM_THREADS": "1", **(env or {})},
     )
     deadline = time.monotonic() + 60
     while not Path(f"{script}.hung").exists():
@@ -103,7 +103,7 @@ def test_a_stuck_step_ends_with_130_naming_the_last_checkpoint(tmp_path, how, se
     line = next(line for line in err.splitlines() if line.startswith("error:"))
     assert latest_step(tmp_path / "run") in (2, 3)
     assert f"step-{latest_step(tmp_path / 'run'):08d}" in line, line
-    assert took < 3 + 5 + 10, f"took {took:.1f} s"  # grace + force delay + slack
+    assert took < 1 + 5 + 10, f"took {took:.1f} s"  # grace + force delay + slack
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 
 
@@ -165,7 +165,7 @@ def test_a_hung_rank_is_named_with_what_it_was_doing(tmp_path, how):
         [sys.executable, "-m", "minitrain", "run", script, "--nproc", "2", "--set", "rank=1",
          "--set", f"how={how}", "--set", "steps=20", "--no-report", "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
-        env={**os.environ, "MINITRAIN_DIST_TIMEOUT": "5"},
+        env={**os.environ, "MINITRAIN_DIST_TIMEOUT": "5", "MINITRAIN_STOP_GRACE": "1"},
     )
     assert done.returncode == 1, done.stderr
     check_clean(done.stderr, "rank 1 made no progress for", "in next_batch", script=script)
