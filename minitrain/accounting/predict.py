@@ -187,10 +187,8 @@ class StepPrediction(NamedTuple):
 
     def summary(self) -> dict[str, Any]:
         """The totals as plain JSON-serializable values (no tables)."""
-        keys = ("peak_bytes", "peak_phase", "peak_op", "peak_module", "memory", "saved",
-                "flops", "matmul_flops", "bytes", "unknown_ops", "hardware", "dtype",
-                "seconds_per_step", "mfu_bound", "fits")
-        return {key: getattr(self, key) for key in keys} | {
+        tables = ("saved_by_module", "per_module")
+        return {key: value for key, value in self._asdict().items() if key not in tables} | {
             "saved": [s._asdict() for s in self.saved], "unknown_ops": dict(self.unknown_ops)}
 
 
