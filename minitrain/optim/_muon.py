@@ -212,9 +212,8 @@ def _check_ns_arguments(ns_coefficients: Any, ns_steps: Any, eps: Any) -> tuple[
     if not isinstance(ns_coefficients, tuple | list) or len(ns_coefficients) != 3:
         shown = (f"{len(ns_coefficients)} values" if isinstance(ns_coefficients, tuple | list)
                  else f"a {type(ns_coefficients).__name__}")
-        raise ValueError(
-            f"invalid ns_coefficients: {shown}; pass three numbers or 0-d tensors (a, b, c)"
-        )
+        raise ValueError(f"invalid ns_coefficients: {shown}; pass three numbers or 0-d tensors "
+                         f"(a, b, c)")
     values = [checked(f"ns_coefficients[{i}]", v, -math.inf)
               for i, v in enumerate(ns_coefficients)] + [checked("eps", eps, 0.0)]
     a, b, c, eps = (v if isinstance(v, Tensor) else float(v) for v in values)

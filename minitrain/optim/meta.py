@@ -47,10 +47,8 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     (tensor(3.8400),)
     """
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise ValueError(
-            f"unroll needs an optimizer or gradient transformation (init, update), got "
-            f"{type(optimizer).__name__}"
-        )
+        raise ValueError(f"unroll needs an optimizer or gradient transformation (init, update), "
+                         f"got {type(optimizer).__name__}")
     if not callable(loss_fn):
         raise ValueError("unroll needs loss_fn(params, batch) -> 0-d tensor")
     params = _differentiable(params)

@@ -23,7 +23,7 @@ from minitrain.optim.base import Schedule
 
 __all__ = [
     "constant_schedule", "linear_warmup_schedule", "cosine_schedule", "exponential_decay",
-    "step_schedule", "multistep_schedule", "exponential_schedule", "cosine_annealing_schedule",
+    "step_schedule", "multistep_schedule", "cosine_annealing_schedule",
     "cosine_warm_restarts_schedule", "linear_schedule", "polynomial_schedule",
     "constant_factor_schedule", "one_cycle_schedule", "cyclic_schedule", "sequential_schedule",
 ]
@@ -112,7 +112,8 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
 
 
 def step_schedule(init_value: Value, step_size: int, gamma: Value = 0.1) -> Schedule:
-    """Multiply the lr by ``gamma`` every ``step_size`` steps (``torch.optim.lr_scheduler.StepLR``).
+    """Multiply the lr by ``gamma`` every ``step_size`` steps (``torch.optim.lr_scheduler.StepLR``;
+    ``step_size=1`` is ``ExponentialLR``).
 
     >>> schedule = step_schedule(1.0, step_size=2, gamma=0.5)
     >>> [schedule(step) for step in range(5)]
@@ -137,16 +138,6 @@ def multistep_schedule(init_value: Value, milestones: Sequence[int],
     bounds = sorted(_check_steps("milestones", milestones))
     # torch MultiStepLR._get_closed_form_lr: base_lr * gamma ** bisect_right(milestones, epoch)
     return _tensor_friendly(lambda t: _decay(init_value, gamma, _passed(t, bounds)))
-
-
-def exponential_schedule(init_value: Value, gamma: Value) -> Schedule:
-    """Multiply the lr by ``gamma`` every step (``torch.optim.lr_scheduler.ExponentialLR``).
-
-    >>> schedule = exponential_schedule(1.0, gamma=0.5)
-    >>> [schedule(step) for step in range(4)]
-    [1.0, 0.5, 0.25, 0.125]
-    """
-    return step_schedule(init_value, 1, gamma)
 
 
 def cosine_annealing_schedule(init_value: Value, T_max: int, eta_min: Value = 0.0) -> Schedule:
@@ -361,7 +352,7 @@ def sequential_schedule(schedules: Sequence[Schedule], milestones: Sequence[int]
     (``torch.optim.lr_scheduler.SequentialLR``).
 
     >>> warmup = linear_schedule(1.0, start_factor=0.5, total_iters=2)
-    >>> decay = exponential_schedule(1.0, gamma=0.5)
+    >>> decay = step_schedule(1.0, 1, gamma=0.5)
     >>> schedule = sequential_schedule([warmup, decay], milestones=[3])
     >>> [schedule(step) for step in range(6)]
     [0.5, 0.75, 1.0, 1.0, 0.5, 0.25]

@@ -39,7 +39,7 @@ OPTIMIZERS = {
     "rmsprop": lambda lr, wd: mt.optim.rmsprop(lr=lr, momentum=0.5, weight_decay=wd),
     "adagrad": lambda lr, wd: mt.optim.adagrad(lr=lr, weight_decay=wd),
     "sgd-schedule": lambda lr, wd: mt.optim.sgd(
-        lr=mt.optim.exponential_schedule(lr, gamma=0.7), weight_decay=wd),
+        lr=mt.optim.step_schedule(lr, 1, gamma=0.7), weight_decay=wd),
     "chain": lambda lr, wd: mt.optim.chain(
         mt.optim.scale_by_adam(), mt.optim.add_decayed_weights(wd),
         mt.optim.scale_by_learning_rate(lr)),

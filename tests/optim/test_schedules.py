@@ -58,7 +58,7 @@ CASES = {
     "MultiStepLR": (lambda o: lr_scheduler.MultiStepLR(o, milestones=[3, 7, 7, 12], gamma=0.3),
                     S.multistep_schedule(0.5, milestones=[7, 3, 7, 12], gamma=0.3), 0.5),
     "ExponentialLR": (lambda o: lr_scheduler.ExponentialLR(o, gamma=0.9),
-                      S.exponential_schedule(0.5, gamma=0.9), 0.5),
+                      S.step_schedule(0.5, 1, gamma=0.9), 0.5),
     "CosineAnnealingLR": (lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=0.01),
                           S.cosine_annealing_schedule(0.5, T_max=7, eta_min=0.01), 0.5),
     "CosineAnnealingWarmRestarts": (
@@ -99,7 +99,7 @@ CASES = {
         S.sequential_schedule([
             S.linear_schedule(0.5, start_factor=0.2, total_iters=4),
             S.cosine_annealing_schedule(0.5, T_max=10, eta_min=0.05),
-            S.exponential_schedule(0.5, gamma=0.8),
+            S.step_schedule(0.5, 1, gamma=0.8),
         ], milestones=[5, 15]), 0.5),
 }
 
@@ -161,7 +161,7 @@ def test_step_family_matches_torch(lr, step_size, gamma, milestones):
                    torch_lrs(lambda o: lr_scheduler.StepLR(o, step_size, gamma), STEPS, lr))
     assert_matches(S.multistep_schedule(lr, milestones, gamma),
                    torch_lrs(lambda o: lr_scheduler.MultiStepLR(o, milestones, gamma), STEPS, lr))
-    assert_matches(S.exponential_schedule(lr, gamma),
+    assert_matches(S.step_schedule(lr, 1, gamma),
                    torch_lrs(lambda o: lr_scheduler.ExponentialLR(o, gamma), STEPS, lr))
 
 
@@ -258,7 +258,7 @@ def test_a_tensor_hyperparameter_gives_a_tensor_lr_with_its_gradient():
 
 @pytest.mark.parametrize(("build", "name"), [
     (lambda: S.multistep_schedule(1.0, [3, -1]), "milestones"),
-    (lambda: S.exponential_schedule(1.0, gamma=-0.5), "gamma"),
+    (lambda: S.step_schedule(1.0, 1, gamma=-0.5), "gamma"),
     (lambda: S.cosine_annealing_schedule(1.0, T_max=0), "T_max"),
     (lambda: S.cosine_warm_restarts_schedule(1.0, T_0=2, T_mult=0), "T_mult"),
     (lambda: S.linear_schedule(1.0, start_factor=0.0), "start_factor"),
@@ -272,7 +272,7 @@ def test_a_tensor_hyperparameter_gives_a_tensor_lr_with_its_gradient():
     (lambda: S.sequential_schedule([S.constant_schedule(1.0)] * 2, [4, 5]), "milestones"),
     (lambda: S.sequential_schedule([S.constant_schedule(1.0)] * 3, [5, 4]), "milestones"),
     (lambda: S.one_cycle_schedule(1.0, total_steps=4)(5), "total_steps"),
-    (lambda: S.exponential_schedule(1.0, gamma=0.5)(-1), "step"),
+    (lambda: S.step_schedule(1.0, 1, gamma=0.5)(-1), "step"),
 ])
 def test_bad_arguments_are_one_line_errors_naming_the_argument(build, name):
     with pytest.raises(ValueError, match=name) as info:

@@ -148,7 +148,7 @@ def test_constant_factor_refuses_factor_zero_which_torch_divides_by():
 
 
 @pytest.mark.parametrize(("make", "schedule"), [
-    (lambda o: lr_scheduler.ExponentialLR(o, gamma=1.5), S.exponential_schedule(0.5, 1.5)),
+    (lambda o: lr_scheduler.ExponentialLR(o, gamma=1.5), S.step_schedule(0.5, 1, 1.5)),
     (lambda o: lr_scheduler.StepLR(o, step_size=2, gamma=3.0), S.step_schedule(0.5, 2, 3.0)),
 ], ids=["ExponentialLR", "StepLR"])
 def test_growth_past_the_float_range_gives_inf_like_torch(make, schedule):
@@ -182,7 +182,7 @@ def test_triangular2_runs_past_1025_cycles_where_torch_overflows():
 TORCH_FAMILY = {
     "step": lambda: S.step_schedule(0.5, 3, 0.5),
     "multistep": lambda: S.multistep_schedule(0.5, [2, 5], 0.5),
-    "exponential": lambda: S.exponential_schedule(0.5, 0.9),
+    "exponential": lambda: S.step_schedule(0.5, 1, 0.9),
     "cosine_annealing": lambda: S.cosine_annealing_schedule(0.5, 7),
     "warm_restarts": lambda: S.cosine_warm_restarts_schedule(0.5, 3, 2),
     "linear": lambda: S.linear_schedule(0.5, 0.2, 1.0, 6),
@@ -191,7 +191,7 @@ TORCH_FAMILY = {
     "one_cycle": lambda: S.one_cycle_schedule(0.5, 40, three_phase=True),
     "cyclic": lambda: S.cyclic_schedule(0.01, 0.5, 4, mode="exp_range", gamma=0.9),
     "sequential": lambda: S.sequential_schedule(
-        [S.constant_schedule(0.5), S.exponential_schedule(0.5, 0.9)], [4]),
+        [S.constant_schedule(0.5), S.step_schedule(0.5, 1, 0.9)], [4]),
 }
 
 
@@ -240,7 +240,7 @@ def test_grad_of_the_lr_through_a_tensor_step(name):
     builders = {
         "step": lambda lr: S.step_schedule(lr, 3, 0.5),
         "multistep": lambda lr: S.multistep_schedule(lr, [2, 5], 0.5),
-        "exponential": lambda lr: S.exponential_schedule(lr, 0.9),
+        "exponential": lambda lr: S.step_schedule(lr, 1, 0.9),
         "cosine_annealing": lambda lr: S.cosine_annealing_schedule(lr, 7),
         "warm_restarts": lambda lr: S.cosine_warm_restarts_schedule(lr, 3, 2),
         "linear": lambda lr: S.linear_schedule(lr, 0.2, 1.0, 6),
@@ -248,7 +248,7 @@ def test_grad_of_the_lr_through_a_tensor_step(name):
         "constant_factor": lambda lr: S.constant_factor_schedule(lr, 0.5, 4),
         "one_cycle": lambda lr: S.one_cycle_schedule(lr, 40, three_phase=True),
         "sequential": lambda lr: S.sequential_schedule(
-            [S.linear_schedule(lr, 0.5, 1.0, 3), S.exponential_schedule(lr, 0.9)], [4]),
+            [S.linear_schedule(lr, 0.5, 1.0, 3), S.step_schedule(lr, 1, 0.9)], [4]),
     }
     lr = torch.tensor(0.5, dtype=torch.float64)
     steps = torch.arange(40)
@@ -296,7 +296,7 @@ GUARDS = {
     "LinearLR-to-0": (lambda o: lr_scheduler.LinearLR(o, 1.0, 0.0, 3),
                       S.linear_schedule(0.5, 1.0, 0.0, 3)),
     "ExponentialLR-gamma-0": (lambda o: lr_scheduler.ExponentialLR(o, 0.0),
-                              S.exponential_schedule(0.5, 0.0)),
+                              S.step_schedule(0.5, 1, 0.0)),
     "MultiStepLR-milestone-0-repeated": (
         lambda o: lr_scheduler.MultiStepLR(o, [0, 0, 4, 4, 4], 0.5),
         S.multistep_schedule(0.5, [4, 0, 4, 0, 4], 0.5)),
@@ -304,12 +304,12 @@ GUARDS = {
         lambda o: lr_scheduler.SequentialLR(o, [
             lr_scheduler.ExponentialLR(o, 0.9), lr_scheduler.StepLR(o, 2, 0.5),
             lr_scheduler.CosineAnnealingLR(o, 4, 0.1)], [5, 5]),
-        S.sequential_schedule([S.exponential_schedule(0.5, 0.9), S.step_schedule(0.5, 2, 0.5),
+        S.sequential_schedule([S.step_schedule(0.5, 1, 0.9), S.step_schedule(0.5, 2, 0.5),
                                S.cosine_annealing_schedule(0.5, 4, 0.1)], [5, 5])),
     "SequentialLR-milestone-0": (
         lambda o: lr_scheduler.SequentialLR(o, [
             lr_scheduler.ExponentialLR(o, 0.9), lr_scheduler.StepLR(o, 2, 0.5)], [0]),
-        S.sequential_schedule([S.exponential_schedule(0.5, 0.9), S.step_schedule(0.5, 2, 0.5)],
+        S.sequential_schedule([S.step_schedule(0.5, 1, 0.9), S.step_schedule(0.5, 2, 0.5)],
                               [0])),
     "SequentialLR-warm-restarts-later": (
         lambda o: lr_scheduler.SequentialLR(o, [
@@ -336,7 +336,7 @@ def test_regression_guard_nested_sequential_equals_the_flat_torch_schedule():
             lr_scheduler.StepLR(o, 2, 0.5)], [3, 8])
 
     inner = S.sequential_schedule([S.linear_schedule(0.5, 0.5, 1.0, 2),
-                                   S.exponential_schedule(0.5, 0.8)], [3])
+                                   S.step_schedule(0.5, 1, 0.8)], [3])
     assert_matches(S.sequential_schedule([inner, S.step_schedule(0.5, 2, 0.5)], [8]),
                    torch_lrs(make, 30, lr=0.5))
 

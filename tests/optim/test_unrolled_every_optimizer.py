@@ -57,7 +57,7 @@ def _chain(lr, max_norm, beta1, beta2, eps, weight_decay, gamma):
     return optim.chain(
         optim.clip_by_global_norm(max_norm), optim.scale_by_adam(beta1, beta2, eps=eps),
         optim.add_decayed_weights(weight_decay),
-        optim.scale_by_learning_rate(optim.exponential_schedule(lr, gamma=gamma)))
+        optim.scale_by_learning_rate(optim.step_schedule(lr, 1, gamma=gamma)))
 
 
 def _adamw_chain(lr, weight_decay, b1=0.9, b2=0.99):
