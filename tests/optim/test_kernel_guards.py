@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
-from minitrain.optim.kernels import streaming
+from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
 needs_kernels = pytest.mark.skipif(
@@ -156,7 +156,7 @@ def test_the_op_refuses_a_grad_its_kernel_cannot_address(grad):
     params = [torch.ones(4)]
     with pytest.raises(ValueError, match="streaming update"):
         streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], [params, [HOSTILE_GRADS[grad]()], None],
-                         streaming.fresh)
+                         pool.current())
     assert torch.equal(params[0], torch.ones(4))
 
 
@@ -338,7 +338,7 @@ def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
 
 FOREIGN_OPENMP = """
 import torch
-from minitrain.optim.kernels import streaming
+from minitrain.optim.kernels import pool, streaming
 real, built, loads = streaming._openmp_runtimes, [], []
 def runtimes():  # the first library loaded brings a second OpenMP runtime in
     loads.append(1)
@@ -350,7 +350,7 @@ streaming._build = lambda cc, flags: built.append(flags) or build(cc, flags)
 assert streaming.available()
 assert "-fopenmp" in built[0] and "-fopenmp" not in built[-1], built
 slots = [[torch.ones(4)], [torch.ones(4)], None]
-new, _ = streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], slots, streaming.fresh)
+new, _ = streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], slots, pool.current())
 assert torch.equal(new[0], torch.full((4,), 0.5))
 print("without openmp")
 """

@@ -12,7 +12,7 @@ pointer reaches C (:func:`.checks.pointers`). ``MINITRAIN_STREAMING=0`` turns th
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
 >>> if usable([*params, *grads]):
-...     new_params, _ = update("sgd", hp, [params, grads, None], fresh)
+...     new_params, _ = update("sgd", hp, [params, grads, None], lambda r: [t.clone() for t in r])
 ... else:  # no C compiler here: the same result by hand
 ...     new_params = [params[0] - 0.5 * grads[0]]
 >>> new_params[0], params[0]
@@ -40,7 +40,7 @@ from torch import Tensor
 from minitrain import _torch
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["RULES", "BuildError", "available", "decode_div", "fresh", "launch", "norm", "quiet",
+__all__ = ["RULES", "BuildError", "available", "decode_div", "launch", "norm", "quiet",
            "run", "sums_of_squares", "update", "usable"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
@@ -183,11 +183,6 @@ def _loaded() -> ctypes.CDLL:
     if library is None:
         raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
     return library
-
-
-def fresh(like: list[Tensor]) -> list[Tensor]:
-    """New uninitialized buffers shaped like ``like`` (optimizers pass a recycling pool)."""
-    return [torch.empty_like(t) for t in like]
 
 
 def available() -> bool:
