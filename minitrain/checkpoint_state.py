@@ -195,9 +195,10 @@ def rebuild(
     except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
     template_names = {name for name, _ in tree.named_leaves(template)}
-    legacy = groups.legacy_template(template, template_names, [*tensors, *scalars])
-    if legacy is not None:
-        return groups.like(template, rebuild(legacy, blob, scalars, label))
+    try:
+        groups.refuse_list_groups(template, template_names, [*tensors, *scalars])
+    except ValueError as exc:
+        raise CheckpointError(f"{label}: {exc}") from None
     for name in [*tensors, *scalars]:
         if name not in template_names:
             raise CheckpointError(

@@ -10,7 +10,7 @@ from typing import Any
 from minitrain import tree
 from minitrain._torch import pytree as _pytree
 
-__all__ = ["LeafGroup", "legacy_template"]
+__all__ = ["LeafGroup", "refuse_list_groups"]
 
 
 class LeafGroup(dict):
@@ -36,7 +36,7 @@ _pytree.register_pytree_node(
 )
 
 
-def legacy_template(template: Any, template_names: set[str], saved_names: list[str]) -> None:
+def refuse_list_groups(template: Any, template_names: set[str], saved_names: list[str]) -> None:
     """``ValueError`` where ``saved_names`` are those of ``template`` (whose leaves are
     ``template_names``) with each :class:`LeafGroup` a list (``inner_states.adam.mu.0``): a
     checkpoint saved when groups were lists."""
