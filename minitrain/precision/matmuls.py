@@ -24,7 +24,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -156,30 +155,19 @@ def quantize_operand(
         return _along_last(x, fmt, dim)
     if scale is None:
         scale = amax_to_scale(_amax(x), fmt)
-    codes = _fp8_codes(x * scale, fmt)
-    decoded = _decode_div(codes, fmt, scale)
-    return codes.float() / scale if decoded is None else decoded
+    return _decode(_fp8_codes(x * scale, fmt)) / scale
 
 
-_FAST_DECODE_MIN = 16384  # elements: below, the kernel call costs more than torch's cast
+def _decode(codes: torch.Tensor) -> torch.Tensor:
+    """``codes.float()`` for fp8 ``codes``, bit for bit, as a lookup in the format's 256-entry
+    table (torch's fp8 cast is a scalar loop on the CPU, about 1.5x slower).
 
-
-def _decode_div(codes: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor | None:
-    """``codes.float() / scale`` by the streaming kernels' table lookup, bit for bit (torch's
-    fp8 cast is a slow scalar loop), or None where torch's ops must run: small tensors, under a
-    torch.func transform, and what :func:`streaming.decode_div` refuses."""
-    wrapped = _torch.is_functorch_wrapped_tensor
-    if codes.numel() < _FAST_DECODE_MIN or wrapped(codes) or wrapped(scale):
-        return None
-    from minitrain.optim.kernels import streaming
-
-    return streaming.decode_div(codes, _decode_table(fmt), scale)
-
-
-@functools.cache
-def _decode_table(fmt: str) -> torch.Tensor:
-    """The float32 value of each of the format's 256 codes (torch's own cast)."""
-    return torch.arange(256, dtype=torch.uint8).view(_TORCH_FP8[fmt]).float()
+    >>> _decode(torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn))
+    tensor([  1.,  -2., 448.])
+    """
+    table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(codes.dtype).float()
+    index = codes.view(torch.uint8).reshape(-1).int()
+    return table.index_select(0, index).view(codes.shape)
 
 
 def scaled_mm_operands(

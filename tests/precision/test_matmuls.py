@@ -200,7 +200,7 @@ def test_scaled_mm_gemms_are_built_from_the_same_fp8_codes():
 
 
 # --------------------------------------------------------------------------------------------
-# The fp8 -> float32 decode through the streaming kernels' table, against torch's cast
+# The fp8 -> float32 decode through the format's table, against torch's cast
 
 
 def _same_bits(a, b):
@@ -211,55 +211,28 @@ def _same_bits(a, b):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), fmt=st.sampled_from(["fp8_e4m3", "fp8_e5m2"]),
-       magnitude=st.integers(-30, 30), scale_magnitude=st.integers(-20, 20))
-def test_fast_decode_is_torchs_cast_and_div_bit_for_bit(seed, fmt, magnitude, scale_magnitude):
-    from minitrain.optim.kernels import streaming
-
-    assert streaming.available()  # CI builds the kernels (MINITRAIN_STREAMING=require)
+       magnitude=st.integers(-30, 30))
+def test_the_table_decode_is_torchs_cast_bit_for_bit(seed, fmt, magnitude):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(129, 257, generator=g) * 2.0**magnitude
     x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45])
-    scale = torch.rand(1, generator=g) * 2.0**scale_magnitude
     top = matmuls.spec(fmt).max
-    codes = (x * scale).clamp(-top, top).to(matmuls._TORCH_FP8[fmt])
-    fast = matmuls._decode_div(codes, fmt, scale)
-    assert fast is not None and _same_bits(fast, codes.float() / scale)
+    codes = x.clamp(-top, top).to(matmuls._TORCH_FP8[fmt])
+    assert _same_bits(matmuls._decode(codes), codes.float())
 
 
-def test_fast_decode_steps_aside_for_counters_fake_tensors_and_vmap():
+def test_the_table_decode_runs_under_counters_fake_tensors_vmap_and_compile():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    codes = torch.randn(256, 256).to(torch.float8_e4m3fn)
-    scale = torch.tensor([2.0])
-    with mt.accounting.Counter():
-        assert matmuls._decode_div(codes, "fp8_e4m3", scale) is None  # its ops must be counted
+    codes = torch.randn(4, 64, 256).to(torch.float8_e4m3fn)
+    with mt.accounting.Counter() as counter:
+        assert torch.equal(matmuls._decode(codes), codes.float())
+    assert counter.records  # its ops are counted
     with FakeTensorMode() as fake:
-        assert matmuls._decode_div(fake.from_tensor(codes), "fp8_e4m3", scale) is None
-    seen = []
-    torch.func.vmap(lambda c: seen.append(matmuls._decode_div(c, "fp8_e4m3", scale)) or c.float())(
-        codes.float().reshape(4, 64, 256).to(torch.float8_e4m3fn))
-    assert seen == [None]
-
-
-def test_a_simulated_fp8_step_with_the_fast_decode_equals_torchs_ops(monkeypatch):
-    g = torch.Generator().manual_seed(5)
-    a, b = torch.randn(64, 512, generator=g) * 30, torch.randn(512, 96, generator=g) / 7
-    history = precision.init_state(precision.recipe("fp8"), 1)[0]
-    history[:, 0] = torch.tensor([50.0, 0.5, 0.01])
-
-    def grads():
-        return torch.func.grad(
-            lambda a, b: (precision.matmul(a, b, "fp8", history) ** 2).sum(), argnums=(0, 1)
-        )(a, b)
-
-    fast = mt.value_and_grad(lambda a, b: (precision.matmul(a, b, "fp8", history) ** 2).sum(),
-                             argnums=(0, 1))(a, b)
-    monkeypatch.setattr(matmuls, "_FAST_DECODE_MIN", 2**62)
-    slow = mt.value_and_grad(lambda a, b: (precision.matmul(a, b, "fp8", history) ** 2).sum(),
-                             argnums=(0, 1))(a, b)
-    assert _same_bits(fast[0], slow[0])
-    assert all(_same_bits(x, y) for x, y in zip(fast[1], slow[1], strict=True))
-    assert all(_same_bits(x, y) for x, y in zip(grads(), slow[1], strict=True))
+        assert matmuls._decode(fake.from_tensor(codes)).shape == codes.shape
+    assert torch.equal(torch.func.vmap(matmuls._decode)(codes), codes.float())
+    compiled = torch.compile(matmuls._decode, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(codes), codes.float())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -550,18 +550,3 @@ int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_le
     free(c.first);
     return 0;
 }
-
-/* minitrain_decode_div: out[i] = table[codes[i]] / scale. A simulated fp8 GEMM operand back
-   in float32: each one-byte code through its format's 256-entry table (exact), divided by the
-   per-tensor scale (IEEE float division, as torch's CPU div). torch's own fp8 -> float32 cast
-   is a scalar loop several times slower. Returns 0. */
-int minitrain_decode_div(const uint8_t *codes, const float *table, float scale, float *out,
-                         int64_t n, int n_threads) {
-    if (n_threads < 1 || (int64_t)n_threads * 65536 > n) n_threads = 1;
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-#endif
-    for (int64_t i = 0; i < n; i++) out[i] = table[codes[i]] / scale;
-    (void)n_threads;
-    return 0;
-}

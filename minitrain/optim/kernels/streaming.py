@@ -1,13 +1,13 @@
-"""One-pass CPU updates with streaming stores, registered as torch custom ops.
+"""One-pass CPU updates with streaming stores, registered as a torch custom op.
 
 A pure update built on torch's in-place fused kernels copies params and state first: two passes
 over memory. One pass into fresh buffers with non-temporal stores (which aten and inductor do
 not emit) skips even the read for ownership of each output line. ``_streaming.c`` (the rules of
 the torch.optim family) is built with the system C compiler on first use, cached (verified by
-size and sha256 before loading) and exposed as the ops ``minitrain::stream_update`` and
-``minitrain::decode_div``, each with a fake implementation. Every tensor is checked before its
-pointer reaches C (:func:`.checks.pointers`). ``MINITRAIN_STREAMING=0`` turns the kernels off,
-``=require`` turns a failed build into a :class:`BuildError` that shows the compiler's output.
+size and sha256 before loading) and exposed as the op ``minitrain::stream_update``, with a fake
+implementation. Every tensor is checked before its pointer reaches C
+(:func:`.checks.pointers`). ``MINITRAIN_STREAMING=0`` turns the kernels off, ``=require`` turns
+a failed build into a :class:`BuildError` that shows the compiler's output.
 
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
@@ -40,7 +40,7 @@ from torch import Tensor
 from minitrain import _torch
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["RULES", "BuildError", "available", "decode_div", "launch", "norm", "quiet",
+__all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet",
            "run", "sums_of_squares", "update", "usable"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
@@ -171,8 +171,7 @@ def _library() -> ctypes.CDLL | None:
         return None  # no compiler, a failed build or load: torch's fused kernels stay
     c_int, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     for name, args in (("minitrain_update", [c_int, ptr, ptr, ptr, i64, i64, c_int, c_int]),
-                       ("minitrain_sumsq", [ptr, ptr, i64, c_int, ptr]),
-                       ("minitrain_decode_div", [ptr, ptr, ctypes.c_float, ptr, i64, c_int])):
+                       ("minitrain_sumsq", [ptr, ptr, i64, c_int, ptr])):
         getattr(library, name).restype = c_int
         getattr(library, name).argtypes = args
     return library
@@ -341,58 +340,3 @@ def norm(squares: Tensor, sizes: list[int]) -> Tensor:
     single = torch.tensor([n == 1 for n in sizes], device="cpu")
     leaf_norms = torch.where(single, squares.sqrt(), squares.to(torch.float32).sqrt())
     return torch.linalg.vector_norm(leaf_norms.to(torch.float32), 2)
-
-
-def decode_div(codes: Tensor, table: Tensor, scale: float | Tensor) -> Tensor | None:
-    """``table[codes] / scale`` in float32 for a contiguous CPU tensor of one-byte fp8 codes
-    (``torch.float8_*`` or ``uint8``) and its format's 256-entry float32 ``table``: what
-    ``codes.float() / scale`` gives, bit for bit, in one threaded pass. None when the kernels
-    are not available, a ``TorchDispatchMode`` is active, or ``codes`` is not such a tensor:
-    the caller takes torch's ops.
-
-    >>> codes = torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
-    >>> table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    >>> out = decode_div(codes, table, 2.0)
-    >>> (out if out is not None else codes.float() / 2.0).tolist()
-    [0.5, -1.0, 224.0]
-    """
-    if isinstance(scale, Tensor) and (type(scale) is not Tensor or scale.numel() != 1
-                                      or scale.device.type != "cpu"):
-        return None
-    if (_library() is None or _torch.get_current_dispatch_mode() is not None
-            or type(codes) is not Tensor or type(table) is not Tensor):
-        return None
-    divisor = float(scale)  # the caller's code, before the checks
-    if not _decodable(codes, table):
-        return None
-    return torch.ops.minitrain.decode_div(codes, table, divisor)
-
-
-def _decodable(codes: Tensor, table: Tensor) -> bool:
-    """One-byte integer or fp8 codes and a 256-entry float32 table, both plain contiguous CPU
-    tensors whose storages hold them."""
-    return (codes.element_size() == 1 and table.dtype is torch.float32
-            and table.numel() == 256 and pointers([[codes]]) is not None
-            and pointers([[table]]) is not None
-            and (not codes.is_floating_point()
-                 or codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)))
-
-
-@torch.library.custom_op("minitrain::decode_div", mutates_args=(), device_types="cpu",
-                         schema="(Tensor codes, Tensor table, float scale) -> Tensor")
-def _decode_div(codes: Tensor, table: Tensor, scale: float) -> Tensor:
-    if not _decodable(codes, table):
-        raise ValueError("decode_div takes contiguous one-byte CPU codes and a 256-entry "
-                         "float32 table")
-    out = torch.empty(codes.shape, dtype=torch.float32, device="cpu")
-    status = _loaded().minitrain_decode_div(
-        codes.data_ptr(), table.data_ptr(), scale, out.data_ptr(), codes.numel(),
-        max(1, torch.get_num_threads()))
-    if status != 0:
-        raise RuntimeError(f"streaming fp8 decode failed with status {status}")
-    return out
-
-
-@_decode_div.register_fake
-def _(codes, table, scale):
-    return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
