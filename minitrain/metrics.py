@@ -216,7 +216,8 @@ def plot(
     out_png: str | os.PathLike | None = None,
     keys: tuple[str, ...] | None = None,
 ) -> Path:
-    """Draw the loss curves of one run or several (overlaid) to a PNG; return its path.
+    """Draw the loss curves of one run or several (overlaid) to a PNG; return its path. A
+    sweep's run (records with a ``member``) gives a curve per member.
 
     ``keys`` defaults to ``loss`` and every ``val*``/``eval*`` series; the PNG goes to
     ``out_png`` or ``run_dir/loss.png``. Needs matplotlib (the ``plot`` extra).
@@ -242,33 +243,46 @@ def plot(
     if keys is None:
         found = {key for records in runs for record in records for key in record}
         keys = ("loss", *sorted(k for k in found if k.startswith(("val", "eval"))))
-    curves = []
-    for path, records in zip(run_dirs, runs, strict=True):
-        series = {key: [(r["step"], r[key]) for r in records
-                        if isinstance(r.get(key), Real) and not isinstance(r[key], bool)]
-                  for key in keys}
-        series = {key: tuple(zip(*points, strict=True)) for key, points in series.items() if points}
-        if not series:
-            raise MetricsError(
-                f"{_metrics_path(path)} has no numeric values for {', '.join(keys)}; nothing to "
-                "plot"
-            )
-        curves.append(series)
     out = Path(out_png) if out_png is not None else run_dirs[0] / PLOT_FILE
     if out.suffix.lower() != ".png":
         raise MetricsError(f"the plot is written as PNG; give a path ending in .png, not {out}")
+    # each run by its directory's name, or by its path where two share a name
     names = [path.resolve().name or str(path) for path in run_dirs]
+    if len(set(names)) < len(names):
+        names = [str(path) for path in run_dirs]
+    curves, labels = [], []
+    for path, name, records in zip(run_dirs, names, runs, strict=True):
+        for label, group in _members(name if len(run_dirs) > 1 else "", records):
+            series = {key: [(r["step"], r[key]) for r in group
+                            if isinstance(r.get(key), Real) and not isinstance(r[key], bool)]
+                      for key in keys}
+            series = {key: tuple(zip(*points, strict=True)) for key, points in series.items()
+                      if points}
+            if not series:
+                raise MetricsError(f"{_metrics_path(path)} has no numeric values for "
+                                   f"{', '.join(keys)}; nothing to plot")
+            curves.append(series)
+            labels.append(label)
     parents = {path.resolve().parent for path in run_dirs}
     if len(run_dirs) == 1:
-        labels, title = None, names[0]
-    else:  # each run by its directory's name, or by its path where two share a name
-        labels = names if len(set(names)) == len(names) else [str(p) for p in run_dirs]
+        title = names[0]
+    else:
         title = next(iter(parents)).name if len(parents) == 1 else f"{len(run_dirs)} runs"
     buffer = io.BytesIO()
-    _figure(curves, labels, title).savefig(buffer, format="png", dpi=120)
+    _figure(curves, labels if len(curves) > 1 else None, title).savefig(buffer, format="png",
+                                                                      dpi=120)
     with storage_errors(out, "write the plot to", mkdir=True):
         out.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(out, buffer.getvalue(), "write the plot to")
+
+
+def _members(name: str, records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """``[(label, records)]``: a run's records, or a sweep's split by their ``member``."""
+    members = sorted({r["member"] for r in records if isinstance(r.get("member"), int)})
+    if not members:
+        return [(name, records)]
+    return [(f"{name} member {m}".strip(), [r for r in records if r.get("member") == m])
+            for m in members]
 
 
 _LINESTYLES = ("-", "--", ":", "-.")

@@ -32,7 +32,7 @@ def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
 
     Several RUN_DIRS overlay their curves in one PNG, labelled by directory name, e.g.
     minitrain plot runs/fp32 runs/bf16 --out compare.png. A sweep's directory gets one curve
-    per member beside the ranking (its sweep.png).
+    per member.
     """
     from minitrain import metrics
 
@@ -43,19 +43,8 @@ def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
         raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
     runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
     pairs = list(zip(run_dirs, runs, strict=True))
-    sweeps = [d for d, r in pairs if r and "member" in r[0]]  # a sweep's records name members
-    if sweeps and len(run_dirs) > 1:
-        raise UserError(
-            f"{sweeps[0]} is a sweep; plot it alone (minitrain plot {sweeps[0]}: one curve "
-            "per member), and overlay single runs only"
-        )
-    if sweeps:
-        from minitrain.train.sweep_plot import plot_sweep
-
-        png = plot_sweep(run_dirs[0], out)
-    else:
-        target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
-        png = metrics.plot(target, out, keys=keys or None)
+    target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
+    png = metrics.plot(target, out, keys=keys or None)
     if len(run_dirs) == 1:
         result = {"png": str(png), **_summary(runs[0])}
         line = (f"wrote {png} ({result['records']} records, steps {result['first_step']}.."

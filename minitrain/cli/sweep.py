@@ -39,11 +39,12 @@ def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, st
           as_json: bool) -> None:
     """Train every combination of the --set values and --seeds of SCRIPT together, one vmapped
     step for all members, and rank them."""
+    from minitrain import metrics
     from minitrain.precision import get_backend
     from minitrain.train.experiment import one_line
     from minitrain.train.ranking import parse_rank_by
     from minitrain.train.signals import stop_requests
-    from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds, plot_sweep
+    from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds
 
     check_out(out, resume, overwrite)
     with training_errors():
@@ -64,7 +65,7 @@ def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, st
     summary = result.summary
     if plot and out is not None:
         try:
-            summary["plot"] = str(plot_sweep(out))
+            summary["plot"] = str(metrics.plot(out, Path(out) / "sweep.png"))
         except Exception as exc:  # no matplotlib or a failed plot never fails a finished sweep
             click.echo(f"warning: could not draw the plot: {one_line(exc)}", err=True)
     print_summary(summary, out, as_json, _show,

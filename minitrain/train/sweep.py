@@ -75,11 +75,10 @@ from minitrain.train.step import (
     probe_fp8_history,
     step_key,
 )
-from minitrain.train.sweep_plot import plot_sweep
 from minitrain.tree import OptState, Params, PyTree, size, stack, unstack
 
 __all__ = ["CHECKED_STEPS", "SweepRun", "build_ensemble", "fit_sweep", "load_sweep",
-           "member_grid", "parse_seeds", "plot_sweep"]
+           "member_grid", "parse_seeds"]
 
 # The members are checked against their single runs on the first step that moves the params
 # (a warmup's first step at lr 0 moves none): each of this many first steps, then steps 8, 16,

@@ -56,7 +56,7 @@ FAILURES = {
     "resource report of a loss calling .item()": (
         {"loss": "batch = batch / batch.abs().max().item()"}, {"sweep": None},
         "could not compute the resource report: aten._local_scalar_dense"),
-    "plot": ({}, {"run": None, "sweep": ("minitrain.train.sweep", "plot_sweep")},
+    "plot": ({}, {"run": None, "sweep": ("minitrain.metrics", "plot")},
              "could not draw the plot: RuntimeError: boom"),
     "summary table": ({}, {"run": ("minitrain.cli.run", "_show"),
                            "sweep": ("minitrain.cli.sweep", "_show")},

@@ -349,7 +349,8 @@ def test_plot_into_a_directory_or_under_a_file_is_a_storage_error(tmp_path):
         metrics.plot(tmp_path, tmp_path / "file" / "loss.png")
 
 
-def test_plot_of_a_sweep_draws_each_member_and_refuses_to_overlay_it(tmp_path):
+def test_plot_of_a_sweep_draws_each_member_alone_and_overlaid(tmp_path, monkeypatch):
+    from minitrain import metrics
     from minitrain.precision import get_backend
     from minitrain.train.sweep import fit_sweep, load_sweep
 
@@ -357,15 +358,18 @@ def test_plot_of_a_sweep_draws_each_member_and_refuses_to_overlay_it(tmp_path):
     sweep = tmp_path / "sweep"
     fit_sweep(load_sweep(linreg, ["lr=0.01,0.1"], steps=5), get_backend("cpu"),
               out_dir=sweep, progress=False)
+    drawn = []
+    figure = metrics._figure
+    monkeypatch.setattr(metrics, "_figure", lambda *args: drawn.append(args) or figure(*args))
     runner = CliRunner()
     result = runner.invoke(cli, ["plot", str(sweep), "--out", str(tmp_path / "a.png"), "--json"])
     assert result.exit_code == 0, result.output
-    from minitrain.train.sweep_plot import plot_sweep
-
-    expected = plot_sweep(sweep, tmp_path / "b.png")  # one curve per member, the ranking
-    assert (tmp_path / "a.png").read_bytes() == expected.read_bytes()
     assert json.loads(result.output)["records"] == 10
+    curves, labels, title = drawn[-1]
+    assert labels == ["member 0", "member 1"] and title == "sweep"
+    assert [curve["loss"][0] for curve in curves] == [(1, 2, 3, 4, 5)] * 2
     single = tmp_path / "single"
     log_steps(single, [1, 2, 3])
     both = runner.invoke(cli, ["plot", str(sweep), str(single), "--out", str(tmp_path / "c.png")])
-    assert both.exit_code == 2 and "is a sweep; plot it alone" in both.output
+    assert both.exit_code == 0, both.output
+    assert drawn[-1][1] == ["sweep member 0", "sweep member 1", "single"]

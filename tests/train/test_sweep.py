@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 from minitrain import checkpoint
 from minitrain.cli import main
-from minitrain.metrics import MissingExtra, read_metrics
+from minitrain.metrics import MissingExtra, plot, read_metrics
 from minitrain.precision import get_backend
 from minitrain.train import NonFiniteLoss, ResumeError, fit, load_experiment
 from minitrain.train.members import MemberMismatch
-from minitrain.train.sweep import fit_sweep, load_sweep, plot_sweep
+from minitrain.train.sweep import fit_sweep, load_sweep
 from minitrain.tree import leaves, named_leaves, unstack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_linreg_sgd_members_equal_single_runs_and_log_per_member(tmp_path):
     ranks = [row["smoothed_loss"] for row in summary["ranking"]]
     assert ranks == sorted(ranks) and [r["rank"] for r in summary["ranking"]] == [1, 2, 3, 4]
     assert {row["config"]["lr"] for row in summary["ranking"][:2]} == {0.05}  # faster lr wins
-    assert plot_sweep(tmp_path).stat().st_size > 10_000
+    assert plot(tmp_path).stat().st_size > 10_000  # a curve per member
 
 
 @pytest.mark.parametrize(("optimizer", "lrs"), [("adamw", "0.01,0.05"), ("sgd", "0.002,0.01")])
@@ -282,7 +282,7 @@ def test_the_plot_names_the_missing_extra(tmp_path, monkeypatch):
     fit_sweep(load_sweep(LINREG, ["lr=0.01,0.1"], steps=3), CPU, out_dir=tmp_path, progress=False)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(MissingExtra, match=r"pip install 'minitrain\[plot\]'"):
-        plot_sweep(tmp_path)
+        plot(tmp_path)
 
 
 def test_ctrl_c_checkpoints_and_the_resumed_sweep_matches_an_uninterrupted_one(tmp_path):
