@@ -16,7 +16,6 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim import _flat
 from minitrain.tree import Grads, Params
 
 Scalar = int | float | Tensor
@@ -70,7 +69,7 @@ def naming_bad_grads(update: Callable[..., Any]) -> Callable[..., Any]:
 
 def check_params(params: Params) -> list[Tensor]:
     """The leaves of ``params``, checked to be floating-point tensors."""
-    fast = _flat.flatten(params)[0]
+    fast = _pytree.tree_leaves(params)
     if fast and all(isinstance(leaf, Tensor) and leaf.is_floating_point() for leaf in fast):
         return fast
     leaves = tree.named_leaves(params)
@@ -87,8 +86,8 @@ def check_params(params: Params) -> list[Tensor]:
 def check_grads(grads: Grads, params: Params) -> list[Tensor]:
     """The leaves of ``grads``, checked to be dense and like ``params`` (structure, shape,
     dtype) leaf by leaf (one pass over the leaves; the paths only to name a mismatch)."""
-    grad_leaves, grad_spec = _flat.flatten(grads)
-    param_leaves, param_spec = _flat.flatten(params)
+    grad_leaves, grad_spec = _pytree.tree_flatten(grads)
+    param_leaves, param_spec = _pytree.tree_flatten(params)
     if grad_spec == param_spec and all(
             type(g) in _PLAIN and type(p) in _PLAIN and g.layout is torch.strided
             and g.shape == p.shape and g.dtype == p.dtype
@@ -169,7 +168,7 @@ def tensor_leaves(name: str, values: Any, what: str, floating: bool = False) -> 
     ...
     ValueError: scale: updates leaf 'a' is of type float, not a tensor; pass torch.tensor(2.0)
     """
-    leaves = _flat.flatten(values)[0]
+    leaves = _pytree.tree_leaves(values)
     if all(isinstance(x, Tensor) and (not floating or _inexact(x)) for x in leaves):
         return leaves
     at, leaf = next((n, x) for n, x in tree.named_leaves(values)

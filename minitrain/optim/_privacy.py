@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import random
-from minitrain.optim import _flat
+from minitrain import random, tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import check_state_type, checked
 from minitrain.optim.base import GradientTransformation, tagged
 
@@ -49,7 +49,7 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
     def update(updates, state, params=None):
         check_state_type("differentially_private_aggregate",
                          DifferentiallyPrivateAggregateState, state)
-        leaves, structure = _flat.flatten(updates)
+        leaves, structure = _pytree.tree_flatten(updates)
         if not leaves:
             return updates, state
         size = leaves[0].shape[0] if leaves[0].dim() else 0
@@ -70,7 +70,7 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
         weights = {kind: weights.to(kind) for kind in {wide, *(g.dtype for g in leaves)}}
         out = [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
                .view(g.shape[1:]) for g, r, z in zip(leaves, rows, noise, strict=True)]
-        return _flat.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
+        return tree.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
 
     return tagged("differentially_private_aggregate", GradientTransformation(init, update),
                   l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier)

@@ -22,7 +22,6 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim import _flat
 from minitrain.optim._checks import (
     WeightDecayMask,
     check_grads,
@@ -277,8 +276,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})
     {'w': tensor([1.5000, 1.5000], dtype=torch.bfloat16)}
     """
-    leaves, treespec = _flat.flatten(params)
-    u_leaves, u_treespec = _flat.flatten(updates)
+    leaves, treespec = _pytree.tree_flatten(params)
+    u_leaves, u_treespec = _pytree.tree_flatten(updates)
     if u_treespec != treespec or not all(
             isinstance(p, Tensor) and isinstance(u, Tensor) and p.shape == u.shape
             for p, u in zip(leaves, u_leaves, strict=True)):  # the first mismatch, named
@@ -286,7 +285,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         tensor_leaves("apply_updates", updates, "updates leaf")
         tree.assert_same_structure(params, updates, names=("params", "updates"),
                                    check_shapes=True)
-    return _flat.unflatten(treespec, [p + u if p.dtype == u.dtype else (p + u).to(p.dtype)
+    return tree.unflatten(treespec, [p + u if p.dtype == u.dtype else (p + u).to(p.dtype)
                                       for p, u in zip(leaves, u_leaves, strict=True)])
 
 
@@ -328,7 +327,7 @@ def _check_strict(hostile: list[Any], grads: Grads, params: Params, state: OptSt
         float(value) if isinstance(value, float) else value.detach()
     wrapped = _torch.is_functorch_wrapped_tensor
     if not all(type(t) not in (Tensor, torch.nn.Parameter) or wrapped(t) or storage_holds(t)
-               for t in (*_flat.flatten(params)[0], *grad_leaves, *state_leaves)):
+               for t in (*_pytree.tree_leaves(params), *grad_leaves, *state_leaves)):
         check_storages((("param", params), ("grad", grads), ("state", state)))
 
 
@@ -364,11 +363,11 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             check_grads(grads, params)  # names the first grad unlike its param, where one is
             raise
         if donate:  # in place where no grad, update or state leaf meets a param
-            leaves, u_leaves = _flat.flatten(params)[0], _flat.flatten(updates)[0]
+            leaves, u_leaves = _pytree.tree_leaves(params), _pytree.tree_leaves(updates)
             if _writable([*leaves, *u_leaves]) and len(u_leaves) == len(leaves) and all(
                     u.shape == p.shape for u, p in zip(u_leaves, leaves, strict=True)) and \
-                    donatable(leaves, [*_flat.flatten(grads)[0], *u_leaves,
-                                       *_flat.flatten(state)[0]]):
+                    donatable(leaves, [*_pytree.tree_leaves(grads), *u_leaves,
+                                       *_pytree.tree_leaves(state)]):
                 with torch.no_grad():
                     _torch.foreach["add_"](leaves, [u.to(p.dtype) for u, p in zip(
                         u_leaves, leaves, strict=True)])

@@ -29,7 +29,6 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim import _flat
 from minitrain.optim._checks import (
     check_state_type,
     hyperparameter,
@@ -112,7 +111,7 @@ def leafwise(name: str, init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
         check_state_type(name, state_type, state)
         if needs_params and params is None:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
-        g_leaves, treespec = _flat.flatten(updates)
+        g_leaves, treespec = _pytree.tree_flatten(updates)
         p_leaves = [None] * len(g_leaves) if params is None else _leaves_like(
             params, g_leaves, treespec, "params", same_dtype=False)
         buffer_leaves = {
@@ -136,9 +135,9 @@ def leafwise(name: str, init_leaf: Callable[[Tensor], dict[str, Tensor]] | None,
                                               step, numbers)
             count = torch.tensor(step, dtype=torch.int64, device="cpu")
         kept = [_like(new_scalars[key], old[key]) for key in names]
-        return _flat.unflatten(treespec, new_u), state_type(count, *kept, *(
+        return tree.unflatten(treespec, new_u), state_type(count, *kept, *(
             () if _empty(getattr(state, key)) else
-            _flat.unflatten(treespec, new_buffers[key]) for key in buffers))
+            tree.unflatten(treespec, new_buffers[key]) for key in buffers))
 
     watched = {"also_watch": also_watch} if also_watch else {}  # a lowering watches them too
     return tagged(name, GradientTransformation(init, update), update_leaf=update_leaf, **hyper,
@@ -187,10 +186,10 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
     """The leaves of ``value``, refused naming the first whose shape or dtype is not its
     update's; with ``shapes = (buffer_shapes, key)``, whose shape is not
     ``buffer_shapes(g)[key]`` (None: ``()``, a buffer that leaf keeps none of)."""
-    leaves, value_spec = _flat.flatten(value)
-    if value_spec != treespec:  # _flat's or _pytree's structures, or () leaves: compare
+    leaves, value_spec = _pytree.tree_flatten(value)
+    if value_spec != treespec:  # () leaves: compare
         leaves, value_spec = _pytree.tree_flatten(value, is_leaf=_empty if shapes else None)
-        if value_spec != _pytree.tree_structure(_flat.unflatten(treespec, g_leaves)):
+        if value_spec != _pytree.tree_structure(tree.unflatten(treespec, g_leaves)):
             if len(leaves) != len(g_leaves):
                 raise ValueError(
                     f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "
@@ -220,7 +219,7 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
 
 
 def _leaf_name(g_leaves: list[Tensor], treespec: Any, index: int) -> str:
-    return tree.named_leaves(_flat.unflatten(treespec, g_leaves))[index][0]
+    return tree.named_leaves(tree.unflatten(treespec, g_leaves))[index][0]
 
 
 def _shown(shape: Any) -> str:

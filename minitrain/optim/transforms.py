@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim import _flat
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     TracedCorrections,
     WeightDecayMask,
@@ -75,11 +75,11 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
 def _map(fn, updates, hyperparameters=()):
     """``fn(leaves, True)`` once over all leaves with foreach kernels when they take the batched
     path (:func:`use_plain_path`), else ``fn(leaf, False)`` per leaf."""
-    leaves, structure = _flat.flatten(updates)
+    leaves, structure = _pytree.tree_flatten(updates)
     if leaves and not use_plain_path(leaves, hyperparameters):
         with torch.no_grad():
-            return _flat.unflatten(structure, list(fn(leaves, True)))
-    return _flat.unflatten(structure, [fn(u, False) for u in leaves])
+            return tree.unflatten(structure, list(fn(leaves, True)))
+    return tree.unflatten(structure, [fn(u, False) for u in leaves])
 
 
 ScaleState = EmptyState
@@ -393,7 +393,8 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
                              "params)")
         check_like(params, updates, ("params", "updates"))
         flags = decay_flags(mask, params)
-        (u_leaves, structure), p_leaves = _flat.flatten(updates), _flat.flatten(params)[0]
+        u_leaves, structure = _pytree.tree_flatten(updates)
+        p_leaves = _pytree.tree_leaves(params)
         on = [i for i, flag in enumerate(flags) if flag]
         if not on:  # the mask selects no leaf (say, a model of biases and norms only)
             return updates, state
@@ -407,7 +408,7 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
         else:
             out = [add_scaled(u, p, weight_decay) if flag else u
                    for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
-        return _flat.unflatten(structure, out), state
+        return tree.unflatten(structure, out), state
 
     return _stateless("add_decayed_weights", update, weight_decay=weight_decay, mask=mask)
 

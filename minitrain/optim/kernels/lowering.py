@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import _torch
-from minitrain.optim import _flat
+from minitrain import _torch, tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import decay_flags, is_traced
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import pointers
@@ -347,8 +347,8 @@ def _advance(shape: Shape, rule_states: list, step: int):
 def _run(shape, groups, grads, state, params, donate):
     if torch.compiler.is_compiling() or not streaming.quiet():
         return None  # compiled, or a torch mode watching (the FLOP counter, fake tensors)
-    p_leaves, structure = _flat.flatten(params)
-    g_leaves, g_structure = _flat.flatten(grads)
+    p_leaves, structure = _pytree.tree_flatten(params)
+    g_leaves, g_structure = _pytree.tree_flatten(grads)
     if g_structure != structure or not p_leaves or not isinstance(state, tuple) or \
             len(state) != shape.length:
         return None
@@ -384,7 +384,7 @@ def _run(shape, groups, grads, state, params, donate):
     if ran is None:
         return None
     new_params, new_buffers = ran
-    return _flat.unflatten(structure, new_params), _new_state(
+    return tree.unflatten(structure, new_params), _new_state(
         shape, state, rule_states, fields, new_buffers, read, structure)
 
 
@@ -398,7 +398,7 @@ def _buffers(shape, rule_states, read):
         value = None if field is None else getattr(rule_states[field[0]], field[1], None)
         if field is not None and value is None:
             return None, None
-        buffers.append(None if value is None else _flat.flatten(value)[0])
+        buffers.append(None if value is None else _pytree.tree_leaves(value))
     return buffers, found[2]
 
 
@@ -467,7 +467,7 @@ def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):
     by_position: dict[int, dict[str, Any]] = {}
     for field, leaves in zip(fields, new_buffers, strict=True):
         if field is not None:
-            by_position.setdefault(field[0], {})[field[1]] = _flat.unflatten(structure, leaves)
+            by_position.setdefault(field[0], {})[field[1]] = tree.unflatten(structure, leaves)
     for index, (position, inner) in enumerate(zip(shape.positions, rule_states, strict=True)):
         count = torch.scalar_tensor(read.step, dtype=torch.int64, device="cpu")
         new_state[position] = inner._replace(count=count, **by_position.get(index, {}),
