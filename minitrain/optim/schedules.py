@@ -22,7 +22,8 @@ from minitrain.optim._checks import check_hyperparameter
 from minitrain.optim.base import Schedule
 
 __all__ = [
-    "constant_schedule", "linear_warmup_schedule", "cosine_schedule", "exponential_decay",
+    "constant_schedule", "linear_warmup_schedule", "cosine_schedule",
+    "warmup_cosine_decay_schedule", "exponential_decay",
     "step_schedule", "multistep_schedule", "cosine_annealing_schedule",
     "cosine_warm_restarts_schedule", "linear_schedule", "polynomial_schedule",
     "constant_factor_schedule", "one_cycle_schedule", "cyclic_schedule", "sequential_schedule",
@@ -59,8 +60,7 @@ def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
                     init_value: float = 0.0, end_value: float = 0.0,
                     exponent: float = 1.0) -> Schedule:
     """Linear warmup to ``peak_value``, then cosine decay (Loshchilov & Hutter 2017, eq. 5),
-    raised to ``exponent``, to ``end_value`` at ``decay_steps``, warmup included (optax's
-    ``warmup_cosine_decay_schedule``).
+    raised to ``exponent``, to ``end_value`` at ``decay_steps``, warmup included.
 
     >>> schedule = cosine_schedule(1.0, decay_steps=10, warmup_steps=2)
     >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10, 20)]
@@ -81,6 +81,19 @@ def cosine_schedule(peak_value: float, decay_steps: int, warmup_steps: int = 0,
         return _where(step < warmup_steps, warm, decayed)
 
     return _tensor_friendly(schedule)
+
+
+def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
+                                 decay_steps: int, end_value: float = 0.0,
+                                 exponent: float = 1.0) -> Schedule:
+    """optax's name and argument order for :func:`cosine_schedule`.
+
+    >>> schedule = warmup_cosine_decay_schedule(0.0, 1.0, 2, 10, exponent=2.0)
+    >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10)]
+    [0.0, 0.5, 1.0, 0.25, 0.0]
+    """
+    return cosine_schedule(peak_value, decay_steps, warmup_steps, init_value, end_value,
+                           exponent)
 
 
 def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,

@@ -308,9 +308,10 @@ def test_differentially_private_aggregate_matches_optax():
 
 
 @pytest.mark.parametrize("exponent", [1.0, 2.5])
-def test_cosine_schedule_matches_optax_warmup_cosine_decay_schedule(exponent):
+def test_warmup_cosine_decay_schedule_matches_optax(exponent):
     init, peak, warmup, decay_steps, end = 0.1, 1.0, 10, 40, 0.05
-    schedule = optim.cosine_schedule(peak, decay_steps, warmup, init, end, exponent)
+    schedule = optim.warmup_cosine_decay_schedule(init, peak, warmup, decay_steps, end, exponent)
+    assert schedule(17) == optim.cosine_schedule(peak, decay_steps, warmup, init, end, exponent)(17)
     alpha = end / peak
     for t in range(STEPS):
         if t < warmup:  # optax linear_schedule, then cosine_decay_schedule, joined
