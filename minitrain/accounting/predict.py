@@ -352,7 +352,7 @@ def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[s
     ledger = counter.ledger
     ledger.close()
     result = ledger.replay()
-    seconds, _, main_dtype, mfu = step_time(counter, spec, dtype)
+    seconds, main_dtype, mfu = step_time(counter, spec, dtype)
     saved = sorted((a for a in ledger.allocations if a.saved), key=lambda a: (-a.nbytes, a.index))
     by_module: dict[str, int] = defaultdict(int)
     for allocation in saved:

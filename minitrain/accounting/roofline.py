@@ -260,9 +260,8 @@ def _peak_for(spec: Hardware, dtype: Any, record_dtype: str) -> float:
     return spec.peak(dtype)
 
 
-def step_time(counter: Any, spec: Hardware, dtype: Any = None
-              ) -> tuple[float, dict[str, dict[str, int | float]], str, float]:
-    """The counted ops of a step on ``spec``'s roofline: ``(seconds, per_op, dtype, mfu_bound)``.
+def step_time(counter: Any, spec: Hardware, dtype: Any = None) -> tuple[float, str, float]:
+    """The counted ops of a step on ``spec``'s roofline: ``(seconds, dtype, mfu_bound)``.
 
     Each op takes ``max(flops / peak, bytes / bandwidth)`` (chapter 3.6.2) with the peak of
     ``dtype`` (default: the op's own, fp32 for integer ops); ``mfu_bound`` is ``flops /
@@ -272,23 +271,15 @@ def step_time(counter: Any, spec: Hardware, dtype: Any = None
     >>> from minitrain.accounting import Counter
     >>> with Counter() as c:
     ...     _ = torch.ones(256, 256) @ torch.ones(256, 256)
-    >>> seconds, per_op, name, mfu = step_time(c, hardware("h100"))
-    >>> mm = per_op["aten.mm"]   # 2·256³ FLOPs at H100's 67 TFLOP/s fp32: compute-bound
-    >>> name, mm["flops"] == 2 * 256**3, round(mm["seconds"] * 1e9), round(seconds * 1e9)
-    ('fp32', True, 501, 657)
+    >>> seconds, name, mfu = step_time(c, hardware("h100"))
+    >>> name, round(seconds * 1e9), round(mfu, 2)  # the mm's 2·256³ FLOPs take 501 ns of 657
+    ('fp32', 657, 0.76)
     """
-    by_op: dict[str, float] = defaultdict(float)
-    seconds = 0.0
-    for record in counter.records:
-        op_seconds = max(record.flops / _peak_for(spec, dtype, record.dtype),
-                         record.bytes / spec.memory_bandwidth)
-        by_op[record.op] += op_seconds
-        seconds += op_seconds
-    per_op = {op: {"calls": t.calls, "flops": t.flops, "bytes": t.bytes_read + t.bytes_written,
-                   "seconds": by_op[op]} for op, t in counter.by_op.items()}
+    seconds = sum(max(record.flops / _peak_for(spec, dtype, record.dtype),
+                      record.bytes / spec.memory_bandwidth) for record in counter.records)
     main_dtype = dtype_name(dtype) if dtype is not None else _main_dtype(counter)
     mfu = counter.flops / (seconds * _peak_for(spec, dtype, main_dtype)) if seconds else 0.0
-    return seconds, per_op, main_dtype, mfu
+    return seconds, main_dtype, mfu
 
 
 def _main_dtype(counter: Any) -> str:

@@ -184,7 +184,7 @@ def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: s
             del out
     except Exception as exc:
         raise UserError(f"{script}: the step failed: {type(exc).__name__}: {exc}") from None
-    seconds, _, name, mfu = acc.roofline.step_time(counter, spec, dtype)
+    seconds, name, mfu = acc.roofline.step_time(counter, spec, dtype)
     peak = counter.peak_bytes
     return {
         "measured": True, "params": size(params), "peak_bytes": peak,
