@@ -75,9 +75,7 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
         return LostPeer(message)
     if isinstance(exc, errors.RunFailed):
         return RunFailed(message)
-    from minitrain.precision import BackendError
-
-    if isinstance(exc, errors.UserError | BackendError):
+    if isinstance(exc, errors.UserError):
         return UserError(message)
     return None
 

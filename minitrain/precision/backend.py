@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minitrain.errors import ExperimentError
+from minitrain.errors import ExperimentError, UserError
 from minitrain.precision.matmuls import PER_TENSOR, Recipe, recipe
 from minitrain.precision.policies import Policy, policy
 from minitrain.precision.simulation import simulate
@@ -42,7 +42,7 @@ ENTRY_POINT_GROUP = "minitrain.backends"
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90) and Blackwell have fp8 tensor cores
 
 
-class BackendError(ValueError):
+class BackendError(UserError):
     """An unknown backend name, or a backend this machine cannot run."""
 
 
