@@ -183,39 +183,30 @@ def rich_console():  # noqa: ANN201 (rich is imported lazily)
 
 def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
     """Invoke ``command``; print click usage errors and :class:`UserError` on one line."""
-    _reopen_closed_streams()
-    with _early_sigterm():
-        _run_cli(command, argv)
-
-
-def _reopen_closed_streams() -> None:
-    """A stream the shell closed (``>&-``) is None in Python: what it would get is discarded."""
-    for name in ("stdout", "stderr"):
+    for name in ("stdout", "stderr"):  # a stream the shell closed (>&-) is None: discard its text
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the process)
-
-
-def _run_cli(command: click.Command, argv: list[str] | None) -> None:
-    try:
-        with cli_errors():
-            command.main(args=argv, standalone_mode=False)
-    except _NO_ARGS_IS_HELP as exc:  # `minitrain` alone: show the help
-        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
-        sys.exit(EXIT_USAGE)
-    except click.UsageError as exc:
-        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
-        click.echo(f"error: {exc.format_message()}{hint}", err=True)
-        sys.exit(EXIT_USAGE)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):  # before any handler of a command's
-        click.echo("error: interrupted before anything was saved", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except BrokenPipeError:  # e.g. `minitrain backends | head -1`
-        _silence_stdout()
-        click.echo("error: cannot write to standard output: broken pipe", err=True)
-        sys.exit(EXIT_FAILED)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    sys.exit(EXIT_OK)
+    with _early_sigterm():
+        try:
+            with cli_errors():
+                command.main(args=argv, standalone_mode=False)
+        except _NO_ARGS_IS_HELP as exc:  # `minitrain` alone: show the help
+            click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+            sys.exit(EXIT_USAGE)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+            click.echo(f"error: {exc.format_message()}{hint}", err=True)
+            sys.exit(EXIT_USAGE)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except (click.exceptions.Abort, KeyboardInterrupt):  # before any handler of a command's
+            click.echo("error: interrupted before anything was saved", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:  # e.g. `minitrain backends | head -1`
+            _silence_stdout()
+            click.echo("error: cannot write to standard output: broken pipe", err=True)
+            sys.exit(EXIT_FAILED)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        sys.exit(EXIT_OK)

@@ -21,18 +21,6 @@ from minitrain.cli.options import PNG, SEED, Whole, echo_json, script_argument
 from minitrain.cli.roofline import print_table, roof_line
 
 
-def time_step(step: Any, params: Any, opt_state: Any, batch: Any, backend: Any, repeats: int):
-    """Median wall time of ``repeats`` calls of the pure step on the same inputs."""
-    times = []
-    for _ in range(repeats):
-        backend.synchronize()
-        start = time.perf_counter()
-        step(params, opt_state, batch)
-        backend.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def profile_script(
     script: Path, overrides: dict[str, str], backend_name: str, hardware_name: str,
     dtype: str | None, seed: int, warmup: int, repeats: int,
@@ -56,10 +44,16 @@ def profile_script(
         out = step(params, opt_state, batch)
         params, opt_state = out.params, out.opt_state
         step = functools.partial(step.func, carry=out.carry)
-    measured = time_step(step, params, opt_state, batch, backend, repeats)
+    times = []
+    for _ in range(repeats):  # the median wall time of the pure step on the same inputs
+        backend.synchronize()
+        start = time.perf_counter()
+        step(params, opt_state, batch)
+        backend.synchronize()
+        times.append(time.perf_counter() - start)
     with Counter(track_memory=False) as counter:
         step(params, opt_state, batch)
-    return profile_records(counter.records, on, measured), config, counter
+    return profile_records(counter.records, on, statistics.median(times)), config, counter
 
 
 @click.command(cls=Command)
