@@ -3,6 +3,11 @@
 The napkin math and the hardware registry import without torch; :class:`Counter`,
 :func:`predict_step` (a step on fake tensors), :func:`resource_report` and ``roofline`` use it.
 Every name loads its module on first use.
+
+>>> import minitrain as mt
+>>> flops = mt.accounting.training_flops(params=70e9, tokens=15e12)
+>>> round(mt.accounting.training_time(flops, hardware="h100", gpus=1024, mfu=0.5) / 86400)
+144
 """
 
 from __future__ import annotations
