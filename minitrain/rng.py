@@ -96,14 +96,17 @@ def check_rng_state(state: Any) -> None:
     fields = {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}
     if not isinstance(numpy_state, dict) or set(numpy_state) != fields:
         raise ValueError(f"numpy rng state must be a dict with fields {sorted(fields)}")
-    if not _is_int(numpy_state["pos"]) or not 0 <= numpy_state["pos"] <= _MT_WORDS:
+    pos = numpy_state["pos"]
+    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= _MT_WORDS:
         # numpy takes any position and then reads past its 624 words
-        raise ValueError(f"numpy rng state pos must be in [0, 624], got {numpy_state['pos']!r}")
+        raise ValueError(f"numpy rng state pos must be in [0, 624], got {pos!r}")
     if not (isinstance(random_state, list) and len(random_state) == 3 and random_state[0] == 3
             and isinstance(random_state[1], list)):
         raise ValueError("random rng state must be [3, internal state, gauss]")
-    if random_state[2] is not None and not _is_finite(random_state[2]):
-        raise ValueError(f"random rng gauss must be null or a number, got {random_state[2]!r}")
+    gauss = random_state[2]
+    if gauss is not None and (isinstance(gauss, bool) or not isinstance(gauss, int | float)
+                              or not math.isfinite(gauss)):
+        raise ValueError(f"random rng gauss must be null or a number, got {gauss!r}")
     try:
         np.random.RandomState().set_state(_numpy_state(numpy_state))
     except (TypeError, ValueError, IndexError, OverflowError) as exc:
@@ -127,14 +130,6 @@ def _numpy_state(fields: dict[str, Any]) -> tuple:
 
 def _random_state(fields: list) -> tuple:
     return fields[0], tuple(fields[1]), fields[2]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _decode_checked(text: Any, label: str) -> bytes:
