@@ -2,11 +2,6 @@
 
 A ring all-reduce over ``N`` ranks sends ``2·(N - 1)/N × bytes`` per rank (Patarasuk & Yuan
 2009); NCCL's bus bandwidth is the one that rate compares with (nccl-tests, PERFORMANCE.md).
-
->>> allreduce_bytes(gradient_bytes=4e9, ranks=8)   # 1B fp32 grads over 8 ranks
-7000000000.0
->>> allreduce_seconds(gradient_bytes=4e9, ranks=8, bandwidth=100e9)
-0.07
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def resource_report(
     >>> r["memory"]["predicted"]["peak"] == r["memory"]["measured"]["peak"]
     True
     """
-    device = _cuda_device((params, batch))
+    device = next((t.device for t in tensors((params, batch)) if t.is_cuda), None)
     step_options = dict(has_aux=has_aux, max_grad_norm=max_grad_norm, autocast=autocast,
                         model_state=model_state)
     prediction, predicted = _predict(step, params, opt_state, batch, loss_fn, optimizer,
@@ -92,10 +92,6 @@ def resource_report(
 def _first_dim(batch: Any) -> int:
     leaves = tensors(batch)
     return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 1
-
-
-def _cuda_device(tree: Any) -> torch.device | None:
-    return next((t.device for t in tensors(tree) if t.is_cuda), None)
 
 
 def _measure(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
