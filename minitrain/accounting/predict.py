@@ -164,8 +164,8 @@ class SavedTensor(NamedTuple):
 class StepPrediction(NamedTuple):
     """What :func:`predict_step` returns: memory in bytes by category (``memory`` holds
     ``at_peak``, ``persistent``, ``largest``, ``end`` and ``saved_for_backward``), the largest
-    ``saved`` tensors; work (``per_module`` nested as ``FlopCounterMode``);
-    time on ``hardware`` (``mfu_bound`` is ``flops / (seconds_per_step · peak)``)."""
+    ``saved`` tensors (``saved_by_module`` sums them by module); work; time on ``hardware``
+    (``mfu_bound`` is ``flops / (seconds_per_step · peak)``)."""
 
     peak_bytes: int
     peak_phase: str
@@ -177,7 +177,6 @@ class StepPrediction(NamedTuple):
     flops: int
     matmul_flops: int
     bytes: int
-    per_module: dict[str, dict[str, int]]
     unknown_ops: dict[str, int]
     hardware: str
     dtype: str
@@ -186,9 +185,8 @@ class StepPrediction(NamedTuple):
     fits: bool
 
     def summary(self) -> dict[str, Any]:
-        """The totals as plain JSON-serializable values (no tables)."""
-        tables = ("saved_by_module", "per_module")
-        return {key: value for key, value in self._asdict().items() if key not in tables} | {
+        """The totals as plain JSON-serializable values (no table by module)."""
+        return {key: value for key, value in self._asdict().items() if key != "saved_by_module"} | {
             "saved": [s._asdict() for s in self.saved], "unknown_ops": dict(self.unknown_ops)}
 
 
@@ -370,9 +368,6 @@ def _prediction(counter: Counter, spec: Hardware, dtype: Any, persistent: dict[s
         saved_by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
         flops=counter.flops, matmul_flops=counter.matmul_flops,
         bytes=counter.bytes_read + counter.bytes_written,
-        per_module={name: {"calls": t.calls, "flops": t.flops,
-                           "bytes": t.bytes_read + t.bytes_written}
-                    for name, t in counter.by_module.items()},
         unknown_ops=dict(counter.unknown), hardware=spec.name, dtype=main_dtype,
         seconds_per_step=seconds, mfu_bound=mfu, fits=result.peak_bytes <= spec.memory_bytes,
     )

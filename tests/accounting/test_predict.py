@@ -125,7 +125,6 @@ def test_saved_tensors_name_their_module():
     modules = {saved.module for saved in pred.saved}
     assert {"Sequential.0", "Sequential.2"} & modules  # the first Linear's output, LayerNorm's
     assert sum(pred.saved_by_module.values()) == pred.memory["saved_for_backward"]
-    assert pred.per_module["Global"]["flops"] == pred.flops
     assert pred.seconds_per_step > 0 and 0 < pred.mfu_bound <= 1
 
 
