@@ -61,10 +61,10 @@ def round_significant(value: Number, digits: int = 1) -> float:
 
 
 def parse_number(text: str, name: str, *, whole: bool = False, low: Number | None = None,
-                 high: Number | None = None, above: Number | None = None) -> Number:
+                 high: Number | None = None) -> Number:
     """A number typed on the command line, as napkin math writes it (``70e9``, ``70B``,
-    ``1.5k``, ``1_000``): finite, an int when ``whole``, at least ``low``, above ``above`` and
-    at most ``high``; else a ``ValueError`` naming ``name`` (if given) and what to write.
+    ``1.5k``, ``1_000``): finite, an int when ``whole``, at least ``low`` and at most ``high``;
+    else a ``ValueError`` naming ``name`` (if given) and what to write.
 
     >>> parse_number("70B", "--params"), parse_number("1e3", "--seed", whole=True)
     (70000000000.0, 1000)
@@ -87,9 +87,8 @@ def parse_number(text: str, name: str, *, whole: bool = False, low: Number | Non
         if whole and not value.is_integer():
             raise ValueError(f"{where} is not a whole number")
         value = int(value) if whole else value
-    for bound, fails, says in ((low, lambda b: value < b, "at least"),
-                               (above, lambda b: value <= b, "above"),
-                               (high, lambda b: value > b, "at most")):
-        if bound is not None and fails(bound):
-            raise ValueError(f"{where} must be {says} {bound}")
+    if low is not None and value < low:
+        raise ValueError(f"{where} must be at least {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{where} must be at most {high}")
     return value
