@@ -75,7 +75,6 @@ def test_napkin_spellings(text, value):
 @pytest.mark.parametrize("text, kwargs, says", [
     ("1.5", {"whole": True}, "not a whole number"),
     ("-1", {"low": 0}, "at least 0"),
-    ("0", {"above": 0}, "above 0"),
     ("2**63", {}, "not a finite number"),
     ("9223372036854775808", {"whole": True, "high": 2**63 - 1}, "at most 9223372036854775807"),
 ])
