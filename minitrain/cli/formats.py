@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import click
 
@@ -16,26 +15,6 @@ def _number(value: float) -> str:
     return f"{value:.6g}" if math.isfinite(value) else str(value)
 
 
-def spec_record(name: str) -> dict[str, Any]:
-    """A format's spec as a JSON-friendly dict, storage bits per element included."""
-    from minitrain.precision import spec
-
-    s = spec(name)
-    return {**s.__dict__, "bits_per_element": s.bits_per_element}
-
-
-def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
-    """Error statistics of a format on 65536 Gaussian samples of standard deviation ``std``
-    (their magnitudes for an unsigned format)."""
-    import torch
-
-    from minitrain.precision import error_stats, spec
-
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(256, 256, generator=generator) * std
-    return error_stats(x if spec(name).signed else x.abs(), name)._asdict()
-
-
 @click.command(cls=Command)
 @click.option("--values", "values_of", default=None, metavar="FORMAT", help="List every code.")
 @click.option("--stats", is_flag=True, help="Add error statistics on Gaussian samples.")
@@ -45,7 +24,7 @@ def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: bool) -> None:
     """Number formats: bits, range, precision and encodings (fp32 ... fp4, MX and NVFP4)."""
-    from minitrain.precision import FORMATS, values
+    from minitrain.precision import FORMATS, error_stats, spec, values
 
     if values_of is not None:
         try:
@@ -54,10 +33,15 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
             raise UserError(str(exc)) from None
         _print_values(values_of, codes, as_json)
         return
-    records = [spec_record(name) for name in FORMATS]
-    if stats:
+    records = [{**spec(name).__dict__, "bits_per_element": spec(name).bits_per_element}
+               for name in FORMATS]
+    if stats:  # errors on 65536 Gaussian samples of std --std (their magnitudes if unsigned)
+        import torch
+
         for record in records:
-            record["stats"] = stats_record(record["name"], std, seed)
+            x = torch.randn(256, 256, generator=torch.Generator().manual_seed(seed)) * std
+            record["stats"] = error_stats(x if record["signed"] else x.abs(),
+                                          record["name"])._asdict()
     if as_json:
         echo_json(records)
         return
