@@ -52,7 +52,12 @@ def run(script: Path, backend: str, steps: int | None, seed: int, overrides: tup
         _launch_workers(nproc, experiment, chosen)
         return
     parallel = _join_process_group(chosen)
-    with stop_requests(keep_until_exit=True), _worker_outcome(parallel):
+    outcome: Any = contextlib.nullcontext()
+    if parallel is not None:
+        from minitrain.cli.launch import worker_outcome  # torch.distributed: only in a worker
+
+        outcome = worker_outcome(parallel)
+    with stop_requests(keep_until_exit=True), outcome:
         with training_errors():
             result = fit(experiment, chosen, seed=seed, out_dir=out, log_every=log_every,
                          checkpoint_every=checkpoint_every, keep=keep, resume=resume,
@@ -90,14 +95,6 @@ def _join_process_group(backend: Any) -> Any:
         return distributed.from_environment(backend.device)
     except (ValueError, RuntimeError) as exc:
         raise RunFailed(f"could not join the process group: {exc}") from None
-
-
-def _worker_outcome(parallel: Any) -> Any:
-    if parallel is None:
-        return contextlib.nullcontext()
-    from minitrain.cli.launch import worker_outcome  # torch.distributed: only in a worker
-
-    return worker_outcome(parallel)
 
 
 def _show(console: Any, summary: dict[str, Any]) -> None:
