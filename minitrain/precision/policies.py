@@ -39,22 +39,6 @@ def _dtype(fmt: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _cast_floats(tree: PyTree, fmt: str) -> PyTree:
-    """Cast the floating-point tensor leaves of ``tree`` to format ``fmt``; leave the rest."""
-    import torch
-
-    from minitrain.tree import map as tree_map
-
-    dtype = _dtype(fmt)
-
-    def cast(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf.to(dtype)
-        return leaf
-
-    return tree_map(cast, tree)
-
-
 class Policy(NamedTuple):
     """What runs in what, by format name: jmp's param, compute and output formats, a master
     copy, loss scaling and a matmul format."""
@@ -76,16 +60,16 @@ class Policy(NamedTuple):
         return _dtype(self.compute)
 
     def cast_to_compute(self, tree: PyTree) -> PyTree:
-        """Floating-point leaves of ``tree`` in ``compute``."""
-        return _cast_floats(tree, self.compute)
+        """The floating-point tensor leaves of ``tree`` in ``compute``; the rest as they are."""
+        import torch
 
-    def cast_to_param(self, tree: PyTree) -> PyTree:
-        """Floating-point leaves of ``tree`` in ``param``."""
-        return _cast_floats(tree, self.param)
+        from minitrain.tree import map as tree_map
 
-    def cast_to_output(self, tree: PyTree) -> PyTree:
-        """Floating-point leaves of ``tree`` in ``output``."""
-        return _cast_floats(tree, self.output)
+        def cast(leaf: Any) -> Any:
+            floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+            return leaf.to(self.compute_dtype) if floating else leaf
+
+        return tree_map(cast, tree)
 
 
 POLICIES: dict[str, Policy] = {

@@ -36,8 +36,6 @@ def test_policy_casts_float_leaves_only_and_never_mutates():
     out = p.cast_to_compute(tree)
     assert out["w"].dtype == torch.float16 and out["ids"].dtype == torch.int64
     assert out["nested"][0].dtype == torch.float16
-    assert p.cast_to_output(out)["w"].dtype == torch.bfloat16
-    assert p.cast_to_param(out)["w"].dtype == torch.float32
     assert tree["w"].dtype == torch.float32  # the input is untouched
 
 
