@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,17 @@ def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int
          as_json: bool) -> None:
     """Predict one training step of SCRIPT: peak memory (and when it happens), FLOPs, and the
     time per step on --hardware, on fake tensors (no data, no memory), without running it."""
+    import torch
+
     from minitrain import accounting as acc
 
     spec = acc.hardware(hardware_name)
     if dtype is not None:
         spec.peak(dtype)
-    cast = _autocast(autocast)
+    cast = None  # a factory of autocast contexts on the CPU, where fake tensors live
+    if autocast != "none":
+        cast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
+        cast = functools.partial(torch.autocast, "cpu", dtype=cast_dtype)
     if measure:
         result = _measured_step(script, overrides, spec, dtype, donate, seed, cast)
     else:
@@ -52,16 +58,6 @@ def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int
     result |= {"script": str(script), "gpus": gpus, "donate": donate, "autocast": autocast,
                "memory_bytes": spec.memory_bytes}
     emit(result, _step_lines(result, spec), as_json)
-
-
-def _autocast(name: str) -> Any:
-    """A factory of ``torch.autocast`` contexts on the CPU (fake tensors live there)."""
-    if name == "none":
-        return None
-    import torch
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
-    return lambda: torch.autocast("cpu", dtype=dtype)
 
 
 def _load(script: Path, overrides: tuple[str, ...]) -> Any:
