@@ -220,13 +220,6 @@ def _matmul_flops_per_second(torch: Any, dtype: Any, n: int) -> float:
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out))
 
 
-def _copy_bytes_per_second(torch: Any) -> float:
-    numel = _COPY_BYTES // 4
-    src, dst = torch.ones(numel), torch.empty(numel)
-    # A copy reads and writes every byte once: 2 × nbytes moved.
-    return 2 * _COPY_BYTES / _best_seconds(lambda: dst.copy_(src))
-
-
 def _physical_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -352,7 +345,9 @@ def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
                 for name, n in _MATMUL_SIZE.items()}
     # The peak for MFU is one no step can exceed: the spec bound (a timing under load is low).
     peaks = {name: max(key["bound"]["flops"][name], value) for name, value in measured.items()}
-    bandwidth = _copy_bytes_per_second(torch)
+    src, dst = torch.ones(_COPY_BYTES // 4), torch.empty(_COPY_BYTES // 4)
+    # A copy reads and writes every byte once: 2 × nbytes moved.
+    bandwidth = 2 * _COPY_BYTES / _best_seconds(lambda: dst.copy_(src))
     try:  # the 1-minute load average: a busy machine measures low
         load = round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):

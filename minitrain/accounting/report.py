@@ -64,7 +64,10 @@ def resource_report(
                                      hardware or "h100", donate, step_options)
     counter, peak = _measure(step, params, opt_state, batch, device)
     measured = _measured_memory(counter, peak, device, params, opt_state, batch)
-    examples = examples_per_step if examples_per_step is not None else _first_dim(batch)
+    examples = examples_per_step
+    if examples is None:  # the batch's leading dim
+        leaves = tensors(batch)
+        examples = int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 1
     report = {
         "params": size(params),
         "examples_per_step": examples,
@@ -87,11 +90,6 @@ def resource_report(
                             "predicted_on": prediction.hardware,
                             "mfu_bound": prediction.mfu_bound}
     return report
-
-
-def _first_dim(batch: Any) -> int:
-    leaves = tensors(batch)
-    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 1
 
 
 def _measure(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
