@@ -4,6 +4,9 @@ Every rank draws the whole global batch from the same generator and trains on it
 shard; gradients are all-reduced in buckets between backward and update (gloo on CPU, NCCL on
 CUDA). So a checkpoint does not depend on the rank count and N ranks follow one rank's
 trajectory up to rounding.
+
+>>> shard_sizes(5, 2)
+[3, 2]
 """
 
 from __future__ import annotations
