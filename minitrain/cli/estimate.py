@@ -103,7 +103,18 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
         result["communication"] = _communication(
             params, tokens, batch_tokens, gpus, interconnect_bandwidth, grad_bytes, seconds
         )
-        lines += _communication_lines(result["communication"])
+        comm = result["communication"]
+        lines += [
+            f"4. all-reduce   2·(N-1)/N × {si(comm['gradient_bytes'], 'B')} of gradients = "
+            f"{si(comm['allreduce_bytes_per_gpu_per_step'], 'B')} per GPU per step, at "
+            f"{si(interconnect_bandwidth, 'B/s')} = "
+            f"{comm['allreduce_seconds_per_step']:.3g} s per step",
+            f"   × {comm['steps']:.3g} steps of {batch_tokens:.3g} tokens = "
+            f"{comm['days']:.1f} days of communication beside {result['days']:.1f} days of "
+            "compute",
+            f"   total {comm['days_no_overlap']:.1f} days without overlap, "
+            f"{comm['days_full_overlap']:.1f} days if fully overlapped",
+        ]
     emit(result, lines, as_json)
 
 
@@ -123,22 +134,6 @@ def _communication(params: float, tokens: float, batch_tokens: float, gpus: int,
         "days_no_overlap": (compute_seconds + seconds) / acc.SECONDS_PER_DAY,
         "days_full_overlap": max(compute_seconds, seconds) / acc.SECONDS_PER_DAY,
     }
-
-
-def _communication_lines(comm: dict[str, Any]) -> list[str]:
-    from minitrain import accounting as acc
-
-    compute_days = comm["compute_seconds"] / acc.SECONDS_PER_DAY
-    return [
-        f"4. all-reduce   2·(N-1)/N × {si(comm['gradient_bytes'], 'B')} of gradients = "
-        f"{si(comm['allreduce_bytes_per_gpu_per_step'], 'B')} per GPU per step, at "
-        f"{si(comm['interconnect_bandwidth'], 'B/s')} = "
-        f"{comm['allreduce_seconds_per_step']:.3g} s per step",
-        f"   × {comm['steps']:.3g} steps of {comm['batch_tokens']:.3g} tokens = "
-        f"{comm['days']:.1f} days of communication beside {compute_days:.1f} days of compute",
-        f"   total {comm['days_no_overlap']:.1f} days without overlap, "
-        f"{comm['days_full_overlap']:.1f} days if fully overlapped",
-    ]
 
 
 @estimate.command("memory")
