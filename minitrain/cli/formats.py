@@ -15,6 +15,18 @@ def _number(value: float) -> str:
     return f"{value:.6g}" if math.isfinite(value) else str(value)
 
 
+def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
+    """Error statistics of a format on 65536 Gaussian samples of standard deviation ``std``
+    (their magnitudes for an unsigned format)."""
+    import torch
+
+    from minitrain.precision import error_stats, spec
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 256, generator=generator) * std
+    return error_stats(x if spec(name).signed else x.abs(), name)._asdict()
+
+
 @click.command(cls=Command)
 @click.option("--values", "values_of", default=None, metavar="FORMAT", help="List every code.")
 @click.option("--stats", is_flag=True, help="Add error statistics on Gaussian samples.")
@@ -24,7 +36,7 @@ def _number(value: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: bool) -> None:
     """Number formats: bits, range, precision and encodings (fp32 ... fp4, MX and NVFP4)."""
-    from minitrain.precision import FORMATS, error_stats, spec, values
+    from minitrain.precision import FORMATS, spec, values
 
     if values_of is not None:
         try:
@@ -35,13 +47,9 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
         return
     records = [{**spec(name).__dict__, "bits_per_element": spec(name).bits_per_element}
                for name in FORMATS]
-    if stats:  # errors on 65536 Gaussian samples of std --std (their magnitudes if unsigned)
-        import torch
-
+    if stats:
         for record in records:
-            x = torch.randn(256, 256, generator=torch.Generator().manual_seed(seed)) * std
-            record["stats"] = error_stats(x if record["signed"] else x.abs(),
-                                          record["name"])._asdict()
+            record["stats"] = stats_record(record["name"], std, seed)
     if as_json:
         echo_json(records)
         return
