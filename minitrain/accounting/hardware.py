@@ -11,6 +11,7 @@ Every published figure names its source; ``cpu`` is measured here (:func:`measur
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from minitrain.errors import UserError
+from minitrain.errors import StorageError, UserError
 
 __all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "cpu_peak_bound",
            "dtype_name", "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
@@ -327,18 +328,6 @@ def _load_cached(path: Path | None) -> Hardware | None:
         return None  # unreadable or an older layout: measure again
 
 
-def _store(path: Path | None, spec: Hardware) -> None:
-    from minitrain.atomic_io import write_atomic
-    from minitrain.errors import StorageError
-
-    try:
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(spec.to_dict(), indent=1))
-    except (OSError, StorageError):
-        pass  # a read-only home directory only costs a re-measurement next time
-
-
 def _measure(torch: Any, key: Mapping[str, Any]) -> Hardware:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     measured = {name: _matmul_flops_per_second(torch, dtypes[name], n)
@@ -383,6 +372,8 @@ def measure_cpu(refresh: bool = False) -> Hardware:
     """
     import torch  # the only torch import in the napkin layer, deferred to this call
 
+    from minitrain.atomic_io import write_atomic
+
     key = _machine_key(torch)
     path = _cache_path(key)
     memo = json.dumps(key, sort_keys=True)
@@ -392,6 +383,10 @@ def measure_cpu(refresh: bool = False) -> Hardware:
                 _MEASURED[memo] = cached
                 return cached
     spec = _measure(torch, key)
-    _store(path, spec)
+    # a cache that cannot be written (a read-only home) only costs a re-measurement next time
+    with contextlib.suppress(OSError, StorageError):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(spec.to_dict(), indent=1))
     _MEASURED[memo] = spec
     return spec
