@@ -2,8 +2,7 @@
 
 A reader sees the old file or directory or the new one, never half of one (POSIX ``rename`` is
 atomic within one filesystem). :func:`write_atomic`, :func:`check_writable_dir` and
-:func:`storage_errors` turn every ``OSError`` into one :class:`~minitrain.errors.StorageError`;
-:func:`cache_dir` is the one folder every cache of minitrain lives in.
+:func:`storage_errors` turn every ``OSError`` into one :class:`~minitrain.errors.StorageError`.
 """
 
 from __future__ import annotations
@@ -22,21 +21,8 @@ from minitrain.errors import StorageError
 
 __all__ = [
     "fsync_dir", "write_new_file", "staged_dir", "write_atomic", "check_writable_dir",
-    "remove_stale_staging", "storage_errors", "cache_dir",
+    "remove_stale_staging", "storage_errors",
 ]
-
-
-def cache_dir(required: bool = False) -> Path | None:
-    """The folder of minitrain's caches: ``$MINITRAIN_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/minitrain`` or ``~/.cache/minitrain``. ``MINITRAIN_CACHE_DIR=off`` (or
-    empty, ``0``, ``none``) turns the caches off: None, or a folder in the temporary directory
-    where one is ``required`` (a compiled kernel, the corpus)."""
-    chosen = os.environ.get("MINITRAIN_CACHE_DIR")
-    if chosen is None:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain"
-    if chosen.strip().lower() not in {"", "0", "off", "none"}:
-        return Path(chosen)
-    return Path(tempfile.gettempdir()) / f"minitrain-{os.getuid()}" if required else None
 
 
 @contextlib.contextmanager

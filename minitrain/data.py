@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from minitrain.atomic_io import cache_dir, staged_dir, storage_errors
+from minitrain._cache import cache_dir
+from minitrain.atomic_io import staged_dir, storage_errors
 from minitrain.errors import StorageError, UserError
 from minitrain.typecheck import Int, Shaped, Tensor, typechecked
 
@@ -181,7 +182,7 @@ def source_files(root: str | os.PathLike) -> list[Path]:
 
 
 def default_data_dir() -> Path:
-    """Where the stdlib corpus is cached: in :func:`~minitrain.atomic_io.cache_dir`."""
+    """Where the stdlib corpus is cached: in :func:`~minitrain._cache.cache_dir`."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     return cache_dir(required=True) / f"stdlib-bytes-py{version}"
 

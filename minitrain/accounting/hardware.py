@@ -23,10 +23,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from minitrain.errors import StorageError, UserError
+from minitrain._cache import cache_dir
+from minitrain.errors import UserError
 
-__all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "cpu_peak_bound",
-           "dtype_name", "hardware", "hardware_for_cuda_device", "hardware_names", "measure_cpu"]
+__all__ = ["DTYPE_NAMES", "MAX_AGE_SECONDS", "Hardware", "HardwareError", "backend_peak_flops",
+           "cpu_peak_bound", "dtype_name", "hardware", "hardware_for_cuda_device", "hardware_names",
+           "measure_cpu"]
 
 # Canonical dtype names and the spellings accepted for each (torch's, less "torch.", and
 # numpy's included).
@@ -182,6 +184,28 @@ def hardware(name: str = "h100") -> Hardware:
     return _REGISTRY[key]
 
 
+def backend_peak_flops(backend: Any) -> float | None:
+    """Dense peak FLOP/s of the math a :class:`~minitrain.precision.Backend` runs (for MFU), or
+    None if unknown: fp8 on fp8 tensor cores, else its policy's compute format.
+
+    >>> import minitrain as mt
+    >>> backend_peak_flops(mt.get_backend("cpu")) == hardware("cpu").peak_flops["fp32"]
+    True
+    """
+    import torch
+
+    from minitrain.precision.backend import on_tensor_cores
+
+    if backend.device.type == "cpu":
+        spec = hardware("cpu")
+    elif backend.device.type == "cuda" and torch.cuda.is_available():
+        spec = hardware_for_cuda_device(torch.cuda.get_device_name(backend.device))
+    else:
+        return None
+    return None if spec is None else spec.peak_flops.get(
+        "fp8" if on_tensor_cores(backend.policy) else backend.policy.compute)
+
+
 def hardware_for_cuda_device(device_name: str) -> Hardware | None:
     """The registry entry for a ``torch.cuda.get_device_name``, None for an unknown device.
 
@@ -300,8 +324,6 @@ def _machine_key(torch: Any) -> dict[str, Any]:
 
 def _cache_path(key: Mapping[str, Any]) -> Path | None:
     """The file in minitrain's cache folder (none when ``MINITRAIN_CACHE_DIR=off``)."""
-    from minitrain.atomic_io import cache_dir
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_dir()
     return None if root is None else root / f"hardware-cpu-{digest}.json"
@@ -372,8 +394,6 @@ def measure_cpu(refresh: bool = False) -> Hardware:
     """
     import torch  # the only torch import in the napkin layer, deferred to this call
 
-    from minitrain.atomic_io import write_atomic
-
     key = _machine_key(torch)
     path = _cache_path(key)
     memo = json.dumps(key, sort_keys=True)
@@ -383,10 +403,14 @@ def measure_cpu(refresh: bool = False) -> Hardware:
                 _MEASURED[memo] = cached
                 return cached
     spec = _measure(torch, key)
-    # a cache that cannot be written (a read-only home) only costs a re-measurement next time
-    with contextlib.suppress(OSError, StorageError):
-        if path is not None:
+    if path is not None:  # unwritable (a read-only home, a full disk): measured again next time
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(spec.to_dict(), indent=1))
+            temporary.write_text(json.dumps(spec.to_dict(), indent=1))
+            os.replace(temporary, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
     _MEASURED[memo] = spec
     return spec

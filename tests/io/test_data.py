@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain import data, rng
-from minitrain.atomic_io import cache_dir
+from minitrain._cache import cache_dir
 from minitrain.cli import cli
 from minitrain.data import DataError, get_batch, open_tokens, write_tokens
 from minitrain.errors import StorageError

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch
+from minitrain._cache import cache_dir
 from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet",
@@ -82,16 +83,6 @@ def _flags() -> list[str]:
     return flags
 
 
-def _cache_dir() -> Path:
-    """``$MINITRAIN_CACHE_DIR`` (or ``$XDG_CACHE_HOME/minitrain``), else a temporary folder."""
-    root = os.environ.get("MINITRAIN_CACHE_DIR")
-    if root is not None and root.strip().lower() in {"", "0", "off", "none"}:
-        return Path(tempfile.gettempdir()) / f"minitrain-{os.getuid()}"
-    if root is None:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minitrain")
-    return Path(root)
-
-
 def _verified(target: Path) -> bool:
     """Whether ``target`` is the complete library its sidecar (size and sha256) records."""
     try:
@@ -110,7 +101,7 @@ def _build(compiler: str, flags: list[str]) -> Path:
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / "kernels" / f"streaming-{key}.so"
+    target = cache_dir(required=True) / "kernels" / f"streaming-{key}.so"
     if target.exists() and _verified(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
