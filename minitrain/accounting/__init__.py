@@ -25,7 +25,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "flops": ("cruncher_flops", "effective_throughput", "optimizer_flops_per_element",
               "training_flops", "training_time"),
     "communication": ("allreduce_bytes", "allreduce_seconds", "communication_time"),
-    "hardware": ("Hardware", "HardwareError", "cpu_peak_bound", "dtype_name",
+    "hardware": ("Hardware", "HardwareError", "backend_peak_flops", "cpu_peak_bound", "dtype_name",
                  "hardware_for_cuda_device", "hardware_names", "measure_cpu"),
     "memory": ("OPTIMIZER_STATES", "PRECISIONS", "BytesPerParam", "MemoryBreakdown",
                "bytes_per_param", "max_params", "optimizer_state_elements", "optimizer_states",

@@ -85,7 +85,7 @@ def delayed_scaling(p: Policy | str) -> Recipe | None:
     return r if r.forward in PER_TENSOR else None
 
 
-def _on_tensor_cores(p: Policy) -> bool:
+def on_tensor_cores(p: Policy) -> bool:
     """Whether ``p``'s matmuls run as real fp8 GEMMs (``torch._scaled_mm``), not simulated."""
     return p.matmul_format is not None and recipe(p.matmul_format).gemm == "scaled_mm"
 
@@ -142,7 +142,7 @@ class Backend:
                 "(cpu, cpu-bf16, cpu-fp16, cpu-fp8, ...), or install a CUDA build of torch on a "
                 "GPU machine"
             )
-        if kind == "cuda" and _on_tensor_cores(self.policy):
+        if kind == "cuda" and on_tensor_cores(self.policy):
             return fp8_support(torch.cuda.get_device_capability(self.device))
         if kind == "cuda":
             return True, torch.cuda.get_device_name(self.device)
@@ -184,20 +184,6 @@ class Backend:
             return leaf.to(self.device)
 
         return tree_map(move, batch)
-
-    def peak_flops(self) -> float | None:
-        """Dense peak FLOP/s of the math the policy runs (for MFU), or None if unknown: fp8
-        on fp8 tensor cores, else the compute format."""
-        from minitrain.accounting import hardware, hardware_for_cuda_device
-
-        if self.device.type == "cpu":
-            spec = hardware("cpu")
-        elif self.device.type == "cuda" and torch.cuda.is_available():
-            spec = hardware_for_cuda_device(torch.cuda.get_device_name(self.device))
-        else:
-            return None
-        key = "fp8" if _on_tensor_cores(self.policy) else self.policy.compute
-        return None if spec is None else spec.peak_flops.get(key)
 
 
 class BackendStatus(NamedTuple):

@@ -200,7 +200,7 @@ def step_report(stepper: Any, step: Callable[..., Any], summary: dict[str, Any],
                 examples_scale: float = 1.0, flops_scale: float | int = 1,
                 **prediction: Any) -> dict[str, Any]:
     """The resource report of ``step`` on the stepper's last batch (predicted vs measured)."""
-    from minitrain.accounting import resource_report
+    from minitrain.accounting import backend_peak_flops, resource_report
 
     experiment, exact = stepper.experiment, stepper.experiment.flops_per_step
     return resource_report(
@@ -211,7 +211,7 @@ def step_report(stepper: Any, step: Callable[..., Any], summary: dict[str, Any],
         **prediction,
         examples_per_step=round((stepper.examples or 0) * examples_scale) or None,
         exact_flops_per_step=round(exact * flops_scale) if exact is not None else None,
-        peak_flops=stepper.backend.peak_flops(),
+        peak_flops=backend_peak_flops(stepper.backend),
         step_seconds=summary["step_seconds"],
         steps_total=experiment.steps,
         steps_done=experiment.steps,
