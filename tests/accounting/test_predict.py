@@ -269,7 +269,6 @@ def test_the_first_pure_update_in_a_process_counts_what_later_ones_count():
     from minitrain.optim.kernels import pool as _buffers
 
     _buffers._alone.cache_clear()
-    _buffers._storage_refs_alone.cache_clear()
     params = {"w": torch.randn(16, 16), "b": torch.randn(16)}
     grads = mt.tree.map(torch.ones_like, params)
     counted = []

@@ -37,12 +37,12 @@ class BufferPool:
         """The buffers of ``key`` nobody else holds: no tensor, no storage object, and whole
         (one resized by hand, ``resize_``, would let a kernel write past its end)."""
         shape, dtype = key
-        alone, nbytes = _alone(), shape.numel() * dtype.itemsize
+        (alone, refs_alone), nbytes = _alone(), shape.numel() * dtype.itemsize
         idle = []
         for alias, address in self._held[key]:
             if _torch.storage_use_count(address) <= alone:
                 storage = alias.untyped_storage()
-                if sys.getrefcount(storage) <= _storage_refs_alone() and \
+                if sys.getrefcount(storage) <= refs_alone and \
                         storage.nbytes() >= nbytes:
                     idle.append(alias)
         return idle
@@ -102,25 +102,15 @@ def idle_bytes() -> int:
     return 0 if pool is None else pool.idle_bytes()
 
 
-def _probe() -> Tensor:
-    """A plain one-element CPU tensor made outside any dispatch mode (a probe is not part of
-    the update a mode such as the accounting ``Counter`` watches)."""
+@functools.cache
+def _alone() -> tuple[int, int]:
+    """The use count of a storage held by one tensor, and the references to its Python object
+    that nobody else holds, counted as ``_idle`` counts them (one local name and the call's
+    argument). Measured on first use, not at import (the module may first be imported under a
+    functorch transform), on a probe made outside any dispatch mode (it is not part of the
+    update a mode such as the accounting ``Counter`` watches)."""
     with _torch.disable_current_modes():
-        return torch.empty(1, device="cpu")
-
-
-@functools.cache
-def _alone() -> int:
-    """The use count of a storage held by one tensor (measured on first use, not at import:
-    the module may first be imported under a functorch transform)."""
-    probe = _probe()  # alive while its storage is counted
-    return _torch.storage_use_count(probe.untyped_storage()._cdata)
-
-
-@functools.cache
-def _storage_refs_alone() -> int:
-    """References to a storage's Python object that nobody else holds, counted as ``_idle``
-    counts them (one local name and the call's argument)."""
-    probe = _probe()
+        probe = torch.empty(1, device="cpu")
+    uses = _torch.storage_use_count(probe.untyped_storage()._cdata)  # no storage object held
     storage = probe.untyped_storage()
-    return sys.getrefcount(storage)
+    return uses, sys.getrefcount(storage)
