@@ -65,9 +65,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         except ValueError:
             if number == len(lines):  # the unfinished last line of a killed run
                 break
-            raise MetricsError(
-                f"{path} line {number} is not JSON; fix or delete that line"
-            ) from None
+            raise MetricsError(f"{path} line {number} is not JSON; fix or delete it") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise MetricsError(f"{path} line {number} has no integer 'step'; fix or delete it")
         records.append(record)
@@ -235,10 +233,8 @@ def plot(
     if not run_dirs:
         raise MetricsError("no run directories to plot; pass at least one")
     if len(run_dirs) > 1 and out_png is None:
-        raise MetricsError(
-            f"{len(run_dirs)} run directories make one plot; say where it goes with an out path "
-            "ending in .png"
-        )
+        raise MetricsError(f"{len(run_dirs)} run directories make one plot; say where it goes "
+                           "with an out path ending in .png")
     runs = [read_metrics(path) for path in run_dirs]
     if keys is None:
         found = {key for records in runs for record in records for key in record}
@@ -264,10 +260,8 @@ def plot(
             curves.append(series)
             labels.append(label)
     parents = {path.resolve().parent for path in run_dirs}
-    if len(run_dirs) == 1:
-        title = names[0]
-    else:
-        title = next(iter(parents)).name if len(parents) == 1 else f"{len(run_dirs)} runs"
+    title = names[0] if len(run_dirs) == 1 else (
+        next(iter(parents)).name if len(parents) == 1 else f"{len(run_dirs)} runs")
     buffer = io.BytesIO()
     _figure(curves, labels if len(curves) > 1 else None, title).savefig(buffer, format="png",
                                                                       dpi=120)
@@ -277,12 +271,20 @@ def plot(
 
 
 def _members(name: str, records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """``[(label, records)]``: a run's records, or a sweep's split by their ``member``."""
+    """``[(label, records)]``: a run's records, or a sweep's split by their ``member``, each
+    labelled by its number, swept values and seed (``#1 lr=0.1 seed=0``)."""
     members = sorted({r["member"] for r in records if isinstance(r.get("member"), int)})
     if not members:
         return [(name, records)]
-    return [(f"{name} member {m}".strip(), [r for r in records if r.get("member") == m])
-            for m in members]
+    groups = [[r for r in records if r.get("member") == m] for m in members]
+    return [(" ".join([name, f"#{m}", *_swept(group[0])]).strip(), group)
+            for m, group in zip(members, groups, strict=True)]
+
+
+def _swept(record: dict[str, Any]) -> list[str]:
+    config = record.get("config")
+    swept = [f"{k}={v}" for k, v in config.items()] if isinstance(config, dict) else []
+    return swept + ([f"seed={record['seed']}"] if "seed" in record else [])
 
 
 _LINESTYLES = ("-", "--", ":", "-.")

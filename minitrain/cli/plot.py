@@ -43,8 +43,7 @@ def plot(run_dirs: tuple[Path, ...], out: str | None, keys: tuple[str, ...],
         raise UserError(f"{len(run_dirs)} run directories make one plot; pass --out PATH.png")
     runs = [metrics.read_metrics(run_dir) for run_dir in run_dirs]
     pairs = list(zip(run_dirs, runs, strict=True))
-    target = run_dirs[0] if len(run_dirs) == 1 else list(run_dirs)
-    png = metrics.plot(target, out, keys=keys or None)
+    png = metrics.plot(list(run_dirs), out, keys=keys or None)
     if len(run_dirs) == 1:
         result = {"png": str(png), **_summary(runs[0])}
         line = (f"wrote {png} ({result['records']} records, steps {result['first_step']}.."

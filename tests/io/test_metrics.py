@@ -366,10 +366,10 @@ def test_plot_of_a_sweep_draws_each_member_alone_and_overlaid(tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["records"] == 10
     curves, labels, title = drawn[-1]
-    assert labels == ["member 0", "member 1"] and title == "sweep"
+    assert labels == ["#0 lr=0.01 seed=0", "#1 lr=0.1 seed=0"] and title == "sweep"
     assert [curve["loss"][0] for curve in curves] == [(1, 2, 3, 4, 5)] * 2
     single = tmp_path / "single"
     log_steps(single, [1, 2, 3])
     both = runner.invoke(cli, ["plot", str(sweep), str(single), "--out", str(tmp_path / "c.png")])
     assert both.exit_code == 0, both.output
-    assert drawn[-1][1] == ["sweep member 0", "sweep member 1", "single"]
+    assert drawn[-1][1] == ["sweep #0 lr=0.01 seed=0", "sweep #1 lr=0.1 seed=0", "single"]
