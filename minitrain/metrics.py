@@ -273,12 +273,14 @@ def plot(
 def _members(name: str, records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
     """``[(label, records)]``: a run's records, or a sweep's split by their ``member``, each
     labelled by its number, swept values and seed (``#1 lr=0.1 seed=0``)."""
-    members = sorted({r["member"] for r in records if isinstance(r.get("member"), int)})
-    if not members:
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for record in records:  # one pass, however many members
+        if isinstance(record.get("member"), int):
+            groups.setdefault(record["member"], []).append(record)
+    if not groups:
         return [(name, records)]
-    groups = [[r for r in records if r.get("member") == m] for m in members]
     return [(" ".join([name, f"#{m}", *_swept(group[0])]).strip(), group)
-            for m, group in zip(members, groups, strict=True)]
+            for m, group in sorted(groups.items())]
 
 
 def _swept(record: dict[str, Any]) -> list[str]:
