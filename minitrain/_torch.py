@@ -15,6 +15,7 @@ import types
 import torch
 import torch.utils._device as _device
 import torch.utils._python_dispatch as _python_dispatch
+import torch.utils._cxx_pytree as _cxx_pytree
 import torch.utils._pytree as _pytree
 from torch._subclasses import fake_tensor as _fake_tensor
 
@@ -33,8 +34,13 @@ __all__ = [
 
 # Pytrees of dicts, lists, tuples and NamedTuples: flatten (with key paths), map, unflatten, and
 # the key types (MappingKey, SequenceKey, GetAttrKey) that name leaves. No public alternative:
-# torch 2.13 and 2.14 ship no ``torch.utils.pytree``; optree is a separate package.
-pytree = _pytree
+# torch 2.13 and 2.14 ship no ``torch.utils.pytree``. Flatten, unflatten, map and structure are
+# the optree-backed twins (same leaf order, same node registry, about 4x faster: an update
+# flattens params, grads and state several times); key paths exist in the Python one only.
+pytree = types.SimpleNamespace(**vars(_pytree))
+for _name in ("TreeSpec", "tree_flatten", "tree_unflatten", "tree_leaves", "tree_map",
+              "tree_map_", "tree_structure"):
+    setattr(pytree, _name, getattr(_cxx_pytree, _name))
 
 # -- dispatch modes and fake tensors (accounting: counting and predicting a step) -------------
 
