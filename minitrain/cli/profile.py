@@ -72,7 +72,7 @@ def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: s
             overrides: tuple[str, ...], seed: int, warmup: int, repeats: int, top: int,
             plot_path: str | None, as_json: bool) -> None:
     """Place every op of one training step of SCRIPT on a roofline (see examples/linreg.py)."""
-    from minitrain.accounting.plots import plot
+    from minitrain.accounting.roofline import plot
     from minitrain.train.experiment import parse_overrides
 
     result, config, counter = profile_script(
@@ -82,7 +82,7 @@ def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: s
     if plot_path is not None:
         achieved = result.achieved_flops
         measured = [("whole step, measured", result.intensity, achieved)] if achieved else []
-        plot([result.roof], result.groups, plot_path, measured=measured, label_top=8,
+        plot(result.roof, result.groups, plot_path, measured=measured, label_top=8,
              title=f"{script.name}: one training step on {result.roof.name}")
     if as_json:
         echo_json(_record(script, config, result, counter, plot_path))

@@ -41,14 +41,13 @@ def roof_line(r: Any) -> str:
 def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_json: bool) -> None:
     """The chapter's five ops (ReLU, GeLU, dot, mat-vec, matmul) on a device's roofline."""
     from minitrain.accounting.hardware import dtype_name
-    from minitrain.accounting.plots import plot
-    from minitrain.accounting.roofline import DTYPE_BYTES, chapter_ops, place, roof
+    from minitrain.accounting.roofline import DTYPE_BYTES, chapter_ops, place, plot, roof
 
     r = roof(hardware_name, dtype)
     name = dtype_name(dtype)
     placements = [place(op, r) for op in chapter_ops(n, DTYPE_BYTES[name])]
     if plot_path is not None:
-        plot([r], placements, plot_path, title=f"Roofline: {r.name}, ops of size n={n}")
+        plot(r, placements, plot_path, title=f"Roofline: {r.name}, ops of size n={n}")
     if as_json:
         record = {
             "hardware": r.name.split()[0], "dtype": name, "peak_flops": r.peak_flops,

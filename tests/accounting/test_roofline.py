@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minitrain.accounting import roofline as R
-from minitrain.accounting.plots import plot
 from minitrain.cli.roofline import roofline as roofline_command
 from tests.references import require
 
@@ -118,7 +117,7 @@ def test_plot_writes_a_png(tmp_path):
     require("matplotlib")
     h100 = R.roof("h100")
     placements = [R.place(op, h100) for op in R.chapter_ops()]
-    path = plot([h100, R.roof("a100-80gb")], placements, str(tmp_path / "roof.png"))
+    path = R.plot(h100, placements, str(tmp_path / "roof.png"))
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
