@@ -263,7 +263,7 @@ class DataParallel:
 
     def communication(self, gradient_bytes: int) -> dict[str, Any]:
         """Bytes all-reduced per step (predicted for a ring, and as sent here) and time spent."""
-        from minitrain.accounting.communication import allreduce_bytes
+        from minitrain.accounting.flops import allreduce_bytes
 
         seconds = self.reduce_seconds / self.reduce_calls if self.reduce_calls else None
         ring = allreduce_bytes(gradient_bytes, self.world_size)

@@ -22,9 +22,9 @@ from minitrain.accounting.hardware import hardware
 # The table of contents: each module and the public names it defines.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "units": ("SECONDS_PER_DAY", "round_significant"),
-    "flops": ("cruncher_flops", "effective_throughput", "optimizer_flops_per_element",
-              "training_flops", "training_time"),
-    "communication": ("allreduce_bytes", "allreduce_seconds", "communication_time"),
+    "flops": ("allreduce_bytes", "allreduce_seconds", "communication_time", "cruncher_flops",
+              "effective_throughput", "optimizer_flops_per_element", "training_flops",
+              "training_time"),
     "hardware": ("Hardware", "HardwareError", "backend_peak_flops", "cpu_peak_bound", "dtype_name",
                  "hardware_for_cuda_device", "hardware_names", "measure_cpu"),
     "memory": ("OPTIMIZER_STATES", "PRECISIONS", "BytesPerParam", "MemoryBreakdown",
