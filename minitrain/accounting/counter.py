@@ -208,8 +208,9 @@ class _Mode(TorchDispatchMode):
 
 
 @dataclass
-class Counter:
-    """Context manager counting FLOPs, bytes and live memory of every aten op inside it.
+class Counter(OpTotals):
+    """Context manager counting FLOPs, bytes and live memory of every aten op inside it (its
+    totals are an :class:`OpTotals` of every call).
 
     ``keep_records``: one :class:`OpRecord` per call in ``records``; ``track_memory``: the
     :class:`~minitrain.accounting.ledger.Ledger` of live storages, and ``live_at_backward``,
@@ -227,10 +228,7 @@ class Counter:
 
     keep_records: bool = True
     track_memory: bool = True
-    flops: int = 0
     matmul_flops: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
     by_op: dict[str, OpTotals] = field(default_factory=lambda: defaultdict(OpTotals))
     by_module: dict[str, OpTotals] = field(default_factory=lambda: defaultdict(OpTotals))
     matmul_by_module: dict[str, dict[str, int]] = field(
@@ -345,9 +343,7 @@ class Counter:
             input_shapes=tuple(tuple(t.shape) for t in inputs), has_formula=flops is not None,
             is_matmul=packet in flop_registry, live_bytes=self.ledger.live,
         )
-        self.flops += record.flops
-        self.bytes_read += record.bytes_read
-        self.bytes_written += record.bytes_written
+        self.add(record)
         self.by_op[name].add(record)
         if record.is_matmul:
             self.matmul_flops += record.flops
