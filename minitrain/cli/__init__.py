@@ -13,7 +13,7 @@ COMMANDS: dict[str, str] = {
     "run": "minitrain.cli.run:run",
     "backends": "minitrain.cli.run:backends",
     "estimate": "minitrain.cli.estimate:estimate",
-    "hardware": "minitrain.cli.hardware:hardware",
+    "hardware": "minitrain.cli.roofline:hardware",
     "prepare": "minitrain.cli.prepare:prepare",
     "plot": "minitrain.cli.plot:plot",
     "formats": "minitrain.cli.formats:formats",
