@@ -14,7 +14,7 @@ COMMANDS: dict[str, str] = {
     "backends": "minitrain.cli.run:backends",
     "estimate": "minitrain.cli.estimate:estimate",
     "hardware": "minitrain.cli.roofline:hardware",
-    "prepare": "minitrain.cli.prepare:prepare",
+    "prepare": "minitrain.cli.run:prepare",
     "plot": "minitrain.cli.plot:plot",
     "formats": "minitrain.cli.formats:formats",
     "roofline": "minitrain.cli.roofline:roofline",
