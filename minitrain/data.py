@@ -129,12 +129,11 @@ def get_batch(
     batch_size: int,
     seq_len: int,
     generator: torch.Generator,
-    device: str | torch.device = "cpu",
 ) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]:
     """Sample ``batch_size`` random windows: inputs ``x`` and next-token targets ``y`` (3.5.4).
 
-    One ``torch.randint`` draw of the starts from ``generator`` and one strided gather; on CUDA
-    through pinned memory.
+    One ``torch.randint`` draw of the starts from ``generator`` and one strided gather, on the
+    CPU: the loop's :meth:`~minitrain.precision.Backend.to_device` moves a batch, pinned.
 
     >>> import numpy as np, torch
     >>> x, y = get_batch(np.arange(100), 3, 5, torch.Generator().manual_seed(0))
@@ -153,15 +152,9 @@ def get_batch(
     # Starts in [0, len - seq_len - 1]: the window of seq_len + 1 tokens (x and y) fits.
     starts = torch.randint(len(data) - seq_len, (batch_size,), generator=generator)
     windows = np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[starts.numpy()]
-    device = torch.device(device)
-    if device.type == "cuda":  # one pinned host buffer, one asynchronous copy
-        tokens = torch.from_numpy(windows.astype(np.int64)).pin_memory()
-        tokens = tokens.to(device, non_blocking=True)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     # numpy's single-threaded casts: torch's parallel copies cost more than they save here.
-    x = torch.from_numpy(windows[:, :-1].astype(np.int64))
-    y = torch.from_numpy(windows[:, 1:].astype(np.int64))
-    return x.to(device), y.to(device)
+    return (torch.from_numpy(windows[:, :-1].astype(np.int64)),
+            torch.from_numpy(windows[:, 1:].astype(np.int64)))
 
 
 def stdlib_dir() -> Path:
