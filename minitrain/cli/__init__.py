@@ -18,7 +18,7 @@ COMMANDS: dict[str, str] = {
     "plot": "minitrain.cli.plot:plot",
     "formats": "minitrain.cli.formats:formats",
     "roofline": "minitrain.cli.roofline:roofline",
-    "profile": "minitrain.cli.profile:profile",
+    "profile": "minitrain.cli.roofline:profile",
     "sweep": "minitrain.cli.sweep:sweep",
 }
 

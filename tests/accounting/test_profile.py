@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import minitrain as mt
-from minitrain.cli.profile import profile
+from minitrain.cli.roofline import profile
 from minitrain.train import load_experiment, make_train_step
 from minitrain.train.setup import run_generators, to_backend
 from tests.references import require
