@@ -15,7 +15,7 @@ COMMANDS: dict[str, str] = {
     "estimate": "minitrain.cli.estimate:estimate",
     "hardware": "minitrain.cli.roofline:hardware",
     "prepare": "minitrain.cli.run:prepare",
-    "plot": "minitrain.cli.plot:plot",
+    "plot": "minitrain.cli.run:plot",
     "formats": "minitrain.cli.formats:formats",
     "roofline": "minitrain.cli.roofline:roofline",
     "profile": "minitrain.cli.roofline:profile",
