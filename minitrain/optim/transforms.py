@@ -474,16 +474,6 @@ def _clip_transform(max_norm: Any) -> GradientTransformation:
 
 def _clip(grads: Grads, max_norm: float | int | Tensor) -> tuple[Grads, Tensor]:
     check_hyperparameter("max_norm", max_norm, 0.0, low_open=True)
-    leaves = tree.leaves(grads)
     norm = tree.global_norm(grads)  # 0, float32 on the CPU, for a group that holds no leaf
-    if not leaves:
-        return grads, norm
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if use_plain_path(leaves, [max_norm]):  # traced, or differentiable in grads or max_norm
-        return tree.map(lambda g: g * factor.to(g.dtype), grads), norm
-    if factor.is_cpu and float(factor) == 1.0:  # within the bound: multiplying by 1 is exact
-        return grads, norm
-    with torch.no_grad():
-        out = [torch.mul(g, factor.to(g.dtype) if g.device != factor.device or
-                         g.dtype != factor.dtype else factor) for g in leaves]
-    return tree.unflatten(tree.structure(grads), out), norm
+    return tree.map(lambda g: g * factor.to(g.dtype), grads), norm
