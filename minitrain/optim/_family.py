@@ -17,7 +17,6 @@ from minitrain.optim._checks import (
     WeightDecayMask,
     check_betas,
     check_hyperparameter,
-    check_maximize,
     check_pair,
     checked,
     f32_tensor,
@@ -28,7 +27,7 @@ from minitrain.optim._checks import (
     lerp_weight,
 )
 from minitrain.optim.alias import torch_order
-from minitrain.optim.base import GradientTransformation, Optimizer, ScalarOrSchedule, as_optimizer
+from minitrain.optim.base import GradientTransformation, Optimizer, ScalarOrSchedule
 from minitrain.optim.leafwise import leafwise
 from minitrain.optim.schedules import _clip, _where
 from minitrain.optim.transforms import add_decayed_weights, add_scaled, sqrt, zeros
@@ -70,11 +69,9 @@ def family_optimizer(tx: GradientTransformation, lr: Any = None, *, maximize: bo
                      weight_decay: Any = 0.0, mask: WeightDecayMask = None,
                      decoupled: bool = False) -> Optimizer:
     """``tx`` in torch's order (:func:`torch_order`); with ``lr=None`` it is the whole step."""
-    check_maximize(maximize)
     weight_decay = checked("weight_decay", weight_decay, 0.0)
     decay = None if is_zero(weight_decay) else add_decayed_weights(weight_decay, mask)
-    return as_optimizer(torch_order([tx], lr, maximize=maximize, decay=decay,
-                                    decoupled=decoupled), strict=True)
+    return torch_order([tx], lr, maximize=maximize, decay=decay, decoupled=decoupled)
 
 
 def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:

@@ -11,14 +11,13 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
-from minitrain.optim._checks import check_maximize, checked, is_traced
+from minitrain.optim._checks import checked, is_traced
 from minitrain.optim.alias import torch_order
 from minitrain.optim.base import (
     EmptyState,
     GradientTransformation,
     Optimizer,
     ScalarOrSchedule,
-    as_optimizer,
     chain,
     tagged,
 )
@@ -282,7 +281,7 @@ def muon(lr: ScalarOrSchedule = 1e-3, weight_decay: Any = 0.1, momentum: Any = 0
     >>> round(float(params["w"][0, 0]), 3)
     -0.014
     """
-    return as_optimizer(torch_order(
+    return torch_order(
         [scale_by_muon(momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)], lr,
-        maximize=check_maximize(maximize), decoupled=True,
-        decay=add_decayed_weights(checked("weight_decay", weight_decay, 0.0))), strict=True)
+        maximize=maximize, decoupled=True,
+        decay=add_decayed_weights(checked("weight_decay", weight_decay, 0.0)))

@@ -30,16 +30,17 @@ __all__ = ["sgd", "adam", "adamw", "adagrad", "rmsprop"]
 
 def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool = False,
                 decay: GradientTransformation | None = None,
-                decoupled: bool = False) -> GradientTransformation:
-    """torch.optim's order as a chain: ``-g`` when maximizing, the L2 ``decay`` before the
-    ``rule`` (``decoupled``: after it), then ``-lr`` (none for ``lr=None``)."""
-    return chain(
-        *([scale(-1.0)] if maximize else []),
+                decoupled: bool = False) -> Optimizer:
+    """torch.optim's order as a strict optimizer (:func:`as_optimizer`): ``-g`` when
+    maximizing, the L2 ``decay`` before the ``rule`` (``decoupled``: after it), then ``-lr``
+    (none for ``lr=None``)."""
+    return as_optimizer(chain(
+        *([scale(-1.0)] if check_maximize(maximize) else []),
         *([decay] if decay is not None and not decoupled else []),
         *rule,
         *([decay] if decay is not None and decoupled else []),
         *([scale_by_learning_rate(lr)] if lr is not None else []),
-    )
+    ), strict=True)
 
 
 def sgd(lr: ScalarOrSchedule = 1e-3, momentum: Scalar = 0.0, dampening: Scalar = 0.0,
@@ -54,8 +55,7 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: Scalar = 0.0, dampening: Scalar =
     """
     momentum_part = trace(momentum, dampening, nesterov)  # checks all three
     rule = [] if is_zero(momentum) else [momentum_part]
-    return as_optimizer(torch_order(rule, lr, maximize=check_maximize(maximize),
-                                    decay=add_decayed_weights(weight_decay, mask)), strict=True)
+    return torch_order(rule, lr, maximize=maximize, decay=add_decayed_weights(weight_decay, mask))
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999),
@@ -71,10 +71,9 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999
     tensor([0.9000, 1.1000])
     """
     beta1, beta2 = check_pair("betas", betas)
-    return as_optimizer(torch_order(
-        [scale_by_adam(beta1, beta2, eps=eps, amsgrad=amsgrad)], lr,
-        maximize=check_maximize(maximize), decay=add_decayed_weights(weight_decay, mask),
-        decoupled=bool(decoupled_weight_decay)), strict=True)
+    return torch_order([scale_by_adam(beta1, beta2, eps=eps, amsgrad=amsgrad)], lr,
+                       maximize=maximize, decay=add_decayed_weights(weight_decay, mask),
+                       decoupled=bool(decoupled_weight_decay))
 
 
 def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999),
@@ -102,10 +101,8 @@ def adagrad(lr: ScalarOrSchedule = 1e-2, lr_decay: Scalar = 0.0, weight_decay: S
     >>> opt.update({"w": torch.tensor([3.0, -0.5])}, opt.init(params), params)[0]["w"]
     tensor([0.9000, 1.1000])
     """
-    return as_optimizer(torch_order(
-        [scale_by_adagrad(lr_decay, initial_accumulator_value, eps)], lr,
-        maximize=check_maximize(maximize), decay=add_decayed_weights(weight_decay, mask)),
-        strict=True)
+    return torch_order([scale_by_adagrad(lr_decay, initial_accumulator_value, eps)], lr,
+                       maximize=maximize, decay=add_decayed_weights(weight_decay, mask))
 
 
 def rmsprop(lr: ScalarOrSchedule = 1e-2, alpha: Scalar = 0.99, eps: Scalar = 1e-8,
@@ -120,5 +117,4 @@ def rmsprop(lr: ScalarOrSchedule = 1e-2, alpha: Scalar = 0.99, eps: Scalar = 1e-
     """
     momentum_part = trace(momentum)
     rule = [scale_by_rms(alpha, eps, centered)] + ([] if is_zero(momentum) else [momentum_part])
-    return as_optimizer(torch_order(rule, lr, maximize=check_maximize(maximize),
-                                    decay=add_decayed_weights(weight_decay, mask)), strict=True)
+    return torch_order(rule, lr, maximize=maximize, decay=add_decayed_weights(weight_decay, mask))
