@@ -85,13 +85,12 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
     return tree.unflatten(tree.structure(updates), out), new_states
 
 
-def _where(condition: Tensor, new: Any, old: Any) -> Any:
-    """``new`` where ``condition`` holds, else ``old``, leaf by leaf (a traced branch)."""
-    return tree.map(lambda n, o: torch.where(condition, n, o), new, old)
-
-
-def _zeros_unless(condition: Tensor, updates: Any) -> Any:
-    return tree.map(lambda u: torch.where(condition, u, torch.zeros_like(u)), updates)
+def _pick(condition: Tensor, new: Any, old: Any) -> Any:
+    """``new`` where the 0-d bool ``condition`` holds, else ``old``: picked on the host, or
+    leaf by leaf by ``torch.where`` where it is traced or holds no data (meta)."""
+    if is_traced(condition) or condition.is_meta:
+        return tree.map(lambda n, o: torch.where(condition, n, o), new, old)
+    return new if bool(condition) else old
 
 
 class MaskedState(NamedTuple):
@@ -217,18 +216,15 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
         check_like(state.acc_grads, updates, ("state.acc_grads", "updates"))
         acc = tree.map(lambda a, g: a + g, state.acc_grads, updates)
         mini_step = state.mini_step + 1
-        if is_traced(mini_step):
-            boundary = mini_step == every_k
-            new, inner_state = inner.update(acc, state.inner_state, params, **extra)
-            return _zeros_unless(boundary, new), MultiStepsState(
-                torch.where(boundary, 0, mini_step), state.gradient_step + boundary.long(),
-                _where(boundary, inner_state, state.inner_state), _zeros_unless(~boundary, acc))
-        if int(mini_step) < every_k:
+        boundary = mini_step >= every_k
+        if not is_traced(boundary) and not bool(boundary):  # no inner update to make
             zeros = tree.map(torch.zeros_like, updates)
             return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
         new, inner_state = inner.update(acc, state.inner_state, params, **extra)
-        return new, MultiStepsState(zero_count(), state.gradient_step + 1,
-                                    inner_state, tree.map(torch.zeros_like, acc))
+        return _pick(boundary, new, tree.map(torch.zeros_like, new)), MultiStepsState(
+            torch.where(boundary, 0, mini_step), state.gradient_step + boundary.long(),
+            _pick(boundary, inner_state, state.inner_state),
+            _pick(boundary, tree.map(torch.zeros_like, acc), acc))
 
     forwards_extra_args(update, [inner])
     return tagged("MultiSteps", GradientTransformation(init, update), inner=inner,
@@ -276,7 +272,7 @@ def apply_if_finite(inner: GradientTransformation,
         leaves = [*tree.leaves(updates), *tree.leaves(new)]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else (
             torch.tensor(True, device="cpu"))
-        # traced, or without data (a prediction's meta tensors): no host copy, no branch
+        # traced, or without data (a prediction's meta tensors): no host copy
         traced = is_traced(finite) or is_traced(state.notfinite_count) or finite.is_meta
         finite = finite if traced else finite.cpu()  # the counters stay on the host
         bad = (~finite).long()
@@ -284,13 +280,8 @@ def apply_if_finite(inner: GradientTransformation,
         apply = finite if max_consecutive_errors is None else (
             finite | (count > max_consecutive_errors))
         total = state.total_notfinite + bad
-        if traced:
-            return _zeros_unless(apply, new), ApplyIfFiniteState(
-                count, finite, total, _where(apply, inner_state, state.inner_state))
-        if bool(apply):
-            return new, ApplyIfFiniteState(count, finite, total, inner_state)
-        return tree.map(torch.zeros_like, new), ApplyIfFiniteState(
-            count, finite, total, state.inner_state)
+        return _pick(apply, new, tree.map(torch.zeros_like, new)), ApplyIfFiniteState(
+            count, finite, total, _pick(apply, inner_state, state.inner_state))
 
     forwards_extra_args(update, [inner])
     return tagged("apply_if_finite", GradientTransformation(init, update), inner=inner)
@@ -331,16 +322,10 @@ def ema(decay: float | Tensor = 0.999) -> GradientTransformation:
         check_like(params, updates, ("params", "updates"))
         check_like(params, state.ema, ("params", "state.ema"))
         new_params = tree.map(lambda p, u: (p + u).to(p.dtype), params, updates)
-        done = updates_done(state.count)
-        if done == 0:
-            average = tree.map(lambda p: p.detach().clone(), new_params)
-        elif done is not None:
-            average = tree.map(lambda a, p: torch.lerp(a, p.detach(), 1 - decay),
-                               state.ema, new_params)
-        else:
-            average = _where(state.count == 0, new_params,
-                             tree.map(lambda a, p: torch.lerp(a, p, 1 - decay), state.ema,
-                                      new_params))
+        if updates_done(state.count) is not None:  # eager: the average keeps no graph
+            new_params = tree.map(Tensor.detach, new_params)
+        average = _pick(state.count == 0, new_params, tree.map(
+            lambda a, p: torch.lerp(a, p, 1 - decay), state.ema, new_params))
         return updates, EmaState(state.count + 1, average)
 
     return tagged("ema", GradientTransformation(init, update), decay=decay)
