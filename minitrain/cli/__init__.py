@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "formats": "minitrain.cli.formats:formats",
     "roofline": "minitrain.cli.roofline:roofline",
     "profile": "minitrain.cli.roofline:profile",
-    "sweep": "minitrain.cli.sweep:sweep",
+    "sweep": "minitrain.cli.run:sweep",
 }
 
 

@@ -58,8 +58,8 @@ FAILURES = {
         "could not compute the resource report: aten._local_scalar_dense"),
     "plot": ({}, {"run": None, "sweep": ("minitrain.metrics", "plot")},
              "could not draw the plot: RuntimeError: boom"),
-    "summary table": ({}, {"run": ("minitrain.cli.run", "_show"),
-                           "sweep": ("minitrain.cli.sweep", "_show")},
+    "summary table": ({}, {"run": ("minitrain.cli.run", "_show_run"),
+                           "sweep": ("minitrain.cli.run", "_show_sweep")},
                       "could not compute the summary table: RuntimeError: boom"),
 }
 CASES = [(failure, command) for failure, (_, patched, _) in sorted(FAILURES.items())
