@@ -26,7 +26,7 @@ from torch import Tensor
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import decay_flags, is_traced
-from minitrain.optim.kernels import pool, streaming
+from minitrain.optim.kernels import members, pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["lower", "RULES"]
@@ -359,7 +359,8 @@ def _run(shape, groups, grads, state, params, donate):
     wrapped = _torch.is_functorch_wrapped_tensor
     if any(type(t) not in _PLAIN or wrapped(t) or t.requires_grad
            for t in (*p_leaves, *g_leaves)):
-        return None  # under vmap or grad, a subclass, or a differentiable update: the chain
+        # vmapped members as one call; under grad, a subclass, a differentiable update: the chain
+        return members.run(shape, grads, state, params)
     read = _read(shape, state, rule_states)
     if read is not None and read.wd != 0 and structure not in groups:
         # the mask is the caller's code too: read once per tree structure, before the checks

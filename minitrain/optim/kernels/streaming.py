@@ -25,6 +25,7 @@ import array
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import subprocess
@@ -161,7 +162,7 @@ def _library() -> ctypes.CDLL | None:
                              f"load:\n" + "\n".join(failures))
         return None  # no compiler, a failed build or load: torch's fused kernels stay
     c_int, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    for name, args in (("minitrain_update", [c_int, ptr, ptr, ptr, i64, i64, c_int, c_int]),
+    for name, args in (("minitrain_update", [c_int, ptr, i64, ptr, ptr, i64, i64, c_int, c_int]),
                        ("minitrain_sumsq", [ptr, ptr, i64, c_int, ptr])):
         getattr(library, name).restype = c_int
         getattr(library, name).argtypes = args
@@ -238,27 +239,34 @@ def _written(rows: Sequence[list[Tensor] | None],
         4 * touched * sum(p.numel() for p in rows[0]) >= STREAMING_BYTES
 
 
-def launch(rule: int, hyperparameters: list[float], rows: list[list[int] | None],
-           sizes: list[int], nontemporal: bool) -> None:
+def launch(rule: int, hyperparameters: list[float] | list[list[float]],
+           rows: list[list[int] | None], sizes: list[int], nontemporal: bool) -> None:
     """The C call of ``minitrain::stream_update``: rule ``rule`` (:data:`RULES`' index) over rows
     of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) that
-    :func:`.checks.pointers` gave for float32 leaves of ``sizes`` elements."""
-    takes = {index: count for index, count in RULES.values()}.get(rule, len(hyperparameters))
-    if len(hyperparameters) != takes:  # (an unknown rule is C's to refuse)
-        raise ValueError(f"streaming rule {rule!r} takes {takes} hyperparameters, got "
-                         f"{len(hyperparameters)}; pass them in the order _streaming.c lists")
+    :func:`.checks.pointers` gave for float32 leaves of ``sizes`` elements; one list of
+    hyperparameters for all leaves, or a list per leaf."""
+    per_leaf = [hyperparameters] if not hyperparameters or not isinstance(
+        hyperparameters[0], list) else hyperparameters
+    takes = {index: count for index, count in RULES.values()}.get(rule, len(per_leaf[0]))
+    if any(len(hp) != takes for hp in per_leaf) or len(per_leaf) not in (1, len(sizes)):
+        raise ValueError(f"streaming rule {rule!r} takes {takes} hyperparameters (for all "
+                         f"leaves or per leaf), got {[len(hp) for hp in per_leaf]}; pass them "
+                         f"in the order _streaming.c lists")  # (an unknown rule is C's to refuse)
     inputs = (len(rows) + 1) // 2  # then the outputs of the params and buffers
     for row, slot in zip(rows, [*range(inputs), 0, *range(2, inputs)], strict=False):
         flag = OPTIONAL.get(rule, {}).get(slot)
-        if row is None and (flag is None or hyperparameters[flag] != 0):
+        if row is None and (flag is None or any(hp[flag] != 0 for hp in per_leaf)):
             raise ValueError(f"streaming rule {rule!r} reads row {slot}; pass it")
-    columns = [[0] * len(sizes) if row is None else row for row in rows]
     # The arrays are named: C reads them after the expression that made them.
-    hp, counts = array.array("d", hyperparameters), array.array("q", sizes)
-    addresses = array.array("Q", [p for leaf in zip(*columns, strict=True) for p in leaf])
+    hp = array.array("d", itertools.chain.from_iterable(per_leaf))
+    counts = array.array("q", sizes)
+    addresses = array.array("Q", bytes(8 * len(sizes) * len(rows)))  # leaf by leaf, row by row
+    for index, row in enumerate(rows):
+        if row is not None:
+            addresses[index::len(rows)] = array.array("Q", row)
     status = _loaded().minitrain_update(
-        rule, hp.buffer_info()[0], addresses.buffer_info()[0], counts.buffer_info()[0],
-        len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
+        rule, hp.buffer_info()[0], takes if len(per_leaf) > 1 else 0, addresses.buffer_info()[0],
+        counts.buffer_info()[0], len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
 

@@ -1,0 +1,190 @@
+"""The lowering under ``vmap``: the members' updates as one kernel call on the stacked leaves.
+
+Under ``vmap`` every leaf is a batched tensor: the chain runs op by op, each op paying vmap's
+dispatch, where an ensemble written by hand runs a few ops on the stacked tensors. The update
+rules are elementwise, so member ``m``'s update is the kernel over slice ``m`` of each stacked
+leaf with member ``m``'s numbers (its step, its learning rate, its swept hyperparameters): one C
+call over all slices, a row of hyperparameters per slice, into stacked output buffers that
+become the batched results. Anything else (a clip, whose norm is per member; a leaf below
+another transform; a traced number) returns None and the chain runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from minitrain import _torch, tree
+from minitrain._torch import pytree as _pytree
+from minitrain.optim._checks import decay_flags
+from minitrain.optim.kernels import lowering, pool, streaming
+from minitrain.optim.kernels.checks import pointers
+
+__all__ = ["run"]
+
+
+def _vmap_level() -> int | None:
+    interpreter = _torch.peek_interpreter_stack()
+    if interpreter is None or interpreter.key() != _torch.vmap_transform:
+        return None
+    return interpreter.level()
+
+
+def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
+    """The new ``(params, state)`` of vmapped members, each updated as the chain would update
+    it; None where the members cannot run as one kernel call (the chain then runs)."""
+    level = _vmap_level()
+    if level is None or shape.clip is not None or not streaming.quiet() or not \
+            streaming.available() or (shape.maximize and not shape.rule.folds_sign):
+        return None
+
+    def take(value: Any) -> Any:  # a batched tensor's members, stacked on dim 0
+        if not isinstance(value, Tensor) or _torch.maybe_get_level(value) != level:
+            return value
+        inner, dim = _torch.unwrap_batched(value, level)
+        return inner.movedim(dim, 0) if dim else inner
+
+    p_leaves, structure = _pytree.tree_flatten(params)
+    g_leaves = _pytree.tree_leaves(grads)
+    if not p_leaves or len(g_leaves) != len(p_leaves) or any(
+            _torch.maybe_get_level(t) != level for t in (*p_leaves, *g_leaves)):
+        return None
+    ps, gs = [take(p) for p in p_leaves], [take(g) for g in g_leaves]
+    size = ps[0].shape[0]
+    # the states the update reads, their leaves stacked; each member's numbers (counts,
+    # learning rates, swept values) as Python numbers
+    read_at = [i for i in (*shape.positions, shape.lr_position) if i is not None]
+    stacked_state = list(state)
+    numbers: dict[int, list] = {}
+    for i in read_at:
+        fields = {}
+        for key, value in state[i]._asdict().items():
+            fields[key] = _pytree.tree_map(take, value)
+            if isinstance(value, Tensor) and value.dim() == 0 and fields[key] is not value and \
+                    (i in shape.positions or key == "count"):  # (the lr state's lr is not read)
+                numbers[id(fields[key])] = fields[key].tolist()
+        stacked_state[i] = state[i]._replace(**fields)
+    hyper = {}
+    for value in (*shape.hyper.values(), shape.lr, *(pair[0] for pair in (
+            shape.l2, shape.decoupled) if pair is not None)):
+        if isinstance(value, Tensor) and take(value) is not value:
+            hyper[id(value)] = take(value).tolist()
+    reads = _reads(shape, stacked_state, numbers, hyper, size)
+    if reads is None:
+        return None
+    rule_states = [stacked_state[i] for i in shape.positions]
+    buffers, fields = lowering._buffers(shape, rule_states, reads[0])
+    decay = shape.l2 or shape.decoupled
+    flags = [True] * len(ps) if decay is None or (decay[1] is None and not any(
+        r.wd for r in reads)) else decay_flags(decay[1], params)  # a mask sees a member's leaf
+    if buffers is None or any(t.shape[0] != size for t in (*ps, *gs)):
+        return None
+    rows = [ps, gs, *buffers]
+    found = pointers(rows, dtype=torch.float32)
+    if found is None:
+        return None
+    outputs = pool.current()
+    outputs.begin_update()
+    results = [None if row is None else outputs(row) for row in (ps, *buffers)]
+    written = pointers(results, like=ps)
+    hp = _hyperparameter_rows(shape, reads, flags)
+    if written is None or hp is None:
+        return None
+    streaming.launch(hp[0], hp[1], _slices([*found, *written], ps, size),
+                     [t.numel() // size for t in ps for _ in range(size)], False)
+    batched = [None if row is None else [_torch.add_batch_dim(t, 0, level) for t in row]
+               for row in results]
+    return tree.unflatten(structure, batched[0]), _new_state(
+        shape, state, fields, batched[1:], reads, structure, level)
+
+
+def _reads(shape: Any, stacked_state: list, numbers: dict[int, list], hyper: dict[int, list],
+           size: int) -> list | None:
+    """Each member's :class:`~.lowering.Read`; members whose numbers differ in the learning
+    rate alone share one read."""
+    lr_values = hyper.get(id(shape.lr))
+    others = [values for key, values in hyper.items() if key != id(shape.lr)]
+    reads, seen = [], {}
+    for m in range(size):
+        signature = tuple(values[m] for values in (*numbers.values(), *others))
+        read = seen.get(signature)
+        if read is None:
+            def pick(value: Any, m: int = m) -> Any:
+                found = hyper.get(id(value)) if isinstance(value, Tensor) else None
+                return value if found is None else found[m]
+
+            member_state = list(stacked_state)
+            for i in (*shape.positions, shape.lr_position):
+                if i is not None:
+                    member_state[i] = stacked_state[i]._replace(**{
+                        key: value[m] for key, value in stacked_state[i]._asdict().items()
+                        if id(value) in numbers})
+            read = seen[signature] = lowering._read(
+                _member_shape(shape, pick), tuple(member_state),
+                [member_state[i] for i in shape.positions])
+            if read is None:
+                return None
+        elif lr_values is not None:
+            if not lr_values[m] >= 0:
+                return None
+            read = read._replace(lr=float(lr_values[m]))
+        reads.append(read)
+    return reads
+
+
+def _member_shape(shape: Any, pick: Any) -> Any:
+    """``shape`` with each batched hyperparameter replaced by one member's."""
+    return shape._replace(
+        hyper={key: pick(value) for key, value in shape.hyper.items()}, lr=pick(shape.lr),
+        l2=shape.l2 and (pick(shape.l2[0]), shape.l2[1]),
+        decoupled=shape.decoupled and (pick(shape.decoupled[0]), shape.decoupled[1]))
+
+
+def _hyperparameter_rows(shape: Any, reads: list, flags: list[bool]) -> tuple[int, list] | None:
+    """The kernel's index and hyperparameters of each (leaf, member) slice, leaf by leaf."""
+    sign, rows, names = -1.0 if shape.maximize else 1.0, {}, set()
+    for on in set(flags):
+        for m, read in enumerate(reads):
+            wd = read.wd if on else 0.0
+            frame = lowering.Frame(sign, wd if shape.l2 is not None else 0.0, read.lr,
+                                   wd if shape.decoupled is not None else 0.0)
+            name, hp, _ = shape.rule.kernel(read.step, read.hyper, read.per_step, frame)
+            rows[on, m] = [float(v) for v in hp]
+            names.add(name)
+    if len(names) != 1:
+        return None
+    return streaming.RULES[names.pop()][0], [rows[on, m] for on in flags
+                                             for m in range(len(reads))]
+
+
+def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> list:
+    """Each row's addresses per (leaf, member) slice of the stacked float32 leaves."""
+    steps = [4 * (t.numel() // size) for t in leaves]
+    return [None if row is None else [address + m * step for address, step in
+                                      zip(row, steps, strict=True) for m in range(size)]
+            for row in rows]
+
+
+def _new_state(shape, state, fields, new_buffers, reads, structure, level):
+    """The state after the update: new buffers and, per member, its count and learning rate."""
+    def members(values: list, dtype: torch.dtype) -> Tensor:
+        return _torch.add_batch_dim(torch.tensor(values, dtype=dtype), 0, level)
+
+    new_state = list(state)
+    by_position: dict[int, dict[str, Any]] = {}
+    for field, leaves in zip(fields, new_buffers, strict=True):
+        if field is not None:
+            by_position.setdefault(field[0], {})[field[1]] = tree.unflatten(structure, leaves)
+    for index, position in enumerate(shape.positions):
+        kept = {key: members([float(r.kept[key]) for r in reads], value.dtype)
+                for key, value in reads[0].kept.items()} if index == 0 else {}
+        new_state[position] = state[position]._replace(
+            count=members([r.step for r in reads], torch.int64), **by_position.get(index, {}),
+            **kept)
+    if shape.lr_position is not None:
+        new_state[shape.lr_position] = state[shape.lr_position]._replace(
+            count=members([r.lr_count + 1 for r in reads], torch.int64),
+            lr=members([r.lr for r in reads], torch.float32))
+    return tuple(new_state)

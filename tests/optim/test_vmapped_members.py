@@ -1,0 +1,132 @@
+"""Optimizers built and run inside ``vmap``, each member with its own numbers: every optimizer's
+vmapped update (one kernel call over the stacked members where the chain lowers, the chain op
+by op elsewhere) equals each member updated alone, with its own learning rate, weight decay,
+step count and weight-decay mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minitrain as mt
+from minitrain.optim.kernels import members, streaming
+from tests.optim.conftest import (
+    ATOL,
+    KERNEL_ROUNDING,
+    OPTAX_ONLY,
+    OPTIMIZERS,
+    RTOL,
+    assert_equal,
+    make_grads,
+    make_params,
+    run,
+)
+
+LRS = (0.1, 0.03, 0.01)
+LOWERED = {"sgd", "sgd-momentum", "sgd-nesterov", "sgd-dampening", "adam", "adam-amsgrad",
+           "adam-decoupled", "adamw", "adamw-amsgrad", "adagrad", "rmsprop", "rmsprop-centered",
+           "rmsprop-momentum", "rmsprop-centered-momentum", "adadelta", "adamax", "nadam",
+           "nadam-decoupled", "radam", "radam-decoupled", "lion"}
+"""The entries whose chain has a C kernel: their vmapped members run as one call (schedule-free
+AdamW keeps its learning rate in its state, which the kernel path reads as one number)."""
+ids = str
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The results of ``members.run`` in this test: None where the chain ran instead."""
+    seen = []
+    original = members.run
+
+    def spied(*args):
+        seen.append(original(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(members, "run", spied)
+    return seen
+
+
+def stacked_run(entry, steps: int, **per_member):
+    """Three members of ``entry`` vmapped, each building its optimizer from its own values
+    (``per_member``: name -> three values), against each member run alone."""
+    params = [make_params(entry, seed) for seed in range(3)]
+    grads = [mt.tree.stack(g) for g in zip(*[make_grads(p, steps, seed=9 + i)
+                                             for i, p in enumerate(params)], strict=True)]
+    values = {key: torch.tensor(v) for key, v in per_member.items()}
+
+    def step(p, state, g, numbers):
+        return entry.make(**numbers).update(g, state, p)
+
+    stacked = mt.tree.stack(params)
+    state = torch.func.vmap(entry.make(**{k: v[0] for k, v in per_member.items()}).init)(stacked)
+    for g in grads:
+        stacked, state = torch.func.vmap(step)(stacked, state, g, values)
+    alone = [run(entry.make(**{k: float(v[i]) for k, v in values.items()}), params[i],
+                 [mt.tree.unstack(g)[i] for g in grads]) for i in range(3)]
+    return mt.tree.unstack((stacked, state)), alone
+
+
+@pytest.mark.parametrize("entry", OPTIMIZERS + OPTAX_ONLY, ids=ids)
+def test_each_member_with_its_own_learning_rate_equals_that_member_alone(entry, calls):
+    together, alone = stacked_run(entry, 3, lr=LRS)
+    for i in range(3):
+        assert_equal(together[i], alone[i], rtol=RTOL, atol=ATOL)
+    if entry.name in LOWERED and streaming.available():
+        assert calls and all(result is not None for result in calls)
+
+
+@pytest.mark.parametrize("entry", [e for e in OPTIMIZERS if e.name in LOWERED
+                                   and e.weight_decay], ids=ids)
+def test_each_member_with_its_own_weight_decay_equals_that_member_alone(entry, calls):
+    together, alone = stacked_run(entry, 2, lr=LRS, weight_decay=(0.01, 0.1, 0.5))
+    for i in range(3):
+        assert_equal(together[i], alone[i], **KERNEL_ROUNDING)
+    assert not streaming.available() or all(result is not None for result in calls)
+
+
+def test_members_at_different_steps_each_take_their_own():
+    entry = next(e for e in OPTIMIZERS if e.name == "adam")
+    params = mt.tree.stack([make_params(entry, seed) for seed in range(3)])
+    grads = mt.tree.map(lambda p: torch.randn_like(p), params)
+    opt = entry.make()
+    state = torch.func.vmap(opt.init)(params)
+    counts = torch.tensor([0, 4, 9])  # a member restored from another run's checkpoint
+    state = (state[0], state[1]._replace(count=counts), state[2]._replace(count=counts))
+    new, new_state = torch.func.vmap(opt.update)(grads, state, params)
+    for i in range(3):
+        member_state = mt.tree.unstack(state)[i]
+        want = opt.update(mt.tree.unstack(grads)[i], member_state, mt.tree.unstack(params)[i])
+        assert_equal(mt.tree.unstack((new, new_state))[i], want, **KERNEL_ROUNDING)
+
+
+def test_a_weight_decay_mask_sees_each_members_leaf_not_the_stack():
+    entry = next(e for e in OPTIMIZERS if e.name == "adamw")
+    opt = entry.make(weight_decay=0.5, mask=lambda name, p: p.ndim >= 2)
+    members_params = [make_params(entry, seed) for seed in range(2)]
+    grads = [make_grads(p, 1, seed=3 + i)[0] for i, p in enumerate(members_params)]
+    stacked = mt.tree.stack(members_params)
+    state = torch.func.vmap(opt.init)(stacked)
+    new, _ = torch.func.vmap(opt.update)(mt.tree.stack(grads), state, stacked)
+    for i, p in enumerate(members_params):
+        want, _ = opt.update(grads[i], opt.init(p), p)
+        assert_equal(mt.tree.unstack(new)[i], want, **KERNEL_ROUNDING)
+
+
+def test_under_grad_and_with_a_clip_the_chain_runs(calls):
+    """A vmapped update the kernel cannot take (differentiated, clipped) gives the chain's."""
+    entry = next(e for e in OPTIMIZERS if e.name == "sgd")
+    params = mt.tree.stack([make_params(entry, seed, torch.float64) for seed in range(2)])
+    opt = mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.clip_by_global_norm(0.5), mt.optim.scale_by_learning_rate(0.1)))
+    grads = mt.tree.map(torch.ones_like, params)
+    torch.func.vmap(opt.update)(grads, torch.func.vmap(opt.init)(params), params)
+
+    def loss(p):
+        new, _ = torch.func.vmap(entry.make().update)(grads, torch.func.vmap(
+            entry.make().init)(p), p)
+        return sum((t**2).sum() for t in mt.tree.leaves(new))
+
+    by_func = torch.func.grad(loss)(params)
+    want = mt.tree.map(lambda p, g: 2 * (p - 0.1 * g), params, grads)
+    assert_equal(by_func, want, rtol=1e-12, atol=1e-12)
+    assert all(result is None for result in calls)
