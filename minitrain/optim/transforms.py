@@ -72,16 +72,6 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
     return x + alpha * y if isinstance(alpha, Tensor) else torch.add(x, y, alpha=alpha)
 
 
-def _map(fn, updates, hyperparameters=()):
-    """``fn(leaves, True)`` once over all leaves with foreach kernels when they take the batched
-    path (:func:`use_plain_path`), else ``fn(leaf, False)`` per leaf."""
-    leaves, structure = _pytree.tree_flatten(updates)
-    if leaves and not use_plain_path(leaves, hyperparameters):
-        with torch.no_grad():
-            return tree.unflatten(structure, list(fn(leaves, True)))
-    return tree.unflatten(structure, [fn(u, False) for u in leaves])
-
-
 ScaleState = EmptyState
 ClipState = EmptyState
 AddDecayedWeightsState = EmptyState
@@ -106,10 +96,13 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
 
 
 def _scaled(updates, factor):
-    def fn(u, batched):
-        return _torch.foreach["mul"](u, scalar(factor)) if batched else batched_like(factor, u) * u
-
-    return _map(fn, updates, [factor])
+    """``factor * updates``: one foreach multiply where the leaves take the batched path
+    (:func:`use_plain_path`), else leaf by leaf."""
+    leaves, structure = _pytree.tree_flatten(updates)
+    if leaves and not use_plain_path(leaves, [factor]):
+        with torch.no_grad():
+            return tree.unflatten(structure, list(_torch.foreach["mul"](leaves, scalar(factor))))
+    return tree.unflatten(structure, [batched_like(factor, u) * u for u in leaves])
 
 
 def lr_function(learning_rate: ScalarOrSchedule) -> tuple[Any, Any]:
@@ -392,22 +385,13 @@ def add_decayed_weights(weight_decay: float | int | Tensor = 0.0,
             raise ValueError("add_decayed_weights needs params: call update(updates, state, "
                              "params)")
         check_like(params, updates, ("params", "updates"))
-        flags = decay_flags(mask, params)
         u_leaves, structure = _pytree.tree_flatten(updates)
         p_leaves = _pytree.tree_leaves(params)
-        on = [i for i, flag in enumerate(flags) if flag]
-        if not on:  # the mask selects no leaf (say, a model of biases and norms only)
-            return updates, state
-        if not use_plain_path([*u_leaves, *p_leaves], [weight_decay]):
-            with torch.no_grad():
-                moved = _torch.foreach["add"]([u_leaves[i] for i in on], [p_leaves[i] for i in on],
-                                           alpha=scalar(weight_decay))
-            out = list(u_leaves)
-            for i, value in zip(on, moved, strict=True):
-                out[i] = value
-        else:
-            out = [add_scaled(u, p, weight_decay) if flag else u
-                   for u, p, flag in zip(u_leaves, p_leaves, flags, strict=True)]
+        # off the plain path a concrete tensor decays by its number, as torch.add's alpha
+        wd = weight_decay if use_plain_path([*u_leaves, *p_leaves], [weight_decay]) else \
+            scalar(weight_decay)
+        out = [add_scaled(u, p, wd) if flag else u
+               for u, p, flag in zip(u_leaves, p_leaves, decay_flags(mask, params), strict=True)]
         return tree.unflatten(structure, out), state
 
     return _stateless("add_decayed_weights", update, weight_decay=weight_decay, mask=mask)
@@ -421,14 +405,8 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
     """
     max_delta = checked("max_delta", max_delta, 0.0)
 
-    def fn(u, batched):
-        if batched:  # a concrete 0-d tensor as its number
-            bound = scalar(max_delta)
-            return _torch.foreach["clamp_max"](_torch.foreach["clamp_min"](u, -bound), bound)
-        return torch.clamp(u, -max_delta, max_delta)
-
     def update(updates, state, params=None):
-        return _map(fn, updates, [max_delta]), state
+        return tree.map(lambda u: torch.clamp(u, -max_delta, max_delta), updates), state
 
     return _stateless("clip", update, max_delta=max_delta)
 
