@@ -61,13 +61,13 @@ def training_time(flops: Number, hardware: str | Hardware | Number = "h100", gpu
     return flops / effective_throughput(hardware, gpus=gpus, mfu=mfu, dtype=dtype)
 
 
-def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = False) -> int:
+def cruncher_flops(batch: int, dim: int, num_layers: int) -> int:
     """Exact matmul FLOPs of one training step of the chapter's Cruncher (3.5.6).
 
     Forward: ``2·B·P`` (each ``x @ W`` of ``(B, m) @ (m, n)`` is ``2·B·m·n``). Backward: the
     weight gradients cost ``2·B·P`` again, and the input gradients ``2·B·P`` minus the first
-    layer's, which autograd never computes because the data needs no gradient (unless
-    ``input_grad``). Hence ``6·B·P - 2·B·D²`` for ``num_layers >= 1``, against the ``6·B·P`` rule.
+    layer's, which autograd never computes because the data needs no gradient. Hence
+    ``6·B·P - 2·B·D²`` for ``num_layers >= 1``, against the ``6·B·P`` rule.
 
     >>> cruncher_flops(batch=4, dim=8, num_layers=2), 6 * 4 * (2 * 8 * 8 + 8)
     (2752, 3264)
@@ -79,8 +79,7 @@ def cruncher_flops(batch: int, dim: int, num_layers: int, *, input_grad: bool = 
 
     params = cruncher_param_count(dim, num_layers)
     first_layer = dim * dim if num_layers else dim
-    skipped = 0 if input_grad else 2 * batch * first_layer
-    return 6 * batch * params - skipped
+    return 6 * batch * params - 2 * batch * first_layer
 
 
 FUSED_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")

@@ -160,11 +160,11 @@ def bytes_per_param(optimizer: str = "adamw", precision_name: str = "fp32",
 
 def max_params(
     memory: str | Hardware | Number, *, optimizer: str = "adamw", precision: str = "fp32",
-    gpus: int = 1, zero_stage: int = 3, reserved_bytes: Number = 0, **state_options: bool,
+    gpus: int = 1, zero_stage: int = 3, **state_options: bool,
 ) -> float:
-    """The most parameters that fit: per-device memory (bytes, or a hardware name) less
-    ``reserved_bytes`` (e.g. activations), over per-device bytes per parameter. The default
-    ``zero_stage=3`` spreads every byte over the devices, as the chapter's 3.1.2 (640 GB / 16 B).
+    """The most parameters that fit: per-device memory (bytes, or a hardware name) over
+    per-device bytes per parameter, activations not included. The default ``zero_stage=3``
+    spreads every byte over the devices, as the chapter's 3.1.2 (640 GB / 16 B).
 
     >>> max_params("h100", gpus=8, zero_stage=0) / 1e9    # replicated: one device's 80 GB / 16
     5.0
@@ -174,12 +174,9 @@ def max_params(
     total = memory.memory_bytes if isinstance(memory, Hardware) else memory
     if total <= 0:
         raise UserError(f"memory must be a positive number of bytes, got {total}")
-    free = total - reserved_bytes
-    if free <= 0:
-        raise UserError(f"reserved_bytes={reserved_bytes} leaves no memory for the model")
     per_param = training_memory(1, optimizer=optimizer, precision=precision, gpus=gpus,
                                 zero_stage=zero_stage, **state_options)
-    return free / per_param.total
+    return total / per_param.total
 
 
 class MemoryBreakdown(NamedTuple):

@@ -184,11 +184,9 @@ def profile(script: Path, hardware_name: str, dtype: str | None, backend_name: s
 
 
 def _record(script: Path, config: dict, result: Any, counter: Any, plot_path: str | None) -> dict:
-    r = result.roof
     return {
         "script": str(script), "config": config,
-        "roof": {"name": r.name, "peak_flops": r.peak_flops, "bandwidth": r.bandwidth,
-                 "accelerator_intensity": r.ridge, "source": r.source},
+        "roof": result.roof._asdict() | {"accelerator_intensity": result.roof.ridge},
         "flops": result.flops, "bytes": result.bytes, "intensity": result.intensity,
         "predicted_seconds": result.predicted_seconds,
         "measured_seconds": result.measured_seconds, "achieved_flops": result.achieved_flops,

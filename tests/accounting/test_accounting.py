@@ -98,7 +98,6 @@ def test_cruncher_memory_is_the_chapters_formula():
 def test_cruncher_exact_flops_drop_the_first_layers_input_gradient():
     batch, dim, layers = 256, 1024, 8
     params = mt.models.cruncher_param_count(dim, layers)
-    assert acc.cruncher_flops(batch, dim, layers, input_grad=True) == 6 * batch * params
     assert acc.cruncher_flops(batch, dim, layers) == 6 * batch * params - 2 * batch * dim * dim
     assert acc.cruncher_flops(4, 16, 0) == 6 * 4 * 16 - 2 * 4 * 16  # linear regression
 
@@ -279,7 +278,6 @@ def test_mfu_of_a_matmul_heavy_step_is_at_most_one(tmp_path, monkeypatch, thread
         lambda: acc.bytes_per_param("lambda"),
         lambda: acc.bytes_per_param("adamw", "fp7"),
         lambda: acc.max_params("h100", zero_stage=4),
-        lambda: acc.max_params(80e9, reserved_bytes=90e9),
         lambda: acc.preset("gpt5"),
         lambda: acc.hardware("tpu"),
         lambda: acc.hardware("h100").peak("fp4"),
