@@ -185,19 +185,14 @@ def cosine_warm_restarts_schedule(init_value: Value, T_0: int, T_mult: int = 1,
         """``(T_cur, T_i)``: steps since the last restart and the length of this cycle."""
         if T_mult == 1:
             return t % T_0, T_0
-        if not isinstance(t, Tensor):  # torch's step(): restart when T_cur reaches T_i
-            t_cur, t_i = t, T_0
-            while t_cur >= t_i:
-                t_cur, t_i = t_cur - t_i, t_i * T_mult
-            return t_cur, t_i
         # Restart n begins at T_0 (T_mult^n - 1) / (T_mult - 1) (torch's step(epoch)); the
         # logarithm can land one off at a boundary, so the count is corrected both ways.
-        def start(n: Tensor) -> Tensor:
+        def start(n: Any) -> Any:
             return T_0 * (T_mult**n - 1) / (T_mult - 1)
 
-        n = torch.floor(torch.log(t / T_0 * (T_mult - 1) + 1) / math.log(T_mult))
-        n = torch.where(t < start(n), n - 1, n)
-        n = torch.where(t >= start(n + 1), n + 1, n)
+        n = _floor(_log(t / T_0 * (T_mult - 1) + 1) / math.log(T_mult))
+        n = _where(t < start(n), n - 1, n)
+        n = _where(t >= start(n + 1), n + 1, n)
         return t - start(n), T_0 * T_mult**n
 
     def schedule(t: Any) -> Any:
@@ -477,6 +472,7 @@ def _either(number_op: Callable[..., Any], tensor_op: Callable[..., Any]) -> Cal
 _clip = _either(lambda value, low, high: min(max(value, low), high), torch.clamp)
 _cos = _either(math.cos, torch.cos)
 _floor = _either(math.floor, torch.floor)
+_log = _either(math.log, torch.log)
 
 
 def _where(condition: Any, a: Any, b: Any) -> Any:
