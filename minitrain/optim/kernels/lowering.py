@@ -8,10 +8,10 @@
 where RULE is a row of :data:`RULES`, and runs it as one kernel call per weight-decay group
 over all leaves: the streaming C kernel on float32 CPU leaves (into recycled buffers
 (:mod:`.pool`) or, donated, in place), else torch's fused CPU kernel where the rule has one
-(bf16, fp16, fp64; float32 without a C compiler). Whenever it cannot take a call (vmap, grad,
-torch.compile, a torch mode, another device, leaves the kernels cannot address, a traced
-hyperparameter, ...) the update returns None and the chain runs: the chain is the
-definition, the kernels are tested equal to it (``docs/explanation/kernels.md``).
+(bf16, fp16, fp64; float32 without a C compiler); vmapped members in one call (:mod:`.members`).
+Whenever it cannot take a call (grad, torch.compile, a torch mode, another device, leaves the
+kernels cannot address, a traced hyperparameter, ...) it returns None and the chain, the
+definition, runs; the kernels are tested equal to it (``docs/explanation/kernels.md``).
 """
 
 from __future__ import annotations
