@@ -29,7 +29,7 @@ def resource_report(
     steps_total: int | None = None, steps_done: int = 0,
     loss_fn: Callable[..., Any] | None = None, has_aux: bool = False,
     max_grad_norm: float | None = None, autocast: Callable[[], Any] | None = None,
-    hardware: str | None = None, model_state: Any = None,
+    model_state: Any = None,
 ) -> dict[str, Any]:
     """Predicted vs measured memory, FLOPs and speed of ``step(params, opt_state, batch)``.
 
@@ -60,8 +60,8 @@ def resource_report(
     device = next((t.device for t in tensors((params, batch)) if t.is_cuda), None)
     step_options = dict(has_aux=has_aux, max_grad_norm=max_grad_norm, autocast=autocast,
                         model_state=model_state)
-    prediction, predicted = _predict(step, params, opt_state, batch, loss_fn, optimizer,
-                                     hardware or "h100", donate, step_options)
+    prediction, predicted = _predict(step, params, opt_state, batch, loss_fn, optimizer, donate,
+                                     step_options)
     counter, peak = _measure(step, params, opt_state, batch, device)
     measured = _measured_memory(counter, peak, device, params, opt_state, batch)
     examples = examples_per_step
@@ -85,10 +85,6 @@ def resource_report(
         "speed": _speed(exact_flops_per_step, counter, step_seconds, peak_flops, steps_total,
                         steps_done),
     }
-    if prediction is not None and hardware is not None:
-        report["speed"] |= {"predicted_step_seconds": prediction.seconds_per_step,
-                            "predicted_on": prediction.hardware,
-                            "mfu_bound": prediction.mfu_bound}
     return report
 
 
@@ -124,17 +120,17 @@ def _ratio(measured: int | float | None, predicted: int | float | None) -> int |
 
 
 def _predict(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,
-             loss_fn: Callable[..., Any] | None, optimizer: Any, hardware: str, donate: bool,
+             loss_fn: Callable[..., Any] | None, optimizer: Any, donate: bool,
              step_options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """:func:`predict_step` given a loss and an ``mt.optim`` optimizer, else the whole step
     traced; no prediction (``peak`` None) for a step that needs data."""
     if loss_fn is not None and hasattr(optimizer, "update"):
         prediction = predict_step(loss_fn, params, batch, optimizer=optimizer, donate=donate,
-                                  hardware=hardware, **step_options)
+                                  **step_options)
         source = "predict_step (fake tensors)"
     else:
         try:
-            prediction = predict_call(step, params, opt_state, batch, hardware=hardware)
+            prediction = predict_call(step, params, opt_state, batch)
         except PredictionError as error:
             return None, {"peak": None, "source": f"no prediction: {error.reason}"}
         source = "predict_call: the whole step on fake tensors (update on its plain path)"

@@ -149,7 +149,7 @@ def test_resource_report_predicts_apart_from_the_measured_step():
         return opt.update(grads, state, params)
 
     report = acc.resource_report(step, params, opt.init(params), batch, optimizer=opt,
-                                 loss_fn=loss, hardware="h100")
+                                 loss_fn=loss)
     memory = report["memory"]
     assert memory["predicted"]["source"].startswith("predict_step")
     assert memory["peak_ratio"] == pytest.approx(1.0, abs=0.10)
@@ -159,7 +159,6 @@ def test_resource_report_predicts_apart_from_the_measured_step():
         memory["measured"]["activations"], rel=0.10)
     assert memory["where"] and memory["where"][0]["module"].startswith("Sequential")
     assert report["flops_per_step"]["predicted"] == report["flops_per_step"]["counted"]
-    assert report["speed"]["predicted_step_seconds"] > 0
     text = acc.report.format_report(report)
     assert "where it goes" in text and "predicted/measured" in text
 
