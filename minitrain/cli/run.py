@@ -94,9 +94,7 @@ def _join_process_group(backend: Any) -> Any:
     """The rank's :class:`minitrain.distributed.DataParallel` under torchrun, else None."""
     from minitrain import distributed
 
-    if not distributed.in_worker():
-        return None
-    try:
+    try:  # None outside a worker
         return distributed.from_environment(backend.device)
     except (ValueError, RuntimeError) as exc:
         raise RunFailed(f"could not join the process group: {exc}") from None
