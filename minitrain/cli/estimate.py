@@ -6,8 +6,10 @@ from typing import Any
 
 import click
 
+from minitrain import accounting as acc  # the napkin math: no torch
+from minitrain.accounting.memory import optimizer_key
 from minitrain.accounting.units import si
-from minitrain.cli.errors import Group
+from minitrain.cli.errors import Group, UserError
 from minitrain.cli.estimate_step import step
 from minitrain.cli.options import Real, Whole, emit
 
@@ -38,8 +40,6 @@ def _optimizer_choice(optimizer: str, amsgrad: bool, momentum: bool,
                       centered: bool) -> tuple[str, dict[str, bool], str]:
     """The optimizer's key, its state options and a label for them (``adam+amsgrad``); an
     option the optimizer does not take is refused where the bytes are counted."""
-    from minitrain.accounting.memory import optimizer_key
-
     key = optimizer_key(optimizer)
     options = {"amsgrad": amsgrad, "momentum": momentum, "centered": centered}
     return key, options, "+".join([key, *(name for name, on in options.items() if on)])
@@ -75,8 +75,6 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
     With --interconnect-bandwidth, also the time to all-reduce the gradients every step
     (ring all-reduce: 2·(N-1)/N × gradient bytes per GPU), beside the compute time.
     """
-    from minitrain import accounting as acc
-
     spec = acc.hardware(hardware_name)
     peak = spec.peak(dtype)
     flops = acc.training_flops(params, tokens)
@@ -120,8 +118,6 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
 
 def _communication(params: float, tokens: float, batch_tokens: float, gpus: int,
                    bandwidth: float, grad_bytes: float, compute_seconds: float) -> dict[str, Any]:
-    from minitrain import accounting as acc
-
     gradient_bytes = params * grad_bytes
     per_step = acc.allreduce_bytes(gradient_bytes, gpus)
     seconds = acc.communication_time(params, tokens, batch_tokens, gpus, bandwidth, grad_bytes)
@@ -166,8 +162,6 @@ def memory(hardware_name: str, gpus: int, nodes: int, optimizer: str, amsgrad: b
            buffer_factor: float, as_json: bool) -> None:
     """Bytes per parameter and the largest model that fits (chapter 3.1.2); with --params, the
     model states of one model under ZeRO as DeepSpeed estimates them."""
-    from minitrain import accounting as acc
-
     spec = acc.hardware(hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
     zero = None
@@ -220,9 +214,6 @@ def _zero_states(params: float, largest_layer: float | None, zero_stage: int, gp
                  nodes: int, offload: tuple[str, ...], zero_init: bool, buffer_factor: float,
                  optimizer: str, precision: str, options: dict[str, bool]) -> dict[str, Any]:
     """``accounting.zero_memory`` of the command's options, as a JSON record."""
-    from minitrain import accounting as acc
-    from minitrain.cli.errors import UserError
-
     if zero_stage == 0:
         raise UserError("--params counts a ZeRO optimizer's model states: pass --zero 1, 2 or 3")
     if zero_stage == 3 and largest_layer is None:
@@ -277,8 +268,6 @@ def transformer(preset_name: str, batch: int, seq_len: int | None, tokens: float
                 gpus: int, zero_stage: int, recompute: str, attention: str, hardware_name: str,
                 mfu: float, as_json: bool) -> None:
     """Params, FLOPs per token and per step, and memory per device of a transformer preset."""
-    from minitrain import accounting as acc
-
     config = acc.preset(preset_name)
     spec = acc.hardware(hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any
 
 import click
 
+from minitrain import accounting as acc  # its names load on use: torch only where needed
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
 from minitrain.cli.options import SEED, Whole, emit, script_argument
+from minitrain.errors import ExperimentError
 
 
 @click.command("step", cls=Command)
@@ -42,8 +45,6 @@ def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int
     time per step on --hardware, on fake tensors (no data, no memory), without running it."""
     import torch
 
-    from minitrain import accounting as acc
-
     spec = acc.hardware(hardware_name)
     if dtype is not None:
         spec.peak(dtype)
@@ -69,17 +70,15 @@ def _load(script: Path, overrides: tuple[str, ...]) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
-    from minitrain.accounting import PredictionError
     from minitrain.train.script_errors import one_line
 
-    return exc.reason if isinstance(exc, PredictionError) else one_line(exc)
+    return exc.reason if isinstance(exc, acc.PredictionError) else one_line(exc)
 
 
 def _shard(batch: Any, gpus: int) -> Any:
     """Each device's share of the batch: 1/gpus of the leading dim, as a shape spec."""
     import torch
 
-    from minitrain import accounting as acc
     from minitrain.tree import map as tree_map
 
     def share(t: Any) -> Any:
@@ -99,8 +98,6 @@ def _predicted_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: 
                     donate: bool, seed: int, gpus: int, cast: Any) -> dict[str, Any]:
     import torch
 
-    from minitrain import accounting as acc
-    from minitrain.errors import ExperimentError
     from minitrain.train.setup import check_params
 
     mode = acc.fake_mode()
@@ -161,9 +158,6 @@ def _fake_or_real(mode: Any, build: Any, built: list[str]) -> Any:
 
 def _measured_step(script: Path, overrides: tuple[str, ...], spec: Any, dtype: str | None,
                    donate: bool, seed: int, cast: Any) -> dict[str, Any]:
-    import contextlib
-
-    from minitrain import accounting as acc
     from minitrain.precision import get_backend
     from minitrain.train.step import first_step_inputs, make_train_step
     from minitrain.tree import size
