@@ -7,12 +7,8 @@ import math
 import click
 
 from minitrain.cli.errors import Command, UserError
-from minitrain.cli.options import SEED, Real, echo_json
+from minitrain.cli.options import SEED, Real, echo_json, number
 from minitrain.cli.roofline import print_table
-
-
-def _number(value: float) -> str:
-    return f"{value:.6g}" if math.isfinite(value) else str(value)
 
 
 def stats_record(name: str, std: float, seed: int) -> dict[str, float]:
@@ -61,7 +57,7 @@ def formats(values_of: str | None, stats: bool, std: float, seed: int, as_json: 
     for r in records:
         row = [
             r["name"], *(str(r[k]) for k in ("bits", "exponent_bits", "mantissa_bits", "bias")),
-            *(_number(r[k]) for k in ("max", "min_normal", "min_subnormal", "epsilon")),
+            *(number(r[k]) for k in ("max", "min_normal", "min_subnormal", "epsilon")),
             "yes" if r["inf"] else "-", "yes" if r["nan"] else "-",
             f"{r['block_size']} x {r['scale_format']}" if r["block_size"] else "-",
             f"{r['bits_per_element']:g}",
