@@ -17,6 +17,8 @@ from typing import Any
 
 import click
 
+from minitrain import accounting as acc  # the registry: no torch
+from minitrain.accounting.hardware import dtype_name
 from minitrain.accounting.units import si
 from minitrain.cli.errors import Command, UserError
 from minitrain.cli.options import PNG, SEED, Whole, echo_json, emit, script_argument
@@ -51,7 +53,6 @@ def roof_line(r: Any) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_json: bool) -> None:
     """The chapter's five ops (ReLU, GeLU, dot, mat-vec, matmul) on a device's roofline."""
-    from minitrain.accounting.hardware import dtype_name
     from minitrain.accounting.roofline import DTYPE_BYTES, chapter_ops, place, plot, roof
 
     r = roof(hardware_name, dtype)
@@ -87,8 +88,6 @@ def roofline(hardware_name: str, dtype: str, n: int, plot_path: str | None, as_j
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def hardware(name: str | None, measure: bool, as_json: bool) -> None:
     """List accelerators (peak FLOP/s dense and sparse, memory, bandwidth, source), or NAME."""
-    from minitrain import accounting as acc
-
     if measure and name is not None and name.strip().lower() != "cpu":
         raise UserError(
             f"--measure measures this machine's CPU, not {name!r}; run "
@@ -118,7 +117,6 @@ def profile_script(
 ) -> tuple[Any, dict[str, Any], Any]:
     """Run a script's step under the counter, timed: ``(profile, config, counter)``."""
     from minitrain.accounting.counter import Counter
-    from minitrain.accounting.hardware import dtype_name
     from minitrain.accounting.roofline import profile_records, roof
     from minitrain.precision import get_backend
     from minitrain.train import load_experiment, make_train_step
