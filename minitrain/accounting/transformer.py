@@ -167,10 +167,8 @@ def transformer_matmul_params(config: TransformerConfig) -> int:
     return layers + config.vocab * config.hidden
 
 
-def transformer_flops_per_token(
-    config: TransformerConfig, *, seq_len: int | None = None, training: bool = True
-) -> float:
-    """FLOPs per token: ``2·N_matmul + 4·L·d·T`` forward, three times that for training; the
+def transformer_flops_per_token(config: TransformerConfig, *, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: three times the forward's ``2·N_matmul + 4·L·d·T``; the
     attention term (``QKᵀ`` and ``A·V``, full ``T×T``) as PaLM's appendix B.
 
     >>> c = preset("gpt2")
@@ -180,7 +178,7 @@ def transformer_flops_per_token(
     c = config
     context = c.seq_len if seq_len is None else seq_len
     forward = 2 * transformer_matmul_params(c) + 4 * c.num_layers * c.hidden * context
-    return float(3 * forward if training else forward)
+    return float(3 * forward)
 
 
 def transformer_memory(
