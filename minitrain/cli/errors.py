@@ -82,9 +82,12 @@ def as_cli_error(exc: BaseException) -> click.ClickException | None:
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Turn library errors and OSErrors into one-line CLI errors; anything else propagates."""
+    """Turn library errors, OSErrors and a Ctrl-C that reached here (a run's own handlers save
+    and stop it before) into one-line CLI errors; anything else propagates."""
     try:
         yield
+    except KeyboardInterrupt:
+        raise RunInterrupted("interrupted before anything was saved") from None
     except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, BrokenPipeError):
         raise  # click's own, and a closed stdout (run_cli words it)
     except OSError as exc:
@@ -95,16 +98,6 @@ def cli_errors() -> Iterator[None]:
         if mapped is None:
             raise
         raise mapped from None
-
-
-@contextlib.contextmanager
-def training_errors() -> Iterator[None]:
-    """:func:`cli_errors` around the start of a training run, where Ctrl-C saved nothing."""
-    try:
-        with cli_errors():
-            yield
-    except KeyboardInterrupt:
-        raise RunInterrupted("interrupted before training started; nothing was saved") from None
 
 
 class Command(click.Command):
@@ -200,7 +193,7 @@ def run_cli(command: click.Command, argv: list[str] | None = None) -> None:
         except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
-        except (click.exceptions.Abort, KeyboardInterrupt):  # before any handler of a command's
+        except click.exceptions.Abort:  # click's word for a Ctrl-C outside a command
             click.echo("error: interrupted before anything was saved", err=True)
             sys.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:  # e.g. `minitrain backends | head -1`

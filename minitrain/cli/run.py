@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from minitrain.cli.errors import Command, RunFailed, UserError, training_errors
+from minitrain.cli.errors import Command, RunFailed, UserError, cli_errors
 from minitrain.cli.options import (
     PNG,
     SEED,
@@ -48,9 +48,8 @@ def run(script: Path, backend: str, steps: int | None, seed: int, overrides: tup
     from minitrain.train.experiment import parse_overrides
     from minitrain.train.signals import stop_requests
 
-    with training_errors():
-        experiment, config = load_experiment(script, parse_overrides(overrides), steps=steps)
-        chosen = get_backend(backend)
+    experiment, config = load_experiment(script, parse_overrides(overrides), steps=steps)
+    chosen = get_backend(backend)
     check_out(out, resume, overwrite)
     if nproc is not None:
         _launch_workers(nproc, experiment, chosen)
@@ -62,7 +61,7 @@ def run(script: Path, backend: str, steps: int | None, seed: int, overrides: tup
 
         outcome = worker_outcome(parallel)
     with stop_requests(keep_until_exit=True), outcome:
-        with training_errors():
+        with cli_errors():  # mapped inside the outcome, which ends a worker by the CLI error
             result = fit(experiment, chosen, seed=seed, out_dir=out, log_every=log_every,
                          checkpoint_every=checkpoint_every, keep=keep, resume=resume,
                          overwrite=overwrite, progress=not as_json, compile=compile_,
@@ -232,17 +231,16 @@ def sweep(script: Path, overrides: tuple[str, ...], seeds: str, backend: str, st
     from minitrain.train.sweep import fit_sweep, load_sweep, parse_seeds
 
     check_out(out, resume, overwrite)
-    with training_errors():
-        ranked_by = parse_rank_by(rank_by) if rank_by is not None else None
-        ensemble = load_sweep(script, overrides, parse_seeds(seeds), steps=steps)
-        chosen = get_backend(backend)
+    ranked_by = parse_rank_by(rank_by) if rank_by is not None else None
+    ensemble = load_sweep(script, overrides, parse_seeds(seeds), steps=steps)
+    chosen = get_backend(backend)
     if not as_json:
         click.echo(
             f"{ensemble.size} members of {ensemble.template.name} in one vmapped step "
             f"(swept: {', '.join(ensemble.swept) or 'seeds only'})",
             err=True,
         )
-    with stop_requests(keep_until_exit=True), training_errors():
+    with stop_requests(keep_until_exit=True):
         result = fit_sweep(ensemble, chosen, out_dir=out, log_every=log_every,
                            checkpoint_every=checkpoint_every, keep=keep, resume=resume,
                            overwrite=overwrite, progress=not as_json, report=report, check=check,
