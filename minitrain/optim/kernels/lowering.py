@@ -386,7 +386,7 @@ def _run(shape, groups, grads, state, params, donate):
         return None
     new_params, new_buffers = ran
     return tree.unflatten(structure, new_params), _new_state(
-        shape, state, rule_states, fields, new_buffers, read, structure)
+        shape, state, fields, new_buffers, structure, [read], _scalar)
 
 
 def _buffers(shape, rule_states, read):
@@ -463,18 +463,26 @@ def _fused(shape, rows, read, frame, donate):
     return [ps, *buffers]
 
 
-def _new_state(shape, state, rule_states, fields, new_buffers, read, structure):
+def _new_state(shape, state, fields, new_buffers, structure, reads, number):
+    """The state after the update of ``reads`` (the one, or each vmapped member's): the new
+    buffers, and the counts, learning rate and kept scalars ``number(values, dtype)`` makes."""
     new_state = list(state)
     by_position: dict[int, dict[str, Any]] = {}
     for field, leaves in zip(fields, new_buffers, strict=True):
         if field is not None:
             by_position.setdefault(field[0], {})[field[1]] = tree.unflatten(structure, leaves)
-    for index, (position, inner) in enumerate(zip(shape.positions, rule_states, strict=True)):
-        count = torch.scalar_tensor(read.step, dtype=torch.int64, device="cpu")
-        new_state[position] = inner._replace(count=count, **by_position.get(index, {}),
-                                             **(read.kept if index == 0 else {}))
+    for index, position in enumerate(shape.positions):
+        kept = {key: number([float(r.kept[key]) for r in reads], value.dtype)
+                for key, value in reads[0].kept.items()} if index == 0 else {}
+        new_state[position] = state[position]._replace(
+            count=number([r.step for r in reads], torch.int64), **by_position.get(index, {}),
+            **kept)
     if shape.lr_position is not None:
         new_state[shape.lr_position] = state[shape.lr_position]._replace(
-            count=torch.scalar_tensor(read.lr_count + 1, dtype=torch.int64, device="cpu"),
-            lr=torch.scalar_tensor(read.lr, dtype=torch.float32, device="cpu"))
+            count=number([r.lr_count + 1 for r in reads], torch.int64),
+            lr=number([r.lr for r in reads], torch.float32))
     return tuple(new_state)
+
+
+def _scalar(values: list, dtype: torch.dtype) -> Tensor:
+    return torch.scalar_tensor(values[0], dtype=dtype, device="cpu")

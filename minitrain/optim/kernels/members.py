@@ -96,8 +96,9 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
                      [t.numel() // size for t in ps for _ in range(size)], False)
     batched = [None if row is None else [_torch.add_batch_dim(t, 0, level) for t in row]
                for row in results]
-    return tree.unflatten(structure, batched[0]), _new_state(
-        shape, state, fields, batched[1:], reads, structure, level)
+    return tree.unflatten(structure, batched[0]), lowering._new_state(
+        shape, state, fields, batched[1:], structure, reads, lambda values, dtype:
+        _torch.add_batch_dim(torch.tensor(values, dtype=dtype), 0, level))
 
 
 def _reads(shape: Any, stacked_state: list, numbers: dict[int, list], hyper: dict[int, list],
@@ -165,26 +166,3 @@ def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> li
     return [None if row is None else [address + m * step for address, step in
                                       zip(row, steps, strict=True) for m in range(size)]
             for row in rows]
-
-
-def _new_state(shape, state, fields, new_buffers, reads, structure, level):
-    """The state after the update: new buffers and, per member, its count and learning rate."""
-    def members(values: list, dtype: torch.dtype) -> Tensor:
-        return _torch.add_batch_dim(torch.tensor(values, dtype=dtype), 0, level)
-
-    new_state = list(state)
-    by_position: dict[int, dict[str, Any]] = {}
-    for field, leaves in zip(fields, new_buffers, strict=True):
-        if field is not None:
-            by_position.setdefault(field[0], {})[field[1]] = tree.unflatten(structure, leaves)
-    for index, position in enumerate(shape.positions):
-        kept = {key: members([float(r.kept[key]) for r in reads], value.dtype)
-                for key, value in reads[0].kept.items()} if index == 0 else {}
-        new_state[position] = state[position]._replace(
-            count=members([r.step for r in reads], torch.int64), **by_position.get(index, {}),
-            **kept)
-    if shape.lr_position is not None:
-        new_state[shape.lr_position] = state[shape.lr_position]._replace(
-            count=members([r.lr_count + 1 for r in reads], torch.int64),
-            lr=members([r.lr for r in reads], torch.float32))
-    return tuple(new_state)
