@@ -130,3 +130,38 @@ def test_under_grad_and_with_a_clip_the_chain_runs(calls):
     want = mt.tree.map(lambda p, g: 2 * (p - 0.1 * g), params, grads)
     assert_equal(by_func, want, rtol=1e-12, atol=1e-12)
     assert all(result is None for result in calls)
+
+
+def vmapped_adam(lrs, counts=None):
+    """Two or three adam members, vmapped with their own learning rates (and counts)."""
+    entry = next(e for e in OPTIMIZERS if e.name == "adam")
+    params = mt.tree.stack([make_params(entry, seed) for seed in range(len(lrs))])
+    grads = mt.tree.map(lambda p: torch.randn_like(p), params)
+    state = torch.func.vmap(entry.make().init)(params)
+    if counts is not None:
+        counts = torch.tensor(counts)
+        state = (state[0], state[1]._replace(count=counts), state[2]._replace(count=counts))
+    new = torch.func.vmap(lambda p, s, g, lr: entry.make(lr=lr).update(g, s, p))(
+        params, state, grads, torch.tensor(lrs))
+    for i, lr in enumerate(lrs):
+        if lr >= 0 and (counts is None or counts[i] >= 0):
+            want = entry.make(lr=lr).update(mt.tree.unstack(grads)[i],
+                                            mt.tree.unstack(state)[i],
+                                            mt.tree.unstack(params)[i])
+            assert_equal(mt.tree.unstack(new)[i], want, **KERNEL_ROUNDING)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan")])
+def test_a_member_with_a_learning_rate_the_kernel_refuses_takes_the_chain(bad, calls):
+    """One member's learning rate that building alone would refuse (inside vmap nothing can
+    read it): every member takes the chain, as before the kernel path; the others are right."""
+    vmapped_adam((0.1, bad, 0.01))
+    assert calls == [None]
+
+
+@pytest.mark.parametrize("count", [-1, 2**40])
+def test_a_hand_edited_count_in_one_member(count, calls):
+    """A negative count (which an update alone refuses) takes the chain; a huge one is that
+    member's own step, in the kernel."""
+    vmapped_adam((0.1, 0.01), counts=[3, count])
+    assert calls == [None if count < 0 else calls[0]] and (count < 0 or calls[0] is not None)
