@@ -431,17 +431,12 @@ def clip_by_global_norm(grads_or_max_norm: Any = _NOT_GIVEN, max_norm: Any = Non
     >>> tx.update([torch.tensor([3.0, 4.0])], tx.init([torch.zeros(2)]))[0]
     [tensor([0.6000, 0.8000])]
     """
-    if grads_or_max_norm is _NOT_GIVEN:
-        if max_norm is None:
-            raise ValueError("clip_by_global_norm needs max_norm: clip_by_global_norm(1.0)")
-        return _clip_transform(max_norm)
+    if grads_or_max_norm is not _NOT_GIVEN and max_norm is not None:  # the function form
+        tensor_leaves("clip_by_global_norm", grads_or_max_norm, "grads leaf")
+        return _clip(floating_updates("clip_by_global_norm", grads_or_max_norm), max_norm)
+    max_norm = max_norm if grads_or_max_norm is _NOT_GIVEN else grads_or_max_norm
     if max_norm is None:
-        return _clip_transform(grads_or_max_norm)
-    tensor_leaves("clip_by_global_norm", grads_or_max_norm, "grads leaf")
-    return _clip(floating_updates("clip_by_global_norm", grads_or_max_norm), max_norm)
-
-
-def _clip_transform(max_norm: Any) -> GradientTransformation:
+        raise ValueError("clip_by_global_norm needs max_norm: clip_by_global_norm(1.0)")
     max_norm = checked("max_norm", max_norm, 0.0, low_open=True)
 
     def update(updates, state, params=None):
