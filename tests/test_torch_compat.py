@@ -174,6 +174,36 @@ def test_peek_interpreter_stack():
     assert _torch.peek_interpreter_stack() is None
 
 
+def test_vmap_transform():
+    keys = []
+    torch.func.vmap(lambda t: keys.append(_torch.peek_interpreter_stack().key()) or t)(
+        torch.ones(3))
+    torch.func.grad(lambda t: keys.append(_torch.peek_interpreter_stack().key()) or t.sum())(
+        torch.ones(3))
+    assert keys[0] == _torch.vmap_transform and keys[1] != _torch.vmap_transform
+
+
+def test_unwrap_batched():
+    stacked = torch.arange(6.0).reshape(2, 3)
+    found = []
+
+    def inner(t):
+        found.append(_torch.unwrap_batched(t, _torch.peek_interpreter_stack().level()))
+        return t
+
+    torch.func.vmap(inner, in_dims=1)(stacked)
+    inner_tensor, dim = found[0]
+    assert dim == 1 and torch.equal(inner_tensor, stacked)
+
+
+def test_add_batch_dim():
+    def inner(t):  # a plain (3,) tensor made member-batched: each member sees its element
+        level = _torch.peek_interpreter_stack().level()
+        return t + _torch.add_batch_dim(torch.tensor([10.0, 20.0, 30.0]), 0, level)
+
+    assert torch.equal(torch.func.vmap(inner)(torch.ones(3)), torch.tensor([11.0, 21.0, 31.0]))
+
+
 def test_is_functorch_wrapped_tensor():
     assert not _torch.is_functorch_wrapped_tensor(torch.ones(2))
     seen = []
