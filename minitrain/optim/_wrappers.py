@@ -85,12 +85,19 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
     return tree.unflatten(tree.structure(updates), out), new_states
 
 
-def _pick(condition: Tensor, new: Any, old: Any) -> Any:
-    """``new`` where the 0-d bool ``condition`` holds, else ``old``: picked on the host, or
-    leaf by leaf by ``torch.where`` where it is traced or holds no data (meta)."""
+_ZEROS = object()
+
+
+def _pick(condition: Tensor, new: Any, old: Any = _ZEROS) -> Any:
+    """``new`` where the 0-d bool ``condition`` holds, else ``old`` (by default zeros like
+    ``new``): picked on the host, or leaf by leaf by ``torch.where`` where it is traced or holds
+    no data (meta)."""
     if is_traced(condition) or condition.is_meta:
+        old = tree.map(torch.zeros_like, new) if old is _ZEROS else old
         return tree.map(lambda n, o: torch.where(condition, n, o), new, old)
-    return new if bool(condition) else old
+    if bool(condition):
+        return new
+    return tree.map(torch.zeros_like, new) if old is _ZEROS else old
 
 
 class MaskedState(NamedTuple):
@@ -221,10 +228,9 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
             zeros = tree.map(torch.zeros_like, updates)
             return zeros, state._replace(mini_step=mini_step, acc_grads=acc)
         new, inner_state = inner.update(acc, state.inner_state, params, **extra)
-        return _pick(boundary, new, tree.map(torch.zeros_like, new)), MultiStepsState(
+        return _pick(boundary, new), MultiStepsState(
             torch.where(boundary, 0, mini_step), state.gradient_step + boundary.long(),
-            _pick(boundary, inner_state, state.inner_state),
-            _pick(boundary, tree.map(torch.zeros_like, acc), acc))
+            _pick(boundary, inner_state, state.inner_state), _pick(~boundary, acc))
 
     forwards_extra_args(update, [inner])
     return tagged("MultiSteps", GradientTransformation(init, update), inner=inner,
@@ -280,7 +286,7 @@ def apply_if_finite(inner: GradientTransformation,
         apply = finite if max_consecutive_errors is None else (
             finite | (count > max_consecutive_errors))
         total = state.total_notfinite + bad
-        return _pick(apply, new, tree.map(torch.zeros_like, new)), ApplyIfFiniteState(
+        return _pick(apply, new), ApplyIfFiniteState(
             count, finite, total, _pick(apply, inner_state, state.inner_state))
 
     forwards_extra_args(update, [inner])
