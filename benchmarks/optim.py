@@ -15,14 +15,14 @@ beside them the median over rounds of the two sides' ratio in the same round (th
 minitrain run back to back, so the load of that moment cancels).
 
 ``--breakdown`` splits one pure AdamW update into its parts: the in-place fused kernel; the
-streaming C kernel's call alone (``minitrain::stream_update`` through
-``kernels.streaming.update``), one out-of-place pass into two sets of buffers used in turn, with
-plain stores and with streaming stores (the read for ownership of every output line, and what
-skipping it saves); copies of params and state into fresh memory and aten's out-of-place kernel
-(allocation); Python overhead (the same update on 8 scalars); the whole pure update; and page
-faults per step (``getrusage`` minor faults). ``--family`` adds the rest of the family against
-their references (:mod:`_optim_family`); ``--processes N`` repeats the whole measurement in N
-fresh processes and gives each figure's median across them (:func:`_timing.summarize`).
+streaming C kernel's call alone (``kernels.streaming.run``), one out-of-place pass into two sets of
+buffers used in turn, with plain stores and with streaming stores (the read for ownership of every
+output line, and what skipping it saves); copies of params and state into fresh memory and aten's
+out-of-place kernel (allocation); Python overhead (the same update on 8 scalars); the whole pure
+update; and page faults per step (``getrusage`` minor faults). ``--family`` adds the rest of the
+family against their references (:mod:`_optim_family`); ``--processes N`` repeats the whole
+measurement in N fresh processes and gives each figure's median across them
+(:func:`_timing.summarize`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import minitrain as mt
 from minitrain import _torch
 from minitrain.errors import UserError
 from minitrain.optim.kernels import pool, streaming
+from minitrain.optim.kernels.checks import pointers
 
 # The registry of rows: name -> (minitrain factory, torch.optim class, kwargs shared by both,
 # the peer's fast flag: "fused" or "foreach"). The factory takes the kwargs; more
@@ -266,27 +267,29 @@ def _one_pass_parts(params, grads, exp_avg, exp_avg_sq) -> dict[str, Callable[[]
     """The streaming kernel's single out-of-place pass: as the pure update calls it (into this
     thread's pool, stores chosen by size), then with plain stores and with streaming stores into
     two sets of buffers used in turn (as the pool hands them out)."""
-    if not streaming.usable([*params, *grads, *exp_avg, *exp_avg_sq]):
+    rows = [params, grads, exp_avg, exp_avg_sq, None]
+    found = pointers(rows, dtype=torch.float32)
+    if found is None or not streaming.available():
         return {}
-    hp = ADAMW_HP
+    hp, sizes = [float(v) for v in ADAMW_HP], [p.numel() for p in params]
     generations = [[[t.clone() for t in leaves] for leaves in (params, exp_avg, exp_avg_sq)]
                    for _ in range(2)]
     turn = [0]
 
     def one_pass(nontemporal: bool) -> None:
         source, target = generations[turn[0] % 2], generations[(turn[0] + 1) % 2]
-        given = iter(target)
         turn[0] += 1
-        streaming.update("adam", hp, [source[0], grads, source[1], source[2], None],
-                         lambda like: next(given), nontemporal=nontemporal)
+        inputs = pointers([source[0], grads, source[1], source[2], None])
+        streaming.launch(streaming.RULES["adam"][0], hp, [*inputs, *pointers([*target, None])],
+                         sizes, nontemporal)
 
     def kernel_call() -> None:
         outputs = pool.current()
         outputs.begin_update()
-        streaming.update("adam", hp, [params, grads, exp_avg, exp_avg_sq, None], outputs)
+        streaming.run("adam", hp, rows, found, outputs)
 
     return {
-        "stream_update_call_alone": kernel_call,
+        "kernel_call_alone": kernel_call,
         "one_pass_plain_stores": lambda: one_pass(False),
         "one_pass_streaming_stores": lambda: one_pass(True),
     }

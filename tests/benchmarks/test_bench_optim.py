@@ -87,7 +87,7 @@ def test_bench_optim_breakdown_times_the_kernel_call_beside_the_whole_update():
     expected = {"fused_kernel_in_place", "copies_of_params_and_state",
                 "aten_out_of_place_fused", "python_overhead_8_scalars", "minitrain_pure_update"}
     if bench.streaming.available():
-        expected |= {"stream_update_call_alone", "one_pass_plain_stores",
+        expected |= {"kernel_call_alone", "one_pass_plain_stores",
                      "one_pass_streaming_stores"}
     assert set(parts["seconds"]) == expected
     assert set(parts["minor_page_faults_per_call"]) == expected

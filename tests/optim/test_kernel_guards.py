@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
-from minitrain.optim.kernels import pool, streaming
+from minitrain.optim.kernels import streaming
 from minitrain.optim.kernels.checks import pointers
 
 needs_kernels = pytest.mark.skipif(
@@ -150,29 +150,27 @@ def _resized(t):
     return t
 
 
-@needs_kernels
 @pytest.mark.parametrize("grad", HOSTILE_GRADS)
-def test_the_op_refuses_a_grad_its_kernel_cannot_address(grad):
-    params = [torch.ones(4)]
-    with pytest.raises(ValueError, match="streaming update"):
-        streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], [params, [HOSTILE_GRADS[grad]()], None],
-                         pool.current())
-    assert torch.equal(params[0], torch.ones(4))
+def test_no_pointer_reaches_the_kernel_for_a_grad_it_cannot_address(grad):
+    assert pointers([[torch.ones(4)], [HOSTILE_GRADS[grad]()], None], dtype=torch.float32) is None
 
 
 @needs_kernels
 @pytest.mark.parametrize("hp, rows", [
     ([0.5], 2),  # too few hyperparameters: C would read past them
+    ([[0.5] * 7, [0.5] * 7], 2),  # a row of hyperparameters per leaf, but two rows for one leaf
     ([0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0, 1, 1.0], 4),  # amsgrad without max_exp_avg_sq
     ([0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0, 0, 1.0], 3),  # no exp_avg_sq
-], ids=["hyperparameters", "amsgrad", "exp_avg_sq"])
-def test_the_op_refuses_hyperparameters_and_rows_its_kernel_would_read_past(hp, rows):
-    leaves = [[torch.ones(64)] for _ in range(rows)]
-    present = [1] * rows + [0] * (5 - rows)
-    with pytest.raises(ValueError, match="streaming rule 0"):
-        torch.ops.minitrain.stream_update(0, hp, [row[0] for row in leaves],
-                                          [torch.empty(64) for _ in range(rows - 1)],
-                                          present + [1] * (rows - 1) + [0] * (5 - rows), False)
+], ids=["hyperparameters", "rows per leaf", "amsgrad", "exp_avg_sq"])
+def test_the_kernel_call_refuses_hyperparameters_and_rows_it_would_read_past(hp, rows):
+    rule = streaming.RULES["sgd" if len(hp) != 10 else "adam"][0]
+    kept = [torch.ones(64) for _ in range(2 * rows)]  # alive until the call returns
+    slots = 3 if rule == streaming.RULES["sgd"][0] else 5
+    inputs = [[kept[i].data_ptr()] if i < rows else None for i in range(slots)]
+    outputs = [[kept[rows + i].data_ptr()] if i < rows - 1 else None for i in range(slots - 1)]
+    with pytest.raises(ValueError, match=f"streaming rule {rule}"):
+        streaming.launch(rule, [float(v) for v in hp] if not isinstance(hp[0], list) else hp,
+                         inputs + outputs, [64], False)
 
 
 # Frees the param's and grad's storage from the caller's code at a chosen moment of an update.
@@ -314,6 +312,7 @@ def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
 FOREIGN_OPENMP = """
 import torch
 from minitrain.optim.kernels import pool, streaming
+from minitrain.optim.kernels.checks import pointers
 real, built, loads = streaming._openmp_runtimes, [], []
 def runtimes():  # the first library loaded brings a second OpenMP runtime in
     loads.append(1)
@@ -325,7 +324,7 @@ streaming._build = lambda cc, flags: built.append(flags) or build(cc, flags)
 assert streaming.available()
 assert "-fopenmp" in built[0] and "-fopenmp" not in built[-1], built
 slots = [[torch.ones(4)], [torch.ones(4)], None]
-new, _ = streaming.update("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], slots, pool.current())
+new, _ = streaming.run("sgd", [0.5, 0, 0, 0, 0, 1.0, 0], slots, pointers(slots), pool.current())
 assert torch.equal(new[0], torch.full((4,), 0.5))
 print("without openmp")
 """

@@ -1,18 +1,18 @@
-"""One-pass CPU updates with streaming stores, registered as a torch custom op.
+"""One-pass CPU updates with streaming stores, in C.
 
 A pure update built on torch's in-place fused kernels copies params and state first: two passes
 over memory. One pass into fresh buffers with non-temporal stores (which aten and inductor do
 not emit) skips even the read for ownership of each output line. ``_streaming.c`` (the rules of
-the torch.optim family) is built with the system C compiler on first use, cached (verified by
-size and sha256 before loading) and exposed as the op ``minitrain::stream_update``, with a fake
-implementation. Every tensor is checked before its pointer reaches C
+the torch.optim family) is built with the system C compiler on first use and cached (verified
+by size and sha256 before loading). Every tensor is checked before its pointer reaches C
 (:func:`.checks.pointers`). ``MINITRAIN_STREAMING=0`` turns the kernels off, ``=require`` turns
 a failed build into a :class:`BuildError` that shows the compiler's output.
 
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
->>> if usable([*params, *grads]):
-...     new_params, _ = update("sgd", hp, [params, grads, None], lambda r: [t.clone() for t in r])
+>>> rows = [params, grads, None]
+>>> if available():
+...     new_params, _ = run("sgd", hp, rows, pointers(rows), lambda r: [t.clone() for t in r])
 ... else:  # no C compiler here: the same result by hand
 ...     new_params = [params[0] - 0.5 * grads[0]]
 >>> new_params[0], params[0]
@@ -42,8 +42,8 @@ from minitrain import _torch
 from minitrain._cache import cache_dir
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet",
-           "run", "sums_of_squares", "update", "usable"]
+__all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet", "run",
+           "sums_of_squares"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
          "radam": (5, 12), "adamax": (6, 9), "lion": (7, 7), "schedule_free_adamw": (8, 13),
@@ -199,34 +199,6 @@ def quiet() -> bool:
         isinstance(mode, _torch.DeviceContext) for mode in _torch.get_current_function_mode_stack())
 
 
-def usable(tensors: Sequence[Tensor]) -> bool:
-    """Whether the kernels can run over these tensors here: built, no mode watching
-    (:func:`quiet`), and all tensors :func:`.checks.pointers` takes as float32.
-
-    >>> usable([torch.ones(2, dtype=torch.bfloat16)])
-    False
-    """
-    return quiet() and available() and pointers([list(tensors)], dtype=torch.float32) is not None
-
-
-def update(rule: str, hyperparameters: Sequence[SupportsFloat],
-           slots: Sequence[list[Tensor] | None],
-           outputs: Callable[[list[Tensor]], list[Tensor]] | None = None,
-           nontemporal: bool | None = None) -> list[list[Tensor] | None]:
-    """One update of ``rule`` through ``minitrain::stream_update``: the new
-    ``[params, *buffers]`` from ``slots``, ``[params, grads, *buffers]`` in ``_streaming.c``'s
-    order (None for a buffer the rule does not use), into ``outputs(like)`` buffers or, where
-    ``outputs`` is None (donation), into the params and buffers themselves."""
-    results, streaming_stores = _written(slots, outputs)
-    torch.ops.minitrain.stream_update(
-        RULES[rule][0], [float(v) for v in hyperparameters],
-        [t for row in slots if row is not None for t in row],
-        [t for row in results if row is not None for t in row],
-        [int(row is not None) for row in (*slots, *results)],
-        streaming_stores if nontemporal is None else nontemporal)
-    return results
-
-
 def _written(rows: Sequence[list[Tensor] | None],
              outputs: Callable[[list[Tensor]], list[Tensor]] | None) -> tuple[list, bool]:
     """The rows an update of ``rows`` writes (its params and buffers: into ``outputs``
@@ -241,7 +213,7 @@ def _written(rows: Sequence[list[Tensor] | None],
 
 def launch(rule: int, hyperparameters: list[float] | list[list[float]],
            rows: list[list[int] | None], sizes: list[int], nontemporal: bool) -> None:
-    """The C call of ``minitrain::stream_update``: rule ``rule`` (:data:`RULES`' index) over rows
+    """The C call: rule ``rule`` (:data:`RULES`' index) over rows
     of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) that
     :func:`.checks.pointers` gave for float32 leaves of ``sizes`` elements; one list of
     hyperparameters for all leaves, or a list per leaf."""
@@ -274,10 +246,10 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
 def run(rule: str, hyperparameters: Sequence[SupportsFloat], rows: list[list[Tensor] | None],
         found: list[list[int] | None],
         outputs: Callable[[list[Tensor]], list[Tensor]] | None) -> list[list[Tensor] | None] | None:
-    """:func:`update`'s result from the C call alone, for callers that checked ``rows``
-    (``found``: their :func:`.checks.pointers` addresses) with no mode or compiler there to see
-    the op: no dispatch, no second check of the inputs. Into ``outputs`` buffers (checked here;
-    None where they do not fit) or, ``outputs`` None, in place."""
+    """One update of ``rule``: the new ``[params, *buffers]`` from ``rows``, ``[params, grads,
+    *buffers]`` in ``_streaming.c``'s order (None for a buffer the rule does not use), which the
+    caller checked (``found``: their :func:`.checks.pointers` addresses). Into ``outputs(like)``
+    buffers (checked here; None where they do not fit) or, ``outputs`` None, in place."""
     results, nontemporal = _written(rows, outputs)
     # every pointer handed to C is checked
     addresses = [found[0], *found[2:]] if outputs is None else pointers(results, like=rows[0])
@@ -289,32 +261,6 @@ def run(rule: str, hyperparameters: Sequence[SupportsFloat], rows: list[list[Ten
         torch.autograd.graph.increment_version([t for row in results if row is not None
                                                 for t in row])
     return results
-
-
-def _stream(rule: int, hyperparameters: list[float], inputs: list[Tensor],
-            outputs: list[Tensor], present: list[int], nontemporal: bool) -> None:
-    """``minitrain::stream_update``: the C kernel over rows of leaves, ``inputs`` and
-    ``outputs`` holding the present rows one after another (``present``: per pointer slot,
-    whether its row is there)."""
-    n_leaves = (len(inputs) + len(outputs)) // max(1, sum(present))
-    tensors = iter([*inputs, *outputs])
-    rows = [[next(tensors) for _ in range(n_leaves)] if on else None for on in present]
-    found = pointers(rows, dtype=torch.float32)  # the last guard before raw pointers reach C
-    if found is None:
-        raise ValueError("streaming update: pass plain contiguous float32 CPU tensors of their "
-                         "params' shapes, whose storages hold them, not requiring grad")
-    launch(rule, hyperparameters, found, [t.numel() for t in rows[0]], nontemporal)
-
-
-_stream_update = torch.library.custom_op(
-    "minitrain::stream_update", mutates_args=("outputs",), device_types="cpu",
-    schema="(int rule, float[] hyperparameters, Tensor[] inputs, Tensor(a!)[] outputs, "
-           "int[] present, bool nontemporal) -> ()")(_stream)
-
-
-@_stream_update.register_fake
-def _(rule, hyperparameters, inputs, outputs, present, nontemporal) -> None:
-    return None
 
 
 def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
