@@ -32,6 +32,7 @@ from minitrain.optim._checks import (
     storage_holds,
     tensor_leaves,
 )
+from minitrain.optim.kernels import members
 from minitrain.optim.kernels.checks import donatable
 from minitrain.optim.kernels.lowering import lower
 from minitrain.tree import Grads, OptState, Params
@@ -351,8 +352,9 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
                **extra: Any):
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             split_extra_args("as_optimizer", [tx], extra)
-        elif lowered is not None:
-            result = lowered(grads, state, params, donate)
+        elif lowered is not None:  # one kernel call, or one over vmapped members
+            result = lowered(grads, state, params, donate) or members.run(
+                lowered.shape, grads, state, params)
             if result is not None:
                 return result
         if strict and not torch.compiler.is_compiling():  # traced: checked when it was eager

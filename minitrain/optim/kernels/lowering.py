@@ -8,7 +8,7 @@
 where RULE is a row of :data:`RULES`, and runs it as one kernel call per weight-decay group
 over all leaves: the streaming C kernel on float32 CPU leaves (into recycled buffers
 (:mod:`.pool`) or, donated, in place), else torch's fused CPU kernel where the rule has one
-(bf16, fp16, fp64; float32 without a C compiler); vmapped members in one call (:mod:`.members`).
+(bf16, fp16, fp64; float32 without a C compiler); vmapped members: :mod:`.members`.
 Whenever it cannot take a call (grad, torch.compile, a torch mode, another device, leaves the
 kernels cannot address, a traced hyperparameter, ...) it returns None and the chain, the
 definition, runs; the kernels are tested equal to it (``docs/explanation/kernels.md``).
@@ -26,7 +26,7 @@ from torch import Tensor
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import decay_flags, is_traced
-from minitrain.optim.kernels import members, pool, streaming
+from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["lower", "RULES"]
@@ -274,6 +274,7 @@ def lower(tx: Any) -> Callable[..., Any] | None:
     def update(grads, state, params, donate):
         return _run(shape, groups, grads, state, params, donate)
 
+    update.shape = shape  # type: ignore[attr-defined]
     return update
 
 
@@ -359,8 +360,7 @@ def _run(shape, groups, grads, state, params, donate):
     wrapped = _torch.is_functorch_wrapped_tensor
     if any(type(t) not in _PLAIN or wrapped(t) or t.requires_grad
            for t in (*p_leaves, *g_leaves)):
-        # vmapped members as one call; under grad, a subclass, a differentiable update: the chain
-        return members.run(shape, grads, state, params)
+        return None  # vmapped (.members), under grad, a subclass, a differentiable update
     read = _read(shape, state, rule_states)
     if read is not None and read.wd != 0 and structure not in groups:
         # the mask is the caller's code too: read once per tree structure, before the checks

@@ -35,7 +35,7 @@ def _vmap_level() -> int | None:
 def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
     """The new ``(params, state)`` of vmapped members, each updated as the chain would update
     it; None where the members cannot run as one kernel call (the chain then runs)."""
-    level = _vmap_level()
+    level = None if torch.compiler.is_compiling() else _vmap_level()
     if level is None or shape.clip is not None or not streaming.quiet() or not \
             streaming.available() or (shape.maximize and not shape.rule.folds_sign):
         return None
