@@ -23,7 +23,6 @@ import torch
 from minitrain import rng, tree
 from minitrain.atomic_io import write_new_file
 from minitrain.errors import UserError
-from minitrain.optim import _groups as groups
 
 __all__ = [
     "MAX_STEP", "NAMEDTUPLES_KEY", "STATE_FIELDS", "CheckpointError", "check_state_fields",
@@ -195,10 +194,6 @@ def rebuild(
     except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
     template_names = {name for name, _ in tree.named_leaves(template)}
-    try:
-        groups.refuse_list_groups(template, template_names, [*tensors, *scalars])
-    except ValueError as exc:
-        raise CheckpointError(f"{label}: {exc}") from None
     for name in [*tensors, *scalars]:
         if name not in template_names:
             raise CheckpointError(

@@ -5,12 +5,9 @@ their names in the whole params, so a group's state is named after its params
 
 from __future__ import annotations
 
-from typing import Any
-
-from minitrain import tree
 from minitrain._torch import pytree as _pytree
 
-__all__ = ["LeafGroup", "refuse_list_groups"]
+__all__ = ["LeafGroup"]
 
 
 class LeafGroup(dict):
@@ -34,15 +31,3 @@ _pytree.register_pytree_node(
     flatten_with_keys_fn=lambda g: ([(_pytree.MappingKey(k), v) for k, v in g.items()],
                                     list(g.keys())),
 )
-
-
-def refuse_list_groups(template: Any, template_names: set[str], saved_names: list[str]) -> None:
-    """``ValueError`` where ``saved_names`` are those of ``template`` (whose leaves are
-    ``template_names``) with each :class:`LeafGroup` a list (``inner_states.adam.mu.0``): a
-    checkpoint saved when groups were lists."""
-    unknown = [name for name in saved_names if name not in template_names]
-    lists = _pytree.tree_map(lambda node: list(node.values()) if type(node) is LeafGroup
-                             else node, template, is_leaf=lambda node: type(node) is LeafGroup)
-    if unknown and set(saved_names) <= {name for name, _ in tree.named_leaves(lists)}:
-        raise ValueError(f"the checkpoint predates named leaf groups (it names {unknown[0]!r}); "
-                         f"multi_transform and masked states saved as lists no longer load")
