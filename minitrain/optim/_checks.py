@@ -414,37 +414,6 @@ def adam_corrections(step: Any, beta1: Any, beta2: Any) -> tuple[Any, Any, Any]:
     return 1 - beta1**step, bias_correction2, root
 
 
-class TracedCorrections(dict):
-    """:func:`adam_corrections` of a traced step, made once an update and kept per leaf
-    ``(dtype, rank)``: cast to float32 for float32 leaves (the cast that dividing by a float64
-    0-d tensor makes on every leaf) and, vmapped, shaped as :func:`batched_like` shapes them."""
-
-    def __init__(self, step: Tensor, beta1: Any, beta2: Any) -> None:
-        super().__init__()
-        self.found = adam_corrections(step, beta1, beta2)
-
-    def __missing__(self, key: tuple[torch.dtype, int]) -> tuple:
-        dtype, rank = key
-        cast = [c.to(dtype) if dtype == torch.float32 and isinstance(c, Tensor) else c
-                for c in self.found]
-        self[key] = found = tuple(_shaped(c, dtype, rank) for c in cast)
-        return found
-
-
-def batched_like(value: Any, like: Tensor) -> Any:
-    """``value``, where it is a vmapped 0-d tensor of ``like``'s dtype, shaped ``(1,) * rank``
-    of ``like``: the same broadcast and numbers, without vmap moving its batch dim in every op
-    (a select and a view each)."""
-    return _shaped(value, like.dtype, like.dim())
-
-
-def _shaped(value: Any, dtype: torch.dtype, rank: int) -> Any:
-    if isinstance(value, Tensor) and rank and value.dtype == dtype and value.dim() == 0 \
-            and _torch.is_batchedtensor(value):
-        return value.reshape((1,) * rank)
-    return value
-
-
 def schedule_count(count: Any) -> Any:
     """What a schedule is called with: the updates done as an int, or the traced ``count``."""
     done = updates_done(count)

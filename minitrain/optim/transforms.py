@@ -20,10 +20,8 @@ from torch import Tensor
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
-    TracedCorrections,
     WeightDecayMask,
     adam_corrections,
-    batched_like,
     check_hyperparameter,
     check_like,
     checked,
@@ -102,7 +100,7 @@ def _scaled(updates, factor):
     if leaves and not use_plain_path(leaves, [factor]):
         with torch.no_grad():
             return tree.unflatten(structure, list(_torch.foreach["mul"](leaves, scalar(factor))))
-    return tree.unflatten(structure, [batched_like(factor, u) * u for u in leaves])
+    return tree.unflatten(structure, [factor * u for u in leaves])
 
 
 def lr_function(learning_rate: ScalarOrSchedule) -> tuple[Any, Any]:
@@ -163,7 +161,7 @@ class ScaleByAdamState(NamedTuple):
     max_exp_avg_sq: Params
 
 
-def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root, corrections=None):
+def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
     """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
     torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2));
     optax's ``eps_root`` inside the root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
@@ -174,8 +172,7 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root, correct
     second = exp_avg_sq
     if amsgrad:
         second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
-    bias_correction1, bias_correction2, root2 = adam_corrections(step, beta1, beta2) \
-        if corrections is None else corrections[g.dtype, g.dim()]
+    bias_correction1, bias_correction2, root2 = adam_corrections(step, beta1, beta2)
     denom = second.sqrt() / root2 + eps if is_zero(eps_root) else \
         (second / bias_correction2 + eps_root).sqrt() + eps
     return (exp_avg / denom) / bias_correction1, new
@@ -203,9 +200,7 @@ def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
                 "max_exp_avg_sq": zeros(p) if amsgrad else ()}
 
     tx = leafwise("scale_by_adam", init_leaf, adam_leaf, ScaleByAdamState,
-                  dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root),
-                  advance=lambda step: ({}, {"corrections": TracedCorrections(step, beta1, beta2)}
-                                        if isinstance(step, Tensor) else {}))  # once, not per leaf
+                  dict(beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad, eps_root=eps_root))
     return tx if is_zero(eps_root) else off_kernels(tx, "eps_root")
 
 

@@ -1,13 +1,11 @@
 """The lowering under ``vmap``: the members' updates as one kernel call on the stacked leaves.
 
-Under ``vmap`` every leaf is a batched tensor: the chain runs op by op, each op paying vmap's
-dispatch, where an ensemble written by hand runs a few ops on the stacked tensors. The update
-rules are elementwise, so member ``m``'s update is the kernel over slice ``m`` of each stacked
-leaf with member ``m``'s numbers (its step, its learning rate, its swept hyperparameters): one C
-call over all slices, a row of hyperparameters per slice, into stacked output buffers that
-become the batched results. Anything else (a clip, whose norm is per member; a leaf below
-another transform; a traced number) returns None and the chain runs.
-"""
+Under ``vmap`` the chain runs op by op, each op paying vmap's dispatch. The update rules are
+elementwise, so member ``m``'s update is the kernel over slice ``m`` of each stacked leaf with
+member ``m``'s numbers (its step, learning rate, swept hyperparameters): one C call over all
+slices, a row of hyperparameters per slice, into stacked buffers that become the batched
+results. Anything else (a clip, whose norm is per member; a leaf under another transform; a
+traced number) returns None and the chain runs."""
 
 from __future__ import annotations
 
