@@ -22,21 +22,20 @@ from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["run"]
 
-
-def _vmap_level() -> int | None:
-    interpreter = _torch.peek_interpreter_stack()
-    if interpreter is None or interpreter.key() != _torch.vmap_transform:
-        return None
-    return interpreter.level()
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
     """The new ``(params, state)`` of vmapped members, each updated as the chain would update
     it; None where the members cannot run as one kernel call (the chain then runs)."""
-    level = None if torch.compiler.is_compiling() else _vmap_level()
-    if level is None or shape.clip is not None or not streaming.quiet() or not \
-            streaming.available() or (shape.maximize and not shape.rule.folds_sign):
+    # plain SGD (no rule, no state) is two ops a leaf under vmap: less than the call's own cost
+    top = None if torch.compiler.is_compiling() or not shape.positions else \
+        _torch.peek_interpreter_stack()
+    if top is None or top.key() != _torch.vmap_transform or shape.clip is not None or not \
+            streaming.quiet() or not streaming.available() or \
+            (shape.maximize and not shape.rule.folds_sign):
         return None
+    level = top.level()
 
     def take(value: Any) -> Any:  # a batched tensor's members, stacked on dim 0
         if not isinstance(value, Tensor) or _torch.maybe_get_level(value) != level:
@@ -51,8 +50,16 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
         return None
     ps, gs = [take(p) for p in p_leaves], [take(g) for g in g_leaves]
     size = ps[0].shape[0]
-    # the states the update reads, their leaves stacked; each member's numbers (counts,
-    # learning rates, swept values) as Python numbers
+    hyper = {}  # each member's swept hyperparameters (a swept value resolves to its members)
+    for value in (*shape.hyper.values(), shape.lr, *(pair[0] for pair in (
+            shape.l2, shape.decoupled) if pair is not None)):
+        if isinstance(value, Tensor) and value.dim() == 0:
+            stacked = take(value if type(value) in _PLAIN else value.detach())
+            if stacked.dim() == 1:
+                hyper[id(value)] = stacked.tolist()
+            elif type(value) not in _PLAIN:
+                return None  # a subclass whose value the kernel cannot read
+    # the states the update reads, their leaves stacked; each member's counts as Python numbers
     read_at = [i for i in (*shape.positions, shape.lr_position) if i is not None]
     stacked_state = list(state)
     numbers: dict[int, list] = {}
@@ -64,11 +71,6 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
                     (i in shape.positions or key == "count"):  # (the lr state's lr is not read)
                 numbers[id(fields[key])] = fields[key].tolist()
         stacked_state[i] = state[i]._replace(**fields)
-    hyper = {}
-    for value in (*shape.hyper.values(), shape.lr, *(pair[0] for pair in (
-            shape.l2, shape.decoupled) if pair is not None)):
-        if isinstance(value, Tensor) and take(value) is not value:
-            hyper[id(value)] = take(value).tolist()
     reads = _reads(shape, stacked_state, numbers, hyper, size)
     if reads is None:
         return None
@@ -101,8 +103,7 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
 
 def _reads(shape: Any, stacked_state: list, numbers: dict[int, list], hyper: dict[int, list],
            size: int) -> list | None:
-    """Each member's :class:`~.lowering.Read`; members whose numbers differ in the learning
-    rate alone share one read."""
+    """Each member's :class:`~.lowering.Read` (one read where only learning rates differ)."""
     lr_values = hyper.get(id(shape.lr))
     others = [values for key, values in hyper.items() if key != id(shape.lr)]
     reads, seen = [], {}
