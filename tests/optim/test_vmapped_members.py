@@ -195,3 +195,29 @@ def test_a_sweep_over_adams_learning_rate_runs_its_members_in_one_call(calls):
     for lr, params in zip(lrs, swept, strict=True):
         alone = fit(build({"steps": 4, "lr": lr}), backend, progress=False).params
         assert_equal(params, alone, **KERNEL_ROUNDING)
+
+
+@pytest.mark.parametrize("layout", ["members on dim 1", "vmap in vmap"])
+def test_members_the_kernel_cannot_address_as_slices_take_the_chain(layout, calls):
+    """Members stacked on another dim (strided slices) or vmapped twice (a batched tensor
+    inside): the chain's update, equal to each member's alone."""
+    entry = next(e for e in OPTIMIZERS if e.name == "adam")
+    params = [make_params(entry, seed) for seed in range(4)]
+    grads = [make_grads(p, 1, seed=7 + i)[0] for i, p in enumerate(params)]
+    opt = entry.make()
+    if layout == "members on dim 1":
+        dims = mt.tree.map(lambda t: 1 if t.dim() >= 2 else 0, mt.tree.stack(params))
+        p, g = (mt.tree.map(lambda t, d: t.movedim(0, d).contiguous(), mt.tree.stack(x), dims)
+                for x in (params, grads))
+        new = mt.tree.unstack(torch.func.vmap(lambda p, g: opt.update(g, opt.init(p), p)[0],
+                                              in_dims=(dims, dims))(p, g))
+    else:
+        p, g = (mt.tree.map(lambda t: t.reshape(2, 2, *t.shape[1:]), mt.tree.stack(x))
+                for x in (params, grads))
+        inner = torch.func.vmap(lambda p, g: opt.update(g, opt.init(p), p)[0])
+        new = mt.tree.unstack(mt.tree.map(lambda t: t.reshape(4, *t.shape[2:]),
+                                          torch.func.vmap(inner)(p, g)))
+    for i in range(4):
+        assert_equal(new[i], opt.update(grads[i], opt.init(params[i]), params[i])[0],
+                     **KERNEL_ROUNDING)
+    assert calls and all(result is None for result in calls)
