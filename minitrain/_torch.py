@@ -11,7 +11,9 @@ needs it; tests/test_torch_compat.py checks each on the installed torch.
 from __future__ import annotations
 
 import types
+import typing
 
+import optree
 import torch
 import torch.utils._cxx_pytree as _cxx_pytree
 import torch.utils._device as _device
@@ -36,12 +38,37 @@ __all__ = [
 # Pytrees of dicts, lists, tuples and NamedTuples: flatten (with key paths), map, unflatten, and
 # the key types (MappingKey, SequenceKey, GetAttrKey) that name leaves. No public alternative:
 # torch 2.13 and 2.14 ship no ``torch.utils.pytree``. Flatten, unflatten, map and structure are
-# the optree-backed twins (same leaf order, same node registry, about 4x faster: an update
-# flattens params, grads and state several times); key paths exist in the Python one only.
+# the optree-backed twins (same leaf order, about 4x faster: an update flattens params, grads
+# and state several times) while their registry holds every node type the Python one does; a
+# type registered with the Python one alone (torch.export.register_dataclass) turns them back to
+# the Python functions. Key paths exist in the Python one only.
+def _in_optree(node_type: object) -> bool:
+    return optree.register_pytree_node.get(node_type, namespace="torch") is not None
+
+
+_TORCH_PYTHON_ONLY = frozenset(t for t in list(_pytree.SUPPORTED_NODES) if not _in_optree(t))
+_REGISTRY = [len(_pytree.SUPPORTED_NODES), True]  # the size last checked, and whether it holds
+
+
+def _optree_holds_every_node() -> bool:
+    size = len(_pytree.SUPPORTED_NODES)
+    if size != _REGISTRY[0]:
+        _REGISTRY[:] = [size, all(t in _TORCH_PYTHON_ONLY or _in_optree(t)
+                                  for t in list(_pytree.SUPPORTED_NODES))]
+    return _REGISTRY[1]
+
+
+def _fast_while_registered(name: str) -> typing.Any:
+    fast, slow = getattr(_cxx_pytree, name), getattr(_pytree, name)
+    return lambda *args, **kwargs: (fast if _optree_holds_every_node() else slow)(*args, **kwargs)
+
+
 pytree = types.SimpleNamespace(**vars(_pytree))
-for _name in ("TreeSpec", "tree_flatten", "tree_unflatten", "tree_leaves", "tree_map",
-              "tree_map_", "tree_structure"):
-    setattr(pytree, _name, getattr(_cxx_pytree, _name))
+for _name in ("tree_flatten", "tree_leaves", "tree_map", "tree_map_", "tree_structure"):
+    setattr(pytree, _name, _fast_while_registered(_name))
+pytree.TreeSpec = _cxx_pytree.TreeSpec | _pytree.TreeSpec
+pytree.tree_unflatten = lambda leaves, spec: (_cxx_pytree if isinstance(
+    spec, _cxx_pytree.TreeSpec) else _pytree).tree_unflatten(leaves, spec)
 
 # -- dispatch modes and fake tensors (accounting: counting and predicting a step) -------------
 

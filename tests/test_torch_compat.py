@@ -7,6 +7,7 @@ A torch release that moves, renames or changes one of them fails here by name.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import re
 import types
@@ -71,6 +72,29 @@ def test_pytree():
     assert (paths[0][0].key, paths[0][1].idx, paths[3][1].name) == ("b", 0, "y")
     named = pt.tree_map_with_path(lambda path, x: len(path), {"a": [1, 2]})
     assert named == {"a": [2, 2]}
+
+
+def test_pytree_of_a_node_type_the_python_registry_alone_holds():
+    """A dataclass registered the public way (torch.export.register_dataclass, which fills the
+    Python registry alone) flattens into its fields, as before optree did the flattening."""
+    pt = _torch.pytree
+
+    @dataclasses.dataclass
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor
+
+    torch.export.register_dataclass(Pair)
+    try:
+        pair = Pair(torch.ones(1), torch.zeros(2))
+        leaves, spec = pt.tree_flatten({"p": pair})
+        assert [t.shape for t in leaves] == [(1,), (2,)] and pt.tree_leaves(pair) == leaves
+        assert pt.tree_unflatten(leaves, spec)["p"] == pair and isinstance(spec, pt.TreeSpec)
+        assert pt.tree_map(lambda t: t + 1, pair).a == 2
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Pair)
+    fast = pt.tree_flatten({"p": torch.ones(1)})[1]
+    assert isinstance(fast, torch.utils._cxx_pytree.TreeSpec)  # the optree twins again
 
 
 # -- dispatch modes and fake tensors --------------------------------------------------------------
