@@ -366,8 +366,10 @@ def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
 
 
 def f32_tensor(value: Any) -> Tensor:
-    """``value`` as a new float32 0-d tensor (on the host unless a tensor elsewhere)."""
-    return host_tensor(value, torch.float32).detach().clone()
+    """``value`` as a new float32 0-d tensor (on the host unless a tensor elsewhere; a swept
+    value, a tensor subclass, as its ops resolve it)."""
+    tensor = value.detach() if isinstance(value, Tensor) else host_tensor(value, torch.float32)
+    return tensor.to(torch.float32).clone()
 
 
 def float32(value: Any) -> Any:

@@ -18,6 +18,7 @@ import torch
 
 from minitrain.errors import ExperimentError
 from minitrain.metrics import METRICS_FILE, read_metrics
+from minitrain.optim.base import _find_lr
 from minitrain.train.members import Ensemble, Member, member_label
 from minitrain.train.stepper import evaluation, resident_bytes
 from minitrain.tree import unstack
@@ -82,7 +83,8 @@ def log_step(ensemble: Ensemble, out: Any, step: int, logs: list[MemberLog],
     """One metrics line per member still training (or diverged since the last log)."""
     losses, norms = out.loss.tolist(), out.grad_norm.tolist()
     diverged = out.diverged_at.tolist()
-    lrs = out.opt_state.lr.tolist() if hasattr(out.opt_state, "lr") else [None] * len(losses)
+    found = _find_lr(out.opt_state)  # the members' (K,) lr, wherever the chain keeps it
+    lrs = found.tolist() if isinstance(found, torch.Tensor) else [None] * len(losses)
     aux = {key: value.tolist() for key, value in out.aux.items()}
     rss = resident_bytes()
     member_params = unstack(out.params) if is_eval else None

@@ -117,6 +117,7 @@ def test_linreg_sgd_members_equal_single_runs_and_log_per_member(tmp_path):
     assert {(r["step"], r["member"]) for r in records} == {(s, k) for s in range(1, 61)
                                                            for k in range(4)}
     assert all(r["config"] == {"lr": ensemble.members[r["member"]].swept["lr"]} for r in records)
+    assert all(r["lr"] == pytest.approx(r["config"]["lr"]) for r in records)  # each member's
     summary = json.loads((tmp_path / "summary.json").read_text())
     ranks = [row["smoothed_loss"] for row in summary["ranking"]]
     assert ranks == sorted(ranks) and [r["rank"] for r in summary["ranking"]] == [1, 2, 3, 4]

@@ -386,7 +386,8 @@ def _run(shape, groups, grads, state, params, donate):
         return None
     new_params, new_buffers = ran
     return tree.unflatten(structure, new_params), _new_state(
-        shape, state, fields, new_buffers, structure, [read], _scalar)
+        shape, state, fields, new_buffers, structure, [read],
+        lambda values, dtype: torch.scalar_tensor(values[0], dtype=dtype, device="cpu"))
 
 
 def _buffers(shape, rule_states, read):
@@ -482,7 +483,3 @@ def _new_state(shape, state, fields, new_buffers, structure, reads, number):
             count=number([r.lr_count + 1 for r in reads], torch.int64),
             lr=number([r.lr for r in reads], torch.float32))
     return tuple(new_state)
-
-
-def _scalar(values: list, dtype: torch.dtype) -> Tensor:
-    return torch.scalar_tensor(values[0], dtype=dtype, device="cpu")
