@@ -349,7 +349,7 @@ FUSED = [
                          ids=[f"{n}-{'-'.join(k) or 'default'}" for n, k, _ in FUSED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_update_flops_follow_the_hyperparameters_guard(name, kwargs, _, dtype, request):
-    request.node.add_marker(pytest.mark.xfail(strict=False, reason=(
+    request.node.add_marker(pytest.mark.xfail(strict=True, reason=(
         "under the FLOP counter the update runs its chain, whose ops count otherwise than "
         "torch's fused formula for some hyperparameters")))
     defaults = dict(maximize=False, weight_decay=0.01 if name == "adamw" else 0.0,
@@ -371,8 +371,8 @@ TORCH_ORDER = [("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.
 
 @pytest.mark.parametrize(("name", "kwargs"), TORCH_ORDER, ids=[n for n, _ in TORCH_ORDER])
 def test_update_flops_per_element_equal_torchs_single_tensor_update_guard(name, kwargs, request):
-    if name in ("adadelta", "adamax", "sgd", "adam", "adamw", "adagrad", "rmsprop"):
-        request.node.add_marker(pytest.mark.xfail(strict=False, reason=(
+    if name in ("adadelta", "adamax", "sgd", "adam", "adamw"):
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=(
             "under the FLOP counter the family runs its chain, which negates (maximize) or adds "
             "the decay in an op of its own where torch's single-tensor loop folds it")))
     cls = _torch_classes()[name]
