@@ -13,7 +13,6 @@ from __future__ import annotations
 import types
 import typing
 
-import optree
 import torch
 import torch.utils._cxx_pytree as _cxx_pytree
 import torch.utils._device as _device
@@ -39,34 +38,33 @@ __all__ = [
 # the key types (MappingKey, SequenceKey, GetAttrKey) that name leaves. No public alternative:
 # torch 2.13 and 2.14 ship no ``torch.utils.pytree``. Flatten, unflatten, map and structure are
 # the optree-backed twins (same leaf order, about 4x faster: an update flattens params, grads
-# and state several times) while their registry holds every node type the Python one does; a
-# type registered with the Python one alone (torch.export.register_dataclass) turns them back to
-# the Python functions. Key paths exist in the Python one only.
-def _in_optree(node_type: object) -> bool:
-    return optree.register_pytree_node.get(node_type, namespace="torch") is not None
+# and state several times), except for a tree holding a node type the Python registry alone
+# knows (torch.export.register_dataclass), which optree takes for a leaf: such a tree is the
+# Python functions'. Key paths exist in the Python one only.
+def _python_only_node(leaves: list) -> bool:
+    return any(type(leaf) in _pytree.SUPPORTED_NODES for leaf in leaves)
 
 
-_TORCH_PYTHON_ONLY = frozenset(t for t in list(_pytree.SUPPORTED_NODES) if not _in_optree(t))
-_REGISTRY = [len(_pytree.SUPPORTED_NODES), True]  # the size last checked, and whether it holds
+def _tree_flatten(tree: typing.Any, is_leaf: typing.Any = None) -> tuple[list, typing.Any]:
+    leaves, spec = _cxx_pytree.tree_flatten(tree, is_leaf)
+    return _pytree.tree_flatten(tree, is_leaf) if _python_only_node(leaves) else (leaves, spec)
 
 
-def _optree_holds_every_node() -> bool:
-    size = len(_pytree.SUPPORTED_NODES)
-    if size != _REGISTRY[0]:
-        _REGISTRY[:] = [size, all(t in _TORCH_PYTHON_ONLY or _in_optree(t)
-                                  for t in list(_pytree.SUPPORTED_NODES))]
-    return _REGISTRY[1]
-
-
-def _fast_while_registered(name: str) -> typing.Any:
-    fast, slow = getattr(_cxx_pytree, name), getattr(_pytree, name)
-    return lambda *args, **kwargs: (fast if _optree_holds_every_node() else slow)(*args, **kwargs)
+def _mapped(name: str) -> typing.Any:
+    def tree_map(func: typing.Any, tree: typing.Any, *rests: typing.Any,
+                 is_leaf: typing.Any = None) -> typing.Any:
+        fast = isinstance(_tree_flatten(tree, is_leaf)[1], _cxx_pytree.TreeSpec)
+        return getattr(_cxx_pytree if fast else _pytree, name)(func, tree, *rests,
+                                                               is_leaf=is_leaf)
+    return tree_map
 
 
 pytree = types.SimpleNamespace(**vars(_pytree))
-for _name in ("tree_flatten", "tree_leaves", "tree_map", "tree_map_", "tree_structure"):
-    setattr(pytree, _name, _fast_while_registered(_name))
 pytree.TreeSpec = _cxx_pytree.TreeSpec | _pytree.TreeSpec
+pytree.tree_flatten = _tree_flatten
+pytree.tree_leaves = lambda tree, is_leaf=None: _tree_flatten(tree, is_leaf)[0]
+pytree.tree_structure = lambda tree, is_leaf=None: _tree_flatten(tree, is_leaf)[1]
+pytree.tree_map, pytree.tree_map_ = _mapped("tree_map"), _mapped("tree_map_")
 pytree.tree_unflatten = lambda leaves, spec: (_cxx_pytree if isinstance(
     spec, _cxx_pytree.TreeSpec) else _pytree).tree_unflatten(leaves, spec)
 

@@ -76,7 +76,8 @@ def test_pytree():
 
 def test_pytree_of_a_node_type_the_python_registry_alone_holds():
     """A dataclass registered the public way (torch.export.register_dataclass, which fills the
-    Python registry alone) flattens into its fields, as before optree did the flattening."""
+    Python registry alone) flattens into its fields, as before optree did the flattening; a
+    tree without one keeps the optree twins."""
     pt = _torch.pytree
 
     @dataclasses.dataclass
@@ -91,10 +92,10 @@ def test_pytree_of_a_node_type_the_python_registry_alone_holds():
         assert [t.shape for t in leaves] == [(1,), (2,)] and pt.tree_leaves(pair) == leaves
         assert pt.tree_unflatten(leaves, spec)["p"] == pair and isinstance(spec, pt.TreeSpec)
         assert pt.tree_map(lambda t: t + 1, pair).a == 2
+        fast = pt.tree_flatten({"p": torch.ones(1)})[1]
+        assert isinstance(fast, torch.utils._cxx_pytree.TreeSpec)
     finally:
         torch.utils._pytree._deregister_pytree_node(Pair)
-    fast = pt.tree_flatten({"p": torch.ones(1)})[1]
-    assert isinstance(fast, torch.utils._cxx_pytree.TreeSpec)  # the optree twins again
 
 
 # -- dispatch modes and fake tensors --------------------------------------------------------------
