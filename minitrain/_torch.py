@@ -13,6 +13,7 @@ from __future__ import annotations
 import types
 import typing
 
+import optree
 import torch
 import torch.utils._cxx_pytree as _cxx_pytree
 import torch.utils._device as _device
@@ -41,8 +42,17 @@ __all__ = [
 # and state several times), except for a tree holding a node type the Python registry alone
 # knows (torch.export.register_dataclass), which optree takes for a leaf: such a tree is the
 # Python functions'. Key paths exist in the Python one only.
+_PYTHON_ONLY: list = [None, frozenset()]  # (size, newest key) of the Python registry, and its
+# node types optree does not know
+
+
 def _python_only_node(leaves: list) -> bool:
-    return any(type(leaf) in _pytree.SUPPORTED_NODES for leaf in leaves)
+    nodes = _pytree.SUPPORTED_NODES
+    key = (len(nodes), next(reversed(nodes), None))
+    if key != _PYTHON_ONLY[0]:
+        _PYTHON_ONLY[:] = [key, frozenset(t for t in list(nodes) if optree.register_pytree_node.get(
+            t, namespace="torch") is None)]
+    return bool(_PYTHON_ONLY[1]) and any(type(leaf) in _PYTHON_ONLY[1] for leaf in leaves)
 
 
 def _tree_flatten(tree: typing.Any, is_leaf: typing.Any = None) -> tuple[list, typing.Any]:
