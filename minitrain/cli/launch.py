@@ -16,8 +16,9 @@ from typing import Any
 from unittest import mock
 
 import click
+import torch.distributed as dist
 
-from minitrain.cli.errors import LostPeer, RunInterrupted
+from minitrain.cli.errors import LostPeer, RunFailed, RunInterrupted
 from minitrain.distributed import REPORTS_ENV, DataParallel, leave_report
 from minitrain.errors import DistributedError
 
@@ -168,14 +169,27 @@ def _raise_failure(exc: Any, lost_peers: Mapping[int, str] | None = None) -> Non
     )
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Whether a collective failed because another rank went away (or timed out)."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("connection closed", "connection reset", "timed out",
+                                      "gloo", "nccl", "broken pipe")
+    )
+
+
 @contextlib.contextmanager
 def worker_outcome(parallel: DataParallel) -> Iterator[None]:
     """Around one worker's part of a command: end it as the whole job should.
 
     A stop by signal reaches every rank: they end with a barrier and rank 0 prints it. A rank's
     own failure exits at once, its error to the launcher (which prints the first failing
-    rank's, once); a lost peer (a :class:`~minitrain.cli.errors.LostPeer`: every collective
-    runs under :func:`minitrain.distributed.collective`) goes to the launcher's reports.
+    rank's, once); a lost peer goes to the launcher's reports.
     """
     code = 0
     try:
@@ -188,7 +202,15 @@ def worker_outcome(parallel: DataParallel) -> Iterator[None]:
         code = exc.exit_code
     except click.ClickException as exc:  # the others may be waiting for this rank
         _failed_exit(parallel.rank, exc)
-    with contextlib.suppress(RuntimeError):  # torch.distributed.DistError is one
+    except DistributedError as exc:
+        if getattr(exc, "lost_peer", False):
+            _lost_peer_exit(parallel.rank, str(exc))
+        _failed_exit(parallel.rank, RunFailed(str(exc)))
+    except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError
+        if not _lost_peer(exc):
+            raise
+        _lost_peer_exit(parallel.rank, f"lost the other workers: {_first_line(exc)}")
+    with contextlib.suppress(dist.DistError, RuntimeError):
         parallel.barrier()
     parallel.close()
     if code:

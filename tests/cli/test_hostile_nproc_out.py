@@ -70,14 +70,13 @@ def test_a_lost_peer_is_a_distributed_error_the_cli_tells_apart():
     assert type(other) is cli_errors.RunFailed
 
 
-@pytest.mark.parametrize("raised", ["cli", "library"])
+@pytest.mark.parametrize("raised", ["cli", "library", "runtime"])
 def test_a_worker_of_nproc_leaves_a_lost_peer_to_the_launcher(raised, tmp_path, monkeypatch,
                                                                 capsys):
     monkeypatch.setenv(launch.REPORTS_ENV, str(tmp_path))
-    exc = {"cli": cli_errors.as_cli_error(lost_peer()), "library": lost_peer()}[raised]
-    # as `minitrain run` nests them: the command's errors mapped, then the worker's outcome
-    with pytest.raises(SystemExit) as exit_info, launch.worker_outcome(FakeParallel()), (
-            cli_errors.cli_errors()):
+    exc = {"cli": cli_errors.as_cli_error(lost_peer()), "library": lost_peer(),
+           "runtime": RuntimeError("[gloo] Connection closed by peer")}[raised]
+    with pytest.raises(SystemExit) as exit_info, launch.worker_outcome(FakeParallel()):
         raise exc
     assert exit_info.value.code == 1
     assert capsys.readouterr().err == ""
@@ -87,8 +86,7 @@ def test_a_worker_of_nproc_leaves_a_lost_peer_to_the_launcher(raised, tmp_path, 
 
 def test_a_worker_under_torchrun_prints_a_lost_peer(monkeypatch, capsys):
     monkeypatch.delenv(launch.REPORTS_ENV, raising=False)
-    with pytest.raises(SystemExit) as exit_info, launch.worker_outcome(FakeParallel()), (
-            cli_errors.cli_errors()):
+    with pytest.raises(SystemExit) as exit_info, launch.worker_outcome(FakeParallel()):
         raise lost_peer()
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
