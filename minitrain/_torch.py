@@ -52,7 +52,7 @@ def _python_only_node(leaves: list) -> bool:
     if key != _PYTHON_ONLY[0]:
         _PYTHON_ONLY[:] = [key, frozenset(t for t in list(nodes) if optree.register_pytree_node.get(
             t, namespace="torch") is None)]
-    return bool(_PYTHON_ONLY[1]) and any(type(leaf) in _PYTHON_ONLY[1] for leaf in leaves)
+    return not _PYTHON_ONLY[1].isdisjoint(map(type, leaves))
 
 
 def _tree_flatten(tree: typing.Any, is_leaf: typing.Any = None) -> tuple[list, typing.Any]:

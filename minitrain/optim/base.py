@@ -156,6 +156,7 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
         tensor_leaves(name, params, "param")
         return tx.init(params)
 
+    init.params_checked = tx.init  # type: ignore[attr-defined]
     update.minitrain_spec = (name, arguments)  # type: ignore[attr-defined]
     update.params_checked = params_checked  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
@@ -250,9 +251,10 @@ def chain(*transforms: Any) -> GradientTransformation:
         check_transformation(tx, f"chain argument {index}")
     # The chain's own check of params holds for each transformation it runs.
     steps = [getattr(tx.update, "params_checked", tx.update) for tx in transforms]
+    inits = [getattr(tx.init, "params_checked", tx.init) for tx in transforms]
 
     def init(params):
-        return tuple(tx.init(params) for tx in transforms)
+        return tuple(init(params) for init in inits)
 
     def update(updates, state, params=None, **extra):
         if not isinstance(state, tuple) or len(state) != len(transforms):
@@ -354,6 +356,7 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             split_extra_args("as_optimizer", [tx], extra)
         elif lowered is not None:  # one kernel call, or one over vmapped members
             result = lowered(grads, state, params, donate) or members.run(
+                lowered.shape, grads, state, params) or members.traced_sgd(
                 lowered.shape, grads, state, params)
             if result is not None:
                 return result
@@ -377,8 +380,9 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
         return apply_updates(params, updates), state
 
     def init(params: Params) -> OptState:
-        if strict:
+        if strict:  # checks what the transformations' own checks would
             check_params(params)
+            return getattr(tx.init, "params_checked", tx.init)(params)
         return tx.init(params)
 
     update.transformation = tx  # type: ignore[attr-defined]

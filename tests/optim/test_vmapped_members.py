@@ -221,3 +221,116 @@ def test_members_the_kernel_cannot_address_as_slices_take_the_chain(layout, call
         assert_equal(new[i], opt.update(grads[i], opt.init(params[i]), params[i])[0],
                      **KERNEL_ROUNDING)
     assert calls and all(result is None for result in calls)
+
+
+@pytest.fixture
+def sgd_calls(monkeypatch):
+    """The results of ``members.traced_sgd`` in this test: None where the chain ran instead."""
+    seen = []
+    original = members.traced_sgd
+
+    def spied(*args):
+        seen.append(original(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(members, "traced_sgd", spied)
+    return seen
+
+
+def _maml_tree(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g),
+            "s": torch.randn((), generator=g)}
+
+
+def _query_loss(p: dict, x: torch.Tensor) -> torch.Tensor:
+    return ((x @ p["w"] + p["b"]) * p["s"]).pow(2).mean()
+
+
+SGD_CONTEXTS = ("vmap-params", "vmap-tasks", "grad", "requires-grad")
+
+
+def _adapted(context: str, update, start: dict, xs: torch.Tensor):
+    """One inner step ``update(params, grads)`` in ``context``, and the outer gradient of the
+    query loss after it with respect to ``start`` (second order where ``start`` is traced)."""
+    def inner(p, x):
+        return update(p, mt.grad(_query_loss)(p, x))
+
+    def outer(p, x):
+        return _query_loss(inner(p, x), x)
+
+    if context == "vmap-params":  # members' params stacked, as an ensemble's
+        stacked = mt.tree.stack([start, mt.tree.map(torch.neg, start)])
+        return mt.vmap(inner)(stacked, xs[:2]), None
+    if context == "vmap-tasks":  # shared params, tasks vmapped, as MAML's meta-loss
+        meta = mt.value_and_grad(lambda p: mt.vmap(outer, in_dims=(None, 0))(p, xs).mean())
+        return mt.vmap(inner, in_dims=(None, 0))(start, xs), meta(start)[1]
+    if context == "grad":
+        return inner(start, xs[0]), mt.grad(outer)(start, xs[0])
+    leaves = mt.tree.map(lambda t: t.clone().requires_grad_(), start)
+    adapted = inner(leaves, xs[0])
+    grads = torch.autograd.grad(_query_loss(adapted, xs[0]), list(leaves.values()))
+    return mt.tree.map(torch.detach, adapted), dict(zip(leaves, grads, strict=True))
+
+
+@pytest.mark.parametrize("context", SGD_CONTEXTS)
+def test_traced_plain_sgd_is_torch_optim_sgds_one_op_a_leaf(context, sgd_calls):
+    """Plain SGD under vmap, grad or requiring grad takes one ``add(alpha=-lr)`` a leaf, the
+    op torch.optim.SGD runs: the same bits as that op, the same second-order gradient, and the
+    state the chain would give (its count advanced, its lr kept)."""
+    start, lr = _maml_tree(0), 0.05
+    xs = torch.randn(3, 5, 3, generator=torch.Generator().manual_seed(1))
+    opt, states = mt.optim.sgd(lr=lr), []
+
+    def ours(p, g):
+        state = opt.init(p)
+        new, state = opt.update(g, state, p)
+        states.append(state)
+        return new
+
+    def by_hand(p, g):
+        return {k: torch.add(p[k], g[k], alpha=-lr) for k in p}
+
+    (got, got_grads), (want, want_grads) = _adapted(context, ours, start, xs), \
+        _adapted(context, by_hand, start, xs)
+    assert sgd_calls and all(result is not None for result in sgd_calls)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+        if want_grads is not None:
+            torch.testing.assert_close(got_grads[key], want_grads[key], rtol=1e-6, atol=1e-7)
+    lr_state = states[0][-1]
+    assert int(torch.as_tensor(lr_state.count).reshape(-1)[0]) == 1
+    assert float(torch.as_tensor(lr_state.lr).reshape(-1)[0]) == pytest.approx(lr)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: mt.optim.sgd(lr=0.05, momentum=0.9), lambda: mt.optim.sgd(lr=0.05, weight_decay=0.1),
+    lambda: mt.optim.sgd(lr=0.05, maximize=True),
+    lambda: mt.optim.sgd(lr=lambda count: 0.05 / (1 + count)),
+    lambda: mt.optim.sgd(lr=torch.tensor(0.05)),
+], ids=["momentum", "weight-decay", "maximize", "schedule", "tensor-lr"])
+def test_every_other_sgd_takes_the_chain_under_grad(build, sgd_calls):
+    """Momentum, weight decay, maximize, a schedule or a tensor lr: the chain runs, and gives
+    what the same optimizer gives eagerly."""
+    opt, start = build(), _maml_tree(0)
+    grads = mt.tree.map(torch.ones_like, start)
+
+    def step(p):
+        return opt.update(grads, opt.init(p), p)[0]
+
+    traced = mt.vmap(step)(mt.tree.stack([start, start]))
+    assert all(result is None for result in sgd_calls)
+    for key, want in step(start).items():
+        torch.testing.assert_close(traced[key][1], want)
+
+
+def test_traced_sgd_with_unlike_grads_names_the_leaf():
+    """A grad of another dtype than its param under grad: the chain's one-line error."""
+    opt, start = mt.optim.sgd(lr=0.1), _maml_tree(0)
+
+    def step(p):
+        bad = {**mt.tree.map(torch.zeros_like, p), "b": torch.zeros(4, dtype=torch.float64)}
+        return _query_loss(opt.update(bad, opt.init(p), p)[0], torch.ones(2, 3))
+
+    with pytest.raises(ValueError, match="'b'"):
+        mt.grad(step)(start)

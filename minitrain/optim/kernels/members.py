@@ -5,7 +5,8 @@ elementwise, so member ``m``'s update is the kernel over slice ``m`` of each sta
 member ``m``'s numbers (its step, learning rate, swept hyperparameters): one C call over all
 slices, a row of hyperparameters per slice, into stacked buffers that become the batched
 results. Anything else (a clip, whose norm is per member; a leaf under another transform; a
-traced number) returns None and the chain runs."""
+traced number) returns None and the chain runs. Plain SGD under any transform is one op a leaf
+(:func:`traced_sgd`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._checks import decay_flags
+from minitrain.optim._checks import decay_flags, storage_holds
 from minitrain.optim.kernels import lowering, pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["run"]
+__all__ = ["run", "traced_sgd"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -165,3 +166,30 @@ def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> li
     return [None if row is None else [address + m * step for address, step in
                                       zip(row, steps, strict=True) for m in range(size)]
             for row in rows]
+
+
+def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
+    """Plain SGD (a constant lr; no momentum, weight decay, clip or maximize) on leaves under
+    ``vmap`` or ``grad`` or requiring grad (MAML's inner loop): ``p.add(g, alpha=-lr)`` a leaf,
+    torch.optim.SGD's one op, for the chain's scale, add and checks; None for anything else."""
+    if not (type(shape.lr) is float and not shape.positions and shape.clip is None and not
+            shape.maximize and shape.decoupled is None and isinstance(state, tuple) and
+            (shape.l2 is None or lowering._number(shape.l2[0]) == 0.0) and
+            len(state) == shape.length and not torch.compiler.is_compiling()):
+        return None
+    p_leaves, structure = _pytree.tree_flatten(params)
+    g_leaves, g_structure = _pytree.tree_flatten(grads)
+    leaves, wrapped = [*p_leaves, *g_leaves], _torch.is_functorch_wrapped_tensor
+    lr_state = state[shape.lr_position]
+    if g_structure != structure or not hasattr(lr_state, "count") or not all(
+            isinstance(t, Tensor) and (wrapped(t) or type(t) in _PLAIN and storage_holds(t))
+            for t in leaves) or not all(
+            p.is_floating_point() and g.dtype == p.dtype and g.shape == p.shape
+            for p, g in zip(p_leaves, g_leaves, strict=True)) or not any(
+            wrapped(t) or t.requires_grad for t in leaves) or not streaming.quiet():
+        return None  # untraced (the kernel's), or the chain checks and names the fault
+    new_state = list(state)
+    new_state[shape.lr_position] = lr_state._replace(
+        count=lr_state.count + 1, lr=torch.scalar_tensor(shape.lr, dtype=torch.float32))
+    return tree.unflatten(structure, [torch.add(p, g, alpha=-shape.lr) for p, g in zip(
+        p_leaves, g_leaves, strict=True)]), tuple(new_state)
