@@ -151,6 +151,7 @@ def _speed(exact_flops: int | None, counter: Counter, step_seconds: int | float 
         "steps_total": steps_total, "steps_done": steps_done,
         "seconds_to_finish": (remaining * step_seconds if remaining is not None and step_seconds
                               else None),
+        "seconds_total": steps_total * step_seconds if steps_total and step_seconds else None,
     }
 
 
@@ -235,7 +236,9 @@ def format_report(report: dict[str, Any]) -> str:
          + f"counted {f(flops['counted'])} (matmul {f(flops['counted_matmul'])})"),
         ("achieved", f"{f(speed['achieved_flops_per_second'], 'FLOP/s')} "
                      f"(MFU {'-' if mfu is None else f'{mfu:.1%}'})"),
-        ("time to finish", f(speed["seconds_to_finish"], "s")),
+        (f"time for {speed['steps_total']:,} steps", f(speed["seconds_total"], "s"))
+        if speed.get("steps_total") and speed.get("steps_done") == speed["steps_total"] else
+        ("time to finish", f(speed["seconds_to_finish"], "s")),  # a finished run: its length
     ]
     if flops["unknown_ops"]:
         lines.append(("ops without formula", ", ".join(sorted(flops["unknown_ops"]))))

@@ -219,6 +219,10 @@ def test_format_report_names_every_figure():
     text = acc.report.format_report(report)
     for label in ("params", "peak memory", "FLOPs per step", "MFU", "time to finish"):
         assert label in text
+    finished = acc.resource_report(step, params, opt.init(params), data, step_seconds=0.25,
+                                   steps_total=1000, steps_done=1000)
+    assert finished["speed"]["seconds_to_finish"] == 0
+    assert "time for 1,000 steps   250 s" in acc.report.format_report(finished)
 
 
 def test_the_report_counts_what_the_optimizer_pools_hold():
