@@ -4,6 +4,7 @@ hyperparameters kept in the state (optax ``_src/wrappers.py``, ``combine.py``,
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -361,6 +362,15 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
     [tensor([-0.5000])]
     """
     static_names = {static_args} if isinstance(static_args, str) else set(static_args)
+    try:
+        accepted = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without one: nothing to check against
+        accepted = {}
+    unknown = sorted(static_names - set(accepted))
+    if accepted and unknown and all(p.kind is not p.VAR_KEYWORD for p in accepted.values()):
+        raise ValueError(f"inject_hyperparams: static_args names {', '.join(map(repr, unknown))}, "
+                         f"which {getattr(factory, '__name__', 'the factory')} does not take; "
+                         f"its arguments: {', '.join(accepted)}")
 
     def build(**kwargs: Any) -> GradientTransformation:
         numeric = {k: v for k, v in kwargs.items() if k not in static_names and (

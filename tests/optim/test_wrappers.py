@@ -6,6 +6,8 @@ counts."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -383,6 +385,30 @@ def test_inject_hyperparams_passes_static_args_as_they_are():
         assert set(state.hyperparams) == {"weight_decay"}
         got, state = tx.update(params, state, params)
         torch.testing.assert_close(got, want)
+
+
+FACTORIES = sorted(name for name in mt.optim.__all__ if inspect.isfunction(getattr(mt.optim, name))
+                   and inspect.signature(getattr(mt.optim, name)).parameters)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_inject_hyperparams_refuses_static_args_the_factory_does_not_take(name):
+    """Every public factory: a misspelt static argument is a one-line error naming it and the
+    factory's arguments; each argument the factory takes is accepted."""
+    factory = getattr(mt.optim, name)
+    taken = inspect.signature(factory).parameters
+    with pytest.raises(ValueError, match=rf"'no_such_argument', which {name} does not take; "
+                                         rf"its arguments: {', '.join(taken)}$"):
+        inject_hyperparams(factory, static_args=["no_such_argument", *taken])
+    inject_hyperparams(factory, static_args=list(taken))
+
+
+def test_inject_hyperparams_takes_any_static_args_of_a_factory_of_keyword_arguments():
+    def scaled(**kwargs):
+        return mt.optim.scale(kwargs["step_size"])
+
+    tx = inject_hyperparams(scaled, static_args="step_size")(step_size=2.0)
+    assert tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0] == [torch.tensor([2.0])]
 
 
 def test_inject_hyperparams_hints_at_static_args_for_a_callable_that_is_no_schedule():
