@@ -118,7 +118,13 @@ def embedding(params: Params, ids: Int[Tensor, "*batch"]) -> Float[Tensor, "*bat
     tensor([[0., 0., 1.],
             [1., 0., 0.]])
     """
-    return F.embedding(ids, params["weight"])
+    try:
+        return F.embedding(ids, params["weight"])
+    except IndexError as error:  # torch's words name no numbers (CPU; CUDA asserts on device)
+        rows = params["weight"].shape[0]
+        raise IndexError(f"embedding: token ids must lie in [0, {rows}) for a table of {rows} "
+                         f"rows; got ids from {int(ids.min())} to {int(ids.max())} (raise the "
+                         f"vocabulary size or map the ids into range)") from error
 
 
 def layer_norm_init(dim: int, bias: bool = True, dtype: torch.dtype = torch.float32) -> Params:

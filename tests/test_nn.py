@@ -339,3 +339,16 @@ def test_example_gpt_trains_with_minitrain_run(tmp_path):
     assert all(math.isfinite(r["loss"]) and r["loss"] < 6 for r in rows if "loss" in r)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["eval"]["val_bpb"] < 8.5
+
+
+@pytest.mark.parametrize("bad", [[0, 5], [-1, 2], [7]], ids=["past-the-end", "negative", "far"])
+def test_embedding_of_ids_outside_the_table_says_the_range(bad):
+    table = {"weight": torch.randn(5, 3)}
+    with pytest.raises(IndexError, match=r"^embedding: token ids must lie in \[0, 5\) for a "
+                                         rf"table of 5 rows; got ids from {min(bad)} to "
+                                         rf"{max(bad)} "):
+        mt.nn.embedding(table, torch.tensor(bad))
+    with pytest.raises(IndexError, match="token ids must lie in"):  # the GPT's first layer
+        config = mt.models.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4)
+        mt.models.gpt(mt.models.gpt_init(mt.random.key(0), config), torch.tensor([bad]),
+                      config=config)
