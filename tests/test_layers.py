@@ -210,7 +210,7 @@ LAYERS = (
     ("minitrain.nn", "minitrain.models", "minitrain.random", "minitrain.init", "minitrain.func",
      "minitrain.losses"),
     ("minitrain.tree", "minitrain.typecheck", "minitrain.strides", "minitrain.errors",
-     "minitrain._torch", "minitrain._cache"),
+     "minitrain._torch", "minitrain._cache", "minitrain._native"),
 )
 
 

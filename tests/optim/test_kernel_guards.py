@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minitrain as mt
+from minitrain import _native
 from minitrain.optim.kernels import streaming
 from minitrain.optim.kernels.checks import pointers
 
@@ -296,8 +297,8 @@ def test_require_turns_a_failed_build_into_an_error_with_the_compiler_output(tmp
 @pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
 def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
     env = {"MINITRAIN_CACHE_DIR": str(tmp_path), "MINITRAIN_STREAMING": "require"}
-    code = ("from minitrain.optim.kernels import streaming; assert streaming.available(); "
-            "print(streaming._build(streaming.os.environ.get('CC', 'cc'), streaming._flags()))")
+    code = ("from minitrain import _native; assert _native._library(); "
+            "print(_native._build(_native.os.environ.get('CC', 'cc'), _native._flags()))")
     first = _python(code, env)
     assert first.returncode == 0, first.stderr[-2000:]
     library = tmp_path / "kernels" / os.path.basename(first.stdout.strip())
@@ -311,16 +312,17 @@ def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path):
 
 FOREIGN_OPENMP = """
 import torch
+from minitrain import _native
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import pointers
-real, built, loads = streaming._openmp_runtimes, [], []
+real, built, loads = _native._openmp_runtimes, [], []
 def runtimes():  # the first library loaded brings a second OpenMP runtime in
     loads.append(1)
     found = real() if TORCH_HAS_OPENMP else set()
     return found | {"/opt/other/libiomp5.so"} if len(loads) == 2 else found
-build = streaming._build
-streaming._openmp_runtimes = runtimes
-streaming._build = lambda cc, flags: built.append(flags) or build(cc, flags)
+build = _native._build
+_native._openmp_runtimes = runtimes
+_native._build = lambda cc, flags: built.append(flags) or build(cc, flags)
 assert streaming.available()
 assert "-fopenmp" in built[0] and "-fopenmp" not in built[-1], built
 slots = [[torch.ones(4)], [torch.ones(4)], None]
@@ -334,7 +336,7 @@ print("without openmp")
 @pytest.mark.parametrize("torch_has_openmp", [True, False])
 def test_a_kernel_on_another_openmp_runtime_is_rebuilt_without_openmp(tmp_path,
                                                                       torch_has_openmp):
-    assert streaming._openmp_runtimes()  # torch's own runtime is mapped and found
+    assert _native._openmp_runtimes()  # torch's own runtime is mapped and found
     code = FOREIGN_OPENMP.replace("TORCH_HAS_OPENMP", str(torch_has_openmp))
     out = _python(code, {"MINITRAIN_CACHE_DIR": str(tmp_path),
                                    "MINITRAIN_STREAMING": "require"})

@@ -1,4 +1,5 @@
-/* One-pass optimizer updates for CPU float32 leaves, built by minitrain/optim/streaming.py.
+/* One-pass optimizer updates for CPU float32 leaves, and the Threefry counters of
+   minitrain/random.py, built by minitrain/_native.py.
 
    Each update reads params, grads and state once and writes the new params and state once.
    When the outputs are fresh buffers (a pure update), the writes are non-temporal stores
@@ -550,5 +551,62 @@ int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_le
     }
     free(partial);
     free(c.first);
+    return 0;
+}
+
+#define THREEFRY_BLOCK 1024 /* counters per thread's turn */
+
+static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+/* Counters start + lo.. start + hi (at most THREEFRY_BLOCK) of minitrain_threefry: a plain
+   loop over counters in uint32 lanes, which the compiler vectorises (the rounds unrolled,
+   every rotation a constant), then a loop that writes the words out. */
+static void threefry_range(const uint32_t ks[3], int64_t start, int64_t lo, int64_t hi,
+                           int pairs, int64_t *out) {
+    static const int R[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+    uint32_t y0[THREEFRY_BLOCK], y1[THREEFRY_BLOCK];
+    const int m = (int)(hi - lo);
+    for (int j = 0; j < m; j++) {
+        const uint64_t i = (uint64_t)(start + lo + j);
+        uint32_t x0 = (uint32_t)(i >> 32) + ks[0], x1 = (uint32_t)i + ks[1];
+        for (int g = 0; g < 5; g++) {
+            for (int r = 0; r < 4; r++) {
+                x0 += x1;
+                x1 = rotl32(x1, R[g % 2][r]) ^ x0;
+            }
+            x0 += ks[(g + 1) % 3];
+            x1 += ks[(g + 2) % 3] + (uint32_t)(g + 1);
+        }
+        y0[j] = x0;
+        y1[j] = x1;
+    }
+    if (pairs)
+        for (int j = 0; j < m; j++) {
+            out[2 * (lo + j)] = y0[j];
+            out[2 * (lo + j) + 1] = y1[j];
+        }
+    else
+        for (int j = 0; j < m; j++) out[lo + j] = y0[j] ^ y1[j];
+}
+
+/* Threefry-2x32-20 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3";
+   Random123's threefry2x32 with Skein's key schedule k0, k1, k0 ^ k1 ^ 0x1BD11BDA) of the
+   counters start..start + n, counter i as the words (i >> 32, i & 0xFFFFFFFF): random.py's
+   _rounds. Writes counter j's two words to out[2j], out[2j + 1] (`pairs`), else their xor to
+   out[j], in int64; on up to n_threads threads for large n. Returns 0. */
+int minitrain_threefry(uint32_t k0, uint32_t k1, int64_t start, int64_t n, int pairs,
+                       int64_t *out, int n_threads) {
+    const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+    const int64_t blocks = (n + THREEFRY_BLOCK - 1) / THREEFRY_BLOCK;
+    if (n_threads < 1 || (int64_t)n_threads * 16 > blocks) n_threads = 1; /* small: one thread */
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
+#endif
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t lo = b * THREEFRY_BLOCK;
+        const int64_t hi = n - lo < THREEFRY_BLOCK ? n : lo + THREEFRY_BLOCK;
+        threefry_range(ks, start, lo, hi, pairs, out);
+    }
+    (void)n_threads;
     return 0;
 }

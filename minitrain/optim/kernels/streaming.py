@@ -3,10 +3,8 @@
 A pure update built on torch's in-place fused kernels copies params and state first: two passes
 over memory. One pass into fresh buffers with non-temporal stores (which aten and inductor do
 not emit) skips even the read for ownership of each output line. ``_streaming.c`` (the rules of
-the torch.optim family) is built with the system C compiler on first use and cached (verified
-by size and sha256 before loading). Every tensor is checked before its pointer reaches C
-(:func:`.checks.pointers`). ``MINITRAIN_STREAMING=0`` turns the kernels off, ``=require`` turns
-a failed build into a :class:`BuildError` that shows the compiler's output.
+the torch.optim family) is built and loaded by :mod:`minitrain._native` (``MINITRAIN_STREAMING=0``
+turns it off). Every tensor is checked before its pointer reaches C (:func:`.checks.pointers`).
 
 >>> params, grads = [torch.ones(4)], [torch.full((4,), 2.0)]
 >>> hp = [0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # SGD: lr, momentum, dampening, wd, nesterov, ...
@@ -22,24 +20,15 @@ a failed build into a :class:`BuildError` that shows the compiler's output.
 from __future__ import annotations
 
 import array
-import ctypes
-import functools
-import hashlib
 import itertools
-import os
-import platform
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import SupportsFloat
 
 import torch
 from torch import Tensor
 
 from minitrain import _torch
-from minitrain._cache import cache_dir
+from minitrain._native import BuildError, _library
 from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet", "run",
@@ -58,122 +47,6 @@ STREAMING_BYTES = 80 * 2**20
 """A pure update writes with streaming stores once it touches this many bytes (inputs and
 outputs); below, plain stores, whose lines stay in the last-level cache for the next update
 (``benchmarks/optim.py --breakdown`` times both)."""
-
-SOURCE = Path(__file__).with_name("_streaming.c")
-ENV = "MINITRAIN_STREAMING"
-
-
-class BuildError(RuntimeError):
-    """The kernels failed to build or load under ``MINITRAIN_STREAMING=require``."""
-
-
-def _setting() -> str:
-    return os.environ.get(ENV, "1").strip().lower()
-
-
-def _flags() -> list[str]:
-    """AVX2+FMA on x86 CPUs where torch runs AVX2 code, AVX-512F too where it runs AVX-512
-    code (whole-cache-line streaming stores)."""
-    flags = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
-    capability = ""
-    if hasattr(torch.backends, "cpu") and hasattr(torch.backends.cpu, "get_cpu_capability"):
-        capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine().lower() in {"x86_64", "amd64"}:
-        flags += ["-mavx2", "-mfma"] if capability.startswith(("AVX2", "AVX512")) else []
-        flags += ["-mavx512f"] if capability.startswith("AVX512") else []
-    return flags
-
-
-def _verified(target: Path) -> bool:
-    """Whether ``target`` is the complete library its sidecar (size and sha256) records."""
-    try:
-        size, digest = target.with_suffix(".sha256").read_text().split()
-        return target.stat().st_size == int(size) and \
-            hashlib.sha256(target.read_bytes()).hexdigest() == digest
-    except (OSError, ValueError):
-        return False
-
-
-def _build(compiler: str, flags: list[str]) -> Path:
-    """Compile ``_streaming.c`` once per source, flags and compiler; return the library path.
-    The library and the record of its size and sha256 each replace their file whole; a cached
-    library that does not match its record (truncated, torn by a crash) is rebuilt, never
-    loaded."""
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir(required=True) / "kernels" / f"streaming-{key}.so"
-    if target.exists() and _verified(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        partial, record = Path(scratch) / target.name, Path(scratch) / "record"
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
-                       check=True, capture_output=True, timeout=120)
-        data = partial.read_bytes()
-        record.write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
-        os.replace(record, target.with_suffix(".sha256"))
-        os.replace(partial, target)
-    return target
-
-
-def _openmp_runtimes() -> set[str] | None:
-    """Paths of the OpenMP runtimes mapped into this process (None where the process's
-    mappings cannot be read)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = [line.split()[-1] for line in maps.read().splitlines()]
-    except OSError:
-        return None
-    return {path for path in paths
-            if Path(path).name.startswith(("libgomp", "libiomp", "libomp"))}
-
-
-def _load(path: Path, openmp: bool) -> ctypes.CDLL:
-    """Load the library; with OpenMP, refuse one that brings an OpenMP runtime other than
-    torch's (mapped since torch's import): a second one oversubscribes the cores and can
-    deadlock after fork."""
-    before = _openmp_runtimes()
-    library = ctypes.CDLL(str(path))
-    after = _openmp_runtimes()
-    if openmp and before is not None and after is not None and after - before:
-        raise OSError(f"{path.name} links an OpenMP runtime other than torch's "
-                      f"({sorted(after - before)}; torch's: {sorted(before) or 'none'}); "
-                      f"building without OpenMP")
-    return library
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if _setting() in {"0", "off", "false", "no"} or sys.platform == "win32":
-        return None
-    compiler, flags = os.environ.get("CC", "cc"), _flags()
-    failures = []  # without OpenMP (Apple clang, another runtime) the kernels run on one thread
-    for attempt in (flags, [flag for flag in flags if flag != "-fopenmp"]):
-        try:
-            library = _load(_build(compiler, attempt), "-fopenmp" in attempt)
-            break
-        except (OSError, subprocess.SubprocessError) as error:
-            output = getattr(error, "stderr", None) or b""  # the compiler's
-            failures.append(f"{type(error).__name__}: {error}\n{output.decode(errors='replace')}")
-    else:
-        if _setting() == "require":
-            raise BuildError(f"{ENV}=require but the streaming kernels did not build or "
-                             f"load:\n" + "\n".join(failures))
-        return None  # no compiler, a failed build or load: torch's fused kernels stay
-    c_int, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    for name, args in (("minitrain_update", [c_int, ptr, i64, ptr, ptr, i64, i64, c_int, c_int]),
-                       ("minitrain_sumsq", [ptr, ptr, i64, c_int, ptr])):
-        getattr(library, name).restype = c_int
-        getattr(library, name).argtypes = args
-    return library
-
-
-def _loaded() -> ctypes.CDLL:
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"the streaming kernels are not available; check {ENV} and a C compiler")
-    return library
 
 
 def available() -> bool:
@@ -236,7 +109,7 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
     for index, row in enumerate(rows):
         if row is not None:
             addresses[index::len(rows)] = array.array("Q", row)
-    status = _loaded().minitrain_update(
+    status = _library().minitrain_update(
         rule, hp.buffer_info()[0], takes if len(per_leaf) > 1 else 0, addresses.buffer_info()[0],
         counts.buffer_info()[0], len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
     if status != 0:
@@ -269,7 +142,7 @@ def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
     ``sizes`` elements: the global-norm clip's one pass over the grads."""
     out = torch.zeros(len(sizes), dtype=torch.float64, device="cpu")
     starts, counts = array.array("Q", addresses), array.array("q", sizes)
-    status = _loaded().minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
+    status = _library().minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
                                        len(sizes), max(1, torch.get_num_threads()),
                                        out.data_ptr())
     if status != 0:
