@@ -6,7 +6,7 @@ Draws encipher the element indices with Threefry-2x32-20 (Salmon et al. 2011, "P
 numbers: as easy as 1, 2, 3"; JAX's ``threefry2x32``) in ``int64`` words masked to 32 bits (no
 overflow), laid out as JAX's partitionable Threefry (``split`` and ``uniform`` give JAX's
 numbers); the same key gives the same numbers eagerly, vmapped and compiled. A plain CPU key's
-counters are enciphered in C (:mod:`minitrain._native`), else in numpy.
+counters are enciphered in C (:mod:`minitrain._native`), else by torch's ops.
 
 >>> k1, k2 = split(key(0))
 >>> float(uniform(key(0), ())), float(uniform(k2, ()))   # jax.random.uniform's numbers
@@ -33,9 +33,6 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32 rotation const
 _PARITY = 0x1BD11BDA  # Skein's key-schedule parity constant
 _SMALL = 1 << 15  # the most counters numpy's single-threaded floats draw (torch's above)
 _NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
-_FEW = 8  # counters enciphered on Python ints rather than numpy arrays
-_NUMPY_ROTATIONS = tuple(tuple((np.uint32(r), np.uint32(32 - r)) for r in rotations)
-                         for rotations in _ROTATIONS)
 
 
 def key(seed: int) -> Key:
@@ -73,37 +70,8 @@ def _rounds(ks: tuple, x0: Any, x1: Any) -> tuple[Any, Any]:
     return x0, x1
 
 
-def _numpy_threefry(k: Key, start: int, stop: int) -> np.ndarray:
-    """Counters ``start..stop`` enciphered in numpy ``uint32`` (wrapping adds and shifts are
-    32-bit): :func:`threefry2x32`'s words as rows ``(2, stop - start)``, at ~0.5 us a pass over
-    a small draw instead of ~2 us an eager torch op."""
-    k0, k1 = k.tolist()
-    ks = (k0, k1, k0 ^ k1 ^ _PARITY)
-    x = np.empty((2, stop - start), dtype=np.uint32)
-    if stop <= 1 << 32:  # the high words are zero
-        x[0] = 0
-        x[1] = np.arange(start, stop, dtype=np.uint32)
-    else:
-        index = np.arange(start, stop, dtype=np.uint64)
-        x[0], x[1] = index >> np.uint64(32), index & np.uint64(_MASK)
-    # the six key injections: (ks[s % 3], ks[(s + 1) % 3] + s) after group s (the first: s = 0)
-    injections = np.array([[ks[s % 3], (ks[(s + 1) % 3] + s) & _MASK] for s in range(6)],
-                          dtype=np.uint32)[:, :, None]
-    x0, x1, left = x[0], x[1], np.empty(stop - start, dtype=np.uint32)
-    x += injections[0]
-    for i in range(5):
-        for r, back in _NUMPY_ROTATIONS[i % 2]:
-            np.add(x0, x1, out=x0)
-            np.left_shift(x1, r, out=left)
-            np.right_shift(x1, back, out=x1)
-            np.bitwise_or(x1, left, out=x1)
-            np.bitwise_xor(x1, x0, out=x1)
-        x += injections[i + 1]
-    return x
-
-
 def _native_threefry(k: Key, start: int, stop: int, pairs: bool) -> Tensor | None:
-    """Counters ``start..stop`` enciphered in C (~7 us for 2,000 against ~80 in numpy): rows of
+    """Counters ``start..stop`` enciphered in C (a few microseconds, not ~100 torch ops): rows of
     (high, low) words with ``pairs``, else the words ``high ^ low``; None without the library."""
     if (library := _native._library()) is None:
         return None
@@ -116,7 +84,7 @@ def _native_threefry(k: Key, start: int, stop: int, pairs: bool) -> Tensor | Non
 
 def _plain_cpu(k: Tensor) -> bool:
     """Whether ``k`` is a plain CPU tensor outside torch.compile, vmap / grad wrappers and
-    dispatch or function modes: C, numpy or Python ints may draw its words."""
+    dispatch or function modes: C and numpy may draw its words."""
     return (type(k) is torch.Tensor and k.device.type == "cpu"
             and not torch.compiler.is_compiling() and not _torch.is_functorch_wrapped_tensor(k)
             and _torch.get_current_dispatch_mode() is None
@@ -128,12 +96,6 @@ def _enciphered(k: Key, start: int, stop: int) -> Tensor:
     if _plain_cpu(k):
         if (words := _native_threefry(k, start, stop, True)) is not None:
             return words
-        if stop - start <= _FEW:  # Python ints: a key split in ~10 us, not ~80 us of numpy calls
-            k0, k1 = k.tolist()
-            ks = (k0, k1, k0 ^ k1 ^ _PARITY)
-            words = [_rounds(ks, i >> 32, i & _MASK) for i in range(start, stop)]
-            return torch.tensor(words, dtype=torch.int64).reshape(-1, 2)
-        return torch.from_numpy(_numpy_threefry(k, start, stop).T.astype(np.int64, order="C"))
     index = torch.arange(start, stop, dtype=torch.int64, device=k.device)
     return torch.stack(threefry2x32(k, index >> 32, index & _MASK), dim=-1)
 
@@ -189,7 +151,7 @@ def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
         raise ValueError(f"uniform draws floating-point numbers, got dtype={dtype}")
     m = min(32, -int(math.log2(torch.finfo(dtype).eps)))
     n = math.prod(shape)
-    if (dtype in _NUMPY_FLOATS and _FEW < n <= _SMALL and _plain_cpu(k)
+    if (dtype in _NUMPY_FLOATS and n <= _SMALL and _plain_cpu(k)
             and all(isinstance(v, int | float) for v in (minval, maxval))):
         return torch.from_numpy(_numpy_uniform(k, n, _NUMPY_FLOATS[dtype], m, minval,
                                                maxval)).reshape(shape)

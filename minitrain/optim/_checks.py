@@ -368,6 +368,8 @@ def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
 def f32_tensor(value: Any) -> Tensor:
     """``value`` as a new float32 0-d tensor (on the host unless a tensor elsewhere; a swept
     value, a tensor subclass, as its ops resolve it)."""
+    if type(value) in (float, int):
+        return host_tensor(value, torch.float32)  # new already
     tensor = value.detach() if isinstance(value, Tensor) else host_tensor(value, torch.float32)
     return tensor.to(torch.float32).clone()
 

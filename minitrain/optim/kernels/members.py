@@ -181,9 +181,13 @@ def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, 
     g_leaves, g_structure = _pytree.tree_flatten(grads)
     leaves, wrapped = [*p_leaves, *g_leaves], _torch.is_functorch_wrapped_tensor
     lr_state = state[shape.lr_position]
+
+    def dense(t: Any) -> bool:  # traced, or a plain strided tensor its storage holds
+        return isinstance(t, Tensor) and (wrapped(t) or type(t) in _PLAIN and
+                                          t.layout is torch.strided and storage_holds(t))
+
     if g_structure != structure or not hasattr(lr_state, "count") or not all(
-            isinstance(t, Tensor) and (wrapped(t) or type(t) in _PLAIN and storage_holds(t))
-            for t in leaves) or not all(
+            map(dense, leaves)) or not all(
             p.is_floating_point() and g.dtype == p.dtype and g.shape == p.shape
             for p, g in zip(p_leaves, g_leaves, strict=True)) or not any(
             wrapped(t) or t.requires_grad for t in leaves) or not streaming.quiet():
