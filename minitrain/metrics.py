@@ -142,10 +142,8 @@ class MetricsWriter:
                     "'minitrain[tensorboard]' or turn TensorBoard logging off"
                 ) from None
             directory = self.path.parent / TENSORBOARD_DIR
-            try:  # purge_step hides the events an interrupted run logged past resume_step
-                self._tensorboard = SummaryWriter(
-                    str(directory), purge_step=resume_step + 1 if resume_step else None
-                )
+            try:  # purge_step hides older events past resume_step (all of them from step 0)
+                self._tensorboard = SummaryWriter(str(directory), purge_step=resume_step + 1)
             except OSError as exc:
                 self.close()
                 raise StorageError.from_os_error(exc, directory, "write") from None

@@ -17,7 +17,7 @@ from typing import Any
 
 from minitrain import checkpoint, rundir
 from minitrain.atomic_io import write_atomic
-from minitrain.errors import Interrupted, NonFiniteLoss, ResumeError, StorageError
+from minitrain.errors import Interrupted, NonFiniteLoss, ResumeError, StorageError, UserError
 from minitrain.metrics import MetricsWriter
 from minitrain.train.signals import stop_requests
 from minitrain.train.stepper import (
@@ -83,6 +83,8 @@ def run_loop(stepper: Stepper, *, out_dir: str | Path | None = None, log_every: 
         )
     if (checkpoint_every or resume) and out_dir is None:
         raise ResumeError("--checkpoint-every and --resume need a run directory: pass --out DIR")
+    if tensorboard and out_dir is None:
+        raise UserError("--tensorboard logs to --out/tensorboard: pass --out DIR")
     run_dir = Path(out_dir) if out_dir is not None else None
     owner: rundir.RunOwner | None = None
     with contextlib.ExitStack() as stack:
@@ -122,8 +124,10 @@ def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
         say(f"no checkpoint in {run_dir}; starting from step 0")
         return 0
     # The stepper compares the config before it loads anything, so a changed shape is named by
-    # its config key, not by a template mismatch.
-    start = stepper.resume(path, checkpoint.verify(path).get("meta", {}), run_dir)
+    # its config key, not by a template mismatch. Only state.json is read for it: latest_valid
+    # has just checked every file (the run directory's lock keeps other runs out) and load
+    # checks the bytes it reads.
+    start = stepper.resume(path, checkpoint._read_state(path)["meta"], run_dir)
     say(f"resuming from {path} (step {start})")
     steps = stepper.experiment.steps
     if start > steps:

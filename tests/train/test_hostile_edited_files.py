@@ -212,6 +212,28 @@ def test_an_unreadable_checkpoint_is_skipped_on_resume(capsys, used, monkeypatch
     assert steps_logged(out) == list(range(1, 9))
 
 
+def test_resume_reads_the_checkpoint_it_loads_twice(capsys, used, monkeypatch):
+    """Once when latest_valid checks it, once when load checks the bytes it loads; nothing
+    reads and hashes it again in between."""
+    script_path, out = used
+    newest = out / CKPT.format(6)
+    real_read = Path.read_bytes
+    reads = []
+
+    def read_bytes(self):
+        if self.parent == newest and self.suffix == ".safetensors":
+            reads.append(self.name)
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    code, stdout, err = run(capsys, script_path, out, "--resume", "--keep", "10", steps=8)
+    monkeypatch.undo()
+    assert code == 0, err
+    assert "step-00000006 (step 6)" in err, err
+    assert sorted(reads) == ["opt_state.safetensors"] * 2 + ["params.safetensors"] * 2
+    assert steps_logged(out) == list(range(1, 9)) and latest_step(out) == 8
+
+
 # --------------------------------------------------------------------------- metrics.jsonl
 
 
