@@ -303,7 +303,7 @@ class Counter(OpTotals):
         if view or base in DATA_MOVEMENT or func.namespace == "profiler":
             return 0
         if base in FORMULA_OPS:
-            return int(FORMULA_OPS[base](arguments(func, args, kwargs)))
+            return int(FORMULA_OPS[base](arguments(func, args, kwargs) | {"result": out}))
         if base in POINTWISE_FLOPS:
             # In-place ``_foreach_*`` ops return nothing: count the tensors they write.
             written = tensors(out) or _mutated(func, args, kwargs)

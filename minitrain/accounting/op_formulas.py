@@ -1,9 +1,9 @@
 """FLOP formulas of aten ops whose cost depends on more than an element count.
 
-:data:`FORMULA_OPS` maps an op's base name to ``f(arguments by schema name) -> FLOPs`` for
-ops ``torch.utils.flop_counter`` has no formula for: CPU attention (its CUDA twins' formulas),
-normalization, pooling, losses, embedding gradients and torch's fused optimizer kernels
-(counted as the elementary ops they replace).
+:data:`FORMULA_OPS` maps an op's base name to ``f(arguments by schema name) -> FLOPs`` (the
+op's output under ``"result"``) for ops ``torch.utils.flop_counter`` has no formula for: CPU
+attention (its CUDA twins' formulas), normalization, pooling, losses, embedding gradients and
+torch's fused optimizer kernels (counted as the elementary ops they replace).
 """
 
 from __future__ import annotations
@@ -92,23 +92,11 @@ def _batch_norm_backward_flops(a: dict[str, Any]) -> int:
 
 
 def _max_pool_flops(dims: int) -> Callable[[dict[str, Any]], int]:
-    # One comparison per element of each window (as amax over the unfolded windows counts), the
-    # output's size from the arguments as PyTorch's pooling_output_shape computes it.
+    # One comparison per element of each window (as amax over the unfolded windows counts).
     def flops(a: dict[str, Any]) -> int:
-        def expand(name: str, default: list[int]) -> list[int]:
-            value = list(a[name] or default)
-            return value * dims if len(value) == 1 else value
-
-        x, ceil = a["self"], bool(a["ceil_mode"])
-        kernel = expand("kernel_size", [1])
-        stride = expand("stride", kernel)
-        padding, dilation = expand("padding", [0]), expand("dilation", [1])
-        out = math.prod(x.shape[:-dims])
-        for length, k, s, p, d in zip(x.shape[-dims:], kernel, stride, padding, dilation,
-                                      strict=True):
-            n = (length + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)) // s + 1
-            out *= n - 1 if ceil and (n - 1) * s >= length + p else n
-        return math.prod(kernel) * out
+        kernel = list(a["kernel_size"])
+        window = math.prod(kernel * dims if len(kernel) == 1 else kernel)
+        return window * a["result"][0].numel()
 
     return flops
 
