@@ -13,9 +13,9 @@ per-round ratios minitrain / peer with its 95% interval:
   ``mt.optim.unroll`` (SGD) on the support points, Adam on the query loss; the peer adapts with
   ``torch.func.grad`` and ``p - lr * g`` by hand, ``loss.backward()``, ``torch.optim.Adam``.
 * ``dp-sgd`` (<= 1.10): ``mt.vmap(mt.value_and_grad(loss))`` per-example grads, then
-  ``chain(differentially_private_aggregate, scale_by_learning_rate)`` (noise from
-  ``mt.random``'s Threefry); the peer clips by hand, draws ``torch.randn`` noise and updates in
-  place. ``dp-sgd example`` (no target) is examples/dp_sgd.py's step as ``minitrain run`` takes
+  ``mt.optim.dpsgd`` (optax's ``contrib.dpsgd``: ``differentially_private_aggregate`` and SGD,
+  noise from ``mt.random``'s Threefry); the peer clips by hand, draws ``torch.randn`` noise and
+  updates in place. ``dp-sgd example`` (no target) is examples/dp_sgd.py's step as ``minitrain run`` takes
   it (the private gradient through the loss, the fraction clipped logged) against that peer.
 * ``ensemble`` (<= 1.05): examples/ensemble.py's vmapped step (Adam built from each member's lr
   inside ``vmap``); the peer vmaps ``torch.func.grad_and_value`` of ``functional_call`` and runs
@@ -161,15 +161,13 @@ def dp_sgd_steppers(size: dict, noise: bool = True) -> tuple[Steppers, Steppers]
     start, batch = experiment.init(generator), experiment.next_batch(generator)
     clip, sigma, lr = config["clip"], config["noise_multiplier"], config["lr"]
     per_example = mt.vmap(mt.value_and_grad(dp.example_loss), in_dims=(None, 0, 0))
-    opt = mt.optim.chain(mt.optim.differentially_private_aggregate(clip, sigma, key=0),
-                         mt.optim.scale_by_learning_rate(lr))
+    opt = mt.optim.dpsgd(lr, clip, sigma, key=0)
     ours = {"params": mt.tree.map(torch.clone, start)}
     ours["state"] = opt.init(ours["params"])
 
     def minitrain_step() -> None:
         _, grads = per_example(ours["params"], *batch)
-        updates, ours["state"] = opt.update(grads, ours["state"], ours["params"])
-        ours["params"] = mt.optim.apply_updates(ours["params"], updates)
+        ours["params"], ours["state"] = opt.update(grads, ours["state"], ours["params"])
 
     example = {"params": mt.tree.map(torch.clone, start), "step": 0}
     sgd, grads_of = experiment.optimizer, mt.value_and_grad(experiment.loss, has_aux=True)

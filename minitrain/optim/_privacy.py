@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from minitrain import random, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._checks import check_state_type, checked
-from minitrain.optim.base import GradientTransformation, tagged
+from minitrain.optim._checks import check_state_type, checked, f32_tensor
+from minitrain.optim.base import (
+    GradientTransformation,
+    Optimizer,
+    ScalarOrSchedule,
+    as_optimizer,
+    chain,
+    spec,
+    tagged,
+)
+from minitrain.optim.transforms import scale_by_learning_rate, trace
 
-__all__ = ["differentially_private_aggregate", "DifferentiallyPrivateAggregateState"]
+__all__ = ["differentially_private_aggregate", "DifferentiallyPrivateAggregateState", "dpsgd"]
 
 
 class DifferentiallyPrivateAggregateState(NamedTuple):
@@ -52,25 +61,72 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
         leaves, structure = _pytree.tree_flatten(updates)
         if not leaves:
             return updates, state
-        size = leaves[0].shape[0] if leaves[0].dim() else 0
-        if any(g.dim() == 0 or g.shape[0] != size for g in leaves):
-            raise ValueError("differentially_private_aggregate takes per-example grads: every "
-                             "leaf with the same leading batch dim")
-        # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1); the
-        # sum over examples, the division by the batch size and the noise as one addmv a leaf
-        rows = [g.reshape(size, math.prod(g.shape[1:])) for g in leaves]
-        dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
-        wide = torch.promote_types(dtype, torch.float32)
-        norms = torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(r, 2, dim=1, dtype=wide) for r in rows]), 2, dim=0)
-        weights = (l2_norm_clip / size) / torch.clamp(norms, min=l2_norm_clip)  # 1/(max(.,1)B)
-        new_key, noise_key = random.split(state.rng_key)
-        sizes = [r.shape[1] for r in rows]
-        noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(noise_std / size).split(sizes)
-        weights = {kind: weights.to(kind) for kind in {wide, *(g.dtype for g in leaves)}}
-        out = [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
-               .view(g.shape[1:]) for g, r, z in zip(leaves, rows, noise, strict=True)]
+        out, new_key = _private_mean(leaves, state.rng_key, l2_norm_clip, noise_std)
         return tree.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
 
     return tagged("differentially_private_aggregate", GradientTransformation(init, update),
-                  l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier)
+                  l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                  noise_std=noise_std)
+
+
+def _private_mean(leaves: list[Tensor], rng_key: Tensor, l2_norm_clip: Any, noise_std: Any,
+                  scale: float = 1.0, base: list[Tensor] | None = None) -> tuple[list, Tensor]:
+    """``scale`` times the per-example ``leaves`` clipped, summed, noised and averaged (added to
+    the ``base`` leaves where given: one ``addmv`` a leaf), and the next key."""
+    size = leaves[0].shape[0] if leaves[0].dim() else 0
+    if any(g.dim() == 0 or g.shape[0] != size for g in leaves):
+        raise ValueError("differentially_private_aggregate takes per-example grads: every "
+                         "leaf with the same leading batch dim")
+    # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1); the
+    # sum over examples, the division by the batch size and the noise as one addmv a leaf
+    rows = [g.reshape(size, math.prod(g.shape[1:])) for g in leaves]
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
+    wide = torch.promote_types(dtype, torch.float32)
+    norms = torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(r, 2, dim=1, dtype=wide) for r in rows]), 2, dim=0)
+    weights = (scale * l2_norm_clip / size) / torch.clamp(norms, min=l2_norm_clip)
+    new_key, noise_key = random.split(rng_key)
+    sizes = [r.shape[1] for r in rows]
+    noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(scale * noise_std / size)
+    noise = noise.split(sizes) if base is None else [
+        b.reshape(-1) + z for b, z in zip(base, noise.split(sizes), strict=True)]
+    weights = {kind: weights.to(kind) for kind in {wide, *(g.dtype for g in leaves)}}
+    return [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
+            .view(g.shape[1:]) for g, r, z in zip(leaves, rows, noise, strict=True)], new_key
+
+
+def dpsgd(learning_rate: ScalarOrSchedule, l2_norm_clip: float | Tensor,
+          noise_multiplier: float | Tensor, key: int | Tensor, momentum: float | None = None,
+          nesterov: bool = False) -> Optimizer:
+    """DP-SGD, optax's ``contrib.dpsgd`` as an optimizer: :func:`differentially_private_aggregate`
+    then SGD (``momentum``: :func:`trace`). Without momentum, at a constant learning rate, the
+    update is one ``addmv`` a leaf into the params.
+
+    >>> opt, params = dpsgd(0.5, 1.0, 0.0, key=0), {"w": torch.zeros(2)}
+    >>> opt.update({"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}, opt.init(params), params)[0]
+    {'w': tensor([-0.2250, -0.3000])}
+    """
+    private = differentially_private_aggregate(l2_norm_clip, noise_multiplier, key)
+    chained = as_optimizer(chain(private, *([] if momentum is None else [
+        trace(momentum, nesterov=nesterov)]), scale_by_learning_rate(learning_rate)))
+    if momentum is not None or type(learning_rate) is not float:
+        return chained
+    clip, noise_std = (spec(private)[1][name] for name in ("l2_norm_clip", "noise_std"))
+
+    def update(grads, state, params, donate=False):
+        leaves, structure = _pytree.tree_flatten(grads)
+        p_leaves, p_structure = _pytree.tree_flatten(params)
+        if p_structure != structure or not leaves or not isinstance(state, tuple) or \
+                len(state) != 2 or type(state[0]) is not DifferentiallyPrivateAggregateState or \
+                not all(isinstance(p, Tensor) and isinstance(g, Tensor) and p.is_floating_point()
+                        and g.dtype == p.dtype and g.shape[1:] == p.shape
+                        for p, g in zip(p_leaves, leaves, strict=True)):
+            return chained.update(grads, state, params, donate=donate)  # which names the fault
+        out, new_key = _private_mean(leaves, state[0].rng_key, clip, noise_std,
+                                     -learning_rate, p_leaves)
+        lr_state = state[1]._replace(count=state[1].count + 1, lr=f32_tensor(learning_rate))
+        return tree.unflatten(structure, out), (DifferentiallyPrivateAggregateState(new_key),
+                                                lr_state)
+
+    update.transformation = chained.update.transformation  # type: ignore[attr-defined]
+    return Optimizer(chained.init, update)

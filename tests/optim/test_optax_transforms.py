@@ -304,6 +304,48 @@ def test_differentially_private_aggregate_matches_optax():
                   state, params)
 
 
+@pytest.mark.parametrize("momentum,nesterov", [(None, False), (0.9, False), (0.9, True)])
+def test_dpsgd_matches_optax_dpsgd(momentum, nesterov):
+    """optax ``contrib.dpsgd``: the private mean (clip, sum, noise, divide), optax's ``trace``
+    (``b = decay b + g``; Nesterov ``g + decay b``) where momentum is given, then ``-lr``; 50
+    steps, the fused update (no momentum) and the chain alike, the state the chain's."""
+    clip, multiplier, batch, lr = 1.5, 0.7, 8, 0.3
+    params, reference = tree(), tree()
+    g = torch.Generator().manual_seed(3)
+    per_example = [mt.tree.map(lambda p: torch.randn(batch, *p.shape, generator=g, dtype=F64),
+                               params) for _ in range(STEPS)]
+    opt = optim.dpsgd(lr, clip, multiplier, key=42, momentum=momentum, nesterov=nesterov)
+    state, key, trace = opt.init(params), mt.random.key(42), mt.tree.map(torch.zeros_like, params)
+    for step_grads in per_example:
+        params, state = opt.update(step_grads, state, params)
+        leaves = mt.tree.leaves(step_grads)
+        norms = torch.sqrt(sum(leaf.reshape(batch, -1).pow(2).sum(1) for leaf in leaves))
+        factors = 1 / torch.clamp(norms / clip, min=1.0)
+        key, noise_key = mt.random.split(key)
+        sizes = [leaf[0].numel() for leaf in leaves]
+        noises = iter(mt.random.normal(noise_key, (sum(sizes),), F64).split(sizes))
+        for name, leaf in mt.tree.named_leaves(step_grads):
+            private = (torch.tensordot(factors, leaf, dims=1)
+                       + clip * multiplier * next(noises).reshape(leaf.shape[1:])) / batch
+            if momentum is not None:
+                trace[name] = momentum * trace[name] + private
+                private = private + momentum * trace[name] if nesterov else trace[name]
+            reference[name] = reference[name] - lr * private
+            torch.testing.assert_close(params[name], reference[name], **CLOSE, msg=name)
+    assert torch.equal(state[0].rng_key, key) and int(state[-1].count) == STEPS
+    assert float(state[-1].lr) == pytest.approx(lr)
+
+
+def test_dpsgd_refuses_what_the_chain_refuses():
+    opt, params = optim.dpsgd(0.1, 1.0, 1.0, key=0), tree()
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="per-example"):  # no batch dim: grads like params
+        opt.update(mt.tree.map(torch.ones_like, params), state, params)
+    with pytest.raises(ValueError, match="'v'"):  # a leaf missing: the chain names it
+        opt.update({k: torch.ones(2, *p.shape, dtype=F64) for k, p in params.items()
+                    if k != "v"}, state, params)
+
+
 # -- schedules ---------------------------------------------------------------------------------
 
 

@@ -33,18 +33,22 @@ which the kernel path reads as one number)."""
 ids = str
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """The results of ``members.run`` in this test: None where the chain ran instead."""
+def spy(monkeypatch, name: str) -> list:
+    """The results of ``members.<name>`` in this test: None where the chain ran instead."""
     seen = []
-    original = members.run
+    original = getattr(members, name)
 
     def spied(*args):
         seen.append(original(*args))
         return seen[-1]
 
-    monkeypatch.setattr(members, "run", spied)
+    monkeypatch.setattr(members, name, spied)
     return seen
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    return spy(monkeypatch, "run")
 
 
 def stacked_run(entry, steps: int, **per_member):
@@ -225,16 +229,7 @@ def test_members_the_kernel_cannot_address_as_slices_take_the_chain(layout, call
 
 @pytest.fixture
 def sgd_calls(monkeypatch):
-    """The results of ``members.traced_sgd`` in this test: None where the chain ran instead."""
-    seen = []
-    original = members.traced_sgd
-
-    def spied(*args):
-        seen.append(original(*args))
-        return seen[-1]
-
-    monkeypatch.setattr(members, "traced_sgd", spied)
-    return seen
+    return spy(monkeypatch, "traced_sgd")
 
 
 def _maml_tree(seed: int) -> dict:
