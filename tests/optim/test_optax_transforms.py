@@ -304,17 +304,20 @@ def test_differentially_private_aggregate_matches_optax():
                   state, params)
 
 
-@pytest.mark.parametrize("momentum,nesterov", [(None, False), (0.9, False), (0.9, True)])
-def test_dpsgd_matches_optax_dpsgd(momentum, nesterov):
+@pytest.mark.parametrize("momentum,nesterov,lr", [
+    (None, False, 0.3), (None, False, lambda count: 0.3), (0.9, False, 0.3), (0.9, True, 0.3)],
+    ids=["plain", "schedule", "momentum", "nesterov"])
+def test_dpsgd_matches_optax_dpsgd(momentum, nesterov, lr):
     """optax ``contrib.dpsgd``: the private mean (clip, sum, noise, divide), optax's ``trace``
     (``b = decay b + g``; Nesterov ``g + decay b``) where momentum is given, then ``-lr``; 50
     steps, the fused update (no momentum) and the chain alike, the state the chain's."""
-    clip, multiplier, batch, lr = 1.5, 0.7, 8, 0.3
+    clip, multiplier, batch = 1.5, 0.7, 8
+    opt = optim.dpsgd(lr, clip, multiplier, key=42, momentum=momentum, nesterov=nesterov)
+    lr = lr(0) if callable(lr) else lr
     params, reference = tree(), tree()
     g = torch.Generator().manual_seed(3)
     per_example = [mt.tree.map(lambda p: torch.randn(batch, *p.shape, generator=g, dtype=F64),
                                params) for _ in range(STEPS)]
-    opt = optim.dpsgd(lr, clip, multiplier, key=42, momentum=momentum, nesterov=nesterov)
     state, key, trace = opt.init(params), mt.random.key(42), mt.tree.map(torch.zeros_like, params)
     for step_grads in per_example:
         params, state = opt.update(step_grads, state, params)
