@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     check_like,
     check_state_type,
@@ -25,7 +26,6 @@ from minitrain.optim._checks import (
     updates_done,
     zero_count,
 )
-from minitrain.optim._groups import LeafGroup
 from minitrain.optim.base import (
     GradientTransformation,
     check_transformation,
@@ -40,6 +40,31 @@ __all__ = [
     "MultiStepsState", "apply_if_finite", "ApplyIfFiniteState", "ema", "EmaState",
     "inject_hyperparams", "InjectHyperparamsState",
 ]
+
+
+class LeafGroup(dict):
+    """The leaves ``multi_transform`` and ``masked`` hand to one inner transformation, keyed by
+    their names in the whole params, so a group's state is named after its params
+    (``inner_states.adam.mu.w``) and a checkpoint resumed with other labels fails to load.
+
+    >>> import torch, minitrain as mt
+    >>> g = LeafGroup([("w", torch.ones(2)), ("b", torch.zeros(1))])
+    >>> mt.tree.named_leaves(mt.tree.map(lambda t: t * 2, g))
+    [('w', tensor([2., 2.])), ('b', tensor([0.]))]
+    """
+
+    def __repr__(self) -> str:
+        return f"LeafGroup({dict.__repr__(self)})"
+
+
+_pytree.register_pytree_node(
+    LeafGroup,
+    lambda g: (list(g.values()), list(g.keys())),
+    lambda values, keys: LeafGroup(zip(keys, values, strict=True)),
+    serialized_type_name="minitrain.optim.LeafGroup",
+    flatten_with_keys_fn=lambda g: ([(_pytree.MappingKey(k), v) for k, v in g.items()],
+                                    list(g.keys())),
+)
 
 
 def _select(named: list[tuple[str, Any]], leaves: list[Any], indices: list[int]) -> LeafGroup:

@@ -12,7 +12,7 @@ import minitrain as mt
 from minitrain import optim
 from minitrain._torch import pytree
 from minitrain.checkpoint import CheckpointError
-from minitrain.optim._groups import LeafGroup
+from minitrain.optim._wrappers import LeafGroup
 
 HINT = "load with the model and optimizer the checkpoint was saved from"
 
