@@ -8,7 +8,6 @@ The loop owns the run directory, signals and when to check, log, evaluate and sa
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import time
@@ -265,20 +264,10 @@ def to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-@functools.cache
-def _statm() -> int | None:
-    try:
-        return os.open("/proc/self/statm", os.O_RDONLY)
-    except OSError:
-        return None
-
-
 def resident_bytes() -> int | None:
     """This process's resident memory (RSS) from ``/proc/self/statm``; None where unavailable."""
-    fd = _statm()
-    if fd is None:
-        return None
     try:
-        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE_SIZE
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return None
