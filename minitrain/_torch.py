@@ -178,6 +178,6 @@ get_current_function_mode_stack = torch.overrides._get_current_function_mode_sta
 # The TorchFunctionMode torch.set_default_device installs (no watcher). No public alternative.
 DeviceContext = _device.DeviceContext
 # How many tensors hold a storage (by its ``_cdata``), for the buffer pool's reuse of outputs
-# nobody holds; None on a torch without it (the pool then allocates). No public alternative
-# (sys.getrefcount counts the Python object, not the storage's users).
-storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# nobody holds. No public alternative (sys.getrefcount counts the Python object, not the
+# storage's users).
+storage_use_count = torch._C._storage_Use_Count

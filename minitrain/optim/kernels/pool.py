@@ -60,8 +60,6 @@ class BufferPool:
     def __call__(self, like: list[Tensor]) -> list[Tensor]:
         """An uninitialized contiguous CPU buffer of each tensor's shape and dtype, recycled
         where one is free."""
-        if _torch.storage_use_count is None:  # no way to tell a free buffer
-            return [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in like]
         return [self._take((t.shape, t.dtype)) for t in like]
 
     def _take(self, key: tuple) -> Tensor:
