@@ -68,8 +68,6 @@ def cross_entropy(
         raise TypeCheckError(f"cross_entropy: logits {_described(logits)} (*batch vocab) and "
                              f"targets {_described(targets)} (*batch) must be floating and "
                              "integer tensors, targets shaped as logits without vocab")
-    if logits.dim() <= 2:  # F.cross_entropy's own layouts (C,) and (N, C): no reshapes
-        return F.cross_entropy(logits.float(), targets, reduction=reduction)
     flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                            reduction=reduction)
     return flat.reshape(targets.shape) if reduction == "none" else flat
