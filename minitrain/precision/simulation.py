@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,24 +112,11 @@ class _Simulate(TorchFunctionMode):
         return y if bias is None else y + bias
 
 
-# Entered simulations, innermost last, per thread (as a TorchFunctionMode is).
-_ENTERED = threading.local()
-
-
-def _entered() -> list[_Simulate]:
-    if not hasattr(_ENTERED, "modes"):
-        _ENTERED.modes = []
-    return _ENTERED.modes
-
-
-@contextlib.contextmanager
-def _enter(mode: _Simulate) -> Iterator[_Simulate]:
-    _entered().append(mode)
-    try:
-        with mode:
-            yield mode
-    finally:
-        _entered().remove(mode)
+def _innermost() -> _Simulate | None:
+    """The innermost simulation this thread is in (the function mode stack is per thread)."""
+    modes = [mode for mode in _torch.get_current_function_mode_stack()
+             if isinstance(mode, _Simulate) and not mode.count_only]
+    return modes[-1] if modes else None
 
 
 class _Replay:
@@ -146,8 +132,7 @@ class _Replay:
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         stack.enter_context(self.recompute)
-        stack.enter_context(_enter(_Simulate(self.recipe, self.state,
-                                             first_call=self.first_call)))
+        stack.enter_context(_Simulate(self.recipe, self.state, first_call=self.first_call))
         self.stacks.append(stack)
 
     def __exit__(self, *exc: Any) -> bool:
@@ -172,9 +157,10 @@ def recompute_context(context_fn: Callable[[], tuple[Any, Any]] | None = None
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
     else:
         forward, recompute = context_fn()
-    if not _entered() or torch.compiler.is_compiling():
+    mode = _innermost()
+    if mode is None or torch.compiler.is_compiling():
         return forward, recompute
-    return forward, _Replay(recompute, _entered()[-1])
+    return forward, _Replay(recompute, mode)
 
 
 def _refuse_reentrant_checkpoint() -> None:
@@ -211,7 +197,7 @@ def simulate(r: Recipe | str, state: torch.Tensor | None = None) -> Iterator[Any
     r = recipe(r)
     if state is not None and r.forward in BLOCK:
         raise ValueError("block formats take their scales from the blocks: pass state=None")
-    with _enter(_Simulate(r, state)) as mode:
+    with _Simulate(r, state) as mode:
         yield mode
     if state is not None and mode.calls < state.shape[0]:  # matmul i would read row i + k
         raise _mismatch(f"{mode.calls} matmuls, fewer than", state.shape[0])
