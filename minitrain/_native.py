@@ -64,9 +64,14 @@ def _build(compiler: str, flags: list[str]) -> Path:
         SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()
     ).hexdigest()[:16]
     target = cache_dir(required=True) / "kernels" / f"streaming-{key}.so"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (target.parent, target.parent.parent):  # a library there is run: ours alone
+        found = folder.stat()
+        if found.st_uid != os.getuid() or found.st_mode & 0o002:
+            raise OSError(f"{folder} is another user's or writable by all; not loading a "
+                          f"library from it (set MINITRAIN_CACHE_DIR to a folder of yours)")
     if target.exists() and _verified(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial, record = Path(scratch) / target.name, Path(scratch) / "record"
         subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],

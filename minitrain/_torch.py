@@ -26,7 +26,7 @@ __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
     "saved_tensors_hooks_enable", "peek_interpreter_stack", "is_functorch_wrapped_tensor",
     "get_unwrapped", "vmap_transform", "unwrap_batched", "add_batch_dim", "foreach_norm",
-    "is_alias_of", "current_autograd_node", "make_subclass",
+    "is_alias_of", "current_autograd_node", "forward_ad_active", "make_subclass",
     "is_batchedtensor", "maybe_get_level", "scaled_mm",
     "disable_dynamo", "foreach", "fused_adam_", "fused_adamw_", "fused_sgd_", "fused_adagrad_",
     "is_gradtrackingtensor", "get_current_dispatch_mode", "is_torch_function_mode_enabled",
@@ -120,6 +120,13 @@ add_batch_dim = torch._C._functorch._add_batch_dim
 # The current autograd node while a backward pass runs, else None: tells the counter's forward
 # ops from backward ones. No public alternative.
 current_autograd_node = torch._C._current_autograd_node
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open: its dual tensors are neither
+    functorch-wrapped nor requiring grad, yet a kernel on their primals would drop the tangents.
+    No public alternative (``forward_ad`` keeps the level in a module global)."""
+    return torch.autograd.forward_ad._current_level >= 0
 
 # -- tensor ops ---------------------------------------------------------------------------------
 

@@ -267,6 +267,15 @@ def test_current_autograd_node():
     assert _torch.current_autograd_node() is None
 
 
+def test_forward_ad_active():
+    import torch.autograd.forward_ad as fw
+
+    assert not _torch.forward_ad_active()
+    with fw.dual_level():
+        assert _torch.forward_ad_active()
+    assert not _torch.forward_ad_active()
+
+
 # -- tensor ops -----------------------------------------------------------------------------------
 
 

@@ -314,7 +314,7 @@ def is_traced(value: Any) -> bool:
     """True for a tensor seen through vmap / grad transforms or by a compiler's tracer."""
     if not isinstance(value, Tensor):
         return False
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _torch.forward_ad_active():  # (dual tensors)
         return True
     if type(value) in _PLAIN:  # no subclass, so not fake
         return _torch.is_functorch_wrapped_tensor(value)
@@ -331,7 +331,8 @@ def use_plain_path(tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) ->
     """Whether an update takes per-leaf tensor ops rather than foreach kernels: under a
     compiler or functorch transform, or with grad mode on and a leaf or tensor hyperparameter
     that requires grad (foreach kernels would detach a differentiable lr)."""
-    if torch.compiler.is_compiling() or any(is_traced(value) for value in hyperparameters):
+    if torch.compiler.is_compiling() or _torch.forward_ad_active() or any(
+            is_traced(value) for value in hyperparameters):
         return True
     wrapped = _torch.is_functorch_wrapped_tensor
     for t in tensors:  # is_traced, inlined: an update checks every leaf

@@ -298,7 +298,8 @@ _PLAIN = (float, Tensor, torch.nn.Parameter)
 def _writable(tensors: list) -> bool:
     """Whether params may be updated in place: tensors outside vmap, grad and torch.compile,
     none requiring grad while grad mode is on."""
-    if torch.compiler.is_compiling() or not all(isinstance(t, Tensor) for t in tensors):
+    if torch.compiler.is_compiling() or _torch.forward_ad_active() or not all(
+            isinstance(t, Tensor) for t in tensors):
         return False
     wrapped = _torch.is_functorch_wrapped_tensor
     return not any(wrapped(t) or (t.requires_grad and torch.is_grad_enabled()) for t in tensors)

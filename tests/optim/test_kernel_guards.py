@@ -342,3 +342,22 @@ def test_a_kernel_on_another_openmp_runtime_is_rebuilt_without_openmp(tmp_path,
                                    "MINITRAIN_STREAMING": "require"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "without openmp"
+
+
+@pytest.mark.skipif(not streaming.available(), reason="no C compiler for the streaming kernels")
+@pytest.mark.parametrize("shared", ["cache", "kernels"])
+def test_a_library_in_a_folder_others_may_write_is_never_loaded(tmp_path, shared):
+    """Anyone could plant a library in a folder all may write: it is refused (one line under
+    ``require``), and without ``require`` draws and updates run on torch's ops, same numbers."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path if shared == "cache" else tmp_path / "kernels").chmod(0o777)
+    code = ("import torch, minitrain as mt; from minitrain import _native; "
+            "print(_native._library() is None, mt.random.bits(mt.random.key(3), (3,)).tolist())")
+    refused = _python(code, {"MINITRAIN_CACHE_DIR": str(tmp_path), "MINITRAIN_STREAMING": "1"})
+    assert refused.returncode == 0, refused.stderr[-2000:]
+    assert refused.stdout.startswith("True ")
+    assert refused.stdout == _python(code, {"MINITRAIN_STREAMING": "0"}).stdout
+    required = _python(code, {"MINITRAIN_CACHE_DIR": str(tmp_path),
+                              "MINITRAIN_STREAMING": "require"})
+    assert required.returncode != 0 and "writable by all" in required.stderr
+    assert not list((tmp_path / "kernels").glob("*.so"))

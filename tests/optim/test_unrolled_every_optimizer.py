@@ -343,3 +343,42 @@ def test_gradient_with_respect_to_the_initialization(name):
         directional = sum(float((meta_grad[k] * direction[k]).sum()) for k in init)
         assert abs(fd) > 1e-3
         assert directional == pytest.approx(fd, rel=1e-6)
+
+
+# torch's forward AD scripts its jvp decompositions on first use, with torch.jit's warning
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("entry", [e for e in REGISTRY if not e.matrices_only], ids=str)
+def test_forward_mode_dual_tensors_keep_their_tangents_through_every_optimizer(entry):
+    """``torch.autograd.forward_ad``'s dual params and grads (neither functorch-wrapped nor
+    requiring grad): two updates give the tangents central finite differences give (float64),
+    for every optimizer, pure and donated (a kernel on the primals alone would drop them)."""
+    import torch.autograd.forward_ad as fw
+
+    from tests.optim.conftest import make_grads, make_params
+
+    params = mt.tree.map(lambda t: t.to(F64), make_params(entry))
+    grads_seq = [mt.tree.map(lambda t: t.to(F64), g) for g in make_grads(params, 2)]
+    directions = mt.tree.map(torch.ones_like, (params, grads_seq))
+    opt = entry.make()
+
+    def two_updates(p, gs):
+        state = opt.init(p)
+        for g in gs:
+            p, state = opt.update(g, state, p)
+        return p
+
+    h = 1e-6
+    ahead, behind = (two_updates(*mt.tree.map(lambda x, d, s=sign: x + s * h * d,
+                                              (params, grads_seq), directions))
+                     for sign in (1, -1))
+    want = mt.tree.map(lambda a, b: (a - b) / (2 * h), ahead, behind)
+    for donate in (False, True):
+        with fw.dual_level():
+            p, gs = mt.tree.map(fw.make_dual, (params, grads_seq), directions)
+            state = opt.init(p)
+            for g in gs:
+                p, state = opt.update(g, state, p, donate=donate)
+            got = mt.tree.map(lambda t: fw.unpack_dual(t).tangent, p)
+        for name, tangent in mt.tree.named_leaves(got):
+            assert tangent is not None, f"{name}: the tangent was dropped"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -346,8 +346,8 @@ def _advance(shape: Shape, rule_states: list, step: int):
 
 
 def _run(shape, groups, grads, state, params, donate):
-    if torch.compiler.is_compiling() or not streaming.quiet():
-        return None  # compiled, or a torch mode watching (the FLOP counter, fake tensors)
+    if torch.compiler.is_compiling() or not streaming.quiet() or _torch.forward_ad_active():
+        return None  # compiled, a torch mode watching (the FLOP counter), or dual tensors
     p_leaves, structure = _pytree.tree_flatten(params)
     g_leaves, g_structure = _pytree.tree_flatten(grads)
     if g_structure != structure or not p_leaves or not isinstance(state, tuple) or \
