@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minitrain import random
+from minitrain import _torch, random
 from minitrain.tree import Params
 from minitrain.typecheck import Float, Int, Tensor, typechecked
 
@@ -121,6 +121,8 @@ def embedding(params: Params, ids: Int[Tensor, "*batch"]) -> Float[Tensor, "*bat
     try:
         return F.embedding(ids, params["weight"])
     except IndexError as error:  # torch's words name no numbers (CPU; CUDA asserts on device)
+        if torch.compiler.is_compiling() or _torch.is_functorch_wrapped_tensor(ids):
+            raise  # the ids' range cannot be read here
         rows = params["weight"].shape[0]
         raise IndexError(f"embedding: token ids must lie in [0, {rows}) for a table of {rows} "
                          f"rows; got ids from {int(ids.min())} to {int(ids.max())} (raise the "

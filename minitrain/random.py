@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from minitrain import _native, _torch
@@ -31,8 +30,6 @@ Shape = tuple[int, ...]
 _MASK = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32 rotation constants (Random123)
 _PARITY = 0x1BD11BDA  # Skein's key-schedule parity constant
-_SMALL = 1 << 15  # the most counters numpy's single-threaded floats draw (torch's above)
-_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def key(seed: int) -> Key:
@@ -41,7 +38,7 @@ def key(seed: int) -> Key:
     >>> key(42)
     tensor([ 0, 42])
     """
-    if not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be an int that fits 64 bits, got {seed!r}")
     seed %= 2**64
     return torch.tensor([seed >> 32, seed & _MASK], dtype=torch.int64)
@@ -55,7 +52,21 @@ def threefry2x32(k: Key, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
     >>> [hex(int(w)) for w in threefry2x32(k, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))]
     ['0xc4923a9c', '0x483df7a0']
     """
+    k = k.long()  # a narrower key's words xor-ed in its own dtype would wrap
     return _rounds((k[0], k[1], k[0] ^ k[1] ^ _PARITY), x0, x1)
+
+
+def _checked(k: Any, *sizes: int) -> Any:
+    """``k``, refused in one line where it is no key (an integer tensor of shape ``(2,)``) or a
+    size is negative."""
+    if not isinstance(k, Tensor) or k.shape != (2,) or k.is_floating_point() or k.is_complex():
+        kind = f"{k.dtype} tensor of shape {tuple(k.shape)}" if isinstance(k, Tensor) else \
+            type(k).__name__
+        raise ValueError(f"a key is an integer tensor of shape (2,) (mt.random.key(seed), or a "
+                         f"row of split(key, n) under vmap); got a {kind}")
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"sizes must be >= 0, got {sizes}")
+    return k
 
 
 def _rounds(ks: tuple, x0: Any, x1: Any) -> tuple[Any, Any]:
@@ -84,7 +95,7 @@ def _native_threefry(k: Key, start: int, stop: int, pairs: bool) -> Tensor | Non
 
 def _plain_cpu(k: Tensor) -> bool:
     """Whether ``k`` is a plain CPU tensor outside torch.compile, vmap / grad wrappers and
-    dispatch or function modes: C and numpy may draw its words."""
+    dispatch or function modes: C may draw its words."""
     return (type(k) is torch.Tensor and k.device.type == "cpu"
             and not torch.compiler.is_compiling() and not _torch.is_functorch_wrapped_tensor(k)
             and _torch.get_current_dispatch_mode() is None
@@ -114,7 +125,7 @@ def split(k: Key, num: int = 2) -> Int[Tensor, "num 2"]:
     >>> split(key(0), 3).shape
     torch.Size([3, 2])
     """
-    return _enciphered(k, 0, num)
+    return _enciphered(_checked(k, num), 0, num)
 
 
 def fold_in(k: Key, data: int | Tensor) -> Key:
@@ -123,7 +134,7 @@ def fold_in(k: Key, data: int | Tensor) -> Key:
     >>> bool((fold_in(key(0), 1) == split(key(0), 2)[1]).all())
     True
     """
-    if isinstance(data, int) and _plain_cpu(k):
+    if isinstance(data, int) and _plain_cpu(_checked(k)):
         return _enciphered(k, data & _MASK, (data & _MASK) + 1)[0]
     data = torch.as_tensor(data, dtype=torch.int64, device=k.device) & _MASK
     return torch.stack(threefry2x32(k, torch.zeros_like(data), data))
@@ -135,7 +146,7 @@ def bits(k: Key, shape: Shape) -> Int[Tensor, "..."]:
     >>> bits(key(0), (2, 3)).shape
     torch.Size([2, 3])
     """
-    return _words(k, 0, math.prod(shape)).reshape(shape)
+    return _words(_checked(k, *shape), 0, math.prod(shape)).reshape(shape)
 
 
 def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
@@ -150,24 +161,8 @@ def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
     if not dtype.is_floating_point:
         raise ValueError(f"uniform draws floating-point numbers, got dtype={dtype}")
     m = min(32, -int(math.log2(torch.finfo(dtype).eps)))
-    n = math.prod(shape)
-    if (dtype in _NUMPY_FLOATS and n <= _SMALL and _plain_cpu(k)
-            and all(isinstance(v, int | float) for v in (minval, maxval))):
-        return torch.from_numpy(_numpy_uniform(k, n, _NUMPY_FLOATS[dtype], m, minval,
-                                               maxval)).reshape(shape)
     unit = (bits(k, shape) >> (32 - m)).to(dtype) * 2.0**-m
     return torch.clamp(minval + unit * (maxval - minval), min=minval)
-
-
-def _numpy_uniform(k: Key, n: int, dtype: type, m: int, minval: float,
-                   maxval: float) -> np.ndarray:
-    """:func:`uniform`'s numbers in numpy, op for op in ``dtype`` (torch casts the scalars to
-    it too): ~10 us of torch ops fewer on a small draw."""
-    unit = np.right_shift(_words(k, 0, n).numpy(), 32 - m).astype(dtype)
-    unit *= dtype(2.0**-m)
-    unit *= dtype(maxval - minval)
-    unit += dtype(minval)
-    return np.maximum(unit, dtype(minval), out=unit)
 
 
 def normal(k: Key, shape: Shape, dtype: torch.dtype = torch.float32) -> Tensor:

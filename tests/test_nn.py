@@ -348,6 +348,8 @@ def test_embedding_of_ids_outside_the_table_says_the_range(bad):
                                          rf"table of 5 rows; got ids from {min(bad)} to "
                                          rf"{max(bad)} "):
         mt.nn.embedding(table, torch.tensor(bad))
+    with pytest.raises(IndexError, match="index out of range"):  # vmapped: torch's own words
+        torch.func.vmap(lambda i: mt.nn.embedding(table, i))(torch.tensor([bad, bad]))
     with pytest.raises(IndexError, match="token ids must lie in"):  # the GPT's first layer
         config = mt.models.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4)
         mt.models.gpt(mt.models.gpt_init(mt.random.key(0), config), torch.tensor([bad]),

@@ -173,3 +173,36 @@ def test_compiled_draws_equal_eager_and_keys_do_not_break_the_graph():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["gpt"] == [1, 0], out
     assert all(out["equal"]), out["equal"]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32,
+                                   torch.int64])
+def test_a_key_of_any_integer_dtype_gives_the_same_numbers_everywhere(dtype):
+    """A hand-made key of a narrower dtype: eager (the C words), the torch ops (vmap,
+    torch.compile's path) and the key cast to int64 agree (its words are xor-ed as int64)."""
+    k = torch.tensor([1, 100], dtype=dtype)
+    draws = {"eager": random.uniform(k, (7,)), "int64": random.uniform(k.long(), (7,)),
+             "vmap": torch.func.vmap(lambda kk: random.uniform(kk, (7,)))(k[None])[0]}
+    index = torch.arange(7)
+    words = random.threefry2x32(k, index >> 32, index & 0xFFFFFFFF)
+    assert torch.equal(words[0] ^ words[1], random.bits(k.long(), (7,)))
+    assert torch.equal(draws["eager"], draws["int64"]) and torch.equal(draws["eager"],
+                                                                        draws["vmap"])
+
+
+@pytest.mark.parametrize("bad", [0.0, None, torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0]),
+                                 torch.zeros(2, 2, dtype=torch.int64)],
+                         ids=["float", "none", "three-words", "float-tensor", "batch-of-keys"])
+def test_what_is_no_key_is_refused_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"^a key is an integer tensor of shape \(2,\)"):
+        random._checked(bad)
+
+
+@pytest.mark.parametrize("draw", [
+    lambda k: random.split(k, -1), lambda k: random.bits(k, (-1,)),
+    lambda k: random.uniform(k, (2, -1)), lambda k: random.normal(k, (-2, -3)),
+    lambda k: random.bernoulli(k, 0.5, (-1,))], ids=["split", "bits", "uniform", "normal",
+                                                     "bernoulli"])
+def test_every_draw_refuses_a_negative_size(draw):
+    with pytest.raises(ValueError, match=r"^sizes must be >= 0"):
+        draw(random.key(0))

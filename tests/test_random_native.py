@@ -1,6 +1,5 @@
-"""mt.random's C Threefry (``minitrain_threefry``) against the numpy path, the pure-torch
-``threefry2x32`` path and a plain-Python reference; and every draw the same without the C
-library."""
+"""mt.random's C Threefry (``minitrain_threefry``) against the pure-torch ``threefry2x32``
+path and a plain-Python reference; and every draw the same without the C library."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from tests.test_random import M32, reference_threefry
 needs_library = pytest.mark.skipif(_native._library() is None,
                                    reason="no C compiler: the C library cannot be built")
 keys = st.tuples(st.integers(0, M32), st.integers(0, M32)).map(lambda w: torch.tensor(w))
-SIZES = [1, 2, 8, 9, 1994, 2**15, 2**15 + 1, 70_001]  # Python ints / numpy seams, C blocks
+SIZES = [1, 2, 8, 9, 1994, 2**15, 2**15 + 1, 70_001]  # one counter to several C blocks
 
 
 class Watching(TorchFunctionMode):

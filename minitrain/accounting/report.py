@@ -143,7 +143,7 @@ def _speed(exact_flops: int | None, counter: Counter, step_seconds: int | float 
     model_flops, model_source = ((exact_flops, "exact formula") if exact_flops is not None
                                  else (counter.matmul_flops, "counted matmuls"))
     achieved = model_flops / step_seconds if step_seconds else None
-    remaining = (steps_total - steps_done) if steps_total is not None else None
+    remaining = max(0, steps_total - steps_done) if steps_total is not None else None
     return {
         "step_seconds": step_seconds, "model_flops_per_step": model_flops,
         "model_flops_source": model_source, "achieved_flops_per_second": achieved,
@@ -236,7 +236,8 @@ def format_report(report: dict[str, Any]) -> str:
          + f"counted {f(flops['counted'])} (matmul {f(flops['counted_matmul'])})"),
         ("achieved", f"{f(speed['achieved_flops_per_second'], 'FLOP/s')} "
                      f"(MFU {'-' if mfu is None else f'{mfu:.1%}'})"),
-        (f"time for {speed['steps_total']:,} steps", f(speed["seconds_total"], "s"))
+        (f"time for {speed['steps_total']:,} step{'s' * (speed['steps_total'] != 1)}",
+         f(speed.get("seconds_total"), "s"))
         if speed.get("steps_total") and speed.get("steps_done") == speed["steps_total"] else
         ("time to finish", f(speed["seconds_to_finish"], "s")),  # a finished run: its length
     ]

@@ -21,12 +21,12 @@ from minitrain.optim.base import (
     GradientTransformation,
     Optimizer,
     ScalarOrSchedule,
-    as_optimizer,
+    apply_updates,
     chain,
     spec,
     tagged,
 )
-from minitrain.optim.transforms import scale_by_learning_rate, trace
+from minitrain.optim.transforms import ScaleByLearningRateState, scale_by_learning_rate, trace
 
 __all__ = ["differentially_private_aggregate", "DifferentiallyPrivateAggregateState", "dpsgd"]
 
@@ -50,7 +50,8 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor,
     """
     l2_norm_clip = checked("l2_norm_clip", l2_norm_clip, 0.0, low_open=True)
     noise_std = checked("noise_multiplier", noise_multiplier, 0.0) * l2_norm_clip
-    first_key = random.key(key) if isinstance(key, int) else key
+    first_key = random.key(key) if isinstance(key, int) and not isinstance(key, bool) else key
+    random.split(first_key, 0)  # refuses, in one line, what is no key
 
     def init(params):
         return DifferentiallyPrivateAggregateState(first_key.clone())
@@ -74,9 +75,9 @@ def _private_mean(leaves: list[Tensor], rng_key: Tensor, l2_norm_clip: Any, nois
     """``scale`` times the per-example ``leaves`` clipped, summed, noised and averaged (added to
     the ``base`` leaves where given: one ``addmv`` a leaf), and the next key."""
     size = leaves[0].shape[0] if leaves[0].dim() else 0
-    if any(g.dim() == 0 or g.shape[0] != size for g in leaves):
+    if size == 0 or any(g.dim() == 0 or g.shape[0] != size for g in leaves):
         raise ValueError("differentially_private_aggregate takes per-example grads: every "
-                         "leaf with the same leading batch dim")
+                         "leaf with the same leading batch dim, of at least one example")
     # optax per_example_global_norm_clip: divide example i by max(||g_i|| / clip, 1); the
     # sum over examples, the division by the batch size and the noise as one addmv a leaf
     rows = [g.reshape(size, math.prod(g.shape[1:])) for g in leaves]
@@ -106,27 +107,30 @@ def dpsgd(learning_rate: ScalarOrSchedule, l2_norm_clip: float | Tensor,
     >>> opt.update({"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}, opt.init(params), params)[0]
     {'w': tensor([-0.2250, -0.3000])}
     """
+    if nesterov and not momentum:
+        raise ValueError("dpsgd: nesterov needs a momentum; pass momentum=0.9, say")
     private = differentially_private_aggregate(l2_norm_clip, noise_multiplier, key)
-    chained = as_optimizer(chain(private, *([] if momentum is None else [
-        trace(momentum, nesterov=nesterov)]), scale_by_learning_rate(learning_rate)))
-    if momentum is not None or type(learning_rate) is not float:
-        return chained
+    tx = chain(private, *([] if momentum is None else [trace(momentum, nesterov=nesterov)]),
+               scale_by_learning_rate(learning_rate))
+    fused = momentum is None and type(learning_rate) is float
     clip, noise_std = (spec(private)[1][name] for name in ("l2_norm_clip", "noise_std"))
 
-    def update(grads, state, params, donate=False):
+    def update(grads, state, params, donate=False):  # pure: nothing to donate to
         leaves, structure = _pytree.tree_flatten(grads)
         p_leaves, p_structure = _pytree.tree_flatten(params)
-        if p_structure != structure or not leaves or not isinstance(state, tuple) or \
-                len(state) != 2 or type(state[0]) is not DifferentiallyPrivateAggregateState or \
-                not all(isinstance(p, Tensor) and isinstance(g, Tensor) and p.is_floating_point()
-                        and g.dtype == p.dtype and g.shape[1:] == p.shape
-                        for p, g in zip(p_leaves, leaves, strict=True)):
-            return chained.update(grads, state, params, donate=donate)  # which names the fault
-        out, new_key = _private_mean(leaves, state[0].rng_key, clip, noise_std,
-                                     -learning_rate, p_leaves)
-        lr_state = state[1]._replace(count=state[1].count + 1, lr=f32_tensor(learning_rate))
-        return tree.unflatten(structure, out), (DifferentiallyPrivateAggregateState(new_key),
-                                                lr_state)
+        if fused and p_structure == structure and leaves and isinstance(state, tuple) and \
+                len(state) == 2 and type(state[0]) is DifferentiallyPrivateAggregateState and \
+                type(state[1]) is ScaleByLearningRateState and \
+                all(isinstance(p, Tensor) and isinstance(g, Tensor) and p.is_floating_point()
+                    and g.dtype == p.dtype and g.shape[1:] == p.shape
+                    for p, g in zip(p_leaves, leaves, strict=True)):
+            out, new_key = _private_mean(leaves, state[0].rng_key, clip, noise_std,
+                                         -learning_rate, p_leaves)
+            lr_state = state[1]._replace(count=state[1].count + 1, lr=f32_tensor(learning_rate))
+            return tree.unflatten(structure, out), (DifferentiallyPrivateAggregateState(new_key),
+                                                    lr_state)
+        updates, state = tx.update(grads, state, params)  # which names any fault
+        return apply_updates(params, updates), state
 
-    update.transformation = chained.update.transformation  # type: ignore[attr-defined]
-    return Optimizer(chained.init, update)
+    update.transformation = tx  # type: ignore[attr-defined]
+    return Optimizer(tx.init, update)

@@ -24,6 +24,7 @@ from minitrain.optim._checks import (
     adam_corrections,
     check_hyperparameter,
     check_like,
+    check_state_type,
     checked,
     decay_flags,
     f32_tensor,
@@ -140,6 +141,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
         return ScaleByLearningRateState(zero_count(), f32_tensor(lr_at(0)))
 
     def update(updates, state, params=None):
+        check_state_type("scale_by_learning_rate", ScaleByLearningRateState, state)
         lr = lr_at(state.count)
         factor = -lr if flip_sign else lr
         return _scaled(updates, factor), ScaleByLearningRateState(state.count + 1, f32_tensor(lr))

@@ -223,6 +223,12 @@ def test_format_report_names_every_figure():
                                    steps_total=1000, steps_done=1000)
     assert finished["speed"]["seconds_to_finish"] == 0
     assert "time for 1,000 steps   250 s" in acc.report.format_report(finished)
+    one = acc.resource_report(step, params, opt.init(params), data, step_seconds=0.25,
+                              steps_total=1, steps_done=1)
+    assert "time for 1 step        250 ms" in acc.report.format_report(one)
+    past = acc.resource_report(step, params, opt.init(params), data, step_seconds=0.25,
+                               steps_total=10, steps_done=12)  # a count edited by hand
+    assert past["speed"]["seconds_to_finish"] == 0
 
 
 def test_the_report_counts_what_the_optimizer_pools_hold():

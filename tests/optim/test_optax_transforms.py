@@ -6,10 +6,12 @@ reference run over the aliases of ``OPTAX_ONLY``."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from jaxtyping import TypeCheckError
 
 import minitrain as mt
 from tests.optim import test_alias as generic
@@ -342,11 +344,34 @@ def test_dpsgd_matches_optax_dpsgd(momentum, nesterov, lr):
 def test_dpsgd_refuses_what_the_chain_refuses():
     opt, params = optim.dpsgd(0.1, 1.0, 1.0, key=0), tree()
     state = opt.init(params)
-    with pytest.raises(ValueError, match="per-example"):  # no batch dim: grads like params
-        opt.update(mt.tree.map(torch.ones_like, params), state, params)
+
+    def per_example(batch: dict) -> dict:
+        return {k: torch.ones(batch[k], *p.shape, dtype=F64) for k, p in params.items()}
+
+    for grads in (mt.tree.map(torch.ones_like, params), per_example({"s": 2, "v": 3, "t": 2}),
+                  per_example({"s": 0, "v": 0, "t": 0})):  # no batch dim, unlike dims, empty
+        with pytest.raises(ValueError, match="per-example grads: every leaf with the same "
+                                             "leading batch dim, of at least one example$"):
+            opt.update(grads, state, params)
     with pytest.raises(ValueError, match="'v'"):  # a leaf missing: the chain names it
         opt.update({k: torch.ones(2, *p.shape, dtype=F64) for k, p in params.items()
                     if k != "v"}, state, params)
+    with pytest.raises(ValueError, match="expected a DifferentiallyPrivateAggregateState"):
+        opt.update(per_example({"s": 2, "v": 2, "t": 2}), optim.sgd(0.1).init(params), params)
+    with pytest.raises(ValueError, match="nesterov needs a momentum"):
+        optim.dpsgd(0.1, 1.0, 1.0, key=0, nesterov=True)
+
+
+@pytest.mark.parametrize("key", [0.0, None, "0", True, torch.tensor([1, 2, 3]),
+                                 torch.tensor([1.0, 2.0]), mt.random.split(mt.random.key(0), 2)],
+                         ids=["float", "none", "str", "bool", "three-words", "float-tensor",
+                              "batch-of-keys"])
+def test_dpsgd_and_the_aggregate_refuse_what_is_no_key(key):
+    """A one-line error (the suite's shape checks may word it first) at construction, not an
+    AttributeError at init or a wrong draw later."""
+    for build in (optim.differentially_private_aggregate, functools.partial(optim.dpsgd, 0.1)):
+        with pytest.raises((ValueError, TypeCheckError)):
+            build(1.0, 1.0, key=key)
 
 
 # -- schedules ---------------------------------------------------------------------------------

@@ -329,3 +329,18 @@ def test_traced_sgd_with_unlike_grads_names_the_leaf():
 
     with pytest.raises(ValueError, match="'b'"):
         mt.grad(step)(start)
+
+
+@pytest.mark.parametrize("context", ["eager", "vmap"])
+def test_a_learning_rate_state_edited_into_a_tuple_is_refused_in_one_line(context):
+    """A state part replaced by a plain tuple (every tuple has a ``count`` method): the chain's
+    one-line refusal, under vmap as eagerly."""
+    opt, start = mt.optim.sgd(lr=0.1), _maml_tree(0)
+
+    def step(p):
+        state = opt.init(p)
+        state = (state[0], tuple(state[1]))
+        return opt.update(mt.tree.map(torch.ones_like, p), state, p)[0]
+
+    with pytest.raises(ValueError, match="expected a ScaleByLearningRateState, got tuple"):
+        step(start) if context == "eager" else mt.vmap(step)(mt.tree.stack([start, start]))
