@@ -15,8 +15,9 @@ per-round ratios minitrain / peer with its 95% interval:
 * ``dp-sgd`` (<= 1.10): ``mt.vmap(mt.value_and_grad(loss))`` per-example grads, then
   ``mt.optim.dpsgd`` (optax's ``contrib.dpsgd``: ``differentially_private_aggregate`` and SGD,
   noise from ``mt.random``'s Threefry); the peer clips by hand, draws ``torch.randn`` noise and
-  updates in place. ``dp-sgd example`` (no target) is examples/dp_sgd.py's step as ``minitrain run`` takes
-  it (the private gradient through the loss, the fraction clipped logged) against that peer.
+  updates in place. ``dp-sgd example`` (no target) is examples/dp_sgd.py's step as
+  ``minitrain run`` takes it (the private gradient through the loss, the fraction clipped
+  logged) against that peer.
 * ``ensemble`` (<= 1.05): examples/ensemble.py's vmapped step (Adam built from each member's lr
   inside ``vmap``); the peer vmaps ``torch.func.grad_and_value`` of ``functional_call`` and runs
   Adam with per-member learning rates by hand, in place.
