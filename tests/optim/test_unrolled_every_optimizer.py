@@ -345,8 +345,9 @@ def test_gradient_with_respect_to_the_initialization(name):
         assert directional == pytest.approx(fd, rel=1e-6)
 
 
-# torch's forward AD scripts its jvp decompositions on first use, with torch.jit's warning
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# torch's forward AD scripts its jvp decompositions on first use, with torch.jit's warning (a
+# DeprecationWarning on torch 2.13, a FutureWarning on 2.14)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 @pytest.mark.parametrize("entry", [e for e in REGISTRY if not e.matrices_only], ids=str)
 def test_forward_mode_dual_tensors_keep_their_tangents_through_every_optimizer(entry):
     """``torch.autograd.forward_ad``'s dual params and grads (neither functorch-wrapped nor
