@@ -112,7 +112,7 @@ def _load(path: Path, openmp: bool) -> ctypes.CDLL:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The library, built and loaded on first call; None where it is off or does not build or
-    load (no compiler: the callers' torch and numpy paths stay)."""
+    load (no compiler: the callers' torch paths stay)."""
     setting = os.environ.get(ENV, "1").strip().lower()
     if setting in {"0", "off", "false", "no"} or sys.platform == "win32":
         return None

@@ -134,7 +134,8 @@ def fold_in(k: Key, data: int | Tensor) -> Key:
     >>> bool((fold_in(key(0), 1) == split(key(0), 2)[1]).all())
     True
     """
-    if isinstance(data, int) and _plain_cpu(_checked(k)):
+    _checked(k)
+    if isinstance(data, int) and _plain_cpu(k):
         return _enciphered(k, data & _MASK, (data & _MASK) + 1)[0]
     data = torch.as_tensor(data, dtype=torch.int64, device=k.device) & _MASK
     return torch.stack(threefry2x32(k, torch.zeros_like(data), data))

@@ -236,10 +236,11 @@ def format_report(report: dict[str, Any]) -> str:
          + f"counted {f(flops['counted'])} (matmul {f(flops['counted_matmul'])})"),
         ("achieved", f"{f(speed['achieved_flops_per_second'], 'FLOP/s')} "
                      f"(MFU {'-' if mfu is None else f'{mfu:.1%}'})"),
+        # a finished run: its length; else the steps left
         (f"time for {speed['steps_total']:,} step{'s' * (speed['steps_total'] != 1)}",
          f(speed.get("seconds_total"), "s"))
         if speed.get("steps_total") and speed.get("steps_done") == speed["steps_total"] else
-        ("time to finish", f(speed["seconds_to_finish"], "s")),  # a finished run: its length
+        ("time to finish", f(speed["seconds_to_finish"], "s")),
     ]
     if flops["unknown_ops"]:
         lines.append(("ops without formula", ", ".join(sorted(flops["unknown_ops"]))))

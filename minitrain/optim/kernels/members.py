@@ -186,8 +186,9 @@ def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, 
         return isinstance(t, Tensor) and (wrapped(t) or type(t) in _PLAIN and
                                           t.layout is torch.strided and storage_holds(t))
 
-    if g_structure != structure or getattr(lr_state, "_fields", None) != ("count", "lr") or not all(
-            map(dense, leaves)) or not all(
+    if g_structure != structure or getattr(lr_state, "_fields", None) != ("count", "lr"):
+        return None  # the chain names the fault
+    if not all(map(dense, leaves)) or not all(
             p.is_floating_point() and g.dtype == p.dtype and g.shape == p.shape
             for p, g in zip(p_leaves, g_leaves, strict=True)) or not any(
             wrapped(t) or t.requires_grad for t in leaves) or not streaming.quiet():
