@@ -112,7 +112,8 @@ def _dumps(record: dict[str, Any]) -> str:
 class MetricsWriter:
     """Append one JSON line per :meth:`write` to ``run_dir/metrics.jsonl``, flushed at once.
 
-    ``resume_step`` drops the lines after it first; ``tensorboard`` also writes scalars.
+    ``resume_step`` drops the lines after it first; ``tensorboard`` also writes scalars,
+    flushed before the line, so a killed run's TensorBoard holds every line of its jsonl.
     """
 
     def __init__(
@@ -155,12 +156,14 @@ class MetricsWriter:
         if self._fd is None:
             raise MetricsError(f"{self.path} is closed; open a new MetricsWriter")
         record = {"step": step, **{key: _plain(value) for key, value in values.items()}}
-        self._append((_dumps(record) + "\n").encode())
+        line = (_dumps(record) + "\n").encode()
         if self._tensorboard is not None:
             with storage_errors(self.path.parent / TENSORBOARD_DIR, "write"):
                 for key, value in record.items():
                     if key != "step" and isinstance(value, Real) and not isinstance(value, bool):
                         self._tensorboard.add_scalar(key, value, step)
+                self._tensorboard.flush()
+        self._append(line)
         return record
 
     def _append(self, line: bytes) -> None:

@@ -104,6 +104,17 @@ def test_every_number_of_the_jsonl_is_a_tensorboard_scalar(capsys, tmp_path):
     assert_tensorboard_is_the_jsonl(tmp_path / "run", [2, 4, 6, 7])
 
 
+def test_each_line_reaches_tensorboard_before_the_jsonl(tmp_path):
+    """Read while the writer is open, as after a kill: TensorBoard already holds every line."""
+    writer = MetricsWriter(tmp_path, tensorboard=True)
+    try:
+        for step in range(1, 4):
+            writer.write(step, loss=1.0 / step, note="text")
+            assert tensorboard_scalars(tmp_path) == jsonl_scalars(tmp_path)
+    finally:
+        writer.close()
+
+
 def test_a_run_continued_to_more_steps_shows_each_step_once(capsys, tmp_path):
     train(capsys, LINREG, tmp_path / "whole", 8)
     train(capsys, LINREG, tmp_path / "run", 4, "--checkpoint-every", "2")
