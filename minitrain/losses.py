@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minitrain.typecheck import Float, Int, Tensor, TypeCheckError
+from minitrain.typecheck import Float, Integer, Tensor, TypeCheckError
 
 __all__ = ["mse", "cross_entropy"]
 
@@ -50,7 +50,8 @@ def mse(
 
 
 def cross_entropy(
-    logits: Float[Tensor, "*batch vocab"], targets: Int[Tensor, "*batch"], reduction: str = "mean"
+    logits: Float[Tensor, "*batch vocab"], targets: Integer[Tensor, "*batch"],
+    reduction: str = "mean",
 ) -> Float[Tensor, ""] | Float[Tensor, "*batch"]:
     """Cross-entropy in nats, as ``F.cross_entropy`` on fp32 logits: the mean over all positions
     (default), their sum, or one loss per position (``"none"``, shaped like ``targets``).
@@ -68,7 +69,12 @@ def cross_entropy(
         raise TypeCheckError(f"cross_entropy: logits {_described(logits)} (*batch vocab) and "
                              f"targets {_described(targets)} (*batch) must be floating and "
                              "integer tensors, targets shaped as logits without vocab")
-    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    if targets.dtype not in (torch.int64, torch.uint8):  # what F.cross_entropy takes
+        targets = targets.long()
+    if logits.dim() <= 2:  # F.cross_entropy's own layouts, (vocab) or (batch, vocab): no
+        return F.cross_entropy(logits, targets, reduction=reduction)  # reshapes (vmap's cost)
+    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            reduction=reduction)
     return flat.reshape(targets.shape) if reduction == "none" else flat
 

@@ -22,14 +22,19 @@ def test_mse_matches_torch(reduction, shape):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_matches_torch_per_position(reduction, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("batch", [(), (3,), (3, 5)], ids=["one", "batch", "batch-seq"])
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32, torch.int16, torch.int8,
+                                          torch.uint8])
+def test_cross_entropy_matches_torch_per_position(reduction, dtype, batch, target_dtype):
+    """Every layout (no batch dim, one, two) and every integer dtype of targets."""
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 5, 11, generator=g).to(dtype)
-    targets = torch.randint(0, 11, (3, 5), generator=g)
-    got = mt.losses.cross_entropy(logits, targets, reduction=reduction)
-    # F.cross_entropy's own (N, C, d1) layout: classes in dim 1, no reshape
-    want = F.cross_entropy(logits.float().permute(0, 2, 1), targets, reduction=reduction)
+    logits = torch.randn(*batch, 11, generator=g).to(dtype)
+    targets = torch.randint(0, 11, batch, generator=g)
+    got = mt.losses.cross_entropy(logits, targets.to(target_dtype), reduction=reduction)
+    # F.cross_entropy's own layouts: (C), (N, C) or (N, C, d1), classes in dim 1, no reshape
+    moved = logits.float().movedim(-1, 1) if len(batch) == 2 else logits.float()
+    want = F.cross_entropy(moved, targets, reduction=reduction)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want)
 
