@@ -224,6 +224,23 @@ def layer(module: str) -> int | None:
     return found[0] if found else None
 
 
+def test_every_test_module_a_test_imports_by_name_is_on_the_pythonpath():
+    """pytest's ``pythonpath`` holds the folder of each tests/ module imported by bare name, so
+    ``pytest tests/train/test_hostile_loop.py`` alone imports what the whole suite does."""
+    import re
+
+    listed = re.search(r"^pythonpath = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    on_path = {ROOT / folder for folder in re.findall(r'"([^"]+)"', listed.group(1))}
+    modules = {path.stem: path.parent for path in (ROOT / "tests").rglob("*.py")}
+    imported = {(path.relative_to(ROOT), node.module) for path in (ROOT / "tests").rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules}
+    assert imported, "no test imports a sibling module: the check reads nothing"
+    missing = sorted((str(path), name) for path, name in imported
+                     if modules[name] not in on_path)
+    assert not missing, f"add these modules' folders to pythonpath in pyproject.toml: {missing}"
+
+
 def test_lower_layers_never_import_higher_ones():
     modules = [m for m in source_files() if m != "minitrain"]
     assert [m for m in modules if layer(m) is None] == [], "add these modules to LAYERS"
