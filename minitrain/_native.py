@@ -23,9 +23,10 @@ from minitrain._cache import cache_dir
 SOURCE = Path(__file__).parent / "optim" / "kernels" / "_streaming.c"
 ENV = "MINITRAIN_STREAMING"
 _I32, _I64, _U32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
+_F64 = ctypes.c_double
 SIGNATURES = {"minitrain_update": [_I32, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I32, _I32],
               "minitrain_sumsq": [_PTR, _PTR, _I64, _I32, _PTR],  # each returns an int status
-              "minitrain_threefry": [_U32, _U32, _I64, _I64, _I32, _PTR, _I32]}
+              "minitrain_threefry": [_U32, _U32, _I64, _I64, _I32, _F64, _F64, _PTR, _I32]}
 
 
 class BuildError(RuntimeError):

@@ -81,14 +81,21 @@ def _rounds(ks: tuple, x0: Any, x1: Any) -> tuple[Any, Any]:
     return x0, x1
 
 
-def _native_threefry(k: Key, start: int, stop: int, pairs: bool) -> Tensor | None:
+_MODES = {"pairs": (0, torch.int64), "xor": (1, torch.int64), torch.float32: (2, torch.float32),
+          torch.float64: (3, torch.float64)}  # _streaming.c's THREEFRY_PAIRS...
+
+
+def _native_threefry(k: Key, start: int, stop: int, mode: Any, low: float = 0.0,
+                     span: float = 1.0) -> Tensor | None:
     """Counters ``start..stop`` enciphered in C (a few microseconds, not ~100 torch ops): rows of
-    (high, low) words with ``pairs``, else the words ``high ^ low``; None without the library."""
+    (high, low) words (``"pairs"``), the words ``high ^ low`` (``"xor"``), or :func:`uniform`'s
+    numbers of dtype ``mode`` from them; None without the library."""
     if (library := _native._library()) is None:
         return None
-    out = torch.empty((stop - start, 2) if pairs else (stop - start,), dtype=torch.int64)
+    code, dtype = _MODES[mode]
+    out = torch.empty((stop - start, 2) if mode == "pairs" else (stop - start,), dtype=dtype)
     k0, k1 = k.tolist()
-    library.minitrain_threefry(k0 & _MASK, k1 & _MASK, start, stop - start, pairs,
+    library.minitrain_threefry(k0 & _MASK, k1 & _MASK, start, stop - start, code, low, span,
                                out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -105,7 +112,7 @@ def _plain_cpu(k: Tensor) -> bool:
 def _enciphered(k: Key, start: int, stop: int) -> Tensor:
     """Counters ``start..stop`` enciphered under ``k``: rows of (high, low) 32-bit words."""
     if _plain_cpu(k):
-        if (words := _native_threefry(k, start, stop, True)) is not None:
+        if (words := _native_threefry(k, start, stop, "pairs")) is not None:
             return words
     index = torch.arange(start, stop, dtype=torch.int64, device=k.device)
     return torch.stack(threefry2x32(k, index >> 32, index & _MASK), dim=-1)
@@ -113,7 +120,7 @@ def _enciphered(k: Key, start: int, stop: int) -> Tensor:
 
 def _words(k: Key, start: int, stop: int) -> Tensor:
     """The words ``high ^ low`` of counters ``start..stop``."""
-    if _plain_cpu(k) and (words := _native_threefry(k, start, stop, False)) is not None:
+    if _plain_cpu(k) and (words := _native_threefry(k, start, stop, "xor")) is not None:
         return words
     x = _enciphered(k, start, stop)
     return x[..., 0] ^ x[..., 1]
@@ -161,9 +168,16 @@ def uniform(k: Key, shape: Shape, dtype: torch.dtype = torch.float32,
     """
     if not dtype.is_floating_point:
         raise ValueError(f"uniform draws floating-point numbers, got dtype={dtype}")
-    m = min(32, -int(math.log2(torch.finfo(dtype).eps)))
-    unit = (bits(k, shape) >> (32 - m)).to(dtype) * 2.0**-m
-    return torch.clamp(minval + unit * (maxval - minval), min=minval)
+    span, unit = maxval - minval, None
+    if dtype in _MODES and _plain_cpu(_checked(k, *shape)):
+        exact = math.isfinite(span) and math.frexp(span)[0] == 0.5  # then C rounds as torch
+        unit = _native_threefry(k, 0, math.prod(shape), dtype, *((minval, span) if exact else ()))
+        if unit is not None and exact:
+            return unit.reshape(shape)
+    if unit is None:
+        m = min(32, -int(math.log2(torch.finfo(dtype).eps)))
+        unit = (bits(k, shape) >> (32 - m)).to(dtype) * 2.0**-m
+    return torch.clamp(minval + unit.reshape(shape) * span, min=minval)
 
 
 def normal(k: Key, shape: Shape, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -3,6 +3,7 @@ path and a plain-Python reference; and every draw the same without the C library
 
 from __future__ import annotations
 
+import math
 import operator
 
 import pytest
@@ -38,8 +39,8 @@ def torch_words(k: torch.Tensor, start: int, stop: int) -> torch.Tensor:
        n=st.integers(0, 100))
 def test_c_words_equal_torch_and_python_ints(k, start, n):
     stop = start + n
-    pairs = random._native_threefry(k, start, stop, True)
-    xored = random._native_threefry(k, start, stop, False)
+    pairs = random._native_threefry(k, start, stop, "pairs")
+    xored = random._native_threefry(k, start, stop, "xor")
     assert pairs.shape == (n, 2) and xored.shape == (n,)
     assert torch.equal(pairs, torch_words(k, start, stop))
     assert torch.equal(xored, pairs[:, 0] ^ pairs[:, 1])
@@ -53,7 +54,7 @@ def test_c_words_equal_torch_and_python_ints(k, start, n):
 def test_c_words_of_many_counters_on_several_threads(start):
     k = random.key(7)
     n = 100_003  # blocks taken by several threads, a ragged last one
-    xored = random._native_threefry(k, start, start + n, False)
+    xored = random._native_threefry(k, start, start + n, "xor")
     x = torch_words(k, start, start + n)
     assert torch.equal(xored, x[:, 0] ^ x[:, 1])
     for i in (0, 4095, 4096, n - 1):
@@ -64,7 +65,10 @@ def draws(k: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
     return {"split": random.split(k, n), "fold_in": random.fold_in(k, n + M32 - 9),
             "bits": random.bits(k, (n,)), "uniform": random.uniform(k, (n,)),
             "uniform64": random.uniform(k, (n,), torch.float64, -2.0, 3.0),
-            "normal": random.normal(k, (n,)), "bernoulli": random.bernoulli(k, 0.3, (n,))}
+            "uniform-wide": random.uniform(k, (n,), torch.float32, -2.0, 2.0),
+            "uniform-bf16": random.uniform(k, (n,), torch.bfloat16),
+            "normal": random.normal(k, (n,)), "normal64": random.normal(k, (n,), torch.float64),
+            "bernoulli": random.bernoulli(k, 0.3, (n,))}
 
 
 def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
@@ -84,10 +88,26 @@ def test_draws_equal_the_pure_torch_path(k, n):
 
 
 @needs_library
+@settings(max_examples=60, deadline=None)
+@given(k=keys, dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+       minval=st.one_of(st.sampled_from([0.0, -1.0, -1.0 + 2.0**-24, math.nextafter(-1.0, 0.0)]),
+                        st.floats(-3e4, 3e4)),
+       span=st.one_of(st.sampled_from([1.0, 2.0, 0.5, 2.0**-20, 3.0]),
+                      st.floats(2.0**-30, 3e4)))
+def test_uniform_of_every_range_equals_the_pure_torch_path(k, dtype, minval, span):
+    """C writes the numbers where ``span`` is a power of two, and the units otherwise."""
+    ours = random.uniform(k, (257,), dtype, minval, minval + span)
+    with Watching():
+        theirs = random.uniform(k, (257,), dtype, minval, minval + span)
+    assert ours.dtype == theirs.dtype == dtype
+    assert torch.equal(ours, theirs)
+
+
+@needs_library
 @pytest.mark.parametrize("n", SIZES)
 def test_draws_without_the_c_library_are_the_same(monkeypatch, n):
     k = random.fold_in(random.key(2**40 + 3), 11)
     ours = draws(k, n)
     monkeypatch.setattr(_native, "_library", lambda: None)  # as MINITRAIN_STREAMING=0
-    assert random._native_threefry(k, 0, 4, False) is None
+    assert random._native_threefry(k, 0, 4, "xor") is None
     assert_same(ours, draws(k, n))

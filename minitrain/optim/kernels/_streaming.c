@@ -558,11 +558,17 @@ int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_le
 
 static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
+/* What minitrain_threefry writes for counter j: its two words (out[2j], out[2j + 1]), their
+   xor (both int64), or from the xor w the uniform low + span * u, at least low, in float
+   (u = (w >> 9) * 2^-23) or in double (u = w * 2^-32): random.py's uniform, whose torch ops round
+   the same where span is a power of two (span * u is then exact). */
+enum { THREEFRY_PAIRS, THREEFRY_XOR, THREEFRY_FLOAT, THREEFRY_DOUBLE };
+
 /* Counters start + lo.. start + hi (at most THREEFRY_BLOCK) of minitrain_threefry: a plain
    loop over counters in uint32 lanes, which the compiler vectorises (the rounds unrolled,
-   every rotation a constant), then a loop that writes the words out. */
+   every rotation a constant), then a loop that writes them out as `mode` says. */
 static void threefry_range(const uint32_t ks[3], int64_t start, int64_t lo, int64_t hi,
-                           int pairs, int64_t *out) {
+                           int mode, double low, double span, void *out) {
     static const int R[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
     uint32_t y0[THREEFRY_BLOCK], y1[THREEFRY_BLOCK];
     const int m = (int)(hi - lo);
@@ -580,22 +586,34 @@ static void threefry_range(const uint32_t ks[3], int64_t start, int64_t lo, int6
         y0[j] = x0;
         y1[j] = x1;
     }
-    if (pairs)
-        for (int j = 0; j < m; j++) {
-            out[2 * (lo + j)] = y0[j];
-            out[2 * (lo + j) + 1] = y1[j];
+    int64_t *words = (int64_t *)out + lo, *pairs = (int64_t *)out + 2 * lo;
+    float *floats = (float *)out + lo;
+    double *doubles = (double *)out + lo;
+    const float low_f = (float)low, span_f = (float)span;
+    for (int j = 0; j < m; j++) {
+        const uint32_t w = y0[j] ^ y1[j];
+        if (mode == THREEFRY_PAIRS) {
+            pairs[2 * j] = y0[j];
+            pairs[2 * j + 1] = y1[j];
+        } else if (mode == THREEFRY_XOR) {
+            words[j] = w;
+        } else if (mode == THREEFRY_FLOAT) {
+            const float v = low_f + span_f * ((float)(w >> 9) * 0x1p-23f);
+            floats[j] = v < low_f ? low_f : v;
+        } else {
+            const double v = low + span * ((double)w * 0x1p-32);
+            doubles[j] = v < low ? low : v;
         }
-    else
-        for (int j = 0; j < m; j++) out[lo + j] = y0[j] ^ y1[j];
+    }
 }
 
 /* Threefry-2x32-20 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3";
    Random123's threefry2x32 with Skein's key schedule k0, k1, k0 ^ k1 ^ 0x1BD11BDA) of the
    counters start..start + n, counter i as the words (i >> 32, i & 0xFFFFFFFF): random.py's
-   _rounds. Writes counter j's two words to out[2j], out[2j + 1] (`pairs`), else their xor to
-   out[j], in int64; on up to n_threads threads for large n. Returns 0. */
-int minitrain_threefry(uint32_t k0, uint32_t k1, int64_t start, int64_t n, int pairs,
-                       int64_t *out, int n_threads) {
+   _rounds. Writes each counter as `mode` says (THREEFRY_PAIRS...), on up to n_threads threads
+   for large n. Returns 0. */
+int minitrain_threefry(uint32_t k0, uint32_t k1, int64_t start, int64_t n, int mode,
+                       double low, double span, void *out, int n_threads) {
     const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
     const int64_t blocks = (n + THREEFRY_BLOCK - 1) / THREEFRY_BLOCK;
     if (n_threads < 1 || (int64_t)n_threads * 16 > blocks) n_threads = 1; /* small: one thread */
@@ -605,7 +623,7 @@ int minitrain_threefry(uint32_t k0, uint32_t k1, int64_t start, int64_t n, int p
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t lo = b * THREEFRY_BLOCK;
         const int64_t hi = n - lo < THREEFRY_BLOCK ? n : lo + THREEFRY_BLOCK;
-        threefry_range(ks, start, lo, hi, pairs, out);
+        threefry_range(ks, start, lo, hi, mode, low, span, out);
     }
     (void)n_threads;
     return 0;
