@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from minitrain import random, tree
+from minitrain import _torch, random, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import check_state_type, checked, f32_tensor
 from minitrain.optim.base import (
@@ -89,11 +89,12 @@ def _private_mean(leaves: list[Tensor], rng_key: Tensor, l2_norm_clip: Any, nois
     new_key, noise_key = random.split(rng_key)
     sizes = [r.shape[1] for r in rows]
     noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(scale * noise_std / size)
-    noise = noise.split(sizes) if base is None else [
-        b.reshape(-1) + z for b, z in zip(base, noise.split(sizes), strict=True)]
     weights = {kind: weights.to(kind) for kind in {wide, *(g.dtype for g in leaves)}}
-    return [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
-            .view(g.shape[1:]) for g, r, z in zip(leaves, rows, noise, strict=True)], new_key
+    out = [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
+           for r, z in zip(rows, noise.split(sizes), strict=True)]
+    if base is not None:  # all leaves' additions in one op
+        _torch.foreach["add_"](out, [b.reshape(-1) for b in base])
+    return [z.view(g.shape[1:]) for g, z in zip(leaves, out, strict=True)], new_key
 
 
 def dpsgd(learning_rate: ScalarOrSchedule, l2_norm_clip: float | Tensor,
