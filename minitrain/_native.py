@@ -1,5 +1,6 @@
 """minitrain's C library: ``optim/kernels/_streaming.c`` (the optimizers' one-pass updates,
-the global-norm clip's sums of squares, :mod:`minitrain.random`'s Threefry counters), built
+the global-norm clip's sums of squares, :mod:`minitrain.random`'s Threefry counters, DP-SGD's
+private sum), built
 with the system C compiler on first use and cached (verified by size and sha256 before
 loading). ``MINITRAIN_STREAMING=0`` turns it off, ``=require`` turns a failed build into a
 :class:`BuildError` that shows the compiler's output."""
@@ -26,7 +27,8 @@ _I32, _I64, _U32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c
 _F64 = ctypes.c_double
 SIGNATURES = {"minitrain_update": [_I32, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I32, _I32],
               "minitrain_sumsq": [_PTR, _PTR, _I64, _I32, _PTR],  # each returns an int status
-              "minitrain_threefry": [_U32, _U32, _I64, _I64, _I32, _F64, _F64, _PTR, _I32]}
+              "minitrain_threefry": [_U32, _U32, _I64, _I64, _I32, _F64, _F64, _PTR, _I32],
+              "minitrain_private_sum": [_I64, _I64, *[_PTR] * 5, _F64, _F64, _F64, _I32]}
 
 
 class BuildError(RuntimeError):

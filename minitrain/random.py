@@ -103,7 +103,7 @@ def _native_threefry(k: Key, start: int, stop: int, mode: Any, low: float = 0.0,
 def _plain_cpu(k: Tensor) -> bool:
     """Whether ``k`` is a plain CPU tensor outside torch.compile, vmap / grad wrappers and
     dispatch or function modes: C may draw its words."""
-    return (type(k) is torch.Tensor and k.device.type == "cpu"
+    return (type(k) is torch.Tensor and k.is_cpu
             and not torch.compiler.is_compiling() and not _torch.is_functorch_wrapped_tensor(k)
             and _torch.get_current_dispatch_mode() is None
             and not _torch.is_torch_function_mode_enabled())

@@ -7,14 +7,16 @@ normal draw, sliced in leaf order, noises every leaf (optax splits one key per l
 
 from __future__ import annotations
 
+import array
 import functools
+import itertools
 import math
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from minitrain import _torch, random, tree
+from minitrain import _native, _torch, random, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import check_state_type, checked, f32_tensor
 from minitrain.optim.base import (
@@ -26,6 +28,8 @@ from minitrain.optim.base import (
     spec,
     tagged,
 )
+from minitrain.optim.kernels import streaming
+from minitrain.optim.kernels.checks import pointers
 from minitrain.optim.transforms import ScaleByLearningRateState, scale_by_learning_rate, trace
 
 __all__ = ["differentially_private_aggregate", "DifferentiallyPrivateAggregateState", "dpsgd"]
@@ -83,18 +87,49 @@ def _private_mean(leaves: list[Tensor], rng_key: Tensor, l2_norm_clip: Any, nois
     rows = [g.reshape(size, math.prod(g.shape[1:])) for g in leaves]
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
     wide = torch.promote_types(dtype, torch.float32)
+    new_key, noise_key = random.split(rng_key)
+    sizes = [r.shape[1] for r in rows]
+    noise = random.normal(noise_key, (sum(sizes),), dtype)
+    if (out := _native_private_sum(leaves, rows, noise, base, l2_norm_clip, scale / size,
+                                   scale * noise_std / size)) is not None:
+        return out, new_key
+    noise.mul_(scale * noise_std / size)
     norms = torch.linalg.vector_norm(torch.stack(
         [torch.linalg.vector_norm(r, 2, dim=1, dtype=wide) for r in rows]), 2, dim=0)
     weights = (scale * l2_norm_clip / size) / torch.clamp(norms, min=l2_norm_clip)
-    new_key, noise_key = random.split(rng_key)
-    sizes = [r.shape[1] for r in rows]
-    noise = random.normal(noise_key, (sum(sizes),), dtype).mul_(scale * noise_std / size)
+    noise = noise.split(sizes) if base is None else [
+        b.reshape(-1) + z for b, z in zip(base, noise.split(sizes), strict=True)]
     weights = {kind: weights.to(kind) for kind in {wide, *(g.dtype for g in leaves)}}
-    out = [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
-           for r, z in zip(rows, noise.split(sizes), strict=True)]
-    if base is not None:  # all leaves' additions in one op
-        _torch.foreach["add_"](out, [b.reshape(-1) for b in base])
-    return [z.view(g.shape[1:]) for g, z in zip(leaves, out, strict=True)], new_key
+    return [torch.addmv(z if z.dtype == r.dtype else z.to(r.dtype), r.t(), weights[r.dtype])
+            .view(g.shape[1:]) for g, r, z in zip(leaves, rows, noise, strict=True)], new_key
+
+
+def _native_private_sum(leaves: list[Tensor], rows: list[Tensor], noise: Tensor,
+                        base: list[Tensor] | None, clip: Any, coef: float,
+                        noise_coef: Any) -> list[Tensor] | None:
+    """:func:`_private_mean`'s result as one C pass (``_streaming.c``'s minitrain_private_sum):
+    each example's norm and weight ``coef * clip / max(norm, clip)``, then per leaf
+    ``base + noise_coef * noise + rows.T @ weights``; None unless every tensor is a plain
+    contiguous float32 CPU tensor, the numbers floats, and nothing traces or watches."""
+    if type(clip) is not float or type(noise_coef) is not float or \
+            noise.dtype is not torch.float32 or torch.compiler.is_compiling() or \
+            not streaming.quiet() or _torch.forward_ad_active() or \
+            (library := _native._library()) is None:
+        return None
+    found = pointers([rows], dtype=torch.float32)
+    held = None if base is None else pointers([base], dtype=torch.float32)
+    if found is None or (base is not None and held is None):
+        return None
+    out = [torch.empty(g.shape[1:]) for g in leaves]
+    offsets = itertools.accumulate([0, *(r.shape[1] for r in rows[:-1])])
+    addresses = [array.array("Q", values) for values in (
+        [r.shape[1] for r in rows], found[0], held[0] if held else [0] * len(rows),
+        [noise.data_ptr() + 4 * offset for offset in offsets], [t.data_ptr() for t in out])]
+    if library.minitrain_private_sum(len(rows), rows[0].shape[0],
+                                     *(a.buffer_info()[0] for a in addresses), clip,
+                                     coef * clip, noise_coef, torch.get_num_threads()):
+        raise MemoryError("DP-SGD's private sum ran out of memory")
+    return out
 
 
 def dpsgd(learning_rate: ScalarOrSchedule, l2_norm_clip: float | Tensor,

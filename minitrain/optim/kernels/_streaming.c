@@ -554,6 +554,82 @@ int minitrain_sumsq(const float *const *ptrs, const int64_t *sizes, int64_t n_le
     return 0;
 }
 
+/* DP-SGD's private sum (Abadi et al. 2016, Algorithm 1; optax's
+   differentially_private_aggregate), leaf l's rows at rows[l], (batch, cols[l]) float32: each
+   example's L2 norm over all its rows (sumsq_range's sums), its weight
+   w_b = coef / max(norm_b, clip) (a NaN norm gives a NaN weight, as torch.clamp does), then per
+   leaf out = base + noise_coef * noise + sum_b w_b * row_b (bases[l] 0: no base), DP_COLS
+   columns a task. Returns 0, or 1 where memory runs out. */
+#define DP_COLS 256
+
+static void private_norm(int64_t b, int64_t n_leaves, const int64_t *cols,
+                         const uint64_t *rows, double clip, double coef, float *weights) {
+    double sq = 0.0;
+    for (int64_t l = 0; l < n_leaves; l++)
+        sq += sumsq_range((const float *)rows[l] + b * cols[l], 0, cols[l]);
+    const double norm = sqrt(sq);
+    weights[b] = (float)(coef / (norm < clip ? clip : norm));
+}
+
+static void private_columns(int64_t l, int64_t lo, int64_t batch, const int64_t *cols,
+                            const uint64_t *rows, const uint64_t *bases, const uint64_t *noise,
+                            float noise_coef, const uint64_t *outs, const float *weights) {
+    const int64_t hi = lo + DP_COLS < cols[l] ? lo + DP_COLS : cols[l];
+    const float *base = (const float *)bases[l], *z = (const float *)noise[l];
+    float acc[DP_COLS], *out = (float *)outs[l];
+    for (int64_t j = lo; j < hi; j++) acc[j - lo] = (base ? base[j] : 0.0f) + noise_coef * z[j];
+    for (int64_t b = 0; b < batch; b++) {
+        const float w = weights[b], *row = (const float *)rows[l] + b * cols[l];
+        for (int64_t j = lo; j < hi; j++) acc[j - lo] += w * row[j];
+    }
+    memcpy(out + lo, acc, (size_t)(hi - lo) * sizeof(float));
+}
+
+int minitrain_private_sum(int64_t n_leaves, int64_t batch, const int64_t *cols,
+                          const uint64_t *rows, const uint64_t *bases, const uint64_t *noise,
+                          const uint64_t *outs, double clip, double coef, double noise_coef,
+                          int n_threads) {
+    int64_t tasks = 0, work = 0;
+    for (int64_t l = 0; l < n_leaves; l++) {
+        tasks += (cols[l] + DP_COLS - 1) / DP_COLS;
+        work += batch * cols[l];
+    }
+    int64_t *task = malloc((size_t)(2 * tasks + 1) * sizeof *task), t = 0; /* (leaf, lo) */
+    float *weights = malloc((size_t)batch * sizeof *weights);
+    if (!task || !weights) {
+        free(task);
+        free(weights);
+        return 1;
+    }
+    for (int64_t l = 0; l < n_leaves; l++)
+        for (int64_t lo = 0; lo < cols[l]; lo += DP_COLS, t += 2) {
+            task[t] = l;
+            task[t + 1] = lo;
+        }
+#define PRIVATE_COLUMNS(k) \
+    private_columns(task[2 * (k)], task[2 * (k) + 1], batch, cols, rows, bases, noise, \
+                    (float)noise_coef, outs, weights)
+    if (n_threads > 1 && work >= ((int64_t)1 << 20)) { /* small: no OpenMP region */
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+#endif
+        for (int64_t b = 0; b < batch; b++)
+            private_norm(b, n_leaves, cols, rows, clip, coef, weights);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+#endif
+        for (int64_t k = 0; k < tasks; k++) PRIVATE_COLUMNS(k);
+    } else {
+        for (int64_t b = 0; b < batch; b++)
+            private_norm(b, n_leaves, cols, rows, clip, coef, weights);
+        for (int64_t k = 0; k < tasks; k++) PRIVATE_COLUMNS(k);
+    }
+#undef PRIVATE_COLUMNS
+    free(task);
+    free(weights);
+    return 0;
+}
+
 #define THREEFRY_BLOCK 1024 /* counters per thread's turn */
 
 static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
@@ -616,15 +692,19 @@ int minitrain_threefry(uint32_t k0, uint32_t k1, int64_t start, int64_t n, int m
                        double low, double span, void *out, int n_threads) {
     const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
     const int64_t blocks = (n + THREEFRY_BLOCK - 1) / THREEFRY_BLOCK;
-    if (n_threads < 1 || (int64_t)n_threads * 16 > blocks) n_threads = 1; /* small: one thread */
+    if (n_threads < 1 || (int64_t)n_threads * 16 > blocks) { /* small: no OpenMP region */
+        for (int64_t lo = 0; lo < n; lo += THREEFRY_BLOCK)
+            threefry_range(ks, start, lo, n - lo < THREEFRY_BLOCK ? n : lo + THREEFRY_BLOCK, mode,
+                           low, span, out);
+        return 0;
+    }
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
+#pragma omp parallel for num_threads(n_threads) schedule(static)
 #endif
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t lo = b * THREEFRY_BLOCK;
         const int64_t hi = n - lo < THREEFRY_BLOCK ? n : lo + THREEFRY_BLOCK;
         threefry_range(ks, start, lo, hi, mode, low, span, out);
     }
-    (void)n_threads;
     return 0;
 }
