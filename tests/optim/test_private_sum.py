@@ -110,6 +110,26 @@ def test_the_c_pass_equals_the_torch_ops(batch, shapes, base, scale):
 
 
 @needs_library
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_sum_large_enough_for_threads_equals_the_torch_ops(threads):
+    """Over 2**20 multiply-adds the C pass splits examples and columns over the threads."""
+    g = torch.Generator().manual_seed(5)
+    leaves = [torch.randn(64, 20_000, generator=g), torch.randn(64, 3, 7_001, generator=g)]
+    params = [torch.randn(leaf.shape[1:], generator=g) for leaf in leaves]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = _privacy._private_mean(leaves, mt.random.key(1), 1.0, 1.1, -0.5, params)[0]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_privacy, "_native_private_sum", lambda *args: None)
+            theirs = _privacy._private_mean(leaves, mt.random.key(1), 1.0, 1.1, -0.5, params)[0]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_library
 def test_a_nan_example_gives_nan_as_the_torch_ops_do(monkeypatch):
     leaves = [torch.ones(4, 3), torch.ones(4)]
     leaves[0][2, 1] = float("nan")
