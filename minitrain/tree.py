@@ -118,11 +118,8 @@ def nbytes(tree: PyTree) -> int:
     >>> nbytes({"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)})
     56
     """
-    return builtins.sum(
-        leaf.numel() * leaf.element_size()
-        for leaf in leaves(tree)
-        if isinstance(leaf, torch.Tensor)
-    )
+    return builtins.sum(leaf.numel() * leaf.element_size() for leaf in leaves(tree)
+                        if isinstance(leaf, torch.Tensor))
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:

@@ -255,12 +255,10 @@ def _physical_memory_bytes() -> int:
 def _cpuinfo() -> dict[str, str]:
     """The first CPU's fields in ``/proc/cpuinfo`` (empty where there is none)."""
     fields: dict[str, str] = {}
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
             fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
     return fields
 
 
@@ -270,10 +268,8 @@ def _cpu_model() -> str:
 
 def _max_clock_hz(info: Mapping[str, str]) -> float:
     """The highest clock the OS reports: cpufreq's maximum, else ``cpu MHz``, else 5 GHz."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) * 1e3
-    except (OSError, ValueError):
-        pass
     try:
         return float(info["cpu MHz"]) * 1e6
     except (KeyError, ValueError):

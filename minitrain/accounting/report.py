@@ -68,7 +68,7 @@ def resource_report(
     if examples is None:  # the batch's leading dim
         leaves = tensors(batch)
         examples = int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 1
-    report = {
+    return {
         "params": size(params),
         "examples_per_step": examples,
         "memory": {
@@ -85,7 +85,6 @@ def resource_report(
         "speed": _speed(exact_flops_per_step, counter, step_seconds, peak_flops, steps_total,
                         steps_done),
     }
-    return report
 
 
 def _measure(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any,

@@ -98,10 +98,8 @@ def time_(params: float, tokens: float, hardware_name: str, gpus: int, mfu: floa
         f"{result['days_at_rounded_throughput']:.1f} days)",
     ]
     if interconnect_bandwidth is not None:
-        result["communication"] = _communication(
-            params, tokens, batch_tokens, gpus, interconnect_bandwidth, grad_bytes, seconds
-        )
-        comm = result["communication"]
+        comm = result["communication"] = _communication(
+            params, tokens, batch_tokens, gpus, interconnect_bandwidth, grad_bytes, seconds)
         lines += [
             f"4. all-reduce   2·(N-1)/N × {si(comm['gradient_bytes'], 'B')} of gradients = "
             f"{si(comm['allreduce_bytes_per_gpu_per_step'], 'B')} per GPU per step, at "

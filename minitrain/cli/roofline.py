@@ -39,10 +39,8 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], width: in
 
 
 def roof_line(r: Any) -> str:
-    return (
-        f"{r.name}: peak {si(r.peak_flops, 'FLOP/s')}, bandwidth {si(r.bandwidth, 'B/s')}, "
-        f"accelerator intensity {r.ridge:.1f} FLOP/byte"
-    )
+    return (f"{r.name}: peak {si(r.peak_flops, 'FLOP/s')}, bandwidth {si(r.bandwidth, 'B/s')}, "
+            f"accelerator intensity {r.ridge:.1f} FLOP/byte")
 
 
 @click.command(cls=Command)

@@ -157,12 +157,8 @@ def prepare(out: Path | None, source: Path | None, val_fraction: float, as_json:
 
 
 def _summary(records: list[dict]) -> dict:
-    return {
-        "records": len(records),
-        "first_step": records[0]["step"],
-        "last_step": records[-1]["step"],
-        "last": records[-1],
-    }
+    return {"records": len(records), "first_step": records[0]["step"],
+            "last_step": records[-1]["step"], "last": records[-1]}
 
 
 @click.command(cls=Command)

@@ -32,16 +32,8 @@ from minitrain.optim.schedules import *  # noqa: F403
 from minitrain.optim.transforms import *  # noqa: F403
 
 __all__ = [
-    *base.__all__,
-    "sgd", "adagrad", "rmsprop", "adam", "adamw",
-    *schedules.__all__,
-    "reduce_on_plateau", "ReduceLROnPlateauState",
-    "unroll", "Unrolled", "leafwise", "LeafBatch",
-    *transforms.__all__,
-    *_wrappers.__all__,
-    *_family.__all__,
-    *_optax.__all__,
-    *_privacy.__all__,
-    "adafactor", "scale_by_adafactor", "ScaleByAdafactorState",
-    *_muon.__all__,
+    *base.__all__, "sgd", "adagrad", "rmsprop", "adam", "adamw", *schedules.__all__,
+    "reduce_on_plateau", "ReduceLROnPlateauState", "unroll", "Unrolled", "leafwise", "LeafBatch",
+    *transforms.__all__, *_wrappers.__all__, *_family.__all__, *_optax.__all__, *_privacy.__all__,
+    "adafactor", "scale_by_adafactor", "ScaleByAdafactorState", *_muon.__all__,
 ]

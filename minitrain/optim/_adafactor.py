@@ -104,8 +104,7 @@ def scale_by_adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: Scalar = -0.8,
 
     return leafwise("scale_by_adafactor", None, adafactor_leaf, ScaleByAdafactorState,
                     dict(beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d,
-                         weight_decay=weight_decay),
-                                    needs_params=True, also_watch=(lr,),
+                         weight_decay=weight_decay), needs_params=True, also_watch=(lr,),
                     scalars={"lr": lambda: f32_tensor(lr_at(0))}, advance=advance,
                     buffer_shapes=_buffer_shapes)
 

@@ -161,18 +161,14 @@ def _advance(advance: Callable | None, step: Any, count: Tensor, old: dict[str, 
     if advance is None:
         return {}, hyper
     traced = is_traced(count) or any(is_traced(v) for v in old.values())
-    values = old if traced else {key: v if _requires_grad(v) else scalar(v)
-                                 for key, v in old.items()}
+    values = old if traced else {key: v if isinstance(v, Tensor) and v.requires_grad
+                                 else scalar(v) for key, v in old.items()}
     new_scalars, per_step = advance(step, **values)
     return new_scalars, {**hyper, **per_step}
 
 
 def _empty(value: Any) -> bool:
     return type(value) is tuple and len(value) == 0
-
-
-def _requires_grad(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.requires_grad
 
 
 def _like(value: Any, old: Tensor) -> Tensor:

@@ -276,11 +276,10 @@ def one_cycle_schedule(max_lr: Value, total_steps: int, pct_start: float = 0.3,
     initial_lr = max_lr / div_factor
     min_lr = initial_lr / final_div_factor
     # torch OneCycleLR.__init__: (end_step, start lr, end lr) per phase
-    phases = [(float(pct_start * total_steps) - 1, initial_lr, max_lr),
-              (float(2 * pct_start * total_steps) - 2, max_lr, initial_lr),
-              (total_steps - 1, initial_lr, min_lr)] if three_phase else [
-        (float(pct_start * total_steps) - 1, initial_lr, max_lr),
-        (total_steps - 1, max_lr, min_lr)]
+    up = (float(pct_start * total_steps) - 1, initial_lr, max_lr)
+    phases = ([up, (float(2 * pct_start * total_steps) - 2, max_lr, initial_lr),
+               (total_steps - 1, initial_lr, min_lr)] if three_phase
+              else [up, (total_steps - 1, max_lr, min_lr)])
     starts = [0.0] + [end for end, _, _ in phases[:-1]]
     if any(end == start for (end, _, _), start in zip(phases, starts, strict=True)):
         raise ValueError(f"invalid pct_start={pct_start!r}: with total_steps={total_steps} a "

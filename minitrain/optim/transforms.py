@@ -279,12 +279,8 @@ def scale_by_adagrad(lr_decay: float | Tensor = 0.0,
     check_hyperparameter("lr_decay", lr_decay, 0.0)
     check_hyperparameter("eps", eps, 0.0)
     initial = checked("initial_accumulator_value", initial_accumulator_value, 0.0)
-
-    def init_leaf(p):
-        return {"sum": filled(p, initial)}
-
-    return leafwise("scale_by_adagrad", init_leaf, adagrad_leaf, ScaleByAdagradState,
-                    dict(lr_decay=lr_decay, eps=eps),
+    return leafwise("scale_by_adagrad", lambda p: {"sum": filled(p, initial)}, adagrad_leaf,
+                    ScaleByAdagradState, dict(lr_decay=lr_decay, eps=eps),
                     also_watch=(initial,) if isinstance(initial, Tensor) else ())
 
 

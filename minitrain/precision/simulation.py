@@ -19,14 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from minitrain import _torch
-from minitrain.precision.matmuls import (
-    BLOCK,
-    RECIPES,
-    Recipe,
-    bypassing,
-    recipe,
-    recording_matmul,
-)
+from minitrain.precision.matmuls import BLOCK, RECIPES, Recipe, bypassing, recipe, recording_matmul
 
 __all__ = ["count_matmuls", "init_state", "recompute_context", "simulate"]
 

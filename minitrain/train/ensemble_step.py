@@ -16,13 +16,7 @@ from minitrain.precision import Backend
 from minitrain.train.experiment import Experiment
 from minitrain.train.members import Ensemble, Member, MemberMismatch, member_label
 from minitrain.train.script_errors import raised_at
-from minitrain.train.step import (
-    Carry,
-    StepOutput,
-    fp8_recipe_of,
-    loss_scale_of,
-    make_train_step,
-)
+from minitrain.train.step import Carry, StepOutput, fp8_recipe_of, loss_scale_of, make_train_step
 from minitrain.tree import OptState, Params, PyTree, leaves, named_leaves, unstack
 
 __all__ = [

@@ -30,8 +30,7 @@ from minitrain.tree import Params, PyTree
 __all__ = [
     "Experiment", "check_loss_output", "ExperimentError", "ResumeError", "apply_overrides",
     "as_recorded", "build_experiment", "check_config_size", "check_config_value", "check_seed",
-    "coerce_value",
-    "load_experiment", "load_script", "parse_overrides", "script_folder",
+    "coerce_value", "load_experiment", "load_script", "parse_overrides", "script_folder",
 ]
 
 

@@ -21,11 +21,9 @@ __all__ = ["batch_examples", "check_params", "init_params", "probe_batch", "run_
 
 def run_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
     """Independent ``(init, data)`` generators derived from one seed (numpy SeedSequence)."""
-    init_seq, data_seq = np.random.SeedSequence(seed).spawn(2)
-    return (
-        rng.generator(int(init_seq.generate_state(1, np.uint64)[0])),
-        rng.generator(int(data_seq.generate_state(1, np.uint64)[0])),
-    )
+    init, data = (rng.generator(int(seq.generate_state(1, np.uint64)[0]))
+                  for seq in np.random.SeedSequence(seed).spawn(2))
+    return init, data
 
 
 def to_backend(params: Params, backend: Backend) -> Params:

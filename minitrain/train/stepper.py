@@ -174,13 +174,8 @@ def run_summary(stepper: Stepper, timer: StepTimer, head: dict[str, Any],
     examples, step_seconds = stepper.examples or 0, timer.step_seconds()
     exact = experiment.flops_per_step
     return {
-        "name": experiment.name,
-        "backend": backend.name,
-        **head,
-        "steps": experiment.steps,
-        "seconds": timer.seconds(),
-        "step_seconds": step_seconds,
-        **params,
+        "name": experiment.name, "backend": backend.name, **head, "steps": experiment.steps,
+        "seconds": timer.seconds(), "step_seconds": step_seconds, **params,
         "examples_per_step": examples * members,
         "flops_per_step": 6 * examples * params["params"],
         "flops_per_step_exact": exact * members if exact is not None else None,
@@ -203,17 +198,11 @@ def step_report(stepper: Any, step: Callable[..., Any], summary: dict[str, Any],
 
     experiment, exact = stepper.experiment, stepper.experiment.flops_per_step
     return resource_report(
-        step,
-        stepper.params,
-        stepper.opt_state,
-        stepper.batch,
-        **prediction,
+        step, stepper.params, stepper.opt_state, stepper.batch, **prediction,
         examples_per_step=round((stepper.examples or 0) * examples_scale) or None,
         exact_flops_per_step=round(exact * flops_scale) if exact is not None else None,
-        peak_flops=backend_peak_flops(stepper.backend),
-        step_seconds=summary["step_seconds"],
-        steps_total=experiment.steps,
-        steps_done=experiment.steps,
+        peak_flops=backend_peak_flops(stepper.backend), step_seconds=summary["step_seconds"],
+        steps_total=experiment.steps, steps_done=experiment.steps,
     )
 
 
@@ -240,15 +229,9 @@ def progress_bar(
     )
 
     progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        console=Console(stderr=True),
-        refresh_per_second=4,
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        TextColumn("loss {task.fields[loss]}"), console=Console(stderr=True), refresh_per_second=4,
     )
     with progress:
         task = progress.add_task(name, total=total, completed=start, loss="-")
