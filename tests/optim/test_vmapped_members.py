@@ -229,7 +229,18 @@ def test_members_the_kernel_cannot_address_as_slices_take_the_chain(layout, call
 
 @pytest.fixture
 def sgd_calls(monkeypatch):
-    return spy(monkeypatch, "traced_sgd")
+    """The results of ``members.traced_sgd`` on traced leaves (it passes others on)."""
+    seen, original = [], members.traced_sgd
+    wrapped = mt._torch.is_functorch_wrapped_tensor
+
+    def spied(shape, grads, state, params):
+        result = original(shape, grads, state, params)
+        if any(wrapped(t) or t.requires_grad for t in mt.tree.leaves((grads, params))):
+            seen.append(result)
+        return result
+
+    monkeypatch.setattr(members, "traced_sgd", spied)
+    return seen
 
 
 def _maml_tree(seed: int) -> dict:

@@ -21,7 +21,7 @@ from minitrain.optim._checks import decay_flags, storage_holds
 from minitrain.optim.kernels import lowering, pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["run", "traced_sgd"]
+__all__ = ["plain_sgd", "run", "traced_sgd"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -168,31 +168,37 @@ def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> li
             for row in rows]
 
 
+def plain_sgd(shape: Any) -> bool:
+    """Whether ``shape`` is SGD at a float lr: no momentum, clip, maximize or decoupled decay."""
+    return (type(shape.lr) is float and not shape.positions and shape.clip is None and
+            not shape.maximize and shape.decoupled is None)
+
+
 def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
-    """Plain SGD (a constant lr; no momentum, weight decay, clip or maximize) on leaves under
-    ``vmap`` or ``grad`` or requiring grad (MAML's inner loop): ``p.add(g, alpha=-lr)`` a leaf,
-    torch.optim.SGD's one op, for the chain's scale, add and checks; None for anything else."""
-    if not (type(shape.lr) is float and not shape.positions and shape.clip is None and not
-            shape.maximize and shape.decoupled is None and isinstance(state, tuple) and
-            (shape.l2 is None or lowering._number(shape.l2[0]) == 0.0) and
-            len(state) == shape.length and not torch.compiler.is_compiling()):
+    """Plain SGD (:func:`plain_sgd`, and no weight decay) on leaves under ``vmap`` or ``grad``
+    or requiring grad (MAML's inner loop): ``p.add(g, alpha=-lr)`` a leaf, torch.optim.SGD's
+    one op, for the chain's scale, add and checks; None for anything else."""
+    if not (plain_sgd(shape) and isinstance(state, tuple) and len(state) == shape.length and
+            not torch.compiler.is_compiling()):
         return None
     p_leaves, structure = _pytree.tree_flatten(params)
     g_leaves, g_structure = _pytree.tree_flatten(grads)
     leaves, wrapped = [*p_leaves, *g_leaves], _torch.is_functorch_wrapped_tensor
+    if not any(isinstance(t, Tensor) and (wrapped(t) or t.requires_grad) for t in leaves):
+        return None  # untraced: the kernel's
     lr_state = state[shape.lr_position]
 
     def dense(t: Any) -> bool:  # traced, or a plain strided tensor its storage holds
         return isinstance(t, Tensor) and (wrapped(t) or type(t) in _PLAIN and
                                           t.layout is torch.strided and storage_holds(t))
 
-    if g_structure != structure or getattr(lr_state, "_fields", None) != ("count", "lr"):
-        return None  # the chain names the fault
+    if g_structure != structure or getattr(lr_state, "_fields", None) != ("count", "lr") or \
+            (shape.l2 is not None and lowering._number(shape.l2[0]) != 0.0):
+        return None  # the chain names the fault, or decays
     if not all(map(dense, leaves)) or not all(
             p.is_floating_point() and g.dtype == p.dtype and g.shape == p.shape
-            for p, g in zip(p_leaves, g_leaves, strict=True)) or not any(
-            wrapped(t) or t.requires_grad for t in leaves) or not streaming.quiet():
-        return None  # untraced (the kernel's), or the chain checks and names the fault
+            for p, g in zip(p_leaves, g_leaves, strict=True)) or not streaming.quiet():
+        return None  # the chain checks and names the fault
     new_state = list(state)
     new_state[shape.lr_position] = lr_state._replace(
         count=lr_state.count + 1, lr=torch.scalar_tensor(shape.lr, dtype=torch.float32))
