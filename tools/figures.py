@@ -9,6 +9,8 @@ so the table is the same on every machine; timings live on the dated benchmark p
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import minitrain as mt
@@ -61,8 +63,10 @@ def linreg_run() -> list[tuple[str, str, str]]:
     script = runpy.run_path("examples/linreg.py")
     result = mt.fit(script["experiment"](dict(script["CONFIG"])), mt.get_backend("cpu"),
                     progress=False, seed=0)
-    loss = result.summary["final_loss"]
-    return [("linreg, defaults (SGD, lr 0.01, 1000 steps, seed 0)", f"final loss {loss:.1e}",
+    # Converged to float32's noise, whose last digits differ between CPUs (AVX2 or AVX-512
+    # sums): the power of ten above it
+    bound = 10.0 ** math.ceil(math.log10(result.summary["final_loss"]))
+    return [("linreg, defaults (SGD, lr 0.01, 1000 steps, seed 0)", f"final loss < {bound:.0e}",
              "minitrain run examples/linreg.py")]
 
 
