@@ -230,6 +230,21 @@ def test_cpu_peak_bound_is_cores_fma_units_lanes_two_and_clock(flags, fp32_per_c
     assert bound["bf16"] == bound["fp32"] * bf16_times
 
 
+def test_without_cpufreq_the_bound_takes_5_ghz_not_the_reported_clock(monkeypatch):
+    """A VM hides cpufreq and reports its nominal clock as ``cpu MHz``, below its boost."""
+    hardware = importlib.import_module("minitrain.accounting.hardware")
+    real_read = hardware.Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if "cpufreq" in str(path):
+            raise FileNotFoundError(path)
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(hardware.Path, "read_text", read_text)
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: {"cpu MHz": "2599.998", "flags": "avx2"})
+    assert hardware._spec_bound(1)["clock_hz"] == 5e9
+
+
 def _best_matmul_flops(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     best = math.inf
