@@ -28,7 +28,8 @@ _F64 = ctypes.c_double
 SIGNATURES = {"minitrain_update": [_I32, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I32, _I32],
               "minitrain_sumsq": [_PTR, _PTR, _I64, _I32, _PTR],  # each returns an int status
               "minitrain_threefry": [_U32, _U32, _I64, _I64, _I32, _F64, _F64, _PTR, _I32],
-              "minitrain_private_sum": [_I64, _I64, *[_PTR] * 5, _F64, _F64, _F64, _I32]}
+              "minitrain_private_sum": [_I64, _I64, *[_PTR] * 5, _F64, _F64, _F64, _I32],
+              "minitrain_split_draw": [_U32, _U32, _I64, _I32, _F64, _F64, _PTR, _PTR, _I32]}
 
 
 class BuildError(RuntimeError):

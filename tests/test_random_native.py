@@ -88,6 +88,20 @@ def test_draws_equal_the_pure_torch_path(k, n):
 
 
 @needs_library
+@settings(max_examples=20, deadline=None)
+@given(k=keys, n=st.sampled_from(SIZES),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_split_normal_in_one_call_is_split_then_normal(k, n, dtype):
+    """DP-SGD's draw each step: the next key and the noise, as split and normal give them."""
+    new_key, noise = random._split_normal(k, n, dtype)
+    first, second = random.split(k)
+    assert torch.equal(new_key, first)
+    assert noise.dtype == dtype and torch.equal(noise, random.normal(second, (n,), dtype))
+    with Watching():
+        assert torch.equal(random._split_normal(k, n, dtype)[1], noise)
+
+
+@needs_library
 @settings(max_examples=60, deadline=None)
 @given(k=keys, dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
        minval=st.one_of(st.sampled_from([0.0, -1.0, -1.0 + 2.0**-24, math.nextafter(-1.0, 0.0)]),

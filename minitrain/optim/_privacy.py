@@ -87,9 +87,8 @@ def _private_mean(leaves: list[Tensor], rng_key: Tensor, l2_norm_clip: Any, nois
     rows = [g.reshape(size, math.prod(g.shape[1:])) for g in leaves]
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
     wide = torch.promote_types(dtype, torch.float32)
-    new_key, noise_key = random.split(rng_key)
     sizes = [r.shape[1] for r in rows]
-    noise = random.normal(noise_key, (sum(sizes),), dtype)
+    new_key, noise = random._split_normal(rng_key, sum(sizes), dtype)
     if (out := _native_private_sum(leaves, rows, noise, base, l2_norm_clip, scale / size,
                                    scale * noise_std / size)) is not None:
         return out, new_key

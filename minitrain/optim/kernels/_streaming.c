@@ -708,3 +708,12 @@ int minitrain_threefry(uint32_t k0, uint32_t k1, int64_t start, int64_t n, int m
     }
     return 0;
 }
+
+/* split(k)'s two keys into keys[0..3] (random.split), then minitrain_threefry's draw `mode`
+   of counters 0..n under the second: random.py's _split_normal in one call. Returns 0. */
+int minitrain_split_draw(uint32_t k0, uint32_t k1, int64_t n, int mode, double low, double span,
+                         int64_t *keys, void *out, int n_threads) {
+    minitrain_threefry(k0, k1, 0, 2, THREEFRY_PAIRS, 0.0, 1.0, keys, 1);
+    return minitrain_threefry((uint32_t)keys[2], (uint32_t)keys[3], 0, n, mode, low, span, out,
+                              n_threads);
+}
