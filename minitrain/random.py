@@ -95,7 +95,8 @@ def _native_threefry(k: Key, start: int, stop: int, mode: Any, low: float = 0.0,
     if (library := _native._library()) is None:
         return None
     code, dtype = _MODES[mode]
-    out = torch.empty((stop - start, 2) if mode == "pairs" else (stop - start,), dtype=dtype)
+    out = torch.empty((stop - start, 2) if mode == "pairs" else (stop - start,), dtype=dtype,
+                      device="cpu")
     k0, k1 = k.tolist()
     library.minitrain_threefry(k0 & _MASK, k1 & _MASK, start, stop - start, code, low, span,
                                out.data_ptr(), torch.get_num_threads())
@@ -191,7 +192,8 @@ def _split_normal(k: Key, size: int, dtype: torch.dtype) -> tuple[Key, Tensor]:
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     low = _LOW[wide]
     if _plain_cpu(_checked(k, size)) and (library := _native._library()) is not None:
-        keys, unit = torch.empty((2, 2), dtype=torch.int64), torch.empty(size, dtype=wide)
+        keys = torch.empty((2, 2), dtype=torch.int64, device="cpu")
+        unit = torch.empty(size, dtype=wide, device="cpu")
         k0, k1 = k.tolist()
         library.minitrain_split_draw(k0 & _MASK, k1 & _MASK, size, _MODES[wide][0], low, 1.0 - low,
                                      keys.data_ptr(), unit.data_ptr(), torch.get_num_threads())

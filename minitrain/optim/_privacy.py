@@ -117,9 +117,10 @@ def _native_private_sum(leaves: list[Tensor], rows: list[Tensor], noise: Tensor,
         return None
     found = pointers([rows], dtype=torch.float32)
     held = None if base is None else pointers([base], dtype=torch.float32)
-    if found is None or (base is not None and held is None):
+    if found is None or base is not None and (held is None or any(
+            b.numel() != r.shape[1] for b, r in zip(base, rows, strict=True))):
         return None
-    out = [torch.empty(g.shape[1:]) for g in leaves]
+    out = [torch.empty(g.shape[1:], dtype=torch.float32, device="cpu") for g in leaves]
     offsets = itertools.accumulate([0, *(r.shape[1] for r in rows[:-1])])
     addresses = [array.array("Q", values) for values in (
         [r.shape[1] for r in rows], found[0], held[0] if held else [0] * len(rows),

@@ -6,6 +6,8 @@ with the same numbers."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -187,3 +189,34 @@ def test_a_tensor_clip_takes_the_torch_ops(c_calls):
     opt = mt.optim.dpsgd(0.3, torch.tensor(1.5), 0.7, key=7)
     opt.update(per_example(params, 4, seed=1), opt.init(params), params)
     assert c_calls == [False]
+
+
+@contextlib.contextmanager
+def torch_defaults(default):
+    """torch's default dtype (a dtype's name) or default device ("meta") changed."""
+    if default == "meta":
+        with torch.device("meta"):
+            yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, default))
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@needs_library
+@pytest.mark.parametrize("default", ["float64", "bfloat16", "meta"])
+def test_a_changed_default_dtype_or_device_gives_the_same_update(c_calls, default):
+    """The C pass and the noise write into float32 CPU tensors whatever torch's defaults."""
+    params, grads = tree(), per_example(tree(), 4, seed=1)
+    opt = mt.optim.dpsgd(0.3, 1.5, 0.7, key=7)
+    state = opt.init(params)
+    want = opt.update(grads, state, params)[0]
+    with torch_defaults(default):
+        got = opt.update(grads, state, params)[0]
+    assert c_calls == [True, True]
+    for name, value in want.items():
+        assert got[name].dtype == torch.float32 and got[name].device.type == "cpu"
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7)

@@ -99,7 +99,7 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
                for row in results]
     return tree.unflatten(structure, batched[0]), lowering._new_state(
         shape, state, fields, batched[1:], structure, reads, lambda values, dtype:
-        _torch.add_batch_dim(torch.tensor(values, dtype=dtype), 0, level))
+        _torch.add_batch_dim(torch.tensor(values, dtype=dtype, device="cpu"), 0, level))
 
 
 def _reads(shape: Any, stacked_state: list, numbers: dict[int, list], hyper: dict[int, list],
