@@ -349,16 +349,14 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
     """
     check_transformation(tx, "as_optimizer's argument")
     lowered = lower(tx)
-    sgd = lowered is not None and members.plain_sgd(lowered.shape)  # traced: one op a leaf
     hostile = _hostile(tx)
 
     def update(grads: Grads, state: OptState, params: Params, *, donate: bool = False,
                **extra: Any):
         if extra:  # e.g. value= for reduce_on_plateau: the transformation's own update
             split_extra_args("as_optimizer", [tx], extra)
-        elif lowered is not None:  # one kernel call, one over vmapped members, or traced SGD
+        elif lowered is not None:  # traced plain SGD, one kernel call, or one over vmap members
             result = members.traced_sgd(lowered.shape, grads, state, params) or lowered(
-                grads, state, params, donate) if sgd else lowered(
                 grads, state, params, donate) or members.run(lowered.shape, grads, state, params)
             if result is not None:
                 return result

@@ -21,7 +21,7 @@ from minitrain.optim._checks import decay_flags, storage_holds
 from minitrain.optim.kernels import lowering, pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["plain_sgd", "run", "traced_sgd"]
+__all__ = ["run", "traced_sgd"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -168,18 +168,14 @@ def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> li
             for row in rows]
 
 
-def plain_sgd(shape: Any) -> bool:
-    """Whether ``shape`` is SGD at a float lr: no momentum, clip, maximize or decoupled decay."""
-    return (type(shape.lr) is float and not shape.positions and shape.clip is None and
-            not shape.maximize and shape.decoupled is None)
-
-
 def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
-    """Plain SGD (:func:`plain_sgd`, and no weight decay) on leaves under ``vmap`` or ``grad``
-    or requiring grad (MAML's inner loop): ``p.add(g, alpha=-lr)`` a leaf, torch.optim.SGD's
-    one op, for the chain's scale, add and checks; None for anything else."""
-    if not (plain_sgd(shape) and isinstance(state, tuple) and len(state) == shape.length and
-            not torch.compiler.is_compiling()):
+    """Plain SGD (a constant lr; no momentum, weight decay, clip or maximize) on leaves under
+    ``vmap`` or ``grad`` or requiring grad (MAML's inner loop): ``p.add(g, alpha=-lr)`` a leaf,
+    torch.optim.SGD's one op, for the chain's scale, add and checks; None for anything else
+    (first, so a traced SGD skips the kernels' checks)."""
+    if not (type(shape.lr) is float and not shape.positions and shape.clip is None and not
+            shape.maximize and shape.decoupled is None and isinstance(state, tuple) and
+            len(state) == shape.length and not torch.compiler.is_compiling()):
         return None
     p_leaves, structure = _pytree.tree_flatten(params)
     g_leaves, g_structure = _pytree.tree_flatten(grads)
