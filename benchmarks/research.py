@@ -18,9 +18,10 @@ per-round ratios minitrain / peer with its 95% interval:
   updates in place. ``dp-sgd example`` (no target) is examples/dp_sgd.py's step as
   ``minitrain run`` takes it (the private gradient through the loss, the fraction clipped
   logged) against that peer.
-* ``ensemble`` (<= 1.05): examples/ensemble.py's vmapped step (Adam built from each member's lr
-  inside ``vmap``); the peer vmaps ``torch.func.grad_and_value`` of ``functional_call`` and runs
-  Adam with per-member learning rates by hand, in place.
+* ``ensemble`` (<= 1.05): examples/ensemble.py's step (the members' grads through ``mt.vmap``,
+  then ``mt.optim.adam(lr=lrs)`` with a learning rate per member over the stacked leaves); the
+  peer vmaps ``torch.func.grad_and_value`` of ``functional_call`` and runs Adam with per-member
+  learning rates by hand, in place.
 * ``per-example norm`` (no target): ``mt.tree.per_example_global_norm`` against
   ``mt.vmap(mt.tree.global_norm)`` on the ensemble's per-example grads.
 """
@@ -215,11 +216,11 @@ def ensemble_steppers(size: dict) -> Steppers:
     start = mt.tree.stack([ensemble.init(k) for k in keys])
     x, y = ensemble.data(size["points"], seed=0)
     ours = {"params": mt.tree.map(torch.clone, start)}
-    ours["state"] = mt.vmap(lambda p: mt.optim.adam(lr=1e-3).init(p))(ours["params"])
+    adam = mt.optim.adam(lr=lrs)
+    ours["state"], step = adam.init(ours["params"]), ensemble.make_ensemble_step(adam)
 
     def minitrain_step() -> None:
-        ours["params"], ours["state"], _ = ensemble.ensemble_step(ours["params"], ours["state"],
-                                                                  lrs, x, y)
+        ours["params"], ours["state"], _ = step(ours["params"], ours["state"], x, y)
 
     base = nn.Sequential(nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
                          nn.Linear(hidden, 1))

@@ -107,10 +107,9 @@ def learning_rate(state: OptState) -> float:
     0.25
     """
     found = _find_lr(state)
-    if found is None:
-        raise ValueError(
-            f"learning_rate() expects the state of an mt.optim optimizer, got {type(state)!r}"
-        )
+    if found is None or isinstance(found, Tensor) and found.numel() != 1:  # one per member
+        raise ValueError(f"learning_rate() expects the state of an mt.optim optimizer with one "
+                         f"learning rate, got {type(state)!r}")
     return float(found)
 
 

@@ -30,6 +30,7 @@ from minitrain.optim._checks import (
     f32_tensor,
     floating_updates,
     hyperparameter,
+    is_traced,
     is_zero,
     lerp_weight,
     scalar,
@@ -96,8 +97,17 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
 
 def _scaled(updates, factor):
     """``factor * updates``: one foreach multiply where the leaves take the batched path
-    (:func:`use_plain_path`), else leaf by leaf."""
+    (:func:`use_plain_path`), else leaf by leaf; a 1-D ``factor`` scales each leaf's leading
+    (member) axis."""
     leaves, structure = _pytree.tree_flatten(updates)
+    if isinstance(factor, Tensor) and factor.dim() == 1:
+        for i, u in enumerate(leaves):
+            if u.dim() == 0 or u.shape[0] != len(factor):
+                raise ValueError(f"a learning rate per member (shape {tuple(factor.shape)}) "
+                                 f"scales each leaf's leading axis, and leaf {i} has shape "
+                                 f"{tuple(u.shape)}; stack the members' params (mt.tree.stack)")
+        return tree.unflatten(structure, [factor.view(-1, *[1] * (u.dim() - 1)) * u
+                                          for u in leaves])
     if leaves and not use_plain_path(leaves, [factor]):
         with torch.no_grad():
             return tree.unflatten(structure, list(_torch.foreach["mul"](leaves, scalar(factor))))
@@ -105,8 +115,15 @@ def _scaled(updates, factor):
 
 
 def lr_function(learning_rate: ScalarOrSchedule) -> tuple[Any, Any]:
-    """``learning_rate`` checked (a number or a 0-d tensor) or the schedule, and ``lr_at(count)``,
+    """``learning_rate`` checked (a number, a 0-d tensor, or a 1-D tensor of one lr per member
+    of stacked params: leaf slice ``m`` at ``lr[m]``) or the schedule, and ``lr_at(count)``,
     the lr after ``count`` updates (an int or a count tensor), a schedule's value checked too."""
+    if isinstance(learning_rate, Tensor) and learning_rate.dim() == 1 and \
+            len(learning_rate) > 1 and not is_traced(learning_rate):
+        if not learning_rate.is_floating_point() or not bool((learning_rate >= 0).all()):
+            raise ValueError(f"invalid lr={learning_rate!r}: a learning rate per member must be "
+                             f"a floating-point tensor of non-negative values")
+        return learning_rate, lambda count: learning_rate
     if not callable(learning_rate) or isinstance(learning_rate, Tensor):
         lr = checked("lr", learning_rate, 0.0)
         return lr, lambda count: lr

@@ -346,7 +346,8 @@ def _advance(shape: Shape, rule_states: list, step: int):
 
 
 def _run(shape, groups, grads, state, params, donate):
-    if torch.compiler.is_compiling() or not streaming.quiet() or _torch.forward_ad_active():
+    if torch.compiler.is_compiling() or not streaming.quiet() or _torch.forward_ad_active() or \
+            getattr(shape.lr, "ndim", 0) == 1:  # (a learning rate per member: .members)
         return None  # compiled, a torch mode watching (the FLOP counter), or dual tensors
     p_leaves, structure = _pytree.tree_flatten(params)
     g_leaves, g_structure = _pytree.tree_flatten(grads)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._checks import decay_flags, storage_holds
+from minitrain.optim._checks import decay_flags, f32_tensor, storage_holds
 from minitrain.optim.kernels import lowering, pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
@@ -28,14 +28,16 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
     """The new ``(params, state)`` of vmapped members, each updated as the chain would update
-    it; None where the members cannot run as one kernel call (the chain then runs)."""
+    it, or of stacked members outside vmap at a learning rate each (a 1-D ``lr``); None where
+    the members cannot run as one kernel call (the chain then runs)."""
     # plain SGD (no rule, no state) is two ops a leaf under vmap: less than the call's own cost
-    top = None if torch.compiler.is_compiling() or not shape.positions else \
-        _torch.peek_interpreter_stack()
-    if top is None or top.key() != _torch.vmap_transform or shape.clip is not None or not \
+    if torch.compiler.is_compiling() or not shape.positions or shape.clip is not None or not \
             streaming.quiet() or not streaming.available() or \
             (shape.maximize and not shape.rule.folds_sign):
         return None
+    top = _torch.peek_interpreter_stack()
+    if top is None or top.key() != _torch.vmap_transform:
+        return _per_member(shape, grads, state, params)
     level = top.level()
 
     def take(value: Any) -> Any:  # a batched tensor's members, stacked on dim 0
@@ -50,7 +52,6 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
             _torch.maybe_get_level(t) != level for t in (*p_leaves, *g_leaves)):
         return None
     ps, gs = [take(p) for p in p_leaves], [take(g) for g in g_leaves]
-    size = ps[0].shape[0]
     hyper = {}  # each member's swept hyperparameters (a swept value resolves to its members)
     for value in (*shape.hyper.values(), shape.lr, *(pair[0] for pair in (
             shape.l2, shape.decoupled) if pair is not None)):
@@ -72,6 +73,42 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
                     (i in shape.positions or key == "count"):  # (the lr state's lr is not read)
                 numbers[id(fields[key])] = fields[key].tolist()
         stacked_state[i] = state[i]._replace(**fields)
+    return _stacked(shape, (ps, gs, params, structure), state, stacked_state, numbers, hyper,
+                    lambda t: _torch.add_batch_dim(t, 0, level), lambda values, dtype:
+                    _torch.add_batch_dim(torch.tensor(values, dtype=dtype, device="cpu"), 0, level))
+
+
+def _per_member(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
+    """Stacked members outside vmap, member ``m`` (slice ``m`` of each leaf) at ``lr[m]``."""
+    lr = shape.lr
+    if not isinstance(lr, Tensor) or type(lr) not in _PLAIN or lr.dim() != 1 or \
+            lr.requires_grad or _torch.is_functorch_wrapped_tensor(lr) or \
+            _torch.forward_ad_active() or not isinstance(state, tuple) or \
+            len(state) != shape.length:
+        return None
+    p_leaves, structure = _pytree.tree_flatten(params)
+    g_leaves, g_structure = _pytree.tree_flatten(grads)
+    if g_structure != structure or not p_leaves or any(
+            type(t) not in _PLAIN or t.dim() == 0 or t.shape[0] != len(lr)
+            for t in (*p_leaves, *g_leaves)):
+        return None  # (the chain names the fault)
+    found = _stacked(shape, (p_leaves, g_leaves, params, structure), state, list(state), {},
+                     {id(lr): lr.tolist()}, lambda t: t,
+                     lambda values, dtype: torch.scalar_tensor(values[0], dtype=dtype))
+    if found is None:
+        return None
+    new_state = list(found[1])
+    new_state[shape.lr_position] = new_state[shape.lr_position]._replace(lr=f32_tensor(lr))
+    return found[0], tuple(new_state)
+
+
+def _stacked(shape: Any, leaves: tuple, state: tuple, stacked_state: list, numbers: dict,
+             hyper: dict, wrap: Any, number: Any) -> tuple[Any, tuple] | None:
+    """The members' update as one kernel call over ``leaves`` (stacked params, grads, the
+    params and their structure), its results ``wrap``-ped; the new state's numbers
+    ``number(values, dtype)`` makes."""
+    ps, gs, params, structure = leaves
+    size = ps[0].shape[0]
     reads = _reads(shape, stacked_state, numbers, hyper, size)
     if reads is None:
         return None
@@ -95,11 +132,9 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
         return None
     streaming.launch(hp[0], hp[1], _slices([*found, *written], ps, size),
                      [t.numel() // size for t in ps for _ in range(size)], False)
-    batched = [None if row is None else [_torch.add_batch_dim(t, 0, level) for t in row]
-               for row in results]
-    return tree.unflatten(structure, batched[0]), lowering._new_state(
-        shape, state, fields, batched[1:], structure, reads, lambda values, dtype:
-        _torch.add_batch_dim(torch.tensor(values, dtype=dtype, device="cpu"), 0, level))
+    new = [None if row is None else [wrap(t) for t in row] for row in results]
+    return tree.unflatten(structure, new[0]), lowering._new_state(
+        shape, state, fields, new[1:], structure, reads, number)
 
 
 def _reads(shape: Any, stacked_state: list, numbers: dict[int, list], hyper: dict[int, list],
