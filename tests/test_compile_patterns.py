@@ -55,15 +55,28 @@ batch = experiment.next_batch(torch.Generator().manual_seed(1))
 explain(lambda p, s, b: step(p, s, b).loss, params, experiment.optimizer.init(params), batch)
 """,
     "vmapped ensemble building adam inside": """
-ensemble = example("ensemble")
-lrs = torch.logspace(-3, -1, 8)
+ensemble, lrs = example("ensemble"), torch.logspace(-3, -1, 8)
+def member_step(params, state, lr, x, y):
+    value, grads = mt.value_and_grad(ensemble.loss)(params, x, y)
+    params, state = mt.optim.adam(lr=lr).update(grads, state, params)
+    return params, state, value
+step = mt.vmap(member_step, in_dims=(0, 0, 0, None, None))
 params = mt.tree.stack([ensemble.init(k) for k in mt.random.split(mt.random.key(0), 8)])
 state = mt.vmap(lambda p: mt.optim.adam(lr=1e-3).init(p))(params)
 x, y = ensemble.data(64, seed=0)
-explain(ensemble.ensemble_step, params, state, lrs, x, y)
-compiled = torch.compile(ensemble.ensemble_step, backend="aot_eager", fullgraph=True)
-torch.testing.assert_close(compiled(params, state, lrs, x, y),
-                           ensemble.ensemble_step(params, state, lrs, x, y))
+explain(step, params, state, lrs, x, y)
+compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+torch.testing.assert_close(compiled(params, state, lrs, x, y), step(params, state, lrs, x, y))
+""",
+    "ensemble with a learning rate per member": """
+ensemble, lrs = example("ensemble"), torch.logspace(-3, -1, 8)
+params = mt.tree.stack([ensemble.init(k) for k in mt.random.split(mt.random.key(0), 8)])
+adam = mt.optim.adam(lr=lrs)
+state, step = adam.init(params), ensemble.make_ensemble_step(adam)
+x, y = ensemble.data(64, seed=0)
+explain(step, params, state, x, y)
+compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+torch.testing.assert_close(compiled(params, state, x, y), step(params, state, x, y))
 """,
     "MAML with unroll": """
 experiment, _ = load_experiment(ROOT + "/examples/maml_sine.py", {"tasks": "4"})

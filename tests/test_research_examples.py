@@ -32,7 +32,8 @@ def test_ensemble_step_is_one_torch_adam_per_member_at_its_own_lr():
     ensemble = load_example("ensemble")
     members, lrs = 4, torch.tensor([1e-3, 1e-2, 3e-2, 1e-1])
     params = mt.tree.stack([ensemble.init(k) for k in mt.random.split(mt.random.key(3), members)])
-    state = mt.vmap(lambda p: mt.optim.adam(lr=1e-3).init(p))(params)
+    adam = mt.optim.adam(lr=lrs)
+    state, step = adam.init(params), ensemble.make_ensemble_step(adam)
     x, y = ensemble.data(32, seed=0)
     references = []
     for k, member in enumerate(mt.tree.unstack(params)):
@@ -40,7 +41,7 @@ def test_ensemble_step_is_one_torch_adam_per_member_at_its_own_lr():
                                                                            layer["bias"])]
         references.append((leaves, torch.optim.Adam(leaves, lr=float(lrs[k]))))
     for _ in range(3):
-        params, state, losses = ensemble.ensemble_step(params, state, lrs, x, y)
+        params, state, losses = step(params, state, x, y)
         for k, (leaves, opt) in enumerate(references):
             h = x
             for i in range(0, len(leaves) - 2, 2):

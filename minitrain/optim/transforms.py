@@ -114,11 +114,12 @@ def _scaled(updates, factor):
     return tree.unflatten(structure, [factor * u for u in leaves])
 
 
-def lr_function(learning_rate: ScalarOrSchedule) -> tuple[Any, Any]:
-    """``learning_rate`` checked (a number, a 0-d tensor, or a 1-D tensor of one lr per member
-    of stacked params: leaf slice ``m`` at ``lr[m]``) or the schedule, and ``lr_at(count)``,
-    the lr after ``count`` updates (an int or a count tensor), a schedule's value checked too."""
-    if isinstance(learning_rate, Tensor) and learning_rate.dim() == 1 and \
+def lr_function(learning_rate: ScalarOrSchedule, members: bool = False) -> tuple[Any, Any]:
+    """``learning_rate`` checked (a number, a 0-d tensor, with ``members`` a 1-D tensor of one
+    lr per member of stacked params: leaf slice ``m`` at ``lr[m]``) or the schedule, and
+    ``lr_at(count)``, the lr after ``count`` updates (an int or a count tensor), a schedule's
+    value checked too."""
+    if members and isinstance(learning_rate, Tensor) and learning_rate.dim() == 1 and \
             len(learning_rate) > 1 and not is_traced(learning_rate):
         if not learning_rate.is_floating_point() or not bool((learning_rate >= 0).all()):
             raise ValueError(f"invalid lr={learning_rate!r}: a learning rate per member must be "
@@ -142,7 +143,8 @@ class ScaleByLearningRateState(NamedTuple):
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
                            *, flip_sign: bool = True) -> GradientTransformation:
     """Multiply updates by ``-lr`` (``lr`` without ``flip_sign``); ``lr`` may be a schedule
-    ``step -> lr`` of the updates done.
+    ``step -> lr`` of the updates done, or a 1-D tensor of one lr per member of stacked params
+    (an ensemble's, :func:`mt.tree.stack`): leaf slice ``m`` at ``lr[m]``.
 
     >>> tx = scale_by_learning_rate(lambda count: 1.0 if count < 1 else 0.5)
     >>> state = tx.init([torch.zeros(1)])
@@ -151,7 +153,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
     >>> updates, float(state.lr)
     ([tensor([-0.5000])], 0.5)
     """
-    learning_rate, lr_at = lr_function(learning_rate)
+    learning_rate, lr_at = lr_function(learning_rate, members=True)
     sign = -1 if flip_sign else 1
 
     def init(params):

@@ -88,9 +88,7 @@ def _per_member(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any,
         return None
     p_leaves, structure = _pytree.tree_flatten(params)
     g_leaves, g_structure = _pytree.tree_flatten(grads)
-    if g_structure != structure or not p_leaves or any(
-            type(t) not in _PLAIN or t.dim() == 0 or t.shape[0] != len(lr)
-            for t in (*p_leaves, *g_leaves)):
+    if g_structure != structure or not p_leaves or p_leaves[0].shape[:1] != lr.shape:
         return None  # (the chain names the fault)
     found = _stacked(shape, (p_leaves, g_leaves, params, structure), state, list(state), {},
                      {id(lr): lr.tolist()}, lambda t: t,
@@ -117,7 +115,7 @@ def _stacked(shape: Any, leaves: tuple, state: tuple, stacked_state: list, numbe
     decay = shape.l2 or shape.decoupled
     flags = [True] * len(ps) if decay is None or (decay[1] is None and not any(
         r.wd for r in reads)) else decay_flags(decay[1], params)  # a mask sees a member's leaf
-    if buffers is None or any(t.shape[0] != size for t in (*ps, *gs)):
+    if buffers is None or any(t.shape[:1] != (size,) for t in (*ps, *gs)):
         return None
     rows = [ps, gs, *buffers]
     found = pointers(rows, dtype=torch.float32)
@@ -153,7 +151,7 @@ def _reads(shape: Any, stacked_state: list, numbers: dict[int, list], hyper: dic
 
             member_state = list(stacked_state)
             for i in (*shape.positions, shape.lr_position):
-                if i is not None:
+                if i is not None and numbers:
                     member_state[i] = stacked_state[i]._replace(**{
                         key: value[m] for key, value in stacked_state[i]._asdict().items()
                         if id(value) in numbers})

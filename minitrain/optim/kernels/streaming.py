@@ -39,6 +39,8 @@ RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "
          "adadelta": (9, 8)}
 """Rule name -> its index in ``_streaming.c``'s table and how many hyperparameters it reads."""
 
+_TAKES = dict(RULES.values())
+
 OPTIONAL = {0: {4: 8}, 1: {2: 6}, 3: {3: 6, 4: 5}}
 """Per rule index: the input rows it can go without (Adam's max_exp_avg_sq, SGD's and RMSprop's
 momentum buffer, RMSprop's grad_avg), each with the hyperparameter that turns its use on."""
@@ -92,7 +94,7 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
     hyperparameters for all leaves, or a list per leaf."""
     per_leaf = [hyperparameters] if not hyperparameters or not isinstance(
         hyperparameters[0], list) else hyperparameters
-    takes = {index: count for index, count in RULES.values()}.get(rule, len(per_leaf[0]))
+    takes = _TAKES.get(rule, len(per_leaf[0]))
     if any(len(hp) != takes for hp in per_leaf) or len(per_leaf) not in (1, len(sizes)):
         raise ValueError(f"streaming rule {rule!r} takes {takes} hyperparameters (for all "
                          f"leaves or per leaf), got {[len(hp) for hp in per_leaf]}; pass them "
