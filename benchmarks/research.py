@@ -19,9 +19,9 @@ per-round ratios minitrain / peer with its 95% interval:
   ``minitrain run`` takes it (the private gradient through the loss, the fraction clipped
   logged) against that peer.
 * ``ensemble`` (<= 1.05): examples/ensemble.py's step (the members' grads through ``mt.vmap``,
-  then ``mt.optim.adam(lr=lrs)`` with a learning rate per member over the stacked leaves); the
-  peer vmaps ``torch.func.grad_and_value`` of ``functional_call`` and runs Adam with per-member
-  learning rates by hand, in place.
+  then Adam with ``scale_by_learning_rate(lrs)``, a learning rate per member over the stacked
+  leaves); the peer vmaps ``torch.func.grad_and_value`` of ``functional_call`` and runs Adam
+  with per-member learning rates by hand, in place.
 * ``per-example norm`` (no target): ``mt.tree.per_example_global_norm`` against
   ``mt.vmap(mt.tree.global_norm)`` on the ensemble's per-example grads.
 """
@@ -216,7 +216,7 @@ def ensemble_steppers(size: dict) -> Steppers:
     start = mt.tree.stack([ensemble.init(k) for k in keys])
     x, y = ensemble.data(size["points"], seed=0)
     ours = {"params": mt.tree.map(torch.clone, start)}
-    adam = mt.optim.adam(lr=lrs)
+    adam = ensemble.adam_per_member(lrs)
     ours["state"], step = adam.init(ours["params"]), ensemble.make_ensemble_step(adam)
 
     def minitrain_step() -> None:

@@ -2,10 +2,11 @@
 
 The members' params are one pytree whose leaves carry a leading member axis; ``mt.vmap`` runs
 the eight forward and backward passes as one, and one Adam updates the stacked leaves (Adam is
-elementwise) with a learning rate per member: ``mt.optim.adam(lr=lrs)``, ``lrs`` a 1-D tensor
-log-spaced over 1e-3..1e-1 that scales each leaf's leading axis. The task is regression of
-``y = sin(3 x0) cos(2 x1)`` plus noise of std 0.1 from 256 fixed points. On held-out points the
-ensemble's mean prediction beats the average member (Lakshminarayanan et al. 2017).
+elementwise) with a learning rate per member: ``scale_by_learning_rate(lrs)``, ``lrs`` a 1-D
+tensor log-spaced over 1e-3..1e-1, scales each leaf's leading axis (member ``m`` at ``lrs[m]``).
+The task is regression of ``y = sin(3 x0) cos(2 x1)`` plus noise of std 0.1 from 256 fixed
+points. On held-out points the ensemble's mean prediction beats the average member
+(Lakshminarayanan et al. 2017).
 
     python examples/ensemble.py              # 500 steps, about 20 s on one CPU core
     python examples/ensemble.py --compile    # the vmapped step under torch.compile
@@ -36,12 +37,17 @@ def loss(params: list[dict], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return mt.losses.mse(predict(params, x), y)
 
 
+def adam_per_member(lrs: torch.Tensor) -> mt.optim.Optimizer:
+    """Adam over stacked members, member ``m`` at learning rate ``lrs[m]``."""
+    return mt.optim.as_optimizer(mt.optim.chain(mt.optim.scale_by_adam(),
+                                                mt.optim.scale_by_learning_rate(lrs)))
+
+
 member_grads = mt.vmap(mt.value_and_grad(loss), in_dims=(0, None, None))
 
 
 def make_ensemble_step(optimizer):
-    """The members' train step under ``optimizer``, e.g. ``mt.optim.adam(lr=lrs)`` with ``lrs``
-    a 1-D tensor: member ``m`` at learning rate ``lrs[m]``."""
+    """The members' train step under ``optimizer`` (:func:`adam_per_member`, say)."""
 
     def ensemble_step(params, state, x, y):
         values, grads = member_grads(params, x, y)
@@ -62,7 +68,7 @@ def main(steps: int = STEPS, compile: bool = False) -> dict:
     """Train the ensemble; each member's and the ensemble's held-out MSE."""
     lrs = torch.logspace(-3, -1, MEMBERS)
     params = mt.tree.stack([init(k) for k in mt.random.split(mt.random.key(0), MEMBERS)])
-    adam = mt.optim.adam(lr=lrs)
+    adam = adam_per_member(lrs)
     state, step = adam.init(params), make_ensemble_step(adam)
     step = torch.compile(step) if compile else step
     (x, y), (x_test, y_test) = data(256, seed=0), data(1024, seed=1)

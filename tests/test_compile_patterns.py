@@ -71,7 +71,7 @@ torch.testing.assert_close(compiled(params, state, lrs, x, y), step(params, stat
     "ensemble with a learning rate per member": """
 ensemble, lrs = example("ensemble"), torch.logspace(-3, -1, 8)
 params = mt.tree.stack([ensemble.init(k) for k in mt.random.split(mt.random.key(0), 8)])
-adam = mt.optim.adam(lr=lrs)
+adam = ensemble.adam_per_member(lrs)
 state, step = adam.init(params), ensemble.make_ensemble_step(adam)
 x, y = ensemble.data(64, seed=0)
 explain(step, params, state, x, y)

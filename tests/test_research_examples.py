@@ -32,7 +32,7 @@ def test_ensemble_step_is_one_torch_adam_per_member_at_its_own_lr():
     ensemble = load_example("ensemble")
     members, lrs = 4, torch.tensor([1e-3, 1e-2, 3e-2, 1e-1])
     params = mt.tree.stack([ensemble.init(k) for k in mt.random.split(mt.random.key(3), members)])
-    adam = mt.optim.adam(lr=lrs)
+    adam = ensemble.adam_per_member(lrs)
     state, step = adam.init(params), ensemble.make_ensemble_step(adam)
     x, y = ensemble.data(32, seed=0)
     references = []

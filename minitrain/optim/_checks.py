@@ -242,6 +242,16 @@ def hyperparameter(name: str, value: Any) -> Any:
     raise ValueError(f"invalid {name}={value!r}: pass a number or a one-element tensor")
 
 
+def one_lr(lr: Any, name: str = "lr") -> Any:
+    """An optimizer's ``lr``: a schedule, or one :func:`hyperparameter` (as torch.optim takes it;
+    a 1-D lr per member is :func:`~minitrain.optim.scale_by_learning_rate`'s alone)."""
+    if isinstance(lr, Tensor) and lr.dim() == 1 and len(lr) > 1:
+        raise ValueError(f"invalid {name}: a tensor {name} must have one element, got shape "
+                         f"{tuple(lr.shape)}; for a learning rate per member of stacked params, "
+                         f"chain the rule with scale_by_learning_rate({name})")
+    return lr if callable(lr) and not isinstance(lr, Tensor) else hyperparameter(name, lr)
+
+
 def checked(name: str, value: Any, low: float, high: float = math.inf, **open_ends: bool) -> Any:
     """:func:`hyperparameter` of ``value``, checked by :func:`check_hyperparameter`."""
     value = hyperparameter(name, value)

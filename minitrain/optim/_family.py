@@ -25,6 +25,7 @@ from minitrain.optim._checks import (
     is_traced,
     is_zero,
     lerp_weight,
+    one_lr,
 )
 from minitrain.optim.alias import torch_order
 from minitrain.optim.base import GradientTransformation, Optimizer, ScalarOrSchedule
@@ -392,7 +393,7 @@ def scale_by_schedule_free_adamw(
     if callable(lr) and not isinstance(lr, Tensor):
         raise ValueError("invalid lr: schedule-free AdamW needs no schedule; pass a number (and "
                          "warmup_steps for a warmup)")
-    base_lr = checked("lr", lr, 0.0)
+    base_lr = checked("lr", one_lr(lr), 0.0)
     beta1, beta2 = check_pair("betas", betas)
     check_hyperparameter("betas[0]", beta1, 0.0, 1.0, low_open=True, high_open=True)
     check_hyperparameter("betas[1]", beta2, 0.0, 1.0, high_open=True)

@@ -16,6 +16,7 @@ from minitrain.optim._checks import (
     check_like,
     check_state_type,
     checked,
+    one_lr,
     zero_count,
 )
 from minitrain.optim._wrappers import masked
@@ -106,7 +107,7 @@ def adabelief(lr: ScalarOrSchedule = 1e-3, b1: Scalar = 0.9, b2: Scalar = 0.999,
     """
     decay = [] if weight_decay is None else [add_decayed_weights(weight_decay, weight_decay_mask)]
     return as_optimizer(chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov),
-                              *decay, scale_by_learning_rate(lr)))
+                              *decay, scale_by_learning_rate(one_lr(lr))))
 
 
 class ScaleByYogiState(NamedTuple):
@@ -150,7 +151,7 @@ def yogi(lr: ScalarOrSchedule = 1e-2, b1: Scalar = 0.9, b2: Scalar = 0.999,
     >>> opt.update({"w": torch.tensor([2.0])}, opt.init(params), params)[0]["w"]
     tensor([0.9001])
     """
-    return as_optimizer(chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(lr)))
+    return as_optimizer(chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(one_lr(lr))))
 
 
 # -- the trust ratio: LAMB (You et al. 2020) and LARS (You et al. 2017) -----------------------
@@ -196,7 +197,7 @@ def lamb(lr: ScalarOrSchedule = 1e-3, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
     """
     return as_optimizer(chain(scale_by_adam(b1, b2, eps, eps_root=eps_root),
                               add_decayed_weights(weight_decay, mask), scale_by_trust_ratio(),
-                              scale_by_learning_rate(lr)))
+                              scale_by_learning_rate(one_lr(lr))))
 
 
 def lars(lr: ScalarOrSchedule = 1.0, weight_decay: Any = 0.0,
@@ -214,7 +215,7 @@ def lars(lr: ScalarOrSchedule = 1.0, weight_decay: Any = 0.0,
     return as_optimizer(chain(
         add_decayed_weights(weight_decay, weight_decay_mask),
         trust if trust_ratio_mask is None else masked(trust, trust_ratio_mask),
-        scale_by_learning_rate(lr), trace(momentum, nesterov=nesterov)))
+        scale_by_learning_rate(one_lr(lr)), trace(momentum, nesterov=nesterov)))
 
 
 # -- Polyak's step size (Loizou et al. 2021, "stochastic Polyak step-size") -------------------
@@ -264,7 +265,7 @@ def polyak_sgd(max_learning_rate: Scalar = 1.0, scaling: ScalarOrSchedule = 1.0,
     >>> opt.update({"w": params["w"]}, opt.init(params), params, value=12.5)[0]["w"]
     tensor([1.5000, 2.0000])
     """
-    return as_optimizer(chain(scale_by_learning_rate(scaling),
+    return as_optimizer(chain(scale_by_learning_rate(one_lr(scaling, "scaling")),
                               scale_by_polyak(f_min, max_learning_rate, eps, variant)))
 
 

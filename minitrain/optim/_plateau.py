@@ -12,7 +12,13 @@ import torch
 from torch import Tensor
 
 from minitrain import tree
-from minitrain.optim._checks import check_state_type, checked, floating_updates, tensor_leaves
+from minitrain.optim._checks import (
+    check_state_type,
+    checked,
+    floating_updates,
+    one_lr,
+    tensor_leaves,
+)
 from minitrain.optim.base import GradientTransformation
 from minitrain.optim.schedules import _check_step
 from minitrain.tree import Params
@@ -55,7 +61,7 @@ def reduce_on_plateau(lr: float | Tensor = 1.0, mode: str = "min", factor: float
         raise ValueError(f"invalid mode={mode!r}: choose 'min' or 'max'")
     if threshold_mode not in ("rel", "abs"):
         raise ValueError(f"invalid threshold_mode={threshold_mode!r}: choose 'rel' or 'abs'")
-    lr = checked("lr", lr, 0.0, low_open=True, high_open=True)  # one element: 0-d
+    lr = checked("lr", one_lr(lr), 0.0, low_open=True, high_open=True)  # one element: 0-d
     factor = checked("factor", factor, 0.0, 1.0, high_open=True)
     threshold, min_lr = checked("threshold", threshold, 0.0), checked("min_lr", min_lr, 0.0)
     eps = checked("eps", eps, 0.0)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from minitrain import _native, _torch, random, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._checks import check_state_type, checked, f32_tensor
+from minitrain.optim._checks import check_state_type, checked, f32_tensor, one_lr
 from minitrain.optim.base import (
     GradientTransformation,
     Optimizer,
@@ -147,7 +147,7 @@ def dpsgd(learning_rate: ScalarOrSchedule, l2_norm_clip: float | Tensor,
         raise ValueError("dpsgd: nesterov needs a momentum; pass momentum=0.9, say")
     private = differentially_private_aggregate(l2_norm_clip, noise_multiplier, key)
     tx = chain(private, *([] if momentum is None else [trace(momentum, nesterov=nesterov)]),
-               scale_by_learning_rate(learning_rate))
+               scale_by_learning_rate(one_lr(learning_rate, "learning_rate")))
     fused = momentum is None and type(learning_rate) is float
     clip, noise_std = (spec(private)[1][name] for name in ("l2_norm_clip", "noise_std"))
 

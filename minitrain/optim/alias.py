@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from minitrain.optim._checks import Scalar, WeightDecayMask, check_maximize, check_pair, is_zero
+from minitrain.optim._checks import (
+    Scalar,
+    WeightDecayMask,
+    check_maximize,
+    check_pair,
+    is_zero,
+    one_lr,
+)
 from minitrain.optim.base import (
     GradientTransformation,
     Optimizer,
@@ -39,7 +46,7 @@ def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool =
         *([decay] if decay is not None and not decoupled else []),
         *rule,
         *([decay] if decay is not None and decoupled else []),
-        *([scale_by_learning_rate(lr)] if lr is not None else []),
+        *([scale_by_learning_rate(one_lr(lr))] if lr is not None else []),
     ), strict=True)
 
 

@@ -33,6 +33,7 @@ from minitrain.optim._checks import (
     is_traced,
     is_zero,
     lerp_weight,
+    one_lr,
     scalar,
     schedule_count,
     tensor_leaves,
@@ -126,7 +127,7 @@ def lr_function(learning_rate: ScalarOrSchedule, members: bool = False) -> tuple
                              f"a floating-point tensor of non-negative values")
         return learning_rate, lambda count: learning_rate
     if not callable(learning_rate) or isinstance(learning_rate, Tensor):
-        lr = checked("lr", learning_rate, 0.0)
+        lr = checked("lr", one_lr(learning_rate), 0.0)
         return lr, lambda count: lr
     return learning_rate, lambda count: checked(  # a (1,) tensor as 0-d
         "lr (from the schedule)",

@@ -12,23 +12,21 @@ import minitrain as mt
 from minitrain.optim.kernels import streaming
 
 LRS = torch.tensor([1e-3, 1e-2, 0.1, 0.0])
-
-ELEMENTWISE = {  # alias -> extra arguments; each member's update reads its own slices only
-    "sgd": {}, "sgd momentum nesterov wd": {"momentum": 0.9, "nesterov": True,
-                                            "weight_decay": 0.1},
-    "adam": {}, "adam amsgrad": {"amsgrad": True}, "adamw": {"weight_decay": 0.1},
-    "adagrad": {"lr_decay": 0.01}, "rmsprop": {"centered": True, "momentum": 0.5},
-    "adadelta": {}, "adamax": {}, "lion": {}, "nadam": {}, "radam": {}, "adabelief": {},
-    "yogi": {},
+o = mt.optim
+RULES = {  # a chain before its -lr; each member's update reads its own slices only
+    "sgd": lambda: [], "trace nesterov": lambda: [o.trace(0.9, nesterov=True)],
+    "adam": lambda: [o.scale_by_adam()], "adam amsgrad": lambda: [o.scale_by_adam(amsgrad=True)],
+    "adam eps_root": lambda: [o.scale_by_adam(eps_root=1e-8)],
+    "adamw": lambda: [o.scale_by_adam(), o.add_decayed_weights(0.1)],
+    "l2 adam": lambda: [o.add_decayed_weights(0.1), o.scale_by_adam()],
+    "adagrad": lambda: [o.scale_by_adagrad(0.01)], "rms": lambda: [o.scale_by_rms()],
+    "adadelta": lambda: [o.scale_by_adadelta()], "adamax": lambda: [o.scale_by_adamax()],
+    "lion": lambda: [o.scale_by_lion()], "nadam": lambda: [o.scale_by_nadam()],
+    "radam": lambda: [o.scale_by_radam()], "belief": lambda: [o.scale_by_belief()],
+    "yogi": lambda: [o.scale_by_yogi()], "sign": lambda: [o.scale_by_sign()],
 }
-NOT_ELEMENTWISE = {"lamb", "lars", "muon"}  # trust ratios and orthogonalisation read a norm
-ONE_LR = {"schedule_free_adamw", "scale_by_schedule_free_adamw", "reduce_on_plateau",
-          "adafactor", "scale_by_adafactor"}  # refuse a 1-D lr
-OTHER = {"scale_by_learning_rate", "dpsgd"}  # tested below; dpsgd's grads are per example
-
-
-def _alias(name):
-    return getattr(mt.optim, name.split()[0])
+LR_NAMES = ("lr", "learning_rate", "scaling")  # (polyak's max_learning_rate: one number)
+REQUIRED = {"dpsgd": {"l2_norm_clip": 1.0, "noise_multiplier": 0.0, "key": 0}}
 
 
 def _stacked_params(dtype):
@@ -38,37 +36,46 @@ def _stacked_params(dtype):
                                                                                 dtype=dtype)}
 
 
-def _first_parameter(value):
-    try:
-        return next(iter(inspect.signature(value).parameters), None)
-    except (TypeError, ValueError):  # a type alias such as Schedule
-        return None
+def _per_member(rule, lr):
+    return o.as_optimizer(o.chain(*RULES[rule](), o.scale_by_learning_rate(lr)))
 
 
-def test_every_optimizer_with_an_lr_is_classified():
-    with_lr = {name for name in mt.optim.__all__ if not inspect.isclass(getattr(mt.optim, name))
-               and _first_parameter(getattr(mt.optim, name)) in ("lr", "learning_rate")}
-    named = {name.split()[0] for name in ELEMENTWISE} | NOT_ELEMENTWISE | ONE_LR | OTHER
-    assert with_lr == named
+def _takes_an_lr():
+    for name in o.__all__:
+        value = getattr(o, name)
+        if inspect.isfunction(value) and name != "scale_by_learning_rate":
+            for parameter in inspect.signature(value).parameters:
+                if parameter in LR_NAMES:
+                    yield name, parameter
+
+
+def test_the_lr_class_is_not_empty():
+    assert {"adam", "sgd", "dpsgd", "muon", "polyak_sgd"} <= {n for n, _ in _takes_an_lr()}
+
+
+@pytest.mark.parametrize("name, parameter", sorted(_takes_an_lr()))
+def test_every_optimizer_takes_one_lr_as_torch_optim_does(name, parameter):
+    with pytest.raises(ValueError, match=f"invalid {parameter}: .* one element.*"
+                                         "scale_by_learning_rate"):
+        getattr(o, name)(**{parameter: LRS, **REQUIRED.get(name, {})})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
-def test_a_learning_rate_per_member_is_each_members_own_run(name, dtype):
-    make, extra = _alias(name), ELEMENTWISE[name]
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_a_learning_rate_per_member_is_each_members_own_run(rule, dtype):
     params = _stacked_params(dtype)
-    opt = make(LRS, **extra)
+    opt = _per_member(rule, LRS)
     state = opt.init(params)
-    members = [make(float(lr), **extra) for lr in LRS]
+    members = [_per_member(rule, float(lr)) for lr in LRS]
     own = [mt.tree.map(lambda t, m=m: t[m].clone(), params) for m in range(len(LRS))]
-    own_states = [o.init(p) for o, p in zip(members, own, strict=True)]
+    own_states = [m.init(p) for m, p in zip(members, own, strict=True)]
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
         grads = mt.tree.map(lambda t: torch.randn(t.shape, generator=g, dtype=dtype), params)
         params, state = opt.update(grads, state, params)
-        for m, o in enumerate(members):
-            own[m], own_states[m] = o.update(mt.tree.map(lambda t, m=m: t[m], grads),
-                                             own_states[m], own[m])
+        for m, member in enumerate(members):
+            own[m], own_states[m] = member.update(mt.tree.map(lambda t, m=m: t[m], grads),
+                                                  own_states[m], own[m])
     tolerance = {} if dtype is torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
     for m in range(len(LRS)):
         torch.testing.assert_close(mt.tree.map(lambda t, m=m: t[m], params), own[m],
@@ -83,12 +90,13 @@ def test_float32_members_run_as_one_kernel_call(monkeypatch):
     launch = streaming.launch
     monkeypatch.setattr(streaming, "launch", lambda *a, **k: (calls.append(a), launch(*a, **k)))
     params = _stacked_params(torch.float32)
-    opt = mt.optim.adam(LRS)
-    kernel = opt.update(mt.tree.map(torch.ones_like, params), opt.init(params), params)[0]
+    opt = _per_member("adam", LRS)
+    grads = mt.tree.map(torch.ones_like, params)
+    kernel = opt.update(grads, opt.init(params), params)[0]
     assert len(calls) == 1 and len(calls[0][1]) == 3 * len(LRS)  # a row per (leaf, member)
-    chain = mt.optim.chain(mt.optim.scale_by_adam(), mt.optim.scale_by_learning_rate(LRS))
-    updates, _ = chain.update(mt.tree.map(torch.ones_like, params), chain.init(params))
-    torch.testing.assert_close(kernel, mt.optim.apply_updates(params, updates))
+    chain = o.chain(o.scale_by_adam(), o.scale_by_learning_rate(LRS))  # unlowered
+    updates, _ = chain.update(grads, chain.init(params))
+    torch.testing.assert_close(kernel, o.apply_updates(params, updates))
 
 
 @pytest.mark.parametrize("lr, message", [
@@ -98,26 +106,20 @@ def test_float32_members_run_as_one_kernel_call(monkeypatch):
 ])
 def test_a_bad_learning_rate_per_member_is_refused_at_build(lr, message):
     with pytest.raises(ValueError, match=message):
-        mt.optim.adam(lr)
+        o.scale_by_learning_rate(lr)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_members_that_do_not_match_the_lr_are_named(dtype):
-    opt = mt.optim.adam(LRS[:3])
+    opt = _per_member("adam", LRS[:3])
     params = _stacked_params(dtype)
     with pytest.raises(ValueError, match=r"leaf 0 has shape \(4, 3, 2\); stack the members"):
         opt.update(mt.tree.map(torch.ones_like, params), opt.init(params), params)
 
 
-@pytest.mark.parametrize("name", sorted(ONE_LR))
-def test_optimizers_with_one_lr_refuse_a_learning_rate_per_member(name):
-    with pytest.raises(ValueError, match="one element"):
-        getattr(mt.optim, name)(LRS)
-
-
 def test_learning_rate_of_a_per_member_state_names_the_field():
     params = _stacked_params(torch.float32)
-    state = mt.optim.adam(LRS).init(params)
+    state = _per_member("adam", LRS).init(params)
     with pytest.raises(ValueError, match="with one learning rate"):
-        mt.optim.learning_rate(state)
+        o.learning_rate(state)
     assert torch.equal(state[-1].lr, LRS)

@@ -401,8 +401,8 @@ def test_inject_hyperparams_over_a_transformation_still_steps():
 
 
 def test_hyperparameters_are_checked_like_torch_optim():
-    with pytest.raises(ValueError, match="lr"):
-        scale_by_learning_rate(torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="lr"):  # (scale_by_learning_rate: one per member)
+        mt.optim.sgd(torch.tensor([0.1, 0.2]))
     with pytest.raises(ValueError, match="betas"):  # torch.optim.Adam refuses the mix
         mt.optim.adam(betas=(0.9, torch.tensor(0.99)))
     # The transform takes it (inject_hyperparams makes one beta a tensor), as optax does.
