@@ -277,12 +277,6 @@ def check_betas(betas: Any, high_open: bool = True) -> tuple[Any, Any]:
     return beta1, beta2
 
 
-def check_maximize(maximize: Any) -> bool:
-    if not isinstance(maximize, bool):
-        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
-    return maximize
-
-
 def check_hyperparameter(name: str, value: Any, low: float, high: float = math.inf,
                          *, low_open: bool = False, high_open: bool = False) -> None:
     """``ValueError`` naming ``name`` unless ``value`` is a :func:`hyperparameter` in its range
@@ -418,15 +412,6 @@ def next_step(count: Any) -> Any:
     """
     done = updates_done(count)
     return count.to(torch.float64) + 1 if done is None else done + 1
-
-
-def adam_corrections(step: Any, beta1: Any, beta2: Any) -> tuple[Any, Any, Any]:
-    """Adam's bias corrections of update ``step`` (Kingma & Ba 2015, Alg. 1): ``1 - beta1^t``,
-    ``1 - beta2^t`` and its root."""
-    bias_correction2 = 1 - beta2**step
-    root = bias_correction2.sqrt() if isinstance(bias_correction2, Tensor) else \
-        math.sqrt(bias_correction2)
-    return 1 - beta1**step, bias_correction2, root
 
 
 def schedule_count(count: Any) -> Any:

@@ -7,14 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minitrain.optim._checks import (
-    Scalar,
-    WeightDecayMask,
-    check_maximize,
-    check_pair,
-    is_zero,
-    one_lr,
-)
+from minitrain.optim._checks import Scalar, WeightDecayMask, check_pair, is_zero, one_lr
 from minitrain.optim.base import (
     GradientTransformation,
     Optimizer,
@@ -41,8 +34,10 @@ def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool =
     """torch.optim's order as a strict optimizer (:func:`as_optimizer`): ``-g`` when
     maximizing, the L2 ``decay`` before the ``rule`` (``decoupled``: after it), then ``-lr``
     (none for ``lr=None``)."""
+    if not isinstance(maximize, bool):
+        raise ValueError(f"invalid maximize={maximize!r}: pass True or False")
     return as_optimizer(chain(
-        *([scale(-1.0)] if check_maximize(maximize) else []),
+        *([scale(-1.0)] if maximize else []),
         *([decay] if decay is not None and not decoupled else []),
         *rule,
         *([decay] if decay is not None and decoupled else []),

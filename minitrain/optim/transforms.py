@@ -21,7 +21,6 @@ from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import (
     WeightDecayMask,
-    adam_corrections,
     check_hyperparameter,
     check_like,
     check_state_type,
@@ -194,8 +193,8 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
     second = exp_avg_sq
     if amsgrad:
         second = new["max_exp_avg_sq"] = torch.maximum(buffers["max_exp_avg_sq"], exp_avg_sq)
-    bias_correction1, bias_correction2, root2 = adam_corrections(step, beta1, beta2)
-    denom = second.sqrt() / root2 + eps if is_zero(eps_root) else \
+    bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
+    denom = second.sqrt() / sqrt(bias_correction2) + eps if is_zero(eps_root) else \
         (second / bias_correction2 + eps_root).sqrt() + eps
     return (exp_avg / denom) / bias_correction1, new
 

@@ -74,18 +74,6 @@ def quiet() -> bool:
         isinstance(mode, _torch.DeviceContext) for mode in _torch.get_current_function_mode_stack())
 
 
-def _written(rows: Sequence[list[Tensor] | None],
-             outputs: Callable[[list[Tensor]], list[Tensor]] | None) -> tuple[list, bool]:
-    """The rows an update of ``rows`` writes (its params and buffers: into ``outputs``
-    buffers, else in place) and whether it writes them with streaming stores: a pure update
-    from :data:`STREAMING_BYTES` touched on."""
-    results = [row if row is None or outputs is None else outputs(row)
-               for row in (rows[0], *rows[2:])]
-    touched = len(rows) + len(results) - list(rows).count(None) - results.count(None)
-    return results, outputs is not None and \
-        4 * touched * sum(p.numel() for p in rows[0]) >= STREAMING_BYTES
-
-
 def launch(rule: int, hyperparameters: list[float] | list[list[float]],
            rows: list[list[int] | None], sizes: list[int], nontemporal: bool) -> None:
     """The C call: rule ``rule`` (:data:`RULES`' index) over rows
@@ -125,11 +113,15 @@ def run(rule: str, hyperparameters: Sequence[SupportsFloat], rows: list[list[Ten
     *buffers]`` in ``_streaming.c``'s order (None for a buffer the rule does not use), which the
     caller checked (``found``: their :func:`.checks.pointers` addresses). Into ``outputs(like)``
     buffers (checked here; None where they do not fit) or, ``outputs`` None, in place."""
-    results, nontemporal = _written(rows, outputs)
+    results = [row if row is None or outputs is None else outputs(row)
+               for row in (rows[0], *rows[2:])]  # the params and buffers it writes
     # every pointer handed to C is checked
     addresses = [found[0], *found[2:]] if outputs is None else pointers(results, like=rows[0])
     if addresses is None:
         return None
+    touched = len(rows) + len(results) - list(rows).count(None) - results.count(None)
+    nontemporal = outputs is not None and \
+        4 * touched * sum(p.numel() for p in rows[0]) >= STREAMING_BYTES
     launch(RULES[rule][0], [float(v) for v in hyperparameters], [*found, *addresses],
            [p.numel() for p in rows[0]], nontemporal)
     if outputs is None:  # written in place: bump their versions, as an in-place op does
