@@ -161,13 +161,6 @@ def tagged(name: str, tx: GradientTransformation, **arguments: Any) -> GradientT
     return GradientTransformation(init, update)
 
 
-def off_kernels(tx: GradientTransformation, variant: str) -> GradientTransformation:
-    """``tx`` under a spec name no lowering knows: the fused kernels have no ``variant``."""
-    name, arguments = spec(tx)
-    tx.update.minitrain_spec = (f"{name}+{variant}", arguments)
-    return tx
-
-
 def identity() -> GradientTransformation:
     """Pass updates through unchanged.
 

@@ -39,13 +39,7 @@ from minitrain.optim._checks import (
     use_plain_path,
     zero_count,
 )
-from minitrain.optim.base import (
-    EmptyState,
-    GradientTransformation,
-    ScalarOrSchedule,
-    off_kernels,
-    tagged,
-)
+from minitrain.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, spec, tagged
 from minitrain.optim.leafwise import leafwise
 from minitrain.optim.schedules import _either
 from minitrain.tree import Grads, Params
@@ -79,6 +73,13 @@ AddDecayedWeightsState = EmptyState
 
 def _stateless(name: str, update: Any, **arguments: Any) -> GradientTransformation:
     return tagged(name, GradientTransformation(lambda params: EmptyState(), update), **arguments)
+
+
+def off_kernels(tx: GradientTransformation, variant: str) -> GradientTransformation:
+    """``tx`` under a spec name no lowering knows: the fused kernels have no ``variant``."""
+    name, arguments = spec(tx)
+    tx.update.minitrain_spec = (f"{name}+{variant}", arguments)
+    return tx
 
 
 def scale(step_size: float | Tensor) -> GradientTransformation:

@@ -16,10 +16,9 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch
+from minitrain.optim._checks import _PLAIN
 
 __all__ = ["donatable", "pointers"]
-
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def donatable(written: Iterable[Any], read: Iterable[Any]) -> bool:

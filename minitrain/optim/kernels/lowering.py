@@ -25,13 +25,11 @@ from torch import Tensor
 
 from minitrain import _torch, tree
 from minitrain._torch import pytree as _pytree
-from minitrain.optim._checks import decay_flags, is_traced
+from minitrain.optim._checks import _PLAIN, decay_flags, is_traced
 from minitrain.optim.kernels import pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
 __all__ = ["lower", "RULES"]
-
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 class Frame(NamedTuple):
