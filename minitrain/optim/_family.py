@@ -93,9 +93,6 @@ def _adam_like(b1: Any, b2: Any, eps: Any) -> dict[str, Any]:
     return dict(beta1=beta1, beta2=beta2, eps=checked("eps", eps, 0.0))
 
 
-# -- Adadelta ---------------------------------------------------------------------------------
-
-
 class ScaleByAdadeltaState(NamedTuple):
     """``count``, ``square_avg`` (running E[g²]) and ``acc_delta`` (running E[Δx²])."""
 
@@ -134,9 +131,6 @@ def adadelta(lr: ScalarOrSchedule = 1.0, rho: Scalar = 0.9, eps: Scalar = 1e-6,
     """
     return family_optimizer(scale_by_adadelta(rho, eps), lr, maximize=maximize,
                             weight_decay=weight_decay, mask=mask)
-
-
-# -- Adamax -----------------------------------------------------------------------------------
 
 
 class ScaleByAdamaxState(NamedTuple):
@@ -178,9 +172,6 @@ def adamax(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999),
                             maximize=maximize, weight_decay=weight_decay, mask=mask)
 
 
-# -- Lion -------------------------------------------------------------------------------------
-
-
 class ScaleByLionState(NamedTuple):
     """``count`` and ``exp_avg``, Lion's single momentum buffer (as lion-pytorch names it)."""
 
@@ -218,9 +209,6 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
     """
     return family_optimizer(scale_by_lion(*check_pair("betas", betas)), lr, maximize=maximize,
                             weight_decay=weight_decay, mask=mask, decoupled=True)
-
-
-# -- NAdam ------------------------------------------------------------------------------------
 
 
 class ScaleByNadamState(NamedTuple):
@@ -286,9 +274,6 @@ def nadam(lr: ScalarOrSchedule = 2e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
                             decoupled=bool(decoupled_weight_decay))
 
 
-# -- RAdam ------------------------------------------------------------------------------------
-
-
 class ScaleByRadamState(NamedTuple):
     """``count``, ``exp_avg`` and ``exp_avg_sq``, like torch.optim.RAdam's state."""
 
@@ -344,7 +329,6 @@ def radam(lr: ScalarOrSchedule = 1e-3, betas: tuple[Any, Any] = (0.9, 0.999), ep
 
 
 # -- schedule-free AdamW (Defazio et al. 2024, "The Road Less Scheduled") ---------------------
-#
 # Training runs at y, an interpolation between the Adam-preconditioned SGD iterate z and their
 # weighted average x; the params the optimizer updates are y. Evaluate at
 # x = schedule_free_eval_params(state, params), the reference's params after optimizer.eval().

@@ -74,8 +74,7 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     eps = as_number(eps)
     wrappers = functorch_wrappers(g)
     batched = "batched" in wrappers
-    # under vmap with nothing to differentiate (the op has no backward): each matrix as in its
-    # own run
+    # under vmap with nothing to differentiate (the op has no backward): each matrix as its own run
     if batched and "grad" not in wrappers and not g.requires_grad \
             and not any(isinstance(v, Tensor) for v in (a, b, c, eps)):
         return newton_schulz_per_matrix(g, float(a), float(b), float(c), steps, float(eps))

@@ -267,9 +267,6 @@ def _as_leaf(value: Any, position: int, size: int, like: Tensor) -> Tensor:
     return torch.full_like(like, float(value))
 
 
-# -- LeafBatch: lists of tensors that do arithmetic like one tensor -----------------------------
-
-
 def _by_leaf(method: str) -> Callable:
     return lambda self, *args, **kwargs: _per_leaf(getattr(Tensor, method), (self, *args), kwargs)
 

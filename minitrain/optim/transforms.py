@@ -170,9 +170,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule,
                   learning_rate=learning_rate, sign=sign)
 
 
-# -- per-leaf rules ---------------------------------------------------------------------------
-
-
 class ScaleByAdamState(NamedTuple):
     """``count``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` (``()`` leaves unless
     amsgrad), like torch.optim.Adam's state."""

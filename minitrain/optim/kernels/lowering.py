@@ -296,7 +296,6 @@ def _read(shape: Shape, state: tuple, rule_states: list) -> Read | None:
     done = [_number(c) if type(c) is Tensor and not c.is_meta else None for c in counts]
     if None in done or min(done) < 0 or any(d != int(d) for d in done):
         return None  # a hand-edited count, or one under vmap or grad: the chain
-    # a float subclass's __float__ is the caller's code: read it now
     numbers = {k: _number(v) for k, v in shape.hyper.items() if isinstance(v, Tensor | float)}
     if None in numbers.values():
         return None
