@@ -215,8 +215,7 @@ def check_state_type(name: str, state_type: type, state: Any) -> None:
 
 
 def check_like(a: Any, b: Any, names: tuple[str, str]) -> None:
-    """``ValueError`` naming the first leaf where ``a`` and ``b`` differ in structure or in a
-    tensor's shape."""
+    """``ValueError`` naming the first leaf where ``a`` and ``b`` differ in structure or shape."""
     tree.assert_same_structure(a, b, names=names, check_shapes=True)
 
 
@@ -299,8 +298,7 @@ def check_hyperparameter(name: str, value: Any, low: float, high: float = math.i
 
 
 def is_zero(value: Any) -> bool:
-    """Whether ``value`` is the number 0 (a tensor may hold another value later, or per
-    member under ``vmap``)."""
+    """Whether ``value`` is the number 0 (a tensor may hold another value later or per member)."""
     return isinstance(value, int | float) and value == 0
 
 
@@ -364,8 +362,7 @@ def zero_count() -> Tensor:
 
 
 def host_tensor(value: Any, dtype: torch.dtype) -> Tensor:
-    """``torch.as_tensor(value, dtype=dtype)``, a number made on the CPU (a tensor stays on
-    its device)."""
+    """``torch.as_tensor(value, dtype=dtype)``: a number on the CPU, a tensor on its device."""
     return torch.as_tensor(value, dtype=dtype,
                            device=value.device if isinstance(value, Tensor) else "cpu")
 

@@ -202,8 +202,7 @@ def _check_matrices(values: Any, what: str) -> list[Tensor]:
 
 
 def _check_ns_arguments(ns_coefficients: Any, ns_steps: Any, eps: Any) -> tuple[Coefficients, Any]:
-    """The coefficients and eps as the iteration takes them: numbers as floats, 0-d tensors
-    kept."""
+    """The coefficients and eps as the iteration takes them: numbers as floats, 0-d tensors kept."""
     if not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
         shown = repr(ns_steps) if isinstance(ns_steps, int | float) else type(ns_steps).__name__
         raise ValueError(f"invalid ns_steps={shown}: pass an int in [0, 100)")

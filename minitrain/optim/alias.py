@@ -1,7 +1,6 @@
 """The torch.optim classics as chains of transformations (optax ``_src/alias.py``), with
 ``torch.optim``'s arguments and defaults, in torch's order (:func:`torch_order`); ``kernels``
-runs these chains as fused kernels, the chain is the definition.
-"""
+runs these chains as fused kernels, the chain is the definition."""
 
 from __future__ import annotations
 

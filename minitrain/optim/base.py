@@ -7,8 +7,7 @@ it recognises as fused kernels.
 
 Donation: ``opt.update(..., donate=True)`` lets the update write the new params and state into
 the buffers of ``params`` and ``state`` (JAX's ``donate_argnums``): a permission, never an
-obligation; the caller must not read the donated inputs afterwards.
-"""
+obligation; the caller must not read the donated inputs afterwards."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ The state is ``<Name>State(count, *scalars, *buffers)``. On plain tensors withou
 update runs ``update_leaf`` once per group of leaves sharing a device and dtype, on
 :class:`LeafBatch` lists whose arithmetic maps to ``torch._foreach_*`` kernels, so a new rule
 gets a batched path without writing one. Under vmap, grad, ``torch.compile`` or with leaves
-that require grad it loops over leaves with ordinary ops.
-"""
+that require grad it loops over leaves with ordinary ops."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Differentiable optimization: K pure updates unrolled, differentiable end to end with
 respect to the initial params (MAML, Finn et al. 2017) or hyperparameters given as tensors
 ("hypergradients", Maclaurin et al. 2015), by autograd or ``torch.func``. Memory grows with K:
-every update's intermediates are kept for the backward pass.
-"""
+every update's intermediates are kept for the backward pass."""
 
 from __future__ import annotations
 

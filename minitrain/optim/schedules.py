@@ -4,8 +4,7 @@ Each takes a Python int or a 0-d integer tensor (under ``vmap`` / ``torch.compil
 float64 with torch ops only) and answers in kind. ``linear_warmup_schedule`` and
 ``cosine_schedule`` follow optax; the rest equal the ``torch.optim.lr_scheduler`` of the same
 arguments stepped once per update (``init_value`` is the optimizer's lr there), by torch's
-closed forms (``_get_closed_form_lr``), to rounding.
-"""
+closed forms (``_get_closed_form_lr``), to rounding."""
 
 from __future__ import annotations
 

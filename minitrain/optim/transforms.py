@@ -6,8 +6,7 @@ lives here once: the aliases are chains of these, and their kernels are lowering
 to them. Where optax and torch differ (RMSprop's eps outside the sqrt, Adam's eps after the bias
 correction, SGD's first momentum step), torch wins. Every transformation takes trees of tensors
 (any other leaf is a one-line ``ValueError``); integer and bool updates are promoted to their
-param's floating dtype first (torch's ``int_tensor + param``).
-"""
+param's floating dtype first (torch's ``int_tensor + param``)."""
 
 from __future__ import annotations
 

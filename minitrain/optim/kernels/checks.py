@@ -4,8 +4,7 @@ written in place.
 The kernel walks raw storage: a state leaf of another shape, or a grad whose strides differ
 from its param's (expanded, transposed, sliced, overlapping), would be read out of bounds or in
 the wrong order. :func:`pointers` runs before any call (and, donated, checks that no storage
-it writes meets another); :func:`donatable` before any other update that writes its inputs.
-"""
+it writes meets another); :func:`donatable` before any other update that writes its inputs."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ over all leaves: the streaming C kernel on float32 CPU leaves (into recycled buf
 (bf16, fp16, fp64; float32 without a C compiler); vmapped members: :mod:`.members`.
 Whenever it cannot take a call (grad, torch.compile, a torch mode, another device, leaves the
 kernels cannot address, a traced hyperparameter, ...) it returns None and the chain, the
-definition, runs; the kernels are tested equal to it (``docs/explanation/kernels.md``).
-"""
+definition, runs; the kernels are tested equal to it (``docs/explanation/kernels.md``)."""
 
 from __future__ import annotations
 
@@ -42,10 +41,9 @@ class Frame(NamedTuple):
 
 
 class Rule(NamedTuple):
-    """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's
-    rule name, hyperparameters and state buffers (``(rule transformation index, field)`` or
-    None) in its slot order, None for hyperparameters it does not take; ``fused``: torch's
-    kernel."""
+    """A row of :data:`RULES`: ``kernel(step, hyper, per_step, frame)`` gives the C kernel's rule
+    name, hyperparameters and state buffers (``(rule transformation index, field)`` or None) in its
+    slot order, None for hyperparameters it does not take; ``fused``: torch's kernel."""
 
     kernel: Callable[..., tuple[str, list, tuple] | None]
     fused: Callable[..., None] | None = None
@@ -256,9 +254,8 @@ def _number(value: Any) -> float | None:
 
 
 def lower(tx: Any) -> Callable[..., Any] | None:
-    """``update(grads, state, params, donate) -> (params, state) | None`` running ``tx`` as a
-    kernel where it has a recognised shape; None for any other chain. Building it allocates
-    nothing.
+    """``update(grads, state, params, donate) -> (params, state) | None`` running ``tx`` as a kernel
+    where it has a recognised shape; None for any other chain. Building it allocates nothing.
 
     >>> import minitrain as mt
     >>> lower(mt.optim.scale(2.0)) is None, callable(lower(mt.optim.adamw().update.transformation))

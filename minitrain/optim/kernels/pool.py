@@ -6,8 +6,7 @@ to the kernel, so each step maps and zero-fills them again), more than the updat
 The pool keeps an alias of each buffer it hands out; once the caller has dropped every tensor
 and view of it (the storage's use count, as inductor's cudagraph trees check it, is back to the
 alias alone), the next update reuses the memory. Nobody can observe the reuse, so the update
-stays pure; up to two generations of params and state stay allocated between updates.
-"""
+stays pure; up to two generations of params and state stay allocated between updates."""
 
 from __future__ import annotations
 
