@@ -39,15 +39,12 @@ def grad_leaf_error(grads: Any) -> ValueError | None:
     """
     for name, g in tree.named_leaves(grads):
         if g is None:
-            return ValueError(
-                f"the grad of {name!r} is None (a param the loss does not use?); pass "
-                f"torch.zeros_like(param) for it, or leave the param out"
-            )
+            return ValueError(f"the grad of {name!r} is None (a param the loss does not use?); "
+                              f"pass torch.zeros_like(param) for it, or leave the param out")
         if isinstance(g, Tensor) and g.layout is not torch.strided:
             return ValueError(
                 f"the grad of {name!r} is a {g.layout} tensor, but the optimizers take dense "
-                f"grads; pass grad.to_dense() (or build the embedding with sparse=False)"
-            )
+                f"grads; pass grad.to_dense() (or build the embedding with sparse=False)")
     return None
 
 

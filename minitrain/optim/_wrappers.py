@@ -102,10 +102,9 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
             new = list(new.values())
         if not isinstance(new, list | tuple) or len(new) != len(indices):
             name = where if len(transforms) == 1 else f"{where}'s {label!r}"
-            raise ValueError(
-                f"{name}'s inner transformation returned a {type(new).__name__} for a dict "
-                f"of {len(indices)} leaves; return updates shaped like the ones it was given "
-                "(tree.map over them)")
+            raise ValueError(f"{name}'s inner transformation returned a {type(new).__name__} for "
+                             f"a dict of {len(indices)} leaves; return updates shaped like the "
+                             "ones it was given (tree.map over them)")
         for i, value in zip(indices, new, strict=True):
             out[i] = value
     return tree.unflatten(tree.structure(updates), out), new_states
@@ -446,8 +445,6 @@ def _scheduled(name: str, schedule: Callable[[Any], Any], step: Any) -> Tensor:
     try:
         return _hyper_tensor(name, schedule(step))
     except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"inject_hyperparams calls {name}={schedule!r} as a schedule step -> number, and "
-            f"that failed ({err}); if {name} is no schedule, pass "
-            f"inject_hyperparams(factory, static_args=({name!r},))"
-        ) from err
+        raise ValueError(f"inject_hyperparams calls {name}={schedule!r} as a schedule step -> "
+                         f"number, and that failed ({err}); if {name} is no schedule, pass "
+                         f"inject_hyperparams(factory, static_args=({name!r},))") from err

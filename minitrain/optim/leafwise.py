@@ -189,8 +189,7 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
                 raise ValueError(
                     f"{what} has {len(leaves)} leaves but the updates have {len(g_leaves)}; "
                     f"pass {what} for the same params (create the state with init(params))")
-            raise ValueError(f"{what} and the updates differ in structure; pass matching "
-                             f"pytrees")
+            raise ValueError(f"{what} and the updates differ in structure; pass matching pytrees")
     for index, (leaf, g) in enumerate(zip(leaves, g_leaves, strict=True)):
         if shapes is not None:
             got = leaf.shape if isinstance(leaf, Tensor) else None
@@ -200,16 +199,14 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
         else:
             got, want = leaf.shape, g.shape
         if got != want:
-            raise ValueError(
-                f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} has shape "
-                f"{_shown(got)} but its update needs {_shown(want)}; create the state with "
-                f"init(params)")
+            raise ValueError(f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} has shape "
+                             f"{_shown(got)} but its update needs {_shown(want)}; create the "
+                             f"state with init(params)")
         if same_dtype and isinstance(leaf, Tensor) and leaf.dtype != g.dtype:
             raise ValueError(
-                f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} is {leaf.dtype} but "
-                f"its update is "
-                f"{g.dtype}; pass updates in the params' dtype (torch.optim's grads are), or "
-                f"create the state with init(params) for params of the updates' dtype")
+                f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} is {leaf.dtype} but its "
+                f"update is {g.dtype}; pass updates in the params' dtype (torch.optim's grads "
+                f"are), or create the state with init(params) for params of the updates' dtype")
     return leaves
 
 
