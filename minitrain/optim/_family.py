@@ -197,9 +197,8 @@ def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99) -> GradientTransformation
     return family("scale_by_lion", ScaleByLionState, lion_leaf, dict(beta1=beta1, beta2=beta2))
 
 
-def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99),
-         weight_decay: Any = 0.0, *, maximize: bool = False,
-         mask: WeightDecayMask = None) -> Optimizer:
+def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[Any, Any] = (0.9, 0.99), weight_decay: Any = 0.0,
+         *, maximize: bool = False, mask: WeightDecayMask = None) -> Optimizer:
     """Lion with decoupled weight decay, ``p <- p - lr (sign(...) + wd p)`` (lion-pytorch's
     defaults; its ``decoupled_weight_decay=True`` is ``weight_decay=wd / lr``).
 
@@ -417,10 +416,9 @@ def scale_by_schedule_free_adamw(
         advance=advance, needs_params=True, state_hyperparams=(base_lr, r, weight_lr_power))
 
 
-def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999),
-                        eps: Scalar = 1e-8, weight_decay: Scalar = 0.0,
-                        warmup_steps: int = 0, r: Scalar = 0.0, weight_lr_power: Scalar = 2.0,
-                        *, maximize: bool = False) -> Optimizer:
+def schedule_free_adamw(lr: Any = 0.0025, betas: tuple[Any, Any] = (0.9, 0.999), eps: Scalar = 1e-8,
+                        weight_decay: Scalar = 0.0, warmup_steps: int = 0, r: Scalar = 0.0,
+                        weight_lr_power: Scalar = 2.0, *, maximize: bool = False) -> Optimizer:
     """``schedulefree.AdamWScheduleFree`` (its names and defaults): the params it updates are
     the training point ``y``; evaluate at ``schedule_free_eval_params(state, params)``.
 

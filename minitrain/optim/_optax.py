@@ -128,8 +128,7 @@ def yogi_leaf(g, buffers, p, step, beta1, beta2, eps, eps_root):
     return mu / (1 - beta1**step) / ((nu_hat + eps_root).sqrt() + eps), {"mu": mu, "nu": nu}
 
 
-def scale_by_yogi(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3,
-                  eps_root: Scalar = 0.0,
+def scale_by_yogi(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3, eps_root: Scalar = 0.0,
                   initial_accumulator_value: Scalar = 1e-6) -> GradientTransformation:
     """Yogi's direction (before ``-lr``); both moments start at ``initial_accumulator_value``.
 
@@ -321,8 +320,7 @@ class LookaheadState(NamedTuple):
 
 
 def lookahead(fast_optimizer: GradientTransformation, sync_period: int,
-              slow_step_size: float | Tensor,
-              reset_state: bool = False) -> GradientTransformation:
+              slow_step_size: float | Tensor, reset_state: bool = False) -> GradientTransformation:
     """optax ``lookahead``: ``fast_optimizer`` steps the fast params; every ``sync_period``
     steps the slow ones move ``slow_step_size`` of the way to them and the fast ones jump there
     (``reset_state``: re-init its state then). Params and updates are :class:`LookaheadParams`.

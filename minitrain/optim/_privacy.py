@@ -41,8 +41,7 @@ class DifferentiallyPrivateAggregateState(NamedTuple):
     rng_key: Tensor
 
 
-def differentially_private_aggregate(l2_norm_clip: float | Tensor,
-                                     noise_multiplier: float | Tensor,
+def differentially_private_aggregate(l2_norm_clip: float | Tensor, noise_multiplier: float | Tensor,
                                      key: int | Tensor) -> GradientTransformation:
     """Clip each example's grads, sum, add noise, average (``key``: a seed or a
     ``mt.random.key``).

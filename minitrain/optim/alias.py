@@ -28,8 +28,7 @@ __all__ = ["sgd", "adam", "adamw", "adagrad", "rmsprop"]
 
 
 def torch_order(rule: list[GradientTransformation], lr: Any, *, maximize: bool = False,
-                decay: GradientTransformation | None = None,
-                decoupled: bool = False) -> Optimizer:
+                decay: GradientTransformation | None = None, decoupled: bool = False) -> Optimizer:
     """torch.optim's order as a strict optimizer (:func:`as_optimizer`): ``-g`` when
     maximizing, the L2 ``decay`` before the ``rule`` (``decoupled``: after it), then ``-lr``
     (none for ``lr=None``)."""

@@ -196,9 +196,8 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
     return (exp_avg / denom) / bias_correction1, new
 
 
-def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999,
-                  eps: float | Tensor = 1e-8, amsgrad: bool = False,
-                  eps_root: float | Tensor = 0.0) -> GradientTransformation:
+def scale_by_adam(b1: float | Tensor = 0.9, b2: float | Tensor = 0.999, eps: float | Tensor = 1e-8,
+                  amsgrad: bool = False, eps_root: float | Tensor = 0.0) -> GradientTransformation:
     """Adam's update direction with torch.optim.Adam's eps placement and AMSGrad, and optax's
     ``eps_root`` (added to ``v_hat`` inside the root; 0 in torch).
 
