@@ -85,9 +85,8 @@ def check_grads(grads: Grads, params: Params) -> list[Tensor]:
     dtype) leaf by leaf (one pass over the leaves; the paths only to name a mismatch)."""
     grad_leaves, grad_spec = _pytree.tree_flatten(grads)
     param_leaves, param_spec = _pytree.tree_flatten(params)
-    if grad_spec == param_spec and all(
-            type(g) in _PLAIN and type(p) in _PLAIN and g.layout is torch.strided
-            and g.shape == p.shape and g.dtype == p.dtype
+    if grad_spec == param_spec and all(type(g) in _PLAIN and type(p) in _PLAIN
+            and g.layout is torch.strided and g.shape == p.shape and g.dtype == p.dtype
             for g, p in zip(grad_leaves, param_leaves, strict=True)):
         return grad_leaves
     if (error := grad_leaf_error(grads)) is not None:
@@ -384,8 +383,7 @@ def float32(value: Any) -> Any:
 def updates_done(count: Any) -> int | None:
     """``int(count)``, None where the count is traced; ``ValueError`` for a count that is not a
     one-element real tensor holding a value >= 0 (a state edited by hand)."""
-    if not isinstance(count, Tensor) or count.numel() != 1 or count.is_meta or \
-            count.is_complex():
+    if not isinstance(count, Tensor) or count.numel() != 1 or count.is_meta or count.is_complex():
         raise ValueError(f"state.count is {count!r}, not a one-element tensor; pass the state "
                          f"returned by opt.init(params) or opt.update")
     if is_traced(count):

@@ -35,13 +35,10 @@ from minitrain.optim.transforms import add_decayed_weights, add_scaled, sqrt, ze
 from minitrain.tree import Params
 
 __all__ = [
-    "adadelta", "scale_by_adadelta", "ScaleByAdadeltaState",
-    "adamax", "scale_by_adamax", "ScaleByAdamaxState",
-    "lion", "scale_by_lion", "ScaleByLionState",
-    "nadam", "scale_by_nadam", "ScaleByNadamState",
-    "radam", "scale_by_radam", "ScaleByRadamState",
-    "schedule_free_adamw", "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState",
-    "schedule_free_eval_params",
+    "adadelta", "scale_by_adadelta", "ScaleByAdadeltaState", "adamax", "scale_by_adamax",
+    "ScaleByAdamaxState", "lion", "scale_by_lion", "ScaleByLionState", "nadam", "scale_by_nadam",
+    "ScaleByNadamState", "radam", "scale_by_radam", "ScaleByRadamState", "schedule_free_adamw",
+    "scale_by_schedule_free_adamw", "ScheduleFreeAdamwState", "schedule_free_eval_params",
 ]
 
 

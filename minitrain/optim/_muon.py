@@ -25,9 +25,8 @@ from minitrain.optim.leafwise import leafwise
 from minitrain.optim.transforms import add_decayed_weights
 from minitrain.tree import Params
 
-__all__ = [
-    "muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz", "newton_schulz",
-]
+__all__ = ["muon", "scale_by_muon", "muon_momentum", "orthogonalize_by_newton_schulz",
+           "newton_schulz"]
 
 Coefficients = tuple[Any, Any, Any]
 
@@ -118,8 +117,7 @@ def _each_matrix(info, in_dims, g, a, b, c, steps, eps):
     if in_dims[0] is None:
         return newton_schulz_per_matrix(g, a, b, c, steps, eps), None
     matrices = g.movedim(in_dims[0], 0)
-    return torch.stack([newton_schulz_per_matrix(m, a, b, c, steps, eps)
-                        for m in matrices]), 0
+    return torch.stack([newton_schulz_per_matrix(m, a, b, c, steps, eps) for m in matrices]), 0
 
 
 newton_schulz_per_matrix.register_vmap(_each_matrix)
@@ -177,8 +175,7 @@ def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None = None) -> fl
     """
     if not (adjust_lr_fn is None or isinstance(adjust_lr_fn, str)
             and adjust_lr_fn in ADJUST_LR_FNS):
-        shown = repr(adjust_lr_fn) if isinstance(adjust_lr_fn, str) else \
-            type(adjust_lr_fn).__name__
+        shown = repr(adjust_lr_fn) if isinstance(adjust_lr_fn, str) else type(adjust_lr_fn).__name__
         raise ValueError(f"invalid adjust_lr_fn={shown}: choose None, 'original', "
                          f"'match_rms_adamw' or 'spectral_unclamped'")
     rows, cols = shape[0], max(shape[1], 1)  # a 0-column matrix has no update to scale

@@ -347,8 +347,7 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int,
         if not isinstance(params, LookaheadParams):
             raise ValueError("lookahead needs params=LookaheadParams(fast, slow) (see "
                              "LookaheadParams.init_synced), with grads taken at params.fast")
-        updates, fast_state = fast_optimizer.update(updates, state.fast_state, params.fast,
-                                                    **extra)
+        updates, fast_state = fast_optimizer.update(updates, state.fast_state, params.fast, **extra)
         sync = state.steps_since_sync == sync_period - 1
         # optax _lookahead_update: d = fast + u - slow; slow += a d; fast += u - (1 - a) d
         diff = tree.map(lambda f, u, s: f + u - s, params.fast, updates, params.slow)

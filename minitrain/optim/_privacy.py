@@ -69,8 +69,7 @@ def differentially_private_aggregate(l2_norm_clip: float | Tensor, noise_multipl
         return tree.unflatten(structure, out), DifferentiallyPrivateAggregateState(new_key)
 
     return tagged("differentially_private_aggregate", GradientTransformation(init, update),
-                  l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-                  noise_std=noise_std)
+                  l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, noise_std=noise_std)
 
 
 def _private_mean(leaves: list[Tensor], rng_key: Tensor, l2_norm_clip: Any, noise_std: Any,

@@ -58,13 +58,10 @@ class LeafGroup(dict):
 
 
 _pytree.register_pytree_node(
-    LeafGroup,
-    lambda g: (list(g.values()), list(g.keys())),
+    LeafGroup, lambda g: (list(g.values()), list(g.keys())),
     lambda values, keys: LeafGroup(zip(keys, values, strict=True)),
     serialized_type_name="minitrain.optim.LeafGroup",
-    flatten_with_keys_fn=lambda g: ([(_pytree.MappingKey(k), v) for k, v in g.items()],
-                                    list(g.keys())),
-)
+    flatten_with_keys_fn=lambda g: ([(_pytree.MappingKey(k), v) for k, v in g.items()], list(g)))
 
 
 def _select(named: list[tuple[str, Any]], leaves: list[Any], indices: list[int]) -> LeafGroup:
@@ -96,8 +93,7 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
     for label, indices in pick(updates if params is None else params, named_params).items():
         new, new_states[label] = transforms[label].update(
             _select(named, leaves, indices), states[label],
-            None if p_leaves is None else _select(named, p_leaves, indices),
-            **extra[label])
+            None if p_leaves is None else _select(named, p_leaves, indices), **extra[label])
         if isinstance(new, dict) and list(new) == [named[i][0] for i in indices]:
             new = list(new.values())
         if not isinstance(new, list | tuple) or len(new) != len(indices):
@@ -258,8 +254,7 @@ def MultiSteps(inner: GradientTransformation, every_k: int) -> GradientTransform
             _pick(boundary, inner_state, state.inner_state), _pick(~boundary, acc))
 
     forwards_extra_args(update, [inner])
-    return tagged("MultiSteps", GradientTransformation(init, update), inner=inner,
-                  every_k=every_k)
+    return tagged("MultiSteps", GradientTransformation(init, update), inner=inner, every_k=every_k)
 
 
 class ApplyIfFiniteState(NamedTuple):

@@ -42,13 +42,10 @@ __all__ = [
     "apply_updates", "as_optimizer", "spec", "extra_args",
 ]
 
-
 Schedule = Callable[[Any], Any]
 """A learning-rate schedule: ``step -> lr``, for a Python int or a 0-d integer tensor step."""
 
-
 ScalarOrSchedule = float | Tensor | Schedule
-
 
 Updates = Grads
 """A pytree like params: what a transformation maps (gradients in, updates out)."""
@@ -214,8 +211,7 @@ def split_extra_args(where: str, inners: Sequence[GradientTransformation],
         raise ValueError(f"{where} got keyword argument(s) {unknown} that none of its "
                          f"transformations take (they take {sorted(frozenset().union(*takes))}); "
                          f"pass only those, e.g. value= for reduce_on_plateau")
-    return [dict(extra) if t is None else {k: v for k, v in extra.items() if k in t}
-            for t in takes]
+    return [dict(extra) if t is None else {k: v for k, v in extra.items() if k in t} for t in takes]
 
 
 def check_transformation(tx: Any, what: str) -> None:
@@ -277,8 +273,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
             for p, u in zip(leaves, u_leaves, strict=True)):  # the first mismatch, named
         tensor_leaves("apply_updates", params, "param")
         tensor_leaves("apply_updates", updates, "updates leaf")
-        tree.assert_same_structure(params, updates, names=("params", "updates"),
-                                   check_shapes=True)
+        tree.assert_same_structure(params, updates, names=("params", "updates"), check_shapes=True)
     return tree.unflatten(treespec, [p + u if p.dtype == u.dtype else (p + u).to(p.dtype)
                                       for p, u in zip(leaves, u_leaves, strict=True)])
 

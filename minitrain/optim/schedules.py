@@ -91,8 +91,7 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     >>> [round(schedule(step), 3) for step in (0, 1, 2, 6, 10)]
     [0.0, 0.5, 1.0, 0.25, 0.0]
     """
-    return cosine_schedule(peak_value, decay_steps, warmup_steps, init_value, end_value,
-                           exponent)
+    return cosine_schedule(peak_value, decay_steps, warmup_steps, init_value, end_value, exponent)
 
 
 def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,

@@ -68,6 +68,7 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
 ScaleState = EmptyState
 ClipState = EmptyState
 AddDecayedWeightsState = EmptyState
+ClipByGlobalNormState = EmptyState
 
 
 def _stateless(name: str, update: Any, **arguments: Any) -> GradientTransformation:
@@ -417,9 +418,6 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
         return tree.map(lambda u: torch.clamp(u, -max_delta, max_delta), updates), state
 
     return _stateless("clip", update, max_delta=max_delta)
-
-
-ClipByGlobalNormState = EmptyState
 
 
 _NOT_GIVEN = object()

@@ -66,8 +66,7 @@ def _overlaps_itself(t: Tensor) -> bool:
     (False, True)
     """
     extent = 1  # the elements that the dims of smaller strides span
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True)
-                               if n > 1):
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
         if stride < extent:
             return True
         extent += (size - 1) * stride

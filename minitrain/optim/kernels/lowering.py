@@ -123,8 +123,7 @@ def _nadam(step, hyper, per_step):
 
 def _radam(step, hyper, per_step):
     beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * beta2**step / bias_correction2
     rectified = rho_t > 5.0
@@ -143,8 +142,7 @@ def _schedule_free(step, hyper, per_step):
     lr_t, ckp1 = per_step["lr_t"], per_step["ckp1"]
     return "schedule_free_adamw", [
         beta2, 1 - beta2, per_step["bias_correction2"], hyper["eps"], hyper["weight_decay"],
-        lr_t * (beta1 * (1 - ckp1) - 1), ckp1, lr_t,
-    ], ("z", "exp_avg_sq")
+        lr_t * (beta1 * (1 - ckp1) - 1), ckp1, lr_t], ("z", "exp_avg_sq")
 
 
 def _steps(step, ps):
@@ -161,8 +159,7 @@ def _fused_adam(ps, gs, buffers, step, h, f, maximize):
 def _fused_sgd(ps, gs, buffers, step, h, f, maximize):
     _torch.fused_sgd_(ps, gs, buffers[0] or [], weight_decay=f.l2, lr=f.lr,
                       momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
-                      nesterov=h.get("nesterov", False), maximize=maximize,
-                      is_first_step=step == 1)
+                      nesterov=h.get("nesterov", False), maximize=maximize, is_first_step=step == 1)
 
 
 def _fused_adagrad(ps, gs, buffers, step, h, f, maximize):
@@ -353,8 +350,7 @@ def _run(shape, groups, grads, state, params, donate):
             (shape.lr_position is not None and not hasattr(state[shape.lr_position], "lr")):
         return None
     wrapped = _torch.is_functorch_wrapped_tensor
-    if any(type(t) not in _PLAIN or wrapped(t) or t.requires_grad
-           for t in (*p_leaves, *g_leaves)):
+    if any(type(t) not in _PLAIN or wrapped(t) or t.requires_grad for t in (*p_leaves, *g_leaves)):
         return None  # vmapped (.members), under grad, a subclass, a differentiable update
     read = _read(shape, state, rule_states)
     if read is not None and read.wd != 0 and structure not in groups:
@@ -375,8 +371,7 @@ def _run(shape, groups, grads, state, params, donate):
         donate, found = False, pointers(rows)
     if found is None:
         return None
-    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate,
-                   use_c)
+    ran = _kernels(shape, rows, found, read, groups[structure] if read.wd else None, donate, use_c)
     if ran is None:
         return None
     new_params, new_buffers = ran

@@ -41,8 +41,7 @@ class BufferPool:
         for alias, address in self._held[key]:
             if _torch.storage_use_count(address) <= alone:
                 storage = alias.untyped_storage()
-                if sys.getrefcount(storage) <= refs_alone and \
-                        storage.nbytes() >= nbytes:
+                if sys.getrefcount(storage) <= refs_alone and storage.nbytes() >= nbytes:
                     idle.append(alias)
         return idle
 

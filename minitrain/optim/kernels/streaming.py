@@ -31,8 +31,7 @@ from minitrain import _torch
 from minitrain._native import BuildError, _library
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet", "run",
-           "sums_of_squares"]
+__all__ = ["RULES", "BuildError", "available", "launch", "norm", "quiet", "run", "sums_of_squares"]
 
 RULES = {"adam": (0, 10), "sgd": (1, 7), "adagrad": (2, 3), "rmsprop": (3, 7), "nadam": (4, 11),
          "radam": (5, 12), "adamax": (6, 9), "lion": (7, 7), "schedule_free_adamw": (8, 13),
@@ -137,8 +136,7 @@ def sums_of_squares(addresses: list[int], sizes: list[int]) -> Tensor:
     out = torch.zeros(len(sizes), dtype=torch.float64, device="cpu")
     starts, counts = array.array("Q", addresses), array.array("q", sizes)
     status = _library().minitrain_sumsq(starts.buffer_info()[0], counts.buffer_info()[0],
-                                       len(sizes), max(1, torch.get_num_threads()),
-                                       out.data_ptr())
+                                       len(sizes), max(1, torch.get_num_threads()), out.data_ptr())
     if status != 0:
         raise RuntimeError(f"streaming sum of squares failed with status {status}")
     return out
