@@ -113,12 +113,11 @@ def _pick(condition: Tensor, new: Any, old: Any = _ZEROS) -> Any:
     """``new`` where the 0-d bool ``condition`` holds, else ``old`` (by default zeros like
     ``new``): picked on the host, or leaf by leaf by ``torch.where`` where it is traced or holds
     no data (meta)."""
-    if is_traced(condition) or condition.is_meta:
-        old = tree.map(torch.zeros_like, new) if old is _ZEROS else old
-        return tree.map(lambda n, o: torch.where(condition, n, o), new, old)
-    if bool(condition):
+    traced = is_traced(condition) or condition.is_meta
+    if not traced and bool(condition):
         return new
-    return tree.map(torch.zeros_like, new) if old is _ZEROS else old
+    old = tree.map(torch.zeros_like, new) if old is _ZEROS else old
+    return tree.map(lambda n, o: torch.where(condition, n, o), new, old) if traced else old
 
 
 class MaskedState(NamedTuple):

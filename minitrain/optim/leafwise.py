@@ -240,11 +240,9 @@ def _batched(update_leaf, g_leaves, p_leaves, buffer_leaves, step, hyper):
     new_buffers: dict[str, list[Any]] = {key: [None] * len(g_leaves) for key in buffer_leaves}
     for indices in groups.values():
         p = None if p_leaves[indices[0]] is None else LeafBatch(p_leaves[i] for i in indices)
-        u, out = update_leaf(
-            LeafBatch(g_leaves[i] for i in indices),
-            {key: LeafBatch(leaves[i] for i in indices) if isinstance(leaves[0], Tensor) else ()
-             for key, leaves in buffer_leaves.items()},
-            p, step, **hyper)
+        buffers = {key: LeafBatch(leaves[i] for i in indices) if isinstance(leaves[0], Tensor)
+                   else () for key, leaves in buffer_leaves.items()}
+        u, out = update_leaf(LeafBatch(g_leaves[i] for i in indices), buffers, p, step, **hyper)
         for position, i in enumerate(indices):
             new_u[i] = _as_leaf(u, position, len(indices), g_leaves[i])
             for key, value in out.items():
