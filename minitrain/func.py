@@ -88,53 +88,46 @@ def value_and_grad(
     grad_and_value = torch.func.grad_and_value(
         _with_saved_tensor_hooks(fn), argnums=argnums, has_aux=has_aux
     )
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    plain_argnums = isinstance(nums, tuple) and nums and all(
+        type(n) is int and n >= 0 for n in nums) and len(set(nums)) == len(nums)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if _plain_autograd_applies(args, kwargs, argnums):
-            found = _autograd_value_and_grad(fn, argnums, has_aux, args, kwargs)
+        if plain_argnums and max(nums) < len(args) and not torch.compiler.is_compiling() and \
+                _torch.peek_interpreter_stack() is None:
+            found = _autograd_value_and_grad(fn, nums, has_aux, args, kwargs)
             if found is not None:
-                return found
+                return found[0], found[1][0] if isinstance(argnums, int) else found[1]
         grads, value = grad_and_value(*args, **kwargs)  # also words the errors
         return value, grads
 
     return wrapped
 
 
-def _plain_autograd_applies(args: tuple[Any, ...], kwargs: dict[str, Any], argnums: Any) -> bool:
-    """Whether plain ``torch.autograd.grad`` computes what ``torch.func.grad_and_value`` would,
-    without functorch's per-op cost (about 6% of a GPT step on CPU): outside every
-    ``torch.func`` transform and the compiler, floating leaves to differentiate, and no
-    argument already on an autograd graph (then the gradients must stay differentiable)."""
-    if torch.compiler.is_compiling() or _torch.peek_interpreter_stack() is not None:
-        return False
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    if not (isinstance(nums, tuple) and nums and len(set(nums)) == len(nums)
-            and all(type(n) is int and 0 <= n < len(args) for n in nums)):
-        return False  # torch.func words the error
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.requires_grad or _torch.is_functorch_wrapped_tensor(t) for t in tensors):
-        return False
-    return all(
-        isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-        for t in pytree.tree_leaves([args[n] for n in nums])
-    )
-
-
-def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...],
-                             has_aux: bool, args: tuple[Any, ...],
-                             kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
-    """``torch.func.grad_and_value``'s result through ``torch.autograd.grad``; None where
-    ``fn``'s output is not what ``torch.func`` takes (it then words the error)."""
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    args = list(args)
+def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_aux: bool,
+                             args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> tuple[Any, tuple] | None:
+    """``torch.func.grad_and_value``'s value and grads (a tuple, one per ``nums``) through plain
+    ``torch.autograd.grad``, without functorch's per-op cost (about 6% of a GPT step on CPU);
+    None where that would differ (called outside every ``torch.func`` transform and the
+    compiler): a leaf to differentiate that is no floating tensor, an argument already on an
+    autograd graph (the grads must then stay differentiable), or an output ``torch.func``
+    refuses (it then words the error)."""
+    args, wrapped = list(args), _torch.is_functorch_wrapped_tensor
     diff_leaves, specs = [], []
     for n in nums:
         leaves, spec = pytree.tree_flatten(args[n])
+        if not all(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+                   and not t.requires_grad and not wrapped(t) for t in leaves):
+            return None
         leaves = [t.detach().requires_grad_() for t in leaves]
         args[n] = pytree.tree_unflatten(leaves, spec)
         diff_leaves.append(leaves)
         specs.append(spec)
+    rest = pytree.tree_leaves(([a for i, a in enumerate(args) if i not in nums], kwargs))
+    if any(isinstance(t, torch.Tensor) and (t.requires_grad or wrapped(t)) for t in rest):
+        return None
     with torch.enable_grad(), contextlib.ExitStack() as stack:
         _enter_inner_hooks(stack)
         output = fn(*args, **kwargs)
@@ -155,29 +148,26 @@ def _autograd_value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, .
     if output.requires_grad:
         found = torch.autograd.grad(output, flat, allow_unused=True, create_graph=outer)
     found = iter(torch.zeros_like(t) if g is None else g for t, g in zip(flat, found, strict=True))
-    grads = tuple(
-        pytree.tree_unflatten([next(found) for _ in leaves], spec)
-        for leaves, spec in zip(diff_leaves, specs, strict=True)
-    )
-    return value, grads[0] if isinstance(argnums, int) else grads
+    return value, tuple(pytree.tree_unflatten([next(found) for _ in leaves], spec)
+                        for leaves, spec in zip(diff_leaves, specs, strict=True))
 
 
 def _reaches_other_leaves(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     """Whether ``output``'s autograd graph reaches a leaf other than ``inputs``: a tensor the
     differentiated function closed over that requires grad (a meta-learned hyperparameter)."""
-    own, start = {id(t) for t in inputs}, output.grad_fn
-    seen, stack = {start}, [start] if start is not None else []
+    own, stack = {id(t) for t in inputs}, [output.grad_fn] if output.grad_fn else []
+    seen = set(stack)
     while stack:
-        for node, _ in stack.pop().next_functions:
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if node.next_functions:
-                stack.append(node)
-                continue
-            variable = getattr(node, "variable", None)  # only leaves' AccumulateGrad have one
+        node = stack.pop()
+        following = node.next_functions
+        if not following:  # a leaf's AccumulateGrad holds it as .variable
+            variable = getattr(node, "variable", None)
             if variable is not None and id(variable) not in own:
                 return True
+        for child, _ in following:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
     return False
 
 

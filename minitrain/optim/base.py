@@ -371,5 +371,5 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             return getattr(tx.init, "params_checked", tx.init)(params)
         return tx.init(params)
 
-    update.transformation = tx  # type: ignore[attr-defined]
+    update.transformation, update.lowered = tx, lowered  # type: ignore[attr-defined]
     return Optimizer(init, update)

@@ -12,8 +12,11 @@ import torch
 from torch import Tensor
 
 from minitrain import _torch, tree
+from minitrain._torch import pytree as _pytree
 from minitrain.optim._checks import is_traced
-from minitrain.optim.base import Optimizer, apply_updates
+from minitrain.optim.base import EmptyState, Optimizer, apply_updates
+from minitrain.optim.kernels import members
+from minitrain.optim.transforms import ScaleByLearningRateState
 from minitrain.tree import OptState, Params, PyTree
 
 __all__ = ["Unrolled", "unroll"]
@@ -51,12 +54,20 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     if not callable(loss_fn):
         raise ValueError("unroll needs loss_fn(params, batch) -> 0-d tensor")
     params = _differentiable(params)
-    state = optimizer.init(params)
+    leaves, structure = _pytree.tree_flatten(params)
+    shape = getattr(getattr(optimizer.update, "lowered", None), "shape", None)
+    lr = members.plain_sgd_lr(shape) if leaves and all(
+        isinstance(p, Tensor) and p.is_floating_point() for p in leaves) else None
+    state = optimizer.init(params) if lr is None else None
     grad_and_value = torch.func.grad_and_value(loss_fn)
     losses = []
     for batch in batches:
         grads, loss = grad_and_value(params, batch)
-        if isinstance(optimizer, Optimizer):
+        if lr is not None:  # plain SGD: torch.optim.SGD's one op a leaf, the chain's checks met
+            leaves = [torch.add(p, g, alpha=-lr) for p, g in zip(
+                leaves, _pytree.tree_leaves(grads), strict=True)]
+            params = _pytree.tree_unflatten(leaves, structure)
+        elif isinstance(optimizer, Optimizer):
             params, state = optimizer.update(grads, state, params)
         else:
             updates, state = optimizer.update(grads, state, params)
@@ -64,6 +75,10 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
         losses.append(loss)
     if not losses:
         raise ValueError("unroll got no batches; pass one batch per update")
+    if lr is not None:  # the state the chain's updates leave: all empty but the lr's
+        state = tuple(ScaleByLearningRateState(torch.tensor(len(losses)), torch.scalar_tensor(
+            lr, dtype=torch.float32)) if i == shape.lr_position else EmptyState()
+            for i in range(shape.length))
     return Unrolled(params, state, torch.stack(losses))
 
 

@@ -133,6 +133,48 @@ def test_unroll_with_a_gradient_transformation_and_returned_losses():
     assert out.params["w"].requires_grad
 
 
+PLAIN_SGD = {  # every form whose update is p - lr g: unroll adds it a leaf, the state built once
+    "sgd": lambda: mt.optim.sgd(lr=0.1), "sgd wd=0 masked": lambda: mt.optim.sgd(
+        lr=0.1, weight_decay=0.0, mask={"w": True, "b": False}),
+    "sgd momentum=0 dampening": lambda: mt.optim.sgd(lr=0.1, momentum=0.0, dampening=0.5),
+    "chain": lambda: mt.optim.as_optimizer(mt.optim.chain(mt.optim.scale_by_learning_rate(0.1))),
+    "chain decay 0": lambda: mt.optim.as_optimizer(mt.optim.chain(
+        mt.optim.add_decayed_weights(0.0), mt.optim.scale_by_learning_rate(0.1))),
+}
+
+
+def _updated(opt, params, batches):
+    """The optimizer's own updates, one per batch, as a loop writes them."""
+    state, losses = opt.init(params), []
+    for batch in batches:
+        loss, grads = mt.value_and_grad(loss_fn)(params, batch)
+        params, state = opt.update(grads, state, params)
+        losses.append(loss)
+    return params, state, torch.stack(losses)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "vmap"])
+@pytest.mark.parametrize("name", sorted(PLAIN_SGD))
+def test_unrolled_plain_sgd_is_the_optimizers_own_updates(name, mode):
+    opt, (params, batches, _) = PLAIN_SGD[name](), problem(5)
+    if mode == "vmap":  # three initializations as one: each member's own run
+        starts = [mt.tree.map(lambda t, i=i: t + i, params) for i in range(3)]
+        out = mt.vmap(lambda p: mt.optim.unroll(opt, loss_fn, p, batches))(mt.tree.stack(starts))
+        for i, start in enumerate(starts):
+            expected = _updated(opt, start, batches)
+            torch.testing.assert_close(mt.tree.map(lambda t, i=i: t[i], out.params), expected[0])
+            torch.testing.assert_close(out.losses[i], expected[2])
+        return
+    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+        out = mt.optim.unroll(opt, loss_fn, params, batches)
+    expected = _updated(opt, params, batches)
+    assert mt.tree.structure(out.state) == mt.tree.structure(expected[1])
+    for got, want in zip(mt.tree.leaves(out), mt.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.detach(), want, rtol=1e-15, atol=1e-15)
+    assert out.params["w"].requires_grad == (mode == "grad")
+
+
 def test_unroll_bad_input():
     params, batches, _ = problem()
     with pytest.raises(ValueError, match="no batches"):

@@ -21,7 +21,7 @@ from minitrain.optim._checks import decay_flags, f32_tensor, storage_holds
 from minitrain.optim.kernels import lowering, pool, streaming
 from minitrain.optim.kernels.checks import pointers
 
-__all__ = ["run", "traced_sgd"]
+__all__ = ["run", "plain_sgd_lr", "traced_sgd"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -201,14 +201,24 @@ def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> li
             for row in rows]
 
 
+def plain_sgd_lr(shape: Any) -> float | None:
+    """The lr of plain SGD (a constant lr; no momentum, weight decay, clip or maximize), whose
+    update is ``p.add(g, alpha=-lr)`` a leaf, torch.optim.SGD's one op; None for any other
+    shape, and where the compiler traces or a torch mode watches (they see the chain)."""
+    if shape is None or type(shape.lr) is not float or shape.positions or shape.clip is not None \
+            or shape.maximize or shape.decoupled is not None or torch.compiler.is_compiling() or \
+            (shape.l2 is not None and lowering._number(shape.l2[0]) != 0.0) or \
+            not streaming.quiet():
+        return None
+    return shape.lr
+
+
 def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
-    """Plain SGD (a constant lr; no momentum, weight decay, clip or maximize) on leaves under
-    ``vmap`` or ``grad`` or requiring grad (MAML's inner loop): ``p.add(g, alpha=-lr)`` a leaf,
-    torch.optim.SGD's one op, for the chain's scale, add and checks; None for anything else
-    (first, so a traced SGD skips the kernels' checks)."""
-    if not (type(shape.lr) is float and not shape.positions and shape.clip is None and not
-            shape.maximize and shape.decoupled is None and isinstance(state, tuple) and
-            len(state) == shape.length and not torch.compiler.is_compiling()):
+    """:func:`plain_sgd_lr`'s update on leaves under ``vmap`` or ``grad`` or requiring grad
+    (MAML's inner loop), for the chain's scale, add and checks; None for anything else (first,
+    so a traced SGD skips the kernels' checks)."""
+    lr = plain_sgd_lr(shape)
+    if lr is None or not isinstance(state, tuple) or len(state) != shape.length:
         return None
     p_leaves, structure = _pytree.tree_flatten(params)
     g_leaves, g_structure = _pytree.tree_flatten(grads)
@@ -222,14 +232,12 @@ def traced_sgd(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, 
                                           t.layout is torch.strided and storage_holds(t))
 
     if g_structure != structure or getattr(lr_state, "_fields", None) != ("count", "lr") or \
-            (shape.l2 is not None and lowering._number(shape.l2[0]) != 0.0):
-        return None  # the chain names the fault, or decays
-    if not all(map(dense, leaves)) or not all(
+            not all(map(dense, leaves)) or not all(
             p.is_floating_point() and g.dtype == p.dtype and g.shape == p.shape
-            for p, g in zip(p_leaves, g_leaves, strict=True)) or not streaming.quiet():
+            for p, g in zip(p_leaves, g_leaves, strict=True)):
         return None  # the chain checks and names the fault
     new_state = list(state)
     new_state[shape.lr_position] = lr_state._replace(
-        count=lr_state.count + 1, lr=torch.scalar_tensor(shape.lr, dtype=torch.float32))
-    return tree.unflatten(structure, [torch.add(p, g, alpha=-shape.lr) for p, g in zip(
+        count=lr_state.count + 1, lr=torch.scalar_tensor(lr, dtype=torch.float32))
+    return tree.unflatten(structure, [torch.add(p, g, alpha=-lr) for p, g in zip(
         p_leaves, g_leaves, strict=True)]), tuple(new_state)
