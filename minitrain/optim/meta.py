@@ -76,9 +76,11 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     if not losses:
         raise ValueError("unroll got no batches; pass one batch per update")
     if lr is not None:  # the state the chain's updates leave: all empty but the lr's
-        state = tuple(ScaleByLearningRateState(torch.tensor(len(losses)), torch.scalar_tensor(
-            lr, dtype=torch.float32)) if i == shape.lr_position else EmptyState()
-            for i in range(shape.length))
+        lr_state = ScaleByLearningRateState(
+            torch.scalar_tensor(len(losses), dtype=torch.int64, device="cpu"),
+            torch.scalar_tensor(lr, dtype=torch.float32, device="cpu"))
+        state = tuple(lr_state if i == shape.lr_position else EmptyState()
+                      for i in range(shape.length))
     return Unrolled(params, state, torch.stack(losses))
 
 
