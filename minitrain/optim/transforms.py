@@ -99,7 +99,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
 def _scaled(updates, factor):
     """``factor * updates``: one foreach multiply where the leaves take the batched path
     (:func:`use_plain_path`), else leaf by leaf; a 1-D ``factor`` scales each leaf's leading
-    (member) axis."""
+    (member) axis, in the leaf's dtype and on its device (as a 0-d factor would)."""
     leaves, structure = _pytree.tree_flatten(updates)
     if isinstance(factor, Tensor) and factor.dim() == 1:
         for i, u in enumerate(leaves):
@@ -107,8 +107,8 @@ def _scaled(updates, factor):
                 raise ValueError(f"a learning rate per member (shape {tuple(factor.shape)}) "
                                  f"scales each leaf's leading axis, and leaf {i} has shape "
                                  f"{tuple(u.shape)}; stack the members' params (mt.tree.stack)")
-        return tree.unflatten(structure, [factor.view(-1, *[1] * (u.dim() - 1)) * u
-                                          for u in leaves])
+        return tree.unflatten(structure, [factor.to(u.device, u.dtype).view(
+            -1, *[1] * (u.dim() - 1)) * u for u in leaves])
     if leaves and not use_plain_path(leaves, [factor]):
         with torch.no_grad():
             return tree.unflatten(structure, list(_torch.foreach["mul"](leaves, scalar(factor))))

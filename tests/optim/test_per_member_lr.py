@@ -83,6 +83,20 @@ def test_a_learning_rate_per_member_is_each_members_own_run(rule, dtype):
     assert torch.equal(state[-1].lr, LRS)
 
 
+@pytest.mark.parametrize("lr_dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_updates_keep_the_grads_dtype_whatever_the_lrs_dtype(dtype, lr_dtype):
+    """As with a 0-d lr: the lrs are cast to each leaf's dtype, never promote the updates."""
+    params, lrs = _stacked_params(dtype), LRS.to(lr_dtype)
+    grads = mt.tree.map(torch.ones_like, params)
+    tx = o.chain(o.scale_by_adam(), o.scale_by_learning_rate(lrs))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert all(u.dtype == dtype for u in mt.tree.leaves(updates))
+    one = o.chain(o.scale_by_adam(), o.scale_by_learning_rate(lrs[1].clone()))  # a 0-d lr
+    torch.testing.assert_close(mt.tree.map(lambda u: u[1], updates),
+                               mt.tree.map(lambda u: u[1], one.update(grads, one.init(params))[0]))
+
+
 def test_float32_members_run_as_one_kernel_call(monkeypatch):
     if not streaming.available():
         pytest.fail("the C kernels are not built here: no C compiler?")
