@@ -50,8 +50,9 @@ from minitrain.checkpoint_state import (
 )
 from minitrain.errors import StorageError, os_cause
 
-__all__ = ["MAX_STEP", "Checkpoint", "CheckpointError", "checkpoint_path", "latest_valid",
-           "list_checkpoints", "load", "prune", "restore_rng", "save", "verify"]
+__all__ = ["MAX_STEP", "Checkpoint", "CheckpointError", "Verified", "checkpoint_path",
+           "latest_valid", "latest_verified", "list_checkpoints", "load", "prune", "restore_rng",
+           "save", "verify"]
 
 FORMAT = "minitrain-checkpoint"
 VERSION = 1
@@ -75,6 +76,14 @@ class Checkpoint(NamedTuple):
     meta: dict[str, Any]
     rng_state: dict[str, Any]
     generator_state: str | None
+
+
+class Verified(NamedTuple):
+    """A checkpoint read once and checked whole: its ``state.json`` and tensor files' bytes."""
+
+    path: Path
+    state: dict[str, Any]
+    blobs: dict[str, bytes]
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -174,11 +183,8 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
     """
     if not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be a positive integer, got {keep!r}")
-    candidates = [
-        path for path in list_checkpoints(run_dir)
-        if up_to is None or _canonical_step(path.name) <= up_to
-    ]
-    doomed = candidates[:-keep]
+    doomed = [path for path in list_checkpoints(run_dir)
+              if up_to is None or _canonical_step(path.name) <= up_to][:-keep]
     for path in doomed:
         trash = path.with_name(f".tmp-{os.getpid()}-pruned-{path.name}")
         with storage_errors(path, "prune checkpoint"):
@@ -189,32 +195,35 @@ def prune(run_dir: str | os.PathLike, keep: int, up_to: int | None = None) -> li
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
     """Check a checkpoint directory fully (sizes, hashes, checksum); return its ``state.json``."""
-    state, _ = _read_checkpoint(Path(path))
-    return state
+    return _read_checkpoint(Path(path)).state
 
 
 def latest_valid(
     run_dir: str | os.PathLike, on_skip: Callable[[Path, str], None] | None = None
 ) -> Path | None:
-    """The newest checkpoint of ``run_dir`` that passes :func:`verify`, or None.
+    """The path of :func:`latest_verified`'s checkpoint, or None."""
+    found = latest_verified(run_dir, on_skip)
+    return None if found is None else found.path
 
-    Each newer one that fails is reported through ``on_skip(path, reason)`` and never loaded.
-    """
+
+def latest_verified(
+    run_dir: str | os.PathLike, on_skip: Callable[[Path, str], None] | None = None
+) -> Verified | None:
+    """The newest checkpoint of ``run_dir`` that passes :func:`verify`, with the bytes read for it
+    (for :func:`load`), or None; each newer one that fails goes to ``on_skip(path, reason)``."""
     report = on_skip or (lambda path, why: logger.warning("skipping checkpoint %s: %s", path, why))
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            verify(path)
+            return _read_checkpoint(path)
         except CheckpointError as exc:
             report(path, str(exc).removeprefix(f"checkpoint {path}: "))
-            continue
-        return path
     return None
 
 
-def load(
-    path: str | os.PathLike, params_template: tree.Params, opt_state_template: tree.OptState
-) -> Checkpoint:
-    """Verify and load a checkpoint into pytrees shaped like the templates (nothing is unpickled).
+def load(source: str | os.PathLike | Verified, params_template: tree.Params,
+         opt_state_template: tree.OptState) -> Checkpoint:
+    """Verify and load a checkpoint (or load a :class:`Verified` one) into pytrees shaped like the
+    templates (nothing is unpickled).
 
     >>> import tempfile, torch
     >>> path = save(tempfile.mkdtemp(), 3, {"w": torch.ones(2)}, {})
@@ -223,14 +232,12 @@ def load(
     ...
     minitrain.checkpoint_state.CheckpointError: checkpoint ...: params leaf 'w' has shape (2,) ...
     """  # noqa: E501
-    path = Path(path)
-    state, blobs = _read_checkpoint(path)
+    path, state, blobs = source if isinstance(source, Verified) else _read_checkpoint(Path(source))
     scalars = state["scalars"]
     try:
         params = rebuild(params_template, blobs[PARAMS_FILE], scalars["params"], "params")
-        opt_state = rebuild(
-            opt_state_template, blobs[OPT_STATE_FILE], scalars["opt_state"], "opt_state"
-        )
+        opt_state = rebuild(opt_state_template, blobs[OPT_STATE_FILE], scalars["opt_state"],
+                            "opt_state")
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
     return Checkpoint(path, state["step"], params, opt_state, state["meta"], state["rng"],
@@ -250,20 +257,16 @@ def restore_rng(checkpoint: Checkpoint, generator: torch.Generator | None = None
         rng.set_generator_state(generator, checkpoint.generator_state)
 
 
-def _read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
+def _read_checkpoint(path: Path) -> Verified:
     try:
         state = _read_state(path)
-        blobs = {
-            name: _check_file(path / name, state["files"][name])
-            for name in (PARAMS_FILE, OPT_STATE_FILE)
-        }
+        blobs = {name: _check_file(path / name, record) for name, record in state["files"].items()}
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
     except OSError as exc:  # unreadable (EACCES, EIO) or gone while reading
-        raise CheckpointError(
-            f"checkpoint {path}: cannot read {exc.filename or path}: {os_cause(exc)}"
-        ) from None
-    return state, blobs
+        why = f"cannot read {exc.filename or path}: {os_cause(exc)}"
+        raise CheckpointError(f"checkpoint {path}: {why}") from None
+    return Verified(path, state, blobs)
 
 
 def _read_state(path: Path) -> dict[str, Any]:

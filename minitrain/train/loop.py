@@ -112,10 +112,9 @@ def _result(stepper: Stepper, summary: dict[str, Any]) -> FitResult:
 
 def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
     """Load the latest valid checkpoint of ``run_dir`` into ``stepper``; its step (0: none)."""
-    path = checkpoint.latest_valid(
-        run_dir, on_skip=lambda p, reason: say(f"skipping checkpoint {p.name}: {reason}")
-    )
-    if path is None:
+    found = checkpoint.latest_verified(
+        run_dir, on_skip=lambda p, reason: say(f"skipping checkpoint {p.name}: {reason}"))
+    if found is None:
         if checkpoint.list_checkpoints(run_dir):
             raise ResumeError(
                 f"every checkpoint in {run_dir / checkpoint.CHECKPOINTS} failed its checks (see "
@@ -123,12 +122,8 @@ def _resume(stepper: Stepper, run_dir: Path, say: Callable[[str], None]) -> int:
             )
         say(f"no checkpoint in {run_dir}; starting from step 0")
         return 0
-    # The stepper compares the config before it loads anything, so a changed shape is named by
-    # its config key, not by a template mismatch. Only state.json is read for it: latest_valid
-    # has just checked every file (the run directory's lock keeps other runs out) and load
-    # checks the bytes it reads.
-    start = stepper.resume(path, checkpoint._read_state(path)["meta"], run_dir)
-    say(f"resuming from {path} (step {start})")
+    start = stepper.resume(found, run_dir)  # loads the bytes latest_verified read and checked
+    say(f"resuming from {found.path} (step {start})")
     steps = stepper.experiment.steps
     if start > steps:
         raise ResumeError(

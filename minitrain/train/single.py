@@ -89,12 +89,12 @@ class SingleRun:
         return {"experiment": self.experiment.name, "seed": self.seed,
                 "backend": self.backend.name, "config": self.config or {}}
 
-    def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int:
-        self._check_resumable(meta, run_dir)
-        saved = checkpoint.load(path, self.params,
+    def resume(self, found: checkpoint.Verified, run_dir: Path) -> int:
+        self._check_resumable(found.state["meta"], run_dir)
+        saved = checkpoint.load(found, self.params,
                                 pack_checkpoint_state(self.opt_state, self.carry))
         self.opt_state, self.carry = unpack_checkpoint_state(saved.opt_state, self.carry)
-        check_fp8_history(self.carry.fp8_history if self.carry else None, str(path))
+        check_fp8_history(self.carry.fp8_history if self.carry else None, str(found.path))
         checkpoint.restore_rng(saved, self.data_generator)
         self.params = saved.params
         if self.parallel is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from minitrain.checkpoint import Verified
 from minitrain.errors import MinitrainError, ResumeError
 from minitrain.train.experiment import one_line
 from minitrain.train.script_errors import script_call
@@ -84,7 +85,7 @@ class Stepper(Protocol):
     # params, optimizer state and data generators of step 0
     def init(self) -> None: ...
     # refuse a checkpoint of another run (its ``meta``, before loading), load it; its step
-    def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int: ...
+    def resume(self, found: Verified, run_dir: Path) -> int: ...
     def save(self, run_dir: Path, step: int, keep: int) -> Path: ...
     def step(self, step: int) -> None: ...
     # raise NonFiniteLoss for a step since the last check that was not finite

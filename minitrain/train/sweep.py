@@ -172,9 +172,9 @@ class SweepRun:
             "members": [{"seed": m.seed, "config": m.config} for m in ensemble.members],
         }
 
-    def resume(self, path: Path, meta: dict[str, Any], run_dir: Path) -> int:
-        self._check_resumable(meta, run_dir)
-        saved = checkpoint.load(path, self.params, self._carried())
+    def resume(self, found: checkpoint.Verified, run_dir: Path) -> int:
+        self._check_resumable(found.state["meta"], run_dir)
+        saved = checkpoint.load(found, self.params, self._carried())
         checkpoint.restore_rng(saved)
         states = saved.meta["data_generators"]
         for generator, state in zip(self.data_generators, states, strict=True):
@@ -183,7 +183,7 @@ class SweepRun:
         self.opt_state = saved.opt_state["optimizer"]
         self.diverged_at = saved.opt_state["diverged_at"]
         self.fp8_history = saved.opt_state.get("fp8_history")
-        check_fp8_history(self.fp8_history, str(path))
+        check_fp8_history(self.fp8_history, str(found.path))
         self.current_step = saved.step
         reload_logs(run_dir, saved.step, self.logs, self.diverged_at)
         return saved.step

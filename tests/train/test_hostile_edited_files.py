@@ -212,25 +212,32 @@ def test_an_unreadable_checkpoint_is_skipped_on_resume(capsys, used, monkeypatch
     assert steps_logged(out) == list(range(1, 9))
 
 
-def test_resume_reads_the_checkpoint_it_loads_twice(capsys, used, monkeypatch):
-    """Once when latest_valid checks it, once when load checks the bytes it loads; nothing
-    reads and hashes it again in between."""
+@pytest.mark.parametrize("damaged", [False, True], ids=["newest good", "newest corrupt"])
+def test_resume_reads_each_checkpoint_file_once(capsys, used, monkeypatch, damaged):
+    """latest_verified reads and checks each file, and load parses those same bytes; a corrupt
+    newest checkpoint is read up to its first bad file and skipped, the older one read once."""
     script_path, out = used
-    newest = out / CKPT.format(6)
+    if damaged:
+        damage_file("params.safetensors", "flip")(out)
     real_read = Path.read_bytes
     reads = []
 
     def read_bytes(self):
-        if self.parent == newest and self.suffix == ".safetensors":
-            reads.append(self.name)
+        if self.parent.parent == out / "checkpoints":
+            reads.append(f"{self.parent.name}/{self.name}")
         return real_read(self)
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
     code, stdout, err = run(capsys, script_path, out, "--resume", "--keep", "10", steps=8)
     monkeypatch.undo()
     assert code == 0, err
-    assert "step-00000006 (step 6)" in err, err
-    assert sorted(reads) == ["opt_state.safetensors"] * 2 + ["params.safetensors"] * 2
+    start = 4 if damaged else 6
+    assert f"step-{start:08d} (step {start})" in err, err
+    names = ["state.json", "params.safetensors", "opt_state.safetensors"]
+    expected = [f"step-{start:08d}/{name}" for name in names]
+    if damaged:
+        expected = ["step-00000006/state.json", "step-00000006/params.safetensors", *expected]
+    assert reads == expected
     assert steps_logged(out) == list(range(1, 9)) and latest_step(out) == 8
 
 
