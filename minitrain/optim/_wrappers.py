@@ -365,6 +365,12 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
 
+def _factory_name(factory: Any) -> str:
+    """``factory``'s name for a message (a ``functools.partial``'s: its function's)."""
+    inner = getattr(factory, "func", factory)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
 def inject_hyperparams(factory: Callable[..., GradientTransformation],
                        static_args: str | Iterable[str] = (),
                        ) -> Callable[..., GradientTransformation]:
@@ -387,7 +393,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
     unknown = sorted(static_names - set(accepted))
     if accepted and unknown and all(p.kind is not p.VAR_KEYWORD for p in accepted.values()):
         raise ValueError(f"inject_hyperparams: static_args names {', '.join(map(repr, unknown))}, "
-                         f"which {getattr(factory, '__name__', 'the factory')} does not take; "
+                         f"which {_factory_name(factory)} does not take; "
                          f"its arguments: {', '.join(accepted)}")
 
     def build(**kwargs: Any) -> GradientTransformation:
@@ -402,8 +408,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation],
             hyper = {k: _hyper_tensor(k, v) for k, v in numeric.items()}
             hyper.update({k: _scheduled(k, fn, 0) for k, fn in schedules.items()})
             inner = factory(**static, **hyper)
-            built = getattr(factory, "__name__", type(factory).__name__)
-            check_transformation(inner, f"what inject_hyperparams({built}) built")
+            check_transformation(inner, f"what inject_hyperparams({_factory_name(factory)}) built")
             return InjectHyperparamsState(zero_count(), hyper, inner.init(params))
 
         def update(updates, state, params=None):

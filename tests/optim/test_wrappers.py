@@ -6,6 +6,7 @@ counts."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -391,11 +392,14 @@ FACTORIES = sorted(name for name in mt.optim.__all__ if inspect.isfunction(getat
                    and inspect.signature(getattr(mt.optim, name)).parameters)
 
 
+@pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("name", FACTORIES)
-def test_inject_hyperparams_refuses_static_args_the_factory_does_not_take(name):
-    """Every public factory: a misspelt static argument is a one-line error naming it and the
-    factory's arguments; each argument the factory takes is accepted."""
+def test_inject_hyperparams_refuses_static_args_the_factory_does_not_take(name, partial):
+    """Every public factory, and a functools.partial of it (named by its function): a misspelt
+    static argument is a one-line error naming it and the factory's arguments; each argument
+    the factory takes is accepted."""
     factory = getattr(mt.optim, name)
+    factory = functools.partial(factory) if partial else factory
     taken = inspect.signature(factory).parameters
     with pytest.raises(ValueError, match=rf"'no_such_argument', which {name} does not take; "
                                          rf"its arguments: {', '.join(taken)}$"):
@@ -470,3 +474,12 @@ def test_a_hand_edited_count_is_a_value_error_naming_it(name, count, words):
     state = _with_counts(opt.init(params), count)
     with pytest.raises(ValueError, match=f"state.count is .*{words}"):
         opt.update({"w": torch.ones(4, 3)}, state, params)
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, functools.partial], ids=["function", "partial"])
+def test_inject_hyperparams_names_a_factory_that_builds_no_transformation(wrap):
+    def not_a_factory(lr):
+        return lr
+
+    with pytest.raises(ValueError, match=r"inject_hyperparams\(not_a_factory\) built"):
+        inject_hyperparams(wrap(not_a_factory))(lr=0.1).init({"w": torch.ones(1)})
