@@ -121,8 +121,9 @@ def lr_function(learning_rate: ScalarOrSchedule, members: bool = False) -> tuple
     ``lr_at(count)``, the lr after ``count`` updates (an int or a count tensor), a schedule's
     value checked too."""
     if members and isinstance(learning_rate, Tensor) and learning_rate.dim() == 1 and \
-            len(learning_rate) > 1 and not is_traced(learning_rate):
-        if not learning_rate.is_floating_point() or not bool((learning_rate >= 0).all()):
+            len(learning_rate) > 1:  # (a traced one's values are not read)
+        if not learning_rate.is_floating_point() or not is_traced(learning_rate) and not bool(
+                (learning_rate >= 0).all()):
             raise ValueError(f"invalid lr={learning_rate!r}: a learning rate per member must be "
                              f"a floating-point tensor of non-negative values")
         return learning_rate, lambda count: learning_rate

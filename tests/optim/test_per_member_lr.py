@@ -97,6 +97,19 @@ def test_updates_keep_the_grads_dtype_whatever_the_lrs_dtype(dtype, lr_dtype):
                                mt.tree.map(lambda u: u[1], one.update(grads, one.init(params))[0]))
 
 
+def test_a_vmapped_sweep_over_learning_rates_per_member_is_each_sweeps_own_run():
+    """``lrs`` batched under vmap (two sweeps of four members' lrs) builds inside the function."""
+    params, sweeps = _stacked_params(torch.float32), torch.stack([LRS, LRS.flip(0)])
+    grads = mt.tree.map(torch.ones_like, params)
+
+    def run(lrs):
+        opt = _per_member("adam", lrs)
+        return opt.update(grads, opt.init(params), params)[0]
+
+    for got, lrs in zip(mt.tree.unstack(mt.vmap(run)(sweeps)), sweeps, strict=True):
+        torch.testing.assert_close(got, run(lrs))
+
+
 def test_float32_members_run_as_one_kernel_call(monkeypatch):
     if not streaming.available():
         pytest.fail("the C kernels are not built here: no C compiler?")
