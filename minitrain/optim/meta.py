@@ -54,10 +54,12 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     if not callable(loss_fn):
         raise ValueError("unroll needs loss_fn(params, batch) -> 0-d tensor")
     params = _differentiable(params)
-    leaves, structure = _pytree.tree_flatten(params)
     shape = getattr(getattr(optimizer.update, "lowered", None), "shape", None)
-    lr = members.plain_sgd_lr(shape) if leaves and all(
-        isinstance(p, Tensor) and p.is_floating_point() for p in leaves) else None
+    lr = members.plain_sgd_lr(shape)
+    if lr is not None:  # flattened once, for the adds below
+        leaves, structure = _pytree.tree_flatten(params)
+        lr = lr if leaves and all(isinstance(p, Tensor) and p.is_floating_point()
+                                  for p in leaves) else None
     state = optimizer.init(params) if lr is None else None
     grad_and_value = torch.func.grad_and_value(loss_fn)
     losses = []
