@@ -10,6 +10,7 @@ needs it; tests/test_torch_compat.py checks each on the installed torch.
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 
@@ -55,7 +56,17 @@ def _python_only_node(leaves: list) -> bool:
     return not _PYTHON_ONLY[1].isdisjoint(map(type, leaves))
 
 
+@functools.lru_cache(maxsize=256)
+def _flat_dict_spec(keys: tuple) -> typing.Any:
+    """The structure of a dict of tensors with these keys, in this order."""
+    return _cxx_pytree.tree_structure(dict.fromkeys(keys, 0))
+
+
 def _tree_flatten(tree: typing.Any, is_leaf: typing.Any = None) -> tuple[list, typing.Any]:
+    if type(tree) is dict and is_leaf is None:  # params and grads: a quarter of optree's time
+        leaves = list(tree.values())
+        if all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in leaves):
+            return leaves, _flat_dict_spec(tuple(tree))
     leaves, spec = _cxx_pytree.tree_flatten(tree, is_leaf)
     return _pytree.tree_flatten(tree, is_leaf) if _python_only_node(leaves) else (leaves, spec)
 

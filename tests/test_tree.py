@@ -36,6 +36,29 @@ def test_map_and_leaves_roundtrip(tree):
     assert all(a is b for a, b in zip(mt.tree.leaves(rebuilt), mt.tree.leaves(tree), strict=True))
 
 
+parameters = tensors.map(lambda t: torch.nn.Parameter(t, requires_grad=t.is_floating_point()))
+flat_dicts = st.dictionaries(
+    keys, st.one_of(tensors, parameters, st.none(), st.integers()), max_size=6
+)
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.one_of(trees, flat_dicts))
+def test_flatten_is_torchs_cxx_pytree(tree):
+    """Leaves (the same objects, in order) and structure equal torch's optree-backed pytree's,
+    for flat dicts of tensors (params, grads: flattened without a walk) and every other tree."""
+    leaves, spec = mt._torch.pytree.tree_flatten(tree)
+    want_leaves, want_spec = torch.utils._cxx_pytree.tree_flatten(tree)
+    assert spec == want_spec and len(leaves) == len(want_leaves)
+    assert all(a is b for a, b in zip(leaves, want_leaves, strict=True))
+    rebuilt = mt._torch.pytree.tree_unflatten(leaves, spec)
+    rebuilt_leaves, rebuilt_spec = torch.utils._cxx_pytree.tree_flatten(rebuilt)
+    assert rebuilt_spec == want_spec
+    assert all(a is b for a, b in zip(rebuilt_leaves, want_leaves, strict=True))
+    if isinstance(tree, dict):
+        assert list(rebuilt) == list(tree)  # the keys' order kept
+
+
 @settings(deadline=None, max_examples=60)
 @given(trees)
 def test_nbytes_and_size_match_tensor_sums(tree):
