@@ -111,9 +111,10 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
     """``torch.func.grad_and_value``'s value and grads (a tuple, one per ``nums``) through plain
     ``torch.autograd.grad``, without functorch's per-op cost (about 6% of a GPT step on CPU);
     None where that would differ (called outside every ``torch.func`` transform and the
-    compiler): a leaf to differentiate that is no floating tensor, an argument already on an
-    autograd graph (the grads must then stay differentiable), or an output ``torch.func``
-    refuses (it then words the error)."""
+    compiler): a leaf to differentiate that is no floating tensor or is already on an autograd
+    graph (its grads must then stay differentiable), or an output ``torch.func`` refuses (it
+    then words the error). Any other tensor that requires grad (closed over, or an argument not
+    differentiated) makes the grads differentiable, as ``torch.func`` does."""
     args, wrapped = list(args), _torch.is_functorch_wrapped_tensor
     diff_leaves, specs = [], []
     for n in nums:
@@ -125,12 +126,8 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
         args[n] = pytree.tree_unflatten(leaves, spec)
         diff_leaves.append(leaves)
         specs.append(spec)
-    rest = pytree.tree_leaves(([a for i, a in enumerate(args) if i not in nums], kwargs))
-    if any(isinstance(t, torch.Tensor) and (t.requires_grad or wrapped(t)) for t in rest):
-        return None
-    with torch.enable_grad(), contextlib.ExitStack() as stack:
-        _enter_inner_hooks(stack)
-        output = fn(*args, **kwargs)
+    with torch.enable_grad():
+        output = (_with_saved_tensor_hooks(fn) if _INNER_HOOKS else fn)(*args, **kwargs)
     if has_aux:
         if not (isinstance(output, tuple) and len(output) == 2):
             return None
@@ -153,8 +150,9 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
 
 
 def _reaches_other_leaves(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
-    """Whether ``output``'s autograd graph reaches a leaf other than ``inputs``: a tensor the
-    differentiated function closed over that requires grad (a meta-learned hyperparameter)."""
+    """Whether ``output``'s autograd graph reaches a leaf other than ``inputs``: a tensor that
+    requires grad which the differentiated function closed over (a meta-learned hyperparameter)
+    or took as an argument it does not differentiate."""
     own, stack = {id(t) for t in inputs}, [output.grad_fn] if output.grad_fn else []
     seen = set(stack)
     while stack:

@@ -101,6 +101,28 @@ def test_closed_over_tensor_requiring_grad_keeps_gradients_differentiable():
     assert d1.item() == d2.item() == pytest.approx(15.0)
 
 
+@pytest.mark.parametrize("source", ["argument", "keyword", "non-leaf argument", "closure"])
+def test_a_tensor_not_differentiated_that_requires_grad_keeps_gradients_differentiable(source):
+    """Every way a tensor that requires grad reaches the function besides the differentiated
+    argument: value and grads equal torch.func's, and differentiate alike through it."""
+    scale = torch.tensor([0.5, 2.0], requires_grad=True)
+
+    def loss(w, x=None, *, k=None):
+        s = {"argument": x, "non-leaf argument": x, "keyword": k, "closure": scale}[source]
+        return (s * w**3).sum()
+
+    x = {"argument": scale, "non-leaf argument": scale * 1.0}.get(source)
+    kwargs = {"k": scale} if source == "keyword" else {}
+    w = torch.tensor([1.0, 2.0])
+    got, want = mt.value_and_grad(loss)(w, x, **kwargs), _reference(loss)(w, x, **kwargs)
+    _assert_same(got, want)
+    assert got[1].requires_grad  # d/dscale of sum(3 scale w^2) = 3 w^2
+    (d1,), (d2,) = (
+        torch.autograd.grad(g.sum(), scale, retain_graph=True) for g in (got[1], want[1])
+    )
+    assert torch.equal(d1, d2) and torch.equal(d1, 3 * w**2)
+
+
 def test_argument_requiring_grad_takes_torch_func_and_stays_differentiable():
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     fn, seen = _transforms_seen(lambda w: (w**3).sum())
