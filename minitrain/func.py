@@ -126,6 +126,7 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
         args[n] = pytree.tree_unflatten(leaves, spec)
         diff_leaves.append(leaves)
         specs.append(spec)
+    recording = torch.is_grad_enabled()  # else nothing outside can differentiate the grads
     with torch.enable_grad():
         output = (_with_saved_tensor_hooks(fn) if _INNER_HOOKS else fn)(*args, **kwargs)
     if has_aux:
@@ -135,7 +136,7 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
     if not isinstance(output, torch.Tensor) or output.dim() != 0:
         return None
     flat = [t for leaves in diff_leaves for t in leaves]
-    outer = output.requires_grad and _reaches_other_leaves(output, flat)
+    outer = recording and output.requires_grad and _reaches_other_leaves(output, flat)
     # Detached before the backward pass, so that every op after it is the caller's
     # (the accounting counter names ops after the backward pass "update").
     value = output if outer else output.detach()

@@ -101,10 +101,14 @@ def test_closed_over_tensor_requiring_grad_keeps_gradients_differentiable():
     assert d1.item() == d2.item() == pytest.approx(15.0)
 
 
+@pytest.mark.parametrize("recording", [True, False])
 @pytest.mark.parametrize("source", ["argument", "keyword", "non-leaf argument", "closure"])
-def test_a_tensor_not_differentiated_that_requires_grad_keeps_gradients_differentiable(source):
+def test_a_tensor_not_differentiated_that_requires_grad_keeps_gradients_differentiable(
+    source, recording
+):
     """Every way a tensor that requires grad reaches the function besides the differentiated
-    argument: value and grads equal torch.func's, and differentiate alike through it."""
+    argument: value and grads equal torch.func's, and differentiate alike through it; called
+    under no_grad, neither is differentiable, as torch.func's are not."""
     scale = torch.tensor([0.5, 2.0], requires_grad=True)
 
     def loss(w, x=None, *, k=None):
@@ -114,8 +118,12 @@ def test_a_tensor_not_differentiated_that_requires_grad_keeps_gradients_differen
     x = {"argument": scale, "non-leaf argument": scale * 1.0}.get(source)
     kwargs = {"k": scale} if source == "keyword" else {}
     w = torch.tensor([1.0, 2.0])
-    got, want = mt.value_and_grad(loss)(w, x, **kwargs), _reference(loss)(w, x, **kwargs)
+    with torch.set_grad_enabled(recording):
+        got, want = mt.value_and_grad(loss)(w, x, **kwargs), _reference(loss)(w, x, **kwargs)
     _assert_same(got, want)
+    if not recording:
+        assert not got[1].requires_grad and not got[0].requires_grad
+        return
     assert got[1].requires_grad  # d/dscale of sum(3 scale w^2) = 3 w^2
     (d1,), (d2,) = (
         torch.autograd.grad(g.sum(), scale, retain_graph=True) for g in (got[1], want[1])
