@@ -56,16 +56,19 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     params = _differentiable(params)
     shape = getattr(getattr(optimizer.update, "lowered", None), "shape", None)
     lr = members.plain_sgd_lr(shape)
-    leaves = _leaves_of(params) if lr is not None else []
-    if not (leaves and all(isinstance(p, Tensor) and p.is_floating_point() for p in leaves)):
-        lr = None
+    if lr is not None:  # flattened once, for the adds below
+        leaves, structure = _pytree.tree_flatten(params)
+        lr = lr if leaves and all(isinstance(p, Tensor) and p.is_floating_point()
+                                  for p in leaves) else None
     state = optimizer.init(params) if lr is None else None
     grad_and_value = torch.func.grad_and_value(loss_fn)
     losses = []
     for batch in batches:
         grads, loss = grad_and_value(params, batch)
         if lr is not None:  # plain SGD: torch.optim.SGD's one op a leaf, the chain's checks met
-            params = _sgd_step(params, grads, lr)
+            leaves = [torch.add(p, g, alpha=-lr) for p, g in zip(
+                leaves, _pytree.tree_leaves(grads), strict=True)]
+            params = _pytree.tree_unflatten(leaves, structure)
         elif isinstance(optimizer, Optimizer):
             params, state = optimizer.update(grads, state, params)
         else:
@@ -82,24 +85,6 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
                       for i in range(shape.length))
     return Unrolled(params, state, torch.stack(losses) if len(losses) > 1 else
                     losses[0].unsqueeze(0))  # one op fewer under vmap: about 1% of a MAML step
-
-
-def _leaves_of(params: Params) -> list:
-    """The leaves of ``params``: a flat dict's values (``from_module``'s params) without a
-    flatten."""
-    return list(params.values()) if type(params) is dict and all(
-        isinstance(p, Tensor) for p in params.values()) else _pytree.tree_leaves(params)
-
-
-def _sgd_step(params: Params, grads: Params, lr: float) -> Params:
-    """``p - lr g`` a leaf by ``torch.add(p, g, alpha=-lr)``, torch.optim.SGD's one op. A flat
-    dict (``from_module``'s params) takes a dict comprehension: under ``vmap`` and ``grad`` a
-    flatten and unflatten cost about 1% of a MAML step (``benchmarks/research.py``)."""
-    if type(params) is dict and all(isinstance(p, Tensor) for p in params.values()):
-        return {name: torch.add(p, grads[name], alpha=-lr) for name, p in params.items()}
-    leaves, structure = _pytree.tree_flatten(params)
-    return _pytree.tree_unflatten([torch.add(p, g, alpha=-lr) for p, g in zip(
-        leaves, _pytree.tree_leaves(grads), strict=True)], structure)
 
 
 def _differentiable(params: Params) -> Params:
