@@ -12,6 +12,10 @@ per-round ratios minitrain / peer with its 95% interval:
 * ``maml`` (<= 1.05): examples/maml_sine.py's meta-step: ``vmap`` over tasks of
   ``mt.optim.unroll`` (SGD) on the support points, Adam on the query loss; the peer adapts with
   ``torch.func.grad`` and ``p - lr * g`` by hand, ``loss.backward()``, ``torch.optim.Adam``.
+  ``maml run`` (no target) is the same pair with minitrain's step under ``torch.no_grad()``, as
+  ``minitrain run`` takes each step: ``mt.value_and_grad`` then skips its walk of the graph for
+  closed-over tensors that require grad (the grads stay differentiable through them in grad
+  mode, as ``torch.func``'s do).
 * ``dp-sgd`` (<= 1.10): ``mt.vmap(mt.value_and_grad(loss))`` per-example grads, then
   ``mt.optim.dpsgd`` (optax's ``contrib.dpsgd``: ``differentially_private_aggregate`` and SGD,
   noise from ``mt.random``'s Threefry); the peer clips by hand, draws ``torch.randn`` noise and
@@ -45,8 +49,8 @@ from torch import nn
 import minitrain as mt
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-TARGETS = {"gpt": 1.05, "maml": 1.05, "dp-sgd": 1.10, "dp-sgd example": None, "ensemble": 1.05,
-           "per-example norm": None}
+TARGETS = {"gpt": 1.05, "maml": 1.05, "maml run": None, "dp-sgd": 1.10, "dp-sgd example": None,
+           "ensemble": 1.05, "per-example norm": None}
 SIZES = {
     "default": {"dim": 128, "layers": 4, "seq": 64, "batch": 16, "tasks": 25, "inner_steps": 1,
                 "dp_batch": 64, "members": 8, "points": 256},
@@ -151,6 +155,19 @@ def maml_steppers(size: dict) -> Steppers:
 
     return {"minitrain": minitrain_step, "peer": peer_step,
             "params": lambda: (mt.tree.leaves(ours["params"]), mt.tree.leaves(peer))}
+
+
+def maml_run_steppers(size: dict) -> Steppers:
+    """:func:`maml_steppers` with minitrain's step under ``torch.no_grad()``, as ``minitrain
+    run`` takes it."""
+    steppers = maml_steppers(size)
+    step = steppers["minitrain"]
+
+    def under_no_grad() -> None:
+        with torch.no_grad():
+            step()
+
+    return {**steppers, "minitrain": under_no_grad}
 
 
 def dp_sgd_steppers(size: dict, noise: bool = True) -> tuple[Steppers, Steppers]:
@@ -263,7 +280,8 @@ def check_same_updates(size: dict) -> None:
     """Each pair takes the same first step from the same start (DP-SGD without noise), or
     this raises: a ratio between two steps that compute different things means nothing."""
     pairs = {row: builder(size) for row, builder in
-             (("gpt", gpt_steppers), ("maml", maml_steppers), ("ensemble", ensemble_steppers))}
+             (("gpt", gpt_steppers), ("maml", maml_steppers), ("maml run", maml_run_steppers),
+              ("ensemble", ensemble_steppers))}
     pairs["dp-sgd"] = dp_sgd_steppers(size, noise=False)[0]  # each pair its own peer
     pairs["dp-sgd example"] = dp_sgd_steppers(size, noise=False)[1]
     for row, steppers in pairs.items():
@@ -278,8 +296,8 @@ def check_same_updates(size: dict) -> None:
 
 def measure(size: dict, rounds: int, inner: int, rows: list[str]) -> dict[str, Any]:
     """Per row: best-round milliseconds of each side, the paired median ratio and interval."""
-    builders = {"gpt": gpt_steppers, "maml": maml_steppers, "ensemble": ensemble_steppers,
-                "per-example norm": norm_steppers}
+    builders = {"gpt": gpt_steppers, "maml": maml_steppers, "maml run": maml_run_steppers,
+                "ensemble": ensemble_steppers, "per-example norm": norm_steppers}
     results = {}
     for row in rows:
         if row in ("dp-sgd", "dp-sgd example"):

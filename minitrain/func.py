@@ -78,7 +78,11 @@ def value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
     """Return ``f(*args) -> (value, grads)``; with ``has_aux``, ``((value, aux), grads)``.
 
-    Activation checkpointing (``use_reentrant=False``) works inside ``fn``.
+    Activation checkpointing (``use_reentrant=False``) works inside ``fn``. As ``torch.func``'s,
+    the grads stay differentiable through a tensor that requires grad which ``fn`` closes over
+    (a hyperparameter learned by hypergradient), except under ``torch.no_grad()``; finding one
+    takes a walk of the autograd graph, which a caller under ``no_grad`` (``minitrain run``'s
+    steps) skips.
 
     >>> f = lambda p: ((p["w"] ** 2).sum(), {"w_max": p["w"].max()})
     >>> (v, aux), g = value_and_grad(f, has_aux=True)({"w": torch.tensor([1.0, 2.0])})
