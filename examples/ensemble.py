@@ -49,9 +49,9 @@ member_grads = mt.vmap(mt.value_and_grad(loss), in_dims=(0, None, None))
 def make_ensemble_step(optimizer):
     """The members' train step under ``optimizer`` (:func:`adam_per_member`, say)."""
 
-    def ensemble_step(params, state, x, y):
+    def ensemble_step(params, state, x, y):  # the old params and state are written over
         values, grads = member_grads(params, x, y)
-        params, state = optimizer.update(grads, state, params)
+        params, state = optimizer.update(grads, state, params, donate=True)
         return params, state, values
 
     return ensemble_step

@@ -343,7 +343,8 @@ def as_optimizer(tx: GradientTransformation, *, strict: bool = False) -> Optimiz
             split_extra_args("as_optimizer", [tx], extra)
         elif lowered is not None:  # traced plain SGD, one kernel call, or one over vmap members
             result = members.traced_sgd(lowered.shape, grads, state, params) or lowered(
-                grads, state, params, donate) or members.run(lowered.shape, grads, state, params)
+                grads, state, params, donate) or members.run(lowered.shape, grads, state, params,
+                                                             donate)
             if result is not None:
                 return result
         if strict and not torch.compiler.is_compiling():  # traced: checked when it was eager

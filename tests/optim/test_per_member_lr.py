@@ -126,6 +126,31 @@ def test_float32_members_run_as_one_kernel_call(monkeypatch):
     torch.testing.assert_close(kernel, o.apply_updates(params, updates))
 
 
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_donated_members_are_written_in_place_and_equal_the_undonated(rule):
+    """Every rule, float32, 5 steps: ``donate=True`` writes the params and state in place (their
+    storage kept, versions bumped) with the same numbers as new buffers get; a grad that is its
+    param (storages that meet) takes new buffers instead, with the same numbers again."""
+    opt, params = _per_member(rule, LRS), _stacked_params(torch.float32)
+    kept, donated = (params, opt.init(params)), mt.tree.map(torch.clone, (params, opt.init(params)))
+    for step in range(5):
+        grads = mt.tree.map(lambda t, step=step: torch.sin(t * (step + 1)), kept[0])
+        pointers = [t.data_ptr() for t in mt.tree.leaves(donated[0])]
+        versions = [t._version for t in mt.tree.leaves(donated[0])]
+        kept = opt.update(grads, kept[1], kept[0])
+        donated = opt.update(mt.tree.map(torch.clone, grads), donated[1], donated[0], donate=True)
+        assert [t.data_ptr() for t in mt.tree.leaves(donated[0])] == pointers
+        bumped = zip(mt.tree.leaves(donated[0]), versions, strict=True)
+        assert all(t._version > v for t, v in bumped)
+        for a, b in zip(mt.tree.leaves(kept), mt.tree.leaves(donated), strict=True):
+            assert torch.equal(a, b)
+    aliased = mt.tree.map(torch.clone, donated)
+    params, _ = opt.update(aliased[0], aliased[1], aliased[0], donate=True)  # grads = params
+    want, _ = opt.update(mt.tree.map(torch.clone, donated[0]), *donated[1:], donated[0])
+    assert all(torch.equal(a, b) for a, b in zip(mt.tree.leaves(params), mt.tree.leaves(want),
+                                                 strict=True))
+
+
 @pytest.mark.parametrize("lr, message", [
     (torch.tensor([0.1, -0.1, 0.1, 0.1]), "non-negative"),
     (torch.tensor([1, 2, 3, 4]), "floating-point"),

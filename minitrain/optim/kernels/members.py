@@ -26,10 +26,12 @@ __all__ = ["run", "plain_sgd_lr", "traced_sgd"]
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
+def run(shape: Any, grads: Any, state: tuple, params: Any,
+        donate: bool = False) -> tuple[Any, tuple] | None:
     """The new ``(params, state)`` of vmapped members, each updated as the chain would update
-    it, or of stacked members outside vmap at a learning rate each (a 1-D ``lr``); None where
-    the members cannot run as one kernel call (the chain then runs)."""
+    it, or of stacked members outside vmap at a learning rate each (a 1-D ``lr``; ``donate``:
+    written in place where no written leaf meets another or a grad); None where the members
+    cannot run as one kernel call (the chain then runs)."""
     # plain SGD (no rule, no state) is two ops a leaf under vmap: less than the call's own cost
     if torch.compiler.is_compiling() or not shape.positions or shape.clip is not None or not \
             streaming.quiet() or not streaming.available() or \
@@ -37,7 +39,7 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
         return None
     top = _torch.peek_interpreter_stack()
     if top is None or top.key() != _torch.vmap_transform:
-        return _per_member(shape, grads, state, params)
+        return _per_member(shape, grads, state, params, donate)
     level = top.level()
 
     def take(value: Any) -> Any:  # a batched tensor's members, stacked on dim 0
@@ -78,7 +80,8 @@ def run(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] 
                     _torch.add_batch_dim(torch.tensor(values, dtype=dtype, device="cpu"), 0, level))
 
 
-def _per_member(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any, tuple] | None:
+def _per_member(shape: Any, grads: Any, state: tuple, params: Any,
+                donate: bool) -> tuple[Any, tuple] | None:
     """Stacked members outside vmap, member ``m`` (slice ``m`` of each leaf) at ``lr[m]``."""
     lr = shape.lr
     if not isinstance(lr, Tensor) or type(lr) not in _PLAIN or lr.dim() != 1 or \
@@ -92,7 +95,7 @@ def _per_member(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any,
         return None  # (the chain names the fault)
     found = _stacked(shape, (p_leaves, g_leaves, params, structure), state, list(state), {},
                      {id(lr): lr.tolist()}, lambda t: t,
-                     lambda values, dtype: torch.scalar_tensor(values[0], dtype=dtype))
+                     lambda values, dtype: torch.scalar_tensor(values[0], dtype=dtype), donate)
     if found is None:
         return None
     new_state = list(found[1])
@@ -101,10 +104,11 @@ def _per_member(shape: Any, grads: Any, state: tuple, params: Any) -> tuple[Any,
 
 
 def _stacked(shape: Any, leaves: tuple, state: tuple, stacked_state: list, numbers: dict,
-             hyper: dict, wrap: Any, number: Any) -> tuple[Any, tuple] | None:
+             hyper: dict, wrap: Any, number: Any, donate: bool = False) -> tuple[Any, tuple] | None:
     """The members' update as one kernel call over ``leaves`` (stacked params, grads, the
     params and their structure), its results ``wrap``-ped; the new state's numbers
-    ``number(values, dtype)`` makes."""
+    ``number(values, dtype)`` makes. ``donate``: into the params and buffers, where no written
+    storage meets another or a grad's (else into new ones)."""
     ps, gs, params, structure = leaves
     size = ps[0].shape[0]
     reads = _reads(shape, stacked_state, numbers, hyper, size)
@@ -118,18 +122,26 @@ def _stacked(shape: Any, leaves: tuple, state: tuple, stacked_state: list, numbe
     if buffers is None or any(t.shape[:1] != (size,) for t in (*ps, *gs)):
         return None
     rows = [ps, gs, *buffers]
-    found = pointers(rows, dtype=torch.float32)
+    found = pointers(rows, dtype=torch.float32, read=1 if donate else None)
+    if found is None and donate:  # leaves that meet: into new buffers
+        donate, found = False, pointers(rows, dtype=torch.float32)
     if found is None:
         return None
-    outputs = pool.current()
-    outputs.begin_update()
-    results = [None if row is None else outputs(row) for row in (ps, *buffers)]
-    written = pointers(results, like=ps)
+    if donate:
+        results, written = [ps, *buffers], [found[0], *found[2:]]
+    else:
+        outputs = pool.current()
+        outputs.begin_update()
+        results = [None if row is None else outputs(row) for row in (ps, *buffers)]
+        written = pointers(results, like=ps)
     hp = _hyperparameter_rows(shape, reads, flags)
     if written is None or hp is None:
         return None
     streaming.launch(hp[0], hp[1], _slices([*found, *written], ps, size),
                      [t.numel() // size for t in ps for _ in range(size)], False)
+    if donate:  # written in place: their versions bumped, as an in-place op's are
+        torch.autograd.graph.increment_version([t for row in results if row is not None
+                                                for t in row])
     new = [None if row is None else [wrap(t) for t in row] for row in results]
     return tree.unflatten(structure, new[0]), lowering._new_state(
         shape, state, fields, new[1:], structure, reads, number)
