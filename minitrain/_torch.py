@@ -64,8 +64,9 @@ def _flat_dict_spec(keys: tuple) -> typing.Any:
 
 def _tree_flatten(tree: typing.Any, is_leaf: typing.Any = None) -> tuple[list, typing.Any]:
     if type(tree) is dict and is_leaf is None:  # params and grads: a quarter of optree's time
-        leaves = list(tree.values())
-        if all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in leaves):
+        leaves = list(tree.values())  # (str keys: 1, 1.0 and True are one key to the cache)
+        if all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in leaves) and \
+                all(type(k) is str for k in tree):
             return leaves, _flat_dict_spec(tuple(tree))
     leaves, spec = _cxx_pytree.tree_flatten(tree, is_leaf)
     return _pytree.tree_flatten(tree, is_leaf) if _python_only_node(leaves) else (leaves, spec)

@@ -38,7 +38,9 @@ def test_map_and_leaves_roundtrip(tree):
 
 parameters = tensors.map(lambda t: torch.nn.Parameter(t, requires_grad=t.is_floating_point()))
 flat_dicts = st.dictionaries(
-    keys, st.one_of(tensors, parameters, st.none(), st.integers()), max_size=6
+    st.one_of(keys, st.integers(0, 2), st.sampled_from([0.0, 1.0, True, False])),
+    st.one_of(tensors, parameters, st.none(), st.integers()),
+    max_size=6,
 )
 
 
@@ -55,8 +57,18 @@ def test_flatten_is_torchs_cxx_pytree(tree):
     rebuilt_leaves, rebuilt_spec = torch.utils._cxx_pytree.tree_flatten(rebuilt)
     assert rebuilt_spec == want_spec
     assert all(a is b for a, b in zip(rebuilt_leaves, want_leaves, strict=True))
-    if isinstance(tree, dict):
-        assert list(rebuilt) == list(tree)  # the keys' order kept
+    if isinstance(tree, dict):  # the keys' order and types kept (1, 1.0 and True are equal)
+        assert [(type(k), k) for k in rebuilt] == [(type(k), k) for k in tree]
+
+
+@pytest.mark.parametrize("first, second", [(1, 1.0), (1, True), (0.0, False), ("a", "a")])
+def test_flatten_keeps_the_type_of_equal_keys(first, second):
+    """A dict flattened after one whose key is equal but of another type keeps its own key."""
+    t = torch.ones(1)
+    mt._torch.pytree.tree_flatten({first: t})
+    leaves, spec = mt._torch.pytree.tree_flatten({second: t})
+    (key,) = mt._torch.pytree.tree_unflatten(leaves, spec)
+    assert type(key) is type(second)
 
 
 @settings(deadline=None, max_examples=60)
