@@ -119,39 +119,45 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
     graph (its grads must then stay differentiable), or an output ``torch.func`` refuses (it
     then words the error). Any other tensor that requires grad (closed over, or an argument not
     differentiated) makes the grads differentiable, as ``torch.func`` does."""
-    args, wrapped = list(args), _torch.is_functorch_wrapped_tensor
-    diff_leaves, specs = [], []
+    args, wrapped, tensor = list(args), _torch.is_functorch_wrapped_tensor, torch.Tensor
+    flat, specs = [], []
     for n in nums:
         leaves, spec = pytree.tree_flatten(args[n])
-        if not all(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-                   and not t.requires_grad and not wrapped(t) for t in leaves):
-            return None
+        for t in leaves:
+            if not (isinstance(t, tensor) and (t.is_floating_point() or t.is_complex())
+                    and not t.requires_grad and not wrapped(t)):
+                return None
         leaves = [t.detach().requires_grad_() for t in leaves]
         args[n] = pytree.tree_unflatten(leaves, spec)
-        diff_leaves.append(leaves)
-        specs.append(spec)
+        flat += leaves
+        specs.append((spec, len(leaves)))
     recording = torch.is_grad_enabled()  # else nothing outside can differentiate the grads
-    with torch.enable_grad():
-        output = (_with_saved_tensor_hooks(fn) if _INNER_HOOKS else fn)(*args, **kwargs)
+    if recording and not _INNER_HOOKS:
+        output = fn(*args, **kwargs)
+    else:
+        with torch.enable_grad():
+            output = (_with_saved_tensor_hooks(fn) if _INNER_HOOKS else fn)(*args, **kwargs)
     if has_aux:
         if not (isinstance(output, tuple) and len(output) == 2):
             return None
         output, aux = output
     if not isinstance(output, torch.Tensor) or output.dim() != 0:
         return None
-    flat = [t for leaves in diff_leaves for t in leaves]
     outer = recording and output.requires_grad and _reaches_other_leaves(output, flat)
     # Detached before the backward pass, so that every op after it is the caller's
     # (the accounting counter names ops after the backward pass "update").
     value = output if outer else output.detach()
     if has_aux:
         value = (value, _detached_aux(aux, keep_graph=outer))
-    found = [None] * len(flat)
-    if output.requires_grad:
-        found = torch.autograd.grad(output, flat, allow_unused=True, create_graph=outer)
-    found = iter(torch.zeros_like(t) if g is None else g for t, g in zip(flat, found, strict=True))
-    return value, tuple(pytree.tree_unflatten([next(found) for _ in leaves], spec)
-                        for leaves, spec in zip(diff_leaves, specs, strict=True))
+    found = torch.autograd.grad(output, flat, allow_unused=True, create_graph=outer) \
+        if output.requires_grad else [None] * len(flat)
+    if any(g is None for g in found):  # (not `None in found`: that compares tensors)
+        found = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, found, strict=True)]
+    grads, at = [], 0
+    for spec, size in specs:
+        grads.append(pytree.tree_unflatten(list(found[at:at + size]), spec))
+        at += size
+    return value, tuple(grads)
 
 
 def _reaches_other_leaves(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:

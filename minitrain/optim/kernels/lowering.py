@@ -246,7 +246,7 @@ def _number(value: Any) -> float | None:
         if value.numel() != 1 or value.requires_grad or type(value) not in _PLAIN or \
                 is_traced(value):
             return None
-        return float(value.detach().reshape(()).item())
+        return float(value.item())
     return float(value)
 
 
@@ -429,14 +429,18 @@ def _kernels(shape, rows, found, read, groups, donate, use_c):
     outputs = None if donate or not use_c else pool.current()  # None: in place, or torch's
     if outputs is not None:
         outputs.begin_update()
-    new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
+    new_rows = None
     for group, frame, (name, hp, _) in plans:
-        picked, at = ([None if row is None else [row[i] for i in group] for row in table]
-                      for table in ((ps, gs, *buffers), found))
+        whole = len(group) == len(ps)  # every leaf (no weight-decay mask): the rows as they are
+        picked, at = ([ps, gs, *buffers], found) if whole else (
+            [None if row is None else [row[i] for i in group] for row in table]
+            for table in ((ps, gs, *buffers), found))
         results = streaming.run(name, hp, picked, at, outputs) if use_c else _fused(
             shape, picked, read, frame, donate)
-        if results is None:
-            return None
+        if results is None or whole:
+            return None if results is None else (results[0], results[1:])
+        if new_rows is None:
+            new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
         for new, out in zip(new_rows, results, strict=True):
             if new is not None:
                 for position, i in enumerate(group):

@@ -87,17 +87,17 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
                          f"leaves or per leaf), got {[len(hp) for hp in per_leaf]}; pass them "
                          f"in the order _streaming.c lists")  # (an unknown rule is C's to refuse)
     inputs = (len(rows) + 1) // 2  # then the outputs of the params and buffers
-    for row, slot in zip(rows, [*range(inputs), 0, *range(2, inputs)], strict=False):
+    for index in [i for i, row in enumerate(rows) if row is None]:
+        slot = index if index < inputs else (0 if index == inputs else index - inputs + 1)
         flag = OPTIONAL.get(rule, {}).get(slot)
-        if row is None and (flag is None or any(hp[flag] != 0 for hp in per_leaf)):
+        if flag is None or any(hp[flag] != 0 for hp in per_leaf):
             raise ValueError(f"streaming rule {rule!r} reads row {slot}; pass it")
     # The arrays are named: C reads them after the expression that made them.
     hp = array.array("d", itertools.chain.from_iterable(per_leaf))
     counts = array.array("q", sizes)
-    addresses = array.array("Q", bytes(8 * len(sizes) * len(rows)))  # leaf by leaf, row by row
-    for index, row in enumerate(rows):
-        if row is not None:
-            addresses[index::len(rows)] = array.array("Q", row)
+    absent = [0] * len(sizes)  # leaf by leaf, row by row
+    addresses = array.array("Q", itertools.chain.from_iterable(
+        zip(*[absent if row is None else row for row in rows], strict=True)))
     status = _library().minitrain_update(
         rule, hp.buffer_info()[0], takes if len(per_leaf) > 1 else 0, addresses.buffer_info()[0],
         counts.buffer_info()[0], len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
