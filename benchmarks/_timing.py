@@ -220,19 +220,21 @@ def child_command(script: str | Path, options: list[str]) -> list[str]:
 
 def child_options(command: click.Command, params: dict, not_forwarded: set[str]) -> list[str]:
     """The options of one child process: every option of ``command`` as ``params`` holds it
-    (defaults too), less those named in ``not_forwarded``.
+    (defaults too), less those named in ``not_forwarded`` and those left unset (None).
 
     >>> @click.command()
     ... @click.option("--size", default=8)
+    ... @click.option("--threads", type=int, default=None)
     ... @click.option("--cold", is_flag=True)
     ... @click.option("--json", "as_json", is_flag=True)
-    ... def bench(size, cold, as_json): ...
+    ... def bench(size, threads, cold, as_json): ...
     >>> child_options(bench, bench.make_context("bench", ["--cold", "--json"]).params, {"as_json"})
     ['--size', '8', '--cold']
     """
     options: list[str] = []
     for param in command.params:
-        if param.name in not_forwarded or not isinstance(param, click.Option):
+        if param.name in not_forwarded or not isinstance(param, click.Option) or \
+                params[param.name] is None:
             continue
         flag, value = param.opts[0], params[param.name]
         if param.is_flag:
@@ -284,10 +286,15 @@ def run_children(script: str | Path, options: list[str], processes: int,
 
 
 def figures(result: dict[str, Any]) -> dict[str, tuple[float, float | None]]:
-    """Figure name -> (paired median ratio, target or None) of one process's ``optim.py --json``
-    result: each alias pure and donated, each chain pure (its target) and donated, each family
-    member timed (a skipped member has none). The targets are the ones the measurement reports."""
-    rows: dict[str, tuple[float, float | None]] = {}
+    """Figure name -> (paired median ratio, target or None) of one process's ``--json``
+    result: of ``optim.py``, each alias pure and donated, each chain pure (its target) and
+    donated, each family member timed (a skipped member has none); of ``research.py``, each row.
+    The targets are the ones the measurement reports."""
+    rows: dict[str, tuple[float, float | None]] = {
+        name: (entry["paired_median_ratio"], entry["target"])
+        for name, entry in result.get("rows", {}).items()}
+    if "rows" in result:
+        return rows
     for name, entry in result["results"].items():
         for side, ratio in entry["paired_median_ratios"].items():
             rows[f"{name} {side} / {entry['peer']}"] = (ratio, entry["targets"].get(side))

@@ -440,7 +440,7 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
             click.echo(f"  {name:28s} {seconds * 1e3:8.3f} ms  {faults:8.0f} page faults/call")
 
 
-NOT_FORWARDED = {"processes", "as_json"}
+NOT_FORWARDED = {"processes", "as_json", "page"}  # the parent writes the page
 """Options a child process does not get: it runs once and prints JSON."""
 
 

@@ -28,6 +28,10 @@ per-round ratios minitrain / peer with its 95% interval:
   with per-member learning rates by hand, in place.
 * ``per-example norm`` (no target): ``mt.tree.per_example_global_norm`` against
   ``mt.vmap(mt.tree.global_norm)`` on the ensemble's per-example grads.
+
+``--processes N`` repeats the whole measurement in N fresh processes and gives each row's median
+across them, with how many processes were over its target (:func:`_timing.summarize`): two
+processes can disagree by more than one process's interval.
 """
 
 from __future__ import annotations
@@ -43,7 +47,17 @@ import click
 import torch
 import torch.nn.functional as F
 from _pages import page
-from _timing import main, paired, paired_median_ratio, paired_ratio_interval, time_rounds
+from _timing import (
+    child_options,
+    main,
+    paired,
+    paired_median_ratio,
+    paired_ratio_interval,
+    run_children,
+    summarize,
+    summary_lines,
+    time_rounds,
+)
 from torch import nn
 
 import minitrain as mt
@@ -328,10 +342,18 @@ def measure(size: dict, rounds: int, inner: int, rows: list[str]) -> dict[str, A
               help="Steps per round.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads (default: torch's).")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the whole measurement in this many fresh processes, one after "
+                   "another, and give each row's median across them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def research(size: str, rows: tuple[str, ...], rounds: int, inner: int, threads: int | None,
-             as_json: bool) -> None:
+             processes: int, as_json: bool) -> None:
     """Research patterns (GPT, MAML, DP-SGD, ensemble) against plain torch.func."""
+    if processes > 1:
+        context = click.get_current_context()
+        _across_processes(child_options(context.command, context.params, NOT_FORWARDED),
+                          processes, as_json)
+        return
     if threads is not None:
         torch.set_num_threads(threads)
     check_same_updates(SIZES[size])
@@ -347,6 +369,30 @@ def research(size: str, rows: tuple[str, ...], rounds: int, inner: int, threads:
         ms = entry["ms"]
         click.echo(f"  {row:17s} {ms['minitrain']:8.2f} ms vs {ms['peer']:8.2f} ms  "
                    f"{paired(entry['paired_median_ratio'], entry['interval'])}{target}")
+
+
+NOT_FORWARDED = {"processes", "as_json", "page"}  # the parent writes the page
+
+
+def _across_processes(options: list[str], processes: int, as_json: bool) -> None:
+    """Run ``processes`` children of this script with ``options`` and print each row's median
+    across them."""
+    def progress(done: int) -> None:
+        click.echo(f"process {done} of {processes} done", err=True)
+
+    results = run_children(Path(__file__).resolve(), options, processes, progress=progress)
+    summary = summarize(results)
+    if as_json:
+        click.echo(json.dumps({"processes": results, "summary": summary}, indent=2))
+        return
+    first = results[0]
+    click.echo(f"minitrain / plain torch.func, {first['rounds']} rounds x {first['inner']} "
+               f"steps, {first['threads']} threads; {processes} processes one after another, "
+               "each giving the paired median ratio over its interleaved rounds. Per row: the "
+               "median across processes [its 95% interval], how many processes were over the "
+               "target, each process's ratio")
+    for line in summary_lines(summary):
+        click.echo(line)
 
 
 if __name__ == "__main__":
