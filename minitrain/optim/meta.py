@@ -53,11 +53,14 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
                          f"got {type(optimizer).__name__}")
     if not callable(loss_fn):
         raise ValueError("unroll needs loss_fn(params, batch) -> 0-d tensor")
-    params = _differentiable(params)
+    if torch.is_grad_enabled() and _torch.peek_interpreter_stack() is None:
+        params = _differentiable(params)
     shape = getattr(getattr(optimizer.update, "lowered", None), "shape", None)
     lr = members.plain_sgd_lr(shape)
-    if lr is not None:  # flattened once, for the adds below
-        leaves, structure = _pytree.tree_flatten(params)
+    if lr is not None:  # flattened once, for the adds below (a dict of tensors as it is)
+        keys = list(params) if type(params) is dict else None
+        leaves, structure = (list(params.values()), None) if keys is not None else \
+            _pytree.tree_flatten(params)
         lr = lr if leaves and all(isinstance(p, Tensor) and p.is_floating_point()
                                   for p in leaves) else None
     state = optimizer.init(params) if lr is None else None
@@ -66,9 +69,10 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     for batch in batches:
         grads, loss = grad_and_value(params, batch)
         if lr is not None:  # plain SGD: torch.optim.SGD's one op a leaf, the chain's checks met
-            leaves = [torch.add(p, g, alpha=-lr) for p, g in zip(
-                leaves, _pytree.tree_leaves(grads), strict=True)]
-            params = _pytree.tree_unflatten(leaves, structure)
+            leaves = [torch.add(p, g, alpha=-lr) for p, g in zip(leaves, [grads[k] for k in keys]
+                      if keys is not None else _pytree.tree_leaves(grads), strict=True)]
+            params = dict(zip(keys, leaves, strict=True)) if keys is not None else \
+                _pytree.tree_unflatten(leaves, structure)
         elif isinstance(optimizer, Optimizer):
             params, state = optimizer.update(grads, state, params)
         else:
@@ -88,12 +92,10 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
 
 
 def _differentiable(params: Params) -> Params:
-    """``params`` with every plain floating leaf requiring grad (an alias where it did not),
-    when grad mode is on: so every update takes the differentiable path, even where only a
-    hyperparameter the optimizer does not watch (eps, a value kept in its state) needs grad."""
-    if not torch.is_grad_enabled() or _torch.peek_interpreter_stack() is not None:
-        return params  # no autograd, or torch.func's: traced leaves take the plain path
-
+    """``params`` with every plain floating leaf requiring grad (an alias where it did not), for
+    grad mode outside ``torch.func`` transforms (inside one, traced leaves take the plain path):
+    so every update takes the differentiable path, even where only a hyperparameter the
+    optimizer does not watch (eps, a value kept in its state) needs grad."""
     def leaf(p: Any) -> Any:
         if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
                 or is_traced(p)):
