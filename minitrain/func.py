@@ -54,20 +54,16 @@ def saved_tensor_hooks_inside(
         _INNER_HOOKS.remove(pair)
 
 
-def _enter_inner_hooks(stack: contextlib.ExitStack) -> None:
-    """Enter the :func:`saved_tensor_hooks_inside` hooks on ``stack``."""
-    _torch.saved_tensors_hooks_enable()  # allowed inside a transform
-    for pack, unpack in list(_INNER_HOOKS):
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-
-
 def _with_saved_tensor_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with saved-tensor hooks (and activation checkpointing) allowed inside a transform."""
+    """``fn`` with saved-tensor hooks (and activation checkpointing) allowed inside a transform,
+    and the :func:`saved_tensor_hooks_inside` hooks entered."""
 
     @functools.wraps(fn)
     def allowed(*args: Any, **kwargs: Any) -> Any:
         with contextlib.ExitStack() as stack:
-            _enter_inner_hooks(stack)
+            _torch.saved_tensors_hooks_enable()  # allowed inside a transform
+            for pack, unpack in list(_INNER_HOOKS):
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             return fn(*args, **kwargs)
 
     return allowed
@@ -123,10 +119,9 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
     flat, specs = [], []
     for n in nums:
         leaves, spec = pytree.tree_flatten(args[n])
-        for t in leaves:
-            if not (isinstance(t, tensor) and (t.is_floating_point() or t.is_complex())
-                    and not t.requires_grad and not wrapped(t)):
-                return None
+        if not all(isinstance(t, tensor) and (t.is_floating_point() or t.is_complex())
+                   and not t.requires_grad and not wrapped(t) for t in leaves):
+            return None
         leaves = [t.detach().requires_grad_() for t in leaves]
         args[n] = pytree.tree_unflatten(leaves, spec)
         flat += leaves
@@ -153,11 +148,9 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
         if output.requires_grad else [None] * len(flat)
     if any(g is None for g in found):  # (not `None in found`: that compares tensors)
         found = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, found, strict=True)]
-    grads, at = [], 0
-    for spec, size in specs:
-        grads.append(pytree.tree_unflatten(list(found[at:at + size]), spec))
-        at += size
-    return value, tuple(grads)
+    found = iter(found)
+    return value, tuple(pytree.tree_unflatten([next(found) for _ in range(size)], spec)
+                        for spec, size in specs)
 
 
 def _reaches_other_leaves(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:

@@ -429,7 +429,7 @@ def _kernels(shape, rows, found, read, groups, donate, use_c):
     outputs = None if donate or not use_c else pool.current()  # None: in place, or torch's
     if outputs is not None:
         outputs.begin_update()
-    new_rows = None
+    new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
     for group, frame, (name, hp, _) in plans:
         whole = len(group) == len(ps)  # every leaf (no weight-decay mask): the rows as they are
         picked, at = ([ps, gs, *buffers], found) if whole else (
@@ -439,8 +439,6 @@ def _kernels(shape, rows, found, read, groups, donate, use_c):
             shape, picked, read, frame, donate)
         if results is None or whole:
             return None if results is None else (results[0], results[1:])
-        if new_rows is None:
-            new_rows = [None if row is None else list(row) for row in (ps, *buffers)]
         for new, out in zip(new_rows, results, strict=True):
             if new is not None:
                 for position, i in enumerate(group):

@@ -95,9 +95,8 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
     # The arrays are named: C reads them after the expression that made them.
     hp = array.array("d", itertools.chain.from_iterable(per_leaf))
     counts = array.array("q", sizes)
-    absent = [0] * len(sizes)  # leaf by leaf, row by row
-    addresses = array.array("Q", itertools.chain.from_iterable(
-        zip(*[absent if row is None else row for row in rows], strict=True)))
+    addresses = array.array("Q", itertools.chain.from_iterable(zip(  # leaf by leaf, row by row
+        *[[0] * len(sizes) if row is None else row for row in rows], strict=True)))
     status = _library().minitrain_update(
         rule, hp.buffer_info()[0], takes if len(per_leaf) > 1 else 0, addresses.buffer_info()[0],
         counts.buffer_info()[0], len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
