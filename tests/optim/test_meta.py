@@ -8,6 +8,8 @@ the lr, the weight decay and the initial params, and its derivative by autograd 
 optimizer's hyperparameters, one by one: ``test_unrolled_every_optimizer.py``.
 """
 
+import collections
+
 import pytest
 import torch
 
@@ -151,6 +153,31 @@ def _updated(opt, params, batches):
         params, state = opt.update(grads, state, params)
         losses.append(loss)
     return params, state, torch.stack(losses)
+
+
+PARAM_TREES = {  # (build from w and b, get w and b back): unroll's plain-SGD path for each
+    "dict": (lambda w, b: {"w": w, "b": b}, lambda p: (p["w"], p["b"])),
+    "dict, b first": (lambda w, b: {"b": b, "w": w}, lambda p: (p["w"], p["b"])),
+    "OrderedDict": (lambda w, b: collections.OrderedDict(w=w, b=b), lambda p: (p["w"], p["b"])),
+    "int keys": (lambda w, b: {1: w, 0: b}, lambda p: (p[1], p[0])),
+    "nested": (lambda w, b: {"layer": [w, {"b": b}]},
+               lambda p: (p["layer"][0], p["layer"][1]["b"])),
+    "tuple": (lambda w, b: (w, b), lambda p: p),
+}
+
+
+@pytest.mark.parametrize("tree", sorted(PARAM_TREES))
+def test_unrolled_plain_sgd_keeps_every_params_tree_and_its_updates(tree):
+    build, get = PARAM_TREES[tree]
+    params, batches, _ = problem(6)
+    start = build(params["w"], params["b"])
+    out = mt.optim.unroll(mt.optim.sgd(lr=0.1), lambda p, batch: loss_fn(
+        dict(zip("wb", get(p), strict=True)), batch), start, batches)
+    assert mt.tree.structure(out.params) == mt.tree.structure(start)
+    assert type(out.params) is type(start)
+    expected = _updated(mt.optim.sgd(lr=0.1), params, batches)[0]
+    for got, want in zip(get(out.params), (expected["w"], expected["b"]), strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-15, atol=1e-15)
 
 
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "vmap"])
