@@ -25,7 +25,7 @@ from minitrain.cli.errors import run_cli
 from minitrain.errors import RunFailed
 
 __all__ = [
-    "ChildFailed", "best_rounds", "cache_flusher", "child_options", "figures",
+    "ChildFailed", "across_processes", "best_rounds", "cache_flusher", "child_options", "figures",
     "last_level_cache_bytes",
     "main", "median_interval", "paired", "paired_median_ratio", "paired_ratio_interval",
     "run_children", "summarize", "summary_lines", "time_interleaved", "time_rounds",
@@ -284,6 +284,27 @@ def run_children(script: str | Path, options: list[str], processes: int,
             progress(index + 1)
     return results
 
+
+
+def across_processes(script: str | Path, options: list[str], processes: int, as_json: bool,
+                     heading: Callable[[dict[str, Any]], str]) -> None:
+    """Run ``processes`` children of ``script`` with ``options`` (progress on stderr) and print
+    each figure's median across them (:func:`summary_lines`) under ``heading(first result)``,
+    or with ``as_json`` every result and the summary."""
+    def progress(done: int) -> None:
+        click.echo(f"process {done} of {processes} done", err=True)
+
+    results = run_children(Path(script).resolve(), options, processes, progress=progress)
+    rows = summarize(results)
+    if as_json:
+        click.echo(json.dumps({"processes": results, "summary": rows}, indent=2))
+        return
+    click.echo(f"{heading(results[0])}; {processes} processes one after another, each giving "
+               "the paired median ratio over its interleaved rounds. Per figure: the median "
+               "across processes [its 95% interval], how many processes were over the target, "
+               "each process's ratio")
+    for line in summary_lines(rows):
+        click.echo(line)
 
 def figures(result: dict[str, Any]) -> dict[str, tuple[float, float | None]]:
     """Figure name -> (paired median ratio, target or None) of one process's ``--json``

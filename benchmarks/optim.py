@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import resource
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
@@ -38,6 +37,7 @@ import torch
 from _optim_family import FAMILY, family_ratios
 from _pages import page
 from _timing import (
+    across_processes,
     best_rounds,
     cache_flusher,
     child_options,
@@ -45,9 +45,6 @@ from _timing import (
     paired,
     paired_median_ratio,
     paired_ratio_interval,
-    run_children,
-    summarize,
-    summary_lines,
     time_interleaved,
     time_rounds,
 )
@@ -382,7 +379,9 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
                             "or --processes")
         context = click.get_current_context()
         options = child_options(context.command, context.params, NOT_FORWARDED)
-        _across_processes(options, processes, cold, as_json)
+        across_processes(__file__, options, processes, as_json, lambda first: (
+            f"update of {first['params']} on {first['device']}"
+            + (", the cache flushed before every update" if cold else "")))
         return
     result = measure(list(names or OPTIMIZERS), count, size, rounds, inner, device, cold)
     result["cold"] = cold
@@ -442,28 +441,6 @@ def optim(names: tuple[str, ...], count: int, size: int, rounds: int, inner: int
 
 NOT_FORWARDED = {"processes", "as_json", "page"}  # the parent writes the page
 """Options a child process does not get: it runs once and prints JSON."""
-
-
-def _across_processes(options: list[str], processes: int, cold: bool, as_json: bool) -> None:
-    """Run ``processes`` children of this script with ``options`` and print each figure's median
-    across them."""
-    def progress(done: int) -> None:
-        click.echo(f"process {done} of {processes} done", err=True)
-
-    results = run_children(Path(__file__).resolve(), options, processes, progress=progress)
-    rows = summarize(results)
-    if as_json:
-        click.echo(json.dumps({"processes": results, "summary": rows}, indent=2))
-        return
-    first = results[0]
-    click.echo(f"update of {first['params']} on {first['device']}"
-               + (", the cache flushed before every update" if cold else "")
-               + f"; {processes} processes one after another, each giving the paired median "
-               "ratio over its interleaved rounds. Per figure: the median across processes "
-               "[its 95% interval], how many processes were over the target, each process's "
-               "ratio")
-    for line in summary_lines(rows):
-        click.echo(line)
 
 
 if __name__ == "__main__":

@@ -48,14 +48,12 @@ import torch
 import torch.nn.functional as F
 from _pages import page
 from _timing import (
+    across_processes,
     child_options,
     main,
     paired,
     paired_median_ratio,
     paired_ratio_interval,
-    run_children,
-    summarize,
-    summary_lines,
     time_rounds,
 )
 from torch import nn
@@ -351,8 +349,10 @@ def research(size: str, rows: tuple[str, ...], rounds: int, inner: int, threads:
     """Research patterns (GPT, MAML, DP-SGD, ensemble) against plain torch.func."""
     if processes > 1:
         context = click.get_current_context()
-        _across_processes(child_options(context.command, context.params, NOT_FORWARDED),
-                          processes, as_json)
+        across_processes(__file__, child_options(context.command, context.params, NOT_FORWARDED),
+                         processes, as_json, lambda first: (
+                             f"minitrain / plain torch.func, {first['rounds']} rounds x "
+                             f"{first['inner']} steps, {first['threads']} threads"))
         return
     if threads is not None:
         torch.set_num_threads(threads)
@@ -372,27 +372,6 @@ def research(size: str, rows: tuple[str, ...], rounds: int, inner: int, threads:
 
 
 NOT_FORWARDED = {"processes", "as_json", "page"}  # the parent writes the page
-
-
-def _across_processes(options: list[str], processes: int, as_json: bool) -> None:
-    """Run ``processes`` children of this script with ``options`` and print each row's median
-    across them."""
-    def progress(done: int) -> None:
-        click.echo(f"process {done} of {processes} done", err=True)
-
-    results = run_children(Path(__file__).resolve(), options, processes, progress=progress)
-    summary = summarize(results)
-    if as_json:
-        click.echo(json.dumps({"processes": results, "summary": summary}, indent=2))
-        return
-    first = results[0]
-    click.echo(f"minitrain / plain torch.func, {first['rounds']} rounds x {first['inner']} "
-               f"steps, {first['threads']} threads; {processes} processes one after another, "
-               "each giving the paired median ratio over its interleaved rounds. Per row: the "
-               "median across processes [its 95% interval], how many processes were over the "
-               "target, each process's ratio")
-    for line in summary_lines(summary):
-        click.echo(line)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_children_run_one_after_another_and_each_failure_is_named():
 
 
 def test_a_failed_child_is_one_line_and_exit_code_1(monkeypatch, capsys):
-    monkeypatch.setattr(bench_optim, "run_children",
+    monkeypatch.setattr(timing, "run_children",
                         lambda script, options, processes, progress=None: run_children(
                             script, options, processes,
                             _completed(1, stderr="error: out of memory")))
@@ -116,7 +116,7 @@ def test_a_child_gets_every_option_of_the_command_but_processes_and_json(monkeyp
         seen.append(options)
         return [_result(1.1, 1.0, 1.3, 0.9)] * processes
 
-    monkeypatch.setattr(bench_optim, "run_children", fake_children)
+    monkeypatch.setattr(timing, "run_children", fake_children)
     args = ["--optimizer", "adam", "--optimizer", "sgd_momentum", "--count", "3", "--size", "5",
             "--rounds", "7", "--inner", "2", "--chain", "chain_clip_adam_decay_schedule",
             "--family", "--member", "lion", "--cold", "--budget", "9.5"]

@@ -46,7 +46,7 @@ def test_processes_give_each_row_its_median_and_forward_every_other_option(monke
                                 + 0.01 * i} for row, entry in rows.items()}}
                 for i in range(processes)]
 
-    monkeypatch.setattr(research, "run_children", fake_children)
+    monkeypatch.setattr(load_benchmark("_timing"), "run_children", fake_children)
     args = ["--size", "tiny", "--rows", "maml", "--rows", "maml run", "--rounds", "3",
             "--inner", "2", "--threads", "2"]
     out = CliRunner().invoke(research.research, [*args, "--processes", "3"])
@@ -55,6 +55,7 @@ def test_processes_give_each_row_its_median_and_forward_every_other_option(monke
     assert research.research.make_context("research", list(seen[0])).params == asked
     names = {p.name for p in research.research.params if isinstance(p, click.Option)}
     assert research.NOT_FORWARDED < names
+    assert "minitrain / plain torch.func, 3 rounds x 2 steps, 2 threads; 3 processes" in out.output
     assert "  maml      1.05x  target <= 1.05x: 1 of 3 over  (1.040 1.050 1.060)" in out.output
     assert "  maml run  1.03x  (1.020 1.030 1.040)" in out.output
 
