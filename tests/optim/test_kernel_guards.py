@@ -174,6 +174,18 @@ def test_the_kernel_call_refuses_hyperparameters_and_rows_it_would_read_past(hp,
                          inputs + outputs, [64], False)
 
 
+
+@needs_kernels
+@pytest.mark.parametrize("absent", [0, 1, 2])  # the output of the param, exp_avg, exp_avg_sq
+def test_the_kernel_call_refuses_an_absent_output_row_it_would_write(absent):
+    rule, hp = streaming.RULES["adam"][0], [0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0.0, 0.0, 1.0]
+    kept = [torch.ones(64) for _ in range(7)]  # alive until the call returns
+    inputs = [[t.data_ptr()] for t in kept[:4]] + [None]  # no max_exp_avg_sq: amsgrad off
+    outputs = [None if i == absent else [kept[4 + i].data_ptr()] for i in range(3)] + [None]
+    slot = (0, 2, 3)[absent]  # its row among the inputs: param, grad, exp_avg, exp_avg_sq
+    with pytest.raises(ValueError, match=f"streaming rule {rule!r} reads row {slot};"):
+        streaming.launch(rule, hp, inputs + outputs, [64], False)
+
 # Frees the param's and grad's storage from the caller's code at a chosen moment of an update.
 SHRINKERS = {
     "max-norm-subclass": """
