@@ -58,7 +58,8 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     shape = getattr(getattr(optimizer.update, "lowered", None), "shape", None)
     lr = members.plain_sgd_lr(shape)
     if lr is not None:  # flattened once, for the adds below (a dict of tensors as it is)
-        keys = list(params) if type(params) is dict else None
+        keys = list(params) if type(params) is dict and all(  # (nested: flattened)
+            isinstance(p, Tensor) for p in params.values()) else None
         leaves, structure = (list(params.values()), None) if keys is not None else \
             _pytree.tree_flatten(params)
         lr = lr if leaves and all(isinstance(p, Tensor) and p.is_floating_point()
@@ -92,10 +93,9 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
 
 
 def _differentiable(params: Params) -> Params:
-    """``params`` with every plain floating leaf requiring grad (an alias where it did not), for
-    grad mode outside ``torch.func`` transforms (inside one, traced leaves take the plain path):
-    so every update takes the differentiable path, even where only a hyperparameter the
-    optimizer does not watch (eps, a value kept in its state) needs grad."""
+    """``params`` with every plain floating leaf requiring grad (an alias where it did not), so
+    every update outside ``torch.func`` takes the differentiable path, even where only a
+    hyperparameter the optimizer does not watch (eps, a value in its state) needs grad."""
     def leaf(p: Any) -> Any:
         if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
                 or is_traced(p)):

@@ -170,9 +170,11 @@ PARAM_TREES = {  # (build from w and b, get w and b back): unroll's plain-SGD pa
 def test_unrolled_plain_sgd_keeps_every_params_tree_and_its_updates(tree):
     build, get = PARAM_TREES[tree]
     params, batches, _ = problem(6)
-    start = build(params["w"], params["b"])
-    out = mt.optim.unroll(mt.optim.sgd(lr=0.1), lambda p, batch: loss_fn(
+    start, sgd, inits = build(params["w"], params["b"]), mt.optim.sgd(lr=0.1), []
+    counted = sgd._replace(init=lambda p: inits.append(p) or sgd.init(p))  # the chain's start
+    out = mt.optim.unroll(counted, lambda p, batch: loss_fn(
         dict(zip("wb", get(p), strict=True)), batch), start, batches)
+    assert inits == []  # one op a leaf: the chain never ran
     assert mt.tree.structure(out.params) == mt.tree.structure(start)
     assert type(out.params) is type(start)
     expected = _updated(mt.optim.sgd(lr=0.1), params, batches)[0]
