@@ -19,10 +19,8 @@ from pathlib import Path
 
 from minitrain.errors import StorageError
 
-__all__ = [
-    "fsync_dir", "write_new_file", "staged_dir", "write_atomic", "check_writable_dir",
-    "remove_stale_staging", "storage_errors",
-]
+__all__ = ["fsync_dir", "write_new_file", "staged_dir", "write_atomic", "check_writable_dir",
+           "remove_stale_staging", "storage_errors"]
 
 
 @contextlib.contextmanager

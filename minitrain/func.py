@@ -109,12 +109,11 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
                              args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> tuple[Any, tuple] | None:
     """``torch.func.grad_and_value``'s value and grads (a tuple, one per ``nums``) through plain
-    ``torch.autograd.grad``, without functorch's per-op cost (about 6% of a GPT step on CPU);
-    None where that would differ (called outside every ``torch.func`` transform and the
-    compiler): a leaf to differentiate that is no floating tensor or is already on an autograd
-    graph (its grads must then stay differentiable), or an output ``torch.func`` refuses (it
-    then words the error). Any other tensor that requires grad (closed over, or an argument not
-    differentiated) makes the grads differentiable, as ``torch.func`` does."""
+    autograd, without functorch's per-op cost (about 6% of a GPT step on CPU); None where that
+    would differ: a leaf to differentiate that is no floating tensor or already on a graph (its
+    grads must stay differentiable), or an output ``torch.func`` refuses (it words the error).
+    Any other tensor that requires grad (closed over, or an argument not differentiated) makes
+    the grads differentiable, as ``torch.func`` does."""
     args, wrapped, tensor = list(args), _torch.is_functorch_wrapped_tensor, torch.Tensor
     flat, specs = [], []
     for n in nums:
@@ -139,13 +138,16 @@ def _autograd_value_and_grad(fn: Callable[..., Any], nums: tuple[int, ...], has_
     if not isinstance(output, torch.Tensor) or output.dim() != 0:
         return None
     outer = recording and output.requires_grad and _reaches_other_leaves(output, flat)
-    # Detached before the backward pass, so that every op after it is the caller's
-    # (the accounting counter names ops after the backward pass "update").
+    # Detached before the backward pass: the counter names every op after it "update".
     value = output if outer else output.detach()
     if has_aux:
         value = (value, _detached_aux(aux, keep_graph=outer))
-    found = torch.autograd.grad(output, flat, allow_unused=True, create_graph=outer) \
-        if output.requires_grad else [None] * len(flat)
+    if recording and not outer and output.requires_grad:  # the walk found only flat's leaves:
+        torch.autograd.backward(output)  # backward() touches no other, 3% cheaper than grad()
+        found = [t.grad for t in flat]
+    else:
+        found = torch.autograd.grad(output, flat, allow_unused=True, create_graph=outer) \
+            if output.requires_grad else [None] * len(flat)
     if any(g is None for g in found):  # (not `None in found`: that compares tensors)
         found = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, found, strict=True)]
     found = iter(found)

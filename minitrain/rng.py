@@ -21,10 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = [
-    "seed_everything", "generator", "get_rng_state", "set_rng_state", "generator_state",
-    "set_generator_state", "check_rng_state", "check_generator_state", "MAX_SEED",
-]
+__all__ = ["seed_everything", "generator", "get_rng_state", "set_rng_state", "generator_state",
+           "set_generator_state", "check_rng_state", "check_generator_state", "MAX_SEED"]
 
 MAX_SEED = 2**63 - 1
 """The largest seed accepted: torch's ``manual_seed`` takes a signed 64-bit value."""

@@ -66,11 +66,14 @@ def _mlp(g, width):
     width=st.integers(1, 8),
     argnums=st.sampled_from([0, (0,), (0, 1), (1, 0)]),
     double=st.booleans(),
+    transposed=st.booleans(),
 )
-def test_plain_path_equals_torch_func(seed, width, argnums, double):
+def test_plain_path_equals_torch_func(seed, width, argnums, double, transposed):
     g = torch.Generator().manual_seed(seed)
     dtype = torch.float64 if double else torch.float32
     params = mt.tree.map(lambda t: t.to(dtype), _mlp(g, width))
+    if transposed:  # a non-contiguous leaf: its grad's values, whatever its strides
+        params["layers"][0]["w"] = params["layers"][0]["w"].T.contiguous().T
     batch = (torch.randn(5, 3, generator=g, dtype=dtype), torch.randn(5, generator=g, dtype=dtype))
     fn, seen = _transforms_seen(_mlp_loss)
     got = mt.value_and_grad(fn, argnums=argnums, has_aux=True)(params, batch, 0.5)
@@ -121,6 +124,7 @@ def test_a_tensor_not_differentiated_that_requires_grad_keeps_gradients_differen
     with torch.set_grad_enabled(recording):
         got, want = mt.value_and_grad(loss)(w, x, **kwargs), _reference(loss)(w, x, **kwargs)
     _assert_same(got, want)
+    assert scale.grad is None and w.grad is None  # no backward() reached a tensor outside
     if not recording:
         assert not got[1].requires_grad and not got[0].requires_grad
         return
