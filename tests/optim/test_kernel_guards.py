@@ -186,6 +186,24 @@ def test_the_kernel_call_refuses_an_absent_output_row_it_would_write(absent):
     with pytest.raises(ValueError, match=f"streaming rule {rule!r} reads row {slot};"):
         streaming.launch(rule, hp, inputs + outputs, [64], False)
 
+
+@needs_kernels
+@pytest.mark.parametrize("case, message", [
+    ("amsgrad in the second leaf's list", "reads row 4"),  # without max_exp_avg_sq
+    ("uneven lists", "takes 10 hyperparameters"),  # 9 and 11: 20 in all, as two of 10
+    ("a short row of addresses", None),  # one address for two leaves: refused, not read past
+])
+def test_the_kernel_call_checks_every_leafs_hyperparameters_and_addresses(case, message):
+    rule, hp = streaming.RULES["adam"][0], [0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0.0, 0.0, 1.0]
+    per_leaf = {"amsgrad in the second leaf's list": [hp, hp[:8] + [1.0] + hp[9:]],
+                "uneven lists": [hp[:9], hp + [0.0]]}.get(case, [hp, hp])
+    kept = [torch.ones(64) for _ in range(14)]  # alive until the call returns
+    rows = [[kept[2 * i].data_ptr(), kept[2 * i + 1].data_ptr()] for i in range(7)]
+    if case == "a short row of addresses":
+        rows[1] = rows[1][:1]
+    with pytest.raises(ValueError, match=message):
+        streaming.launch(rule, per_leaf, [*rows[:4], None, *rows[4:], None], [64, 64], False)
+
 # Frees the param's and grad's storage from the caller's code at a chosen moment of an update.
 SHRINKERS = {
     "max-norm-subclass": """

@@ -82,21 +82,23 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
     per_leaf = [hyperparameters] if not hyperparameters or not isinstance(
         hyperparameters[0], list) else hyperparameters
     takes = _TAKES.get(rule, len(per_leaf[0]))
-    if any(len(hp) != takes for hp in per_leaf) or len(per_leaf) not in (1, len(sizes)):
+    if set(map(len, per_leaf)) != {takes} or len(per_leaf) not in (1, len(sizes)):
         raise ValueError(f"streaming rule {rule!r} takes {takes} hyperparameters (for all "
                          f"leaves or per leaf), got {[len(hp) for hp in per_leaf]}; pass them "
                          f"in the order _streaming.c lists")  # (an unknown rule is C's to refuse)
+    # The arrays are named: C reads them after the expression that made them.
+    hp = array.array("d", list(itertools.chain.from_iterable(per_leaf)))
     inputs = (len(rows) + 1) // 2  # then the outputs of the params and buffers
     for index in [i for i, row in enumerate(rows) if row is None]:
         slot = index if index < inputs else (0 if index == inputs else index - inputs + 1)
         flag = OPTIONAL.get(rule, {}).get(slot)
-        if flag is None or any(hp[flag] != 0 for hp in per_leaf):
+        if flag is None or any(hp[flag::takes]):  # (a flag's value in every list: nonzero)
             raise ValueError(f"streaming rule {rule!r} reads row {slot}; pass it")
-    # The arrays are named: C reads them after the expression that made them.
-    hp = array.array("d", itertools.chain.from_iterable(per_leaf))
     counts = array.array("q", sizes)
-    addresses = array.array("Q", itertools.chain.from_iterable(zip(  # leaf by leaf, row by row
-        *[[0] * len(sizes) if row is None else row for row in rows], strict=True)))
+    addresses = array.array("Q", bytes(8 * len(sizes) * len(rows)))  # leaf by leaf, row by row
+    for r, row in enumerate(rows):
+        if row is not None:
+            addresses[r::len(rows)] = array.array("Q", row)
     status = _library().minitrain_update(
         rule, hp.buffer_info()[0], takes if len(per_leaf) > 1 else 0, addresses.buffer_info()[0],
         counts.buffer_info()[0], len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
