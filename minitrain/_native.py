@@ -25,7 +25,7 @@ SOURCE = Path(__file__).parent / "optim" / "kernels" / "_streaming.c"
 ENV = "MINITRAIN_STREAMING"
 _I32, _I64, _U32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
 _F64 = ctypes.c_double
-SIGNATURES = {"minitrain_update": [_I32, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I32, _I32],
+SIGNATURES = {"minitrain_update": [_I32, _PTR, _I64, _I64, *[_PTR] * 2, *[_I64] * 3, _I32, _I32],
               "minitrain_sumsq": [_PTR, _PTR, _I64, _I32, _PTR],  # each returns an int status
               "minitrain_threefry": [_U32, _U32, _I64, _I64, _I32, _F64, _F64, _PTR, _I32],
               "minitrain_private_sum": [_I64, _I64, *[_PTR] * 5, _F64, _F64, _F64, _I32],

@@ -204,6 +204,48 @@ def test_the_kernel_call_checks_every_leafs_hyperparameters_and_addresses(case, 
     with pytest.raises(ValueError, match=message):
         streaming.launch(rule, per_leaf, [*rows[:4], None, *rows[4:], None], [64, 64], False)
 
+
+@needs_kernels
+@pytest.mark.parametrize("members, lists, addresses, message", [
+    (3, 2, 2, "streaming rule"),  # 4 slices are no whole number of stacks of 3 members
+    (2, 3, 2, "streaming rule"),  # 3 lists: not 1, one per slice (4) nor one per member (2)
+    (2, 2, 4, "extended slice"),  # a pointer per slice where a row holds one per stacked leaf
+    (0, 1, 2, "streaming rule"),  # no members
+])
+def test_the_kernel_call_refuses_members_it_would_address_wrongly(members, lists, addresses,
+                                                                  message):
+    """Two stacked leaves of two members each (slices of 16 elements): a call whose counts
+    disagree with that is refused before C reads a pointer."""
+    rule, hp = streaming.RULES["adam"][0], [0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, 1.0, 0.0, 0.0, 1.0]
+    kept = [torch.ones(32) for _ in range(2 * 7)]  # alive until the call returns
+    rows = [[kept[2 * i + j].data_ptr() for j in range(2)] * (addresses // 2) for i in range(7)]
+    with pytest.raises(ValueError, match=message):
+        streaming.launch(rule, [hp] * lists, [*rows[:4], None, *rows[4:], None], [16] * 4,
+                         False, members=members)
+
+
+@needs_kernels
+def test_members_of_stacked_leaves_take_their_own_slices_and_numbers():
+    """One call over two stacked leaves of three members, a list of numbers per member, equals
+    a call per member on its slices (SGD, lr 0.1 * (m + 1))."""
+    rule = streaming.RULES["sgd"][0]
+    lrs = [0.1 * (m + 1) for m in range(3)]
+    hp = [[lr, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0] for lr in lrs]  # lr, no momentum nor decay
+    stacked = [torch.arange(3 * n, dtype=torch.float32) for n in (5, 8)]
+    grads = [torch.linspace(-1, 1, 3 * n) for n in (5, 8)]
+    want = [p.clone() for p in stacked]
+    for m, numbers in enumerate(hp):
+        slices = [[t.view(3, -1)[m] for t in row] for row in (want, grads)]
+        streaming.launch(rule, numbers, [[t.data_ptr() for t in row] for row in slices] + [None]
+                         + [[t.data_ptr() for t in slices[0]], None], [5, 8], False)
+    rows = [[t.data_ptr() for t in row] for row in (stacked, grads)]
+    streaming.launch(rule, hp, [*rows, None, rows[0], None], [5] * 3 + [8] * 3, False, members=3)
+    for got, expected, g, n in zip(stacked, want, grads, (5, 8), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        reference = torch.arange(3 * n, dtype=torch.float32).view(3, -1) - torch.tensor(
+            lrs).view(3, 1) * g.view(3, -1)
+        torch.testing.assert_close(got.view(3, -1), reference)
+
 # Frees the param's and grad's storage from the caller's code at a chosen moment of an update.
 SHRINKERS = {
     "max-norm-subclass": """

@@ -448,15 +448,19 @@ static int64_t chunk_range(const chunks_t *c, const int64_t *sizes, int64_t n_le
 
 /* Run rule `rule` (0 Adam, 1 SGD, 2 AdaGrad, 3 RMSprop, 4 NAdam, 5 RAdam, 6 Adamax, 7 Lion,
    8 schedule-free AdamW, 9 Adadelta) over n_leaves leaves of `sizes` elements, on up to
-   n_threads threads. `ptrs` holds n_ptrs pointers per leaf (the rule's inputs, then its outputs; NULL
-   for unused buffers); leaf i reads its hyperparameters at hp + i * hp_stride (0: all share one
-   row; a row per leaf: vmapped members, each with its own). Built with -fopenmp, the library's libgomp.so.1 resolves to the copy
+   n_threads threads. Leaf i is member i % members of stacked leaf i / members: `ptrs` holds
+   n_ptrs pointers per stacked leaf (the rule's inputs, then its outputs; NULL for unused
+   buffers), member m's slice starting m * sizes[i] elements past them; it reads its
+   hyperparameters at hp + (i / members) * leaf_stride + (i % members) * member_stride (0 and 0:
+   all share one row). Built with -fopenmp, the library's libgomp.so.1 resolves to the copy
    torch has already loaded, so the update runs on torch's own OpenMP threads. Returns 0, or
-   -1 (nothing done) for an unknown rule or pointer count, -2 when out of memory. */
-int minitrain_update(int rule, const double *hp, int64_t hp_stride, float *const *ptrs,
-                     const int64_t *sizes, int64_t n_leaves, int64_t n_ptrs, int n_threads,
-                     int nontemporal) {
-    if (rule < 0 || rule >= N_RULES || n_ptrs != RULES[rule].pointers) return -1;
+   -1 (nothing done) for an unknown rule, pointer or member count, -2 when out of memory. */
+int minitrain_update(int rule, const double *hp, int64_t leaf_stride, int64_t member_stride,
+                     float *const *ptrs, const int64_t *sizes, int64_t n_leaves, int64_t members,
+                     int64_t n_ptrs, int n_threads, int nontemporal) {
+    if (rule < 0 || rule >= N_RULES || n_ptrs != RULES[rule].pointers || members < 1 ||
+        n_leaves % members != 0)
+        return -1;
     const rule_t *r = &RULES[rule];
     int64_t total = 0;
     for (int64_t leaf = 0; leaf < n_leaves; leaf++) total += padded(sizes[leaf]);
@@ -472,8 +476,15 @@ int minitrain_update(int rule, const double *hp, int64_t hp_stride, float *const
 #endif
         for (int64_t k = 0; k < c.n_chunks; k++) {
             int64_t lo, hi;
-            const int64_t leaf = chunk_range(&c, sizes, n_leaves, k, &lo, &hi);
-            run_range(r, hp + leaf * hp_stride, ptrs + leaf * n_ptrs, lo, hi, nontemporal);
+            const int64_t i = chunk_range(&c, sizes, n_leaves, k, &lo, &hi);
+            const int64_t leaf = i / members, member = i % members;
+            float *slice[MAX_PTRS];
+            for (int64_t j = 0; j < n_ptrs; j++) {
+                float *stacked = ptrs[leaf * n_ptrs + j];
+                slice[j] = stacked ? stacked + member * sizes[i] : NULL;
+            }
+            run_range(r, hp + leaf * leaf_stride + member * member_stride, slice, lo, hi,
+                      nontemporal);
         }
 #if defined(__AVX__)
         if (nontemporal) _mm_sfence(); /* streaming stores are weakly ordered: drain them */

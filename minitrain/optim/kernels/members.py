@@ -137,8 +137,8 @@ def _stacked(shape: Any, leaves: tuple, state: tuple, stacked_state: list, numbe
     hp = _hyperparameter_rows(shape, reads, flags)
     if written is None or hp is None:
         return None
-    streaming.launch(hp[0], hp[1], _slices([*found, *written], ps, size),
-                     [t.numel() // size for t in ps for _ in range(size)], False)
+    streaming.launch(hp[0], hp[1], [*found, *written],
+                     [t.numel() // size for t in ps for _ in range(size)], False, members=size)
     if donate:  # written in place: their versions bumped, as an in-place op's are
         torch.autograd.graph.increment_version([t for row in results if row is not None
                                                 for t in row])
@@ -189,7 +189,8 @@ def _member_shape(shape: Any, pick: Any) -> Any:
 
 
 def _hyperparameter_rows(shape: Any, reads: list, flags: list[bool]) -> tuple[int, list] | None:
-    """The kernel's index and hyperparameters of each (leaf, member) slice, leaf by leaf."""
+    """The kernel's index and hyperparameters of each member (where every leaf's weight decay
+    is alike), else of each (leaf, member) slice, leaf by leaf."""
     sign, rows, names = -1.0 if shape.maximize else 1.0, {}, set()
     for on in set(flags):
         for m, read in enumerate(reads):
@@ -201,16 +202,8 @@ def _hyperparameter_rows(shape: Any, reads: list, flags: list[bool]) -> tuple[in
             names.add(name)
     if len(names) != 1:
         return None
-    return streaming.RULES[names.pop()][0], [rows[on, m] for on in flags
-                                             for m in range(len(reads))]
-
-
-def _slices(rows: list[list[int] | None], leaves: list[Tensor], size: int) -> list:
-    """Each row's addresses per (leaf, member) slice of the stacked float32 leaves."""
-    steps = [4 * (t.numel() // size) for t in leaves]
-    return [None if row is None else [address + m * step for address, step in
-                                      zip(row, steps, strict=True) for m in range(size)]
-            for row in rows]
+    return streaming.RULES[names.pop()][0], [rows[on, m] for on in (
+        flags[:1] if len(set(flags)) == 1 else flags) for m in range(len(reads))]
 
 
 def plain_sgd_lr(shape: Any) -> float | None:

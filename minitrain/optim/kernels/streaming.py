@@ -74,18 +74,23 @@ def quiet() -> bool:
 
 
 def launch(rule: int, hyperparameters: list[float] | list[list[float]],
-           rows: list[list[int] | None], sizes: list[int], nontemporal: bool) -> None:
+           rows: list[list[int] | None], sizes: list[int], nontemporal: bool,
+           members: int = 1) -> None:
     """The C call: rule ``rule`` (:data:`RULES`' index) over rows
     of data pointers (``[params, grads, *buffers, *outputs]``, None for an absent row) that
     :func:`.checks.pointers` gave for float32 leaves of ``sizes`` elements; one list of
-    hyperparameters for all leaves, or a list per leaf."""
+    hyperparameters for all leaves, or a list per leaf. With ``members``, a row holds a pointer
+    per stacked leaf, ``sizes`` each member's slice (leaf ``l``'s member ``m`` starts ``m *
+    sizes[l * members + m]`` elements in), and there may be a hyperparameter list per member."""
     per_leaf = [hyperparameters] if not hyperparameters or not isinstance(
         hyperparameters[0], list) else hyperparameters
-    takes = _TAKES.get(rule, len(per_leaf[0]))
-    if set(map(len, per_leaf)) != {takes} or len(per_leaf) not in (1, len(sizes)):
+    takes, count = _TAKES.get(rule, len(per_leaf[0])), len(per_leaf)
+    if set(map(len, per_leaf)) != {takes} or count not in (1, len(sizes), members) or \
+            members < 1 or len(sizes) % members:
         raise ValueError(f"streaming rule {rule!r} takes {takes} hyperparameters (for all "
-                         f"leaves or per leaf), got {[len(hp) for hp in per_leaf]}; pass them "
-                         f"in the order _streaming.c lists")  # (an unknown rule is C's to refuse)
+                         f"leaves, per leaf or per member), got {[len(hp) for hp in per_leaf]} "
+                         f"for {len(sizes)} leaves of {members} members; pass them in the "
+                         f"order _streaming.c lists")  # (an unknown rule is C's to refuse)
     # The arrays are named: C reads them after the expression that made them.
     hp = array.array("d", list(itertools.chain.from_iterable(per_leaf)))
     inputs = (len(rows) + 1) // 2  # then the outputs of the params and buffers
@@ -95,13 +100,15 @@ def launch(rule: int, hyperparameters: list[float] | list[list[float]],
         if flag is None or any(hp[flag::takes]):  # (a flag's value in every list: nonzero)
             raise ValueError(f"streaming rule {rule!r} reads row {slot}; pass it")
     counts = array.array("q", sizes)
-    addresses = array.array("Q", bytes(8 * len(sizes) * len(rows)))  # leaf by leaf, row by row
-    for r, row in enumerate(rows):
+    addresses = array.array("Q", bytes(8 * len(sizes) // members * len(rows)))  # leaf by leaf
+    for r, row in enumerate(rows):  # (a row of another length is refused here)
         if row is not None:
             addresses[r::len(rows)] = array.array("Q", row)
+    strides = (0, 0) if count == 1 else (takes * members, takes) if count == len(sizes) else \
+        (0, takes)  # (the leaf's row and the member's within it, or the member's alone)
     status = _library().minitrain_update(
-        rule, hp.buffer_info()[0], takes if len(per_leaf) > 1 else 0, addresses.buffer_info()[0],
-        counts.buffer_info()[0], len(sizes), len(rows), torch.get_num_threads(), int(nontemporal))
+        rule, hp.buffer_info()[0], *strides, addresses.buffer_info()[0], counts.buffer_info()[0],
+        len(sizes), members, len(rows), torch.get_num_threads(), int(nontemporal))
     if status != 0:
         raise RuntimeError(f"streaming update {rule!r} failed with status {status}")
 
