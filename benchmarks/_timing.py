@@ -285,7 +285,6 @@ def run_children(script: str | Path, options: list[str], processes: int,
     return results
 
 
-
 def across_processes(script: str | Path, options: list[str], processes: int, as_json: bool,
                      heading: Callable[[dict[str, Any]], str]) -> None:
     """Run ``processes`` children of ``script`` with ``options`` (progress on stderr) and print
@@ -306,16 +305,16 @@ def across_processes(script: str | Path, options: list[str], processes: int, as_
     for line in summary_lines(rows):
         click.echo(line)
 
+
 def figures(result: dict[str, Any]) -> dict[str, tuple[float, float | None]]:
     """Figure name -> (paired median ratio, target or None) of one process's ``--json``
     result: of ``optim.py``, each alias pure and donated, each chain pure (its target) and
     donated, each family member timed (a skipped member has none); of ``research.py``, each row.
     The targets are the ones the measurement reports."""
-    rows: dict[str, tuple[float, float | None]] = {
-        name: (entry["paired_median_ratio"], entry["target"])
-        for name, entry in result.get("rows", {}).items()}
     if "rows" in result:
-        return rows
+        return {name: (entry["paired_median_ratio"], entry["target"])
+                for name, entry in result["rows"].items()}
+    rows: dict[str, tuple[float, float | None]] = {}
     for name, entry in result["results"].items():
         for side, ratio in entry["paired_median_ratios"].items():
             rows[f"{name} {side} / {entry['peer']}"] = (ratio, entry["targets"].get(side))
