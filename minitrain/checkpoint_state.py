@@ -193,16 +193,14 @@ def rebuild(
         tensors = safetensors.torch.load(blob)
     except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{label} file is not valid safetensors: {exc}") from None
-    template_names = {name for name, _ in tree.named_leaves(template)}
+    named = tree.named_leaves(template)
+    template_names = {name for name, _ in named}
     for name in [*tensors, *scalars]:
         if name not in template_names:
             raise CheckpointError(
                 f"{label} leaf {name!r} is in the checkpoint but not in the template; {_HINT}"
             )
-    leaves = [
-        _restore_leaf(name, leaf, tensors, scalars, label)
-        for name, leaf in tree.named_leaves(template)
-    ]
+    leaves = [_restore_leaf(name, leaf, tensors, scalars, label) for name, leaf in named]
     _check_namedtuples(template, blob, label)
     return tree.unflatten(tree.structure(template), leaves)
 

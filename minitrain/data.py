@@ -166,12 +166,9 @@ def source_files(root: str | os.PathLike) -> list[Path]:
     """The ``.py`` files under ``root`` (skipping installed packages), in a fixed sorted order."""
     root = Path(root)
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = [
-        path
-        for path in root.rglob("*.py")
-        if path.is_file() and not skip.intersection(path.relative_to(root).parts)
-    ]
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+    return sorted((path for path in root.rglob("*.py")
+                   if path.is_file() and not skip.intersection(path.relative_to(root).parts)),
+                  key=lambda path: path.relative_to(root).as_posix())
 
 
 def default_data_dir() -> Path:
@@ -325,8 +322,7 @@ def _read_meta(data_dir: Path) -> dict[str, Any]:
         raise StorageError.from_os_error(exc, path, "read") from None
     except ValueError:
         meta = None
-    problem = _meta_problem(meta)
-    if problem:
+    if problem := _meta_problem(meta):
         raise DataError(f"{path} {problem}; run 'minitrain prepare --out {data_dir}'")
     return meta
 

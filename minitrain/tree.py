@@ -199,8 +199,7 @@ def assert_same_structure(
         return
     flat_a, flat_b = _pytree.tree_flatten_with_path(a)[0], _pytree.tree_flatten_with_path(b)[0]
     for (path_a, _), (path_b, _) in zip(flat_a, flat_b, strict=False):
-        if (_path_name(path_a), _path_kinds(path_a)) != (_path_name(path_b),
-                                                          _path_kinds(path_b)):
+        if (_path_name(path_a), [*map(type, path_a)]) != (_path_name(path_b), [*map(type, path_b)]):
             raise ValueError(
                 f"{name_a} and {name_b} differ at leaf {_path_name(path_a)!r}: "
                 f"{name_a} has {_path_name(path_a)!r} where {name_b} has "
@@ -221,10 +220,6 @@ def assert_same_structure(
 
 def _shape(leaf: Any) -> tuple[int, ...]:
     return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else ()
-
-
-def _path_kinds(path: tuple[Any, ...]) -> tuple[type, ...]:
-    return tuple(type(entry) for entry in path)
 
 
 def _path_name(path: tuple[Any, ...]) -> str:

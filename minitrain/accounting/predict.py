@@ -269,10 +269,8 @@ def _backward(counter: Counter, mode: FakeTensorMode, gradients: Callable[..., A
     state."""
     with _watching(counter, mode, "forward"), autocast() if autocast else contextlib.nullcontext():
         value, grads = gradients(params, batch)
-    new_state = None
-    if stateful:
-        new_state = value[1][1]
-        counter.categorize(new_state, category="buffers")
+    new_state = value[1][1] if stateful else None
+    counter.categorize(new_state, category="buffers")  # (None: no tensors)
     del value
     counter.categorize(grads, category="grads")
     return [_meta_twin(counter, grads)], new_state

@@ -162,10 +162,9 @@ def memory(hardware_name: str, gpus: int, nodes: int, optimizer: str, amsgrad: b
     model states of one model under ZeRO as DeepSpeed estimates them."""
     spec = acc.hardware(hardware_name)
     key, options, label = _optimizer_choice(optimizer, amsgrad, momentum, centered)
-    zero = None
-    if params is not None:
-        zero = _zero_states(params, largest_layer, zero_stage, gpus, nodes, offload, zero_init,
-                            buffer_factor, key, precision, options)
+    zero = None if params is None else _zero_states(
+        params, largest_layer, zero_stage, gpus, nodes, offload, zero_init, buffer_factor, key,
+        precision, options)
     gpus *= nodes
     chosen = acc.bytes_per_param(key, precision, **options)
     table = {

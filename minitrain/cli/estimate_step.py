@@ -52,10 +52,8 @@ def step(script: Path, overrides: tuple[str, ...], hardware_name: str, gpus: int
     if autocast != "none":
         cast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
         cast = functools.partial(torch.autocast, "cpu", dtype=cast_dtype)
-    if measure:
-        result = _measured_step(script, overrides, spec, dtype, donate, seed, cast)
-    else:
-        result = _predicted_step(script, overrides, spec, dtype, donate, seed, gpus, cast)
+    result = (_measured_step(script, overrides, spec, dtype, donate, seed, cast) if measure
+              else _predicted_step(script, overrides, spec, dtype, donate, seed, gpus, cast))
     result |= {"script": str(script), "gpus": gpus, "donate": donate, "autocast": autocast,
                "memory_bytes": spec.memory_bytes}
     emit(result, _step_lines(result, spec), as_json)

@@ -68,8 +68,7 @@ def adafactor_leaf(g, buffers, p, step, lr, beta2_decay, eps1, eps2, d, weight_d
         col_var = torch.lerp(col_var, col_mean, one_minus_beta2)
         estimate = (row_var @ col_var) / row_var.mean(dim=-2, keepdim=True).clamp(min=eps1)
     else:
-        variance = torch.lerp(variance, g * g, one_minus_beta2)
-        estimate = variance
+        estimate = variance = torch.lerp(variance, g * g, one_minus_beta2)
     scaled = estimate.clamp(min=eps1 * eps1).rsqrt() * g
     clip = torch.clamp(torch.linalg.vector_norm(scaled) / (math.sqrt(scaled.numel()) * d), min=1)
     update = scaled * (-alpha / clip)

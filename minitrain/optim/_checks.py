@@ -341,14 +341,6 @@ def use_plain_path(tensors: Sequence[Tensor], hyperparameters: Sequence[Any]) ->
         or any(isinstance(v, Tensor) and v.requires_grad for v in hyperparameters))
 
 
-def lerp_weight(weight: Any, like: Any) -> Any:
-    """``torch.lerp``'s weight for a leaf like ``like``: a traced tensor (a vmapped beta) in
-    ``like``'s dtype, as lerp requires of a batched weight; anything else as it is."""
-    if is_traced(weight) and isinstance(like, Tensor) and weight.dtype != like.dtype:
-        return weight.to(like.dtype)
-    return weight
-
-
 # -- a state's host scalars -------------------------------------------------------------------
 
 

@@ -24,14 +24,13 @@ from minitrain.optim._checks import (
     host_tensor,
     is_traced,
     is_zero,
-    lerp_weight,
     one_lr,
 )
 from minitrain.optim.alias import torch_order
 from minitrain.optim.base import GradientTransformation, Optimizer, ScalarOrSchedule
 from minitrain.optim.leafwise import leafwise
 from minitrain.optim.schedules import _clip, _where
-from minitrain.optim.transforms import add_decayed_weights, add_scaled, sqrt, zeros
+from minitrain.optim.transforms import add_decayed_weights, add_scaled, first_moment, sqrt, zeros
 from minitrain.tree import Params
 
 __all__ = [
@@ -78,11 +77,6 @@ def second_moment(exp_avg_sq: Any, g: Any, beta2: Any) -> Any:
     if is_traced(beta2) or (isinstance(beta2, Tensor) and beta2.requires_grad):
         return beta2 * exp_avg_sq + (1 - beta2) * g * g
     return torch.addcmul(beta2 * exp_avg_sq, g, g, value=1 - beta2)
-
-
-def first_moment(exp_avg: Any, g: Any, beta1: Any) -> Any:
-    """torch's ``exp_avg.lerp_(g, 1 - beta1)``."""
-    return torch.lerp(exp_avg, g, lerp_weight(1 - beta1, exp_avg))
 
 
 def _adam_like(b1: Any, b2: Any, eps: Any) -> dict[str, Any]:

@@ -69,8 +69,7 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     if g.dim() != 2:
         raise ValueError(f"newton_schulz takes one matrix, got shape {tuple(g.shape)}; "
                          "orthogonalize a stack with torch.func.vmap")
-    a, b, c = (as_number(v) for v in coefficients)
-    eps = as_number(eps)
+    a, b, c, eps = (as_number(v) for v in (*coefficients, eps))
     wrappers = functorch_wrappers(g)
     batched = "batched" in wrappers
     # under vmap with nothing to differentiate (the op has no backward): each matrix as its own run
@@ -97,8 +96,6 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
 
 
 # -- under vmap: one matrix at a time ----------------------------------------------------------
-# vmap turns an addmm into a batched GEMM, a rounded scale and a rounded add, and a batched
-# GEMM may sum in another order than one matrix's; this op's batching rule avoids both.
 
 
 @torch.library.custom_op("minitrain::newton_schulz", mutates_args=())

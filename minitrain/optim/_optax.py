@@ -77,10 +77,8 @@ def belief_leaf(g, buffers, p, step, beta1, beta2, eps, eps_root, nesterov):
     mu = _moment(buffers["mu"], g, beta1)
     error = g - mu
     nu = _moment(buffers["nu"], error * error, beta2) + eps_root
-    if nesterov:
-        mu_hat = mu * beta1 / (1 - beta1 ** (step + 1)) + g * (1 - beta1) / (1 - beta1**step)
-    else:
-        mu_hat = mu / (1 - beta1**step)
+    mu_hat = (mu * beta1 / (1 - beta1 ** (step + 1)) + g * (1 - beta1) / (1 - beta1**step)
+              if nesterov else mu / (1 - beta1**step))
     return mu_hat / ((nu / (1 - beta2**step)).sqrt() + eps), {"mu": mu, "nu": nu}
 
 

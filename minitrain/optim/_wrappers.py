@@ -64,17 +64,11 @@ _pytree.register_pytree_node(
     flatten_with_keys_fn=lambda g: ([(_pytree.MappingKey(k), v) for k, v in g.items()], list(g)))
 
 
-def _select(named: list[tuple[str, Any]], leaves: list[Any], indices: list[int]) -> LeafGroup:
-    """The ``leaves`` at ``indices``, keyed by their names in the whole params."""
-    return LeafGroup([(named[i][0], leaves[i]) for i in indices])
-
-
 def _route_init(params: Params, transforms: dict, pick: Callable) -> dict[Any, Any]:
     """Each transformation's state over the leaves ``pick(params, named) -> {label: indices}``
     gives it."""
     named = tree.named_leaves(params)
-    leaves = [leaf for _, leaf in named]
-    return {label: transforms[label].init(_select(named, leaves, indices))
+    return {label: transforms[label].init(LeafGroup(named[i] for i in indices))
             for label, indices in pick(params, named).items()}
 
 
@@ -87,13 +81,11 @@ def _route(updates: Any, states: dict, params: Any, transforms: dict, pick: Call
                      strict=True))
     named = tree.named_leaves(updates)
     named_params = named if params is None else tree.named_leaves(params)
-    leaves = [leaf for _, leaf in named]
-    p_leaves = None if params is None else [leaf for _, leaf in named_params]
-    out, new_states = list(leaves), {}
+    out, new_states = [leaf for _, leaf in named], {}
     for label, indices in pick(updates if params is None else params, named_params).items():
-        new, new_states[label] = transforms[label].update(
-            _select(named, leaves, indices), states[label],
-            None if p_leaves is None else _select(named, p_leaves, indices), **extra[label])
+        new, new_states[label] = transforms[label].update(  # the params keyed as the updates
+            LeafGroup(named[i] for i in indices), states[label], None if params is None else
+            LeafGroup((named[i][0], named_params[i][1]) for i in indices), **extra[label])
         if isinstance(new, dict) and list(new) == [named[i][0] for i in indices]:
             new = list(new.values())
         if not isinstance(new, list | tuple) or len(new) != len(indices):

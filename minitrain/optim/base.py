@@ -164,11 +164,8 @@ def identity() -> GradientTransformation:
     >>> identity().update({"w": torch.ones(1)}, EmptyState())[0]
     {'w': tensor([1.])}
     """
-
-    def update(updates, state, params=None):
-        return updates, state
-
-    return tagged("identity", GradientTransformation(lambda params: EmptyState(), update))
+    return tagged("identity", GradientTransformation(
+        lambda params: EmptyState(), lambda updates, state, params=None: (updates, state)))
 
 
 def extra_args(tx: GradientTransformation) -> frozenset[str] | None:

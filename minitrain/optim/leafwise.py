@@ -191,13 +191,10 @@ def _leaves_like(value: Any, g_leaves: list[Tensor], treespec: Any, what: str,
                     f"pass {what} for the same params (create the state with init(params))")
             raise ValueError(f"{what} and the updates differ in structure; pass matching pytrees")
     for index, (leaf, g) in enumerate(zip(leaves, g_leaves, strict=True)):
-        if shapes is not None:
-            got = leaf.shape if isinstance(leaf, Tensor) else None
-            want = shapes[0](g)[shapes[1]]
-        elif not isinstance(leaf, Tensor):
+        if shapes is None and not isinstance(leaf, Tensor):
             continue
-        else:
-            got, want = leaf.shape, g.shape
+        got = leaf.shape if isinstance(leaf, Tensor) else None
+        want = g.shape if shapes is None else shapes[0](g)[shapes[1]]
         if got != want:
             raise ValueError(f"{what} leaf {_leaf_name(g_leaves, treespec, index)!r} has shape "
                              f"{_shown(got)} but its update needs {_shown(want)}; create the "
@@ -322,8 +319,7 @@ class LeafBatch(list):
     __isub__ = __sub__
     __itruediv__ = __truediv__
     __rtruediv__ = _by_leaf("__rtruediv__")
-    __gt__, __lt__ = _by_leaf("__gt__"), _by_leaf("__lt__")
-    __ge__, __le__ = _by_leaf("__ge__"), _by_leaf("__le__")
+    __gt__, __lt__, __ge__, __le__ = (_by_leaf(f"__{op}__") for op in ("gt", "lt", "ge", "le"))
     sqrt, abs, sign = (lambda self: _fe("sqrt", self), lambda self: _fe("abs", self),
                        lambda self: _fe("sign", self))
 

@@ -179,22 +179,17 @@ def cosine_warm_restarts_schedule(init_value: Value, T_0: int, T_mult: int = 1,
     T_0 = _check_step(T_0, "T_0", 1)
     T_mult = _check_step(T_mult, "T_mult", 1)
 
-    def cycle_position(t: Any) -> tuple[Any, Any]:
-        """``(T_cur, T_i)``: steps since the last restart and the length of this cycle."""
-        if T_mult == 1:
-            return t % T_0, T_0
-        # Restart n begins at T_0 (T_mult^n - 1) / (T_mult - 1) (torch's step(epoch)); the
-        # logarithm can land one off at a boundary, so the count is corrected both ways.
-        def start(n: Any) -> Any:
-            return T_0 * (T_mult**n - 1) / (T_mult - 1)
-
-        n = _floor(_log(t / T_0 * (T_mult - 1) + 1) / math.log(T_mult))
-        n = _where(t < start(n), n - 1, n)
-        n = _where(t >= start(n + 1), n + 1, n)
-        return t - start(n), T_0 * T_mult**n
+    def start(n: Any) -> Any:  # the first step of restart n (torch's step(epoch))
+        return T_0 * (T_mult**n - 1) / (T_mult - 1)
 
     def schedule(t: Any) -> Any:
-        t_cur, t_i = cycle_position(t)
+        if T_mult == 1:  # T_cur, steps since the last restart, and T_i, the length of this cycle
+            t_cur, t_i = t % T_0, T_0
+        else:  # the logarithm can land one off at a boundary, so n is corrected both ways
+            n = _floor(_log(t / T_0 * (T_mult - 1) + 1) / math.log(T_mult))
+            n = _where(t < start(n), n - 1, n)
+            n = _where(t >= start(n + 1), n + 1, n)
+            t_cur, t_i = t - start(n), T_0 * T_mult**n
         # torch CosineAnnealingWarmRestarts.get_lr
         return eta_min + (init_value - eta_min) * (1 + _cos(math.pi * t_cur / t_i)) / 2
 
@@ -284,14 +279,12 @@ def one_cycle_schedule(max_lr: Value, total_steps: int, pct_start: float = 0.3,
                          "phase has no steps (torch's OneCycleLR divides by zero); pick another "
                          "pct_start")
 
-    def anneal(start: Any, end: Any, pct: Any) -> Any:  # torch OneCycleLR._annealing_*
+    def phase_value(t: Any, index: int) -> Any:  # torch OneCycleLR._annealing_*
+        end_step, start, end = phases[index]
+        pct = (t - starts[index]) / (end_step - starts[index])
         if anneal_strategy == "cos":
             return end + (start - end) / 2.0 * (_cos(math.pi * pct) + 1)
         return (end - start) * pct + start
-
-    def phase_value(t: Any, index: int) -> Any:
-        end_step, start_lr, end_lr = phases[index]
-        return anneal(start_lr, end_lr, (t - starts[index]) / (end_step - starts[index]))
 
     def schedule(t: Any) -> Any:
         if not isinstance(t, Tensor) and t > total_steps:

@@ -30,7 +30,6 @@ from minitrain.optim._checks import (
     hyperparameter,
     is_traced,
     is_zero,
-    lerp_weight,
     one_lr,
     scalar,
     schedule_count,
@@ -63,6 +62,15 @@ def add_scaled(x: Any, y: Any, alpha: Any) -> Any:
     """``x + alpha * y`` as torch.optim computes it: one ``torch.add`` where ``alpha`` is a
     number (``grad.add(param, alpha=wd)``)."""
     return x + alpha * y if isinstance(alpha, Tensor) else torch.add(x, y, alpha=alpha)
+
+
+def first_moment(exp_avg: Any, g: Any, beta1: Any) -> Any:
+    """torch's ``exp_avg.lerp_(g, 1 - beta1)``; a traced weight (a vmapped beta) in the leaf's
+    dtype, as lerp requires of a batched weight."""
+    weight = 1 - beta1
+    if is_traced(weight) and isinstance(exp_avg, Tensor) and weight.dtype != exp_avg.dtype:
+        weight = weight.to(exp_avg.dtype)
+    return torch.lerp(exp_avg, g, weight)
 
 
 ScaleState = EmptyState
@@ -185,7 +193,7 @@ def adam_leaf(g, buffers, p, step, beta1, beta2, eps, amsgrad, eps_root):
     """torch.optim.Adam's direction for one leaf, before ``-lr`` (Kingma & Ba 2015, Alg. 1;
     torch's ``_single_tensor_adam``: eps after dividing sqrt(v) by sqrt(bias_correction2));
     optax's ``eps_root`` inside the root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
-    exp_avg = torch.lerp(buffers["exp_avg"], g, lerp_weight(1 - beta1, buffers["exp_avg"]))
+    exp_avg = first_moment(buffers["exp_avg"], g, beta1)
     exp_avg_sq = beta2 * buffers["exp_avg_sq"] + (1 - beta2) * (g * g) if isinstance(
         beta2, Tensor) else torch.addcmul(buffers["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": ()}
@@ -239,8 +247,7 @@ def rms_leaf(g, buffers, p, step, alpha, eps, centered, bias_correction):
     new = {"square_avg": square_avg, "grad_avg": ()}
     correction = 1 - alpha**step if bias_correction else 1
     if centered:
-        old = buffers["grad_avg"]
-        grad_avg = new["grad_avg"] = torch.lerp(old, g, lerp_weight(1 - alpha, old))
+        grad_avg = new["grad_avg"] = first_moment(buffers["grad_avg"], g, alpha)
         if bias_correction:
             square_avg, grad_avg = square_avg / correction, grad_avg / correction
         avg = (square_avg - grad_avg * grad_avg).sqrt() + eps
@@ -339,10 +346,8 @@ def trace_leaf(g, buffers, p, step, momentum, dampening, nesterov):
     if _concrete(momentum) == 0:
         return g, {"momentum_buffer": buffers["momentum_buffer"]}
     later = momentum * buffers["momentum_buffer"] + (1 - dampening) * g
-    if isinstance(step, int):
-        buf = g.clone() if step == 1 else later
-    else:
-        buf = torch.where(step == 1, g, later)
+    buf = (g.clone() if step == 1 else later) if isinstance(step, int) else (
+        torch.where(step == 1, g, later))
     out = g + momentum * buf if nesterov else buf
     if isinstance(momentum, Tensor) and _concrete(momentum) is None:  # traced: per member
         out = torch.where(momentum == 0, g, out)

@@ -61,13 +61,8 @@ def select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
     >>> select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
     {'w': tensor([0., 0.])}
     """
-
-    def pick(a: Any, b: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return torch.where(pred, a, b)
-        return a
-
-    return tree_map(pick, on_true, on_false)
+    return tree_map(lambda a, b: torch.where(pred, a, b) if isinstance(a, torch.Tensor) else a,
+                    on_true, on_false)
 
 
 def dynamic_loss_scale(

@@ -168,10 +168,8 @@ def _quantize_with_overflow(x: torch.Tensor, fmt: str | FormatSpec, saturate: bo
         if x.numel() == 0:  # no blocks to scale
             return x32.clone(), torch.zeros_like(x32, dtype=torch.bool)
         return _quantize_nvfp4(x32, s) if s.tensor_scale else _quantize_mx(x32, s)
-    if s.name == "e8m0":
-        values, overflow = _round_e8m0(x.double(), saturate)
-    else:
-        values, overflow = _round_elements(x.double(), s, saturate, subnormals)
+    values, overflow = (_round_e8m0(x.double(), saturate) if s.name == "e8m0"
+                        else _round_elements(x.double(), s, saturate, subnormals))
     return values.float(), overflow
 
 

@@ -106,8 +106,7 @@ class SingleRun:
         current = self._meta()
         stepper.check_same(saved, current, ("experiment", "seed", "backend"), run_dir, "run")
         old, new = saved.get("config", {}), as_recorded(current["config"])
-        changed = stepper.changed_keys(old, new)
-        if changed:
+        if changed := stepper.changed_keys(old, new):
             key = changed[0]
             stepper.check_same(old, new, (key,), run_dir, "run", f"pass --set {key}={old.get(key)}")
 

@@ -256,8 +256,7 @@ def pack_checkpoint_state(opt_state: OptState, carry: Carry | None) -> PyTree:
     if carry.model_state is not None:
         packed["model_state"] = carry.model_state
     if carry.loss_scale is not None:
-        packed["loss_scale"] = {"scale": carry.loss_scale.scale,
-                                "growth_tracker": carry.loss_scale.growth_tracker}
+        packed["loss_scale"] = carry.loss_scale._asdict()
         packed["skipped"] = carry.skipped
     if carry.fp8_history is not None:
         packed["fp8_history"] = carry.fp8_history
@@ -268,10 +267,7 @@ def unpack_checkpoint_state(packed: PyTree, carry: Carry | None) -> tuple[OptSta
     """Inverse of :func:`pack_checkpoint_state` (``carry`` tells which parts are there)."""
     if carry is None:
         return packed, None
-    scale = None
-    if carry.loss_scale is not None:
-        saved = packed["loss_scale"]
-        scale = LossScaleState(saved["scale"], saved["growth_tracker"])
+    scale = None if carry.loss_scale is None else LossScaleState(**packed["loss_scale"])
     carry = Carry(packed.get("model_state"), scale, packed.get("skipped"),
                   packed.get("fp8_history"))
     return packed["optimizer"], carry
