@@ -5,8 +5,8 @@ every update's intermediates are kept for the backward pass."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,13 +22,41 @@ from minitrain.tree import OptState, Params, PyTree
 __all__ = ["Unrolled", "unroll"]
 
 
-class Unrolled(NamedTuple):
-    """What :func:`unroll` returns: the params and optimizer state after the last update, and
-    ``losses``, the loss before each update (a ``(K,)`` tensor)."""
+class Unrolled:
+    """What :func:`unroll` returns, unpacked as ``params, state, losses``: the params and
+    optimizer state after the last update, and the loss before each update (a ``(K,)`` tensor).
+    The state and losses are built when first read (a MAML task loss reads only the params:
+    building them is about 1% of its step)."""
 
-    params: Params
-    state: OptState
-    losses: Tensor
+    __slots__ = ("params", "_rest")
+    _fields = ("params", "state", "losses")
+
+    def __init__(self, params: Params, state: OptState, losses: Any) -> None:  # (a pytree node)
+        self.params, self._rest = params, (state, losses)
+
+    def _built(self) -> tuple[OptState, Any]:
+        if callable(self._rest):  # unroll's (no state is callable)
+            self._rest = self._rest()
+        return self._rest
+
+    state = property(lambda self: self._built()[0], doc="The optimizer state.")
+    losses = property(lambda self: self._built()[1], doc="The loss before each update, (K,).")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.params, *self._built()))
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return tuple(self)[index]
+
+    def __repr__(self) -> str:
+        return "Unrolled(params={!r}, state={!r}, losses={!r})".format(*self)
+
+
+_pytree.register_pytree_node(
+    Unrolled, lambda u: (list(u), None), lambda leaves, _: Unrolled(*leaves),
+    serialized_type_name="minitrain.optim.Unrolled",
+    flatten_with_keys_fn=lambda u: (
+        [(_pytree.GetAttrKey(k), v) for k, v in zip(Unrolled._fields, u, strict=True)], None))
 
 
 def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: Params,
@@ -82,14 +110,22 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
         losses.append(loss)
     if not losses:
         raise ValueError("unroll got no batches; pass one batch per update")
-    if lr is not None:  # the state the chain's updates leave: all empty but the lr's
-        lr_state = ScaleByLearningRateState(
+    recording = torch.is_grad_enabled()  # the mode the losses are stacked in, when read
+
+    def rest() -> tuple[OptState, Tensor]:
+        with torch.set_grad_enabled(recording):
+            stacked = torch.stack(losses) if len(losses) > 1 else losses[0].unsqueeze(0)
+        if lr is None:
+            return state, stacked
+        lr_state = ScaleByLearningRateState(  # the chain's state: all empty but the lr's
             torch.scalar_tensor(len(losses), dtype=torch.int64, device="cpu"),
             torch.scalar_tensor(lr, dtype=torch.float32, device="cpu"))
-        state = tuple(lr_state if i == shape.lr_position else EmptyState()
-                      for i in range(shape.length))
-    return Unrolled(params, state, torch.stack(losses) if len(losses) > 1 else
-                    losses[0].unsqueeze(0))  # one op fewer under vmap: about 1% of a MAML step
+        return tuple(lr_state if i == shape.lr_position else EmptyState()
+                     for i in range(shape.length)), stacked
+
+    unrolled = Unrolled(params, None, None)
+    unrolled._rest = rest
+    return unrolled
 
 
 def _differentiable(params: Params) -> Params:

@@ -135,6 +135,27 @@ def test_unroll_with_a_gradient_transformation_and_returned_losses():
     assert out.params["w"].requires_grad
 
 
+@pytest.mark.parametrize("make", [lambda: mt.optim.sgd(lr=0.1), lambda: mt.optim.adam(lr=0.1)])
+def test_unrolled_state_and_losses_read_later_are_those_of_the_updates(make):
+    """Read after the mode changed, in any order, the state and losses are what the updates
+    left, still differentiable; the result unpacks, indexes and names its leaves as a tuple."""
+    params, batches, _ = problem(3)
+    expected = _updated(make(), params, batches)
+    out = mt.optim.unroll(make(), loss_fn, params, batches)
+    with torch.no_grad():
+        losses, state = out.losses, out.state
+    assert losses.requires_grad and out.losses is losses and out.state is state
+    assert mt.tree.structure(state) == mt.tree.structure(expected[1])
+    for got, want in zip(mt.tree.leaves(out), mt.tree.leaves(expected), strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-15, atol=1e-15)
+    unpacked = tuple(out)
+    assert unpacked == (out[0], out[1], out[2]) and out[1:] == unpacked[1:]
+    assert unpacked[0] is out.params and out._fields == ("params", "state", "losses")
+    names = [name for name, _ in mt.tree.named_leaves(out)]
+    assert names[:2] == ["params.w", "params.b"] and names[-1] == "losses", names  # as a tuple's
+    assert repr(out).startswith("Unrolled(params={")
+
+
 PLAIN_SGD = {  # every form whose update is p - lr g: unroll adds it a leaf, the state built once
     "sgd": lambda: mt.optim.sgd(lr=0.1), "sgd wd=0 masked": lambda: mt.optim.sgd(
         lr=0.1, weight_decay=0.0, mask={"w": True, "b": False}),
