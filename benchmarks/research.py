@@ -204,12 +204,13 @@ def dp_sgd_steppers(size: dict, noise: bool = True) -> tuple[Steppers, Steppers]
     sgd, grads_of = experiment.optimizer, mt.value_and_grad(experiment.loss, has_aux=True)
     example["state"] = sgd.init(example["params"])
 
-    def example_step() -> None:
+    def example_step() -> None:  # under no_grad, as minitrain run takes each step
         example["step"] += 1
         key = mt.random.fold_in(mt.random.key(0), example["step"])
-        _, grads = grads_of(example["params"], batch, key=key)
-        example["params"], example["state"] = sgd.update(grads, example["state"],
-                                                         example["params"], donate=True)
+        with torch.no_grad():
+            _, grads = grads_of(example["params"], batch, key=key)
+            example["params"], example["state"] = sgd.update(grads, example["state"],
+                                                             example["params"], donate=True)
 
     peer = [{k: t.clone() for k, t in layer.items()} for layer in start]
     generator = torch.Generator().manual_seed(0)

@@ -63,12 +63,12 @@ def experiment(config: dict) -> mt.Experiment:
     x_train, y_train = dataset(config["train_points"], seed=1)
     x_test, y_test = dataset(2048, seed=2)
     per_example = mt.vmap(mt.value_and_grad(example_loss), in_dims=(None, 0, 0))
+    private = mt.optim.differentially_private_aggregate(config["clip"], config["noise_multiplier"],
+                                                        key=0)  # the key: each step's, below
 
     def loss(params: list[dict], batch: tuple, *, key: torch.Tensor) -> tuple:
         losses, grads = per_example(mt.tree.map(torch.detach, params), *batch)
-        private = mt.optim.differentially_private_aggregate(
-            config["clip"], config["noise_multiplier"], key=key)
-        private_grads, _ = private.update(grads, private.init(params))
+        private_grads, _ = private.update(grads, mt.optim.DifferentiallyPrivateAggregateState(key))
         clipped = (mt.tree.per_example_global_norm(grads) > config["clip"]).float().mean()
         return with_gradient(losses.mean(), params, private_grads), {"clipped": clipped}
 
