@@ -23,10 +23,9 @@ __all__ = ["Unrolled", "unroll"]
 
 
 class Unrolled:
-    """What :func:`unroll` returns, unpacked as ``params, state, losses``: the params and
-    optimizer state after the last update, and the loss before each update (a ``(K,)`` tensor).
-    The state and losses are built when first read (a MAML task loss reads only the params:
-    building them is about 1% of its step)."""
+    """What :func:`unroll` returns, unpacked as ``params, state, losses``: the params and state
+    after the last update and the loss before each update, ``(K,)``. The state and losses are
+    built when first read (a MAML task loss reads only the params: 1% of its step)."""
 
     __slots__ = ("params", "_rest")
     _fields = ("params", "state", "losses")
@@ -50,6 +49,9 @@ class Unrolled:
 
     def __repr__(self) -> str:
         return "Unrolled(params={!r}, state={!r}, losses={!r})".format(*self)
+
+    def __reduce__(self) -> tuple:  # (pickled and copied built)
+        return Unrolled, tuple(self)
 
 
 _pytree.register_pytree_node(
@@ -110,9 +112,8 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
         losses.append(loss)
     if not losses:
         raise ValueError("unroll got no batches; pass one batch per update")
-    recording = torch.is_grad_enabled()  # the mode the losses are stacked in, when read
 
-    def rest() -> tuple[OptState, Tensor]:
+    def rest(recording: bool = torch.is_grad_enabled()) -> tuple[OptState, Tensor]:  # (its mode)
         with torch.set_grad_enabled(recording):
             stacked = torch.stack(losses) if len(losses) > 1 else losses[0].unsqueeze(0)
         if lr is None:

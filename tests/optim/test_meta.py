@@ -9,6 +9,8 @@ optimizer's hyperparameters, one by one: ``test_unrolled_every_optimizer.py``.
 """
 
 import collections
+import copy
+import pickle
 
 import pytest
 import torch
@@ -154,6 +156,10 @@ def test_unrolled_state_and_losses_read_later_are_those_of_the_updates(make):
     names = [name for name, _ in mt.tree.named_leaves(out)]
     assert names[:2] == ["params.w", "params.b"] and names[-1] == "losses", names  # as a tuple's
     assert repr(out).startswith("Unrolled(params={")
+    fresh = mt.optim.unroll(make(), loss_fn, mt.tree.map(torch.detach, params), batches)
+    for copied in (pickle.loads(pickle.dumps(fresh)), copy.copy(fresh)):  # built on the way
+        for got, want in zip(mt.tree.leaves(copied), mt.tree.leaves(expected), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-15)
 
 
 PLAIN_SGD = {  # every form whose update is p - lr g: unroll adds it a leaf, the state built once
