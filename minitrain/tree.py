@@ -199,7 +199,8 @@ def assert_same_structure(
         return
     flat_a, flat_b = _pytree.tree_flatten_with_path(a)[0], _pytree.tree_flatten_with_path(b)[0]
     for (path_a, _), (path_b, _) in zip(flat_a, flat_b, strict=False):
-        if (_path_name(path_a), [*map(type, path_a)]) != (_path_name(path_b), [*map(type, path_b)]):
+        kinds_a, kinds_b = [type(e) for e in path_a], [type(e) for e in path_b]
+        if (_path_name(path_a), kinds_a) != (_path_name(path_b), kinds_b):
             raise ValueError(
                 f"{name_a} and {name_b} differ at leaf {_path_name(path_a)!r}: "
                 f"{name_a} has {_path_name(path_a)!r} where {name_b} has "

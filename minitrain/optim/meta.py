@@ -30,11 +30,13 @@ class Unrolled:
     __slots__ = ("params", "_rest")
     _fields = ("params", "state", "losses")
 
-    def __init__(self, params: Params, state: OptState, losses: Any) -> None:  # (a pytree node)
-        self.params, self._rest = params, (state, losses)
+    def __new__(cls, params: Params, state: OptState, losses: Any, _later: Any = None) -> Unrolled:
+        unrolled = object.__new__(cls)  # (__new__, as a tuple's: a pickled NamedTuple loads)
+        unrolled.params, unrolled._rest = params, (state, losses) if _later is None else _later
+        return unrolled
 
     def _built(self) -> tuple[OptState, Any]:
-        if callable(self._rest):  # unroll's (no state is callable)
+        if callable(self._rest):  # unroll's _later (no state is callable)
             self._rest = self._rest()
         return self._rest
 
@@ -43,6 +45,9 @@ class Unrolled:
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.params, *self._built()))
+
+    def __len__(self) -> int:
+        return 3
 
     def __getitem__(self, index: int | slice) -> Any:
         return tuple(self)[index]
@@ -113,8 +118,8 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
     if not losses:
         raise ValueError("unroll got no batches; pass one batch per update")
 
-    def rest(recording: bool = torch.is_grad_enabled()) -> tuple[OptState, Tensor]:  # (its mode)
-        with torch.set_grad_enabled(recording):
+    def rest(modes: tuple = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())) -> tuple:
+        with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):  # the updates'
             stacked = torch.stack(losses) if len(losses) > 1 else losses[0].unsqueeze(0)
         if lr is None:
             return state, stacked
@@ -124,9 +129,7 @@ def unroll(optimizer: Any, loss_fn: Callable[[Params, PyTree], Tensor], params: 
         return tuple(lr_state if i == shape.lr_position else EmptyState()
                      for i in range(shape.length)), stacked
 
-    unrolled = Unrolled(params, None, None)
-    unrolled._rest = rest
-    return unrolled
+    return Unrolled(params, None, None, rest)
 
 
 def _differentiable(params: Params) -> Params:
@@ -134,9 +137,7 @@ def _differentiable(params: Params) -> Params:
     every update outside ``torch.func`` takes the differentiable path, even where only a
     hyperparameter the optimizer does not watch (eps, a value in its state) needs grad."""
     def leaf(p: Any) -> Any:
-        if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
-                or is_traced(p)):
-            return p
-        return p.detach().requires_grad_(True)
+        return p if (not isinstance(p, Tensor) or p.requires_grad or not p.is_floating_point()
+                     or is_traced(p)) else p.detach().requires_grad_(True)
 
     return tree.map(leaf, params)

@@ -10,6 +10,7 @@ optimizer's hyperparameters, one by one: ``test_unrolled_every_optimizer.py``.
 
 import collections
 import copy
+import copyreg
 import pickle
 
 import pytest
@@ -137,16 +138,18 @@ def test_unroll_with_a_gradient_transformation_and_returned_losses():
     assert out.params["w"].requires_grad
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("make", [lambda: mt.optim.sgd(lr=0.1), lambda: mt.optim.adam(lr=0.1)])
-def test_unrolled_state_and_losses_read_later_are_those_of_the_updates(make):
+def test_unrolled_state_and_losses_read_later_are_those_of_the_updates(make, mode):
     """Read after the mode changed, in any order, the state and losses are what the updates
     left, still differentiable; the result unpacks, indexes and names its leaves as a tuple."""
     params, batches, _ = problem(3)
     expected = _updated(make(), params, batches)
     out = mt.optim.unroll(make(), loss_fn, params, batches)
-    with torch.no_grad():
+    with mode():
         losses, state = out.losses, out.state
-    assert losses.requires_grad and out.losses is losses and out.state is state
+    assert losses.requires_grad and not losses.is_inference() and len(out) == 3
+    assert out.losses is losses and out.state is state
     assert mt.tree.structure(state) == mt.tree.structure(expected[1])
     for got, want in zip(mt.tree.leaves(out), mt.tree.leaves(expected), strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=1e-15, atol=1e-15)
@@ -157,7 +160,8 @@ def test_unrolled_state_and_losses_read_later_are_those_of_the_updates(make):
     assert names[:2] == ["params.w", "params.b"] and names[-1] == "losses", names  # as a tuple's
     assert repr(out).startswith("Unrolled(params={")
     fresh = mt.optim.unroll(make(), loss_fn, mt.tree.map(torch.detach, params), batches)
-    for copied in (pickle.loads(pickle.dumps(fresh)), copy.copy(fresh)):  # built on the way
+    as_tuple = copyreg.__newobj__(type(fresh), *_updated(make(), params, batches))  # (pickled
+    for copied in (pickle.loads(pickle.dumps(fresh)), copy.copy(fresh), as_tuple):  # as a tuple)
         for got, want in zip(mt.tree.leaves(copied), mt.tree.leaves(expected), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-15)
 
