@@ -80,14 +80,7 @@ def experiment(config: dict) -> mt.Experiment:
         return {"accuracy": float((predict(params, x_test).argmax(1) == y_test).float().mean())}
 
     return mt.Experiment(
-        name="dp_sgd",
+        name="dp_sgd", loss=loss, has_aux=True, uses_key=True, next_batch=next_batch,
         init=lambda g: init(mt.random.key(int(torch.randint(2**31, (), generator=g))),
                             config["hidden"]),
-        loss=loss,
-        has_aux=True,
-        uses_key=True,
-        next_batch=next_batch,
-        optimizer=mt.optim.sgd(lr=config["lr"]),
-        steps=config["steps"],
-        evaluate=evaluate,
-    )
+        optimizer=mt.optim.sgd(lr=config["lr"]), steps=config["steps"], evaluate=evaluate)

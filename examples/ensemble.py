@@ -43,16 +43,13 @@ def adam_per_member(lrs: torch.Tensor) -> mt.optim.Optimizer:
                                                 mt.optim.scale_by_learning_rate(lrs)))
 
 
-member_grads = mt.vmap(mt.value_and_grad(loss), in_dims=(0, None, None))
-
-
 def make_ensemble_step(optimizer):
     """The members' train step under ``optimizer`` (:func:`adam_per_member`, say)."""
+    member_grads = mt.vmap(mt.value_and_grad(loss), in_dims=(0, None, None))
 
     def ensemble_step(params, state, x, y):  # the old params and state are written over
         values, grads = member_grads(params, x, y)
-        params, state = optimizer.update(grads, state, params, donate=True)
-        return params, state, values
+        return *optimizer.update(grads, state, params, donate=True), values
 
     return ensemble_step
 

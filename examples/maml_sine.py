@@ -4,9 +4,9 @@ A task is a sine wave ``y = A sin(x - phase)`` with amplitude A in [0.1, 5] and 
 seen through ``support`` points x in [-5, 5]. The model, an MLP 1-40-40-1 with ReLUs (a
 ``torch.nn.Sequential`` made pure by ``mt.from_module``), adapts to a task with ``inner_steps``
 plain SGD updates on the support points (``mt.optim.unroll``). Meta-training learns the
-initialization from which that adaptation works best: the loss is the mean squared error on
-fresh ``query`` points of the same tasks *after* adaptation, and its gradient with respect to the
-initialization flows back through the inner updates (second-order MAML, by ``torch.func``).
+initialization from which that adaptation works best: the loss is the mean squared error on as
+many fresh ``query`` points of the same tasks *after* adaptation, and its gradient with respect
+to the initialization flows back through the inner updates (second-order MAML, by torch.func).
 ``vmap`` adapts the ``tasks`` of a meta-batch at once; Adam takes the outer step.
 
 The logged ``loss`` is the post-adaptation query loss; ``unadapted`` is the same query loss
@@ -19,8 +19,6 @@ from 3.4 (un-adapted) to 1.0.
     minitrain run examples/maml_sine.py --set inner_steps=1 --steps 5000
 """
 
-import math
-
 import torch
 
 import minitrain as mt
@@ -28,8 +26,7 @@ import minitrain as mt
 CONFIG = {
     "hidden": 40,
     "tasks": 25,  # tasks per meta-batch (Finn et al.: 25)
-    "support": 10,  # K-shot: points the model adapts on (Finn et al.: 10)
-    "query": 10,  # points the adapted model is scored on
+    "support": 10,  # K-shot: points the model adapts on, and as many it is scored on (query)
     "inner_steps": 1,  # SGD updates per adaptation
     "inner_lr": 0.01,  # Finn et al.: 0.01
     "lr": 1e-3,  # outer Adam lr (Finn et al.: 1e-3)
@@ -42,7 +39,7 @@ CONFIG = {
 def sample_tasks(tasks: int, points: int, generator: torch.Generator) -> dict:
     """``tasks`` sine waves, ``points`` support and ``points`` query samples each."""
     amplitude = 0.1 + 4.9 * torch.rand(tasks, 1, 1, generator=generator)
-    phase = math.pi * torch.rand(tasks, 1, 1, generator=generator)
+    phase = torch.pi * torch.rand(tasks, 1, 1, generator=generator)
     x = -5.0 + 10.0 * torch.rand(tasks, 2 * points, 1, generator=generator)
     y = amplitude * torch.sin(x - phase)
     return {"x_support": x[:, :points], "y_support": y[:, :points],
@@ -51,60 +48,40 @@ def sample_tasks(tasks: int, points: int, generator: torch.Generator) -> dict:
 
 def experiment(config: dict) -> mt.Experiment:
     hidden = config["hidden"]
-    net = torch.nn.Sequential(
-        torch.nn.Linear(1, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 1),
-    )
+    net = torch.nn.Sequential(torch.nn.Linear(1, hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, 1))
     template, apply = mt.from_module(net)
     inner = mt.optim.sgd(lr=config["inner_lr"])
+    fan_in = {name: template[name.replace("bias", "weight")].shape[1] for name in template}
 
-    def init(generator: torch.Generator) -> dict:
-        # torch.nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
-        def uniform(name: str, p: torch.Tensor) -> torch.Tensor:
-            fan_in = template[name.replace("bias", "weight")].shape[1]
-            return (2 * torch.rand(p.shape, generator=generator) - 1) / math.sqrt(fan_in)
-
-        return {name: uniform(name, p) for name, p in template.items()}
+    def init(generator: torch.Generator) -> dict:  # torch.nn.Linear's: U(+-1/sqrt(fan_in))
+        return {name: (2 * torch.rand(p.shape, generator=generator) - 1) / fan_in[name] ** 0.5
+                for name, p in template.items()}
 
     def mse(params: dict, batch: tuple) -> torch.Tensor:
         x, y = batch
         return ((apply(params, x) - y) ** 2).mean()
 
     def task_losses(params: dict, task: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        support = (task["x_support"], task["y_support"])
-        query = (task["x_query"], task["y_query"])
+        support, query = (task["x_support"], task["y_support"]), (task["x_query"], task["y_query"])
         adapted = mt.optim.unroll(inner, mse, params, [support] * config["inner_steps"]).params
         return mse(adapted, query), mse(params, query)
 
-    def losses(params: dict, tasks: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        after, before = torch.func.vmap(task_losses, in_dims=(None, 0))(params, tasks)
-        return after.mean(), before.mean()
-
     def loss(params: dict, tasks: dict) -> tuple[torch.Tensor, dict]:
-        after, before = losses(params, tasks)
-        return after, {"unadapted": before.detach()}
+        after, before = torch.func.vmap(task_losses, in_dims=(None, 0))(params, tasks)
+        return after.mean(), {"unadapted": before.mean()}  # (aux: not differentiated)
 
     held_out = sample_tasks(config["eval_tasks"], config["support"],
                             torch.Generator().manual_seed(12345))
 
     def evaluate(params: dict) -> dict:
         with torch.no_grad():  # torch.func.grad still adapts inside; nothing to backpropagate
-            after, before = losses(params, held_out)
-        return {"query_loss_adapted": float(after), "query_loss_unadapted": float(before)}
-
-    def next_batch(generator: torch.Generator) -> dict:
-        return sample_tasks(config["tasks"], config["support"], generator)
+            after, aux = loss(params, held_out)
+        return {"query_loss_adapted": float(after), "query_loss_unadapted": float(aux["unadapted"])}
 
     return mt.Experiment(
-        name="maml_sine",
-        init=init,
-        loss=loss,
-        has_aux=True,
-        next_batch=next_batch,
-        optimizer=mt.optim.adam(lr=config["lr"]),
-        steps=config["steps"],
-        evaluate=evaluate,
-        eval_every=config["eval_every"],
-        extras={"losses": losses, "sample_tasks": sample_tasks},
-    )
+        name="maml_sine", init=init, loss=loss, has_aux=True, optimizer=mt.optim.adam(config["lr"]),
+        next_batch=lambda g: sample_tasks(config["tasks"], config["support"], g),
+        steps=config["steps"], evaluate=evaluate, eval_every=config["eval_every"],
+        extras={"sample_tasks": sample_tasks})
