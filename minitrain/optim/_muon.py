@@ -69,7 +69,8 @@ def newton_schulz(g: Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     if g.dim() != 2:
         raise ValueError(f"newton_schulz takes one matrix, got shape {tuple(g.shape)}; "
                          "orthogonalize a stack with torch.func.vmap")
-    a, b, c, eps = (as_number(v) for v in (*coefficients, eps))
+    a, b, c = (as_number(v) for v in coefficients)  # (three: muon checks them; so does unpacking)
+    eps = as_number(eps)
     wrappers = functorch_wrappers(g)
     batched = "batched" in wrappers
     # under vmap with nothing to differentiate (the op has no backward): each matrix as its own run
