@@ -81,6 +81,5 @@ def experiment(config: dict) -> mt.Experiment:
 
     return mt.Experiment(
         name="dp_sgd", loss=loss, has_aux=True, uses_key=True, next_batch=next_batch,
-        init=lambda g: init(mt.random.key(int(torch.randint(2**31, (), generator=g))),
-                            config["hidden"]),
+        init=lambda g: init(mt.random.key(g), config["hidden"]),
         optimizer=mt.optim.sgd(lr=config["lr"]), steps=config["steps"], evaluate=evaluate)

@@ -73,8 +73,7 @@ def experiment(config: dict) -> mt.Experiment:
 
     def sample(generator: torch.Generator) -> tuple:
         x, y = get_batch(data.train, batch_size, seq, generator)
-        key = torch.randint(2**32, (2,), generator=generator)  # two 32-bit words: a key
-        return x, y, key
+        return x, y, mt.random.key(generator)
 
     def loss(params: dict, batch: tuple) -> tuple:
         x, y, key = batch
@@ -94,8 +93,7 @@ def experiment(config: dict) -> mt.Experiment:
         return {"val_loss": val_loss, "val_bpb": val_loss / LN2}
 
     def init(generator: torch.Generator) -> dict:
-        seed = int(torch.randint(2**62, (), generator=generator))
-        return mt.models.gpt_init(mt.random.key(seed), cfg)
+        return mt.models.gpt_init(mt.random.key(generator), cfg)
 
     # nanoGPT decays the 2-D weights (matmuls and embeddings), not biases or norms.
     decay = lambda name, p: p.ndim >= 2  # noqa: E731

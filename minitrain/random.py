@@ -34,14 +34,20 @@ _PARITY = 0x1BD11BDA  # Skein's key-schedule parity constant
 _LOW = {torch.float64: math.nextafter(-1.0, 0.0), torch.float32: -1.0 + 2.0**-24}
 
 
-def key(seed: int) -> Key:
-    """A key from an integer seed: ``(seed >> 32, seed & 0xFFFFFFFF)``, as ``jax.random.key``.
+def key(seed: int | torch.Generator) -> Key:
+    """A key from an integer seed: ``(seed >> 32, seed & 0xFFFFFFFF)``, as ``jax.random.key``;
+    from a CPU ``torch.Generator`` (an ``Experiment``'s init gets one), two 32-bit words it draws.
 
     >>> key(42)
     tensor([ 0, 42])
+    >>> torch.equal(key(torch.Generator().manual_seed(0)), key(torch.Generator().manual_seed(0)))
+    True
     """
+    if isinstance(seed, torch.Generator) and seed.device.type == "cpu":
+        return torch.randint(2**32, (2,), generator=seed, dtype=torch.int64)
     if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"seed must be an int that fits 64 bits, got {seed!r}")
+        raise ValueError(f"seed must be an int that fits 64 bits or a CPU torch.Generator, "
+                         f"got {seed!r}")
     seed %= 2**64
     return torch.tensor([seed >> 32, seed & _MASK], dtype=torch.int64)
 

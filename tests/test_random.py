@@ -80,8 +80,20 @@ def test_keys_split_and_fold_in():
     for i, row in enumerate(keys):  # JAX's partitionable Threefry: split(k, n)[i] is fold_in(k, i)
         assert torch.equal(row, random.fold_in(k, i))
     assert ((keys >= 0) & (keys <= M32)).all()
-    with pytest.raises(ValueError, match="seed must be an int"):
-        random.key(2**64)
+    for bad in (2**64, -(2**63) - 1, True):  # (other types: the type hint refuses them)
+        with pytest.raises(ValueError, match="seed must be an int that fits 64 bits or a CPU"):
+            random.key(bad)
+
+
+def test_a_key_from_a_generator_is_two_words_it_draws():
+    """As the seed ``hi << 32 | lo`` of the two 32-bit words: the same generator state gives the
+    same key, the next draw another, and the generator moves on as any draw moves it."""
+    generator, twin = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    first, second = random.key(generator), random.key(generator)
+    hi, lo = torch.randint(2**32, (2,), generator=twin).tolist()
+    assert torch.equal(first, random.key(hi << 32 | lo)) and not torch.equal(first, second)
+    assert torch.equal(second, torch.randint(2**32, (2,), generator=twin))
+    assert torch.equal(torch.rand(3, generator=generator), torch.rand(3, generator=twin))
 
 
 def test_same_key_same_numbers_and_distinct_keys_distinct_numbers():
