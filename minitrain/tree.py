@@ -206,13 +206,13 @@ def assert_same_structure(
                 f"{name_a} has {_path_name(path_a)!r} where {name_b} has "
                 f"{_path_name(path_b)!r}; pass trees with the same structure"
             )
-    shorter, longer = (name_a, name_b) if len(flat_a) < len(flat_b) else (name_b, name_a)
-    extra = flat_b[len(flat_a)] if len(flat_a) < len(flat_b) else flat_a[len(flat_b)]
-    if len(flat_a) == len(flat_b):
+    if len(flat_a) == len(flat_b):  # (a list and a tuple name their leaves alike)
         raise ValueError(
             f"{name_a} and {name_b} have different container types: "
             f"{spec_a} vs {spec_b}; pass trees with the same structure"
         )
+    shorter, longer = (name_a, name_b) if len(flat_a) < len(flat_b) else (name_b, name_a)
+    extra = flat_b[len(flat_a)] if len(flat_a) < len(flat_b) else flat_a[len(flat_b)]
     raise ValueError(
         f"{name_a} and {name_b} differ at leaf {_path_name(extra[0])!r}: {longer} has it and "
         f"{shorter} does not; pass trees with the same structure"

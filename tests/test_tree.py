@@ -1,5 +1,6 @@
 """Property tests for minitrain.tree against torch's own pytree and state_dict naming."""
 
+import collections
 from collections import namedtuple
 
 import hypothesis.strategies as st
@@ -152,6 +153,17 @@ def test_structure_check_names_first_differing_leaf():
             check_shapes=True,
         )
     mt.tree.assert_same_structure(a, mt.tree.zeros_like(a), check_shapes=True)
+
+
+@pytest.mark.parametrize("make_a, make_b", [(list, tuple), (dict, collections.OrderedDict),
+                                            (dict, lambda d: collections.defaultdict(int, d))])
+def test_structure_check_names_containers_that_name_their_leaves_alike(make_a, make_b):
+    x = torch.ones(1)
+    trees = [make(v) for make, v in ((make_a, (x, x)), (make_b, (x, x)))] if make_a is list \
+        else [make({"w": x, "b": x}) for make in (make_a, make_b)]
+    for a, b in (trees, trees[::-1]):
+        with pytest.raises(ValueError, match="different container types"):
+            mt.tree.assert_same_structure(a, b)
 
 
 def test_map_over_mismatched_trees_names_the_leaf():
