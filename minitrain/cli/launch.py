@@ -102,7 +102,10 @@ def launch(nproc: int, argv: Sequence[str], monitor_interval: float = 0.1) -> No
             _raise_failure(exc, _read_reports(reports))
         except SignalException as exc:
             # Ctrl-C and SIGTERM reach the workers too, which save and exit 130 (the agent
-            # waits for them); the job ends as a stopped run, not a killed one.
+            # waits for them); the job ends as a stopped run, not a killed one. A worker that
+            # did not stop left why (after another rank's failure, that failure says it).
+            if forced := _read_reports(reports, "forced"):
+                click.echo(forced[min(forced)], err=True)
             stopped = exc.sigval in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
             raise SystemExit(130 if stopped else 128 + int(exc.sigval)) from None
 

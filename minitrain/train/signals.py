@@ -163,8 +163,13 @@ def _force_exit(reason: str, where: str, seconds: float) -> None:
         kept = [c for d in rundir.held() for c in checkpoint.list_checkpoints(d)[-1:]]
     saved = (f"the last good checkpoint is {kept[-1]}; continue with --resume" if kept
              else "no checkpoint was saved")
-    message = (f"error: stopped by {reason}; the run made no progress for {seconds:.0f} s in "
+    message = (f"error: stopped ({reason}); the run made no progress for {seconds:.0f} s in "
                f"{where} and did not stop; {saved}\n")
+    if "RANK" in os.environ:  # a --nproc worker: its launcher says it if the stop was the user's
+        from minitrain.distributed import leave_report
+
+        if leave_report("forced", message):
+            os._exit(130)
     with contextlib.suppress(OSError):
         os.write(2, message.encode())
     os._exit(130)

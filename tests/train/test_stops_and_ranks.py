@@ -107,6 +107,18 @@ def test_a_stuck_step_ends_with_130_naming_the_last_checkpoint(tmp_path, how, se
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 
 
+def test_a_stopped_job_whose_rank_does_not_stop_says_so_once(tmp_path):
+    """Ctrl-C or SIGTERM to a ``--nproc 2`` job whose rank 1 sleeps in its script: that rank
+    is forced out after the grace period, and the launcher prints its one line (no worker
+    writes its own beside it)."""
+    proc, script = start(tmp_path, "--nproc", "2", "--set", "rank=1")
+    proc.send_signal(signal.SIGTERM)
+    code, err, took = finish(proc, 60)
+    assert code == 130, err
+    check_clean(err, "did not stop", "checkpoint", script=script)
+    assert took < 1 + 5 + 10, f"took {took:.1f} s"
+
+
 def test_a_forked_child_of_the_script_never_writes_to_the_run(tmp_path):
     proc, script = start(tmp_path, "--set", "how=fork", "--set", "steps=6")
     code, err, _ = finish(proc, 60)
